@@ -1,0 +1,180 @@
+"""Aggregate the journals of one cache root into counts, and check the accounting invariants.
+
+Shared production (what the producer captured and published once) is reported apart from what
+each consumer requested and committed; consumer counts are never summed into "unique production".
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import msgspec
+
+from artcache import journal as J
+from artcache import leases as leases_mod
+from artcache import store
+from artcache.layout import CacheLayout
+
+
+class ConsumerCounts(msgspec.Struct, kw_only=True):
+    consumer: str
+    draft: str = ""
+    block_size: int = 0
+    lookbehind: int = 0
+    lookahead: int = 0
+    state: str = "running"
+    error: str = ""
+    steps: int = 0
+    cursor: int = 0
+    logical_requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    wait_s: float = 0.0
+    leases_acquired: int = 0
+    leases_released: int = 0
+    quarantined: int = 0
+    timeouts: int = 0
+
+
+class CacheCounts(msgspec.Struct, kw_only=True):
+    """Totals over the root. ``logical_requests``/``hits``/``misses`` add consumers' requests (each
+    is one request); ``captures``/``publications`` count the producer's work, done once."""
+
+    logical_requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    coalesced: int = 0
+    captures: int = 0
+    publications: int = 0
+    failures: int = 0
+    evictions: int = 0
+    recaptures: int = 0
+    leases_acquired: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    leases_held: int = 0
+    timeouts: int = 0
+    quarantined: int = 0
+    fences: int = 0
+    distinct_positions_consumed: int = 0
+    distinct_fingerprints_captured: int = 0
+    captures_per_consumed_position: float = 0.0
+    retained_artifacts: int = 0
+    retained_bytes: int = 0
+    max_retained_artifacts: int = 0
+    max_retained_bytes: int = 0
+    window_bound_artifacts: int = 0
+    published_bytes: int = 0
+    producer_busy_s: float = 0.0
+    torn_journal_lines: int = 0
+
+
+class Accounting(msgspec.Struct, kw_only=True):
+    cache: CacheCounts
+    consumers: list[ConsumerCounts]
+    violations: list[str]
+
+
+def account(layout: CacheLayout) -> Accounting:
+    """Read every journal of ``layout`` and the live state on disk; check invariants."""
+    res = J.read_events(layout.journal)
+    c = CacheCounts(torn_journal_lines=res.torn_lines)
+    per: dict[str, ConsumerCounts] = {}
+    captured_fps: set[str] = set()
+
+    def cons(name: str) -> ConsumerCounts:
+        if name not in per:
+            per[name] = ConsumerCounts(consumer=name)
+        return per[name]
+
+    windows: dict[str, int] = defaultdict(int)
+    for ev in res.events:
+        if isinstance(ev, J.Request):
+            k = cons(ev.consumer)
+            k.logical_requests += 1
+            k.hits += ev.hit
+            k.misses += not ev.hit
+            k.wait_s += ev.wait_s
+        elif isinstance(ev, J.LeaseAcquire):
+            cons(ev.consumer).leases_acquired += 1
+        elif isinstance(ev, J.LeaseRelease):
+            cons(ev.consumer).leases_released += 1
+        elif isinstance(ev, J.LeaseExpire):
+            c.leases_expired += 1
+        elif isinstance(ev, J.Capture):
+            c.captures += 1
+            c.recaptures += ev.recapture
+            captured_fps.add(ev.fp)
+        elif isinstance(ev, J.CaptureBatch):
+            c.producer_busy_s += ev.end - ev.start
+        elif isinstance(ev, J.Publish):
+            c.publications += 1
+            c.published_bytes += ev.nbytes
+        elif isinstance(ev, J.CaptureFailure):
+            c.failures += 1
+        elif isinstance(ev, J.Evict):
+            c.evictions += 1
+        elif isinstance(ev, J.Coalesced):
+            c.coalesced += ev.requesters
+        elif isinstance(ev, J.Retained):
+            c.max_retained_artifacts = max(c.max_retained_artifacts, ev.artifacts)
+            c.max_retained_bytes = max(c.max_retained_bytes, ev.nbytes)
+        elif isinstance(ev, J.Fence):
+            c.fences += 1
+            cons(ev.consumer).state = ev.state
+        elif isinstance(ev, J.Quarantined):
+            cons(ev.consumer).quarantined += 1
+        elif isinstance(ev, J.ConsumerStart):
+            k = cons(ev.consumer)
+            k.draft, k.block_size = ev.draft, ev.block_size
+            k.lookbehind, k.lookahead = ev.lookbehind, ev.lookahead
+            windows[ev.consumer] = ev.lookbehind + ev.lookahead + 1
+        elif isinstance(ev, J.Step):
+            k = cons(ev.consumer)
+            k.steps = max(k.steps, ev.step)
+            k.cursor = max(k.cursor, ev.cursor)
+        elif isinstance(ev, J.ConsumerEnd):
+            k = cons(ev.consumer)
+            k.state, k.error = ev.state, ev.error
+            k.cursor = max(k.cursor, ev.cursor)
+            if "CaptureTimeout" in ev.error:
+                k.timeouts += 1
+
+    consumers = sorted(per.values(), key=lambda k: k.consumer)
+    for k in consumers:
+        c.logical_requests += k.logical_requests
+        c.hits += k.hits
+        c.misses += k.misses
+        c.leases_acquired += k.leases_acquired
+        c.leases_released += k.leases_released
+        c.timeouts += k.timeouts
+        c.quarantined += k.quarantined
+    c.distinct_positions_consumed = max((k.cursor for k in consumers), default=0)
+    c.distinct_fingerprints_captured = len(captured_fps)
+    if c.distinct_positions_consumed:
+        c.captures_per_consumed_position = c.captures / c.distinct_positions_consumed
+    c.window_bound_artifacts = sum(windows.values())
+    objects = store.list_objects(layout)
+    c.retained_artifacts, c.retained_bytes = len(objects), sum(objects.values())
+    c.leases_held = sum(len(v) for v in leases_mod.scan(layout).values())
+    return Accounting(cache=c, consumers=consumers, violations=check_invariants(c, consumers))
+
+
+def check_invariants(c: CacheCounts, consumers: list[ConsumerCounts]) -> list[str]:
+    """Invariants that must hold on any root; each violation is a sentence naming the numbers."""
+    out = []
+    if c.captures != c.publications + c.failures:
+        out.append(f"captures {c.captures} != publications {c.publications} + failures {c.failures}")
+    if c.leases_acquired != c.leases_released + c.leases_expired + c.leases_held:
+        out.append(f"leases acquired {c.leases_acquired} != released {c.leases_released} + expired "
+                   f"{c.leases_expired} + held {c.leases_held}")
+    if c.logical_requests != c.hits + c.misses:
+        out.append(f"logical requests {c.logical_requests} != hits {c.hits} + misses {c.misses}")
+    if c.window_bound_artifacts and c.max_retained_artifacts > c.window_bound_artifacts:
+        out.append(f"max retained artifacts {c.max_retained_artifacts} exceeded the window bound "
+                   f"{c.window_bound_artifacts}")
+    if c.recaptures > c.captures:
+        out.append(f"recaptures {c.recaptures} > captures {c.captures}")
+    if c.distinct_fingerprints_captured > c.captures:
+        out.append("more distinct fingerprints than captures")
+    return out

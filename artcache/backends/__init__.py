@@ -1,0 +1,1 @@
+"""Capture backends: run the target and return captured hidden states per sample."""

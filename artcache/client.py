@@ -1,0 +1,130 @@
+"""The consumer's side of the protocol: lease, read, and wait on demand misses.
+
+``acquire(position)`` takes a lease first, then reads and verifies the artifact. If it is not
+published (never captured, or evicted after faster consumers moved on), the position is added to
+the registration's ``demand`` list and the caller sleeps with exponential backoff (never
+busy-spins) until the producer publishes it, the consumer is fenced, or ``demand_timeout_s``
+passes. Every acquire is one *logical request* in the journal (``hit`` or miss with its wait).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from artcache import journal as J
+from artcache import leases, store
+from artcache.errors import ArtifactMissing, CaptureTimeout, IntegrityError
+from artcache.fingerprint import fingerprint
+from artcache.layout import CacheLayout
+from artcache.registry import ConsumerHandle
+from artcache.settings import RootSettings
+
+log = logging.getLogger("artcache.client")
+
+
+@dataclass
+class Leased:
+    """An artifact plus the lease that keeps it from eviction until :meth:`CacheClient.release`."""
+
+    position: int
+    artifact: store.Artifact
+    lease: str
+
+
+class CacheClient:
+    """Reads positions of the plan for one consumer.
+
+    Args:
+        layout, settings, plan: the cache root, its settings and plan.
+        handle: the consumer's registration handle (demand updates go through it).
+        journal: this consumer's journal.
+        demand_timeout_s: raise CaptureTimeout after waiting this long for one position.
+    """
+
+    def __init__(self, layout: CacheLayout, settings: RootSettings, plan, handle: ConsumerHandle,
+                 journal: J.JournalWriter, demand_timeout_s: float = 600.0) -> None:
+        self.layout = layout
+        self.contract = settings.contract
+        self._canon = self.contract.canonical()
+        self.plan = plan
+        self.handle = handle
+        self.journal = journal
+        self.demand_timeout_s = demand_timeout_s
+        self.consumer_id = handle.consumer_id
+        self._demand: set[int] = set()
+        self._demand_lock = threading.Lock()
+        self._fp_cache: dict[int, str] = {}
+
+    def fp_of(self, position: int) -> str:
+        idx = position % len(self.plan)
+        fp = self._fp_cache.get(idx)
+        if fp is None:
+            s = self.plan.sample(idx)
+            fp = self._fp_cache[idx] = fingerprint(self._canon, s.input_ids, s.loss_mask)
+        return fp
+
+    def _set_demand(self, position: int, on: bool) -> None:
+        with self._demand_lock:
+            (self._demand.add if on else self._demand.discard)(position)
+            self.handle.set_demand(sorted(self._demand))
+
+    def acquire(self, position: int, stop: threading.Event | None = None) -> Leased:
+        """Lease and read ``position``; wait on a demand miss.
+
+        Raises:
+            CaptureTimeout: not published within ``demand_timeout_s`` (names the fingerprint).
+            ConsumerFenced: this consumer was fenced while waiting.
+            InterruptedError: ``stop`` was set while waiting.
+        """
+        fp = self.fp_of(position)
+        lease = leases.acquire(self.layout, fp, self.consumer_id)
+        self.journal.emit(J.LeaseAcquire(consumer=self.consumer_id, fp=fp, lease=lease))
+        t0 = time.monotonic()
+        waiting = False
+        delay = 0.002
+        try:
+            while True:
+                try:
+                    art = store.read(self.layout, fp, self.contract)
+                    break
+                except ArtifactMissing:
+                    pass
+                except IntegrityError as exc:
+                    self.journal.emit(J.Quarantined(consumer=self.consumer_id, fp=fp, reason=str(exc)))
+                    log.warning("quarantined %s: %s", fp, exc)
+                if not waiting:
+                    waiting = True
+                    self.journal.emit(J.DemandWait(consumer=self.consumer_id, position=position, fp=fp))
+                    self._set_demand(position, True)
+                waited = time.monotonic() - t0
+                if waited > self.demand_timeout_s:
+                    raise CaptureTimeout(
+                        f"position {position} (fingerprint {fp}) was not published within "
+                        f"{self.demand_timeout_s:.0f}s; is `artcache producer` running on {self.layout.root}?")
+                if stop is not None and stop.wait(delay):
+                    raise InterruptedError("stopped while waiting for a demand miss")
+                if stop is None:
+                    time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        except BaseException:
+            self._release(fp, lease)
+            if waiting:
+                self._set_demand(position, False)
+            raise
+        wait_s = time.monotonic() - t0 if waiting else 0.0
+        if waiting:
+            self._set_demand(position, False)
+        self.journal.emit(J.Request(consumer=self.consumer_id, position=position, fp=fp,
+                                    hit=not waiting, wait_s=wait_s))
+        return Leased(position, art, lease)
+
+    def _release(self, fp: str, lease: str) -> None:
+        if leases.release(self.layout, lease):
+            self.journal.emit(J.LeaseRelease(consumer=self.consumer_id, fp=fp, lease=lease))
+
+    def release(self, item: Leased) -> None:
+        """Release the lease of an item whose batch is no longer referenced."""
+        self._release(item.artifact.fingerprint, item.lease)

@@ -1,0 +1,64 @@
+"""The capture contract: everything that decides the bytes of an artifact.
+
+Any field that can change an artifact's bytes is part of the contract, and the contract is part of
+every fingerprint (see :mod:`artcache.fingerprint`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from artcache import FORMAT_VERSION
+from artcache.hashing import canonical_json, strong_digest
+
+#: The layer-id convention artcache stores: the residual stream leaving decoder layer i,
+#: i.e. Hugging Face ``output_hidden_states[i + 1]`` (SpecForge, z-lab DFlash, DeepSpec).
+OUTPUT_OF_LAYER = "output-of-layer"
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class CaptureContract(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What a capture produces.
+
+    Attributes:
+        target_name, target_revision, target_config_hash, target_weights_digest: target identity.
+        layer_ids: captured layers, in artifact order, in the ``layer_convention`` convention.
+        dtype: dtype of ``hidden_states`` in the artifact (one of ``DTYPES``).
+        compute_dtype: dtype the target ran in (the stored bits depend on it).
+        include_last_hidden: whether ``last_hidden`` (post final norm) is stored.
+        include_target_argmax: whether ``target_argmax`` ids are stored.
+        max_length: samples are truncated to this many tokens by the plan.
+        tokenizer_digest, template_digest: tokenizer and chat template identity.
+        loss_mask_policy: how the plan's loss mask was derived.
+        backend: capture backend (``hf``); backends may differ in the last bits.
+        format_version: artcache on-disk format.
+    """
+
+    target_name: str
+    target_revision: str
+    target_config_hash: str
+    target_weights_digest: str
+    layer_ids: tuple[int, ...]
+    layer_convention: Literal["output-of-layer"] = OUTPUT_OF_LAYER
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
+    include_last_hidden: bool = False
+    include_target_argmax: bool = False
+    max_length: int
+    tokenizer_digest: str
+    template_digest: str
+    loss_mask_policy: str = "assistant-content+eot"
+    backend: str = "hf"
+    format_version: int = FORMAT_VERSION
+
+    def canonical(self) -> bytes:
+        """Canonical JSON bytes (sorted keys, no whitespace)."""
+        return canonical_json(self)
+
+    @property
+    def contract_id(self) -> str:
+        """Hex digest identifying this contract."""
+        return strong_digest(self.canonical())

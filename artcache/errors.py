@@ -1,0 +1,86 @@
+"""The artcache error hierarchy.
+
+Every error derives from :class:`ArtcacheError` and also from the builtin a caller would already
+catch (``ValueError``, ``TimeoutError``, ``FileNotFoundError``, ``OSError``), so
+``except FileNotFoundError`` keeps working for code that does not know artcache.
+"""
+
+from __future__ import annotations
+
+
+class ArtcacheError(Exception):
+    """Root of all artcache errors."""
+
+    #: Whether retrying the same operation may succeed (transient I/O, a lock held elsewhere).
+    retryable: bool = False
+
+
+class ConfigError(ArtcacheError, ValueError):
+    """A setting, flag or input value is invalid. The message names the value and what is accepted."""
+
+
+class DataError(ArtcacheError, ValueError):
+    """Input data (dataset, plan) is unusable: empty, malformed beyond recovery, or inconsistent."""
+
+
+class CacheRootError(ArtcacheError, FileNotFoundError):
+    """The cache root is missing, not initialised, or was made by an incompatible version."""
+
+
+class ArtifactMissing(ArtcacheError, FileNotFoundError):
+    """The artifact for a fingerprint is not published (never captured, or evicted)."""
+
+    retryable = True
+
+
+class IntegrityError(ArtcacheError, ValueError):
+    """An artifact failed its content check (hash, shapes, dtype, fingerprint) and was quarantined."""
+
+    retryable = True
+
+
+class PublishError(ArtcacheError, OSError):
+    """Writing or renaming an artifact failed; the temp file was removed and nothing was published.
+
+    ``retryable`` is True for transient errors (EIO, EAGAIN, EINTR) and False for ones that need
+    an operator (ENOSPC, EDQUOT, EROFS, EACCES).
+    """
+
+    def __init__(self, message: str, *, fingerprint: str | None = None, retryable: bool = False,
+                 errno_: int | None = None) -> None:
+        super().__init__(errno_ if errno_ is not None else 0, message)
+        self.fingerprint = fingerprint
+        self.retryable = retryable
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+class LockTimeout(ArtcacheError, TimeoutError):
+    """A lock could not be taken within its timeout."""
+
+    retryable = True
+
+
+class CaptureTimeout(ArtcacheError, TimeoutError):
+    """A consumer waited longer than its demand timeout for a position to be published."""
+
+    retryable = True
+
+
+class CaptureFailed(ArtcacheError, RuntimeError):
+    """The producer failed to capture a fingerprint; carries the fingerprint and attempt count."""
+
+    def __init__(self, message: str, *, fingerprint: str, attempts: int, retryable: bool) -> None:
+        super().__init__(message)
+        self.fingerprint = fingerprint
+        self.attempts = attempts
+        self.retryable = retryable
+
+
+class ConsumerFenced(ArtcacheError, RuntimeError):
+    """This consumer's registration was fenced (generation bumped or state terminal); stop reading."""
+
+
+class ContractMismatch(ArtcacheError, ValueError):
+    """A consumer's needs (layers, target, dtype) do not match the cache root's capture contract."""

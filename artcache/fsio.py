@@ -1,0 +1,101 @@
+"""Durable file primitives: unique temp file, fsync, atomic rename, directory fsync.
+
+The pattern follows huggingface_hub's download (unique temp name per writer, then rename): a
+reader sees either nothing or a complete file, on every POSIX filesystem, whether or not locks work.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from artcache.errors import PublishError
+from artcache.layout import unique_suffix
+
+#: errno values after which retrying the same write can succeed.
+RETRYABLE_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT})
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename or unlink inside it is durable. Errors propagate as OSError."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_retryable(exc: OSError) -> bool:
+    return exc.errno in RETRYABLE_ERRNOS
+
+
+def check_free_space(directory: Path, nbytes: int, reserve: int = 64 << 20) -> None:
+    """Raise PublishError(ENOSPC, not retryable) if ``directory`` has < nbytes + reserve free bytes."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes + reserve:
+        raise PublishError(
+            f"not enough free space in {directory}: {free} B free, need {nbytes} B plus a "
+            f"{reserve} B reserve", retryable=False, errno_=errno.ENOSPC)
+
+
+def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path, *,
+                 durable: bool = True, fingerprint: str | None = None) -> int:
+    """Write ``chunks`` to ``dest`` atomically; return the number of bytes written.
+
+    Writes to ``tmp_dir/<host>.<pid>.<nonce>.part`` (same filesystem as ``dest``), fsyncs it,
+    ``os.replace``-s it onto ``dest`` and fsyncs ``dest``'s directory (when ``durable``).
+
+    Raises:
+        PublishError: on any OSError; the temp file has been removed and ``dest`` is untouched.
+            ``retryable`` says whether the same call may succeed later.
+    """
+    tmp = tmp_dir / f"{unique_suffix()}.part"
+    written = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                while view:
+                    n = os.write(fd, view)
+                    written += n
+                    view = view[n:]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, dest)
+        if durable:
+            fsync_dir(dest.parent)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass
+        raise PublishError(
+            f"writing {dest.name} failed: {exc.strerror or exc}", fingerprint=fingerprint,
+            retryable=is_retryable(exc), errno_=exc.errno) from exc
+    return written
+
+
+def read_all(path: Path) -> bytearray:
+    """Read a whole file into one writable buffer (one copy). Raises FileNotFoundError if absent."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    if got != size:
+        del buf[got:]
+    return buf

@@ -1,0 +1,265 @@
+"""Accounting journal: typed events (msgspec), one append-only JSONL file per process.
+
+Each process writes only its own file ``journal/<role>-<id>-<pid>.jsonl``; :func:`read_events`
+merges all of them. A torn last line (the writer was killed mid-write) is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+
+class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
+    """Base event. ``t`` is wall-clock seconds since the epoch (time.time())."""
+
+    t: float = 0.0
+
+
+# ---- producer events -------------------------------------------------------------------------
+class ProducerStart(Event, tag="producer_start"):
+    producer: str
+    pid: int
+    contract_id: str
+    plan_id: str
+
+
+class ProducerStop(Event, tag="producer_stop"):
+    producer: str
+    reason: str
+
+
+class CaptureBatch(Event, tag="capture_batch"):
+    """One forward pass. ``start``/``end`` bound the producer's busy time (seconds since epoch)."""
+
+    producer: str
+    fps: list[str]
+    samples: int
+    tokens: int
+    padded_tokens: int
+    start: float
+    end: float
+    demand: int = 0
+
+
+class Capture(Event, tag="capture"):
+    """One fingerprint captured (before publication)."""
+
+    producer: str
+    fp: str
+    positions: list[int]
+    tokens: int
+    recapture: bool = False
+    demand: bool = False
+
+
+class Publish(Event, tag="publish"):
+    producer: str
+    fp: str
+    nbytes: int
+
+
+class CaptureFailure(Event, tag="capture_failure"):
+    producer: str
+    fp: str
+    attempts: int
+    retryable: bool
+    error: str
+
+
+class Coalesced(Event, tag="coalesced"):
+    """Requests served by a capture someone else asked for too (or that another producer held)."""
+
+    producer: str
+    fp: str
+    requesters: int
+    reason: str = "shared"
+
+
+class Evict(Event, tag="evict"):
+    producer: str
+    fp: str
+    nbytes: int
+
+
+class Retained(Event, tag="retained"):
+    """Published artifacts after an eviction or publication, against the live window bound."""
+
+    producer: str
+    artifacts: int
+    nbytes: int
+    window_bound: int
+
+
+class LeaseExpire(Event, tag="lease_expire"):
+    producer: str
+    fp: str
+    lease: str
+    reason: str
+
+
+class Fence(Event, tag="fence"):
+    producer: str
+    consumer: str
+    generation: int
+    state: str
+    reason: str
+
+
+# ---- consumer events -------------------------------------------------------------------------
+class ConsumerStart(Event, tag="consumer_start"):
+    consumer: str
+    pid: int
+    draft: str
+    block_size: int
+    batch_size: int
+    lookbehind: int
+    lookahead: int
+    cursor: int
+
+
+class Request(Event, tag="request"):
+    """A logical request for one position. ``hit`` = published at first look."""
+
+    consumer: str
+    position: int
+    fp: str
+    hit: bool
+    wait_s: float = 0.0
+
+
+class DemandWait(Event, tag="demand_wait"):
+    """A consumer started blocking on an unpublished position (a demand miss)."""
+
+    consumer: str
+    position: int
+    fp: str
+
+
+class LeaseAcquire(Event, tag="lease_acquire"):
+    consumer: str
+    fp: str
+    lease: str
+
+
+class LeaseRelease(Event, tag="lease_release"):
+    consumer: str
+    fp: str
+    lease: str
+
+
+class Quarantined(Event, tag="quarantine"):
+    consumer: str
+    fp: str
+    reason: str
+
+
+class Step(Event, tag="step"):
+    """One optimizer step. Metric fields are numerator/denominator sums of that step."""
+
+    consumer: str
+    step: int
+    cursor: int
+    loss: float
+    tau_sum: float
+    blocks: int
+    acc_correct: list[int]
+    acc_total: list[int]
+    wait_s: float
+    step_s: float
+    lr: float
+
+
+class ConsumerEnd(Event, tag="consumer_end"):
+    consumer: str
+    state: str
+    steps: int
+    cursor: int
+    error: str = ""
+
+
+EVENT_TYPES = (ProducerStart, ProducerStop, CaptureBatch, Capture, Publish, CaptureFailure, Coalesced,
+               Evict, Retained, LeaseExpire, Fence, ConsumerStart, Request, DemandWait, LeaseAcquire,
+               LeaseRelease, Quarantined, Step, ConsumerEnd)
+AnyEvent = ProducerStart | ProducerStop | CaptureBatch | Capture | Publish | CaptureFailure | Coalesced \
+    | Evict | Retained | LeaseExpire | Fence | ConsumerStart | Request | DemandWait | LeaseAcquire \
+    | LeaseRelease | Quarantined | Step | ConsumerEnd
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyEvent)
+
+
+class JournalWriter:
+    """Append events to one file. Thread-safe; each event is one ``write`` of one line.
+
+    Writes are flushed per event (``os.write`` on an O_APPEND fd), fsync-ed on :meth:`close`.
+    A failed write raises OSError to the caller; lines already written stay readable.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def emit(self, event: Event) -> None:
+        if not event.t:
+            event.t = time.time()
+        line = _encoder.encode(event) + b"\n"
+        with self._lock:
+            if self._fd < 0:
+                return
+            os.write(self._fd, line)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> JournalWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class JournalReadResult(msgspec.Struct):
+    events: list
+    files: int
+    torn_lines: int
+
+
+def iter_file(path: Path) -> Iterator[Event | None]:
+    """Yield events of one journal file; ``None`` for an undecodable (torn) line."""
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield _decoder.decode(line)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                yield None
+
+
+def read_events(journal_dir: Path) -> JournalReadResult:
+    """All events of all journal files, sorted by time."""
+    events: list = []
+    torn = 0
+    files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
+    for path in files:
+        for ev in iter_file(path):
+            if ev is None:
+                torn += 1
+            else:
+                events.append(ev)
+    events.sort(key=lambda e: e.t)
+    return JournalReadResult(events=events, files=len(files), torn_lines=torn)

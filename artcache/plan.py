@@ -1,0 +1,445 @@
+"""The plan: the ordered, deterministic list of samples (token ids + loss mask) every consumer walks.
+
+A plan is derived from (dataset file, seed, tokenizer, chat template, max length, max samples, min loss
+tokens). ``plan_id`` is the strong digest of those inputs, so the same inputs give the same id and any
+change gives a new one. On disk: ``plans_dir/<plan_id>/plan.safetensors`` (``input_ids`` int32 [total],
+``loss_mask`` uint8 [total], ``offsets`` int64 [N+1]) and ``plan.json`` (provenance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from filelock import FileLock
+from safetensors.torch import load_file, save_file
+
+from artcache.data.sharegpt import locate_sharegpt, read_sharegpt, to_messages
+from artcache.errors import ConfigError, DataError
+from artcache.hashing import canonical_json, digest_file, strong_digest
+from artcache.target import template_digest, tokenizer_digest
+
+PLAN_FORMAT_VERSION = 1
+#: Part of the plan id: changing how the loss mask is derived must change every plan id.
+LOSS_MASK_POLICY = "assistant-content-and-eot/token-overlap/v1"
+DATASETS = ("sharegpt",)
+_BATCH = 64  # conversations rendered and tokenized per batch (the fast tokenizer batches in parallel)
+
+
+class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a plan is built from. ``dataset``: ``"sharegpt"`` or a path to a ShareGPT-schema JSON/JSONL file.
+
+    Raises ConfigError on construction if max_length < 16, max_samples < 1, min_loss_tokens < 1 or seed < 0.
+    """
+
+    dataset: str = "sharegpt"
+    seed: int = 0
+    max_length: int = 512
+    max_samples: int = 2000
+    min_loss_tokens: int = 2
+
+    def __post_init__(self) -> None:
+        for name, low in (("seed", 0), ("max_length", 16), ("max_samples", 1), ("min_loss_tokens", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"plan {name}={value!r} is invalid: accepted is an integer >= {low}")
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ConfigError(f"plan dataset={self.dataset!r} is invalid: accepted {list(DATASETS)} or a file path")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One plan entry: ``input_ids`` torch.int32 [T], ``loss_mask`` torch.uint8 [T] (1 = supervised)."""
+
+    index: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+def resolve_dataset(dataset: str) -> Path:
+    """``"sharegpt"`` -> the bundled ShareGPT file; otherwise an existing file path. ConfigError if neither."""
+    if dataset == "sharegpt":
+        return locate_sharegpt()
+    path = Path(dataset).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"plan dataset {dataset!r}: not a known dataset {list(DATASETS)} nor an existing file")
+    return path.resolve()
+
+
+def compute_plan_id(spec: PlanSpec, dataset_digest: str, tok_digest: str, tmpl_digest: str) -> tuple[str, dict]:
+    """(plan_id, id inputs): plan_id = strong digest of the canonical json of the id inputs."""
+    inputs = {"spec": msgspec.to_builtins(spec), "dataset_digest": dataset_digest, "tokenizer_digest": tok_digest,
+              "template_digest": tmpl_digest, "format_version": PLAN_FORMAT_VERSION,
+              "loss_mask_policy": LOSS_MASK_POLICY}
+    return strong_digest(canonical_json(inputs)), inputs
+
+
+def _end_of_turn(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    return "<|im_end|>" if "<|im_end|>" in vocab else (tokenizer.eos_token or "")
+
+
+def template_is_verbatim(tokenizer) -> bool:
+    """Whether the chat template copies message contents verbatim (probed with padded, odd contents)."""
+    probe = [{"role": "user", "content": "  Q \n\t"}, {"role": "assistant", "content": "\n A  {x}\n "}]
+    try:
+        return render_with_spans(probe, tokenizer, "", verbatim=False)[2]
+    except DataError:
+        return False
+
+
+def render_with_spans(messages: list[dict[str, str]], tokenizer, eot: str, *, verbatim: bool = False,
+                      ) -> tuple[str, list[tuple[int, int]], bool]:
+    """The chat-template text of ``messages``, the char spans ``[start, end)`` of each assistant content
+    plus its end-of-turn marker ``eot`` when the template puts it right after the content, and whether
+    the sentinel rendering matched the real one.
+
+    Contents are located by rendering with private-use sentinels in place of each content and
+    substituting the contents back. Unless ``verbatim`` (the template is known to copy contents as is,
+    see :func:`template_is_verbatim`) the real rendering is compared, and on a mismatch contents are
+    searched forward in it instead. Raises DataError if a content cannot be found.
+    """
+    text = None if verbatim else tokenizer.apply_chat_template(messages, tokenize=False)
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    skeleton = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": s} for m, s in zip(messages, marks, strict=True)], tokenize=False)
+    starts: list[int] = []
+    rebuilt: list[str] = []
+    pos = out = 0
+    for m, s in zip(messages, marks, strict=True):
+        i = skeleton.find(s, pos)
+        if i < 0:
+            break
+        rebuilt.append(skeleton[pos:i])
+        out += i - pos
+        starts.append(out)
+        rebuilt.append(m["content"])
+        out += len(m["content"])
+        pos = i + len(s)
+    rebuilt.append(skeleton[pos:])
+    matched = len(starts) == len(messages)
+    if text is None:
+        if not matched:
+            raise DataError("chat template output does not contain a message's content verbatim")
+        text = "".join(rebuilt)
+    matched = matched and "".join(rebuilt) == text
+    if not matched:
+        starts, pos = [], 0
+        for m in messages:
+            i = text.find(m["content"], pos)
+            if i < 0:
+                raise DataError("chat template output does not contain a message's content verbatim")
+            starts.append(i)
+            pos = i + len(m["content"])
+    spans = []
+    for m, a in zip(messages, starts, strict=True):
+        if m["role"] == "assistant":
+            b = a + len(m["content"])
+            if eot and text.startswith(eot, b):
+                b += len(eot)
+            spans.append((a, b))
+    return text, spans, matched
+
+
+def _mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 [T]: 1 for tokens whose char span overlaps an assistant span. A token that straddles the start
+    of a content (e.g. ``"\n "`` = header newline + the content's leading space) counts as assistant text."""
+    arr = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(arr), dtype=np.uint8)
+    for a, b in spans:
+        mask[(arr[:, 0] < b) & (arr[:, 1] > a)] = 1
+    return mask
+
+
+_CUT_MARGIN = 64  # chars kept clear of a prefix cut; only a >64-char pre-token across it could differ
+
+
+def encode_truncated(tokenizer, texts: list[str], max_length: int) -> list[tuple[list[int], list[tuple[int, int]], bool]]:
+    """Tokenize ``texts`` (no added special tokens) and keep the first ``max_length`` tokens of each:
+    [(ids, char offsets, truncated)].
+
+    For speed, a text is first tokenized as a char prefix (about 5 chars per wanted token, doubled while
+    too short); a prefix result is used only if at least ``max_length + 1`` tokens end ``_CUT_MARGIN``
+    chars before the cut, so the kept tokens equal those of the full text (byte-level BPE only changes
+    the pre-token that straddles the cut). Otherwise the whole text is tokenized.
+    """
+    out: list[tuple[list[int], list[tuple[int, int]], bool] | None] = [None] * len(texts)
+    budget = {i: max_length * 5 + _CUT_MARGIN for i in range(len(texts))}
+    while budget:
+        todo = sorted(budget)
+        enc = tokenizer([texts[i][: budget[i]] for i in todo], add_special_tokens=False,
+                        return_offsets_mapping=True)
+        for k, i in enumerate(todo):
+            ids, offs = enc["input_ids"][k], enc["offset_mapping"][k]
+            cut = budget[i]
+            if cut >= len(texts[i]):  # the whole text was tokenized: exact
+                out[i] = (ids[:max_length], offs[:max_length], len(ids) > max_length)
+                del budget[i]
+            elif len(ids) > max_length and offs[max_length][1] <= cut - _CUT_MARGIN:
+                out[i] = (ids[:max_length], offs[:max_length], True)
+                del budget[i]
+            else:
+                budget[i] = cut * 2
+    return out  # type: ignore[return-value]
+
+
+def _stats(lengths: list[int]) -> dict[str, float]:
+    arr = np.asarray(lengths, dtype=np.float64)
+    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "p90": float(np.percentile(arr, 90)),
+            "max": int(arr.max()), "min": int(arr.min()), "total": int(arr.sum())}
+
+
+class Plan:
+    """An in-memory plan. ``len(plan)`` samples; ``sample(i)``; ``at_position(p)`` wraps epoch after epoch."""
+
+    def __init__(self, plan_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor,
+                 provenance: dict[str, Any]) -> None:
+        self.plan_id = plan_id
+        self.input_ids = input_ids
+        self.loss_mask = loss_mask
+        self.offsets = offsets
+        self.provenance = provenance
+
+    def __len__(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    def sample(self, i: int) -> Sample:
+        """Sample ``i`` (0 <= i < len). Raises IndexError outside that range."""
+        n = len(self)
+        if not 0 <= i < n:
+            raise IndexError(f"plan {self.plan_id[:12]}: sample {i} out of range [0, {n})")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Sample(index=i, input_ids=self.input_ids[a:b], loss_mask=self.loss_mask[a:b])
+
+    def at_position(self, p: int) -> Sample:
+        """Sample at run position ``p`` >= 0: ``sample(p % len(plan))``. Raises IndexError for p < 0."""
+        if p < 0:
+            raise IndexError(f"plan position must be >= 0, got {p}")
+        return self.sample(p % len(self))
+
+    def __iter__(self) -> Iterator[Sample]:
+        return (self.sample(i) for i in range(len(self)))
+
+    def save(self, plans_dir: str | Path) -> Path:
+        """Publish to ``plans_dir/<plan_id>/`` atomically (unique temp dir + rename). If that directory
+        already exists (another process published first) it is kept and this copy discarded. Returns it."""
+        plans_dir = Path(plans_dir)
+        plans_dir.mkdir(parents=True, exist_ok=True)
+        final = plans_dir / self.plan_id
+        if (final / "plan.json").is_file():
+            return final
+        tmp = plans_dir / f".tmp-{self.plan_id[:12]}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
+                       "offsets": self.offsets.contiguous()}, str(tmp / "plan.safetensors"),
+                      metadata={"plan_id": self.plan_id})
+            (tmp / "plan.json").write_text(json.dumps(self.provenance, indent=2, sort_keys=True))
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "plan.json").is_file():
+                    raise
+            _fsync_dir(plans_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    @classmethod
+    def load(cls, plan_dir: str | Path) -> Plan:
+        """Load and verify a saved plan. Raises DataError if files are missing, the id does not match its
+        inputs or directory name, or tensor dtypes/shapes/offsets are inconsistent."""
+        plan_dir = Path(plan_dir)
+        try:
+            prov = json.loads((plan_dir / "plan.json").read_text())
+            tensors = load_file(str(plan_dir / "plan.safetensors"))
+        except (OSError, ValueError) as exc:
+            raise DataError(f"plan {str(plan_dir)!r}: unreadable ({exc})") from exc
+        try:
+            if prov.get("format_version") != PLAN_FORMAT_VERSION:
+                raise DataError(f"format_version {prov.get('format_version')!r} != {PLAN_FORMAT_VERSION}")
+            plan_id = strong_digest(canonical_json(prov["id_inputs"]))
+            if plan_id != prov.get("plan_id") or plan_id != plan_dir.name:
+                raise DataError(f"plan_id mismatch: computed {plan_id}, plan.json {prov.get('plan_id')}, "
+                                f"directory {plan_dir.name}")
+            ids, mask, offsets = tensors["input_ids"], tensors["loss_mask"], tensors["offsets"]
+            if (ids.dtype, mask.dtype, offsets.dtype) != (torch.int32, torch.uint8, torch.int64):
+                raise DataError(f"dtypes {ids.dtype}/{mask.dtype}/{offsets.dtype} != int32/uint8/int64")
+            n = prov["counts"]["kept"]
+            if ids.dim() != 1 or mask.shape != ids.shape or offsets.shape != (n + 1,):
+                raise DataError(f"shapes {tuple(ids.shape)}/{tuple(mask.shape)}/{tuple(offsets.shape)} "
+                                f"inconsistent with {n} samples")
+            if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or bool((offsets.diff() <= 0).any()):
+                raise DataError("offsets are not strictly increasing from 0 to len(input_ids)")
+        except DataError as exc:
+            raise DataError(f"plan {str(plan_dir)!r}: {exc}") from None
+        except (KeyError, TypeError) as exc:
+            raise DataError(f"plan {str(plan_dir)!r}: plan.json or tensors incomplete ({exc!r})") from exc
+        return cls(plan_id, ids, mask, offsets, prov)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
+    """Build the plan in memory (see module docstring).
+
+    Records are visited in a ``numpy.random.default_rng(seed)`` permutation and rendered with the
+    tokenizer's chat template until ``max_samples`` samples are kept. Loss mask = 1 on assistant content
+    tokens (any token overlapping the content) and the assistant's end-of-turn token. Samples are truncated to ``max_length`` tokens and
+    dropped if they have < ``min_loss_tokens`` masked tokens or no anchor (p with mask[p] and mask[p+1]).
+    Raises DataError if no sample qualifies, ConfigError if a token id is >= ``target_vocab_size``.
+    """
+    dataset_path = resolve_dataset(spec.dataset)
+    read = read_sharegpt(dataset_path)
+    dataset_digest = digest_file(dataset_path)
+    plan_id, id_inputs = compute_plan_id(spec, dataset_digest, tokenizer_digest(tokenizer),
+                                         template_digest(tokenizer))
+    eot = _end_of_turn(tokenizer)
+    verbatim = template_is_verbatim(tokenizer)
+    order = np.random.default_rng(spec.seed).permutation(len(read.records))
+    skipped: Counter[str] = Counter()
+    kept_ids: list[np.ndarray] = []
+    kept_masks: list[np.ndarray] = []
+    visited = truncated = 0
+    for chunk_start in range(0, len(order), _BATCH):
+        if len(kept_ids) >= spec.max_samples:
+            break
+        prepared: list[tuple[str, list[tuple[int, int]]] | str] = []
+        for rec_index in order[chunk_start:chunk_start + _BATCH]:
+            messages, reason = to_messages(read.records[int(rec_index)])
+            if messages is None:
+                prepared.append(reason or "invalid")
+                continue
+            try:
+                prepared.append(render_with_spans(messages, tokenizer, eot, verbatim=verbatim)[:2])
+            except DataError:
+                prepared.append("template_mismatch")
+        encoded = encode_truncated(tokenizer, [p[0] for p in prepared if not isinstance(p, str)], spec.max_length)
+        j = 0
+        for p in prepared:
+            if len(kept_ids) >= spec.max_samples:
+                break
+            visited += 1
+            if isinstance(p, str):
+                skipped[p] += 1
+                continue
+            ids_list, offs, was_cut = encoded[j]
+            j += 1
+            ids = np.asarray(ids_list, dtype=np.int64)
+            mask = _mask_from_offsets(offs, p[1])
+            truncated += int(was_cut)
+            if int(mask.sum()) < spec.min_loss_tokens:
+                skipped["too_few_loss_tokens"] += 1
+                continue
+            if not bool((mask[:-1] & mask[1:]).any()):
+                skipped["no_anchor"] += 1
+                continue
+            if ids.size and int(ids.max()) >= target_vocab_size:
+                raise ConfigError(f"token id {int(ids.max())} >= target vocab size {target_vocab_size}: the "
+                                  f"tokenizer does not belong to this target")
+            kept_ids.append(ids.astype(np.int32))
+            kept_masks.append(mask)
+    if not kept_ids:
+        raise DataError(
+            f"dataset {str(dataset_path)!r}: 0 of {visited} conversations produced a sample with >= "
+            f"{spec.min_loss_tokens} assistant tokens and an anchor within {spec.max_length} tokens "
+            f"(skipped: {dict(skipped)})")
+    lengths = [len(x) for x in kept_ids]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    provenance = {
+        "format_version": PLAN_FORMAT_VERSION, "plan_id": plan_id, "id_inputs": id_inputs,
+        "spec": msgspec.to_builtins(spec), "dataset_path": str(dataset_path), "dataset_digest": dataset_digest,
+        "tokenizer_digest": id_inputs["tokenizer_digest"], "template_digest": id_inputs["template_digest"],
+        "target_vocab_size": target_vocab_size,
+        "counts": {"records": len(read.records), "visited": visited, "kept": len(kept_ids),
+                   "truncated": truncated, "skipped": dict(sorted(skipped.items()))},
+        "read": {"bytes_total": read.bytes_total, "bytes_dropped": read.bytes_dropped,
+                 "records_dropped": read.records_dropped},
+        "tokens": _stats(lengths),
+        "loss_tokens": _stats([int(m.sum()) for m in kept_masks]),
+    }
+    return Plan(plan_id, torch.from_numpy(np.concatenate(kept_ids)),
+                torch.from_numpy(np.concatenate(kept_masks)), torch.from_numpy(offsets), provenance)
+
+
+def ensure_plan(spec: PlanSpec, tokenizer, plans_dir: str | Path, target_vocab_size: int) -> Plan:
+    """Load ``plans_dir/<plan_id>`` if published, else build and save it under a file lock (so concurrent
+    callers build it once). Raises as :func:`build_plan` and :meth:`Plan.load`."""
+    plans_dir = Path(plans_dir)
+    dataset_path = resolve_dataset(spec.dataset)
+    plan_id, _ = compute_plan_id(spec, digest_file(dataset_path), tokenizer_digest(tokenizer),
+                                 template_digest(tokenizer))
+    final = plans_dir / plan_id
+    if (final / "plan.json").is_file():
+        return Plan.load(final)
+    plans_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(plans_dir / f".{plan_id}.lock")):
+        if (final / "plan.json").is_file():
+            return Plan.load(final)
+        plan = build_plan(spec, tokenizer, target_vocab_size=target_vocab_size)
+        if plan.plan_id != plan_id:  # the dataset file changed between hashing and building
+            raise DataError(f"dataset {str(dataset_path)!r} changed while the plan was built; retry")
+        plan.save(plans_dir)
+    return Plan.load(final)
+
+
+def _forbidden_ids(tokenizer) -> set[int]:
+    ids = {getattr(tokenizer, a, None) for a in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
+    vocab = tokenizer.get_vocab()
+    ids |= {vocab.get(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")}
+    return {int(i) for i in ids if i is not None}
+
+
+def choose_mask_token(tokenizer, vocab_size: int, plan: Plan | None = None) -> int:
+    """The DFlash MASK id: the highest-id special (added) token with an embedding row (< vocab_size) that is
+    not bos/eos/pad/unk/<|im_start|>/<|im_end|>/<|endoftext|> and never occurs in ``plan``'s input_ids.
+
+    For SmolLM2 this is 16 ``<empty_output>`` (a Jupyter-notebook marker from pretraining, never emitted by
+    the ChatML template). Raises ConfigError if no special token qualifies.
+    """
+    forbidden = _forbidden_ids(tokenizer)
+    present = set(torch.unique(plan.input_ids).tolist()) if plan is not None else set()
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    candidates = sorted((i for i, t in decoder.items() if getattr(t, "special", True)), reverse=True)
+    for i in candidates:
+        if 0 <= i < vocab_size and i not in forbidden and i not in present:
+            return int(i)
+    raise ConfigError(f"no mask token: none of the special tokens {candidates} is < vocab size {vocab_size}, "
+                      f"distinct from bos/eos/pad/unk/chat markers and absent from the plan")
+
+
+def validate_mask_token(token_id: int, vocab_size: int, plan: Plan | None, tokenizer) -> None:
+    """Raise ConfigError naming ``token_id`` if it is outside [0, vocab_size), equals pad/eos/bos/unk or a
+    chat marker, or occurs in ``plan``'s input_ids."""
+    if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+        raise ConfigError(f"mask token id {token_id!r} is outside the target embedding [0, {vocab_size})")
+    if token_id in _forbidden_ids(tokenizer):
+        raise ConfigError(f"mask token id {token_id} is a bos/eos/pad/unk or chat-marker token; choose an unused one")
+    if plan is not None and bool((plan.input_ids == token_id).any()):
+        raise ConfigError(f"mask token id {token_id} occurs in the plan's input_ids; choose one absent from the data")

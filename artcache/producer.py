@@ -1,0 +1,420 @@
+"""The producer: owns the target, the scheduler, capture and publication, and eviction.
+
+One loop iteration (:meth:`Producer.tick`):
+
+1. read registrations; fence consumers whose process died or whose heartbeat expired;
+2. evict everything outside the union of live windows that no live lease holds;
+3. build the queue (demand misses first, then lookahead by distance) and take one batch;
+4. for each fingerprint, take its striped lock without blocking (held ⇒ someone else is capturing:
+   skip, counted as coalesced), re-check ``objects/``; capture the batch in one forward pass;
+   publish each artifact (temp file, fsync, rename); release the locks.
+
+With nothing to do it sleeps ``poll_interval_s`` (backpressure: it never runs ahead of a window).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import msgspec
+from filelock import FileLock, Timeout
+
+from artcache import journal as J
+from artcache import registry, store
+from artcache.contract import CaptureContract
+from artcache.errors import ArtcacheError, CaptureFailed, ConfigError, IntegrityError, PublishError
+from artcache.eviction import evict_pass
+from artcache.fingerprint import fingerprint
+from artcache.layout import CacheLayout, check_id, host_id
+from artcache.scheduler import SchedulerLimits, next_batch, wanted, window_bound
+from artcache.settings import RootSettings, init_settings
+
+log = logging.getLogger("artcache.producer")
+
+#: capture attempts per fingerprint before the producer gives up on it (consumers then time out
+#: with CaptureTimeout naming the fingerprint).
+MAX_ATTEMPTS = 3
+
+
+class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Producer settings (CLI flags map onto these fields).
+
+    Attributes:
+        cache: cache root directory. target: ``smollm2-135m-instruct`` or an HF directory.
+        dataset: ``sharegpt`` or a path to a ShareGPT-format JSON/JSONL file.
+        seed, max_length, max_samples: the plan (see :class:`artcache.plan.PlanSpec`).
+        draft_layers: number of DFlash draft layers; captured ids follow ALGORITHMS.md's formula.
+        layer_ids: explicit output-of-layer ids (overrides ``draft_layers``).
+        device: ``cpu`` or ``cuda[:i]``. dtype: stored dtype of the hidden states.
+        compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU (bf16 matmuls are ~6x
+            slower than fp32 on CPUs without AVX512-BF16/AMX), bfloat16 on CUDA.
+        limits: scheduler limits. poll_interval_s: sleep when idle (seconds).
+        heartbeat_timeout_s: consumers silent for longer are fenced as expired.
+        lease_ttl_s: another host's lease older than this is expired.
+        exit_when_done: exit once every consumer that registered has finished.
+        idle_exit_s: exit after this many seconds with no live consumer (0 = never).
+        producer_id: journal id. threads: torch CPU threads (0 = torch default).
+    """
+
+    cache: str
+    target: str = "smollm2-135m-instruct"
+    dataset: str = "sharegpt"
+    seed: int = 0
+    max_length: int = 512
+    max_samples: int = 2000
+    draft_layers: int = 5
+    layer_ids: list[int] | None = None
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    compute_dtype: str = "auto"
+    limits: SchedulerLimits = msgspec.field(default_factory=SchedulerLimits)
+    poll_interval_s: float = 0.02
+    heartbeat_timeout_s: float = 30.0
+    lease_ttl_s: float = 600.0
+    exit_when_done: bool = False
+    idle_exit_s: float = 0.0
+    producer_id: str = "producer"
+    threads: int = 0
+
+
+@dataclass
+class ProducerStats:
+    captures: int = 0
+    publications: int = 0
+    failures: int = 0
+    evictions: int = 0
+    recaptures: int = 0
+    coalesced: int = 0
+    busy_s: float = 0.0
+    max_retained: int = 0
+    ever_published: set[str] = field(default_factory=set)
+
+
+def prepare_root(cfg: ProducerConfig):
+    """Create/open the cache root, resolve the target, build or load the plan, write artcache.json.
+
+    Returns:
+        (layout, settings, plan, target_info, tokenizer)
+
+    Raises:
+        ConfigError: bad settings, or the root holds another contract/plan.
+        DataError: the dataset yields no usable sample.
+    """
+    from artcache.plan import PlanSpec, ensure_plan
+    from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
+    from trainers.dflash.layers import dflash_layer_ids
+
+    for name in ("dtype", "compute_dtype"):
+        value = getattr(cfg, name)
+        if value not in ("bfloat16", "float16", "float32") and not (name == "compute_dtype" and value == "auto"):
+            raise ConfigError(f"{name} {value!r} not accepted: use bfloat16, float16 or float32"
+                              + (" or auto" if name == "compute_dtype" else ""))
+    check_id(cfg.producer_id, "producer id")
+    info = resolve_target(cfg.target)
+    layer_ids = list(cfg.layer_ids) if cfg.layer_ids else dflash_layer_ids(info.num_layers, cfg.draft_layers)
+    from artcache.backends.hf import check_layer_ids
+
+    check_layer_ids(layer_ids, info.num_layers, info.name)
+    spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples)
+    cfg.limits.validate(cfg.max_length)
+    layout = CacheLayout(_abspath(cfg.cache))
+    layout.create()
+    tok = load_tokenizer(info)
+    with FileLock(layout.lock_path("root")):
+        plan = ensure_plan(spec, tok, layout.plans, target_vocab_size=info.vocab_size)
+        contract = CaptureContract(
+            target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
+            target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=cfg.dtype,
+            compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
+            max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
+            template_digest=template_digest(tok))
+        settings = init_settings(layout, RootSettings(
+            plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s))
+    return layout, settings, plan, info, tok
+
+
+def resolve_compute_dtype(compute_dtype: str, device: str) -> str:
+    """``auto`` → float32 on CPU, bfloat16 on CUDA; anything else unchanged."""
+    if compute_dtype != "auto":
+        return compute_dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def _abspath(p: str):
+    from pathlib import Path
+
+    return Path(p).expanduser().absolute()
+
+
+class Producer:
+    """The producer loop over one cache root. See the module docstring for one iteration."""
+
+    def __init__(self, layout: CacheLayout, settings: RootSettings, plan, backend, cfg: ProducerConfig,
+                 journal: J.JournalWriter) -> None:
+        self.layout = layout
+        self.settings = settings
+        self.contract = settings.contract
+        self._canon = self.contract.canonical()
+        self.plan = plan
+        self.backend = backend
+        self.cfg = cfg
+        self.journal = journal
+        self.pid = cfg.producer_id
+        self.stats = ProducerStats()
+        self._fp_cache: dict[int, str] = {}
+        self._published: dict[str, int] = store.list_objects(layout)
+        self._seen_consumers: set[str] = set()
+        self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts
+        self._idle_since = time.monotonic()
+        self.stop_event = threading.Event()
+        self._seed_history()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _seed_history(self) -> None:
+        """Fingerprints published before (by any producer): a new capture of one is a recapture."""
+        for ev in J.read_events(self.layout.journal).events:
+            if isinstance(ev, J.Publish):
+                self.stats.ever_published.add(ev.fp)
+
+    def fp_of(self, position: int) -> str:
+        idx = position % len(self.plan)
+        fp = self._fp_cache.get(idx)
+        if fp is None:
+            s = self.plan.sample(idx)
+            fp = self._fp_cache[idx] = fingerprint(self._canon, s.input_ids, s.loss_mask)
+        return fp
+
+    def length_of(self, position: int) -> int:
+        return int(self.plan.sample(position % len(self.plan)).input_ids.shape[0])
+
+    def _emit(self, ev) -> None:
+        self.journal.emit(ev)
+
+    # -- liveness --------------------------------------------------------------------------
+    def live_registrations(self) -> list[registry.Registration]:
+        now = time.time()
+        live = []
+        for reg in registry.read_all(self.layout):
+            if reg.state != "running":
+                continue
+            reason = None
+            if reg.host == host_id() and reg.pid and not registry._pid_alive(reg.pid):
+                reason, state = f"process {reg.pid} is gone", "failed"
+            elif now - reg.heartbeat > self.settings.heartbeat_timeout_s:
+                reason, state = f"no heartbeat for {now - reg.heartbeat:.0f}s", "expired"
+            if reason:
+                if registry.fence(self.layout, reg.consumer_id, state, reason, reg.generation):
+                    self._emit(J.Fence(producer=self.pid, consumer=reg.consumer_id,
+                                       generation=reg.generation + 1, state=state, reason=reason))
+                    log.warning("fenced consumer %s (%s): %s", reg.consumer_id, state, reason)
+                continue
+            live.append(reg)
+            self._seen_consumers.add(reg.consumer_id)
+        return live
+
+    # -- eviction --------------------------------------------------------------------------
+    def evict(self, live: list[registry.Registration]) -> None:
+        retain = set()
+        for reg in live:
+            lo, hi = reg.window()
+            retain.update(self.fp_of(p) for p in range(lo, hi + 1))
+        res = evict_pass(self.layout, retain, {r.consumer_id for r in live}, lease_ttl_s=self.cfg.lease_ttl_s)
+        for lease, reason in res.expired_leases:
+            self._emit(J.LeaseExpire(producer=self.pid, fp=lease.fp, lease=lease.name, reason=reason))
+        for fp, nbytes in res.evicted.items():
+            self.stats.evictions += 1
+            self._emit(J.Evict(producer=self.pid, fp=fp, nbytes=nbytes))
+        self._published = res.retained
+        self._note_retained(live)
+
+    def _note_retained(self, live) -> None:
+        n = len(self._published)
+        self.stats.max_retained = max(self.stats.max_retained, n)
+        self._emit(J.Retained(producer=self.pid, artifacts=n, nbytes=sum(self._published.values()),
+                              window_bound=window_bound(live)))
+
+    # -- capture ---------------------------------------------------------------------------
+    def tick(self) -> bool:
+        """One scheduling pass. Returns True if it captured anything."""
+        live = self.live_registrations()
+        self.evict(live)
+        if not live:
+            return False
+        skip = set(self._published) | {fp for fp, n in self._failed.items() if n >= MAX_ATTEMPTS}
+        queue = wanted(live, self.fp_of, skip, self.cfg.limits.max_queue)
+        if not queue:
+            return False
+        batch = next_batch(queue, self.length_of, self.cfg.limits)
+        return self.capture_batch(batch, live)
+
+    def capture_batch(self, batch, live) -> bool:
+        with ExitStack() as locks:
+            todo = []
+            for w in batch:
+                lock = FileLock(self.layout.fingerprint_lock(w.fp, self.settings.lock_stripes), timeout=0)
+                try:
+                    locks.enter_context(lock)
+                except Timeout:
+                    self.stats.coalesced += len(w.consumers)
+                    self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers),
+                                           reason="lock-held"))
+                    continue
+                if store.exists(self.layout, w.fp):  # another holder published meanwhile
+                    self._published[w.fp] = store.list_objects(self.layout).get(w.fp, 0)
+                    continue
+                todo.append(w)
+            if not todo:
+                return False
+            samples = [self.plan.sample(w.position % len(self.plan)) for w in todo]
+            t0 = time.time()
+            try:
+                outputs = self.backend.capture(samples)
+            except Exception as exc:  # a failed forward: every fingerprint in it failed once more
+                for w in todo:
+                    self._fail(w.fp, exc)
+                return False
+            t1 = time.time()
+            self.stats.busy_s += t1 - t0
+            tokens = sum(int(s.input_ids.shape[0]) for s in samples)
+            longest = max(int(s.input_ids.shape[0]) for s in samples)
+            self._emit(J.CaptureBatch(producer=self.pid, fps=[w.fp for w in todo], samples=len(todo),
+                                      tokens=tokens, padded_tokens=longest * len(todo), start=t0, end=t1,
+                                      demand=sum(w.demand for w in todo)))
+            for w, s, tensors in zip(todo, samples, outputs, strict=True):
+                recapture = w.fp in self.stats.ever_published
+                self.stats.captures += 1
+                self.stats.recaptures += recapture
+                self._emit(J.Capture(producer=self.pid, fp=w.fp, positions=sorted(w.positions),
+                                     tokens=int(s.input_ids.shape[0]), recapture=recapture, demand=w.demand))
+                if len(w.consumers) > 1:
+                    self.stats.coalesced += len(w.consumers) - 1
+                    self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers) - 1))
+                self._publish(w.fp, tensors)
+        self._note_retained(live)
+        return True
+
+    def _publish(self, fp: str, tensors, attempts: int = 3) -> None:
+        for attempt in range(1, attempts + 1):
+            try:
+                nbytes = store.publish(self.layout, fp, self.contract, tensors)
+            except PublishError as exc:
+                if exc.retryable and attempt < attempts:
+                    time.sleep(0.05 * attempt)
+                    continue
+                self._fail(fp, exc, attempt)
+                return
+            except IntegrityError as exc:
+                self._fail(fp, exc, attempt)
+                return
+            self.stats.publications += 1
+            self.stats.ever_published.add(fp)
+            self._published[fp] = nbytes
+            self._emit(J.Publish(producer=self.pid, fp=fp, nbytes=nbytes))
+            return
+
+    def _fail(self, fp: str, exc: BaseException, attempts: int = 1) -> None:
+        self.stats.failures += 1
+        self._failed[fp] = self._failed.get(fp, 0) + attempts
+        retryable = bool(getattr(exc, "retryable", False))
+        self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=attempts, retryable=retryable,
+                                    error=f"{type(exc).__name__}: {exc}"))
+        log.error("capture of %s failed after %d attempt(s) (retryable=%s): %s", fp, attempts, retryable, exc)
+
+    # -- main loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        """Loop until stopped (signal, ``exit_when_done`` or ``idle_exit_s``)."""
+        self._emit(J.ProducerStart(producer=self.pid, pid=os.getpid(), contract_id=self.contract.contract_id,
+                                   plan_id=self.settings.plan_id))
+        reason = "stopped"
+        try:
+            while not self.stop_event.is_set():
+                worked = self.tick()
+                if worked:
+                    self._idle_since = time.monotonic()
+                    continue
+                if self._any_running():
+                    self._idle_since = time.monotonic()
+                elif self.cfg.exit_when_done and self._seen_consumers:
+                    reason = "all consumers finished"
+                    break
+                elif self.cfg.idle_exit_s and time.monotonic() - self._idle_since > self.cfg.idle_exit_s:
+                    reason = f"idle for {self.cfg.idle_exit_s:.0f}s"
+                    break
+                self.stop_event.wait(self.cfg.poll_interval_s)
+            else:
+                reason = "signal"
+            # final pass: nothing is live any more, so everything unleased goes
+            self.evict(self.live_registrations())
+        finally:
+            self._emit(J.ProducerStop(producer=self.pid, reason=reason))
+
+    def _any_running(self) -> bool:
+        return any(r.state == "running" for r in registry.read_all(self.layout))
+
+
+def install_signal_handlers(stop_event: threading.Event) -> None:
+    """SIGINT/SIGTERM set ``stop_event``: the loop finishes its batch and exits cleanly."""
+
+    def handler(signum, _frame):
+        log.info("received %s; finishing the current batch", signal.Signals(signum).name)
+        stop_event.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_producer(cfg: ProducerConfig) -> ProducerStats:
+    """Prepare the root, load the target once, and run the loop. Used by ``artcache producer``."""
+    import torch
+
+    from artcache.backends.hf import HFCaptureBackend
+    from artcache.target import load_target_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    layout, settings, plan, info, _tok = prepare_root(cfg)
+    dtype = getattr(torch, settings.contract.compute_dtype)
+    model = load_target_model(info, device=cfg.device, dtype=dtype)
+    backend = HFCaptureBackend(model, settings.contract, device=cfg.device)
+    journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
+    producer = Producer(layout, settings, plan, backend, cfg, journal)
+    install_signal_handlers(producer.stop_event)
+    _cleanup_orphans(layout)
+    log.info("producer ready: plan %s (%d samples), layers %s, root %s", plan.plan_id[:12], len(plan),
+             list(settings.contract.layer_ids), layout.root)
+    try:
+        producer.run()
+    finally:
+        journal.close()
+    return producer.stats
+
+
+def _cleanup_orphans(layout: CacheLayout) -> int:
+    """Remove temp files whose writer (same host, dead pid) is gone. Never touches a live writer's."""
+    removed = 0
+    me = host_id()
+    for entry in os.scandir(layout.tmp):
+        parts = entry.name.split(".")
+        if len(parts) < 3 or parts[0] != me:
+            continue
+        try:
+            pid = int(parts[1])
+        except ValueError:
+            continue
+        if not registry._pid_alive(pid):
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+__all__ = ["ArtcacheError", "CaptureFailed", "Producer", "ProducerConfig", "prepare_root", "run_producer"]

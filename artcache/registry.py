@@ -1,0 +1,187 @@
+"""Consumer registrations: ``consumers/<id>.json``, replaced atomically under a per-consumer lock.
+
+A registration carries the consumer's committed cursor, its window, a heartbeat and a generation
+number (the fence). Every read-modify-write takes ``locks/consumer-<id>.lock`` so the producer's
+fencing and the consumer's heartbeat cannot lose each other's update. A consumer whose generation
+or state changed under it has been fenced and must stop (:class:`ConsumerFenced`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+from filelock import FileLock
+
+from artcache.errors import ConsumerFenced
+from artcache.fsio import atomic_write
+from artcache.layout import CacheLayout, host_id
+
+State = Literal["running", "completed", "cancelled", "failed", "expired"]
+TERMINAL = frozenset({"completed", "cancelled", "failed", "expired"})
+
+
+class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One consumer's registration.
+
+    Attributes:
+        consumer_id: validated id. draft: draft algorithm name.
+        state: ``running`` or a terminal state; only ``running`` windows count.
+        generation: bumped on every (re)registration and every fence.
+        cursor: committed position: every position < cursor was consumed by an optimizer step.
+        lookbehind, lookahead: window = [cursor - lookbehind, cursor + lookahead] (positions).
+        batch_size: positions consumed per optimizer step.
+        demand: positions the consumer is blocked on now (demand misses).
+        heartbeat: time.time() of the last heartbeat (seconds).
+    """
+
+    consumer_id: str
+    draft: str
+    state: State = "running"
+    generation: int = 0
+    cursor: int = 0
+    lookbehind: int = 0
+    lookahead: int = 1
+    batch_size: int = 1
+    demand: list[int] = []
+    heartbeat: float = 0.0
+    pid: int = 0
+    host: str = ""
+    reason: str = ""
+
+    def window(self) -> tuple[int, int]:
+        """Inclusive window [lo, hi] of positions."""
+        return max(0, self.cursor - self.lookbehind), self.cursor + self.lookahead
+
+    def window_size(self) -> int:
+        return self.lookbehind + self.lookahead + 1
+
+    def is_live(self, now: float, heartbeat_timeout: float) -> bool:
+        return self.state == "running" and now - self.heartbeat <= heartbeat_timeout
+
+
+_enc = msgspec.json.Encoder()
+
+
+def read(layout: CacheLayout, consumer_id: str) -> Registration | None:
+    """The registration, or None if absent. A torn file cannot exist (atomic replace)."""
+    try:
+        return msgspec.json.decode(layout.consumer_path(consumer_id).read_bytes(), type=Registration)
+    except FileNotFoundError:
+        return None
+
+
+def read_all(layout: CacheLayout) -> list[Registration]:
+    """All registrations (unreadable files are skipped)."""
+    out = []
+    for path in sorted(layout.consumers.glob("*.json")):
+        try:
+            out.append(msgspec.json.decode(path.read_bytes(), type=Registration))
+        except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return out
+
+
+def _write(layout: CacheLayout, reg: Registration) -> None:
+    atomic_write(layout.consumer_path(reg.consumer_id), [_enc.encode(reg)], layout.tmp, durable=False)
+
+
+def update(layout: CacheLayout, consumer_id: str, fn: Callable[[Registration | None], Registration | None],
+           timeout: float = 30.0) -> Registration | None:
+    """Read-modify-write under the consumer's lock. ``fn`` returns the new value (None: no write)."""
+    with FileLock(layout.consumer_lock(consumer_id), timeout=timeout):
+        new = fn(read(layout, consumer_id))
+        if new is not None:
+            _write(layout, new)
+        return new
+
+
+def register(layout: CacheLayout, reg: Registration) -> Registration:
+    """(Re)register: bump the generation past any previous one, state running, heartbeat now."""
+
+    def fn(old: Registration | None) -> Registration:
+        if old is not None and old.state == "running" and old.pid and old.host == host_id() \
+                and old.pid != reg.pid and _pid_alive(old.pid):
+            raise ConsumerFenced(
+                f"consumer id {reg.consumer_id!r} is already running as pid {old.pid}; "
+                "choose another --id")
+        return msgspec.structs.replace(
+            reg, generation=(old.generation + 1) if old else 1, state="running",
+            heartbeat=time.time(), host=host_id())
+
+    return update(layout, reg.consumer_id, fn)
+
+
+class ConsumerHandle:
+    """A consumer's own view of its registration; every write checks the fence first."""
+
+    def __init__(self, layout: CacheLayout, reg: Registration) -> None:
+        self.layout = layout
+        self.consumer_id = reg.consumer_id
+        self.generation = reg.generation
+        self.current = reg
+
+    def _modify(self, **changes) -> Registration:
+        def fn(old: Registration | None) -> Registration:
+            if old is None or old.generation != self.generation or old.state != "running":
+                state = old.state if old else "missing"
+                reason = old.reason if old else ""
+                raise ConsumerFenced(
+                    f"consumer {self.consumer_id!r} was fenced (state {state}, generation "
+                    f"{old.generation if old else '-'} != {self.generation}) {reason}".strip())
+            return msgspec.structs.replace(old, heartbeat=time.time(), **changes)
+
+        self.current = update(self.layout, self.consumer_id, fn)
+        return self.current
+
+    def heartbeat(self) -> Registration:
+        return self._modify()
+
+    def commit_cursor(self, cursor: int) -> Registration:
+        """Commit progress after the optimizer step that consumed positions < cursor."""
+        if cursor < self.current.cursor:
+            raise ValueError(f"cursor may not move backwards ({self.current.cursor} -> {cursor})")
+        return self._modify(cursor=cursor)
+
+    def set_demand(self, positions: list[int]) -> Registration:
+        return self._modify(demand=sorted(set(positions)))
+
+    def finish(self, state: State, reason: str = "") -> Registration | None:
+        """Fence ourselves into a terminal state (generation bumped). No-op if already fenced."""
+
+        def fn(old: Registration | None) -> Registration | None:
+            if old is None or old.generation != self.generation:
+                return None
+            return msgspec.structs.replace(old, state=state, generation=old.generation + 1,
+                                           demand=[], reason=reason, heartbeat=time.time())
+
+        return update(self.layout, self.consumer_id, fn)
+
+
+def fence(layout: CacheLayout, consumer_id: str, state: State, reason: str,
+          expect_generation: int | None = None) -> Registration | None:
+    """Fence a consumer from outside (producer): bump generation, set a terminal state."""
+
+    def fn(old: Registration | None) -> Registration | None:
+        if old is None or old.state in TERMINAL:
+            return None
+        if expect_generation is not None and old.generation != expect_generation:
+            return None
+        return msgspec.structs.replace(old, state=state, generation=old.generation + 1, demand=[],
+                                       reason=reason)
+
+    return update(layout, consumer_id, fn)
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

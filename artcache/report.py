@@ -1,0 +1,55 @@
+"""Plain-text tables for ``artcache inspect`` and the bench."""
+
+from __future__ import annotations
+
+from artcache.accounting import Accounting
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A fixed-width text table."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def format_accounting(acc: Accounting) -> str:
+    c = acc.cache
+    shared = [
+        ["captures (producer, once)", c.captures], ["publications", c.publications],
+        ["capture failures", c.failures], ["recaptures", c.recaptures], ["evictions", c.evictions],
+        ["coalesced requests", c.coalesced],
+        ["distinct positions consumed", c.distinct_positions_consumed],
+        ["captures / consumed position", round(c.captures_per_consumed_position, 3)],
+        ["retained artifacts now", c.retained_artifacts], ["retained bytes now", c.retained_bytes],
+        ["max retained artifacts", c.max_retained_artifacts],
+        ["window bound (artifacts)", c.window_bound_artifacts], ["max retained bytes", c.max_retained_bytes],
+        ["leases acquired", c.leases_acquired], ["leases released", c.leases_released],
+        ["leases expired", c.leases_expired], ["leases held now", c.leases_held],
+        ["fences", c.fences], ["producer busy (s)", round(c.producer_busy_s, 2)],
+        ["torn journal lines", c.torn_journal_lines],
+    ]
+    per = [[k.consumer, k.draft, k.block_size, f"{k.lookbehind}:{k.lookahead}", k.state, k.steps, k.cursor,
+            k.logical_requests, k.hits, k.misses, round(k.wait_s, 2), k.leases_acquired, k.leases_released,
+            k.timeouts, k.quarantined] for k in acc.consumers]
+    totals = ["total (consumer requests)", "", "", "", "", "", "", c.logical_requests, c.hits, c.misses, "",
+              c.leases_acquired, c.leases_released, c.timeouts, c.quarantined]
+    out = ["Shared production (counted once):", table(["counter", "value"], shared), "",
+           "Per consumer (each consumer's own requests and committed work):",
+           table(["consumer", "draft", "B", "window", "state", "steps", "cursor", "requests", "hits", "misses",
+                  "wait_s", "leases+", "leases-", "timeouts", "quarantined"], [*per, totals]), ""]
+    if acc.violations:
+        out.append("INVARIANT VIOLATIONS:")
+        out.extend(f"  - {v}" for v in acc.violations)
+    else:
+        out.append("invariants: ok (captures = publications + failures; leases balance; "
+                   "requests = hits + misses; max retained <= window bound)")
+    return "\n".join(out)

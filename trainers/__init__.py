@@ -1,0 +1,1 @@
+"""Draft-model trainers fed by artcache: models, losses, metrics, training loops."""
