@@ -159,7 +159,7 @@ def inspect(cache, as_json):
 @click.option("--device", default="cpu", type=click.Choice(["cpu", "cuda"]))
 @click.option("--out", "out_dir", default="bench-out", help="Output directory (one subdirectory per scenario).")
 @click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 5 cpu, 30 cuda).")
-@click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 40 cpu, 150 cuda).")
+@click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 30 cpu, 150 cuda).")
 @click.option("--target", default="smollm2-135m-instruct", help="Target name or HF directory.")
 @click.option("--max-length", default=512, type=int)
 @click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 32 cpu, 256 cuda).")
@@ -174,7 +174,7 @@ def bench(scenario, device, out_dir, warmup, steps, target, max_length, anchors,
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,
                       warmup=warmup if warmup is not None else (30 if device == "cuda" else 5),
-                      steps=steps if steps is not None else (150 if device == "cuda" else 40),
+                      steps=steps if steps is not None else (150 if device == "cuda" else 30),
                       target=target, max_length=max_length,
                       anchors=anchors if anchors is not None else (256 if device == "cuda" else 32),
                       batch_size=batch_size, window=window, allow_shared_gpu=allow_shared_gpu)

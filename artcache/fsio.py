@@ -54,6 +54,7 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path
     """
     tmp = tmp_dir / f"{unique_suffix()}.part"
     written = 0
+    renamed = False
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -69,11 +70,13 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path
             os.close(fd)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
+        renamed = True
         if durable:
             fsync_dir(dest.parent)
     except OSError as exc:
         try:
-            os.unlink(tmp)
+            # the directory fsync failed after the rename: withdraw it, nothing counts as published
+            os.unlink(dest if renamed else tmp)
         except FileNotFoundError:
             pass
         except OSError:

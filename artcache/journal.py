@@ -7,6 +7,7 @@ merges all of them. A torn last line (the writer was killed mid-write) is skippe
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -238,6 +239,17 @@ class JournalReadResult(msgspec.Struct):
     torn_lines: int
 
 
+def _decode(line: bytes) -> Event:
+    try:
+        return _decoder.decode(line)
+    except msgspec.ValidationError:
+        # msgspec writes non-finite floats (a diverged step's NaN loss) as null: read them back as NaN
+        raw = msgspec.json.decode(line)
+        if not isinstance(raw, dict) or None not in raw.values():
+            raise
+        return msgspec.convert({k: math.nan if v is None else v for k, v in raw.items()}, AnyEvent)
+
+
 def iter_file(path: Path) -> Iterator[Event | None]:
     """Yield events of one journal file; ``None`` for an undecodable (torn) line."""
     with open(path, "rb") as f:
@@ -245,7 +257,7 @@ def iter_file(path: Path) -> Iterator[Event | None]:
             if not line.strip():
                 continue
             try:
-                yield _decoder.decode(line)
+                yield _decode(line)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 yield None
 

@@ -33,6 +33,8 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         cursor: committed position: every position < cursor was consumed by an optimizer step.
         lookbehind, lookahead: window = [cursor - lookbehind, cursor + lookahead] (positions).
         batch_size: positions consumed per optimizer step.
+        end: exclusive last position the consumer will ever read (its steps × batch size), or -1
+            when unbounded; the window is clipped there so nothing past a run's end is prefetched.
         demand: positions the consumer is blocked on now (demand misses).
         heartbeat: time.time() of the last heartbeat (seconds).
     """
@@ -45,6 +47,7 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lookbehind: int = 0
     lookahead: int = 1
     batch_size: int = 1
+    end: int = -1
     demand: list[int] = []
     heartbeat: float = 0.0
     pid: int = 0
@@ -52,8 +55,15 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reason: str = ""
 
     def window(self) -> tuple[int, int]:
-        """Inclusive window [lo, hi] of positions."""
-        return max(0, self.cursor - self.lookbehind), self.cursor + self.lookahead
+        """Inclusive window [lo, hi] of positions (hi < lo when the consumer is past its end)."""
+        hi = self.cursor + self.lookahead
+        if self.end >= 0:
+            hi = min(hi, self.end - 1)
+        return max(0, self.cursor - self.lookbehind), hi
+
+    def readable(self) -> tuple[int, int]:
+        """Inclusive range [cursor, hi] the consumer's workers may acquire (and the producer prefetch)."""
+        return self.cursor, self.window()[1]
 
     def window_size(self) -> int:
         return self.lookbehind + self.lookahead + 1
@@ -123,7 +133,7 @@ class ConsumerHandle:
         self.generation = reg.generation
         self.current = reg
 
-    def _modify(self, **changes) -> Registration:
+    def _modify(self, check: Callable[[Registration], None] | None = None, **changes) -> Registration:
         def fn(old: Registration | None) -> Registration:
             if old is None or old.generation != self.generation or old.state != "running":
                 state = old.state if old else "missing"
@@ -131,6 +141,8 @@ class ConsumerHandle:
                 raise ConsumerFenced(
                     f"consumer {self.consumer_id!r} was fenced (state {state}, generation "
                     f"{old.generation if old else '-'} != {self.generation}) {reason}".strip())
+            if check is not None:
+                check(old)
             return msgspec.structs.replace(old, heartbeat=time.time(), **changes)
 
         self.current = update(self.layout, self.consumer_id, fn)
@@ -141,9 +153,12 @@ class ConsumerHandle:
 
     def commit_cursor(self, cursor: int) -> Registration:
         """Commit progress after the optimizer step that consumed positions < cursor."""
-        if cursor < self.current.cursor:
-            raise ValueError(f"cursor may not move backwards ({self.current.cursor} -> {cursor})")
-        return self._modify(cursor=cursor)
+        def check(old: Registration) -> None:
+            # against the registration read under the lock: self.current may be another thread's stale copy
+            if cursor < old.cursor:
+                raise ValueError(f"cursor may not move backwards ({old.cursor} -> {cursor})")
+
+        return self._modify(check, cursor=cursor)
 
     def set_demand(self, positions: list[int]) -> Registration:
         return self._modify(demand=sorted(set(positions)))

@@ -60,24 +60,26 @@ def wanted(regs: Iterable[Registration], fp_of: Callable[[int], str], published:
            max_queue: int) -> list[Want]:
     """Unpublished fingerprints inside live windows, demand first, then by distance from cursor.
 
-    Only positions in ``[cursor, cursor + lookahead]`` are ever wanted: the lookbehind is
-    retained if present but never (re)captured.
+    Only positions in ``[cursor, min(cursor + lookahead, end - 1)]`` are ever wanted: the
+    lookbehind is retained if present but never (re)captured, and nothing past a consumer's
+    announced end is prefetched.
     """
     by_fp: dict[str, Want] = {}
     regs = list(regs)
     # demand misses: positions a consumer is blocked on (still inside its window)
     for reg in regs:
+        lo, hi = reg.readable()
         for p in reg.demand:
-            if reg.cursor <= p <= reg.cursor + reg.lookahead:
+            if lo <= p <= hi:
                 _add(by_fp, fp_of(p), p, (0, p - reg.cursor), reg.consumer_id, published)
     # prefetch, interleaved across consumers by distance from each cursor
-    for dist in range(max((r.lookahead for r in regs), default=-1) + 1):
+    spans = [(reg, *reg.readable()) for reg in regs]
+    for dist in range(max((hi - lo for _, lo, hi in spans), default=-1) + 1):
         if len(by_fp) >= max_queue:
             break
-        for reg in regs:
-            if dist <= reg.lookahead:
-                p = reg.cursor + dist
-                _add(by_fp, fp_of(p), p, (1, dist), reg.consumer_id, published)
+        for reg, lo, hi in spans:
+            if lo + dist <= hi:
+                _add(by_fp, fp_of(lo + dist), lo + dist, (1, dist), reg.consumer_id, published)
     out = sorted(by_fp.values(), key=lambda w: w.priority)
     return out[:max_queue]
 

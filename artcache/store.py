@@ -85,7 +85,9 @@ def _encode(fp: str, contract: CaptureContract, tensors: dict[str, torch.Tensor]
     data = memoryview(blob)[8 + hlen:]
     header = json.loads(blob[8:8 + hlen])
     header["__metadata__"]["content_hash"] = digest_bytes(data)
-    hjson = json.dumps(header, separators=(",", ":")).encode()
+    # sorted keys: safetensors writes its metadata map in hash order, which varies between calls;
+    # same fingerprint must give the same bytes
+    hjson = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     hjson += b" " * (-len(hjson) % 8)
     return struct.pack("<Q", len(hjson)) + hjson, data
 
@@ -146,6 +148,9 @@ def read(layout: CacheLayout, fp: str, contract: CaptureContract) -> Artifact:
         meta, data = _parse(buf, fp)
         if meta.get("fingerprint") != fp:
             raise IntegrityError(f"artifact {fp} carries fingerprint {meta.get('fingerprint')!r}")
+        if meta.get("artcache_format") != str(FORMAT_VERSION):
+            raise IntegrityError(f"artifact {fp} has format {meta.get('artcache_format')!r}, "
+                                 f"expected {FORMAT_VERSION}")
         if meta.get("contract_id") != contract.contract_id:
             raise IntegrityError(f"artifact {fp} was captured under another contract")
         if digest_bytes(data) != meta.get("content_hash"):

@@ -203,7 +203,7 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
         "accounting_violations": acc.violations,
         "checks": checks,
         "telemetry": sampler.summary(roles, t0, t1),
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+        "environment": {"python": platform.python_version(), "torch": str(torch.__version__),
                         "platform": platform.platform(), "cpus": os.cpu_count(), **sampler.environment(),
                         "settings": {"target": cfg.target, "max_length": cfg.max_length, "anchors": cfg.anchors,
                                      "batch_size": cfg.batch_size, "window": cfg.window}},

@@ -241,7 +241,8 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
     journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
     reg = registry.register(layout, registry.Registration(
         consumer_id=cfg.consumer_id, draft=cfg.draft, cursor=0, lookbehind=cfg.lookbehind,
-        lookahead=cfg.lookahead, batch_size=cfg.batch_size, pid=os.getpid(), host=host_id()))
+        lookahead=cfg.lookahead, batch_size=cfg.batch_size, end=cfg.steps * cfg.batch_size, pid=os.getpid(),
+        host=host_id()))
     handle = registry.ConsumerHandle(layout, reg)
     journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
                                  block_size=cfg.block_size, batch_size=cfg.batch_size,

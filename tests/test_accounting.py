@@ -1,0 +1,219 @@
+"""accounting: counts from journals + disk, invariants hold on a consistent root, each violation reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from artcache import journal as J
+from artcache import leases, store
+from artcache.accounting import CacheCounts, account, check_invariants
+from artcache.contract import CaptureContract
+from artcache.layout import CacheLayout
+
+C = CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
+                    layer_ids=(0,), max_length=8, tokenizer_digest="k", template_digest="m")
+
+
+def fp(i: int) -> str:
+    return f"{i:040x}"
+
+
+@pytest.fixture()
+def layout(tmp_path) -> CacheLayout:
+    lay = CacheLayout(tmp_path / "root")
+    lay.create()
+    return lay
+
+
+def write(layout: CacheLayout, name: str, events) -> None:
+    with J.JournalWriter(layout.journal / f"{name}.jsonl") as w:
+        for i, ev in enumerate(events):
+            if not ev.t:
+                ev.t = 1000.0 + i
+            w.emit(ev)
+
+
+def publish_file(layout: CacheLayout, i: int) -> int:
+    ts = {"hidden_states": torch.zeros(1, 1, 2, dtype=torch.bfloat16),
+          "input_ids": torch.tensor([i], dtype=torch.int32), "loss_mask": torch.ones(1, dtype=torch.uint8)}
+    return store.publish(layout, fp(i), C, ts, durable=False)
+
+
+def consistent(layout: CacheLayout) -> dict:
+    """A small but complete consistent run: 2 consumers, 4 captures (1 failed, 1 recapture)."""
+    n1 = publish_file(layout, 1)
+    held = leases.acquire(layout, fp(1), "a")
+    producer = [
+        J.ProducerStart(producer="p", pid=1, contract_id="c" * 40, plan_id="d" * 40),
+        J.CaptureBatch(producer="p", fps=[fp(0), fp(1)], samples=2, tokens=10, padded_tokens=12, start=5.0,
+                       end=7.5),
+        J.Capture(producer="p", fp=fp(0), positions=[0], tokens=5),
+        J.Publish(producer="p", fp=fp(0), nbytes=100),
+        J.Capture(producer="p", fp=fp(1), positions=[1], tokens=5),
+        J.Coalesced(producer="p", fp=fp(1), requesters=1),
+        J.Publish(producer="p", fp=fp(1), nbytes=n1),
+        J.Capture(producer="p", fp=fp(2), positions=[2], tokens=5),
+        J.CaptureFailure(producer="p", fp=fp(2), attempts=3, retryable=True, error="PublishError: EIO"),
+        J.Evict(producer="p", fp=fp(0), nbytes=100),
+        J.Capture(producer="p", fp=fp(0), positions=[0], tokens=5, recapture=True),
+        J.Publish(producer="p", fp=fp(0), nbytes=100),
+        J.Evict(producer="p", fp=fp(0), nbytes=100),
+        J.Retained(producer="p", artifacts=2, nbytes=200, window_bound=5),
+        J.LeaseExpire(producer="p", fp=fp(0), lease=f"{fp(0)}~b~h~9~00", reason="holder-dead"),
+        J.Fence(producer="p", consumer="b", generation=2, state="failed", reason="process 9 is gone"),
+    ]
+    cons_a = [
+        J.ConsumerStart(consumer="a", pid=2, draft="dflash", block_size=4, batch_size=1, lookbehind=0,
+                        lookahead=2, cursor=0),
+        J.LeaseAcquire(consumer="a", fp=fp(0), lease="l1"),
+        J.Request(consumer="a", position=0, fp=fp(0), hit=True),
+        J.LeaseRelease(consumer="a", fp=fp(0), lease="l1"),
+        J.LeaseAcquire(consumer="a", fp=fp(1), lease=held),
+        J.Request(consumer="a", position=1, fp=fp(1), hit=False, wait_s=0.5),
+        J.Step(consumer="a", step=1, cursor=2, loss=1.0, tau_sum=1.0, blocks=1, acc_correct=[1],
+               acc_total=[1], wait_s=0.5, step_s=1.0, lr=1e-3),
+    ]
+    cons_b = [
+        J.ConsumerStart(consumer="b", pid=9, draft="eagle3", block_size=1, batch_size=1, lookbehind=1,
+                        lookahead=0, cursor=0),
+        J.LeaseAcquire(consumer="b", fp=fp(0), lease=f"{fp(0)}~b~h~9~00"),
+        J.Request(consumer="b", position=0, fp=fp(0), hit=False, wait_s=1.0),
+        J.Quarantined(consumer="b", fp=fp(0), reason="hash"),
+        J.ConsumerEnd(consumer="b", state="failed", steps=0, cursor=1, error="CaptureTimeout: position 1"),
+    ]
+    return {"producer-p-1": producer, "consumer-a-2": cons_a, "consumer-b-9": cons_b}
+
+
+def write_all(layout, journals):
+    for name, evs in journals.items():
+        write(layout, name, evs)
+
+
+def test_consistent_root_has_no_violations_and_right_counts(layout):
+    write_all(layout, consistent(layout))
+    acc = account(layout)
+    assert acc.violations == []
+    c = acc.cache
+    assert (c.captures, c.publications, c.failures, c.recaptures) == (4, 3, 1, 1)
+    assert c.distinct_fingerprints_captured == 3
+    assert c.evictions == 2 and c.coalesced == 1 and c.fences == 1
+    assert (c.logical_requests, c.hits, c.misses) == (3, 1, 2)
+    assert (c.leases_acquired, c.leases_released, c.leases_expired, c.leases_held) == (3, 1, 1, 1)
+    assert c.retained_artifacts == 1 and c.max_retained_artifacts == 2
+    assert c.window_bound_artifacts == 3 + 2
+    assert c.producer_busy_s == pytest.approx(2.5)
+    assert c.timeouts == 1 and c.quarantined == 1
+    assert c.distinct_positions_consumed == 2
+    assert c.captures_per_consumed_position == pytest.approx(2.0)
+    a, b = acc.consumers
+    assert (a.consumer, a.hits, a.misses, a.steps, a.cursor, a.state) == ("a", 1, 1, 1, 2, "running")
+    assert (b.consumer, b.state, b.timeouts, b.quarantined) == ("b", "failed", 1, 1)
+    # production is counted once, not per consumer: 3 logical requests, 4 captures, 3 distinct fps
+    assert c.captures != c.logical_requests
+
+
+def test_capture_without_outcome_is_reported(layout):
+    j = consistent(layout)
+    j["producer-p-1"].append(J.Capture(producer="p", fp=fp(5), positions=[5], tokens=5))
+    write_all(layout, j)
+    v = account(layout).violations
+    assert len(v) == 1 and "captures 5 != publications 3 + failures 1" in v[0]
+
+
+def test_publication_without_capture_is_reported(layout):
+    j = consistent(layout)
+    j["producer-p-1"].append(J.Publish(producer="p", fp=fp(6), nbytes=1))
+    write_all(layout, j)
+    v = account(layout).violations
+    assert len(v) == 1 and v[0].startswith("captures")
+
+
+def test_unreleased_lease_is_reported(layout):
+    j = consistent(layout)
+    j["consumer-a-2"].append(J.LeaseAcquire(consumer="a", fp=fp(1), lease="never-released"))
+    write_all(layout, j)
+    v = account(layout).violations
+    assert len(v) == 1 and "leases acquired 4 != released 1 + expired 1 + held 1" in v[0]
+
+
+def test_lease_file_without_acquire_event_is_reported(layout):
+    write_all(layout, consistent(layout))
+    leases.acquire(layout, fp(3), "a")
+    v = account(layout).violations
+    assert len(v) == 1 and "held 2" in v[0]
+
+
+def test_lease_released_by_consumer_and_expired_is_reported(layout):
+    j = consistent(layout)
+    # the same lease counted twice (released and expired) breaks the balance
+    j["consumer-a-2"].append(J.LeaseRelease(consumer="a", fp=fp(0), lease="l1"))
+    write_all(layout, j)
+    v = account(layout).violations
+    assert len(v) == 1 and v[0].startswith("leases acquired")
+
+
+def test_retained_above_window_bound_is_reported(layout):
+    j = consistent(layout)
+    j["producer-p-1"].append(J.Retained(producer="p", artifacts=6, nbytes=600, window_bound=5))
+    write_all(layout, j)
+    v = account(layout).violations
+    assert len(v) == 1 and "max retained artifacts 6 exceeded the window bound 5" in v[0]
+
+
+def test_several_violations_reported_together(layout):
+    j = consistent(layout)
+    j["producer-p-1"] += [J.Capture(producer="p", fp=fp(5), positions=[5], tokens=5),
+                          J.Retained(producer="p", artifacts=60, nbytes=600, window_bound=5)]
+    j["consumer-a-2"].append(J.LeaseAcquire(consumer="a", fp=fp(1), lease="x"))
+    write_all(layout, j)
+    assert len(account(layout).violations) == 3
+
+
+def test_torn_journal_lines_counted(layout):
+    write_all(layout, consistent(layout))
+    with open(layout.journal / "consumer-a-2.jsonl", "ab") as f:
+        f.write(b'{"kind":"request","consumer":"a","posi')
+    acc = account(layout)
+    assert acc.cache.torn_journal_lines == 1 and acc.violations == []
+
+
+def test_empty_root(layout):
+    acc = account(layout)
+    assert acc.violations == [] and acc.consumers == [] and acc.cache.captures == 0
+
+
+# check_invariants directly: the invariants that a journal cannot violate through account()'s own counting
+def _ok() -> CacheCounts:
+    return CacheCounts(captures=4, publications=3, failures=1, recaptures=1, distinct_fingerprints_captured=3,
+                       leases_acquired=3, leases_released=1, leases_expired=1, leases_held=1,
+                       logical_requests=3, hits=1, misses=2, max_retained_artifacts=2, window_bound_artifacts=5)
+
+
+def test_check_invariants_ok():
+    assert check_invariants(_ok(), []) == []
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (dict(publications=4), "captures 4 != publications 4 + failures 1"),
+    (dict(failures=0), "captures 4 != publications 3 + failures 0"),
+    (dict(leases_held=0), "leases acquired 3"),
+    (dict(leases_expired=2), "leases acquired 3"),
+    (dict(hits=2), "logical requests 3 != hits 2 + misses 2"),
+    (dict(max_retained_artifacts=6), "max retained artifacts 6 exceeded the window bound 5"),
+    (dict(recaptures=5), "recaptures 5 > captures 4"),
+    (dict(distinct_fingerprints_captured=5), "more distinct fingerprints than captures"),
+])
+def test_check_invariants_each_violation(change, needle):
+    c = _ok()
+    for k, v in change.items():
+        setattr(c, k, v)
+    v = check_invariants(c, [])
+    assert len(v) == 1 and needle in v[0]
+
+
+def test_no_window_bound_known_disables_the_bound_check():
+    c = _ok()
+    c.window_bound_artifacts = 0
+    c.max_retained_artifacts = 100
+    assert check_invariants(c, []) == []

@@ -1,0 +1,285 @@
+"""registry: registration, generation fencing, monotonic cursor, terminal states, concurrent updates."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from artcache import registry
+from artcache.errors import ConfigError, ConsumerFenced
+from artcache.layout import CacheLayout, host_id
+from artcache.registry import ConsumerHandle, Registration
+
+
+@pytest.fixture()
+def layout(tmp_path) -> CacheLayout:
+    lay = CacheLayout(tmp_path / "root")
+    lay.create()
+    return lay
+
+
+def reg(cid: str = "c1", **kw) -> Registration:
+    kw.setdefault("pid", os.getpid())
+    return Registration(consumer_id=cid, draft="dflash", lookbehind=2, lookahead=4, **kw)
+
+
+def test_register_sets_running_and_generation(layout):
+    t0 = time.time()
+    r = registry.register(layout, reg())
+    assert r.generation == 1 and r.state == "running"
+    assert r.host == host_id() and r.heartbeat >= t0
+    assert registry.read(layout, "c1") == r
+    r2 = registry.register(layout, reg())  # same pid: a restart of the same process is allowed
+    assert r2.generation == 2
+    assert registry.read(layout, "c1").generation == 2
+
+
+def test_register_bumps_past_terminal_generation(layout):
+    r = registry.register(layout, reg())
+    registry.fence(layout, "c1", "failed", "boom")
+    assert registry.read(layout, "c1").generation == r.generation + 1
+    r3 = registry.register(layout, reg())
+    assert r3.generation == r.generation + 2 and r3.state == "running" and r3.cursor == 0
+
+
+def test_register_rejects_bad_id(layout):
+    for bad in ("../x", ".hidden", "a~b", "", "x" * 65, "a/b"):
+        with pytest.raises(ConfigError):
+            registry.register(layout, Registration(consumer_id=bad, draft="d"))
+    assert list(layout.consumers.iterdir()) == []
+
+
+def test_read_absent_and_read_all(layout):
+    assert registry.read(layout, "nobody") is None
+    registry.register(layout, reg("a"))
+    registry.register(layout, reg("b"))
+    (layout.consumers / "broken.json").write_bytes(b"{not json")
+    (layout.consumers / "other.json").write_bytes(b'{"consumer_id":"other","draft":"d","bogus":1}')
+    assert [r.consumer_id for r in registry.read_all(layout)] == ["a", "b"]
+
+
+def test_window_and_liveness():
+    r = Registration(consumer_id="c", draft="d", cursor=10, lookbehind=3, lookahead=5, heartbeat=100.0)
+    assert r.window() == (7, 15) and r.window_size() == 9
+    assert Registration(consumer_id="c", draft="d", cursor=1, lookbehind=3, lookahead=5).window() == (0, 6)
+    assert r.is_live(now=120.0, heartbeat_timeout=30.0)
+    assert not r.is_live(now=131.0, heartbeat_timeout=30.0)
+    for state in registry.TERMINAL:
+        assert not Registration(consumer_id="c", draft="d", state=state, heartbeat=100.0).is_live(100.0, 30.0)
+
+
+# ---- fencing -------------------------------------------------------------------------------------
+def test_handle_writes_fail_after_fence(layout):
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    h.heartbeat()
+    h.commit_cursor(3)
+    f = registry.fence(layout, "c1", "expired", "no heartbeat")
+    assert f.state == "expired" and f.generation == h.generation + 1 and f.reason == "no heartbeat"
+    before = registry.read(layout, "c1")
+    for op in (h.heartbeat, lambda: h.commit_cursor(4), lambda: h.set_demand([5])):
+        with pytest.raises(ConsumerFenced):
+            op()
+    assert registry.read(layout, "c1") == before  # nothing written by the fenced handle
+    assert before.cursor == 3
+
+
+def test_fence_is_a_noop_on_terminal_or_absent(layout):
+    assert registry.fence(layout, "ghost", "failed", "x") is None
+    assert registry.read(layout, "ghost") is None
+    registry.register(layout, reg())
+    first = registry.fence(layout, "c1", "failed", "first")
+    assert registry.fence(layout, "c1", "expired", "second") is None
+    assert registry.read(layout, "c1") == first
+
+
+def test_fence_expect_generation(layout):
+    r = registry.register(layout, reg())
+    assert registry.fence(layout, "c1", "failed", "stale", expect_generation=r.generation - 1) is None
+    assert registry.read(layout, "c1").state == "running"
+    assert registry.fence(layout, "c1", "failed", "ok", expect_generation=r.generation).state == "failed"
+
+
+def test_reregistration_fences_old_handle(layout):
+    old = ConsumerHandle(layout, registry.register(layout, reg()))
+    new = ConsumerHandle(layout, registry.register(layout, reg()))
+    with pytest.raises(ConsumerFenced):
+        old.commit_cursor(1)
+    new.commit_cursor(1)
+    assert registry.read(layout, "c1").cursor == 1
+
+
+def test_handle_fenced_when_registration_deleted(layout):
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    layout.consumer_path("c1").unlink()
+    with pytest.raises(ConsumerFenced):
+        h.heartbeat()
+
+
+# ---- cursor --------------------------------------------------------------------------------------
+def test_commit_cursor_monotonic(layout):
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    assert h.commit_cursor(5).cursor == 5
+    assert h.commit_cursor(5).cursor == 5  # equal is allowed
+    with pytest.raises(ValueError):
+        h.commit_cursor(4)
+    assert registry.read(layout, "c1").cursor == 5
+    h.commit_cursor(9)
+    assert registry.read(layout, "c1").cursor == 9
+
+
+def test_regression_commit_cursor_checks_on_disk_value(layout):
+    """The monotonic check must be made against the registration under the lock, not a cached copy:
+    a stale in-memory view (another thread's update landed after ours) moved the cursor backwards."""
+    r = registry.register(layout, reg())
+    a = ConsumerHandle(layout, r)
+    b = ConsumerHandle(layout, r)  # same generation, stale view
+    a.commit_cursor(10)
+    with pytest.raises(ValueError):
+        b.commit_cursor(5)
+    assert registry.read(layout, "c1").cursor == 10
+
+
+def test_heartbeat_and_demand_update(layout):
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    hb = registry.read(layout, "c1").heartbeat
+    time.sleep(0.01)
+    assert h.heartbeat().heartbeat > hb
+    assert h.set_demand([7, 3, 7]).demand == [3, 7]
+    assert registry.read(layout, "c1").demand == [3, 7]
+
+
+# ---- finish --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("state", ["completed", "cancelled", "failed"])
+def test_finish_sets_terminal_state(layout, state):
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    h.set_demand([2])
+    h.commit_cursor(2)
+    out = h.finish(state, reason="done here")
+    assert out.state == state and out.generation == h.generation + 1
+    assert out.demand == [] and out.reason == "done here" and out.cursor == 2
+    assert registry.read(layout, "c1") == out
+    assert not out.is_live(time.time(), 30.0)
+    with pytest.raises(ConsumerFenced):
+        h.commit_cursor(3)
+    assert h.finish("failed") is None  # second finish: no-op
+    assert registry.read(layout, "c1").state == state
+
+
+def test_finish_after_fence_is_noop(layout):
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    fenced = registry.fence(layout, "c1", "expired", "timeout")
+    assert h.finish("completed") is None
+    assert registry.read(layout, "c1") == fenced
+
+
+# ---- concurrency ---------------------------------------------------------------------------------
+def test_threads_heartbeating_and_committing_lose_nothing(layout):
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    n = 150
+    errors: list[BaseException] = []
+    observed: list[int] = []
+    stop = threading.Event()
+
+    def committer():
+        try:
+            for c in range(1, n + 1):
+                h.commit_cursor(c)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def beater():
+        try:
+            while not stop.is_set():
+                h.heartbeat()
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+
+    def demander():
+        try:
+            i = 0
+            while not stop.is_set():
+                h.set_demand([i % 5])
+                i += 1
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+
+    def watcher():
+        while not stop.is_set():
+            r = registry.read(layout, "c1")
+            observed.append(r.cursor)
+
+    ts = [threading.Thread(target=f) for f in (beater, demander, watcher)]
+    for t in ts:
+        t.start()
+    c = threading.Thread(target=committer)
+    c.start()
+    c.join()
+    stop.set()
+    for t in ts:
+        t.join()
+    assert errors == []
+    final = registry.read(layout, "c1")
+    assert final.cursor == n and final.generation == h.generation and final.state == "running"
+    assert observed == sorted(observed), "cursor moved backwards on disk"
+    with pytest.raises(ValueError):
+        h.commit_cursor(n - 1)
+    assert registry.read(layout, "c1").cursor == n
+
+
+def test_fence_races_heartbeat(layout):
+    """A fence concurrent with heartbeats always wins: afterwards the state is terminal and the
+    heartbeating thread gets ConsumerFenced (it is not overwritten back to running)."""
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    started = threading.Event()
+    raised: list[BaseException] = []
+
+    def beater():
+        try:
+            for _ in range(100_000):
+                h.heartbeat()
+                started.set()
+        except ConsumerFenced as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=beater)
+    t.start()
+    assert started.wait(30)
+    assert registry.fence(layout, "c1", "failed", "test") is not None
+    t.join(60)
+    assert not t.is_alive()
+    r = registry.read(layout, "c1")
+    assert r.state == "failed" and r.generation == h.generation + 1
+    assert len(raised) == 1
+
+
+def test_second_live_registration_from_other_pid_refused(layout):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        first = registry.register(layout, reg(pid=child.pid))
+        with pytest.raises(ConsumerFenced):
+            registry.register(layout, reg(pid=os.getpid()))
+        assert registry.read(layout, "c1") == first
+        # a different id is fine
+        assert registry.register(layout, reg("c2")).generation == 1
+    finally:
+        child.kill()
+        child.wait()
+    # its process is gone: the id may be taken over
+    r = registry.register(layout, reg(pid=os.getpid()))
+    assert r.generation == first.generation + 1 and r.pid == os.getpid()
+
+
+def test_registration_of_finished_consumer_with_live_pid_allowed(layout):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        h = ConsumerHandle(layout, registry.register(layout, reg(pid=child.pid)))
+        h.finish("completed")
+        assert registry.register(layout, reg(pid=os.getpid())).state == "running"
+    finally:
+        child.kill()
+        child.wait()

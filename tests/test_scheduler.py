@@ -1,0 +1,178 @@
+"""scheduler: demand before prefetch, interleaving by distance, dedup, limits, batch packing."""
+
+from __future__ import annotations
+
+import pytest
+
+from artcache.errors import ConfigError
+from artcache.registry import Registration
+from artcache.scheduler import SchedulerLimits, Want, next_batch, wanted, window_bound, window_positions
+
+
+def fp_of(p: int) -> str:
+    return f"{p:040x}"
+
+
+def pos(w: Want) -> int:
+    return int(w.fp, 16)
+
+
+def reg(cid: str, cursor: int, lookahead: int, lookbehind: int = 0, demand=()) -> Registration:
+    return Registration(consumer_id=cid, draft="d", cursor=cursor, lookahead=lookahead, lookbehind=lookbehind,
+                        demand=list(demand))
+
+
+def test_demand_before_prefetch():
+    regs = [reg("a", 10, 5, demand=[14, 12]), reg("b", 100, 3, demand=[101])]
+    q = wanted(regs, fp_of, set(), 100)
+    demand = [w for w in q if w.demand]
+    assert {pos(w) for w in demand} == {12, 14, 101}
+    # every demand entry precedes every prefetch entry
+    first_prefetch = next(i for i, w in enumerate(q) if not w.demand)
+    assert all(w.demand for w in q[:first_prefetch]) and not any(w.demand for w in q[first_prefetch:])
+    assert first_prefetch == 3
+    # demand sorted by distance from its cursor: 101 (1), 12 (2), 14 (4)
+    assert [pos(w) for w in demand] == [101, 12, 14]
+    # a demand position is not queued a second time as prefetch
+    assert len({w.fp for w in q}) == len(q)
+
+
+def test_demand_outside_window_ignored():
+    regs = [reg("a", 10, 5, demand=[9, 16, 3])]
+    q = wanted(regs, fp_of, set(), 100)
+    assert not any(w.demand for w in q)
+    assert [pos(w) for w in q] == list(range(10, 16))
+
+
+def test_prefetch_interleaves_consumers_by_distance():
+    regs = [reg("a", 0, 3), reg("b", 100, 3), reg("c", 200, 1)]
+    q = wanted(regs, fp_of, set(), 100)
+    assert [pos(w) for w in q] == [0, 100, 200, 1, 101, 201, 2, 102, 3, 103]
+    assert all(w.priority == (1, pos(w) % 100) for w in q)
+    assert all(w.positions == {pos(w)} for w in q)
+
+
+def test_published_skipped():
+    regs = [reg("a", 0, 5, demand=[2])]
+    published = {fp_of(p) for p in (0, 2, 3)}
+    q = wanted(regs, fp_of, published, 100)
+    assert [pos(w) for w in q] == [1, 4, 5]
+    assert not any(w.demand for w in q)
+
+
+def test_everything_published_gives_empty_queue():
+    regs = [reg("a", 0, 5), reg("b", 3, 5)]
+    assert wanted(regs, fp_of, {fp_of(p) for p in range(9)}, 100) == []
+    assert wanted([], fp_of, set(), 100) == []
+
+
+def test_duplicates_across_consumers_merge():
+    regs = [reg("a", 0, 4), reg("b", 2, 4, demand=[3])]
+    q = wanted(regs, fp_of, set(), 100)
+    assert len({w.fp for w in q}) == len(q)
+    by = {pos(w): w for w in q}
+    assert set(by) == set(range(0, 7))
+    assert by[3].consumers == {"a", "b"} and by[3].demand and by[3].priority == (0, 1)
+    assert by[2].consumers == {"a", "b"} and by[2].priority == (1, 0)  # b's distance 0 wins over a's 2
+    assert by[0].consumers == {"a"} and by[6].consumers == {"b"}
+    assert q[0] is by[3]
+
+
+def test_merge_keeps_best_priority_and_all_positions():
+    # two positions of the plan with the same fingerprint (the plan wraps): one entry, both positions
+    def wrap(p: int) -> str:
+        return fp_of(p % 10)
+
+    regs = [reg("a", 8, 4)]  # positions 8..12 -> fps 8, 9, 0, 1, 2
+    q = wanted(regs, wrap, set(), 100)
+    assert len(q) == 5
+    regs = [reg("a", 0, 2), reg("b", 9, 2)]  # b wants 9, 10(=0), 11(=1)
+    q = wanted(regs, wrap, set(), 100)
+    by = {w.fp: w for w in q}
+    assert by[fp_of(0)].positions == {0, 10} and by[fp_of(0)].consumers == {"a", "b"}
+    assert by[fp_of(0)].priority == (1, 0) and by[fp_of(0)].position == 0
+
+
+@pytest.mark.parametrize("max_queue", [1, 2, 5, 7, 1000])
+def test_max_queue_honoured(max_queue):
+    regs = [reg("a", 0, 50, demand=[3, 7]), reg("b", 1000, 50)]
+    q = wanted(regs, fp_of, set(), max_queue)
+    assert len(q) == min(max_queue, 102)
+    # the highest-priority entries are the ones kept
+    full = wanted(regs, fp_of, set(), 10_000)
+    assert [w.fp for w in q] == [w.fp for w in full[:max_queue]]
+
+
+def test_max_queue_keeps_demand_even_when_prefetch_is_huge():
+    regs = [reg("a", 0, 10_000, demand=[9_999])]
+    q = wanted(regs, fp_of, set(), 3)
+    assert [pos(w) for w in q] == [9_999, 0, 1]
+
+
+# ---- next_batch ----------------------------------------------------------------------------------
+def mk_queue(n: int) -> list[Want]:
+    return [Want(fp_of(p), p, (1, p)) for p in range(n)]
+
+
+def test_next_batch_sample_limit():
+    q = mk_queue(20)
+    b = next_batch(q, lambda p: 10, SchedulerLimits(max_batch_samples=8, max_batch_tokens=10_000))
+    assert b == q[:8]
+
+
+def test_next_batch_padded_token_limit():
+    lengths = {0: 100, 1: 50, 2: 300, 3: 10, 4: 10}
+    q = mk_queue(5)
+    lim = SchedulerLimits(max_batch_samples=8, max_batch_tokens=600)
+    # 100, 100*2=200, then 300*3=900 > 600: stop (strict priority order, no skipping)
+    assert next_batch(q, lengths.__getitem__, lim) == q[:2]
+    lim = SchedulerLimits(max_batch_samples=8, max_batch_tokens=900)
+    assert next_batch(q, lengths.__getitem__, lim) == q[:3]
+    lim = SchedulerLimits(max_batch_samples=8, max_batch_tokens=1500)
+    assert next_batch(q, lengths.__getitem__, lim) == q[:5]  # 300*5 = 1500 fits exactly
+
+
+def test_next_batch_padded_tokens_never_exceeded():
+    import random
+
+    rnd = random.Random(0)
+    for _ in range(200):
+        n = rnd.randint(1, 30)
+        lengths = [rnd.randint(1, 64) for _ in range(n)]
+        lim = SchedulerLimits(max_batch_samples=rnd.randint(1, 10), max_batch_tokens=rnd.randint(64, 400))
+        q = mk_queue(n)
+        b = next_batch(q, lengths.__getitem__, lim)
+        assert b == q[:len(b)] and len(b) >= 1
+        assert len(b) <= lim.max_batch_samples
+        assert max(lengths[w.position] for w in b) * len(b) <= lim.max_batch_tokens
+        if len(b) < n:  # could not take one more
+            more = b + [q[len(b)]]
+            assert (len(more) > lim.max_batch_samples
+                    or max(lengths[w.position] for w in more) * len(more) > lim.max_batch_tokens)
+
+
+def test_next_batch_always_takes_first():
+    q = mk_queue(3)
+    lim = SchedulerLimits(max_batch_samples=1, max_batch_tokens=1)
+    assert next_batch(q, lambda p: 5000, lim) == q[:1]
+
+
+def test_next_batch_empty_queue():
+    assert next_batch([], lambda p: 1, SchedulerLimits()) == []
+
+
+# ---- limits --------------------------------------------------------------------------------------
+def test_limits_validate():
+    SchedulerLimits(max_batch_tokens=512).validate(512)
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        SchedulerLimits(max_batch_tokens=511).validate(512)
+    for field in ("max_queue", "max_batch_samples", "max_batch_tokens"):
+        with pytest.raises(ConfigError, match=field):
+            SchedulerLimits(**{field: 0}).validate(1)
+
+
+def test_window_positions_and_bound():
+    regs = [reg("a", 10, 3, lookbehind=2), reg("b", 12, 2, lookbehind=5), reg("c", 1, 1, lookbehind=5)]
+    assert window_positions(regs) == set(range(0, 3)) | set(range(7, 15))
+    assert window_bound(regs) == 6 + 8 + 7
+    assert window_positions([]) == set() and window_bound([]) == 0
