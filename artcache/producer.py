@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -124,19 +125,25 @@ def prepare_root(cfg: ProducerConfig):
     spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples)
     cfg.limits.validate(cfg.max_length)
     layout = CacheLayout(_abspath(cfg.cache))
-    layout.create()
     tok = load_tokenizer(info)
-    with FileLock(layout.lock_path("root")):
-        plan = ensure_plan(spec, tok, layout.plans, target_vocab_size=info.vocab_size)
-        contract = CaptureContract(
-            target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-            target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=cfg.dtype,
-            compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
-            max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
-            template_digest=template_digest(tok))
-        settings = init_settings(layout, RootSettings(
-            plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
-            heartbeat_timeout_s=cfg.heartbeat_timeout_s))
+    created = not layout.root.exists()
+    layout.create()
+    try:
+        with FileLock(layout.lock_path("root")):
+            plan = ensure_plan(spec, tok, layout.plans, target_vocab_size=info.vocab_size)
+            contract = CaptureContract(
+                target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
+                target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=cfg.dtype,
+                compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
+                max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
+                template_digest=template_digest(tok))
+            settings = init_settings(layout, RootSettings(
+                plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
+                heartbeat_timeout_s=cfg.heartbeat_timeout_s))
+    except BaseException:
+        if created:  # bad input leaves nothing behind: remove the root this call created
+            shutil.rmtree(layout.root, ignore_errors=True)
+        raise
     return layout, settings, plan, info, tok
 
 
