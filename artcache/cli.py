@@ -10,7 +10,7 @@ import sys
 import click
 import msgspec
 
-from artcache.errors import ArtcacheError, ConfigError
+from artcache.errors import ArtcacheError, CacheRootError, ConfigError
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -28,7 +28,8 @@ def _errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, ValueError) as exc:
+        except (ConfigError, ValueError, CacheRootError) as exc:
+            # a missing / uninitialised cache root is bad input too (README: exit status 2)
             if not isinstance(exc, ArtcacheError) and not isinstance(exc, msgspec.ValidationError):
                 raise
             click.echo(f"artcache: error: {exc}", err=True)
@@ -38,6 +39,31 @@ def _errors(fn):
             sys.exit(1)
 
     return wrapper
+
+
+def _check_device(device: str) -> None:
+    """Reject a device torch cannot use before anything is loaded or written."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r} is not accepted: use cpu, cuda or cuda:<index>")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"--device {device!r}: no CUDA device is visible; use --device cpu")
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"--device {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
+
+
+def _check_min(name: str, value: float, low: float, *, strict: bool = False, accepted: str = "") -> None:
+    """ConfigError naming ``--name value`` unless value >= low (> low when ``strict``)."""
+    if value < low or (strict and value == low) or value != value:  # NaN compares false
+        raise ConfigError(f"--{name} {value} is not accepted: "
+                          f"{accepted or ('a number > ' if strict else 'a number >= ') + str(low)}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -78,6 +104,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
+    _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
+    _check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
+    _check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
+    _check_device(device)
     ids = None
     if layer_ids:
         try:
@@ -121,6 +151,9 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
     if draft not in ("dflash",):
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: dflash")
     lookbehind, lookahead = parse_window(window)
+    _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
+    _check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
+    _check_device(device)
     cfg = ConsumerConfig(
         cache=cache, consumer_id=consumer_id or f"{draft}-b{block_size}", draft=draft, lookbehind=lookbehind,
         lookahead=lookahead, block_size=block_size, num_anchors=anchors, draft_layers=draft_layers,

