@@ -10,7 +10,7 @@ import sys
 import click
 import msgspec
 
-from artcache.errors import ArtcacheError, CacheRootError, ConfigError
+from artcache.errors import ArtcacheError, ConfigError
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -28,7 +28,7 @@ def _errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, ValueError, CacheRootError) as exc:
+        except (ConfigError, ValueError) as exc:
             # a missing / uninitialised cache root is bad input too (README: exit status 2)
             if not isinstance(exc, ArtcacheError) and not isinstance(exc, msgspec.ValidationError):
                 raise
@@ -104,10 +104,6 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
-    _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
-    _check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
-    _check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
-    _check_device(device)
     ids = None
     if layer_ids:
         try:
@@ -151,9 +147,6 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
     if draft not in ("dflash",):
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: dflash")
     lookbehind, lookahead = parse_window(window)
-    _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
-    _check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
-    _check_device(device)
     cfg = ConsumerConfig(
         cache=cache, consumer_id=consumer_id or f"{draft}-b{block_size}", draft=draft, lookbehind=lookbehind,
         lookahead=lookahead, block_size=block_size, num_anchors=anchors, draft_layers=draft_layers,

@@ -36,7 +36,7 @@ SUBDIRS = ("plans", "objects", "locks", "tmp", "consumers", "leases", "journal",
 
 def check_fingerprint(fp: str) -> str:
     """Return ``fp`` if it is a lower-case hex digest (16–128 chars); raise ConfigError otherwise."""
-    if not isinstance(fp, str) or not _HEX.match(fp):
+    if not isinstance(fp, str) or not _HEX.fullmatch(fp):  # fullmatch: "$" would accept a trailing newline
         raise ConfigError(f"invalid fingerprint {fp!r}: expected 16-128 lower-case hex digits")
     return fp
 
@@ -46,7 +46,7 @@ def check_id(value: str, what: str = "id") -> str:
 
     Accepted: 1–64 characters of ``A-Z a-z 0-9 _ . -``, not starting with ``.`` or ``-``.
     """
-    if not isinstance(value, str) or not _ID.match(value) or "~" in value:
+    if not isinstance(value, str) or not _ID.fullmatch(value) or "~" in value:
         raise ConfigError(
             f"invalid {what} {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
             "(not starting with '.' or '-')")

@@ -45,7 +45,7 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
                    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
                    "hidden_act": "silu"},
     "tiny-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                   "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+                   "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "rms_norm_eps": 1e-5,
                    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": True,
                    "hidden_act": "silu"},

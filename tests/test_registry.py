@@ -54,6 +54,17 @@ def test_register_rejects_bad_id(layout):
     assert list(layout.consumers.iterdir()) == []
 
 
+def test_regression_id_with_trailing_newline_rejected(layout):
+    """check_id used re.match with "$", which also matches before a trailing newline: "c1\\n" became a
+    consumer file name."""
+    for bad in ("c1\n", "producer\n"):
+        with pytest.raises(ConfigError):
+            registry.register(layout, Registration(consumer_id=bad, draft="d"))
+        with pytest.raises(ConfigError):
+            layout.journal_path("consumer", bad)
+    assert list(layout.consumers.iterdir()) == []
+
+
 def test_read_absent_and_read_all(layout):
     assert registry.read(layout, "nobody") is None
     registry.register(layout, reg("a"))

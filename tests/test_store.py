@@ -356,6 +356,20 @@ def test_validation_accepts_max_length(layout):
     assert store.read(layout, fp, C).hidden_states.shape == (C.max_length, 2, H)
 
 
+def test_regression_fingerprint_with_trailing_newline_rejected(layout):
+    """check_fingerprint used re.match with "$", which also matches before a trailing newline."""
+    from artcache.errors import ConfigError
+
+    ts = tensors()
+    fp = fp_for(ts)
+    for bad in (fp + "\n", fp[:-1] + "\n"):
+        with pytest.raises(ConfigError):
+            layout.object_path(bad)
+        with pytest.raises(ConfigError):
+            store.publish(layout, bad, C, ts)
+    assert objects_files(layout) == [] and tmp_files(layout) == []
+
+
 def test_publish_rejects_bad_fingerprint(layout):
     from artcache.errors import ConfigError
 

@@ -198,7 +198,7 @@ def test_long_stream_retained_bounded_by_windows(tmp_path, n_positions):
     published; eviction after every tick. Retained artifacts never exceed Σ live window sizes."""
     layout = CacheLayout(tmp_path / "root")
     layout.create()
-    spec = {"fast": (7, 2, 12), "mid": (4, 4, 8), "slow": (2, 0, 16)}  # speed, lookbehind, lookahead
+    spec = {"fast": (13, 4, 32), "mid": (8, 8, 16), "slow": (5, 0, 24)}  # speed, lookbehind, lookahead
     handles = {}
     for cid, (_, lb, la) in spec.items():
         handles[cid] = ConsumerHandle(layout, registry.register(layout, Registration(

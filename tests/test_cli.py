@@ -1,0 +1,472 @@
+"""The command line on bad input: exit status 2, one line naming the bad value and what is accepted,
+and nothing written (no cache root created, no file added to an existing root or directory).
+
+Most cases run in-process through ``click.testing.CliRunner``; a few run the real ``artcache`` console
+script where the process exit status and stderr of the installed entry point are the point.
+
+"Nothing written" means: a cache root path that did not exist still does not exist (nor do missing
+parent directories the command would have had to create); an existing directory, initialised or not,
+keeps exactly the same entries with the same sizes and modification times; the working directory gets
+no ``runs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from artcache.cli import main
+
+DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+VERBS = ("producer", "consume", "inspect", "bench")
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root`` (relative path -> kind, size, mtime) — to prove nothing was written."""
+    out = {}
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = ("d" if p.is_dir() else "f", st.st_size, st.st_mtime_ns)
+    return out
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=True)
+
+
+def assert_bad_input(result, *needles: str, status: int = 2) -> str:
+    """Exit ``status``, no traceback, exactly one stderr line 'artcache: error: ...' containing ``needles``."""
+    assert not (result.exception and not isinstance(result.exception, SystemExit)), (
+        f"uncaught {type(result.exception).__name__}: {result.exception}")
+    assert result.exit_code == status, (result.exit_code, result.output)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
+    line = lines[0]
+    assert line.startswith("artcache: error: "), line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    return line
+
+
+def console_script() -> list[str]:
+    exe = shutil.which("artcache")
+    return [exe] if exe else [sys.executable, "-m", "artcache.cli"]
+
+
+def run_script(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*console_script(), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """An empty working directory (so a stray ``./runs`` would be noticed)."""
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    monkeypatch.chdir(wd)
+    return wd
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, tiny_target) -> Path:
+    """A cache root initialised exactly as ``artcache producer`` would (plan + artcache.json), no model load."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    path = tmp_path_factory.mktemp("cli-root") / "cache"
+    prepare_root(ProducerConfig(cache=str(path), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
+    assert (path / "artcache.json").is_file()
+    return path
+
+
+def producer_args(cache: Path, tiny_target, *extra: str, data: Path | str = DATA) -> list[str]:
+    return ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(data),
+            "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", *extra]
+
+
+def write_json(path: Path, obj) -> Path:
+    path.write_text(json.dumps(obj))
+    return path
+
+
+# ---- consume ---------------------------------------------------------------------------------------
+
+def test_consume_missing_root(tmp_path, workdir):
+    missing = tmp_path / "nope" / "cache"
+    before = snapshot(tmp_path)
+    line = assert_bad_input(invoke("consume", "--cache", str(missing)), str(missing), "artcache producer")
+    assert "does not exist" in line
+    assert not missing.exists() and not missing.parent.exists()
+    assert snapshot(tmp_path) == before
+
+
+def test_consume_empty_dir_is_not_a_root(tmp_path, workdir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = assert_bad_input(invoke("consume", "--cache", str(empty)), str(empty), "artcache.json")
+    assert "not initialised" in line or "not initialized" in line
+    assert list(empty.iterdir()) == []
+    assert list(workdir.iterdir()) == []
+
+
+def test_consume_unknown_draft(root, workdir):
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--draft", "eagle9"), "'eagle9'", "dflash")
+    assert snapshot(root) == before and list(workdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("window", ["64-256", "64:", "a:b", ":", "1:2:3", "-1:5", "", "64:256x"])
+def test_consume_bad_window(root, workdir, window):
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--window", window),
+                     f"--window {window!r}", "LOOKBEHIND:LOOKAHEAD", "64:256")
+    assert snapshot(root) == before and list(workdir.iterdir()) == []
+
+
+def test_consume_lookahead_smaller_than_batch(root, workdir):
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--window", "0:1", "--batch-size", "2"),
+                     "lookahead 1", "2 positions", "--window 0:2")
+    assert snapshot(root) == before and list(workdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--steps", "0"], ["--steps", "0"]),
+    (["--batch-size", "0", "--window", "0:4"], ["--batch-size", "0"]),
+    (["--block-size", "1"], ["--block-size", "1"]),
+    (["--lr", "nan"], ["--lr", "nan"]),
+    (["--id", "../escape"], ["'../escape'", "A-Z a-z 0-9"]),
+    (["--id", "a~b"], ["'a~b'"]),
+])
+def test_consume_other_bad_values(root, workdir, args, needles):
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), *args), *needles)
+    assert snapshot(root) == before and list(workdir.iterdir()) == []
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="trainers/consumer.py ConsumerConfig.validate names the field (--num-anchors), "
+                   "not the flag the user typed (--anchors)")
+def test_consume_zero_anchors_names_the_flag(root, workdir):
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--anchors", "0"), "--anchors 0")
+    assert snapshot(root) == before
+
+
+def test_consume_draft_layers_not_captured(root, workdir):
+    """A draft whose layers the root did not capture is refused before it registers or writes anything."""
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--draft-layers", "2", "--steps", "1",
+                            "--demand-timeout", "5"),
+                     "--draft-layers 2", "[1, 2, 3]")
+    assert snapshot(root) == before and list(workdir.iterdir()) == []
+
+
+# ---- producer --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["empty-list", "no-assistant", "only-bad-records"])
+def test_producer_dataset_without_usable_sample(tmp_path, workdir, tiny_target, kind):
+    data = {
+        "empty-list": [],
+        "no-assistant": [{"id": f"u{i}", "conversations": [{"from": "human", "value": f"hello {i}"},
+                                                            {"from": "human", "value": "anyone?"}]}
+                         for i in range(4)],
+        "only-bad-records": [{"id": "x"}, 3, {"conversations": "not a list"}],
+    }[kind]
+    path = write_json(tmp_path / f"{kind}.json", data)
+    cache = tmp_path / "cache"
+    before = snapshot(tmp_path)
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, data=path)), str(path))
+    assert not cache.exists(), sorted(p.name for p in cache.iterdir())
+    assert snapshot(tmp_path) == before
+
+
+def test_producer_no_assistant_names_the_reason(tmp_path, workdir, tiny_target):
+    path = write_json(tmp_path / "d.json", [{"id": "u", "conversations": [{"from": "human", "value": "hi"}]}])
+    line = assert_bad_input(invoke(*producer_args(tmp_path / "cache", tiny_target, data=path)), str(path))
+    assert "no_assistant" in line and "0 of 1" in line
+
+
+@pytest.mark.xfail(strict=True, reason="producer.prepare_root creates ROOT/{plans,objects,...} before the "
+                   "dataset is validated and only cleans up a root it created itself")
+def test_producer_bad_dataset_leaves_existing_empty_dir_empty(tmp_path, workdir, tiny_target):
+    path = write_json(tmp_path / "empty.json", [])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, data=path)), str(path))
+    assert sorted(p.name for p in cache.iterdir()) == []
+
+
+@pytest.mark.xfail(strict=True, reason="producer.prepare_root: CacheLayout.create() makes missing parents "
+                   "(mkdir parents=True) but the cleanup removes only the root itself")
+def test_producer_bad_dataset_leaves_no_parent_dirs(tmp_path, workdir, tiny_target):
+    path = write_json(tmp_path / "empty.json", [])
+    cache = tmp_path / "a" / "b" / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, data=path)), str(path))
+    assert not (tmp_path / "a").exists()
+
+
+def test_producer_layer_ids_beyond_target(tmp_path, workdir, tiny_target):
+    cache = tmp_path / "cache"
+    args = producer_args(cache, tiny_target)
+    args[args.index("--draft-layers"):args.index("--draft-layers") + 2] = ["--layer-ids", "1,40"]
+    line = assert_bad_input(invoke(*args), "6 decoder layers", "40", "0..5")
+    assert "[1, 40]" in line
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("ids", ["1,x", "1;2", "1,,2"])
+def test_producer_layer_ids_not_integers(tmp_path, workdir, tiny_target, ids):
+    cache = tmp_path / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, "--layer-ids", ids)), repr(ids), "1,8,14")
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("n", ["0", "4"])
+def test_producer_draft_layers_out_of_range(tmp_path, workdir, tiny_target, n):
+    cache = tmp_path / "cache"
+    args = producer_args(cache, tiny_target)
+    args[args.index("--draft-layers") + 1] = n
+    assert_bad_input(invoke(*args), f"num_draft_layers={n}", "[1, 3]")
+    assert not cache.exists()
+
+
+def test_producer_missing_target(tmp_path, workdir):
+    cache = tmp_path / "cache"
+    assert_bad_input(invoke("producer", "--cache", str(cache), "--target", "/nonexistent", "--data", str(DATA)),
+                     "'/nonexistent'", "smollm2-135m-instruct")
+    assert not cache.exists()
+
+
+def test_producer_max_length_too_small(tmp_path, workdir, tiny_target):
+    cache = tmp_path / "cache"
+    args = producer_args(cache, tiny_target)
+    args[args.index("--max-length") + 1] = "3"
+    assert_bad_input(invoke(*args), "max_length=3", ">= 16")
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--max-samples", "0"], ["max_samples=0", ">= 1"]),
+    (["--seed", "-1"], ["seed=-1"]),
+    (["--batch-tokens", "64"], ["max_batch_tokens=64", "128"]),
+    (["--batch-samples", "0"], ["max_batch_samples", "0"]),
+    (["--id", "../p"], ["'../p'"]),
+])
+def test_producer_other_bad_values(tmp_path, workdir, tiny_target, args, needles):
+    cache = tmp_path / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, *args)), *needles)
+    assert not cache.exists()
+
+
+def test_producer_missing_dataset_file(tmp_path, workdir, tiny_target):
+    cache = tmp_path / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, data=tmp_path / "nope.json")), "nope.json",
+                     "sharegpt")
+    assert not cache.exists()
+
+
+def test_producer_other_contract_on_existing_root_writes_nothing(root, workdir, tiny_target):
+    before = snapshot(root)
+    args = producer_args(root, tiny_target)
+    args[args.index("--draft-layers"):args.index("--draft-layers") + 2] = ["--layer-ids", "0,1"]
+    assert_bad_input(invoke(*args), str(root), "layer_ids")
+    assert snapshot(root) == before
+
+
+@pytest.mark.xfail(strict=True, reason="producer.prepare_root runs ensure_plan (which saves plans/<new id>) "
+                   "before init_settings rejects the root's other plan")
+def test_producer_other_plan_on_existing_root_writes_nothing(root, workdir, tiny_target):
+    before = snapshot(root)
+    args = producer_args(root, tiny_target)
+    args[args.index("--max-samples") + 1] = "7"
+    assert_bad_input(invoke(*args), str(root), "plan_id")
+    assert snapshot(root) == before
+
+
+# ---- inspect ---------------------------------------------------------------------------------------
+
+def test_inspect_missing_root(tmp_path, workdir):
+    missing = tmp_path / "missing"
+    result = invoke("inspect", "--cache", str(missing))
+    assert result.exit_code != 0
+    assert_bad_input(result, str(missing))
+    assert not missing.exists()
+
+
+def test_inspect_uninitialised_dir(tmp_path, workdir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_bad_input(invoke("inspect", "--cache", str(empty), "--json"), "artcache.json")
+    assert list(empty.iterdir()) == []
+
+
+def test_inspect_fresh_root_is_clean_and_read_only(root, workdir):
+    before = snapshot(root)
+    result = invoke("inspect", "--cache", str(root), "--json")
+    assert result.exit_code == 0, result.output
+    acc = json.loads(result.stdout)
+    assert acc["violations"] == [] and acc["consumers"] == []
+    assert acc["cache"]["captures"] == 0 and acc["cache"]["retained_artifacts"] == 0
+    text = invoke("inspect", "--cache", str(root))
+    assert text.exit_code == 0 and "invariants: ok" in text.stdout
+    assert snapshot(root) == before
+
+
+# ---- bench -----------------------------------------------------------------------------------------
+
+def test_bench_bad_choices_write_nothing(tmp_path, workdir):
+    out = tmp_path / "bench-out"
+    for args in (["--scenario", "9p9c"], ["--device", "tpu"]):
+        result = invoke("bench", "--out", str(out), *args)
+        assert result.exit_code == 2 and args[1] in result.output
+        assert not out.exists()
+
+
+# ---- help --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("verb", [None, *VERBS])
+def test_help(verb):
+    args = [verb, "--help"] if verb else ["--help"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.stdout and "--help" in result.stdout
+    if verb:
+        assert "--cache" in result.stdout or verb == "bench"
+        short = invoke(verb, "-h")
+        assert short.exit_code == 0 and short.stdout == result.stdout
+    else:
+        for v in VERBS:
+            assert v in result.stdout
+
+
+def test_help_from_console_script(tmp_path):
+    for verb in VERBS:
+        proc = run_script(verb, "--help", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert "Usage:" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- the real console script: exit status and stderr of the entry point --------------------------------
+
+def test_script_consume_missing_root(tmp_path):
+    missing = tmp_path / "missing"
+    proc = run_script("consume", "--cache", str(missing), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("artcache: error: ") and str(missing) in lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_script_producer_empty_dataset(tmp_path, tiny_target):
+    data = write_json(tmp_path / "empty.json", [])
+    cache = tmp_path / "cache"
+    proc = run_script(*producer_args(cache, tiny_target, data=data), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("artcache: error: ")]
+    assert len(errors) == 1 and str(data) in errors[0]
+    assert not cache.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.json"]
+
+
+def test_script_inspect_missing_root_nonzero(tmp_path):
+    proc = run_script("inspect", "--cache", str(tmp_path / "missing"), "--json", cwd=tmp_path)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr and "missing" in proc.stderr
+
+
+# ---- regressions fixed in artcache/cli.py ----------------------------------------------------------------
+
+def test_regression_missing_root_exits_2(tmp_path, workdir):
+    """README: a cache root that does not exist is bad input (exit 2), like the other bad values;
+    CacheRootError used to take the generic ArtcacheError path (exit 1)."""
+    for verb in ("consume", "inspect"):
+        assert_bad_input(invoke(verb, "--cache", str(tmp_path / "missing")), "does not exist", status=2)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for verb in ("consume", "inspect"):
+        assert_bad_input(invoke(verb, "--cache", str(empty)), "artcache.json", status=2)
+
+
+@pytest.mark.parametrize("verb", ["producer", "consume"])
+def test_regression_negative_threads(root, tmp_path, workdir, tiny_target, verb):
+    """--threads -1 used to reach torch.set_num_threads and die with a RuntimeError traceback."""
+    if verb == "producer":
+        cache = tmp_path / "cache"
+        args = producer_args(cache, tiny_target, "--threads", "-1")
+    else:
+        cache = root
+        args = ["consume", "--cache", str(root), "--threads", "-1"]
+    before = snapshot(cache)
+    assert_bad_input(invoke(*args), "--threads -1", "positive integer")
+    assert snapshot(cache) == before
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:64", "not a device"])
+@pytest.mark.parametrize("verb", ["producer", "consume"])
+def test_regression_unusable_device(root, tmp_path, workdir, tiny_target, verb, device):
+    """--device cuda on a machine without CUDA used to fail with an AssertionError traceback — for the
+    producer after artcache.json had been written. cuda:64 is unusable on any machine with < 65 GPUs."""
+    if verb == "producer":
+        cache = tmp_path / "cache"
+        args = producer_args(cache, tiny_target, "--device", device)
+    else:
+        cache = root
+        args = ["consume", "--cache", str(root), "--device", device]
+    before = snapshot(cache)
+    assert_bad_input(invoke(*args), f"--device {device!r}")
+    assert snapshot(cache) == before
+
+
+def test_regression_cuda_without_gpu(tmp_path, workdir, tiny_target):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    cache = tmp_path / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, "--device", "cuda")), "--device 'cuda'",
+                     "no CUDA device", "--device cpu")
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--heartbeat-timeout", "0"), ("--heartbeat-timeout", "-1"),
+                                         ("--heartbeat-timeout", "nan"), ("--idle-exit", "-5")])
+def test_regression_producer_nonpositive_timeouts(tmp_path, workdir, tiny_target, flag, value):
+    """A negative --heartbeat-timeout used to be accepted: every consumer was fenced as expired at once."""
+    cache = tmp_path / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, flag, value)), f"{flag} {value}", "seconds")
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_regression_consume_nonpositive_demand_timeout(root, workdir, value):
+    """--demand-timeout <= 0 used to be accepted: the first miss raised CaptureTimeout after registering."""
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--demand-timeout", value),
+                     f"--demand-timeout {value}", "seconds > 0")
+    assert snapshot(root) == before
+
+
+# ---- bugs outside cli.py (reported; xfail until fixed there) ------------------------------------------------
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="trainers/consumer.py parse_window: str.isdigit() accepts '²' but int() rejects it")
+def test_window_with_non_ascii_digit(root, workdir):
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--window", "\u00b2:5"), "--window", "64:256")
+    assert snapshot(root) == before
