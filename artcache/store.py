@@ -23,14 +23,15 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
-import safetensors.torch
 import torch
+import xxhash
 
 from artcache import FORMAT_VERSION
 from artcache.contract import CaptureContract
 from artcache.errors import ArtifactMissing, IntegrityError, PublishError
-from artcache.fsio import atomic_write, check_free_space, read_all
+from artcache.fsio import atomic_write, check_free_space
 from artcache.hashing import digest_bytes
 from artcache.layout import CacheLayout, unique_suffix
 
@@ -49,7 +50,55 @@ class Artifact:
     extras: dict[str, torch.Tensor]
 
 
-def validate_capture(contract: CaptureContract, tensors: dict[str, torch.Tensor]) -> None:
+# (integer view, exponent mask) per float dtype: a value is NaN/Inf iff all exponent bits are set.
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+             torch.float32: (torch.int32, 0x7F800000)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True if ``t`` has no NaN/Inf. Tests the exponent bits through an integer view: on CPUs without
+    native bf16 arithmetic this is ~20x faster than ``torch.isfinite`` on a bf16 tensor."""
+    view = _EXPONENT.get(t.dtype)
+    if view is None or not t.is_contiguous():
+        return bool(torch.isfinite(t).all())
+    itype, mask = view
+    m = torch.tensor(mask, dtype=itype) if itype is torch.int16 and mask > 0x7FFF else mask
+    return not bool((t.view(itype) & m).eq_(m).any())
+
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _tensors_from_buffer(buf, header: dict, data_start: int, fp: str) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors over ``buf`` from a parsed safetensors header (offsets bounds-checked)."""
+    out = {}
+    size = len(buf) - data_start
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[spec["dtype"]]
+            shape = [int(d) for d in spec["shape"]]
+            begin, end = (int(x) for x in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IntegrityError(f"artifact {fp}: bad header entry for {name!r}") from exc
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= size or end - begin != count * itemsize or min(shape, default=1) < 0:
+            raise IntegrityError(f"artifact {fp}: tensor {name!r} does not fit its data offsets")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        out[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=data_start + begin).view(shape)
+    return out
+
+
+def validate_capture(contract: CaptureContract, tensors: dict[str, torch.Tensor], *,
+                     check_values: bool = True) -> None:
     """Check shapes, dtypes and finiteness of a capture before it is published.
 
     Raises:
@@ -72,24 +121,44 @@ def validate_capture(contract: CaptureContract, tensors: dict[str, torch.Tensor]
         raise IntegrityError(f"loss_mask must be uint8 [{t}], got {mask.dtype} {tuple(mask.shape)}")
     if t == 0 or t > contract.max_length:
         raise IntegrityError(f"length {t} outside [1, {contract.max_length}]")
-    if not bool(torch.isfinite(hs).all()):
+    if check_values and not all_finite(hs):
         raise IntegrityError("hidden_states contain NaN or Inf")
 
 
-def _encode(fp: str, contract: CaptureContract, tensors: dict[str, torch.Tensor]) -> tuple[bytes, memoryview]:
-    """Return (header bytes, data section view) of the safetensors encoding with content_hash set."""
-    meta = {"artcache_format": str(FORMAT_VERSION), "fingerprint": fp,
-            "contract_id": contract.contract_id}
-    blob = safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
-    (hlen,) = struct.unpack("<Q", blob[:8])
-    data = memoryview(blob)[8 + hlen:]
-    header = json.loads(blob[8:8 + hlen])
-    header["__metadata__"]["content_hash"] = digest_bytes(data)
-    # sorted keys: safetensors writes its metadata map in hash order, which varies between calls;
-    # same fingerprint must give the same bytes
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _encode(fp: str, contract: CaptureContract,
+            tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[memoryview]]:
+    """(header bytes, data chunks) of the artifact's safetensors encoding, with ``content_hash`` set.
+
+    Writes the safetensors layout directly (8-byte little-endian header length, JSON header with
+    dtype/shape/data_offsets per tensor and string ``__metadata__``, then the raw bytes) so the data
+    section is a list of zero-copy views over the tensors: no serialisation copy, one streaming
+    hash. Tensors are ordered by decreasing item size, then name (aligned, deterministic); the
+    header has sorted keys, so the same fingerprint always gives the same bytes. The result loads
+    with ``safetensors`` (tests check this).
+    """
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {}
+    chunks: list[memoryview] = []
+    digest = xxhash.xxh3_128()
+    offset = 0
+    for name in order:
+        t = tensors[name].detach().to("cpu").contiguous()
+        if t.dtype not in _ST_NAMES:
+            raise IntegrityError(f"tensor {name!r} has unsupported dtype {t.dtype}")
+        view = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + view.nbytes]}
+        offset += view.nbytes
+        digest.update(view)
+        chunks.append(view)
+    header["__metadata__"] = {"artcache_format": str(FORMAT_VERSION), "fingerprint": fp,
+                              "contract_id": contract.contract_id, "content_hash": digest.hexdigest()}
     hjson = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     hjson += b" " * (-len(hjson) % 8)
-    return struct.pack("<Q", len(hjson)) + hjson, data
+    return struct.pack("<Q", len(hjson)) + hjson, chunks
 
 
 def publish(layout: CacheLayout, fp: str, contract: CaptureContract,
@@ -104,9 +173,9 @@ def publish(layout: CacheLayout, fp: str, contract: CaptureContract,
         PublishError: a write, fsync or rename failed, or space ran out (temp file removed).
     """
     validate_capture(contract, tensors)
-    header, data = _encode(fp, contract, tensors)
-    check_free_space(layout.tmp, len(header) + len(data))
-    return atomic_write(layout.object_path(fp), (header, data), layout.tmp, durable=durable,
+    header, chunks = _encode(fp, contract, tensors)
+    check_free_space(layout.tmp, len(header) + sum(c.nbytes for c in chunks))
+    return atomic_write(layout.object_path(fp), [header, *chunks], layout.tmp, durable=durable,
                         fingerprint=fp)
 
 
@@ -114,7 +183,8 @@ def exists(layout: CacheLayout, fp: str) -> bool:
     return layout.object_path(fp).is_file()
 
 
-def _parse(buf: bytearray, fp: str) -> tuple[dict, memoryview]:
+def _parse(buf, fp: str) -> tuple[dict, dict, int]:
+    """(header, metadata, data start offset) of a safetensors buffer."""
     if len(buf) < 8:
         raise IntegrityError(f"artifact {fp} is truncated ({len(buf)} bytes)")
     (hlen,) = struct.unpack("<Q", buf[:8])
@@ -123,16 +193,38 @@ def _parse(buf: bytearray, fp: str) -> tuple[dict, memoryview]:
     try:
         header = json.loads(bytes(buf[8:8 + hlen]))
         meta = header["__metadata__"]
+        if not isinstance(header, dict) or not isinstance(meta, dict):
+            raise TypeError("header is not an object")
     except (ValueError, KeyError, TypeError) as exc:
         raise IntegrityError(f"artifact {fp} has an unreadable header: {exc}") from exc
-    return meta, memoryview(buf)[8 + hlen:]
+    return header, meta, 8 + hlen
 
 
-def read(layout: CacheLayout, fp: str, contract: CaptureContract) -> Artifact:
+def _read_file(path: Path, pin: bool):
+    """The whole file in one buffer: a bytearray, or a page-locked (pinned) host buffer when ``pin``
+    (so the tensors over it go to the GPU with a non-blocking copy)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy() if pin else bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return buf[:got] if got != size else buf
+
+
+def read(layout: CacheLayout, fp: str, contract: CaptureContract, *, pin: bool = False) -> Artifact:
     """Read and verify one artifact.
 
+    Args:
+        pin: read into page-locked host memory (for a following non-blocking copy to a GPU).
+
     Returns:
-        The artifact with CPU tensors (one read into memory, one decode).
+        The artifact; its tensors are zero-copy views over one buffer holding the file (one read,
+        no decode copy).
 
     Raises:
         ArtifactMissing: not published (never captured or evicted): treat as a demand miss.
@@ -141,11 +233,12 @@ def read(layout: CacheLayout, fp: str, contract: CaptureContract) -> Artifact:
     """
     path = layout.object_path(fp)
     try:
-        buf = read_all(path)
+        buf = _read_file(path, pin)
     except FileNotFoundError as exc:
         raise ArtifactMissing(f"artifact {fp} is not published") from exc
     try:
-        meta, data = _parse(buf, fp)
+        header, meta, start = _parse(buf, fp)
+        data = memoryview(buf)[start:]
         if meta.get("fingerprint") != fp:
             raise IntegrityError(f"artifact {fp} carries fingerprint {meta.get('fingerprint')!r}")
         if meta.get("artcache_format") != str(FORMAT_VERSION):
@@ -155,11 +248,10 @@ def read(layout: CacheLayout, fp: str, contract: CaptureContract) -> Artifact:
             raise IntegrityError(f"artifact {fp} was captured under another contract")
         if digest_bytes(data) != meta.get("content_hash"):
             raise IntegrityError(f"artifact {fp} failed its content hash")
-        try:
-            tensors = safetensors.torch.load(bytes(buf))
-        except Exception as exc:  # safetensors raises its own SafetensorError
-            raise IntegrityError(f"artifact {fp} is not valid safetensors: {exc}") from exc
-        validate_capture(contract, tensors)
+        tensors = _tensors_from_buffer(buf, header, start, fp)
+        # values were checked for NaN/Inf before publication; the content hash proves these are
+        # the same bytes, so a read re-checks structure only
+        validate_capture(contract, tensors, check_values=False)
     except IntegrityError:
         quarantine(layout, fp)
         raise
