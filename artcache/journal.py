@@ -216,7 +216,9 @@ class JournalWriter:
         with self._lock:
             if self._fd < 0:
                 return
-            os.write(self._fd, line)
+            view = memoryview(line)
+            while view:  # a short write (e.g. the disk filled up) must not leave half a line
+                view = view[os.write(self._fd, view):]
 
     def close(self) -> None:
         with self._lock:

@@ -182,3 +182,23 @@ def test_write_error_propagates(tmp_path, monkeypatch):
         w.emit(J.ProducerStop(producer="p", reason="x"))
     monkeypatch.undo()
     w.close()
+
+
+def test_regression_short_write_completes_the_line(tmp_path, monkeypatch):
+    """os.write may write fewer bytes than asked; emit ignored the count and left half a line, which the
+    next event was then glued to (both lost as one torn line)."""
+    path = tmp_path / "j.jsonl"
+    w = J.JournalWriter(path)
+    real_write = os.write
+
+    def short(fd, data):
+        return real_write(fd, bytes(data)[:10])
+
+    monkeypatch.setattr(os, "write", short)
+    w.emit(J.ProducerStop(t=1.0, producer="p", reason="first"))
+    w.emit(J.ProducerStop(t=2.0, producer="p", reason="second"))
+    monkeypatch.undo()
+    w.close()
+    res = J.read_events(tmp_path)
+    assert res.torn_lines == 0
+    assert [e.reason for e in res.events] == ["first", "second"]

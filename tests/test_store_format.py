@@ -56,7 +56,7 @@ def test_read_returns_views_of_one_buffer(tmp_path):
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                    for t in (art.hidden_states, art.input_ids, art.loss_mask))
     assert spans[-1][1] - spans[0][0] <= art.nbytes  # one region no larger than the file
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # back to back, no overlap
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # back to back, no overlap
 
 
 def test_all_finite_detects_nan_and_inf_in_every_float_dtype():
