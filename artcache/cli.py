@@ -189,7 +189,7 @@ def inspect(cache, as_json):
 @click.option("--target", default="smollm2-135m-instruct", help="Target name or HF directory.")
 @click.option("--max-length", default=512, type=int)
 @click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 32 cpu, 256 cuda).")
-@click.option("--batch-size", default=2, type=int)
+@click.option("--batch-size", default=1, type=int, help="Sequences per optimizer step.")
 @click.option("--window", default="64:256")
 @click.option("--allow-shared-gpu", is_flag=True, help="Allow two roles on one GPU (every report line says so).")
 @_errors

@@ -42,10 +42,11 @@ class CacheClient:
         handle: the consumer's registration handle (demand updates go through it).
         journal: this consumer's journal.
         demand_timeout_s: raise CaptureTimeout after waiting this long for one position.
+        pin: read artifacts into page-locked memory (consumers on a GPU).
     """
 
     def __init__(self, layout: CacheLayout, settings: RootSettings, plan, handle: ConsumerHandle,
-                 journal: J.JournalWriter, demand_timeout_s: float = 600.0) -> None:
+                 journal: J.JournalWriter, demand_timeout_s: float = 600.0, pin: bool = False) -> None:
         self.layout = layout
         self.contract = settings.contract
         self._canon = self.contract.canonical()
@@ -53,6 +54,7 @@ class CacheClient:
         self.handle = handle
         self.journal = journal
         self.demand_timeout_s = demand_timeout_s
+        self.pin = pin
         self.consumer_id = handle.consumer_id
         self._demand: set[int] = set()
         self._demand_lock = threading.Lock()
@@ -88,7 +90,7 @@ class CacheClient:
         try:
             while True:
                 try:
-                    art = store.read(self.layout, fp, self.contract)
+                    art = store.read(self.layout, fp, self.contract, pin=self.pin)
                     break
                 except ArtifactMissing:
                     pass

@@ -43,7 +43,7 @@ class BenchConfig:
     max_length: int = 512
     max_samples: int = 2000
     anchors: int = 32
-    batch_size: int = 2
+    batch_size: int = 1
     window: str = "64:256"
     allow_shared_gpu: bool = False
     draft_layers: int = 5

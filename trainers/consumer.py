@@ -161,25 +161,28 @@ class _Reader(threading.Thread):
 
 def collate(items: list[Leased], device: torch.device):
     """Pad a batch: hidden [b, T, m, H] (zeros), input_ids [b, T] long, loss_mask [b, T] bool,
-    context_valid [b, T] bool."""
+    context_valid [b, T] bool, on ``device``. A batch of one is not copied on the host: its
+    tensors are views of the (pinned, on a GPU) read buffer and go to the device directly."""
     lengths = [it.artifact.input_ids.shape[0] for it in items]
     t = max(lengths)
     first = items[0].artifact.hidden_states
     b, m, h = len(items), first.shape[1], first.shape[2]
-    hidden = torch.zeros(b, t, m, h, dtype=first.dtype)
+    gpu = device.type == "cuda"
+    if b == 1:
+        hidden = first[None]
+    else:
+        hidden = torch.zeros(b, t, m, h, dtype=first.dtype, pin_memory=gpu)
+        for i, it in enumerate(items):
+            hidden[i, : lengths[i]] = it.artifact.hidden_states
     ids = torch.zeros(b, t, dtype=torch.long)
     mask = torch.zeros(b, t, dtype=torch.bool)
     valid = torch.zeros(b, t, dtype=torch.bool)
     for i, it in enumerate(items):
         n = lengths[i]
-        hidden[i, :n] = it.artifact.hidden_states
         ids[i, :n] = it.artifact.input_ids.long()
         mask[i, :n] = it.artifact.loss_mask.bool()
         valid[i, :n] = True
-    nb = device.type == "cuda"
-    if nb:
-        hidden = hidden.pin_memory()
-    return (hidden.to(device, non_blocking=nb), ids.to(device), mask.to(device), valid.to(device))
+    return (hidden.to(device, non_blocking=gpu), ids.to(device), mask.to(device), valid.to(device))
 
 
 def build_draft(cfg: ConsumerConfig, settings, plan, device: torch.device):
@@ -248,7 +251,7 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
     journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
                                  block_size=cfg.block_size, batch_size=cfg.batch_size,
                                  lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor))
-    client = CacheClient(layout, settings, plan, handle, journal, cfg.demand_timeout_s)
+    client = CacheClient(layout, settings, plan, handle, journal, cfg.demand_timeout_s, pin=device.type == "cuda")
     reader = _Reader(client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches)
     fenced = threading.Event()
     beat_stop = threading.Event()

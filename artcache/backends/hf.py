@@ -58,6 +58,7 @@ class HFCaptureBackend:
         self.dtype = _DTYPES[contract.dtype]
         self._captured: dict[int, torch.Tensor] = {}
         self._last = max(contract.layer_ids)
+        self._pinned: torch.Tensor | None = None
         self._hooks = [self.layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(contract.layer_ids))]
 
     def _hook(self, idx: int):
@@ -73,6 +74,16 @@ class HFCaptureBackend:
             h.remove()
         self._hooks = []
 
+    def _to_host(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Copy a device tensor into a reused page-locked host buffer (grown on demand)."""
+        n = stacked.numel()
+        if self._pinned is None or self._pinned.numel() < n or self._pinned.dtype != stacked.dtype:
+            self._pinned = torch.empty(n, dtype=stacked.dtype, pin_memory=True)
+        host = self._pinned[:n].view(stacked.shape)
+        host.copy_(stacked, non_blocking=True)
+        torch.cuda.current_stream(stacked.device).synchronize()
+        return host
+
     @torch.inference_mode()
     def capture(self, samples) -> list[dict[str, torch.Tensor]]:
         """Run one batched forward pass.
@@ -82,7 +93,9 @@ class HFCaptureBackend:
 
         Returns:
             Per sample, CPU tensors ``hidden_states`` [T_i, m, H] (contract dtype), ``input_ids``,
-            ``loss_mask`` — ready for :func:`artcache.store.publish`.
+            ``loss_mask`` — ready for :func:`artcache.store.publish`. On a GPU the hidden states are
+            views of a reused pinned host buffer: valid until the next ``capture`` call (the
+            producer publishes them before capturing again).
         """
         lengths = [int(s.input_ids.shape[0]) for s in samples]
         tmax = max(lengths)
@@ -97,16 +110,14 @@ class HFCaptureBackend:
             base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
         stacked = torch.stack([self._captured[i] for i in self.contract.layer_ids], dim=2)  # [b,T,m,H]
         stacked = stacked.to(self.dtype)
-        if stacked.device.type != "cpu":
-            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-            host.copy_(stacked, non_blocking=True)
-            torch.cuda.current_stream(stacked.device).synchronize()
-            stacked = host
         self._captured.clear()
+        if stacked.device.type != "cpu":
+            stacked = self._to_host(stacked)
         out = []
         for row, s in enumerate(samples):
             out.append({
-                "hidden_states": stacked[row, : lengths[row]].clone(),
+                # a prefix of one row of a contiguous [b, T, m, H] tensor is contiguous: no copy
+                "hidden_states": stacked[row, : lengths[row]],
                 "input_ids": s.input_ids.to(torch.int32).contiguous(),
                 "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
             })
