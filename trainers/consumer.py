@@ -288,7 +288,7 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
                 raise ConsumerFenced(f"consumer {cfg.consumer_id} was fenced")
             wait_s = time.monotonic() - t0
             hidden, ids, mask, valid = collate(got, device)
-            anchors, avalid = sample_anchors(mask & valid, cfg.num_anchors, gen)
+            anchors, avalid = sample_anchors((mask & valid).cpu(), cfg.num_anchors, gen)  # CPU generator
             lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.min_lr_frac)
             for g in optimizer.param_groups:
                 g["lr"] = lr
