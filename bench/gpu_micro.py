@@ -194,10 +194,25 @@ def consumer_bench(arch: str, device: torch.device, seq: int, anchors: int, bloc
     return {"arch": arch, "seq": seq, "anchors": anchors, "draft_layers": 5, "blocks": results}
 
 
+def dflash_step_flops(cfg, seq: int, supervised_tokens: int) -> float:
+    """Model FLOPs of one DFlash training step on one sequence (forward + backward), dense attention as
+    executed (the block mask is applied inside a dense SDPA). Trainable matmuls count 3× their forward
+    (forward, input grad, weight grad); the frozen lm_head 2× (no weight grad). Rows reaching the
+    lm_head: anchors × (B − 1), capped by the supervised tokens."""
+    n, b, h = cfg.num_anchors, cfg.block_size, cfg.hidden_size
+    s = n * b  # block (query) tokens
+    k = seq + s  # keys: context + blocks
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = (2 * s * h * q_dim + 2 * k * h * 2 * kv_dim + 2 * s * q_dim * h
+                 + 2 * s * 3 * h * cfg.intermediate_size + 2 * 2 * s * k * q_dim)
+    fc = 2 * seq * cfg.num_context_layers * h * h
+    rows = min(n * (b - 1), supervised_tokens * (b - 1))
+    lm_head = 2 * rows * h * cfg.vocab_size
+    return 3 * (cfg.num_layers * per_layer + fc) + 2 * lm_head
+
+
 def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, layout, fps, contract, hidden_size) -> dict:
     """Steps/s of one DFlash draft, fed from GPU memory and (with ``layout``) from the cache."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from artcache.store import read
     from trainers.dflash import DFlashDraft, dflash_loss, sample_anchors
 
@@ -221,9 +236,8 @@ def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, layout, f
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
 
-    with FlopCounterMode(display=False) as fc:
-        step(hidden_gpu)
-    step_flops = fc.get_total_flops()
+    step(hidden_gpu)
+    step_flops = dflash_step_flops(dcfg, seq, int(mask.sum()))
     mem = _timed(lambda: step(hidden_gpu), device, steps)
     row = {"in_memory_steps_per_s": 1 / statistics.median(mem), "flops_per_step": step_flops,
            "mfu": step_flops / statistics.median(mem) / peak}

@@ -40,6 +40,7 @@ class BenchConfig:
     warmup: int = 5
     steps: int = 40
     target: str = "smollm2-135m-instruct"
+    dataset: str = "sharegpt"
     max_length: int = 512
     max_samples: int = 2000
     anchors: int = 32
@@ -104,7 +105,8 @@ def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
     try:
         with open(logs / "producer.log", "wb") as log:
             procs["producer"] = subprocess.Popen(_cli(
-                "producer", "--cache", str(cache), "--target", cfg.target, "--max-length", str(cfg.max_length),
+                "producer", "--cache", str(cache), "--target", cfg.target, "--data", cfg.dataset,
+                "--max-length", str(cfg.max_length),
                 "--max-samples", str(cfg.max_samples), "--draft-layers", str(cfg.draft_layers),
                 "--device", dev(0), "--exit-when-done", *threads), stdout=log, stderr=subprocess.STDOUT, env=env)
         _wait_ready(cache, procs["producer"], logs / "producer.log", cfg.timeout_s)
@@ -205,7 +207,7 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
         "telemetry": sampler.summary(roles, t0, t1),
         "environment": {"python": platform.python_version(), "torch": str(torch.__version__),
                         "platform": platform.platform(), "cpus": os.cpu_count(), **sampler.environment(),
-                        "settings": {"target": cfg.target, "max_length": cfg.max_length, "anchors": cfg.anchors,
+                        "settings": {"target": cfg.target, "dataset": cfg.dataset, "max_length": cfg.max_length, "anchors": cfg.anchors,
                                      "batch_size": cfg.batch_size, "window": cfg.window}},
     }
 
@@ -220,6 +222,9 @@ def _write(base: Path, report: dict, figures: dict, sampler, roles) -> None:
 
 def format_report(r: dict) -> str:
     shared = " (SHARED GPU: several roles on one device)" if r["shared_gpu"] else ""
+    target = r["environment"]["settings"]["target"]
+    weights = (f"target {target}: random weights (throughput does not depend on weight values)"
+               if target.startswith("random:") else f"target {target}")
     rows = [[c["id"], c["block_size"], c["steps"], round(c["steps_per_s"], 3), round(c["wait_s"], 2),
              round(c["fetch_fraction"], 3), round(c["first_loss"] or 0, 3), round(c["final_loss"] or 0, 3),
              round(c["tau"] or 0, 3), c["hits"], c["misses"], c["state"]] for c in r["consumers"]]
@@ -229,6 +234,7 @@ def format_report(r: dict) -> str:
         f"common post-warm-up interval {r['interval_s']:.1f} s; aggregate steady throughput "
         f"{r['aggregate_steps_per_s']:.3f} steps/s; median per-consumer {r['median_consumer_steps_per_s']:.3f} "
         f"steps/s; producer utilisation {100 * r['producer']['utilization']:.1f} %{shared}", "",
+        f"{weights}; {r['environment'].get('gpu', 'CPU')}; torch {r['environment']['torch']}", "",
         "```", table(["consumer", "B", "steps", "steps/s", "wait_s", "fetch_frac", "loss first5", "loss last5",
                       "tau(+1)", "hits", "misses", "state"], rows), "```", "",
         f"captures {cache['captures']} for {cache['distinct_positions_consumed']} distinct positions consumed "
