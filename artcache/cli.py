@@ -10,7 +10,7 @@ import sys
 import click
 import msgspec
 
-from artcache.errors import ArtcacheError, ConfigError
+from artcache.errors import ArtcacheError, CacheRootError, ConfigError
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -28,7 +28,7 @@ def _errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, ValueError) as exc:
+        except (ConfigError, ValueError, CacheRootError) as exc:
             # a missing / uninitialised cache root is bad input too (README: exit status 2)
             if not isinstance(exc, ArtcacheError) and not isinstance(exc, msgspec.ValidationError):
                 raise
@@ -104,6 +104,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
+    _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
+    _check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
+    _check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
+    _check_device(device)
     ids = None
     if layer_ids:
         try:
@@ -147,6 +151,9 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
     if draft not in ("dflash",):
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: dflash")
     lookbehind, lookahead = parse_window(window)
+    _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
+    _check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
+    _check_device(device)
     cfg = ConsumerConfig(
         cache=cache, consumer_id=consumer_id or f"{draft}-b{block_size}", draft=draft, lookbehind=lookbehind,
         lookahead=lookahead, block_size=block_size, num_anchors=anchors, draft_layers=draft_layers,
@@ -187,23 +194,21 @@ def inspect(cache, as_json):
 @click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 5 cpu, 30 cuda).")
 @click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 30 cpu, 150 cuda).")
 @click.option("--target", default="smollm2-135m-instruct", help="Target name or HF directory.")
-@click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a ShareGPT-format file.")
 @click.option("--max-length", default=512, type=int)
-@click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
 @click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 32 cpu, 256 cuda).")
-@click.option("--batch-size", default=1, type=int, help="Sequences per optimizer step.")
+@click.option("--batch-size", default=2, type=int)
 @click.option("--window", default="64:256")
 @click.option("--allow-shared-gpu", is_flag=True, help="Allow two roles on one GPU (every report line says so).")
 @_errors
-def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
-          window, allow_shared_gpu):
+def bench(scenario, device, out_dir, warmup, steps, target, max_length, anchors, batch_size, window,
+          allow_shared_gpu):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
     from bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,
                       warmup=warmup if warmup is not None else (30 if device == "cuda" else 5),
                       steps=steps if steps is not None else (150 if device == "cuda" else 30),
-                      target=target, dataset=dataset, max_length=max_length, max_samples=max_samples,
+                      target=target, max_length=max_length,
                       anchors=anchors if anchors is not None else (256 if device == "cuda" else 32),
                       batch_size=batch_size, window=window, allow_shared_gpu=allow_shared_gpu)
     ok = run_bench(cfg)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import signal
 import threading
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import msgspec
@@ -56,6 +56,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU (bf16 matmuls are ~6x
             slower than fp32 on CPUs without AVX512-BF16/AMX), bfloat16 on CUDA.
         limits: scheduler limits. poll_interval_s: sleep when idle (seconds).
+        max_inflight_batches: captured batches waiting for the publisher thread (capture of the
+            next batch overlaps publication of the previous ones).
         heartbeat_timeout_s: consumers silent for longer are fenced as expired.
         lease_ttl_s: another host's lease older than this is expired.
         exit_when_done: exit once every consumer that registered has finished.
@@ -75,6 +77,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: str = "bfloat16"
     compute_dtype: str = "auto"
     limits: SchedulerLimits = msgspec.field(default_factory=SchedulerLimits)
+    max_inflight_batches: int = 2
     poll_interval_s: float = 0.02
     heartbeat_timeout_s: float = 30.0
     lease_ttl_s: float = 600.0
@@ -179,6 +182,11 @@ class Producer:
         self._published: dict[str, int] = store.list_objects(layout)
         self._seen_consumers: set[str] = set()
         self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts
+        self._state = threading.Lock()  # guards _published, _inflight, _failed and stats
+        self._inflight: set[str] = set()  # captured, not yet published
+        self._publish_queue: queue.Queue = queue.Queue(maxsize=cfg.max_inflight_batches)
+        self._publisher_thread = threading.Thread(target=self._publisher, daemon=True, name="artcache-publisher")
+        self._publisher_thread.start()
         self._idle_since = time.monotonic()
         self.stop_event = threading.Event()
         self._seed_history()
@@ -238,13 +246,18 @@ class Producer:
         for fp, nbytes in res.evicted.items():
             self.stats.evictions += 1
             self._emit(J.Evict(producer=self.pid, fp=fp, nbytes=nbytes))
-        self._published = res.retained
+        with self._state:
+            # keep what the publisher thread added after the listing was taken
+            added = {fp: n for fp, n in self._published.items() if fp not in res.evicted}
+            self._published = {**added, **res.retained}
         self._note_retained(live)
 
     def _note_retained(self, live) -> None:
-        n = len(self._published)
-        self.stats.max_retained = max(self.stats.max_retained, n)
-        self._emit(J.Retained(producer=self.pid, artifacts=n, nbytes=sum(self._published.values()),
+        """Journal the published artifacts on disk now (one listing), against the live window bound."""
+        objects = store.list_objects(self.layout)
+        with self._state:
+            self.stats.max_retained = max(self.stats.max_retained, len(objects))
+        self._emit(J.Retained(producer=self.pid, artifacts=len(objects), nbytes=sum(objects.values()),
                               window_bound=window_bound(live)))
 
     # -- capture ---------------------------------------------------------------------------
@@ -254,7 +267,9 @@ class Producer:
         self.evict(live)
         if not live:
             return False
-        skip = set(self._published) | {fp for fp, n in self._failed.items() if n >= MAX_ATTEMPTS}
+        with self._state:
+            skip = set(self._published) | self._inflight
+        skip |= {fp for fp, n in self._failed.items() if n >= MAX_ATTEMPTS}
         queue = wanted(live, self.fp_of, skip, self.cfg.limits.max_queue)
         if not queue:
             return False
@@ -262,55 +277,86 @@ class Producer:
         return self.capture_batch(batch, live)
 
     def capture_batch(self, batch, live) -> bool:
-        with ExitStack() as locks:
-            todo = []
-            for w in batch:
-                lock = FileLock(self.layout.fingerprint_lock(w.fp, self.settings.lock_stripes), timeout=0)
-                try:
-                    locks.enter_context(lock)
-                except Timeout:
-                    self.stats.coalesced += len(w.consumers)
-                    self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers),
-                                           reason="lock-held"))
-                    continue
-                if store.exists(self.layout, w.fp):  # another holder published meanwhile
-                    self._published[w.fp] = store.list_objects(self.layout).get(w.fp, 0)
-                    continue
-                todo.append(w)
-            if not todo:
-                return False
-            samples = [self.plan.sample(w.position % len(self.plan)) for w in todo]
-            t0 = time.time()
+        """Lock, capture one batch in one forward pass, and hand it to the publisher thread.
+
+        The striped locks are held until the batch is published (the publisher releases them), so
+        another producer never captures the same fingerprint meanwhile. At most
+        ``max_inflight_batches`` captured batches wait for publication (backpressure).
+        """
+        locks = []
+        todo = []
+        for w in batch:
+            lock = FileLock(self.layout.fingerprint_lock(w.fp, self.settings.lock_stripes), timeout=0,
+                            thread_local=False)
             try:
-                outputs = self.backend.capture(samples)
-            except Exception as exc:  # a failed forward: every fingerprint in it failed once more
-                for w in todo:
-                    self._fail(w.fp, exc)
-                return False
-            t1 = time.time()
-            self.stats.busy_s += t1 - t0
-            tokens = sum(int(s.input_ids.shape[0]) for s in samples)
-            longest = max(int(s.input_ids.shape[0]) for s in samples)
-            self._emit(J.CaptureBatch(producer=self.pid, fps=[w.fp for w in todo], samples=len(todo),
-                                      tokens=tokens, padded_tokens=longest * len(todo), start=t0, end=t1,
-                                      demand=sum(w.demand for w in todo)))
-            for w, s, tensors in zip(todo, samples, outputs, strict=True):
-                recapture = w.fp in self.stats.ever_published
-                self.stats.captures += 1
-                self.stats.recaptures += recapture
-                self._emit(J.Capture(producer=self.pid, fp=w.fp, positions=sorted(w.positions),
-                                     tokens=int(s.input_ids.shape[0]), recapture=recapture, demand=w.demand))
-                if len(w.consumers) > 1:
-                    self.stats.coalesced += len(w.consumers) - 1
-                    self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers) - 1))
-                self._publish(w.fp, tensors)
-        self._note_retained(live)
+                lock.acquire()
+            except Timeout:
+                self.stats.coalesced += len(w.consumers)
+                self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers),
+                                       reason="lock-held"))
+                continue
+            if store.exists(self.layout, w.fp):  # another holder published meanwhile
+                lock.release()
+                with self._state:
+                    self._published[w.fp] = 0
+                continue
+            locks.append(lock)
+            todo.append(w)
+        if not todo:
+            return False
+        samples = [self.plan.sample(w.position % len(self.plan)) for w in todo]
+        t0 = time.time()
+        try:
+            outputs = self.backend.capture(samples)
+        except Exception as exc:  # a failed forward: every fingerprint in it failed once more
+            for w in todo:
+                self._fail(w.fp, exc)
+            for lock in locks:
+                lock.release()
+            return False
+        t1 = time.time()
+        self.stats.busy_s += t1 - t0
+        tokens = sum(int(s.input_ids.shape[0]) for s in samples)
+        longest = max(int(s.input_ids.shape[0]) for s in samples)
+        self._emit(J.CaptureBatch(producer=self.pid, fps=[w.fp for w in todo], samples=len(todo),
+                                  tokens=tokens, padded_tokens=longest * len(todo), start=t0, end=t1,
+                                  demand=sum(w.demand for w in todo)))
+        finite = getattr(self.backend, "last_finite", None) or [False] * len(todo)
+        for w, s in zip(todo, samples, strict=True):
+            recapture = w.fp in self.stats.ever_published
+            self.stats.captures += 1
+            self.stats.recaptures += recapture
+            self._emit(J.Capture(producer=self.pid, fp=w.fp, positions=sorted(w.positions),
+                                 tokens=int(s.input_ids.shape[0]), recapture=recapture, demand=w.demand))
+            if len(w.consumers) > 1:
+                self.stats.coalesced += len(w.consumers) - 1
+                self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers) - 1))
+        with self._state:
+            self._inflight.update(w.fp for w in todo)
+        self._publish_queue.put((todo, outputs, finite, locks, live))
         return True
 
-    def _publish(self, fp: str, tensors, attempts: int = 3) -> None:
+    def _publisher(self) -> None:
+        """Publisher thread: publishes captured batches in order, then releases their locks."""
+        while True:
+            item = self._publish_queue.get()
+            if item is None:
+                return
+            todo, outputs, finite, locks, live = item
+            try:
+                for w, tensors, checked in zip(todo, outputs, finite, strict=True):
+                    self._publish(w.fp, tensors, values_checked=checked)
+            finally:
+                for lock in locks:
+                    lock.release()
+                with self._state:
+                    self._inflight.difference_update(w.fp for w in todo)
+                self._note_retained(live)
+
+    def _publish(self, fp: str, tensors, attempts: int = 3, values_checked: bool = False) -> None:
         for attempt in range(1, attempts + 1):
             try:
-                nbytes = store.publish(self.layout, fp, self.contract, tensors)
+                nbytes = store.publish(self.layout, fp, self.contract, tensors, values_checked=values_checked)
             except PublishError as exc:
                 if exc.retryable and attempt < attempts:
                     time.sleep(0.05 * attempt)
@@ -320,15 +366,17 @@ class Producer:
             except IntegrityError as exc:
                 self._fail(fp, exc, attempt)
                 return
-            self.stats.publications += 1
-            self.stats.ever_published.add(fp)
-            self._published[fp] = nbytes
+            with self._state:
+                self.stats.publications += 1
+                self.stats.ever_published.add(fp)
+                self._published[fp] = nbytes
             self._emit(J.Publish(producer=self.pid, fp=fp, nbytes=nbytes))
             return
 
     def _fail(self, fp: str, exc: BaseException, attempts: int = 1) -> None:
-        self.stats.failures += 1
-        self._failed[fp] = self._failed.get(fp, 0) + attempts
+        with self._state:
+            self.stats.failures += 1
+            self._failed[fp] = self._failed.get(fp, 0) + attempts
         retryable = bool(getattr(exc, "retryable", False))
         self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=attempts, retryable=retryable,
                                     error=f"{type(exc).__name__}: {exc}"))
@@ -357,10 +405,18 @@ class Producer:
                 self.stop_event.wait(self.cfg.poll_interval_s)
             else:
                 reason = "signal"
+            self.drain()
             # final pass: nothing is live any more, so everything unleased goes
             self.evict(self.live_registrations())
         finally:
+            self.drain()
             self._emit(J.ProducerStop(producer=self.pid, reason=reason))
+
+    def drain(self) -> None:
+        """Wait until every captured batch is published and stop the publisher thread."""
+        if self._publisher_thread.is_alive():
+            self._publish_queue.put(None)
+            self._publisher_thread.join()
 
     def _any_running(self) -> bool:
         return any(r.state == "running" for r in registry.read_all(self.layout))

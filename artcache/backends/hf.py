@@ -58,7 +58,8 @@ class HFCaptureBackend:
         self.dtype = _DTYPES[contract.dtype]
         self._captured: dict[int, torch.Tensor] = {}
         self._last = max(contract.layer_ids)
-        self._pinned: torch.Tensor | None = None
+        #: per sample of the last capture: True if its hidden states were verified finite on the device
+        self.last_finite: list[bool] = []
         self._hooks = [self.layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(contract.layer_ids))]
 
     def _hook(self, idx: int):
@@ -75,11 +76,10 @@ class HFCaptureBackend:
         self._hooks = []
 
     def _to_host(self, stacked: torch.Tensor) -> torch.Tensor:
-        """Copy a device tensor into a reused page-locked host buffer (grown on demand)."""
-        n = stacked.numel()
-        if self._pinned is None or self._pinned.numel() < n or self._pinned.dtype != stacked.dtype:
-            self._pinned = torch.empty(n, dtype=stacked.dtype, pin_memory=True)
-        host = self._pinned[:n].view(stacked.shape)
+        """Copy a device tensor into page-locked host memory. A fresh buffer per batch (torch's
+        caching host allocator recycles freed ones), since the publisher thread may still be
+        writing the previous batch."""
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
         host.copy_(stacked, non_blocking=True)
         torch.cuda.current_stream(stacked.device).synchronize()
         return host
@@ -94,8 +94,7 @@ class HFCaptureBackend:
         Returns:
             Per sample, CPU tensors ``hidden_states`` [T_i, m, H] (contract dtype), ``input_ids``,
             ``loss_mask`` — ready for :func:`artcache.store.publish`. On a GPU the hidden states are
-            views of a reused pinned host buffer: valid until the next ``capture`` call (the
-            producer publishes them before capturing again).
+            views of one pinned host buffer per batch.
         """
         lengths = [int(s.input_ids.shape[0]) for s in samples]
         tmax = max(lengths)
@@ -112,7 +111,12 @@ class HFCaptureBackend:
         stacked = stacked.to(self.dtype)
         self._captured.clear()
         if stacked.device.type != "cpu":
+            # NaN/Inf check per sample on the device (cheap there), over the real tokens only
+            bad = ~torch.isfinite(stacked)
+            self.last_finite = [not bool(bad[row, : lengths[row]].any()) for row in range(len(samples))]
             stacked = self._to_host(stacked)
+        else:
+            self.last_finite = [False] * len(samples)  # not checked here: publish checks on the host
         out = []
         for row, s in enumerate(samples):
             out.append({
