@@ -419,16 +419,19 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
                 torch.from_numpy(np.concatenate(kept_masks)), torch.from_numpy(offsets), provenance)
 
 
+def plan_id_for(spec: PlanSpec, tokenizer) -> str:
+    """The id :func:`build_plan` would give, computed without building (hashes the dataset file)."""
+    if spec.dataset == "synthetic":
+        return compute_plan_id(spec, "synthetic-v1", "none", "none")[0]
+    return compute_plan_id(spec, digest_file(resolve_dataset(spec.dataset)), tokenizer_digest(tokenizer),
+                           template_digest(tokenizer))[0]
+
+
 def ensure_plan(spec: PlanSpec, tokenizer, plans_dir: str | Path, target_vocab_size: int) -> Plan:
     """Load ``plans_dir/<plan_id>`` if published, else build and save it under a file lock (so concurrent
     callers build it once). Raises as :func:`build_plan` and :meth:`Plan.load`."""
     plans_dir = Path(plans_dir)
-    if spec.dataset == "synthetic":
-        plan_id, _ = compute_plan_id(spec, "synthetic-v1", "none", "none")
-    else:
-        dataset_path = resolve_dataset(spec.dataset)
-        plan_id, _ = compute_plan_id(spec, digest_file(dataset_path), tokenizer_digest(tokenizer),
-                                     template_digest(tokenizer))
+    plan_id = plan_id_for(spec, tokenizer)
     final = plans_dir / plan_id
     if (final / "plan.json").is_file():
         return Plan.load(final)
@@ -438,7 +441,7 @@ def ensure_plan(spec: PlanSpec, tokenizer, plans_dir: str | Path, target_vocab_s
             return Plan.load(final)
         plan = build_plan(spec, tokenizer, target_vocab_size=target_vocab_size)
         if plan.plan_id != plan_id:  # the dataset file changed between hashing and building
-            raise DataError(f"dataset {str(dataset_path)!r} changed while the plan was built; retry")
+            raise DataError(f"dataset {spec.dataset!r} changed while the plan was built; retry")
         plan.save(plans_dir)
     return Plan.load(final)
 

@@ -34,7 +34,7 @@ from artcache.eviction import evict_pass
 from artcache.fingerprint import fingerprint
 from artcache.layout import CacheLayout, check_id, host_id
 from artcache.scheduler import SchedulerLimits, next_batch, wanted, window_bound
-from artcache.settings import RootSettings, init_settings
+from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
 log = logging.getLogger("artcache.producer")
 
@@ -110,7 +110,7 @@ def prepare_root(cfg: ProducerConfig):
         ConfigError: bad settings, or the root holds another contract/plan.
         DataError: the dataset yields no usable sample.
     """
-    from artcache.plan import PlanSpec, ensure_plan
+    from artcache.plan import PlanSpec, ensure_plan, plan_id_for
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
     from trainers.dflash.layers import dflash_layer_ids
 
@@ -129,17 +129,19 @@ def prepare_root(cfg: ProducerConfig):
     cfg.limits.validate(cfg.max_length)
     layout = CacheLayout(_abspath(cfg.cache))
     tok = load_tokenizer(info)
+    contract = CaptureContract(
+        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
+        target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=cfg.dtype,
+        compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
+        max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
+        template_digest=template_digest(tok))
+    if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
+        check_compatible(load_settings(layout), contract, plan_id_for(spec, tok), layout)
     created = not layout.root.exists()
     layout.create()
     try:
         with FileLock(layout.lock_path("root")):
             plan = ensure_plan(spec, tok, layout.plans, target_vocab_size=info.vocab_size)
-            contract = CaptureContract(
-                target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-                target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=cfg.dtype,
-                compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
-                max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
-                template_digest=template_digest(tok))
             settings = init_settings(layout, RootSettings(
                 plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
                 heartbeat_timeout_s=cfg.heartbeat_timeout_s))

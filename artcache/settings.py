@@ -51,6 +51,18 @@ def load_settings(layout: CacheLayout) -> RootSettings:
     return settings
 
 
+def check_compatible(current: RootSettings, contract: CaptureContract, plan_id: str, layout: CacheLayout) -> None:
+    """Raise ConfigError naming the differing fields if the root holds another contract or plan."""
+    if current.contract == contract and current.plan_id == plan_id:
+        return
+    diff = [f for f in CaptureContract.__struct_fields__ if getattr(current.contract, f) != getattr(contract, f)]
+    if current.plan_id != plan_id:
+        diff.append("plan_id")
+    raise ConfigError(
+        f"cache root {layout.root} was initialised with another capture contract or plan "
+        f"(differs in: {', '.join(diff)}); use a fresh --cache directory or the original settings")
+
+
 def init_settings(layout: CacheLayout, settings: RootSettings) -> RootSettings:
     """Write ``artcache.json`` if absent; if present it must equal ``settings``.
 
@@ -58,14 +70,7 @@ def init_settings(layout: CacheLayout, settings: RootSettings) -> RootSettings:
     """
     if layout.settings.is_file():
         current = load_settings(layout)
-        if current.contract != settings.contract or current.plan_id != settings.plan_id:
-            diff = [f for f in CaptureContract.__struct_fields__
-                    if getattr(current.contract, f) != getattr(settings.contract, f)]
-            if current.plan_id != settings.plan_id:
-                diff.append("plan_id")
-            raise ConfigError(
-                f"cache root {layout.root} was initialised with another capture contract or plan "
-                f"(differs in: {', '.join(diff)}); use a fresh --cache directory or the original settings")
+        check_compatible(current, settings.contract, settings.plan_id, layout)
         return current
     atomic_write(layout.settings, [msgspec.json.format(msgspec.json.encode(settings))], layout.tmp)
     return settings

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import queue
+import re
 import signal
 import threading
 import time
@@ -93,10 +94,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def parse_window(text: str) -> tuple[int, int]:
     """``"64:256"`` → (lookbehind 64, lookahead 256). Raises ConfigError naming the bad value."""
-    parts = text.split(":")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    m = re.fullmatch(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*", text)
+    if m is None:
         raise ConfigError(f"--window {text!r} is not LOOKBEHIND:LOOKAHEAD with two non-negative integers, e.g. 64:256")
-    return int(parts[0]), int(parts[1])
+    return int(m.group(1)), int(m.group(2))
 
 
 def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: float) -> float:
