@@ -194,21 +194,23 @@ def inspect(cache, as_json):
 @click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 5 cpu, 30 cuda).")
 @click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 30 cpu, 150 cuda).")
 @click.option("--target", default="smollm2-135m-instruct", help="Target name or HF directory.")
+@click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a ShareGPT-format file.")
 @click.option("--max-length", default=512, type=int)
+@click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
 @click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 32 cpu, 256 cuda).")
-@click.option("--batch-size", default=2, type=int)
+@click.option("--batch-size", default=1, type=int, help="Sequences per optimizer step.")
 @click.option("--window", default="64:256")
 @click.option("--allow-shared-gpu", is_flag=True, help="Allow two roles on one GPU (every report line says so).")
 @_errors
-def bench(scenario, device, out_dir, warmup, steps, target, max_length, anchors, batch_size, window,
-          allow_shared_gpu):
+def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
+          window, allow_shared_gpu):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
     from bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,
                       warmup=warmup if warmup is not None else (30 if device == "cuda" else 5),
                       steps=steps if steps is not None else (150 if device == "cuda" else 30),
-                      target=target, max_length=max_length,
+                      target=target, dataset=dataset, max_length=max_length, max_samples=max_samples,
                       anchors=anchors if anchors is not None else (256 if device == "cuda" else 32),
                       batch_size=batch_size, window=window, allow_shared_gpu=allow_shared_gpu)
     ok = run_bench(cfg)

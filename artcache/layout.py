@@ -138,11 +138,26 @@ class CacheLayout:
     def plan_dir(self, plan_id: str) -> Path:
         return self.plans / check_fingerprint(plan_id)
 
-    def create(self) -> None:
-        """Create the root and its subdirectories (idempotent)."""
+    def create(self) -> list[Path]:
+        """Create the root (and missing parents) and its subdirectories, idempotently.
+
+        Returns the directories this call created, outermost first, so a caller that fails later
+        can remove exactly those and leave nothing behind."""
+        missing = []
+        p = self.root
+        while not p.exists():
+            missing.append(p)
+            if p.parent == p:
+                break
+            p = p.parent
+        missing.reverse()
         self.root.mkdir(parents=True, exist_ok=True)
         for name in SUBDIRS:
-            (self.root / name).mkdir(exist_ok=True)
+            d = self.root / name
+            if not d.exists():
+                missing.append(d)
+            d.mkdir(exist_ok=True)
+        return missing
 
     def require(self) -> None:
         """Raise CacheRootError unless the root exists and has been initialised by a producer."""

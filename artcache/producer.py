@@ -60,7 +60,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             next batch overlaps publication of the previous ones).
         heartbeat_timeout_s: consumers silent for longer are fenced as expired.
         lease_ttl_s: another host's lease older than this is expired.
-        exit_when_done: exit once every consumer that registered has finished.
+        exit_when_done: exit once every consumer that registered has finished and no consumer has
+            been running for ``done_grace_s`` seconds.
         idle_exit_s: exit after this many seconds with no live consumer (0 = never).
         producer_id: journal id. threads: torch CPU threads (0 = torch default).
     """
@@ -82,6 +83,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_timeout_s: float = 30.0
     lease_ttl_s: float = 600.0
     exit_when_done: bool = False
+    done_grace_s: float = 10.0
     idle_exit_s: float = 0.0
     producer_id: str = "producer"
     threads: int = 0
@@ -137,8 +139,7 @@ def prepare_root(cfg: ProducerConfig):
         template_digest=template_digest(tok))
     if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
         check_compatible(load_settings(layout), contract, plan_id_for(spec, tok), layout)
-    created = not layout.root.exists()
-    layout.create()
+    created = layout.create()
     try:
         with FileLock(layout.lock_path("root")):
             plan = ensure_plan(spec, tok, layout.plans, target_vocab_size=info.vocab_size)
@@ -146,8 +147,9 @@ def prepare_root(cfg: ProducerConfig):
                 plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
                 heartbeat_timeout_s=cfg.heartbeat_timeout_s))
     except BaseException:
-        if created:  # bad input leaves nothing behind: remove the root this call created
-            shutil.rmtree(layout.root, ignore_errors=True)
+        # bad input leaves nothing behind: remove exactly the directories this call created
+        for path in reversed(created):
+            shutil.rmtree(path, ignore_errors=True)
         raise
     return layout, settings, plan, info, tok
 
@@ -186,6 +188,8 @@ class Producer:
         self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts
         self._state = threading.Lock()  # guards _published, _inflight, _failed and stats
         self._inflight: set[str] = set()  # captured, not yet published
+        self._last_retained: tuple[int, int, int] | None = None
+        self._none_running_since: float | None = None
         self._publish_queue: queue.Queue = queue.Queue(maxsize=cfg.max_inflight_batches)
         self._publisher_thread = threading.Thread(target=self._publisher, daemon=True, name="artcache-publisher")
         self._publisher_thread.start()
@@ -224,7 +228,7 @@ class Producer:
             reason = None
             if reg.host == host_id() and reg.pid and not registry._pid_alive(reg.pid):
                 reason, state = f"process {reg.pid} is gone", "failed"
-            elif now - reg.heartbeat > self.settings.heartbeat_timeout_s:
+            elif now - reg.heartbeat > self.cfg.heartbeat_timeout_s:
                 reason, state = f"no heartbeat for {now - reg.heartbeat:.0f}s", "expired"
             if reason:
                 if registry.fence(self.layout, reg.consumer_id, state, reason, reg.generation):
@@ -257,10 +261,13 @@ class Producer:
     def _note_retained(self, live) -> None:
         """Journal the published artifacts on disk now (one listing), against the live window bound."""
         objects = store.list_objects(self.layout)
+        key = (len(objects), sum(objects.values()), window_bound(live))
         with self._state:
             self.stats.max_retained = max(self.stats.max_retained, len(objects))
-        self._emit(J.Retained(producer=self.pid, artifacts=len(objects), nbytes=sum(objects.values()),
-                              window_bound=window_bound(live)))
+            if key == self._last_retained:  # journal changes only: the journal must not grow when idle
+                return
+            self._last_retained = key
+        self._emit(J.Retained(producer=self.pid, artifacts=key[0], nbytes=key[1], window_bound=key[2]))
 
     # -- capture ---------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -398,9 +405,14 @@ class Producer:
                     continue
                 if self._any_running():
                     self._idle_since = time.monotonic()
+                    self._none_running_since = None
                 elif self.cfg.exit_when_done and self._seen_consumers:
-                    reason = "all consumers finished"
-                    break
+                    # wait a grace period: a sibling may register a moment after the others finished
+                    now = time.monotonic()
+                    self._none_running_since = self._none_running_since or now
+                    if now - self._none_running_since >= self.cfg.done_grace_s:
+                        reason = "all consumers finished"
+                        break
                 elif self.cfg.idle_exit_s and time.monotonic() - self._idle_since > self.cfg.idle_exit_s:
                     reason = f"idle for {self.cfg.idle_exit_s:.0f}s"
                     break

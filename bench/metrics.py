@@ -45,13 +45,14 @@ def scenario_figures(events: list, warmup: int) -> dict:
         wait = sum(s.wait_s for s in measured)
         busy = sum(s.step_s for s in measured)
         losses = [s.loss for s in ss]
+        k = max(1, min(5, len(losses) // 2))  # first-k and last-k windows never overlap
         consumers[cid] = {
             "steps": len(ss), "measured_steps": len(measured),
             "steps_per_s": len(measured) / span if span > 0 else 0.0,
             "steps_in_interval": in_interval,
             "wait_s": wait, "fetch_fraction": wait / busy if busy > 0 else 0.0,
-            "first_loss": sum(losses[:5]) / max(1, len(losses[:5])),
-            "final_loss": sum(losses[-5:]) / max(1, len(losses[-5:])),
+            "first_loss": sum(losses[:k]) / max(1, len(losses[:k])),
+            "final_loss": sum(losses[-k:]) / max(1, len(losses[-k:])),
             "tau": (sum(s.tau_sum for s in ss[-10:]) / max(1, sum(s.blocks for s in ss[-10:]))),
             "tau_includes_bonus": True,
             "progress": [[s.t, s.step] for s in ss],

@@ -76,9 +76,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def validate(self) -> None:
         check_id(self.consumer_id, "consumer id")
+        flags = {"num_anchors": "--anchors"}  # fields whose CLI flag has another name
         for name in ("batch_size", "steps", "block_size", "num_anchors", "prefetch_batches", "log_every"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                flag = flags.get(name, "--" + name.replace("_", "-"))
+                raise ConfigError(f"{flag} {getattr(self, name)} is invalid: it must be >= 1")
         if self.lookbehind < 0 or self.lookahead < 0:
             raise ConfigError(f"window {self.lookbehind}:{self.lookahead}: both sides must be >= 0")
         if self.lookahead < self.batch_size:
@@ -308,8 +310,10 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
                 client.release(it)
             total = stats if total is None else total + stats
             s = stats.summary()
-            (first_losses if step < 5 else last_losses).append(s["loss"])
-            last_losses[:] = last_losses[-5:]
+            if step < 5:
+                first_losses.append(s["loss"])
+            last_losses.append(s["loss"])
+            del last_losses[:-5]
             journal.emit(J.Step(consumer=cfg.consumer_id, step=step + 1, cursor=cursor, loss=s["loss"],
                                 tau_sum=float(stats.tau_sum), blocks=int(stats.num_blocks),
                                 acc_correct=stats.correct.tolist(), acc_total=stats.total.tolist(),

@@ -1,0 +1,337 @@
+"""End to end on the tiny target: real ``artcache producer`` / ``artcache consume`` processes on one cache
+root, checked through ``artcache inspect --json``, the journals and the consumers' checkpoints.
+
+Deadlines below only bound a hung run (they turn a hang into a failure with the logs); nothing here
+asserts how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from artcache import journal as J
+from artcache import registry
+from artcache.layout import CacheLayout
+
+DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DEADLINE_S = 240.0
+BATCH = 2
+
+
+# ---- process helpers -------------------------------------------------------------------------------
+
+class Proc:
+    """A CLI subprocess with its log file (stdout and stderr together)."""
+
+    def __init__(self, name: str, args: list[str], cwd: Path) -> None:
+        self.name = name
+        self.log = cwd / "logs" / f"{name}.log"
+        self.log.parent.mkdir(exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        with open(self.log, "wb") as fh:
+            self.popen = subprocess.Popen([sys.executable, "-m", "artcache.cli", *args], cwd=cwd, stdout=fh,
+                                          stderr=subprocess.STDOUT, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float = DEADLINE_S) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            pytest.fail(f"{self.name} did not exit within {timeout:.0f}s:\n{self.text()[-4000:]}")
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def expect_exit(proc: Proc, code: int = 0) -> None:
+    rc = proc.wait()
+    assert rc == code, f"{proc.name} exited {rc}, expected {code}:\n{proc.text()[-4000:]}"
+
+
+def wait_until(pred, what: str, procs: list[Proc], timeout: float = DEADLINE_S, poll: float = 0.1) -> None:
+    """Poll ``pred`` until true; fail (with the logs) if a process dies first or the deadline passes."""
+    t0 = time.monotonic()
+    while not pred():
+        for p in procs:
+            if p.popen.poll() is not None:
+                pytest.fail(f"{p.name} exited {p.popen.returncode} while waiting for {what}:\n{p.text()[-4000:]}")
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def producer(cache: Path, tiny_target, cwd: Path, *extra: str) -> Proc:
+    return Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
+                             "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1",
+                             *extra], cwd)
+
+
+def consumer(cache: Path, cwd: Path, cid: str, *, block_size: int, window: str, steps: int) -> Proc:
+    return Proc(cid, ["consume", "--cache", str(cache), "--id", cid, "--block-size", str(block_size),
+                      "--window", window, "--anchors", "4", "--steps", str(steps), "--batch-size", str(BATCH),
+                      "--threads", "1", "--demand-timeout", "180", "--log-every", "1",
+                      "--out", str(cwd / "runs" / cid)], cwd)
+
+
+def inspect_json(cache: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 3), proc.stderr  # 3 = violations (asserted on by the callers)
+    acc = json.loads(proc.stdout)
+    assert (proc.returncode == 3) == bool(acc["violations"])
+    return acc
+
+
+def by_id(acc: dict) -> dict[str, dict]:
+    return {k["consumer"]: k for k in acc["consumers"]}
+
+
+def registered(cache: Path, *ids: str):
+    layout = CacheLayout(cache)
+
+    def pred() -> bool:
+        regs = {r.consumer_id: r for r in registry.read_all(layout)}
+        return all(i in regs and regs[i].state == "running" for i in ids)
+
+    return pred
+
+
+def events(cache: Path) -> list:
+    res = J.read_events(CacheLayout(cache).journal)
+    assert res.torn_lines == 0
+    return res.events
+
+
+def summary_line(proc: Proc) -> dict:
+    """The JSON summary ``artcache consume`` prints on stdout when it finishes."""
+    lines = [ln for ln in proc.text().splitlines() if ln.startswith("{")]
+    assert lines, proc.text()[-2000:]
+    return json.loads(lines[-1])
+
+
+def check_checkpoint(run_dir: Path, consumer_id: str, steps: int) -> None:
+    latest = run_dir / "checkpoints" / "latest"
+    assert latest.is_symlink() and latest.resolve().name == f"step-{steps:08d}"
+    ckpt = latest.resolve()
+    weights = load_file(str(ckpt / "model.safetensors"))
+    assert weights and all(t.numel() > 0 and bool(t.float().isfinite().all()) for t in weights.values())
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == steps
+    assert state["cursor"] == steps * BATCH
+    assert state["consumer_id"] == consumer_id and state["draft"] == "dflash"
+    assert not [p.name for p in ckpt.parent.iterdir() if p.name.startswith(".tmp")]
+
+
+def common_invariants(acc: dict) -> None:
+    c = acc["cache"]
+    assert acc["violations"] == []
+    assert c["captures"] == c["publications"] + c["failures"] and c["failures"] == 0
+    assert c["logical_requests"] == c["hits"] + c["misses"]
+    for k in acc["consumers"]:
+        assert k["logical_requests"] == k["hits"] + k["misses"], k
+    assert c["leases_acquired"] == c["leases_released"] + c["leases_expired"]
+    assert c["leases_held"] == 0
+    assert 0 < c["max_retained_artifacts"] <= c["window_bound_artifacts"]
+    assert c["torn_journal_lines"] == 0
+
+
+# ---- (1) two consumers, overlapping windows: one capture per position ---------------------------------
+
+STEPS = 6
+WINDOWS = {"a": "2:12", "b": "5:16"}  # lookaheads cover the whole run: nothing needed is ever evicted
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory, tiny_target):
+    """Root initialised first (as a producer would), both consumers registered and waiting on their first
+    demand miss, then the producer started with --exit-when-done: every capture can serve both."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    cwd = tmp_path_factory.mktemp("e2e-shared")
+    cache = cwd / "cache"
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
+    cons = [consumer(cache, cwd, "a", block_size=4, window=WINDOWS["a"], steps=STEPS),
+            consumer(cache, cwd, "b", block_size=8, window=WINDOWS["b"], steps=STEPS)]
+    try:
+        wait_until(registered(cache, "a", "b"), "both consumers to register", cons)
+        prod = producer(cache, tiny_target, cwd, "--exit-when-done")
+        for p in cons:
+            expect_exit(p)
+        expect_exit(prod)
+    finally:
+        for p in cons:
+            p.kill()
+    return {"cwd": cwd, "cache": cache, "consumers": cons, "producer": prod, "acc": inspect_json(cache)}
+
+
+def test_shared_run_accounting(shared_run):
+    acc = shared_run["acc"]
+    common_invariants(acc)
+    c = acc["cache"]
+    positions = STEPS * BATCH
+    assert c["distinct_positions_consumed"] == positions
+    assert c["captures"] == positions, "a position was captured twice although both windows held it"
+    assert c["recaptures"] == 0 and c["distinct_fingerprints_captured"] == positions
+    assert c["captures_per_consumed_position"] == 1.0
+    assert c["logical_requests"] == 2 * positions
+    assert c["leases_expired"] == 0 and c["fences"] == 0
+    assert c["window_bound_artifacts"] == sum(int(x) + int(y) + 1 for x, y in
+                                              (w.split(":") for w in WINDOWS.values()))
+    assert c["retained_artifacts"] == 0  # the producer's final pass evicts what no window holds
+    assert c["evictions"] == c["publications"]
+    ks = by_id(acc)
+    assert set(ks) == {"a", "b"}
+    for cid, block in (("a", 4), ("b", 8)):
+        k = ks[cid]
+        assert (k["state"], k["steps"], k["cursor"], k["block_size"]) == ("completed", STEPS, positions, block)
+        assert k["logical_requests"] == positions
+        assert k["leases_acquired"] == k["leases_released"]
+        assert f"{k['lookbehind']}:{k['lookahead']}" == WINDOWS[cid]
+        assert k["timeouts"] == 0 and k["quarantined"] == 0
+
+
+def test_shared_run_journal(shared_run):
+    evs = events(shared_run["cache"])
+    captured = Counter(p for e in evs if isinstance(e, J.Capture) for p in e.positions)
+    assert captured == Counter(range(STEPS * BATCH))  # each position exactly once
+    for cid in ("a", "b"):
+        requested = [e.position for e in evs if isinstance(e, J.Request) and e.consumer == cid]
+        assert requested == list(range(STEPS * BATCH))  # in plan order, each once
+        steps = [e for e in evs if isinstance(e, J.Step) and e.consumer == cid]
+        assert [s.cursor for s in steps] == [BATCH * (i + 1) for i in range(STEPS)]
+    stops = [e for e in evs if isinstance(e, J.ProducerStop)]
+    assert len(stops) == 1 and stops[0].reason == "all consumers finished"
+
+
+def test_shared_run_checkpoints(shared_run):
+    for p in shared_run["consumers"]:
+        check_checkpoint(shared_run["cwd"] / "runs" / p.name, p.name, STEPS)
+        s = summary_line(p)
+        assert s["consumer_id"] == p.name and s["steps"] == STEPS and s["cursor"] == STEPS * BATCH
+        assert Path(s["checkpoint"]) == (shared_run["cwd"] / "runs" / p.name / "checkpoints" / "latest").resolve()
+
+
+def test_shared_run_registrations_final(shared_run):
+    regs = {r.consumer_id: r for r in registry.read_all(CacheLayout(shared_run["cache"]))}
+    assert {cid: r.state for cid, r in regs.items()} == {"a": "completed", "b": "completed"}
+    assert all(r.cursor == STEPS * BATCH and not r.demand for r in regs.values())
+    assert not os.listdir(shared_run["cache"] / "leases")
+    assert not os.listdir(shared_run["cache"] / "tmp")
+
+
+# ---- (2) a consumer killed with SIGKILL mid-run ----------------------------------------------------------
+
+def test_sigkilled_consumer_is_fenced_and_sibling_completes(tmp_path, tiny_target):
+    cache = tmp_path / "cache"
+    prod = producer(cache, tiny_target, tmp_path, "--exit-when-done", "--heartbeat-timeout", "8")
+    victim = sibling = None
+    try:
+        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod])
+        victim = consumer(cache, tmp_path, "victim", block_size=4, window="0:4", steps=10_000)
+        sibling = consumer(cache, tmp_path, "sibling", block_size=8, window="2:8", steps=STEPS)
+        layout = CacheLayout(cache)
+
+        def victim_mid_run() -> bool:
+            reg = registry.read(layout, "victim")
+            return reg is not None and reg.cursor >= 2 * BATCH
+
+        # both registered first: with --exit-when-done the producer leaves as soon as every consumer it has
+        # seen is finished or fenced, so a sibling registering after the kill would find no producer
+        wait_until(registered(cache, "victim", "sibling"), "both consumers to register", [prod, victim, sibling])
+        wait_until(victim_mid_run, "the victim to commit two steps", [prod, victim])
+        victim.popen.send_signal(signal.SIGKILL)
+        assert victim.wait() == -signal.SIGKILL
+        expect_exit(sibling)
+        expect_exit(prod)  # --exit-when-done: the fenced victim does not keep it running
+    finally:
+        for p in (victim, sibling, prod):
+            if p is not None:
+                p.kill()
+
+    acc = inspect_json(cache)
+    common_invariants(acc)
+    c = acc["cache"]
+    ks = by_id(acc)
+    assert ks["victim"]["state"] in ("failed", "expired"), ks["victim"]
+    assert ks["victim"]["steps"] >= 2 and ks["victim"]["cursor"] >= 2 * BATCH
+    assert (ks["sibling"]["state"], ks["sibling"]["steps"]) == ("completed", STEPS)
+    assert c["fences"] == 1
+
+    evs = events(cache)
+    fences = [e for e in evs if isinstance(e, J.Fence)]
+    assert [(f.consumer, f.state) for f in fences] == [("victim", ks["victim"]["state"])]
+    reg = registry.read(CacheLayout(cache), "victim")
+    assert reg.state == ks["victim"]["state"] and reg.generation == fences[0].generation
+    # the victim held leases when it died; every one of them expired, none leaked, none blocks eviction
+    expired = Counter(e.lease.split("~")[1] for e in evs if isinstance(e, J.LeaseExpire))
+    assert expired["victim"] >= 1 and expired["sibling"] == 0
+    assert ks["victim"]["leases_acquired"] == ks["victim"]["leases_released"] + expired["victim"]
+    assert ks["sibling"]["leases_acquired"] == ks["sibling"]["leases_released"]
+    assert not os.listdir(cache / "leases")
+    assert c["retained_artifacts"] == 0
+    assert not any(isinstance(e, J.ConsumerEnd) and e.consumer == "victim" for e in evs)
+
+    check_checkpoint(tmp_path / "runs" / "sibling", "sibling", STEPS)
+    assert not (tmp_path / "runs" / "victim" / "checkpoints").exists()
+
+
+# ---- (3) a lagging consumer after a fast one finished: recaptures -----------------------------------------
+
+def test_lagging_consumer_forces_recaptures(tmp_path, tiny_target):
+    cache = tmp_path / "cache"
+    prod = producer(cache, tiny_target, tmp_path)  # no --exit-when-done: it must outlive the fast consumer
+    fast = lagging = None
+    fast_steps, lag_steps = STEPS, 4
+    try:
+        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod])
+        fast = consumer(cache, tmp_path, "fast", block_size=4, window="0:2", steps=fast_steps)
+        expect_exit(fast)
+        # the fast consumer's window is gone: the producer evicts everything it had published
+        wait_until(lambda: not any((cache / "objects").rglob("*.safetensors")), "eviction after the fast consumer",
+                   [prod])
+        lagging = consumer(cache, tmp_path, "lagging", block_size=8, window="1:2", steps=lag_steps)
+        expect_exit(lagging)
+        prod.popen.send_signal(signal.SIGTERM)
+        expect_exit(prod)  # a signal finishes the batch and exits cleanly
+    finally:
+        for p in (fast, lagging, prod):
+            if p is not None:
+                p.kill()
+
+    acc = inspect_json(cache)
+    common_invariants(acc)
+    c = acc["cache"]
+    ks = by_id(acc)
+    assert (ks["fast"]["state"], ks["fast"]["steps"]) == ("completed", fast_steps)
+    assert (ks["lagging"]["state"], ks["lagging"]["steps"]) == ("completed", lag_steps)
+    lag_positions = lag_steps * BATCH
+    assert c["recaptures"] == lag_positions > 0
+    assert c["captures"] == fast_steps * BATCH + lag_positions
+    assert c["distinct_fingerprints_captured"] == fast_steps * BATCH
+    assert ks["lagging"]["misses"] >= 1  # it had to wait for at least one recapture
+    assert c["fences"] == 0 and c["leases_expired"] == 0
+
+    evs = events(cache)
+    recaptured = sorted(p for e in evs if isinstance(e, J.Capture) and e.recapture for p in e.positions)
+    assert recaptured == list(range(lag_positions))
+    stops = [e for e in evs if isinstance(e, J.ProducerStop)]
+    assert len(stops) == 1 and stops[0].reason == "signal"
+    check_checkpoint(tmp_path / "runs" / "fast", "fast", fast_steps)
+    check_checkpoint(tmp_path / "runs" / "lagging", "lagging", lag_steps)
