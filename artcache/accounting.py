@@ -53,6 +53,10 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     leases_released: int = 0
     leases_expired: int = 0
     leases_held: int = 0
+    #: leases expired by the producer whose ``lease_acquire`` never reached the journal (the holder
+    #: was killed between creating the lease file and journaling it): outside the lease invariant
+    #: (a lease file still on disk counts as held until then)
+    leases_unjournaled: int = 0
     timeouts: int = 0
     quarantined: int = 0
     fences: int = 0
@@ -88,6 +92,7 @@ def account(layout: CacheLayout) -> Accounting:
         return per[name]
 
     windows: dict[str, int] = defaultdict(int)
+    acquired = {ev.lease for ev in res.events if isinstance(ev, J.LeaseAcquire)}
     for ev in res.events:
         if isinstance(ev, J.Request):
             k = cons(ev.consumer)
@@ -100,7 +105,10 @@ def account(layout: CacheLayout) -> Accounting:
         elif isinstance(ev, J.LeaseRelease):
             cons(ev.consumer).leases_released += 1
         elif isinstance(ev, J.LeaseExpire):
-            c.leases_expired += 1
+            if ev.lease in acquired:
+                c.leases_expired += 1
+            else:
+                c.leases_unjournaled += 1
         elif isinstance(ev, J.Capture):
             c.captures += 1
             c.recaptures += ev.recapture

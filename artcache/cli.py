@@ -93,12 +93,15 @@ def main(verbose: bool) -> None:
 @click.option("--max-queue", default=1024, type=int, help="Max queued fingerprints per scheduling pass.")
 @click.option("--heartbeat-timeout", default=30.0, type=float, help="Seconds before a silent consumer is fenced.")
 @click.option("--exit-when-done", is_flag=True, help="Exit once every registered consumer has finished.")
+@click.option("--done-grace", default=10.0, type=float,
+              help="With --exit-when-done: seconds with no running consumer before exiting.")
 @click.option("--idle-exit", default=0.0, type=float, help="Exit after this many idle seconds with no consumer (0: never).")
 @click.option("--threads", default=0, type=int, help="torch CPU threads (0: torch's default).")
 @click.option("--id", "producer_id", default="producer", help="Producer id (journal file name).")
 @_errors
 def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers, layer_ids, device, dtype,
-             compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, idle_exit, threads,
+             compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
+             idle_exit, threads,
              producer_id):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
@@ -118,7 +121,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
         draft_layers=draft_layers, layer_ids=ids, device=device, dtype=dtype, compute_dtype=compute_dtype,
         limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens),
-        heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, idle_exit_s=idle_exit,
+        heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
+        idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads)
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
@@ -199,11 +203,12 @@ def inspect(cache, as_json):
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
 @click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 32 cpu, 256 cuda).")
 @click.option("--batch-size", default=1, type=int, help="Sequences per optimizer step.")
+@click.option("--draft-layers", default=5, type=int, help="DFlash draft layers (one captured layer each).")
 @click.option("--window", default="64:256")
 @click.option("--allow-shared-gpu", is_flag=True, help="Allow two roles on one GPU (every report line says so).")
 @_errors
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
-          window, allow_shared_gpu):
+          draft_layers, window, allow_shared_gpu):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
     from bench.run import BenchConfig, run_bench
 
@@ -212,7 +217,8 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
                       steps=steps if steps is not None else (150 if device == "cuda" else 30),
                       target=target, dataset=dataset, max_length=max_length, max_samples=max_samples,
                       anchors=anchors if anchors is not None else (256 if device == "cuda" else 32),
-                      batch_size=batch_size, window=window, allow_shared_gpu=allow_shared_gpu)
+                      batch_size=batch_size, draft_layers=draft_layers, window=window,
+                      allow_shared_gpu=allow_shared_gpu)
     ok = run_bench(cfg)
     sys.exit(0 if ok else 1)
 

@@ -84,3 +84,18 @@ class ConsumerFenced(ArtcacheError, RuntimeError):
 
 class ContractMismatch(ArtcacheError, ValueError):
     """A consumer's needs (layers, target, dtype) do not match the cache root's capture contract."""
+
+
+class JournalError(ArtcacheError, OSError):
+    """Appending an event to a journal failed (ENOSPC, EIO, ...). Lines already written stay readable;
+    a partially written line is cut back or terminated so readers skip it as torn.
+
+    ``retryable`` is True for transient errors (EIO, EAGAIN, EINTR), False for ENOSPC/EDQUOT/EROFS.
+    """
+
+    def __init__(self, message: str, *, retryable: bool = False, errno_: int | None = None) -> None:
+        super().__init__(errno_ if errno_ is not None else 0, message)
+        self.retryable = retryable
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()

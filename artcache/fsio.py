@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from artcache.crashpoints import crash_point
 from artcache.errors import PublishError
 from artcache.layout import unique_suffix
 
@@ -64,13 +65,19 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path
                     n = os.write(fd, view)
                     written += n
                     view = view[n:]
+            if fingerprint is not None:  # crash points only on artifact publication
+                crash_point("publish.after-write")
             if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if fingerprint is not None:
+            crash_point("publish.after-fsync")
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
         renamed = True
+        if fingerprint is not None:
+            crash_point("publish.after-rename")
         if durable:
             fsync_dir(dest.parent)
     except OSError as exc:

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import msgspec
 
+from artcache.errors import JournalError
+from artcache.fsio import is_retryable
+
 
 class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
     """Base event. ``t`` is wall-clock seconds since the epoch (time.time())."""
@@ -200,7 +203,7 @@ class JournalWriter:
     """Append events to one file. Thread-safe; each event is one ``write`` of one line.
 
     Writes are flushed per event (``os.write`` on an O_APPEND fd), fsync-ed on :meth:`close`.
-    A failed write raises OSError to the caller; lines already written stay readable.
+    A failed write raises :class:`JournalError` (an OSError); lines already written stay readable.
     """
 
     def __init__(self, path: Path) -> None:
@@ -208,17 +211,44 @@ class JournalWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
+        self._torn = False  # a failed write left a fragment without its newline at the end
 
     def emit(self, event: Event) -> None:
+        """Append one event as one line.
+
+        Raises:
+            JournalError: the write failed (``retryable`` per errno). The file stays readable: a
+                partial line is truncated away, or (if that fails too) terminated by the next
+                successful write so readers skip it as one torn line instead of merging it with
+                the next event.
+        """
         if not event.t:
             event.t = time.time()
         line = _encoder.encode(event) + b"\n"
         with self._lock:
             if self._fd < 0:
                 return
-            view = memoryview(line)
-            while view:  # a short write (e.g. the disk filled up) must not leave half a line
-                view = view[os.write(self._fd, view):]
+            data = (b"\n" + line) if self._torn else line
+            view = memoryview(data)
+            start = None
+            try:
+                start = os.fstat(self._fd).st_size
+                while view:  # a short write (e.g. the disk filled up) must not leave half a line
+                    view = view[os.write(self._fd, view):]
+                self._torn = False
+            except OSError as exc:
+                if start is not None:  # else nothing was written (fstat failed first)
+                    # part of the line may have reached the file (a short write, then the error):
+                    # cut it back; if that fails, the next write terminates the fragment first
+                    was_torn, self._torn = self._torn, True
+                    with contextlib.suppress(OSError):
+                        if os.fstat(self._fd).st_size != start:
+                            os.ftruncate(self._fd, start)
+                        if os.fstat(self._fd).st_size == start:  # as before this call
+                            self._torn = was_torn
+                raise JournalError(f"journal {self.path.name}: writing a {type(event).__name__} event "
+                                   f"failed: {exc.strerror or exc}", retryable=is_retryable(exc),
+                                   errno_=exc.errno) from exc
 
     def close(self) -> None:
         with self._lock:

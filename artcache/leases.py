@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from artcache.crashpoints import crash_point
 from artcache.layout import CacheLayout, check_fingerprint, check_id, host_id
 from artcache.registry import _pid_alive
 
@@ -46,6 +47,7 @@ def acquire(layout: CacheLayout, fp: str, consumer_id: str) -> str:
     name = f"{fp}~{consumer_id}~{host_id()}~{os.getpid()}~{secrets.token_hex(4)}"
     fd = os.open(layout.leases / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     os.close(fd)
+    crash_point("lease.after-create")
     return name
 
 

@@ -29,6 +29,7 @@ from filelock import FileLock, Timeout
 from artcache import journal as J
 from artcache import registry, store
 from artcache.contract import CaptureContract
+from artcache.crashpoints import crash_point
 from artcache.errors import ArtcacheError, CaptureFailed, ConfigError, IntegrityError, PublishError
 from artcache.eviction import evict_pass
 from artcache.fingerprint import fingerprint
@@ -324,6 +325,7 @@ class Producer:
                 lock.release()
             return False
         t1 = time.time()
+        crash_point("capture.after-forward")
         self.stats.busy_s += t1 - t0
         tokens = sum(int(s.input_ids.shape[0]) for s in samples)
         longest = max(int(s.input_ids.shape[0]) for s in samples)

@@ -41,6 +41,31 @@ class SchedulerLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
                 f"{max_length}: a full-length sample could never be captured; raise it to >= {max_length}")
 
 
+def check_deadlock(limits: SchedulerLimits, batch_size: int, lookahead: int, max_length: int) -> None:
+    """Start-up check: refuse settings under which a consumer could wait forever.
+
+    A consumer reads ``batch_size`` consecutive positions from its cursor before it steps, but the
+    producer only captures (and the reader only acquires) positions up to ``cursor + lookahead``:
+    with ``lookahead < batch_size`` the batch's last position may never be captured, so the cursor
+    never moves. A sample longer than ``max_batch_tokens`` could never be captured either
+    (:meth:`SchedulerLimits.validate`).
+
+    Raises:
+        ConfigError: naming the setting and the fix.
+    """
+    limits.validate(max_length)
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    if lookahead < 0:
+        raise ConfigError(f"lookahead must be >= 0, got {lookahead}")
+    if lookahead < batch_size:
+        raise ConfigError(
+            f"lookahead {lookahead} is smaller than the batch size {batch_size}: positions of a batch past "
+            f"cursor + lookahead are never captured, so the consumer could wait forever; raise the lookahead "
+            f"to >= {batch_size} (--window LOOKBEHIND:{batch_size} or larger) or lower the batch size to "
+            f"<= {lookahead}")
+
+
 @dataclass
 class Want:
     """One fingerprint somebody wants. ``priority`` sorts: (0 = demand / 1 = prefetch, distance)."""

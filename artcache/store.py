@@ -30,6 +30,7 @@ import xxhash
 
 from artcache import FORMAT_VERSION
 from artcache.contract import CaptureContract
+from artcache.crashpoints import crash_point
 from artcache.errors import ArtifactMissing, IntegrityError, PublishError
 from artcache.fsio import atomic_write, check_free_space
 from artcache.hashing import digest_bytes
@@ -283,6 +284,7 @@ def remove(layout: CacheLayout, fp: str) -> int:
         os.replace(layout.object_path(fp), aside)
     except FileNotFoundError:
         return 0
+    crash_point("evict.after-rename")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(aside)
     return size

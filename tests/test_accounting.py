@@ -217,3 +217,16 @@ def test_no_window_bound_known_disables_the_bound_check():
     c.window_bound_artifacts = 0
     c.max_retained_artifacts = 100
     assert check_invariants(c, []) == []
+
+
+def test_regression_unjournaled_lease_expiry_is_not_a_violation(layout):
+    """A consumer SIGKILLed between creating a lease file and journaling ``lease_acquire`` (crash point
+    ``lease.after-create``) left a lease the producer later expired: that used to read as
+    "acquired 3 != released 1 + expired 2 + held 1". It is counted apart, and no violation."""
+    j = consistent(layout)
+    orphan = f"{fp(3)}~a~h~2~ff"
+    j["producer-p-1"].append(J.LeaseExpire(producer="p", fp=fp(3), lease=orphan, reason="holder-dead"))
+    write_all(layout, j)
+    acc = account(layout)
+    assert acc.violations == []
+    assert (acc.cache.leases_expired, acc.cache.leases_unjournaled) == (1, 1)

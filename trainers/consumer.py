@@ -25,6 +25,7 @@ import torch
 from artcache import journal as J
 from artcache import registry
 from artcache.client import CacheClient, Leased
+from artcache.crashpoints import crash_point
 from artcache.errors import ConfigError, ConsumerFenced, ContractMismatch
 from artcache.layout import CacheLayout, check_id, host_id
 from artcache.settings import load_settings
@@ -118,9 +119,11 @@ class _Reader(threading.Thread):
     Results (lists of :class:`Leased`, or the exception that stopped it) go to ``out``.
     """
 
-    def __init__(self, client: CacheClient, start_pos: int, batch: int, lookahead: int, depth: int) -> None:
+    def __init__(self, client: CacheClient, start_pos: int, batch: int, lookahead: int, depth: int,
+                 end: int) -> None:
         super().__init__(daemon=True, name="artcache-reader")
         self.client, self.next_pos, self.batch, self.lookahead = client, start_pos, batch, lookahead
+        self.end = end  # exclusive: the consumer never reads at or past its announced end
         self.out: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self._cond = threading.Condition()
@@ -133,7 +136,7 @@ class _Reader(threading.Thread):
 
     def run(self) -> None:
         try:
-            while not self.stop.is_set():
+            while not self.stop.is_set() and self.next_pos + self.batch <= self.end:
                 items = []
                 for p in range(self.next_pos, self.next_pos + self.batch):
                     with self._cond:
@@ -255,7 +258,8 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
                                  block_size=cfg.block_size, batch_size=cfg.batch_size,
                                  lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor))
     client = CacheClient(layout, settings, plan, handle, journal, cfg.demand_timeout_s, pin=device.type == "cuda")
-    reader = _Reader(client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches)
+    reader = _Reader(client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
+                     end=cfg.steps * cfg.batch_size)
     fenced = threading.Event()
     beat_stop = threading.Event()
 
@@ -304,7 +308,9 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
             cursor = got[-1].position + 1
+            crash_point("cursor.before-commit")
             handle.commit_cursor(cursor)  # only after the step that consumed the positions
+            crash_point("cursor.after-commit")
             reader.authorize(cursor)
             for it in got:
                 client.release(it)

@@ -1,0 +1,198 @@
+"""Fast fault tests (default lane): journal writes failing with ENOSPC/EIO, crash-point parsing, orphan
+temp-file cleanup, and ``verify_filesystem``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from artcache import crashpoints
+from artcache import journal as J
+from artcache.errors import ArtcacheError, JournalError
+from artcache.layout import CacheLayout, host_id
+from artcache.producer import _cleanup_orphans
+from artcache.verify_fs import verify_filesystem
+
+
+def _ev(i: int) -> J.Event:
+    return J.Publish(producer="p", fp=f"{i:040x}", nbytes=i)
+
+
+class _FailingWrite:
+    """Replace os.write for one fd: write ``partial`` bytes of the next call, then raise ``err``."""
+
+    def __init__(self, monkeypatch, fd: int, err: int, partial: int, fail_truncate: bool = False) -> None:
+        self.real_write, self.real_truncate = os.write, os.ftruncate
+        self.fd, self.err, self.partial, self.armed = fd, err, partial, True
+        monkeypatch.setattr(os, "write", self.write)
+        if fail_truncate:
+            monkeypatch.setattr(os, "ftruncate", self.truncate)
+
+    def write(self, fd, data):
+        if fd != self.fd or not self.armed:
+            return self.real_write(fd, data)
+        self.armed = False
+        if self.partial:
+            self.real_write(fd, bytes(data[: self.partial]))
+        raise OSError(self.err, os.strerror(self.err))
+
+    def truncate(self, fd, size):
+        if fd == self.fd:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return self.real_truncate(fd, size)
+
+
+def _read(path: Path) -> J.JournalReadResult:
+    return J.read_events(path.parent)
+
+
+def test_journal_enospc_mid_line_is_cut_back_and_typed(tmp_path, monkeypatch):
+    path = tmp_path / "j" / "producer-p-1.jsonl"
+    w = J.JournalWriter(path)
+    w.emit(_ev(1))
+    before = path.read_bytes()
+    _FailingWrite(monkeypatch, w._fd, errno.ENOSPC, partial=10)
+    with pytest.raises(JournalError) as info:
+        w.emit(_ev(2))
+    exc = info.value
+    assert isinstance(exc, OSError) and isinstance(exc, ArtcacheError)
+    assert exc.errno == errno.ENOSPC and exc.retryable is False and "Publish" in str(exc)
+    assert path.read_bytes() == before  # the half line was truncated away
+    w.emit(_ev(3))
+    w.close()
+    res = _read(path)
+    assert [e.nbytes for e in res.events] == [1, 3] and res.torn_lines == 0
+
+
+def test_journal_eio_with_failed_truncate_leaves_one_skippable_torn_line(tmp_path, monkeypatch):
+    path = tmp_path / "j" / "consumer-c-1.jsonl"
+    w = J.JournalWriter(path)
+    w.emit(_ev(1))
+    _FailingWrite(monkeypatch, w._fd, errno.EIO, partial=15, fail_truncate=True)
+    with pytest.raises(JournalError) as info:
+        w.emit(_ev(2))
+    assert info.value.retryable is True and info.value.errno == errno.EIO
+    w.emit(_ev(3))  # must not be glued onto the fragment
+    w.emit(_ev(4))
+    w.close()
+    res = _read(path)
+    assert [e.nbytes for e in res.events] == [1, 3, 4]
+    assert res.torn_lines == 1
+
+
+def test_journal_error_before_any_byte_changes_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "j" / "producer-p-2.jsonl"
+    w = J.JournalWriter(path)
+    w.emit(_ev(1))
+    _FailingWrite(monkeypatch, w._fd, errno.ENOSPC, partial=0)
+    with pytest.raises(JournalError):
+        w.emit(_ev(2))
+    w.emit(_ev(3))
+    w.close()
+    res = _read(path)
+    assert [e.nbytes for e in res.events] == [1, 3] and res.torn_lines == 0
+    assert path.read_bytes().count(b"\n") == 2
+
+
+def test_regression_journal_fragment_merged_with_next_event(tmp_path, monkeypatch):
+    """Before the fix a failed write left half a line without a newline and the next event was appended
+    to it: both were lost as one undecodable line. Now the next event survives."""
+    path = tmp_path / "j" / "producer-p-3.jsonl"
+    w = J.JournalWriter(path)
+    _FailingWrite(monkeypatch, w._fd, errno.EIO, partial=7, fail_truncate=True)
+    with pytest.raises(OSError):
+        w.emit(_ev(1))
+    w.emit(_ev(2))
+    w.close()
+    assert [e.nbytes for e in _read(path).events] == [2]
+
+
+# ---- crash points ------------------------------------------------------------------------------------
+
+def test_crash_point_parse():
+    assert crashpoints._parse(None) == {} and crashpoints._parse("") == {}
+    assert crashpoints._parse("lease.after-create") == {"lease.after-create": 1}
+    assert crashpoints._parse("publish.after-fsync:3") == {"publish.after-fsync": 3}
+    with pytest.raises(ValueError, match="unknown crash point"):
+        crashpoints._parse("nope")
+    with pytest.raises(ValueError):
+        crashpoints._parse("lease.after-create:0")
+
+
+def test_crash_point_unset_is_a_no_op():
+    crashpoints.reload("")
+    for name in crashpoints.POINTS:
+        crashpoints.crash_point(name)
+
+
+@pytest.mark.parametrize("count,killed", [(2, True), (3, False)])
+def test_crash_point_kills_on_nth_arrival(count, killed):
+    code = ("from artcache.crashpoints import crash_point\n"
+            "for i in range(2):\n    print('arrive', i, flush=True)\n    crash_point('evict.after-rename')\n"
+            "print('survived', flush=True)\n")
+    env = dict(os.environ, ARTCACHE_CRASH_AT=f"evict.after-rename:{count}")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    if killed:
+        assert proc.returncode == -signal.SIGKILL
+        assert proc.stdout.split("\n")[:2] == ["arrive 0", "arrive 1"] and "survived" not in proc.stdout
+    else:
+        assert proc.returncode == 0 and "survived" in proc.stdout
+
+
+# ---- orphaned temp files ------------------------------------------------------------------------------
+
+def test_cleanup_orphans_spares_live_writers(tmp_path):
+    layout = CacheLayout(tmp_path / "root")
+    layout.create()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        me = host_id()
+        names = {"live": f"{me}.{live.pid}.aaaa.part", "dead": f"{me}.{dead.pid}.bbbb.part",
+                 "dead_evict": f"{me}.{dead.pid}.cccc.evict", "other_host": f"zz-other.{dead.pid}.dddd.part",
+                 "junk": "not-a-temp-file"}
+        for n in names.values():
+            (layout.tmp / n).write_bytes(b"partial")
+        assert _cleanup_orphans(layout) == 2
+        left = sorted(p.name for p in layout.tmp.iterdir())
+        assert left == sorted([names["live"], names["other_host"], names["junk"]])
+    finally:
+        live.kill()
+        live.wait()
+    assert _cleanup_orphans(layout) == 1  # its writer is gone now
+    assert not (layout.tmp / names["live"]).exists()
+
+
+# ---- verify-fs ----------------------------------------------------------------------------------------
+
+def test_verify_filesystem_passes_on_local_disk(tmp_path):
+    res = verify_filesystem(tmp_path)
+    assert res["ok"], res
+    assert set(res["checks"]) == {"flock", "o_excl", "atomic_replace", "dir_fsync"}
+    assert all(c["ok"] and c["detail"] for c in res["checks"].values())
+    assert list(tmp_path.iterdir()) == []  # scratch directory removed
+
+
+def test_verify_filesystem_reports_a_failing_check(tmp_path, monkeypatch):
+    import fcntl
+
+    from artcache import verify_fs
+
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: None)  # flock silently a no-op (some NFS mounts)
+    monkeypatch.setitem(verify_fs.CHECKS, "atomic_replace", lambda d: (True, "skipped"))
+    res = verify_filesystem(tmp_path)
+    assert not res["ok"]
+    assert res["checks"]["flock"]["ok"] is False and "no-op" in res["checks"]["flock"]["detail"]
+    assert res["checks"]["o_excl"]["ok"] and res["checks"]["dir_fsync"]["ok"]
+
+
+def test_verify_filesystem_missing_dir(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        verify_filesystem(tmp_path / "absent")

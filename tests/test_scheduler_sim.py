@@ -1,0 +1,164 @@
+"""Issue 4 in numbers: a deterministic discrete-event simulation (bench/sim.py) of one producer and N
+consumers over the real scheduler (wanted / next_batch / SchedulerLimits / window_bound, Registration).
+
+Each consumer advances at its own rate; producer work is shared where windows overlap; retained
+artifacts and the producer's queue stay bounded however long the run; a lagging consumer is served
+by recapture without slowing the others; demand is captured before prefetch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from artcache.errors import ConfigError
+from artcache.scheduler import SchedulerLimits, check_deadlock
+from bench.sim import (
+    ConsumerSpec,
+    ProducerSpec,
+    SimDeadlock,
+    default_producer,
+    diverge_consumers,
+    diverge_producer,
+    lagging_consumer,
+    main,
+    overlap_consumers,
+    saturated_consumers,
+    saturated_producer,
+    simulate,
+    solo_rates,
+)
+
+N = 10_000
+
+
+@pytest.fixture(scope="module")
+def overlap():
+    return simulate(overlap_consumers(), default_producer(), N)
+
+
+@pytest.fixture(scope="module")
+def lagging():
+    return simulate([*overlap_consumers(), lagging_consumer()], default_producer(), N)
+
+
+def test_every_consumer_completes_at_its_own_rate(overlap):
+    specs = {c.name: c for c in overlap_consumers()}
+    rates = {name: r.rate for name, r in overlap.consumers.items()}
+    # three different speeds, each within 1 % of its compute-bound rate: nobody walks at another's pace
+    assert rates["fast"] > rates["mid"] > rates["slow"]
+    for name, r in overlap.consumers.items():
+        assert r.finish_s is not None and r.positions == N
+        assert r.rate == pytest.approx(specs[name].compute_rate, rel=0.01)
+
+
+def test_a_captures_per_distinct_position(overlap):
+    assert overlap.positions == N
+    assert overlap.captures_per_position <= 1.05
+    assert overlap.distinct_fps_captured == N
+    assert overlap.recaptures == 0
+
+
+def test_b_fastest_rate_matches_solo_with_spare_capacity(overlap):
+    prod = default_producer()
+    fast = max(overlap_consumers(), key=lambda c: c.compute_rate)
+    # the producer has spare capacity: more samples/s than the fastest consumer needs, and idle time
+    assert prod.capacity > 1.5 * fast.compute_rate
+    assert overlap.utilization < 0.8
+    solo = solo_rates([fast], prod, N)[fast.name]
+    assert overlap.consumers[fast.name].rate == pytest.approx(solo, rel=0.10)
+    assert overlap.consumers[fast.name].rate >= 0.99 * solo
+
+
+def test_c_retained_never_exceeds_window_bound(overlap, lagging):
+    for res in (overlap, lagging):
+        assert res.retained_violations == []  # checked after every event against Σ live window sizes
+        assert 0 < res.max_retained <= res.window_bound_all
+        assert res.final_retained == 0  # nothing is left once every consumer completed
+        assert res.evictions == res.captures
+
+
+def test_d_queue_and_retained_do_not_grow_with_run_length():
+    """80 / 60 / 40 positions/s plus the lagging consumer: their windows part within the first 2,000
+    positions, after which the run is in steady state (a run whose windows still overlap retains the
+    union, which grows with the gap between cursors until the windows part: bounded all the same)."""
+    consumers, prod = diverge_consumers(), diverge_producer()
+    short, long = (simulate(consumers, prod, n) for n in (2_000, 10_000))
+    assert (short.max_queue, short.max_retained) == (long.max_queue, long.max_retained)
+    for res in (short, long):
+        assert res.max_queue <= prod.limits.max_queue
+        assert res.max_retained <= res.window_bound_all
+        assert res.retained_violations == []
+        # producer work is per position, at most once per consumer whose window is its own
+        assert res.captures <= len(consumers) * res.positions
+    # the windows part: retained reaches exactly Σ window sizes, and no more
+    assert long.max_retained == long.window_bound_all
+
+
+def test_e_lagging_consumer_recaptures_completes_and_does_not_slow_others(overlap, lagging):
+    lag = lagging.consumers["lag"]
+    assert lag.finish_s is not None and lag.positions == N  # served: it completes
+    assert lag.rate == pytest.approx(lagging_consumer().compute_rate, rel=0.02)
+    # it starts 30 s late with a 0:32 window: what it reads was evicted, so it is recaptured, counted
+    assert lagging.recaptures >= 0.9 * N
+    assert lagging.captures == overlap.captures + lagging.recaptures
+    for name, r in overlap.consumers.items():
+        assert lagging.consumers[name].rate == pytest.approx(r.rate, rel=0.01), name
+
+
+def test_f_demand_before_prefetch():
+    res = simulate(saturated_consumers(), saturated_producer(), 2_000)
+    prod = saturated_producer()
+    # the producer is the bottleneck: consumers block often while the greedy lookahead is pending
+    assert res.utilization > 0.99
+    assert res.demand_with_prefetch_pending >= 100
+    # every pass that found a blocked consumer put its demanded position first in the next batch
+    assert res.demand_not_first == []
+    # so a demanded position waits at most the batch in flight plus the next one
+    batch_s = prod.fixed_s + prod.per_sample_s * prod.limits.max_batch_samples
+    for r in res.consumers.values():
+        assert r.finish_s is not None
+        assert r.max_demand_wait_s <= 2 * batch_s + 1e-9
+
+
+def test_plan_wrap_fingerprints():
+    """Positions map to fingerprints by p % plan_len: one capture per plan sample while windows cover it."""
+    cons = [ConsumerSpec("x", 0.1, 8, 64, 128), ConsumerSpec("y", 0.1, 8, 64, 128)]
+    res = simulate(cons, default_producer(), 1_000, plan_len=250)
+    assert res.distinct_fps_captured == 250
+    assert res.captures == 1_000 and res.recaptures == 750  # each epoch re-captures the evicted sample
+
+
+# ---- check_deadlock ------------------------------------------------------------------------------
+def test_check_deadlock_rejects_lookahead_below_batch():
+    lim = SchedulerLimits()
+    check_deadlock(lim, batch_size=8, lookahead=8, max_length=512)
+    with pytest.raises(ConfigError, match=r"lookahead 4 is smaller than the batch size 8.*>= 8"):
+        check_deadlock(lim, batch_size=8, lookahead=4, max_length=512)
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        check_deadlock(SchedulerLimits(max_batch_tokens=256), batch_size=1, lookahead=1, max_length=512)
+    with pytest.raises(ConfigError, match="batch size"):
+        check_deadlock(lim, batch_size=0, lookahead=4, max_length=512)
+
+
+def test_rejected_setting_really_deadlocks_in_the_simulation():
+    bad = [ConsumerSpec("x", 0.1, batch_size=8, lookbehind=0, lookahead=4)]
+    with pytest.raises(ConfigError, match="lookahead"):
+        simulate(bad, default_producer(), 100)
+    with pytest.raises(SimDeadlock, match="did not finish"):
+        simulate(bad, default_producer(), 100, check=False)
+    ok = [ConsumerSpec("x", 0.1, batch_size=8, lookbehind=0, lookahead=8)]
+    assert simulate(ok, default_producer(), 100).consumers["x"].finish_s is not None
+
+
+def test_simulation_is_deterministic():
+    cons = [*overlap_consumers(), lagging_consumer(start_s=3.0)]
+    a, b = (simulate(cons, ProducerSpec(), 1_500) for _ in range(2))
+    assert a == b
+
+
+def test_cli_prints_table(capsys):
+    assert main(["--scenario", "overlap", "--positions", "500", "--solo"]) == 0
+    out = capsys.readouterr().out
+    assert "| fast |" in out and "captures per position" in out and "rate / solo" in out
+    assert main(["--consumer", "x:0.1:8:0:4", "--positions", "50"]) == 2
+    assert "lookahead 4 is smaller" in capsys.readouterr().err
