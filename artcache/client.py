@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from artcache import journal as J
 from artcache import leases, store
 from artcache.errors import ArtifactMissing, CaptureTimeout, IntegrityError
-from artcache.fingerprint import fingerprint
+from artcache.fingerprint import PlanFingerprints
 from artcache.layout import CacheLayout
 from artcache.registry import ConsumerHandle
 from artcache.settings import RootSettings
@@ -49,8 +49,8 @@ class CacheClient:
                  journal: J.JournalWriter, demand_timeout_s: float = 600.0, pin: bool = False) -> None:
         self.layout = layout
         self.contract = settings.contract
-        self._canon = self.contract.canonical()
         self.plan = plan
+        self.fp_of = PlanFingerprints(self.contract, plan)
         self.handle = handle
         self.journal = journal
         self.demand_timeout_s = demand_timeout_s
@@ -58,15 +58,6 @@ class CacheClient:
         self.consumer_id = handle.consumer_id
         self._demand: set[int] = set()
         self._demand_lock = threading.Lock()
-        self._fp_cache: dict[int, str] = {}
-
-    def fp_of(self, position: int) -> str:
-        idx = position % len(self.plan)
-        fp = self._fp_cache.get(idx)
-        if fp is None:
-            s = self.plan.sample(idx)
-            fp = self._fp_cache[idx] = fingerprint(self._canon, s.input_ids, s.loss_mask)
-        return fp
 
     def _set_demand(self, position: int, on: bool) -> None:
         with self._demand_lock:

@@ -57,3 +57,24 @@ def fingerprint(contract: CaptureContract | bytes, input_ids, loss_mask) -> str:
     h.update(ids.astype("<i4").tobytes())
     h.update((mask != 0).astype("u1").tobytes())
     return h.hexdigest()
+
+
+class PlanFingerprints:
+    """Fingerprint of each plan position under one contract, computed once per plan index.
+
+    Positions run past the plan's end epoch after epoch: position ``p`` is plan sample
+    ``p % len(plan)``, so a repeated sample has the same fingerprint (and artifact).
+    """
+
+    def __init__(self, contract: CaptureContract, plan) -> None:
+        self._canon = contract.canonical()
+        self.plan = plan
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, position: int) -> str:
+        idx = position % len(self.plan)
+        fp = self._cache.get(idx)
+        if fp is None:
+            s = self.plan.sample(idx)
+            fp = self._cache[idx] = fingerprint(self._canon, s.input_ids, s.loss_mask)
+        return fp

@@ -92,20 +92,3 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path
             f"writing {dest.name} failed: {exc.strerror or exc}", fingerprint=fingerprint,
             retryable=is_retryable(exc), errno_=exc.errno) from exc
     return written
-
-
-def read_all(path: Path) -> bytearray:
-    """Read a whole file into one writable buffer (one copy). Raises FileNotFoundError if absent."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    if got != size:
-        del buf[got:]
-    return buf

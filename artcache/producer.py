@@ -32,7 +32,7 @@ from artcache.contract import CaptureContract
 from artcache.crashpoints import crash_point
 from artcache.errors import ArtcacheError, CaptureFailed, ConfigError, IntegrityError, PublishError
 from artcache.eviction import evict_pass
-from artcache.fingerprint import fingerprint
+from artcache.fingerprint import PlanFingerprints
 from artcache.layout import CacheLayout, check_id, host_id
 from artcache.scheduler import SchedulerLimits, next_batch, wanted, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
@@ -176,14 +176,13 @@ class Producer:
         self.layout = layout
         self.settings = settings
         self.contract = settings.contract
-        self._canon = self.contract.canonical()
         self.plan = plan
+        self.fp_of = PlanFingerprints(self.contract, plan)
         self.backend = backend
         self.cfg = cfg
         self.journal = journal
         self.pid = cfg.producer_id
         self.stats = ProducerStats()
-        self._fp_cache: dict[int, str] = {}
         self._published: dict[str, int] = store.list_objects(layout)
         self._seen_consumers: set[str] = set()
         self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts
@@ -204,14 +203,6 @@ class Producer:
         for ev in J.read_events(self.layout.journal).events:
             if isinstance(ev, J.Publish):
                 self.stats.ever_published.add(ev.fp)
-
-    def fp_of(self, position: int) -> str:
-        idx = position % len(self.plan)
-        fp = self._fp_cache.get(idx)
-        if fp is None:
-            s = self.plan.sample(idx)
-            fp = self._fp_cache[idx] = fingerprint(self._canon, s.input_ids, s.loss_mask)
-        return fp
 
     def length_of(self, position: int) -> int:
         return int(self.plan.sample(position % len(self.plan)).input_ids.shape[0])
