@@ -223,5 +223,23 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
     sys.exit(0 if ok else 1)
 
 
+@main.command("verify-fs")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, writable=True))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of one line per check.")
+@_errors
+def verify_fs(path, as_json):
+    """Check that PATH's filesystem supports flock, O_EXCL, atomic same-directory rename and directory fsync."""
+    from artcache.verify_fs import verify_filesystem
+
+    res = verify_filesystem(path)
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+    else:
+        for name, c in res["checks"].items():
+            click.echo(f"{name:15s} {'ok' if c['ok'] else 'FAILED'}  {c['detail']}")
+    if not res["ok"]:
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ def bench_all(tmp_path_factory, tiny_target):
     proc = subprocess.run(
         [sys.executable, "-m", "artcache.cli", "bench", "--scenario", "all", "--target", tiny_target.path,
          "--data", str(DATA), "--max-length", "128", "--max-samples", "32", "--anchors", "8",
-         "--draft-layers", "3", "--warmup", "2", "--steps", "6", "--window", "2:8", "--out", str(out)],
+         "--draft-layers", "3", "--warmup", "2", "--steps", "6", "--window", "8:8", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env=env)
     return proc, out
 

@@ -460,3 +460,17 @@ def test_window_with_non_ascii_or_underscored_digits(root, workdir, window):
     before = snapshot(root)
     assert_bad_input(invoke("consume", "--cache", str(root), "--window", window), f"--window {window!r}", "64:256")
     assert snapshot(root) == before
+
+
+def test_verify_fs_passes_on_a_local_directory(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "verify-fs", str(tmp_path), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["ok"] and set(res["checks"]) == {"flock", "o_excl", "atomic_replace", "dir_fsync"}
+
+
+def test_verify_fs_rejects_a_missing_path(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "verify-fs", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "nope" in proc.stderr

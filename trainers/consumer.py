@@ -308,12 +308,14 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             optimizer.step()
             cursor = got[-1].position + 1
+            # the step no longer needs the batch's bytes: release its leases while its positions are
+            # still inside the window, then commit (a crash in between leaves nothing outside it)
+            for it in got:
+                client.release(it)
             crash_point("cursor.before-commit")
             handle.commit_cursor(cursor)  # only after the step that consumed the positions
             crash_point("cursor.after-commit")
             reader.authorize(cursor)
-            for it in got:
-                client.release(it)
             total = stats if total is None else total + stats
             s = stats.summary()
             if step < 5:
