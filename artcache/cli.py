@@ -95,13 +95,15 @@ def main(verbose: bool) -> None:
 @click.option("--exit-when-done", is_flag=True, help="Exit once every registered consumer has finished.")
 @click.option("--done-grace", default=10.0, type=float,
               help="With --exit-when-done: seconds with no running consumer before exiting.")
+@click.option("--expect-consumers", default=0, type=int,
+              help="Capture nothing until this many consumers have registered (a start line).")
 @click.option("--idle-exit", default=0.0, type=float, help="Exit after this many idle seconds with no consumer (0: never).")
 @click.option("--threads", default=0, type=int, help="torch CPU threads (0: torch's default).")
 @click.option("--id", "producer_id", default="producer", help="Producer id (journal file name).")
 @_errors
 def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers, layer_ids, device, dtype,
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
-             idle_exit, threads,
+             expect_consumers, idle_exit, threads,
              producer_id):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
@@ -122,7 +124,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         draft_layers=draft_layers, layer_ids=ids, device=device, dtype=dtype, compute_dtype=compute_dtype,
         limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens),
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
-        idle_exit_s=idle_exit,
+        expect_consumers=expect_consumers, idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads)
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "

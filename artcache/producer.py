@@ -63,6 +63,9 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         lease_ttl_s: another host's lease older than this is expired.
         exit_when_done: exit once every consumer that registered has finished and no consumer has
             been running for ``done_grace_s`` seconds.
+        expect_consumers: capture nothing until this many consumers have registered (a start
+            line, not a step barrier: consumers started together then share every capture); after
+            ``expect_timeout_s`` it starts anyway, so a consumer that died at start-up blocks no one.
         idle_exit_s: exit after this many seconds with no live consumer (0 = never).
         producer_id: journal id. threads: torch CPU threads (0 = torch default).
     """
@@ -85,6 +88,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lease_ttl_s: float = 600.0
     exit_when_done: bool = False
     done_grace_s: float = 10.0
+    expect_consumers: int = 0
+    expect_timeout_s: float = 300.0
     idle_exit_s: float = 0.0
     producer_id: str = "producer"
     threads: int = 0
@@ -190,6 +195,7 @@ class Producer:
         self._inflight: set[str] = set()  # captured, not yet published
         self._last_retained: tuple[int, int, int] | None = None
         self._none_running_since: float | None = None
+        self._started = time.monotonic()
         self._publish_queue: queue.Queue = queue.Queue(maxsize=cfg.max_inflight_batches)
         self._publisher_thread = threading.Thread(target=self._publisher, daemon=True, name="artcache-publisher")
         self._publisher_thread.start()
@@ -266,7 +272,8 @@ class Producer:
         """One scheduling pass. Returns True if it captured anything."""
         live = self.live_registrations()
         self.evict(live)
-        if not live:
+        if not live or (len(self._seen_consumers) < self.cfg.expect_consumers
+                        and time.monotonic() - self._started < self.cfg.expect_timeout_s):
             return False
         with self._state:
             skip = set(self._published) | self._inflight

@@ -108,7 +108,8 @@ def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
                 "producer", "--cache", str(cache), "--target", cfg.target, "--data", cfg.dataset,
                 "--max-length", str(cfg.max_length),
                 "--max-samples", str(cfg.max_samples), "--draft-layers", str(cfg.draft_layers),
-                "--device", dev(0), "--exit-when-done", "--done-grace", "5", *threads), stdout=log, stderr=subprocess.STDOUT, env=env)
+                "--device", dev(0), "--exit-when-done", "--done-grace", "5",
+                "--expect-consumers", str(len(sc.consumers)), *threads), stdout=log, stderr=subprocess.STDOUT, env=env)
         _wait_ready(cache, procs["producer"], logs / "producer.log", cfg.timeout_s)
         for i, c in enumerate(sc.consumers, start=1):
             with open(logs / f"{c.consumer_id}.log", "wb") as log:
