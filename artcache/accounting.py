@@ -57,6 +57,7 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     #: was killed between creating the lease file and journaling it): outside the lease invariant
     #: (a lease file still on disk counts as held until then)
     leases_unjournaled: int = 0
+    captures_lost_in_crash: int = 0
     timeouts: int = 0
     quarantined: int = 0
     fences: int = 0
@@ -158,6 +159,7 @@ def account(layout: CacheLayout) -> Accounting:
         c.timeouts += k.timeouts
         c.quarantined += k.quarantined
     c.distinct_positions_consumed = max((k.cursor for k in consumers), default=0)
+    c.captures_lost_in_crash = captures_lost_in_crash(layout.journal)
     c.distinct_fingerprints_captured = len(captured_fps)
     if c.distinct_positions_consumed:
         c.captures_per_consumed_position = c.captures / c.distinct_positions_consumed
@@ -168,11 +170,30 @@ def account(layout: CacheLayout) -> Accounting:
     return Accounting(cache=c, consumers=consumers, violations=check_invariants(c, consumers))
 
 
+def captures_lost_in_crash(journal_dir) -> int:
+    """Captures journaled by a producer process that died (its journal has no ``producer_stop``)
+    before publishing them or recording their failure: the kill lost them, nothing else did."""
+    lost = 0
+    for path in sorted(journal_dir.glob("producer-*.jsonl")) if journal_dir.is_dir() else []:
+        captured, settled, stopped = 0, 0, False
+        for ev in J.iter_file(path):
+            if isinstance(ev, J.Capture):
+                captured += 1
+            elif isinstance(ev, (J.Publish, J.CaptureFailure)):
+                settled += 1
+            elif isinstance(ev, J.ProducerStop):
+                stopped = True
+        if not stopped:
+            lost += max(0, captured - settled)
+    return lost
+
+
 def check_invariants(c: CacheCounts, consumers: list[ConsumerCounts]) -> list[str]:
     """Invariants that must hold on any root; each violation is a sentence naming the numbers."""
     out = []
-    if c.captures != c.publications + c.failures:
-        out.append(f"captures {c.captures} != publications {c.publications} + failures {c.failures}")
+    if c.captures != c.publications + c.failures + c.captures_lost_in_crash:
+        out.append(f"captures {c.captures} != publications {c.publications} + failures {c.failures} + lost "
+                   f"in a producer crash {c.captures_lost_in_crash}")
     if c.leases_acquired != c.leases_released + c.leases_expired + c.leases_held:
         out.append(f"leases acquired {c.leases_acquired} != released {c.leases_released} + expired "
                    f"{c.leases_expired} + held {c.leases_held}")

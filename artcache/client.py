@@ -9,6 +9,7 @@ passes. Every acquire is one *logical request* in the journal (``hit`` or miss w
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from artcache import journal as J
 from artcache import leases, store
-from artcache.errors import ArtifactMissing, CaptureTimeout, IntegrityError
+from artcache.errors import ArtifactMissing, CaptureFailed, CaptureTimeout, IntegrityError
 from artcache.fingerprint import PlanFingerprints
 from artcache.layout import CacheLayout
 from artcache.registry import ConsumerHandle
@@ -88,6 +89,7 @@ class CacheClient:
                 except IntegrityError as exc:
                     self.journal.emit(J.Quarantined(consumer=self.consumer_id, fp=fp, reason=str(exc)))
                     log.warning("quarantined %s: %s", fp, exc)
+                self._raise_if_given_up(fp, position)
                 if not waiting:
                     waiting = True
                     self.journal.emit(J.DemandWait(consumer=self.consumer_id, position=position, fp=fp))
@@ -113,6 +115,17 @@ class CacheClient:
         self.journal.emit(J.Request(consumer=self.consumer_id, position=position, fp=fp,
                                     hit=not waiting, wait_s=wait_s))
         return Leased(position, art, lease)
+
+    def _raise_if_given_up(self, fp: str, position: int) -> None:
+        """Raise CaptureFailed if the producer gave up on ``fp`` (``failed/<fp>.json``)."""
+        try:
+            record = json.loads(self.layout.failure_path(fp).read_bytes())
+        except (FileNotFoundError, ValueError):
+            return
+        raise CaptureFailed(
+            f"the producer gave up capturing position {position} (fingerprint {fp}) after "
+            f"{record.get('attempts')} attempt(s): {record.get('error')}", fingerprint=fp,
+            attempts=int(record.get("attempts", 0)), retryable=bool(record.get("retryable", False)))
 
     def _release(self, fp: str, lease: str) -> None:
         if leases.release(self.layout, lease):

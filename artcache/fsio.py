@@ -32,10 +32,15 @@ def is_retryable(exc: OSError) -> bool:
     return exc.errno in RETRYABLE_ERRNOS
 
 
-def check_free_space(directory: Path, nbytes: int, reserve: int = 64 << 20) -> None:
-    """Raise PublishError(ENOSPC, not retryable) if ``directory`` has < nbytes + reserve free bytes."""
+def check_free_space(directory: Path, nbytes: int, reserve: int | None = None) -> None:
+    """Raise PublishError(ENOSPC, not retryable) if ``directory`` has < nbytes + reserve free bytes.
+
+    The default reserve is 64 MiB or 5 % of the filesystem, whichever is smaller (so a small
+    filesystem can still be used, and a large one is never filled to the last block)."""
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
+    if reserve is None:
+        reserve = min(64 << 20, st.f_blocks * st.f_frsize // 20)
     if free < nbytes + reserve:
         raise PublishError(
             f"not enough free space in {directory}: {free} B free, need {nbytes} B plus a "

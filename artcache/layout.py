@@ -12,6 +12,7 @@
       leases/<fp>~<consumer>~<host>~<pid>~<nonce>   one file per held lease
       journal/<role>-<id>-<pid>.jsonl    accounting events, one writer per file
       quarantine/                        artifacts that failed their content check
+      failed/<fp>.json                   fingerprints the producer gave up on (error, attempts)
 
 Path components are built only from hex digests and validated ids (``[A-Za-z0-9_.-]``, 1–64
 characters, not starting with a dot); nothing from data or config is used unchecked.
@@ -31,7 +32,7 @@ from artcache.errors import CacheRootError, ConfigError
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
 _ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 SETTINGS_FILE = "artcache.json"
-SUBDIRS = ("plans", "objects", "locks", "tmp", "consumers", "leases", "journal", "quarantine")
+SUBDIRS = ("plans", "objects", "locks", "tmp", "consumers", "leases", "journal", "quarantine", "failed")
 
 
 def check_fingerprint(fp: str) -> str:
@@ -108,6 +109,10 @@ class CacheLayout:
     @property
     def quarantine(self) -> Path:
         return self.root / "quarantine"
+
+    def failure_path(self, fp: str) -> Path:
+        """``failed/<fp>.json``: the producer gave up on ``fp``; a consumer waiting on it stops."""
+        return self.root / "failed" / f"{check_fingerprint(fp)}.json"
 
     def object_path(self, fp: str) -> Path:
         check_fingerprint(fp)

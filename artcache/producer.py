@@ -14,6 +14,8 @@ With nothing to do it sleeps ``poll_interval_s`` (backpressure: it never runs ah
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import queue
@@ -33,6 +35,7 @@ from artcache.crashpoints import crash_point
 from artcache.errors import ArtcacheError, CaptureFailed, ConfigError, IntegrityError, PublishError
 from artcache.eviction import evict_pass
 from artcache.fingerprint import PlanFingerprints
+from artcache.fsio import atomic_write
 from artcache.layout import CacheLayout, check_id, host_id
 from artcache.scheduler import SchedulerLimits, next_batch, wanted, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
@@ -136,6 +139,12 @@ def prepare_root(cfg: ProducerConfig):
     spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples)
     cfg.limits.validate(cfg.max_length)
     layout = CacheLayout(_abspath(cfg.cache))
+    if layout.root.exists() and not layout.root.is_dir():
+        raise ConfigError(f"--cache {cfg.cache!r} exists and is not a directory; give a directory path")
+    for parent in layout.root.parents:
+        if (parent / "artcache.json").is_file():
+            raise ConfigError(f"--cache {cfg.cache!r} is inside the cache root {str(parent)!r}; give a directory "
+                              "outside any cache root")
     tok = load_tokenizer(info)
     contract = CaptureContract(
         target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
@@ -196,6 +205,7 @@ class Producer:
         self._last_retained: tuple[int, int, int] | None = None
         self._none_running_since: float | None = None
         self._started = time.monotonic()
+        self._lock_held_seen: set[str] = set()
         self._publish_queue: queue.Queue = queue.Queue(maxsize=cfg.max_inflight_batches)
         self._publisher_thread = threading.Thread(target=self._publisher, daemon=True, name="artcache-publisher")
         self._publisher_thread.start()
@@ -298,10 +308,12 @@ class Producer:
                             thread_local=False)
             try:
                 lock.acquire()
-            except Timeout:
-                self.stats.coalesced += len(w.consumers)
-                self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers),
-                                       reason="lock-held"))
+            except Timeout:  # another producer is capturing it: count that once per fingerprint
+                if w.fp not in self._lock_held_seen:
+                    self._lock_held_seen.add(w.fp)
+                    self.stats.coalesced += len(w.consumers)
+                    self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers),
+                                           reason="lock-held"))
                 continue
             if store.exists(self.layout, w.fp):  # another holder published meanwhile
                 lock.release()
@@ -380,16 +392,24 @@ class Producer:
                 self.stats.ever_published.add(fp)
                 self._published[fp] = nbytes
             self._emit(J.Publish(producer=self.pid, fp=fp, nbytes=nbytes))
+            with contextlib.suppress(FileNotFoundError):  # published after all: clear an old give-up
+                os.unlink(self.layout.failure_path(fp))
             return
 
     def _fail(self, fp: str, exc: BaseException, attempts: int = 1) -> None:
         with self._state:
             self.stats.failures += 1
             self._failed[fp] = self._failed.get(fp, 0) + attempts
+            total = self._failed[fp]
         retryable = bool(getattr(exc, "retryable", False))
-        self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=attempts, retryable=retryable,
-                                    error=f"{type(exc).__name__}: {exc}"))
+        error = f"{type(exc).__name__}: {exc}"
+        self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=attempts, retryable=retryable, error=error))
         log.error("capture of %s failed after %d attempt(s) (retryable=%s): %s", fp, attempts, retryable, exc)
+        if total >= MAX_ATTEMPTS:  # give up: tell consumers waiting on it instead of letting them hang
+            record = {"fingerprint": fp, "attempts": total, "retryable": retryable, "error": error}
+            with contextlib.suppress(OSError):
+                atomic_write(self.layout.failure_path(fp), [json.dumps(record).encode()], self.layout.tmp,
+                             durable=False)
 
     # -- main loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -456,6 +476,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    quiet_transformers()
     layout, settings, plan, info, _tok = prepare_root(cfg)
     dtype = getattr(torch, settings.contract.compute_dtype)
     model = load_target_model(info, device=cfg.device, dtype=dtype)
@@ -471,6 +492,16 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     finally:
         journal.close()
     return producer.stats
+
+
+def quiet_transformers() -> None:
+    """No per-start tqdm bars from transformers (weight loading, GGUF conversion) in role logs."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 def _cleanup_orphans(layout: CacheLayout) -> int:

@@ -15,7 +15,7 @@ from typing import Literal
 import msgspec
 from filelock import FileLock
 
-from artcache.errors import ConsumerFenced
+from artcache.errors import ConfigError, ConsumerFenced
 from artcache.fsio import atomic_write
 from artcache.layout import CacheLayout, host_id
 
@@ -114,7 +114,7 @@ def register(layout: CacheLayout, reg: Registration) -> Registration:
     def fn(old: Registration | None) -> Registration:
         if old is not None and old.state == "running" and old.pid and old.host == host_id() \
                 and old.pid != reg.pid and _pid_alive(old.pid):
-            raise ConsumerFenced(
+            raise ConfigError(
                 f"consumer id {reg.consumer_id!r} is already running as pid {old.pid}; "
                 "choose another --id")
         return msgspec.structs.replace(

@@ -25,7 +25,8 @@ def format_accounting(acc: Accounting) -> str:
     c = acc.cache
     shared = [
         ["captures (producer, once)", c.captures], ["publications", c.publications],
-        ["capture failures", c.failures], ["recaptures", c.recaptures], ["evictions", c.evictions],
+        ["capture failures", c.failures], ["captures lost in a producer crash", c.captures_lost_in_crash],
+        ["recaptures", c.recaptures], ["evictions", c.evictions],
         ["coalesced requests", c.coalesced],
         ["distinct positions consumed", c.distinct_positions_consumed],
         ["captures / consumed position", round(c.captures_per_consumed_position, 3)],
@@ -50,6 +51,6 @@ def format_accounting(acc: Accounting) -> str:
         out.append("INVARIANT VIOLATIONS:")
         out.extend(f"  - {v}" for v in acc.violations)
     else:
-        out.append("invariants: ok (captures = publications + failures; leases balance; "
+        out.append("invariants: ok (captures = publications + failures + lost in a crash; leases balance; "
                    "requests = hits + misses; max retained <= window bound)")
     return "\n".join(out)

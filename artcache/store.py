@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,8 +291,13 @@ def remove(layout: CacheLayout, fp: str) -> int:
     return size
 
 
+_FP_NAME = re.compile(r"[0-9a-f]{16,128}")
+
+
 def list_objects(layout: CacheLayout) -> dict[str, int]:
-    """Map fingerprint → size in bytes for every published artifact (one directory walk)."""
+    """Map fingerprint → size in bytes for every published artifact (one directory walk). Files whose
+    names are not ``<fp[:2]>/<fp>.safetensors`` are ignored (regression: a stray file in objects/
+    used to stop the producer)."""
     out: dict[str, int] = {}
     try:
         shards = list(os.scandir(layout.objects))
@@ -302,11 +308,13 @@ def list_objects(layout: CacheLayout) -> dict[str, int]:
             continue
         for entry in os.scandir(shard.path):
             name = entry.name
-            if name.endswith(".safetensors"):
-                try:
-                    out[name[: -len(".safetensors")]] = entry.stat().st_size
-                except FileNotFoundError:
-                    continue
+            fp = name[: -len(".safetensors")] if name.endswith(".safetensors") else ""
+            if not _FP_NAME.fullmatch(fp) or shard.name != fp[:2]:
+                continue  # not an artifact artcache wrote (a stray file): never touched, never counted
+            try:
+                out[fp] = entry.stat().st_size
+            except FileNotFoundError:
+                continue
     return out
 
 

@@ -62,6 +62,7 @@ def consistent(layout: CacheLayout) -> dict:
         J.Retained(producer="p", artifacts=2, nbytes=200, window_bound=5),
         J.LeaseExpire(producer="p", fp=fp(0), lease=f"{fp(0)}~b~h~9~00", reason="holder-dead"),
         J.Fence(producer="p", consumer="b", generation=2, state="failed", reason="process 9 is gone"),
+        J.ProducerStop(producer="p", reason="signal"),
     ]
     cons_a = [
         J.ConsumerStart(consumer="a", pid=2, draft="dflash", block_size=4, batch_size=1, lookbehind=0,
@@ -230,3 +231,20 @@ def test_regression_unjournaled_lease_expiry_is_not_a_violation(layout):
     acc = account(layout)
     assert acc.violations == []
     assert (acc.cache.leases_expired, acc.cache.leases_unjournaled) == (1, 1)
+
+
+def test_regression_capture_lost_in_producer_crash_is_not_a_violation(layout):
+    """A producer SIGKILLed between capture and publication left `captures != publications + failures`
+    in `inspect` forever. A capture unsettled in a journal without `producer_stop` is counted as lost
+    in the crash; the same capture in a journal that did stop is still a violation."""
+    j = consistent(layout)
+    stopped = [e for e in j["producer-p-1"] if not isinstance(e, J.ProducerStop)]
+    j["producer-p-1"] = [*stopped, J.Capture(producer="p", fp=fp(5), positions=[5], tokens=5)]
+    write_all(layout, j)
+    acc = account(layout)
+    assert acc.violations == [] and acc.cache.captures_lost_in_crash == 1
+    j["producer-p-1"].append(J.ProducerStop(producer="p", reason="signal"))
+    write_all(layout, j)
+    acc = account(layout)
+    assert acc.cache.captures_lost_in_crash == 0
+    assert any("captures" in v for v in acc.violations)

@@ -474,3 +474,25 @@ def test_verify_fs_rejects_a_missing_path(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "artcache.cli", "verify-fs", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+def test_regression_producer_cache_is_a_file(tmp_path, tiny_target):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "producer", "--cache", str(f), "--target",
+                           tiny_target.path, "--data", str(DATA), "--draft-layers", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not a directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert f.read_text() == "x"
+
+
+def test_regression_producer_refuses_a_root_inside_a_root(tmp_path, tiny_target):
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    (outer / "artcache.json").write_text("{}")
+    inner = outer / "objects"
+    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "producer", "--cache", str(inner), "--target",
+                           tiny_target.path, "--data", str(DATA), "--draft-layers", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "inside the cache root" in proc.stderr
+    assert not inner.exists()

@@ -502,3 +502,19 @@ def test_quarantine_twice_keeps_both(layout):
 
 def test_quarantine_of_gone_file(layout):
     assert store.quarantine(layout, "ab" * 20) is False
+
+
+def test_regression_stray_file_in_objects_is_ignored(tmp_path):
+    """A file artcache did not write in objects/ used to stop the producer (invalid fingerprint)."""
+    layout = CacheLayout(tmp_path)
+    layout.create()
+    (layout.objects / "ab").mkdir()
+    (layout.objects / "ab" / "junk.safetensors").write_bytes(b"\x00" * 100)
+    (layout.objects / "README").write_text("hello")
+    (layout.objects / "cd").mkdir()
+    (layout.objects / "cd" / ("ab" * 20 + ".safetensors")).write_bytes(b"x")  # wrong shard
+    assert store.list_objects(layout) == {}
+    from artcache.eviction import evict_pass
+
+    res = evict_pass(layout, retain=set(), live_consumers=set())
+    assert res.evicted == {} and (layout.objects / "ab" / "junk.safetensors").exists()

@@ -235,6 +235,9 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
     from trainers.dflash import dflash_loss, sample_anchors
 
     cfg.validate()
+    from artcache.producer import quiet_transformers
+
+    quiet_transformers()
     layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
     settings = load_settings(layout)  # raises CacheRootError for a missing/uninitialised root
     if cfg.threads:
@@ -327,9 +330,11 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
                                 acc_correct=stats.correct.tolist(), acc_total=stats.total.tolist(),
                                 wait_s=wait_s, step_s=time.monotonic() - t0, lr=lr))
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                acc = " ".join(f"{a:.2f}" for a in s["acc"][:4])
-                log.info("[%s] step %d/%d loss %.3f tau %.2f (incl. +1 bonus) acc_1..4 %s wait %.2fs",
-                         cfg.consumer_id, step + 1, cfg.steps, s["loss"], s["tau"], acc, wait_s)
+                shown = s["acc"][:4]
+                acc = " ".join(f"{a:.2f}" for a in shown)
+                log.info("[%s] step %d/%d loss %.3f tau %.2f (incl. +1 bonus) acc_1..%d %s trainer wait for "
+                         "batch %.2fs", cfg.consumer_id, step + 1, cfg.steps, s["loss"], s["tau"], len(shown), acc,
+                         wait_s)
         step = cfg.steps
         state = "completed"
     except KeyboardInterrupt:
