@@ -293,6 +293,7 @@ def test_publish_refused_when_disk_nearly_full(layout, monkeypatch):
     class FakeStat:
         f_bavail = 10
         f_frsize = 4096
+        f_blocks = 1 << 20  # a 4 GiB filesystem: the reserve is the full 64 MiB
 
     monkeypatch.setattr(os, "statvfs", lambda p: FakeStat())
     with pytest.raises(PublishError) as ei:
@@ -518,3 +519,17 @@ def test_regression_stray_file_in_objects_is_ignored(tmp_path):
 
     res = evict_pass(layout, retain=set(), live_consumers=set())
     assert res.evicted == {} and (layout.objects / "ab" / "junk.safetensors").exists()
+
+
+def test_free_space_reserve_scales_down_on_small_filesystems(monkeypatch, tmp_path):
+    """An 8 MiB filesystem could never publish with a fixed 64 MiB reserve (new-user finding)."""
+
+    class SmallFs:
+        f_bavail = 1500  # ~6 MiB free of 8 MiB
+        f_frsize = 4096
+        f_blocks = 2048
+
+    monkeypatch.setattr(os, "statvfs", lambda p: SmallFs())
+    fsio.check_free_space(tmp_path, 3 << 20)  # 3 MiB fits beside a 5 % (410 KiB) reserve
+    with pytest.raises(PublishError):
+        fsio.check_free_space(tmp_path, 6 << 20)
