@@ -252,10 +252,11 @@ def _consumer_killed(tmp_path, crash_at):
         wait_until(lambda: not [n for n in os.listdir(cache / "leases") if "~v~" in n],
                    "the killed consumer's leases to expire", [prod])
         reg = registry.read(layout, "v")
+        nth = int(crash_at.split(":")[1]) if ":" in crash_at else 1
         if crash_at.startswith("cursor.after-commit"):
-            assert reg.cursor == 2 * BATCH  # committed just before the kill
+            assert reg.cursor == nth * BATCH  # the n-th step committed just before the kill
         elif crash_at.startswith("cursor.before-commit"):
-            assert reg.cursor == BATCH  # the second step's commit never happened
+            assert reg.cursor == (nth - 1) * BATCH  # the n-th step's commit never happened
         # restarted with the same --id: registers (generation bumped past the fence) and completes
         again = start_consumer(tmp_path, cache, "v")
         again.expect(0)
