@@ -60,6 +60,17 @@ def host_id() -> str:
     return name
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0; a PermissionError means it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def unique_suffix() -> str:
     """``<host>.<pid>.<nonce>``: unique among all writers sharing a filesystem."""
     return f"{host_id()}.{os.getpid()}.{secrets.token_hex(6)}"

@@ -16,8 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from artcache.crashpoints import crash_point
-from artcache.layout import CacheLayout, check_fingerprint, check_id, host_id
-from artcache.registry import _pid_alive
+from artcache.layout import CacheLayout, check_fingerprint, check_id, host_id, pid_alive
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def expired_reason(layout: CacheLayout, lease: LeaseInfo, live_consumers: set[st
                    now: float | None = None) -> str | None:
     """Why ``lease`` is expired, or None if it is live."""
     if lease.host == host_id():
-        if not _pid_alive(lease.pid):
+        if not pid_alive(lease.pid):
             return "holder-dead"
     else:
         try:

@@ -36,7 +36,7 @@ from artcache.errors import ArtcacheError, CaptureFailed, ConfigError, Integrity
 from artcache.eviction import evict_pass
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import atomic_write
-from artcache.layout import CacheLayout, check_id, host_id
+from artcache.layout import CacheLayout, check_id, host_id, pid_alive
 from artcache.scheduler import SchedulerLimits, next_batch, wanted, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
@@ -206,6 +206,7 @@ class Producer:
         self._none_running_since: float | None = None
         self._started = time.monotonic()
         self._lock_held_seen: set[str] = set()
+        self._any_live = False
         self._publish_queue: queue.Queue = queue.Queue(maxsize=cfg.max_inflight_batches)
         self._publisher_thread = threading.Thread(target=self._publisher, daemon=True, name="artcache-publisher")
         self._publisher_thread.start()
@@ -234,7 +235,7 @@ class Producer:
             if reg.state != "running":
                 continue
             reason = None
-            if reg.host == host_id() and reg.pid and not registry._pid_alive(reg.pid):
+            if reg.host == host_id() and reg.pid and not pid_alive(reg.pid):
                 reason, state = f"process {reg.pid} is gone", "failed"
             elif now - reg.heartbeat > self.cfg.heartbeat_timeout_s:
                 reason, state = f"no heartbeat for {now - reg.heartbeat:.0f}s", "expired"
@@ -246,6 +247,7 @@ class Producer:
                 continue
             live.append(reg)
             self._seen_consumers.add(reg.consumer_id)
+        self._any_live = bool(live)
         return live
 
     # -- eviction --------------------------------------------------------------------------
@@ -423,7 +425,7 @@ class Producer:
                 if worked:
                     self._idle_since = time.monotonic()
                     continue
-                if self._any_running():
+                if self._any_live:  # as read by this pass's live_registrations()
                     self._idle_since = time.monotonic()
                     self._none_running_since = None
                 elif self.cfg.exit_when_done and self._seen_consumers:
@@ -451,10 +453,6 @@ class Producer:
         if self._publisher_thread.is_alive():
             self._publish_queue.put(None)
             self._publisher_thread.join()
-
-    def _any_running(self) -> bool:
-        return any(r.state == "running" for r in registry.read_all(self.layout))
-
 
 def install_signal_handlers(stop_event: threading.Event) -> None:
     """SIGINT/SIGTERM set ``stop_event``: the loop finishes its batch and exits cleanly."""
@@ -516,7 +514,7 @@ def _cleanup_orphans(layout: CacheLayout) -> int:
             pid = int(parts[1])
         except ValueError:
             continue
-        if not registry._pid_alive(pid):
+        if not pid_alive(pid):
             try:
                 os.unlink(entry.path)
                 removed += 1

@@ -17,7 +17,7 @@ from filelock import FileLock
 
 from artcache.errors import ConfigError, ConsumerFenced
 from artcache.fsio import atomic_write
-from artcache.layout import CacheLayout, host_id
+from artcache.layout import CacheLayout, host_id, pid_alive
 
 State = Literal["running", "completed", "cancelled", "failed", "expired"]
 TERMINAL = frozenset({"completed", "cancelled", "failed", "expired"})
@@ -113,7 +113,7 @@ def register(layout: CacheLayout, reg: Registration) -> Registration:
 
     def fn(old: Registration | None) -> Registration:
         if old is not None and old.state == "running" and old.pid and old.host == host_id() \
-                and old.pid != reg.pid and _pid_alive(old.pid):
+                and old.pid != reg.pid and pid_alive(old.pid):
             raise ConfigError(
                 f"consumer id {reg.consumer_id!r} is already running as pid {old.pid}; "
                 "choose another --id")
@@ -188,15 +188,3 @@ def fence(layout: CacheLayout, consumer_id: str, state: State, reason: str,
                                        reason=reason)
 
     return update(layout, consumer_id, fn)
-
-
-def _pid_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

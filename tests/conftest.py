@@ -4,6 +4,7 @@ random-weight Llama target of the same vocabulary and tokenizer."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,32 @@ def tiny_target(tmp_path_factory, smollm2_target) -> TargetInfo:
         if src.is_file():
             shutil.copy(src, out / name)
     return resolve_target(str(out))
+
+
+@dataclass
+class FakeSample:
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+
+class FakePlan:
+    """A 4-sample plan of 8 tokens each (distinct ids per sample), for protocol tests without a tokenizer."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def sample(self, i: int) -> FakeSample:
+        return FakeSample(torch.arange(8, dtype=torch.int32) + i, torch.ones(8, dtype=torch.uint8))
+
+
+@pytest.fixture
+def fake_plan() -> FakePlan:
+    return FakePlan()
+
+
+@pytest.fixture
+def small_contract():
+    from artcache.contract import CaptureContract
+
+    return CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
+                           layer_ids=(1,), max_length=64, tokenizer_digest="t", template_digest="t")

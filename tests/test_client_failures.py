@@ -5,47 +5,26 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 
 import pytest
-import torch
 
 from artcache import journal as J
 from artcache import registry
 from artcache.client import CacheClient
-from artcache.contract import CaptureContract
 from artcache.errors import CaptureFailed
 from artcache.layout import CacheLayout
 from artcache.settings import RootSettings
 
-CONTRACT = CaptureContract(target_name="t", target_revision="r", target_config_hash="c",
-                           target_weights_digest="w", layer_ids=(1,), max_length=64,
-                           tokenizer_digest="t", template_digest="t")
 
-
-@dataclass
-class _Sample:
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-
-
-class _Plan:
-    def __len__(self) -> int:
-        return 4
-
-    def sample(self, i: int) -> _Sample:
-        return _Sample(torch.arange(8, dtype=torch.int32) + i, torch.ones(8, dtype=torch.uint8))
-
-
-def test_regression_consumer_gets_capture_failed_when_producer_gives_up(tmp_path):
+def test_regression_consumer_gets_capture_failed_when_producer_gives_up(tmp_path, fake_plan, small_contract):
     """On a full disk the producer failed forever while consumers waited out --demand-timeout."""
     layout = CacheLayout(tmp_path)
     layout.create()
-    settings = RootSettings(plan_id="0" * 40, contract=CONTRACT, target_path="/nowhere")
+    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
     reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=4,
                                                           pid=os.getpid()))
     journal = J.JournalWriter(layout.journal_path("consumer", "c"))
-    client = CacheClient(layout, settings, _Plan(), registry.ConsumerHandle(layout, reg), journal,
+    client = CacheClient(layout, settings, fake_plan, registry.ConsumerHandle(layout, reg), journal,
                          demand_timeout_s=60)
     fp = client.fp_of(1)
     layout.failure_path(fp).write_text(json.dumps({"fingerprint": fp, "attempts": 3, "retryable": False,

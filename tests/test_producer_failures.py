@@ -4,34 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-
-import torch
 
 from artcache import journal as J
 from artcache import registry
-from artcache.contract import CaptureContract
 from artcache.layout import CacheLayout
 from artcache.producer import MAX_ATTEMPTS, Producer, ProducerConfig
 from artcache.settings import RootSettings
-
-CONTRACT = CaptureContract(target_name="t", target_revision="r", target_config_hash="c",
-                           target_weights_digest="w", layer_ids=(1,), max_length=64,
-                           tokenizer_digest="t", template_digest="t")
-
-
-@dataclass
-class _Sample:
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-
-
-class _Plan:
-    def __len__(self) -> int:
-        return 4
-
-    def sample(self, i: int) -> _Sample:
-        return _Sample(torch.arange(8, dtype=torch.int32) + i, torch.ones(8, dtype=torch.uint8))
 
 
 class _BrokenBackend:
@@ -42,15 +20,15 @@ class _BrokenBackend:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
-def test_producer_gives_up_after_max_attempts_and_writes_the_failure(tmp_path):
+def test_producer_gives_up_after_max_attempts_and_writes_the_failure(tmp_path, fake_plan, small_contract):
     layout = CacheLayout(tmp_path)
     layout.create()
-    settings = RootSettings(plan_id="0" * 40, contract=CONTRACT, target_path="/nowhere")
+    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
     registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=0, end=1,
                                                     pid=os.getpid()))
     backend = _BrokenBackend()
     journal = J.JournalWriter(layout.journal_path("producer", "p"))
-    producer = Producer(layout, settings, _Plan(), backend, ProducerConfig(cache=str(tmp_path)), journal)
+    producer = Producer(layout, settings, fake_plan, backend, ProducerConfig(cache=str(tmp_path)), journal)
     try:
         for _ in range(MAX_ATTEMPTS + 2):
             producer.tick()
