@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 import torch
-from filelock import FileLock
 
 from artcache.errors import ConfigError
 from artcache.hashing import canonical_json, digest_file, strong_digest
+from artcache.locking import cache_lock
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
@@ -132,7 +132,7 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
     if (final / _RANDOM_MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final) + ".lock"):
+    with cache_lock(str(final) + ".lock"):
         if (final / _RANDOM_MARKER).is_file():
             return final
         cfg = dict(RANDOM_ARCHS[arch], torch_dtype="bfloat16")
@@ -188,7 +188,7 @@ def _ensure_converted(name: str, home: Path) -> tuple[Path, str]:
     if _is_complete(final):
         return final, revision
     targets.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final) + ".lock"):
+    with cache_lock(str(final) + ".lock"):
         if _is_complete(final):  # another process converted it while we waited
             return final, revision
         tmp = targets / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -343,6 +343,43 @@ def load_embedding_and_lm_head(info: TargetInfo) -> tuple[torch.Tensor, torch.Te
     return embed, lm_head
 
 
+def load_final_norm(info: TargetInfo) -> torch.Tensor:
+    """The target's final RMSNorm weight, float32 [hidden_size], read with ``safetensors.safe_open``.
+
+    The tensor is ``model.norm.weight`` (Llama/Qwen layout); otherwise the one key ``*.norm.weight``
+    outside ``layers.`` (e.g. ``model.language_model.norm.weight``). Random benchmark targets store no
+    decoder body, which :func:`load_target_model` initialises with norm weights of 1: ones are returned.
+
+    Raises:
+        ConfigError: the target's final norm is not an RMSNorm (``info.final_norm``), no such tensor or
+            several candidates exist, or its shape is not [hidden_size].
+    """
+    from safetensors import safe_open
+
+    if info.final_norm != "rmsnorm":
+        raise ConfigError(f"target {info.path!r}: final norm is {info.final_norm!r}; only 'rmsnorm' is supported")
+    if is_random(info):
+        return torch.ones(info.hidden_size, dtype=torch.float32)
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(info.path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open handles are not dicts
+                parts = key.split(".")
+                if len(parts) >= 2 and parts[-2:] == ["norm", "weight"] and "layers" not in parts:
+                    found[key] = f.get_tensor(key)
+    if "model.norm.weight" in found:
+        weight = found["model.norm.weight"]
+    elif len(found) == 1:
+        weight = next(iter(found.values()))
+    else:
+        raise ConfigError(f"target {info.path!r}: expected one final-norm tensor '*.norm.weight' outside the "
+                          f"decoder layers, found {sorted(found) or 'none'}")
+    if tuple(weight.shape) != (info.hidden_size,):
+        raise ConfigError(f"target {info.path!r}: final norm has shape {tuple(weight.shape)}, "
+                          f"expected ({info.hidden_size},)")
+    return weight.float()
+
+
 def tokenizer_digest(tok) -> str:
     """Strong digest of the fast tokenizer's full serialization (``backend_tokenizer.to_str()``);
     ``"none"`` for no tokenizer (synthetic data on a random target)."""
@@ -354,11 +391,17 @@ def tokenizer_digest(tok) -> str:
     return strong_digest(backend.to_str().encode("utf-8"))
 
 
-def template_digest(tok) -> str:
-    """Strong digest of the tokenizer's chat template string (empty string if it has none)."""
+def template_digest(tok, options: dict | None = None) -> str:
+    """Strong digest of the tokenizer's chat template string (empty string if it has none) and of the
+    options it is rendered with (``apply_chat_template`` keyword arguments such as
+    ``enable_thinking``): without options the digest of the template alone (unchanged ids for roots made
+    before options existed), else the digest of ``template + "\\0" + canonical_json(options)``."""
     if tok is None:
         return "none"
     template = getattr(tok, "chat_template", None) or ""
     if not isinstance(template, str):
         template = json.dumps(template, sort_keys=True)
-    return strong_digest(template.encode("utf-8"))
+    data = template.encode("utf-8")
+    if options:
+        data += b"\0" + canonical_json(dict(options))
+    return strong_digest(data)

@@ -1,0 +1,139 @@
+"""Export an EAGLE-3 draft to the checkpoint layout vLLM's EAGLE-3 Llama draft loads.
+
+What was verified, and where (public sources read through the search tool; nothing copied):
+
+- vLLM ``vllm/model_executor/models/llama_eagle3.py`` (``Eagle3LlamaForCausalLM.load_weights`` and
+  ``LlamaModel.load_weights``): keys ``fc.weight``, ``midlayer.*`` (renamed to ``layers.0.*``), ``norm.weight``,
+  ``lm_head.weight``; ``d2t`` is loaded into ``draft_id_to_target_id`` (target id = draft id + d2t[draft id]);
+  ``t2d`` is skipped; ``embed_tokens`` is optional (absent -> the target's embedding is shared). Inside the
+  layer: ``self_attn.{q,k,v}_proj`` (stacked into ``qkv_proj``, input width 2H), ``self_attn.o_proj``,
+  ``mlp.{gate,up}_proj`` (stacked), ``mlp.down_proj``, ``input_layernorm`` (applied to the embedding),
+  ``hidden_norm`` (applied to the hidden state), ``post_attention_layernorm``; with the default
+  ``norm_before_residual=False`` the residual is the un-normed hidden state, exactly as
+  :class:`trainers.eagle3.model.Eagle3Draft` computes. No q/k norm, no biases (``attention_bias`` false).
+- vLLM's model registry maps the architectures ``LlamaForCausalLMEagle3`` and ``Eagle3LlamaForCausalLM`` to
+  that class; the draft config carries ``draft_vocab_size`` (default: ``vocab_size``).
+- vLLM ``gpu_model_runner._get_eagle3_aux_layers_from_config`` reads ``eagle_aux_hidden_state_layer_ids``
+  from the draft config (top level first, then ``eagle_config``); these ids are **input-of-layer** (the
+  target's default is ``(2, L // 2, L - 3)``), i.e. output-of-layer + 1.
+- vllm-project/speculators ``Eagle3SpeculatorConfig`` / ``Eagle3DraftModel`` use the same weight names
+  (``fc``, ``layers.0`` / ``midlayer``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and also load ``t2d``; their
+  config format (``speculators_model_type: eagle3`` + ``transformer_layer_config``) is not written here.
+
+The parameter names of :class:`~trainers.eagle3.model.Eagle3Draft` already are these keys, so
+:func:`export_state_dict` is a filtered, cast copy of ``model.state_dict()`` and
+``model.load_state_dict(export_state_dict(model))`` round-trips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError
+from trainers.dflash.layers import output_of_layer_to_vllm_id
+
+from .config import EAGLE3_NUM_AUX, Eagle3Config, eagle3_layer_ids
+from .model import FROZEN_BUFFERS, Eagle3Draft
+
+__all__ = ["EXPORT_ARCHITECTURE", "export_config", "export_state_dict"]
+
+#: The architecture name written into the exported config.json (vLLM maps it to Eagle3LlamaForCausalLM).
+EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def export_state_dict(model: Eagle3Draft, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Draft weights under vLLM's EAGLE-3 keys, ready for ``safetensors.torch.save_file``.
+
+    Keys: ``fc.weight``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
+    ``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
+    ``norm.weight``, ``lm_head.weight`` (floating, cast to ``dtype`` if given), ``d2t`` (int64 [V_d]) and
+    ``t2d`` (bool [V]). The frozen target tensors are never exported. Tensors are detached, contiguous
+    copies on CPU.
+
+    Raises:
+        ConfigError: ``dtype`` is not a floating dtype.
+    """
+    if dtype is not None and not dtype.is_floating_point:
+        raise ConfigError(f"export dtype must be a floating dtype, got {dtype}")
+    out: dict[str, Tensor] = {}
+    for key, t in model.state_dict().items():
+        if key in FROZEN_BUFFERS:
+            continue
+        t = t.detach().to("cpu")
+        if key == "d2t":
+            t = t.long()
+        elif key == "t2d":
+            t = t.bool()
+        elif dtype is not None:
+            t = t.to(dtype)
+        out[key] = t.contiguous().clone()
+    return out
+
+
+def export_config(cfg: Eagle3Config, target_hf_config: Any, *, dtype: torch.dtype = torch.bfloat16,
+                  aux_layer_ids: list[int] | None = None) -> dict:
+    """The draft's ``config.json`` (a dict) for vLLM's EAGLE-3 Llama draft.
+
+    Args:
+        cfg: the draft config.
+        target_hf_config: the target's transformers config (or anything with ``num_hidden_layers``;
+            ``max_position_embeddings``, ``bos_token_id``, ``eos_token_id`` are copied when present).
+        dtype: the dtype the weights are saved in (``torch_dtype``).
+        aux_layer_ids: the captured layers in the **output-of-layer** convention; default
+            :func:`eagle3_layer_ids` of the target. Written as vLLM input-of-layer ids (+1) under
+            ``eagle_aux_hidden_state_layer_ids`` (top level and ``eagle_config``).
+
+    Raises:
+        ConfigError: the target config lacks ``num_hidden_layers``, its hidden size differs from the
+            draft's, ``aux_layer_ids`` is not 3 ids in ``[0, L)``, or ``dtype`` is unsupported.
+    """
+    tc = target_hf_config.get_text_config() if hasattr(target_hf_config, "get_text_config") else target_hf_config
+    L = getattr(tc, "num_hidden_layers", None)
+    if not isinstance(L, int):
+        raise ConfigError(f"target config has no integer num_hidden_layers (got {L!r})")
+    hidden = getattr(tc, "hidden_size", cfg.hidden_size)
+    if hidden != cfg.hidden_size:
+        raise ConfigError(f"target hidden_size={hidden} != draft hidden_size={cfg.hidden_size}")
+    ids = eagle3_layer_ids(L) if aux_layer_ids is None else list(aux_layer_ids)
+    if len(ids) != EAGLE3_NUM_AUX or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L
+                                         for i in ids):
+        raise ConfigError(f"aux_layer_ids must be {EAGLE3_NUM_AUX} output-of-layer ids in [0, {L}), got {ids!r}")
+    if dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
+    vllm_ids = [output_of_layer_to_vllm_id(i) for i in ids]
+    out: dict[str, Any] = {
+        "architectures": [EXPORT_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", None) or 2048),
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "norm_before_residual": False,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+        "eagle_aux_hidden_state_layer_ids": vllm_ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids, "use_aux_hidden_state": True},
+    }
+    for key in ("bos_token_id", "eos_token_id"):
+        v = getattr(tc, key, None)
+        if v is not None:
+            out[key] = v
+    return out

@@ -1,0 +1,293 @@
+"""The EAGLE-3 draft (EAGLE-3 arXiv:2503.01840; architecture facts from SpecForge ``llama3_eagle`` and
+vLLM ``llama_eagle3.py``, re-implemented here) and its training-time-test (TTT) unroll.
+
+Layout (parameter names are those of the vLLM/speculators EAGLE-3 Llama checkpoints, see
+:mod:`trainers.eagle3.export`):
+
+- ``fc`` (3H -> H, no bias) over the three captured target layers, concatenated in capture order;
+- ``midlayer``: one Llama decoder layer whose q/k/v read ``[input_layernorm(embed(token)) ;
+  hidden_norm(h)]`` (width 2H) while its residual stream is ``h`` (un-normed); GQA, RoPE, no q/k
+  norm, no biases, SwiGLU MLP behind ``post_attention_layernorm``;
+- ``norm`` (final RMSNorm) and a trainable ``lm_head`` (H -> V_d) over the pruned draft vocabulary;
+- frozen target tensors, kept as non-persistent buffers (never trained, never in ``state_dict``): the
+  input embedding, the target's final-norm weight and lm_head (used only to make the soft labels);
+- persistent buffers ``d2t`` int64 [V_d] and ``t2d`` bool [V] (the vocab map travels with the weights).
+
+The midlayer's **pre-norm** output is the hidden state fed to the next TTT step (vLLM's
+``hidden_prenorm``); ``lm_head(norm(.))`` of it gives the draft logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from artcache.errors import ConfigError, DataError
+from trainers.dflash.model import _MLP, RMSNorm, _rope
+
+from .config import EAGLE3_NUM_AUX, Eagle3Config
+
+__all__ = ["FROZEN_BUFFERS", "Eagle3Draft", "build_ttt_mask", "ttt_input_ids"]
+
+#: Names of the frozen target tensors (non-persistent buffers); never trained, never exported.
+FROZEN_BUFFERS = ("embed_weight", "target_norm_weight", "target_lm_head_weight")
+
+
+def build_ttt_mask(seq_len: int, steps: int, key_valid: Tensor | None = None,
+                   device: torch.device | str | None = None) -> Tensor:
+    """Boolean TTT attention mask ``[b or 1, 1, T, steps·T]`` (True = may attend).
+
+    Keys are laid out step by step: key column ``k·T + j`` is the key that step k computed at position
+    j. A query of step i at position t sees the step-0 keys at positions ``j <= t`` (causal) and the
+    key of every step ``k <= i`` at its own position ``t`` (the diagonal of each step's block); step i
+    uses the first ``(i + 1)·T`` columns. This is the mask of ALGORITHMS.md ("causal over step-0 keys
+    plus the same position's keys from earlier steps") and of speculators' ``create_combined_mask_mod``
+    / ``extend_mask_for_draft_tokens``. (SpecForge's manual-attention path additionally hides the
+    step-0 keys ``t-i+1 .. t`` at step i; artcache follows the definition above.)
+
+    ``key_valid`` [b, T] bool, if given, hides step-0 keys at invalid positions (padding); the
+    diagonal stays visible, so no row is ever empty (a softmax over only ``-inf`` would be NaN).
+    Without ``key_valid`` the mask is broadcast over the batch ([1, 1, T, steps·T]). Built on
+    ``key_valid``'s device, else on ``device``. Size: T²·steps bytes (66 MB for T=3072, 7 steps).
+
+    Raises:
+        ConfigError: ``seq_len < 1`` or ``steps < 1``, or ``key_valid`` not [b, seq_len].
+    """
+    if seq_len < 1 or steps < 1:
+        raise ConfigError(f"seq_len and steps must be >= 1, got {seq_len}, {steps}")
+    dev = key_valid.device if key_valid is not None else device
+    t = torch.arange(seq_len, device=dev)[:, None]  # [T, 1]
+    col = torch.arange(steps * seq_len, device=dev)
+    kpos, kstep = col % seq_len, col // seq_len  # [S]
+    causal0 = (kstep == 0)[None, :] & (kpos[None, :] <= t)  # [T, S]
+    diag = kpos[None, :] == t
+    if key_valid is None:
+        return (causal0 | diag)[None, None]
+    if key_valid.dim() != 2 or key_valid.shape[1] != seq_len:
+        raise ConfigError(f"key_valid must be [b, {seq_len}], got shape {tuple(key_valid.shape)}")
+    causal0 = causal0[None] & key_valid.bool()[:, kpos][:, None, :]  # [b, T, S]
+    return (causal0 | diag[None])[:, None]
+
+
+def ttt_input_ids(input_ids: Tensor, step: int, pad_id: int = 0) -> Tensor:
+    """Token ids fed at TTT step ``step``: position t gets ``input_ids[t + 1 + step]`` (the shift left
+    by one of EAGLE-3 plus one more per step); the last ``step + 1`` positions get ``pad_id``.
+
+    input_ids [b, T] long -> [b, T] long.
+    """
+    b, T = input_ids.shape
+    out = torch.full_like(input_ids, pad_id)
+    n = T - 1 - step
+    if n > 0:
+        out[:, :n] = input_ids[:, 1 + step:]
+    return out
+
+
+class _Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read width 2H; K/V of earlier TTT steps come from ``cache``.
+
+    SDPA gets the boolean TTT mask and ``enable_gqa``; measured on an H200 (torch 2.11, T=3072, 7
+    steps, 32/8 heads, head_dim 128, bf16, fwd+bwd) this stays on a memory-efficient backend: 0.65 GiB
+    extra, versus 0.90 GiB with K/V heads repeated by hand (no [heads, T, 7T] score matrix).
+    """
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd, self.theta = cfg.num_heads, cfg.num_kv_heads, hd, cfg.rope_theta
+        self.q_proj = nn.Linear(2 * H, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, cache: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
+        b, T, _ = x.shape
+        q = _rope(self.q_proj(x).view(b, T, self.nh, self.hd).transpose(1, 2), positions, self.theta)
+        k = _rope(self.k_proj(x).view(b, T, self.nkv, self.hd).transpose(1, 2), positions, self.theta)
+        v = self.v_proj(x).view(b, T, self.nkv, self.hd).transpose(1, 2)
+        cache.append((k, v))
+        keys = torch.cat([c[0] for c in cache], dim=2) if len(cache) > 1 else k
+        vals = torch.cat([c[1] for c in cache], dim=2) if len(cache) > 1 else v
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        return self.o_proj(o.transpose(1, 2).reshape(b, T, self.nh * self.hd))
+
+
+class _Eagle3Layer(nn.Module):
+    """The EAGLE-3 midlayer (vLLM ``norm_before_residual=False``: the residual is the un-normed h)."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps=eps)  # applied to the token embedding
+        self.hidden_norm = RMSNorm(H, eps=eps)  # applied to the hidden state
+        self.self_attn = _Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, eps=eps)
+        self.mlp = _MLP(cfg)  # reads only hidden_size / intermediate_size
+
+    def forward(self, emb: Tensor, h: Tensor, positions: Tensor, cache: list, mask: Tensor) -> Tensor:
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)
+        h = h + self.self_attn(x, positions, cache, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft model.
+
+    Args:
+        cfg: a validated :class:`Eagle3Config`.
+        embed: the target's input embedding [V, H] (frozen buffer).
+        target_norm_weight: the target's final RMSNorm weight [H] (frozen buffer; plain
+            ``x / rms(x) · w`` RMSNorm with ``cfg.rms_norm_eps``, as Llama/Qwen3).
+        target_lm_head: the target's lm_head [V, H] (frozen buffer; may be ``embed`` for tied targets).
+        d2t: int64 [V_d], t2d: bool [V] (:func:`trainers.eagle3.vocab.build_vocab_map`); persistent
+            buffers, so they are saved and loaded with the weights.
+        dtype: dtype of the trainable parameters (default float32 master weights; use autocast for
+            bf16 compute). Frozen buffers keep the dtype/device they were given; d2t/t2d move to the
+            embedding's device.
+
+    Trainable: ``fc``, ``midlayer``, ``norm``, ``lm_head``. Linear weights start from N(0, 0.02²),
+    norms from 1.
+
+    Raises:
+        ConfigError: a tensor's shape disagrees with ``cfg``, or d2t/t2d are inconsistent
+            (``t2d.sum() != V_d`` or ``arange(V_d) + d2t`` is not the ascending list of t2d's ids).
+    """
+
+    def __init__(self, cfg: Eagle3Config, embed: Tensor, target_norm_weight: Tensor, target_lm_head: Tensor,
+                 d2t: Tensor, t2d: Tensor, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        cfg.validate()
+        V, Vd, H = cfg.vocab_size, cfg.draft_vocab_size, cfg.hidden_size
+        for name, w, shape in (("embed", embed, (V, H)), ("target_lm_head", target_lm_head, (V, H)),
+                               ("target_norm_weight", target_norm_weight, (H,)), ("d2t", d2t, (Vd,)),
+                               ("t2d", t2d, (V,))):
+            if tuple(w.shape) != shape:
+                raise ConfigError(f"{name} has shape {tuple(w.shape)}, expected {list(shape)} "
+                                  f"(vocab_size={V}, draft_vocab_size={Vd}, hidden_size={H})")
+        if not dtype.is_floating_point:
+            raise ConfigError(f"dtype must be a floating dtype, got {dtype}")
+        dev = embed.device
+        d2t, t2d = d2t.detach().to(dev, torch.long), t2d.detach().to(dev, torch.bool)
+        used = torch.arange(Vd, device=dev) + d2t
+        if int(t2d.sum()) != Vd or not torch.equal(used, t2d.nonzero().squeeze(1)):
+            raise ConfigError(f"d2t/t2d are inconsistent: t2d selects {int(t2d.sum())} ids, V_d={Vd}, and "
+                              "arange(V_d) + d2t must equal the ascending ids where t2d is True")
+        self.cfg = cfg
+        self.register_buffer("embed_weight", embed.detach(), persistent=False)
+        self.register_buffer("target_norm_weight", target_norm_weight.detach(), persistent=False)
+        self.register_buffer("target_lm_head_weight", target_lm_head.detach(), persistent=False)
+        self.register_buffer("d2t", d2t.clone())
+        self.register_buffer("t2d", t2d.clone())
+        self.fc = nn.Linear(EAGLE3_NUM_AUX * H, H, bias=False)
+        self.midlayer = _Eagle3Layer(cfg)
+        self.norm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        for mod in (self.fc, self.midlayer, self.norm, self.lm_head):
+            mod.to(device=dev, dtype=dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """The persistent state (trainable weights plus d2t/t2d); the frozen target tensors are never in it."""
+        return dict(self.state_dict())
+
+    def used_ids(self) -> Tensor:
+        """Target ids of the draft vocabulary, ascending: ``arange(V_d) + d2t`` (int64 [V_d])."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def target_to_draft(self) -> Tensor:
+        """int64 [V]: the draft id of each target id, -1 where the draft vocabulary lacks it."""
+        out = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        out[self.used_ids()] = torch.arange(self.cfg.draft_vocab_size, device=out.device)
+        return out
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Frozen target embedding lookup, cast to the module dtype. ids long [...] -> [..., H]."""
+        return F.embedding(ids, self.embed_weight).to(self.dtype)
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """Draft logits over the draft vocabulary: ``lm_head(norm(hidden))``, [..., H] -> [..., V_d]."""
+        return self.lm_head(self.norm(hidden.to(self.dtype)))
+
+    def target_logits(self, last_hidden: Tensor, *, normed: bool = False) -> Tensor:
+        """Frozen target logits over the full vocabulary: ``target_lm_head(final_norm(last_hidden))``.
+
+        ``last_hidden`` [..., H] is the last decoder layer's un-normed output (output-of-layer L-1);
+        pass ``normed=True`` for a state that already went through the final norm. The norm is computed
+        in float32 (float64 for float64 input); the matmul runs in the lm_head's dtype.
+        Returns [..., V] in the lm_head's dtype.
+        """
+        h = last_hidden
+        if not normed:
+            x = h.to(torch.promote_types(h.dtype, torch.float32))
+            x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.cfg.rms_norm_eps)
+            h = x * self.target_norm_weight.to(x.dtype)
+        w = self.target_lm_head_weight
+        return F.linear(h.to(w.dtype), w)
+
+    def forward(self, aux_hidden: Tensor, input_ids: Tensor, valid: Tensor | None = None,
+                steps: int | None = None) -> list[Tensor]:
+        """Unroll the draft over ``steps`` TTT steps (default ``cfg.ttt_steps``).
+
+        Step 0 at position t reads ``fc(aux_hidden[t])`` and the token ``input_ids[t + 1]``; step i > 0
+        reads the step i-1 output at the same position t and the token ``input_ids[t + 1 + i]``
+        (:func:`ttt_input_ids`; pad id 0 past the end). RoPE position of step i at t is ``t + i``.
+        Attention: :func:`build_ttt_mask`. Step i's output at t is the draft's hidden state for
+        predicting ``input_ids[t + 2 + i]`` (see :func:`trainers.eagle3.loss.eagle3_loss`).
+
+        Args:
+            aux_hidden: [b, T, 3, H] any float dtype, the three captured layers (output-of-layer,
+                un-normed) in :func:`~trainers.eagle3.config.eagle3_layer_ids` order.
+            input_ids: [b, T] long.
+            valid: optional [b, T] bool; False marks padding. Padded positions have their features
+                and ids replaced by zeros (any garbage, NaN included, stays out) and are hidden as keys.
+            steps: unroll length >= 1.
+
+        Returns:
+            list of ``steps`` tensors [b, T, H] in the module dtype: each step's **pre-norm** output.
+
+        Raises:
+            ConfigError: shapes disagree with the config or with each other, or ``steps < 1``.
+            DataError: a valid id lies outside ``[0, V)``.
+        """
+        cfg = self.cfg
+        steps = cfg.ttt_steps if steps is None else steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
+        if aux_hidden.dim() != 4 or tuple(aux_hidden.shape[2:]) != (EAGLE3_NUM_AUX, cfg.hidden_size):
+            raise ConfigError(f"aux_hidden must be [b, T, {EAGLE3_NUM_AUX}, {cfg.hidden_size}], "
+                              f"got shape {tuple(aux_hidden.shape)}")
+        b, T = aux_hidden.shape[:2]
+        if tuple(input_ids.shape) != (b, T):
+            raise ConfigError(f"input_ids shape {tuple(input_ids.shape)} != (b, T) = {(b, T)}")
+        if valid is not None and tuple(valid.shape) != (b, T):
+            raise ConfigError(f"valid shape {tuple(valid.shape)} != (b, T) = {(b, T)}")
+        dev = aux_hidden.device
+        ids = input_ids.to(dev).long()
+        key_valid = None
+        if valid is not None:
+            vb = valid.to(dev).bool()
+            aux_hidden = torch.where(vb[:, :, None, None], aux_hidden, torch.zeros((), dtype=aux_hidden.dtype,
+                                                                                    device=dev))
+            ids = torch.where(vb, ids, torch.zeros_like(ids))
+            # a right-padded (prefix) validity needs no key mask: the causal part never reaches padding
+            key_valid = vb if bool((vb[:, 1:] & ~vb[:, :-1]).any()) else None
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            raise DataError(f"input_ids hold ids in [{int(ids.min())}, {int(ids.max())}], "
+                            f"outside [0, vocab_size={cfg.vocab_size})")
+        mask = build_ttt_mask(T, steps, key_valid, device=dev)
+        h = self.fc(aux_hidden.reshape(b, T, EAGLE3_NUM_AUX * cfg.hidden_size).to(self.dtype))
+        base = torch.arange(T, device=dev)[None]
+        cache: list[tuple[Tensor, Tensor]] = []
+        outs: list[Tensor] = []
+        for i in range(steps):
+            emb = self.embed(ttt_input_ids(ids, i))
+            h = self.midlayer(emb, h, base + i, cache, mask[..., : (i + 1) * T])
+            outs.append(h)
+        return outs
