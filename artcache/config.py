@@ -1,0 +1,777 @@
+"""Typed run configuration: one TOML or YAML file for a target, its data, its capture, its cache root,
+a list of draft experiments and the bench, plus ``section.field=value`` overrides.
+
+A file (all sections optional; every field has a default except an experiment's ``name``)::
+
+    out = "runs/two-lrs"              # run directory: cache root, logs, reports, one dir per experiment
+    [target]                          # the frozen target and the producer's device
+    name = "smollm2-135m-instruct"
+    [data]                            # the plan
+    max_length = 256
+    [capture]                         # layers and capture batching (layer_ids: default = union of views)
+    batch_samples = 4
+    [cache]                           # cache root and liveness
+    heartbeat_timeout_s = 30.0
+    [[experiments]]                   # one consumer each
+    name = "lr-hi"
+    lr = 1e-3
+    [bench]                           # `artcache bench --config`
+    scenario = "1p3c"
+
+Overrides (``artcache run --config FILE experiments.0.lr=1e-3 data.max_length=128``) name a field by
+its dotted path; an experiment is addressed by index or by name (``experiments.lr-hi.lr=1e-3``);
+``experiments.N.consumer.<field>`` sets a further :class:`trainers.consumer.ConsumerConfig` field.
+The value text is parsed by the field's type (``1,8,14`` or ``[1, 8, 14]`` for a list of ints,
+``none`` for an optional field). Unknown fields, unknown override paths and type errors raise
+:class:`ConfigError` naming the field and the accepted fields or values; nothing is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import msgspec.inspect as mi
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
+
+from artcache.errors import ConfigError
+
+DType = Literal["bfloat16", "float16", "float32"]
+DRAFTS = ("dflash", "eagle3")
+
+
+class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The frozen target (``[target]``).
+
+    Attributes:
+        name: ``smollm2-135m-instruct``, ``random:<arch>`` or an HF directory (config.json + safetensors).
+        device: the producer's device, ``cpu`` or ``cuda[:i]``; experiments default to it.
+        dtype: stored dtype of the captured hidden states (one per cache root).
+        compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU, bfloat16 on CUDA.
+        threads: the producer's torch CPU threads (0 = torch's default).
+    """
+
+    name: str = "smollm2-135m-instruct"
+    device: str = "cpu"
+    dtype: DType = "bfloat16"
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    threads: int = 0
+
+
+class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The plan (``[data]``): see :class:`artcache.plan.PlanSpec`.
+
+    Attributes:
+        dataset: ``sharegpt`` (embedded), ``synthetic`` or a ShareGPT-format JSON/JSONL file.
+        seed: plan shuffle seed. max_length: tokens per sample (truncated). max_samples: plan length.
+        template_options: chat template keyword arguments (e.g. ``enable_thinking = false``); part of
+            the plan and of every fingerprint.
+    """
+
+    dataset: str = "sharegpt"
+    seed: int = 0
+    max_length: int = 512
+    max_samples: int = 2000
+    template_options: dict[str, bool | int | float | str] = {}
+
+
+class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What the producer captures and how it batches (``[capture]``).
+
+    Attributes:
+        layer_ids: output-of-layer ids to capture, in artifact order. ``None``: the sorted union of
+            the experiments' views (or the DFlash ids for ``draft_layers`` with no experiment). When
+            given with experiments it must contain every experiment's view.
+        draft_layers: DFlash draft layers of an experiment that does not say, and of the producer
+            or bench alone (captured ids follow :func:`trainers.dflash.dflash_layer_ids`).
+        batch_samples, batch_tokens, max_queue: scheduler limits (samples and padded tokens per
+            capture batch; queued fingerprints per pass).
+        backend: ``hf`` (transformers) or ``vllm`` (the ``artcache[vllm]`` extra).
+    """
+
+    layer_ids: list[int] | None = None
+    draft_layers: int = 5
+    batch_samples: int = 8
+    batch_tokens: int = 8192
+    max_queue: int = 1024
+    backend: Literal["hf", "vllm"] = "hf"
+
+
+class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The cache root and liveness (``[cache]``).
+
+    Attributes:
+        root: cache root directory; ``""`` = ``<out>/cache``.
+        heartbeat_timeout_s: a consumer silent this long is fenced as expired (seconds).
+        done_grace_s: ``artcache run``: the producer exits this long after the last experiment ended.
+        demand_timeout_s: an experiment gives up waiting for one position after this long (seconds).
+        group_shared: create the root group-shared (mode 2770, setgid) instead of private (0700).
+    """
+
+    root: str = ""
+    heartbeat_timeout_s: float = 30.0
+    done_grace_s: float = 5.0
+    demand_timeout_s: float = 600.0
+    group_shared: bool = False
+
+
+class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One draft experiment (``[[experiments]]``): one consumer process with its own weights, optimizer,
+    LR, RNG, cursor, checkpoints and run directory.
+
+    Attributes:
+        name: the consumer id (unique in the run; letters, digits, ``._-``).
+        draft: ``dflash`` or ``eagle3``.
+        draft_layers: DFlash draft layers (default ``capture.draft_layers``); its view is
+            ``dflash_layer_ids(L, draft_layers)``. EAGLE-3's view is ``eagle3_capture_ids(L)``.
+        layer_ids: an explicit ordered view (output-of-layer ids), replacing the draft's formula.
+        dtype: hidden-state dtype this draft expects; must be ``target.dtype`` (``None``: any).
+        block_size (DFlash B), anchors (per sequence), batch_size (positions per step), steps.
+        lr (peak), warmup_frac, seed, window (``LOOKBEHIND:LOOKAHEAD`` positions).
+        device: ``""`` = ``target.device``. threads: torch CPU threads (0 = torch's default).
+        out: run directory (checkpoints, config); ``""`` = ``<out>/experiments/<name>``.
+        resume: continue from this experiment's own latest checkpoint (its step, cursor, optimizer, RNG).
+        init_from: a checkpoint directory (or a run directory holding ``checkpoints/latest``) whose
+            weights start this draft; it must record the same target weights digest.
+        log_every: metrics line every this many steps.
+        consumer: further :class:`trainers.consumer.ConsumerConfig` fields, passed as they are.
+        env: environment variables of this experiment's consumer process (``artcache run`` only).
+    """
+
+    name: str
+    draft: Literal["dflash", "eagle3"] = "dflash"
+    draft_layers: int | None = None
+    layer_ids: list[int] | None = None
+    dtype: DType | None = None
+    block_size: int = 16
+    anchors: int = 64
+    batch_size: int = 2
+    steps: int = 100
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    seed: int = 0
+    window: str = "64:256"
+    device: str = ""
+    threads: int = 0
+    out: str = ""
+    resume: bool = False
+    init_from: str = ""
+    log_every: int = 10
+    consumer: dict[str, Any] = {}
+    env: dict[str, str] = {}
+
+
+class BenchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``artcache bench --config`` (``[bench]``); target, data and ``capture.draft_layers`` come from
+    their sections. ``None`` counts take the bench's device default (see ``artcache bench --help``)."""
+
+    scenario: str = "1p3c"
+    device: Literal["cpu", "cuda"] = "cpu"
+    out: str = "bench-out"
+    warmup: int | None = None
+    steps: int | None = None
+    anchors: int | None = None
+    batch_size: int = 1
+    window: str = "64:256"
+    allow_shared_gpu: bool = False
+    timeout_s: float = 1800.0
+    modes: str = ""
+
+
+class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A whole run: the sections above. ``out``: the run directory of ``artcache run``."""
+
+    out: str = "runs/run"
+    target: TargetSection = msgspec.field(default_factory=TargetSection)
+    data: DataSection = msgspec.field(default_factory=DataSection)
+    capture: CaptureSection = msgspec.field(default_factory=CaptureSection)
+    cache: CacheSection = msgspec.field(default_factory=CacheSection)
+    experiments: list[Experiment] = []
+    bench: BenchSection = msgspec.field(default_factory=BenchSection)
+
+    def experiment(self, name: str) -> Experiment:
+        """The experiment called ``name``; ConfigError naming the accepted names otherwise."""
+        for e in self.experiments:
+            if e.name == name:
+                return e
+        raise ConfigError(f"no experiment {name!r} in this config; accepted: "
+                          f"{', '.join(e.name for e in self.experiments) or '(none: add [[experiments]])'}")
+
+
+# ---- files -------------------------------------------------------------------------------------------
+
+SUFFIXES = (".toml", ".yaml", ".yml", ".json")
+
+
+def _yaml_loader():
+    """PyYAML's SafeLoader, with YAML 1.2 floats (``1e-3`` is a float, not the string "1e-3")."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$|"
+                   r"^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$|"
+                   r"^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+        list("-+0123456789."))
+    return Loader
+
+
+def read_file(path: str | Path) -> dict:
+    """The raw table of a config file (TOML, YAML or JSON by suffix). Raises ConfigError."""
+    p = Path(path).expanduser()
+    if p.suffix.lower() not in SUFFIXES:
+        raise ConfigError(f"--config {str(path)!r}: unknown file type {p.suffix!r}; accepted: {', '.join(SUFFIXES)}")
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        if p.suffix.lower() == ".toml":
+            raw = tomllib.loads(text)
+        elif p.suffix.lower() == ".json":
+            raw = json.loads(text)
+        else:
+            import yaml
+
+            raw = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
+    except Exception as exc:  # tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError
+        raise ConfigError(f"--config {str(path)!r} is not valid {p.suffix.lstrip('.').upper()}: "
+                          f"{str(exc).splitlines()[0]}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {str(path)!r}: the top level must be a table of sections, "
+                          f"got {type(raw).__name__}")
+    return raw
+
+
+# ---- type walking ------------------------------------------------------------------------------------
+
+_INFO = mi.type_info(RunConfig)
+
+
+def _strip_none(t: mi.Type) -> tuple[mi.Type, bool]:
+    """(the non-None member of an optional type, whether None is accepted)."""
+    if isinstance(t, mi.UnionType):
+        rest = [x for x in t.types if not isinstance(x, mi.NoneType)]
+        if len(rest) == 1:
+            return rest[0], len(rest) != len(t.types)
+    return t, False
+
+
+def _describe(t: mi.Type) -> str:
+    t, optional = _strip_none(t)
+    names = {mi.IntType: "an integer", mi.FloatType: "a number", mi.BoolType: "true or false",
+             mi.StrType: "a string"}
+    if isinstance(t, mi.LiteralType):
+        text = "one of " + ", ".join(map(str, t.values))
+    elif isinstance(t, mi.ListType):
+        text = f"a list of {_describe(t.item_type).removeprefix('an ').removeprefix('a ')}s"
+    elif isinstance(t, mi.StructType):
+        text = "a table with fields " + ", ".join(f.name for f in t.fields)
+    elif isinstance(t, mi.DictType):
+        text = "a table"
+    else:
+        text = names.get(type(t), "a value")
+    return text + (" or none" if optional else "")
+
+
+def _fields(t: mi.StructType) -> dict[str, mi.Field]:
+    return {f.encode_name: f for f in t.fields}
+
+
+def type_at(path: list[str]) -> mi.Type:
+    """The declared type of a dotted path of :class:`RunConfig` (list indices/names skip the list)."""
+    t: mi.Type = _INFO
+    for seg in path:
+        t, _ = _strip_none(t)
+        if isinstance(t, mi.StructType):
+            f = _fields(t).get(seg)
+            if f is None:
+                return mi.AnyType()
+            t = f.type
+        elif isinstance(t, mi.ListType):
+            t = t.item_type
+        elif isinstance(t, mi.DictType):
+            t = t.value_type
+        else:
+            return mi.AnyType()
+    return t
+
+
+def _section_name(path: list[str]) -> str:
+    return ".".join(path) if path else "the top level"
+
+
+def check_unknown(raw: Any, t: mi.Type = _INFO, path: list[str] | None = None, source: str = "config") -> None:
+    """Raise ConfigError for the first key that no struct of the config declares, naming the accepted
+    fields of its table (msgspec's own message does not list them)."""
+    path = path or []
+    t, _ = _strip_none(t)
+    if isinstance(t, mi.StructType) and isinstance(raw, dict):
+        fields = _fields(t)
+        for key, value in raw.items():
+            if key not in fields:
+                raise ConfigError(f"{source}: unknown field {'.'.join([*path, str(key)])!r}; accepted fields of "
+                                  f"{_section_name(path)}: {', '.join(fields)}")
+            check_unknown(value, fields[key].type, [*path, key], source)
+    elif isinstance(t, mi.ListType) and isinstance(raw, list):
+        for i, item in enumerate(raw):
+            check_unknown(item, t.item_type, [*path, str(i)], source)
+
+
+_AT = re.compile(r"\s*-\s*at\s*`\$(.*)`\s*$")
+
+
+def _dotted(msgspec_path: str) -> str:
+    """``.experiments[0].lr`` → ``experiments.0.lr``."""
+    return re.sub(r"\[(\d+)\]", r".\1", msgspec_path).lstrip(".")
+
+
+def convert(raw: dict, source: str = "config") -> RunConfig:
+    """Validate a raw table into a :class:`RunConfig`. Raises ConfigError naming the field, the bad
+    value's problem and what the field accepts."""
+    check_unknown(raw, source=source)
+    try:
+        cfg = msgspec.convert(raw, RunConfig)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = _AT.search(text)
+        where = _dotted(m.group(1)) if m else ""
+        problem = _AT.sub("", text)
+        accepted = _describe(type_at(where.split("."))) if where else ""
+        raise ConfigError(f"{source}: {where or 'top level'}: {problem}"
+                          + (f"; accepted: {accepted}" if accepted else "")) from None
+    check_run_config(cfg, source)
+    return cfg
+
+
+def check_run_config(cfg: RunConfig, source: str = "config") -> None:
+    """Checks across fields: experiment names valid and unique, windows well formed, counts positive."""
+    from artcache.layout import check_id
+
+    seen = set()
+    for i, e in enumerate(cfg.experiments):
+        try:
+            check_id(e.name, "experiment name")
+        except ValueError as exc:
+            raise ConfigError(f"{source}: experiments.{i}.name: {exc}") from None
+        if e.name in seen:
+            raise ConfigError(f"{source}: experiments.{i}.name {e.name!r} is used twice; names must be unique")
+        seen.add(e.name)
+        if not re.fullmatch(r"[0-9]+:[0-9]+", e.window):
+            raise ConfigError(f"{source}: experiments.{i}.window {e.window!r} is not LOOKBEHIND:LOOKAHEAD with two "
+                              "non-negative integers, e.g. 64:256")
+        for name in ("steps", "batch_size", "block_size", "anchors", "log_every"):
+            if getattr(e, name) < 1:
+                raise ConfigError(f"{source}: experiments.{i}.{name} {getattr(e, name)} is invalid: accepted "
+                                  "an integer >= 1")
+        if e.draft_layers is not None and e.draft_layers < 1:
+            raise ConfigError(f"{source}: experiments.{i}.draft_layers {e.draft_layers} is invalid: accepted an "
+                              "integer >= 1 or none")
+        if not (e.lr > 0 and math.isfinite(e.lr)):
+            raise ConfigError(f"{source}: experiments.{i}.lr {e.lr} is invalid: accepted a finite number > 0")
+        if e.threads < 0:
+            raise ConfigError(f"{source}: experiments.{i}.threads {e.threads} is invalid: accepted 0 (torch's "
+                              "default) or a positive integer")
+    if cfg.target.threads < 0:
+        raise ConfigError(f"{source}: target.threads {cfg.target.threads} is invalid: accepted 0 (torch's default) "
+                          "or a positive integer")
+    for name in ("heartbeat_timeout_s", "demand_timeout_s"):
+        value = getattr(cfg.cache, name)
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{source}: cache.{name} {value} is invalid: accepted seconds > 0")
+    if not cfg.cache.done_grace_s >= 0:
+        raise ConfigError(f"{source}: cache.done_grace_s {cfg.cache.done_grace_s} is invalid: accepted seconds >= 0")
+
+
+# ---- overrides ---------------------------------------------------------------------------------------
+
+_NONE = ("none", "null", "~")
+_BOOL = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def parse_override(text: str) -> tuple[list[str], str]:
+    """``"experiments.0.lr=1e-3"`` → (["experiments", "0", "lr"], "1e-3"). Raises ConfigError."""
+    key, sep, value = text.partition("=")
+    path = key.strip().split(".")
+    if not sep or not key.strip() or any(not s.strip() for s in path):
+        raise ConfigError(f"override {text!r} is not SECTION.FIELD=VALUE (e.g. data.max_length=256 or "
+                          "experiments.0.lr=1e-3)")
+    return [s.strip() for s in path], value.strip()
+
+
+def _loose(text: str) -> Any:
+    """A value of a free-form table (``consumer``): a TOML value if it parses as one, else the text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_value(text: str, t: mi.Type, where: str) -> Any:
+    """Parse override text by the field's declared type. Raises ConfigError naming ``where``."""
+    inner, optional = _strip_none(t)
+    if optional and text.lower() in _NONE:
+        return None
+
+    def bad(extra: str = "") -> ConfigError:
+        return ConfigError(f"override {where}={text!r}: expected {_describe(t)}{extra}")
+
+    if isinstance(inner, mi.StrType):
+        return text
+    if isinstance(inner, mi.BoolType):
+        if text.lower() not in _BOOL:
+            raise bad()
+        return _BOOL[text.lower()]
+    if isinstance(inner, mi.IntType):
+        try:
+            return int(text)
+        except ValueError:
+            raise bad() from None
+    if isinstance(inner, mi.FloatType):
+        try:
+            return float(text)
+        except ValueError:
+            raise bad() from None
+    if isinstance(inner, mi.LiteralType):
+        if text not in inner.values:
+            raise bad()
+        return text
+    if isinstance(inner, mi.ListType) and not isinstance(inner.item_type, mi.StructType):
+        body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        items = [s.strip() for s in body.split(",") if s.strip()]
+        return [parse_value(s, inner.item_type, f"{where}[{i}]") for i, s in enumerate(items)]
+    if isinstance(inner, (mi.StructType, mi.ListType, mi.DictType)):
+        raise ConfigError(f"override {where}={text!r}: {where} is {_describe(inner)}; override one of its fields "
+                          f"({where}.FIELD=VALUE)")
+    return _loose(text)
+
+
+def apply_override(raw: dict, path: list[str], value: Any, *, text: bool = True) -> None:
+    """Set ``path`` in the raw table (creating absent section tables). ``text``: ``value`` is override
+    text to parse by the field's type; otherwise an already typed value (a CLI flag's).
+
+    Raises ConfigError for a path that names no field (listing the accepted ones), an experiment
+    index or name that does not exist, or a value its field does not accept.
+    """
+    where = ".".join(path)
+    node: Any = raw
+    t: mi.Type = _INFO
+    for depth, seg in enumerate(path):
+        last = depth == len(path) - 1
+        here = path[:depth]
+        t, _ = _strip_none(t)
+        if isinstance(t, mi.StructType):
+            fields = _fields(t)
+            if seg not in fields:
+                raise ConfigError(f"override {where}: unknown field {seg!r} in {_section_name(here)}; accepted: "
+                                  f"{', '.join(fields)}")
+            ft = fields[seg].type
+            if last:
+                node[seg] = parse_value(value, ft, where) if text and isinstance(value, str) else value
+                return
+            inner, _ = _strip_none(ft)
+            if isinstance(inner, mi.ListType):
+                node = node.setdefault(seg, [])
+            else:
+                nxt = node.get(seg)
+                if not isinstance(nxt, dict):
+                    nxt = node[seg] = {}
+                node = nxt
+            t = ft
+        elif isinstance(t, mi.ListType):
+            if not isinstance(node, list):
+                raise ConfigError(f"override {where}: {_section_name(here)} is not a list in this config")
+            names = [str(x.get("name")) if isinstance(x, dict) else "?" for x in node]
+            if seg.isdigit() and int(seg) < len(node):
+                node = node[int(seg)]
+            elif seg in names:
+                node = node[names.index(seg)]
+            else:
+                raise ConfigError(f"override {where}: no {_section_name(here)} entry {seg!r}; accepted: an index "
+                                  f"0..{len(node) - 1} or a name ({', '.join(names)})" if node else
+                                  f"override {where}: {_section_name(here)} is empty in this config")
+            if last:
+                raise ConfigError(f"override {where}: name a field of the entry, e.g. {where}.lr=1e-3")
+            t = t.item_type
+        elif isinstance(t, mi.DictType):
+            if not last:
+                nxt = node.get(seg)
+                if not isinstance(nxt, dict):
+                    nxt = node[seg] = {}
+                node = nxt
+                t = t.value_type
+                continue
+            node[seg] = parse_value(value, t.value_type, where) if text and isinstance(value, str) else value
+            return
+        else:
+            raise ConfigError(f"override {where}: {_section_name(here)} is a single value, it has no field {seg!r}")
+
+
+def load_run_config(path: str | Path | None = None, overrides: tuple[str, ...] | list[str] = (),
+                    flags: dict[str, Any] | None = None) -> RunConfig:
+    """Read ``path`` (or start from the defaults), apply ``overrides`` then ``flags`` (dotted path → a CLI
+    flag's value: typed, or text parsed by the field's type) and validate. Raises ConfigError."""
+    raw = read_file(path) if path else {}
+    source = f"--config {str(path)!r}" if path else "config"
+    check_unknown(raw, source=source)
+    for text in overrides:
+        dotted, value = parse_override(text)
+        apply_override(raw, dotted, value)
+    for dotted, value in (flags or {}).items():  # a flag's text (e.g. --layer-ids 1,8) parses like an override
+        apply_override(raw, dotted.split("."), value)
+    return convert(raw, source)
+
+
+# ---- saving ------------------------------------------------------------------------------------------
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v if x is not None) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _toml_key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+
+def _toml_table(header: str, table: dict, lines: list[str]) -> None:
+    scalars = {k: v for k, v in table.items() if v is not None and not isinstance(v, dict)
+               and not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v))}
+    lines.append(header)
+    lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items())
+    name = header.strip("[]")
+    for k, v in table.items():
+        if isinstance(v, dict) and v:
+            lines.append("")
+            _toml_table(f"[{name}.{_toml_key(k)}]", v, lines)
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    """The config as TOML (``None`` fields left out: every optional field defaults to ``None``);
+    :func:`load_run_config` reads it back to an equal config."""
+    data = msgspec.to_builtins(cfg)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, (dict, list)) and v is not None]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            lines.append("")
+            _toml_table(f"[{k}]", v, lines)
+    for item in data.get("experiments", []):
+        lines.append("")
+        _toml_table("[[experiments]]", item, lines)
+    return "\n".join(lines) + "\n"
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> Path:
+    """Write the resolved config as TOML (atomically) and return its path."""
+    import os
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text("# resolved artcache run config (defaults filled in); rerun with --config this file\n"
+                   + dump_toml(cfg))
+    os.replace(tmp, p)
+    return p
+
+
+# ---- CLI flags as shortcuts --------------------------------------------------------------------------
+
+#: ``artcache producer`` flag (parameter name) → config path. Flags not listed are process settings.
+PRODUCER_FLAGS = {
+    "cache": "cache.root", "target": "target.name", "dataset": "data.dataset", "seed": "data.seed",
+    "max_length": "data.max_length", "max_samples": "data.max_samples", "draft_layers": "capture.draft_layers",
+    "layer_ids": "capture.layer_ids", "device": "target.device", "dtype": "target.dtype",
+    "compute_dtype": "target.compute_dtype", "batch_samples": "capture.batch_samples",
+    "batch_tokens": "capture.batch_tokens", "max_queue": "capture.max_queue",
+    "heartbeat_timeout": "cache.heartbeat_timeout_s", "done_grace": "cache.done_grace_s", "threads": "target.threads",
+    "template_options": "data.template_options", "group_shared": "cache.group_shared", "backend": "capture.backend",
+}
+PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "idle_exit", "producer_id")
+
+#: ``artcache consume --experiment NAME`` flag → field of that experiment (``E.`` prefix) or config path.
+CONSUME_FLAGS = {
+    "cache": "cache.root", "draft": "E.draft", "window": "E.window", "block_size": "E.block_size",
+    "anchors": "E.anchors", "draft_layers": "E.draft_layers", "batch_size": "E.batch_size", "steps": "E.steps",
+    "lr": "E.lr", "seed": "E.seed", "device": "E.device", "threads": "E.threads", "out_dir": "E.out",
+    "demand_timeout": "cache.demand_timeout_s", "log_every": "E.log_every",
+}
+
+#: ``artcache bench`` flag → config path.
+BENCH_FLAGS = {
+    "scenario": "bench.scenario", "device": "bench.device", "out_dir": "bench.out", "warmup": "bench.warmup",
+    "steps": "bench.steps", "target": "target.name", "dataset": "data.dataset", "max_length": "data.max_length",
+    "max_samples": "data.max_samples", "anchors": "bench.anchors", "batch_size": "bench.batch_size",
+    "draft_layers": "capture.draft_layers", "window": "bench.window", "allow_shared_gpu": "bench.allow_shared_gpu",
+    "modes": "bench.modes",
+}
+
+
+def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = None) -> dict[str, Any]:
+    """Explicit CLI flags of ``verb`` → {config path: value}. A flag with no config field raises
+    ConfigError (it cannot be combined with ``--config``) unless it is a process setting."""
+    table = {"producer": PRODUCER_FLAGS, "consume": CONSUME_FLAGS, "bench": BENCH_FLAGS}[verb]
+    process = PRODUCER_PROCESS_FLAGS if verb == "producer" else ("consumer_id",) if verb == "consume" else ()
+    out = {}
+    for name, value in explicit.items():
+        if name in process:
+            continue
+        path = table.get(name)
+        if path is None:
+            if verb == "consume" and name in Experiment.__struct_fields__:
+                path = f"E.{name}"
+            elif verb == "consume":
+                path = f"E.consumer.{name}"
+            else:
+                raise ConfigError(f"--{name.replace('_', '-')} has no config field; with --config leave it out "
+                                  "or set the value in the file")
+        if path.startswith("E."):
+            path = f"experiments.{experiment}.{path[2:]}"
+        if path == "data.template_options":
+            from artcache.cli import parse_template_options
+
+            value = parse_template_options(value)
+        out[path] = value
+    return out
+
+
+def cache_root(cfg: RunConfig) -> str:
+    """The cache root path: ``cache.root`` or ``<out>/cache``."""
+    return cfg.cache.root or str(Path(cfg.out) / "cache")
+
+
+def producer_config(cfg: RunConfig, **process: Any):
+    """:class:`artcache.producer.ProducerConfig` from a run config (``capture.layer_ids`` as it is:
+    ``artcache run`` fills in the union before saving). ``process``: exit_when_done, expect_consumers,
+    idle_exit (seconds), producer_id."""
+    from artcache.producer import ProducerConfig
+    from artcache.scheduler import SchedulerLimits
+
+    extra = {k: v for k, v in process.items() if v is not None}
+    if "idle_exit" in extra:
+        extra["idle_exit_s"] = extra.pop("idle_exit")
+    layer_ids = list(cfg.capture.layer_ids) if cfg.capture.layer_ids else None
+    if layer_ids is None and cfg.experiments:  # a producer started by hand for a run config: the union
+        from artcache.experiments import draft_view, layer_union
+        from artcache.target import resolve_target
+
+        n = resolve_target(cfg.target.name).num_layers
+        layer_ids = layer_union([draft_view(e, n, cfg.capture.draft_layers) for e in cfg.experiments])
+    return ProducerConfig(
+        cache=cache_root(cfg), target=cfg.target.name, dataset=cfg.data.dataset, seed=cfg.data.seed,
+        max_length=cfg.data.max_length, max_samples=cfg.data.max_samples, draft_layers=cfg.capture.draft_layers,
+        layer_ids=layer_ids, device=cfg.target.device,
+        dtype=cfg.target.dtype, compute_dtype=cfg.target.compute_dtype,
+        limits=SchedulerLimits(max_queue=cfg.capture.max_queue, max_batch_samples=cfg.capture.batch_samples,
+                               max_batch_tokens=cfg.capture.batch_tokens),
+        heartbeat_timeout_s=cfg.cache.heartbeat_timeout_s, done_grace_s=cfg.cache.done_grace_s,
+        threads=cfg.target.threads, template_options=dict(cfg.data.template_options),
+        group_shared=cfg.cache.group_shared, backend=cfg.capture.backend, **extra)
+
+
+def experiment_dir(cfg: RunConfig, e: Experiment) -> str:
+    return e.out or str(Path(cfg.out) / "experiments" / e.name)
+
+
+def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = None) -> dict[str, Any]:
+    """The :class:`trainers.consumer.ConsumerConfig` fields of experiment ``e`` (a plain dict)."""
+    lookbehind, lookahead = (int(x) for x in e.window.split(":"))
+    fields: dict[str, Any] = {
+        "cache": cache_root(cfg), "consumer_id": consumer_id or e.name, "draft": e.draft,
+        "lookbehind": lookbehind, "lookahead": lookahead, "block_size": e.block_size, "num_anchors": e.anchors,
+        "batch_size": e.batch_size, "steps": e.steps, "lr": e.lr, "warmup_frac": e.warmup_frac, "seed": e.seed,
+        "device": e.device or cfg.target.device, "threads": e.threads, "out_dir": experiment_dir(cfg, e),
+        "demand_timeout_s": cfg.cache.demand_timeout_s, "log_every": e.log_every,
+    }
+    if e.draft == "dflash":
+        fields["draft_layers"] = e.draft_layers or cfg.capture.draft_layers
+    elif e.draft_layers is not None:
+        fields["draft_layers"] = e.draft_layers
+    if e.layer_ids is not None:
+        fields["layer_ids"] = list(e.layer_ids)
+    if e.resume:
+        fields["resume"] = True
+    if e.init_from:
+        fields["init_from"] = e.init_from
+    fields.update(e.consumer)
+    return fields
+
+
+def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
+    """The experiment's validated :class:`trainers.consumer.ConsumerConfig`. Raises ConfigError naming a
+    setting this consumer does not have (e.g. ``resume`` before the consumer supports it)."""
+    from trainers.consumer import ConsumerConfig
+
+    e = cfg.experiment(name)
+    fields = consumer_fields(cfg, e, consumer_id)
+    accepted = ConsumerConfig.__struct_fields__
+    unknown = [k for k in fields if k not in accepted]
+    if unknown:
+        raise ConfigError(f"experiment {name!r}: the consumer has no setting {', '.join(map(repr, unknown))}; "
+                          f"accepted ConsumerConfig fields: {', '.join(accepted)}")
+    try:
+        ccfg = msgspec.convert(fields, ConsumerConfig)
+    except msgspec.ValidationError as exc:
+        m = _AT.search(str(exc))
+        where = _dotted(m.group(1)) if m else ""
+        raise ConfigError(f"experiment {name!r}: consumer setting {where or '?'}: {_AT.sub('', str(exc))}") from None
+    try:
+        ccfg.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"experiment {name!r}: {exc}") from None
+    return ccfg
+
+
+def bench_config(cfg: RunConfig):
+    """:class:`bench.run.BenchConfig` from a run config (device-dependent defaults filled in)."""
+    from bench.run import BenchConfig
+
+    b = cfg.bench
+    cuda = b.device == "cuda"
+    values = {
+        "scenario": b.scenario, "device": b.device, "out_dir": b.out,
+        "warmup": b.warmup if b.warmup is not None else (30 if cuda else 5),
+        "steps": b.steps if b.steps is not None else (150 if cuda else 30),
+        "target": cfg.target.name, "dataset": cfg.data.dataset, "max_length": cfg.data.max_length,
+        "max_samples": cfg.data.max_samples, "anchors": b.anchors if b.anchors is not None else (256 if cuda else 32),
+        "batch_size": b.batch_size, "window": b.window, "allow_shared_gpu": b.allow_shared_gpu,
+        "draft_layers": cfg.capture.draft_layers, "timeout_s": b.timeout_s, "modes": b.modes,
+    }
+    names = {f.name for f in dataclasses.fields(BenchConfig)}
+    if b.modes and "modes" not in names:
+        raise ConfigError(f"bench.modes {b.modes!r} is not supported by this bench")
+    return BenchConfig(**{k: v for k, v in values.items() if k in names})
+
+
+__all__ = ["BenchSection", "CacheSection", "CaptureSection", "DataSection", "Experiment", "RunConfig",
+           "TargetSection", "apply_override", "bench_config", "consumer_config", "convert", "dump_toml",
+           "load_run_config", "parse_override", "producer_config", "read_file", "save_config"]

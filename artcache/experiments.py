@@ -1,0 +1,758 @@
+"""``artcache run``: one target, one producer, many independent draft experiments on one cache root.
+
+:func:`plan_run` resolves a :class:`~artcache.config.RunConfig` into a :class:`RunPlan` and checks it
+before anything starts: each experiment's *view* (the ordered output-of-layer ids its draft reads),
+the union the producer captures, target identity (weights digest), normalisation and dtype, the
+checkpoints it resumes or starts from, its consumer settings, devices, and a disk bound from the
+windows. :func:`run_experiments` then starts the producer and one consumer process per experiment
+(no step barrier: each walks the plan at its own pace), fences nothing itself (a failed consumer
+fences itself; one killed outright is fenced by the producer, which sees its process gone) and
+writes the run report: shared production counted once, each experiment's committed work apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from artcache import journal as J
+from artcache.config import (
+    Experiment,
+    RunConfig,
+    cache_root,
+    consumer_config,
+    experiment_dir,
+    producer_config,
+    save_config,
+)
+from artcache.errors import ConfigError, ContractMismatch
+
+log = logging.getLogger("artcache.run")
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: safetensors header and metadata of one artifact, upper bound (bytes)
+_HEADER_BOUND = 4096
+
+
+# ---- views and the union ---------------------------------------------------------------------------
+
+def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) -> list[int]:
+    """The ordered output-of-layer ids experiment ``e``'s draft reads.
+
+    DFlash: ``dflash_layer_ids(L, n)`` (DFlash arXiv:2602.06036 / z-lab ``build_target_layer_ids``);
+    EAGLE-3: ``eagle3_capture_ids(L)`` = three aux layers then ``L - 1`` (EAGLE-3 arXiv:2503.01840);
+    an explicit ``layer_ids`` replaces the formula. Raises ConfigError for ids the target lacks.
+    The same list as the consumer's ``Draft.needed_layer_ids`` (trainers/drafts.py), computed here
+    without building the draft.
+    """
+    if e.layer_ids is not None:
+        ids = list(e.layer_ids)
+    elif e.draft == "dflash":
+        from trainers.dflash import dflash_layer_ids
+
+        ids = dflash_layer_ids(num_layers, e.draft_layers or default_draft_layers)
+    else:
+        try:
+            from trainers.eagle3 import eagle3_capture_ids
+        except ImportError:
+            try:
+                from trainers.eagle3.config import eagle3_capture_ids
+            except ImportError:
+                raise ConfigError(f"experiment {e.name!r}: draft 'eagle3' is not available in this install "
+                                  "(trainers.eagle3 has no eagle3_capture_ids)") from None
+        ids = list(eagle3_capture_ids(num_layers))
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad or not ids:
+        raise ConfigError(f"experiment {e.name!r}: layer ids {ids} are not output-of-layer ids of a "
+                          f"{num_layers}-layer target (accepted: 0..{num_layers - 1})")
+    return ids  # an id may repeat (EAGLE-3 on a 6-layer target: [1, 2, 2, 5]); the view reads it twice
+
+
+def layer_union(views: list[list[int]]) -> list[int]:
+    """The layers one capture must hold to serve every view: their union, ascending."""
+    return sorted({i for v in views for i in v})
+
+
+def view_index(captured: list[int] | tuple[int, ...], view: list[int]) -> list[int]:
+    """Positions of ``view``'s ids inside the captured layer axis, in the view's order, so that
+    ``hidden_states[:, view_index(captured, view)]`` ([T, len(view), H]) equals a capture of ``view``.
+
+    Raises:
+        ContractMismatch: an id of the view is not captured (names the missing ids).
+    """
+    where = {layer: i for i, layer in enumerate(captured)}
+    missing = [i for i in view if i not in where]
+    if missing:
+        raise ContractMismatch(f"layers {missing} of the view {list(view)} are not captured (captured: "
+                               f"{list(captured)})")
+    return [where[i] for i in view]
+
+
+# ---- the plan ----------------------------------------------------------------------------------------
+
+class ExperimentPlan(msgspec.Struct, kw_only=True):
+    """One experiment, resolved. ``positions``: plan positions it reads this run (steps × batch size
+    from its start cursor); ``window_artifacts``: lookbehind + lookahead + 1."""
+
+    name: str
+    draft: str
+    layer_ids: list[int]
+    view: list[int]
+    device: str
+    window: str
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    start_step: int = 0
+    start_cursor: int = 0
+    positions: int
+    window_artifacts: int
+    out_dir: str
+    resume_from: str = ""
+    init_from: str = ""
+    consumer: dict[str, Any]
+    env: dict[str, str] = {}
+
+
+class RunPlan(msgspec.Struct, kw_only=True):
+    """Everything :func:`run_experiments` starts, resolved and checked (also written as plan.json)."""
+
+    out: str
+    cache_root: str
+    config_path: str
+    target: dict[str, Any]
+    dtype: str
+    compute_dtype: str
+    captured_layer_ids: list[int]
+    plan_id: str
+    contract_id: str
+    data: dict[str, Any]
+    bytes_per_artifact_max: int
+    window_bound_artifacts: int
+    disk_bound_bytes: int
+    experiments: list[ExperimentPlan]
+    notes: list[str] = []
+
+
+def _check_device(device: str, what: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what} {device!r} is not accepted: use cpu, cuda or cuda:<index>")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (dev.index is not None and dev.index >= n):
+            raise ConfigError(f"{what} {device!r}: {n} CUDA device(s) visible; use cpu"
+                              + (f" or cuda:0..cuda:{n - 1}" if n else ""))
+
+
+def _check_dtypes(cfg: RunConfig, compute: str) -> None:
+    """The stored dtype must be one the target's compute dtype can give without inventing precision."""
+    stored = cfg.target.dtype
+    if stored != compute and compute != "float32":
+        raise ConfigError(
+            f"target.dtype {stored} cannot be given by a target computing in {compute} (target.compute_dtype"
+            f"{' auto on ' + cfg.target.device if cfg.target.compute_dtype == 'auto' else ''}): the stored bits "
+            f"would only be {compute} values converted; set target.dtype = {compute!r} or "
+            "target.compute_dtype = 'float32'")
+    for e in cfg.experiments:
+        if e.dtype is not None and e.dtype != stored:
+            raise ConfigError(f"experiment {e.name!r} wants {e.dtype} hidden states but this run captures "
+                              f"{stored} (target.dtype): one capture serves every experiment in one dtype; "
+                              f"set experiments.{e.name}.dtype = {stored!r} or run it separately")
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """A checkpoint directory from a checkpoint dir, a ``checkpoints/`` dir or a run dir (``latest``)."""
+    p = Path(path).expanduser()
+    for cand in (p, p / "latest", p / "checkpoints" / "latest"):
+        if (cand / "state.json").is_file():
+            return cand.resolve()
+    return None
+
+
+def _recorded(state: dict, *keys: str) -> Any:
+    """The first of ``keys`` a checkpoint records, flat or under ``target``/``contract``."""
+    for key in keys:
+        for table in (state, state.get("target") or {}, state.get("contract") or {}):
+            if isinstance(table, dict) and key in table:
+                return table[key]
+    return None
+
+
+def check_checkpoint(e: Experiment, ckpt: Path, *, info, contract, plan_id: str, resume: bool,
+                     strict: bool = True) -> dict:
+    """Check a checkpoint an experiment resumes (``resume``) or starts from (``init_from``) against this
+    run's target identity (weights digest), normalisation (layer convention, final norm), dtype, draft
+    and (for a resume) plan. Returns its state; ``{}`` when it records no target identity and not
+    ``strict`` (a resume on the same contract needs none: the contract holds the weights digest).
+
+    Raises:
+        ContractMismatch: naming the recorded and the expected value (or, ``strict``, that the
+            checkpoint records no target identity).
+    """
+    from trainers.checkpoint import load_state
+
+    state = load_state(ckpt)
+    what = f"experiment {e.name!r}: {'resume' if resume else 'init_from'} checkpoint {ckpt}"
+    digest = _recorded(state, "target_weights_digest", "weights_digest")
+    if digest is not None and digest != info.weights_digest:
+        raise ContractMismatch(f"{what} was trained against target weights digest {digest}; this run's target "
+                               f"{info.name} has {info.weights_digest}")
+    unverified = digest is None and not (resume and state.get("contract_id") == contract.contract_id)
+    if unverified and strict:
+        raise ContractMismatch(f"{what} records no target weights digest, so its target cannot be checked against "
+                               f"{info.name} ({info.weights_digest})")
+    for keys, expected, name in ((("dtype", "hidden_dtype"), contract.dtype, "hidden-state dtype"),
+                                 (("layer_convention",), contract.layer_convention, "layer convention"),
+                                 (("final_norm",), info.final_norm, "target final norm")):
+        got = _recorded(state, *keys)
+        if got is not None and got != expected:
+            raise ContractMismatch(f"{what} records {name} {got!r}; this run gives {expected!r}")
+    if state.get("draft") not in (None, e.draft):
+        raise ContractMismatch(f"{what} holds a {state.get('draft')!r} draft; the experiment trains {e.draft!r}")
+    if resume and state.get("plan_id") not in (None, plan_id):
+        raise ContractMismatch(f"{what} walked plan {state.get('plan_id')}; this run's data section gives plan "
+                               f"{plan_id} (positions would not mean the same samples)")
+    return {} if unverified else state
+
+
+def resolve(cfg: RunConfig, captured: list[int] | None = None) -> RunConfig:
+    """Absolute paths, each experiment's device, out dir and DFlash layer count, and (when given) the
+    captured layers filled in: the config every process of the run reads."""
+    out = Path(cfg.out).expanduser().absolute()
+    base = msgspec.structs.replace(cfg, out=str(out))
+    root = Path(cache_root(base)).expanduser().absolute()
+    exps = [msgspec.structs.replace(
+        e, device=e.device or cfg.target.device, out=str(Path(experiment_dir(base, e)).expanduser().absolute()),
+        draft_layers=(e.draft_layers or cfg.capture.draft_layers) if e.draft == "dflash" and e.layer_ids is None
+        else e.draft_layers,
+        init_from=str(Path(e.init_from).expanduser().absolute()) if e.init_from else "") for e in cfg.experiments]
+    capture = cfg.capture if captured is None else msgspec.structs.replace(cfg.capture, layer_ids=list(captured))
+    return msgspec.structs.replace(base, cache=msgspec.structs.replace(cfg.cache, root=str(root)),
+                                   experiments=exps, capture=capture)
+
+
+def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
+    """Resolve and check a run; nothing is written. Returns the plan and the resolved config.
+
+    Raises:
+        ConfigError: no experiment, a bad device, dtype, layer set, consumer setting or cache root.
+        ContractMismatch: a checkpoint of another target, dtype, normalisation, draft or plan; a cache
+            root initialised with another contract or plan.
+    """
+    from artcache.backends.hf import check_layer_ids
+    from artcache.contract import CaptureContract
+    from artcache.layout import CacheLayout
+    from artcache.plan import PlanSpec, plan_id_for
+    from artcache.producer import resolve_compute_dtype
+    from artcache.settings import check_compatible, load_settings
+    from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
+
+    if not cfg.experiments:
+        raise ConfigError("the config has no experiments: add at least one [[experiments]] table with a name")
+    _check_device(cfg.target.device, "target.device")
+    for e in cfg.experiments:
+        _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device")
+    compute = resolve_compute_dtype(cfg.target.compute_dtype, cfg.target.device)
+    _check_dtypes(cfg, compute)
+    info = resolve_target(cfg.target.name)
+    views = {e.name: draft_view(e, info.num_layers, cfg.capture.draft_layers) for e in cfg.experiments}
+    union = layer_union(list(views.values()))
+    if cfg.capture.layer_ids:
+        captured = list(cfg.capture.layer_ids)
+        missing = {n: [i for i in v if i not in captured] for n, v in views.items()}
+        missing = {n: m for n, m in missing.items() if m}
+        if missing:
+            raise ConfigError(f"capture.layer_ids {captured} lacks layers the experiments read: "
+                              + "; ".join(f"{n} needs {m}" for n, m in missing.items())
+                              + f" (leave capture.layer_ids out to capture the union {union})")
+    else:
+        captured = union
+    check_layer_ids(captured, info.num_layers, info.name)
+    resolved = resolve(cfg, captured)
+    try:  # capture batching vs max_length
+        producer_config(resolved).limits.validate(resolved.data.max_length)
+    except ConfigError as exc:
+        raise ConfigError(f"capture (batch_samples, batch_tokens, max_queue): {exc}") from None
+    # the spec and contract exactly as artcache.producer.prepare_root builds them (a test pins the equality)
+    spec = PlanSpec(dataset=resolved.data.dataset, seed=resolved.data.seed, max_length=resolved.data.max_length,
+                    max_samples=resolved.data.max_samples, template_options=dict(resolved.data.template_options))
+    tok = load_tokenizer(info)
+    plan_id = plan_id_for(spec, tok)
+    contract = CaptureContract(
+        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
+        target_weights_digest=info.weights_digest, layer_ids=tuple(captured), dtype=resolved.target.dtype,
+        compute_dtype=compute, max_length=spec.max_length, tokenizer_digest=tokenizer_digest(tok),
+        template_digest=template_digest(tok, spec.template_options), backend=resolved.capture.backend)
+    layout = CacheLayout(Path(resolved.cache.root))
+    if layout.settings.is_file():
+        try:
+            check_compatible(load_settings(layout), contract, plan_id, layout)
+        except ConfigError as exc:
+            raise ContractMismatch(f"{exc} (the experiments' layers {captured} on target {info.name})") from None
+    elif layout.root.exists() and any(layout.root.iterdir()):
+        raise ConfigError(f"cache.root {str(layout.root)!r} exists, is not empty and is not a cache root; choose "
+                          "another cache.root or out")
+    per_artifact = spec.max_length * (len(captured) * info.hidden_size * _ITEMSIZE[resolved.target.dtype] + 5) \
+        + _HEADER_BOUND
+    exps = []
+    notes: list[str] = []
+    for e in resolved.experiments:
+        start_step = start_cursor = 0
+        resume_from = ""
+        if e.resume:
+            ckpt = find_checkpoint(e.out)
+            if ckpt is None:
+                raise ConfigError(f"experiment {e.name!r}: resume = true but {e.out} holds no checkpoint "
+                                  "(checkpoints/latest); set resume = false to start it fresh")
+            state = check_checkpoint(e, ckpt, info=info, contract=contract, plan_id=plan_id, resume=True)
+            start_step, start_cursor, resume_from = int(state.get("step", 0)), int(state.get("cursor", 0)), str(ckpt)
+            if start_step >= e.steps:
+                raise ConfigError(f"experiment {e.name!r}: its checkpoint is at step {start_step}, not below steps = "
+                                  f"{e.steps}: nothing left to run; raise experiments.{e.name}.steps")
+        elif any((Path(e.out) / "checkpoints").glob("step-*")):
+            raise ConfigError(f"experiment {e.name!r}: {e.out} already holds checkpoints of an earlier run; set "
+                              f"experiments.{e.name}.resume = true to continue it, or choose another out")
+        if e.init_from:
+            src = Path(e.init_from)
+            src = src if (src / "model.safetensors").is_file() else src / "checkpoints" / "latest"
+            if not (src / "model.safetensors").is_file():
+                raise ConfigError(f"experiment {e.name!r}: init_from {e.init_from!r} holds no model.safetensors (nor "
+                                  "in checkpoints/latest): give a checkpoint, a published draft or a run directory")
+            if (src / "state.json").is_file():
+                if not check_checkpoint(e, src.resolve(), info=info, contract=contract, plan_id=plan_id,
+                                        resume=False, strict=False):
+                    notes.append(f"{e.name}: init_from checkpoint {src.resolve()} records no target weights digest; "
+                                 f"its target could not be checked against {info.name}")
+            else:
+                notes.append(f"{e.name}: init_from {src} is a published draft without a checkpoint state; its "
+                             "target could not be checked")
+        ccfg = consumer_config(resolved, e.name)
+        beat = getattr(ccfg, "heartbeat_s", 0.0)
+        if beat >= resolved.cache.heartbeat_timeout_s:
+            raise ConfigError(f"experiment {e.name!r}: heartbeat every {beat}s is not below cache.heartbeat_timeout_s "
+                              f"{resolved.cache.heartbeat_timeout_s}s: the producer would fence it as expired")
+        writable_at = next((p for p in [Path(e.out), *Path(e.out).parents] if p.exists()), Path("/"))
+        if not (writable_at.is_dir() and os.access(writable_at, os.W_OK)):
+            raise ConfigError(f"experiment {e.name!r}: out {e.out!r} cannot be written ({writable_at} is not a "
+                              "writable directory)")
+        lb, la = ccfg.lookbehind, ccfg.lookahead
+        exps.append(ExperimentPlan(
+            name=e.name, draft=e.draft, layer_ids=views[e.name], view=view_index(captured, views[e.name]),
+            device=ccfg.device, window=f"{lb}:{la}", steps=ccfg.steps, batch_size=ccfg.batch_size, lr=ccfg.lr,
+            seed=ccfg.seed, start_step=start_step, start_cursor=start_cursor,
+            positions=(ccfg.steps - start_step) * ccfg.batch_size, window_artifacts=lb + la + 1,
+            out_dir=e.out, resume_from=resume_from, init_from=e.init_from,
+            consumer=msgspec.to_builtins(ccfg), env=dict(e.env)))
+    bound = min(sum(x.window_artifacts for x in exps), spec.max_samples)
+    free_at = next((p for p in [layout.root, *layout.root.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(free_at).free
+    if bound * per_artifact > free:
+        notes.append(f"disk bound {_mib(bound * per_artifact)} exceeds the {_mib(free)} free at {free_at}")
+    gpus = [x.device for x in exps if x.device.startswith("cuda")] + \
+        ([resolved.target.device] if resolved.target.device.startswith("cuda") else [])
+    shared = sorted({d for d in gpus if gpus.count(d) > 1})
+    if shared:
+        notes.append(f"several roles share {', '.join(shared)}")
+    plan = RunPlan(
+        out=resolved.out, cache_root=str(layout.root), config_path=str(Path(resolved.out) / "config.toml"),
+        target={"name": info.name, "path": info.path, "architecture": info.architecture,
+                "num_layers": info.num_layers, "hidden_size": info.hidden_size,
+                "weights_digest": info.weights_digest, "final_norm": info.final_norm,
+                "device": resolved.target.device},
+        dtype=resolved.target.dtype, compute_dtype=compute, captured_layer_ids=captured, plan_id=plan_id,
+        contract_id=contract.contract_id,
+        data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
+        disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes)
+    return plan, resolved
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The dry-run text: the shared capture, then every experiment's resolved plan and requirements."""
+    from artcache.report import table
+
+    t = plan.target
+    lines = [
+        f"run {plan.out}",
+        f"target {t['name']} ({t['architecture']}, {t['num_layers']} layers, H {t['hidden_size']}, weights "
+        f"{t['weights_digest'][:16]}, final norm {t['final_norm']}) on {t['device']}, computing in "
+        f"{plan.compute_dtype}, storing {plan.dtype}",
+        f"data {plan.data['dataset']} seed {plan.data['seed']} max_length {plan.data['max_length']} "
+        f"max_samples {plan.data['max_samples']} (plan {plan.plan_id[:16]})",
+        f"capture layers {plan.captured_layer_ids} (union of the experiments' views) into {plan.cache_root}",
+        f"disk bound {_mib(plan.disk_bound_bytes)} = {plan.window_bound_artifacts} artifacts (sum of windows, at "
+        f"most the plan) x {_mib(plan.bytes_per_artifact_max)} per artifact at most",
+        "",
+        table(["experiment", "draft", "layers (view)", "index in capture", "device", "window", "steps", "batch",
+               "positions", "lr", "seed", "start", "out"],
+              [[x.name, x.draft, ",".join(map(str, x.layer_ids)), ",".join(map(str, x.view)), x.device, x.window,
+                x.steps, x.batch_size, x.positions, f"{x.lr:g}", x.seed,
+                f"step {x.start_step} cursor {x.start_cursor}" if x.resume_from else
+                ("init " + Path(x.init_from).name if x.init_from else "fresh"), x.out_dir] for x in plan.experiments]),
+    ]
+    lines.extend(f"note: {n}" for n in plan.notes)
+    return "\n".join(lines)
+
+
+# ---- running -----------------------------------------------------------------------------------------
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "artcache.cli", *args]
+
+
+class _Role:
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name, self.log = name, log
+        with open(log, "wb") as fh:
+            # a session of its own: a terminal's Ctrl-C reaches the run only, which forwards one SIGTERM
+            # (a second signal could interrupt a consumer while it writes its final checkpoint)
+            self.popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True)
+        self.code: int | None = None
+        self.ended = 0.0
+        self.announced = False
+
+    def poll(self) -> int | None:
+        if self.code is None:
+            self.code = self.popen.poll()
+            if self.code is not None:
+                self.ended = time.time()
+        return self.code
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def tail(self, n: int = 2000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+
+def _write_configs(plan: RunPlan, cfg: RunConfig) -> None:
+    out = Path(plan.out)
+    save_config(cfg, out / "config.toml")
+    (out / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(plan)))
+    for e in cfg.experiments:
+        save_config(msgspec.structs.replace(cfg, experiments=[e]), Path(e.out) / "config.toml")
+
+
+def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> int:
+    """Initialise the cache root, start one consumer per experiment, start the producer once each has
+    registered (or exited), wait for all of them and write the report (no step barrier anywhere).
+
+    Returns the exit status: 0 when every experiment completed and the producer exited cleanly, 1
+    otherwise. A failed experiment does not stop its siblings; SIGINT/SIGTERM are forwarded to every
+    process (experiments end as ``cancelled``).
+    """
+    out = Path(plan.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    _write_configs(plan, cfg)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    stop = {"signal": 0}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if threading_is_main() else {}
+    t0 = time.time()
+    producer: _Role | None = None
+    consumers: dict[str, _Role] = {}
+    problems: list[str] = []
+    try:
+        from artcache import registry
+        from artcache.layout import CacheLayout
+        from artcache.producer import prepare_root
+
+        # the root, plan and artcache.json first (as the producer would make them), so every consumer
+        # can register before the producer starts: its first pass sees every window (a start line that
+        # an experiment dying at start-up cannot hold up)
+        prepare_root(producer_config(cfg))
+        layout = CacheLayout(Path(plan.cache_root))
+        for x in plan.experiments:
+            consumers[x.name] = _Role(x.name, _cli("consume", "--config", plan.config_path, "--experiment", x.name),
+                                      logs / f"{x.name}.log", {**env, **x.env})
+            print(f"experiment {x.name} started (pid {consumers[x.name].popen.pid}, {x.draft}, layers "
+                  f"{x.layer_ids}, {x.device}); log {consumers[x.name].log}", flush=True)
+        while True:
+            regs = {r.consumer_id: r for r in registry.read_all(layout)}
+            unsettled = [n for n, c in consumers.items() if c.poll() is None
+                         and not (n in regs and regs[n].pid == c.popen.pid)]
+            if not unsettled:
+                break
+            if stop["signal"]:
+                raise KeyboardInterrupt
+            time.sleep(poll_s)
+        if any(c.poll() is None for c in consumers.values()):
+            producer = _Role("producer", _cli("producer", "--config", plan.config_path, "--exit-when-done",
+                                              "--id", "producer"), logs / "producer.log", env)
+            print(f"producer started (pid {producer.popen.pid}); capturing layers {plan.captured_layer_ids}; "
+                  f"log {producer.log}", flush=True)
+        else:
+            problems.append("every experiment ended before the producer started")
+        forwarded = False
+        while any(c.poll() is None for c in consumers.values()):
+            for c in consumers.values():
+                if c.code is not None and not c.announced:
+                    c.announced = True
+                    state = "completed" if c.code == 0 else f"FAILED (exit {c.code}); its siblings go on"
+                    print(f"experiment {c.name} {state}", flush=True)
+            if producer is not None and producer.poll() not in (None, 0) and not forwarded:
+                # (exit 0 is --exit-when-done: every registration is terminal, the rest are exiting)
+                problems.append(f"the producer exited with {producer.code} while experiments were running")
+                print(f"producer exited with {producer.code}; stopping the experiments", flush=True)
+                stop["signal"] = stop["signal"] or signal.SIGTERM
+            if stop["signal"] and not forwarded:
+                forwarded = True
+                for c in consumers.values():
+                    c.signal(signal.SIGTERM)
+            time.sleep(poll_s)
+        for c in consumers.values():
+            if not c.announced:
+                print(f"experiment {c.name} {'completed' if c.code == 0 else f'FAILED (exit {c.code})'}", flush=True)
+        if producer is not None:
+            if stop["signal"]:
+                producer.signal(signal.SIGTERM)
+            try:
+                producer.popen.wait(timeout=cfg.cache.done_grace_s + 120)
+            except subprocess.TimeoutExpired:
+                producer.signal(signal.SIGTERM)
+                producer.popen.wait(timeout=60)
+            producer.poll()
+    except KeyboardInterrupt:
+        problems.append("interrupted")
+    finally:
+        for role in [*consumers.values(), *([producer] if producer else [])]:
+            if role.popen.poll() is None:
+                role.signal(signal.SIGTERM)
+                try:
+                    role.popen.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    role.popen.kill()
+                    role.popen.wait()
+            role.poll()
+        for s, h in old.items():
+            signal.signal(s, h)
+    wall = time.time() - t0
+    report = run_report(plan, producer, consumers, wall, problems)
+    write_report(plan, report)
+    print(format_report(report), flush=True)
+    print(f"report: {out / 'report.json'}", flush=True)
+    return report["exit_code"]
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+# ---- reports -----------------------------------------------------------------------------------------
+
+def _events(path: Path) -> list:
+    return list(J.iter_file(path)) if path.is_file() else []
+
+
+def production(events: list) -> dict:
+    """What one producer process did, counted once (captures, publications, bytes, evictions)."""
+    out = {"captures": 0, "recaptures": 0, "publications": 0, "published_bytes": 0, "failures": 0,
+           "evictions": 0, "evicted_bytes": 0, "batches": 0, "busy_s": 0.0, "max_retained_artifacts": 0,
+           "max_retained_bytes": 0, "distinct_fingerprints": 0, "stop_reason": ""}
+    fps = set()
+    for ev in events:
+        if isinstance(ev, J.Capture):
+            out["captures"] += 1
+            out["recaptures"] += ev.recapture
+            fps.add(ev.fp)
+        elif isinstance(ev, J.Publish):
+            out["publications"] += 1
+            out["published_bytes"] += ev.nbytes
+        elif isinstance(ev, J.CaptureFailure):
+            out["failures"] += 1
+        elif isinstance(ev, J.Evict):
+            out["evictions"] += 1
+            out["evicted_bytes"] += ev.nbytes
+        elif isinstance(ev, J.CaptureBatch):
+            out["batches"] += 1
+            out["busy_s"] += ev.end - ev.start
+        elif isinstance(ev, J.Retained):
+            out["max_retained_artifacts"] = max(out["max_retained_artifacts"], ev.artifacts)
+            out["max_retained_bytes"] = max(out["max_retained_bytes"], ev.nbytes)
+        elif isinstance(ev, J.ProducerStop):
+            out["stop_reason"] = ev.reason
+    out["distinct_fingerprints"] = len(fps)
+    return out
+
+
+def committed_work(events: list) -> dict:
+    """One experiment's own work in one consumer process: steps, cursor range, committed positions,
+    requests, losses. Never added across experiments into production."""
+    steps = [ev for ev in events if isinstance(ev, J.Step)]
+    start = next((ev for ev in events if isinstance(ev, J.ConsumerStart)), None)
+    end = next((ev for ev in events if isinstance(ev, J.ConsumerEnd)), None)
+    reqs = [ev for ev in events if isinstance(ev, J.Request)]
+    cursor0 = start.cursor if start else 0
+    cursor1 = max([cursor0, *(s.cursor for s in steps), *([end.cursor] if end else [])])
+    losses = [s.loss for s in steps]
+    k = max(1, min(5, len(losses) // 2))
+    last = steps[-10:]
+    blocks = sum(s.blocks for s in last)
+    return {
+        "state": end.state if end else ("running" if start else "not started"), "error": end.error if end else "",
+        "steps_run": len(steps), "first_step": steps[0].step if steps else None,
+        "last_step": steps[-1].step if steps else None, "cursor_start": cursor0, "cursor_end": cursor1,
+        "positions_committed": cursor1 - cursor0, "requests": len(reqs), "hits": sum(r.hit for r in reqs),
+        "misses": sum(not r.hit for r in reqs), "wait_s": sum(r.wait_s for r in reqs),
+        "first_loss": sum(losses[:k]) / k if losses else None, "final_loss": sum(losses[-k:]) / k if losses else None,
+        "tau": sum(s.tau_sum for s in last) / blocks if blocks else None, "tau_includes_bonus": True,
+    }
+
+
+def _union_length(ranges: list[tuple[int, int]]) -> int:
+    total, hi = 0, None
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if hi is None or a > hi:
+            total += b - a
+            hi = b
+        elif b > hi:
+            total += b - hi
+            hi = b
+    return total
+
+
+def _summary_line(log_path: Path) -> dict:
+    """The JSON summary ``artcache consume`` prints when it finishes ({} if none)."""
+    try:
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.startswith("{")]
+        return json.loads(lines[-1]) if lines else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def run_report(plan: RunPlan, producer: _Role | None, consumers: dict[str, _Role], wall: float,
+               problems: list[str]) -> dict:
+    """The run report: shared production (this run's producer, counted once) apart from each
+    experiment's committed work (this run's consumer process), plus the root-wide invariants."""
+    from artcache import registry
+    from artcache.accounting import account
+    from artcache.layout import CacheLayout
+
+    layout = CacheLayout(Path(plan.cache_root))
+    jdir = layout.journal
+    prod = production(_events(jdir / f"producer-producer-{producer.popen.pid}.jsonl")) if producer else production([])
+    prod["exit_code"] = producer.code if producer else None
+    experiments = []
+    for x in plan.experiments:
+        role = consumers.get(x.name)
+        work = committed_work(_events(jdir / f"consumer-{x.name}-{role.popen.pid}.jsonl")) if role else \
+            committed_work([])
+        reg = registry.read(layout, x.name) if layout.consumers.is_dir() else None
+        summary = _summary_line(role.log) if role else {}
+        experiments.append({
+            "name": x.name, "draft": x.draft, "layer_ids": x.layer_ids, "view": x.view, "device": x.device,
+            "window": x.window, "lr": x.lr, "seed": x.seed, "steps_planned": x.steps, "start_step": x.start_step,
+            "exit_code": role.code if role else None, **work,
+            "registration": reg.state if reg else "missing", "checkpoint": summary.get("checkpoint"),
+            "out_dir": x.out_dir, "log": str(role.log) if role else None, "consumer_summary": summary,
+        })
+        e = experiments[-1]
+        if e["tau"] is not None:
+            e["acceptance"], e["acceptance_metric"] = e["tau"], "tau (DFlash, incl. +1 bonus)"
+        else:
+            e["acceptance"] = summary.get("sim_acc_len")
+            e["acceptance_metric"] = "simulated_acc_len (EAGLE-3, no bonus)" if e["acceptance"] is not None else ""
+    ranges = [(x["cursor_start"], x["cursor_end"]) for x in experiments]
+    distinct = _union_length(ranges)
+    acc = account(layout) if layout.settings.is_file() else None
+    checks = {
+        "every_experiment_completed": all(x["exit_code"] == 0 and x["state"] == "completed" for x in experiments),
+        "failed_experiments_fenced": all(x["registration"] != "running" for x in experiments),
+        "producer_exit_ok": prod["exit_code"] == 0,
+        "accounting_invariants": bool(acc) and not acc.violations,
+    }
+    exit_code = 0 if all(checks.values()) and not problems else 1
+    return {
+        "out": plan.out, "wall_s": wall, "exit_code": exit_code, "problems": problems, "checks": checks,
+        "target": plan.target, "captured_layer_ids": plan.captured_layer_ids, "dtype": plan.dtype,
+        "plan_id": plan.plan_id,
+        "shared_production": {**prod, "distinct_positions_consumed": distinct,
+                              "captures_per_distinct_position": prod["captures"] / distinct if distinct else 0.0,
+                              "window_bound_artifacts": plan.window_bound_artifacts},
+        "experiments": experiments,
+        "root_accounting": msgspec.to_builtins(acc) if acc else None,
+    }
+
+
+def write_report(plan: RunPlan, report: dict) -> None:
+    out = Path(plan.out)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(format_report(report) + "\n")
+    for x in report["experiments"]:
+        d = Path(x["out_dir"])
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "report.json").write_text(json.dumps({
+            "experiment": x, "run": str(out / "report.json"),
+            "shared_production_note": "captures are the run's shared production, counted once in the run report; "
+                                      "this file holds only this experiment's committed work"}, indent=2))
+
+
+def format_report(r: dict) -> str:
+    """The run report as text: shared production, then one row per experiment."""
+    from artcache.report import table
+
+    p = r["shared_production"]
+    rows = [[x["name"], x["draft"], ",".join(map(str, x["layer_ids"])), x["device"], x["state"], x["exit_code"],
+             x["steps_run"], f"{x['first_step']}-{x['last_step']}" if x["steps_run"] else "-",
+             f"{x['cursor_start']}->{x['cursor_end']}", x["positions_committed"], x["requests"], x["hits"],
+             x["misses"], round(x["first_loss"], 3) if x["first_loss"] is not None else "-",
+             round(x["final_loss"], 3) if x["final_loss"] is not None else "-",
+             round(x["acceptance"], 3) if x.get("acceptance") is not None else "-", x["registration"]]
+            for x in r["experiments"]]
+    lines = [
+        f"## run {r['out']} ({r['wall_s']:.1f} s)", "",
+        f"target {r['target']['name']}; captured layers {r['captured_layer_ids']} ({r['dtype']}), the union of "
+        "the experiments' views", "",
+        "Shared production (this run's producer, counted once):",
+        f"  captures {p['captures']} ({p['recaptures']} recaptures) for {p['distinct_positions_consumed']} distinct "
+        f"positions consumed ({p['captures_per_distinct_position']:.3f} per position); publications "
+        f"{p['publications']} ({_mib(p['published_bytes'])}); failures {p['failures']}; evictions {p['evictions']}; "
+        f"max retained {p['max_retained_artifacts']} artifacts ({_mib(p['max_retained_bytes'])}) against a window "
+        f"bound of {p['window_bound_artifacts']}; producer exit {p['exit_code']}", "",
+        "Per experiment (each one's own committed work; requests are not production and are never summed into it):",
+        "```",
+        table(["experiment", "draft", "layers", "device", "state", "exit", "steps", "step range", "cursor",
+               "positions", "requests", "hits", "misses", "loss first", "loss last", "accept", "registration"], rows),
+        "```", "",
+        "accept: DFlash tau over the last 10 steps including the +1 bonus token; EAGLE-3 simulated_acc_len "
+        "(no bonus).", "",
+        "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()),
+    ]
+    lines.extend(f"problem: {x}" for x in r["problems"])
+    for x in r["experiments"]:
+        if x["error"]:
+            lines.append(f"{x['name']}: {x['error']}")
+    return "\n".join(lines)
+
+
+__all__ = ["ExperimentPlan", "RunPlan", "check_checkpoint", "draft_view", "find_checkpoint", "format_plan",
+           "layer_union", "plan_run", "resolve", "run_experiments", "view_index"]

@@ -1,0 +1,298 @@
+"""Typed run configs: files (TOML, YAML), ``section.field=value`` overrides, rejection of unknown fields,
+unknown override paths and type errors (naming the field and what it accepts), the saved resolved
+config, and CLI flags as shortcuts for config fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from artcache import config as C
+from artcache.cli import main
+from artcache.errors import ConfigError
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+RECIPES = sorted(p for p in CONFIGS.iterdir() if p.suffix in (".toml", ".yaml", ".yml"))
+
+TWO = """
+out = "o"
+[data]
+max_length = 128
+[[experiments]]
+name = "a"
+lr = 1e-3
+[[experiments]]
+name = "b"
+draft = "eagle3"
+[experiments.consumer]
+ttt_steps = 3
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def rejected(tmp_path: Path, text: str, *overrides: str, name: str = "run.toml") -> str:
+    with pytest.raises(ConfigError) as info:
+        C.load_run_config(write(tmp_path, text, name), overrides)
+    return str(info.value)
+
+
+# ---- files -------------------------------------------------------------------------------------------
+
+def test_defaults_without_a_file():
+    cfg = C.load_run_config(None)
+    assert cfg == C.RunConfig()
+    assert cfg.target.name == "smollm2-135m-instruct" and cfg.experiments == []
+
+
+def test_toml_file_sections_and_experiments(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, TWO))
+    assert cfg.out == "o" and cfg.data.max_length == 128 and cfg.data.max_samples == 2000
+    assert [e.name for e in cfg.experiments] == ["a", "b"]
+    assert cfg.experiments[0].lr == 1e-3 and cfg.experiments[1].draft == "eagle3"
+    assert cfg.experiments[1].consumer == {"ttt_steps": 3}
+
+
+def test_toml_and_yaml_twins_load_equal():
+    """configs/dflash-2lr.toml and its YAML twin are the same config (YAML 1e-3 is a float, not text)."""
+    toml = C.load_run_config(CONFIGS / "dflash-2lr.toml")
+    yaml = C.load_run_config(CONFIGS / "dflash-2lr.yaml")
+    assert toml == yaml
+    assert isinstance(yaml.experiments[1].lr, float) and yaml.experiments[1].lr == 2e-3
+
+
+def test_yaml_exponent_without_dot_is_a_float(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, "experiments:\n  - name: a\n    lr: 1e-3\n", "r.yaml"))
+    assert cfg.experiments[0].lr == 1e-3
+
+
+def test_json_file(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, '{"experiments": [{"name": "a", "steps": 3}]}', "r.json"))
+    assert cfg.experiments[0].steps == 3
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads(path):
+    cfg = C.load_run_config(path)
+    assert cfg == C.load_run_config(path)  # deterministic
+    if path.name.startswith("bench"):
+        assert cfg.bench.scenario == "1p3c"
+    else:
+        assert cfg.experiments, path
+
+
+# ---- rejection: files --------------------------------------------------------------------------------
+
+def test_unknown_section_names_accepted_sections(tmp_path):
+    msg = rejected(tmp_path, "[trget]\nname = 'x'\n")
+    assert "'trget'" in msg and "target, data, capture, cache, experiments, bench" in msg
+
+
+def test_unknown_field_in_section_names_accepted_fields(tmp_path):
+    msg = rejected(tmp_path, "[data]\nmax_len = 3\n")
+    assert "'data.max_len'" in msg and "dataset, seed, max_length, max_samples" in msg
+
+
+def test_unknown_field_in_an_experiment(tmp_path):
+    msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\nlearning_rate = 1.0\n")
+    assert "'experiments.0.learning_rate'" in msg and "lr" in msg and "block_size" in msg
+
+
+def test_type_error_names_field_and_accepted_type(tmp_path):
+    msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\nsteps = 'many'\n")
+    assert "experiments.0.steps" in msg and "Expected `int`, got `str`" in msg and "an integer" in msg
+
+
+def test_literal_error_lists_accepted_values(tmp_path):
+    msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\ndraft = 'medusa'\n")
+    assert "experiments.0.draft" in msg and "dflash, eagle3" in msg
+
+
+def test_missing_experiment_name(tmp_path):
+    msg = rejected(tmp_path, "[[experiments]]\nlr = 1.0\n")
+    assert "name" in msg and "experiments.0" in msg
+
+
+def test_duplicate_experiment_names(tmp_path):
+    msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\n[[experiments]]\nname = 'a'\n")
+    assert "experiments.1.name 'a' is used twice" in msg
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("window = '64-256'", "LOOKBEHIND:LOOKAHEAD"),
+    ("steps = 0", "experiments.0.steps 0"),
+    ("lr = -1.0", "experiments.0.lr -1.0"),
+    ("name = 'a/b'", "experiments.0.name"),
+])
+def test_bad_experiment_values(tmp_path, text, needle):
+    body = text if text.startswith("name") else f"name = 'a'\n{text}"
+    assert needle in rejected(tmp_path, f"[[experiments]]\n{body}\n")
+
+
+def test_bad_files(tmp_path):
+    assert "accepted: .toml, .yaml, .yml, .json" in rejected(tmp_path, "", name="run.ini")
+    assert "is not valid TOML" in rejected(tmp_path, "[data\n")
+    assert "cannot be read" in str(pytest.raises(ConfigError, C.load_run_config, tmp_path / "nope.toml").value)
+    assert "top level must be a table" in rejected(tmp_path, "- 1\n- 2\n", name="r.yaml")
+
+
+# ---- overrides -------------------------------------------------------------------------------------
+
+def test_parse_override():
+    assert C.parse_override("experiments.0.lr=1e-3") == (["experiments", "0", "lr"], "1e-3")
+    assert C.parse_override(" data.dataset = a=b ") == (["data", "dataset"], "a=b")
+    for bad in ("data.max_length", "=3", "data..seed=1", ".x=1"):
+        with pytest.raises(ConfigError, match="SECTION.FIELD=VALUE"):
+            C.parse_override(bad)
+
+
+def test_overrides_are_typed_by_field(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, TWO), [
+        "data.max_length=64", "experiments.0.lr=2e-4", "experiments.b.steps=7", "capture.layer_ids=1,8,14",
+        "experiments.a.draft_layers=none", "experiments.1.consumer.ttt_steps=5", "experiments.0.resume=true",
+        "target.name=123", "experiments.a.consumer.tensorboard=false", "out=elsewhere",
+        "experiments.0.layer_ids=[2, 4]"])
+    assert cfg.data.max_length == 64 and cfg.out == "elsewhere"
+    assert cfg.experiments[0].lr == 2e-4 and cfg.experiments[0].resume is True
+    assert cfg.experiments[0].layer_ids == [2, 4] and cfg.experiments[0].draft_layers is None
+    assert cfg.experiments[1].steps == 7 and cfg.experiments[1].consumer == {"ttt_steps": 5}
+    assert cfg.experiments[0].consumer == {"tensorboard": False}
+    assert cfg.capture.layer_ids == [1, 8, 14] and cfg.target.name == "123"
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("data.max_len=3", ["unknown field 'max_len' in data", "max_length"]),
+    ("nosuch.x=1", ["unknown field 'nosuch'", "target, data"]),
+    ("experiments.5.lr=1", ["no experiments entry '5'", "0..1", "a, b"]),
+    ("experiments.zed.lr=1", ["no experiments entry 'zed'"]),
+    ("experiments.0.lrr=1", ["unknown field 'lrr' in experiments.0", "lr"]),
+    ("experiments.0=1", ["name a field of the entry"]),
+    ("data=1", ["data is a table with fields", "data.FIELD=VALUE"]),
+    ("data.seed.x=1", ["data.seed is a single value"]),
+    ("data.max_length=abc", ["data.max_length='abc'", "expected an integer"]),
+    ("experiments.0.lr=fast", ["expected a number"]),
+    ("experiments.0.resume=maybe", ["expected true or false"]),
+    ("experiments.0.draft=medusa", ["expected one of dflash, eagle3"]),
+    ("capture.layer_ids=1,x", ["capture.layer_ids[1]", "expected an integer"]),
+    ("target.dtype=fp8", ["one of bfloat16, float16, float32"]),
+])
+def test_bad_overrides_name_the_path_and_accepted(tmp_path, override, needles):
+    msg = rejected(tmp_path, TWO, override)
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+def test_override_into_empty_experiments(tmp_path):
+    assert "experiments is empty" in rejected(tmp_path, "", "experiments.0.lr=1")
+
+
+def test_override_creates_absent_sections(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, "[[experiments]]\nname = 'a'\n"), ["cache.root=/x", "bench.steps=3"])
+    assert cfg.cache.root == "/x" and cfg.bench.steps == 3
+
+
+def test_flags_override_file_and_overrides(tmp_path):
+    flags = C.flag_paths("consume", {"lr": 5e-4, "steps": 3, "consumer_id": "z", "save_every": 2}, "a")
+    assert flags == {"experiments.a.lr": 5e-4, "experiments.a.steps": 3, "experiments.a.consumer.save_every": 2}
+    cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.lr=1e-2"], flags)
+    assert cfg.experiments[0].lr == 5e-4 and cfg.experiments[0].steps == 3
+    pflags = C.flag_paths("producer", {"layer_ids": "1,2", "threads": 1, "exit_when_done": True,
+                                       "template_options": ("enable_thinking=false",)})
+    assert pflags == {"capture.layer_ids": "1,2", "target.threads": 1,
+                      "data.template_options": {"enable_thinking": False}}
+    cfg = C.load_run_config(write(tmp_path, TWO), (), {**pflags, **C.flag_paths("consume", {"layer_ids": "3,1"}, "b")})
+    assert cfg.capture.layer_ids == [1, 2] and cfg.experiments[1].layer_ids == [3, 1]
+    assert cfg.data.template_options == {"enable_thinking": False}
+    with pytest.raises(ConfigError, match="--nosuch has no config field"):
+        C.flag_paths("bench", {"nosuch": 1})
+
+
+# ---- saving ------------------------------------------------------------------------------------------
+
+def test_dump_toml_round_trips(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, TWO), [
+        "capture.layer_ids=1,2", 'experiments.a.init_from=/p/"q"', "experiments.b.env.CUDA_VISIBLE_DEVICES=1",
+        "experiments.a.consumer.eval_samples=4", "bench.warmup=2"])
+    path = C.save_config(cfg, tmp_path / "saved" / "config.toml")
+    assert C.load_run_config(path) == cfg
+    for recipe in RECIPES:
+        r = C.load_run_config(recipe)
+        assert C.load_run_config(C.save_config(r, tmp_path / f"{recipe.stem}.toml")) == r
+
+
+# ---- builders ----------------------------------------------------------------------------------------
+
+def test_consumer_config_from_an_experiment(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.window=4:8", "experiments.a.consumer.save_every=2"])
+    cc = C.consumer_config(cfg, "a")
+    assert cc.consumer_id == "a" and cc.lr == 1e-3 and (cc.lookbehind, cc.lookahead) == (4, 8)
+    assert cc.draft_layers == 5 and cc.save_every == 2 and cc.cache == str(Path("o") / "cache")
+    assert cc.out_dir == str(Path("o") / "experiments" / "a")
+    with pytest.raises(ConfigError, match="no experiment 'zz' in this config; accepted: a, b"):
+        C.consumer_config(cfg, "zz")
+
+
+def test_consumer_config_rejects_a_setting_the_consumer_lacks(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.consumer.no_such_knob=1"])
+    with pytest.raises(ConfigError, match="the consumer has no setting 'no_such_knob'"):
+        C.consumer_config(cfg, "a")
+    cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.consumer.ttt_steps=x"])
+    with pytest.raises(ConfigError, match="experiment 'a': consumer setting ttt_steps"):
+        C.consumer_config(cfg, "a")
+
+
+def test_producer_and_bench_configs(tmp_path):
+    cfg = C.load_run_config(CONFIGS / "bench-1p3c.toml", ["cache.root=/tmp/r"])
+    pc = C.producer_config(cfg, exit_when_done=True, expect_consumers=None, idle_exit=3.0, producer_id="p")
+    assert pc.cache == "/tmp/r" and pc.max_length == 256 and pc.exit_when_done and pc.idle_exit_s == 3.0
+    assert pc.layer_ids is None and pc.draft_layers == 5 and pc.producer_id == "p"
+    bc = C.bench_config(cfg)
+    assert (bc.scenario, bc.warmup, bc.steps, bc.anchors, bc.max_length) == ("1p3c", 3, 12, 16, 256)
+    assert bc.draft_layers == 5 and bc.window == "16:64"
+
+
+# ---- the CLI -----------------------------------------------------------------------------------------
+
+def assert_one_error_line(result, *needles: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcache: error: "), lines
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize("verb, extra", [("run", []), ("producer", []), ("consume", ["--experiment", "a"]),
+                                         ("bench", [])])
+def test_cli_bad_override_exits_2_and_starts_nothing(tmp_path, monkeypatch, verb, extra):
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, TWO)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = CliRunner().invoke(main, [verb, "--config", str(path), *extra, "experiments.0.lrr=1"])
+    assert_one_error_line(result, "unknown field 'lrr' in experiments.0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_cli_overrides_need_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["producer", "--cache", str(tmp_path / "c"), "data.seed=1"])
+    assert_one_error_line(result, "need --config FILE")
+    assert_one_error_line(CliRunner().invoke(main, ["consume"]), "--cache DIR is required")
+    assert_one_error_line(CliRunner().invoke(main, ["consume", "--config", str(write(tmp_path, TWO))]),
+                          "needs --experiment NAME")
+    assert_one_error_line(CliRunner().invoke(main, ["run", "--config", str(tmp_path / "none.toml")]),
+                          "cannot be read")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "o").exists()
+
+
+def test_struct_fields_documented():
+    """Every field of every section is named in its struct's docstring (the reference users read)."""
+    for cls in (C.TargetSection, C.DataSection, C.CaptureSection, C.CacheSection, C.Experiment):
+        doc = cls.__doc__ or ""
+        missing = [f for f in cls.__struct_fields__ if f not in doc]
+        assert not missing, (cls.__name__, missing)

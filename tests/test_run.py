@@ -1,0 +1,381 @@
+"""``artcache run``: layer union and per-experiment views, checks before anything starts, dry-run, and
+real runs on the tiny target (a failed experiment leaves its siblings running and the exit status
+nonzero; two experiments resume from unequal checkpoints, each at its own frontier).
+
+Deadlines only bound a hung run; nothing here asserts how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from click.testing import CliRunner
+
+from artcache import journal as J
+from artcache import registry, store
+from artcache.backends.hf import HFCaptureBackend
+from artcache.cli import main
+from artcache.config import load_run_config
+from artcache.contract import CaptureContract
+from artcache.errors import ConfigError, ContractMismatch
+from artcache.experiments import draft_view, layer_union, plan_run, view_index
+from artcache.layout import CacheLayout
+
+REPO = Path(__file__).parent.parent
+DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DEADLINE_S = 600.0
+
+
+def base_toml(tiny_target, out: Path, *experiments: str, extra: str = "") -> str:
+    """A run config on the tiny target (6 layers: DFlash with 3 draft layers reads [1, 2, 3])."""
+    head = f"""
+out = "{out}"
+[target]
+name = "{tiny_target.path}"
+threads = 1
+[data]
+dataset = "{DATA}"
+max_length = 128
+max_samples = 40
+[capture]
+draft_layers = 3
+[cache]
+done_grace_s = 1.0
+heartbeat_timeout_s = 30.0
+demand_timeout_s = 300.0
+{extra}
+"""
+    return head + "".join(experiments)
+
+
+def exp(name: str, draft: str = "dflash", steps: int = 6, **consumer) -> str:
+    table = {"progress": False, "tensorboard": False, **consumer}
+    if draft == "eagle3":
+        table.update(ttt_steps=2, draft_vocab=512)
+    body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in table.items())
+    return f"""
+[[experiments]]
+name = "{name}"
+draft = "{draft}"
+block_size = 4
+anchors = 4
+batch_size = 2
+steps = {steps}
+window = "2:8"
+threads = 1
+log_every = 1
+[experiments.consumer]
+{body}
+"""
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# ---- the union and the views return exactly what a solo capture would ---------------------------------
+
+def contract_for(info, layer_ids) -> CaptureContract:
+    return CaptureContract(target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
+                           target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype="bfloat16",
+                           max_length=128, tokenizer_digest="t", template_digest="t")
+
+
+class Sample:
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.input_ids = ids.to(torch.int32)
+        self.loss_mask = torch.ones_like(ids, dtype=torch.uint8)
+
+
+def test_union_views_equal_solo_captures(tiny_target, tmp_path):
+    """Capture a batch once with the union of three views and once per view alone: each view's slice of
+    the union (by :func:`view_index`, and by the consumer's own ``trainers.drafts`` selection) equals the
+    solo capture bit for bit, in memory and after publish/read through the store."""
+    from artcache.target import load_target_model
+    from trainers.dflash import dflash_layer_ids
+    from trainers.drafts import layer_view, select_layers, view_slice
+    from trainers.eagle3 import eagle3_capture_ids
+
+    L = tiny_target.num_layers
+    views = {"dflash": dflash_layer_ids(L, 3), "eagle3": eagle3_capture_ids(L), "reversed": [4, 0, 2]}
+    union = layer_union(list(views.values()))
+    assert views["dflash"] == [1, 2, 3] and views["eagle3"] == [1, 2, 2, 5] and union == [0, 1, 2, 3, 4, 5]
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(3, 49152, (n,), generator=g)) for n in (17, 9, 30)]  # padded batch
+    model = load_target_model(tiny_target, "cpu", torch.float32)
+    ub = HFCaptureBackend(model, contract_for(tiny_target, union))
+    whole = ub.capture(samples)
+    ub.close()
+    uc = contract_for(tiny_target, union)
+    layout = CacheLayout(tmp_path / "root")
+    layout.create()
+    for name, view in views.items():
+        backend = HFCaptureBackend(model, contract_for(tiny_target, view))
+        solo = backend.capture(samples)
+        backend.close()
+        idx = view_index(union, view)
+        assert idx == layer_view(union, view, draft=name, flag_hint="")
+        for i, (u, s) in enumerate(zip(whole, solo, strict=True)):
+            assert s["hidden_states"].shape == (samples[i].input_ids.shape[0], len(view), tiny_target.hidden_size)
+            assert torch.equal(u["hidden_states"][:, idx], s["hidden_states"]), (name, i)
+            assert torch.equal(select_layers(u["hidden_states"], view_slice(idx)), s["hidden_states"])
+            fp = f"{i:02x}" + "ab" * 15
+            store.publish(layout, fp, uc, u)
+            art = store.read(layout, fp, uc)
+            assert torch.equal(art.hidden_states[:, idx], s["hidden_states"]), (name, i)
+            assert torch.equal(art.input_ids, s["input_ids"])
+
+
+def test_view_index_names_missing_layers():
+    assert view_index([1, 8, 14, 20, 26, 27, 29], [1, 14, 26, 29]) == [0, 2, 4, 6]
+    assert view_index([1, 2, 5], [2, 2, 5]) == [1, 1, 2]
+    with pytest.raises(ContractMismatch, match=r"layers \[9\] of the view \[1, 9\] are not captured"):
+        view_index([1, 8], [1, 9])
+
+
+def test_draft_views_follow_the_published_formulas():
+    from artcache.config import Experiment
+
+    assert draft_view(Experiment(name="d", draft_layers=5), 30) == [1, 8, 14, 20, 27]
+    assert draft_view(Experiment(name="e", draft="eagle3"), 30) == [1, 14, 26, 29]
+    assert draft_view(Experiment(name="e", draft="eagle3"), 36) == [1, 17, 32, 35]
+    assert draft_view(Experiment(name="x", layer_ids=[3, 1]), 30) == [3, 1]
+    assert layer_union([[1, 8, 14, 20, 27], [1, 14, 26, 29]]) == [1, 8, 14, 20, 26, 27, 29]
+    with pytest.raises(ConfigError, match="0..29"):
+        draft_view(Experiment(name="x", layer_ids=[30]), 30)
+
+
+# ---- the plan: checks before anything starts ----------------------------------------------------------
+
+def plan_of(tiny_target, tmp_path, *experiments, extra="", overrides=()):
+    cfg = load_run_config(write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", *experiments,
+                                                                    extra=extra)), overrides)
+    return plan_run(cfg)
+
+
+def test_plan_union_views_and_disk_bound(tiny_target, tmp_path):
+    plan, resolved = plan_of(tiny_target, tmp_path, exp("d"), exp("e", "eagle3"))
+    assert plan.captured_layer_ids == [1, 2, 3, 5] and resolved.capture.layer_ids == [1, 2, 3, 5]
+    d, e = plan.experiments
+    assert (d.layer_ids, d.view) == ([1, 2, 3], [0, 1, 2])
+    assert (e.layer_ids, e.view) == ([1, 2, 2, 5], [0, 1, 1, 3])
+    assert d.positions == 12 and d.window_artifacts == 11 and plan.window_bound_artifacts == 22
+    assert plan.bytes_per_artifact_max >= 128 * 4 * 64 * 2
+    assert plan.disk_bound_bytes == 22 * plan.bytes_per_artifact_max
+    assert d.consumer["draft_layers"] == 3 and d.out_dir == str(tmp_path / "out" / "experiments" / "d")
+    assert not (tmp_path / "out").exists()  # planning writes nothing
+
+
+@pytest.mark.parametrize("overrides", [[], ["data.template_options.enable_thinking=false", "target.dtype=float16"]])
+def test_plan_contract_and_plan_id_are_the_producers(tiny_target, tmp_path, overrides):
+    """The contract and plan the run checks checkpoints and an existing root against are exactly the ones
+    the producer writes (the plan builds them without writing; a drift would reject good roots)."""
+    from artcache.config import producer_config
+    from artcache.producer import prepare_root
+
+    plan, resolved = plan_of(tiny_target, tmp_path, exp("d"), exp("e", "eagle3"), overrides=overrides)
+    _layout, settings, *_ = prepare_root(producer_config(resolved))
+    assert settings.contract.contract_id == plan.contract_id and settings.plan_id == plan.plan_id
+    assert list(settings.contract.layer_ids) == plan.captured_layer_ids == [1, 2, 3, 5]
+    again, _ = plan_run(resolved)  # the root now exists: compatible, accepted
+    assert again.contract_id == plan.contract_id
+
+
+def test_producer_started_by_hand_from_a_run_config_captures_the_union(tiny_target, tmp_path):
+    from artcache.config import producer_config
+
+    cfg = load_run_config(write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d"),
+                                                                    exp("e", "eagle3"))))
+    assert producer_config(cfg).layer_ids == [1, 2, 3, 5]
+    assert producer_config(load_run_config(None, ["capture.draft_layers=2"])).layer_ids is None  # DFlash ids
+
+
+def test_dry_run_prints_every_experiment_and_starts_nothing(tiny_target, tmp_path):
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d"), exp("e", "eagle3")))
+    result = CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run", "experiments.d.lr=1e-3"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "capture layers [1, 2, 3, 5]" in out and "disk bound" in out
+    for needle in ("d ", "e ", "1,2,2,5", "0,1,1,3", "0.001", "2:8"):
+        assert needle in out, needle
+    result = CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run", "--json", "--out",
+                                       str(tmp_path / "o2")])
+    plan = json.loads(result.stdout)
+    assert [x["name"] for x in plan["experiments"]] == ["d", "e"]
+    assert plan["out"] == str(tmp_path / "o2") and plan["cache_root"] == str(tmp_path / "o2" / "cache")
+    assert not (tmp_path / "o2").exists()
+    assert not (tmp_path / "out").exists()
+
+
+def fake_checkpoint(path: Path, **state) -> Path:
+    path.mkdir(parents=True)
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(path / "model.safetensors"))
+    (path / "state.json").write_text(json.dumps({"draft": "dflash", "step": 3, "cursor": 6, **state}))
+    return path
+
+
+def test_init_from_another_target_is_rejected(tiny_target, tmp_path):
+    ck = fake_checkpoint(tmp_path / "other", target_weights_digest="0" * 32)
+    with pytest.raises(ContractMismatch) as info:
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={ck}"])
+    assert "0" * 32 in str(info.value) and tiny_target.weights_digest in str(info.value)
+
+
+@pytest.mark.parametrize("state, needle", [
+    ({"dtype": "float16"}, "hidden-state dtype 'float16'; this run gives 'bfloat16'"),
+    ({"layer_convention": "input-of-layer"}, "layer convention"),
+    ({"final_norm": "layernorm"}, "target final norm 'layernorm'"),
+    ({"draft": "eagle3"}, "holds a 'eagle3' draft"),
+])
+def test_init_from_other_dtype_normalisation_or_draft_is_rejected(tiny_target, tmp_path, state, needle):
+    ck = fake_checkpoint(tmp_path / "ck", target_weights_digest=tiny_target.weights_digest, **state)
+    with pytest.raises(ContractMismatch, match=needle):
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={ck}"])
+
+
+def test_init_from_same_target_is_accepted_and_unrecorded_identity_noted(tiny_target, tmp_path):
+    same = fake_checkpoint(tmp_path / "same", target_weights_digest=tiny_target.weights_digest)
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={same}"])
+    assert plan.experiments[0].init_from == str(same) and not plan.notes
+    bare = fake_checkpoint(tmp_path / "bare")
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={bare}"])
+    assert "records no target weights digest" in plan.notes[0]
+    with pytest.raises(ConfigError, match="holds no model.safetensors"):
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={tmp_path}"])
+
+
+def test_dtype_the_target_cannot_give_is_rejected(tiny_target, tmp_path):
+    with pytest.raises(ConfigError, match="target.dtype float32 cannot be given by a target computing in bfloat16"):
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=["target.dtype=float32", "target.compute_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="experiment 'd' wants float32 hidden states but this run captures bfloat16"):
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=["experiments.d.dtype=float32"])
+
+
+def test_root_of_another_contract_is_rejected(tiny_target, tmp_path):
+    from artcache.producer import ProducerConfig, prepare_root
+
+    root = tmp_path / "out" / "cache"
+    prepare_root(ProducerConfig(cache=str(root), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=2))
+    with pytest.raises(ContractMismatch, match="differs in: layer_ids"):
+        plan_of(tiny_target, tmp_path, exp("d"), exp("e", "eagle3"))
+
+
+@pytest.mark.parametrize("overrides, error, needle", [
+    (["capture.layer_ids=1,2"], ConfigError, "d needs [3]"),
+    (["experiments.d.resume=true"], ConfigError, "holds no checkpoint"),
+    (["experiments.d.device=cuda:7"], ConfigError, "experiments.d.device 'cuda:7'"),
+    (["experiments.d.consumer.heartbeat_s=60"], ConfigError, "not below cache.heartbeat_timeout_s"),
+    (["experiments.d.window=2:1"], ConfigError, "lookahead 1 is smaller than one batch"),
+    (["experiments.d.layer_ids=1,9"], ConfigError, "0..5"),
+])
+def test_bad_experiments_are_rejected_before_start(tiny_target, tmp_path, overrides, error, needle):
+    with pytest.raises(error) as info:
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=overrides)
+    assert needle in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_experiments_is_rejected(tiny_target, tmp_path):
+    with pytest.raises(ConfigError, match="no experiments"):
+        plan_of(tiny_target, tmp_path)
+
+
+# ---- real runs -----------------------------------------------------------------------------------------
+
+def artcache_run(config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "artcache.cli", "run", "--config", str(config), *overrides],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+
+
+def report_of(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def _starts(out: Path, name: str) -> list:
+    return [ev for ev in J.read_events(out / "cache" / "journal").events
+            if isinstance(ev, J.ConsumerStart) and ev.consumer == name]
+
+
+def test_failed_experiment_leaves_siblings_running_and_exit_nonzero(tiny_target, tmp_path):
+    """``bad`` gives up on its first demand miss (a 50 ms demand timeout, while the producer is still
+    starting): it fails at run time, fences itself and releases its window; ``good`` runs every step;
+    the run exits 1 and says which experiment failed."""
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "run.toml", base_toml(tiny_target, out, exp("good"), exp("bad", demand_timeout_s=0.05)))
+    proc = artcache_run(cfg)
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "experiment bad FAILED" in proc.stdout
+    r = report_of(out)
+    by = {x["name"]: x for x in r["experiments"]}
+    assert by["good"]["exit_code"] == 0 and by["good"]["state"] == "completed"
+    assert by["good"]["steps_run"] == 6 and by["good"]["cursor_end"] == 12
+    assert by["bad"]["exit_code"] == 1 and by["bad"]["state"] == "failed" and "CaptureTimeout" in by["bad"]["error"]
+    assert by["bad"]["registration"] == "failed"  # fenced: its window no longer counts
+    assert r["checks"]["every_experiment_completed"] is False and r["checks"]["failed_experiments_fenced"]
+    assert r["checks"]["producer_exit_ok"] and r["checks"]["accounting_invariants"]
+    layout = CacheLayout(out / "cache")
+    assert registry.read(layout, "bad").state == "failed"
+    assert (out / "experiments" / "good" / "checkpoints" / "latest").is_symlink()
+    assert r["root_accounting"]["cache"]["leases_held"] == 0 and store.list_objects(layout) == {}
+    # the resolved config beside the run and each experiment; it reloads to the config the run used
+    saved = load_run_config(out / "config.toml")
+    assert saved.capture.layer_ids == [1, 2, 3] and [e.name for e in saved.experiments] == ["good", "bad"]
+    assert [e.name for e in load_run_config(out / "experiments" / "bad" / "config.toml").experiments] == ["bad"]
+    assert json.loads((out / "experiments" / "good" / "report.json").read_text())["experiment"]["steps_run"] == 6
+    # reports keep the shared production (counted once) apart from each experiment's committed work
+    md = (out / "report.md").read_text()
+    assert md.index("Shared production") < md.index("Per experiment")
+    shared = r["shared_production"]
+    assert shared["distinct_positions_consumed"] == 12 and shared["recaptures"] == 0
+    assert shared["captures"] == shared["publications"] == shared["distinct_fingerprints"] == 12
+    text = CliRunner().invoke(main, ["inspect", "--cache", str(out / "cache")]).stdout
+    assert "Shared production (counted once)" in text and "published bytes" in text
+    per = text.split("Per consumer")[1]
+    assert "good" in per and "bad" in per and "completed" in per and "failed" in per
+
+
+@pytest.mark.reliability  # kill -9 through crash points, like tests/test_crash.py
+def test_two_experiments_resume_from_unequal_checkpoints(tiny_target, tmp_path):
+    """Run 1: ``a`` is killed after committing step 4, ``b`` after step 2 (a checkpoint every step); the
+    healthy ``c`` finishes anyway and the run exits 1. Run 2 resumes ``a`` and ``b``: each continues
+    from its own checkpoint and reads exactly the positions from its own cursor to the end, so ``a``'s
+    further progress never lets ``b`` skip a position."""
+    out = tmp_path / "out"
+    run1 = write(tmp_path / "run1.toml", base_toml(tiny_target, out, exp("a", save_every=1), exp("b", save_every=1),
+                                                   exp("c")))
+    proc = artcache_run(run1, "experiments.a.env.ARTCACHE_CRASH_AT=cursor.after-commit:4",
+                        "experiments.b.env.ARTCACHE_CRASH_AT=cursor.after-commit:2")
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r1 = {x["name"]: x for x in report_of(out)["experiments"]}
+    assert r1["c"]["state"] == "completed" and r1["c"]["steps_run"] == 6
+    assert r1["a"]["exit_code"] == -9 and r1["b"]["exit_code"] == -9
+    assert r1["a"]["registration"] == "failed" and r1["b"]["registration"] == "failed"  # fenced by the producer
+    fences = {ev.consumer for ev in J.read_events(out / "cache" / "journal").events if isinstance(ev, J.Fence)}
+    assert {"a", "b"} <= fences
+    run2 = write(tmp_path / "run2.toml", base_toml(tiny_target, out, exp("a", save_every=1), exp("b", save_every=1)))
+    proc = artcache_run(run2, "experiments.a.resume=true", "experiments.b.resume=true")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r2 = report_of(out)
+    by = {x["name"]: x for x in r2["experiments"]}
+    a, b = by["a"], by["b"]
+    assert a["cursor_start"] > b["cursor_start"] > 0, (a, b)
+    assert a["start_step"] * 2 == a["cursor_start"] and b["start_step"] * 2 == b["cursor_start"]
+    for x in (a, b):
+        assert x["state"] == "completed" and x["cursor_end"] == 12 and x["last_step"] == 6
+        assert x["steps_run"] == 6 - x["start_step"]
+        pid = [ev.pid for ev in _starts(out, x["name"])][-1]
+        path = out / "cache" / "journal" / f"consumer-{x['name']}-{pid}.jsonl"
+        got = [ev.position for ev in J.iter_file(path) if isinstance(ev, J.Request)]
+        assert got == list(range(x["cursor_start"], 12)), (x["name"], got)
+    assert r2["shared_production"]["distinct_positions_consumed"] == 12 - b["cursor_start"]
+    assert r2["checks"]["accounting_invariants"]
