@@ -1,0 +1,475 @@
+"""``artcache fsck``: find (and with ``fix``, repair) what crashes, kills and foreign hands leave in a root.
+
+Each check reports :class:`Problem` records; with ``fix=True`` each fixable problem is repaired and
+marked ``fixed``. Nothing that may belong to a live process is touched: a temp file or lease is only
+removed when its writer/holder is provably gone (same host, its pid no longer exists), a
+registration is only fenced when its process is gone (same host) or its heartbeat is older than the
+root's ``heartbeat_timeout_s`` (another host). So ``fsck --fix`` is safe beside a running producer
+and consumers: it does what the producer's own passes would do, plus the repairs they never make.
+
+=======================  ===========================================  ==================================
+kind                     what                                          ``--fix``
+=======================  ===========================================  ==================================
+``symlink``              a symbolic link anywhere inside the root      unlink the link (never its target)
+``missing-dir``          a subdirectory of the layout is missing       create it (root's mode)
+``orphan-temp``          ``tmp/<host>.<pid>.*`` or a plan temp dir     remove it
+                         whose writer (this host) is dead
+``bad-artifact``         fails a check of ``store.read`` (content      move to ``quarantine/``
+                         hash, header, shapes, token ids vs. its
+                         fingerprint)
+``misplaced-artifact``   an artifact under the wrong ``objects/<ab>``  move into place if it verifies and
+                                                                       the place is free, else quarantine
+``stale-failure``        ``failed/<fp>.json`` for a published fp       remove the marker
+``bad-registration``     ``consumers/<id>.json`` unreadable or naming  move to ``quarantine/``
+                         another id
+``dead-consumer``        registration ``running`` whose process is    fence it (``failed``/``expired``,
+                         gone or whose heartbeat expired               journaled)
+``dead-lease``           a lease whose holder is gone, whose consumer  remove it (journaled
+                         is not live, or (other host) past its TTL     ``lease_expire``)
+``stale-lock``           a marker-file ("soft") lock left by a dead    remove it
+                         process, or a lock path that is not a file
+``bad-plan``             the root's plan does not load and verify      not fixable here (report only)
+=======================  ===========================================  ==================================
+
+Notes (not problems): temp files of live writers or other hosts, stray files artcache did not write,
+locks held now (``/proc/locks``), torn journal lines, quarantined files.
+
+Fixes that the accounting sees (fences, expired leases) are journaled in
+``journal/fsck-fsck-<pid>.jsonl`` so ``artcache inspect`` keeps its invariants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import stat
+import time
+from pathlib import Path
+
+import msgspec
+
+from artcache import journal as J
+from artcache import leases as leases_mod
+from artcache import registry, store
+from artcache.errors import ArtifactMissing, CacheRootError, DataError, IntegrityError, UnsafePath
+from artcache.layout import SUBDIRS, CacheLayout, host_id, pid_alive, unique_suffix
+
+_FP = re.compile(r"[0-9a-f]{16,128}")
+_TMP = re.compile(r"(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>[0-9]+)\.[0-9a-f]+\.[A-Za-z0-9_]+")
+#: plan.save's temp directory: .tmp-<plan id[:12]>-<socket.gethostname()>-<pid>-<8 hex>
+_PLAN_TMP = re.compile(r"\.tmp-[0-9a-f]{12}-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+
+
+class Problem(msgspec.Struct, kw_only=True):
+    """One finding. ``path`` is relative to the root; ``action`` says what ``--fix`` did (or would do)."""
+
+    kind: str
+    path: str
+    detail: str
+    fixable: bool = True
+    fixed: bool = False
+    action: str = ""
+
+
+class FsckReport(msgspec.Struct, kw_only=True):
+    """What :func:`fsck` found. ``ok``: no problem is left (none found, or every one fixed)."""
+
+    root: str
+    fix: bool
+    problems: list[Problem]
+    notes: list[str]
+    checked: dict[str, int]
+
+    @property
+    def remaining(self) -> list[Problem]:
+        return [p for p in self.problems if not p.fixed]
+
+    @property
+    def ok(self) -> bool:
+        return not self.remaining
+
+
+class _Fsck:
+    def __init__(self, layout: CacheLayout, fix: bool, lease_ttl_s: float, now: float) -> None:
+        self.layout = layout
+        self.fix = fix
+        self.lease_ttl_s = lease_ttl_s
+        self.now = now
+        self.me = host_id()
+        self.problems: list[Problem] = []
+        self.notes: list[str] = []
+        self.checked: dict[str, int] = {}
+        self._journal: J.JournalWriter | None = None
+
+    # -- helpers -----------------------------------------------------------------------------
+    def rel(self, path: Path | str) -> str:
+        return os.path.relpath(path, self.layout.root)
+
+    def problem(self, kind: str, path: Path | str, detail: str, action: str, repair=None) -> Problem:
+        """Record a problem; with --fix run ``repair()`` (fixable iff given). A repair that raises
+        OSError leaves the problem unfixed, with the error in its detail."""
+        p = Problem(kind=kind, path=self.rel(path), detail=detail, fixable=repair is not None, action=action)
+        if self.fix and repair is not None:
+            try:
+                repair()
+                p.fixed = True
+            except OSError as exc:
+                p.detail += f" (repair failed: {exc})"
+        self.problems.append(p)
+        return p
+
+    def emit(self, ev) -> None:
+        if self._journal is None:
+            self._journal = J.JournalWriter(self.layout.journal_path("fsck", "fsck"))
+        self._journal.emit(ev)
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+
+    @staticmethod
+    def real_dir(path: Path) -> bool:
+        """A directory that is not a link (checks never descend into a link planted in the root)."""
+        return os.path.isdir(path) and not os.path.islink(path)
+
+    def dir_mode(self) -> int:
+        """The mode for a directory fsck recreates: the root's, or 0700."""
+        mode = stat.S_IMODE(os.stat(self.layout.root).st_mode)
+        return mode if mode & 0o2070 == 0o2070 else 0o700
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_symlinks(self) -> None:
+        """Every symbolic link inside the root (never followed; the walk does not descend into them)."""
+        n = 0
+        for dirpath, dirnames, filenames in os.walk(self.layout.root, followlinks=False):
+            for name in dirnames + filenames:
+                path = Path(dirpath) / name
+                n += 1
+                if path.is_symlink():
+                    target = os.readlink(path)
+                    self.problem("symlink", path, f"symbolic link to {target!r} inside the root (never followed)",
+                                 "unlink the link (its target is not touched)", lambda p=path: os.unlink(p))
+        self.checked["entries"] = n
+
+    def check_dirs(self) -> None:
+        for name in SUBDIRS:
+            d = self.layout.root / name
+            if os.path.islink(d):
+                continue  # reported by check_symlinks (whose fix unlinks it; then it is missing, below)
+            if not os.path.lexists(d):
+                self.problem("missing-dir", d, f"{name}/ is missing", "create it",
+                             lambda d=d: (d.mkdir(), os.chmod(d, self.dir_mode())))
+            elif not d.is_dir():
+                self.problem("missing-dir", d, f"{name} is not a directory", "not fixable: move it away by hand",
+                             None)
+
+    def check_tmp(self) -> None:
+        live = other = stray = 0
+        entries = list(os.scandir(self.layout.tmp)) if self.real_dir(self.layout.tmp) else []
+        self.checked["temp_files"] = len(entries)
+        for entry in entries:
+            m = _TMP.fullmatch(entry.name)
+            if m is None:
+                stray += 1
+                continue
+            if m["host"] != self.me:
+                other += 1
+                continue
+            pid = int(m["pid"])
+            if pid_alive(pid):
+                live += 1
+                continue
+            self.problem("orphan-temp", entry.path, f"temp file of pid {pid} (this host), which is gone",
+                         "remove it", lambda p=entry.path: _unlink_missing_ok(p))
+        if live:
+            self.notes.append(f"{live} temp file(s) in tmp/ belong to live writers on this host (left alone)")
+        if other:
+            self.notes.append(f"{other} temp file(s) in tmp/ belong to other hosts (their pids cannot be checked "
+                              "from here; run fsck on that host)")
+        if stray:
+            self.notes.append(f"{stray} file(s) in tmp/ do not have artcache's temp-file names (left alone)")
+        # plan.save's temp directories
+        hostname = socket.gethostname()
+        for entry in list(os.scandir(self.layout.plans)) if self.real_dir(self.layout.plans) else []:
+            m = _PLAN_TMP.fullmatch(entry.name)
+            if m is None or m["host"] != hostname or pid_alive(int(m["pid"])):
+                continue
+            self.problem("orphan-temp", entry.path, f"plan temp directory of pid {m['pid']} (this host), which "
+                         "is gone", "remove it", lambda p=entry.path: shutil.rmtree(p))
+
+    def check_objects(self, contract) -> set[str]:
+        """Verify every artifact; returns the fingerprints published (and good) after the check."""
+        good: set[str] = set()
+        verified = 0
+        stray = 0
+        shards = list(os.scandir(self.layout.objects)) if self.real_dir(self.layout.objects) else []
+        for shard in shards:
+            if shard.is_symlink():
+                continue  # reported by check_symlinks
+            if not shard.is_dir():
+                stray += 1
+                continue
+            for entry in os.scandir(shard.path):
+                if entry.is_symlink():
+                    continue
+                name = entry.name
+                fp = name[: -len(".safetensors")] if name.endswith(".safetensors") else ""
+                if not _FP.fullmatch(fp) or not entry.is_file():
+                    stray += 1
+                    continue
+                if shard.name != fp[:2]:
+                    self._misplaced(Path(entry.path), fp, contract, good)
+                    continue
+                verified += 1
+                try:
+                    bad = store.verify(self.layout, fp, contract)
+                except (ArtifactMissing, UnsafePath):  # evicted meanwhile / a link: reported elsewhere
+                    continue
+                if bad is None:
+                    good.add(fp)
+                    continue
+                self.problem("bad-artifact", entry.path, bad, "move it to quarantine/ (the producer recaptures it "
+                             "on demand)", lambda fp=fp: store.quarantine(self.layout, fp))
+        self.checked["artifacts"] = verified
+        if stray:
+            self.notes.append(f"{stray} entr(y/ies) in objects/ are not artcache artifacts (ignored by artcache, "
+                              "left alone)")
+        return good
+
+    def _misplaced(self, path: Path, fp: str, contract, good: set[str]) -> None:
+        dest = self.layout.object_path(fp)
+
+        def repair() -> None:
+            dest.parent.mkdir(exist_ok=True)
+            aside = self.layout.tmp / f"{unique_suffix()}.fsck"
+            os.replace(path, aside)  # verify a private copy: nobody else can swap it under us
+            buf = bytearray(aside.read_bytes())
+            ok = False
+            try:
+                store._verify(buf, fp, contract, True, check_values=True)
+                ok = not os.path.lexists(dest)
+            except IntegrityError:
+                pass
+            if ok:
+                os.link(aside, dest)  # fails rather than replace an artifact published meanwhile
+                os.unlink(aside)
+            else:
+                os.replace(aside, self.layout.quarantine / f"{fp}.{unique_suffix()}.safetensors")
+
+        self.problem("misplaced-artifact", path, f"artifact {fp} is not under objects/{fp[:2]}/",
+                     "move it into place if it verifies and the place is free, else quarantine it", repair)
+
+    def check_failures(self, published: set[str]) -> None:
+        d = self.layout.root / "failed"
+        for entry in list(os.scandir(d)) if self.real_dir(d) else []:
+            fp = entry.name[: -len(".json")] if entry.name.endswith(".json") else ""
+            if fp in published:
+                self.problem("stale-failure", entry.path, f"fingerprint {fp} is published, but a give-up marker "
+                             "remains (consumers waiting on it would stop)", "remove the marker",
+                             lambda p=entry.path: _unlink_missing_ok(p))
+
+    def check_consumers(self, heartbeat_timeout_s: float) -> set[str]:
+        """Registrations; returns the ids of live (running, not dead) consumers after the check."""
+        live: set[str] = set()
+        files = sorted(self.layout.consumers.glob("*.json")) if self.real_dir(self.layout.consumers) else []
+        self.checked["registrations"] = len(files)
+        for path in files:
+            if path.is_symlink():
+                continue
+            cid = path.name[: -len(".json")]
+            try:
+                reg = msgspec.json.decode(path.read_bytes(), type=registry.Registration)
+                bad = None if reg.consumer_id == cid else f"names consumer {reg.consumer_id!r}"
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                reg, bad = None, f"unreadable: {exc}"
+            except FileNotFoundError:
+                continue
+            if bad is not None:
+                self.problem("bad-registration", path, f"registration {path.name} {bad}", "move it to quarantine/",
+                             lambda p=path: os.replace(p, self.layout.quarantine /
+                                                       f"registration-{p.name}.{unique_suffix()}"))
+                continue
+            if reg.state != "running":
+                continue
+            if reg.host == self.me and reg.pid and not pid_alive(reg.pid):
+                state, why = "failed", f"process {reg.pid} (this host) is gone"
+            elif reg.host != self.me and self.now - reg.heartbeat > heartbeat_timeout_s:
+                state, why = "expired", f"no heartbeat for {self.now - reg.heartbeat:.0f}s (host {reg.host})"
+            else:
+                live.add(reg.consumer_id)
+                continue
+
+            def repair(reg=reg, state=state, why=why) -> None:
+                if registry.fence(self.layout, reg.consumer_id, state, f"fsck: {why}", reg.generation):
+                    self.emit(J.Fence(producer="fsck", consumer=reg.consumer_id, generation=reg.generation + 1,
+                                      state=state, reason=f"fsck: {why}"))
+
+            self.problem("dead-consumer", path, f"consumer {reg.consumer_id!r} is registered running but {why}",
+                         f"fence it ({state}); a restart with the same id resumes from cursor {reg.cursor}", repair)
+        return live
+
+    def check_leases(self, live_consumers: set[str]) -> None:
+        stray = 0
+        names = os.listdir(self.layout.leases) if self.real_dir(self.layout.leases) else []
+        self.checked["leases"] = len(names)
+        for name in names:
+            info = leases_mod.parse(name)
+            if info is None:
+                stray += 1
+                continue
+            reason = leases_mod.expired_reason(self.layout, info, live_consumers, self.lease_ttl_s, now=self.now)
+            if reason is None:
+                continue
+
+            def repair(info=info, reason=reason) -> None:
+                if leases_mod.release(self.layout, info.name):
+                    self.emit(J.LeaseExpire(producer="fsck", fp=info.fp, lease=info.name, reason=reason))
+
+            self.problem("dead-lease", self.layout.leases / name, f"lease of consumer {info.consumer!r} (pid "
+                         f"{info.pid} on {info.host}) on {info.fp[:12]}: {reason}", "remove it (journaled)", repair)
+        if stray:
+            self.notes.append(f"{stray} file(s) in leases/ are not lease names (left alone)")
+
+    def check_locks(self) -> None:
+        held = _held_flock_inodes()
+        n_held = 0
+        entries = list(os.scandir(self.layout.locks)) if self.real_dir(self.layout.locks) else []
+        self.checked["lock_files"] = len(entries)
+        for entry in entries:
+            if entry.is_symlink():
+                continue
+            if not entry.is_file():
+                self.problem("stale-lock", entry.path, "a lock path that is not a regular file", "not fixable: "
+                             "move it away by hand", None)
+                continue
+            st = entry.stat()
+            if st.st_ino in held:
+                n_held += 1
+            if st.st_size == 0:
+                continue  # a flock lock file: created once, never deleted; the kernel drops dead holders
+            pid, host = _soft_marker(entry.path)
+            if pid is None:
+                self.notes.append(f"locks/{entry.name} is not empty and not a marker lock (left alone)")
+            elif host == socket.gethostname() and not pid_alive(pid):
+                self.problem("stale-lock", entry.path, f"marker (soft) lock left by pid {pid} (this host), which "
+                             "is gone; it would block its lock forever", "remove it",
+                             lambda p=entry.path: _unlink_missing_ok(p))
+        if n_held:
+            self.notes.append(f"{n_held} lock file(s) are flock-ed by live processes now")
+
+    def check_plan(self, plan_id: str) -> None:
+        from artcache.plan import Plan
+
+        try:
+            Plan.load(self.layout.plan_dir(plan_id))
+        except DataError as exc:
+            self.problem("bad-plan", self.layout.plan_dir(plan_id), str(exc), "not fixable by fsck: move the plan "
+                         "directory away and restart the producer (it rebuilds the same plan)", None)
+
+    def check_journal(self) -> None:
+        if not self.real_dir(self.layout.journal):
+            return
+        res = J.read_events(self.layout.journal)
+        self.checked["journal_files"] = res.files
+        if res.torn_lines:
+            self.notes.append(f"{res.torn_lines} torn journal line(s) (a process killed mid-write; skipped by "
+                              "readers)")
+        q = len(os.listdir(self.layout.quarantine)) if self.real_dir(self.layout.quarantine) else 0
+        if q:
+            self.notes.append(f"{q} file(s) in quarantine/ (kept for inspection; safe to delete)")
+
+
+def fsck(root: str | os.PathLike, *, fix: bool = False, lease_ttl_s: float = 600.0,
+         now: float | None = None) -> FsckReport:
+    """Check (and with ``fix``, repair) the cache root ``root``; see the module docstring.
+
+    Args:
+        lease_ttl_s: another host's lease older than this is dead (the producer's default).
+        now: wall-clock time for heartbeat/TTL ages (tests); default ``time.time()``.
+
+    Raises:
+        CacheRootError: ``root`` is not an initialised cache root (no ``artcache.json``).
+    """
+    from artcache.settings import RootSettings
+
+    layout = CacheLayout(Path(root).expanduser().absolute())
+    if not layout.root.is_dir() or not layout.settings.is_file() or layout.settings.is_symlink():
+        raise CacheRootError(f"{str(layout.root)!r} is not an initialised cache root (no {layout.settings.name})")
+    run = _Fsck(layout, fix, lease_ttl_s, time.time() if now is None else now)
+    try:
+        run.check_symlinks()
+        run.check_dirs()
+        try:  # not load_settings: it refuses a root with a linked subdirectory, which fsck reports
+            settings = msgspec.json.decode(layout.settings.read_bytes(), type=RootSettings)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CacheRootError(f"{layout.settings} is invalid: {exc}") from exc
+        run.check_tmp()
+        published = run.check_objects(settings.contract)
+        run.check_failures(published)
+        live = run.check_consumers(settings.heartbeat_timeout_s)
+        run.check_leases(live)
+        run.check_locks()
+        run.check_plan(settings.plan_id)
+        run.check_journal()
+    finally:
+        run.close()
+    return FsckReport(root=str(layout.root), fix=fix, problems=run.problems, notes=run.notes, checked=run.checked)
+
+
+def format_report(rep: FsckReport) -> str:
+    """Human-readable lines: one per problem, the notes, and a summary line."""
+    lines = []
+    for p in rep.problems:
+        status = "FIXED  " if p.fixed else ("PROBLEM" if p.fixable else "MANUAL ")
+        lines.append(f"{status} {p.kind:18s} {p.path}: {p.detail}" + (f" -> {p.action}" if p.fixed else ""))
+    lines += [f"note    {n}" for n in rep.notes]
+    checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in rep.checked.items())
+    fixed = sum(p.fixed for p in rep.problems)
+    left = len(rep.remaining)
+    if not rep.problems:
+        verdict = "clean"
+    elif rep.fix:
+        verdict = f"{len(rep.problems)} problem(s), {fixed} fixed, {left} left"
+    else:
+        verdict = f"{len(rep.problems)} problem(s) (run with --fix to repair the {sum(p.fixable for p in rep.problems)} " \
+                  "fixable one(s))"
+    lines.append(f"fsck {rep.root}: {verdict}; checked {checked}")
+    return "\n".join(lines)
+
+
+def _unlink_missing_ok(path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _soft_marker(path: str) -> tuple[int | None, str]:
+    """(pid, host) of a filelock marker lock file (``<pid>\\n<host>\\n[...]``), or (None, "")."""
+    try:
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+            lines = f.read(4096).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None, ""
+    if len(lines) >= 2 and lines[0].strip().isdigit():
+        return int(lines[0].strip()), lines[1].strip()
+    return None, ""
+
+
+def _held_flock_inodes() -> set[int]:
+    """Inodes with an flock held now, from ``/proc/locks`` (Linux; empty elsewhere)."""
+    out = set()
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[1] == "FLOCK":
+                    with contextlib.suppress(ValueError, IndexError):
+                        out.add(int(parts[5].split(":")[2]))
+    except OSError:
+        pass
+    return out
+
+
+__all__ = ["FsckReport", "Problem", "format_report", "fsck"]

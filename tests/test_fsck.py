@@ -1,0 +1,280 @@
+"""``artcache fsck``: each kind of problem is found, reported without --fix (exit 1, nothing changed), and
+repaired with --fix (exit 0); nothing belonging to a live process is touched; ``artcache inspect`` exits
+nonzero when an accounting invariant fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import crash_child as K
+import pytest
+from click.testing import CliRunner
+
+from artcache import journal as J
+from artcache import leases, registry, store
+from artcache.cli import main
+from artcache.fingerprint import PlanFingerprints
+from artcache.fsck import fsck
+from artcache.layout import CacheLayout, host_id
+from artcache.settings import init_settings
+
+PLAN = K.FakePlan()
+FP = PlanFingerprints(K.CONTRACT, PLAN)
+
+
+@pytest.fixture()
+def layout(tmp_path) -> CacheLayout:
+    lay = CacheLayout(tmp_path / "root")
+    lay.create()
+    init_settings(lay, K.settings())
+    _plan_dir(lay)
+    return lay
+
+
+def _plan_dir(layout: CacheLayout) -> None:
+    """A real (tiny) plan directory for the settings' plan id, so the plan check passes."""
+    import torch
+
+    from artcache.plan import Plan, PlanSpec, compute_plan_id
+
+    spec = PlanSpec(dataset="synthetic", max_length=16, max_samples=1)
+    plan_id, inputs = compute_plan_id(spec, "synthetic-v1", "none", "none")
+    prov = {"format_version": 1, "plan_id": plan_id, "id_inputs": inputs, "counts": {"kept": 1}}
+    Plan(plan_id, torch.zeros(16, dtype=torch.int32), torch.ones(16, dtype=torch.uint8),
+         torch.tensor([0, 16]), prov).save(layout.plans)
+    settings = K.settings()
+    import msgspec
+
+    layout.settings.write_bytes(msgspec.json.encode(msgspec.structs.replace(settings, plan_id=plan_id)))
+
+
+def publish(layout: CacheLayout, pos: int) -> str:
+    fp = FP(pos)
+    store.publish(layout, fp, K.CONTRACT, K.fake_capture(PLAN.sample(pos)), durable=False, verify_tokens=True)
+    return fp
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def kinds(rep) -> list[str]:
+    return sorted(p.kind for p in rep.problems)
+
+
+def test_clean_root_is_clean(layout):
+    publish(layout, 0)
+    rep = fsck(layout.root)
+    assert rep.problems == [] and rep.ok
+    assert rep.checked["artifacts"] == 1
+
+
+def test_orphan_temp_files_only_of_dead_writers(layout):
+    me, dead = host_id(), dead_pid()
+    names = {"dead": f"{me}.{dead}.aa11.part", "dead_evict": f"{me}.{dead}.bb22.evict",
+             "live": f"{me}.{os.getpid()}.cc33.part", "other_host": f"elsewhere.{dead}.dd44.part", "junk": "junk"}
+    for n in names.values():
+        (layout.tmp / n).write_bytes(b"partial")
+    (layout.plans / f".tmp-{'a' * 12}-{os.uname().nodename}-{dead}-{'b' * 8}").mkdir()
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["orphan-temp"] * 3 and not rep.ok
+    assert len(os.listdir(layout.tmp)) == 5  # report only
+    rep = fsck(layout.root, fix=True)
+    assert rep.ok and all(p.fixed for p in rep.problems)
+    assert sorted(os.listdir(layout.tmp)) == sorted([names["live"], names["other_host"], names["junk"]])
+    assert not [n for n in os.listdir(layout.plans) if n.startswith(".tmp-")]
+    assert any("live writers" in n for n in rep.notes) and any("other hosts" in n for n in rep.notes)
+
+
+def test_bad_artifact_is_quarantined(layout):
+    fp = publish(layout, 1)
+    good = publish(layout, 2)
+    path = layout.object_path(fp)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["bad-artifact"] and "content hash" in rep.problems[0].detail
+    assert path.exists()  # not without --fix
+    rep = fsck(layout.root, fix=True)
+    assert rep.ok and not path.exists() and len(os.listdir(layout.quarantine)) == 1
+    assert store.verify(layout, good, K.CONTRACT) is None
+
+
+def test_artifact_with_another_samples_tokens_is_bad(layout):
+    fp = FP(3)
+    header, chunks = store._encode(fp, K.CONTRACT, K.fake_capture(PLAN.sample(4)))
+    layout.object_path(fp).parent.mkdir(exist_ok=True)
+    layout.object_path(fp).write_bytes(header + b"".join(bytes(c) for c in chunks))
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["bad-artifact"] and "token ids" in rep.problems[0].detail
+
+
+def test_misplaced_artifact_moved_into_place(layout):
+    fp = publish(layout, 5)
+    wrong = layout.objects / ("00" if fp[:2] != "00" else "01")
+    wrong.mkdir(exist_ok=True)
+    os.replace(layout.object_path(fp), wrong / f"{fp}.safetensors")
+    assert store.list_objects(layout) == {}
+    rep = fsck(layout.root, fix=True)
+    assert kinds(rep) == ["misplaced-artifact"] and rep.ok
+    assert store.verify(layout, fp, K.CONTRACT) is None and list(wrong.iterdir()) == []
+
+
+def test_stale_failure_marker_removed(layout):
+    fp = publish(layout, 6)
+    layout.failure_path(fp).write_text(json.dumps({"fingerprint": fp, "attempts": 3}))
+    other = FP(7)
+    layout.failure_path(other).write_text("{}")  # not published: a real give-up, kept
+    rep = fsck(layout.root, fix=True)
+    assert kinds(rep) == ["stale-failure"] and rep.ok
+    assert not layout.failure_path(fp).exists() and layout.failure_path(other).exists()
+
+
+def test_dead_consumer_fenced_and_its_leases_expired_journaled(layout):
+    dead = dead_pid()
+    registry.register(layout, registry.Registration(consumer_id="gone", draft="d", cursor=6, pid=dead))
+    registry.register(layout, registry.Registration(consumer_id="live", draft="d", pid=os.getpid()))
+    fp = publish(layout, 8)
+    mine = leases.acquire(layout, fp, "live")
+    theirs = f"{fp}~gone~{host_id()}~{dead}~abcd1234"
+    (layout.leases / theirs).touch()
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["dead-consumer", "dead-lease"]
+    assert registry.read(layout, "gone").state == "running"
+    rep = fsck(layout.root, fix=True)
+    assert rep.ok
+    reg = registry.read(layout, "gone")
+    assert reg.state == "failed" and reg.cursor == 6  # the committed cursor is kept for a restart
+    assert sorted(os.listdir(layout.leases)) == [mine]
+    evs = J.read_events(layout.journal).events
+    assert [(type(e).__name__, getattr(e, "reason", "")) for e in evs] == [
+        ("Fence", f"fsck: process {dead} (this host) is gone"), ("LeaseExpire", "holder-dead")]
+    # a restart with the same id resumes from the committed cursor
+    again = registry.register(layout, registry.Registration(consumer_id="gone", draft="d", cursor=reg.cursor,
+                                                            pid=os.getpid()))
+    assert again.state == "running" and again.cursor == 6 and again.generation == reg.generation + 1
+
+
+def test_other_host_consumer_expired_by_heartbeat(layout):
+    import time
+
+    registry.register(layout, registry.Registration(consumer_id="far", draft="d", pid=1))
+    path = layout.consumer_path("far")
+    import msgspec
+
+    reg = msgspec.json.decode(path.read_bytes(), type=registry.Registration)
+    path.write_bytes(msgspec.json.encode(msgspec.structs.replace(reg, host="another-host")))
+    assert fsck(layout.root, now=time.time() + 10).problems == []  # heartbeat fresh: live
+    rep = fsck(layout.root, fix=True, now=time.time() + 2e9)
+    assert kinds(rep) == ["dead-consumer"] and registry.read(layout, "far").state == "expired"
+
+
+def test_bad_registration_moved_aside(layout):
+    (layout.consumers / "x.json").write_text("{not json")
+    registry.register(layout, registry.Registration(consumer_id="y", draft="d", pid=os.getpid()))
+    os.replace(layout.consumer_path("y"), layout.consumers / "z.json")  # names another id
+    rep = fsck(layout.root, fix=True)
+    assert kinds(rep) == ["bad-registration", "bad-registration"] and rep.ok
+    assert os.listdir(layout.consumers) == []
+
+
+def test_stale_soft_lock_removed_flock_files_kept(layout):
+    dead = dead_pid()
+    (layout.locks / "fp-0001.lock").touch()  # a flock lock file: never deleted
+    (layout.locks / "consumer-a.lock").write_text(f"{dead}\n{os.uname().nodename}\n")  # a marker lock
+    (layout.locks / "consumer-b.lock").write_text(f"{os.getpid()}\n{os.uname().nodename}\n")  # held by us
+    rep = fsck(layout.root, fix=True)
+    assert kinds(rep) == ["stale-lock"] and rep.ok
+    assert sorted(os.listdir(layout.locks)) == ["consumer-b.lock", "fp-0001.lock"]
+
+
+def test_symlinks_reported_and_unlinked_never_followed(layout, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    fp = FP(9)
+    (layout.objects / fp[:2]).mkdir(exist_ok=True)
+    os.symlink(victim / "keep.txt", layout.object_path(fp))
+    os.symlink(victim, layout.objects / "zz")
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["symlink", "symlink"]
+    rep = fsck(layout.root, fix=True)
+    assert rep.ok
+    assert (victim / "keep.txt").read_text() == "precious"
+    assert not os.path.lexists(layout.object_path(fp)) and not os.path.lexists(layout.objects / "zz")
+
+
+def test_symlinked_subdir_is_replaced_by_a_real_directory(layout, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / f"{host_id()}.{dead_pid()}.ee55.part").write_text("not ours")
+    os.rename(layout.tmp, tmp_path / "old-tmp")
+    os.symlink(elsewhere, layout.tmp)
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["symlink"]  # and nothing under the link was looked at
+    rep = fsck(layout.root, fix=True)
+    assert kinds(rep) == ["missing-dir", "symlink"] and rep.ok
+    assert layout.tmp.is_dir() and not layout.tmp.is_symlink()
+    assert len(os.listdir(elsewhere)) == 1  # the link's target was never touched
+    layout.require()
+
+
+def test_bad_plan_is_reported_not_fixed(layout):
+    from artcache.settings import load_settings
+
+    plan_dir = layout.plan_dir(load_settings(layout).plan_id)
+    (plan_dir / "plan.json").write_text("{}")
+    rep = fsck(layout.root, fix=True)
+    assert kinds(rep) == ["bad-plan"] and not rep.problems[0].fixable and not rep.ok
+
+
+def test_not_a_root(tmp_path):
+    from artcache.errors import CacheRootError
+
+    with pytest.raises(CacheRootError):
+        fsck(tmp_path)
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+
+def test_cli_exit_codes_and_json(layout):
+    (layout.tmp / f"{host_id()}.{dead_pid()}.ff66.part").write_bytes(b"x")
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(layout.root)])
+    assert r.exit_code == 1 and "PROBLEM orphan-temp" in r.stdout and "--fix" in r.stdout
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(layout.root), "--fix", "--json"])
+    assert r.exit_code == 0
+    out = json.loads(r.stdout)
+    assert [p["kind"] for p in out["problems"]] == ["orphan-temp"] and out["problems"][0]["fixed"]
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(layout.root)])
+    assert r.exit_code == 0 and "clean" in r.stdout
+
+
+def test_cli_not_a_root_is_bad_input(tmp_path):
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and "not an initialised cache root" in r.stderr
+
+
+def test_inspect_exits_nonzero_when_an_invariant_fails(layout):
+    with J.JournalWriter(layout.journal_path("producer", "p")) as j:
+        j.emit(J.ProducerStart(producer="p", pid=1, contract_id="c", plan_id="p"))
+        j.emit(J.Capture(producer="p", fp=FP(0), positions=[0], tokens=6))  # never published nor failed
+        j.emit(J.ProducerStop(producer="p", reason="done"))
+    r = CliRunner().invoke(main, ["inspect", "--cache", str(layout.root)])
+    assert r.exit_code == 3 and "captures 1 != publications 0" in r.stdout
+    r = CliRunner().invoke(main, ["inspect", "--cache", str(layout.root), "--json"])
+    assert r.exit_code == 3 and json.loads(r.stdout)["violations"]
+    with J.JournalWriter(layout.journal_path("producer", "q")) as j:  # now it adds up
+        j.emit(J.Publish(producer="q", fp=FP(0), nbytes=1))
+    assert CliRunner().invoke(main, ["inspect", "--cache", str(layout.root)]).exit_code == 0
+
+
+def test_fsck_on_a_root_path_it_is_given_relative(layout, monkeypatch):
+    monkeypatch.chdir(layout.root.parent)
+    assert fsck(Path(layout.root.name)).ok

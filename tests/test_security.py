@@ -1,0 +1,277 @@
+"""Security of a cache root: private by default (0700; group sharing opt-in, 2770 + setgid), files created
+O_EXCL|O_NOFOLLOW, symbolic links planted inside a root refused (never followed), filelock >= 4.2.1 with the
+flock backend and no silent fallback to marker-file locks, no pickle."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import stat
+import warnings
+from pathlib import Path
+
+import crash_child as K
+import pytest
+
+from artcache import fsio, leases, locking, store
+from artcache import journal as J
+from artcache.errors import LockUnavailable, PublishError, UnsafePath
+from artcache.eviction import evict_pass
+from artcache.fingerprint import PlanFingerprints
+from artcache.layout import SUBDIRS, CacheLayout
+from artcache.settings import init_settings, load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+FP = PlanFingerprints(K.CONTRACT, K.FakePlan())
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+@pytest.fixture()
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+@pytest.fixture()
+def layout(tmp_path) -> CacheLayout:
+    lay = CacheLayout(tmp_path / "root")
+    lay.create()
+    init_settings(lay, K.settings())
+    return lay
+
+
+def publish(layout: CacheLayout, pos: int) -> str:
+    fp = FP(pos)
+    store.publish(layout, fp, K.CONTRACT, K.fake_capture(K.FakePlan().sample(pos)), durable=False)
+    return fp
+
+
+# ---- modes ------------------------------------------------------------------------------------------------
+
+def test_root_is_private_by_default(tmp_path, umask_022):
+    layout = CacheLayout(tmp_path / "a" / "root")
+    layout.create()
+    assert mode(layout.root) == 0o700
+    assert all(mode(layout.root / d) == 0o700 for d in SUBDIRS)
+
+
+def test_group_shared_root_is_2770_whatever_the_umask(tmp_path):
+    old = os.umask(0o077)
+    try:
+        layout = CacheLayout(tmp_path / "root")
+        layout.create(group_shared=True)
+    finally:
+        os.umask(old)
+    assert mode(layout.root) == 0o2770
+    assert all(mode(layout.root / d) == 0o2770 for d in SUBDIRS)
+
+
+def test_existing_directory_keeps_its_mode_subdirs_private(tmp_path, umask_022):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o755)
+    CacheLayout(root).create()
+    assert mode(root) == 0o755  # the operator's directory: not changed
+    assert all(mode(root / d) == 0o700 for d in SUBDIRS)  # what is inside is private
+
+
+def test_producer_group_shared_flag(tmp_path):
+    from artcache.producer import ProducerConfig, prepare_root
+
+    layout, *_ = prepare_root(ProducerConfig(cache=str(tmp_path / "g"), target="random:tiny-llama",
+                                             dataset="synthetic", max_samples=2, max_length=16, draft_layers=1,
+                                             group_shared=True))
+    assert mode(layout.root) == 0o2770 and mode(layout.objects) == 0o2770
+
+
+# ---- O_EXCL | O_NOFOLLOW where files are created ------------------------------------------------------------
+
+def _spy_open(monkeypatch):
+    calls = []
+    real = os.open
+
+    def spy(path, flags, *a, **kw):
+        calls.append((str(path), flags))
+        return real(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    return calls
+
+
+def test_temp_files_leases_and_locks_are_created_excl_nofollow(layout, monkeypatch):
+    calls = _spy_open(monkeypatch)
+    fp = publish(layout, 0)
+    name = leases.acquire(layout, fp, "c")
+    locking.cache_lock(layout.fingerprint_lock(fp), timeout=0).acquire()
+    monkeypatch.undo()
+    created = [(p, f) for p, f in calls if f & os.O_CREAT]
+    where = {"tmp": layout.tmp, "leases": layout.leases, "locks": layout.locks}
+    for label, d in where.items():
+        mine = [f for p, f in created if Path(p).parent == d]
+        assert mine, f"nothing created in {label}/"
+        assert all(f & os.O_EXCL and f & os.O_NOFOLLOW for f in mine), (label, [oct(f) for f in mine])
+    leases.release(layout, name)
+
+
+def test_planted_link_at_a_temp_name_is_not_written_through(layout, monkeypatch, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    monkeypatch.setattr(fsio, "unique_suffix", lambda: "fixed")
+    os.symlink(victim, layout.tmp / "fixed.part")
+    with pytest.raises(PublishError):
+        fsio.atomic_write(layout.root / "x.json", [b"data"], layout.tmp)
+    assert victim.read_text() == "precious"
+
+
+def test_planted_link_at_a_lock_name_is_refused(layout, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, layout.lock_path("root"))
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        locking.cache_lock(layout.lock_path("root"), timeout=0).acquire()
+    assert victim.read_text() == "precious"
+
+
+def test_planted_link_at_a_journal_name_is_refused(layout, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    path = layout.journal_path("producer", "p")
+    os.symlink(victim, path)
+    with pytest.raises(UnsafePath):
+        J.JournalWriter(path)
+    assert victim.read_text() == "precious"
+
+
+# ---- links planted inside the root ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sub", ["objects", "tmp", "leases", "consumers", "journal"])
+def test_linked_subdirectory_refused_on_open(layout, tmp_path, sub):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rename(layout.root / sub, tmp_path / "moved")
+    os.symlink(elsewhere, layout.root / sub)
+    with pytest.raises(UnsafePath, match=f"{sub} is a symbolic link"):
+        layout.require()
+    with pytest.raises(UnsafePath):
+        load_settings(layout)
+    with pytest.raises(UnsafePath):
+        layout.create()
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_linked_subdirectory_is_a_clear_cli_error(layout, tmp_path):
+    from click.testing import CliRunner
+
+    from artcache.cli import main
+
+    os.rename(layout.leases, tmp_path / "moved")
+    os.symlink(tmp_path, layout.leases)
+    r = CliRunner().invoke(main, ["inspect", "--cache", str(layout.root)])
+    assert r.exit_code != 0 and "UnsafePath" in r.stderr and "symbolic link" in r.stderr
+
+
+def test_linked_artifact_is_refused_not_followed(layout, tmp_path):
+    fp = FP(1)
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes(b"\x08" + b"\0" * 100)
+    layout.object_path(fp).parent.mkdir(exist_ok=True)
+    os.symlink(secret, layout.object_path(fp))
+    with pytest.raises(UnsafePath):
+        store.read(layout, fp, K.CONTRACT)
+    assert os.path.islink(layout.object_path(fp)) and secret.exists()  # not moved, not followed
+    assert store.list_objects(layout) == {}
+
+
+def test_regression_linked_shard_is_not_listed_evicted_through_or_published_into(layout, tmp_path):
+    """list_objects used ``is_dir()``/``stat()`` (which follow links): a link planted as objects/<ab> made
+    eviction rename and unlink files in the link's target directory, and publication wrote through it."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    fp = FP(2)
+    name = f"{fp}.safetensors"
+    (victim / name).write_bytes(b"someone else's file")
+    os.symlink(victim, layout.objects / fp[:2])
+    assert store.list_objects(layout) == {}
+    res = evict_pass(layout, set(), set())
+    assert res.evicted == {} and (victim / name).read_bytes() == b"someone else's file"
+    with pytest.raises(UnsafePath):
+        store.read(layout, fp, K.CONTRACT)
+    with pytest.raises(UnsafePath):
+        store.publish(layout, fp, K.CONTRACT, K.fake_capture(K.FakePlan().sample(2)))
+    assert os.listdir(victim) == [name] and os.listdir(layout.tmp) == []
+
+
+# ---- filelock -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("version", "ok"), [("4.2.1", True), ("4.3.1", True), ("5.0", True), ("4.3.0rc1", True),
+                                             ("4.2.0", False), ("4.1.9", False), ("3.20.3", False), ("4", False)])
+def test_filelock_version_floor(version, ok):
+    if ok:
+        locking.check_filelock_version(version)
+    else:
+        with pytest.raises(ImportError, match=r"filelock >= 4\.2\.1"):
+            locking.check_filelock_version(version)
+
+
+def test_installed_filelock_and_pyproject_pin():
+    import filelock
+
+    locking.check_filelock_version(filelock.__version__)
+    assert '"filelock>=4.2.1"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_regression_no_silent_soft_lock_fallback(tmp_path, monkeypatch):
+    """filelock.FileLock (filelock 4) falls back to a marker-file lock with only a warning when flock fails
+    with ENOSYS; a SIGKILLed holder's marker is never released by the kernel. artcache's lock refuses."""
+
+    def nosys(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", nosys)
+    with pytest.raises(LockUnavailable, match="verify-fs") as info:
+        locking.cache_lock(tmp_path / "a.lock", timeout=0).acquire()
+    assert info.value.errno == errno.ENOSYS and not info.value.retryable
+    import filelock
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        soft = filelock.FileLock(str(tmp_path / "b.lock"), timeout=0)
+        soft.acquire()  # what artcache used before: "works", on a marker file
+        soft.release()
+    assert any("SoftFileLock" in str(w.message) for w in seen)
+
+
+def test_artcache_takes_every_lock_through_locking():
+    offenders = []
+    for path in sorted((REPO / "artcache").rglob("*.py")) + sorted((REPO / "trainers").rglob("*.py")):
+        if path.name == "locking.py":
+            continue
+        text = path.read_text()
+        if re.search(r"\bFileLock\(|SoftFileLock|from filelock import", text):
+            offenders.append(str(path.relative_to(REPO)))
+    assert offenders == [], f"take locks with artcache.locking.cache_lock: {offenders}"
+
+
+def test_no_pickle_or_torch_load_of_cache_contents():
+    offenders = []
+    for path in sorted((REPO / "artcache").rglob("*.py")):
+        text = path.read_text()
+        if re.search(r"^\s*import pickle|\bpickle\.loads?\(|\btorch\.load\(", text, re.M):
+            offenders.append(str(path.relative_to(REPO)))
+    assert offenders == []
+
+
+def test_linked_registration_is_refused_by_read_and_skipped_by_scans(layout, tmp_path):
+    from artcache import registry
+
+    victim = tmp_path / "victim.json"
+    victim.write_text('{"consumer_id": "x", "draft": "d"}')
+    os.symlink(victim, layout.consumer_path("x"))
+    with pytest.raises(UnsafePath):
+        registry.read(layout, "x")
+    assert registry.read_all(layout) == []
