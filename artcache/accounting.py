@@ -137,7 +137,7 @@ def account(layout: CacheLayout) -> Accounting:
             k = cons(ev.consumer)
             k.draft, k.block_size = ev.draft, ev.block_size
             k.lookbehind, k.lookahead = ev.lookbehind, ev.lookahead
-            windows[ev.consumer] = ev.lookbehind + ev.lookahead + 1
+            windows[ev.consumer] = ev.lookbehind + ev.lookahead + 1 + ev.pinned  # as Registration.retain_bound
         elif isinstance(ev, J.Step):
             k = cons(ev.consumer)
             k.steps = max(k.steps, ev.step)

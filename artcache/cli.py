@@ -41,6 +41,30 @@ def _errors(fn):
     return wrapper
 
 
+def parse_template_options(items) -> dict:
+    """``["enable_thinking=false", "k=3"]`` → ``{"enable_thinking": False, "k": 3}`` (true/false → bool, an
+    integer or decimal → number, anything else → string). ConfigError naming a malformed item."""
+    out: dict = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise ConfigError(f"--chat-template-option {item!r}: expected NAME=VALUE, e.g. enable_thinking=false")
+        low = text.strip().lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = text
+        out[name] = value
+    return out
+
+
 def _check_device(device: str) -> None:
     """Reject a device torch cannot use before anything is loaded or written."""
     import torch
@@ -66,6 +90,66 @@ def _check_min(name: str, value: float, low: float, *, strict: bool = False, acc
                           f"{accepted or ('a number > ' if strict else 'a number >= ') + str(low)}")
 
 
+def _with_config(verb: str):
+    """Add ``--config FILE`` (plus ``SECTION.FIELD=VALUE`` overrides; ``--experiment NAME`` for consume)
+    to a verb. With a file the settings come from it, then the overrides, then the flags given on the
+    command line (flags stay shortcuts for their config fields, see artcache/config.py)."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, config=None, experiment=None, overrides=(), **kwargs):
+            if not config:
+                if overrides or experiment:
+                    raise ConfigError(f"{' '.join(overrides) or '--experiment ' + str(experiment)}: overrides and "
+                                      "--experiment need --config FILE")
+                if "cache" in kwargs and not kwargs["cache"]:
+                    raise ConfigError("--cache DIR is required (or --config FILE, whose cache.root is used)")
+                return fn(*args, **kwargs)
+            from click.core import ParameterSource
+
+            from artcache import config as C
+
+            ctx = click.get_current_context()
+            explicit = {k: v for k, v in kwargs.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+            if verb == "consume" and not experiment:
+                raise ConfigError("consume --config FILE needs --experiment NAME (one of the file's experiments)")
+            cfg = C.load_run_config(config, overrides, C.flag_paths(verb, explicit, experiment))
+            if verb == "producer":
+                from artcache.producer import run_producer
+
+                _check_min("idle-exit", kwargs["idle_exit"], 0, accepted="seconds >= 0 (0: never)")
+                pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
+                _check_device(pcfg.device)
+                stats = run_producer(pcfg)
+                click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
+                           f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures",
+                           err=True)
+            elif verb == "consume":
+                from trainers.consumer import run_consumer
+
+                ccfg = C.consumer_config(cfg, experiment, kwargs.get("consumer_id"))
+                _check_device(ccfg.device)
+                click.echo(json.dumps(run_consumer(ccfg)))
+            else:
+                from pathlib import Path
+
+                from bench.run import run_bench
+
+                bcfg = C.bench_config(cfg)
+                C.save_config(cfg, Path(bcfg.out_dir) / "config.toml")  # beside the scenarios' reports
+                sys.exit(0 if run_bench(bcfg) else 1)
+
+        wrapper = click.argument("overrides", nargs=-1)(wrapper)
+        if verb == "consume":
+            wrapper = click.option("--experiment", default=None,
+                                   help="With --config: the experiment (by name) this consumer runs.")(wrapper)
+        return click.option("--config", default=None, type=click.Path(dir_okay=False),
+                            help="Run config (TOML/YAML); SECTION.FIELD=VALUE arguments override it, flags "
+                                 "given on the command line override both.")(wrapper)
+
+    return deco
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.version_option(package_name="artcache")
@@ -75,7 +159,7 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
-@click.option("--cache", required=True, help="Cache root directory (created if absent).")
+@click.option("--cache", default=None, help="Cache root directory (created if absent); required without --config.")
 @click.option("--target", default="smollm2-135m-instruct", help="Target: the embedded name or an HF directory.")
 @click.option("--data", "dataset", default="sharegpt", help="'sharegpt' (embedded) or a ShareGPT-format JSON/JSONL file.")
 @click.option("--seed", default=0, type=int, help="Plan shuffle seed.")
@@ -100,11 +184,18 @@ def main(verbose: bool) -> None:
 @click.option("--idle-exit", default=0.0, type=float, help="Exit after this many idle seconds with no consumer (0: never).")
 @click.option("--threads", default=0, type=int, help="torch CPU threads (0: torch's default).")
 @click.option("--id", "producer_id", default="producer", help="Producer id (journal file name).")
+@click.option("--chat-template-option", "template_options", multiple=True, metavar="NAME=VALUE",
+              help="Chat template option, e.g. enable_thinking=false (repeatable; part of every fingerprint).")
+@click.option("--group-shared", is_flag=True,
+              help="Create the cache root group-shared (mode 2770, setgid) instead of private (0700).")
+@click.option("--backend", default="hf", type=click.Choice(["hf", "vllm"]),
+              help="Capture backend: hf (transformers) or vllm (needs the artcache[vllm] extra; docs/vllm.md).")
 @_errors
+@_with_config("producer")
 def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers, layer_ids, device, dtype,
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, idle_exit, threads,
-             producer_id):
+             producer_id, template_options=(), group_shared=False, backend="hf"):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
@@ -125,20 +216,23 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens),
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
         expect_consumers=expect_consumers, idle_exit_s=idle_exit,
-        producer_id=producer_id, threads=threads)
+        producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
+        group_shared=group_shared, backend=backend)
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
 
 
 @main.command()
-@click.option("--cache", required=True, help="Cache root made by `artcache producer`.")
-@click.option("--draft", default="dflash", help="Draft algorithm: dflash.")
+@click.option("--cache", default=None, help="Cache root made by `artcache producer`; required without --config.")
+@click.option("--draft", default="dflash", help="Draft algorithm: dflash or eagle3.")
 @click.option("--window", default="64:256", help="LOOKBEHIND:LOOKAHEAD in positions.")
-@click.option("--id", "consumer_id", default=None, help="Consumer id (default: <draft>-b<block size>).")
+@click.option("--id", "consumer_id", default=None, help="Consumer id (default: dflash-b<block size> or eagle3).")
 @click.option("--block-size", default=16, type=int, help="DFlash block size B.")
 @click.option("--anchors", default=64, type=int, help="Anchors (blocks) per sequence.")
 @click.option("--draft-layers", default=None, type=int, help="Draft layers (default: one per captured layer).")
+@click.option("--layer-ids", default=None, help="Explicit ordered view of captured output-of-layer ids, comma "
+              "separated (default: the draft's formula; EAGLE-3: three auxiliary ids then L-1).")
 @click.option("--batch-size", default=2, type=int, help="Sequences per optimizer step.")
 @click.option("--steps", default=100, type=int, help="Optimizer steps.")
 @click.option("--lr", default=6e-4, type=float, help="Peak learning rate.")
@@ -148,23 +242,50 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--out", "out_dir", default="", help="Run directory for checkpoints (default ./runs/<id>).")
 @click.option("--demand-timeout", default=600.0, type=float, help="Seconds to wait for one position.")
 @click.option("--log-every", default=10, type=int)
+@click.option("--ttt-steps", default=7, type=int, help="EAGLE-3 training-time-test unroll steps.")
+@click.option("--draft-vocab", default=32000, type=int, help="EAGLE-3 pruned draft vocabulary size.")
+@click.option("--save-every", default=0, type=int,
+              help="Checkpoint every N steps (0: only at the end and when cancelled).")
+@click.option("--keep-checkpoints", default=3, type=int, help="Keep the newest N checkpoints (0: all).")
+@click.option("--resume", is_flag=True, help="Continue this --id from its checkpoint in --out (cursor, step, "
+              "optimizer, RNG); refused unless the registry recorded that checkpoint.")
+@click.option("--init-from", default="", help="Seed the draft's weights only from a checkpoint, published draft "
+              "or run directory (strict keys).")
+@click.option("--eval-samples", default=0, type=int,
+              help="Held-out split: the plan's last N samples, never trained on (0: no evaluation).")
+@click.option("--eval-interval", default=0, type=int,
+              help="Evaluate on the held-out split every N steps (0: only at the end).")
+@click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
+@click.option("--tensorboard/--no-tensorboard", default=True,
+              help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")
 @_errors
-def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, batch_size, steps, lr, seed,
-            device, threads, out_dir, demand_timeout, log_every):
+@_with_config("consume")
+def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps, lr,
+            seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, save_every,
+            keep_checkpoints, resume, init_from, eval_samples, eval_interval, progress, tensorboard):
     """Train one draft on the cache root at its own pace."""
     from trainers.consumer import ConsumerConfig, parse_window, run_consumer
 
-    if draft not in ("dflash",):
-        raise ConfigError(f"--draft {draft!r} is not supported; accepted: dflash")
+    if draft not in ("dflash", "eagle3"):
+        raise ConfigError(f"--draft {draft!r} is not supported; accepted: dflash, eagle3")
     lookbehind, lookahead = parse_window(window)
+    view = None
+    if layer_ids:
+        try:
+            view = [int(x) for x in layer_ids.split(",")]
+        except ValueError:
+            raise ConfigError(f"--layer-ids {layer_ids!r}: expected comma-separated integers, e.g. 1,8,14") from None
     _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
     _check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
     _check_device(device)
     cfg = ConsumerConfig(
-        cache=cache, consumer_id=consumer_id or f"{draft}-b{block_size}", draft=draft, lookbehind=lookbehind,
-        lookahead=lookahead, block_size=block_size, num_anchors=anchors, draft_layers=draft_layers,
+        cache=cache, consumer_id=consumer_id or (f"{draft}-b{block_size}" if draft == "dflash" else draft),
+        draft=draft, lookbehind=lookbehind,
+        lookahead=lookahead, block_size=block_size, num_anchors=anchors, draft_layers=draft_layers, layer_ids=view,
         batch_size=batch_size, steps=steps, lr=lr, seed=seed, device=device, threads=threads, out_dir=out_dir,
-        demand_timeout_s=demand_timeout, log_every=log_every)
+        demand_timeout_s=demand_timeout, log_every=log_every, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
+        save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, init_from=init_from,
+        eval_samples=eval_samples, eval_interval=eval_interval, progress=progress, tensorboard=tensorboard)
     cfg.validate()
     summary = run_consumer(cfg)
     click.echo(json.dumps(summary), err=False)
@@ -197,32 +318,64 @@ def inspect(cache, as_json):
 @click.option("--scenario", default="1p3c", type=click.Choice(["1p1c", "1p3c", "all"]))
 @click.option("--device", default="cpu", type=click.Choice(["cpu", "cuda"]))
 @click.option("--out", "out_dir", default="bench-out", help="Output directory (one subdirectory per scenario).")
-@click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 5 cpu, 30 cuda).")
-@click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 30 cpu, 150 cuda).")
+@click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 3 cpu, 30 cuda).")
+@click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 15 cpu, 150 cuda).")
 @click.option("--target", default="smollm2-135m-instruct", help="Target name or HF directory.")
 @click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a ShareGPT-format file.")
 @click.option("--max-length", default=512, type=int)
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
-@click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 32 cpu, 256 cuda).")
+@click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 64 cpu, 256 cuda).")
 @click.option("--batch-size", default=1, type=int, help="Sequences per optimizer step.")
 @click.option("--draft-layers", default=5, type=int, help="DFlash draft layers (one captured layer each).")
 @click.option("--window", default="64:256")
 @click.option("--allow-shared-gpu", is_flag=True, help="Allow two roles on one GPU (every report line says so).")
+@click.option("--modes", default="", help="Comma-separated subset of artcache,naive,lockstep run in this one "
+              "invocation (default: all three for 1p3c, artcache alone for 1p1c).")
 @_errors
+@_with_config("bench")
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
-          draft_layers, window, allow_shared_gpu):
+          draft_layers, window, allow_shared_gpu, modes):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
     from bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,
-                      warmup=warmup if warmup is not None else (30 if device == "cuda" else 5),
-                      steps=steps if steps is not None else (150 if device == "cuda" else 30),
+                      warmup=warmup if warmup is not None else (30 if device == "cuda" else 3),
+                      steps=steps if steps is not None else (150 if device == "cuda" else 15),
                       target=target, dataset=dataset, max_length=max_length, max_samples=max_samples,
-                      anchors=anchors if anchors is not None else (256 if device == "cuda" else 32),
+                      anchors=anchors if anchors is not None else (256 if device == "cuda" else 64),
                       batch_size=batch_size, draft_layers=draft_layers, window=window,
-                      allow_shared_gpu=allow_shared_gpu)
+                      allow_shared_gpu=allow_shared_gpu, modes=modes)
     ok = run_bench(cfg)
     sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="Run config (TOML/YAML) with [[experiments]].")
+@click.argument("overrides", nargs=-1)
+@click.option("--dry-run", is_flag=True, help="Print every experiment's resolved plan and requirements; start nothing.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
+@click.option("--out", default=None, help="Shortcut for out=DIR (the run directory).")
+@click.option("--target", default=None, help="Shortcut for target.name=NAME_OR_DIR.")
+@click.option("--data", "dataset", default=None, help="Shortcut for data.dataset=NAME_OR_FILE.")
+@click.option("--device", default=None, help="Shortcut for target.device=DEV (experiments without a device follow).")
+@_errors
+def run(config_path, overrides, dry_run, as_json, out, target, dataset, device):
+    """One producer (capturing the union of the experiments' layers) and one consumer per experiment.
+
+    OVERRIDES are SECTION.FIELD=VALUE, e.g. data.max_length=256 experiments.0.lr=1e-3 (an experiment by
+    index or name). Exits nonzero if any experiment failed; its siblings run to the end.
+    """
+    from artcache.config import load_run_config
+    from artcache.experiments import format_plan, plan_run, run_experiments
+
+    flags = {"out": out, "target.name": target, "data.dataset": dataset, "target.device": device}
+    plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}))
+    if dry_run:
+        click.echo(msgspec.json.format(msgspec.json.encode(plan)).decode() if as_json else format_plan(plan))
+        return
+    click.echo(format_plan(plan))
+    sys.exit(run_experiments(plan, resolved))
 
 
 @main.command("verify-fs")
@@ -241,6 +394,46 @@ def verify_fs(path, as_json):
             click.echo(f"{name:15s} {'ok' if c['ok'] else 'FAILED'}  {c['detail']}")
     if not res["ok"]:
         sys.exit(1)
+
+
+@main.command()
+@click.option("--cache", required=True, help="Cache root made by `artcache producer`.")
+@click.option("--fix", is_flag=True, help="Repair what is found (only what provably belongs to no live process).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of one line per finding.")
+@_errors
+def fsck(cache, fix, as_json):
+    """Find orphans, bad artifacts, dead leases/consumers and stale locks; repair them with --fix.
+
+    Exits 0 when no problem is left, 1 otherwise (without --fix: when any problem was found)."""
+    from artcache.fsck import format_report
+    from artcache.fsck import fsck as run_fsck
+
+    rep = run_fsck(cache, fix=fix)
+    if as_json:
+        click.echo(msgspec.json.format(msgspec.json.encode(rep)).decode())
+    else:
+        click.echo(format_report(rep))
+    sys.exit(0 if rep.ok else 1)
+
+
+@main.command()
+@click.option("--checkpoint", required=True,
+              help="A consumer checkpoint (checkpoints/step-N) or run directory (uses its checkpoints/latest).")
+@click.option("--format", "fmt", default="hf", type=click.Choice(["hf", "speculators"]),
+              help="hf: vLLM's native draft layout; speculators: vllm-project/speculators' config format.")
+@click.option("--out", "out_dir", required=True, help="Draft directory to create (config.json, model.safetensors).")
+@click.option("--target", default="smollm2-135m-instruct",
+              help="The target the draft was trained for (name or HF directory); supplies layer count and ids.")
+@click.option("--dtype", default="bfloat16", type=click.Choice(["bfloat16", "float16", "float32"]),
+              help="Dtype of the exported weights.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out directory.")
+@_errors
+def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
+    """Write a trained DFlash or EAGLE-3 draft as a directory vLLM / speculators load (docs/export.md)."""
+    from trainers.export import export_checkpoint
+
+    res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite)
+    click.echo(json.dumps(res.summary()))
 
 
 if __name__ == "__main__":

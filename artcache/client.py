@@ -70,7 +70,7 @@ class CacheClient:
 
         Raises:
             CaptureTimeout: not published within ``demand_timeout_s`` (names the fingerprint).
-            ConsumerFenced: this consumer was fenced while waiting.
+            ConsumerFenced: this consumer was fenced (before the read, or while waiting).
             InterruptedError: ``stop`` was set while waiting.
         """
         fp = self.fp_of(position)
@@ -80,9 +80,12 @@ class CacheClient:
         waiting = False
         delay = 0.002
         try:
+            # a fenced consumer's workers cannot acquire: checked after the lease exists, so a fence
+            # that lands later finds (and expires) this lease
+            self.handle.check_live()
             while True:
                 try:
-                    art = store.read(self.layout, fp, self.contract, pin=self.pin)
+                    art = store.read(self.layout, fp, self.contract, pin=self.pin, verify_tokens=True)
                     break
                 except ArtifactMissing:
                     pass

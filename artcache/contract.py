@@ -19,6 +19,11 @@ OUTPUT_OF_LAYER = "output-of-layer"
 
 DTYPES = ("bfloat16", "float16", "float32")
 
+#: Capture backends (``artcache producer --backend``): ``hf`` runs the target in transformers with
+#: forward hooks, ``vllm`` in a vLLM engine with ``extract_hidden_states`` (artcache.backends.vllm). Both
+#: store the ``output-of-layer`` convention; vLLM's ids are converted at its boundary.
+BACKENDS = ("hf", "vllm")
+
 
 class CaptureContract(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What a capture produces.
@@ -33,7 +38,9 @@ class CaptureContract(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         max_length: samples are truncated to this many tokens by the plan.
         tokenizer_digest, template_digest: tokenizer and chat template identity.
         loss_mask_policy: how the plan's loss mask was derived.
-        backend: capture backend (``hf``); backends may differ in the last bits.
+        backend: capture backend, one of ``BACKENDS``; backends may differ in the last bits (other kernels,
+            another accumulation order), so it is part of every fingerprint and an ``hf`` artifact is
+            never served for a ``vllm`` contract or the reverse.
         format_version: artcache on-disk format.
     """
 
@@ -51,7 +58,7 @@ class CaptureContract(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     tokenizer_digest: str
     template_digest: str
     loss_mask_policy: str = "assistant-content+eot"
-    backend: str = "hf"
+    backend: Literal["hf", "vllm"] = "hf"
     format_version: int = FORMAT_VERSION
 
     def canonical(self) -> bytes:

@@ -23,6 +23,8 @@ POINTS = frozenset({
     "evict.after-rename",      # producer: artifact renamed aside into tmp/, not yet unlinked
     "cursor.before-commit",    # consumer: optimizer step done, cursor not yet committed
     "cursor.after-commit",     # consumer: cursor committed, the batch's leases not yet released
+    "checkpoint.before-record",  # consumer: checkpoint directory renamed into place, not yet recorded
+    "checkpoint.after-record",   # consumer: checkpoint recorded in the registry, `latest` not yet updated
 })
 
 

@@ -62,6 +62,22 @@ class LockTimeout(ArtcacheError, TimeoutError):
     retryable = True
 
 
+class LockUnavailable(ArtcacheError, OSError):
+    """The filesystem does not support ``flock`` (ENOSYS/EOPNOTSUPP/ENOLCK). Not retryable: artcache never
+    falls back to marker-file locks, which a SIGKILLed holder would leave behind (see artcache.locking)."""
+
+    def __init__(self, message: str, *, errno_: int | None = None) -> None:
+        super().__init__(errno_ if errno_ is not None else 0, message)
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+class UnsafePath(ArtcacheError, PermissionError):
+    """A path inside the cache root is a symbolic link (or not the kind of file artcache made there).
+    artcache never follows links planted inside a root; remove the link (``artcache fsck --fix``)."""
+
+
 class CaptureTimeout(ArtcacheError, TimeoutError):
     """A consumer waited longer than its demand timeout for a position to be published."""
 
@@ -76,6 +92,14 @@ class CaptureFailed(ArtcacheError, RuntimeError):
         self.fingerprint = fingerprint
         self.attempts = attempts
         self.retryable = retryable
+
+
+class CaptureMismatch(ArtcacheError, RuntimeError):
+    """A capture backend returned states that do not match the request: fewer or other token ids than
+    the sample's, or no states at all. The batch is rejected, never published. Retryable: engine state
+    (a prefix-cache hit, a preempted request) can cause it, and the producer retries up to its limit."""
+
+    retryable = True
 
 
 class ConsumerFenced(ArtcacheError, RuntimeError):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from artcache.crashpoints import crash_point
 from artcache.errors import PublishError
-from artcache.layout import unique_suffix
+from artcache.layout import open_nofollow, unique_suffix
 
 #: errno values after which retrying the same write can succeed.
 RETRYABLE_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT})
@@ -51,7 +51,8 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path
                  durable: bool = True, fingerprint: str | None = None) -> int:
     """Write ``chunks`` to ``dest`` atomically; return the number of bytes written.
 
-    Writes to ``tmp_dir/<host>.<pid>.<nonce>.part`` (same filesystem as ``dest``), fsyncs it,
+    Writes to ``tmp_dir/<host>.<pid>.<nonce>.part`` (same filesystem as ``dest``; created
+    ``O_CREAT|O_EXCL|O_NOFOLLOW``), fsyncs it,
     ``os.replace``-s it onto ``dest`` and fsyncs ``dest``'s directory (when ``durable``).
 
     Raises:
@@ -62,7 +63,8 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path
     written = 0
     renamed = False
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # O_EXCL: never an existing name (nor a planted link: O_EXCL does not follow); O_NOFOLLOW besides
+        fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")

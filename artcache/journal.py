@@ -18,6 +18,7 @@ import msgspec
 
 from artcache.errors import JournalError
 from artcache.fsio import is_retryable
+from artcache.layout import open_nofollow
 
 
 class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
@@ -118,6 +119,9 @@ class Fence(Event, tag="fence"):
 
 # ---- consumer events -------------------------------------------------------------------------
 class ConsumerStart(Event, tag="consumer_start"):
+    """A consumer (re)started at ``cursor`` (``step`` optimizer steps already done: > 0 on --resume).
+    ``pinned``: positions of its held-out evaluation split, retained besides its window."""
+
     consumer: str
     pid: int
     draft: str
@@ -126,6 +130,8 @@ class ConsumerStart(Event, tag="consumer_start"):
     lookbehind: int
     lookahead: int
     cursor: int
+    step: int = 0
+    pinned: int = 0
 
 
 class Request(Event, tag="request"):
@@ -209,7 +215,8 @@ class JournalWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # O_NOFOLLOW: a link planted at this name is refused (UnsafePath), never appended through
+        self._fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
         self._torn = False  # a failed write left a fragment without its newline at the end
 

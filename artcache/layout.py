@@ -16,23 +16,61 @@
 
 Path components are built only from hex digests and validated ids (``[A-Za-z0-9_.-]``, 1–64
 characters, not starting with a dot); nothing from data or config is used unchecked.
+
+Security: directories a producer creates are mode 0700 (private to its user), or 2770 (group
+read/write, setgid so new files keep the root's group) when the root is created group-shared
+(``artcache producer --group-shared``). Symbolic links planted *inside* a root are never followed: the
+subdirectories are checked with ``lstat`` whenever a root is opened, shard directories before each
+artifact read or publication, and files are opened with ``O_NOFOLLOW`` (a link raises
+:class:`~artcache.errors.UnsafePath`). The root path itself may be reached through a link.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from artcache.errors import CacheRootError, ConfigError
+from artcache.errors import CacheRootError, ConfigError, UnsafePath
 
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
 _ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 SETTINGS_FILE = "artcache.json"
 SUBDIRS = ("plans", "objects", "locks", "tmp", "consumers", "leases", "journal", "quarantine", "failed")
+#: Mode of the directories a producer creates: private by default, group-shared (setgid) on request.
+PRIVATE_DIR_MODE = 0o700
+GROUP_DIR_MODE = 0o2770
+#: O_NOFOLLOW where the platform has it (Linux, macOS): opening a symbolic link then fails with ELOOP.
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def check_real_dir(path: Path) -> None:
+    """Raise UnsafePath unless ``path`` is a directory and not a symbolic link (``lstat``, never follows).
+
+    A missing ``path`` raises FileNotFoundError."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"{path} is a symbolic link inside the cache root; artcache never follows links "
+                         "planted in a root (remove it, e.g. with `artcache fsck --fix`)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"{path} is not a directory")
+
+
+def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC)``; a symbolic link raises UnsafePath instead of
+    being followed. Other OSErrors (FileNotFoundError, FileExistsError, ...) propagate unchanged."""
+    try:
+        return os.open(path, flags | O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePath(f"{path} is a symbolic link inside the cache root; artcache never follows "
+                             "links planted in a root (remove it, e.g. with `artcache fsck --fix`)") from exc
+        raise
 
 
 def check_fingerprint(fp: str) -> str:
@@ -154,11 +192,20 @@ class CacheLayout:
     def plan_dir(self, plan_id: str) -> Path:
         return self.plans / check_fingerprint(plan_id)
 
-    def create(self) -> list[Path]:
+    def create(self, group_shared: bool = False) -> list[Path]:
         """Create the root (and missing parents) and its subdirectories, idempotently.
 
+        The root (if this call creates it) and every subdirectory this call creates get mode 0700,
+        or 2770 with ``group_shared`` (set explicitly, whatever the umask); missing parents of the root
+        get the umask's default. Existing directories keep their mode.
+
         Returns the directories this call created, outermost first, so a caller that fails later
-        can remove exactly those and leave nothing behind."""
+        can remove exactly those and leave nothing behind.
+
+        Raises:
+            UnsafePath: a subdirectory is a symbolic link or not a directory.
+        """
+        mode = GROUP_DIR_MODE if group_shared else PRIVATE_DIR_MODE
         missing = []
         p = self.root
         while not p.exists():
@@ -167,12 +214,20 @@ class CacheLayout:
                 break
             p = p.parent
         missing.reverse()
+        made_root = bool(missing) and missing[-1] == self.root
         self.root.mkdir(parents=True, exist_ok=True)
+        if made_root:
+            os.chmod(self.root, mode)
         for name in SUBDIRS:
             d = self.root / name
-            if not d.exists():
-                missing.append(d)
-            d.mkdir(exist_ok=True)
+            if not os.path.lexists(d):
+                try:
+                    d.mkdir(mode=0o700)
+                    os.chmod(d, mode)
+                    missing.append(d)
+                except FileExistsError:  # another process made it meanwhile
+                    pass
+            check_real_dir(d)
         return missing
 
     def require(self) -> None:
@@ -186,5 +241,7 @@ class CacheLayout:
                 f"cache root {str(self.root)!r} has no {SETTINGS_FILE}: it was not initialised by "
                 "`artcache producer`")
         for name in SUBDIRS:
-            if not (self.root / name).is_dir():
-                raise CacheRootError(f"cache root {str(self.root)!r} is missing {name}/")
+            try:
+                check_real_dir(self.root / name)
+            except FileNotFoundError:
+                raise CacheRootError(f"cache root {str(self.root)!r} is missing {name}/") from None

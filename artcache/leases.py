@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from artcache.crashpoints import crash_point
-from artcache.layout import CacheLayout, check_fingerprint, check_id, host_id, pid_alive
+from artcache.layout import CacheLayout, check_fingerprint, check_id, host_id, open_nofollow, pid_alive
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def acquire(layout: CacheLayout, fp: str, consumer_id: str) -> str:
     check_fingerprint(fp)
     check_id(consumer_id, "consumer id")
     name = f"{fp}~{consumer_id}~{host_id()}~{os.getpid()}~{secrets.token_hex(4)}"
-    fd = os.open(layout.leases / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = open_nofollow(layout.leases / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     os.close(fd)
     crash_point("lease.after-create")
     return name

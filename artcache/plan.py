@@ -22,12 +22,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
 from artcache.data.sharegpt import locate_sharegpt, read_sharegpt, to_messages
 from artcache.errors import ConfigError, DataError
 from artcache.hashing import canonical_json, digest_file, strong_digest
+from artcache.locking import cache_lock
 from artcache.target import template_digest, tokenizer_digest
 
 PLAN_FORMAT_VERSION = 1
@@ -41,8 +41,11 @@ _BATCH = 64  # conversations rendered and tokenized per batch (the fast tokenize
 
 class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a plan is built from. ``dataset``: ``"sharegpt"`` or a path to a ShareGPT-schema JSON/JSONL file.
+    ``template_options``: keyword arguments for the chat template (``apply_chat_template``), e.g.
+    ``{"enable_thinking": False}``; part of the plan id and of the contract's template digest.
 
-    Raises ConfigError on construction if max_length < 16, max_samples < 1, min_loss_tokens < 1 or seed < 0.
+    Raises ConfigError on construction if max_length < 16, max_samples < 1, min_loss_tokens < 1 or seed < 0,
+    or a template option is not ``identifier: bool | int | float | str``.
     """
 
     dataset: str = "sharegpt"
@@ -50,6 +53,7 @@ class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_length: int = 512
     max_samples: int = 2000
     min_loss_tokens: int = 2
+    template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, low in (("seed", 0), ("max_length", 16), ("max_samples", 1), ("min_loss_tokens", 1)):
@@ -58,6 +62,12 @@ class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"plan {name}={value!r} is invalid: accepted is an integer >= {low}")
         if not isinstance(self.dataset, str) or not self.dataset:
             raise ConfigError(f"plan dataset={self.dataset!r} is invalid: accepted {list(DATASETS)} or a file path")
+        for key, value in dict(self.template_options).items():
+            if not (isinstance(key, str) and key.isidentifier()) or not isinstance(value, (bool, int, float, str)):
+                raise ConfigError(f"chat template option {key!r}={value!r} is invalid: accepted NAME=VALUE with a "
+                                  "Python identifier NAME and a bool, number or string VALUE")
+        if self.template_options and self.dataset == "synthetic":
+            raise ConfigError("chat template options have no effect on --data synthetic (no chat template is used)")
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,10 @@ def resolve_dataset(dataset: str) -> Path:
 
 def compute_plan_id(spec: PlanSpec, dataset_digest: str, tok_digest: str, tmpl_digest: str) -> tuple[str, dict]:
     """(plan_id, id inputs): plan_id = strong digest of the canonical json of the id inputs."""
-    inputs = {"spec": msgspec.to_builtins(spec), "dataset_digest": dataset_digest, "tokenizer_digest": tok_digest,
+    spec_inputs = msgspec.to_builtins(spec)
+    if not spec_inputs.get("template_options"):  # no options: the id plans had before options existed
+        spec_inputs.pop("template_options", None)
+    inputs = {"spec": spec_inputs, "dataset_digest": dataset_digest, "tokenizer_digest": tok_digest,
               "template_digest": tmpl_digest, "format_version": PLAN_FORMAT_VERSION,
               "loss_mask_policy": LOSS_MASK_POLICY}
     return strong_digest(canonical_json(inputs)), inputs
@@ -92,17 +105,17 @@ def _end_of_turn(tokenizer) -> str:
     return "<|im_end|>" if "<|im_end|>" in vocab else (tokenizer.eos_token or "")
 
 
-def template_is_verbatim(tokenizer) -> bool:
+def template_is_verbatim(tokenizer, options: dict | None = None) -> bool:
     """Whether the chat template copies message contents verbatim (probed with padded, odd contents)."""
     probe = [{"role": "user", "content": "  Q \n\t"}, {"role": "assistant", "content": "\n A  {x}\n "}]
     try:
-        return render_with_spans(probe, tokenizer, "", verbatim=False)[2]
+        return render_with_spans(probe, tokenizer, "", verbatim=False, options=options)[2]
     except DataError:
         return False
 
 
 def render_with_spans(messages: list[dict[str, str]], tokenizer, eot: str, *, verbatim: bool = False,
-                      ) -> tuple[str, list[tuple[int, int]], bool]:
+                      options: dict | None = None) -> tuple[str, list[tuple[int, int]], bool]:
     """The chat-template text of ``messages``, the char spans ``[start, end)`` of each assistant content
     plus its end-of-turn marker ``eot`` when the template puts it right after the content, and whether
     the sentinel rendering matched the real one.
@@ -112,10 +125,11 @@ def render_with_spans(messages: list[dict[str, str]], tokenizer, eot: str, *, ve
     see :func:`template_is_verbatim`) the real rendering is compared, and on a mismatch contents are
     searched forward in it instead. Raises DataError if a content cannot be found.
     """
-    text = None if verbatim else tokenizer.apply_chat_template(messages, tokenize=False)
+    kw = dict(options or {})  # chat template options, e.g. enable_thinking
+    text = None if verbatim else tokenizer.apply_chat_template(messages, tokenize=False, **kw)
     marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
     skeleton = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": s} for m, s in zip(messages, marks, strict=True)], tokenize=False)
+        [{"role": m["role"], "content": s} for m, s in zip(messages, marks, strict=True)], tokenize=False, **kw)
     starts: list[int] = []
     rebuilt: list[str] = []
     pos = out = 0
@@ -349,9 +363,9 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
     read = read_sharegpt(dataset_path)
     dataset_digest = digest_file(dataset_path)
     plan_id, id_inputs = compute_plan_id(spec, dataset_digest, tokenizer_digest(tokenizer),
-                                         template_digest(tokenizer))
+                                         template_digest(tokenizer, spec.template_options))
     eot = _end_of_turn(tokenizer)
-    verbatim = template_is_verbatim(tokenizer)
+    verbatim = template_is_verbatim(tokenizer, spec.template_options)
     order = np.random.default_rng(spec.seed).permutation(len(read.records))
     skipped: Counter[str] = Counter()
     kept_ids: list[np.ndarray] = []
@@ -367,7 +381,8 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
                 prepared.append(reason or "invalid")
                 continue
             try:
-                prepared.append(render_with_spans(messages, tokenizer, eot, verbatim=verbatim)[:2])
+                prepared.append(render_with_spans(messages, tokenizer, eot, verbatim=verbatim,
+                                                  options=spec.template_options)[:2])
             except DataError:
                 prepared.append("template_mismatch")
         encoded = encode_truncated(tokenizer, [p[0] for p in prepared if not isinstance(p, str)], spec.max_length)
@@ -424,7 +439,7 @@ def plan_id_for(spec: PlanSpec, tokenizer) -> str:
     if spec.dataset == "synthetic":
         return compute_plan_id(spec, "synthetic-v1", "none", "none")[0]
     return compute_plan_id(spec, digest_file(resolve_dataset(spec.dataset)), tokenizer_digest(tokenizer),
-                           template_digest(tokenizer))[0]
+                           template_digest(tokenizer, spec.template_options))[0]
 
 
 def ensure_plan(spec: PlanSpec, tokenizer, plans_dir: str | Path, target_vocab_size: int) -> Plan:
@@ -436,7 +451,7 @@ def ensure_plan(spec: PlanSpec, tokenizer, plans_dir: str | Path, target_vocab_s
     if (final / "plan.json").is_file():
         return Plan.load(final)
     plans_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(plans_dir / f".{plan_id}.lock")):
+    with cache_lock(plans_dir / f".{plan_id}.lock"):
         if (final / "plan.json").is_file():
             return Plan.load(final)
         plan = build_plan(spec, tokenizer, target_vocab_size=target_vocab_size)

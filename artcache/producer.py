@@ -26,17 +26,17 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
-from filelock import FileLock, Timeout
 
 from artcache import journal as J
 from artcache import registry, store
-from artcache.contract import CaptureContract
+from artcache.contract import BACKENDS, CaptureContract
 from artcache.crashpoints import crash_point
 from artcache.errors import ArtcacheError, CaptureFailed, ConfigError, IntegrityError, PublishError
 from artcache.eviction import evict_pass
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import atomic_write
 from artcache.layout import CacheLayout, check_id, host_id, pid_alive
+from artcache.locking import Timeout, cache_lock
 from artcache.scheduler import SchedulerLimits, next_batch, wanted, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
@@ -71,6 +71,13 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``expect_timeout_s`` it starts anyway, so a consumer that died at start-up blocks no one.
         idle_exit_s: exit after this many seconds with no live consumer (0 = never).
         producer_id: journal id. threads: torch CPU threads (0 = torch default).
+        template_options: chat template keyword arguments (e.g. ``{"enable_thinking": False}``); part of
+            the plan id and of the contract's template digest, so of every fingerprint.
+        group_shared: create the root (and its subdirectories) mode 2770, group read/write with setgid,
+            instead of the private 0700 (see docs/protocol.md, "Security").
+        backend: ``hf`` (transformers, forward hooks) or ``vllm`` (a vLLM engine with
+            ``extract_hidden_states``; needs the ``artcache[vllm]`` extra, see docs/vllm.md). Recorded in
+            the contract, so the two never share artifacts.
     """
 
     cache: str
@@ -96,6 +103,9 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idle_exit_s: float = 0.0
     producer_id: str = "producer"
     threads: int = 0
+    template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
+    group_shared: bool = False
+    backend: str = "hf"
 
 
 @dataclass
@@ -131,12 +141,25 @@ def prepare_root(cfg: ProducerConfig):
             raise ConfigError(f"{name} {value!r} not accepted: use bfloat16, float16 or float32"
                               + (" or auto" if name == "compute_dtype" else ""))
     check_id(cfg.producer_id, "producer id")
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"--backend {cfg.backend!r} is not accepted: use one of {', '.join(BACKENDS)}")
+    if cfg.backend == "vllm":
+        from artcache.backends.vllm import require_vllm
+
+        require_vllm()  # before anything is written
     info = resolve_target(cfg.target)
+    if cfg.backend == "vllm":
+        from artcache.target import is_random
+
+        if is_random(info):
+            raise ConfigError(f"--target {cfg.target!r} is a random-weight benchmark target (stored embeddings "
+                              "only) that vLLM cannot load; use --backend hf, or a full HF checkpoint")
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else dflash_layer_ids(info.num_layers, cfg.draft_layers)
     from artcache.backends.hf import check_layer_ids
 
     check_layer_ids(layer_ids, info.num_layers, info.name)
-    spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples)
+    spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples,
+                    template_options=dict(cfg.template_options))
     cfg.limits.validate(cfg.max_length)
     layout = CacheLayout(_abspath(cfg.cache))
     if layout.root.exists() and not layout.root.is_dir():
@@ -151,12 +174,12 @@ def prepare_root(cfg: ProducerConfig):
         target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=cfg.dtype,
         compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
         max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
-        template_digest=template_digest(tok))
+        template_digest=template_digest(tok, spec.template_options), backend=cfg.backend)
     if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
         check_compatible(load_settings(layout), contract, plan_id_for(spec, tok), layout)
-    created = layout.create()
+    created = layout.create(group_shared=cfg.group_shared)
     try:
-        with FileLock(layout.lock_path("root")):
+        with cache_lock(layout.lock_path("root")):
             plan = ensure_plan(spec, tok, layout.plans, target_vocab_size=info.vocab_size)
             settings = init_settings(layout, RootSettings(
                 plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
@@ -202,6 +225,7 @@ class Producer:
         self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts
         self._state = threading.Lock()  # guards _published, _inflight, _failed and stats
         self._inflight: set[str] = set()  # captured, not yet published
+        self._fresh: dict[str, int] | None = None  # published during an eviction pass (see evict)
         self._last_retained: tuple[int, int, int] | None = None
         self._none_running_since: float | None = None
         self._started = time.monotonic()
@@ -254,8 +278,9 @@ class Producer:
     def evict(self, live: list[registry.Registration]) -> None:
         retain = set()
         for reg in live:
-            lo, hi = reg.window()
-            retain.update(self.fp_of(p) for p in range(lo, hi + 1))
+            retain.update(self.fp_of(p) for p in reg.retained_positions())  # window + pinned eval range
+        with self._state:
+            self._fresh = {}  # what the publisher thread publishes from now on (after evict_pass's listing)
         res = evict_pass(self.layout, retain, {r.consumer_id for r in live}, lease_ttl_s=self.cfg.lease_ttl_s)
         for lease, reason in res.expired_leases:
             self._emit(J.LeaseExpire(producer=self.pid, fp=lease.fp, lease=lease.name, reason=reason))
@@ -263,9 +288,13 @@ class Producer:
             self.stats.evictions += 1
             self._emit(J.Evict(producer=self.pid, fp=fp, nbytes=nbytes))
         with self._state:
-            # keep what the publisher thread added after the listing was taken
-            added = {fp: n for fp, n in self._published.items() if fp not in res.evicted}
-            self._published = {**added, **res.retained}
+            # what is on disk now: the pass's listing (minus what it evicted) plus what the publisher thread
+            # published since that listing. Not the old map: an artifact that vanished (quarantined by a
+            # reader, removed by fsck) must become capturable again (test_regression_quarantined_artifact_
+            # is_recaptured_by_a_running_producer)
+            fresh = {fp: n for fp, n in self._fresh.items() if fp not in res.evicted}
+            self._published = {**res.retained, **fresh}
+            self._fresh = None
         self._note_retained(live)
 
     def _note_retained(self, live) -> None:
@@ -306,8 +335,8 @@ class Producer:
         locks = []
         todo = []
         for w in batch:
-            lock = FileLock(self.layout.fingerprint_lock(w.fp, self.settings.lock_stripes), timeout=0,
-                            thread_local=False)
+            lock = cache_lock(self.layout.fingerprint_lock(w.fp, self.settings.lock_stripes), timeout=0,
+                              thread_local=False)
             try:
                 lock.acquire()
             except Timeout:  # another producer is capturing it: count that once per fingerprint
@@ -379,7 +408,8 @@ class Producer:
     def _publish(self, fp: str, tensors, attempts: int = 3, values_checked: bool = False) -> None:
         for attempt in range(1, attempts + 1):
             try:
-                nbytes = store.publish(self.layout, fp, self.contract, tensors, values_checked=values_checked)
+                nbytes = store.publish(self.layout, fp, self.contract, tensors, values_checked=values_checked,
+                                       verify_tokens=True)
             except PublishError as exc:
                 if exc.retryable and attempt < attempts:
                     time.sleep(0.05 * attempt)
@@ -393,6 +423,8 @@ class Producer:
                 self.stats.publications += 1
                 self.stats.ever_published.add(fp)
                 self._published[fp] = nbytes
+                if self._fresh is not None:
+                    self._fresh[fp] = nbytes
             self._emit(J.Publish(producer=self.pid, fp=fp, nbytes=nbytes))
             with contextlib.suppress(FileNotFoundError):  # published after all: clear an old give-up
                 os.unlink(self.layout.failure_path(fp))
@@ -476,9 +508,15 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         torch.set_num_threads(cfg.threads)
     quiet_transformers()
     layout, settings, plan, info, _tok = prepare_root(cfg)
-    dtype = getattr(torch, settings.contract.compute_dtype)
-    model = load_target_model(info, device=cfg.device, dtype=dtype)
-    backend = HFCaptureBackend(model, settings.contract, device=cfg.device)
+    if settings.contract.backend == "vllm":
+        from artcache.backends.vllm import VLLMCaptureBackend  # lazy: vLLM is an optional extra
+
+        backend = VLLMCaptureBackend(info.path, settings.contract, device=cfg.device,
+                                     max_num_batched_tokens=cfg.limits.max_batch_tokens)
+    else:
+        dtype = getattr(torch, settings.contract.compute_dtype)
+        model = load_target_model(info, device=cfg.device, dtype=dtype)
+        backend = HFCaptureBackend(model, settings.contract, device=cfg.device)
     journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
     producer = Producer(layout, settings, plan, backend, cfg, journal)
     install_signal_handlers(producer.stop_event)
@@ -489,6 +527,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         producer.run()
     finally:
         journal.close()
+        backend.close()
     return producer.stats
 
 

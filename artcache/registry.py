@@ -8,16 +8,17 @@ or state changed under it has been fenced and must stop (:class:`ConsumerFenced`
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Literal
 
 import msgspec
-from filelock import FileLock
 
-from artcache.errors import ConfigError, ConsumerFenced
+from artcache.errors import ConfigError, ConsumerFenced, UnsafePath
 from artcache.fsio import atomic_write
-from artcache.layout import CacheLayout, host_id, pid_alive
+from artcache.layout import CacheLayout, host_id, open_nofollow, pid_alive
+from artcache.locking import cache_lock
 
 State = Literal["running", "completed", "cancelled", "failed", "expired"]
 TERMINAL = frozenset({"completed", "cancelled", "failed", "expired"})
@@ -37,6 +38,12 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             when unbounded; the window is clipped there so nothing past a run's end is prefetched.
         demand: positions the consumer is blocked on now (demand misses).
         heartbeat: time.time() of the last heartbeat (seconds).
+        pinned: half-open range ``[lo, hi)`` of positions the consumer reads besides its window (its
+            held-out evaluation split; empty when ``lo >= hi``). Pinned positions are retained,
+            prefetched after every window position and served on demand, like the window; they count
+            in the window union and in the retain bound (:meth:`retain_bound`).
+        checkpoint_cursor: the committed cursor of the consumer's latest durable checkpoint (-1: none).
+            ``--resume`` continues only from a checkpoint with exactly this cursor.
     """
 
     consumer_id: str
@@ -53,6 +60,8 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pid: int = 0
     host: str = ""
     reason: str = ""
+    pinned: tuple[int, int] = (0, 0)
+    checkpoint_cursor: int = -1
 
     def window(self) -> tuple[int, int]:
         """Inclusive window [lo, hi] of positions (hi < lo when the consumer is past its end)."""
@@ -68,6 +77,25 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def window_size(self) -> int:
         return self.lookbehind + self.lookahead + 1
 
+    def pinned_range(self) -> range:
+        """The pinned positions (see the class docstring) as a range (empty if none)."""
+        lo, hi = self.pinned
+        return range(max(0, lo), max(0, lo, hi))
+
+    def may_read(self, position: int) -> bool:
+        """Whether ``position`` is readable now: inside ``[cursor, window hi]`` or pinned."""
+        lo, hi = self.readable()
+        return lo <= position <= hi or position in self.pinned_range()
+
+    def retained_positions(self) -> set[int]:
+        """Positions the producer must not evict for this consumer: its window plus its pinned range."""
+        lo, hi = self.window()
+        return set(range(lo, hi + 1)) | set(self.pinned_range())
+
+    def retain_bound(self) -> int:
+        """Upper bound on this consumer's retained artifacts: window size plus pinned positions."""
+        return self.window_size() + len(self.pinned_range())
+
     def is_live(self, now: float, heartbeat_timeout: float) -> bool:
         return self.state == "running" and now - self.heartbeat <= heartbeat_timeout
 
@@ -75,21 +103,30 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _enc = msgspec.json.Encoder()
 
 
+def _read_bytes(path) -> bytes:
+    """The file's bytes, opened ``O_NOFOLLOW`` (a link planted in consumers/ raises UnsafePath)."""
+    with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:
+        return f.read()
+
+
 def read(layout: CacheLayout, consumer_id: str) -> Registration | None:
-    """The registration, or None if absent. A torn file cannot exist (atomic replace)."""
+    """The registration, or None if absent. A torn file cannot exist (atomic replace).
+
+    Raises:
+        UnsafePath: the registration file is a symbolic link (never followed)."""
     try:
-        return msgspec.json.decode(layout.consumer_path(consumer_id).read_bytes(), type=Registration)
+        return msgspec.json.decode(_read_bytes(layout.consumer_path(consumer_id)), type=Registration)
     except FileNotFoundError:
         return None
 
 
 def read_all(layout: CacheLayout) -> list[Registration]:
-    """All registrations (unreadable files are skipped)."""
+    """All registrations (unreadable files and links are skipped; ``artcache fsck`` reports them)."""
     out = []
     for path in sorted(layout.consumers.glob("*.json")):
         try:
-            out.append(msgspec.json.decode(path.read_bytes(), type=Registration))
-        except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+            out.append(msgspec.json.decode(_read_bytes(path), type=Registration))
+        except (FileNotFoundError, UnsafePath, msgspec.DecodeError, msgspec.ValidationError):
             continue
     return out
 
@@ -101,15 +138,30 @@ def _write(layout: CacheLayout, reg: Registration) -> None:
 def update(layout: CacheLayout, consumer_id: str, fn: Callable[[Registration | None], Registration | None],
            timeout: float = 30.0) -> Registration | None:
     """Read-modify-write under the consumer's lock. ``fn`` returns the new value (None: no write)."""
-    with FileLock(layout.consumer_lock(consumer_id), timeout=timeout):
+    with cache_lock(layout.consumer_lock(consumer_id), timeout=timeout):
         new = fn(read(layout, consumer_id))
         if new is not None:
             _write(layout, new)
         return new
 
 
-def register(layout: CacheLayout, reg: Registration) -> Registration:
-    """(Re)register: bump the generation past any previous one, state running, heartbeat now."""
+def register(layout: CacheLayout, reg: Registration, *,
+             check: Callable[[Registration | None], None] | None = None,
+             live_timeout_s: float | None = None) -> Registration:
+    """(Re)register: bump the generation past any previous one, state running, heartbeat now.
+
+    The generation bump fences any previous holder of the id: its next write raises ConsumerFenced.
+
+    Args:
+        check: called under the consumer's lock with the previous registration (or None) before
+            anything is written; it raises to refuse (``--resume`` checks the recorded checkpoint).
+        live_timeout_s: also refuse a previous holder on another host (whose pid cannot be checked)
+            that is ``running`` with a heartbeat younger than this many seconds.
+
+    Raises:
+        ConfigError: the id is held by a live process (same host: its pid is alive; another host: a
+            fresh heartbeat), or ``check`` refused.
+    """
 
     def fn(old: Registration | None) -> Registration:
         if old is not None and old.state == "running" and old.pid and old.host == host_id() \
@@ -117,6 +169,13 @@ def register(layout: CacheLayout, reg: Registration) -> Registration:
             raise ConfigError(
                 f"consumer id {reg.consumer_id!r} is already running as pid {old.pid}; "
                 "choose another --id")
+        if old is not None and old.state == "running" and live_timeout_s is not None and old.host != host_id() \
+                and time.time() - old.heartbeat <= live_timeout_s:
+            raise ConfigError(
+                f"consumer id {reg.consumer_id!r} is running on host {old.host!r} (heartbeat "
+                f"{time.time() - old.heartbeat:.0f}s ago); stop it first or choose another --id")
+        if check is not None:
+            check(old)
         return msgspec.structs.replace(
             reg, generation=(old.generation + 1) if old else 1, state="running",
             heartbeat=time.time(), host=host_id())
@@ -151,6 +210,15 @@ class ConsumerHandle:
     def heartbeat(self) -> Registration:
         return self._modify()
 
+    def check_live(self) -> None:
+        """Raise ConsumerFenced unless the registration on disk is still this incarnation's (same
+        generation, state ``running``). Lock-free: registrations are replaced atomically."""
+        old = read(self.layout, self.consumer_id)
+        if old is None or old.generation != self.generation or old.state != "running":
+            raise ConsumerFenced(
+                f"consumer {self.consumer_id!r} was fenced (state {old.state if old else 'missing'}, "
+                f"generation {old.generation if old else '-'} != {self.generation}); it may not acquire")
+
     def commit_cursor(self, cursor: int) -> Registration:
         """Commit progress after the optimizer step that consumed positions < cursor."""
         def check(old: Registration) -> None:
@@ -159,6 +227,19 @@ class ConsumerHandle:
                 raise ValueError(f"cursor may not move backwards ({old.cursor} -> {cursor})")
 
         return self._modify(check, cursor=cursor)
+
+    def record_checkpoint(self, cursor: int) -> Registration:
+        """Record that a durable checkpoint holds the state after every position < ``cursor``.
+
+        Raises:
+            ConsumerFenced: fenced (a fenced incarnation must not move the resume point).
+            ValueError: ``cursor`` is past the committed cursor.
+        """
+        def check(old: Registration) -> None:
+            if cursor > old.cursor:
+                raise ValueError(f"checkpoint cursor {cursor} is past the committed cursor {old.cursor}")
+
+        return self._modify(check, checkpoint_cursor=cursor)
 
     def set_demand(self, positions: list[int]) -> Registration:
         return self._modify(demand=sorted(set(positions)))

@@ -25,6 +25,7 @@ def format_accounting(acc: Accounting) -> str:
     c = acc.cache
     shared = [
         ["captures (producer, once)", c.captures], ["publications", c.publications],
+        ["published bytes", c.published_bytes],
         ["capture failures", c.failures], ["captures lost in a producer crash", c.captures_lost_in_crash],
         ["recaptures", c.recaptures], ["evictions", c.evictions],
         ["coalesced requests", c.coalesced],

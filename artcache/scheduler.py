@@ -85,18 +85,24 @@ def wanted(regs: Iterable[Registration], fp_of: Callable[[int], str], published:
            max_queue: int) -> list[Want]:
     """Unpublished fingerprints inside live windows, demand first, then by distance from cursor.
 
-    Only positions in ``[cursor, min(cursor + lookahead, end - 1)]`` are ever wanted: the
+    Only positions in ``[cursor, min(cursor + lookahead, end - 1)]`` and pinned positions (a
+    consumer's held-out evaluation split, :meth:`Registration.pinned_range`) are ever wanted: the
     lookbehind is retained if present but never (re)captured, and nothing past a consumer's
-    announced end is prefetched.
+    announced end is prefetched. Priorities: demand ``(0, distance)``, window prefetch
+    ``(1, distance from cursor)``, pinned prefetch ``(2, offset in the pinned range)`` — pinned
+    positions never delay a window; a consumer blocked on one turns it into demand.
     """
     by_fp: dict[str, Want] = {}
     regs = list(regs)
     # demand misses: positions a consumer is blocked on (still inside its window)
     for reg in regs:
         lo, hi = reg.readable()
+        pinned = reg.pinned_range()
         for p in reg.demand:
             if lo <= p <= hi:
                 _add(by_fp, fp_of(p), p, (0, p - reg.cursor), reg.consumer_id, published)
+            elif p in pinned:
+                _add(by_fp, fp_of(p), p, (0, p - pinned.start), reg.consumer_id, published)
     # prefetch, interleaved across consumers by distance from each cursor
     spans = [(reg, *reg.readable()) for reg in regs]
     for dist in range(max((hi - lo for _, lo, hi in spans), default=-1) + 1):
@@ -105,6 +111,12 @@ def wanted(regs: Iterable[Registration], fp_of: Callable[[int], str], published:
         for reg, lo, hi in spans:
             if lo + dist <= hi:
                 _add(by_fp, fp_of(lo + dist), lo + dist, (1, dist), reg.consumer_id, published)
+    # pinned ranges last (held-out evaluation positions: needed only every --eval-interval steps)
+    for reg in regs:
+        for i, p in enumerate(reg.pinned_range()):
+            if len(by_fp) >= max_queue:
+                break
+            _add(by_fp, fp_of(p), p, (2, i), reg.consumer_id, published)
     out = sorted(by_fp.values(), key=lambda w: w.priority)
     return out[:max_queue]
 
@@ -142,14 +154,13 @@ def next_batch(queue: list[Want], length_of: Callable[[int], int], limits: Sched
 
 
 def window_positions(regs: Iterable[Registration]) -> set[int]:
-    """The retain set as positions: the union of live windows."""
+    """The retain set as positions: the union of live windows and pinned ranges."""
     out: set[int] = set()
     for reg in regs:
-        lo, hi = reg.window()
-        out.update(range(lo, hi + 1))
+        out |= reg.retained_positions()
     return out
 
 
 def window_bound(regs: Iterable[Registration]) -> int:
-    """Upper bound on retained artifacts: Σ window sizes of the live consumers."""
-    return sum(r.window_size() for r in regs)
+    """Upper bound on retained artifacts: Σ (window size + pinned positions) of the live consumers."""
+    return sum(r.retain_bound() for r in regs)

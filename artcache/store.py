@@ -35,7 +35,7 @@ from artcache.crashpoints import crash_point
 from artcache.errors import ArtifactMissing, IntegrityError, PublishError
 from artcache.fsio import atomic_write, check_free_space
 from artcache.hashing import digest_bytes
-from artcache.layout import CacheLayout, unique_suffix
+from artcache.layout import CacheLayout, check_real_dir, open_nofollow, unique_suffix
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -163,23 +163,54 @@ def _encode(fp: str, contract: CaptureContract,
     return struct.pack("<Q", len(hjson)) + hjson, chunks
 
 
+def check_tokens(fp: str, contract: CaptureContract, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
+    """Raise IntegrityError unless ``fingerprint(contract, input_ids, loss_mask) == fp``: the artifact holds
+    the sample that was requested (its token ids and loss mask), not another one's capture."""
+    from artcache.fingerprint import fingerprint
+
+    got = fingerprint(contract, input_ids, loss_mask)
+    if got != fp:
+        raise IntegrityError(f"artifact {fp}: its token ids / loss mask do not match the requested sample "
+                             f"(they fingerprint to {got})")
+
+
+def _shard_dir(layout: CacheLayout, fp: str, create: bool) -> Path:
+    """``objects/<ab>/`` for ``fp``, created if asked; UnsafePath if it is a symbolic link."""
+    shard = layout.object_path(fp).parent
+    if create:
+        shard.mkdir(exist_ok=True)
+    check_real_dir(shard)
+    return shard
+
+
 def publish(layout: CacheLayout, fp: str, contract: CaptureContract,
-            tensors: dict[str, torch.Tensor], *, durable: bool = True, values_checked: bool = False) -> int:
+            tensors: dict[str, torch.Tensor], *, durable: bool = True, values_checked: bool = False,
+            verify_tokens: bool = False) -> int:
     """Validate and publish one artifact atomically; return its size in bytes.
 
     A reader sees nothing or the complete file. Publishing a fingerprint that already exists
     replaces it with identical content (same fingerprint ⇒ same bytes).
 
+    Args:
+        values_checked: the caller already verified there is no NaN/Inf (the GPU backend checks
+            on the device before copying), so the host-side scan is skipped; structure is always checked.
+        verify_tokens: also check that ``fp`` is the fingerprint of the tensors' ``input_ids`` and
+            ``loss_mask`` under ``contract`` (the producer does; tests with made-up fingerprints do not).
+
     Raises:
         IntegrityError: the capture failed validation (nothing written).
         PublishError: a write, fsync or rename failed, or space ran out (temp file removed).
-        ``values_checked``: the caller already verified there is no NaN/Inf (the GPU backend checks
-    on the device before copying), so the host-side scan is skipped; structure is always checked.
-
+        UnsafePath: the shard directory ``objects/<ab>`` is a symbolic link (nothing written).
     """
     validate_capture(contract, tensors, check_values=not values_checked)
+    if verify_tokens:
+        check_tokens(fp, contract, tensors["input_ids"], tensors["loss_mask"])
     header, chunks = _encode(fp, contract, tensors)
     check_free_space(layout.tmp, len(header) + sum(c.nbytes for c in chunks))
+    try:
+        _shard_dir(layout, fp, create=True)
+    except FileNotFoundError as exc:  # objects/ itself is gone: the root was removed under us
+        raise PublishError(f"writing {fp} failed: {exc}", fingerprint=fp, errno_=exc.errno) from exc
     return atomic_write(layout.object_path(fp), [header, *chunks], layout.tmp, durable=durable,
                         fingerprint=fp)
 
@@ -207,8 +238,9 @@ def _parse(buf, fp: str) -> tuple[dict, dict, int]:
 
 def _read_file(path: Path, pin: bool):
     """The whole file in one buffer: a bytearray, or a page-locked (pinned) host buffer when ``pin``
-    (so the tensors over it go to the GPU with a non-blocking copy)."""
-    with open(path, "rb", buffering=0) as f:
+    (so the tensors over it go to the GPU with a non-blocking copy). Opened ``O_NOFOLLOW``: a symbolic
+    link raises UnsafePath."""
+    with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy() if pin else bytearray(size)
         view = memoryview(buf)
@@ -221,11 +253,38 @@ def _read_file(path: Path, pin: bool):
     return buf[:got] if got != size else buf
 
 
-def read(layout: CacheLayout, fp: str, contract: CaptureContract, *, pin: bool = False) -> Artifact:
+def _verify(buf, fp: str, contract: CaptureContract, verify_tokens: bool,
+            check_values: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of an artifact's bytes ``buf`` after every check; IntegrityError naming the failed one."""
+    header, meta, start = _parse(buf, fp)
+    data = memoryview(buf)[start:]
+    if meta.get("fingerprint") != fp:
+        raise IntegrityError(f"artifact {fp} carries fingerprint {meta.get('fingerprint')!r}")
+    if meta.get("artcache_format") != str(FORMAT_VERSION):
+        raise IntegrityError(f"artifact {fp} has format {meta.get('artcache_format')!r}, "
+                             f"expected {FORMAT_VERSION}")
+    if meta.get("contract_id") != contract.contract_id:
+        raise IntegrityError(f"artifact {fp} was captured under another contract")
+    if digest_bytes(data) != meta.get("content_hash"):
+        raise IntegrityError(f"artifact {fp} failed its content hash")
+    tensors = _tensors_from_buffer(buf, header, start, fp)
+    # values were checked for NaN/Inf before publication; the content hash proves these are
+    # the same bytes, so a read re-checks structure only (verify, offline, re-checks values too)
+    validate_capture(contract, tensors, check_values=check_values)
+    if verify_tokens:
+        check_tokens(fp, contract, tensors["input_ids"], tensors["loss_mask"])
+    return tensors
+
+
+def read(layout: CacheLayout, fp: str, contract: CaptureContract, *, pin: bool = False,
+         verify_tokens: bool = False) -> Artifact:
     """Read and verify one artifact.
 
     Args:
         pin: read into page-locked host memory (for a following non-blocking copy to a GPU).
+        verify_tokens: also check that the stored ``input_ids``/``loss_mask`` fingerprint to ``fp``
+            under ``contract``, i.e. that the artifact is the capture of the requested sample (consumers
+            do; tests that publish made-up fingerprints do not). Cost: one BLAKE2b over 5 bytes/token.
 
     Returns:
         The artifact; its tensors are zero-copy views over one buffer holding the file (one read,
@@ -233,36 +292,45 @@ def read(layout: CacheLayout, fp: str, contract: CaptureContract, *, pin: bool =
 
     Raises:
         ArtifactMissing: not published (never captured or evicted): treat as a demand miss.
-        IntegrityError: hash, fingerprint, contract or shape check failed; the file has been
+        IntegrityError: hash, fingerprint, contract, shape or token check failed; the file has been
             moved to ``quarantine/`` so the next request is a demand miss.
+        UnsafePath: the artifact or its shard directory is a symbolic link (never followed).
     """
     path = layout.object_path(fp)
     try:
+        _shard_dir(layout, fp, create=False)
         buf = _read_file(path, pin)
     except FileNotFoundError as exc:
         raise ArtifactMissing(f"artifact {fp} is not published") from exc
     try:
-        header, meta, start = _parse(buf, fp)
-        data = memoryview(buf)[start:]
-        if meta.get("fingerprint") != fp:
-            raise IntegrityError(f"artifact {fp} carries fingerprint {meta.get('fingerprint')!r}")
-        if meta.get("artcache_format") != str(FORMAT_VERSION):
-            raise IntegrityError(f"artifact {fp} has format {meta.get('artcache_format')!r}, "
-                                 f"expected {FORMAT_VERSION}")
-        if meta.get("contract_id") != contract.contract_id:
-            raise IntegrityError(f"artifact {fp} was captured under another contract")
-        if digest_bytes(data) != meta.get("content_hash"):
-            raise IntegrityError(f"artifact {fp} failed its content hash")
-        tensors = _tensors_from_buffer(buf, header, start, fp)
-        # values were checked for NaN/Inf before publication; the content hash proves these are
-        # the same bytes, so a read re-checks structure only
-        validate_capture(contract, tensors, check_values=False)
+        tensors = _verify(buf, fp, contract, verify_tokens)
     except IntegrityError:
         quarantine(layout, fp)
         raise
     core = ("hidden_states", "input_ids", "loss_mask")
     return Artifact(fp, tensors["hidden_states"], tensors["input_ids"], tensors["loss_mask"],
                     len(buf), {k: v for k, v in tensors.items() if k not in core})
+
+
+def verify(layout: CacheLayout, fp: str, contract: CaptureContract, *, verify_tokens: bool = True) -> str | None:
+    """Check one published artifact without moving it (``artcache fsck``): None if it passes every check
+    of :func:`read` (token check included by default) and has no NaN/Inf (which a read does not re-scan:
+    the content hash proves the bytes are those validated at publication, unless a writer skipped that
+    validation), else what failed.
+
+    Raises:
+        ArtifactMissing: not published. UnsafePath: a symbolic link in its path.
+    """
+    try:
+        _shard_dir(layout, fp, create=False)
+        buf = _read_file(layout.object_path(fp), False)
+    except FileNotFoundError as exc:
+        raise ArtifactMissing(f"artifact {fp} is not published") from exc
+    try:
+        _verify(buf, fp, contract, verify_tokens, check_values=True)
+    except IntegrityError as exc:
+        return str(exc)
+    return None
 
 
 def quarantine(layout: CacheLayout, fp: str) -> bool:
@@ -304,7 +372,7 @@ def list_objects(layout: CacheLayout) -> dict[str, int]:
     except FileNotFoundError:
         return out
     for shard in shards:
-        if not shard.is_dir():
+        if not shard.is_dir(follow_symlinks=False):  # a link planted as a shard is never followed
             continue
         for entry in os.scandir(shard.path):
             name = entry.name
@@ -312,11 +380,13 @@ def list_objects(layout: CacheLayout) -> dict[str, int]:
             if not _FP_NAME.fullmatch(fp) or shard.name != fp[:2]:
                 continue  # not an artifact artcache wrote (a stray file): never touched, never counted
             try:
-                out[fp] = entry.stat().st_size
+                if not entry.is_file(follow_symlinks=False):
+                    continue  # a link (or a directory) with an artifact's name: fsck reports it
+                out[fp] = entry.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
                 continue
     return out
 
 
-__all__ = ["Artifact", "PublishError", "exists", "list_objects", "publish", "quarantine", "read",
-           "remove", "validate_capture"]
+__all__ = ["Artifact", "PublishError", "check_tokens", "exists", "list_objects", "publish", "quarantine", "read",
+           "remove", "validate_capture", "verify"]

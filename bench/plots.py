@@ -52,3 +52,38 @@ def gpu_plot(samples: list, roles: dict[int, str], path: Path, t_base: float) ->
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def modes_plot(summaries: dict, figures: dict, path: Path, title: str) -> Path:
+    """Left: each consumer's committed steps over time in every mode (colour: consumer, line style:
+    mode; time since the mode's first step). Right: producer captures per consumed position per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110, gridspec_kw={"width_ratios": [2.2, 1]})
+    styles = {"artcache": "-", "naive": ":", "lockstep": "--"}
+    ids = sorted({cid for f in figures.values() for cid in f["consumers"]})
+    colours = {cid: f"C{i}" for i, cid in enumerate(ids)}
+    for mode, f in figures.items():
+        t_base = min((c["progress"][0][0] for c in f["consumers"].values() if c["progress"]), default=0.0)
+        for cid, c in f["consumers"].items():
+            if c["progress"]:
+                ax.plot([p[0] - t_base for p in c["progress"]], [p[1] for p in c["progress"]],
+                        styles.get(mode, "-."), color=colours[cid],
+                        label=f"{mode} {cid} ({c['steps_per_s']:.3f} steps/s)")
+    ax.set_xlabel("time since the mode's first step (s)")
+    ax.set_ylabel("optimizer steps committed")
+    ax.legend(loc="upper left", fontsize=7)
+    ax.grid(alpha=0.3)
+    names = list(summaries)
+    values = [summaries[m]["captures_per_consumed_position"] for m in names]
+    bars = bx.bar(names, values, color=["C2" if m == "artcache" else "0.6" for m in names])
+    bx.bar_label(bars, fmt="%.2f")
+    bx.set_ylabel("producer captures per consumed position")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

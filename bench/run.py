@@ -2,6 +2,20 @@
 
 Each scenario gets ``<out>/<scenario>/`` holding ``cache/`` (a fresh root), ``logs/``, ``runs/``
 (consumer checkpoints), ``report.json``, ``report.md`` and ``progress.png``.
+
+Modes (``--modes``), run one after the other in the same invocation, each on fresh roots and with
+the same consumers, settings and step counts:
+
+* ``artcache``: one producer, one root, consumers independent (the system under test; its checks
+  decide the exit status). Output directly under ``<out>/<scenario>/``.
+* ``naive``: nothing shared: one producer and one root per consumer (``naive/cache-<id>/``).
+* ``lockstep``: one producer and one root, consumers bound to one shared cursor
+  (``ConsumerConfig.lockstep_group``: a position is read only once every consumer committed the
+  batches before it), as when one data loader drives every trainer (``lockstep/cache/``).
+
+With baselines the report adds ``modes`` (per mode: producer captures per consumed position, each
+consumer's steady steps/s, the aggregate) and ``comparison`` (the verdict: artcache against
+``naive`` on captures, against ``lockstep`` on the fast consumer's steps/s), plus ``modes.png``.
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +41,11 @@ from artcache.layout import CacheLayout
 from artcache.report import table
 from artcache.telemetry import make_sampler
 from bench.metrics import scenario_figures
-from bench.plots import gpu_plot, progress_plot
-from bench.scenarios import Scenario, resolve
+from bench.plots import gpu_plot, modes_plot, progress_plot
+from bench.scenarios import ConsumerSpec, Scenario, resolve
 
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+MODES = ("artcache", "naive", "lockstep")
 
 
 @dataclass
@@ -49,6 +65,7 @@ class BenchConfig:
     allow_shared_gpu: bool = False
     draft_layers: int = 5
     timeout_s: float = 1800.0
+    modes: str = ""  # comma-separated subset of MODES; "" = parse_modes' default for the scenario
 
 
 def _check_environment(cfg: BenchConfig, n_roles: int) -> list[int]:
@@ -82,65 +99,146 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "artcache.cli", *args]
 
 
-def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
-    """Run one scenario end to end and return its report dict (also written to disk)."""
-    gpus = _check_environment(cfg, 1 + len(sc.consumers))
-    base = Path(cfg.out_dir).absolute() / sc.name
-    _fresh_dir(base)
-    cache, logs = base / "cache", base / "logs"
-    logs.mkdir()
+def parse_modes(text: str, sc: Scenario) -> tuple[str, ...]:
+    """``--modes`` text → the modes to run for ``sc``, in :data:`MODES` order.
+
+    Empty text: every mode for a scenario of several consumers, ``artcache`` alone for one (with one
+    consumer the baselines are artcache itself). Raises ConfigError naming an unknown mode, or a
+    list without ``artcache`` (the baselines are compared against it).
+    """
+    if not text.strip():
+        return MODES if len(sc.consumers) > 1 else ("artcache",)
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad:
+        raise ConfigError(f"--modes {text!r}: unknown mode(s) {', '.join(bad)}; accepted: a comma-separated "
+                          f"subset of {','.join(MODES)}")
+    if "artcache" not in names:
+        raise ConfigError(f"--modes {text!r} must include artcache: the baselines are compared against it")
+    return tuple(m for m in MODES if m in names)
+
+
+def _producers(base: Path, mode: str, sc: Scenario) -> list[tuple[str, Path, tuple[ConsumerSpec, ...]]]:
+    """(producer id, cache root, consumers it serves) for each producer of ``mode``."""
+    if mode == "naive":
+        return [(f"producer-{c.consumer_id}", base / "naive" / f"cache-{c.consumer_id}", (c,))
+                for c in sc.consumers]
+    return [("producer", (base if mode == "artcache" else base / mode) / "cache", sc.consumers)]
+
+
+@dataclass
+class ModeRun:
+    """What one mode left behind: its roots' journal events (concatenated) and accounting."""
+
+    mode: str
+    roots: list[Path]
+    codes: dict[str, int | None]  # role (producer id or consumer id) -> exit status
+    wall_s: float
+    events: list
+    accounts: list
+
+
+def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[int], sampler=None) -> ModeRun:
+    """Start the producer(s) of ``mode``, then its consumers; wait for all of them; read the journals.
+
+    Every consumer is started by :mod:`bench.consume` from the same :class:`ConsumerConfig` in every
+    mode; only ``cache`` and ``lockstep_group`` differ. Roles get GPUs producers first, then consumers.
+    """
+    from trainers.consumer import ConsumerConfig, parse_window
+
+    lookbehind, lookahead = parse_window(cfg.window)
+    work = base if mode == "artcache" else base / mode
+    logs = work / "logs"
+    logs.mkdir(parents=True)
+    producers = _producers(base, mode, sc)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cpu = cfg.device == "cpu"
     threads = ["--threads", "1"] if cpu else []
     dev = (lambda i: "cpu") if cpu else (lambda i: f"cuda:{gpus[i]}")
+    group = ",".join(c.consumer_id for c in sc.consumers) if mode == "lockstep" else ""
     procs: dict[str, subprocess.Popen] = {}
-    sampler = make_sampler(sorted(set(gpus)))
-    roles = {}
-    if gpus:
-        roles[gpus[0]] = "producer"
-        for i, c in enumerate(sc.consumers, start=1):
-            roles[gpus[i]] = (roles[gpus[i]] + "+" if gpus[i] in roles else "") + c.consumer_id
-    sampler.start()
+    codes: dict[str, int | None] = {}
+    if sampler is not None:
+        sampler.start()
     t_start = time.time()
     try:
-        with open(logs / "producer.log", "wb") as log:
-            procs["producer"] = subprocess.Popen(_cli(
-                "producer", "--cache", str(cache), "--target", cfg.target, "--data", cfg.dataset,
-                "--max-length", str(cfg.max_length),
-                "--max-samples", str(cfg.max_samples), "--draft-layers", str(cfg.draft_layers),
-                "--device", dev(0), "--exit-when-done", "--done-grace", "5",
-                "--expect-consumers", str(len(sc.consumers)), *threads), stdout=log, stderr=subprocess.STDOUT, env=env)
-        _wait_ready(cache, procs["producer"], logs / "producer.log", cfg.timeout_s)
-        for i, c in enumerate(sc.consumers, start=1):
-            with open(logs / f"{c.consumer_id}.log", "wb") as log:
-                procs[c.consumer_id] = subprocess.Popen(_cli(
-                    "consume", "--cache", str(cache), "--draft", c.draft, "--id", c.consumer_id,
-                    "--window", cfg.window, "--block-size", str(c.block_size), "--anchors", str(cfg.anchors),
-                    "--batch-size", str(cfg.batch_size), "--steps", str(cfg.warmup + cfg.steps),
-                    "--device", dev(i), "--out", str(base / "runs" / c.consumer_id), "--log-every", "10",
-                    *threads), stdout=log, stderr=subprocess.STDOUT, env=env)
-        codes = {}
+        for i, (pid, root, served) in enumerate(producers):
+            with open(logs / f"{pid}.log", "wb") as log:
+                procs[pid] = subprocess.Popen(_cli(
+                    "producer", "--cache", str(root), "--id", pid, "--target", cfg.target, "--data", cfg.dataset,
+                    "--max-length", str(cfg.max_length),
+                    "--max-samples", str(cfg.max_samples), "--draft-layers", str(cfg.draft_layers),
+                    "--device", dev(i), "--exit-when-done", "--done-grace", "5",
+                    "--expect-consumers", str(len(served)), *threads), stdout=log, stderr=subprocess.STDOUT,
+                    env=env)
+        for pid, root, _ in producers:
+            _wait_ready(root, procs[pid], logs / f"{pid}.log", cfg.timeout_s)
+        role = len(producers)
+        for _, root, served in producers:
+            for c in served:
+                ccfg = ConsumerConfig(
+                    cache=str(root), consumer_id=c.consumer_id, draft=c.draft, lookbehind=lookbehind,
+                    lookahead=lookahead, block_size=c.block_size, num_anchors=cfg.anchors,
+                    batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=dev(role),
+                    threads=1 if cpu else 0, out_dir=str(work / "runs" / c.consumer_id), log_every=10,
+                    lockstep_group=group)
+                role += 1
+                with open(logs / f"{c.consumer_id}.log", "wb") as log:
+                    procs[c.consumer_id] = subprocess.Popen(
+                        [sys.executable, "-m", "bench.consume", msgspec.json.encode(ccfg).decode()],
+                        stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + cfg.timeout_s
         for c in sc.consumers:
             codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.time()))
-        try:
-            codes["producer"] = procs["producer"].wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            procs["producer"].send_signal(signal.SIGTERM)
-            codes["producer"] = procs["producer"].wait(timeout=60)
+        for pid, _, _ in producers:
+            try:
+                codes[pid] = procs[pid].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                procs[pid].send_signal(signal.SIGTERM)
+                codes[pid] = procs[pid].wait(timeout=60)
     finally:
-        sampler.stop()
+        if sampler is not None:
+            sampler.stop()
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
     wall = time.time() - t_start
-    layout = CacheLayout(cache)
-    events = J.read_events(layout.journal).events
-    figures = scenario_figures(events, cfg.warmup)
-    acc = account(layout)
-    report = _report(cfg, sc, figures, acc, codes, wall, sampler, roles)
+    roots = [root for _, root, _ in producers]
+    events = [ev for root in roots for ev in J.read_events(CacheLayout(root).journal).events]
+    return ModeRun(mode, roots, codes, wall, events, [account(CacheLayout(root)) for root in roots])
+
+
+def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
+    """Run every mode of one scenario end to end and return its report dict (also written to disk)."""
+    modes = parse_modes(cfg.modes, sc)
+    n_roles = max((2 if m == "naive" else 1) * len(sc.consumers) + (m != "naive") for m in modes)
+    gpus = _check_environment(cfg, n_roles)
+    base = Path(cfg.out_dir).absolute() / sc.name
+    _fresh_dir(base)
+    sampler = make_sampler(sorted(set(gpus[:1 + len(sc.consumers)])))
+    roles = {}
+    if gpus:
+        roles[gpus[0]] = "producer"
+        for i, c in enumerate(sc.consumers, start=1):
+            roles[gpus[i]] = (roles[gpus[i]] + "+" if gpus[i] in roles else "") + c.consumer_id
+    runs = {}
+    for mode in modes:
+        if len(modes) > 1:
+            print(f"-- mode {mode}: {len(_producers(base, mode, sc))} producer(s), {len(sc.consumers)} consumer(s)",
+                  flush=True)
+        runs[mode] = run_mode(cfg, sc, base, mode, gpus, sampler if mode == "artcache" else None)
+    art = runs["artcache"]
+    figures = scenario_figures(art.events, cfg.warmup)
+    report = _report(cfg, sc, figures, art.accounts[0], art.codes, art.wall_s, sampler, roles)
+    mode_figures = {m: (figures if m == "artcache" else scenario_figures(r.events, cfg.warmup))
+                    for m, r in runs.items()}
+    report["modes"] = {m: mode_summary(cfg, sc, r, mode_figures[m]) for m, r in runs.items()}
+    report["comparison"] = compare(report["modes"]) if len(modes) > 1 else None
+    report["checks"].update(validity_checks(cfg, report["modes"]))
     _write(base, report, figures, sampler, roles)
+    if len(modes) > 1:
+        modes_plot(report["modes"], mode_figures, base / "modes.png", f"{sc.name} on {cfg.device}: modes")
     return report
 
 
@@ -213,6 +311,119 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
     }
 
 
+def max_lead(events: list, ids: list[str]) -> int:
+    """Largest number of optimizer steps any consumer had committed beyond the slowest other one, at
+    the moments it committed (from the journals' ``step`` events; 0 with a single consumer).
+
+    Under ``lockstep`` it is at most 1: a consumer reads batch k only once every other one committed
+    k - 1 steps (their ``step`` events precede its own by at least one training step)."""
+    times = {cid: sorted(ev.t for ev in events if isinstance(ev, J.Step) and ev.consumer == cid) for cid in ids}
+    lead = 0
+    for cid in ids:
+        others = [times[j] for j in ids if j != cid]
+        for k, t in enumerate(times[cid], start=1):
+            if others:
+                lead = max(lead, k - min(bisect_right(ts, t) for ts in others))
+    return lead
+
+
+def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) -> dict:
+    """One mode in numbers.
+
+    ``captures_per_consumed_position`` = captures summed over the mode's producers / distinct
+    positions consumed; every consumer walks the same plan positions from 0 in every root, so the
+    distinct positions are the largest cursor over the roots. Per consumer, ``steps_per_s`` is its
+    steady rate after its own warm-up (:func:`bench.metrics.scenario_figures`);
+    ``aggregate_steps_per_s`` is taken over the mode's common post-warm-up interval.
+    """
+    ids = [c.consumer_id for c in sc.consumers]
+    captures = sum(a.cache.captures for a in run.accounts)
+    positions = max((a.cache.distinct_positions_consumed for a in run.accounts), default=0)
+    consumers = []
+    for spec in sc.consumers:
+        f = figures["consumers"].get(spec.consumer_id, {})
+        consumers.append({"id": spec.consumer_id, "block_size": spec.block_size, "steps": f.get("steps", 0),
+                          "steps_per_s": f.get("steps_per_s", 0.0), "wait_s": f.get("wait_s", 0.0),
+                          "fetch_fraction": f.get("fetch_fraction", 0.0),
+                          "exit_code": run.codes.get(spec.consumer_id)})
+    return {
+        "mode": run.mode, "producers": len(run.roots), "captures": captures,
+        "recaptures": sum(a.cache.recaptures for a in run.accounts),
+        "distinct_positions_consumed": positions,
+        "captures_per_consumed_position": captures / positions if positions else 0.0,
+        "consumers": consumers,
+        "aggregate_steps_per_s": figures["aggregate_steps_per_s"], "interval_s": figures["interval_s"],
+        "producer_busy_s": figures["producer_busy_s"], "wall_s": run.wall_s,
+        "max_lead_steps": max_lead(run.events, ids),
+        "producer_exit_codes": {k: v for k, v in run.codes.items() if k not in ids},
+        "consumers_per_root": [len(a.consumers) for a in run.accounts],
+        "accounting_violations": [v for a in run.accounts for v in a.violations],
+    }
+
+
+#: a ratio below this is reported as inside the run-to-run noise of these machines (docs/benchmarks.md)
+NOISE = 1.10
+
+
+def compare(modes: dict) -> dict:
+    """The verdict of artcache against the baselines that ran. Reported, never an exit criterion.
+
+    * captures: artcache wins when its producer captures per consumed position are below naive's.
+    * throughput: the *fast consumer* is the one with the highest steady steps/s under artcache;
+      artcache wins when that consumer's steps/s under artcache exceed its steps/s under lockstep.
+    """
+    art = modes["artcache"]
+    out: dict = {}
+    lines = []
+
+    def word(win: bool, ratio: float) -> str:
+        noise = " (inside the ±10 % run-to-run noise)" if win and ratio < NOISE else ""
+        return ("artcache wins" if win else "artcache DOES NOT win") + noise
+
+    if "naive" in modes:
+        a, b = art["captures_per_consumed_position"], modes["naive"]["captures_per_consumed_position"]
+        win, ratio = a < b, (b / a if a else float("inf"))
+        out["captures_vs_naive"] = {"artcache": a, "naive": b, "ratio": ratio, "artcache_wins": win}
+        lines.append(f"captures per consumed position: artcache {a:.2f} vs naive {b:.2f} "
+                     f"({ratio:.2f}x): {word(win, ratio)}")
+    if "lockstep" in modes:
+        rates = {c["id"]: c["steps_per_s"] for c in art["consumers"]}
+        fast = max(rates, key=lambda k: rates[k])
+        lock = next(c["steps_per_s"] for c in modes["lockstep"]["consumers"] if c["id"] == fast)
+        win, ratio = rates[fast] > lock, (rates[fast] / lock if lock else float("inf"))
+        out["fast_consumer_vs_lockstep"] = {"consumer": fast, "artcache": rates[fast], "lockstep": lock,
+                                            "ratio": ratio, "artcache_wins": win}
+        lines.append(f"fast consumer {fast}: artcache {rates[fast]:.3f} vs lockstep {lock:.3f} steps/s "
+                     f"({ratio:.2f}x): {word(win, ratio)}")
+    out["artcache_wins"] = all(v["artcache_wins"] for v in out.values())
+    out["verdict"] = "; ".join(lines)
+    return out
+
+
+def validity_checks(cfg: BenchConfig, modes: dict) -> dict[str, bool]:
+    """Checks that the baselines measured what they claim; a failure makes the comparison invalid
+    (and the bench exit nonzero). The win/lose verdict itself is not among them.
+
+    Per baseline: every consumer finished all its steps with status 0, every producer exited 0, each
+    consumer has a steady rate, the roots' accounting invariants hold. ``naive``: exactly one
+    consumer per root (nothing shared). ``lockstep``: no consumer ever led another by more than one
+    step (one shared cursor)."""
+    checks = {}
+    for m, s in modes.items():
+        if m == "artcache":
+            continue
+        checks[f"{m}_completed"] = (
+            all(c["exit_code"] == 0 and c["steps"] == cfg.warmup + cfg.steps for c in s["consumers"])
+            and all(code == 0 for code in s["producer_exit_codes"].values()))
+        checks[f"{m}_rates_measured"] = all(c["steps_per_s"] > 0 for c in s["consumers"])
+        checks[f"{m}_accounting_invariants"] = not s["accounting_violations"]
+        if m == "naive":
+            checks["naive_one_consumer_per_root"] = all(n == 1 for n in s["consumers_per_root"])
+        if m == "lockstep":
+            checks["lockstep_one_shared_cursor"] = s["max_lead_steps"] <= 1
+    return checks
+
+
 def _write(base: Path, report: dict, figures: dict, sampler, roles) -> None:
     (base / "report.json").write_text(json.dumps(report, indent=2))
     progress_plot(figures, base / "progress.png", f"{report['scenario']} on {report['device']}")
@@ -246,16 +457,48 @@ def format_report(r: dict) -> str:
         "tau(+1) = mean acceptance length per block over the last 10 steps, including the +1 bonus token.", "",
         "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()), "",
     ]
+    if r.get("comparison"):
+        lines += [format_modes(r), ""]
     return "\n".join(lines)
+
+
+def format_modes(r: dict) -> str:
+    """The modes table (steady steps/s per consumer after its warm-up) and the verdict line."""
+    modes = r["modes"]
+    ids = [c["id"] for c in r["consumers"]]
+    rows = []
+    for m, s in modes.items():
+        rate = {c["id"]: c["steps_per_s"] for c in s["consumers"]}
+        rows.append([m, s["producers"], s["captures"], s["distinct_positions_consumed"],
+                     round(s["captures_per_consumed_position"], 3), *(round(rate[i], 3) for i in ids),
+                     round(s["aggregate_steps_per_s"], 3) if s["interval_s"] > 0 else "n/a", s["max_lead_steps"],
+                     round(s["wall_s"], 1)])
+    headers = ["mode", "producers", "captures", "positions", "captures/pos", *(f"{i} steps/s" for i in ids),
+               "aggregate", "max lead", "wall_s"]
+    return "\n".join([
+        f"### modes: artcache against the baselines ({r['warmup_steps']} warm-up + {r['measured_steps']} "
+        "measured steps per consumer, each mode on fresh roots)", "",
+        "```", table(headers, rows), "```", "",
+        "captures/pos = producer captures (all producers of the mode) per distinct position consumed; steps/s "
+        "= each consumer's steady rate after its warm-up; aggregate over the mode's common post-warm-up "
+        "interval (n/a: the first consumer finished before the last one's warm-up ended); max lead = most "
+        "steps any consumer committed beyond the slowest other.", "",
+        "verdict: " + r["comparison"]["verdict"],
+    ])
 
 
 def run_bench(cfg: BenchConfig) -> bool:
     """Run the scenarios serially; print each report; True when every check passed."""
+    from trainers.consumer import parse_window
+
     ok = True
     reports = []
+    parse_window(cfg.window)  # bad input fails here, before anything is written
     for sc in resolve(cfg.scenario):
-        print(f"== scenario {sc.name}: 1 producer, {len(sc.consumers)} consumer(s), {cfg.device}, "
-              f"{cfg.warmup}+{cfg.steps} steps each ...", flush=True)
+        parse_modes(cfg.modes, sc)
+    for sc in resolve(cfg.scenario):
+        print(f"== scenario {sc.name}: {len(sc.consumers)} consumer(s), {cfg.device}, {cfg.warmup}+{cfg.steps} "
+              f"steps each, modes {','.join(parse_modes(cfg.modes, sc))} ...", flush=True)
         r = run_scenario(cfg, sc)
         reports.append(r)
         print(format_report(r), flush=True)

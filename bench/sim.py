@@ -16,7 +16,17 @@ Nothing sleeps and no model runs: a virtual clock advances from event to event. 
   positions ``[cursor, cursor + batch_size)`` in order (as ``trainers.consumer._Reader``), leasing
   each position it reads; on an unpublished position it records it in ``Registration.demand`` and
   waits; with the whole batch read it trains for ``step_s``, commits the cursor, releases the
-  batch's leases; at ``end`` it completes (fenced: its window stops counting).
+  batch's leases; at ``end`` it completes (fenced: its window stops counting);
+* **liveness**: a consumer heart-beats every ``heartbeat_s`` while its process lives; one with
+  ``killed_s`` dies then (mid-step or mid-read: no commit, its leases stay on disk). At each pass
+  the producer fences every running consumer whose last heartbeat is older than
+  ``heartbeat_timeout_s`` (as ``Producer.live_registrations``): state ``expired``, its leases
+  expired, its window no longer live. While a killed consumer is unfenced the producer polls every
+  ``poll_s`` (its idle poll), so the fence comes at the first pass after the timeout.
+
+After every pass's eviction the retained artifacts must lie inside the union of live windows
+(a lease outside it is reported), and after every event their number must not exceed that union's
+size at the last pass (``union_violations``) nor Σ live window sizes (``retained_violations``).
 
 Positions map to fingerprints through the plan index ``p % plan_len``.
 
@@ -24,6 +34,7 @@ Reproduce the figures of ``docs/scheduler.md``::
 
     python -m bench.sim --scenario overlap --positions 10000 --solo
     python -m bench.sim --scenario lagging --positions 10000 --solo
+    python -m bench.sim --scenario killed --positions 10000
     python -m bench.sim --consumer fast:0.2:16:64:512 --consumer slow:0.1:4:0:32:30 --positions 4000
 """
 
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -52,6 +64,7 @@ class ConsumerSpec:
         name: consumer id. step_s: compute time of one optimizer step (virtual seconds).
         batch_size: positions per step. lookbehind, lookahead: its window.
         start_s: when it registers. end: exclusive last position (None: the run's ``positions``).
+        killed_s: when its process dies (None: never). heartbeat_s: its heartbeat period.
     """
 
     name: str
@@ -61,6 +74,8 @@ class ConsumerSpec:
     lookahead: int
     start_s: float = 0.0
     end: int | None = None
+    killed_s: float | None = None
+    heartbeat_s: float = 2.0
 
     @property
     def compute_rate(self) -> float:
@@ -70,13 +85,17 @@ class ConsumerSpec:
 
 @dataclass(frozen=True)
 class ProducerSpec:
-    """Capture latency of one batch: ``fixed_s + per_sample_s * samples``; scheduler limits."""
+    """Capture latency of one batch: ``fixed_s + per_sample_s * samples``; scheduler limits;
+    ``heartbeat_timeout_s`` (fence a consumer silent for longer, the producer's default 30 s) and
+    ``poll_s`` (idle poll, the producer's 20 ms)."""
 
     fixed_s: float = 0.02
     per_sample_s: float = 0.005
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     sample_tokens: int = 256  # every sample's length (padded-token limit)
     max_length: int = 512
+    heartbeat_timeout_s: float = 30.0
+    poll_s: float = 0.02
 
     @property
     def capacity(self) -> float:
@@ -95,6 +114,8 @@ class ConsumerResult:
     wait_s: float
     demand_waits: int
     max_demand_wait_s: float  # longest wait for one demanded position
+    fenced_s: float | None = None  # when the producer fenced it (killed consumers)
+    last_heartbeat_s: float | None = None  # its last heartbeat (killed consumers)
 
     @property
     def rate(self) -> float:
@@ -124,6 +145,10 @@ class SimResult:
     demand_with_prefetch_pending: int  # ... while other prefetch was queued as well
     demand_not_first: list[str]  # passes whose batch did not start with the demanded positions
     final_retained: int
+    union_violations: list[str]  # retained outside / beyond the union of live windows
+    max_union: int  # largest union of live windows at any pass
+    retained_log: list[tuple[float, int, int]]  # per pass, after eviction: (t, retained, union size)
+    leases_expired: int  # leases of fenced consumers, released by the producer
 
     @property
     def captures_per_position(self) -> float:
@@ -153,6 +178,8 @@ class _Consumer:
         self.max_demand_wait_s = 0.0
         self.steps = 0
         self.finish_s: float | None = None
+        self.killed = False
+        self.fenced_s: float | None = None
 
     def batch_stop(self) -> int:
         return min(self.reg.cursor + self.spec.batch_size, self.end)
@@ -195,6 +222,11 @@ class Simulation:
         self.demand_with_prefetch = 0
         self.demand_not_first: list[str] = []
         self.batch_log: list[tuple[float, list[int], list[int]]] = []  # (time, positions, demanded)
+        self.union_size = 0
+        self.max_union = 0
+        self.union_violations: list[str] = []
+        self.retained_log: list[tuple[float, int, int]] = []
+        self.leases_expired = 0
 
     # -- helpers -------------------------------------------------------------------------------
     def fp_of(self, p: int) -> str:
@@ -212,15 +244,41 @@ class Simulation:
 
     # -- producer ------------------------------------------------------------------------------
     def _evict(self, live: list[Registration]) -> None:
-        retain = set(self.leases)
+        union = set()
         for reg in live:
             lo, hi = reg.window()
-            retain.update(self.fp_of(p) for p in range(lo, hi + 1))
-        gone = self.published - retain
+            union.update(self.fp_of(p) for p in range(lo, hi + 1))
+        stray = set(self.leases) - union
+        if stray:
+            self.union_violations.append(f"t={self.now:.3f}: {len(stray)} leased artifacts outside every live window")
+        gone = self.published - union - stray
         self.evictions += len(gone)
         self.published -= gone
+        self.union_size = len(union)
+        self.max_union = max(self.max_union, self.union_size)
+        self.retained_log.append((self.now, len(self.published), self.union_size))
+
+    def _last_beat(self, c: _Consumer) -> float:
+        """The consumer's last heartbeat: every ``heartbeat_s`` from its start while its process lives."""
+        alive_until = self.now if c.spec.killed_s is None else min(self.now, c.spec.killed_s)
+        hb = c.spec.heartbeat_s
+        return c.spec.start_s + math.floor((alive_until - c.spec.start_s) / hb) * hb
+
+    def _fence_expired(self) -> None:
+        """Fence every running consumer silent for longer than the heartbeat timeout; expire its leases."""
+        for c in self.cons:
+            if c.started and not c.done and self.now - self._last_beat(c) > self.producer.heartbeat_timeout_s:
+                c.done, c.fenced_s = True, self.now
+                c.reg.state, c.reg.demand = "expired", []
+                for fp in c.held:
+                    self.leases[fp] -= 1
+                    if not self.leases[fp]:
+                        del self.leases[fp]
+                    self.leases_expired += 1
+                c.held = []
 
     def _pass(self) -> None:
+        self._fence_expired()
         live = self.live()
         self.passes += 1
         self._evict(live)
@@ -266,7 +324,7 @@ class Simulation:
     # -- consumers -----------------------------------------------------------------------------
     def _advance(self, c: _Consumer) -> None:
         """Read the current batch as far as published; block with demand, or start the step."""
-        if not c.started or c.done or c.training:
+        if not c.started or c.done or c.training or c.killed:
             return
         stop = c.batch_stop()
         while c.next_pos < stop:
@@ -316,10 +374,14 @@ class Simulation:
         self.max_retained = max(self.max_retained, n)
         if n > self.bound_at_pass:
             self.violations.append(f"t={self.now:.3f}: retained {n} > window bound {self.bound_at_pass}")
+        if n > self.union_size:
+            self.union_violations.append(f"t={self.now:.3f}: retained {n} > union of live windows {self.union_size}")
 
     def run(self) -> SimResult:
         for c in self.cons:
             self._push(c.spec.start_s, "start", c)
+            if c.spec.killed_s is not None:
+                self._push(c.spec.killed_s, "kill", c)
         events = 0
         while self._events:
             events += 1
@@ -332,11 +394,18 @@ class Simulation:
                 obj.reg.cursor = 0
                 obj.next_pos = 0
             elif kind == "step":
+                if obj.killed:  # died mid-step: nothing is committed
+                    continue
                 self._step_done(obj)
                 if not obj.done:
                     obj.next_pos = obj.reg.cursor
             elif kind == "captured":
                 self._captured(obj)
+            elif kind == "kill":
+                obj.killed = True
+                self._push(self.now + self.producer.poll_s, "poll", None)
+            elif kind == "poll" and any(c.killed and not c.done for c in self.cons):
+                self._push(self.now + self.producer.poll_s, "poll", None)
             # publications and commits let waiting consumers read on (recording demand if blocked)
             for c in self.cons:
                 self._advance(c)
@@ -351,16 +420,19 @@ class Simulation:
                 f"{[c.reg.cursor for c in self.cons if not c.done]}, demand "
                 f"{[c.reg.demand for c in self.cons if not c.done]}")
         return SimResult(
-            consumers={c.spec.name: ConsumerResult(c.spec.name, c.spec.start_s, c.finish_s, c.end,
-                                                   c.steps, c.wait_s, c.demand_waits,
-                                                   c.max_demand_wait_s) for c in self.cons},
-            positions=max(c.end for c in self.cons), captures=self.captures, recaptures=self.recaptures,
+            consumers={c.spec.name: ConsumerResult(
+                c.spec.name, c.spec.start_s, c.finish_s, c.reg.cursor if c.killed else c.end, c.steps, c.wait_s,
+                c.demand_waits, c.max_demand_wait_s, c.fenced_s,
+                self._last_beat(c) if c.killed else None) for c in self.cons},
+            positions=max(c.reg.cursor for c in self.cons), captures=self.captures, recaptures=self.recaptures,
             distinct_fps_captured=len(self.captured), evictions=self.evictions, batches=self.batches,
             passes=self.passes, busy_s=self.busy_s, end_s=self.now, max_retained=self.max_retained,
             window_bound_all=sum(c.spec.lookbehind + c.spec.lookahead + 1 for c in self.cons),
             max_queue=self.max_queue, retained_violations=self.violations,
             demand_passes=self.demand_passes, demand_with_prefetch_pending=self.demand_with_prefetch,
-            demand_not_first=self.demand_not_first, final_retained=len(self.published))
+            demand_not_first=self.demand_not_first, final_retained=len(self.published),
+            union_violations=self.union_violations, max_union=self.max_union, retained_log=self.retained_log,
+            leases_expired=self.leases_expired)
 
 
 def simulate(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = None, positions: int = 10_000,
@@ -392,6 +464,12 @@ def overlap_consumers() -> list[ConsumerSpec]:
 def lagging_consumer(start_s: float = 30.0, end: int | None = None) -> ConsumerSpec:
     """Starts late, slow (40 positions/s), small window 0:32: everything it reads was evicted."""
     return ConsumerSpec("lag", step_s=0.1, batch_size=4, lookbehind=0, lookahead=32, start_s=start_s, end=end)
+
+
+def killed_consumer(killed_s: float = 41.3) -> ConsumerSpec:
+    """20 positions/s with a 64:256 window, killed at ``killed_s`` (last heartbeat at 40 s): by then
+    the others are about 2,500 positions ahead, so its window is its own."""
+    return ConsumerSpec("victim", step_s=0.2, batch_size=4, lookbehind=64, lookahead=256, killed_s=killed_s)
 
 
 def default_producer() -> ProducerSpec:
@@ -436,6 +514,7 @@ def saturated_producer() -> ProducerSpec:
 SCENARIOS = {
     "overlap": lambda: (overlap_consumers(), default_producer()),
     "lagging": lambda: ([*overlap_consumers(), lagging_consumer()], default_producer()),
+    "killed": lambda: ([*overlap_consumers(), killed_consumer()], default_producer()),
     "diverge": lambda: (diverge_consumers(), diverge_producer()),
     "saturated": lambda: (saturated_consumers(), saturated_producer()),
 }
@@ -480,12 +559,19 @@ def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[s
         f"| max queue | {res.max_queue} |",
         f"| max retained | {res.max_retained} |",
         f"| window bound (Σ window sizes) | {res.window_bound_all} |",
-        f"| retained-bound violations | {len(res.retained_violations)} |",
+        f"| max union of live windows | {res.max_union} |",
+        f"| retained-bound violations (Σ, union) | {len(res.retained_violations)}, {len(res.union_violations)} |",
         f"| producer utilization | {res.utilization:.2f} |",
         f"| virtual run time s | {res.end_s:.2f} |",
         f"| passes with demand (with prefetch pending) | {res.demand_passes} ({res.demand_with_prefetch_pending}) |",
         f"| demand not served first | {len(res.demand_not_first)} |",
     ]
+    for c in consumers:
+        r = res.consumers[c.name]
+        if r.fenced_s is not None:
+            lines.append(f"| {c.name}: killed at / last heartbeat / fenced at (s) | {c.killed_s:g} / "
+                         f"{r.last_heartbeat_s:g} / {r.fenced_s:.2f} (cursor {r.positions}, leases expired "
+                         f"{res.leases_expired}) |")
     return "\n".join(lines)
 
 

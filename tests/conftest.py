@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reliability_figures import pytest_terminal_summary  # noqa: F401 - prints the reliability lane's figures
 
 from artcache.target import DEFAULT_TARGET, TargetInfo, resolve_target
 

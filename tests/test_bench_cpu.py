@@ -1,5 +1,6 @@
 """``artcache bench --scenario all --device cpu`` in CI size: every scenario writes its three report files,
-passes its checks, and its counts equal ``artcache inspect`` on the same root."""
+passes its checks, and its counts equal ``artcache inspect`` on the same root; 1p3c also runs the naive and
+lockstep baselines in the same invocation and reports the comparison."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def bench_all(tmp_path_factory, tiny_target):
         [sys.executable, "-m", "artcache.cli", "bench", "--scenario", "all", "--target", tiny_target.path,
          "--data", str(DATA), "--max-length", "128", "--max-samples", "32", "--anchors", "8",
          "--draft-layers", "3", "--warmup", "2", "--steps", "6", "--window", "8:8", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env)
+        capture_output=True, text=True, timeout=1200, env=env)
     return proc, out
 
 
@@ -41,6 +42,58 @@ def test_bench_all_passes_and_writes_every_report(bench_all):
     assert "captures" in proc.stdout and "checks:" in proc.stdout  # the table is printed
 
 
+def test_1p1c_runs_artcache_alone_by_default(bench_all):
+    _, out = bench_all
+    report = json.loads((out / "1p1c" / "report.json").read_text())
+    assert list(report["modes"]) == ["artcache"] and report["comparison"] is None
+    assert not (out / "1p1c" / "naive").exists() and not (out / "1p1c" / "modes.png").exists()
+
+
+def test_1p3c_runs_both_baselines_in_the_same_invocation(bench_all):
+    proc, out = bench_all
+    base = out / "1p3c"
+    report = json.loads((base / "report.json").read_text())
+    modes = report["modes"]
+    assert list(modes) == ["artcache", "naive", "lockstep"]
+    assert (base / "modes.png").stat().st_size > 0
+    ids = ["dflash-b4", "dflash-b8", "dflash-b16"]
+    for m, s in modes.items():
+        assert [c["id"] for c in s["consumers"]] == ids, m
+        assert all(c["steps"] == 8 and c["exit_code"] == 0 and c["steps_per_s"] > 0 for c in s["consumers"]), m
+        assert s["distinct_positions_consumed"] == 8, m
+    # naive: one producer and one root per consumer, each capturing every position its consumer read
+    assert modes["naive"]["producers"] == 3 and modes["naive"]["consumers_per_root"] == [1, 1, 1]
+    assert modes["naive"]["captures"] >= 3 * 8
+    for cid in ids:
+        inspect = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--json", "--cache",
+                                  str(base / "naive" / f"cache-{cid}")], capture_output=True, text=True, timeout=120)
+        assert [k["consumer"] for k in json.loads(inspect.stdout)["consumers"]] == [cid]
+    # artcache and lockstep: one producer shared by the three consumers
+    for m in ("artcache", "lockstep"):
+        assert modes[m]["producers"] == 1 and modes[m]["captures_per_consumed_position"] <= 1.1, m
+    comp = report["comparison"]
+    assert comp["captures_vs_naive"]["artcache_wins"] is True
+    assert comp["captures_vs_naive"]["naive"] >= 2.5 * comp["captures_vs_naive"]["artcache"]
+    fast = comp["fast_consumer_vs_lockstep"]
+    assert fast["consumer"] in ids and fast["lockstep"] > 0
+    # lockstep held one shared cursor (checked, so a broken baseline fails the run)
+    assert modes["lockstep"]["max_lead_steps"] <= 1 and report["checks"]["lockstep_one_shared_cursor"]
+    for key in ("naive_completed", "lockstep_completed", "naive_one_consumer_per_root"):
+        assert report["checks"][key], key
+    text = (base / "report.md").read_text()
+    assert "### modes" in text and "verdict: captures per consumed position" in text
+    assert "verdict:" in proc.stdout
+
+
+def test_bad_modes_exit_2_and_write_nothing(tmp_path):
+    out = tmp_path / "bench-out"
+    for modes, msg in (("artcache,bogus", "unknown mode(s) bogus"), ("naive,lockstep", "must include artcache")):
+        proc = subprocess.run([sys.executable, "-m", "artcache.cli", "bench", "--modes", modes, "--out", str(out)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
+        assert not out.exists()
+
+
 def test_inspect_shows_the_reports_counts(bench_all):
     _, out = bench_all
     for scenario in ("1p1c", "1p3c"):
@@ -51,3 +104,43 @@ def test_inspect_shows_the_reports_counts(bench_all):
         cache = json.loads(got.stdout)["cache"]
         for key, value in report["cache"].items():
             assert cache[key] == pytest.approx(value), key
+
+
+# ---- the lockstep baseline's gate in the consumer's reader ---------------------------------------------
+
+def test_lockstep_reader_reads_only_the_batch_every_member_may_read():
+    from trainers.consumer import _Reader
+
+    group = {"cursor": 0}
+    r = _Reader(None, 0, batch=2, lookahead=8, depth=1, end=100, group_cursor=lambda: group["cursor"])
+    assert r._authorized(0) and r._authorized(1) and not r._authorized(2)  # batch [0, 2) only
+    r.authorize(2)  # its own commit does not move the group's cursor
+    assert not r._authorized(2)
+    group["cursor"] = 2  # every member committed batch [0, 2)
+    assert r._authorized(2) and r._authorized(3) and not r._authorized(4)
+    # without a group the window alone decides: [cursor, cursor + lookahead]
+    free = _Reader(None, 0, batch=2, lookahead=8, depth=1, end=100)
+    assert free._authorized(8) and not free._authorized(9)
+
+
+def test_group_cursor_is_the_min_over_running_members(tmp_path):
+    from artcache import registry
+    from artcache.layout import CacheLayout
+    from trainers.consumer import group_cursor
+
+    layout = CacheLayout(tmp_path / "root")
+    layout.create()
+    members = ["a", "b", "c"]
+    handles = {}
+    for cid in ("a", "b"):
+        reg = registry.register(layout, registry.Registration(consumer_id=cid, draft="dflash", lookahead=8))
+        handles[cid] = registry.ConsumerHandle(layout, reg)
+    handles["a"].commit_cursor(4)
+    handles["b"].commit_cursor(6)
+    assert group_cursor(layout, members) == 0  # c has not registered yet: nobody may run ahead of it
+    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=8))
+    handles["c"] = registry.ConsumerHandle(layout, reg)
+    handles["c"].commit_cursor(2)
+    assert group_cursor(layout, members) == 2
+    handles["c"].finish("failed", "boom")  # a member that stopped no longer holds the others back
+    assert group_cursor(layout, members) == 4

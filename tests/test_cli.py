@@ -162,12 +162,46 @@ def test_consume_zero_anchors_names_the_flag(root, workdir):
     assert snapshot(root) == before
 
 
-def test_consume_draft_layers_not_captured(root, workdir):
-    """A draft whose layers the root did not capture is refused before it registers or writes anything."""
-    before = snapshot(root)
-    assert_bad_input(invoke("consume", "--cache", str(root), "--draft-layers", "2", "--steps", "1",
+@pytest.fixture(scope="module")
+def root_1_3(tmp_path_factory, tiny_target) -> Path:
+    """A root capturing output-of-layer ids [1, 3] only (``--layer-ids 1,3``)."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    path = tmp_path_factory.mktemp("cli-root-1-3") / "cache"
+    prepare_root(ProducerConfig(cache=str(path), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, layer_ids=[1, 3]))
+    return path
+
+
+def test_consume_draft_layers_not_captured(root_1_3, workdir):
+    """A draft whose layers the root did not capture is refused before it registers or writes anything;
+    the message names the missing layer and the producer flag that captures it."""
+    before = snapshot(root_1_3)
+    assert_bad_input(invoke("consume", "--cache", str(root_1_3), "--draft-layers", "3", "--steps", "1",
                             "--demand-timeout", "5"),
-                     "--draft-layers 2", "[1, 2, 3]")
+                     "--draft-layers 3", "[1, 2, 3]", "captures [1, 3]", "missing [2]", "--layer-ids 1,2,3")
+    assert snapshot(root_1_3) == before and list(workdir.iterdir()) == []
+
+
+def test_consume_draft_reads_a_subset_view(workdir, tmp_path, tiny_target):
+    """A root may capture a superset: a 2-layer DFlash draft reads its view [1, 3] of the root's [1, 2, 3]
+    (it gets as far as waiting for data, which no producer publishes here)."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    cache = tmp_path / "cache"
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
+    result = invoke("consume", "--cache", str(cache), "--draft-layers", "2", "--steps", "1", "--id", "view",
+                    "--demand-timeout", "1", "--out", str(tmp_path / "run-view"), "--no-progress")
+    assert result.exit_code == 1 and "CaptureTimeout" in result.stderr, result.output
+
+
+def test_consume_eagle3_needs_the_last_layer(root, workdir):
+    """EAGLE-3 reads three auxiliary layers plus output-of-layer L-1; this root lacks 5 (L = 6)."""
+    pytest.importorskip("trainers.eagle3")
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--draft", "eagle3", "--steps", "1"),
+                     "missing [5]", "--layer-ids 1,2,3,5")
     assert snapshot(root) == before and list(workdir.iterdir()) == []
 
 

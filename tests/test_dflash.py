@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from artcache.errors import ConfigError, DataError
 from trainers.dflash import (
+    ATTN_IMPLS,
     DFlashConfig,
     DFlashDraft,
     LossStats,
@@ -20,6 +21,7 @@ from trainers.dflash import (
     default_gamma,
     dflash_layer_ids,
     dflash_loss,
+    dflash_mask_mod,
     eligible_anchors,
     hf_index_to_output_of_layer,
     output_of_layer_to_hf_index,
@@ -564,3 +566,219 @@ def test_rmsnorm_matches_torch():
         ref.weight.copy_(ours.weight)
     torch.testing.assert_close(ours(x), ref(x))
     assert ours(x.bfloat16()).dtype == torch.bfloat16
+
+
+# ------------------------------------------------------- attention paths (sdpa / flex / dense)
+
+def _mask_from_mod(mod, b: int, S: int, K: int) -> torch.Tensor:
+    """Evaluate a FlexAttention mask_mod on the full [b, 1, S, K] index grid by broadcasting."""
+    bi = torch.arange(b)[:, None, None, None]
+    qi = torch.arange(S)[None, None, :, None]
+    ki = torch.arange(K)[None, None, None, :]
+    return mod(bi, torch.zeros_like(bi), qi, ki).expand(b, 1, S, K)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), b=st.integers(1, 3), T=st.integers(1, 20), N=st.integers(1, 5), B=st.integers(2, 5))
+def test_flex_mask_mod_equals_dense_mask(data, b, T, N, B):
+    anchors = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, T - 1), min_size=N, max_size=N),
+                                              min_size=b, max_size=b)))
+    valid = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=N, max_size=N), min_size=b, max_size=b)))
+    cv = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=T, max_size=T), min_size=b, max_size=b)))
+    for context_valid in (None, cv):
+        dense = build_attention_mask(anchors, valid, T, B, context_valid)
+        flex = _mask_from_mod(dflash_mask_mod(anchors, valid, T, B, context_valid), b, N * B, T + N * B)
+        assert torch.equal(flex, dense)
+
+
+def test_flex_block_mask_matches_dense_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    anchors = torch.tensor([[3, 10, 17], [2, 5, 0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    T, B = 24, 4
+    mod = dflash_mask_mod(anchors, valid, T, B)
+    bm = create_block_mask(mod, 2, None, 3 * B, T + 3 * B, device="cpu", BLOCK_SIZE=4)
+    # the block mask keeps exactly the 4x4 tiles that hold at least one visible pair
+    dense = build_attention_mask(anchors, valid, T, B)[:, 0]
+    tiles = dense.reshape(2, 3, 4, (T + 3 * B) // 4, 4).any(dim=(2, 4))
+    assert torch.equal(bm.to_dense()[:, 0].bool(), tiles)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_attention_impls_agree(dtype, tol):
+    model = tiny_model(dtype=dtype)
+    ctx, ids = tiny_batch(b=2, T=24, dtype=dtype)
+    cv = torch.ones(2, 24, dtype=torch.bool)
+    cv[1, 15:] = False  # row 1 is padding after 15
+    anchors = torch.tensor([[3, 10, 17, 0], [0, 5, 14, 0]])
+    valid = torch.tensor([[True, True, True, False], [True, True, True, False]])
+    outs = {}
+    with torch.no_grad():
+        for impl in ATTN_IMPLS:
+            model.attn_impl = impl
+            outs[impl] = model(ctx, ids, anchors, valid, context_valid=cv)
+    assert set(outs) == {"sdpa", "flex", "dense"}
+    for impl in ("flex", "dense"):
+        torch.testing.assert_close(outs[impl], outs["sdpa"], rtol=tol, atol=tol)
+        assert torch.isfinite(outs[impl]).all() and (outs[impl][~valid] == 0).all()  # padded blocks
+
+
+def test_attention_impls_agree_on_gradients():
+    grads = {}
+    for impl in ("sdpa", "dense"):  # flex has no backward on CPU (next test)
+        model = tiny_model(dtype=torch.float64)
+        model.attn_impl = impl
+        ctx, ids = tiny_batch(b=2, T=16)
+        lm = torch.ones(2, 16, dtype=torch.bool)
+        a, v = sample_anchors(lm, 4, torch.Generator().manual_seed(0))
+        loss, _ = dflash_loss(model, model(ctx, ids, a, v), ids, lm, a, v)
+        loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for n, g in grads["sdpa"].items():
+        torch.testing.assert_close(grads["dense"][n], g, rtol=1e-9, atol=1e-12)
+
+
+def test_flex_training_on_cpu_is_a_clear_error():
+    model = tiny_model(dtype=torch.float32)
+    model.attn_impl = "flex"
+    ctx, ids = tiny_batch(b=1, T=12, dtype=torch.float32)
+    a, v = torch.tensor([[2, 6]]), torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ConfigError, match="sdpa"):
+        model(ctx, ids, a, v)  # parameters require grad -> flex would need a CPU backward
+    with torch.no_grad():
+        assert torch.isfinite(model(ctx, ids, a, v)).all()
+
+
+def test_attn_impl_rejected():
+    m = tiny_model()
+    with pytest.raises(ConfigError, match="bogus"):
+        DFlashDraft(m.cfg, m.embed_weight, m.lm_head_weight, attn_impl="bogus")
+
+
+# ------------------------------------------------------ training forward == inference forward
+
+@pytest.mark.parametrize("impl", ATTN_IMPLS)
+def test_single_anchor_training_forward_equals_inference_forward(impl):
+    """An inference-style forward (one block [x_p, MASK...] attending, with no mask at all, to the
+    context positions 0..p-1 only) equals the training forward's output for the anchor at p: both
+    for a single-anchor batch and inside a multi-anchor, padded batch."""
+    model = tiny_model()
+    model.attn_impl = impl
+    T = 20
+    ctx, ids = tiny_batch(b=2, T=T)
+    cv = torch.ones(2, T, dtype=torch.bool)
+    cv[1, 13:] = False
+    with torch.no_grad():
+        for p in (0, 1, 7, T - 1):
+            single = model(ctx[:1], ids[:1], torch.tensor([[p]]), torch.ones(1, 1, dtype=torch.bool))
+            inf = model.infer_block(ctx[:1, :p], ids[0, p:p + 1])
+            assert inf.shape == (1, model.cfg.block_size, H)
+            torch.testing.assert_close(single[0, 0], inf[0], rtol=1e-10, atol=1e-10)
+        anchors = torch.tensor([[2, 9, 15, 19, 0], [0, 4, 11, 12, 3]])
+        valid = torch.tensor([[True, True, True, True, False], [True, True, True, True, False]])
+        train = model(ctx, ids, anchors, valid, context_valid=cv)
+        for bi in range(2):
+            for n in range(4):
+                p = int(anchors[bi, n])
+                inf = model.infer_block(ctx[bi:bi + 1, :p], ids[bi, p:p + 1])
+                torch.testing.assert_close(train[bi, n], inf[0], rtol=1e-10, atol=1e-10)
+                greedy = model.logits(train[bi, n, 1:]).argmax(-1)
+                assert torch.equal(model.propose(ctx[bi:bi + 1, :p], ids[bi, p:p + 1])[0], greedy)
+        # the inference path really sees only what it is given: context after p is not an input
+        with pytest.raises(ConfigError):
+            model.infer_block(ctx[:1, :5, :2], ids[0, 5:6])
+
+
+def test_inference_forward_is_sensitive_to_every_context_position():
+    """Guards the equality test above against a vacuous pass (a block that ignored its context)."""
+    model = tiny_model()
+    ctx, ids = tiny_batch(b=1, T=12)
+    with torch.no_grad():
+        base = model.infer_block(ctx[:, :8], ids[0, 8:9])
+        for j in (0, 7):
+            c2 = ctx[:, :8].clone()
+            c2[:, j] += 1.0
+            assert (model.infer_block(c2, ids[0, 8:9]) - base).abs().max() > 1e-6
+
+
+# --------------------------------------------------------------- chunked logits (memory bound)
+
+@pytest.mark.parametrize("mode", ["fused", "checkpoint", "plain"])
+def test_logits_are_computed_in_chunks(monkeypatch, mode):
+    """The lm_head never sees more than ``chunk_rows`` rows at once, so no anchors × B × vocab
+    tensor is built. In "fused" and "checkpoint" modes at most one chunk of logits is alive at a time,
+    none survives the forward and autograd saves no vocab-wide tensor for backward; "plain" (the
+    reference mode) saves one [chunk, V] tensor per chunk until backward."""
+    import weakref
+
+    model = tiny_model(dtype=torch.float32, block_size=4)
+    ctx, ids = tiny_batch(b=2, T=24, dtype=torch.float32)
+    lm = torch.ones(2, 24, dtype=torch.bool)
+    anchors, valid = sample_anchors(lm, 6, torch.Generator().manual_seed(3))
+    hidden = model(ctx, ids, anchors, valid)
+    real_linear = torch.nn.functional.linear
+    calls, alive, max_alive = [], [], [0]
+
+    def spy(x, weight, bias=None):
+        out = real_linear(x, weight, bias)
+        if weight is model.lm_head_weight:
+            max_alive[0] = max(max_alive[0], sum(r() is not None for r in alive))
+            calls.append(tuple(out.shape))
+            alive.append(weakref.ref(out))
+        return out
+
+    saved = []
+
+    head_storage = model.lm_head_weight.untyped_storage().data_ptr()
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != head_storage:  # the frozen head itself is not a new tensor
+            saved.append(tuple(t.shape))
+        return t
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    chunk = 5
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, stats = dflash_loss(model, hidden, ids, lm, anchors, valid, None, chunk, mode=mode)
+    rows = int(stats.total.sum())
+    assert rows > 3 * chunk
+    assert len(calls) == -(-rows // chunk) and all(r <= chunk and v == V for r, v in calls)
+    vocab_wide = [s for s in saved if len(s) >= 2 and s[-1] == V]
+    if mode == "plain":
+        assert len(vocab_wide) >= len(calls) and all(s[0] <= chunk for s in vocab_wide)
+    else:
+        survivors = sum(r() is not None for r in alive)
+        assert max_alive[0] <= 1 and survivors == 0 and vocab_wide == []
+    loss.backward()
+    assert model.fc.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_matches_sdpa_on_cuda_with_backward():
+    """On CUDA the flex path is compiled (fused, block-sparse) and trains: loss, gradients and
+    outputs agree with SDPA on a padded batch with invalid anchors."""
+    dev = torch.device("cuda")
+    results = {}
+    for impl in ("sdpa", "flex"):
+        model = tiny_model(dtype=torch.float32, head_dim=16).to(dev)  # compiled flex needs head_dim >= 16
+        model.attn_impl = impl
+        ctx, ids = tiny_batch(b=2, T=40, dtype=torch.float32)
+        ctx, ids = ctx.to(dev), ids.to(dev)
+        cv = torch.ones(2, 40, dtype=torch.bool, device=dev)
+        cv[1, 30:] = False
+        lm = cv.clone()
+        a, v = sample_anchors(lm.cpu(), 7, torch.Generator().manual_seed(0))
+        a, v = a.to(dev), v.to(dev)
+        v[0, -1] = False  # a padded block
+        out = model(ctx, ids, a, v, context_valid=cv)
+        loss, _ = dflash_loss(model, out, ids, lm, a, v, context_valid=cv)
+        loss.backward()
+        results[impl] = (out.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (o1, l1, g1), (o2, l2, g2) = results["sdpa"], results["flex"]
+    assert torch.isfinite(o2).all() and (o2[0, -1] == 0).all()
+    torch.testing.assert_close(o2, o1, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(l2, l1, rtol=2e-4, atol=2e-4)
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=2e-3, atol=2e-4)

@@ -27,7 +27,7 @@ SAMPLES: dict[type, dict] = {
     J.LeaseExpire: dict(producer="p", fp=FP, lease=f"{FP}~c~h~1~aa", reason="holder-dead"),
     J.Fence: dict(producer="p", consumer="c", generation=4, state="expired", reason="no heartbeat for 31s"),
     J.ConsumerStart: dict(consumer="c", pid=7, draft="dflash", block_size=16, batch_size=4, lookbehind=64,
-                          lookahead=256, cursor=10),
+                          lookahead=256, cursor=10, step=5, pinned=8),
     J.Request: dict(consumer="c", position=5, fp=FP, hit=False, wait_s=0.25),
     J.DemandWait: dict(consumer="c", position=5, fp=FP),
     J.LeaseAcquire: dict(consumer="c", fp=FP, lease=f"{FP}~c~h~1~aa"),

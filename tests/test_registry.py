@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 
 from artcache import registry
@@ -295,3 +296,54 @@ def test_registration_of_finished_consumer_with_live_pid_allowed(layout):
     finally:
         child.kill()
         child.wait()
+
+
+def test_record_checkpoint(layout):
+    h = ConsumerHandle(layout, registry.register(layout, reg()))
+    assert registry.read(layout, "c1").checkpoint_cursor == -1
+    h.commit_cursor(6)
+    h.record_checkpoint(4)
+    assert registry.read(layout, "c1").checkpoint_cursor == 4
+    with pytest.raises(ValueError, match="past the committed cursor 6"):
+        h.record_checkpoint(7)
+    registry.fence(layout, "c1", "failed", "test")
+    with pytest.raises(ConsumerFenced):  # a fenced incarnation cannot move the resume point
+        h.record_checkpoint(6)
+    assert registry.read(layout, "c1").checkpoint_cursor == 4
+
+
+def test_register_check_runs_under_the_lock_and_can_refuse(layout):
+    first = registry.register(layout, reg())
+    seen = []
+
+    def refuse(old):
+        seen.append(old)
+        raise ConfigError("no")
+
+    with pytest.raises(ConfigError, match="no"):
+        registry.register(layout, reg(cursor=3), check=refuse)
+    assert seen == [first] and registry.read(layout, "c1") == first
+    # a resumed consumer re-registers with its checkpoint's cursor: the window moves back, the old holder is fenced
+    old = ConsumerHandle(layout, first)
+    old.commit_cursor(9)
+    r = registry.register(layout, reg(cursor=4, checkpoint_cursor=4), check=lambda o: None)
+    assert (r.cursor, r.checkpoint_cursor, r.generation) == (4, 4, first.generation + 1)
+    with pytest.raises(ConsumerFenced):
+        old.heartbeat()
+
+
+def test_register_refuses_a_fresh_holder_on_another_host(layout):
+    registry.update(layout, "c1", lambda _: Registration(consumer_id="c1", draft="d", state="running", generation=3,
+                                                         pid=1, host="elsewhere", heartbeat=time.time()))
+    with pytest.raises(ConfigError, match="running on host 'elsewhere'"):
+        registry.register(layout, reg(), live_timeout_s=30)
+    # without the timeout (the old behaviour) or once its heartbeat is stale, the id may be taken over
+    registry.update(layout, "c1", lambda old: msgspec.structs.replace(old, heartbeat=time.time() - 60))
+    assert registry.register(layout, reg(), live_timeout_s=30).generation == 4
+
+
+def test_pinned_positions_are_readable_and_retained():
+    r = Registration(consumer_id="c", draft="d", cursor=5, lookahead=2, lookbehind=1, end=7, pinned=(20, 23))
+    assert r.window() == (4, 6) and r.pinned_range() == range(20, 23)
+    assert [p for p in range(0, 30) if r.may_read(p)] == [5, 6, 20, 21, 22]
+    assert r.retained_positions() == {4, 5, 6, 20, 21, 22} and r.retain_bound() == 4 + 3

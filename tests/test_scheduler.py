@@ -176,3 +176,28 @@ def test_window_positions_and_bound():
     assert window_positions(regs) == set(range(0, 3)) | set(range(7, 15))
     assert window_bound(regs) == 6 + 8 + 7
     assert window_positions([]) == set() and window_bound([]) == 0
+
+
+# ---- pinned (held-out evaluation) ranges -----------------------------------------------------------
+def test_pinned_range_retained_prefetched_last_and_demandable():
+    a = Registration(consumer_id="a", draft="d", cursor=0, lookahead=3, end=8, pinned=(30, 33), demand=[31, 40])
+    b = reg("b", 5, 2)
+    q = wanted([a, b], fp_of, set(), 100)
+    # demand for a pinned position is served first; one outside window and pinned range (40) is ignored
+    assert pos(q[0]) == 31 and q[0].demand and 40 not in {pos(w) for w in q}
+    # pinned positions come after every window position of every consumer
+    order = [pos(w) for w in q]
+    assert order[1:] == [0, 5, 1, 6, 2, 7, 3, 30, 32]
+    assert [w.priority[0] for w in q[-2:]] == [2, 2]
+    assert window_positions([a, b]) == {0, 1, 2, 3, 5, 6, 7, 30, 31, 32}
+    assert window_bound([a, b]) == (4 + 3) + 3
+    # a published pinned position is not wanted; the queue limit counts pinned ones too
+    assert 30 not in {pos(w) for w in wanted([a], fp_of, {fp_of(30)}, 100)}
+    assert len(wanted([a, b], fp_of, set(), 8)) == 8
+
+
+def test_empty_pinned_range_changes_nothing():
+    r = reg("a", 10, 3, lookbehind=2)
+    assert r.pinned_range() == range(0) and r.retain_bound() == r.window_size()
+    assert r.retained_positions() == set(range(8, 14))
+    assert r.may_read(13) and not r.may_read(14) and not r.may_read(9)

@@ -3,7 +3,8 @@ consumers over the real scheduler (wanted / next_batch / SchedulerLimits / windo
 
 Each consumer advances at its own rate; producer work is shared where windows overlap; retained
 artifacts and the producer's queue stay bounded however long the run; a lagging consumer is served
-by recapture without slowing the others; demand is captured before prefetch.
+by recapture without slowing the others; demand is captured before prefetch; a consumer killed mid-run
+is fenced within its lease time (the heartbeat timeout) and its window stops counting.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from bench.sim import (
     default_producer,
     diverge_consumers,
     diverge_producer,
+    killed_consumer,
     lagging_consumer,
     main,
     overlap_consumers,
@@ -72,6 +74,10 @@ def test_b_fastest_rate_matches_solo_with_spare_capacity(overlap):
 def test_c_retained_never_exceeds_window_bound(overlap, lagging):
     for res in (overlap, lagging):
         assert res.retained_violations == []  # checked after every event against Σ live window sizes
+        # ... and against the union of the live windows (after every pass's eviction: nothing outside it)
+        assert res.union_violations == []
+        assert res.max_retained <= res.max_union < res.window_bound_all
+        assert all(retained <= union for _, retained, union in res.retained_log)
         assert 0 < res.max_retained <= res.window_bound_all
         assert res.final_retained == 0  # nothing is left once every consumer completed
         assert res.evictions == res.captures
@@ -103,6 +109,42 @@ def test_e_lagging_consumer_recaptures_completes_and_does_not_slow_others(overla
     assert lagging.captures == overlap.captures + lagging.recaptures
     for name, r in overlap.consumers.items():
         assert lagging.consumers[name].rate == pytest.approx(r.rate, rel=0.01), name
+
+
+def test_g_killed_consumer_fenced_within_lease_time_and_its_window_stops_counting(overlap):
+    prod, spec = default_producer(), killed_consumer()
+    res = simulate([*overlap_consumers(), spec], prod, N)
+    victim = res.consumers["victim"]
+    batch_s = prod.fixed_s + prod.per_sample_s * prod.limits.max_batch_samples
+    assert victim.finish_s is None and victim.fenced_s is not None and 0 < victim.positions < N
+    assert victim.last_heartbeat_s <= spec.killed_s < victim.last_heartbeat_s + spec.heartbeat_s
+    # fenced at the first producer pass after its heartbeat timed out: not earlier, and at most one
+    # capture batch later (the pass waits for the batch in flight)
+    timeout = prod.heartbeat_timeout_s
+    assert timeout < victim.fenced_s - victim.last_heartbeat_s <= timeout + batch_s
+    assert victim.fenced_s - spec.killed_s <= timeout + batch_s
+    # the batch it was reading when it died held leases: the producer expired them
+    assert 0 < res.leases_expired <= spec.batch_size
+    # its window stops counting: the fencing pass evicts what only its window retained (its window was
+    # its own: the others were thousands of positions ahead)
+    before = [r for t, r, _ in res.retained_log if t < victim.fenced_s][-1]
+    after = [r for t, r, _ in res.retained_log if t >= victim.fenced_s][0]
+    assert before - after >= 0.9 * (spec.lookbehind + spec.lookahead + 1)
+    assert res.union_violations == [] and res.retained_violations == [] and res.final_retained == 0
+    # and the others never noticed: their rates are those of the run without it
+    for name, r in overlap.consumers.items():
+        assert res.consumers[name].rate == pytest.approx(r.rate, rel=0.01), name
+
+
+def test_a_live_consumer_is_never_fenced(overlap, lagging):
+    for res in (overlap, lagging):
+        assert all(r.fenced_s is None and r.finish_s is not None for r in res.consumers.values())
+        assert res.leases_expired == 0
+    # a heartbeat period longer than the timeout: the producer fences even a live consumer (the setting is
+    # wrong, and the simulation shows it)
+    slow_beat = [ConsumerSpec("x", 0.1, 8, 0, 64, heartbeat_s=40.0)]
+    res = simulate(slow_beat, default_producer(), 4_000)  # 50 s at 80 positions/s: one beat, at 0 s
+    assert res.consumers["x"].fenced_s == pytest.approx(30.0, abs=0.1) and res.consumers["x"].finish_s is None
 
 
 def test_f_demand_before_prefetch():

@@ -50,11 +50,11 @@ def live_regs(layout: CacheLayout) -> list[Registration]:
 
 
 def retain_set(regs: list[Registration]) -> set[str]:
-    """As Producer.evict: fingerprints of every position in the union of live windows."""
+    """As Producer.evict: fingerprints of every position in the union of live windows and pinned
+    (held-out evaluation) ranges."""
     out = set()
     for r in regs:
-        lo, hi = r.window()
-        out.update(fp_of(p) for p in range(lo, hi + 1))
+        out.update(fp_of(p) for p in r.retained_positions())
     return out
 
 
@@ -75,12 +75,12 @@ class WindowMachine(RuleBasedStateMachine):
 
     # -- registrations -------------------------------------------------------------------------
     @rule(cid=st.sampled_from(IDS), lookbehind=st.integers(0, 3), lookahead=st.integers(0, 6),
-          cursor=st.integers(0, 30))
-    def register(self, cid, lookbehind, lookahead, cursor):
+          cursor=st.integers(0, 30), pinned=st.sampled_from([(0, 0), (40, 43), (41, 45)]))
+    def register(self, cid, lookbehind, lookahead, cursor, pinned):
         old = self.handles.pop(cid, None)
         reg = registry.register(self.layout, Registration(
             consumer_id=cid, draft="d", cursor=cursor, lookbehind=lookbehind, lookahead=lookahead,
-            pid=os.getpid()))
+            pid=os.getpid(), pinned=pinned))
         if old is not None:
             assert reg.generation == old.generation + 1
             self.fenced.append(old)  # a re-registration fences the previous incarnation
@@ -116,7 +116,8 @@ class WindowMachine(RuleBasedStateMachine):
     def acquire(self, data):
         cid = data.draw(st.sampled_from(sorted(self.handles)))
         r = self.handles[cid].current
-        p = data.draw(st.integers(r.cursor, r.cursor + r.lookahead))
+        readable = [p for p in range(r.cursor, r.cursor + r.lookahead + 1) if r.may_read(p)] + list(r.pinned_range())
+        p = data.draw(st.sampled_from(readable)) if readable else r.cursor
         name = leases.acquire(self.layout, fp_of(p), cid)
         self.held[name] = (cid, fp_of(p))
 
@@ -134,7 +135,7 @@ class WindowMachine(RuleBasedStateMachine):
         cid = data.draw(st.sampled_from(sorted(self.handles)))
         r = self.handles[cid].current
         lo, hi = r.window()
-        p = data.draw(st.integers(lo, hi))
+        p = data.draw(st.integers(lo, hi) | st.sampled_from(list(r.pinned_range()) or [lo]))
         publish(self.layout, p)
         self.published.add(fp_of(p))
 
@@ -158,7 +159,7 @@ class WindowMachine(RuleBasedStateMachine):
         # what is left is inside a window or leased; bounded by the windows plus the leased outside them
         assert after <= retain | live_leased
         leased_outside = {fp for fp in live_leased if fp not in retain}
-        assert len(after) <= sum(r.window_size() for r in regs) + len(leased_outside)
+        assert len(after) <= sum(r.retain_bound() for r in regs) + len(leased_outside)
         # leases of fenced/finished consumers were expired (their holder pid is alive: reason is the fence),
         # except on artifacts still inside a live window: those are not looked at, and harmless
         dead = {name for name, (cid, fp) in self.held.items()

@@ -10,9 +10,10 @@ from .layers import (
     vllm_id_to_output_of_layer,
 )
 from .loss import LossStats, dflash_loss, slot_weights
-from .model import DFlashDraft, build_attention_mask
+from .model import ATTN_IMPLS, DFlashDraft, build_attention_mask, dflash_mask_mod
 
 __all__ = [
+    "ATTN_IMPLS",
     "DFlashConfig",
     "DFlashDraft",
     "LossStats",
@@ -20,6 +21,7 @@ __all__ = [
     "default_gamma",
     "dflash_layer_ids",
     "dflash_loss",
+    "dflash_mask_mod",
     "eligible_anchors",
     "hf_index_to_output_of_layer",
     "output_of_layer_to_hf_index",

@@ -23,9 +23,11 @@ def default_gamma(block_size: int) -> float:
     """Loss-decay constant γ for a block size ``B`` (weight of slot k is ``exp(-(k-1)/γ)``).
 
     ``B = 16 -> 7``, ``B = 10 -> 5``, ``B = 8 -> 4`` are the published reference values (DFlash
-    arXiv:2602.06036). Other ``B`` (artcache's choice, not from a reference): **piecewise-linear
-    interpolation** through the points (8, 4), (10, 5), (16, 7), extrapolated along the nearest end
-    segment (slope 1/2 below 8, slope 1/3 above 16), floored at 1.0. So B=2 -> 1.0, B=4 -> 2.0,
+    arXiv:2602.06036; SpecForge's DFlash training script recommends the same three pairs for its
+    ``--loss-decay-gamma``; collected in ../shared/ALGORITHMS.md). Other ``B`` (artcache's choice,
+    not from a reference): **piecewise-linear interpolation** through the points (8, 4), (10, 5),
+    (16, 7), extrapolated along the nearest end segment (slope 1/2 below 8, slope 1/3 above 16),
+    floored at 1.0. So B=2 -> 1.0, B=4 -> 2.0,
     B=12 -> 5.667, B=32 -> 12.333. The exact reference values are reproduced.
 
     Raises:

@@ -10,6 +10,10 @@ with the target's **frozen** embedding.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -18,7 +22,10 @@ from artcache.errors import ConfigError, DataError
 
 from .config import DFlashConfig
 
-__all__ = ["DFlashDraft", "RMSNorm", "build_attention_mask"]
+__all__ = ["ATTN_IMPLS", "DFlashDraft", "RMSNorm", "build_attention_mask", "dflash_mask_mod"]
+
+#: Attention implementations of :class:`DFlashDraft` (all compute the same function; see ``attn_impl``).
+ATTN_IMPLS = ("sdpa", "flex", "dense")
 
 #: Names of the frozen target tensors (buffers); never trained, never saved by trainable_state_dict().
 FROZEN_BUFFERS = ("embed_weight", "lm_head_weight")
@@ -82,6 +89,78 @@ def build_attention_mask(
     return torch.cat((ctx, own), dim=2)[:, None]
 
 
+def dflash_mask_mod(
+    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """The DFlash mask of :func:`build_attention_mask` as a FlexAttention ``mask_mod``.
+
+    Returns ``mask_mod(b, h, q_idx, kv_idx) -> bool``: key ``kv_idx < T`` is context position
+    ``kv_idx``, visible iff it is before the query's anchor, the anchor is valid and (if given)
+    ``context_valid[b, kv_idx]``; key ``kv_idx >= T`` is block token ``kv_idx - T``, visible iff it
+    belongs to the query's own block. Indices are clamped before every gather, because FlexAttention
+    may evaluate the mask on padded (out-of-range) indices. Evaluated on the full index grid it equals
+    :func:`build_attention_mask` element for element (tests pin this).
+
+    Args:
+        anchors: [b, N] long. anchor_valid: [b, N] bool. seq_len: T. block_size: B.
+        context_valid: optional [b, T] bool.
+    """
+    T, B = seq_len, block_size
+    N = anchors.shape[1]
+    anchors = anchors.long()
+    valid = anchor_valid.bool()
+    cv = context_valid.bool() if context_valid is not None else None
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        n = (q_idx // B).clamp(0, max(N - 1, 0))
+        is_ctx = kv_idx < T
+        ctx_ok = (kv_idx < anchors[b, n]) & valid[b, n]
+        if cv is not None:
+            ctx_ok = ctx_ok & cv[b, kv_idx.clamp(0, max(T - 1, 0))]
+        own = torch.div(kv_idx - T, B, rounding_mode="floor") == n
+        return torch.where(is_ctx, ctx_ok, own)
+
+    return mask_mod
+
+
+_COMPILED_FLEX: Any = None
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, gqa: bool) -> Tensor:
+    """FlexAttention: compiled (fused kernel) on CUDA; eager on CPU, where torch runs an unfused
+    reference that materialises the scores (its "call without torch.compile" warning is silenced)
+    and, in torch 2.13, has no backward."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _COMPILED_FLEX
+    if q.device.type == "cuda":
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        return _COMPILED_FLEX(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    except NotImplementedError as exc:  # e.g. "FlexAttention does not support backward on CPU"
+        raise ConfigError(
+            f"attn_impl='flex' cannot run here ({exc}); use attn_impl='sdpa' (the default) for CPU training"
+        ) from exc
+
+
+def _dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, gqa: bool) -> Tensor:
+    """Explicit softmax(q kᵀ / √d + mask) v, the reference the other paths are tested against.
+    q [b, h, S, d]; k, v [b, h_kv, K, d]; mask [b, 1, S, K] bool or None. Softmax in float32 (or
+    float64 for float64 inputs)."""
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.to(acc)).to(q.dtype)
+
+
 class _Attention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -94,7 +173,10 @@ class _Attention(nn.Module):
         self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, ctx: Tensor, q_pos: Tensor, kv_pos: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, q_pos: Tensor, kv_pos: Tensor, mask: Any,
+                impl: str = "sdpa") -> Tensor:
+        """mask: [b, 1, S, T+S] bool for "sdpa"/"dense", a FlexAttention BlockMask for "flex", or
+        None (every query sees every key: the inference-style single block)."""
         b, S, _ = x.shape
         T = ctx.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, S, self.nh, self.hd)).transpose(1, 2)
@@ -103,7 +185,13 @@ class _Attention(nn.Module):
         v = self.v_proj(kv_in).view(b, T + S, self.nkv, self.hd).transpose(1, 2)
         q = _rope(q, q_pos, self.theta)
         k = _rope(k, kv_pos, self.theta)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        gqa = self.nh != self.nkv
+        if impl == "flex":
+            o = _flex(q, k, v, mask, gqa)
+        elif impl == "dense":
+            o = _dense_attention(q, k, v, mask, gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(o.transpose(1, 2).reshape(b, S, self.nh * self.hd))
 
 
@@ -126,10 +214,11 @@ class _DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = _MLP(cfg)
 
-    def forward(self, x: Tensor, ctx: Tensor, q_pos: Tensor, kv_pos: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, q_pos: Tensor, kv_pos: Tensor, mask: Any,
+                impl: str = "sdpa") -> Tensor:
         # Pre-norm on the block stream only; the context was normed once (context_norm) and is
         # shared by every layer (z-lab/dflash).
-        x = x + self.self_attn(self.input_layernorm(x), ctx, q_pos, kv_pos, mask)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, q_pos, kv_pos, mask, impl)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,20 +237,36 @@ class DFlashDraft(nn.Module):
 
         dtype: dtype of the trainable parameters (default float32: fp32 master weights; use autocast
             for bf16 compute). The frozen buffers keep the dtype and device they were given.
+        attn_impl: how attention is computed (an attribute; may be changed after construction):
+
+            - ``"sdpa"`` (default): ``F.scaled_dot_product_attention`` with the dense boolean mask of
+              :func:`build_attention_mask` ([b, 1, N·B, T + N·B]). Trains on CPU and GPU.
+            - ``"flex"``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from
+              :func:`dflash_mask_mod` (block-sparse: fully masked 128×128 tiles are skipped). Compiled
+              on CUDA (torch's kernel needs ``head_dim >= 16``). On CPU torch 2.13 runs it eagerly, unfused and **forward only** (no backward:
+              training raises :class:`ConfigError`); use it there for evaluation and tests.
+            - ``"dense"``: an explicit softmax(q kᵀ/√d + mask) v reference.
+
+            All three agree to float rounding (tests pin sdpa = flex = dense).
 
     dtype handling: the module dtype is that of ``fc.weight``. ``context_states`` and embeddings are
     cast to it; :meth:`logits` casts hidden states to the lm_head's dtype; RoPE angles are computed in
     float32. (``.to(dtype)`` on the module also casts the frozen buffers, as for any buffer.)
 
     Raises:
-        ConfigError: weight shapes disagree with ``cfg``.
+        ConfigError: weight shapes disagree with ``cfg``, or ``attn_impl`` is not one of
+            :data:`ATTN_IMPLS`.
     """
 
     def __init__(
-        self, cfg: DFlashConfig, embed_weight: Tensor, lm_head_weight: Tensor, *, dtype: torch.dtype = torch.float32
+        self, cfg: DFlashConfig, embed_weight: Tensor, lm_head_weight: Tensor, *, dtype: torch.dtype = torch.float32,
+        attn_impl: str = "sdpa",
     ) -> None:
         super().__init__()
         cfg.validate()
+        if attn_impl not in ATTN_IMPLS:
+            raise ConfigError(f"attn_impl={attn_impl!r} is not accepted: one of {', '.join(ATTN_IMPLS)}")
+        self.attn_impl = attn_impl
         V, H = cfg.vocab_size, cfg.hidden_size
         for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
             if tuple(w.shape) != (V, H):
@@ -256,9 +361,62 @@ class DFlashDraft(nn.Module):
         x = self.embed(block_ids).reshape(b, N * B, H)
         q_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).reshape(b, N * B)
         kv_pos = torch.cat((torch.arange(T, device=anchors.device).expand(b, T), q_pos), dim=1)
-        mask = build_attention_mask(anchors, valid, T, B, context_valid)
+        impl = self.attn_impl
+        if impl == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            mask = create_block_mask(dflash_mask_mod(anchors, valid, T, B, context_valid), b, None, N * B,
+                                     T + N * B, device=x.device)
+        else:
+            mask = build_attention_mask(anchors, valid, T, B, context_valid)
 
         for layer in self.layers:
-            x = layer(x, ctx, q_pos, kv_pos, mask)
+            x = layer(x, ctx, q_pos, kv_pos, mask, impl)
         x = self.norm(x).reshape(b, N, B, H)
         return torch.where(valid[:, :, None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def infer_block(self, context_states: Tensor, anchor_ids: Tensor) -> Tensor:
+        """Inference-style forward: one block per sequence, as a serving engine drafts it.
+
+        The engine has verified tokens up to position p (``anchor_ids`` = x_p, the token the target
+        just produced) and holds the target's captured states for positions 0 … p-1. The block
+        ``[x_p, MASK × (B-1)]`` sits at positions p … p+B-1 and attends, without any mask, to all p
+        context positions and to its own B tokens (z-lab/dflash ``dflash_generate``; vLLM
+        ``qwen3_dflash.py`` keeps the context K/V in its cache). No anchors, no padding, no other
+        blocks: :meth:`forward` must give the same result for an anchor at p (tests pin this).
+
+        Args:
+            context_states: [b, p, m, H] captured layers (output-of-layer convention) for positions
+                0 … p-1; p may be 0.
+            anchor_ids: [b] long, x_p.
+
+        Returns:
+            [b, B, H] final-normed hidden states (slot k predicts x_{p+k}; slot 0 is the anchor).
+
+        Raises:
+            ConfigError: shapes disagree with the config.
+        """
+        cfg = self.cfg
+        if context_states.dim() != 4 or tuple(context_states.shape[2:]) != (cfg.num_context_layers, cfg.hidden_size):
+            raise ConfigError(
+                f"context_states must be [b, p, m={cfg.num_context_layers}, H={cfg.hidden_size}], "
+                f"got shape {tuple(context_states.shape)}")
+        b, p, m, H = context_states.shape
+        if tuple(anchor_ids.shape) != (b,):
+            raise ConfigError(f"anchor_ids shape {tuple(anchor_ids.shape)} != (b,) = {(b,)}")
+        B = cfg.block_size
+        dev = anchor_ids.device
+        ctx = self.context_norm(self.fc(context_states.reshape(b, p, m * H).to(self.dtype)))
+        block_ids = torch.full((b, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, 0] = anchor_ids.long()
+        x = self.embed(block_ids)
+        q_pos = (p + torch.arange(B, device=dev)).expand(b, B)
+        kv_pos = torch.cat((torch.arange(p, device=dev).expand(b, p), q_pos), dim=1)
+        for layer in self.layers:
+            x = layer(x, ctx, q_pos, kv_pos, None, self.attn_impl)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def propose(self, context_states: Tensor, anchor_ids: Tensor) -> Tensor:
+        """Greedy draft tokens for slots 1 … B-1 of :meth:`infer_block`'s block: [b, B-1] long."""
+        return self.logits(self.infer_block(context_states, anchor_ids)[:, 1:]).argmax(dim=-1)

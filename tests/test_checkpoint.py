@@ -1,0 +1,181 @@
+"""Checkpoints: safetensors + JSON only, atomic directories, optimizer / RNG round trips that make a resumed
+run continue exactly as an uninterrupted one, lookup by recorded cursor, pruning, strict weight seeding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+
+from artcache.errors import ConfigError
+from trainers import checkpoint as ck
+from trainers.consumer import _load_weights_strict, lr_at
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 3)
+        self.b = torch.nn.Linear(3, 2, bias=False)
+        self.register_buffer("frozen", torch.ones(2), persistent=False)
+
+    def trainable_state_dict(self):
+        return dict(self.state_dict())
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def make(seed: int = 0):
+    torch.manual_seed(seed)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, opt
+
+
+def train(model, opt, gen: torch.Generator, steps: range) -> list[float]:
+    """Steps whose data and dropout come from ``gen`` and torch's global RNG; returns the losses."""
+    losses = []
+    for step in steps:
+        x = torch.randn(5, 4, generator=gen)
+        noise = torch.rand(5, 2)  # torch's global CPU generator
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, 10, 1e-2, 0.2, 0.1)
+        loss = ((model(x) - noise) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def save(run_dir, step, model, opt, gen, **state):
+    return ck.save_checkpoint(run_dir, step=step, cursor=2 * step, weights=model.trainable_state_dict(),
+                              optimizer=opt, generators={"anchors": gen}, extra_tensors={}, state=state)
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    model, opt = make()
+    gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(123)
+    straight = train(model, opt, gen, range(0, 10))
+    final_straight = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, opt = make()
+    gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(123)
+    first = train(model, opt, gen, range(0, 4))
+    path = save(tmp_path, 4, model, opt, gen, consumer_id="c")
+    train(model, opt, gen, range(4, 7))  # progress after the checkpoint that a crash loses
+
+    loaded = ck.load_checkpoint(path)
+    model2, opt2 = make(seed=99)  # different init: everything must come from the checkpoint
+    gen2 = torch.Generator().manual_seed(0)
+    _load_weights_strict(model2, loaded.weights, "test")
+    ck.restore_optimizer(opt2, loaded.optimizer, loaded.state["param_groups"])
+    ck.restore_rng(loaded.rng, {"anchors": gen2})
+    assert (loaded.state["step"], loaded.state["cursor"], loaded.state["consumer_id"]) == (4, 8, "c")
+    rest = train(model2, opt2, gen2, range(4, 10))
+    assert first + rest == straight
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, final_straight[k]), k
+
+
+def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
+    model, opt = make()
+    gen = torch.Generator().manual_seed(1)
+    train(model, opt, gen, range(2))
+    path = ck.save_checkpoint(tmp_path, step=2, cursor=4, weights=model.trainable_state_dict(), optimizer=opt,
+                              generators={"anchors": gen}, extra_tensors={"d2t": torch.arange(3)}, state={"x": 1})
+    assert sorted(p.name for p in path.iterdir()) == ["extra.safetensors", "model.safetensors",
+                                                      "optimizer.safetensors", "rng.safetensors", "state.json"]
+    for p in path.glob("*.safetensors"):
+        safetensors.torch.load_file(p)  # loads without any pickle
+    rng = safetensors.torch.load_file(path / "rng.safetensors")
+    assert rng["torch_cpu"].dtype == torch.uint8 and rng["generator.anchors"].dtype == torch.uint8
+    opt_t = safetensors.torch.load_file(path / "optimizer.safetensors")
+    assert set(opt_t) == {f"state.{i}.{n}" for i in range(3) for n in ("step", "exp_avg", "exp_avg_sq")}
+    state = json.loads((path / "state.json").read_text())
+    assert (state["format"], state["step"], state["cursor"], state["x"]) == (ck.CHECKPOINT_FORMAT, 2, 4, 1)
+    assert state["param_groups"][0]["betas"] == [0.9, 0.95]
+    assert ck.load_checkpoint(path).extra["d2t"].tolist() == [0, 1, 2]
+
+
+def test_a_failed_save_leaves_nothing_and_keeps_the_previous(tmp_path, monkeypatch):
+    model, opt = make()
+    gen = torch.Generator()
+    first = save(tmp_path, 1, model, opt, gen)
+    ck.point_latest(tmp_path, first)
+    real = safetensors.torch.save_file
+    calls = []
+
+    def failing(tensors, path, *a, **k):
+        calls.append(path)
+        if len(calls) == 2:  # the optimizer file: the model file is already written
+            raise OSError(28, "No space left on device")
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(OSError):
+        save(tmp_path, 2, model, opt, gen)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001"]
+    assert (tmp_path / "checkpoints" / "latest").resolve() == first
+
+
+def test_find_by_cursor_and_prune(tmp_path):
+    model, opt = make()
+    gen = torch.Generator()
+    paths = {s: save(tmp_path, s, model, opt, gen) for s in (2, 4, 6, 8)}
+    assert ck.find_by_cursor(tmp_path, 8) == paths[4]  # cursor = 2 × step
+    assert ck.find_by_cursor(tmp_path, 5) is None
+    (tmp_path / "checkpoints" / ".tmp-half").mkdir()  # a crashed save's temp dir is never a checkpoint
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2, 4, 6, 8]
+    removed = ck.prune(tmp_path, 2, protect=paths[2])
+    assert sorted(removed) == [paths[4]]
+    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2, 6, 8]
+    assert ck.prune(tmp_path, 0, protect=paths[2]) == []
+
+
+def test_restore_optimizer_rejects_another_model(tmp_path):
+    model, opt = make()
+    train(model, opt, torch.Generator(), range(1))
+    tensors, groups = ck.optimizer_tensors(opt)
+    other = torch.nn.Linear(4, 5)
+    other.trainable_state_dict = lambda: dict(other.state_dict())
+    opt2 = torch.optim.AdamW(other.parameters())
+    with pytest.raises(ConfigError, match="optimizer state"):
+        ck.restore_optimizer(opt2, tensors, groups)
+
+
+def test_restore_rng_needs_every_named_generator(tmp_path):
+    tensors = ck.rng_tensors({})
+    with pytest.raises(ConfigError, match="'anchors' generator"):
+        ck.restore_rng(tensors, {"anchors": torch.Generator()})
+
+
+def test_strict_weights_both_ways():
+    model, _ = make()
+    own = {k: v.clone() for k, v in model.trainable_state_dict().items()}
+    with pytest.raises(ConfigError, match=r"missing 1 key\(s\) \['b.weight'\]"):
+        _load_weights_strict(model, {k: v for k, v in own.items() if k != "b.weight"}, "src")
+    with pytest.raises(ConfigError, match=r"unexpected 1 key\(s\) \['c.weight'\]"):
+        _load_weights_strict(model, {**own, "c.weight": torch.zeros(1)}, "src")
+    with pytest.raises(ConfigError, match=r"shape mismatches \['a.bias \(4,\) != \(3,\)'\]"):
+        _load_weights_strict(model, {**own, "a.bias": torch.zeros(4)}, "src")
+    changed = {k: v + 1 for k, v in own.items()}
+    _load_weights_strict(model, changed, "src")
+    assert all(torch.equal(model.trainable_state_dict()[k], changed[k]) for k in own)
+
+
+def test_resolve_weights_dir(tmp_path):
+    with pytest.raises(ConfigError, match="no model.safetensors"):
+        ck.resolve_weights_dir(tmp_path / "missing")
+    model, opt = make()
+    path = save(tmp_path / "run", 3, model, opt, torch.Generator())
+    ck.point_latest(tmp_path / "run", path)
+    assert ck.resolve_weights_dir(tmp_path / "run") == path
+    assert ck.resolve_weights_dir(path) == path

@@ -1,0 +1,112 @@
+"""A DFlash and an EAGLE-3 consumer on one root that captures the union of their layers, each evaluating on
+the plan's held-out split (real processes, tiny random target).
+
+Checks: each draft reads its own view of the captured layers; the held-out positions are never trained on,
+are captured once and shared (pinned in both registrations, so kept between evaluations), and count in
+the window bound; metrics.csv / TensorBoard get train and eval scalars; replay uses the target's argmax
+(the root captures layer L-1). Deadlines only bound a hung run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from test_consumer_resume import Proc, consume_args
+
+from artcache import journal as J
+from artcache.layout import CacheLayout
+from trainers.tracking import read_metrics, tensorboard_available
+
+DATA = __import__("pathlib").Path(__file__).parent / "data" / "tiny_sharegpt.json"
+STEPS, BATCH, EVAL, INTERVAL = 6, 2, 4, 3
+
+
+def summary_of(proc: Proc) -> dict:
+    lines = [ln for ln in proc.text().splitlines() if ln.startswith("{")]
+    assert lines, proc.text()[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target):
+    from artcache.producer import ProducerConfig, prepare_root
+
+    cache = tmp_path / "cache"
+    # DFlash with 3 draft layers reads [1, 2, 3]; EAGLE-3 (L = 6) reads [1, 2, 2] and L-1 = 5: the union
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, layer_ids=[1, 2, 3, 5]))
+    common = ("--eval-samples", str(EVAL), "--eval-interval", str(INTERVAL))
+    cons = [Proc("d", consume_args(cache, tmp_path, "d", STEPS, "--draft-layers", "3", *common), tmp_path),
+            Proc("e", consume_args(cache, tmp_path, "e", STEPS, "--draft", "eagle3", "--draft-vocab", "600",
+                                   "--ttt-steps", "3", *common), tmp_path)]
+    procs = list(cons)
+    try:
+        from test_consumer_resume import wait_until
+
+        from artcache import registry
+
+        layout = CacheLayout(cache)
+        wait_until(lambda: all((r := registry.read(layout, c)) is not None and r.state == "running"
+                               for c in ("d", "e")), "both consumers to register", procs)
+        prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
+                                 "--max-samples", "40", "--max-length", "128", "--layer-ids", "1,2,3,5",
+                                 "--threads", "1", "--exit-when-done"], tmp_path)
+        procs.append(prod)
+        for p in cons:
+            p.expect(0)
+        prod.expect(0)
+    finally:
+        for p in procs:
+            p.kill()
+
+    from artcache.plan import Plan
+    from artcache.settings import load_settings
+
+    settings = load_settings(CacheLayout(cache))
+    n = len(Plan.load(CacheLayout(cache).plan_dir(settings.plan_id)))
+    held_out = set(range(n - EVAL, n))
+    res = J.read_events(CacheLayout(cache).journal)
+    evs = res.events
+    for cid in ("d", "e"):
+        requested = [e.position for e in evs if isinstance(e, J.Request) and e.consumer == cid]
+        train = [p for p in requested if p not in held_out]
+        assert train == list(range(STEPS * BATCH))  # never a held-out position in training
+        # evaluations at steps 0, 3 and 6, each over the whole split
+        assert Counter(p for p in requested if p in held_out) == {p: STEPS // INTERVAL + 1 for p in held_out}
+        steps = [e for e in evs if isinstance(e, J.Step) and e.consumer == cid]
+        assert [s.cursor for s in steps] == [BATCH * (i + 1) for i in range(STEPS)]
+        start = [e for e in evs if isinstance(e, J.ConsumerStart) and e.consumer == cid]
+        assert start[0].pinned == EVAL
+    captured = Counter(p for e in evs if isinstance(e, J.Capture) for p in e.positions)
+    # pinned in both registrations: captured once, kept between evaluations and shared by both drafts
+    assert all(captured[p] == 1 for p in held_out), captured
+
+    d, e = summary_of(cons[0]), summary_of(cons[1])
+    assert d["eval"]["labels"] == e["eval"]["labels"] == "target argmax"
+    assert d["eval"]["samples"] == EVAL and d["eval"]["step"] == STEPS
+    assert 1.0 <= d["eval"]["tau"] <= 4.0 and 1.0 <= d["eval"]["replay_tau"] <= d["eval"]["tau"] + 3.0
+    assert e["draft"] == "eagle3" and e["steps"] == STEPS and "sim_acc_len" in e
+    assert e["eval"]["replay_tau"] >= 1.0 and e["eval"]["sim_acc_len_includes_bonus"] is False
+    for cid in ("d", "e"):
+        run = tmp_path / "runs" / cid
+        rows = read_metrics(run / "metrics.csv")
+        assert [r[0] for r in rows if r[1] == "train/loss"] == list(range(1, STEPS + 1))
+        assert [r[0] for r in rows if r[1] == "eval/loss"] == [0, 3, 6]
+        tags = {r[1] for r in rows}
+        assert {"train/steps_per_s", "train/wait_s", "train/lr", "eval/acc_1", "eval/replay_tau"} <= tags
+        assert ("train/tau" if cid == "d" else "train/sim_acc_len") in tags
+        assert (run / "tensorboard").is_dir() == tensorboard_available()
+
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+                         capture_output=True, text=True, timeout=120, cwd=str(__import__("pathlib").Path(__file__)
+                                                                              .resolve().parent.parent))
+    acc = json.loads(out.stdout)
+    assert acc["violations"] == []
+    c = acc["cache"]
+    # the bound counts each consumer's pinned split: Σ (lookbehind + lookahead + 1 + EVAL)
+    assert c["window_bound_artifacts"] == 2 * (2 + 8 + 1 + EVAL)
+    assert 0 < c["max_retained_artifacts"] <= c["window_bound_artifacts"]
+    assert c["retained_artifacts"] == 0  # both finished: the pinned split was evicted too

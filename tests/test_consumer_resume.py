@@ -1,0 +1,221 @@
+"""Kill consumers mid-run and resume them (real ``artcache producer`` / ``artcache consume`` processes on the
+tiny random target), while a sibling that is never stopped keeps training.
+
+- ``a`` SIGKILLs itself after its 6th cursor commit (``ARTCACHE_CRASH_AT=cursor.after-commit:6``); it saved a
+  checkpoint at step 3, so three committed steps are lost and retrained.
+- ``b`` dies inside its 2nd checkpoint save, after the registry recorded it but before ``latest`` moved
+  (``checkpoint.after-record:2``): ``--resume`` must find the recorded checkpoint by its cursor.
+- ``sib`` runs on and is finally stopped with SIGTERM: cancelled at a step boundary, with a checkpoint.
+
+Deadlines only bound a hung run; nothing here asserts how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from artcache import journal as J
+from artcache import registry
+from artcache.layout import CacheLayout
+from trainers.checkpoint import load_state
+from trainers.tracking import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DEADLINE_S = 300.0
+BATCH = 2
+STEPS = 8
+
+
+class Proc:
+    """A CLI subprocess with its log file (stdout and stderr together)."""
+
+    def __init__(self, name: str, args: list[str], cwd: Path, crash_at: str | None = None) -> None:
+        self.name = name
+        self.log = cwd / "logs" / f"{name}.log"
+        self.log.parent.mkdir(exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        env.pop("ARTCACHE_CRASH_AT", None)
+        if crash_at:
+            env["ARTCACHE_CRASH_AT"] = crash_at
+        with open(self.log, "wb") as fh:
+            self.popen = subprocess.Popen([sys.executable, "-m", "artcache.cli", *args], cwd=cwd, stdout=fh,
+                                          stderr=subprocess.STDOUT, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float = DEADLINE_S) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            pytest.fail(f"{self.name} did not exit within {timeout:.0f}s:\n{self.text()[-4000:]}")
+
+    def expect(self, code: int) -> None:
+        rc = self.wait()
+        assert rc == code, f"{self.name} exited {rc}, expected {code}:\n{self.text()[-4000:]}"
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def wait_until(pred, what: str, procs: list[Proc], timeout: float = DEADLINE_S) -> None:
+    t0 = time.monotonic()
+    while not pred():
+        for p in procs:
+            if p.popen.poll() is not None:
+                pytest.fail(f"{p.name} exited {p.popen.returncode} while waiting for {what}:\n{p.text()[-4000:]}")
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def consume_args(cache: Path, cwd: Path, cid: str, steps: int, *extra: str) -> list[str]:
+    return ["consume", "--cache", str(cache), "--id", cid, "--block-size", "4", "--window", "2:8", "--anchors", "4",
+            "--steps", str(steps), "--batch-size", str(BATCH), "--threads", "1", "--demand-timeout", "180",
+            "--log-every", "1", "--out", str(cwd / "runs" / cid), "--no-progress", *extra]
+
+
+def file_events(cache: Path, cid: str) -> list[list]:
+    """Each process's journal of consumer ``cid``, in start order (one list of events per process)."""
+    paths = sorted((CacheLayout(cache).journal).glob(f"consumer-{cid}-*.jsonl"), key=lambda p: p.stat().st_mtime)
+    out = []
+    for path in paths:
+        evs = [e for e in J.iter_file(path) if e is not None]
+        out.append(evs)
+    return sorted(out, key=lambda evs: evs[0].t)
+
+
+def steps_of(evs: list) -> list[J.Step]:
+    return [e for e in evs if isinstance(e, J.Step)]
+
+
+def check_lineage(cache: Path, cid: str, ckpt_step: int, killed_after: int) -> None:
+    """The killed process committed ``killed_after`` steps; the resumed one continues from ``ckpt_step``:
+    the trained lineage is steps 1..STEPS with cursors 2, 4, … exactly once, positions read in order."""
+    first, second = file_events(cache, cid)
+    s1, s2 = steps_of(first), steps_of(second)
+    assert [s.step for s in s1] == list(range(1, killed_after + 1))
+    assert not any(isinstance(e, J.ConsumerEnd) for e in first)  # SIGKILLed: no end event
+    start = [e for e in second if isinstance(e, J.ConsumerStart)]
+    assert len(start) == 1 and (start[0].step, start[0].cursor) == (ckpt_step, ckpt_step * BATCH)
+    lineage = [s for s in s1 if s.step <= ckpt_step] + s2
+    assert [s.step for s in lineage] == list(range(1, STEPS + 1))
+    assert [s.cursor for s in lineage] == [BATCH * i for i in range(1, STEPS + 1)]
+    requested = [e.position for e in second if isinstance(e, J.Request)]
+    assert requested == list(range(ckpt_step * BATCH, STEPS * BATCH))  # none repeated, none skipped
+    ends = [e for e in second if isinstance(e, J.ConsumerEnd)]
+    assert len(ends) == 1 and (ends[0].state, ends[0].steps, ends[0].cursor) == ("completed", STEPS, STEPS * BATCH)
+    # the loss curve continues: the steps the dead process trained after its checkpoint are retrained
+    # from the same weights, optimizer and anchor RNG state, so they give the same losses
+    again = {s.step: s.loss for s in s2}
+    for s in s1:
+        if s.step > ckpt_step:
+            assert again[s.step] == pytest.approx(s.loss, rel=1e-5, abs=1e-6), (s.step, s.loss, again[s.step])
+
+
+def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tiny_target):
+    cache = tmp_path / "cache"
+    layout = CacheLayout(cache)
+    prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
+                             "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1"],
+                tmp_path)
+    procs = [prod]
+    try:
+        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
+        sib = Proc("sib", consume_args(cache, tmp_path, "sib", 100_000), tmp_path)
+        a = Proc("a", consume_args(cache, tmp_path, "a", STEPS, "--save-every", "3"), tmp_path,
+                 crash_at="cursor.after-commit:6")
+        b = Proc("b", consume_args(cache, tmp_path, "b", STEPS, "--save-every", "2"), tmp_path,
+                 crash_at="checkpoint.after-record:2")
+        procs += [sib, a, b]
+        wait_until(lambda: (r := registry.read(layout, "sib")) is not None and r.cursor >= 2, "the sibling to step",
+                   [prod, sib])
+        sib_generation = registry.read(layout, "sib").generation
+        assert a.wait() == -signal.SIGKILL, a.text()[-3000:]
+        assert b.wait() == -signal.SIGKILL, b.text()[-3000:]
+        sib_cursor_at_kill = registry.read(layout, "sib").cursor
+
+        # what the dead consumers left: a's registry cursor is past its checkpoint (two steps lost);
+        # b's registry recorded step 4 while `latest` still points at step 2
+        ra, rb = registry.read(layout, "a"), registry.read(layout, "b")
+        assert (ra.cursor, ra.checkpoint_cursor) == (6 * BATCH, 3 * BATCH)
+        assert (rb.cursor, rb.checkpoint_cursor) == (4 * BATCH, 4 * BATCH)
+        assert (tmp_path / "runs" / "b" / "checkpoints" / "latest").resolve().name == "step-00000002"
+
+        # a resume that changes the run, or points at another directory, is refused before registering
+        runner = CliRunner()
+        bad = runner.invoke(__import__("artcache.cli", fromlist=["main"]).main,
+                            consume_args(cache, tmp_path, "a", STEPS + 1, "--resume"))
+        assert bad.exit_code == 2 and f"--steps {STEPS + 1} (checkpoint: {STEPS})" in bad.stderr, bad.output
+        bad = runner.invoke(__import__("artcache.cli", fromlist=["main"]).main,
+                            consume_args(cache, tmp_path, "a", STEPS, "--resume", "--out", str(tmp_path / "elsewhere")))
+        assert bad.exit_code == 2 and "cursor 6" in bad.stderr and "no checkpoint" in bad.stderr, bad.output
+        bad = runner.invoke(__import__("artcache.cli", fromlist=["main"]).main, consume_args(cache, tmp_path, "a", STEPS))
+        assert bad.exit_code == 2 and "already holds checkpoints" in bad.stderr, bad.output
+        assert registry.read(layout, "a").pid == ra.pid  # nothing registered (the producer may have fenced it)
+
+        a2 = Proc("a-resumed", consume_args(cache, tmp_path, "a", STEPS, "--save-every", "3", "--resume"), tmp_path)
+        b2 = Proc("b-resumed", consume_args(cache, tmp_path, "b", STEPS, "--save-every", "2", "--resume"), tmp_path)
+        procs += [a2, b2]
+        a2.expect(0)
+        b2.expect(0)
+
+        # the sibling was never disturbed: same registration generation, still running, and it kept going
+        rs = registry.read(layout, "sib")
+        assert rs.state == "running" and rs.generation == sib_generation
+        wait_until(lambda: registry.read(layout, "sib").cursor > max(sib_cursor_at_kill, rs.cursor),
+                   "the sibling to keep stepping", [prod, sib])
+        sib.popen.send_signal(signal.SIGTERM)
+        assert sib.wait() != 0  # cancelled runs exit nonzero
+        prod.popen.send_signal(signal.SIGTERM)
+        prod.expect(0)
+    finally:
+        for p in procs:
+            p.kill()
+
+    check_lineage(cache, "a", ckpt_step=3, killed_after=5)  # step 6 committed, not journaled
+    check_lineage(cache, "b", ckpt_step=4, killed_after=4)
+    for cid in ("a", "b"):
+        reg = registry.read(layout, cid)
+        assert (reg.state, reg.cursor, reg.checkpoint_cursor) == ("completed", STEPS * BATCH, STEPS * BATCH)
+        run = tmp_path / "runs" / cid
+        latest = (run / "checkpoints" / "latest").resolve()
+        assert latest.name == f"step-{STEPS:08d}" and load_state(latest)["cursor"] == STEPS * BATCH
+        assert sorted(p.name for p in latest.iterdir()) == ["model.safetensors", "optimizer.safetensors",
+                                                           "rng.safetensors", "state.json"]
+        # metrics.csv: the dead process's rows after the checkpoint were replaced, each step once
+        rows = [r for r in read_metrics(run / "metrics.csv") if r[1] == "train/loss"]
+        assert [r[0] for r in rows] == list(range(1, STEPS + 1))
+
+    # the sibling was cancelled at a step boundary and checkpointed there: resumable
+    sib_steps = steps_of(file_events(cache, "sib")[0])
+    end = [e for e in file_events(cache, "sib")[0] if isinstance(e, J.ConsumerEnd)]
+    assert len(end) == 1 and end[0].state == "cancelled" and end[0].steps == sib_steps[-1].step
+    rs = registry.read(layout, "sib")
+    ck = load_state((tmp_path / "runs" / "sib" / "checkpoints" / "latest").resolve())
+    assert rs.state == "cancelled" and ck["step"] == sib_steps[-1].step
+    assert ck["cursor"] == rs.cursor == rs.checkpoint_cursor == sib_steps[-1].cursor
+
+    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                                                       os.environ.get("PYTHONPATH")]))))
+    acc = json.loads(proc.stdout)
+    assert acc["violations"] == [], acc["violations"]
+    ks = {k["consumer"]: k for k in acc["consumers"]}
+    assert (ks["a"]["state"], ks["a"]["steps"], ks["a"]["cursor"]) == ("completed", STEPS, STEPS * BATCH)

@@ -1,0 +1,274 @@
+"""Draft adapters: layer views over a root's captured layers, metric sums, greedy acceptance replay, the
+held-out split, and both drafts behind one interface on the tiny target."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from artcache.errors import ConfigError, ContractMismatch
+from trainers.drafts import (
+    DraftBatch,
+    MetricSums,
+    greedy_replay,
+    layer_view,
+    replay_sums,
+    select_layers,
+    view_slice,
+)
+from trainers.evaluation import eval_split
+
+# ---- layer views ---------------------------------------------------------------------------------
+
+
+def test_layer_view_indexes_a_superset_in_the_drafts_order():
+    captured = [1, 2, 3, 5, 8]
+    assert layer_view(captured, [1, 3], draft="d", flag_hint="") == [0, 2]
+    assert layer_view(captured, [8, 1], draft="d", flag_hint="") == [4, 0]  # the draft's own order
+    assert layer_view(captured, [1, 2, 2, 5], draft="d", flag_hint="") == [0, 1, 1, 3]  # repeats allowed
+
+
+def test_layer_view_missing_layer_names_the_producer_flag():
+    with pytest.raises(ContractMismatch) as err:
+        layer_view([1, 3], [1, 2, 3, 5], draft="an EAGLE-3 draft", flag_hint="")
+    msg = str(err.value)
+    assert "missing [2, 5]" in msg and "captures [1, 3]" in msg and "--layer-ids 1,2,3,5" in msg
+
+
+def test_view_slice_is_a_view_when_contiguous_and_a_copy_otherwise():
+    hidden = torch.arange(2 * 3 * 5 * 4, dtype=torch.float32).reshape(2, 3, 5, 4)
+    sel = view_slice([1, 2, 3])
+    assert sel == slice(1, 4)
+    out = select_layers(hidden, sel)
+    assert out.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()  # no copy
+    assert torch.equal(out, hidden[:, :, 1:4])
+    sel = view_slice([3, 0, 0])
+    assert isinstance(sel, torch.Tensor)
+    assert torch.equal(select_layers(hidden, sel), hidden[:, :, [3, 0, 0]])
+
+
+def test_union_capture_views_equal_solo_captures(tiny_target):
+    """One capture of the union of two drafts' layers, sliced per draft, gives exactly the tensors a
+    capture of each draft's own layers would (issue 8: layer union)."""
+    from artcache.backends.hf import HFCaptureBackend
+    from artcache.contract import CaptureContract
+    from artcache.target import load_target_model
+
+    model = load_target_model(tiny_target, "cpu", torch.float32)
+
+    def contract(ids):
+        return CaptureContract(target_name="t", target_revision="r", target_config_hash="c",
+                               target_weights_digest="w", layer_ids=tuple(ids), max_length=64,
+                               tokenizer_digest="t", template_digest="t")
+
+    g = torch.Generator().manual_seed(0)
+    samples = [SimpleNamespace(input_ids=torch.randint(0, 49000, (n,), generator=g, dtype=torch.int32),
+                               loss_mask=torch.ones(n, dtype=torch.uint8)) for n in (17, 9)]
+    def capture(ids):
+        backend = HFCaptureBackend(model, contract(ids))
+        try:
+            return backend.capture(samples)
+        finally:
+            backend.close()  # its hooks stop the forward at its deepest layer: never leave them on the model
+
+    union = [1, 2, 3, 5]
+    got = capture(union)
+    for need in ([1, 3], [1, 2, 2, 5], [2, 3]):  # a 2-layer DFlash, EAGLE-3 (L=6), another DFlash
+        solo = capture(sorted(set(need)))
+        sel = view_slice(layer_view(union, need, draft="d", flag_hint=""))
+        for u, s in zip(got, solo, strict=True):
+            want = s["hidden_states"][:, [sorted(set(need)).index(i) for i in need]]
+            assert torch.equal(select_layers(u["hidden_states"], sel), want), need
+
+
+def test_collate_applies_the_view_without_copying_a_batch_of_one():
+    from artcache.store import Artifact
+    from trainers.consumer import collate
+
+    @dataclass
+    class L:
+        position: int
+        artifact: Artifact
+        lease: str = ""
+
+    hs = torch.randn(6, 4, 8).bfloat16()
+    art = Artifact("f" * 40, hs, torch.arange(6, dtype=torch.int32), torch.ones(6, dtype=torch.uint8), 0, {})
+    b = collate([L(0, art)], torch.device("cpu"), view_slice([1, 2]), last_layer=3)
+    assert b.hidden.shape == (1, 6, 2, 8)
+    assert b.hidden.untyped_storage().data_ptr() == hs.untyped_storage().data_ptr()
+    assert torch.equal(b.last_layer[0], hs[:, 3]) and b.positions == (0,)
+    art2 = Artifact("e" * 40, torch.randn(4, 4, 8).bfloat16(), torch.arange(4, dtype=torch.int32),
+                    torch.ones(4, dtype=torch.uint8), 0, {})
+    b = collate([L(0, art), L(1, art2)], torch.device("cpu"), view_slice([3, 0]))
+    assert torch.equal(b.hidden[1, :4], art2.hidden_states[:, [3, 0]]) and not b.hidden[1, 4:].any()
+    assert b.valid.tolist() == [[True] * 6, [True] * 4 + [False] * 2]
+
+
+# ---- metric sums and replay ----------------------------------------------------------------------
+
+
+def test_metric_sums_divide_once():
+    a, b = MetricSums(), MetricSums()
+    a.add("acc_1", 1, 1)  # 100 % of 1
+    b.add("acc_1", 1, 9)  # 11 % of 9
+    s = a + b
+    assert s.ratio("acc_1") == pytest.approx(0.2)  # 2 / 10, not the mean of ratios (0.556)
+    assert math.isnan(MetricSums().ratio("acc_1"))
+
+
+def test_replay_sums_hand_example():
+    # 4 blocks of K = 3 proposals
+    preds = torch.tensor([[5, 6, 7], [5, 9, 7], [5, 6, 7], [1, 6, 7]])
+    greedy = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    ok = torch.ones(4, 3, dtype=torch.bool)
+    on_data = torch.ones(4, 3, dtype=torch.bool)
+    on_data[2, 0] = False  # block 2: the target's greedy token 5 is not the data token: path leaves the data
+    s = replay_sums(preds, greedy, ok, on_data)
+    # accepted: 3, 1, 1 (then unknown: truncated), 0 -> τ = (4 + 2 + 2 + 1) / 4, bonus included
+    assert s.ratio("replay_tau") == pytest.approx(9 / 4)
+    assert s.ratio("replay_truncated") == pytest.approx(1 / 4)
+    ok[0, 1] = False  # an unsupervised position ends the block: not a truncation
+    s = replay_sums(preds, greedy, ok, on_data)
+    assert s.ratio("replay_tau") == pytest.approx((2 + 2 + 2 + 1) / 4)
+
+
+def test_dflash_greedy_replay_against_target_argmax():
+    """A fake draft whose lm_head is the identity: the hidden state of slot k is the one-hot of its proposal."""
+    V = 10
+
+    class Fake:
+        def logits(self, h):
+            return h @ torch.eye(V)
+
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    argmax = torch.tensor([[1, 2, 9, 4, 5, 6]])  # the target agrees with the data except after x_2 (9 != 3)
+    proposals = {0: [0, 1, 2, 9], 2: [2, 9, 4, 5]}  # anchors 0 and 2, B = 4 (slot 0 = the anchor token)
+    anchors = torch.tensor([[0, 2]])
+    out = torch.stack([torch.nn.functional.one_hot(torch.tensor(proposals[a]), V).float()
+                       for a in (0, 2)])[None]  # [1, N=2, B=4, V]
+    sup = torch.ones(1, 6, dtype=torch.bool)
+    s = greedy_replay(Fake(), out, ids, sup, anchors, argmax)
+    # anchor 0: g_1 = argmax[0] = 1 (accept; 1 == x_1 on data), g_2 = 2 (accept; == x_2), g_3 = argmax[2] = 9
+    #   (accept) -> 3 accepted, τ 4. anchor 2: g_1 = argmax[2] = 9 (accept) but 9 != x_3: the greedy path
+    #   leaves the data with slots left -> 1 accepted, truncated, τ 2.
+    assert s.ratio("replay_tau") == pytest.approx((4 + 2) / 2)
+    assert s.ratio("replay_truncated") == pytest.approx(1 / 2)
+
+
+# ---- the held-out split --------------------------------------------------------------------------
+
+
+def test_eval_split():
+    assert eval_split(40, 0, 1000, 2) == (0, 0)  # off: any length, positions wrap
+    assert eval_split(40, 8, 16, 2) == (32, 40)
+    with pytest.raises(ConfigError, match=r"--steps 17 × --batch-size 2 = 34 .* \[32, 40\).*--steps <= 16"):
+        eval_split(40, 8, 17, 2)
+    with pytest.raises(ConfigError, match="--eval-samples 40 leaves no training sample"):
+        eval_split(40, 40, 1, 1)
+
+
+# ---- both drafts on the tiny target --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_root(tmp_path_factory, tiny_target):
+    from artcache.layout import CacheLayout
+    from artcache.plan import Plan
+    from artcache.producer import ProducerConfig, prepare_root
+    from artcache.settings import load_settings
+
+    path = tmp_path_factory.mktemp("drafts-root") / "cache"
+    data = __import__("pathlib").Path(__file__).parent / "data" / "tiny_sharegpt.json"
+    prepare_root(ProducerConfig(cache=str(path), target=tiny_target.path, dataset=str(data), max_samples=40,
+                                max_length=128, layer_ids=[1, 2, 3, 5]))
+    layout = CacheLayout(path)
+    settings = load_settings(layout)
+    return settings, Plan.load(layout.plan_dir(settings.plan_id))
+
+
+def batch_for(plan, m: int, H: int = 64) -> DraftBatch:
+    s = plan.sample(0)
+    T = s.input_ids.shape[0]
+    g = torch.Generator().manual_seed(0)
+    return DraftBatch(torch.randn(1, T, m, H, generator=g), s.input_ids.long()[None], s.loss_mask.bool()[None],
+                      torch.ones(1, T, dtype=torch.bool), (0,))
+
+
+@pytest.mark.parametrize("draft", ["dflash", "eagle3"])
+def test_both_drafts_behind_one_interface(tiny_root, draft):
+    from trainers.consumer import ConsumerConfig
+    from trainers.drafts import build_draft
+
+    pytest.importorskip("trainers.eagle3")
+    settings, plan = tiny_root
+    cfg = ConsumerConfig(cache="-", draft=draft, block_size=4, num_anchors=8, draft_vocab=500, ttt_steps=3,
+                         eval_samples=4)
+    d = build_draft(cfg, settings, plan, torch.device("cpu"))
+    want = {"dflash": (1, 2, 3), "eagle3": (1, 2, 2, 5)}[draft]
+    assert d.needed_layer_ids == want
+    batch = batch_for(plan, len(want))
+    loss, sums = d.loss(batch)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in d.model.parameters())
+    summary = d.summary(sums)
+    assert summary["loss"] == pytest.approx(loss.item(), rel=1e-4)
+    fields = d.journal_fields(sums)
+    assert len(fields["acc_correct"]) == len(fields["acc_total"])
+    ev = d.evaluate(batch, None)
+    es = d.summary(ev)
+    if draft == "dflash":
+        # every eligible anchor is a block; no target argmax given: no replay
+        assert es["blocks"] == int((batch.loss_mask[0, :-1] & batch.loss_mask[0, 1:]).sum())
+        assert "replay_tau" not in es and 1.0 <= es["tau"] <= 4.0
+    else:
+        # the EAGLE-3 draft computes the target's argmax from its own L-1 layer: always a replay
+        assert 1.0 <= es["replay_tau"] <= 4.0 and 0.0 <= es["sim_acc_len"] <= 3.0
+        assert d.model.d2t.numel() == 500 and int(d.model.t2d.sum()) == 500
+        # the vocab map comes from the training samples only (the held-out split is left out)
+        from trainers.drafts import _TrainingTokens
+        from trainers.eagle3 import build_vocab_map, count_plan_tokens
+
+        d2t, _ = build_vocab_map(count_plan_tokens(_TrainingTokens(plan, len(plan) - 4), 49152), 500)
+        assert torch.equal(d.model.d2t.cpu(), d2t)
+
+
+def test_eagle3_summary_is_computed_from_sums(tiny_root):
+    from trainers.drafts import Eagle3Adapter
+
+    pytest.importorskip("trainers.eagle3")
+    a = Eagle3Adapter(None, SimpleNamespace(ttt_steps=2, loss_decay=0.5), (1, 2, 2, 5))
+    s = MetricSums()
+    s.add("loss_0", 4.0, 2)
+    s.add("loss_1", 3.0, 1)
+    s.add("acc_1", 1, 2)
+    s.add("acc_2", 1, 4)
+    out = a.summary(s)
+    assert out["loss"] == pytest.approx(2.0 + 0.5 * 3.0)
+    assert out["acc"] == [0.5, 0.25]
+    assert out["sim_acc_len"] == pytest.approx(0.5 + 0.5 * 0.25) and out["sim_acc_len_includes_bonus"] is False
+    assert out["coverage"] == pytest.approx(3 / 6)
+
+
+def test_explicit_layer_ids_replace_the_formula(tiny_root):
+    from trainers.consumer import ConsumerConfig
+    from trainers.drafts import build_draft
+
+    settings, plan = tiny_root  # captures [1, 2, 3, 5]
+    d = build_draft(ConsumerConfig(cache="-", layer_ids=[5, 1], draft_layers=1), settings, plan, torch.device("cpu"))
+    assert d.needed_layer_ids == (5, 1) and d.dcfg.num_context_layers == 2 and d.dcfg.num_layers == 1
+    with pytest.raises(ContractMismatch, match=r"missing \[4\].*--layer-ids 1,2,3,4,5"):
+        build_draft(ConsumerConfig(cache="-", layer_ids=[4]), settings, plan, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="0..5"):
+        build_draft(ConsumerConfig(cache="-", layer_ids=[6]), settings, plan, torch.device("cpu"))
+    pytest.importorskip("trainers.eagle3")
+    e = build_draft(ConsumerConfig(cache="-", draft="eagle3", layer_ids=[1, 2, 3, 5], draft_vocab=100), settings,
+                    plan, torch.device("cpu"))
+    assert e.needed_layer_ids == (1, 2, 3, 5)
+    with pytest.raises(ConfigError, match="then the last layer 5"):
+        build_draft(ConsumerConfig(cache="-", draft="eagle3", layer_ids=[1, 2, 3]), settings, plan,
+                    torch.device("cpu"))

@@ -1,0 +1,140 @@
+"""Held-out evaluation of a consumer's draft on the plan's held-out split.
+
+Split (decided here, documented in docs/training.md): with ``--eval-samples E`` the **last E
+positions of the plan's first epoch**, ``[len(plan) - E, len(plan))``, are the held-out split. A
+consumer that evaluates never trains on them: its announced end (``steps × batch_size``) must be
+<= ``len(plan) - E`` (no wrap into a second epoch), checked before it registers. The split is
+pinned in the consumer's registration (``Registration.pinned``): the producer retains those
+artifacts while the consumer is live, counts them in the window union and the retain bound, prefetches
+them after every window position and captures them on demand, so an evaluation never breaks the
+eviction invariants. Consumers that share a root and are compared with each other should use the same
+``--eval-samples`` (the split depends only on E and the plan).
+
+Metrics (sums divided once over the whole split, see :class:`trainers.drafts.MetricSums`): the
+draft's loss, per-position accuracy ``acc_k``, DFlash τ (mean accepted length per block **including
+the +1 bonus token**) over every eligible anchor, EAGLE-3 ``simulated_acc_len``; and a greedy
+acceptance replay against the **target's own argmax** when the root captures the target's last
+layer (output-of-layer ``L - 1``): ``argmax(lm_head(final_norm(h_{L-1})))``. Without it the
+acceptance figures use the data tokens and the summary says so (``labels``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError
+
+log = logging.getLogger("artcache.consumer")
+
+
+def eval_split(plan_len: int, eval_samples: int, steps: int, batch_size: int) -> tuple[int, int]:
+    """The held-out positions ``[lo, hi)`` (``(0, 0)`` when ``eval_samples`` is 0).
+
+    Raises:
+        ConfigError: ``eval_samples`` leaves no training sample, or the run's end
+            (``steps × batch_size``) reaches the split.
+    """
+    if eval_samples <= 0:
+        return (0, 0)
+    if eval_samples >= plan_len:
+        raise ConfigError(f"--eval-samples {eval_samples} leaves no training sample: the plan has {plan_len} "
+                          f"samples; accepted: 1 .. {plan_len - 1}")
+    lo = plan_len - eval_samples
+    end = steps * batch_size
+    if end > lo:
+        raise ConfigError(
+            f"--steps {steps} × --batch-size {batch_size} = {end} positions would train on the held-out split "
+            f"[{lo}, {plan_len}) (the last {eval_samples} of the plan's {plan_len} samples): use --steps <= "
+            f"{lo // batch_size}, a smaller --eval-samples, or a producer plan with more samples (--max-samples)")
+    return (lo, plan_len)
+
+
+def target_argmax_fn(info, lm_head: Tensor, device: torch.device) -> Callable[[Tensor], Tensor]:
+    """``h [n, H] (output-of-layer L-1, un-normed) -> argmax(lm_head(RMSNorm(h))) [n] long``.
+
+    RMSNorm as the target's (``y = h / sqrt(mean(h²) + eps) · w``, float32; eps = the target config's
+    ``rms_norm_eps``). Rows are processed 256 at a time so ``rows × vocab`` never materialises at once.
+
+    Raises:
+        ConfigError: the target's final norm is not an RMSNorm or cannot be read.
+    """
+    from artcache.target import load_final_norm
+
+    weight = load_final_norm(info).to(device=device, dtype=torch.float32)
+    cfg = json.loads((Path(info.path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    head = lm_head.to(device)
+
+    def fn(h: Tensor) -> Tensor:
+        out = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+        for s in range(0, h.shape[0], 256):
+            x = h[s:s + 256].float()
+            x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+            out[s:s + 256] = torch.nn.functional.linear(x.to(head.dtype), head).argmax(dim=-1)
+        return out
+
+    return fn
+
+
+class Evaluator:
+    """Evaluates a draft on the pinned held-out positions.
+
+    Args:
+        draft: a :class:`trainers.drafts.Draft`.
+        client: the consumer's :class:`artcache.client.CacheClient` (leases each position while read).
+        positions: the held-out split.
+        batch_size: positions per forward.
+        collate: ``(items, with_last_layer) -> DraftBatch`` (the consumer's collate with its layer view).
+        target_argmax: see :func:`target_argmax_fn`, or None (data tokens only).
+        stop: set to abandon an evaluation (the consumer is stopping).
+    """
+
+    def __init__(self, draft, client, positions: range, batch_size: int, collate,
+                 target_argmax: Callable[[Tensor], Tensor] | None, stop: threading.Event) -> None:
+        self.draft, self.client, self.positions = draft, client, positions
+        self.batch_size, self.collate, self.target_argmax, self.stop = batch_size, collate, target_argmax, stop
+
+    @property
+    def labels(self) -> str:
+        """What the acceptance replay compares against."""
+        return "target argmax" if self.target_argmax is not None else "data tokens"
+
+    def run(self) -> dict:
+        """One pass over the split; returns the draft's summary plus ``labels`` and ``samples``."""
+        model = self.draft.model
+        was_training = model.training
+        model.eval()
+        from trainers.drafts import MetricSums
+
+        sums = MetricSums()
+        try:
+            pos = list(self.positions)
+            for s in range(0, len(pos), self.batch_size):
+                items = []
+                try:
+                    for p in pos[s:s + self.batch_size]:
+                        items.append(self.client.acquire(p, self.stop))
+                    batch = self.collate(items, self.target_argmax is not None)
+                    argmax = None
+                    if self.target_argmax is not None and batch.last_layer is not None:
+                        b, T, H = batch.last_layer.shape
+                        argmax = self.target_argmax(batch.last_layer.reshape(b * T, H)).reshape(b, T)
+                    with torch.no_grad():
+                        sums = sums + self.draft.evaluate(batch, argmax)
+                finally:
+                    for it in items:
+                        self.client.release(it)
+        finally:
+            model.train(was_training)
+        out = self.draft.summary(sums)
+        out["labels"] = self.labels
+        out["samples"] = len(self.positions)
+        return out
