@@ -5,7 +5,8 @@ Standalone (imports only vLLM): run it with the Python that has vLLM, e.g.
 Used by tests/test_export_vllm.py and docs/export.md. CPU settings from ../shared/REAL_INPUTS.md are
 applied unless already set.
 
-Output: one stdout line ``VLLM_SPEC_RESULT <json>`` (vLLM logs around it) with ``drafts``, ``draft_tokens``, ``accepted_tokens``,
+Output: one stdout line ``VLLM_SPEC_RESULT <json>`` (vLLM logs around it) with ``drafts``,
+``draft_tokens``, ``accepted_tokens``,
 ``accepted_per_pos`` (list, K entries), ``mean_acceptance_length`` = 1 + accepted / drafts (vLLM's
 definition: **includes the +1 bonus token**), ``texts`` (the greedy generations),
 ``prompt_token_ids`` / ``output_token_ids`` (per prompt), ``output_tokens``, ``seconds``.

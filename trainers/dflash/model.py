@@ -243,8 +243,9 @@ class DFlashDraft(nn.Module):
               :func:`build_attention_mask` ([b, 1, N·B, T + N·B]). Trains on CPU and GPU.
             - ``"flex"``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from
               :func:`dflash_mask_mod` (block-sparse: fully masked 128×128 tiles are skipped). Compiled
-              on CUDA (torch's kernel needs ``head_dim >= 16``). On CPU torch 2.13 runs it eagerly, unfused and **forward only** (no backward:
-              training raises :class:`ConfigError`); use it there for evaluation and tests.
+              on CUDA (torch's kernel needs ``head_dim >= 16``). On CPU torch 2.13 runs it eagerly,
+              unfused and **forward only** (no backward: training raises :class:`ConfigError`); use
+              it there for evaluation and tests.
             - ``"dense"``: an explicit softmax(q kᵀ/√d + mask) v reference.
 
             All three agree to float rounding (tests pin sdpa = flex = dense).
