@@ -107,7 +107,7 @@ def registered(cache: Path, *ids: str):
 
     def pred() -> bool:
         regs = {r.consumer_id: r for r in registry.read_all(layout)}
-        return all(i in regs and regs[i].state == "running" for i in ids)
+        return all(i in regs and regs[i].state in ("running", "completed") for i in ids)
 
     return pred
 
@@ -245,6 +245,10 @@ def test_sigkilled_consumer_is_fenced_and_sibling_completes(tmp_path, tiny_targe
     try:
         wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod])
         victim = consumer(cache, tmp_path, "victim", block_size=4, window="0:4", steps=10_000)
+        # the long-running victim registers first, so the short sibling cannot finish (and, with
+        # --exit-when-done, let the producer leave) before the victim is known (regression: under load the
+        # sibling completed before the victim registered and the wait below failed)
+        wait_until(registered(cache, "victim"), "the victim to register", [prod, victim])
         sibling = consumer(cache, tmp_path, "sibling", block_size=8, window="2:8", steps=STEPS)
         layout = CacheLayout(cache)
 
@@ -254,7 +258,7 @@ def test_sigkilled_consumer_is_fenced_and_sibling_completes(tmp_path, tiny_targe
 
         # both registered first: with --exit-when-done the producer leaves as soon as every consumer it has
         # seen is finished or fenced, so a sibling registering after the kill would find no producer
-        wait_until(registered(cache, "victim", "sibling"), "both consumers to register", [prod, victim, sibling])
+        wait_until(registered(cache, "victim", "sibling"), "both consumers to register", [prod, victim])
         wait_until(victim_mid_run, "the victim to commit two steps", [prod, victim])
         victim.popen.send_signal(signal.SIGKILL)
         assert victim.wait() == -signal.SIGKILL
