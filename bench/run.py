@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import subprocess
@@ -136,6 +137,7 @@ class ModeRun:
     wall_s: float
     events: list
     accounts: list
+    cpu_s: float = 0.0  # user + system CPU seconds of the mode's processes (getrusage of waited children)
 
 
 def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[int], sampler=None) -> ModeRun:
@@ -161,6 +163,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     if sampler is not None:
         sampler.start()
     t_start = time.time()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         for i, (pid, root, served) in enumerate(producers):
             with open(logs / f"{pid}.log", "wb") as log:
@@ -204,9 +207,11 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                 p.kill()
                 p.wait()
     wall = time.time() - t_start
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     roots = [root for _, root, _ in producers]
     events = [ev for root in roots for ev in J.read_events(CacheLayout(root).journal).events]
-    return ModeRun(mode, roots, codes, wall, events, [account(CacheLayout(root)) for root in roots])
+    return ModeRun(mode, roots, codes, wall, events, [account(CacheLayout(root)) for root in roots], cpu)
 
 
 def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
@@ -353,7 +358,7 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
         "captures_per_consumed_position": captures / positions if positions else 0.0,
         "consumers": consumers,
         "aggregate_steps_per_s": figures["aggregate_steps_per_s"], "interval_s": figures["interval_s"],
-        "producer_busy_s": figures["producer_busy_s"], "wall_s": run.wall_s,
+        "producer_busy_s": figures["producer_busy_s"], "wall_s": run.wall_s, "cpu_s": run.cpu_s,
         "max_lead_steps": max_lead(run.events, ids),
         "producer_exit_codes": {k: v for k, v in run.codes.items() if k not in ids},
         "consumers_per_root": [len(a.consumers) for a in run.accounts],
@@ -472,9 +477,9 @@ def format_modes(r: dict) -> str:
         rows.append([m, s["producers"], s["captures"], s["distinct_positions_consumed"],
                      round(s["captures_per_consumed_position"], 3), *(round(rate[i], 3) for i in ids),
                      round(s["aggregate_steps_per_s"], 3) if s["interval_s"] > 0 else "n/a", s["max_lead_steps"],
-                     round(s["wall_s"], 1)])
+                     round(s["wall_s"], 1), round(s["cpu_s"], 1)])
     headers = ["mode", "producers", "captures", "positions", "captures/pos", *(f"{i} steps/s" for i in ids),
-               "aggregate", "max lead", "wall_s"]
+               "aggregate", "max lead", "wall_s", "cpu_s"]
     return "\n".join([
         f"### modes: artcache against the baselines ({r['warmup_steps']} warm-up + {r['measured_steps']} "
         "measured steps per consumer, each mode on fresh roots)", "",
@@ -482,7 +487,8 @@ def format_modes(r: dict) -> str:
         "captures/pos = producer captures (all producers of the mode) per distinct position consumed; steps/s "
         "= each consumer's steady rate after its warm-up; aggregate over the mode's common post-warm-up "
         "interval (n/a: the first consumer finished before the last one's warm-up ended); max lead = most "
-        "steps any consumer committed beyond the slowest other.", "",
+        "steps any consumer committed beyond the slowest other; cpu_s = CPU seconds of all the mode's "
+        "processes (start-up included; unlike steps/s it does not depend on other load on the machine).", "",
         "verdict: " + r["comparison"]["verdict"],
     ])
 
