@@ -17,6 +17,7 @@ A draft never decides which positions it reads; the consumer does.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,7 +120,20 @@ def select_layers(hidden: Tensor, sel: slice | Tensor) -> Tensor:
     return hidden.index_select(hidden.dim() - 2, sel.to(hidden.device))
 
 
-class Draft:
+def _replay_summary(sums: MetricSums) -> dict[str, float]:
+    """Greedy-replay figures (τ incl. +1 bonus, share of truncated blocks) when an evaluation recorded them."""
+    if "replay_tau" not in sums.den:
+        return {}
+    return {"replay_tau": sums.ratio("replay_tau"), "replay_truncated_frac": sums.ratio("replay_truncated")}
+
+
+def _replay_headline(summary: dict[str, Any], bonus_note: str = " (incl. +1 bonus)") -> str:
+    if "replay_tau" not in summary:
+        return ""
+    return f" greedy-replay tau {summary['replay_tau']:.2f}{bonus_note}"
+
+
+class Draft(abc.ABC):
     """The interface the consumer trains through (see the module docstring). Subclasses implement it."""
 
     name: str = ""
@@ -135,29 +149,35 @@ class Draft:
         """Named generators the draft draws from during training (their states are checkpointed)."""
         return {}
 
+    @abc.abstractmethod
     def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
         """The Step journal event's metric sums: ``tau_sum``, ``blocks``, ``acc_correct``, ``acc_total``."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     @torch.no_grad()
     def evaluate(self, batch: DraftBatch, target_argmax: Tensor | None) -> MetricSums:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def config_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def summary(self, sums: MetricSums) -> dict[str, Any]:
-        raise NotImplementedError
+        ...
 
     def extra_tensors(self) -> dict[str, Tensor]:
         return {}
 
+    @abc.abstractmethod
     def headline(self, summary: dict[str, Any]) -> str:
         """One log fragment for a summary: the draft's acceptance figure, bonus convention stated."""
-        raise NotImplementedError
+        ...
 
 
 # ---- DFlash ------------------------------------------------------------------------------------------
@@ -244,16 +264,10 @@ class DFlashAdapter(Draft):
         B = self.dcfg.block_size
         out = {"loss": sums.ratio("loss"), "acc": [sums.ratio(f"acc_{k}") for k in range(1, B)],
                "tau": sums.ratio("tau"), "tau_includes_bonus": True, "blocks": int(sums.den.get("tau", 0))}
-        if "replay_tau" in sums.den:
-            out["replay_tau"] = sums.ratio("replay_tau")
-            out["replay_truncated_frac"] = sums.ratio("replay_truncated")
-        return out
+        return {**out, **_replay_summary(sums)}
 
     def headline(self, summary: dict[str, Any]) -> str:
-        text = f"tau {summary['tau']:.2f} (incl. +1 bonus)"
-        if "replay_tau" in summary:
-            text += f" greedy-replay tau {summary['replay_tau']:.2f}"
-        return text
+        return f"tau {summary['tau']:.2f} (incl. +1 bonus)" + _replay_headline(summary, bonus_note="")
 
     def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
         """The Step event's metric sums (block size B: acc lists have B entries, index 0 unused)."""
@@ -504,16 +518,10 @@ class Eagle3Adapter(Draft):
         out = {"loss": sum(self.ecfg.loss_decay ** i * v for i, v in enumerate(per_step) if math.isfinite(v)),
                "loss_per_step": per_step, "acc": acc, "sim_acc_len": sim, "sim_acc_len_includes_bonus": False,
                "coverage": kept / total if total > 0 else math.nan}
-        if "replay_tau" in sums.den:
-            out["replay_tau"] = sums.ratio("replay_tau")
-            out["replay_truncated_frac"] = sums.ratio("replay_truncated")
-        return out
+        return {**out, **_replay_summary(sums)}
 
     def headline(self, summary: dict[str, Any]) -> str:
-        text = f"sim_acc_len {summary['sim_acc_len']:.2f} (no bonus)"
-        if "replay_tau" in summary:
-            text += f" greedy-replay tau {summary['replay_tau']:.2f} (incl. +1 bonus)"
-        return text
+        return f"sim_acc_len {summary['sim_acc_len']:.2f} (no bonus)" + _replay_headline(summary)
 
     def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
         """Step event sums: no blocks (τ is a DFlash figure); ``acc_*`` hold the per-TTT-step counts."""

@@ -7,7 +7,7 @@ gamma, mask token) follow DFlash arXiv:2602.06036 and its reference code (z-lab/
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -156,38 +156,77 @@ class DFlashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """
         if mask_token_id is None:
             raise ConfigError("mask_token_id is required: choose an id that never occurs in data (Qwen3: 151669)")
-        cfg = target_hf_config.get_text_config() if hasattr(target_hf_config, "get_text_config") else target_hf_config
-
-        def need(name: str) -> Any:
-            v = getattr(cfg, name, None)
-            if v is None:
-                raise ConfigError(f"target config has no {name!r}")
-            return v
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        theta = getattr(cfg, "rope_theta", None)
-        if theta is None:
-            params = getattr(cfg, "rope_parameters", None)
-            if isinstance(params, dict):
-                theta = params.get("rope_theta")
-        eps = getattr(cfg, "rms_norm_eps", None)
+        t = read_target_shape(target_hf_config)
         return cls(
-            hidden_size=hidden,
+            hidden_size=t.hidden_size,
             num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(kv),
-            head_dim=int(head_dim),
-            intermediate_size=int(intermediate_size if intermediate_size is not None else need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
+            num_heads=t.num_heads,
+            num_kv_heads=t.num_kv_heads,
+            head_dim=t.head_dim,
+            intermediate_size=resolve_intermediate(t, intermediate_size),
+            vocab_size=t.vocab_size,
             num_context_layers=num_layers if num_context_layers is None else num_context_layers,
             mask_token_id=mask_token_id,
             block_size=block_size,
             num_anchors=num_anchors,
             gamma=gamma,
-            rope_theta=float(theta) if theta is not None else 10000.0,
-            rms_norm_eps=float(eps) if eps is not None else 1e-6,
+            rope_theta=t.rope_theta,
+            rms_norm_eps=t.rms_norm_eps,
             logit_chunk=logit_chunk,
         )
+
+
+class TargetShape(NamedTuple):
+    """The target sizes a draft copies (from a transformers config)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int | None
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+
+
+def read_target_shape(target_hf_config: Any) -> TargetShape:
+    """Read a transformers config (or its ``get_text_config()``): hidden_size, num_attention_heads,
+    num_key_value_heads (default: heads), head_dim (default: hidden // heads), intermediate_size (None when
+    absent), vocab_size, rms_norm_eps (default 1e-6), rope_theta from ``rope_theta`` (transformers 4.x) or
+    ``rope_parameters["rope_theta"]`` (5.x), 10000.0 when neither is present.
+
+    Raises:
+        ConfigError: hidden_size, num_attention_heads or vocab_size missing.
+    """
+    cfg = target_hf_config.get_text_config() if hasattr(target_hf_config, "get_text_config") else target_hf_config
+
+    def need(name: str) -> Any:
+        v = getattr(cfg, name, None)
+        if v is None:
+            raise ConfigError(f"target config has no {name!r}")
+        return v
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None:
+        params = getattr(cfg, "rope_parameters", None)
+        if isinstance(params, dict):
+            theta = params.get("rope_theta")
+    eps = getattr(cfg, "rms_norm_eps", None)
+    inter = getattr(cfg, "intermediate_size", None)
+    return TargetShape(
+        hidden_size=hidden, num_heads=heads, num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
+        intermediate_size=int(inter) if inter is not None else None, vocab_size=int(need("vocab_size")),
+        rope_theta=float(theta) if theta is not None else 10000.0,
+        rms_norm_eps=float(eps) if eps is not None else 1e-6)
+
+
+def resolve_intermediate(t: TargetShape, given: int | None) -> int:
+    """``given`` if set, else the target's intermediate_size. Raises ConfigError when neither exists."""
+    if given is not None:
+        return int(given)
+    if t.intermediate_size is None:
+        raise ConfigError("target config has no 'intermediate_size'")
+    return t.intermediate_size

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from artcache.errors import ConfigError
+from trainers.dflash.config import read_target_shape, resolve_intermediate
 
 __all__ = ["EAGLE3_NUM_AUX", "Eagle3Config", "eagle3_capture_ids", "eagle3_layer_ids"]
 
@@ -147,37 +148,20 @@ class Eagle3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Raises:
             ConfigError: a required field missing on the target config, or any resulting value invalid.
         """
-        cfg = target_hf_config.get_text_config() if hasattr(target_hf_config, "get_text_config") else target_hf_config
-
-        def need(name: str) -> Any:
-            v = getattr(cfg, name, None)
-            if v is None:
-                raise ConfigError(f"target config has no {name!r}")
-            return v
-
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        theta = getattr(cfg, "rope_theta", None)
-        if theta is None:
-            params = getattr(cfg, "rope_parameters", None)
-            if isinstance(params, dict):
-                theta = params.get("rope_theta")
-        eps = getattr(cfg, "rms_norm_eps", None)
-        vocab = int(need("vocab_size"))
+        t = read_target_shape(target_hf_config)
+        vocab = t.vocab_size
         _check_int("draft_vocab_size", draft_vocab_size)
         return cls(
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(kv),
-            head_dim=int(head_dim),
-            intermediate_size=int(intermediate_size if intermediate_size is not None else need("intermediate_size")),
+            hidden_size=t.hidden_size,
+            num_heads=t.num_heads,
+            num_kv_heads=t.num_kv_heads,
+            head_dim=t.head_dim,
+            intermediate_size=resolve_intermediate(t, intermediate_size),
             vocab_size=vocab,
             draft_vocab_size=min(draft_vocab_size, vocab),
             ttt_steps=ttt_steps,
             loss_decay=loss_decay,
-            rope_theta=float(theta) if theta is not None else 10000.0,
-            rms_norm_eps=float(eps) if eps is not None else 1e-6,
+            rope_theta=t.rope_theta,
+            rms_norm_eps=t.rms_norm_eps,
             logit_chunk=logit_chunk,
         )
