@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from artcache import journal as J
@@ -65,6 +66,31 @@ class CacheClient:
             (self._demand.add if on else self._demand.discard)(position)
             self.handle.set_demand(sorted(self._demand))
 
+    def want(self, positions: Iterable[int]) -> list[int]:
+        """Announce positions this consumer will read next as demand, in one registration update.
+
+        A consumer about to read several positions (a held-out evaluation pass) calls this first, so the
+        producer captures every missing one as demand (before any prefetch) in as few batches as it can,
+        instead of one batch per :meth:`acquire`. Positions already published are skipped. Each
+        position's demand is withdrawn when :meth:`acquire` returns it, or by :meth:`unwant`.
+
+        Returns the positions announced (sorted). Raises nothing beyond the registry's own errors.
+        """
+        missing = sorted({p for p in positions if not store.exists(self.layout, self.fp_of(p))})
+        if missing:
+            with self._demand_lock:
+                self._demand.update(missing)
+                self.handle.set_demand(sorted(self._demand))
+        return missing
+
+    def unwant(self, positions: Iterable[int]) -> None:
+        """Withdraw demand announced by :meth:`want` for positions not read after all."""
+        with self._demand_lock:
+            before = len(self._demand)
+            self._demand.difference_update(positions)
+            if len(self._demand) != before:
+                self.handle.set_demand(sorted(self._demand))
+
     def acquire(self, position: int, stop: threading.Event | None = None) -> Leased:
         """Lease and read ``position``; wait on a demand miss.
 
@@ -113,7 +139,7 @@ class CacheClient:
                 self._set_demand(position, False)
             raise
         wait_s = time.monotonic() - t0 if waiting else 0.0
-        if waiting:
+        if waiting or position in self._demand:  # also withdraws demand announced by want()
             self._set_demand(position, False)
         self.journal.emit(J.Request(consumer=self.consumer_id, position=position, fp=fp,
                                     hit=not waiting, wait_s=wait_s))

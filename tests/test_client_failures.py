@@ -36,3 +36,31 @@ def test_regression_consumer_gets_capture_failed_when_producer_gives_up(tmp_path
     assert info.value.fingerprint == fp and info.value.attempts == 3 and not info.value.retryable
     assert os.listdir(layout.leases) == []  # the lease taken for the read was released
     journal.close()
+
+
+def test_regression_eval_split_is_demanded_at_once(tmp_path, fake_plan, small_contract):
+    """The held-out pass used to announce one position per acquire, so the producer captured one batch
+    per eval sample (16 samples took 16 producer batches, ~4 min, on SmolLM2/CPU). ``want`` announces the
+    whole split as demand in one registration update; acquiring or ``unwant`` withdraws it."""
+    from artcache.scheduler import wanted
+
+    layout = CacheLayout(tmp_path)
+    layout.create()
+    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
+    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=2,
+                                                          pid=os.getpid(), pinned=(10, 14)))
+    journal = J.JournalWriter(layout.journal_path("consumer", "c"))
+    handle = registry.ConsumerHandle(layout, reg)
+    client = CacheClient(layout, settings, fake_plan, handle, journal, demand_timeout_s=60)
+    assert client.want(range(10, 14)) == [10, 11, 12, 13]
+    live = registry.read(layout, "c")
+    assert live.demand == [10, 11, 12, 13]
+    queue = wanted([live], client.fp_of, published=set(), max_queue=8)
+    # the whole split is demand (priority 0), ahead of the window's prefetch (positions 0..2)
+    assert [w.position for w in queue if w.demand] == [10, 11, 12, 13]
+    assert all(not w.demand for w in queue if w.position < 10)
+    client.unwant([12, 13])
+    assert registry.read(layout, "c").demand == [10, 11]
+    client.unwant(range(10, 14))
+    assert registry.read(layout, "c").demand == []
+    journal.close()

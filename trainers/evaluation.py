@@ -115,8 +115,11 @@ class Evaluator:
         from trainers.drafts import MetricSums
 
         sums = MetricSums()
+        pos = list(self.positions)
+        # every missing split position becomes demand at once: the producer captures them together
+        # (regression: one producer batch per eval sample when each acquire announced its own demand)
+        self.client.want(pos)
         try:
-            pos = list(self.positions)
             for s in range(0, len(pos), self.batch_size):
                 items = []
                 try:
@@ -133,6 +136,7 @@ class Evaluator:
                     for it in items:
                         self.client.release(it)
         finally:
+            self.client.unwant(pos)
             model.train(was_training)
         out = self.draft.summary(sums)
         out["labels"] = self.labels
