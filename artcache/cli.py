@@ -436,5 +436,43 @@ def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
     click.echo(json.dumps(res.summary()))
 
 
+@main.command()
+@click.option("--out", required=True, help="ShareGPT JSONL file to write (refused if it exists, unless --force).")
+@click.option("--target", default="smollm2-135m-instruct", help="Target: the embedded name or an HF directory.")
+@click.option("--data", "dataset", default="sharegpt", help="'sharegpt' (embedded) or a ShareGPT-format JSON/JSONL file.")
+@click.option("--max-samples", default=1000, type=int, help="The first N usable records in file order.")
+@click.option("--max-new-tokens", default=256, type=int, help="Generated tokens per answer at most.")
+@click.option("--max-prompt-tokens", default=1024, type=int,
+              help="Records whose rendered prompt is longer are skipped (counted), never truncated.")
+@click.option("--backend", default="hf", help="hf (transformers generate) or vllm (needs the artcache[vllm] extra).")
+@click.option("--batch-size", default=8, type=int, help="Prompts per generate call (hf; vllm schedules itself).")
+@click.option("--temperature", default=0.0, type=float, help="0: greedy; > 0: sampling with --seed.")
+@click.option("--seed", default=0, type=int, help="Sampling seed (with --temperature > 0).")
+@click.option("--device", default="cpu", help="cpu or cuda[:i].")
+@click.option("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")
+@click.option("--chat-template-option", "template_options", multiple=True, metavar="NAME=VALUE",
+              help="Chat template option, e.g. enable_thinking=false (repeatable; give the producer the same).")
+@click.option("--threads", default=0, type=int, help="CPU threads (0: the default): torch's (hf), vLLM's bound CPUs.")
+@click.option("--force", is_flag=True, help="Replace an existing --out file.")
+@click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
+@_errors
+def regenerate(out, target, dataset, max_samples, max_new_tokens, max_prompt_tokens, backend, batch_size,
+               temperature, seed, device, dtype, template_options, threads, force, progress):
+    """Write a ShareGPT JSONL whose first assistant answers the target generated (docs/regenerate.md).
+
+    Plan and capture it with `artcache producer --data OUT`. Prints a JSON summary on stdout."""
+    from artcache.data.regenerate import RegenerateConfig
+    from artcache.data.regenerate import regenerate as run_regenerate
+
+    cfg = RegenerateConfig(out=out, target=target, dataset=dataset, max_samples=max_samples,
+                           max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, backend=backend,
+                           batch_size=batch_size, temperature=temperature, seed=seed, device=device, dtype=dtype,
+                           force=force, threads=threads, template_options=parse_template_options(template_options),
+                           progress=progress)
+    cfg.validate()
+    _check_device(device)
+    click.echo(json.dumps(run_regenerate(cfg).summary))
+
+
 if __name__ == "__main__":
     main()
