@@ -25,7 +25,8 @@ CONSUMER_KEYS = ("id", "draft", "block_size", "steps", "steps_per_s", "wait_s", 
 @pytest.fixture(scope="module")
 def bench_1p3c(tmp_path_factory, smollm2_target):
     out = tmp_path_factory.mktemp("bench-real") / "out"
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "bench", "--scenario", "1p3c",
+    # artcache mode only: the naive/lockstep baselines triple the run and are covered by test_bench_cpu
+    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "bench", "--scenario", "1p3c", "--modes", "artcache",
                            "--warmup", str(WARMUP), "--steps", str(STEPS), "--out", str(out)],
                           capture_output=True, text=True, timeout=1800)
     base = out / "1p3c"
@@ -78,7 +79,9 @@ def test_outputs_on_disk(bench_1p3c):
     assert (base / "report.md").is_file()
     for c in bench_1p3c["report"]["consumers"]:
         state = json.loads((base / "runs" / c["id"] / "checkpoints" / "latest" / "state.json").read_text())
-        assert state["step"] == WARMUP + STEPS and state["cursor"] == (WARMUP + STEPS) * 2
+        # one committed cursor position per sample read (regression: the test assumed batch size 2)
+        assert state["step"] == WARMUP + STEPS
+        assert state["cursor"] == (WARMUP + STEPS) * state["run"]["batch_size"]
 
 
 def test_inspect_agrees_with_report(bench_1p3c):
