@@ -255,6 +255,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="Held-out split: the plan's last N samples, never trained on (0: no evaluation).")
 @click.option("--eval-interval", default=0, type=int,
               help="Evaluate on the held-out split every N steps (0: only at the end).")
+@click.option("--eval-anchors", default=0, type=int,
+              help="DFlash: evaluate at most N evenly spaced anchors per held-out sample (0: every eligible "
+              "anchor; costly on a CPU).")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @click.option("--tensorboard/--no-tensorboard", default=True,
               help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")
@@ -262,7 +265,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps, lr,
             seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, save_every,
-            keep_checkpoints, resume, init_from, eval_samples, eval_interval, progress, tensorboard):
+            keep_checkpoints, resume, init_from, eval_samples, eval_interval, eval_anchors, progress, tensorboard):
     """Train one draft on the cache root at its own pace."""
     from trainers.consumer import ConsumerConfig, parse_window, run_consumer
 
@@ -285,7 +288,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         batch_size=batch_size, steps=steps, lr=lr, seed=seed, device=device, threads=threads, out_dir=out_dir,
         demand_timeout_s=demand_timeout, log_every=log_every, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, init_from=init_from,
-        eval_samples=eval_samples, eval_interval=eval_interval, progress=progress, tensorboard=tensorboard)
+        eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, progress=progress,
+        tensorboard=tensorboard)
     cfg.validate()
     summary = run_consumer(cfg)
     click.echo(json.dumps(summary), err=False)

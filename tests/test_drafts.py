@@ -237,6 +237,39 @@ def test_both_drafts_behind_one_interface(tiny_root, draft):
         assert torch.equal(d.model.d2t.cpu(), d2t)
 
 
+def test_evenly_spaced_anchor_subset():
+    from trainers.drafts import evenly_spaced
+
+    pos = torch.arange(10, 30)
+    assert torch.equal(evenly_spaced(pos, 0), pos) and torch.equal(evenly_spaced(pos, 25), pos)
+    assert evenly_spaced(pos, 1).tolist() == [10]
+    assert evenly_spaced(pos, 2).tolist() == [10, 29]
+    five = evenly_spaced(pos, 5).tolist()
+    assert five == [10, 15, 20, 24, 29] and len(set(five)) == 5
+    for k in range(1, 21):  # distinct, ordered, deterministic
+        sub = evenly_spaced(pos, k).tolist()
+        assert len(sub) == k and sub == sorted(set(sub)) and sub == evenly_spaced(pos, k).tolist()
+
+
+def test_dflash_eval_anchors_caps_blocks_per_sample(tiny_root):
+    """--eval-anchors k evaluates k blocks per held-out sample (the full pass cost minutes per eval on CPU)."""
+    from trainers.consumer import ConsumerConfig
+    from trainers.drafts import build_draft
+
+    settings, plan = tiny_root
+    full = build_draft(ConsumerConfig(cache="-", block_size=4, num_anchors=8), settings, plan, torch.device("cpu"))
+    capped = build_draft(ConsumerConfig(cache="-", block_size=4, num_anchors=8, eval_anchors=5), settings, plan,
+                         torch.device("cpu"))
+    capped.model.load_state_dict(full.model.state_dict())
+    batch = batch_for(plan, 3)
+    eligible = int((batch.loss_mask[0, :-1] & batch.loss_mask[0, 1:]).sum())
+    assert eligible > 5
+    assert full.summary(full.evaluate(batch, None))["blocks"] == eligible
+    assert capped.summary(capped.evaluate(batch, None))["blocks"] == 5
+    with pytest.raises(ConfigError, match="--eval-anchors -1"):
+        ConsumerConfig(cache="-", eval_anchors=-1).validate()
+
+
 def test_eagle3_summary_is_computed_from_sums(tiny_root):
     from trainers.drafts import Eagle3Adapter
 
@@ -272,3 +305,39 @@ def test_explicit_layer_ids_replace_the_formula(tiny_root):
     with pytest.raises(ConfigError, match="then the last layer 5"):
         build_draft(ConsumerConfig(cache="-", draft="eagle3", layer_ids=[1, 2, 3]), settings, plan,
                     torch.device("cpu"))
+
+
+def test_regression_evaluation_stops_between_batches_on_a_signal():
+    """SIGTERM during an evaluation pass was honoured only after the whole pass (minutes on a CPU):
+    the evaluator now checks the stop event before every batch and withdraws its announced demand."""
+    import threading
+
+    from trainers.evaluation import Evaluator
+
+    class Client:
+        def __init__(self):
+            self.wanted, self.unwanted, self.acquired = [], [], []
+
+        def want(self, positions):
+            self.wanted = list(positions)
+            return self.wanted
+
+        def unwant(self, positions):
+            self.unwanted = list(positions)
+
+        def acquire(self, p, stop=None):
+            self.acquired.append(p)
+            raise AssertionError("acquired after the stop request")
+
+        def release(self, item):
+            pass
+
+    draft = SimpleNamespace(model=torch.nn.Linear(1, 1))
+    stop = threading.Event()
+    stop.set()
+    client = Client()
+    ev = Evaluator(draft, client, range(10, 14), 2, collate=None, target_argmax=None, stop=stop)
+    with pytest.raises(InterruptedError, match="stopped during evaluation"):
+        ev.run()
+    assert client.acquired == [] and client.wanted == client.unwanted == [10, 11, 12, 13]
+    assert draft.model.training  # train mode restored

@@ -109,6 +109,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     init_from: str = ""
     eval_samples: int = 0
     eval_interval: int = 0
+    eval_anchors: int = 0
     progress: bool = True
     tensorboard: bool = True
 
@@ -120,7 +121,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if getattr(self, name) < 1:
                 flag = flags.get(name, "--" + name.replace("_", "-"))
                 raise ConfigError(f"{flag} {getattr(self, name)} is invalid: it must be >= 1")
-        for name in ("save_every", "keep_checkpoints", "eval_samples", "eval_interval"):
+        for name in ("save_every", "keep_checkpoints", "eval_samples", "eval_interval", "eval_anchors"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 0")
         if self.eval_interval and not self.eval_samples:

@@ -182,6 +182,21 @@ class Draft(abc.ABC):
 
 # ---- DFlash ------------------------------------------------------------------------------------------
 
+def evenly_spaced(positions: Tensor, k: int) -> Tensor:
+    """``k`` entries of the 1-D ``positions`` at evenly spaced indices (first and last included), in order.
+
+    ``k <= 0`` or ``k >= len(positions)``: ``positions`` unchanged. Indices are
+    ``round(linspace(0, n - 1, k))`` (distinct for k <= n), so the choice is deterministic.
+    """
+    n = positions.numel()
+    if k <= 0 or k >= n:
+        return positions
+    if k == 1:
+        return positions[:1]
+    idx = torch.linspace(0, n - 1, k, dtype=torch.float64).round().long()
+    return positions[idx]
+
+
 class DFlashAdapter(Draft):
     """DFlash (arXiv:2602.06036) behind the :class:`Draft` interface.
 
@@ -193,11 +208,13 @@ class DFlashAdapter(Draft):
 
     name = "dflash"
 
-    def __init__(self, model, dcfg, needed_layer_ids: Sequence[int], anchor_generator: torch.Generator) -> None:
+    def __init__(self, model, dcfg, needed_layer_ids: Sequence[int], anchor_generator: torch.Generator,
+                 eval_anchors: int = 0) -> None:
         self.model = model
         self.dcfg = dcfg
         self.needed_layer_ids = tuple(int(i) for i in needed_layer_ids)
         self.generator = anchor_generator
+        self.eval_anchors = int(eval_anchors)
 
     def generators(self) -> dict[str, torch.Generator]:
         return {"anchors": self.generator}
@@ -235,6 +252,10 @@ class DFlashAdapter(Draft):
     def evaluate(self, batch: DraftBatch, target_argmax: Tensor | None) -> MetricSums:
         """Held-out metrics over **every** eligible anchor (no sampling), ``max(num_anchors, 256)`` at a time.
 
+        With ``eval_anchors`` k > 0, a sample with more than k eligible anchors is evaluated on k of them,
+        evenly spaced over its eligible positions (first and last included; deterministic, no RNG), so
+        an evaluation costs at most ``k × B`` draft positions per sample instead of ``T × B``.
+
         Data-token metrics: loss, acc_k, τ (``tau``, +1 bonus included). With ``target_argmax``
         ([b, T] long, the target's greedy next token after each prefix) also a greedy acceptance
         replay (``replay_tau``, +1 bonus included; see :func:`greedy_replay`).
@@ -248,6 +269,7 @@ class DFlashAdapter(Draft):
             one = DraftBatch(batch.hidden[row:row + 1], batch.input_ids[row:row + 1],
                              batch.loss_mask[row:row + 1], batch.valid[row:row + 1])
             pos = elig[row].nonzero().squeeze(1)
+            pos = evenly_spaced(pos, self.eval_anchors)
             for s in range(0, pos.numel(), n):
                 anchors = pos[s:s + n][None]
                 out, _, stats = self._forward(one, anchors, torch.ones_like(anchors, dtype=torch.bool))
@@ -413,7 +435,8 @@ def build_dflash(cfg, settings, plan, device: torch.device, info=None) -> DFlash
                                     mask_token_id=mask_id, num_context_layers=len(need))
     torch.manual_seed(cfg.seed)
     model = DFlashDraft(dcfg, embed.to(device), lm_head.to(device))
-    draft = DFlashAdapter(model, dcfg, need, torch.Generator().manual_seed(cfg.seed))
+    draft = DFlashAdapter(model, dcfg, need, torch.Generator().manual_seed(cfg.seed),
+                          eval_anchors=cfg.eval_anchors)
     draft.target_info, draft.target_lm_head = info, model.lm_head_weight
     return draft
 

@@ -121,6 +121,8 @@ class Evaluator:
         self.client.want(pos)
         try:
             for s in range(0, len(pos), self.batch_size):
+                if self.stop.is_set():  # SIGTERM/Ctrl-C: a full pass can take minutes on a CPU
+                    raise InterruptedError("stopped during evaluation")
                 items = []
                 try:
                     for p in pos[s:s + self.batch_size]:
