@@ -135,6 +135,8 @@ def account(layout: CacheLayout) -> Accounting:
             cons(ev.consumer).quarantined += 1
         elif isinstance(ev, J.ConsumerStart):
             k = cons(ev.consumer)
+            # a (re)start supersedes an earlier fence/end: a resumed consumer is running again
+            k.state, k.error = "running", ""
             k.draft, k.block_size = ev.draft, ev.block_size
             k.lookbehind, k.lookahead = ev.lookbehind, ev.lookahead
             windows[ev.consumer] = ev.lookbehind + ev.lookahead + 1 + ev.pinned  # as Registration.retain_bound

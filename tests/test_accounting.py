@@ -248,3 +248,21 @@ def test_regression_capture_lost_in_producer_crash_is_not_a_violation(layout):
     acc = account(layout)
     assert acc.cache.captures_lost_in_crash == 0
     assert any("captures" in v for v in acc.violations)
+
+
+def test_regression_resumed_consumer_is_running_not_failed(layout):
+    """After SIGKILL + fence + ``--resume``, inspect showed the resumed consumer as ``failed``: the
+    producer's fence of the dead holder was the last state-changing event; a ConsumerStart now resets it."""
+    old = [J.ConsumerStart(consumer="e", pid=5, draft="eagle3", block_size=16, batch_size=2, lookbehind=0,
+                           lookahead=2, cursor=0, t=10.0),
+           J.Step(consumer="e", step=3, cursor=6, loss=1.0, tau_sum=0.0, blocks=0, acc_correct=[0],
+                  acc_total=[1], wait_s=0.0, step_s=1.0, lr=1e-3, t=11.0)]
+    write(layout, "consumer-e-5", old)
+    write(layout, "producer-p-1", [J.Fence(producer="p", consumer="e", generation=2, state="failed",
+                                           reason="process 5 is gone", t=12.0)])
+    write(layout, "consumer-e-6", [J.ConsumerStart(consumer="e", pid=6, draft="eagle3", block_size=16,
+                                                   batch_size=2, lookbehind=0, lookahead=2, cursor=4, step=2,
+                                                   t=13.0)])
+    (e,) = account(layout).consumers
+    assert (e.state, e.error, e.steps, e.cursor) == ("running", "", 3, 6)
+    assert account(layout).cache.fences == 1
