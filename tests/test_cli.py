@@ -149,6 +149,8 @@ def test_consume_lookahead_smaller_than_batch(root, workdir):
     (["--lr", "nan"], ["--lr", "nan"]),
     (["--id", "../escape"], ["'../escape'", "A-Z a-z 0-9"]),
     (["--id", "a~b"], ["'a~b'"]),
+    (["--draft-layers", "0"], ["--draft-layers 0", ">= 1"]),  # regression: 0 meant "the default"
+    (["--eval-anchors", "-1"], ["--eval-anchors -1"]),
 ])
 def test_consume_other_bad_values(root, workdir, args, needles):
     before = snapshot(root)
@@ -251,6 +253,14 @@ def test_producer_layer_ids_beyond_target(tmp_path, workdir, tiny_target):
     args[args.index("--draft-layers"):args.index("--draft-layers") + 2] = ["--layer-ids", "1,40"]
     line = assert_bad_input(invoke(*args), "6 decoder layers", "40", "0..5")
     assert "[1, 40]" in line
+    assert not cache.exists()
+
+
+def test_regression_producer_layer_ids_duplicates_refused(tmp_path, workdir, tiny_target):
+    """--layer-ids 1,1,2 used to be accepted and recorded layer 1 twice in the contract."""
+    cache = tmp_path / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, "--layer-ids", "1,1,2")), "1,1,2", "[1]",
+                     "more than once")
     assert not cache.exists()
 
 

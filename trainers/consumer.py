@@ -124,6 +124,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("save_every", "keep_checkpoints", "eval_samples", "eval_interval", "eval_anchors"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 0")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ConfigError(f"--draft-layers {self.draft_layers} is invalid: it must be >= 1 (or left out: one "
+                              "draft layer per captured layer the formula selects)")
         if self.eval_interval and not self.eval_samples:
             raise ConfigError(f"--eval-interval {self.eval_interval} needs a held-out split: pass --eval-samples N")
         if self.resume and self.init_from:
@@ -205,7 +208,12 @@ class _Reader(threading.Thread):
                             self._cond.wait(0.05 if self.group_cursor else 0.1)
                     if self.stop.is_set():
                         break
-                    items.append(self.client.acquire(p, self.stop))
+                    try:
+                        items.append(self.client.acquire(p, self.stop))
+                    except BaseException:  # the partial batch's leases (regression: leaked on CaptureTimeout)
+                        for it in items:
+                            self.client.release(it)
+                        raise
                 if self.stop.is_set():
                     for it in items:
                         self.client.release(it)
@@ -537,10 +545,11 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
         last_eval["step"] = at_step
         tracker.scalars(at_step, "eval", {k: v for k, v in last_eval.items() if k not in ("step", "samples")})
         tracker.flush()
-        acc = " ".join(f"{a:.2f}" for a in last_eval.get("acc", [])[:4])
-        log.info("[%s] eval step %d on %d held-out samples: loss %.3f %s acc_1..4 %s (labels: %s) %.1fs",
+        shown = last_eval.get("acc", [])[:4]
+        acc = " ".join(f"{a:.2f}" for a in shown)
+        log.info("[%s] eval step %d on %d held-out samples: loss %.3f %s acc_1..%d %s (labels: %s) %.1fs",
                  cfg.consumer_id, at_step, last_eval["samples"], last_eval["loss"], draft.headline(last_eval),
-                 acc, last_eval["labels"], time.monotonic() - t0)
+                 len(shown), acc, last_eval["labels"], time.monotonic() - t0)
 
     cursor, step, state, error = reg.cursor, start_step, "failed", ""
     saved_step = start_step if resume is not None else -1
@@ -564,6 +573,7 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
                                       "final_norm": draft.target_info.final_norm,
                                       "layer_ids": list(draft.needed_layer_ids), "pinned": list(pinned),
                                       "generation": handle.generation, "saved_at": time.time()})
+        tracker.flush()  # metrics.csv holds every step the checkpoint covers (a SIGKILL later loses none)
         crash_point("checkpoint.before-record")
         handle.record_checkpoint(cursor)  # the resume point moves only once the directory is complete
         crash_point("checkpoint.after-record")
@@ -663,8 +673,9 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
         reader.join(timeout=5)
         _drain(reader, client)
         save_error = None
-        if state in ("completed", "cancelled") and consistent and step > max(saved_step, 0) \
-                and not fenced.is_set():
+        # also on a failure between steps (e.g. CaptureTimeout when the producer is gone): the state is a
+        # consistent step, so --resume continues from here instead of the last --save-every checkpoint
+        if consistent and step > max(saved_step, 0) and not fenced.is_set():
             try:
                 ckpt = save()
             except Exception as exc:  # never mask the error in flight; a completed run without it failed

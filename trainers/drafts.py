@@ -18,6 +18,7 @@ A draft never decides which positions it reads; the consumer does.
 from __future__ import annotations
 
 import abc
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -599,6 +600,10 @@ def build_eagle3(cfg, settings, plan, device: torch.device, *, vocab_map: dict[s
                flag_hint="")
     ecfg = Eagle3Config.from_target(AutoConfig.from_pretrained(info.path), draft_vocab_size=cfg.draft_vocab,
                                     ttt_steps=cfg.ttt_steps)
+    if ecfg.draft_vocab_size < cfg.draft_vocab:  # the default 32000 on a smaller-vocab target is not an error
+        logging.getLogger("artcache.consumer").warning(
+            "--draft-vocab %d exceeds the target vocabulary (%d tokens): the draft uses all %d (identity vocab map)",
+            cfg.draft_vocab, ecfg.vocab_size, ecfg.vocab_size)
     if vocab_map:
         missing = {"d2t", "t2d"} - set(vocab_map)
         if missing:
