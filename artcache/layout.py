@@ -232,6 +232,9 @@ class CacheLayout:
 
     def require(self) -> None:
         """Raise CacheRootError unless the root exists and has been initialised by a producer."""
+        if self.root.exists() and not self.root.is_dir():
+            raise CacheRootError(f"cache root {str(self.root)!r} is a file, not a directory: give the directory "
+                                 "`artcache producer --cache` created")
         if not self.root.is_dir():
             raise CacheRootError(
                 f"cache root {str(self.root)!r} does not exist; start `artcache producer --cache "

@@ -177,7 +177,13 @@ def prepare_root(cfg: ProducerConfig):
         template_digest=template_digest(tok, spec.template_options), backend=cfg.backend)
     if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
         check_compatible(load_settings(layout), contract, plan_id_for(spec, tok), layout)
-    created = layout.create(group_shared=cfg.group_shared)
+    try:
+        created = layout.create(group_shared=cfg.group_shared)
+    except ArtcacheError:  # UnsafePath & co keep their own type
+        raise
+    except OSError as exc:  # e.g. a parent that is a file, /proc, a read-only mount
+        raise ConfigError(f"--cache {cfg.cache!r} cannot be created as a cache root ({exc.strerror or exc}); give "
+                          "a directory path on a writable filesystem") from None
     try:
         with cache_lock(layout.lock_path("root")):
             plan = ensure_plan(spec, tok, layout.plans, target_vocab_size=info.vocab_size)

@@ -540,3 +540,15 @@ def test_regression_producer_refuses_a_root_inside_a_root(tmp_path, tiny_target)
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "inside the cache root" in proc.stderr
     assert not inner.exists()
+
+
+def test_regression_unusable_out_and_cache_paths_are_clear_errors(root, workdir, tmp_path, tiny_target):
+    """Tracebacks (exit 1) for --out / --cache under a regular file; consume had already registered."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--out", str(afile / "sub"), "--steps", "1"),
+                     "--out", "sub", "writable directory")
+    assert snapshot(root) == before  # nothing registered, no journal
+    assert_bad_input(invoke(*producer_args(afile / "cache", tiny_target)), "--cache", "cannot be created")
+    assert_bad_input(invoke("consume", "--cache", str(afile)), "is a file, not a directory")

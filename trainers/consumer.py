@@ -471,6 +471,13 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
                 f"--resume: consumer {cfg.consumer_id!r}'s recorded checkpoint cursor is "
                 f"{old.checkpoint_cursor if old else 'absent'}, checkpoint {resume.path} has cursor {start_cursor}")
 
+    try:  # before registering or journaling: an unusable --out must leave nothing behind in the root
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        raise ConfigError(f"--out {str(run_dir)!r} cannot be the run directory ({exc.strerror or exc}); give a "
+                          "writable directory path (created if missing)") from None
     journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
     try:
         reg = registry.register(layout, registry.Registration(
