@@ -425,12 +425,15 @@ def fsck(cache, fix, as_json):
               help="A consumer checkpoint (checkpoints/step-N) or run directory (uses its checkpoints/latest).")
 @click.option("--format", "fmt", default="hf", type=click.Choice(["hf", "speculators"]),
               help="hf: vLLM's native draft layout; speculators: vllm-project/speculators' config format.")
-@click.option("--out", "out_dir", required=True, help="Draft directory to create (config.json, model.safetensors).")
-@click.option("--target", default="smollm2-135m-instruct",
-              help="The target the draft was trained for (name or HF directory); supplies layer count and ids.")
+@click.option("--out", "out_dir", required=True,
+              help="Draft directory to create (config.json, model.safetensors); never the checkpoint or its run.")
+@click.option("--target", default=None,
+              help="The target the draft was trained for (name or HF directory); supplies layer count and ids. "
+                   "Default: the target_name the checkpoint's state.json records (its weights digest must match).")
 @click.option("--dtype", default="bfloat16", type=click.Choice(["bfloat16", "float16", "float32"]),
               help="Dtype of the exported weights.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing --out directory.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing --out that is a previous export (a directory holding export.json).")
 @_errors
 def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
     """Write a trained DFlash or EAGLE-3 draft as a directory vLLM / speculators load (docs/export.md)."""

@@ -5,6 +5,8 @@ atomicity."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import types
 from pathlib import Path
 
@@ -338,3 +340,225 @@ def test_nothing_half_written(tmp_path, target_dir, monkeypatch):
         export_checkpoint(tmp_path / "run", out, "speculators", target=str(target_dir), overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     _no_leftovers(tmp_path)
+
+
+# ------------------------------------------------------------------------------ regressions
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Every path under ``root`` (links as their target, files as their bytes), to show nothing changed."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = ("link:" + str(p.readlink())) if p.is_symlink() else p.read_bytes() if p.is_file() else "dir"
+    return out
+
+
+def _training_run(run: Path) -> Path:
+    """A DFlash checkpoint in ``run`` plus the other things a consumer run holds."""
+    *_, path = dflash_checkpoint(run)
+    (run / "metrics.csv").write_text("step,loss\n1,2.0\n")
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out").write_bytes(b"\x00events")
+    return path
+
+
+def _one_line_error(r, *needles: str) -> str:
+    assert r.exit_code == 2, r.output
+    assert isinstance(r.exception, SystemExit), r.exception  # no traceback
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcache: error:"), r.output
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def test_regression_export_refuses_out_overlapping_the_checkpoint_or_run(tmp_path, target_dir):
+    """`export --checkpoint RUN --out RUN --overwrite` used to delete the training run and write the
+    export there. An --out that is, contains or is inside the checkpoint or its run directory (after
+    resolving links) is refused, with or without --overwrite, and nothing is touched."""
+    run = tmp_path / "runs" / "dflash-0"
+    step = _training_run(run)
+    (tmp_path / "link-to-run").symlink_to(run)
+    before = _tree(tmp_path)
+    runner = CliRunner()
+    outs = [run, step, run / "checkpoints", run / "checkpoints" / "latest", tmp_path / "runs", tmp_path,
+            run / "export", step / "sub", tmp_path / "link-to-run", tmp_path / "link-to-run" / "x"]
+    for ckpt in (run, run / "checkpoints" / "latest", step):
+        for out in outs:
+            for extra in ([], ["--overwrite"]):
+                r = runner.invoke(main, ["export", "--checkpoint", str(ckpt), "--out", str(out),
+                                         "--target", str(target_dir), *extra])
+                line = _one_line_error(r, str(out))
+                assert "of checkpoint" in line and "outside" in line, line
+                assert _tree(tmp_path) == before, (ckpt, out, extra)
+    with pytest.raises(ConfigError, match="run directory"):
+        export_checkpoint(run, run, target=str(target_dir), overwrite=True)
+    assert _tree(tmp_path) == before
+
+
+def test_regression_overwrite_replaces_only_a_previous_export(tmp_path, target_dir):
+    """--overwrite used to replace any existing path (a regular file became a directory; a non-export
+    directory was deleted). Only a previous export directory (holding export.json) is replaced now."""
+    dflash_checkpoint(tmp_path / "run")
+    runner = CliRunner()
+    base = ["export", "--checkpoint", str(tmp_path / "run"), "--target", str(target_dir), "--overwrite"]
+    other_run = tmp_path / "other-run"
+    _training_run(other_run)
+    plain = tmp_path / "notes"
+    plain.mkdir()
+    (plain / "keep.txt").write_text("precious")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    afile = tmp_path / "weights.bin"
+    afile.write_bytes(b"not a directory")
+    prev = tmp_path / "prev"
+    assert runner.invoke(main, [*base[:-1], "--out", str(prev)]).exit_code == 0
+    (tmp_path / "link-to-prev").symlink_to(prev)
+    before = _tree(tmp_path)
+    for out, kind in ((other_run, "a directory"), (plain, "a directory"), (empty, "a directory"),
+                      (afile, "a regular file"), (tmp_path / "link-to-prev", "a symbolic link")):
+        r = runner.invoke(main, [*base, "--out", str(out)])
+        _one_line_error(r, str(out), kind, "not a previous export", "export.json")
+        assert _tree(tmp_path) == before, out
+    assert afile.is_file() and afile.read_bytes() == b"not a directory"
+    # a previous export is replaced, atomically (no temp or old directory left beside it)
+    r = runner.invoke(main, [*base, "--out", str(prev), "--format", "speculators"])
+    assert r.exit_code == 0, r.output
+    assert "speculators_model_type" in (prev / "config.json").read_text()
+    assert json.loads((prev / "export.json").read_text())["exported_by"] == "artcache export"
+    _no_leftovers(tmp_path)
+    # without --overwrite an existing path is refused as before, naming what would be accepted
+    r = runner.invoke(main, [*base[:-1], "--out", str(afile)])
+    _one_line_error(r, str(afile), "--overwrite", "previous export")
+
+
+def test_regression_out_parent_not_a_writable_directory_is_one_line_error(tmp_path, target_dir):
+    """`--out /proc/x` and `--out some-file/x` used to raise FileNotFoundError / NotADirectoryError
+    tracebacks. They are one-line errors (exit 2) naming the path, and nothing is written."""
+    dflash_checkpoint(tmp_path / "run")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    before = _tree(tmp_path)
+    runner = CliRunner()
+    outs = [afile / "x", afile / "a" / "b"]
+    if Path("/proc/self").is_dir():
+        outs += [Path("/proc/x"), Path("/proc/a/b")]
+    for out in outs:
+        for extra in ([], ["--overwrite"]):
+            r = runner.invoke(main, ["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out),
+                                     "--target", str(target_dir), *extra])
+            _one_line_error(r, str(out))
+            assert "writable directory" in r.output, r.output
+            assert not os.path.lexists(out)
+            assert _tree(tmp_path) == before
+
+
+def test_regression_failed_export_removes_parents_it_created(tmp_path, target_dir, monkeypatch):
+    import trainers.export as ex
+
+    dflash_checkpoint(tmp_path / "run")
+
+    def failing(tensors, path, metadata=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ex.safetensors.torch, "save_file", failing)
+    with pytest.raises(OSError):
+        export_checkpoint(tmp_path / "run", tmp_path / "new" / "deeper" / "d", target=str(target_dir))
+    assert not (tmp_path / "new").exists()
+    _no_leftovers(tmp_path)
+
+
+@pytest.fixture
+def weighted_targets(target_dir, tmp_path) -> tuple[Path, Path]:
+    """Two tiny random Llama targets of ``target_dir``'s config with weights (different seeds, so
+    different weights digests), like conftest's ``tiny_target`` but of this file's sizes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dirs = []
+    for seed in (0, 1):
+        d = tmp_path / f"tiny-target-{seed}"
+        torch.manual_seed(seed)
+        LlamaForCausalLM(LlamaConfig.from_pretrained(str(target_dir))).save_pretrained(str(d))
+        dirs.append(d)
+    return dirs[0], dirs[1]
+
+
+def _record_target(ckpt: Path, name: str | None, digest: str | None) -> None:
+    """Write target_name / target_weights_digest into a checkpoint's state.json, as the consumer does."""
+    state = json.loads((ckpt / "state.json").read_text())
+    state.pop("target_name", None)
+    state.pop("target_weights_digest", None)
+    if name is not None:
+        state["target_name"] = name
+    if digest is not None:
+        state["target_weights_digest"] = digest
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
+def test_regression_target_defaults_to_the_checkpoint_record(tmp_path, target_dir, weighted_targets):
+    """--target used to default to smollm2-135m-instruct whatever the checkpoint was trained for. It
+    defaults to the checkpoint's recorded target_name now; an explicit target with another weights
+    digest is refused naming both."""
+    from artcache.target import resolve_target
+
+    good, other = weighted_targets
+    good_digest, other_digest = resolve_target(str(good)).weights_digest, resolve_target(str(other)).weights_digest
+    assert good_digest != other_digest
+    *_, step = dflash_checkpoint(tmp_path / "run")
+    runner = CliRunner()
+    base = ["export", "--checkpoint", str(tmp_path / "run")]
+    _record_target(step, str(good), good_digest)
+    r = runner.invoke(main, [*base, "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "a" / "export.json").read_text())["target"] == str(good.resolve())
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["num_target_layers"] == L
+    # an explicit target: the same one, or a config-only directory (no digest at hand), is accepted
+    assert runner.invoke(main, [*base, "--out", str(tmp_path / "b"), "--target", str(good)]).exit_code == 0
+    assert runner.invoke(main, [*base, "--out", str(tmp_path / "c"), "--target", str(target_dir)]).exit_code == 0
+    # ... one with other weights is refused, naming both digests
+    r = runner.invoke(main, [*base, "--out", str(tmp_path / "d"), "--target", str(other)])
+    _one_line_error(r, str(other), good_digest, other_digest)
+    assert not (tmp_path / "d").exists()
+    # the recorded name resolving to other weights is refused too
+    _record_target(step, str(other), good_digest)
+    r = runner.invoke(main, [*base, "--out", str(tmp_path / "e")])
+    _one_line_error(r, good_digest, other_digest, "--target")
+    # no recorded target, or a recorded name that resolves to nothing here: say to pass --target
+    _record_target(step, None, None)
+    r = runner.invoke(main, [*base, "--out", str(tmp_path / "f")])
+    _one_line_error(r, "target_name", "--target")
+    _record_target(step, "tiny-target-gone", good_digest)
+    r = runner.invoke(main, [*base, "--out", str(tmp_path / "g")])
+    _one_line_error(r, "tiny-target-gone", "--target")
+    assert not any((tmp_path / n).exists() for n in "defg")
+    _no_leftovers(tmp_path)
+
+
+def test_regression_eagle3_hidden_size_mismatch_says_pass_target(tmp_path):
+    from transformers import LlamaConfig
+
+    eagle3_checkpoint(tmp_path / "run")
+    other = tmp_path / "other"
+    LlamaConfig(vocab_size=V, hidden_size=H * 2, num_hidden_layers=L, num_attention_heads=4,
+                intermediate_size=48).save_pretrained(str(other))
+    with pytest.raises(ConfigError, match=r"hidden_size.*--target"):
+        export_checkpoint(tmp_path / "run", tmp_path / "d", target=str(other))
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_regression_exported_files_are_readable_by_others(tmp_path, target_dir, umask):
+    """model.safetensors used to be written 0600 (safetensors' own mode) beside a 0644 config.json: a
+    serving process of another user could not read the weights. Every file is 0666 & ~umask now."""
+    dflash_checkpoint(tmp_path / "run")
+    old = os.umask(umask)
+    try:
+        export_checkpoint(tmp_path / "run", tmp_path / "d", target=str(target_dir))
+        export_checkpoint(tmp_path / "run", tmp_path / "d", "speculators", target=str(target_dir), overwrite=True)
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "d").iterdir())
+    assert [p.name for p in files] == ["config.json", "export.json", "model.safetensors"]
+    for p in files:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask, (p.name, oct(p.stat().st_mode))
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o777 & ~umask

@@ -85,6 +85,7 @@ from trainers.dflash.layers import output_of_layer_to_vllm_id, vllm_id_to_output
 
 __all__ = [
     "DFLASH_ARCHITECTURE",
+    "EXPORT_MARKER",
     "FORMATS",
     "ExportResult",
     "dflash_config_from_export",
@@ -187,6 +188,51 @@ def _target_hf_config(target: Any) -> tuple[Any, str]:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"--target {str(target)!r}: cannot read its config ({exc})") from exc
+
+
+def _export_target(target: Any, state: dict, ckpt: Path) -> tuple[Any, str]:
+    """(transformers config, name_or_path) of the target to export against: ``target`` when given,
+    else the one the checkpoint records (state.json ``target_name``). When the checkpoint records
+    ``target_weights_digest`` and the target's digest is at hand (a known name, or a directory
+    holding ``*.safetensors``; a config-only directory has none), the two must agree.
+
+    Raises:
+        ConfigError: no target given and none recorded (or the recorded name resolves to nothing
+            here), or a target whose weights digest differs from the recorded one (both named).
+    """
+    from artcache.target import resolve_target
+
+    name, digest = state.get("target_name"), state.get("target_weights_digest")
+    if not isinstance(digest, str) or not digest:
+        digest = None
+    if target is None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"checkpoint {ckpt} records no target_name in its state.json; pass --target (the name "
+                              "or HF directory of the target the draft was trained for)")
+        try:
+            info = resolve_target(name)
+        except ConfigError as exc:
+            raise ConfigError(f"checkpoint {ckpt} was trained for target {name!r} (state.json target_name), which is "
+                              "neither a known target name nor a directory here; pass --target with that target's "
+                              "HF directory") from exc
+        if digest is not None and info.weights_digest != digest:
+            raise ConfigError(f"checkpoint {ckpt} was trained for target {name!r} with weights digest {digest}, but "
+                              f"{name!r} resolves here to {info.path} with weights digest {info.weights_digest}; "
+                              "pass --target with the HF directory of the target the draft was trained for")
+        return _target_hf_config(info.path)
+    if digest is not None and isinstance(target, (str, os.PathLike)):
+        p = Path(target).expanduser()
+        info = None
+        try:
+            if not p.is_dir() or any(p.glob("*.safetensors")):  # a name, or a directory with weights
+                info = resolve_target(str(target))
+        except ConfigError:
+            info = None  # _target_hf_config below names what is wrong with it
+        if info is not None and info.weights_digest != digest:
+            raise ConfigError(f"--target {str(target)!r} has weights digest {info.weights_digest}, but checkpoint "
+                              f"{ckpt} was trained for target {name!r} with weights digest {digest}; pass the "
+                              "target the draft was trained for (or leave --target out to use the recorded one)")
+    return _target_hf_config(target)
 
 
 def _text_config(tc: Any) -> Any:
@@ -514,61 +560,163 @@ def _read_export(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
         raise ConfigError(f"exported draft {d}: unreadable config.json / model.safetensors ({exc})") from exc
 
 
+#: The file every export writes (its provenance); ``--overwrite`` replaces only a directory holding it.
+EXPORT_MARKER = "export.json"
+_EXPORTED_BY = "artcache export"
+
+
+def _lexists(p: Path) -> bool:
+    return os.path.lexists(p)
+
+
+def _is_previous_export(p: Path) -> bool:
+    """Whether ``p`` is a real directory (not a link) holding the ``export.json`` an export writes."""
+    if p.is_symlink() or not p.is_dir():
+        return False
+    try:
+        prov = json.loads((p / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(prov, dict) and prov.get("exported_by") == _EXPORTED_BY
+
+
+def _check_existing_out(out: Path, overwrite: bool) -> None:
+    """An existing ``out`` may only be replaced with ``overwrite``, and only when it is a previous export.
+
+    Raises:
+        ConfigError: naming the path, what it is and what would be accepted.
+    """
+    if not _lexists(out):
+        return
+    if _is_previous_export(out):
+        if not overwrite:
+            raise ConfigError(f"--out {str(out)!r} already exists (a previous export); pass --overwrite to replace it")
+    else:
+        kind = ("a symbolic link" if out.is_symlink() else "a directory" if out.is_dir()
+                else "a regular file" if out.is_file() else "a special file")
+        raise ConfigError(f"--out {str(out)!r} exists and is {kind} that is not a previous export (no {EXPORT_MARKER} "
+                          "written by artcache export); --overwrite replaces only a previous export directory: choose "
+                          "a new --out or remove that path yourself")
+
+
+def _check_out_not_checkpoint(out: Path, ckpt: Path, checkpoint_arg: str | Path) -> None:
+    """Refuse an ``out`` that is, contains or lies inside the checkpoint directory or its run directory
+    (compared after resolving links), so an export never replaces or writes into the training run."""
+    ckpt = ckpt.resolve()
+    protected: dict[Path, str] = {}
+    if ckpt.parent.name == "checkpoints":
+        protected[ckpt.parent.parent.resolve()] = "the run directory"
+    given = Path(checkpoint_arg).expanduser().resolve()
+    protected.setdefault(given, "the run directory" if given != ckpt else "the checkpoint directory")
+    protected.setdefault(ckpt, "the checkpoint directory")
+    real = out.resolve()
+    for p, what in protected.items():  # the widest first
+        if real == p or real.is_relative_to(p) or p.is_relative_to(real):
+            rel = "is" if real == p else "is inside" if real.is_relative_to(p) else "contains"
+            raise ConfigError(f"--out {str(out)!r} ({real}) {rel} {what} {p} of checkpoint {ckpt}: an export there "
+                              f"would replace or mix with the training run; accepted: an --out outside {p}")
+
+
+def _check_out_parent(out: Path) -> None:
+    """The nearest existing ancestor of ``out`` must be a writable directory (missing ones are created)."""
+    anc = out.parent
+    while not _lexists(anc) and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {str(out)!r}: {anc} is not a writable directory; accepted: a path whose parent "
+                          "is (or can be created in) a writable directory")
+
+
+def _file_mode() -> int:
+    """``0o666`` less the process umask: what a plain ``open()`` gives (safetensors writes 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite: bool) -> None:
     """Write ``files`` (name -> JSON bytes, or a tensor dict saved as safetensors) into a temp
-    directory beside ``out``, fsync everything, then rename it to ``out`` (an existing ``out`` is
-    replaced only with ``overwrite``)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    directory beside ``out``, each file ``0o666 & ~umask``, fsync everything, then rename it to
+    ``out`` (an existing ``out`` is replaced only with ``overwrite`` and only when it is a previous
+    export; it is renamed aside first and restored if the swap fails). Parent directories created
+    here are removed again on failure."""
+    _check_out_parent(out)
+    created: list[Path] = []
+    anc = out.parent
+    while not _lexists(anc):
+        created.append(anc)
+        anc = anc.parent
     tmp = out.parent / f".{out.name}.tmp-{unique_suffix()}"
-    tmp.mkdir()
     old = None
+    made_tmp = False
     try:
+        try:
+            for d in reversed(created):
+                d.mkdir()
+            tmp.mkdir()
+            made_tmp = True
+        except OSError as exc:
+            raise ConfigError(f"--out {str(out)!r}: cannot create a directory in {out.parent} ({exc.strerror or exc}); "
+                              "accepted: a path whose parent is a writable directory") from exc
+        mode = _file_mode()
         for name, content in files.items():
             if isinstance(content, dict):
                 safetensors.torch.save_file(content, tmp / name, metadata={"format": "pt"})
             else:
                 (tmp / name).write_bytes(content)
+            os.chmod(tmp / name, mode)
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)
-        if out.exists():
-            if not overwrite:
-                raise ConfigError(f"--out {str(out)!r} already exists; pass --overwrite to replace it")
+        if _lexists(out):
+            _check_existing_out(out, overwrite)
             old = out.parent / f".{out.name}.old-{unique_suffix()}"
             os.rename(out, old)
         os.rename(tmp, out)
+        made_tmp = False
         fsync_dir(out.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out.exists():
+        if made_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not _lexists(out):
             os.rename(old, out)
             old = None
+        for d in created:  # innermost first; only if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", *,
-                      target: Any = "smollm2-135m-instruct", dtype: str | torch.dtype = "bfloat16",
+                      target: Any = None, dtype: str | torch.dtype = "bfloat16",
                       overwrite: bool = False, num_speculative_tokens: int | None = None) -> ExportResult:
     """Export a consumer checkpoint (DFlash or EAGLE-3, read from its state.json ``draft``) to ``out``.
 
     Args:
         checkpoint: a ``checkpoints/step-N`` directory or a consumer run directory.
         out: the draft directory to create (``config.json``, ``model.safetensors``, ``export.json``).
+            It must not be, contain or lie inside the checkpoint directory or its run directory.
         fmt: ``"hf"`` or ``"speculators"``.
         target: the target the draft was trained for: a name :func:`artcache.target.resolve_target`
             knows, an HF directory (its config.json is enough), or a transformers config object.
+            Default (None): the checkpoint's recorded ``target_name``. When the checkpoint records
+            ``target_weights_digest`` and the target's digest is at hand, they must agree.
         dtype: dtype of the exported floating tensors (``bfloat16`` | ``float16`` | ``float32``).
-        overwrite: replace an existing ``out``.
+        overwrite: replace an existing ``out`` that is a previous export (a directory holding
+            ``export.json``); any other existing path is refused.
         num_speculative_tokens: the speculators proposal length (default: B-1 for DFlash, the TTT
             unroll for EAGLE-3); the hf format does not record it (vLLM takes it from its
             ``speculative_config``).
 
     Raises:
         ConfigError: a missing or unreadable checkpoint, an unknown draft kind or format, weights that
-            do not match the draft config, a target of other sizes, or an existing ``out`` without
-            ``overwrite``. Nothing is left at ``out`` when it fails.
+            do not match the draft config, a target of other sizes or weights digest, an ``out`` that
+            overlaps the checkpoint or its run, whose parent is not a writable directory, or that exists
+            (without ``overwrite``, or not a previous export). Nothing is left at ``out`` when it fails.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not accepted: one of {', '.join(FORMATS)}")
@@ -576,15 +724,18 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
         if dtype not in _DTYPES:
             raise ConfigError(f"--dtype {dtype!r} is not accepted: one of {', '.join(_DTYPES)}")
         dtype = _DTYPES[dtype]
-    out = Path(out).expanduser().absolute()
-    if out.exists() and not overwrite:
-        raise ConfigError(f"--out {str(out)!r} already exists; pass --overwrite to replace it")
+    out = Path(os.path.abspath(os.path.expanduser(str(out))))
+    if not out.name:
+        raise ConfigError(f"--out {str(out)!r}: accepted: a path naming the directory to create")
     ckpt = resolve_checkpoint(checkpoint)
+    _check_out_not_checkpoint(out, ckpt, checkpoint)
+    _check_existing_out(out, overwrite)
+    _check_out_parent(out)
     state, weights = _read_checkpoint(ckpt)
     draft = state.get("draft")
     if draft not in _DRAFTS:
         raise ConfigError(f"checkpoint {ckpt}: draft {draft!r} cannot be exported; accepted: {', '.join(_DRAFTS)}")
-    target_cfg, verifier = _target_hf_config(target)
+    target_cfg, verifier = _export_target(target, state, ckpt)
     tc = _text_config(target_cfg)
     what = f"checkpoint {ckpt}"
     if draft == "dflash":
@@ -601,7 +752,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
         config, tensors = _eagle3_export(state, weights, tc, target_cfg, fmt, dtype, verifier,
                                          num_speculative_tokens, what)
     provenance = {
-        "exported_by": "artcache export", "format": fmt, "draft": draft, "checkpoint": str(ckpt),
+        "exported_by": _EXPORTED_BY, "format": fmt, "draft": draft, "checkpoint": str(ckpt),
         "step": state.get("step"), "cursor": state.get("cursor"), "consumer_id": state.get("consumer_id"),
         "plan_id": state.get("plan_id"), "contract_id": state.get("contract_id"), "target": verifier,
         "layer_ids_output_of_layer": _eagle3_layer_ids(state, tc.num_hidden_layers) if draft == "eagle3"
@@ -609,5 +760,5 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
         "layer_id_note": "artcache ids are output-of-layer; vLLM/speculators aux ids are input-of-layer (+1)",
     }
     _write_dir(out, {"config.json": json.dumps(config, indent=2).encode(), "model.safetensors": tensors,
-                     "export.json": json.dumps(provenance, indent=2).encode()}, overwrite)
+                     EXPORT_MARKER: json.dumps(provenance, indent=2).encode()}, overwrite)
     return ExportResult(out, draft, fmt, config, sorted(tensors))

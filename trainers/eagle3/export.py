@@ -98,7 +98,8 @@ def export_config(cfg: Eagle3Config, target_hf_config: Any, *, dtype: torch.dtyp
         raise ConfigError(f"target config has no integer num_hidden_layers (got {L!r})")
     hidden = getattr(tc, "hidden_size", cfg.hidden_size)
     if hidden != cfg.hidden_size:
-        raise ConfigError(f"target hidden_size={hidden} != draft hidden_size={cfg.hidden_size}")
+        raise ConfigError(f"target hidden_size={hidden} != the draft's hidden_size={cfg.hidden_size}: export against "
+                          "the target the draft was trained for (--target)")
     ids = eagle3_layer_ids(L) if aux_layer_ids is None else list(aux_layer_ids)
     if len(ids) != EAGLE3_NUM_AUX or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L
                                          for i in ids):
