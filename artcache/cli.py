@@ -161,7 +161,9 @@ def main(verbose: bool) -> None:
 @main.command()
 @click.option("--cache", default=None, help="Cache root directory (created if absent); required without --config.")
 @click.option("--target", default="smollm2-135m-instruct", help="Target: the embedded name or an HF directory.")
-@click.option("--data", "dataset", default="sharegpt", help="'sharegpt' (embedded) or a ShareGPT-format JSON/JSONL file.")
+@click.option("--data", "dataset", default="sharegpt",
+              help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a "
+              "ShareGPT-format JSON/JSONL file.")
 @click.option("--seed", default=0, type=int, help="Plan shuffle seed.")
 @click.option("--max-length", default=512, type=int, help="Tokens per sample (truncated).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan (positions wrap around).")
@@ -446,7 +448,9 @@ def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
 @main.command()
 @click.option("--out", required=True, help="ShareGPT JSONL file to write (refused if it exists, unless --force).")
 @click.option("--target", default="smollm2-135m-instruct", help="Target: the embedded name or an HF directory.")
-@click.option("--data", "dataset", default="sharegpt", help="'sharegpt' (embedded) or a ShareGPT-format JSON/JSONL file.")
+@click.option("--data", "dataset", default="sharegpt",
+              help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a "
+              "ShareGPT-format JSON/JSONL file.")
 @click.option("--max-samples", default=1000, type=int, help="The first N usable records in file order.")
 @click.option("--max-new-tokens", default=256, type=int, help="Generated tokens per answer at most.")
 @click.option("--max-prompt-tokens", default=1024, type=int,

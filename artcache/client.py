@@ -36,6 +36,10 @@ class Leased:
     lease: str
 
 
+#: seconds between "still waiting" warnings of one demand miss
+WAIT_NOTE_S = 60.0
+
+
 class CacheClient:
     """Reads positions of the plan for one consumer.
 
@@ -104,6 +108,7 @@ class CacheClient:
         self.journal.emit(J.LeaseAcquire(consumer=self.consumer_id, fp=fp, lease=lease))
         t0 = time.monotonic()
         waiting = False
+        next_note = WAIT_NOTE_S
         delay = 0.002
         try:
             # a fenced consumer's workers cannot acquire: checked after the lease exists, so a fence
@@ -124,6 +129,11 @@ class CacheClient:
                     self.journal.emit(J.DemandWait(consumer=self.consumer_id, position=position, fp=fp))
                     self._set_demand(position, True)
                 waited = time.monotonic() - t0
+                if waited >= next_note:  # a silent wait reads like a hang: say what we wait for, and on whom
+                    log.warning("[%s] waited %.0fs for position %d (fingerprint %s; gives up after %.0fs): is "
+                                "`artcache producer` running on %s?", self.consumer_id, waited, position, fp,
+                                self.demand_timeout_s, self.layout.root)
+                    next_note += WAIT_NOTE_S
                 if waited > self.demand_timeout_s:
                     raise CaptureTimeout(
                         f"position {position} (fingerprint {fp}) was not published within "

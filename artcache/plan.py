@@ -9,6 +9,7 @@ change gives a new one. On disk: ``plans_dir/<plan_id>/plan.safetensors`` (``inp
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -29,6 +30,8 @@ from artcache.errors import ConfigError, DataError
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.locking import cache_lock
 from artcache.target import template_digest, tokenizer_digest
+
+log = logging.getLogger("artcache.plan")
 
 PLAN_FORMAT_VERSION = 1
 #: Part of the plan id: changing how the loss mask is derived must change every plan id.
@@ -361,6 +364,10 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
         raise ConfigError(f"dataset {spec.dataset!r} needs a tokenizer; this target has none (use --data synthetic)")
     dataset_path = resolve_dataset(spec.dataset)
     read = read_sharegpt(dataset_path)
+    if read.records_dropped or read.bytes_dropped:  # real-world files are cut or dirty: say so, keep going
+        log.warning("dataset %s: kept %d complete records; dropped %d undecodable record(s) / %d byte(s) "
+                    "(recorded in plan.json 'read')", dataset_path, len(read.records), read.records_dropped,
+                    read.bytes_dropped)
     dataset_digest = digest_file(dataset_path)
     plan_id, id_inputs = compute_plan_id(spec, dataset_digest, tokenizer_digest(tokenizer),
                                          template_digest(tokenizer, spec.template_options))

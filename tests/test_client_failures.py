@@ -64,3 +64,26 @@ def test_regression_eval_split_is_demanded_at_once(tmp_path, fake_plan, small_co
     client.unwant(range(10, 14))
     assert registry.read(layout, "c").demand == []
     journal.close()
+
+
+def test_regression_long_demand_wait_is_not_silent(tmp_path, fake_plan, small_contract, monkeypatch, caplog):
+    """A consumer whose producer was gone logged nothing for the whole --demand-timeout (600 s by default)."""
+    import logging
+
+    from artcache import client as client_mod
+    from artcache.errors import CaptureTimeout
+
+    monkeypatch.setattr(client_mod, "WAIT_NOTE_S", 0.05)
+    layout = CacheLayout(tmp_path)
+    layout.create()
+    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
+    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=4,
+                                                          pid=os.getpid()))
+    journal = J.JournalWriter(layout.journal_path("consumer", "c"))
+    client = CacheClient(layout, settings, fake_plan, registry.ConsumerHandle(layout, reg), journal,
+                         demand_timeout_s=0.3)
+    with caplog.at_level(logging.WARNING, logger="artcache.client"), pytest.raises(CaptureTimeout):
+        client.acquire(1)
+    notes = [r.getMessage() for r in caplog.records if "is `artcache producer` running" in r.getMessage()]
+    assert notes and "position 1" in notes[0] and str(tmp_path) in notes[0]
+    journal.close()

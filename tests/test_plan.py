@@ -201,3 +201,16 @@ def test_real_sharegpt_plan(smollm2_target, smollm2_tokenizer, tmp_path):
     assert choose_mask_token(smollm2_tokenizer, smollm2_target.vocab_size, plan) == 16
     d = plan.save(tmp_path)
     assert Plan.load(d).plan_id == plan.plan_id
+
+
+def test_regression_dropped_records_are_logged(tmp_path, smollm2_tokenizer, caplog):
+    """A JSONL with a garbage line built a smaller plan without a word (only plan.json recorded it)."""
+    import logging
+
+    good = {"id": "0", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(good) + "\n{not json\n")
+    with caplog.at_level(logging.WARNING, logger="artcache.plan"):
+        plan = build_plan(_spec(path), smollm2_tokenizer, target_vocab_size=V)
+    assert len(plan) == 1 and plan.provenance["read"]["records_dropped"] == 1
+    assert any("dropped 1 undecodable record" in r.getMessage() for r in caplog.records)

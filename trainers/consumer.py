@@ -701,8 +701,10 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
     out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "steps": step, "cursor": cursor,
            "resumed_from_step": start_step if resume is not None else None,
            "seconds": time.time() - t_start,
-           "first_loss": sum(first_losses) / max(1, len(first_losses)),
-           "final_loss": sum(last_losses) / max(1, len(last_losses)),
+           # means over the first / last (up to) 5 steps this process trained; None when it trained none
+           # (e.g. --resume of a run that had already completed)
+           "first_loss": sum(first_losses) / len(first_losses) if first_losses else None,
+           "final_loss": sum(last_losses) / len(last_losses) if last_losses else None,
            "tau": summary.get("tau"), "checkpoint": str(ckpt) if ckpt else None,
            "run_dir": str(run_dir), "wait_s": wait_total}
     if "sim_acc_len" in summary:
