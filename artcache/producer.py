@@ -158,6 +158,10 @@ def prepare_root(cfg: ProducerConfig):
     from artcache.backends.hf import check_layer_ids
 
     check_layer_ids(layer_ids, info.num_layers, info.name)
+    dup = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+    if cfg.layer_ids and dup:  # a new root's capture set (the backend itself accepts any ordered view)
+        raise ConfigError(f"--layer-ids {','.join(map(str, layer_ids))} captures layer(s) {dup} more than once; "
+                          "list each captured id once (a consumer's --layer-ids view may repeat captured ids)")
     spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples,
                     template_options=dict(cfg.template_options))
     cfg.limits.validate(cfg.max_length)

@@ -38,10 +38,6 @@ def check_layer_ids(layer_ids, num_layers: int, target_name: str) -> None:
         raise ConfigError(
             f"target {target_name!r} has {num_layers} decoder layers (valid output-of-layer ids "
             f"0..{num_layers - 1}); requested layer ids {list(layer_ids)} do not fit")
-    dup = sorted({i for i in layer_ids if list(layer_ids).count(i) > 1})
-    if dup:
-        raise ConfigError(f"--layer-ids {','.join(map(str, layer_ids))} captures layer(s) {dup} more than once; "
-                          "list each captured id once (a consumer's --layer-ids view may repeat captured ids)")
 
 
 class HFCaptureBackend:
