@@ -150,6 +150,11 @@ def _with_config(verb: str):
     return deco
 
 
+#: the target flag of the commands that load one (producer, regenerate)
+TARGET_OPTION = click.option("--target", default="smollm2-135m-instruct",
+                             help="Target: the embedded name or an HF directory.")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.version_option(package_name="artcache")
@@ -160,7 +165,7 @@ def main(verbose: bool) -> None:
 
 @main.command()
 @click.option("--cache", default=None, help="Cache root directory (created if absent); required without --config.")
-@click.option("--target", default="smollm2-135m-instruct", help="Target: the embedded name or an HF directory.")
+@TARGET_OPTION
 @click.option("--data", "dataset", default="sharegpt",
               help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a "
               "ShareGPT-format JSON/JSONL file.")
@@ -447,10 +452,8 @@ def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
 
 @main.command()
 @click.option("--out", required=True, help="ShareGPT JSONL file to write (refused if it exists, unless --force).")
-@click.option("--target", default="smollm2-135m-instruct", help="Target: the embedded name or an HF directory.")
-@click.option("--data", "dataset", default="sharegpt",
-              help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a "
-              "ShareGPT-format JSON/JSONL file.")
+@TARGET_OPTION
+@click.option("--data", "dataset", default="sharegpt", help="'sharegpt' (embedded) or a ShareGPT-format JSON/JSONL file.")
 @click.option("--max-samples", default=1000, type=int, help="The first N usable records in file order.")
 @click.option("--max-new-tokens", default=256, type=int, help="Generated tokens per answer at most.")
 @click.option("--max-prompt-tokens", default=1024, type=int,

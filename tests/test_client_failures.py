@@ -16,16 +16,23 @@ from artcache.layout import CacheLayout
 from artcache.settings import RootSettings
 
 
-def test_regression_consumer_gets_capture_failed_when_producer_gives_up(tmp_path, fake_plan, small_contract):
-    """On a full disk the producer failed forever while consumers waited out --demand-timeout."""
+def make_client(tmp_path, fake_plan, small_contract, demand_timeout_s: float = 60, **reg_fields):
+    """A fresh root with consumer ``c`` registered; its CacheClient and journal."""
     layout = CacheLayout(tmp_path)
     layout.create()
     settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
-    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=4,
-                                                          pid=os.getpid()))
+    reg_fields.setdefault("lookahead", 4)
+    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", pid=os.getpid(),
+                                                          **reg_fields))
     journal = J.JournalWriter(layout.journal_path("consumer", "c"))
     client = CacheClient(layout, settings, fake_plan, registry.ConsumerHandle(layout, reg), journal,
-                         demand_timeout_s=60)
+                         demand_timeout_s=demand_timeout_s)
+    return layout, client, journal
+
+
+def test_regression_consumer_gets_capture_failed_when_producer_gives_up(tmp_path, fake_plan, small_contract):
+    """On a full disk the producer failed forever while consumers waited out --demand-timeout."""
+    layout, client, journal = make_client(tmp_path, fake_plan, small_contract)
     fp = client.fp_of(1)
     layout.failure_path(fp).write_text(json.dumps({"fingerprint": fp, "attempts": 3, "retryable": False,
                                                    "error": "PublishError: not enough free space"}))
@@ -44,14 +51,7 @@ def test_regression_eval_split_is_demanded_at_once(tmp_path, fake_plan, small_co
     whole split as demand in one registration update; acquiring or ``unwant`` withdraws it."""
     from artcache.scheduler import wanted
 
-    layout = CacheLayout(tmp_path)
-    layout.create()
-    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
-    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=2,
-                                                          pid=os.getpid(), pinned=(10, 14)))
-    journal = J.JournalWriter(layout.journal_path("consumer", "c"))
-    handle = registry.ConsumerHandle(layout, reg)
-    client = CacheClient(layout, settings, fake_plan, handle, journal, demand_timeout_s=60)
+    layout, client, journal = make_client(tmp_path, fake_plan, small_contract, lookahead=2, pinned=(10, 14))
     assert client.want(range(10, 14)) == [10, 11, 12, 13]
     live = registry.read(layout, "c")
     assert live.demand == [10, 11, 12, 13]
@@ -74,14 +74,7 @@ def test_regression_long_demand_wait_is_not_silent(tmp_path, fake_plan, small_co
     from artcache.errors import CaptureTimeout
 
     monkeypatch.setattr(client_mod, "WAIT_NOTE_S", 0.05)
-    layout = CacheLayout(tmp_path)
-    layout.create()
-    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
-    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=4,
-                                                          pid=os.getpid()))
-    journal = J.JournalWriter(layout.journal_path("consumer", "c"))
-    client = CacheClient(layout, settings, fake_plan, registry.ConsumerHandle(layout, reg), journal,
-                         demand_timeout_s=0.3)
+    _, client, journal = make_client(tmp_path, fake_plan, small_contract, demand_timeout_s=0.3)
     with caplog.at_level(logging.WARNING, logger="artcache.client"), pytest.raises(CaptureTimeout):
         client.acquire(1)
     notes = [r.getMessage() for r in caplog.records if "is `artcache producer` running" in r.getMessage()]
