@@ -13,7 +13,7 @@ import msgspec
 from artcache import journal as J
 from artcache import leases as leases_mod
 from artcache import store
-from artcache.layout import CacheLayout
+from artcache.layout import CacheLayout, host_id, pid_alive
 
 
 class ConsumerCounts(msgspec.Struct, kw_only=True):
@@ -57,6 +57,10 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     #: was killed between creating the lease file and journaling it): outside the lease invariant
     #: (a lease file still on disk counts as held until then)
     leases_unjournaled: int = 0
+    #: leases whose removal never reached the journal: no ``lease_release``/``lease_expire``, the file is
+    #: gone, and the holder process is dead (this host). Its holder (release) or the producer/fsck
+    #: (expiry) was killed between unlinking the file and journaling it: outside the lease invariant
+    leases_removal_unjournaled: int = 0
     captures_lost_in_crash: int = 0
     timeouts: int = 0
     quarantined: int = 0
@@ -94,6 +98,7 @@ def account(layout: CacheLayout) -> Accounting:
 
     windows: dict[str, int] = defaultdict(int)
     acquired = {ev.lease for ev in res.events if isinstance(ev, J.LeaseAcquire)}
+    settled = {ev.lease for ev in res.events if isinstance(ev, (J.LeaseRelease, J.LeaseExpire))}
     for ev in res.events:
         if isinstance(ev, J.Request):
             k = cons(ev.consumer)
@@ -168,8 +173,18 @@ def account(layout: CacheLayout) -> Accounting:
     c.window_bound_artifacts = sum(windows.values())
     objects = store.list_objects(layout)
     c.retained_artifacts, c.retained_bytes = len(objects), sum(objects.values())
-    c.leases_held = sum(len(v) for v in leases_mod.scan(layout).values())
+    on_disk = {info.name for infos in leases_mod.scan(layout).values() for info in infos}
+    c.leases_held = len(on_disk)
+    c.leases_removal_unjournaled = sum(removal_unjournaled(name) for name in acquired - settled - on_disk)
     return Accounting(cache=c, consumers=consumers, violations=check_invariants(c, consumers))
+
+
+def removal_unjournaled(lease: str) -> bool:
+    """True if ``lease`` (acquired, never released or expired in the journal, and no longer on disk) was
+    held by a process of this host that is dead: a kill between its unlink and the journal line explains
+    it. A live holder (or one on another host) leaves it unexplained: an invariant violation."""
+    info = leases_mod.parse(lease)
+    return info is not None and info.host == host_id() and not pid_alive(info.pid)
 
 
 def captures_lost_in_crash(journal_dir) -> int:
@@ -196,9 +211,11 @@ def check_invariants(c: CacheCounts, consumers: list[ConsumerCounts]) -> list[st
     if c.captures != c.publications + c.failures + c.captures_lost_in_crash:
         out.append(f"captures {c.captures} != publications {c.publications} + failures {c.failures} + lost "
                    f"in a producer crash {c.captures_lost_in_crash}")
-    if c.leases_acquired != c.leases_released + c.leases_expired + c.leases_held:
+    if c.leases_acquired != (c.leases_released + c.leases_expired + c.leases_held
+                             + c.leases_removal_unjournaled):
         out.append(f"leases acquired {c.leases_acquired} != released {c.leases_released} + expired "
-                   f"{c.leases_expired} + held {c.leases_held}")
+                   f"{c.leases_expired} + held {c.leases_held} + removed unjournaled by a killed process "
+                   f"{c.leases_removal_unjournaled}")
     if c.logical_requests != c.hits + c.misses:
         out.append(f"logical requests {c.logical_requests} != hits {c.hits} + misses {c.misses}")
     if c.window_bound_artifacts and c.max_retained_artifacts > c.window_bound_artifacts:

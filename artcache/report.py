@@ -36,6 +36,7 @@ def format_accounting(acc: Accounting) -> str:
         ["window bound (artifacts)", c.window_bound_artifacts], ["max retained bytes", c.max_retained_bytes],
         ["leases acquired", c.leases_acquired], ["leases released", c.leases_released],
         ["leases expired", c.leases_expired], ["leases held now", c.leases_held],
+        ["lease removals lost in a kill", c.leases_removal_unjournaled],
         ["fences", c.fences], ["producer busy (s)", round(c.producer_busy_s, 2)],
         ["torn journal lines", c.torn_journal_lines],
     ]

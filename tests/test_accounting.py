@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -9,7 +13,7 @@ from artcache import journal as J
 from artcache import leases, store
 from artcache.accounting import CacheCounts, account, check_invariants
 from artcache.contract import CaptureContract
-from artcache.layout import CacheLayout
+from artcache.layout import CacheLayout, host_id
 
 C = CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
                     layer_ids=(0,), max_length=8, tokenizer_digest="k", template_digest="m")
@@ -136,6 +140,34 @@ def test_unreleased_lease_is_reported(layout):
     write_all(layout, j)
     v = account(layout).violations
     assert len(v) == 1 and "leases acquired 4 != released 1 + expired 1 + held 1" in v[0]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(proc.stdout)
+
+
+def test_regression_lease_removed_by_killed_holder_is_explained(layout):
+    """CI seed 3962253608 of the crash trials: a consumer SIGKILLed between unlinking a lease and journaling its
+    release left 'leases acquired 1337 != released 1303 + expired 33 + held 0'. A lease acquired, never
+    released or expired, gone from disk, whose holder on this host is dead is counted apart, not a violation."""
+    j = consistent(layout)
+    lost = f"{fp(1)}~a~{host_id()}~{_dead_pid()}~0a"
+    j["consumer-a-2"].append(J.LeaseAcquire(consumer="a", fp=fp(1), lease=lost))
+    write_all(layout, j)
+    acc = account(layout)
+    assert acc.violations == []
+    assert acc.cache.leases_removal_unjournaled == 1 and acc.cache.leases_acquired == 4
+
+
+def test_lease_gone_without_event_while_holder_lives_is_reported(layout):
+    j = consistent(layout)
+    j["consumer-a-2"].append(J.LeaseAcquire(consumer="a", fp=fp(1), lease=f"{fp(1)}~a~{host_id()}~{os.getpid()}~0b"))
+    write_all(layout, j)
+    acc = account(layout)
+    assert acc.cache.leases_removal_unjournaled == 0
+    assert len(acc.violations) == 1 and "leases acquired 4 != released 1 + expired 1 + held 1" in acc.violations[0]
 
 
 def test_lease_file_without_acquire_event_is_reported(layout):

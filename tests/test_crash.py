@@ -73,6 +73,14 @@ class Proc:
         rc = self.wait()
         assert rc == code, f"{self.name} exited {rc}, expected {code}:\n{self.text()[-3000:]}"
 
+    def terminate_ready_producer(self) -> None:
+        """SIGTERM once the producer has installed its handler ('producer ready'), then expect exit 0.
+        Regression (CI seed 1255956394): a restarted producer whose work had all been published by its
+        killed predecessor got SIGTERM while still importing torch, and died of it (-15)."""
+        wait_until(lambda: "producer ready" in self.text(), f"{self.name} to be ready", [self])
+        self.popen.send_signal(signal.SIGTERM)
+        self.expect(0)
+
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
@@ -197,8 +205,7 @@ def test_producer_killed_at_crash_point(tmp_path, point):
         wait_until(lambda: tmp_of(cache, prod.pid) == [], "orphan cleanup", [restarted])
         cons.expect(0)
         verify_all_published(cache)
-        restarted.popen.send_signal(signal.SIGTERM)
-        restarted.expect(0)
+        restarted.terminate_ready_producer()
     finally:
         for p in (cons, prod, restarted):
             if p is not None:
@@ -260,8 +267,7 @@ def _consumer_killed(tmp_path, crash_at):
         # restarted with the same --id: registers (generation bumped past the fence) and completes
         again = start_consumer(tmp_path, cache, "v")
         again.expect(0)
-        prod.popen.send_signal(signal.SIGTERM)
-        prod.expect(0)
+        prod.terminate_ready_producer()
     finally:
         for p in (prod, victim, again):
             if p is not None:
@@ -319,8 +325,7 @@ def test_random_time_sigkill(tmp_path):
             procs.append(cons)
             cons.expect(0)
         verify_all_published(cache)
-        prod.popen.send_signal(signal.SIGTERM)
-        prod.expect(0)
+        prod.terminate_ready_producer()
     finally:
         for p in procs:
             p.kill()
