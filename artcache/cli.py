@@ -65,6 +65,19 @@ def parse_template_options(items) -> dict:
     return out
 
 
+def _parse_layer_ids(text: str | None) -> list[int] | None:
+    """``--layer-ids`` as a list of ints; None when the option was not given. An empty or blank value is
+    refused (it used to mean "the default" silently)."""
+    if text is None:
+        return None
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--layer-ids {text!r}: expected comma-separated integers, e.g. 1,8,14 "
+                          "(leave the option out for the draft's default layers)") from None
+    return ids
+
+
 def _check_device(device: str) -> None:
     """Reject a device torch cannot use before anything is loaded or written."""
     import torch
@@ -211,12 +224,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     _check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
     _check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
     _check_device(device)
-    ids = None
-    if layer_ids:
-        try:
-            ids = [int(x) for x in layer_ids.split(",")]
-        except ValueError:
-            raise ConfigError(f"--layer-ids {layer_ids!r}: expected comma-separated integers, e.g. 1,8,14") from None
+    ids = _parse_layer_ids(layer_ids)
     cfg = ProducerConfig(
         cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
         draft_layers=draft_layers, layer_ids=ids, device=device, dtype=dtype, compute_dtype=compute_dtype,
@@ -279,12 +287,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
     if draft not in ("dflash", "eagle3"):
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: dflash, eagle3")
     lookbehind, lookahead = parse_window(window)
-    view = None
-    if layer_ids:
-        try:
-            view = [int(x) for x in layer_ids.split(",")]
-        except ValueError:
-            raise ConfigError(f"--layer-ids {layer_ids!r}: expected comma-separated integers, e.g. 1,8,14") from None
+    view = _parse_layer_ids(layer_ids)
     _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
     _check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
     _check_device(device)

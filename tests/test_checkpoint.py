@@ -179,3 +179,15 @@ def test_resolve_weights_dir(tmp_path):
     ck.point_latest(tmp_path / "run", path)
     assert ck.resolve_weights_dir(tmp_path / "run") == path
     assert ck.resolve_weights_dir(path) == path
+
+
+def test_regression_resume_names_only_the_draft_options_that_differ():
+    """A resume with another draft configuration printed both configs whole (two long dicts); now it names
+    the differing keys only."""
+    from trainers.consumer import config_diffs
+
+    saved = {"num_layers": 3, "block_size": 16, "layer_ids": [1, 14, 27], "gamma": 7.0}
+    ours = {"num_layers": 2, "block_size": 16, "layer_ids": [1, 27], "gamma": 7.0, "new": 1}
+    assert config_diffs(saved, ours) == ["layer_ids [1, 27] (checkpoint: [1, 14, 27])",
+                                         "new 1 (checkpoint: None)", "num_layers 2 (checkpoint: 3)"]
+    assert config_diffs(saved, dict(saved)) == []

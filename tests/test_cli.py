@@ -264,10 +264,18 @@ def test_regression_producer_layer_ids_duplicates_refused(tmp_path, workdir, tin
     assert not cache.exists()
 
 
-@pytest.mark.parametrize("ids", ["1,x", "1;2", "1,,2"])
+@pytest.mark.parametrize("ids", ["1,x", "1;2", "1,,2", "", " "])
 def test_producer_layer_ids_not_integers(tmp_path, workdir, tiny_target, ids):
     cache = tmp_path / "cache"
     assert_bad_input(invoke(*producer_args(cache, tiny_target, "--layer-ids", ids)), repr(ids), "1,8,14")
+    assert not cache.exists()
+
+
+def test_regression_empty_layer_ids_refused_not_the_default(tmp_path, workdir, tiny_target):
+    """`--layer-ids ""` (an unset shell variable) silently meant the draft's default layers."""
+    cache = tmp_path / "cache"
+    res = invoke(*producer_args(cache, tiny_target, "--layer-ids", ""))
+    assert_bad_input(res, "--layer-ids ''", "leave the option out")
     assert not cache.exists()
 
 

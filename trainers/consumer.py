@@ -283,6 +283,13 @@ _FLAG = {"num_anchors": "--anchors", "block_size": "--block-size", "batch_size":
          "steps": "--steps", "lr": "--lr", "seed": "--seed", "eval_samples": "--eval-samples", "draft": "--draft"}
 
 
+def config_diffs(saved: dict, ours: dict) -> list[str]:
+    """``"key ours (checkpoint: saved)"`` for each key whose value differs (a missing key reads None),
+    sorted by key: what a refused ``--resume`` names instead of printing both configs whole."""
+    return [f"{k} {ours.get(k)!r} (checkpoint: {saved.get(k)!r})" for k in sorted(set(saved) | set(ours))
+            if saved.get(k) != ours.get(k)]
+
+
 def _run_settings(cfg: ConsumerConfig) -> dict:
     return {k: getattr(cfg, k) for k in RUN_FIELDS}
 
@@ -438,9 +445,11 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
         layers = None  # the draft reads every captured layer, in order
     model = draft.model
     if resume is not None:
-        if resume.state.get("draft_config") != _jsonable(draft.config_dict()):
-            raise ConfigError(f"--resume: checkpoint {resume.path} holds a draft configured as "
-                              f"{resume.state.get('draft_config')}, this run builds {draft.config_dict()}")
+        saved, ours = resume.state.get("draft_config") or {}, _jsonable(draft.config_dict())
+        if saved != ours:
+            raise ConfigError(f"--resume: this run builds a draft that differs from checkpoint {resume.path} in "
+                              f"{'; '.join(config_diffs(saved, ours))}; pass the run's own draft options or start "
+                              "a new run with --init-from")
         _load_weights_strict(model, resume.weights, f"checkpoint {resume.path}")
     elif init is not None:
         _load_weights_strict(model, init[0], f"--init-from {init[2]}")
