@@ -172,6 +172,7 @@ def prepare_root(cfg: ProducerConfig):
         if (parent / "artcache.json").is_file():
             raise ConfigError(f"--cache {cfg.cache!r} is inside the cache root {str(parent)!r}; give a directory "
                               "outside any cache root")
+    _warn_if_foreign_dir(layout)
     tok = load_tokenizer(info)
     contract = CaptureContract(
         target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
@@ -194,12 +195,32 @@ def prepare_root(cfg: ProducerConfig):
             settings = init_settings(layout, RootSettings(
                 plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
                 heartbeat_timeout_s=cfg.heartbeat_timeout_s))
+        if settings.heartbeat_timeout_s != cfg.heartbeat_timeout_s:
+            log.warning("this producer fences consumers silent for %g s (--heartbeat-timeout), but %s records "
+                        "%g s from the root's creation, which `artcache fsck` uses for consumers of other hosts",
+                        cfg.heartbeat_timeout_s, layout.settings, settings.heartbeat_timeout_s)
     except BaseException:
         # bad input leaves nothing behind: remove exactly the directories this call created
         for path in reversed(created):
             shutil.rmtree(path, ignore_errors=True)
         raise
     return layout, settings, plan, info, tok
+
+
+def _warn_if_foreign_dir(layout: CacheLayout) -> None:
+    """Warn when ``--cache`` names an existing, non-empty directory that is not an artcache root (say a
+    mistyped home or data directory): artcache adds its subdirectories beside what is there (it never
+    touches files it did not create, but they are easy to mistake for each other)."""
+    from artcache.layout import SUBDIRS
+
+    if layout.settings.exists() or not layout.root.is_dir():
+        return
+    foreign = sorted(n for n in os.listdir(layout.root) if n not in SUBDIRS and n != "lost+found")
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        log.warning("--cache %s is not empty and not an artcache root (it holds %s); the cache's "
+                    "directories are created beside them. Give an empty or new directory unless this is "
+                    "intended", layout.root, shown)
 
 
 def resolve_compute_dtype(compute_dtype: str, device: str) -> str:
@@ -530,6 +551,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
     producer = Producer(layout, settings, plan, backend, cfg, journal)
     install_signal_handlers(producer.stop_event)
+    presence = claim_producer_presence(layout)
     _cleanup_orphans(layout)
     log.info("producer ready: plan %s (%d samples), layers %s, root %s", plan.plan_id[:12], len(plan),
              list(settings.contract.layer_ids), layout.root)
@@ -538,7 +560,25 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     finally:
         journal.close()
         backend.close()
+        if presence is not None:
+            presence.release()
     return producer.stats
+
+
+def claim_producer_presence(layout: CacheLayout):
+    """Hold ``locks/producer.lock`` (flock) for this producer's life, so a second producer on the root is
+    noticed. Returns the held lock (release it at exit), or None after logging a warning when another live
+    process holds it: a second producer is safe (each fingerprint is still captured once, under its
+    capture flock) but loads the target again and evicts by the same windows, which is rarely intended."""
+    lock = cache_lock(layout.lock_path("producer"), timeout=0, thread_local=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        log.warning("another producer is running on %s (it holds %s): both capture and evict for the same "
+                    "consumers (each fingerprint is still captured once); stop one unless two producers are "
+                    "intended", layout.root, layout.lock_path("producer"))
+        return None
+    return lock
 
 
 def quiet_transformers() -> None:
