@@ -530,6 +530,14 @@ def test_regression_target_defaults_to_the_checkpoint_record(tmp_path, target_di
     _record_target(step, "tiny-target-gone", good_digest)
     r = runner.invoke(main, [*base, "--out", str(tmp_path / "g")])
     _one_line_error(r, "tiny-target-gone", "--target")
+    # a target given as a directory is recorded by base name (target_name) and path (target_path): the
+    # path finds it again, so --target is not needed (it used to be)
+    state = json.loads((step / "state.json").read_text())
+    state["target_name"], state["target_path"] = good.name, str(good)
+    (step / "state.json").write_text(json.dumps(state))
+    r = runner.invoke(main, [*base, "--out", str(tmp_path / "h")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "h" / "export.json").read_text())["target"] == str(good.resolve())
     assert not any((tmp_path / n).exists() for n in "defg")
     _no_leftovers(tmp_path)
 

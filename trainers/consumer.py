@@ -583,6 +583,7 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
                                                    "total_steps": cfg.steps, "next_step": step},
                                       "plan_id": settings.plan_id, "contract_id": settings.contract.contract_id,
                                       "target_name": settings.contract.target_name,
+                                      "target_path": settings.target_path,
                                       "target_weights_digest": settings.contract.target_weights_digest,
                                       "dtype": settings.contract.dtype,
                                       "layer_convention": settings.contract.layer_convention,

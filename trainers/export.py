@@ -192,7 +192,8 @@ def _target_hf_config(target: Any) -> tuple[Any, str]:
 
 def _export_target(target: Any, state: dict, ckpt: Path) -> tuple[Any, str]:
     """(transformers config, name_or_path) of the target to export against: ``target`` when given,
-    else the one the checkpoint records (state.json ``target_name``). When the checkpoint records
+    else the one the checkpoint records (state.json ``target_path`` when that directory still exists,
+    else ``target_name``). When the checkpoint records
     ``target_weights_digest`` and the target's digest is at hand (a known name, or a directory
     holding ``*.safetensors``; a config-only directory has none), the two must agree.
 
@@ -209,12 +210,17 @@ def _export_target(target: Any, state: dict, ckpt: Path) -> tuple[Any, str]:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"checkpoint {ckpt} records no target_name in its state.json; pass --target (the name "
                               "or HF directory of the target the draft was trained for)")
+        recorded_path = state.get("target_path")
         try:
-            info = resolve_target(name)
+            if isinstance(recorded_path, str) and recorded_path and Path(recorded_path).is_dir():
+                info = resolve_target(recorded_path)  # the very directory it was trained with, still here
+            else:
+                info = resolve_target(name)
         except ConfigError as exc:
-            raise ConfigError(f"checkpoint {ckpt} was trained for target {name!r} (state.json target_name), which is "
-                              "neither a known target name nor a directory here; pass --target with that target's "
-                              "HF directory") from exc
+            raise ConfigError(f"checkpoint {ckpt} was trained for target {name!r} (state.json target_name"
+                              f"{f', target_path {recorded_path!r}' if recorded_path else ''}), which is neither a "
+                              "known target name nor a directory here; pass --target with that target's HF "
+                              "directory") from exc
         if digest is not None and info.weights_digest != digest:
             raise ConfigError(f"checkpoint {ckpt} was trained for target {name!r} with weights digest {digest}, but "
                               f"{name!r} resolves here to {info.path} with weights digest {info.weights_digest}; "
