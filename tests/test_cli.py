@@ -145,7 +145,8 @@ def test_consume_lookahead_smaller_than_batch(root, workdir):
 @pytest.mark.parametrize("args, needles", [
     (["--steps", "0"], ["--steps", "0"]),
     (["--batch-size", "0", "--window", "0:4"], ["--batch-size", "0"]),
-    (["--block-size", "1"], ["--block-size", "1"]),
+    (["--block-size", "1"], ["--block-size 1 is invalid", ">= 2"]),
+    (["--block-size", "0"], ["--block-size 0 is invalid", ">= 2"]),  # regression: said ">= 1" for 0, ">= 2" for 1
     (["--lr", "nan"], ["--lr", "nan"]),
     (["--id", "../escape"], ["'../escape'", "A-Z a-z 0-9"]),
     (["--id", "a~b"], ["'a~b'"]),

@@ -116,7 +116,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def validate(self) -> None:
         check_id(self.consumer_id, "consumer id")
         flags = {"num_anchors": "--anchors"}  # fields whose CLI flag has another name
-        for name in ("batch_size", "steps", "block_size", "num_anchors", "prefetch_batches", "log_every",
+        if self.block_size < 2:  # before the generic >= 1 checks: one message for 0, 1 and negatives
+            raise ConfigError(f"--block-size {self.block_size} is invalid: it must be >= 2 (the anchor and at "
+                              "least one MASK slot)")
+        for name in ("batch_size", "steps", "num_anchors", "prefetch_batches", "log_every",
                      "ttt_steps", "draft_vocab"):
             if getattr(self, name) < 1:
                 flag = flags.get(name, "--" + name.replace("_", "-"))
@@ -139,8 +142,6 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"lookahead {self.lookahead} is smaller than one batch ({self.batch_size} positions): the "
                 f"consumer could never read a whole batch; use --window {self.lookbehind}:{self.batch_size} "
                 "or larger, or a smaller --batch-size")
-        if self.block_size < 2:
-            raise ConfigError(f"--block-size must be >= 2, got {self.block_size}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.lockstep_group:
