@@ -48,6 +48,21 @@ def tiny_target(tmp_path_factory, smollm2_target) -> TargetInfo:
     return resolve_target(str(out))
 
 
+@pytest.fixture()
+def layout(tmp_path):
+    """A fresh cache root initialised with crash_child's fake settings (``tmp_path/root``). Modules that
+    want a bare root, or more in it, define their own ``layout``."""
+    import crash_child as K
+
+    from artcache.layout import CacheLayout
+    from artcache.settings import init_settings
+
+    lay = CacheLayout(tmp_path / "root")
+    lay.create()
+    init_settings(lay, K.settings())
+    return lay
+
+
 @dataclass
 class FakeSample:
     input_ids: torch.Tensor

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from procs import dead_pid
 
 from artcache import journal as J
 from artcache import leases, store
@@ -142,18 +141,12 @@ def test_unreleased_lease_is_reported(layout):
     assert len(v) == 1 and "leases acquired 4 != released 1 + expired 1 + held 1" in v[0]
 
 
-def _dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
-    return int(proc.stdout)
-
-
 def test_regression_lease_removed_by_killed_holder_is_explained(layout):
     """CI seed 3962253608 of the crash trials: a consumer SIGKILLed between unlinking a lease and journaling its
     release left 'leases acquired 1337 != released 1303 + expired 33 + held 0'. A lease acquired, never
     released or expired, gone from disk, whose holder on this host is dead is counted apart, not a violation."""
     j = consistent(layout)
-    lost = f"{fp(1)}~a~{host_id()}~{_dead_pid()}~0a"
+    lost = f"{fp(1)}~a~{host_id()}~{dead_pid()}~0a"
     j["consumer-a-2"].append(J.LeaseAcquire(consumer="a", fp=fp(1), lease=lost))
     write_all(layout, j)
     acc = account(layout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from procs import wait_until
 from test_consumer_resume import Proc, consume_args
 
 from artcache import journal as J
@@ -41,8 +42,6 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
                                    "--ttt-steps", "3", *common), tmp_path)]
     procs = list(cons)
     try:
-        from test_consumer_resume import wait_until
-
         from artcache import registry
 
         layout = CacheLayout(cache)

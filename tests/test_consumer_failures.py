@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import signal
 
-from test_consumer_resume import BATCH, DATA, Proc, consume_args, wait_until
+from procs import wait_until
+from test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 from artcache import leases, registry
 from artcache.layout import CacheLayout
@@ -56,8 +57,7 @@ def test_regression_capture_timeout_checkpoints_and_releases_leases(tmp_path, ti
         procs += [prod2, x2]
         x2.expect(0)
         assert registry.read(layout, "x").cursor == STEPS * BATCH
-        prod2.popen.send_signal(signal.SIGTERM)
-        prod2.expect(0)
+        prod2.terminate_ready_producer()
     finally:
         for p in procs:
             p.kill()

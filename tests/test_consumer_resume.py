@@ -17,11 +17,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from procs import Proc as BaseProc
+from procs import wait_until
 
 from artcache import journal as J
 from artcache import registry
@@ -36,52 +37,8 @@ BATCH = 2
 STEPS = 8
 
 
-class Proc:
-    """A CLI subprocess with its log file (stdout and stderr together)."""
-
-    def __init__(self, name: str, args: list[str], cwd: Path, crash_at: str | None = None) -> None:
-        self.name = name
-        self.log = cwd / "logs" / f"{name}.log"
-        self.log.parent.mkdir(exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        env.pop("ARTCACHE_CRASH_AT", None)
-        if crash_at:
-            env["ARTCACHE_CRASH_AT"] = crash_at
-        with open(self.log, "wb") as fh:
-            self.popen = subprocess.Popen([sys.executable, "-m", "artcache.cli", *args], cwd=cwd, stdout=fh,
-                                          stderr=subprocess.STDOUT, env=env)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait(self, timeout: float = DEADLINE_S) -> int:
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-            pytest.fail(f"{self.name} did not exit within {timeout:.0f}s:\n{self.text()[-4000:]}")
-
-    def expect(self, code: int) -> None:
-        rc = self.wait()
-        assert rc == code, f"{self.name} exited {rc}, expected {code}:\n{self.text()[-4000:]}"
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
-
-
-def wait_until(pred, what: str, procs: list[Proc], timeout: float = DEADLINE_S) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        for p in procs:
-            if p.popen.poll() is not None:
-                pytest.fail(f"{p.name} exited {p.popen.returncode} while waiting for {what}:\n{p.text()[-4000:]}")
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.1)
+class Proc(BaseProc):
+    deadline = DEADLINE_S
 
 
 def consume_args(cache: Path, cwd: Path, cid: str, steps: int, *extra: str) -> list[str]:
@@ -182,8 +139,7 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
                    "the sibling to keep stepping", [prod, sib])
         sib.popen.send_signal(signal.SIGTERM)
         assert sib.wait() != 0  # cancelled runs exit nonzero
-        prod.popen.send_signal(signal.SIGTERM)
-        prod.expect(0)
+        prod.terminate_ready_producer()
     finally:
         for p in procs:
             p.kill()

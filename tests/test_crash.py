@@ -12,21 +12,19 @@ Run: ``python -m pytest -q -m reliability tests/test_crash.py`` (deadlines only 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from procs import Proc as BaseProc
+from procs import inspect_json, verify_all_published, wait_until
 
 from artcache import journal as J
 from artcache import registry, store
 from artcache.layout import CacheLayout
-from artcache.settings import load_settings
 
 pytestmark = pytest.mark.reliability
 
@@ -42,49 +40,8 @@ KILLED_PRODUCER_VIOLATION = "captures "
 KILLED_AFTER_COMMIT_VIOLATION = "max retained artifacts "
 
 
-class Proc:
-    def __init__(self, name: str, args: list[str], cwd: Path, crash_at: str | None = None) -> None:
-        self.name = name
-        self.log = cwd / "logs" / f"{name}-{time.monotonic_ns()}.log"
-        self.log.parent.mkdir(exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        env.pop("ARTCACHE_CRASH_AT", None)
-        if crash_at:
-            env["ARTCACHE_CRASH_AT"] = crash_at
-        with open(self.log, "wb") as fh:
-            self.popen = subprocess.Popen([sys.executable, "-m", "artcache.cli", *args], cwd=cwd, stdout=fh,
-                                          stderr=subprocess.STDOUT, env=env)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait(self, timeout: float = DEADLINE_S) -> int:
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"{self.name} did not exit within {timeout:.0f}s:\n{self.text()[-3000:]}")
-
-    def expect(self, code: int) -> None:
-        rc = self.wait()
-        assert rc == code, f"{self.name} exited {rc}, expected {code}:\n{self.text()[-3000:]}"
-
-    def terminate_ready_producer(self) -> None:
-        """SIGTERM once the producer has installed its handler ('producer ready'), then expect exit 0.
-        Regression (CI seed 1255956394): a restarted producer whose work had all been published by its
-        killed predecessor got SIGTERM while still importing torch, and died of it (-15)."""
-        wait_until(lambda: "producer ready" in self.text(), f"{self.name} to be ready", [self])
-        self.popen.send_signal(signal.SIGTERM)
-        self.expect(0)
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
+class Proc(BaseProc):
+    deadline = DEADLINE_S
 
 
 def start_producer(cwd: Path, cache: Path, crash_at: str | None = None) -> Proc:
@@ -108,42 +65,8 @@ def init_root(cwd: Path) -> Path:
     return cache
 
 
-def wait_until(pred, what: str, procs=(), timeout: float = DEADLINE_S) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        for p in procs:
-            if p.popen.poll() is not None:
-                pytest.fail(f"{p.name} exited {p.popen.returncode} while waiting for {what}:\n{p.text()[-3000:]}")
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def verify_all_published(cache: Path) -> int:
-    """Every file in objects/ reads and verifies; nothing was quarantined. Returns the count."""
-    layout = CacheLayout(cache)
-    contract = load_settings(layout).contract
-    objects = store.list_objects(layout)
-    for fp in objects:
-        try:
-            store.read(layout, fp, contract)
-        except FileNotFoundError:  # evicted meanwhile by a live producer: fine
-            continue
-    assert list(layout.quarantine.iterdir()) == [], "a published artifact failed verification"
-    return len(objects)
-
-
 def tmp_of(cache: Path, pid: int) -> list[str]:
     return sorted(p.name for p in (cache / "tmp").iterdir() if p.name.split(".")[1:2] == [str(pid)])
-
-
-def inspect_json(cache: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode in (0, 3), proc.stderr
-    acc = json.loads(proc.stdout)
-    assert (proc.returncode == 3) == bool(acc["violations"])
-    return acc
 
 
 def unexplained(acc: dict, producer_killed: bool = False, consumer_killed_after_commit: bool = False) -> list[str]:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from procs import Proc as BaseProc
+from procs import inspect_json, wait_until
 from safetensors.torch import load_file
 
 from artcache import journal as J
@@ -30,50 +29,8 @@ BATCH = 2
 
 # ---- process helpers -------------------------------------------------------------------------------
 
-class Proc:
-    """A CLI subprocess with its log file (stdout and stderr together)."""
-
-    def __init__(self, name: str, args: list[str], cwd: Path) -> None:
-        self.name = name
-        self.log = cwd / "logs" / f"{name}.log"
-        self.log.parent.mkdir(exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        with open(self.log, "wb") as fh:
-            self.popen = subprocess.Popen([sys.executable, "-m", "artcache.cli", *args], cwd=cwd, stdout=fh,
-                                          stderr=subprocess.STDOUT, env=env)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait(self, timeout: float = DEADLINE_S) -> int:
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-            pytest.fail(f"{self.name} did not exit within {timeout:.0f}s:\n{self.text()[-4000:]}")
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
-
-
-def expect_exit(proc: Proc, code: int = 0) -> None:
-    rc = proc.wait()
-    assert rc == code, f"{proc.name} exited {rc}, expected {code}:\n{proc.text()[-4000:]}"
-
-
-def wait_until(pred, what: str, procs: list[Proc], timeout: float = DEADLINE_S, poll: float = 0.1) -> None:
-    """Poll ``pred`` until true; fail (with the logs) if a process dies first or the deadline passes."""
-    t0 = time.monotonic()
-    while not pred():
-        for p in procs:
-            if p.popen.poll() is not None:
-                pytest.fail(f"{p.name} exited {p.popen.returncode} while waiting for {what}:\n{p.text()[-4000:]}")
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(poll)
+class Proc(BaseProc):
+    deadline = DEADLINE_S
 
 
 def producer(cache: Path, tiny_target, cwd: Path, *extra: str) -> Proc:
@@ -87,15 +44,6 @@ def consumer(cache: Path, cwd: Path, cid: str, *, block_size: int, window: str, 
                       "--window", window, "--anchors", "4", "--steps", str(steps), "--batch-size", str(BATCH),
                       "--threads", "1", "--demand-timeout", "180", "--log-every", "1",
                       "--out", str(cwd / "runs" / cid)], cwd)
-
-
-def inspect_json(cache: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode in (0, 3), proc.stderr  # 3 = violations (asserted on by the callers)
-    acc = json.loads(proc.stdout)
-    assert (proc.returncode == 3) == bool(acc["violations"])
-    return acc
 
 
 def by_id(acc: dict) -> dict[str, dict]:
@@ -173,8 +121,8 @@ def shared_run(tmp_path_factory, tiny_target):
         wait_until(registered(cache, "a", "b"), "both consumers to register", cons)
         prod = producer(cache, tiny_target, cwd, "--exit-when-done")
         for p in cons:
-            expect_exit(p)
-        expect_exit(prod)
+            p.expect(0)
+        prod.expect(0)
     finally:
         for p in cons:
             p.kill()
@@ -262,8 +210,8 @@ def test_sigkilled_consumer_is_fenced_and_sibling_completes(tmp_path, tiny_targe
         wait_until(victim_mid_run, "the victim to commit two steps", [prod, victim])
         victim.popen.send_signal(signal.SIGKILL)
         assert victim.wait() == -signal.SIGKILL
-        expect_exit(sibling)
-        expect_exit(prod)  # --exit-when-done: the fenced victim does not keep it running
+        sibling.expect(0)
+        prod.expect(0)  # --exit-when-done: the fenced victim does not keep it running
     finally:
         for p in (victim, sibling, prod):
             if p is not None:
@@ -306,14 +254,13 @@ def test_lagging_consumer_forces_recaptures(tmp_path, tiny_target):
     try:
         wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod])
         fast = consumer(cache, tmp_path, "fast", block_size=4, window="0:2", steps=fast_steps)
-        expect_exit(fast)
+        fast.expect(0)
         # the fast consumer's window is gone: the producer evicts everything it had published
         wait_until(lambda: not any((cache / "objects").rglob("*.safetensors")), "eviction after the fast consumer",
                    [prod])
         lagging = consumer(cache, tmp_path, "lagging", block_size=8, window="1:2", steps=lag_steps)
-        expect_exit(lagging)
-        prod.popen.send_signal(signal.SIGTERM)
-        expect_exit(prod)  # a signal finishes the batch and exits cleanly
+        lagging.expect(0)
+        prod.terminate_ready_producer()  # a signal finishes the batch and exits cleanly
     finally:
         for p in (fast, lagging, prod):
             if p is not None:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from procs import dead_pid
 
 from artcache import leases, store
 from artcache.contract import CaptureContract
@@ -36,12 +35,6 @@ def publish(layout: CacheLayout, i: int) -> str:
           "input_ids": torch.tensor([i], dtype=torch.int32), "loss_mask": torch.ones(1, dtype=torch.uint8)}
     store.publish(layout, fp, C, ts, durable=False)
     return fp
-
-
-def dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
 
 
 def fake_lease(layout: CacheLayout, fp: str, consumer: str, host: str, pid: int, nonce: str = "00") -> str:

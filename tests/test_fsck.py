@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import crash_child as K
 import pytest
 from click.testing import CliRunner
+from procs import dead_pid
 
 from artcache import journal as J
 from artcache import leases, registry, store
@@ -20,19 +19,16 @@ from artcache.cli import main
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsck import fsck
 from artcache.layout import CacheLayout, host_id
-from artcache.settings import init_settings
 
 PLAN = K.FakePlan()
 FP = PlanFingerprints(K.CONTRACT, PLAN)
 
 
 @pytest.fixture()
-def layout(tmp_path) -> CacheLayout:
-    lay = CacheLayout(tmp_path / "root")
-    lay.create()
-    init_settings(lay, K.settings())
-    _plan_dir(lay)
-    return lay
+def layout(layout) -> CacheLayout:
+    """conftest's fake root, plus a plan directory."""
+    _plan_dir(layout)
+    return layout
 
 
 def _plan_dir(layout: CacheLayout) -> None:
@@ -56,12 +52,6 @@ def publish(layout: CacheLayout, pos: int) -> str:
     fp = FP(pos)
     store.publish(layout, fp, K.CONTRACT, K.fake_capture(PLAN.sample(pos)), durable=False, verify_tokens=True)
     return fp
-
-
-def dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
 
 
 def kinds(rep) -> list[str]:

@@ -15,20 +15,10 @@ from artcache import registry, store
 from artcache.client import CacheClient
 from artcache.errors import ConsumerFenced, IntegrityError
 from artcache.fingerprint import PlanFingerprints
-from artcache.layout import CacheLayout
 from artcache.producer import Producer, ProducerConfig
-from artcache.settings import init_settings
 
 PLAN = K.FakePlan()
 FP = PlanFingerprints(K.CONTRACT, PLAN)
-
-
-@pytest.fixture()
-def layout(tmp_path) -> CacheLayout:
-    lay = CacheLayout(tmp_path / "root")
-    lay.create()
-    init_settings(lay, K.settings())
-    return lay
 
 
 def _client(layout, cid="c", lookahead=K.N_SAMPLES, timeout=30.0):

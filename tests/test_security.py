@@ -21,7 +21,7 @@ from artcache.errors import LockUnavailable, PublishError, UnsafePath
 from artcache.eviction import evict_pass
 from artcache.fingerprint import PlanFingerprints
 from artcache.layout import SUBDIRS, CacheLayout
-from artcache.settings import init_settings, load_settings
+from artcache.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 FP = PlanFingerprints(K.CONTRACT, K.FakePlan())
@@ -36,14 +36,6 @@ def umask_022():
     old = os.umask(0o022)
     yield
     os.umask(old)
-
-
-@pytest.fixture()
-def layout(tmp_path) -> CacheLayout:
-    lay = CacheLayout(tmp_path / "root")
-    lay.create()
-    init_settings(lay, K.settings())
-    return lay
 
 
 def publish(layout: CacheLayout, pos: int) -> str:

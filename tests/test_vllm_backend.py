@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -26,6 +25,8 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm lane needs the artcache[vllm] extra")
 
 import torch  # noqa: E402
+from procs import Proc as BaseProc  # noqa: E402
+from procs import child_env, verify_all_published, wait_until  # noqa: E402
 
 from artcache import journal as J  # noqa: E402
 from artcache import store  # noqa: E402
@@ -38,7 +39,6 @@ pytestmark = pytest.mark.vllm
 # 1 GiB of KV cache is plenty for these plans (the producer's default is 4); subprocesses inherit it
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_LENGTH = 256
 #: unsorted on purpose (the backend reorders vLLM's increasing-id rows) and with the last layer
 #: (vLLM id 30: the last decoder layer's output before the final norm)
@@ -48,14 +48,6 @@ DEADLINE_S = 600.0
 STEPS, BATCH = 3, 2
 #: the producer/consumer plan of the process tests
 PLAN = ["--max-length", str(MAX_LENGTH), "--max-samples", "16", "--draft-layers", "3"]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("ARTCACHE_CRASH_AT", None)
-    env.update(extra)
-    return env
 
 
 # ---- parity ----------------------------------------------------------------------------------------------
@@ -176,35 +168,14 @@ def test_short_capture_is_rejected(parity_root, vllm_backend, monkeypatch):
 
 # ---- processes -------------------------------------------------------------------------------------------
 
-class Proc:
-    def __init__(self, name: str, args: list[str], cwd: Path, **env: str) -> None:
-        self.name = name
-        self.log = cwd / "logs" / f"{name}-{time.monotonic_ns()}.log"
-        self.log.parent.mkdir(exist_ok=True)
-        with open(self.log, "wb") as fh:
-            self.popen = subprocess.Popen([sys.executable, "-m", "artcache.cli", *args], cwd=cwd, stdout=fh,
-                                          stderr=subprocess.STDOUT, env=_env(**env))
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def expect(self, code: int, timeout: float = DEADLINE_S) -> None:
-        try:
-            rc = self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"{self.name} did not exit within {timeout:.0f}s:\n{self.text()[-4000:]}")
-        assert rc == code, f"{self.name} exited {rc}, expected {code}:\n{self.text()[-4000:]}"
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
+class Proc(BaseProc):
+    deadline = DEADLINE_S
+    single_thread = False  # no OMP_NUM_THREADS=1: the vLLM CPU engine keeps its own thread count
 
 
 def start_producer(cwd: Path, cache: Path, *extra: str, **env: str) -> Proc:
     return Proc("producer", ["producer", "--cache", str(cache), "--backend", "vllm", *PLAN, "--batch-samples", "2",
-                             "--heartbeat-timeout", "120", *extra], cwd, **env)
+                             "--heartbeat-timeout", "120", *extra], cwd, env=env)
 
 
 def start_consumer(cwd: Path, cache: Path, cid: str = "c") -> Proc:
@@ -216,22 +187,10 @@ def start_consumer(cwd: Path, cache: Path, cid: str = "c") -> Proc:
 
 def inspect_json(cache: Path) -> dict:
     proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
-                          capture_output=True, text=True, timeout=300, env=_env())
+                          capture_output=True, text=True, timeout=300,
+                          env=child_env(single_thread=False))
     assert proc.returncode in (0, 3), proc.stderr
     return json.loads(proc.stdout)
-
-
-def verify_all_published(cache: Path) -> int:
-    layout = CacheLayout(cache)
-    contract = load_settings(layout).contract
-    objects = store.list_objects(layout)
-    for fp in objects:
-        try:
-            store.read(layout, fp, contract)
-        except FileNotFoundError:  # evicted meanwhile
-            continue
-    assert list(layout.quarantine.iterdir()) == [], "a published artifact failed verification"
-    return len(objects)
 
 
 def stray_locks(cache: Path) -> list[str]:
@@ -263,11 +222,8 @@ def test_producer_vllm_1p1c(tmp_path):
     prod = start_producer(tmp_path, cache, "--exit-when-done", "--done-grace", "3")
     cons = None
     try:
-        t0 = time.monotonic()
-        while not (cache / "artcache.json").is_file():
-            assert prod.popen.poll() is None, prod.text()[-4000:]
-            assert time.monotonic() - t0 < DEADLINE_S, "the producer never initialised the root"
-            time.sleep(0.5)
+        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod],
+                   poll=0.5)
         cons = start_consumer(tmp_path, cache)
         cons.expect(0)
         prod.expect(0)
@@ -318,8 +274,7 @@ def test_vllm_producer_killed_mid_publish_resumes(tmp_path):
 
         again = start_producer(tmp_path, cache)
         cons.expect(0)  # the consumer waited through the kill and completed on the restarted producer
-        again.popen.send_signal(signal.SIGTERM)
-        again.expect(0)
+        again.terminate_ready_producer()
     finally:
         for p in (cons, prod, again):
             if p is not None:

@@ -1,0 +1,144 @@
+"""Helpers for tests that run real ``python -m artcache.cli ...`` processes: :class:`Proc` (a CLI subprocess
+with its log file), :func:`wait_until`, and the few checks every process test repeats.
+
+A test module sets its own deadline by subclassing (``class Proc(BaseProc): deadline = 300.0``). Deadlines
+only bound a hung run (they turn a hang into a failure that shows the process's log)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+from artcache import store
+from artcache.layout import CacheLayout
+from artcache.settings import load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+#: characters of a process's log shown when it fails
+LOG_TAIL = 4000
+
+
+def child_env(crash_at: str | None = None, single_thread: bool = True, **extra: str) -> dict[str, str]:
+    """The environment of a CLI child: unbuffered output, no tokenizer threads, one OpenMP thread (unless
+    ``single_thread`` is false), this repository first on PYTHONPATH, ``ARTCACHE_CRASH_AT`` only when
+    ``crash_at`` is given (an inherited one is dropped), then ``extra``."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if single_thread:
+        env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("ARTCACHE_CRASH_AT", None)
+    if crash_at:
+        env["ARTCACHE_CRASH_AT"] = crash_at
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A CLI subprocess (``python -m artcache.cli *args`` in ``cwd``) with its log file, stdout and stderr
+    together, at ``cwd/logs/<name>-<ns>.log`` (a restarted process of the same name gets its own log)."""
+
+    #: seconds :meth:`wait` and :func:`wait_until` allow by default
+    deadline: float = 240.0
+    #: OMP_NUM_THREADS=1 in the child (see :func:`child_env`)
+    single_thread: bool = True
+
+    def __init__(self, name: str, args: list[str], cwd: Path, crash_at: str | None = None, *,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.log = cwd / "logs" / f"{name}-{time.monotonic_ns()}.log"
+        self.log.parent.mkdir(exist_ok=True)
+        with open(self.log, "wb") as fh:
+            self.popen = subprocess.Popen([sys.executable, "-m", "artcache.cli", *args], cwd=cwd, stdout=fh,
+                                          stderr=subprocess.STDOUT,
+                                          env=child_env(crash_at, self.single_thread, **(env or {})))
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self) -> str:
+        return self.text()[-LOG_TAIL:]
+
+    def wait(self, timeout: float | None = None) -> int:
+        timeout = self.deadline if timeout is None else timeout
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{self.name} did not exit within {timeout:.0f}s:\n{self.tail()}")
+
+    def expect(self, code: int) -> None:
+        rc = self.wait()
+        assert rc == code, f"{self.name} exited {rc}, expected {code}:\n{self.tail()}"
+
+    def terminate_ready_producer(self) -> None:
+        """SIGTERM once the producer has installed its handler ('producer ready'), then expect exit 0.
+        Regression (CI seed 1255956394): a restarted producer whose work had all been published by its
+        killed predecessor got SIGTERM while still importing torch, and died of it (-15)."""
+        wait_until(lambda: "producer ready" in self.text(), f"{self.name} to be ready", [self])
+        self.popen.send_signal(signal.SIGTERM)
+        self.expect(0)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def wait_until(pred: Callable[[], bool], what: str, procs: Iterable[Proc], timeout: float | None = None,
+               poll: float = 0.1) -> None:
+    """Poll ``pred`` until true; fail (with the log) if one of ``procs`` exits first, or when ``timeout``
+    passes (default: the longest deadline of ``procs``)."""
+    procs = list(procs)
+    if timeout is None:
+        timeout = max((p.deadline for p in procs), default=Proc.deadline)
+    t0 = time.monotonic()
+    while not pred():
+        for p in procs:
+            if p.popen.poll() is not None:
+                pytest.fail(f"{p.name} exited {p.popen.returncode} while waiting for {what}:\n{p.tail()}")
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def inspect_json(cache: Path) -> dict:
+    """``artcache inspect --json``: exit 0, or 3 exactly when it reports violations (callers assert on those)."""
+    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 3), proc.stderr
+    acc = json.loads(proc.stdout)
+    assert (proc.returncode == 3) == bool(acc["violations"])
+    return acc
+
+
+def verify_all_published(cache: Path) -> int:
+    """Every file in objects/ reads and verifies; nothing was quarantined. Returns the count."""
+    layout = CacheLayout(cache)
+    contract = load_settings(layout).contract
+    objects = store.list_objects(layout)
+    for fp in objects:
+        try:
+            store.read(layout, fp, contract)
+        except FileNotFoundError:  # evicted meanwhile by a live producer: fine
+            continue
+    assert list(layout.quarantine.iterdir()) == [], "a published artifact failed verification"
+    return len(objects)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
