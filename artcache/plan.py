@@ -93,10 +93,16 @@ def resolve_dataset(dataset: str) -> Path:
 
 
 def compute_plan_id(spec: PlanSpec, dataset_digest: str, tok_digest: str, tmpl_digest: str) -> tuple[str, dict]:
-    """(plan_id, id inputs): plan_id = strong digest of the canonical json of the id inputs."""
+    """(plan_id, id inputs): plan_id = strong digest of the canonical json of the id inputs. A dataset file
+    enters by its digest only (``spec.dataset`` is replaced by ``"file"``); named datasets by name and digest."""
     spec_inputs = msgspec.to_builtins(spec)
     if not spec_inputs.get("template_options"):  # no options: the id plans had before options existed
         spec_inputs.pop("template_options", None)
+    if spec.dataset not in DATASETS:
+        # a file is identified by its content digest, never by the path it was given as: the same file
+        # given as a relative or absolute path, or copied elsewhere, is the same plan (the path is kept in
+        # plan.json as provenance)
+        spec_inputs["dataset"] = "file"
     inputs = {"spec": spec_inputs, "dataset_digest": dataset_digest, "tokenizer_digest": tok_digest,
               "template_digest": tmpl_digest, "format_version": PLAN_FORMAT_VERSION,
               "loss_mask_policy": LOSS_MASK_POLICY}

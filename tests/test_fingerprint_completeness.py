@@ -174,6 +174,17 @@ def test_seed_sample_count_and_dataset_path_do_not_change_a_samples_fingerprint(
     shutil.copy(DATA, copy)
     moved = Run(tmp_path, targets["base"], data=copy, max_samples=n)
     assert moved.by_tokens == everything.by_tokens
+    # regression: the plan id hashed the path string too, so a root built from `data.json` refused the same
+    # file given as `/abs/path/data.json` or copied elsewhere ("differs in: plan_id")
+    assert moved.plan.plan_id == everything.plan.plan_id
+
+
+def test_regression_plan_id_ignores_the_dataset_path_not_its_content():
+    a, b = plan_mod.PlanSpec(dataset="data.jsonl"), plan_mod.PlanSpec(dataset="/elsewhere/copy-of-data.jsonl")
+    assert plan_mod.compute_plan_id(a, "d1", "t", "m")[0] == plan_mod.compute_plan_id(b, "d1", "t", "m")[0]
+    assert plan_mod.compute_plan_id(a, "d1", "t", "m")[0] != plan_mod.compute_plan_id(a, "d2", "t", "m")[0]
+    named = plan_mod.PlanSpec(dataset="sharegpt")  # a named dataset keeps its name among the id inputs
+    assert plan_mod.compute_plan_id(named, "d1", "t", "m")[1]["spec"]["dataset"] == "sharegpt"
 
 
 def test_template_options_keep_old_plan_ids_when_absent():
