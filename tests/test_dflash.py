@@ -489,6 +489,41 @@ def test_tiny_training_loop_loss_decreases():
     assert torch.equal(emb0, model.embed_weight) and torch.equal(head0, model.lm_head_weight)
 
 
+def test_draft_learns_to_read_the_next_token_from_the_context():
+    """The context path end to end (fc, context norm, the strictly-before-anchor mask, RoPE): when the
+    context state of position p-1 carries x_{p+1}, a tiny draft learns slot 1 almost perfectly (the CPU
+    training of docs/training.md asked whether DFlash uses its context at all). Nothing else carries
+    x_{p+1} here (ids are uniform random), so slots 2+ stay near chance (1/39)."""
+    torch.manual_seed(0)
+    model = tiny_model(dtype=torch.float32, num_anchors=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    T = 32
+
+    def batch():
+        ids = torch.randint(0, V - 1, (4, T), generator=g)
+        ctx = 0.1 * torch.randn(4, T, M, H, generator=g)
+        ctx[:, :-2] += model.embed_weight[ids[:, 2:]][:, :, None, :]  # state at t-1 encodes x_{t+1}
+        return ctx, ids
+
+    lm = torch.ones(4, T, dtype=torch.bool)
+    for step in range(300):
+        ctx, ids = batch()
+        anchors, valid = sample_anchors(lm, 8, torch.Generator().manual_seed(step))
+        loss, _ = dflash_loss(model, model(ctx, ids, anchors, valid), ids, lm, anchors, valid)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ctx, ids = batch()  # held out
+    anchors, valid = sample_anchors(lm, 8, torch.Generator().manual_seed(999))
+    with torch.no_grad():
+        _, st = dflash_loss(model, model(ctx, ids, anchors, valid), ids, lm, anchors, valid)
+        _, blind = dflash_loss(model, model(torch.zeros_like(ctx), ids, anchors, valid), ids, lm, anchors, valid)
+    acc = st.summary()["acc"]
+    assert acc[0] > 0.8, acc
+    assert blind.summary()["acc"][0] < 0.2  # and it is the context that carries it
+
+
 # ----------------------------------------------------------------------------------- metrics / tau
 
 def _identity_head_model(B: int) -> DFlashDraft:
