@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import sys
 
 import click
@@ -97,10 +98,12 @@ def _check_device(device: str) -> None:
 
 
 def _check_min(name: str, value: float, low: float, *, strict: bool = False, accepted: str = "") -> None:
-    """ConfigError naming ``--name value`` unless value >= low (> low when ``strict``)."""
-    if value < low or (strict and value == low) or value != value:  # NaN compares false
+    """ConfigError naming ``--name value`` unless value is finite and >= low (> low when ``strict``).
+    Infinity is refused too: ``--heartbeat-timeout inf`` was stored as JSON null and made the root unreadable."""
+    if value < low or (strict and value == low) or not math.isfinite(value):
         raise ConfigError(f"--{name} {value} is not accepted: "
-                          f"{accepted or ('a number > ' if strict else 'a number >= ') + str(low)}")
+                          f"{accepted or ('a number > ' if strict else 'a number >= ') + str(low)}"
+                          f"{'' if math.isfinite(value) else ' (finite)'}")
 
 
 def _with_config(verb: str):

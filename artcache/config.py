@@ -376,7 +376,13 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
         if not re.fullmatch(r"[0-9]+:[0-9]+", e.window):
             raise ConfigError(f"{source}: experiments.{i}.window {e.window!r} is not LOOKBEHIND:LOOKAHEAD with two "
                               "non-negative integers, e.g. 64:256")
-        for name in ("steps", "batch_size", "block_size", "anchors", "log_every"):
+        if e.block_size < 2:  # as the CLI: the anchor and at least one MASK slot
+            raise ConfigError(f"{source}: experiments.{i}.block_size {e.block_size} is invalid: accepted an "
+                              "integer >= 2")
+        if e.layer_ids is not None and not e.layer_ids:
+            raise ConfigError(f"{source}: experiments.{i}.layer_ids is empty: give output-of-layer ids, or leave "
+                              "it out for the draft's default view")
+        for name in ("steps", "batch_size", "anchors", "log_every"):
             if getattr(e, name) < 1:
                 raise ConfigError(f"{source}: experiments.{i}.{name} {getattr(e, name)} is invalid: accepted "
                                   "an integer >= 1")
@@ -391,6 +397,9 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
     if cfg.target.threads < 0:
         raise ConfigError(f"{source}: target.threads {cfg.target.threads} is invalid: accepted 0 (torch's default) "
                           "or a positive integer")
+    if cfg.capture.layer_ids is not None and not cfg.capture.layer_ids:
+        raise ConfigError(f"{source}: capture.layer_ids is empty: give output-of-layer ids, or leave it out for "
+                          "the union of the experiments' views")
     for name in ("heartbeat_timeout_s", "demand_timeout_s"):
         value = getattr(cfg.cache, name)
         if not (value > 0 and math.isfinite(value)):
@@ -454,7 +463,9 @@ def parse_value(text: str, t: mi.Type, where: str) -> Any:
         return text
     if isinstance(inner, mi.ListType) and not isinstance(inner.item_type, mi.StructType):
         body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-        items = [s.strip() for s in body.split(",") if s.strip()]
+        items = [s.strip() for s in body.split(",")] if body.strip() else []
+        if "" in items:  # "1,,2" or "1,": an empty item is a typo, never skipped (the CLI refuses it too)
+            raise bad()
         return [parse_value(s, inner.item_type, f"{where}[{i}]") for i, s in enumerate(items)]
     if isinstance(inner, (mi.StructType, mi.ListType, mi.DictType)):
         raise ConfigError(f"override {where}={text!r}: {where} is {_describe(inner)}; override one of its fields "

@@ -173,6 +173,12 @@ def prepare_root(cfg: ProducerConfig):
             raise ConfigError(f"--cache {cfg.cache!r} is inside the cache root {str(parent)!r}; give a directory "
                               "outside any cache root")
     _warn_if_foreign_dir(layout)
+    from artcache.layout import SUBDIRS
+
+    clash = [n for n in SUBDIRS if (layout.root / n).exists() and not (layout.root / n).is_dir()]
+    if clash:  # before anything is created: create() would stop half-way with UnsafePath
+        raise ConfigError(f"--cache {cfg.cache!r} holds {', '.join(clash)} as file(s), where a cache root keeps "
+                          "directories of those names; give an empty or new directory")
     tok = load_tokenizer(info)
     contract = CaptureContract(
         target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
@@ -565,10 +571,14 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     return producer.stats
 
 
+#: presence locks a warned producer waits for (see claim_producer_presence)
+_PRESENCE_WAITERS: list = []
+
+
 def claim_producer_presence(layout: CacheLayout):
     """Hold ``locks/producer.lock`` (flock) for this producer's life, so a second producer on the root is
     noticed. Returns the held lock (release it at exit), or None after logging a warning when another live
-    process holds it: a second producer is safe (each fingerprint is still captured once, under its
+    process holds it (a daemon thread then waits for the lock and holds it until this process exits): a second producer is safe (each fingerprint is still captured once, under its
     capture flock) but loads the target again and evicts by the same windows, which is rarely intended."""
     lock = cache_lock(layout.lock_path("producer"), timeout=0, thread_local=False)
     try:
@@ -577,6 +587,12 @@ def claim_producer_presence(layout: CacheLayout):
         log.warning("another producer is running on %s (it holds %s): both capture and evict for the same "
                     "consumers (each fingerprint is still captured once); stop one unless two producers are "
                     "intended", layout.root, layout.lock_path("producer"))
+        # take the lock over when the holder exits, so a third producer started after that still sees this
+        # one (the kernel drops the flock when this process dies; the thread never blocks shutdown)
+        waiter = cache_lock(layout.lock_path("producer"), timeout=-1, thread_local=False)
+        _PRESENCE_WAITERS.append(waiter)  # referenced for the process's life: a collected lock releases itself
+        threading.Thread(target=lambda: waiter.acquire(poll_interval=1.0), name="producer-presence",
+                         daemon=True).start()
         return None
     return lock
 

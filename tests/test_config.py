@@ -128,6 +128,8 @@ def test_duplicate_experiment_names(tmp_path):
     ("window = '64-256'", "LOOKBEHIND:LOOKAHEAD"),
     ("steps = 0", "experiments.0.steps 0"),
     ("lr = -1.0", "experiments.0.lr -1.0"),
+    ("block_size = 1", "experiments.0.block_size 1 is invalid: accepted an integer >= 2"),  # regression: >= 1
+    ("layer_ids = []", "experiments.0.layer_ids is empty"),  # regression: silently the default view
     ("name = 'a/b'", "experiments.0.name"),
 ])
 def test_bad_experiment_values(tmp_path, text, needle):
@@ -180,6 +182,8 @@ def test_overrides_are_typed_by_field(tmp_path):
     ("experiments.0.resume=maybe", ["expected true or false"]),
     ("experiments.0.draft=medusa", ["expected one of dflash, eagle3"]),
     ("capture.layer_ids=1,x", ["capture.layer_ids[1]", "expected an integer"]),
+    ("capture.layer_ids=1,,2", ["capture.layer_ids='1,,2'"]),  # regression: the empty item was skipped
+    ("capture.layer_ids=", ["capture.layer_ids is empty"]),  # regression: silently the union
     ("target.dtype=fp8", ["one of bfloat16, float16, float32"]),
 ])
 def test_bad_overrides_name_the_path_and_accepted(tmp_path, override, needles):

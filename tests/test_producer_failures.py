@@ -44,42 +44,62 @@ def test_producer_gives_up_after_max_attempts_and_writes_the_failure(tmp_path, f
     assert len(fails) == MAX_ATTEMPTS and all(e.fp == fp for e in fails)
 
 
-def test_second_producer_on_a_root_is_warned_about(tmp_path, caplog):
+def test_second_producer_on_a_root_is_warned_about(tmp_path):
     """New-user finding: a second `artcache producer` on the same root started silently. It now logs a
-    warning while another live process holds locks/producer.lock; the first producer's lock is released
-    when it exits, after which a producer claims it without a warning."""
+    warning while another live process holds locks/producer.lock. Regression (second new-user pass): once
+    the first producer exited, a third one started while the second still ran got no warning; the warned
+    producer now takes the lock over when it is freed."""
     import subprocess
     import sys
     import time
 
-    from artcache.producer import claim_producer_presence
-
+    from artcache.locking import Timeout, cache_lock
     layout = CacheLayout(tmp_path / "root")
     layout.create()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        "from pathlib import Path\n"
-        "from artcache.layout import CacheLayout\n"
-        "from artcache.producer import claim_producer_presence\n"
-        "lock = claim_producer_presence(CacheLayout(Path(sys.argv[1])))\n"
-        "print('held' if lock else 'not held', flush=True)\n"
-        "time.sleep(60)\n"), str(layout.root)], stdout=subprocess.PIPE, text=True)
+    claim = ("import sys, time\n"
+             "from pathlib import Path\n"
+             "from artcache.layout import CacheLayout\n"
+             "from artcache.producer import claim_producer_presence\n"
+             "lock = claim_producer_presence(CacheLayout(Path(sys.argv[1])))\n"
+             "print('held' if lock else 'not held', flush=True)\n"
+             "time.sleep(float(sys.argv[2]))\n")
+
+    def producer(stay_s: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", claim, str(layout.root), str(stay_s)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def held_by_another() -> bool:  # a plain try-lock: no waiter thread in this process
+        lock = cache_lock(layout.lock_path("producer"), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            return True
+        lock.release()
+        return False
+
+    first, second = producer(60), None
     try:
-        assert holder.stdout.readline().strip() == "held"
-        with caplog.at_level("WARNING", logger="artcache.producer"):
-            assert claim_producer_presence(layout) is None
-        assert "another producer is running" in caplog.text and str(layout.root) in caplog.text
+        assert first.stdout.readline().strip() == "held"
+        second = producer(60)
+        assert second.stdout.readline().strip() == "not held"
+        assert held_by_another()
+        first.kill()
+        first.wait()
+        deadline = time.monotonic() + 15
+        while not held_by_another() and time.monotonic() < deadline:  # the second takes the lock over
+            time.sleep(0.2)
+        third = producer(0)
+        out, err = third.communicate(timeout=60)
+        assert out.strip() == "not held" and "another producer is running" in err and str(layout.root) in err
+        second.kill()
+        second_err = second.communicate()[1]
+        assert "another producer is running" in second_err
+        assert not held_by_another()  # every holder gone: the next producer claims it without a warning
     finally:
-        holder.kill()
-        holder.wait()
-    caplog.clear()
-    deadline = time.monotonic() + 10
-    lock = None
-    while lock is None and time.monotonic() < deadline:  # the kernel drops a dead holder's flock
-        with caplog.at_level("WARNING", logger="artcache.producer"):
-            lock = claim_producer_presence(layout)
-    assert lock is not None
-    lock.release()
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
 
 def _tiny_root_cfg(cache, **kw) -> ProducerConfig:
@@ -118,3 +138,19 @@ def test_heartbeat_timeout_other_than_the_roots_is_warned_about(tmp_path, caplog
     with caplog.at_level("WARNING", logger="artcache.producer"):
         prepare_root(_tiny_root_cfg(tmp_path / "root", heartbeat_timeout_s=5.0))
     assert "fences consumers silent for 5 s" in caplog.text and "records 30 s" in caplog.text
+
+
+def test_regression_cache_dir_holding_a_file_named_like_a_subdirectory(tmp_path):
+    """New-user finding: `--cache DIR` where DIR holds a file called `objects` failed with exit 1
+    (UnsafePath) after creating plans/; it is a clear ConfigError now, before anything is created."""
+    import pytest
+
+    from artcache.errors import ConfigError
+    from artcache.producer import prepare_root
+
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "objects").write_text("not a directory")
+    with pytest.raises(ConfigError, match="holds objects as file"):
+        prepare_root(_tiny_root_cfg(d))
+    assert sorted(p.name for p in d.iterdir()) == ["objects"]
