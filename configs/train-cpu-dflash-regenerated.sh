@@ -4,7 +4,7 @@
 # sample fits in 384 tokens), one producer captures DFlash's 3 layers [1, 14, 27] plus the last layer 29 (for
 # the greedy replay against the target's argmax), and one DFlash consumer trains 300 steps x 2 samples with the
 # same settings as configs/train-cpu-dflash-eagle3.sh, evaluated every 100 steps on the plan's last 32 samples.
-# About 25 min of generation and 45 min of training on a 2-core CPU.
+# About 35 min of generation and 25 min of training on a 2-core CPU.
 #   bash configs/train-cpu-dflash-regenerated.sh [WORK_DIR]
 set -euo pipefail
 work=${1:-./regen-dflash}
