@@ -31,6 +31,7 @@ import errno
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 from dataclasses import dataclass
@@ -203,7 +204,8 @@ class CacheLayout:
         can remove exactly those and leave nothing behind.
 
         Raises:
-            UnsafePath: a subdirectory is a symbolic link or not a directory.
+            UnsafePath: a subdirectory is a symbolic link or not a directory (what this call had created
+                is removed first).
         """
         mode = GROUP_DIR_MODE if group_shared else PRIVATE_DIR_MODE
         missing = []
@@ -218,16 +220,21 @@ class CacheLayout:
         self.root.mkdir(parents=True, exist_ok=True)
         if made_root:
             os.chmod(self.root, mode)
-        for name in SUBDIRS:
-            d = self.root / name
-            if not os.path.lexists(d):
-                try:
-                    d.mkdir(mode=0o700)
-                    os.chmod(d, mode)
-                    missing.append(d)
-                except FileExistsError:  # another process made it meanwhile
-                    pass
-            check_real_dir(d)
+        try:
+            for name in SUBDIRS:
+                d = self.root / name
+                if not os.path.lexists(d):
+                    try:
+                        d.mkdir(mode=0o700)
+                        os.chmod(d, mode)
+                        missing.append(d)
+                    except FileExistsError:  # another process made it meanwhile
+                        pass
+                check_real_dir(d)
+        except BaseException:  # a failed create leaves nothing of its own behind either
+            for path in reversed(missing):
+                shutil.rmtree(path, ignore_errors=True)
+            raise
         return missing
 
     def require(self) -> None:

@@ -35,7 +35,7 @@ from artcache.errors import ArtcacheError, CaptureFailed, ConfigError, Integrity
 from artcache.eviction import evict_pass
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import atomic_write
-from artcache.layout import CacheLayout, check_id, host_id, pid_alive
+from artcache.layout import SUBDIRS, CacheLayout, check_id, host_id, pid_alive
 from artcache.locking import Timeout, cache_lock
 from artcache.scheduler import SchedulerLimits, next_batch, wanted, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
@@ -172,13 +172,7 @@ def prepare_root(cfg: ProducerConfig):
         if (parent / "artcache.json").is_file():
             raise ConfigError(f"--cache {cfg.cache!r} is inside the cache root {str(parent)!r}; give a directory "
                               "outside any cache root")
-    _warn_if_foreign_dir(layout)
-    from artcache.layout import SUBDIRS
-
-    clash = [n for n in SUBDIRS if (layout.root / n).exists() and not (layout.root / n).is_dir()]
-    if clash:  # before anything is created: create() would stop half-way with UnsafePath
-        raise ConfigError(f"--cache {cfg.cache!r} holds {', '.join(clash)} as file(s), where a cache root keeps "
-                          "directories of those names; give an empty or new directory")
+    _check_cache_dir(layout, cfg.cache)
     tok = load_tokenizer(info)
     contract = CaptureContract(
         target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
@@ -213,15 +207,19 @@ def prepare_root(cfg: ProducerConfig):
     return layout, settings, plan, info, tok
 
 
-def _warn_if_foreign_dir(layout: CacheLayout) -> None:
-    """Warn when ``--cache`` names an existing, non-empty directory that is not an artcache root (say a
-    mistyped home or data directory): artcache adds its subdirectories beside what is there (it never
-    touches files it did not create, but they are easy to mistake for each other)."""
-    from artcache.layout import SUBDIRS
-
+def _check_cache_dir(layout: CacheLayout, given: str) -> None:
+    """For an existing directory that is not yet a root: refuse one holding files named like a root's
+    subdirectories (a clear ConfigError instead of create()'s UnsafePath), and warn when it holds anything
+    else (say a mistyped home or data directory): the cache's directories would be created beside it
+    (artcache never touches files it did not create, but they are easy to mistake for each other)."""
     if layout.settings.exists() or not layout.root.is_dir():
         return
-    foreign = sorted(n for n in os.listdir(layout.root) if n not in SUBDIRS and n != "lost+found")
+    entries = os.listdir(layout.root)
+    clash = [n for n in SUBDIRS if n in entries and not (layout.root / n).is_dir()]
+    if clash:
+        raise ConfigError(f"--cache {given!r} holds {', '.join(clash)} as file(s), where a cache root keeps "
+                          "directories of those names; give an empty or new directory")
+    foreign = sorted(n for n in entries if n not in SUBDIRS and n != "lost+found")
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         log.warning("--cache %s is not empty and not an artcache root (it holds %s); the cache's "
@@ -578,8 +576,9 @@ _PRESENCE_WAITERS: list = []
 def claim_producer_presence(layout: CacheLayout):
     """Hold ``locks/producer.lock`` (flock) for this producer's life, so a second producer on the root is
     noticed. Returns the held lock (release it at exit), or None after logging a warning when another live
-    process holds it (a daemon thread then waits for the lock and holds it until this process exits): a second producer is safe (each fingerprint is still captured once, under its
-    capture flock) but loads the target again and evicts by the same windows, which is rarely intended."""
+    process holds it; a daemon thread then waits for the lock and holds it until this process exits. A second
+    producer is safe (each fingerprint is still captured once, under its capture flock) but loads the target
+    again and evicts by the same windows, which is rarely intended."""
     lock = cache_lock(layout.lock_path("producer"), timeout=0, thread_local=False)
     try:
         lock.acquire()

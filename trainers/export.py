@@ -571,10 +571,6 @@ EXPORT_MARKER = "export.json"
 _EXPORTED_BY = "artcache export"
 
 
-def _lexists(p: Path) -> bool:
-    return os.path.lexists(p)
-
-
 def _is_previous_export(p: Path) -> bool:
     """Whether ``p`` is a real directory (not a link) holding the ``export.json`` an export writes."""
     if p.is_symlink() or not p.is_dir():
@@ -592,7 +588,7 @@ def _check_existing_out(out: Path, overwrite: bool) -> None:
     Raises:
         ConfigError: naming the path, what it is and what would be accepted.
     """
-    if not _lexists(out):
+    if not os.path.lexists(out):
         return
     if _is_previous_export(out):
         if not overwrite:
@@ -626,7 +622,7 @@ def _check_out_not_checkpoint(out: Path, ckpt: Path, checkpoint_arg: str | Path)
 def _check_out_parent(out: Path) -> None:
     """The nearest existing ancestor of ``out`` must be a writable directory (missing ones are created)."""
     anc = out.parent
-    while not _lexists(anc) and anc != anc.parent:
+    while not os.path.lexists(anc) and anc != anc.parent:
         anc = anc.parent
     if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {str(out)!r}: {anc} is not a writable directory; accepted: a path whose parent "
@@ -649,7 +645,7 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
     _check_out_parent(out)
     created: list[Path] = []
     anc = out.parent
-    while not _lexists(anc):
+    while not os.path.lexists(anc):
         created.append(anc)
         anc = anc.parent
     tmp = out.parent / f".{out.name}.tmp-{unique_suffix()}"
@@ -674,7 +670,7 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)
-        if _lexists(out):
+        if os.path.lexists(out):
             _check_existing_out(out, overwrite)
             old = out.parent / f".{out.name}.old-{unique_suffix()}"
             os.rename(out, old)
@@ -684,7 +680,7 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
     except BaseException:
         if made_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not _lexists(out):
+        if old is not None and not os.path.lexists(out):
             os.rename(old, out)
             old = None
         for d in created:  # innermost first; only if still empty
