@@ -133,7 +133,7 @@ def prepare_root(cfg: ProducerConfig):
     """
     from artcache.plan import PlanSpec, ensure_plan, plan_id_for
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
-    from trainers.dflash.layers import dflash_layer_ids
+    from artcache.trainers.dflash.layers import dflash_layer_ids
 
     for name in ("dtype", "compute_dtype"):
         value = getattr(cfg, name)

@@ -1,6 +1,6 @@
-"""Start one bench consumer from a JSON-encoded :class:`trainers.consumer.ConsumerConfig`.
+"""Start one bench consumer from a JSON-encoded :class:`artcache.trainers.consumer.ConsumerConfig`.
 
-``python -m bench.consume '<json>'`` is what ``artcache bench`` runs for every consumer of every
+``python -m artcache.bench.consume '<json>'`` is what ``artcache bench`` runs for every consumer of every
 mode (artcache, naive, lockstep), so the modes differ only in the fields the bench sets (the cache
 root, ``lockstep_group``) and never in how a consumer is started. It logs like ``artcache consume``
 and prints the same summary line; a ConfigError or unknown field exits 2.
@@ -15,25 +15,26 @@ import msgspec
 
 
 def main(argv: list[str] | None = None) -> int:
-    from artcache.cli import _setup_logging
+    from artcache.trainers.consumer import ConsumerConfig, run_consumer
+
+    from artcache.app.cli import _setup_logging
     from artcache.errors import ArtcacheError, ConfigError
-    from trainers.consumer import ConsumerConfig, run_consumer
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m bench.consume '<ConsumerConfig as JSON>'", file=sys.stderr)
+        print("usage: python -m artcache.bench.consume '<ConsumerConfig as JSON>'", file=sys.stderr)
         return 2
     _setup_logging(False)
     try:
         cfg = msgspec.json.decode(args[0], type=ConsumerConfig)
         cfg.validate()
     except (msgspec.DecodeError, msgspec.ValidationError, ConfigError) as exc:
-        print(f"bench.consume: error: {exc}", file=sys.stderr)
+        print(f"artcache.bench.consume: error: {exc}", file=sys.stderr)
         return 2
     try:
         summary = run_consumer(cfg)
     except ArtcacheError as exc:
-        print(f"bench.consume: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"artcache.bench.consume: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(summary))
     return 0

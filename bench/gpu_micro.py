@@ -1,6 +1,6 @@
 """Micro-benchmarks of artcache's parts against the hardware's limits, measured side by side in one run.
 
-``python -m bench.gpu_micro --out DIR [--arch qwen3-8b] [--seq 3072] [--roots /tmp/x,/dev/shm/x]``
+``python -m artcache.bench.gpu_micro --out DIR [--arch qwen3-8b] [--seq 3072] [--roots /tmp/x,/dev/shm/x]``
 
 1. bf16 matmul rate (8192³), the ceiling MFU figures are taken against.
 2. Raw disk bandwidth per cache root: large sequential write + fsync, page-cache read.
@@ -82,13 +82,14 @@ def disk_bandwidth(root: Path, size: int = 2 << 30, chunk: int = 64 << 20) -> di
 
 def producer_bench(arch: str, device: torch.device, seq: int, batch: int, reps: int, roots: list[Path],
                    peak: float) -> dict:
+    from artcache.trainers.dflash import dflash_layer_ids
+
     from artcache.backends.hf import HFCaptureBackend
     from artcache.contract import CaptureContract
     from artcache.layout import CacheLayout
     from artcache.plan import PlanSpec, build_synthetic_plan
     from artcache.store import publish, read
     from artcache.target import load_target_model, resolve_target
-    from trainers.dflash import dflash_layer_ids
 
     info = resolve_target(f"random:{arch}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -164,6 +165,7 @@ def producer_bench(arch: str, device: torch.device, seq: int, batch: int, reps: 
 
 def consumer_bench(arch: str, device: torch.device, seq: int, anchors: int, blocks: list[int], steps: int,
                    root: Path | None, peak: float) -> dict:
+    from artcache.trainers.dflash import DFlashConfig
     from transformers import AutoConfig
 
     from artcache.contract import CaptureContract
@@ -171,7 +173,6 @@ def consumer_bench(arch: str, device: torch.device, seq: int, anchors: int, bloc
     from artcache.plan import PlanSpec, build_synthetic_plan, choose_mask_token
     from artcache.store import publish
     from artcache.target import load_embedding_and_lm_head, resolve_target
-    from trainers.dflash import DFlashConfig
 
     info = resolve_target(f"random:{arch}")
     embed, lm_head = load_embedding_and_lm_head(info)
@@ -225,8 +226,9 @@ def dflash_step_flops(cfg, seq: int, supervised_tokens: int) -> float:
 
 def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, layout, fps, contract, hidden_size) -> dict:
     """Steps/s of one DFlash draft, fed from GPU memory and (with ``layout``) from the cache."""
+    from artcache.trainers.dflash import DFlashDraft, dflash_loss, sample_anchors
+
     from artcache.store import read
-    from trainers.dflash import DFlashDraft, dflash_loss, sample_anchors
 
     model = DFlashDraft(dcfg, embed.to(device), lm_head.to(device))
     params = [p for p in model.parameters() if p.requires_grad]

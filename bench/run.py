@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+from artcache.bench.metrics import scenario_figures
+from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
+from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 
 from artcache import journal as J
 from artcache.accounting import account
@@ -41,9 +44,6 @@ from artcache.errors import ConfigError
 from artcache.layout import CacheLayout
 from artcache.report import table
 from artcache.telemetry import make_sampler
-from bench.metrics import scenario_figures
-from bench.plots import gpu_plot, modes_plot, progress_plot
-from bench.scenarios import ConsumerSpec, Scenario, resolve
 
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 MODES = ("artcache", "naive", "lockstep")
@@ -97,7 +97,7 @@ def _fresh_dir(path: Path) -> None:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "artcache.cli", *args]
+    return [sys.executable, "-m", "artcache", *args]
 
 
 def parse_modes(text: str, sc: Scenario) -> tuple[str, ...]:
@@ -143,10 +143,10 @@ class ModeRun:
 def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[int], sampler=None) -> ModeRun:
     """Start the producer(s) of ``mode``, then its consumers; wait for all of them; read the journals.
 
-    Every consumer is started by :mod:`bench.consume` from the same :class:`ConsumerConfig` in every
+    Every consumer is started by :mod:`artcache.bench.consume` from the same :class:`ConsumerConfig` in every
     mode; only ``cache`` and ``lockstep_group`` differ. Roles get GPUs producers first, then consumers.
     """
-    from trainers.consumer import ConsumerConfig, parse_window
+    from artcache.trainers.consumer import ConsumerConfig, parse_window
 
     lookbehind, lookahead = parse_window(cfg.window)
     work = base if mode == "artcache" else base / mode
@@ -188,7 +188,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                 role += 1
                 with open(logs / f"{c.consumer_id}.log", "wb") as log:
                     procs[c.consumer_id] = subprocess.Popen(
-                        [sys.executable, "-m", "bench.consume", msgspec.json.encode(ccfg).decode()],
+                        [sys.executable, "-m", "artcache.bench.consume", msgspec.json.encode(ccfg).decode()],
                         stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + cfg.timeout_s
         for c in sc.consumers:
@@ -338,7 +338,7 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
     ``captures_per_consumed_position`` = captures summed over the mode's producers / distinct
     positions consumed; every consumer walks the same plan positions from 0 in every root, so the
     distinct positions are the largest cursor over the roots. Per consumer, ``steps_per_s`` is its
-    steady rate after its own warm-up (:func:`bench.metrics.scenario_figures`);
+    steady rate after its own warm-up (:func:`artcache.bench.metrics.scenario_figures`);
     ``aggregate_steps_per_s`` is taken over the mode's common post-warm-up interval.
     """
     ids = [c.consumer_id for c in sc.consumers]
@@ -495,7 +495,7 @@ def format_modes(r: dict) -> str:
 
 def run_bench(cfg: BenchConfig) -> bool:
     """Run the scenarios serially; print each report; True when every check passed."""
-    from trainers.consumer import parse_window
+    from artcache.trainers.consumer import parse_window
 
     ok = True
     reports = []

@@ -13,7 +13,7 @@ Nothing sleeps and no model runs: a virtual clock advances from event to event. 
   and then publishes the batch at once; a capture of a fingerprint published before and evicted
   since is a **recapture**;
 * a **consumer** registers at ``start_s``, then repeatedly reads its next batch of consecutive
-  positions ``[cursor, cursor + batch_size)`` in order (as ``trainers.consumer._Reader``), leasing
+  positions ``[cursor, cursor + batch_size)`` in order (as ``artcache.trainers.consumer._Reader``), leasing
   each position it reads; on an unpublished position it records it in ``Registration.demand`` and
   waits; with the whole batch read it trains for ``step_s``, commits the cursor, releases the
   batch's leases; at ``end`` it completes (fenced: its window stops counting);
@@ -32,10 +32,10 @@ Positions map to fingerprints through the plan index ``p % plan_len``.
 
 Reproduce the figures of ``docs/scheduler.md``::
 
-    python -m bench.sim --scenario overlap --positions 10000 --solo
-    python -m bench.sim --scenario lagging --positions 10000 --solo
-    python -m bench.sim --scenario killed --positions 10000
-    python -m bench.sim --consumer fast:0.2:16:64:512 --consumer slow:0.1:4:0:32:30 --positions 4000
+    python -m artcache.bench.sim --scenario overlap --positions 10000 --solo
+    python -m artcache.bench.sim --scenario lagging --positions 10000 --solo
+    python -m artcache.bench.sim --scenario killed --positions 10000
+    python -m artcache.bench.sim --consumer fast:0.2:16:64:512 --consumer slow:0.1:4:0:32:30 --positions 4000
 """
 
 from __future__ import annotations
@@ -576,7 +576,7 @@ def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m artcache.bench.sim", description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), help="a preset set of consumers")
     ap.add_argument("--consumer", action="append", type=parse_consumer, default=[],
                     help="NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]] (repeatable)")

@@ -1,4 +1,4 @@
-"""Helpers for tests that run real ``python -m artcache.cli ...`` processes: :class:`Proc` (a CLI subprocess
+"""Helpers for tests that run real ``python -m artcache ...`` processes: :class:`Proc` (a CLI subprocess
 with its log file), :func:`wait_until`, and the few checks every process test repeats.
 
 A test module sets its own deadline by subclassing (``class Proc(BaseProc): deadline = 300.0``). Deadlines
@@ -42,7 +42,7 @@ def child_env(crash_at: str | None = None, single_thread: bool = True, **extra: 
 
 
 class Proc:
-    """A CLI subprocess (``python -m artcache.cli *args`` in ``cwd``) with its log file, stdout and stderr
+    """A CLI subprocess (``python -m artcache *args`` in ``cwd``) with its log file, stdout and stderr
     together, at ``cwd/logs/<name>-<ns>.log`` (a restarted process of the same name gets its own log)."""
 
     #: seconds :meth:`wait` and :func:`wait_until` allow by default
@@ -56,7 +56,7 @@ class Proc:
         self.log = cwd / "logs" / f"{name}-{time.monotonic_ns()}.log"
         self.log.parent.mkdir(exist_ok=True)
         with open(self.log, "wb") as fh:
-            self.popen = subprocess.Popen([sys.executable, "-m", "artcache.cli", *args], cwd=cwd, stdout=fh,
+            self.popen = subprocess.Popen([sys.executable, "-m", "artcache", *args], cwd=cwd, stdout=fh,
                                           stderr=subprocess.STDOUT,
                                           env=child_env(crash_at, self.single_thread, **(env or {})))
 
@@ -115,7 +115,7 @@ def wait_until(pred: Callable[[], bool], what: str, procs: Iterable[Proc], timeo
 
 def inspect_json(cache: Path) -> dict:
     """``artcache inspect --json``: exit 0, or 3 exactly when it reports violations (callers assert on those)."""
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode in (0, 3), proc.stderr
     acc = json.loads(proc.stdout)

@@ -20,7 +20,7 @@ def bench_all(tmp_path_factory, tiny_target):
     out = tmp_path_factory.mktemp("bench-cpu") / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
-        [sys.executable, "-m", "artcache.cli", "bench", "--scenario", "all", "--target", tiny_target.path,
+        [sys.executable, "-m", "artcache", "bench", "--scenario", "all", "--target", tiny_target.path,
          "--data", str(DATA), "--max-length", "128", "--max-samples", "32", "--anchors", "8",
          "--draft-layers", "3", "--warmup", "2", "--steps", "6", "--window", "8:8", "--out", str(out)],
         capture_output=True, text=True, timeout=1200, env=env)
@@ -67,7 +67,7 @@ def test_1p3c_runs_both_baselines_in_the_same_invocation(bench_all):
     assert modes["naive"]["producers"] == 3 and modes["naive"]["consumers_per_root"] == [1, 1, 1]
     assert modes["naive"]["captures"] >= 3 * 8
     for cid in ids:
-        inspect = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--json", "--cache",
+        inspect = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--json", "--cache",
                                   str(base / "naive" / f"cache-{cid}")], capture_output=True, text=True, timeout=120)
         assert [k["consumer"] for k in json.loads(inspect.stdout)["consumers"]] == [cid]
     # artcache and lockstep: one producer shared by the three consumers
@@ -90,7 +90,7 @@ def test_1p3c_runs_both_baselines_in_the_same_invocation(bench_all):
 def test_bad_modes_exit_2_and_write_nothing(tmp_path):
     out = tmp_path / "bench-out"
     for modes, msg in (("artcache,bogus", "unknown mode(s) bogus"), ("naive,lockstep", "must include artcache")):
-        proc = subprocess.run([sys.executable, "-m", "artcache.cli", "bench", "--modes", modes, "--out", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "artcache", "bench", "--modes", modes, "--out", str(out)],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
         assert not out.exists()
@@ -100,7 +100,7 @@ def test_inspect_shows_the_reports_counts(bench_all):
     _, out = bench_all
     for scenario in ("1p1c", "1p3c"):
         report = json.loads((out / scenario / "report.json").read_text())
-        got = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(out / scenario / "cache"),
+        got = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(out / scenario / "cache"),
                               "--json"], capture_output=True, text=True, timeout=120)
         assert got.returncode == 0, got.stderr
         cache = json.loads(got.stdout)["cache"]
@@ -111,7 +111,7 @@ def test_inspect_shows_the_reports_counts(bench_all):
 # ---- the lockstep baseline's gate in the consumer's reader ---------------------------------------------
 
 def test_lockstep_reader_reads_only_the_batch_every_member_may_read():
-    from trainers.consumer import _Reader
+    from artcache.trainers.consumer import _Reader
 
     group = {"cursor": 0}
     r = _Reader(None, 0, batch=2, lookahead=8, depth=1, end=100, group_cursor=lambda: group["cursor"])
@@ -126,9 +126,10 @@ def test_lockstep_reader_reads_only_the_batch_every_member_may_read():
 
 
 def test_group_cursor_is_the_min_over_running_members(tmp_path):
+    from artcache.trainers.consumer import group_cursor
+
     from artcache import registry
     from artcache.layout import CacheLayout
-    from trainers.consumer import group_cursor
 
     layout = CacheLayout(tmp_path / "root")
     layout.create()

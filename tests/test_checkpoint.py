@@ -8,10 +8,10 @@ import json
 import pytest
 import safetensors.torch
 import torch
+from artcache.trainers import checkpoint as ck
+from artcache.trainers.consumer import _load_weights_strict, lr_at
 
 from artcache.errors import ConfigError
-from trainers import checkpoint as ck
-from trainers.consumer import _load_weights_strict, lr_at
 
 
 class Tiny(torch.nn.Module):
@@ -184,7 +184,7 @@ def test_resolve_weights_dir(tmp_path):
 def test_regression_resume_names_only_the_draft_options_that_differ():
     """A resume with another draft configuration printed both configs whole (two long dicts); now it names
     the differing keys only."""
-    from trainers.consumer import config_diffs
+    from artcache.trainers.consumer import config_diffs
 
     saved = {"num_layers": 3, "block_size": 16, "layer_ids": [1, 14, 27], "gamma": 7.0}
     ours = {"num_layers": 2, "block_size": 16, "layer_ids": [1, 27], "gamma": 7.0, "new": 1}

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from artcache.cli import main
+from artcache.app.cli import main
 
 DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
 VERBS = ("producer", "consume", "inspect", "bench")
@@ -63,7 +63,7 @@ def assert_bad_input(result, *needles: str, status: int = 2) -> str:
 
 def console_script() -> list[str]:
     exe = shutil.which("artcache")
-    return [exe] if exe else [sys.executable, "-m", "artcache.cli"]
+    return [exe] if exe else [sys.executable, "-m", "artcache"]
 
 
 def run_script(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -201,7 +201,7 @@ def test_consume_draft_reads_a_subset_view(workdir, tmp_path, tiny_target):
 
 def test_consume_eagle3_needs_the_last_layer(root, workdir):
     """EAGLE-3 reads three auxiliary layers plus output-of-layer L-1; this root lacks 5 (L = 6)."""
-    pytest.importorskip("trainers.eagle3")
+    pytest.importorskip("artcache.trainers.eagle3")
     before = snapshot(root)
     assert_bad_input(invoke("consume", "--cache", str(root), "--draft", "eagle3", "--steps", "1"),
                      "missing [5]", "--layer-ids 1,2,3,5")
@@ -517,7 +517,7 @@ def test_window_with_non_ascii_or_underscored_digits(root, workdir, window):
 
 
 def test_verify_fs_passes_on_a_local_directory(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "verify-fs", str(tmp_path), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "artcache", "verify-fs", str(tmp_path), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
@@ -525,7 +525,7 @@ def test_verify_fs_passes_on_a_local_directory(tmp_path):
 
 
 def test_verify_fs_rejects_a_missing_path(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "verify-fs", str(tmp_path / "nope")],
+    proc = subprocess.run([sys.executable, "-m", "artcache", "verify-fs", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "nope" in proc.stderr
 
@@ -533,7 +533,7 @@ def test_verify_fs_rejects_a_missing_path(tmp_path):
 def test_regression_producer_cache_is_a_file(tmp_path, tiny_target):
     f = tmp_path / "not-a-dir"
     f.write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "producer", "--cache", str(f), "--target",
+    proc = subprocess.run([sys.executable, "-m", "artcache", "producer", "--cache", str(f), "--target",
                            tiny_target.path, "--data", str(DATA), "--draft-layers", "3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not a directory" in proc.stderr and "Traceback" not in proc.stderr
@@ -545,7 +545,7 @@ def test_regression_producer_refuses_a_root_inside_a_root(tmp_path, tiny_target)
     outer.mkdir()
     (outer / "artcache.json").write_text("{}")
     inner = outer / "objects"
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "producer", "--cache", str(inner), "--target",
+    proc = subprocess.run([sys.executable, "-m", "artcache", "producer", "--cache", str(inner), "--target",
                            tiny_target.path, "--data", str(DATA), "--draft-layers", "3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "inside the cache root" in proc.stderr

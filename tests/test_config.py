@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from artcache import config as C
-from artcache.cli import main
+from artcache.app import config as C
+from artcache.app.cli import main
 from artcache.errors import ConfigError
 
 CONFIGS = Path(__file__).parent.parent / "configs"

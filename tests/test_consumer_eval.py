@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from artcache.trainers.tracking import read_metrics, tensorboard_available
 from procs import wait_until
 from test_consumer_resume import Proc, consume_args
 
 from artcache import journal as J
 from artcache.layout import CacheLayout
-from trainers.tracking import read_metrics, tensorboard_available
 
 DATA = __import__("pathlib").Path(__file__).parent / "data" / "tiny_sharegpt.json"
 STEPS, BATCH, EVAL, INTERVAL = 6, 2, 4, 3
@@ -99,7 +99,7 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+    out = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
                          capture_output=True, text=True, timeout=120, cwd=str(__import__("pathlib").Path(__file__)
                                                                               .resolve().parent.parent))
     acc = json.loads(out.stdout)

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from artcache.trainers.checkpoint import load_state
+from artcache.trainers.tracking import read_metrics
 from click.testing import CliRunner
 from procs import Proc as BaseProc
 from procs import wait_until
@@ -27,8 +29,6 @@ from procs import wait_until
 from artcache import journal as J
 from artcache import registry
 from artcache.layout import CacheLayout
-from trainers.checkpoint import load_state
-from trainers.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
@@ -116,13 +116,13 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
 
         # a resume that changes the run, or points at another directory, is refused before registering
         runner = CliRunner()
-        bad = runner.invoke(__import__("artcache.cli", fromlist=["main"]).main,
+        bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main,
                             consume_args(cache, tmp_path, "a", STEPS + 1, "--resume"))
         assert bad.exit_code == 2 and f"--steps {STEPS + 1} (checkpoint: {STEPS})" in bad.stderr, bad.output
-        bad = runner.invoke(__import__("artcache.cli", fromlist=["main"]).main,
+        bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main,
                             consume_args(cache, tmp_path, "a", STEPS, "--resume", "--out", str(tmp_path / "elsewhere")))
         assert bad.exit_code == 2 and "cursor 6" in bad.stderr and "no checkpoint" in bad.stderr, bad.output
-        bad = runner.invoke(__import__("artcache.cli", fromlist=["main"]).main, consume_args(cache, tmp_path, "a", STEPS))
+        bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main, consume_args(cache, tmp_path, "a", STEPS))
         assert bad.exit_code == 2 and "already holds checkpoints" in bad.stderr, bad.output
         assert registry.read(layout, "a").pid == ra.pid  # nothing registered (the producer may have fenced it)
 
@@ -167,7 +167,7 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
     assert rs.state == "cancelled" and ck["step"] == sib_steps[-1].step
     assert ck["cursor"] == rs.cursor == rs.checkpoint_cursor == sib_steps[-1].cursor
 
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                                                        os.environ.get("PYTHONPATH")]))))

@@ -8,11 +8,7 @@ import types
 import msgspec
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from artcache.errors import ConfigError, DataError
-from trainers.dflash import (
+from artcache.trainers.dflash import (
     ATTN_IMPLS,
     DFlashConfig,
     DFlashDraft,
@@ -30,6 +26,10 @@ from trainers.dflash import (
     slot_weights,
     vllm_id_to_output_of_layer,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from artcache.errors import ConfigError, DataError
 
 V, H, M = 40, 32, 3  # tiny vocab, width, captured layers
 
@@ -592,7 +592,7 @@ def test_loss_stats_reduce():
 
 
 def test_rmsnorm_matches_torch():
-    from trainers.dflash.model import RMSNorm
+    from artcache.trainers.dflash.model import RMSNorm
 
     x = torch.randn(3, 5, 16)
     ours, ref = RMSNorm(16, 1e-6), torch.nn.RMSNorm(16, eps=1e-6)

@@ -9,9 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from artcache.errors import ConfigError, ContractMismatch
-from trainers.drafts import (
+from artcache.trainers.drafts import (
     DraftBatch,
     MetricSums,
     greedy_replay,
@@ -20,7 +18,9 @@ from trainers.drafts import (
     select_layers,
     view_slice,
 )
-from trainers.evaluation import eval_split
+from artcache.trainers.evaluation import eval_split
+
+from artcache.errors import ConfigError, ContractMismatch
 
 # ---- layer views ---------------------------------------------------------------------------------
 
@@ -86,8 +86,9 @@ def test_union_capture_views_equal_solo_captures(tiny_target):
 
 
 def test_collate_applies_the_view_without_copying_a_batch_of_one():
+    from artcache.trainers.consumer import collate
+
     from artcache.store import Artifact
-    from trainers.consumer import collate
 
     @dataclass
     class L:
@@ -200,10 +201,10 @@ def batch_for(plan, m: int, H: int = 64) -> DraftBatch:
 
 @pytest.mark.parametrize("draft", ["dflash", "eagle3"])
 def test_both_drafts_behind_one_interface(tiny_root, draft):
-    from trainers.consumer import ConsumerConfig
-    from trainers.drafts import build_draft
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.drafts import build_draft
 
-    pytest.importorskip("trainers.eagle3")
+    pytest.importorskip("artcache.trainers.eagle3")
     settings, plan = tiny_root
     cfg = ConsumerConfig(cache="-", draft=draft, block_size=4, num_anchors=8, draft_vocab=500, ttt_steps=3,
                          eval_samples=4)
@@ -230,15 +231,15 @@ def test_both_drafts_behind_one_interface(tiny_root, draft):
         assert 1.0 <= es["replay_tau"] <= 4.0 and 0.0 <= es["sim_acc_len"] <= 3.0
         assert d.model.d2t.numel() == 500 and int(d.model.t2d.sum()) == 500
         # the vocab map comes from the training samples only (the held-out split is left out)
-        from trainers.drafts import _TrainingTokens
-        from trainers.eagle3 import build_vocab_map, count_plan_tokens
+        from artcache.trainers.drafts import _TrainingTokens
+        from artcache.trainers.eagle3 import build_vocab_map, count_plan_tokens
 
         d2t, _ = build_vocab_map(count_plan_tokens(_TrainingTokens(plan, len(plan) - 4), 49152), 500)
         assert torch.equal(d.model.d2t.cpu(), d2t)
 
 
 def test_evenly_spaced_anchor_subset():
-    from trainers.drafts import evenly_spaced
+    from artcache.trainers.drafts import evenly_spaced
 
     pos = torch.arange(10, 30)
     assert torch.equal(evenly_spaced(pos, 0), pos) and torch.equal(evenly_spaced(pos, 25), pos)
@@ -253,8 +254,8 @@ def test_evenly_spaced_anchor_subset():
 
 def test_dflash_eval_anchors_caps_blocks_per_sample(tiny_root):
     """--eval-anchors k evaluates k blocks per held-out sample (the full pass cost minutes per eval on CPU)."""
-    from trainers.consumer import ConsumerConfig
-    from trainers.drafts import build_draft
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.drafts import build_draft
 
     settings, plan = tiny_root
     full = build_draft(ConsumerConfig(cache="-", block_size=4, num_anchors=8), settings, plan, torch.device("cpu"))
@@ -271,9 +272,9 @@ def test_dflash_eval_anchors_caps_blocks_per_sample(tiny_root):
 
 
 def test_eagle3_summary_is_computed_from_sums(tiny_root):
-    from trainers.drafts import Eagle3Adapter
+    from artcache.trainers.drafts import Eagle3Adapter
 
-    pytest.importorskip("trainers.eagle3")
+    pytest.importorskip("artcache.trainers.eagle3")
     a = Eagle3Adapter(None, SimpleNamespace(ttt_steps=2, loss_decay=0.5), (1, 2, 2, 5))
     s = MetricSums()
     s.add("loss_0", 4.0, 2)
@@ -288,8 +289,8 @@ def test_eagle3_summary_is_computed_from_sums(tiny_root):
 
 
 def test_explicit_layer_ids_replace_the_formula(tiny_root):
-    from trainers.consumer import ConsumerConfig
-    from trainers.drafts import build_draft
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.drafts import build_draft
 
     settings, plan = tiny_root  # captures [1, 2, 3, 5]
     d = build_draft(ConsumerConfig(cache="-", layer_ids=[5, 1], draft_layers=1), settings, plan, torch.device("cpu"))
@@ -298,7 +299,7 @@ def test_explicit_layer_ids_replace_the_formula(tiny_root):
         build_draft(ConsumerConfig(cache="-", layer_ids=[4]), settings, plan, torch.device("cpu"))
     with pytest.raises(ConfigError, match="0..5"):
         build_draft(ConsumerConfig(cache="-", layer_ids=[6]), settings, plan, torch.device("cpu"))
-    pytest.importorskip("trainers.eagle3")
+    pytest.importorskip("artcache.trainers.eagle3")
     e = build_draft(ConsumerConfig(cache="-", draft="eagle3", layer_ids=[1, 2, 3, 5], draft_vocab=100), settings,
                     plan, torch.device("cpu"))
     assert e.needed_layer_ids == (1, 2, 3, 5)
@@ -312,7 +313,7 @@ def test_regression_evaluation_stops_between_batches_on_a_signal():
     the evaluator now checks the stop event before every batch and withdraws its announced demand."""
     import threading
 
-    from trainers.evaluation import Evaluator
+    from artcache.trainers.evaluation import Evaluator
 
     class Client:
         def __init__(self):

@@ -26,7 +26,7 @@ CONSUMER_KEYS = ("id", "draft", "block_size", "steps", "steps_per_s", "wait_s", 
 def bench_1p3c(tmp_path_factory, smollm2_target):
     out = tmp_path_factory.mktemp("bench-real") / "out"
     # artcache mode only: the naive/lockstep baselines triple the run and are covered by test_bench_cpu
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "bench", "--scenario", "1p3c", "--modes", "artcache",
+    proc = subprocess.run([sys.executable, "-m", "artcache", "bench", "--scenario", "1p3c", "--modes", "artcache",
                            "--warmup", str(WARMUP), "--steps", str(STEPS), "--out", str(out)],
                           capture_output=True, text=True, timeout=1800)
     base = out / "1p3c"
@@ -87,7 +87,7 @@ def test_outputs_on_disk(bench_1p3c):
 def test_inspect_agrees_with_report(bench_1p3c):
     r = bench_1p3c["report"]
     cache = bench_1p3c["base"] / "cache"
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     acc = json.loads(proc.stdout)

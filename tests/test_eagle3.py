@@ -10,13 +10,9 @@ import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
-
-from artcache.errors import ConfigError, DataError
-from artcache.plan import Plan
-from artcache.target import load_final_norm, resolve_target
-from trainers.dflash.layers import output_of_layer_to_vllm_id
-from trainers.dflash.model import _rope
-from trainers.eagle3 import (
+from artcache.trainers.dflash.layers import output_of_layer_to_vllm_id
+from artcache.trainers.dflash.model import _rope
+from artcache.trainers.eagle3 import (
     EAGLE3_LAST_LAYER,
     Eagle3Config,
     Eagle3Draft,
@@ -34,6 +30,10 @@ from trainers.eagle3 import (
     target_soft_labels,
     ttt_input_ids,
 )
+
+from artcache.errors import ConfigError, DataError
+from artcache.plan import Plan
+from artcache.target import load_final_norm, resolve_target
 
 V, VD, H = 40, 16, 32  # tiny target vocab, draft vocab, width
 

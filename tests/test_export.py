@@ -14,19 +14,19 @@ import msgspec
 import pytest
 import safetensors.torch
 import torch
-from click.testing import CliRunner
-
-from artcache.cli import main
-from artcache.errors import ConfigError
-from trainers.checkpoint import point_latest, save_checkpoint
-from trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids, sample_anchors
-from trainers.export import (
+from artcache.trainers.checkpoint import point_latest, save_checkpoint
+from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids, sample_anchors
+from artcache.trainers.export import (
     dflash_config_from_export,
     dflash_export_config,
     export_checkpoint,
     load_dflash_export,
     load_eagle3_export,
 )
+from click.testing import CliRunner
+
+from artcache.app.cli import main
+from artcache.errors import ConfigError
 
 V, H, L = 40, 32, 8  # tiny target: vocab, width, decoder layers
 DFLASH_KEYS_PER_LAYER = (
@@ -204,7 +204,7 @@ def test_dflash_export_rejects_wrong_target_and_ids():
 # ------------------------------------------------------------------------------------ EAGLE-3
 
 def eagle3_checkpoint(run_dir: Path):
-    from trainers.eagle3 import Eagle3Config, Eagle3Draft, eagle3_capture_ids, vocab_map_from_used
+    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, eagle3_capture_ids, vocab_map_from_used
 
     g = torch.Generator().manual_seed(7)
     cfg = Eagle3Config(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, vocab_size=V,
@@ -317,7 +317,7 @@ def test_mismatched_checkpoint_weights_are_refused(tmp_path, target_dir):
 
 def test_nothing_half_written(tmp_path, target_dir, monkeypatch):
     """A failure while writing leaves no --out (and an existing one untouched with --overwrite)."""
-    import trainers.export as ex
+    import artcache.trainers.export as ex
 
     dflash_checkpoint(tmp_path / "run")
     real = safetensors.torch.save_file
@@ -454,7 +454,7 @@ def test_regression_out_parent_not_a_writable_directory_is_one_line_error(tmp_pa
 
 
 def test_regression_failed_export_removes_parents_it_created(tmp_path, target_dir, monkeypatch):
-    import trainers.export as ex
+    import artcache.trainers.export as ex
 
     dflash_checkpoint(tmp_path / "run")
 

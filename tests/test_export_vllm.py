@@ -69,22 +69,22 @@ def baseline(vllm_python, smollm2_target) -> dict:
 
 
 def _random_checkpoint(run: Path, draft: str, smollm2_target) -> Path:
+    from artcache.trainers.checkpoint import point_latest, save_checkpoint
     from transformers import AutoConfig
 
     from artcache.target import load_embedding_and_lm_head, load_final_norm
-    from trainers.checkpoint import point_latest, save_checkpoint
 
     tc = AutoConfig.from_pretrained(smollm2_target.path)
     emb, head = load_embedding_and_lm_head(smollm2_target)
     torch.manual_seed(0)
     if draft == "dflash":
-        from trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids
+        from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids
 
         ids = dflash_layer_ids(tc.num_hidden_layers, 5)
         cfg = DFlashConfig.from_target(tc, num_layers=5, block_size=K_DFLASH + 1, num_anchors=32, mask_token_id=16)
         model = DFlashDraft(cfg, emb, head)
     else:
-        from trainers.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_map, eagle3_capture_ids
+        from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_map, eagle3_capture_ids
 
         ids = eagle3_capture_ids(tc.num_hidden_layers)
         cfg = Eagle3Config.from_target(tc, draft_vocab_size=4096, ttt_steps=K_EAGLE3)
@@ -101,7 +101,7 @@ def _random_checkpoint(run: Path, draft: str, smollm2_target) -> Path:
 @pytest.mark.parametrize("draft,fmt", [("dflash", "hf"), ("dflash", "speculators"), ("eagle3", "hf"),
                                        ("eagle3", "speculators")])
 def test_exported_draft_serves_in_vllm(tmp_path, vllm_python, smollm2_target, baseline, draft, fmt):
-    from trainers.export import export_checkpoint
+    from artcache.trainers.export import export_checkpoint
 
     env_ckpt = os.environ.get(f"ARTCACHE_EXPORT_{draft.upper()}_CKPT")
     ckpt = Path(env_ckpt) if env_ckpt else _random_checkpoint(tmp_path / "run", draft, smollm2_target)
@@ -149,13 +149,25 @@ def overfit_checkpoints(run_root: Path, target_info, prompt_ids: list[list[int]]
 
 
 def _overfit(run_root, target_info, prompt_ids, output_ids, steps, block_size, ttt_steps, seed) -> dict:
+    from artcache.trainers.checkpoint import point_latest, save_checkpoint
+    from artcache.trainers.dflash import (
+        DFlashConfig,
+        DFlashDraft,
+        dflash_layer_ids,
+        dflash_loss,
+        eligible_anchors,
+    )
+    from artcache.trainers.dflash import sample_anchors as dflash_anchors
+    from artcache.trainers.eagle3 import (
+        Eagle3Config,
+        Eagle3Draft,
+        build_vocab_map,
+        eagle3_capture_ids,
+        eagle3_loss,
+    )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from artcache.target import load_embedding_and_lm_head, load_final_norm
-    from trainers.checkpoint import point_latest, save_checkpoint
-    from trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids, dflash_loss, eligible_anchors
-    from trainers.dflash import sample_anchors as dflash_anchors
-    from trainers.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_map, eagle3_capture_ids, eagle3_loss
 
     tc = AutoConfig.from_pretrained(target_info.path)
     L = tc.num_hidden_layers
@@ -239,7 +251,7 @@ def test_overfit_drafts_are_accepted_by_vllm(tmp_path, vllm_python, smollm2_targ
     end-to-end check of key names, layer ids and the layer-id convention (a wrong one makes vLLM
     accept almost nothing). vLLM's mean acceptance length must reach at least half of the offline
     teacher-forced figure's gain over 1."""
-    from trainers.export import export_checkpoint
+    from artcache.trainers.export import export_checkpoint
 
     target = Path(smollm2_target.path)
     base = _run(vllm_python, target, "--prompts", "4", "--max-tokens", "64")

@@ -205,7 +205,7 @@ def test_bad_template_options_are_config_errors(bad):
 
 
 def test_cli_parses_template_options():
-    from artcache.cli import parse_template_options
+    from artcache.app.cli import parse_template_options
     from artcache.errors import ConfigError
 
     assert parse_template_options(["enable_thinking=false", "k=3", "t=0.5", "s=hi"]) == \

@@ -15,7 +15,7 @@ from procs import dead_pid
 
 from artcache import journal as J
 from artcache import leases, registry, store
-from artcache.cli import main
+from artcache.app.cli import main
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsck import fsck
 from artcache.layout import CacheLayout, host_id

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from artcache.cli import main
+from artcache.app.cli import main
 from artcache.data.regenerate import (
     Generation,
     RegenerateConfig,
@@ -284,7 +284,7 @@ def test_help_and_console_script_exit_status(tmp_path):
     assert result.exit_code == 0 and "--max-new-tokens" in result.stdout and "--force" in result.stdout
     assert "regenerate" in CliRunner().invoke(main, ["--help"]).stdout
     out = tmp_path / "o.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "regenerate", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "artcache", "regenerate", "--out", str(out),
                            "--max-new-tokens", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("artcache: error: --max-new-tokens 0")
     assert list(tmp_path.iterdir()) == []

@@ -20,12 +20,12 @@ from click.testing import CliRunner
 
 from artcache import journal as J
 from artcache import registry, store
+from artcache.app.cli import main
+from artcache.app.config import load_run_config
+from artcache.app.experiments import draft_view, layer_union, plan_run, view_index
 from artcache.backends.hf import HFCaptureBackend
-from artcache.cli import main
-from artcache.config import load_run_config
 from artcache.contract import CaptureContract
 from artcache.errors import ConfigError, ContractMismatch
-from artcache.experiments import draft_view, layer_union, plan_run, view_index
 from artcache.layout import CacheLayout
 
 REPO = Path(__file__).parent.parent
@@ -97,12 +97,13 @@ class Sample:
 
 def test_union_views_equal_solo_captures(tiny_target, tmp_path):
     """Capture a batch once with the union of three views and once per view alone: each view's slice of
-    the union (by :func:`view_index`, and by the consumer's own ``trainers.drafts`` selection) equals the
+    the union (by :func:`view_index`, and by the consumer's own ``artcache.trainers.drafts`` selection) equals the
     solo capture bit for bit, in memory and after publish/read through the store."""
+    from artcache.trainers.dflash import dflash_layer_ids
+    from artcache.trainers.drafts import layer_view, select_layers, view_slice
+    from artcache.trainers.eagle3 import eagle3_capture_ids
+
     from artcache.target import load_target_model
-    from trainers.dflash import dflash_layer_ids
-    from trainers.drafts import layer_view, select_layers, view_slice
-    from trainers.eagle3 import eagle3_capture_ids
 
     L = tiny_target.num_layers
     views = {"dflash": dflash_layer_ids(L, 3), "eagle3": eagle3_capture_ids(L), "reversed": [4, 0, 2]}
@@ -142,7 +143,7 @@ def test_view_index_names_missing_layers():
 
 
 def test_draft_views_follow_the_published_formulas():
-    from artcache.config import Experiment
+    from artcache.app.config import Experiment
 
     assert draft_view(Experiment(name="d", draft_layers=5), 30) == [1, 8, 14, 20, 27]
     assert draft_view(Experiment(name="e", draft="eagle3"), 30) == [1, 14, 26, 29]
@@ -178,7 +179,7 @@ def test_plan_union_views_and_disk_bound(tiny_target, tmp_path):
 def test_plan_contract_and_plan_id_are_the_producers(tiny_target, tmp_path, overrides):
     """The contract and plan the run checks checkpoints and an existing root against are exactly the ones
     the producer writes (the plan builds them without writing; a drift would reject good roots)."""
-    from artcache.config import producer_config
+    from artcache.app.config import producer_config
     from artcache.producer import prepare_root
 
     plan, resolved = plan_of(tiny_target, tmp_path, exp("d"), exp("e", "eagle3"), overrides=overrides)
@@ -190,7 +191,7 @@ def test_plan_contract_and_plan_id_are_the_producers(tiny_target, tmp_path, over
 
 
 def test_producer_started_by_hand_from_a_run_config_captures_the_union(tiny_target, tmp_path):
-    from artcache.config import producer_config
+    from artcache.app.config import producer_config
 
     cfg = load_run_config(write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d"),
                                                                     exp("e", "eagle3"))))
@@ -293,7 +294,7 @@ def test_no_experiments_is_rejected(tiny_target, tmp_path):
 
 def artcache_run(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "artcache.cli", "run", "--config", str(config), *overrides],
+    return subprocess.run([sys.executable, "-m", "artcache", "run", "--config", str(config), *overrides],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
 
 

@@ -10,10 +10,7 @@ is fenced within its lease time (the heartbeat timeout) and its window stops cou
 from __future__ import annotations
 
 import pytest
-
-from artcache.errors import ConfigError
-from artcache.scheduler import SchedulerLimits, check_deadlock
-from bench.sim import (
+from artcache.bench.sim import (
     ConsumerSpec,
     ProducerSpec,
     SimDeadlock,
@@ -29,6 +26,9 @@ from bench.sim import (
     simulate,
     solo_rates,
 )
+
+from artcache.errors import ConfigError
+from artcache.scheduler import SchedulerLimits, check_deadlock
 
 N = 10_000
 

@@ -159,7 +159,7 @@ def test_linked_subdirectory_refused_on_open(layout, tmp_path, sub):
 def test_linked_subdirectory_is_a_clear_cli_error(layout, tmp_path):
     from click.testing import CliRunner
 
-    from artcache.cli import main
+    from artcache.app.cli import main
 
     os.rename(layout.leases, tmp_path / "moved")
     os.symlink(tmp_path, layout.leases)

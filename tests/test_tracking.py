@@ -8,8 +8,7 @@ import math
 import sys
 
 import pytest
-
-from trainers.tracking import Progress, RunTracker, read_metrics, tensorboard_available
+from artcache.trainers.tracking import Progress, RunTracker, read_metrics, tensorboard_available
 
 
 def test_csv_rows_and_lists(tmp_path):

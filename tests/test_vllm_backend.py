@@ -186,7 +186,7 @@ def start_consumer(cwd: Path, cache: Path, cid: str = "c") -> Proc:
 
 
 def inspect_json(cache: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "artcache.cli", "inspect", "--cache", str(cache), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
                           capture_output=True, text=True, timeout=300,
                           env=child_env(single_thread=False))
     assert proc.returncode in (0, 3), proc.stderr

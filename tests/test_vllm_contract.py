@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from artcache.app.cli import main
 from artcache.backends.vllm import (
     INSTALL_HINT,
     VLLMCaptureBackend,
@@ -18,7 +19,6 @@ from artcache.backends.vllm import (
     to_vllm_layer_ids,
     vllm_available,
 )
-from artcache.cli import main
 from artcache.contract import BACKENDS, CaptureContract
 from artcache.errors import ArtcacheError, CaptureMismatch, ConfigError
 from artcache.fingerprint import fingerprint

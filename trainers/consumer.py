@@ -1,12 +1,12 @@
 """The consumer: one draft trainer (DFlash or EAGLE-3) reading target hidden states from an artcache root.
 
-Read it top to bottom: :func:`run_consumer` builds the draft (:mod:`trainers.drafts`; it reads its own
+Read it top to bottom: :func:`run_consumer` builds the draft (:mod:`artcache.trainers.drafts`; it reads its own
 ordered view of the root's captured layers), restores a checkpoint (``--resume``) or seeds weights
 (``--init-from``), registers (window, held-out split pinned, checkpoint cursor), starts a reader
 thread that leases positions inside ``[cursor, cursor + lookahead]``, and runs the training loop. The
 cursor is committed only after the optimizer step that consumed its positions; leases are released
-once the batch is no longer used. Checkpoints (:mod:`trainers.checkpoint`), held-out evaluation
-(:mod:`trainers.evaluation`) and tracking (:mod:`trainers.tracking`) hang off the loop; see
+once the batch is no longer used. Checkpoints (:mod:`artcache.trainers.checkpoint`), held-out evaluation
+(:mod:`artcache.trainers.evaluation`) and tracking (:mod:`artcache.trainers.tracking`) hang off the loop; see
 docs/training.md.
 """
 
@@ -26,6 +26,7 @@ from typing import Literal
 
 import msgspec
 import torch
+from artcache.trainers.drafts import DraftBatch
 
 from artcache import journal as J
 from artcache import registry
@@ -34,7 +35,6 @@ from artcache.crashpoints import crash_point
 from artcache.errors import ConfigError, ConsumerFenced, ContractMismatch
 from artcache.layout import CacheLayout, check_id, host_id
 from artcache.settings import load_settings
-from trainers.drafts import DraftBatch
 
 log = logging.getLogger("artcache.consumer")
 
@@ -44,7 +44,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         cache: the cache root (made by ``artcache producer``). consumer_id: unique per root.
-        draft: draft algorithm (``dflash`` or ``eagle3``), built by :func:`trainers.drafts.build_draft`.
+        draft: draft algorithm (``dflash`` or ``eagle3``), built by :func:`artcache.trainers.drafts.build_draft`.
         lookbehind, lookahead: window in positions; lookahead must be >= batch_size.
         block_size (B), num_anchors (N per sequence), draft_layers (DFlash; default: the largest n
             whose layer ids the root captures, one per captured layer on a DFlash-only root).
@@ -237,7 +237,7 @@ class _Reader(threading.Thread):
 
 def collate(items: list[Leased], device: torch.device, layers: slice | torch.Tensor | None = None,
             last_layer: int | None = None) -> DraftBatch:
-    """Pad a batch into a :class:`~trainers.drafts.DraftBatch` on ``device``.
+    """Pad a batch into a :class:`~artcache.trainers.drafts.DraftBatch` on ``device``.
 
     ``hidden`` [b, T, m, H] (zeros past each length) holds the draft's *view* of the captured layers:
     ``layers`` indexes the artifact's layer axis (a ``slice`` for a contiguous run, so a batch of one
@@ -246,7 +246,7 @@ def collate(items: list[Leased], device: torch.device, layers: slice | torch.Ten
     bool. ``last_layer``: index of output-of-layer L-1 in the artifact, copied to ``last_layer``
     [b, T, H] (held-out replay against the target's argmax), or None.
     """
-    from trainers.drafts import select_layers
+    from artcache.trainers.drafts import select_layers
 
     lengths = [it.artifact.input_ids.shape[0] for it in items]
     t = max(lengths)
@@ -298,7 +298,7 @@ def _run_settings(cfg: ConsumerConfig) -> dict:
 def _find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Path):
     """The checkpoint ``--resume`` continues from: the one in ``run_dir`` whose cursor the registry
     recorded for this consumer id. Raises ConfigError naming what does not match."""
-    from trainers.checkpoint import find_by_cursor, list_checkpoints, load_checkpoint, load_state
+    from artcache.trainers.checkpoint import find_by_cursor, list_checkpoints, load_checkpoint, load_state
 
     old = registry.read(layout, cfg.consumer_id)
     if old is None:
@@ -371,8 +371,7 @@ def _init_source(cfg: ConsumerConfig, settings):
         ContractMismatch: the source records another target (weights digest) or layer convention.
     """
     import safetensors.torch
-
-    from trainers.checkpoint import load_state, resolve_weights_dir
+    from artcache.trainers.checkpoint import load_state, resolve_weights_dir
 
     src = resolve_weights_dir(cfg.init_from)
     if (src / "state.json").is_file():
@@ -395,7 +394,7 @@ def _vocab_map(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | No
 
 
 def _existing_run(run_dir: Path) -> bool:
-    from trainers.checkpoint import list_checkpoints
+    from artcache.trainers.checkpoint import list_checkpoints
 
     return bool(list_checkpoints(run_dir))
 
@@ -407,12 +406,19 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
         ConfigError / ContractMismatch: bad settings, layers the root does not capture, a resume or
             init source that does not fit (all before registering). Training errors after fencing.
     """
+    from artcache.trainers.checkpoint import (
+        point_latest,
+        prune,
+        restore_optimizer,
+        restore_rng,
+        save_checkpoint,
+    )
+    from artcache.trainers.drafts import build_draft, layer_view, view_slice
+    from artcache.trainers.evaluation import Evaluator, eval_split, target_argmax_fn
+    from artcache.trainers.tracking import Progress, RunTracker
+
     from artcache.plan import Plan
     from artcache.producer import quiet_transformers
-    from trainers.checkpoint import point_latest, prune, restore_optimizer, restore_rng, save_checkpoint
-    from trainers.drafts import build_draft, layer_view, view_slice
-    from trainers.evaluation import Evaluator, eval_split, target_argmax_fn
-    from trainers.tracking import Progress, RunTracker
 
     cfg.validate()
     quiet_transformers()

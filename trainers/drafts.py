@@ -1,6 +1,6 @@
 """Draft adapters: what the consumer needs from a draft algorithm, independent of which one it is.
 
-:func:`build_draft` turns a :class:`~trainers.consumer.ConsumerConfig`, the cache root's settings, the
+:func:`build_draft` turns a :class:`~artcache.trainers.consumer.ConsumerConfig`, the cache root's settings, the
 plan and a device into a :class:`Draft`: an object exposing
 
 - ``model``: the trainable ``nn.Module`` (frozen target tensors are buffers, never trained or saved);
@@ -202,7 +202,7 @@ class DFlashAdapter(Draft):
     """DFlash (arXiv:2602.06036) behind the :class:`Draft` interface.
 
     Args:
-        model: a :class:`~trainers.dflash.DFlashDraft`. dcfg: its config.
+        model: a :class:`~artcache.trainers.dflash.DFlashDraft`. dcfg: its config.
         needed_layer_ids: the ``dflash_layer_ids(L, n)`` it reads.
         anchor_generator: the CPU generator anchors are drawn from (checkpointed with the run).
     """
@@ -221,7 +221,7 @@ class DFlashAdapter(Draft):
         return {"anchors": self.generator}
 
     def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor):
-        from trainers.dflash import dflash_loss
+        from artcache.trainers.dflash import dflash_loss
 
         dev = batch.hidden.device
         anchors, avalid = anchors.to(dev), avalid.to(dev)
@@ -232,7 +232,7 @@ class DFlashAdapter(Draft):
         return out, loss, stats
 
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
-        from trainers.dflash import sample_anchors
+        from artcache.trainers.dflash import sample_anchors
 
         # anchors are drawn on the CPU generator whatever the device (reproducible across devices)
         anchors, avalid = sample_anchors((batch.loss_mask & batch.valid).cpu(), self.dcfg.num_anchors, self.generator)
@@ -261,7 +261,7 @@ class DFlashAdapter(Draft):
         ([b, T] long, the target's greedy next token after each prefix) also a greedy acceptance
         replay (``replay_tau``, +1 bonus included; see :func:`greedy_replay`).
         """
-        from trainers.dflash import eligible_anchors
+        from artcache.trainers.dflash import eligible_anchors
 
         elig = eligible_anchors((batch.loss_mask & batch.valid).cpu())
         sums = MetricSums()
@@ -395,7 +395,7 @@ def _check_ids(ids: Sequence[int], num_layers: int) -> None:
 def dflash_default_layers(num_target_layers: int, captured: Sequence[int]) -> int:
     """Draft layers n when ``--draft-layers`` is not given: the largest n <= len(captured) whose
     ``dflash_layer_ids(L, n)`` are all captured (a DFlash-only root: one per captured layer)."""
-    from trainers.dflash import dflash_layer_ids
+    from artcache.trainers.dflash import dflash_layer_ids
 
     cap = set(captured)
     for n in range(min(len(cap), num_target_layers - 3), 0, -1):
@@ -411,11 +411,11 @@ def build_dflash(cfg, settings, plan, device: torch.device, info=None) -> DFlash
         ContractMismatch: a layer the draft needs is not captured, or the target's weights changed.
         ConfigError: no valid MASK token, or bad sizes.
     """
+    from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids
     from transformers import AutoConfig
 
     from artcache.plan import choose_mask_token
     from artcache.target import load_embedding_and_lm_head, load_tokenizer
-    from trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids
 
     info = info or _check_target(settings)
     captured = list(settings.contract.layer_ids)
@@ -447,11 +447,11 @@ def build_dflash(cfg, settings, plan, device: torch.device, info=None) -> DFlash
 class Eagle3Adapter(Draft):
     """EAGLE-3 (arXiv:2503.01840) behind the :class:`Draft` interface.
 
-    The draft's view is :func:`~trainers.eagle3.eagle3_capture_ids` ``(L)``: three auxiliary layers
+    The draft's view is :func:`~artcache.trainers.eagle3.eagle3_capture_ids` ``(L)``: three auxiliary layers
     then output-of-layer ``L - 1`` (un-normed), from which the frozen target head gives the soft labels.
 
     Args:
-        model: a :class:`~trainers.eagle3.Eagle3Draft`. ecfg: its config. needed_layer_ids: the view.
+        model: a :class:`~artcache.trainers.eagle3.Eagle3Draft`. ecfg: its config. needed_layer_ids: the view.
     """
 
     name = "eagle3"
@@ -466,7 +466,7 @@ class Eagle3Adapter(Draft):
         return batch.hidden[:, :, :3], batch.hidden[:, :, 3]
 
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
-        from trainers.eagle3 import eagle3_loss
+        from artcache.trainers.eagle3 import eagle3_loss
 
         aux, last = self._split(batch)
         dev = batch.hidden.device
@@ -489,7 +489,7 @@ class Eagle3Adapter(Draft):
         against the target's argmax: at each position t whose step-0 prediction is supervised, the
         proposals of steps 0 … S-1 are walked as in :func:`replay_sums` (``replay_tau`` includes the
         +1 bonus token). The target's argmax comes from the captured ``L - 1`` layer when not given."""
-        from trainers.eagle3 import eagle3_loss, supervision_masks
+        from artcache.trainers.eagle3 import eagle3_loss, supervision_masks
 
         aux, last = self._split(batch)
         model = self.model
@@ -576,16 +576,16 @@ def build_eagle3(cfg, settings, plan, device: torch.device, *, vocab_map: dict[s
         ContractMismatch: the root lacks a layer (three aux layers and L-1), or the target changed.
         ConfigError: a given vocab map's size differs from ``--draft-vocab``, or bad sizes.
     """
-    from transformers import AutoConfig
-
-    from artcache.target import load_embedding_and_lm_head, load_final_norm
-    from trainers.eagle3 import (
+    from artcache.trainers.eagle3 import (
         Eagle3Config,
         Eagle3Draft,
         build_vocab_map,
         count_plan_tokens,
         eagle3_capture_ids,
     )
+    from transformers import AutoConfig
+
+    from artcache.target import load_embedding_and_lm_head, load_final_norm
 
     info = info or _check_target(settings)
     need = eagle3_capture_ids(info.num_layers)

@@ -10,7 +10,7 @@ them after every window position and captures them on demand, so an evaluation n
 eviction invariants. Consumers that share a root and are compared with each other should use the same
 ``--eval-samples`` (the split depends only on E and the plan).
 
-Metrics (sums divided once over the whole split, see :class:`trainers.drafts.MetricSums`): the
+Metrics (sums divided once over the whole split, see :class:`artcache.trainers.drafts.MetricSums`): the
 draft's loss, per-position accuracy ``acc_k``, DFlash τ (mean accepted length per block **including
 the +1 bonus token**) over every eligible anchor, EAGLE-3 ``simulated_acc_len``; and a greedy
 acceptance replay against the **target's own argmax** when the root captures the target's last
@@ -88,7 +88,7 @@ class Evaluator:
     """Evaluates a draft on the pinned held-out positions.
 
     Args:
-        draft: a :class:`trainers.drafts.Draft`.
+        draft: a :class:`artcache.trainers.drafts.Draft`.
         client: the consumer's :class:`artcache.client.CacheClient` (leases each position while read).
         positions: the held-out split.
         batch_size: positions per forward.
@@ -112,7 +112,7 @@ class Evaluator:
         model = self.draft.model
         was_training = model.training
         model.eval()
-        from trainers.drafts import MetricSums
+        from artcache.trainers.drafts import MetricSums
 
         sums = MetricSums()
         pos = list(self.positions)

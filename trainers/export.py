@@ -7,7 +7,7 @@ Formats (``--format``):
   DFlash: ``architectures: ["DFlashDraftModel"]``, ``model_type: "qwen3"`` (the draft's decoder-layer
   config), ``dflash_config: {block_size, mask_token_id, target_layer_ids}`` as z-lab/dflash writes it.
   EAGLE-3: ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``
-  (:func:`trainers.eagle3.export.export_config`).
+  (:func:`artcache.trainers.eagle3.export.export_config`).
 - ``speculators``: vllm-project/speculators' format: ``speculators_model_type``, ``speculators_config``
   (algorithm, one greedy proposal method with ``speculative_tokens``, the verifier's path and
   architectures), ``transformer_layer_config`` (the decoder-layer config), plus the algorithm's fields.
@@ -32,7 +32,7 @@ attention is non-causal inside the block (``is_causal: false``; speculators:
 vLLM is run with ``num_speculative_tokens = B - 1`` (one bonus query plus B-1 MASK queries = one block).
 
 **EAGLE-3 keys** (hf): ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` ([V_d, H]),
-``d2t`` (int64), ``t2d`` (bool), from :func:`trainers.eagle3.export.export_state_dict`; speculators
+``d2t`` (int64), ``t2d`` (bool), from :func:`artcache.trainers.eagle3.export.export_state_dict`; speculators
 writes ``layers.0.*`` for ``midlayer.*`` (vLLM maps ``midlayer.`` to ``layers.0.``) and
 ``norm_before_residual: false`` explicitly (speculators' default is true).
 
@@ -76,12 +76,12 @@ import msgspec
 import safetensors
 import safetensors.torch
 import torch
+from artcache.trainers.dflash.layers import output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
 from torch import Tensor
 
 from artcache.errors import ConfigError
 from artcache.fsio import fsync_dir
 from artcache.layout import unique_suffix
-from trainers.dflash.layers import output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
 
 __all__ = [
     "DFLASH_ARCHITECTURE",
@@ -268,7 +268,7 @@ def dflash_export_state_dict(weights: dict[str, Tensor], cfg: Any, dtype: torch.
     Raises:
         ConfigError: missing / unexpected keys or mismatched shapes (all named), or a non-floating dtype.
     """
-    from trainers.dflash import DFlashDraft
+    from artcache.trainers.dflash import DFlashDraft
 
     if dtype is not None and not dtype.is_floating_point:
         raise ConfigError(f"export dtype must be a floating dtype, got {dtype}")
@@ -329,7 +329,7 @@ def dflash_export_config(cfg: Any, layer_ids: list[int], target_hf_config: Any, 
     """The ``config.json`` dict of an exported DFlash draft.
 
     Args:
-        cfg: the draft's :class:`~trainers.dflash.DFlashConfig`.
+        cfg: the draft's :class:`~artcache.trainers.dflash.DFlashConfig`.
         layer_ids: captured layers in **output-of-layer** convention, in ``fc``'s input order.
         target_hf_config: the target's transformers config (num_hidden_layers, max_position_embeddings,
             token ids, architectures).
@@ -403,12 +403,12 @@ def _speculators_config(algorithm: str, k: int, verifier: str, tc: Any) -> dict:
 
 def dflash_config_from_export(config: dict) -> tuple[Any, list[int]]:
     """Read an exported DFlash ``config.json`` back (either format) the way a serving engine does:
-    the draft's :class:`~trainers.dflash.DFlashConfig` and its layer ids, **output-of-layer**.
+    the draft's :class:`~artcache.trainers.dflash.DFlashConfig` and its layer ids, **output-of-layer**.
 
     Raises:
         ConfigError: a field the loader needs is missing, or the two layer-id fields disagree.
     """
-    from trainers.dflash import DFlashConfig
+    from artcache.trainers.dflash import DFlashConfig
 
     try:
         if config.get("speculators_model_type") == "dflash":
@@ -439,7 +439,7 @@ def dflash_config_from_export(config: dict) -> tuple[Any, list[int]]:
 
 def load_dflash_export(directory: str | Path, embed_weight: Tensor, lm_head_weight: Tensor,
                        dtype: torch.dtype = torch.float32):
-    """Build a fresh :class:`~trainers.dflash.DFlashDraft` from an exported directory alone (its
+    """Build a fresh :class:`~artcache.trainers.dflash.DFlashDraft` from an exported directory alone (its
     config.json and model.safetensors; the target's embedding and lm_head are supplied, as an engine
     shares them) and load the weights with strict keys in both directions.
 
@@ -449,7 +449,7 @@ def load_dflash_export(directory: str | Path, embed_weight: Tensor, lm_head_weig
     Raises:
         ConfigError: unreadable files, a config the loader cannot use, or keys/shapes that differ.
     """
-    from trainers.dflash import DFlashDraft
+    from artcache.trainers.dflash import DFlashDraft
 
     config, tensors = _read_export(directory)
     cfg, ids = dflash_config_from_export(config)
@@ -465,9 +465,9 @@ def load_dflash_export(directory: str | Path, embed_weight: Tensor, lm_head_weig
 # --------------------------------------------------------------------------------------- EAGLE-3
 
 def _eagle3_model_from_checkpoint(state: dict, weights: dict[str, Tensor], what: str):
-    """An :class:`~trainers.eagle3.Eagle3Draft` holding the checkpoint's weights (strict keys). The
+    """An :class:`~artcache.trainers.eagle3.Eagle3Draft` holding the checkpoint's weights (strict keys). The
     frozen target tensors are zero-stride placeholders: export never reads them."""
-    from trainers.eagle3 import Eagle3Config, Eagle3Draft
+    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
 
     cfg = _decode_struct(state.get("draft_config"), Eagle3Config, what)
     if "d2t" not in weights or "t2d" not in weights:
@@ -491,7 +491,7 @@ def _eagle3_layer_ids(state: dict, L: int) -> list[int] | None:
 
 
 def _eagle3_export(state, weights, tc, target_cfg, fmt, dtype, verifier, k, what):
-    from trainers.eagle3 import export_config, export_state_dict
+    from artcache.trainers.eagle3 import export_config, export_state_dict
 
     model, cfg = _eagle3_model_from_checkpoint(state, weights, what)
     ids = _eagle3_layer_ids(state, tc.num_hidden_layers)
@@ -521,13 +521,13 @@ def _eagle3_export(state, weights, tc, target_cfg, fmt, dtype, verifier, k, what
 
 def load_eagle3_export(directory: str | Path, embed: Tensor, target_norm_weight: Tensor, target_lm_head: Tensor,
                        dtype: torch.dtype = torch.float32):
-    """Build a fresh :class:`~trainers.eagle3.Eagle3Draft` from an exported directory alone (either
+    """Build a fresh :class:`~artcache.trainers.eagle3.Eagle3Draft` from an exported directory alone (either
     format) and load it with strict keys. Returns (model, vLLM input-of-layer aux ids).
 
     Raises:
         ConfigError: unreadable files, a config the loader cannot use, or keys/shapes that differ.
     """
-    from trainers.eagle3 import Eagle3Config, Eagle3Draft
+    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
 
     config, tensors = _read_export(directory)
     try:
@@ -741,7 +741,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     tc = _text_config(target_cfg)
     what = f"checkpoint {ckpt}"
     if draft == "dflash":
-        from trainers.dflash import DFlashConfig, dflash_layer_ids
+        from artcache.trainers.dflash import DFlashConfig, dflash_layer_ids
 
         cfg = _decode_struct(state.get("draft_config"), DFlashConfig, what)
         ids = (state.get("draft_config") or {}).get("layer_ids") or state.get("layer_ids")

@@ -7,7 +7,7 @@ SpecForge's EAGLE-3 recipe (facts in ALGORITHMS.md, "EAGLE-3"; re-implemented he
 Layer ids are in the **output-of-layer** convention (ALGORITHMS.md, "Layer-id conventions"): id ``i`` is
 the un-normed residual stream leaving decoder layer ``i`` (0-based). Convert to vLLM's
 ``eagle_aux_hidden_state_layer_ids`` (input-of-layer) with
-:func:`trainers.dflash.layers.output_of_layer_to_vllm_id` (``+1``).
+:func:`artcache.trainers.dflash.layers.output_of_layer_to_vllm_id` (``+1``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import math
 from typing import Any
 
 import msgspec
+from artcache.trainers.dflash.config import read_target_shape, resolve_intermediate
 
 from artcache.errors import ConfigError
-from trainers.dflash.config import read_target_shape, resolve_intermediate
 
 __all__ = ["EAGLE3_NUM_AUX", "Eagle3Config", "eagle3_capture_ids", "eagle3_layer_ids"]
 

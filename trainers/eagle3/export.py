@@ -10,7 +10,7 @@ What was verified, and where (public sources read through the search tool; nothi
   ``mlp.{gate,up}_proj`` (stacked), ``mlp.down_proj``, ``input_layernorm`` (applied to the embedding),
   ``hidden_norm`` (applied to the hidden state), ``post_attention_layernorm``; with the default
   ``norm_before_residual=False`` the residual is the un-normed hidden state, exactly as
-  :class:`trainers.eagle3.model.Eagle3Draft` computes. No q/k norm, no biases (``attention_bias`` false).
+  :class:`artcache.trainers.eagle3.model.Eagle3Draft` computes. No q/k norm, no biases (``attention_bias`` false).
 - vLLM's model registry maps the architectures ``LlamaForCausalLMEagle3`` and ``Eagle3LlamaForCausalLM`` to
   that class; the draft config carries ``draft_vocab_size`` (default: ``vocab_size``).
 - vLLM ``gpu_model_runner._get_eagle3_aux_layers_from_config`` reads ``eagle_aux_hidden_state_layer_ids``
@@ -20,7 +20,7 @@ What was verified, and where (public sources read through the search tool; nothi
   (``fc``, ``layers.0`` / ``midlayer``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and also load ``t2d``; their
   config format (``speculators_model_type: eagle3`` + ``transformer_layer_config``) is not written here.
 
-The parameter names of :class:`~trainers.eagle3.model.Eagle3Draft` already are these keys, so
+The parameter names of :class:`~artcache.trainers.eagle3.model.Eagle3Draft` already are these keys, so
 :func:`export_state_dict` is a filtered, cast copy of ``model.state_dict()`` and
 ``model.load_state_dict(export_state_dict(model))`` round-trips.
 """
@@ -30,10 +30,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from artcache.trainers.dflash.layers import output_of_layer_to_vllm_id
 from torch import Tensor
 
 from artcache.errors import ConfigError
-from trainers.dflash.layers import output_of_layer_to_vllm_id
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config, eagle3_layer_ids
 from .model import FROZEN_BUFFERS, Eagle3Draft

@@ -2,7 +2,7 @@
 vLLM ``llama_eagle3.py``, re-implemented here) and its training-time-test (TTT) unroll.
 
 Layout (parameter names are those of the vLLM/speculators EAGLE-3 Llama checkpoints, see
-:mod:`trainers.eagle3.export`):
+:mod:`artcache.trainers.eagle3.export`):
 
 - ``fc`` (3H -> H, no bias) over the three captured target layers, concatenated in capture order;
 - ``midlayer``: one Llama decoder layer whose q/k/v read ``[input_layernorm(embed(token)) ;
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from artcache.trainers.dflash.model import _MLP, RMSNorm, _rope
 from torch import Tensor, nn
 
 from artcache.errors import ConfigError, DataError
-from trainers.dflash.model import _MLP, RMSNorm, _rope
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 
@@ -140,7 +140,7 @@ class Eagle3Draft(nn.Module):
         target_norm_weight: the target's final RMSNorm weight [H] (frozen buffer; plain
             ``x / rms(x) · w`` RMSNorm with ``cfg.rms_norm_eps``, as Llama/Qwen3).
         target_lm_head: the target's lm_head [V, H] (frozen buffer; may be ``embed`` for tied targets).
-        d2t: int64 [V_d], t2d: bool [V] (:func:`trainers.eagle3.vocab.build_vocab_map`); persistent
+        d2t: int64 [V_d], t2d: bool [V] (:func:`artcache.trainers.eagle3.vocab.build_vocab_map`); persistent
             buffers, so they are saved and loaded with the weights.
         dtype: dtype of the trainable parameters (default float32 master weights; use autocast for
             bf16 compute). Frozen buffers keep the dtype/device they were given; d2t/t2d move to the
@@ -239,11 +239,11 @@ class Eagle3Draft(nn.Module):
         reads the step i-1 output at the same position t and the token ``input_ids[t + 1 + i]``
         (:func:`ttt_input_ids`; pad id 0 past the end). RoPE position of step i at t is ``t + i``.
         Attention: :func:`build_ttt_mask`. Step i's output at t is the draft's hidden state for
-        predicting ``input_ids[t + 2 + i]`` (see :func:`trainers.eagle3.loss.eagle3_loss`).
+        predicting ``input_ids[t + 2 + i]`` (see :func:`artcache.trainers.eagle3.loss.eagle3_loss`).
 
         Args:
             aux_hidden: [b, T, 3, H] any float dtype, the three captured layers (output-of-layer,
-                un-normed) in :func:`~trainers.eagle3.config.eagle3_layer_ids` order.
+                un-normed) in :func:`~artcache.trainers.eagle3.config.eagle3_layer_ids` order.
             input_ids: [b, T] long.
             valid: optional [b, T] bool; False marks padding. Padded positions have their features
                 and ids replaced by zeros (any garbage, NaN included, stays out) and are hidden as keys.

@@ -30,7 +30,7 @@ def count_plan_tokens(plan: Any, vocab_size: int | None = None) -> Tensor:
     Reads the plan's flat ``input_ids`` (int32 [total]) and ``loss_mask`` (uint8 [total]) directly
     (:class:`artcache.plan.Plan`; one ``bincount``, no per-sample loop). These are the tokens the draft
     is trained to predict (the EAGLE-3 loss supervises a predicted token iff its loss-mask bit is set,
-    see :func:`trainers.eagle3.loss.eagle3_loss`).
+    see :func:`artcache.trainers.eagle3.loss.eagle3_loss`).
 
     Args:
         plan: an :class:`artcache.plan.Plan` (anything with flat ``input_ids`` / ``loss_mask`` tensors

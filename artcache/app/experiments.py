@@ -1,6 +1,6 @@
 """``artcache run``: one target, one producer, many independent draft experiments on one cache root.
 
-:func:`plan_run` resolves a :class:`~artcache.config.RunConfig` into a :class:`RunPlan` and checks it
+:func:`plan_run` resolves a :class:`~artcache.app.config.RunConfig` into a :class:`RunPlan` and checks it
 before anything starts: each experiment's *view* (the ordered output-of-layer ids its draft reads),
 the union the producer captures, target identity (weights digest), normalisation and dtype, the
 checkpoints it resumes or starts from, its consumer settings, devices, and a disk bound from the
@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from artcache import journal as J
-from artcache.config import (
+from artcache.app.config import (
     Experiment,
     RunConfig,
     cache_root,
@@ -58,18 +58,18 @@ def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) ->
     if e.layer_ids is not None:
         ids = list(e.layer_ids)
     elif e.draft == "dflash":
-        from trainers.dflash import dflash_layer_ids
+        from artcache.trainers.dflash import dflash_layer_ids
 
         ids = dflash_layer_ids(num_layers, e.draft_layers or default_draft_layers)
     else:
         try:
-            from trainers.eagle3 import eagle3_capture_ids
+            from artcache.trainers.eagle3 import eagle3_capture_ids
         except ImportError:
             try:
-                from trainers.eagle3.config import eagle3_capture_ids
+                from artcache.trainers.eagle3.config import eagle3_capture_ids
             except ImportError:
                 raise ConfigError(f"experiment {e.name!r}: draft 'eagle3' is not available in this install "
-                                  "(trainers.eagle3 has no eagle3_capture_ids)") from None
+                                  "(artcache.trainers.eagle3 has no eagle3_capture_ids)") from None
         ids = list(eagle3_capture_ids(num_layers))
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad or not ids:
@@ -206,7 +206,7 @@ def check_checkpoint(e: Experiment, ckpt: Path, *, info, contract, plan_id: str,
         ContractMismatch: naming the recorded and the expected value (or, ``strict``, that the
             checkpoint records no target identity).
     """
-    from trainers.checkpoint import load_state
+    from artcache.trainers.checkpoint import load_state
 
     state = load_state(ckpt)
     what = f"experiment {e.name!r}: {'resume' if resume else 'init_from'} checkpoint {ckpt}"
@@ -417,7 +417,7 @@ def format_plan(plan: RunPlan) -> str:
 # ---- running -----------------------------------------------------------------------------------------
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "artcache.cli", *args]
+    return [sys.executable, "-m", "artcache", *args]
 
 
 class _Role:

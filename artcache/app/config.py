@@ -20,7 +20,7 @@ A file (all sections optional; every field has a default except an experiment's 
 
 Overrides (``artcache run --config FILE experiments.0.lr=1e-3 data.max_length=128``) name a field by
 its dotted path; an experiment is addressed by index or by name (``experiments.lr-hi.lr=1e-3``);
-``experiments.N.consumer.<field>`` sets a further :class:`trainers.consumer.ConsumerConfig` field.
+``experiments.N.consumer.<field>`` sets a further :class:`artcache.trainers.consumer.ConsumerConfig` field.
 The value text is parsed by the field's type (``1,8,14`` or ``[1, 8, 14]`` for a list of ints,
 ``none`` for an optional field). Unknown fields, unknown override paths and type errors raise
 :class:`ConfigError` naming the field and the accepted fields or values; nothing is started.
@@ -93,7 +93,7 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             the experiments' views (or the DFlash ids for ``draft_layers`` with no experiment). When
             given with experiments it must contain every experiment's view.
         draft_layers: DFlash draft layers of an experiment that does not say, and of the producer
-            or bench alone (captured ids follow :func:`trainers.dflash.dflash_layer_ids`).
+            or bench alone (captured ids follow :func:`artcache.trainers.dflash.dflash_layer_ids`).
         batch_samples, batch_tokens, max_queue: scheduler limits (samples and padded tokens per
             capture batch; queued fingerprints per pass).
         backend: ``hf`` (transformers) or ``vllm`` (the ``artcache[vllm]`` extra).
@@ -144,7 +144,7 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         init_from: a checkpoint directory (or a run directory holding ``checkpoints/latest``) whose
             weights start this draft; it must record the same target weights digest.
         log_every: metrics line every this many steps.
-        consumer: further :class:`trainers.consumer.ConsumerConfig` fields, passed as they are.
+        consumer: further :class:`artcache.trainers.consumer.ConsumerConfig` fields, passed as they are.
         env: environment variables of this experiment's consumer process (``artcache run`` only).
     """
 
@@ -668,7 +668,7 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
         if path.startswith("E."):
             path = f"experiments.{experiment}.{path[2:]}"
         if path == "data.template_options":
-            from artcache.cli import parse_template_options
+            from artcache.app.cli import parse_template_options
 
             value = parse_template_options(value)
         out[path] = value
@@ -692,7 +692,7 @@ def producer_config(cfg: RunConfig, **process: Any):
         extra["idle_exit_s"] = extra.pop("idle_exit")
     layer_ids = list(cfg.capture.layer_ids) if cfg.capture.layer_ids else None
     if layer_ids is None and cfg.experiments:  # a producer started by hand for a run config: the union
-        from artcache.experiments import draft_view, layer_union
+        from artcache.app.experiments import draft_view, layer_union
         from artcache.target import resolve_target
 
         n = resolve_target(cfg.target.name).num_layers
@@ -714,7 +714,7 @@ def experiment_dir(cfg: RunConfig, e: Experiment) -> str:
 
 
 def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = None) -> dict[str, Any]:
-    """The :class:`trainers.consumer.ConsumerConfig` fields of experiment ``e`` (a plain dict)."""
+    """The :class:`artcache.trainers.consumer.ConsumerConfig` fields of experiment ``e`` (a plain dict)."""
     lookbehind, lookahead = (int(x) for x in e.window.split(":"))
     fields: dict[str, Any] = {
         "cache": cache_root(cfg), "consumer_id": consumer_id or e.name, "draft": e.draft,
@@ -738,9 +738,9 @@ def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = Non
 
 
 def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
-    """The experiment's validated :class:`trainers.consumer.ConsumerConfig`. Raises ConfigError naming a
+    """The experiment's validated :class:`artcache.trainers.consumer.ConsumerConfig`. Raises ConfigError naming a
     setting this consumer does not have (e.g. ``resume`` before the consumer supports it)."""
-    from trainers.consumer import ConsumerConfig
+    from artcache.trainers.consumer import ConsumerConfig
 
     e = cfg.experiment(name)
     fields = consumer_fields(cfg, e, consumer_id)
@@ -763,8 +763,8 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
 
 
 def bench_config(cfg: RunConfig):
-    """:class:`bench.run.BenchConfig` from a run config (device-dependent defaults filled in)."""
-    from bench.run import BenchConfig
+    """:class:`artcache.bench.run.BenchConfig` from a run config (device-dependent defaults filled in)."""
+    from artcache.bench.run import BenchConfig
 
     b = cfg.bench
     cuda = b.device == "cuda"

@@ -123,7 +123,7 @@ def _with_config(verb: str):
                 return fn(*args, **kwargs)
             from click.core import ParameterSource
 
-            from artcache import config as C
+            from artcache.app import config as C
 
             ctx = click.get_current_context()
             explicit = {k: v for k, v in kwargs.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
@@ -141,7 +141,7 @@ def _with_config(verb: str):
                            f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures",
                            err=True)
             elif verb == "consume":
-                from trainers.consumer import run_consumer
+                from artcache.trainers.consumer import run_consumer
 
                 ccfg = C.consumer_config(cfg, experiment, kwargs.get("consumer_id"))
                 _check_device(ccfg.device)
@@ -149,7 +149,7 @@ def _with_config(verb: str):
             else:
                 from pathlib import Path
 
-                from bench.run import run_bench
+                from artcache.bench.run import run_bench
 
                 bcfg = C.bench_config(cfg)
                 C.save_config(cfg, Path(bcfg.out_dir) / "config.toml")  # beside the scenarios' reports
@@ -285,7 +285,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, save_every,
             keep_checkpoints, resume, init_from, eval_samples, eval_interval, eval_anchors, progress, tensorboard):
     """Train one draft on the cache root at its own pace."""
-    from trainers.consumer import ConsumerConfig, parse_window, run_consumer
+    from artcache.trainers.consumer import ConsumerConfig, parse_window, run_consumer
 
     if draft not in ("dflash", "eagle3"):
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: dflash, eagle3")
@@ -353,7 +353,7 @@ def inspect(cache, as_json):
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
           draft_layers, window, allow_shared_gpu, modes):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
-    from bench.run import BenchConfig, run_bench
+    from artcache.bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,
                       warmup=warmup if warmup is not None else (30 if device == "cuda" else 3),
@@ -383,8 +383,8 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device):
     OVERRIDES are SECTION.FIELD=VALUE, e.g. data.max_length=256 experiments.0.lr=1e-3 (an experiment by
     index or name). Exits nonzero if any experiment failed; its siblings run to the end.
     """
-    from artcache.config import load_run_config
-    from artcache.experiments import format_plan, plan_run, run_experiments
+    from artcache.app.config import load_run_config
+    from artcache.app.experiments import format_plan, plan_run, run_experiments
 
     flags = {"out": out, "target.name": target, "data.dataset": dataset, "target.device": device}
     plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}))
@@ -450,7 +450,7 @@ def fsck(cache, fix, as_json):
 @_errors
 def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
     """Write a trained DFlash or EAGLE-3 draft as a directory vLLM / speculators load (docs/export.md)."""
-    from trainers.export import export_checkpoint
+    from artcache.trainers.export import export_checkpoint
 
     res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite)
     click.echo(json.dumps(res.summary()))
