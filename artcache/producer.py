@@ -131,9 +131,9 @@ def prepare_root(cfg: ProducerConfig):
         ConfigError: bad settings, or the root holds another contract/plan.
         DataError: the dataset yields no usable sample.
     """
+    from artcache.layer_ids import dflash_layer_ids
     from artcache.plan import PlanSpec, ensure_plan, plan_id_for
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
-    from artcache.trainers.dflash.layers import dflash_layer_ids
 
     for name in ("dtype", "compute_dtype"):
         value = getattr(cfg, name)

@@ -15,10 +15,9 @@ import msgspec
 
 
 def main(argv: list[str] | None = None) -> int:
-    from artcache.trainers.consumer import ConsumerConfig, run_consumer
-
     from artcache.app.cli import _setup_logging
     from artcache.errors import ArtcacheError, ConfigError
+    from artcache.trainers.consumer import ConsumerConfig, run_consumer
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:

@@ -82,10 +82,9 @@ def disk_bandwidth(root: Path, size: int = 2 << 30, chunk: int = 64 << 20) -> di
 
 def producer_bench(arch: str, device: torch.device, seq: int, batch: int, reps: int, roots: list[Path],
                    peak: float) -> dict:
-    from artcache.trainers.dflash import dflash_layer_ids
-
     from artcache.backends.hf import HFCaptureBackend
     from artcache.contract import CaptureContract
+    from artcache.layer_ids import dflash_layer_ids
     from artcache.layout import CacheLayout
     from artcache.plan import PlanSpec, build_synthetic_plan
     from artcache.store import publish, read
@@ -165,7 +164,6 @@ def producer_bench(arch: str, device: torch.device, seq: int, batch: int, reps: 
 
 def consumer_bench(arch: str, device: torch.device, seq: int, anchors: int, blocks: list[int], steps: int,
                    root: Path | None, peak: float) -> dict:
-    from artcache.trainers.dflash import DFlashConfig
     from transformers import AutoConfig
 
     from artcache.contract import CaptureContract
@@ -173,6 +171,7 @@ def consumer_bench(arch: str, device: torch.device, seq: int, anchors: int, bloc
     from artcache.plan import PlanSpec, build_synthetic_plan, choose_mask_token
     from artcache.store import publish
     from artcache.target import load_embedding_and_lm_head, resolve_target
+    from artcache.trainers.dflash import DFlashConfig
 
     info = resolve_target(f"random:{arch}")
     embed, lm_head = load_embedding_and_lm_head(info)
@@ -226,9 +225,8 @@ def dflash_step_flops(cfg, seq: int, supervised_tokens: int) -> float:
 
 def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, layout, fps, contract, hidden_size) -> dict:
     """Steps/s of one DFlash draft, fed from GPU memory and (with ``layout``) from the cache."""
-    from artcache.trainers.dflash import DFlashDraft, dflash_loss, sample_anchors
-
     from artcache.store import read
+    from artcache.trainers.dflash import DFlashDraft, dflash_loss, sample_anchors
 
     model = DFlashDraft(dcfg, embed.to(device), lm_head.to(device))
     params = [p for p in model.parameters() if p.requires_grad]

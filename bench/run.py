@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from artcache.bench.metrics import scenario_figures
-from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
-from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 
 from artcache import journal as J
 from artcache.accounting import account
+from artcache.bench.metrics import scenario_figures
+from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
+from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 from artcache.errors import ConfigError
 from artcache.layout import CacheLayout
 from artcache.report import table

@@ -126,10 +126,9 @@ def test_lockstep_reader_reads_only_the_batch_every_member_may_read():
 
 
 def test_group_cursor_is_the_min_over_running_members(tmp_path):
-    from artcache.trainers.consumer import group_cursor
-
     from artcache import registry
     from artcache.layout import CacheLayout
+    from artcache.trainers.consumer import group_cursor
 
     layout = CacheLayout(tmp_path / "root")
     layout.create()

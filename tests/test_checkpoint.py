@@ -8,10 +8,10 @@ import json
 import pytest
 import safetensors.torch
 import torch
-from artcache.trainers import checkpoint as ck
-from artcache.trainers.consumer import _load_weights_strict, lr_at
 
 from artcache.errors import ConfigError
+from artcache.trainers import checkpoint as ck
+from artcache.trainers.consumer import _load_weights_strict, lr_at
 
 
 class Tiny(torch.nn.Module):

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from artcache.trainers.tracking import read_metrics, tensorboard_available
 from procs import wait_until
 from test_consumer_resume import Proc, consume_args
 
 from artcache import journal as J
 from artcache.layout import CacheLayout
+from artcache.trainers.tracking import read_metrics, tensorboard_available
 
 DATA = __import__("pathlib").Path(__file__).parent / "data" / "tiny_sharegpt.json"
 STEPS, BATCH, EVAL, INTERVAL = 6, 2, 4, 3

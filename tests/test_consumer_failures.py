@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import signal
 
-from artcache.trainers.checkpoint import load_state
-from artcache.trainers.tracking import read_metrics
 from procs import wait_until
 from test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 from artcache import leases, registry
 from artcache.layout import CacheLayout
+from artcache.trainers.checkpoint import load_state
+from artcache.trainers.tracking import read_metrics
 
 STEPS = 8
 

@@ -20,8 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from artcache.trainers.checkpoint import load_state
-from artcache.trainers.tracking import read_metrics
 from click.testing import CliRunner
 from procs import Proc as BaseProc
 from procs import wait_until
@@ -29,6 +27,8 @@ from procs import wait_until
 from artcache import journal as J
 from artcache import registry
 from artcache.layout import CacheLayout
+from artcache.trainers.checkpoint import load_state
+from artcache.trainers.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"

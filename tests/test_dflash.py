@@ -8,6 +8,17 @@ import types
 import msgspec
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from artcache.errors import ConfigError, DataError
+from artcache.layer_ids import (
+    dflash_layer_ids,
+    hf_index_to_output_of_layer,
+    output_of_layer_to_hf_index,
+    output_of_layer_to_vllm_id,
+    vllm_id_to_output_of_layer,
+)
 from artcache.trainers.dflash import (
     ATTN_IMPLS,
     DFlashConfig,
@@ -15,21 +26,12 @@ from artcache.trainers.dflash import (
     LossStats,
     build_attention_mask,
     default_gamma,
-    dflash_layer_ids,
     dflash_loss,
     dflash_mask_mod,
     eligible_anchors,
-    hf_index_to_output_of_layer,
-    output_of_layer_to_hf_index,
-    output_of_layer_to_vllm_id,
     sample_anchors,
     slot_weights,
-    vllm_id_to_output_of_layer,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from artcache.errors import ConfigError, DataError
 
 V, H, M = 40, 32, 3  # tiny vocab, width, captured layers
 

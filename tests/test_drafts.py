@@ -9,18 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from artcache.trainers.drafts import (
-    DraftBatch,
-    MetricSums,
-    greedy_replay,
-    layer_view,
-    replay_sums,
-    select_layers,
-    view_slice,
-)
-from artcache.trainers.evaluation import eval_split
 
 from artcache.errors import ConfigError, ContractMismatch
+from artcache.layer_ids import layer_view, select_layers, view_slice
+from artcache.trainers.drafts import DraftBatch, MetricSums, greedy_replay, replay_sums
+from artcache.trainers.evaluation import eval_split
 
 # ---- layer views ---------------------------------------------------------------------------------
 
@@ -86,9 +79,8 @@ def test_union_capture_views_equal_solo_captures(tiny_target):
 
 
 def test_collate_applies_the_view_without_copying_a_batch_of_one():
-    from artcache.trainers.consumer import collate
-
     from artcache.store import Artifact
+    from artcache.trainers.consumer import collate
 
     @dataclass
     class L:

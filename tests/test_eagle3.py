@@ -10,7 +10,11 @@ import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
-from artcache.trainers.dflash.layers import output_of_layer_to_vllm_id
+
+from artcache.errors import ConfigError, DataError
+from artcache.layer_ids import eagle3_capture_ids, eagle3_layer_ids, output_of_layer_to_vllm_id
+from artcache.plan import Plan
+from artcache.target import load_final_norm, resolve_target
 from artcache.trainers.dflash.model import _rope
 from artcache.trainers.eagle3 import (
     EAGLE3_LAST_LAYER,
@@ -21,8 +25,6 @@ from artcache.trainers.eagle3 import (
     build_vocab_map,
     count_plan_tokens,
     draft_ids_to_target,
-    eagle3_capture_ids,
-    eagle3_layer_ids,
     eagle3_loss,
     export_config,
     export_state_dict,
@@ -30,10 +32,6 @@ from artcache.trainers.eagle3 import (
     target_soft_labels,
     ttt_input_ids,
 )
-
-from artcache.errors import ConfigError, DataError
-from artcache.plan import Plan
-from artcache.target import load_final_norm, resolve_target
 
 V, VD, H = 40, 16, 32  # tiny target vocab, draft vocab, width
 

@@ -14,8 +14,13 @@ import msgspec
 import pytest
 import safetensors.torch
 import torch
+from click.testing import CliRunner
+
+from artcache.app.cli import main
+from artcache.errors import ConfigError
+from artcache.layer_ids import dflash_layer_ids
 from artcache.trainers.checkpoint import point_latest, save_checkpoint
-from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids, sample_anchors
+from artcache.trainers.dflash import DFlashConfig, DFlashDraft, sample_anchors
 from artcache.trainers.export import (
     dflash_config_from_export,
     dflash_export_config,
@@ -23,10 +28,6 @@ from artcache.trainers.export import (
     load_dflash_export,
     load_eagle3_export,
 )
-from click.testing import CliRunner
-
-from artcache.app.cli import main
-from artcache.errors import ConfigError
 
 V, H, L = 40, 32, 8  # tiny target: vocab, width, decoder layers
 DFLASH_KEYS_PER_LAYER = (
@@ -204,7 +205,8 @@ def test_dflash_export_rejects_wrong_target_and_ids():
 # ------------------------------------------------------------------------------------ EAGLE-3
 
 def eagle3_checkpoint(run_dir: Path):
-    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, eagle3_capture_ids, vocab_map_from_used
+    from artcache.layer_ids import eagle3_capture_ids
+    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, vocab_map_from_used
 
     g = torch.Generator().manual_seed(7)
     cfg = Eagle3Config(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, vocab_size=V,

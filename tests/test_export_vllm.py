@@ -69,22 +69,24 @@ def baseline(vllm_python, smollm2_target) -> dict:
 
 
 def _random_checkpoint(run: Path, draft: str, smollm2_target) -> Path:
-    from artcache.trainers.checkpoint import point_latest, save_checkpoint
     from transformers import AutoConfig
 
     from artcache.target import load_embedding_and_lm_head, load_final_norm
+    from artcache.trainers.checkpoint import point_latest, save_checkpoint
 
     tc = AutoConfig.from_pretrained(smollm2_target.path)
     emb, head = load_embedding_and_lm_head(smollm2_target)
     torch.manual_seed(0)
     if draft == "dflash":
-        from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids
+        from artcache.layer_ids import dflash_layer_ids
+        from artcache.trainers.dflash import DFlashConfig, DFlashDraft
 
         ids = dflash_layer_ids(tc.num_hidden_layers, 5)
         cfg = DFlashConfig.from_target(tc, num_layers=5, block_size=K_DFLASH + 1, num_anchors=32, mask_token_id=16)
         model = DFlashDraft(cfg, emb, head)
     else:
-        from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_map, eagle3_capture_ids
+        from artcache.layer_ids import eagle3_capture_ids
+        from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_map
 
         ids = eagle3_capture_ids(tc.num_hidden_layers)
         cfg = Eagle3Config.from_target(tc, draft_vocab_size=4096, ttt_steps=K_EAGLE3)
@@ -149,25 +151,14 @@ def overfit_checkpoints(run_root: Path, target_info, prompt_ids: list[list[int]]
 
 
 def _overfit(run_root, target_info, prompt_ids, output_ids, steps, block_size, ttt_steps, seed) -> dict:
-    from artcache.trainers.checkpoint import point_latest, save_checkpoint
-    from artcache.trainers.dflash import (
-        DFlashConfig,
-        DFlashDraft,
-        dflash_layer_ids,
-        dflash_loss,
-        eligible_anchors,
-    )
-    from artcache.trainers.dflash import sample_anchors as dflash_anchors
-    from artcache.trainers.eagle3 import (
-        Eagle3Config,
-        Eagle3Draft,
-        build_vocab_map,
-        eagle3_capture_ids,
-        eagle3_loss,
-    )
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from artcache.layer_ids import dflash_layer_ids, eagle3_capture_ids
     from artcache.target import load_embedding_and_lm_head, load_final_norm
+    from artcache.trainers.checkpoint import point_latest, save_checkpoint
+    from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_loss, eligible_anchors
+    from artcache.trainers.dflash import sample_anchors as dflash_anchors
+    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_map, eagle3_loss
 
     tc = AutoConfig.from_pretrained(target_info.path)
     L = tc.num_hidden_layers

@@ -10,6 +10,7 @@ is fenced within its lease time (the heartbeat timeout) and its window stops cou
 from __future__ import annotations
 
 import pytest
+
 from artcache.bench.sim import (
     ConsumerSpec,
     ProducerSpec,
@@ -26,7 +27,6 @@ from artcache.bench.sim import (
     simulate,
     solo_rates,
 )
-
 from artcache.errors import ConfigError
 from artcache.scheduler import SchedulerLimits, check_deadlock
 

@@ -8,6 +8,7 @@ import math
 import sys
 
 import pytest
+
 from artcache.trainers.tracking import Progress, RunTracker, read_metrics, tensorboard_available
 
 

@@ -26,7 +26,6 @@ from typing import Literal
 
 import msgspec
 import torch
-from artcache.trainers.drafts import DraftBatch
 
 from artcache import journal as J
 from artcache import registry
@@ -35,6 +34,7 @@ from artcache.crashpoints import crash_point
 from artcache.errors import ConfigError, ConsumerFenced, ContractMismatch
 from artcache.layout import CacheLayout, check_id, host_id
 from artcache.settings import load_settings
+from artcache.trainers.drafts import DraftBatch
 
 log = logging.getLogger("artcache.consumer")
 
@@ -246,7 +246,7 @@ def collate(items: list[Leased], device: torch.device, layers: slice | torch.Ten
     bool. ``last_layer``: index of output-of-layer L-1 in the artifact, copied to ``last_layer``
     [b, T, H] (held-out replay against the target's argmax), or None.
     """
-    from artcache.trainers.drafts import select_layers
+    from artcache.layer_ids import select_layers
 
     lengths = [it.artifact.input_ids.shape[0] for it in items]
     t = max(lengths)
@@ -371,6 +371,7 @@ def _init_source(cfg: ConsumerConfig, settings):
         ContractMismatch: the source records another target (weights digest) or layer convention.
     """
     import safetensors.torch
+
     from artcache.trainers.checkpoint import load_state, resolve_weights_dir
 
     src = resolve_weights_dir(cfg.init_from)
@@ -406,6 +407,9 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
         ConfigError / ContractMismatch: bad settings, layers the root does not capture, a resume or
             init source that does not fit (all before registering). Training errors after fencing.
     """
+    from artcache.layer_ids import layer_view, view_slice
+    from artcache.plan import Plan
+    from artcache.producer import quiet_transformers
     from artcache.trainers.checkpoint import (
         point_latest,
         prune,
@@ -413,12 +417,9 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
         restore_rng,
         save_checkpoint,
     )
-    from artcache.trainers.drafts import build_draft, layer_view, view_slice
+    from artcache.trainers.drafts import build_draft
     from artcache.trainers.evaluation import Evaluator, eval_split, target_argmax_fn
     from artcache.trainers.tracking import Progress, RunTracker
-
-    from artcache.plan import Plan
-    from artcache.producer import quiet_transformers
 
     cfg.validate()
     quiet_transformers()

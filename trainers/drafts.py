@@ -29,8 +29,9 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ConfigError, ContractMismatch
+from artcache.layer_ids import layer_view
 
-__all__ = ["DFlashAdapter", "Draft", "DraftBatch", "Eagle3Adapter", "MetricSums", "build_draft", "layer_view",
+__all__ = ["DFlashAdapter", "Draft", "DraftBatch", "Eagle3Adapter", "MetricSums", "build_draft",
            "replay_sums"]
 
 
@@ -82,43 +83,6 @@ class MetricSums:
         """``num / den`` (NaN when the denominator is 0 or the name is unknown)."""
         d = self.den.get(name, 0.0)
         return self.num.get(name, 0.0) / d if d > 0 else math.nan
-
-
-def layer_view(captured: Sequence[int], needed: Sequence[int], *, draft: str, flag_hint: str) -> list[int]:
-    """Indices into the root's captured layers (``contract.layer_ids``) giving ``needed`` in order.
-
-    A root may capture a superset (the union of several drafts' layers); each draft reads its own
-    ordered view. ``needed`` may repeat an id (each occurrence maps to the same captured layer).
-
-    Raises:
-        ContractMismatch: some needed layer is not captured; the message names the missing ids and
-            the producer flag that captures them (``--layer-ids`` with the union, on a fresh root).
-    """
-    captured = [int(i) for i in captured]
-    missing = sorted({int(i) for i in needed} - set(captured))
-    if missing:
-        union = sorted(set(captured) | {int(i) for i in needed})
-        raise ContractMismatch(
-            f"{draft} needs output-of-layer ids {list(needed)}{flag_hint}; this cache root captures {captured} "
-            f"(missing {missing}): start the producer on a fresh --cache root with --layer-ids "
-            f"{','.join(map(str, union))} (the union every draft on it needs)")
-    return [captured.index(int(i)) for i in needed]
-
-
-def view_slice(index: Sequence[int]) -> slice | Tensor:
-    """A ``slice`` when ``index`` is a contiguous ascending run (so indexing returns a view, no copy),
-    else a long tensor for ``index_select``."""
-    idx = list(index)
-    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
-        return slice(idx[0], idx[0] + len(idx))
-    return torch.tensor(idx, dtype=torch.long)
-
-
-def select_layers(hidden: Tensor, sel: slice | Tensor) -> Tensor:
-    """``hidden[..., m, H]`` restricted to the view along dim -2: a view for a slice, else a copy."""
-    if isinstance(sel, slice):
-        return hidden[..., sel, :]
-    return hidden.index_select(hidden.dim() - 2, sel.to(hidden.device))
 
 
 def _replay_summary(sums: MetricSums) -> dict[str, float]:
@@ -395,7 +359,7 @@ def _check_ids(ids: Sequence[int], num_layers: int) -> None:
 def dflash_default_layers(num_target_layers: int, captured: Sequence[int]) -> int:
     """Draft layers n when ``--draft-layers`` is not given: the largest n <= len(captured) whose
     ``dflash_layer_ids(L, n)`` are all captured (a DFlash-only root: one per captured layer)."""
-    from artcache.trainers.dflash import dflash_layer_ids
+    from artcache.layer_ids import dflash_layer_ids
 
     cap = set(captured)
     for n in range(min(len(cap), num_target_layers - 3), 0, -1):
@@ -411,11 +375,12 @@ def build_dflash(cfg, settings, plan, device: torch.device, info=None) -> DFlash
         ContractMismatch: a layer the draft needs is not captured, or the target's weights changed.
         ConfigError: no valid MASK token, or bad sizes.
     """
-    from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_layer_ids
     from transformers import AutoConfig
 
+    from artcache.layer_ids import dflash_layer_ids
     from artcache.plan import choose_mask_token
     from artcache.target import load_embedding_and_lm_head, load_tokenizer
+    from artcache.trainers.dflash import DFlashConfig, DFlashDraft
 
     info = info or _check_target(settings)
     captured = list(settings.contract.layer_ids)
@@ -576,16 +541,11 @@ def build_eagle3(cfg, settings, plan, device: torch.device, *, vocab_map: dict[s
         ContractMismatch: the root lacks a layer (three aux layers and L-1), or the target changed.
         ConfigError: a given vocab map's size differs from ``--draft-vocab``, or bad sizes.
     """
-    from artcache.trainers.eagle3 import (
-        Eagle3Config,
-        Eagle3Draft,
-        build_vocab_map,
-        count_plan_tokens,
-        eagle3_capture_ids,
-    )
     from transformers import AutoConfig
 
+    from artcache.layer_ids import eagle3_capture_ids
     from artcache.target import load_embedding_and_lm_head, load_final_norm
+    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_map, count_plan_tokens
 
     info = info or _check_target(settings)
     need = eagle3_capture_ids(info.num_layers)

@@ -76,11 +76,11 @@ import msgspec
 import safetensors
 import safetensors.torch
 import torch
-from artcache.trainers.dflash.layers import output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
 from torch import Tensor
 
 from artcache.errors import ConfigError
 from artcache.fsio import fsync_dir
+from artcache.layer_ids import output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
 from artcache.layout import unique_suffix
 
 __all__ = [
@@ -741,7 +741,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     tc = _text_config(target_cfg)
     what = f"checkpoint {ckpt}"
     if draft == "dflash":
-        from artcache.trainers.dflash import DFlashConfig, dflash_layer_ids
+        from artcache.layer_ids import dflash_layer_ids
+        from artcache.trainers.dflash import DFlashConfig
 
         cfg = _decode_struct(state.get("draft_config"), DFlashConfig, what)
         ids = (state.get("draft_config") or {}).get("layer_ids") or state.get("layer_ids")

@@ -93,7 +93,7 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             the experiments' views (or the DFlash ids for ``draft_layers`` with no experiment). When
             given with experiments it must contain every experiment's view.
         draft_layers: DFlash draft layers of an experiment that does not say, and of the producer
-            or bench alone (captured ids follow :func:`artcache.trainers.dflash.dflash_layer_ids`).
+            or bench alone (captured ids follow :func:`artcache.layer_ids.dflash_layer_ids`).
         batch_samples, batch_tokens, max_queue: scheduler limits (samples and padded tokens per
             capture batch; queued fingerprints per pass).
         backend: ``hf`` (transformers) or ``vllm`` (the ``artcache[vllm]`` extra).

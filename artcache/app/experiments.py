@@ -58,15 +58,15 @@ def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) ->
     if e.layer_ids is not None:
         ids = list(e.layer_ids)
     elif e.draft == "dflash":
-        from artcache.trainers.dflash import dflash_layer_ids
+        from artcache.layer_ids import dflash_layer_ids
 
         ids = dflash_layer_ids(num_layers, e.draft_layers or default_draft_layers)
     else:
         try:
-            from artcache.trainers.eagle3 import eagle3_capture_ids
+            from artcache.layer_ids import eagle3_capture_ids
         except ImportError:
             try:
-                from artcache.trainers.eagle3.config import eagle3_capture_ids
+                from artcache.layer_ids import eagle3_capture_ids
             except ImportError:
                 raise ConfigError(f"experiment {e.name!r}: draft 'eagle3' is not available in this install "
                                   "(artcache.trainers.eagle3 has no eagle3_capture_ids)") from None

@@ -148,7 +148,7 @@ class DFlashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         1e-6), and rope_theta from ``rope_theta`` (transformers 4.x) or ``rope_parameters["rope_theta"]``
         (5.x); 10000.0 when the target has neither. RoPE scaling variants are not copied: the draft
         uses plain RoPE. ``num_context_layers`` defaults to ``num_layers`` (one captured layer per
-        draft layer, :func:`~artcache.trainers.dflash.layers.dflash_layer_ids`).
+        draft layer, :func:`~artcache.layer_ids.dflash_layer_ids`).
 
         Raises:
             ConfigError: ``mask_token_id`` missing, a required field missing on the target config,

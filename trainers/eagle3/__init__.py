@@ -1,6 +1,8 @@
 """EAGLE-3 draft (EAGLE-3 arXiv:2503.01840): config, layer ids, vocab map, model, TTT loss, export."""
 
-from .config import EAGLE3_NUM_AUX, Eagle3Config, eagle3_capture_ids, eagle3_layer_ids
+from artcache.layer_ids import eagle3_capture_ids
+
+from .config import EAGLE3_NUM_AUX, Eagle3Config
 from .export import export_config, export_state_dict
 from .loss import Eagle3Stats, eagle3_loss, supervision_masks, target_soft_labels
 from .model import Eagle3Draft, build_ttt_mask, ttt_input_ids
@@ -23,8 +25,6 @@ __all__ = [
     "build_vocab_map",
     "count_plan_tokens",
     "draft_ids_to_target",
-    "eagle3_capture_ids",
-    "eagle3_layer_ids",
     "eagle3_loss",
     "export_config",
     "export_state_dict",

@@ -7,7 +7,7 @@ SpecForge's EAGLE-3 recipe (facts in ALGORITHMS.md, "EAGLE-3"; re-implemented he
 Layer ids are in the **output-of-layer** convention (ALGORITHMS.md, "Layer-id conventions"): id ``i`` is
 the un-normed residual stream leaving decoder layer ``i`` (0-based). Convert to vLLM's
 ``eagle_aux_hidden_state_layer_ids`` (input-of-layer) with
-:func:`artcache.trainers.dflash.layers.output_of_layer_to_vllm_id` (``+1``).
+:func:`artcache.layer_ids.output_of_layer_to_vllm_id` (``+1``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import math
 from typing import Any
 
 import msgspec
-from artcache.trainers.dflash.config import read_target_shape, resolve_intermediate
 
 from artcache.errors import ConfigError
+from artcache.trainers.dflash.config import read_target_shape, resolve_intermediate
 
-__all__ = ["EAGLE3_NUM_AUX", "Eagle3Config", "eagle3_capture_ids", "eagle3_layer_ids"]
+__all__ = ["EAGLE3_NUM_AUX", "Eagle3Config"]
 
 #: Number of captured (auxiliary) target layers concatenated into ``fc`` (3H -> H).
 EAGLE3_NUM_AUX = 3
@@ -30,38 +30,6 @@ def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an int, got {value!r}")
     return value
-
-
-def eagle3_layer_ids(num_target_layers: int) -> list[int]:
-    """The three auxiliary target layers EAGLE-3 reads, output-of-layer convention (0-based).
-
-    ``[1, L // 2 - 1, L - 4]`` (SpecForge ``_prepare_data``; the same layers as vLLM's default aux ids
-    ``(2, L // 2, L - 3)``, which are input-of-layer). Goldens: L=30 -> [1, 14, 26] (SmolLM2-135M),
-    L=36 -> [1, 17, 32] (Qwen3-8B). The ids are distinct for L >= 7; tiny targets with L in 5..6 get a
-    repeated id (L=6 -> [1, 2, 2]), as the reference formula gives.
-
-    Raises:
-        ConfigError: ``L`` not an int or ``L < 5`` (the ids would not be non-decreasing).
-    """
-    L = _check_int("num_target_layers", num_target_layers)
-    if L < 5:
-        raise ConfigError(f"num_target_layers={L}: EAGLE-3 needs at least 5 target layers "
-                          "(aux ids [1, L//2-1, L-4] must be non-decreasing)")
-    return [1, L // 2 - 1, L - 4]
-
-
-def eagle3_capture_ids(num_target_layers: int) -> list[int]:
-    """Everything an EAGLE-3 capture holds, output-of-layer convention: the three aux ids of
-    :func:`eagle3_layer_ids` followed by ``L - 1``, the last decoder layer's output **before** the
-    target's final norm. The target logits are ``lm_head(final_norm(h_{L-1}))``.
-
-    L=30 -> [1, 14, 26, 29]; L=36 -> [1, 17, 32, 35].
-
-    Raises:
-        ConfigError: as :func:`eagle3_layer_ids`.
-    """
-    ids = eagle3_layer_ids(num_target_layers)
-    return [*ids, num_target_layers - 1]
 
 
 class Eagle3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

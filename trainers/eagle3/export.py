@@ -30,12 +30,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from artcache.trainers.dflash.layers import output_of_layer_to_vllm_id
 from torch import Tensor
 
 from artcache.errors import ConfigError
+from artcache.layer_ids import eagle3_layer_ids, output_of_layer_to_vllm_id
 
-from .config import EAGLE3_NUM_AUX, Eagle3Config, eagle3_layer_ids
+from .config import EAGLE3_NUM_AUX, Eagle3Config
 from .model import FROZEN_BUFFERS, Eagle3Draft
 
 __all__ = ["EXPORT_ARCHITECTURE", "export_config", "export_state_dict"]

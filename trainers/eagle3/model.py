@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from artcache.trainers.dflash.model import _MLP, RMSNorm, _rope
 from torch import Tensor, nn
 
 from artcache.errors import ConfigError, DataError
+from artcache.trainers.dflash.model import _MLP, RMSNorm, _rope
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 
@@ -243,7 +243,7 @@ class Eagle3Draft(nn.Module):
 
         Args:
             aux_hidden: [b, T, 3, H] any float dtype, the three captured layers (output-of-layer,
-                un-normed) in :func:`~artcache.trainers.eagle3.config.eagle3_layer_ids` order.
+                un-normed) in :func:`~artcache.layer_ids.eagle3_layer_ids` order.
             input_ids: [b, T] long.
             valid: optional [b, T] bool; False marks padding. Padded positions have their features
                 and ids replaced by zeros (any garbage, NaN included, stays out) and are hidden as keys.

@@ -1,0 +1,202 @@
+"""What each draft needs from a capture: layer-id conventions and the layer formulas (no model code).
+
+The algorithm contracts of the drafts, in the library floor so the producer, ``artcache run`` and the
+drafts compute the same ids (like SpecForge's algorithm contracts): DFlash's spread of context layers,
+EAGLE-3's three auxiliary layers plus the last layer, a draft's ordered *view* of a root's captured
+layers, and the one range check for layer ids.
+
+Conventions (see ALGORITHMS.md, "Layer-id conventions"):
+
+- **output-of-layer i** (SpecForge, z-lab/dflash, DeepSpec): the residual stream leaving decoder
+  layer ``i`` (0-based). artcache's native convention.
+- **HF index**: the index into Hugging Face ``output_hidden_states``; index 0 is the embedding
+  output, so output-of-layer ``i < L - 1`` is HF index ``i + 1``. (transformers 5.x applies the final norm to
+  its last entry, so output-of-layer ``L - 1`` is *not* ``output_hidden_states[L]``: capture it with a hook.)
+- **vLLM id** (``eagle_aux_hidden_state_layer_ids``, speculators, original EAGLE: input-of-layer):
+  the stream entering layer ``k`` = output-of-layer ``k - 1``; vLLM id ``L`` = output of the last layer,
+  before the final norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError, ContractMismatch
+
+__all__ = [
+    "check_layer_ids",
+    "dflash_layer_ids",
+    "eagle3_capture_ids",
+    "eagle3_layer_ids",
+    "hf_index_to_output_of_layer",
+    "layer_view",
+    "output_of_layer_to_hf_index",
+    "output_of_layer_to_vllm_id",
+    "select_layers",
+    "view_slice",
+    "vllm_id_to_output_of_layer",
+]
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers DFlash captures, in the **output-of-layer** convention (0-based).
+
+    Formula (z-lab/dflash ``build_target_layer_ids``, DFlash arXiv:2602.06036): with ``L`` target
+    layers and ``n`` draft layers, ``round(1 + i * (L - 4) / (n - 1))`` for ``i in range(n)``, using
+    Python's ``round`` (half to even); the ids are spread over ``[1, L - 3]``. ``n == 1`` gives
+    ``[L // 2]``.
+
+    Goldens: ``L=36, n=5 -> [1, 9, 17, 25, 33]`` (Qwen3-8B); ``L=30, n=5 -> [1, 8, 14, 20, 27]``.
+
+    Raises:
+        ConfigError: ``L < 5`` or ``n`` outside ``[1, L - 3]`` (the message names both values).
+    """
+    L = _check_int("num_target_layers", num_target_layers)
+    n = _check_int("num_draft_layers", num_draft_layers)
+    if L < 5:
+        raise ConfigError(f"num_target_layers={L} (num_draft_layers={n}): DFlash needs at least 5 target layers")
+    if not 1 <= n <= L - 3:
+        raise ConfigError(
+            f"num_draft_layers={n} must be in [1, {L - 3}] for num_target_layers={L} "
+            "(one captured layer per draft layer, spread over [1, L-3])"
+        )
+    if n == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+
+def output_of_layer_to_hf_index(layer: int) -> int:
+    """Output-of-layer ``i`` -> HF ``output_hidden_states`` index ``i + 1`` (index 0 = embeddings)."""
+    i = _check_int("layer", layer)
+    if i < 0:
+        raise ConfigError(f"output-of-layer id must be >= 0, got {i}")
+    return i + 1
+
+
+def hf_index_to_output_of_layer(index: int) -> int:
+    """HF ``output_hidden_states`` index ``j >= 1`` -> output-of-layer ``j - 1``.
+
+    Raises:
+        ConfigError: ``j < 1`` (index 0 is the embedding output, not the output of any layer).
+    """
+    j = _check_int("index", index)
+    if j < 1:
+        raise ConfigError(f"HF hidden_states index {j} is not the output of a decoder layer (need >= 1)")
+    return j - 1
+
+
+def vllm_id_to_output_of_layer(layer_id: int) -> int:
+    """vLLM aux-hidden-state id ``k`` (input-of-layer ``k``; ``k = L`` is the last layer's output)
+    -> output-of-layer ``k - 1``.
+
+    Raises:
+        ConfigError: ``k < 1`` (id 0 is the embedding output).
+    """
+    k = _check_int("layer_id", layer_id)
+    if k < 1:
+        raise ConfigError(f"vLLM layer id {k} is the embedding output, not the output of a decoder layer")
+    return k - 1
+
+
+def output_of_layer_to_vllm_id(layer: int) -> int:
+    """Output-of-layer ``i`` -> vLLM aux-hidden-state id ``i + 1`` (inverse of
+    :func:`vllm_id_to_output_of_layer`)."""
+    i = _check_int("layer", layer)
+    if i < 0:
+        raise ConfigError(f"output-of-layer id must be >= 0, got {i}")
+    return i + 1
+
+
+def eagle3_layer_ids(num_target_layers: int) -> list[int]:
+    """The three auxiliary target layers EAGLE-3 reads, output-of-layer convention (0-based).
+
+    ``[1, L // 2 - 1, L - 4]`` (SpecForge ``_prepare_data``; the same layers as vLLM's default aux ids
+    ``(2, L // 2, L - 3)``, which are input-of-layer). Goldens: L=30 -> [1, 14, 26] (SmolLM2-135M),
+    L=36 -> [1, 17, 32] (Qwen3-8B). The ids are distinct for L >= 7; tiny targets with L in 5..6 get a
+    repeated id (L=6 -> [1, 2, 2]), as the reference formula gives.
+
+    Raises:
+        ConfigError: ``L`` not an int or ``L < 5`` (the ids would not be non-decreasing).
+    """
+    L = _check_int("num_target_layers", num_target_layers)
+    if L < 5:
+        raise ConfigError(f"num_target_layers={L}: EAGLE-3 needs at least 5 target layers "
+                          "(aux ids [1, L//2-1, L-4] must be non-decreasing)")
+    return [1, L // 2 - 1, L - 4]
+
+
+def eagle3_capture_ids(num_target_layers: int) -> list[int]:
+    """Everything an EAGLE-3 capture holds, output-of-layer convention: the three aux ids of
+    :func:`eagle3_layer_ids` followed by ``L - 1``, the last decoder layer's output **before** the
+    target's final norm. The target logits are ``lm_head(final_norm(h_{L-1}))``.
+
+    L=30 -> [1, 14, 26, 29]; L=36 -> [1, 17, 32, 35].
+
+    Raises:
+        ConfigError: as :func:`eagle3_layer_ids`.
+    """
+    ids = eagle3_layer_ids(num_target_layers)
+    return [*ids, num_target_layers - 1]
+
+
+def check_layer_ids(ids: Sequence[int], num_layers: int, what: str) -> list[int]:
+    """``ids`` as ints if every one is an output-of-layer id of a ``num_layers``-layer target.
+
+    Raises:
+        ConfigError: an empty list, a non-integer, or an id outside ``0..num_layers - 1``; the message
+            starts with ``what`` (e.g. ``"--layer-ids 1,40"``) and names the accepted range.
+    """
+    if not ids:
+        raise ConfigError(f"{what}: no layer id given (accepted: output-of-layer ids 0..{num_layers - 1})")
+    out = [_check_int("layer id", i) for i in ids]
+    bad = [i for i in out if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"{what}: {bad} are not output-of-layer ids of a {num_layers}-layer target "
+                          f"(accepted: 0..{num_layers - 1})")
+    return out
+
+
+def layer_view(captured: Sequence[int], needed: Sequence[int], *, draft: str, flag_hint: str) -> list[int]:
+    """Indices into the root's captured layers (``contract.layer_ids``) giving ``needed`` in order.
+
+    A root may capture a superset (the union of several drafts' layers); each draft reads its own
+    ordered view. ``needed`` may repeat an id (each occurrence maps to the same captured layer).
+
+    Raises:
+        ContractMismatch: some needed layer is not captured; the message names the missing ids and
+            the producer flag that captures them (``--layer-ids`` with the union, on a fresh root).
+    """
+    captured = [int(i) for i in captured]
+    missing = sorted({int(i) for i in needed} - set(captured))
+    if missing:
+        union = sorted(set(captured) | {int(i) for i in needed})
+        raise ContractMismatch(
+            f"{draft} needs output-of-layer ids {list(needed)}{flag_hint}; this cache root captures {captured} "
+            f"(missing {missing}): start the producer on a fresh --cache root with --layer-ids "
+            f"{','.join(map(str, union))} (the union every draft on it needs)")
+    return [captured.index(int(i)) for i in needed]
+
+
+def view_slice(index: Sequence[int]) -> slice | Tensor:
+    """A ``slice`` when ``index`` is a contiguous ascending run (so indexing returns a view, no copy),
+    else a long tensor for ``index_select``."""
+    idx = list(index)
+    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
+        return slice(idx[0], idx[0] + len(idx))
+    return torch.tensor(idx, dtype=torch.long)
+
+
+def select_layers(hidden: Tensor, sel: slice | Tensor) -> Tensor:
+    """``hidden[..., m, H]`` restricted to the view along dim -2: a view for a slice, else a copy."""
+    if isinstance(sel, slice):
+        return hidden[..., sel, :]
+    return hidden.index_select(hidden.dim() - 2, sel.to(hidden.device))
