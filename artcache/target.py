@@ -44,6 +44,13 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
                    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
                    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
                    "hidden_act": "silu"},
+    # SmolLM2-135M-Instruct's shape (its published config): GPU speed work at the real draft scale
+    # without staging the weights (the real target: ``smollm2-135m-instruct``).
+    "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                     "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+                     "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                     "hidden_act": "silu"},
     "tiny-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                    "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "rms_norm_eps": 1e-5,
