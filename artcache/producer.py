@@ -537,7 +537,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     import torch
 
     from artcache.backends.hf import HFCaptureBackend
-    from artcache.target import load_target_model
+    from artcache.target import load_target_model, quiet_transformers
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -594,16 +594,6 @@ def claim_producer_presence(layout: CacheLayout):
                          daemon=True).start()
         return None
     return lock
-
-
-def quiet_transformers() -> None:
-    """No per-start tqdm bars from transformers (weight loading, GGUF conversion) in role logs."""
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 def _cleanup_orphans(layout: CacheLayout) -> int:

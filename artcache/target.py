@@ -292,6 +292,15 @@ def _describe(target_dir: Path, *, name: str, revision: str) -> TargetInfo:
     )
 
 
+def quiet_transformers() -> None:
+    """No per-start tqdm bars from transformers (weight loading, GGUF conversion) in role logs."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def load_target_model(info: TargetInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
     """The target as a transformers causal LM on ``device`` in ``dtype``: eval mode, all requires_grad False."""
     from transformers import AutoConfig, AutoModelForCausalLM

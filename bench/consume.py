@@ -15,15 +15,15 @@ import msgspec
 
 
 def main(argv: list[str] | None = None) -> int:
-    from artcache.app.cli import _setup_logging
     from artcache.errors import ArtcacheError, ConfigError
+    from artcache.logs import setup_logging
     from artcache.trainers.consumer import ConsumerConfig, run_consumer
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m artcache.bench.consume '<ConsumerConfig as JSON>'", file=sys.stderr)
         return 2
-    _setup_logging(False)
+    setup_logging(False)
     try:
         cfg = msgspec.json.decode(args[0], type=ConsumerConfig)
         cfg.validate()
