@@ -13,7 +13,7 @@ Nothing sleeps and no model runs: a virtual clock advances from event to event. 
   and then publishes the batch at once; a capture of a fingerprint published before and evicted
   since is a **recapture**;
 * a **consumer** registers at ``start_s``, then repeatedly reads its next batch of consecutive
-  positions ``[cursor, cursor + batch_size)`` in order (as ``artcache.trainers.consumer._Reader``), leasing
+  positions ``[cursor, cursor + batch_size)`` in order (as ``artcache.trainers.consumer.reader.Reader``), leasing
   each position it reads; on an unpublished position it records it in ``Registration.demand`` and
   waits; with the whole batch read it trains for ``step_s``, commits the cursor, releases the
   batch's leases; at ``end`` it completes (fenced: its window stops counting);

@@ -111,24 +111,24 @@ def test_inspect_shows_the_reports_counts(bench_all):
 # ---- the lockstep baseline's gate in the consumer's reader ---------------------------------------------
 
 def test_lockstep_reader_reads_only_the_batch_every_member_may_read():
-    from artcache.trainers.consumer import _Reader
+    from artcache.trainers.consumer.reader import Reader
 
     group = {"cursor": 0}
-    r = _Reader(None, 0, batch=2, lookahead=8, depth=1, end=100, group_cursor=lambda: group["cursor"])
+    r = Reader(None, 0, batch=2, lookahead=8, depth=1, end=100, group_cursor=lambda: group["cursor"])
     assert r._authorized(0) and r._authorized(1) and not r._authorized(2)  # batch [0, 2) only
     r.authorize(2)  # its own commit does not move the group's cursor
     assert not r._authorized(2)
     group["cursor"] = 2  # every member committed batch [0, 2)
     assert r._authorized(2) and r._authorized(3) and not r._authorized(4)
     # without a group the window alone decides: [cursor, cursor + lookahead]
-    free = _Reader(None, 0, batch=2, lookahead=8, depth=1, end=100)
+    free = Reader(None, 0, batch=2, lookahead=8, depth=1, end=100)
     assert free._authorized(8) and not free._authorized(9)
 
 
 def test_group_cursor_is_the_min_over_running_members(tmp_path):
     from artcache import registry
     from artcache.layout import CacheLayout
-    from artcache.trainers.consumer import group_cursor
+    from artcache.trainers.consumer.reader import group_cursor
 
     layout = CacheLayout(tmp_path / "root")
     layout.create()

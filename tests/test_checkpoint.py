@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 import safetensors.torch
 import torch
 
 from artcache.errors import ConfigError
 from artcache.trainers import checkpoint as ck
-from artcache.trainers.consumer import _load_weights_strict, lr_at
+from artcache.trainers.consumer import lr_at
+from artcache.trainers.consumer.restore import load_weights_strict
 
 
 class Tiny(torch.nn.Module):
@@ -73,10 +75,10 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     loaded = ck.load_checkpoint(path)
     model2, opt2 = make(seed=99)  # different init: everything must come from the checkpoint
     gen2 = torch.Generator().manual_seed(0)
-    _load_weights_strict(model2, loaded.weights, "test")
-    ck.restore_optimizer(opt2, loaded.optimizer, loaded.state["param_groups"])
+    load_weights_strict(model2, loaded.weights, "test")
+    ck.restore_optimizer(opt2, loaded.optimizer, loaded.state.param_groups)
     ck.restore_rng(loaded.rng, {"anchors": gen2})
-    assert (loaded.state["step"], loaded.state["cursor"], loaded.state["consumer_id"]) == (4, 8, "c")
+    assert (loaded.state.step, loaded.state.cursor, loaded.state.consumer_id) == (4, 8, "c")
     rest = train(model2, opt2, gen2, range(4, 10))
     assert first + rest == straight
     for k, v in model2.state_dict().items():
@@ -126,12 +128,12 @@ def test_a_failed_save_leaves_nothing_and_keeps_the_previous(tmp_path, monkeypat
     assert (tmp_path / "checkpoints" / "latest").resolve() == first
 
 
-def test_find_by_cursor_and_prune(tmp_path):
+def test_find_checkpoint_by_cursor_and_prune(tmp_path):
     model, opt = make()
     gen = torch.Generator()
     paths = {s: save(tmp_path, s, model, opt, gen) for s in (2, 4, 6, 8)}
-    assert ck.find_by_cursor(tmp_path, 8) == paths[4]  # cursor = 2 × step
-    assert ck.find_by_cursor(tmp_path, 5) is None
+    assert ck.find_checkpoint(tmp_path, cursor=8) == paths[4]  # cursor = 2 × step
+    assert ck.find_checkpoint(tmp_path, cursor=5) is None
     (tmp_path / "checkpoints" / ".tmp-half").mkdir()  # a crashed save's temp dir is never a checkpoint
     assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2, 4, 6, 8]
     removed = ck.prune(tmp_path, 2, protect=paths[2])
@@ -161,30 +163,71 @@ def test_strict_weights_both_ways():
     model, _ = make()
     own = {k: v.clone() for k, v in model.trainable_state_dict().items()}
     with pytest.raises(ConfigError, match=r"missing 1 key\(s\) \['b.weight'\]"):
-        _load_weights_strict(model, {k: v for k, v in own.items() if k != "b.weight"}, "src")
+        load_weights_strict(model, {k: v for k, v in own.items() if k != "b.weight"}, "src")
     with pytest.raises(ConfigError, match=r"unexpected 1 key\(s\) \['c.weight'\]"):
-        _load_weights_strict(model, {**own, "c.weight": torch.zeros(1)}, "src")
+        load_weights_strict(model, {**own, "c.weight": torch.zeros(1)}, "src")
     with pytest.raises(ConfigError, match=r"shape mismatches \['a.bias \(4,\) != \(3,\)'\]"):
-        _load_weights_strict(model, {**own, "a.bias": torch.zeros(4)}, "src")
+        load_weights_strict(model, {**own, "a.bias": torch.zeros(4)}, "src")
     changed = {k: v + 1 for k, v in own.items()}
-    _load_weights_strict(model, changed, "src")
+    load_weights_strict(model, changed, "src")
     assert all(torch.equal(model.trainable_state_dict()[k], changed[k]) for k in own)
 
 
-def test_resolve_weights_dir(tmp_path):
+def test_find_checkpoint_is_the_one_lookup(tmp_path):
+    """--init-from (a published draft is enough), export / artcache run (a checkpoint) and --resume (by cursor)."""
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.consumer.restore import init_source
+
     with pytest.raises(ConfigError, match="no model.safetensors"):
-        ck.resolve_weights_dir(tmp_path / "missing")
+        init_source(ConsumerConfig(cache="-", init_from=str(tmp_path / "missing")), settings=None)
+    assert ck.find_checkpoint(tmp_path / "missing", published=True) is None
     model, opt = make()
     path = save(tmp_path / "run", 3, model, opt, torch.Generator())
     ck.point_latest(tmp_path / "run", path)
-    assert ck.resolve_weights_dir(tmp_path / "run") == path
-    assert ck.resolve_weights_dir(path) == path
+    for given in (tmp_path / "run", tmp_path / "run" / "checkpoints", path):  # run dir, checkpoints/, step-N
+        assert ck.find_checkpoint(given) == path
+        assert ck.find_checkpoint(given, published=True) == path
+    assert ck.find_checkpoint(tmp_path / "run", cursor=6) == path
+    published = tmp_path / "draft"
+    published.mkdir()
+    safetensors.torch.save_file({"w": torch.zeros(1)}, str(published / "model.safetensors"))
+    assert ck.find_checkpoint(published) is None  # no state.json: not a checkpoint
+    assert ck.find_checkpoint(published, published=True) == published
+
+
+def test_checkpoint_state_reads_older_and_newer_files(tmp_path):
+    """Fields an older state.json lacks read as None / empty, fields this version does not know are
+    ignored; step and cursor are required and the schedule (written only by the consumer) is strict."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "state.json").write_text(json.dumps({"format": 1, "step": 4, "cursor": 8, "draft": "dflash",
+                                              "from_the_future": {"x": 1}}))
+    st = ck.read_state(d)
+    assert (st.step, st.cursor, st.draft, st.target_path, st.layer_ids, st.run) == (4, 8, "dflash", None, None, {})
+    assert st.view_layer_ids is None
+    (d / "state.json").write_text(json.dumps({"step": 1, "cursor": 2, "layer_ids": [1, 3],
+                                              "draft_config": {"layer_ids": [5, 6]}}))
+    assert ck.read_state(d).view_layer_ids == [5, 6]  # the draft's own record first
+    for bad, needle in (({"cursor": 2}, "step"), ({"step": "4", "cursor": 8}, "step"), ([1], "object"),
+                        ({"step": 1, "cursor": 2, "schedule": {"kind": "k", "base_lr": 1.0, "warmup_frac": 0.0,
+                                                               "min_lr_frac": 0.0, "total_steps": 1, "next_step": 1,
+                                                               "extra": 1}}, "extra")):
+        (d / "state.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=needle):
+            ck.read_state(d)
+
+
+def test_save_checkpoint_refuses_a_state_that_would_not_read_back(tmp_path):
+    model, opt = make()
+    with pytest.raises(msgspec.ValidationError, match="consumer_id"):
+        save(tmp_path, 1, model, opt, torch.Generator(), consumer_id=7)
+    assert ck.list_checkpoints(tmp_path) == [] and list((tmp_path / "checkpoints").iterdir()) == []
 
 
 def test_regression_resume_names_only_the_draft_options_that_differ():
     """A resume with another draft configuration printed both configs whole (two long dicts); now it names
     the differing keys only."""
-    from artcache.trainers.consumer import config_diffs
+    from artcache.trainers.consumer.restore import config_diffs
 
     saved = {"num_layers": 3, "block_size": 16, "layer_ids": [1, 14, 27], "gamma": 7.0}
     ours = {"num_layers": 2, "block_size": 16, "layer_ids": [1, 27], "gamma": 7.0, "new": 1}

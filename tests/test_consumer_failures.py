@@ -17,7 +17,7 @@ from test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 from artcache import leases, registry
 from artcache.layout import CacheLayout
-from artcache.trainers.checkpoint import load_state
+from artcache.trainers.checkpoint import read_state
 from artcache.trainers.tracking import read_metrics
 
 STEPS = 8
@@ -48,7 +48,7 @@ def test_regression_capture_timeout_checkpoints_and_releases_leases(tmp_path, ti
         assert reg.state == "failed" and 0 < reg.cursor < STEPS * BATCH
         assert reg.checkpoint_cursor == reg.cursor, "no checkpoint of the committed steps"
         latest = (tmp_path / "runs" / "x" / "checkpoints" / "latest").resolve()
-        assert load_state(latest)["cursor"] == reg.cursor
+        assert read_state(latest).cursor == reg.cursor
         held = [info.name for infos in leases.scan(layout).values() for info in infos if info.consumer == "x"]
         assert held == [], f"leases left by the failed consumer: {held}"
 

@@ -27,7 +27,7 @@ from procs import wait_until
 from artcache import journal as J
 from artcache import registry
 from artcache.layout import CacheLayout
-from artcache.trainers.checkpoint import load_state
+from artcache.trainers.checkpoint import read_state
 from artcache.trainers.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,7 +151,7 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
         assert (reg.state, reg.cursor, reg.checkpoint_cursor) == ("completed", STEPS * BATCH, STEPS * BATCH)
         run = tmp_path / "runs" / cid
         latest = (run / "checkpoints" / "latest").resolve()
-        assert latest.name == f"step-{STEPS:08d}" and load_state(latest)["cursor"] == STEPS * BATCH
+        assert latest.name == f"step-{STEPS:08d}" and read_state(latest).cursor == STEPS * BATCH
         assert sorted(p.name for p in latest.iterdir()) == ["model.safetensors", "optimizer.safetensors",
                                                            "rng.safetensors", "state.json"]
         # metrics.csv: the dead process's rows after the checkpoint were replaced, each step once
@@ -163,9 +163,9 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
     end = [e for e in file_events(cache, "sib")[0] if isinstance(e, J.ConsumerEnd)]
     assert len(end) == 1 and end[0].state == "cancelled" and end[0].steps == sib_steps[-1].step
     rs = registry.read(layout, "sib")
-    ck = load_state((tmp_path / "runs" / "sib" / "checkpoints" / "latest").resolve())
-    assert rs.state == "cancelled" and ck["step"] == sib_steps[-1].step
-    assert ck["cursor"] == rs.cursor == rs.checkpoint_cursor == sib_steps[-1].cursor
+    ck = read_state((tmp_path / "runs" / "sib" / "checkpoints" / "latest").resolve())
+    assert rs.state == "cancelled" and ck.step == sib_steps[-1].step
+    assert ck.cursor == rs.cursor == rs.checkpoint_cursor == sib_steps[-1].cursor
 
     proc = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
                           capture_output=True, text=True, timeout=120,

@@ -12,7 +12,8 @@ import torch
 
 from artcache.errors import ConfigError, ContractMismatch
 from artcache.layer_ids import layer_view, select_layers, view_slice
-from artcache.trainers.drafts import DraftBatch, MetricSums, greedy_replay, replay_sums
+from artcache.trainers.dflash.adapter import greedy_replay
+from artcache.trainers.draft import DraftBatch, MetricSums, replay_sums
 from artcache.trainers.evaluation import eval_split
 
 # ---- layer views ---------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def test_union_capture_views_equal_solo_captures(tiny_target):
 
 def test_collate_applies_the_view_without_copying_a_batch_of_one():
     from artcache.store import Artifact
-    from artcache.trainers.consumer import collate
+    from artcache.trainers.consumer.reader import collate
 
     @dataclass
     class L:
@@ -194,7 +195,7 @@ def batch_for(plan, m: int, H: int = 64) -> DraftBatch:
 @pytest.mark.parametrize("draft", ["dflash", "eagle3"])
 def test_both_drafts_behind_one_interface(tiny_root, draft):
     from artcache.trainers.consumer import ConsumerConfig
-    from artcache.trainers.drafts import build_draft
+    from artcache.trainers.draft import build_draft
 
     pytest.importorskip("artcache.trainers.eagle3")
     settings, plan = tiny_root
@@ -223,15 +224,15 @@ def test_both_drafts_behind_one_interface(tiny_root, draft):
         assert 1.0 <= es["replay_tau"] <= 4.0 and 0.0 <= es["sim_acc_len"] <= 3.0
         assert d.model.d2t.numel() == 500 and int(d.model.t2d.sum()) == 500
         # the vocab map comes from the training samples only (the held-out split is left out)
-        from artcache.trainers.drafts import _TrainingTokens
         from artcache.trainers.eagle3 import build_vocab_map, count_plan_tokens
+        from artcache.trainers.eagle3.adapter import TrainingTokens
 
-        d2t, _ = build_vocab_map(count_plan_tokens(_TrainingTokens(plan, len(plan) - 4), 49152), 500)
+        d2t, _ = build_vocab_map(count_plan_tokens(TrainingTokens(plan, len(plan) - 4), 49152), 500)
         assert torch.equal(d.model.d2t.cpu(), d2t)
 
 
 def test_evenly_spaced_anchor_subset():
-    from artcache.trainers.drafts import evenly_spaced
+    from artcache.trainers.dflash.adapter import evenly_spaced
 
     pos = torch.arange(10, 30)
     assert torch.equal(evenly_spaced(pos, 0), pos) and torch.equal(evenly_spaced(pos, 25), pos)
@@ -247,7 +248,7 @@ def test_evenly_spaced_anchor_subset():
 def test_dflash_eval_anchors_caps_blocks_per_sample(tiny_root):
     """--eval-anchors k evaluates k blocks per held-out sample (the full pass cost minutes per eval on CPU)."""
     from artcache.trainers.consumer import ConsumerConfig
-    from artcache.trainers.drafts import build_draft
+    from artcache.trainers.draft import build_draft
 
     settings, plan = tiny_root
     full = build_draft(ConsumerConfig(cache="-", block_size=4, num_anchors=8), settings, plan, torch.device("cpu"))
@@ -264,7 +265,7 @@ def test_dflash_eval_anchors_caps_blocks_per_sample(tiny_root):
 
 
 def test_eagle3_summary_is_computed_from_sums(tiny_root):
-    from artcache.trainers.drafts import Eagle3Adapter
+    from artcache.trainers.eagle3.adapter import Eagle3Adapter
 
     pytest.importorskip("artcache.trainers.eagle3")
     a = Eagle3Adapter(None, SimpleNamespace(ttt_steps=2, loss_decay=0.5), (1, 2, 2, 5))
@@ -282,7 +283,7 @@ def test_eagle3_summary_is_computed_from_sums(tiny_root):
 
 def test_explicit_layer_ids_replace_the_formula(tiny_root):
     from artcache.trainers.consumer import ConsumerConfig
-    from artcache.trainers.drafts import build_draft
+    from artcache.trainers.draft import build_draft
 
     settings, plan = tiny_root  # captures [1, 2, 3, 5]
     d = build_draft(ConsumerConfig(cache="-", layer_ids=[5, 1], draft_layers=1), settings, plan, torch.device("cpu"))

@@ -21,13 +21,13 @@ from artcache.errors import ConfigError
 from artcache.layer_ids import dflash_layer_ids
 from artcache.trainers.checkpoint import point_latest, save_checkpoint
 from artcache.trainers.dflash import DFlashConfig, DFlashDraft, sample_anchors
-from artcache.trainers.export import (
+from artcache.trainers.dflash.export import (
     dflash_config_from_export,
     dflash_export_config,
-    export_checkpoint,
     load_dflash_export,
-    load_eagle3_export,
 )
+from artcache.trainers.eagle3.export import load_eagle3_export
+from artcache.trainers.export import export_checkpoint
 
 V, H, L = 40, 32, 8  # tiny target: vocab, width, decoder layers
 DFLASH_KEYS_PER_LAYER = (

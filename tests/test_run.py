@@ -97,7 +97,7 @@ class Sample:
 
 def test_union_views_equal_solo_captures(tiny_target, tmp_path):
     """Capture a batch once with the union of three views and once per view alone: each view's slice of
-    the union (by :func:`view_index`, and by the consumer's own ``artcache.trainers.drafts`` selection) equals the
+    the union (by :func:`view_index`, and by the consumer's own ``artcache.trainers.draft`` selection) equals the
     solo capture bit for bit, in memory and after publish/read through the store."""
     from artcache.layer_ids import dflash_layer_ids, eagle3_capture_ids, layer_view, select_layers, view_slice
     from artcache.target import load_target_model

@@ -13,10 +13,14 @@ Layout of ``<run_dir>/checkpoints/step-<N>/`` (N zero-padded to 8 digits)::
 
 Nothing is ever unpickled: tensors come from safetensors, the rest from JSON.
 
+``state.json`` is read as a :class:`CheckpointState` (typed; see its docstring for how fields a
+reader does not know, and fields an older checkpoint lacks, are handled).
+
 Atomicity: the directory is written under a unique temp name beside it (every file fsynced), renamed
 into place and the parent directory fsynced, so a crash leaves either no ``step-<N>`` or a complete
 one. ``latest`` is a symlink replaced atomically after the rename (a convenience: ``--resume`` looks
-the checkpoint up by the cursor the registry recorded, see :func:`find_by_cursor`).
+the checkpoint up by the cursor the registry recorded). :func:`find_checkpoint` is the one lookup
+every reader uses (``--resume`` by cursor, ``--init-from``, ``artcache export``, ``artcache run``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import safetensors.torch
 import torch
 from torch import Tensor
@@ -42,6 +48,73 @@ log = logging.getLogger("artcache.consumer")
 #: state.json ``format``; bump when the layout above changes.
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"step-([0-9]{8})")
+
+
+class Schedule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The LR schedule a checkpoint was trained under (:func:`artcache.trainers.consumer.lr_at`).
+
+    Attributes:
+        kind: ``"linear-warmup-cosine"``. base_lr: peak LR. warmup_frac, min_lr_frac: as the consumer's
+        flags. total_steps: the run's ``--steps``. next_step: the step the schedule continues at.
+    """
+
+    kind: str
+    base_lr: float
+    warmup_frac: float
+    min_lr_frac: float
+    total_steps: int
+    next_step: int
+
+
+class CheckpointState(msgspec.Struct, kw_only=True):
+    """A checkpoint's ``state.json``: everything that is not a tensor.
+
+    Unknown fields are **ignored** (not forbidden): a ``state.json`` written by a newer artcache of the
+    same ``format`` still loads here, and callers may store extra keys (``save_checkpoint(state=...)``).
+    Fields an older checkpoint lacks read as their default (None / empty); only ``step`` and ``cursor``
+    are required. ``schedule`` is written only by the consumer, so its struct forbids unknown fields.
+    ``format`` is checked (== :data:`CHECKPOINT_FORMAT`) only where the whole checkpoint is restored
+    (:func:`load_checkpoint`); metadata readers (export, ``artcache run``'s preflight) do not need it.
+
+    Attributes:
+        format: layout version. step: optimizer steps done. cursor: the committed cursor (positions).
+        consumer_id, draft: who trained it and which draft (a key of ``artcache.trainers.ADAPTERS``).
+        draft_config: the draft's ``config_dict()`` (with ``layer_ids``).
+        run: the run-defining consumer settings (``RUN_FIELDS``: ``--resume`` refuses when one differs).
+        schedule: the LR schedule. param_groups: the optimizer's param groups (JSON lists for tuples).
+        plan_id, contract_id: the cache root it walked. target_name, target_path, target_weights_digest,
+        dtype (hidden-state dtype), layer_convention, final_norm: the target identity it was trained on.
+        layer_ids: the draft's layer view (output-of-layer ids). pinned: the held-out range ``[lo, hi)``.
+        generation: the registration generation that wrote it. saved_at: ``time.time()`` of the save.
+    """
+
+    format: int | None = None
+    step: int
+    cursor: int
+    consumer_id: str | None = None
+    draft: str | None = None
+    draft_config: dict[str, Any] | None = None
+    run: dict[str, Any] = msgspec.field(default_factory=dict)
+    schedule: Schedule | None = None
+    param_groups: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    plan_id: str | None = None
+    contract_id: str | None = None
+    target_name: str | None = None
+    target_path: str | None = None
+    target_weights_digest: str | None = None
+    dtype: str | None = None
+    layer_convention: str | None = None
+    final_norm: str | None = None
+    layer_ids: list[int] | None = None
+    pinned: list[int] | None = None
+    generation: int | None = None
+    saved_at: float | None = None
+
+    @property
+    def view_layer_ids(self) -> list[int] | None:
+        """The layer ids the draft read: its ``draft_config.layer_ids``, else the top-level ``layer_ids``
+        (None when neither is recorded)."""
+        return (self.draft_config or {}).get("layer_ids") or self.layer_ids or None
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], list[dict]]:
@@ -146,8 +219,13 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
         weights: the trainable tensors (``trainable_state_dict()``), any device.
         generators: named generators whose states are saved (besides torch's CPU / CUDA ones).
         extra_tensors: non-trained draft tensors (EAGLE-3 vocab map); may be empty.
-        state: JSON-serialisable metadata (draft config, run settings, ids, schedule); ``step``,
-            ``cursor``, ``format`` and the optimizer's param groups are added.
+        state: JSON-serialisable metadata (draft config, run settings, ids, schedule): the fields of
+            :class:`CheckpointState` (extra keys are kept in the file); ``step``, ``cursor``, ``format``
+            and the optimizer's param groups are added.
+
+    Raises:
+        msgspec.ValidationError: ``state`` holds a :class:`CheckpointState` field of the wrong type
+            (nothing is written).
     """
     final = step_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +243,9 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
                                         tmp / "extra.safetensors")
             names.append("extra.safetensors")
         doc = {**state, "format": CHECKPOINT_FORMAT, "step": step, "cursor": cursor, "param_groups": groups}
-        (tmp / "state.json").write_text(json.dumps(doc, indent=1, default=str))
+        text = json.dumps(doc, indent=1, default=str)
+        msgspec.json.decode(text, type=CheckpointState)  # what is written reads back (ValidationError if not)
+        (tmp / "state.json").write_text(text)
         for name in names:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
@@ -215,14 +295,30 @@ def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:
     return removed
 
 
-def find_by_cursor(run_dir: Path, cursor: int) -> Path | None:
-    """The newest checkpoint of ``run_dir`` whose committed cursor is ``cursor`` (None if none)."""
-    for _, p in reversed(list_checkpoints(run_dir)):
-        try:
-            if load_state(p).get("cursor") == cursor:
-                return p
-        except (OSError, ValueError):
-            continue
+def find_checkpoint(path: str | Path, *, cursor: int | None = None, published: bool = False) -> Path | None:
+    """The checkpoint directory ``path`` names (resolved), or None: the one lookup of every reader.
+
+    Without ``cursor``: the first of ``path`` (a ``step-N`` directory), ``path/latest`` (a
+    ``checkpoints/`` directory) and ``path/checkpoints/latest`` (a run directory) that holds
+    ``model.safetensors`` and ``state.json`` — or only ``model.safetensors`` with ``published`` (a
+    draft directory without a checkpoint state is accepted: ``--init-from``).
+
+    With ``cursor``: ``path`` is a run directory; the newest of its complete checkpoints whose
+    committed cursor is ``cursor`` (``--resume`` finds the checkpoint the registry recorded; one whose
+    ``state.json`` is unreadable is skipped).
+    """
+    if cursor is not None:
+        for _, p in reversed(list_checkpoints(Path(path))):
+            try:
+                if read_state(p).cursor == cursor:
+                    return p
+            except ConfigError:
+                continue
+        return None
+    p = Path(path).expanduser()
+    for cand in (p, p / "latest", p / "checkpoints" / "latest"):
+        if (cand / "model.safetensors").is_file() and (published or (cand / "state.json").is_file()):
+            return cand.resolve()
     return None
 
 
@@ -232,7 +328,7 @@ class Loaded:
     tensors and ``extra`` tensors (empty when the checkpoint has none)."""
 
     path: Path
-    state: dict
+    state: CheckpointState
     weights: dict[str, Tensor]
     optimizer: dict[str, Tensor]
     rng: dict[str, Tensor]
@@ -246,46 +342,29 @@ def load_checkpoint(path: Path) -> Loaded:
         ConfigError: a file is missing or unreadable, or the format is unknown.
     """
     path = Path(path)
+    state = read_state(path)
+    if state.format != CHECKPOINT_FORMAT:
+        raise ConfigError(f"checkpoint {path} has format {state.format!r}; this artcache reads {CHECKPOINT_FORMAT}")
     try:
-        state = load_state(path)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ConfigError(f"checkpoint {path} has format {state.get('format')!r}; this artcache reads "
-                              f"{CHECKPOINT_FORMAT}")
         extra = path / "extra.safetensors"
         return Loaded(path, state, safetensors.torch.load_file(path / "model.safetensors"),
                       safetensors.torch.load_file(path / "optimizer.safetensors"),
                       safetensors.torch.load_file(path / "rng.safetensors"),
                       safetensors.torch.load_file(extra) if extra.is_file() else {})
     except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
         raise ConfigError(f"checkpoint {path} is incomplete or unreadable: {exc}") from exc
 
 
-def load_weights(checkpoint: Path) -> dict[str, Tensor]:
-    """Trainable weights of a checkpoint (safetensors only; nothing is unpickled)."""
-    path = Path(checkpoint) / "model.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(f"no model.safetensors in checkpoint {checkpoint}")
-    return safetensors.torch.load_file(path)
-
-
-def load_state(checkpoint: Path) -> dict:
-    return json.loads((Path(checkpoint) / "state.json").read_text())
-
-
-def resolve_weights_dir(path: str | Path) -> Path:
-    """The directory ``--init-from`` reads: ``path`` itself if it holds ``model.safetensors`` (a
-    checkpoint or published draft), else ``path/checkpoints/latest`` (a run directory).
+def read_state(checkpoint: str | Path) -> CheckpointState:
+    """A checkpoint directory's ``state.json`` as a :class:`CheckpointState`.
 
     Raises:
-        ConfigError: neither exists.
+        ConfigError: the file is missing, not JSON, or not a checkpoint state (the message names the
+            checkpoint and the field at fault).
     """
-    p = Path(path).expanduser()
-    if (p / "model.safetensors").is_file():
-        return p
-    latest = p / "checkpoints" / "latest"
-    if (latest / "model.safetensors").is_file():
-        return latest.resolve()
-    raise ConfigError(f"--init-from {str(path)!r}: no model.safetensors there nor in its checkpoints/latest; "
-                      "accepted: a checkpoint directory, a published draft directory or a consumer run directory")
+    path = Path(checkpoint) / "state.json"
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=CheckpointState)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"checkpoint {Path(checkpoint)}: state.json is unreadable or not a checkpoint state "
+                          f"({exc})") from exc

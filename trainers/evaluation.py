@@ -10,7 +10,7 @@ them after every window position and captures them on demand, so an evaluation n
 eviction invariants. Consumers that share a root and are compared with each other should use the same
 ``--eval-samples`` (the split depends only on E and the plan).
 
-Metrics (sums divided once over the whole split, see :class:`artcache.trainers.drafts.MetricSums`): the
+Metrics (sums divided once over the whole split, see :class:`artcache.trainers.draft.MetricSums`): the
 draft's loss, per-position accuracy ``acc_k``, DFlash τ (mean accepted length per block **including
 the +1 bonus token**) over every eligible anchor, EAGLE-3 ``simulated_acc_len``; and a greedy
 acceptance replay against the **target's own argmax** when the root captures the target's last
@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ConfigError
+from artcache.target import load_final_norm
+from artcache.trainers.draft import MetricSums
 
 log = logging.getLogger("artcache.consumer")
 
@@ -65,8 +67,6 @@ def target_argmax_fn(info, lm_head: Tensor, device: torch.device) -> Callable[[T
     Raises:
         ConfigError: the target's final norm is not an RMSNorm or cannot be read.
     """
-    from artcache.target import load_final_norm
-
     weight = load_final_norm(info).to(device=device, dtype=torch.float32)
     cfg = json.loads((Path(info.path) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
@@ -88,7 +88,7 @@ class Evaluator:
     """Evaluates a draft on the pinned held-out positions.
 
     Args:
-        draft: a :class:`artcache.trainers.drafts.Draft`.
+        draft: a :class:`artcache.trainers.draft.Draft`.
         client: the consumer's :class:`artcache.client.CacheClient` (leases each position while read).
         positions: the held-out split.
         batch_size: positions per forward.
@@ -112,8 +112,6 @@ class Evaluator:
         model = self.draft.model
         was_training = model.training
         model.eval()
-        from artcache.trainers.drafts import MetricSums
-
         sums = MetricSums()
         pos = list(self.positions)
         # every missing split position becomes demand at once: the producer captures them together

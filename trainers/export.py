@@ -21,16 +21,6 @@ itself when ``eagle_aux_hidden_state_layer_ids`` is absent (we write both, consi
 SmolLM2 (L = 30), 5-layer DFlash: captured ``[1, 8, 14, 20, 27]`` -> ``target_layer_ids`` ``[1, 8, 14,
 20, 27]``, ``eagle_aux_hidden_state_layer_ids`` / ``aux_hidden_state_layer_ids`` ``[2, 9, 15, 21, 28]``.
 
-**DFlash keys.** ``fc.weight`` [H, m·H]; ``hidden_norm.weight`` [H] (artcache's ``context_norm``: the
-RMSNorm applied to ``fc``'s output before the per-layer k/v projections); per layer ``i``:
-``layers.i.input_layernorm.weight``, ``layers.i.post_attention_layernorm.weight``,
-``layers.i.self_attn.{q,k,v,o}_proj.weight``, ``layers.i.self_attn.{q,k}_norm.weight``,
-``layers.i.mlp.{gate,up,down}_proj.weight``; ``norm.weight``. No ``embed_tokens`` / ``lm_head``: the
-draft uses the target's frozen ones, and vLLM shares the target's when the checkpoint has none. The
-attention is non-causal inside the block (``is_causal: false``; speculators:
-``sliding_window_non_causal: true``, which vLLM 0.32 turns into ``dflash_config.causal = false``).
-vLLM is run with ``num_speculative_tokens = B - 1`` (one bonus query plus B-1 MASK queries = one block).
-
 **EAGLE-3 keys** (hf): ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` ([V_d, H]),
 ``d2t`` (int64), ``t2d`` (bool), from :func:`artcache.trainers.eagle3.export.export_state_dict`; speculators
 writes ``layers.0.*`` for ``midlayer.*`` (vLLM maps ``midlayer.`` to ``layers.0.``) and
@@ -59,6 +49,11 @@ Upstream files checked for these names (read through the search tool and, for vL
   ``aux_hidden_state_layer_ids``; ``speculative_tokens = block_size - 1``; verifier config),
   ``src/speculators/config.py`` (``speculators_version``, ``speculators_config``).
 
+Each draft's own mapping (keys, config fields) lives in its package — :mod:`artcache.trainers.dflash.export`,
+:mod:`artcache.trainers.eagle3.export` — reached through its adapter's ``Draft.export``; this module holds
+what every format shares: finding and reading the checkpoint, the target to export against, the
+speculators wrapper, dtype names, key checks and the atomic directory write.
+
 Every directory is written under a temporary name beside ``out`` and renamed into place: a crash
 leaves no ``out`` or a complete one.
 """
@@ -80,32 +75,33 @@ from torch import Tensor
 
 from artcache.errors import ConfigError
 from artcache.fsio import fsync_dir
-from artcache.layer_ids import output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
 from artcache.layout import unique_suffix
+from artcache.target import resolve_target
+from artcache.trainers import DRAFT_NAMES
+from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_state
+from artcache.trainers.draft import draft_class
 
 __all__ = [
-    "DFLASH_ARCHITECTURE",
+    "DTYPE_NAMES",
     "EXPORT_MARKER",
     "FORMATS",
+    "SPECULATORS_VERSION",
     "ExportResult",
-    "dflash_config_from_export",
-    "dflash_export_config",
-    "dflash_export_state_dict",
+    "check_keys",
+    "decode_draft_config",
     "export_checkpoint",
-    "load_dflash_export",
-    "load_eagle3_export",
-    "resolve_checkpoint",
+    "read_export",
+    "speculators_config",
+    "text_config",
 ]
 
 #: Accepted ``--format`` values.
 FORMATS = ("hf", "speculators")
-#: The architecture vLLM's registry maps to its DFlash draft (``qwen3_dflash.DFlashQwen3ForCausalLM``).
-DFLASH_ARCHITECTURE = "DFlashDraftModel"
 #: The speculators library version whose config format is written (informational for vLLM).
 SPECULATORS_VERSION = "0.5.0"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_DRAFTS = ("dflash", "eagle3")
+#: torch dtype -> the name written into an exported ``config.json``.
+DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 @dataclass
@@ -125,39 +121,21 @@ class ExportResult:
 
 # ------------------------------------------------------------------------------------ checkpoint
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory ``path`` names: a ``step-N`` directory (holding ``state.json`` and
-    ``model.safetensors``) or a consumer run directory (its ``checkpoints/latest``).
-
-    Raises:
-        ConfigError: neither exists; the message names the path and what is accepted.
-    """
-    p = Path(path).expanduser()
-    for cand in (p, p / "checkpoints" / "latest"):
-        if (cand / "state.json").is_file() and (cand / "model.safetensors").is_file():
-            return cand.resolve()
-    raise ConfigError(f"--checkpoint {str(path)!r}: no state.json + model.safetensors there nor in its "
-                      "checkpoints/latest; accepted: a checkpoint directory (checkpoints/step-N) or a consumer "
-                      "run directory")
-
-
-def _read_checkpoint(ckpt: Path) -> tuple[dict, dict[str, Tensor]]:
+def _read_checkpoint(ckpt: Path) -> tuple[CheckpointState, dict[str, Tensor]]:
     """(state.json, model tensors merged with extra.safetensors). Safetensors and JSON only."""
+    state = read_state(ckpt)
     try:
-        state = json.loads((ckpt / "state.json").read_text())
         weights = safetensors.torch.load_file(ckpt / "model.safetensors")
         extra_path = ckpt / "extra.safetensors"
         extra = safetensors.torch.load_file(extra_path) if extra_path.is_file() else {}
     except (OSError, ValueError, safetensors.SafetensorError) as exc:
         raise ConfigError(f"checkpoint {ckpt} is unreadable: {exc}") from exc
-    if not isinstance(state, dict):
-        raise ConfigError(f"checkpoint {ckpt}: state.json is not a JSON object")
     for k, v in extra.items():
         weights.setdefault(k, v)
     return state, weights
 
 
-def _decode_struct(raw: Any, typ: type, what: str) -> Any:
+def decode_draft_config(raw: Any, typ: type, what: str) -> Any:
     """``raw`` (a dict) as the msgspec struct ``typ``, ignoring keys that are not its fields (a
     checkpoint's draft_config carries ``layer_ids`` beside the struct's own fields)."""
     if not isinstance(raw, dict):
@@ -180,8 +158,6 @@ def _target_hf_config(target: Any) -> tuple[Any, str]:
     try:
         if (p / "config.json").is_file():
             return AutoConfig.from_pretrained(str(p)), str(p.resolve())
-        from artcache.target import resolve_target
-
         info = resolve_target(str(target))
         return AutoConfig.from_pretrained(str(info.path)), str(info.path)
     except (OSError, ValueError) as exc:
@@ -190,7 +166,7 @@ def _target_hf_config(target: Any) -> tuple[Any, str]:
         raise ConfigError(f"--target {str(target)!r}: cannot read its config ({exc})") from exc
 
 
-def _export_target(target: Any, state: dict, ckpt: Path) -> tuple[Any, str]:
+def _export_target(target: Any, state: CheckpointState, ckpt: Path) -> tuple[Any, str]:
     """(transformers config, name_or_path) of the target to export against: ``target`` when given,
     else the one the checkpoint records (state.json ``target_path`` when that directory still exists,
     else ``target_name``). When the checkpoint records
@@ -201,16 +177,12 @@ def _export_target(target: Any, state: dict, ckpt: Path) -> tuple[Any, str]:
         ConfigError: no target given and none recorded (or the recorded name resolves to nothing
             here), or a target whose weights digest differs from the recorded one (both named).
     """
-    from artcache.target import resolve_target
-
-    name, digest = state.get("target_name"), state.get("target_weights_digest")
-    if not isinstance(digest, str) or not digest:
-        digest = None
+    name, digest = state.target_name, state.target_weights_digest or None
     if target is None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"checkpoint {ckpt} records no target_name in its state.json; pass --target (the name "
                               "or HF directory of the target the draft was trained for)")
-        recorded_path = state.get("target_path")
+        recorded_path = state.target_path
         try:
             if isinstance(recorded_path, str) and recorded_path and Path(recorded_path).is_dir():
                 info = resolve_target(recorded_path)  # the very directory it was trained with, still here
@@ -241,51 +213,11 @@ def _export_target(target: Any, state: dict, ckpt: Path) -> tuple[Any, str]:
     return _target_hf_config(target)
 
 
-def _text_config(tc: Any) -> Any:
+def text_config(tc: Any) -> Any:
     return tc.get_text_config() if hasattr(tc, "get_text_config") else tc
 
 
-def _check_ids(ids: Any, L: int, what: str) -> list[int]:
-    if not isinstance(ids, (list, tuple)) or not ids or any(
-            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L for i in ids):
-        raise ConfigError(f"{what}: layer ids {ids!r} must be a non-empty list of output-of-layer ids in [0, {L})")
-    return [int(i) for i in ids]
-
-
-# ---------------------------------------------------------------------------------------- DFlash
-
-def dflash_export_state_dict(weights: dict[str, Tensor], cfg: Any, dtype: torch.dtype | None = None
-                             ) -> dict[str, Tensor]:
-    """A DFlash draft's trainable tensors under the serving keys (``context_norm.`` -> ``hidden_norm.``).
-
-    ``weights`` must be exactly ``DFlashDraft(cfg).trainable_state_dict()``'s keys with its shapes
-    (checked against a meta-device draft, so nothing is allocated): a checkpoint of another draft or
-    size is refused rather than exported half-right.
-
-    Returns:
-        CPU, contiguous tensors; floating ones cast to ``dtype`` when given.
-
-    Raises:
-        ConfigError: missing / unexpected keys or mismatched shapes (all named), or a non-floating dtype.
-    """
-    from artcache.trainers.dflash import DFlashDraft
-
-    if dtype is not None and not dtype.is_floating_point:
-        raise ConfigError(f"export dtype must be a floating dtype, got {dtype}")
-    meta = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
-    ref = DFlashDraft(cfg, meta, meta, dtype=torch.float32).trainable_state_dict()
-    _check_keys(weights, {k: tuple(v.shape) for k, v in ref.items()}, "DFlash checkpoint")
-    out = {}
-    for k, v in weights.items():
-        name = "hidden_norm." + k[len("context_norm."):] if k.startswith("context_norm.") else k
-        t = v.detach().to("cpu")
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        out[name] = t.contiguous()
-    return out
-
-
-def _check_keys(got: dict[str, Tensor], want: dict[str, tuple], what: str) -> None:
+def check_keys(got: dict[str, Tensor], want: dict[str, tuple], what: str) -> None:
     missing = sorted(set(want) - set(got))
     unexpected = sorted(set(got) - set(want))
     bad = sorted(f"{k} {tuple(got[k].shape)} != {want[k]}" for k in set(got) & set(want)
@@ -295,103 +227,7 @@ def _check_keys(got: dict[str, Tensor], want: dict[str, tuple], what: str) -> No
                           f"wrong shape {bad}")
 
 
-def _qwen3_layer_config(cfg: Any, tc: Any, dtype: torch.dtype) -> dict:
-    """The DFlash decoder-layer config (Qwen3 fields: q/k norms, no biases, plain RoPE)."""
-    return {
-        "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", None) or 8192),
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "layer_types": ["full_attention"] * cfg.num_layers,
-        "is_causal": False,
-        "dtype": _DTYPE_NAMES[dtype],
-        "torch_dtype": _DTYPE_NAMES[dtype],
-        **{k: getattr(tc, k) for k in ("bos_token_id", "eos_token_id") if getattr(tc, k, None) is not None},
-    }
-
-
-def dflash_export_config(cfg: Any, layer_ids: list[int], target_hf_config: Any, fmt: str = "hf", *,
-                         dtype: torch.dtype = torch.bfloat16, verifier: str = "target",
-                         num_speculative_tokens: int | None = None) -> dict:
-    """The ``config.json`` dict of an exported DFlash draft.
-
-    Args:
-        cfg: the draft's :class:`~artcache.trainers.dflash.DFlashConfig`.
-        layer_ids: captured layers in **output-of-layer** convention, in ``fc``'s input order.
-        target_hf_config: the target's transformers config (num_hidden_layers, max_position_embeddings,
-            token ids, architectures).
-        fmt: ``"hf"`` or ``"speculators"``.
-        verifier: the target's path or name (speculators' ``verifier.name_or_path``).
-        num_speculative_tokens: speculators' proposal length; default ``B - 1`` (one block).
-
-    Raises:
-        ConfigError: sizes disagree with the target, ``layer_ids`` has the wrong length or range, or
-            ``fmt`` / ``dtype`` is not accepted.
-    """
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format {fmt!r} is not accepted: one of {', '.join(FORMATS)}")
-    if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"--dtype {dtype} is not accepted: one of {', '.join(_DTYPES)}")
-    tc = _text_config(target_hf_config)
-    L = getattr(tc, "num_hidden_layers", None)
-    if not isinstance(L, int):
-        raise ConfigError(f"target config has no integer num_hidden_layers (got {L!r})")
-    for name, ours in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size)):
-        theirs = getattr(tc, name, None)
-        if theirs != ours:
-            raise ConfigError(f"target {name}={theirs} != the draft's {name}={ours}: export against the target "
-                              "the draft was trained for (--target)")
-    ids = _check_ids(layer_ids, L, "DFlash export")
-    if len(ids) != cfg.num_context_layers:
-        raise ConfigError(f"{len(ids)} layer ids {ids} for a draft whose fc reads num_context_layers="
-                          f"{cfg.num_context_layers}")
-    vllm_ids = [output_of_layer_to_vllm_id(i) for i in ids]
-    B = cfg.block_size
-    layer_cfg = _qwen3_layer_config(cfg, tc, dtype)
-    if fmt == "hf":
-        return {
-            "architectures": [DFLASH_ARCHITECTURE],
-            **layer_cfg,
-            "num_target_layers": L,
-            "target_hidden_size": cfg.hidden_size,
-            "block_size": B,
-            "dflash_config": {"block_size": B, "mask_token_id": cfg.mask_token_id, "target_layer_ids": ids,
-                              "use_aux_hidden_state": True},
-            "eagle_aux_hidden_state_layer_ids": vllm_ids,
-        }
-    k = B - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
-    if k < 1:
-        raise ConfigError(f"num_speculative_tokens={k} must be >= 1")
-    return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": _speculators_config("dflash", k, verifier, tc),
-        "transformer_layer_config": layer_cfg,
-        "draft_vocab_size": cfg.vocab_size,
-        "block_size": B,
-        "target_hidden_size": cfg.hidden_size,
-        "aux_hidden_state_layer_ids": vllm_ids,
-        "mask_token_id": cfg.mask_token_id,
-        "sliding_window_non_causal": True,
-        "torch_dtype": _DTYPE_NAMES[dtype],
-    }
-
-
-def _speculators_config(algorithm: str, k: int, verifier: str, tc: Any) -> dict:
+def speculators_config(algorithm: str, k: int, verifier: str, tc: Any) -> dict:
     return {
         "algorithm": algorithm,
         "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
@@ -401,164 +237,9 @@ def _speculators_config(algorithm: str, k: int, verifier: str, tc: Any) -> dict:
     }
 
 
-def dflash_config_from_export(config: dict) -> tuple[Any, list[int]]:
-    """Read an exported DFlash ``config.json`` back (either format) the way a serving engine does:
-    the draft's :class:`~artcache.trainers.dflash.DFlashConfig` and its layer ids, **output-of-layer**.
-
-    Raises:
-        ConfigError: a field the loader needs is missing, or the two layer-id fields disagree.
-    """
-    from artcache.trainers.dflash import DFlashConfig
-
-    try:
-        if config.get("speculators_model_type") == "dflash":
-            layer = config["transformer_layer_config"]
-            ids = [vllm_id_to_output_of_layer(i) for i in config["aux_hidden_state_layer_ids"]]
-            mask_id, B = config["mask_token_id"], config["block_size"]
-        elif DFLASH_ARCHITECTURE in (config.get("architectures") or []):
-            layer, dc = config, config["dflash_config"]
-            ids = list(dc["target_layer_ids"])
-            aux = config.get("eagle_aux_hidden_state_layer_ids")
-            if aux is not None and [vllm_id_to_output_of_layer(i) for i in aux] != ids:
-                raise ConfigError(f"eagle_aux_hidden_state_layer_ids {aux} is not target_layer_ids {ids} + 1")
-            mask_id, B = dc["mask_token_id"], dc.get("block_size", config.get("block_size"))
-        else:
-            raise ConfigError(f"not an exported DFlash config (architectures {config.get('architectures')!r}, "
-                              f"speculators_model_type {config.get('speculators_model_type')!r})")
-        theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
-        cfg = DFlashConfig(
-            hidden_size=layer["hidden_size"], num_layers=layer["num_hidden_layers"],
-            num_heads=layer["num_attention_heads"], num_kv_heads=layer["num_key_value_heads"],
-            head_dim=layer["head_dim"], intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
-            num_context_layers=len(ids), mask_token_id=mask_id, block_size=B, rope_theta=float(theta),
-            rms_norm_eps=float(layer["rms_norm_eps"]))
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"exported DFlash config lacks a field the loader needs: {exc!r}") from exc
-    return cfg, ids
-
-
-def load_dflash_export(directory: str | Path, embed_weight: Tensor, lm_head_weight: Tensor,
-                       dtype: torch.dtype = torch.float32):
-    """Build a fresh :class:`~artcache.trainers.dflash.DFlashDraft` from an exported directory alone (its
-    config.json and model.safetensors; the target's embedding and lm_head are supplied, as an engine
-    shares them) and load the weights with strict keys in both directions.
-
-    Returns:
-        (model, output-of-layer ids).
-
-    Raises:
-        ConfigError: unreadable files, a config the loader cannot use, or keys/shapes that differ.
-    """
-    from artcache.trainers.dflash import DFlashDraft
-
-    config, tensors = _read_export(directory)
-    cfg, ids = dflash_config_from_export(config)
-    model = DFlashDraft(cfg, embed_weight, lm_head_weight, dtype=dtype)
-    own = {("context_norm." + k[len("hidden_norm."):] if k.startswith("hidden_norm.") else k): v
-           for k, v in tensors.items()}
-    _check_keys(own, {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()},
-                f"exported DFlash draft {directory}")
-    model.load_state_dict(own, strict=True)
-    return model, ids
-
-
-# --------------------------------------------------------------------------------------- EAGLE-3
-
-def _eagle3_model_from_checkpoint(state: dict, weights: dict[str, Tensor], what: str):
-    """An :class:`~artcache.trainers.eagle3.Eagle3Draft` holding the checkpoint's weights (strict keys). The
-    frozen target tensors are zero-stride placeholders: export never reads them."""
-    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
-
-    cfg = _decode_struct(state.get("draft_config"), Eagle3Config, what)
-    if "d2t" not in weights or "t2d" not in weights:
-        raise ConfigError(f"{what}: no d2t/t2d vocab map in model.safetensors or extra.safetensors")
-    V, H = cfg.vocab_size, cfg.hidden_size
-    zero = torch.zeros((), dtype=torch.float32)
-    model = Eagle3Draft(cfg, zero.expand(V, H), zero.expand(H), zero.expand(V, H), weights["d2t"], weights["t2d"])
-    _check_keys(weights, {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()}, what)
-    model.load_state_dict(weights, strict=True)
-    return model, cfg
-
-
-def _eagle3_layer_ids(state: dict, L: int) -> list[int] | None:
-    ids = (state.get("draft_config") or {}).get("layer_ids") or state.get("layer_ids")
-    if not ids:
-        return None
-    ids = list(ids)
-    if len(ids) == 4 and ids[-1] == L - 1:  # aux layers + the last layer (target logits), training only
-        ids = ids[:3]
-    return ids
-
-
-def _eagle3_export(state, weights, tc, target_cfg, fmt, dtype, verifier, k, what):
-    from artcache.trainers.eagle3 import export_config, export_state_dict
-
-    model, cfg = _eagle3_model_from_checkpoint(state, weights, what)
-    ids = _eagle3_layer_ids(state, tc.num_hidden_layers)
-    hf = export_config(cfg, target_cfg, dtype=dtype, aux_layer_ids=ids)
-    tensors = export_state_dict(model, dtype=dtype)
-    if fmt == "hf":
-        return hf, tensors
-    layer_cfg = {k2: v for k2, v in hf.items() if k2 not in (
-        "architectures", "eagle_aux_hidden_state_layer_ids", "eagle_config", "draft_vocab_size",
-        "target_hidden_size", "norm_before_residual")}
-    config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": _speculators_config("eagle3", cfg.ttt_steps if k is None else int(k), verifier, tc),
-        "transformer_layer_config": layer_cfg,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.hidden_size,
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"],
-        "torch_dtype": _DTYPE_NAMES[dtype],
-    }
-    return config, {("layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n): t
-                    for n, t in tensors.items()}
-
-
-def load_eagle3_export(directory: str | Path, embed: Tensor, target_norm_weight: Tensor, target_lm_head: Tensor,
-                       dtype: torch.dtype = torch.float32):
-    """Build a fresh :class:`~artcache.trainers.eagle3.Eagle3Draft` from an exported directory alone (either
-    format) and load it with strict keys. Returns (model, vLLM input-of-layer aux ids).
-
-    Raises:
-        ConfigError: unreadable files, a config the loader cannot use, or keys/shapes that differ.
-    """
-    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
-
-    config, tensors = _read_export(directory)
-    try:
-        if config.get("speculators_model_type") == "eagle3":
-            layer = dict(config["transformer_layer_config"])
-            tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
-                       for n, t in tensors.items()}
-        elif any("Eagle3" in a for a in config.get("architectures") or []):
-            layer = config
-        else:
-            raise ConfigError(f"not an exported EAGLE-3 config (architectures {config.get('architectures')!r})")
-        theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
-        cfg = Eagle3Config(hidden_size=layer["hidden_size"], num_heads=layer["num_attention_heads"],
-                           num_kv_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"],
-                           intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
-                           draft_vocab_size=config["draft_vocab_size"], rope_theta=float(theta),
-                           rms_norm_eps=float(layer["rms_norm_eps"]))
-        aux = list(config["eagle_aux_hidden_state_layer_ids"])
-        d2t, t2d = tensors["d2t"], tensors["t2d"]
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"exported EAGLE-3 draft {directory} lacks a field the loader needs: {exc!r}") from exc
-    model = Eagle3Draft(cfg, embed, target_norm_weight, target_lm_head, d2t, t2d, dtype=dtype)
-    _check_keys(tensors, {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()},
-                f"exported EAGLE-3 draft {directory}")
-    model.load_state_dict(tensors, strict=True)
-    return model, aux
-
-
 # ----------------------------------------------------------------------------------------- write
 
-def _read_export(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
+def read_export(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
     d = Path(directory)
     try:
         return json.loads((d / "config.json").read_text()), safetensors.torch.load_file(d / "model.safetensors")
@@ -729,39 +410,30 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     out = Path(os.path.abspath(os.path.expanduser(str(out))))
     if not out.name:
         raise ConfigError(f"--out {str(out)!r}: accepted: a path naming the directory to create")
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt = find_checkpoint(checkpoint)
+    if ckpt is None:
+        raise ConfigError(f"--checkpoint {str(checkpoint)!r}: no state.json + model.safetensors there nor in its "
+                          "checkpoints/latest; accepted: a checkpoint directory (checkpoints/step-N) or a consumer "
+                          "run directory")
     _check_out_not_checkpoint(out, ckpt, checkpoint)
     _check_existing_out(out, overwrite)
     _check_out_parent(out)
     state, weights = _read_checkpoint(ckpt)
-    draft = state.get("draft")
-    if draft not in _DRAFTS:
-        raise ConfigError(f"checkpoint {ckpt}: draft {draft!r} cannot be exported; accepted: {', '.join(_DRAFTS)}")
+    if state.draft not in DRAFT_NAMES:
+        raise ConfigError(f"checkpoint {ckpt}: draft {state.draft!r} cannot be exported; accepted: "
+                          f"{', '.join(DRAFT_NAMES)}")
     target_cfg, verifier = _export_target(target, state, ckpt)
-    tc = _text_config(target_cfg)
     what = f"checkpoint {ckpt}"
-    if draft == "dflash":
-        from artcache.layer_ids import dflash_layer_ids
-        from artcache.trainers.dflash import DFlashConfig
-
-        cfg = _decode_struct(state.get("draft_config"), DFlashConfig, what)
-        ids = (state.get("draft_config") or {}).get("layer_ids") or state.get("layer_ids")
-        if not ids:  # checkpoints written before layer ids were recorded: the DFlash formula
-            ids = dflash_layer_ids(int(tc.num_hidden_layers), cfg.num_layers)
-        config = dflash_export_config(cfg, list(ids), target_cfg, fmt, dtype=dtype, verifier=verifier,
-                                      num_speculative_tokens=num_speculative_tokens)
-        tensors = dflash_export_state_dict(weights, cfg, dtype)
-    else:
-        config, tensors = _eagle3_export(state, weights, tc, target_cfg, fmt, dtype, verifier,
-                                         num_speculative_tokens, what)
+    exported = draft_class(state.draft).export(state, weights, target_cfg, fmt, dtype, verifier,
+                                               num_speculative_tokens, what)
     provenance = {
-        "exported_by": _EXPORTED_BY, "format": fmt, "draft": draft, "checkpoint": str(ckpt),
-        "step": state.get("step"), "cursor": state.get("cursor"), "consumer_id": state.get("consumer_id"),
-        "plan_id": state.get("plan_id"), "contract_id": state.get("contract_id"), "target": verifier,
-        "layer_ids_output_of_layer": _eagle3_layer_ids(state, tc.num_hidden_layers) if draft == "eagle3"
-        else list(ids),
+        "exported_by": _EXPORTED_BY, "format": fmt, "draft": state.draft, "checkpoint": str(ckpt),
+        "step": state.step, "cursor": state.cursor, "consumer_id": state.consumer_id,
+        "plan_id": state.plan_id, "contract_id": state.contract_id, "target": verifier,
+        "layer_ids_output_of_layer": exported.layer_ids,
         "layer_id_note": "artcache ids are output-of-layer; vLLM/speculators aux ids are input-of-layer (+1)",
     }
+    config, tensors = exported.config, exported.tensors
     _write_dir(out, {"config.json": json.dumps(config, indent=2).encode(), "model.safetensors": tensors,
                      EXPORT_MARKER: json.dumps(provenance, indent=2).encode()}, overwrite)
-    return ExportResult(out, draft, fmt, config, sorted(tensors))
+    return ExportResult(out, state.draft, fmt, config, sorted(tensors))

@@ -9,7 +9,7 @@ Files under the consumer's run directory::
 Tags: ``train/loss``, ``train/tau`` (acceptance length **including the +1 bonus token**),
 ``train/acc_<k>``, ``train/lr``, ``train/steps_per_s``, ``train/wait_s`` (time this step waited for
 data), ``train/wait_total_s``; ``eval/...`` for held-out evaluations (see artcache.trainers.evaluation).
-Every ratio is computed once from summed numerators and denominators (artcache.trainers.drafts.MetricSums).
+Every ratio is computed once from summed numerators and denominators (artcache.trainers.draft.MetricSums).
 
 On ``--resume`` from step S, rows with step > S (written by the run that died after its last
 checkpoint) are dropped from ``metrics.csv`` and TensorBoard is told to purge them

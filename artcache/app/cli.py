@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import sys
 
@@ -12,14 +11,8 @@ import click
 import msgspec
 
 from artcache.errors import ArtcacheError, CacheRootError, ConfigError
-
-
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
-    for noisy in ("filelock", "urllib3", "matplotlib", "PIL"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+from artcache.logs import setup_logging
+from artcache.trainers import DRAFT_NAMES
 
 
 def _errors(fn):
@@ -176,7 +169,7 @@ TARGET_OPTION = click.option("--target", default="smollm2-135m-instruct",
 @click.version_option(package_name="artcache")
 def main(verbose: bool) -> None:
     """artcache: capture a target's hidden states once, train many drafts from them."""
-    _setup_logging(verbose)
+    setup_logging(verbose)
 
 
 @main.command()
@@ -243,7 +236,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 
 @main.command()
 @click.option("--cache", default=None, help="Cache root made by `artcache producer`; required without --config.")
-@click.option("--draft", default="dflash", help="Draft algorithm: dflash or eagle3.")
+@click.option("--draft", default="dflash", help=f"Draft algorithm: {' or '.join(DRAFT_NAMES)}.")
 @click.option("--window", default="64:256", help="LOOKBEHIND:LOOKAHEAD in positions.")
 @click.option("--id", "consumer_id", default=None, help="Consumer id (default: dflash-b<block size> or eagle3).")
 @click.option("--block-size", default=16, type=int, help="DFlash block size B.")
@@ -287,8 +280,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, parse_window, run_consumer
 
-    if draft not in ("dflash", "eagle3"):
-        raise ConfigError(f"--draft {draft!r} is not supported; accepted: dflash, eagle3")
+    if draft not in DRAFT_NAMES:
+        raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
     lookbehind, lookahead = parse_window(window)
     view = _parse_layer_ids(layer_ids)
     _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")

@@ -45,9 +45,10 @@ else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
 from artcache.errors import ConfigError
+from artcache.trainers import DRAFT_NAMES
 
 DType = Literal["bfloat16", "float16", "float32"]
-DRAFTS = ("dflash", "eagle3")
+DRAFTS = DRAFT_NAMES  # the registered drafts (artcache.trainers.ADAPTERS)
 
 
 class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -149,7 +150,7 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     name: str
-    draft: Literal["dflash", "eagle3"] = "dflash"
+    draft: Literal[DRAFT_NAMES] = "dflash"
     draft_layers: int | None = None
     layer_ids: list[int] | None = None
     dtype: DType | None = None

@@ -52,7 +52,7 @@ def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) ->
     DFlash: ``dflash_layer_ids(L, n)`` (DFlash arXiv:2602.06036 / z-lab ``build_target_layer_ids``);
     EAGLE-3: ``eagle3_capture_ids(L)`` = three aux layers then ``L - 1`` (EAGLE-3 arXiv:2503.01840);
     an explicit ``layer_ids`` replaces the formula. Raises ConfigError for ids the target lacks.
-    The same list as the consumer's ``Draft.needed_layer_ids`` (trainers/drafts.py), computed here
+    The same list as the consumer's ``Draft.needed_layer_ids`` (the drafts' adapters), computed here
     without building the draft.
     """
     if e.layer_ids is not None:
@@ -177,59 +177,42 @@ def _check_dtypes(cfg: RunConfig, compute: str) -> None:
                               f"set experiments.{e.name}.dtype = {stored!r} or run it separately")
 
 
-def find_checkpoint(path: str | Path) -> Path | None:
-    """A checkpoint directory from a checkpoint dir, a ``checkpoints/`` dir or a run dir (``latest``)."""
-    p = Path(path).expanduser()
-    for cand in (p, p / "latest", p / "checkpoints" / "latest"):
-        if (cand / "state.json").is_file():
-            return cand.resolve()
-    return None
-
-
-def _recorded(state: dict, *keys: str) -> Any:
-    """The first of ``keys`` a checkpoint records, flat or under ``target``/``contract``."""
-    for key in keys:
-        for table in (state, state.get("target") or {}, state.get("contract") or {}):
-            if isinstance(table, dict) and key in table:
-                return table[key]
-    return None
-
-
 def check_checkpoint(e: Experiment, ckpt: Path, *, info, contract, plan_id: str, resume: bool,
-                     strict: bool = True) -> dict:
+                     strict: bool = True):
     """Check a checkpoint an experiment resumes (``resume``) or starts from (``init_from``) against this
     run's target identity (weights digest), normalisation (layer convention, final norm), dtype, draft
-    and (for a resume) plan. Returns its state; ``{}`` when it records no target identity and not
-    ``strict`` (a resume on the same contract needs none: the contract holds the weights digest).
+    and (for a resume) plan. Returns its :class:`~artcache.trainers.checkpoint.CheckpointState`; None
+    when it records no target identity and not ``strict`` (a resume on the same contract needs none:
+    the contract holds the weights digest).
 
     Raises:
         ContractMismatch: naming the recorded and the expected value (or, ``strict``, that the
             checkpoint records no target identity).
+        ConfigError: its state.json is unreadable or not a checkpoint state.
     """
-    from artcache.trainers.checkpoint import load_state
+    from artcache.trainers.checkpoint import read_state
 
-    state = load_state(ckpt)
+    state = read_state(ckpt)
     what = f"experiment {e.name!r}: {'resume' if resume else 'init_from'} checkpoint {ckpt}"
-    digest = _recorded(state, "target_weights_digest", "weights_digest")
+    digest = state.target_weights_digest
     if digest is not None and digest != info.weights_digest:
         raise ContractMismatch(f"{what} was trained against target weights digest {digest}; this run's target "
                                f"{info.name} has {info.weights_digest}")
-    unverified = digest is None and not (resume and state.get("contract_id") == contract.contract_id)
+    unverified = digest is None and not (resume and state.contract_id == contract.contract_id)
     if unverified and strict:
         raise ContractMismatch(f"{what} records no target weights digest, so its target cannot be checked against "
                                f"{info.name} ({info.weights_digest})")
-    for keys, expected, name in ((("dtype", "hidden_dtype"), contract.dtype, "hidden-state dtype"),
-                                 (("layer_convention",), contract.layer_convention, "layer convention"),
-                                 (("final_norm",), info.final_norm, "target final norm")):
-        got = _recorded(state, *keys)
+    for got, expected, name in ((state.dtype, contract.dtype, "hidden-state dtype"),
+                                (state.layer_convention, contract.layer_convention, "layer convention"),
+                                (state.final_norm, info.final_norm, "target final norm")):
         if got is not None and got != expected:
             raise ContractMismatch(f"{what} records {name} {got!r}; this run gives {expected!r}")
-    if state.get("draft") not in (None, e.draft):
-        raise ContractMismatch(f"{what} holds a {state.get('draft')!r} draft; the experiment trains {e.draft!r}")
-    if resume and state.get("plan_id") not in (None, plan_id):
-        raise ContractMismatch(f"{what} walked plan {state.get('plan_id')}; this run's data section gives plan "
+    if state.draft not in (None, e.draft):
+        raise ContractMismatch(f"{what} holds a {state.draft!r} draft; the experiment trains {e.draft!r}")
+    if resume and state.plan_id not in (None, plan_id):
+        raise ContractMismatch(f"{what} walked plan {state.plan_id}; this run's data section gives plan "
                                f"{plan_id} (positions would not mean the same samples)")
-    return {} if unverified else state
+    return None if unverified else state
 
 
 def resolve(cfg: RunConfig, captured: list[int] | None = None) -> RunConfig:
@@ -263,6 +246,7 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
     from artcache.producer import resolve_compute_dtype
     from artcache.settings import check_compatible, load_settings
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
+    from artcache.trainers.checkpoint import find_checkpoint
 
     if not cfg.experiments:
         raise ConfigError("the config has no experiments: add at least one [[experiments]] table with a name")
@@ -322,7 +306,7 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
                 raise ConfigError(f"experiment {e.name!r}: resume = true but {e.out} holds no checkpoint "
                                   "(checkpoints/latest); set resume = false to start it fresh")
             state = check_checkpoint(e, ckpt, info=info, contract=contract, plan_id=plan_id, resume=True)
-            start_step, start_cursor, resume_from = int(state.get("step", 0)), int(state.get("cursor", 0)), str(ckpt)
+            start_step, start_cursor, resume_from = state.step, state.cursor, str(ckpt)
             if start_step >= e.steps:
                 raise ConfigError(f"experiment {e.name!r}: its checkpoint is at step {start_step}, not below steps = "
                                   f"{e.steps}: nothing left to run; raise experiments.{e.name}.steps")
@@ -330,15 +314,14 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
             raise ConfigError(f"experiment {e.name!r}: {e.out} already holds checkpoints of an earlier run; set "
                               f"experiments.{e.name}.resume = true to continue it, or choose another out")
         if e.init_from:
-            src = Path(e.init_from)
-            src = src if (src / "model.safetensors").is_file() else src / "checkpoints" / "latest"
-            if not (src / "model.safetensors").is_file():
+            src = find_checkpoint(e.init_from, published=True)
+            if src is None:
                 raise ConfigError(f"experiment {e.name!r}: init_from {e.init_from!r} holds no model.safetensors (nor "
                                   "in checkpoints/latest): give a checkpoint, a published draft or a run directory")
             if (src / "state.json").is_file():
-                if not check_checkpoint(e, src.resolve(), info=info, contract=contract, plan_id=plan_id,
-                                        resume=False, strict=False):
-                    notes.append(f"{e.name}: init_from checkpoint {src.resolve()} records no target weights digest; "
+                if check_checkpoint(e, src, info=info, contract=contract, plan_id=plan_id, resume=False,
+                                    strict=False) is None:
+                    notes.append(f"{e.name}: init_from checkpoint {src} records no target weights digest; "
                                  f"its target could not be checked against {info.name}")
             else:
                 notes.append(f"{e.name}: init_from {src} is a published draft without a checkpoint state; its "
@@ -754,5 +737,5 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ExperimentPlan", "RunPlan", "check_checkpoint", "draft_view", "find_checkpoint", "format_plan",
+__all__ = ["ExperimentPlan", "RunPlan", "check_checkpoint", "draft_view", "format_plan",
            "layer_union", "plan_run", "resolve", "run_experiments", "view_index"]

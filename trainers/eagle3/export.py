@@ -18,7 +18,8 @@ What was verified, and where (public sources read through the search tool; nothi
   target's default is ``(2, L // 2, L - 3)``), i.e. output-of-layer + 1.
 - vllm-project/speculators ``Eagle3SpeculatorConfig`` / ``Eagle3DraftModel`` use the same weight names
   (``fc``, ``layers.0`` / ``midlayer``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and also load ``t2d``; their
-  config format (``speculators_model_type: eagle3`` + ``transformer_layer_config``) is not written here.
+  config format (``speculators_model_type: eagle3`` + ``transformer_layer_config``) is written by
+  :func:`export_checkpoint_files` for ``--format speculators``.
 
 The parameter names of :class:`~artcache.trainers.eagle3.model.Eagle3Draft` already are these keys, so
 :func:`export_state_dict` is a filtered, cast copy of ``model.state_dict()`` and
@@ -27,6 +28,7 @@ The parameter names of :class:`~artcache.trainers.eagle3.model.Eagle3Draft` alre
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,16 +36,25 @@ from torch import Tensor
 
 from artcache.errors import ConfigError
 from artcache.layer_ids import eagle3_layer_ids, output_of_layer_to_vllm_id
+from artcache.trainers.draft import ExportedDraft
+from artcache.trainers.export import (
+    DTYPE_NAMES,
+    SPECULATORS_VERSION,
+    check_keys,
+    decode_draft_config,
+    read_export,
+    speculators_config,
+    text_config,
+)
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 from .model import FROZEN_BUFFERS, Eagle3Draft
 
-__all__ = ["EXPORT_ARCHITECTURE", "export_config", "export_state_dict"]
+__all__ = ["EXPORT_ARCHITECTURE", "export_checkpoint_files", "export_config", "export_state_dict",
+           "load_eagle3_export"]
 
 #: The architecture name written into the exported config.json (vLLM maps it to Eagle3LlamaForCausalLM).
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def export_state_dict(model: Eagle3Draft, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
@@ -104,8 +115,8 @@ def export_config(cfg: Eagle3Config, target_hf_config: Any, *, dtype: torch.dtyp
     if len(ids) != EAGLE3_NUM_AUX or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L
                                          for i in ids):
         raise ConfigError(f"aux_layer_ids must be {EAGLE3_NUM_AUX} output-of-layer ids in [0, {L}), got {ids!r}")
-    if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
     vllm_ids = [output_of_layer_to_vllm_id(i) for i in ids]
     out: dict[str, Any] = {
         "architectures": [EXPORT_ARCHITECTURE],
@@ -129,7 +140,7 @@ def export_config(cfg: Eagle3Config, target_hf_config: Any, *, dtype: torch.dtyp
         "draft_vocab_size": cfg.draft_vocab_size,
         "tie_word_embeddings": False,
         "norm_before_residual": False,
-        "torch_dtype": _DTYPE_NAMES[dtype],
+        "torch_dtype": DTYPE_NAMES[dtype],
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids, "use_aux_hidden_state": True},
     }
@@ -138,3 +149,99 @@ def export_config(cfg: Eagle3Config, target_hf_config: Any, *, dtype: torch.dtyp
         if v is not None:
             out[key] = v
     return out
+
+
+def _model_from_checkpoint(state, weights: dict[str, Tensor], what: str) -> tuple[Eagle3Draft, Eagle3Config]:
+    """An :class:`~artcache.trainers.eagle3.Eagle3Draft` holding the checkpoint's weights (strict keys). The
+    frozen target tensors are zero-stride placeholders: export never reads them."""
+    cfg = decode_draft_config(state.draft_config, Eagle3Config, what)
+    if "d2t" not in weights or "t2d" not in weights:
+        raise ConfigError(f"{what}: no d2t/t2d vocab map in model.safetensors or extra.safetensors")
+    V, H = cfg.vocab_size, cfg.hidden_size
+    zero = torch.zeros((), dtype=torch.float32)
+    model = Eagle3Draft(cfg, zero.expand(V, H), zero.expand(H), zero.expand(V, H), weights["d2t"], weights["t2d"])
+    check_keys(weights, {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()}, what)
+    model.load_state_dict(weights, strict=True)
+    return model, cfg
+
+
+def _aux_layer_ids(state, L: int) -> list[int] | None:
+    """The checkpoint's auxiliary layers (output-of-layer), without the trailing ``L - 1`` only training reads."""
+    ids = state.view_layer_ids
+    if not ids:
+        return None
+    ids = list(ids)
+    if len(ids) == 4 and ids[-1] == L - 1:  # aux layers + the last layer (target logits), training only
+        ids = ids[:3]
+    return ids
+
+
+def export_checkpoint_files(state, weights: dict[str, Tensor], target_cfg: Any, fmt: str, dtype: torch.dtype,
+                            verifier: str, k: int | None, what: str) -> ExportedDraft:
+    """An EAGLE-3 checkpoint's ``config.json`` and serving tensors (``Draft.export`` of EAGLE-3): ``hf``
+    as :func:`export_config` / :func:`export_state_dict`; ``speculators`` wraps the same layer config
+    and writes ``layers.0.*`` for ``midlayer.*``. ``k``: the proposal length (default: the TTT unroll).
+
+    Raises:
+        ConfigError: the draft config, vocab map or weights do not fit the checkpoint's config.
+    """
+    tc = text_config(target_cfg)
+    model, cfg = _model_from_checkpoint(state, weights, what)
+    ids = _aux_layer_ids(state, tc.num_hidden_layers)
+    hf = export_config(cfg, target_cfg, dtype=dtype, aux_layer_ids=ids)
+    tensors = export_state_dict(model, dtype=dtype)
+    if fmt == "hf":
+        return ExportedDraft(hf, tensors, ids)
+    layer_cfg = {k2: v for k2, v in hf.items() if k2 not in (
+        "architectures", "eagle_aux_hidden_state_layer_ids", "eagle_config", "draft_vocab_size",
+        "target_hidden_size", "norm_before_residual")}
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": speculators_config("eagle3", cfg.ttt_steps if k is None else int(k), verifier, tc),
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"],
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+    return ExportedDraft(config, {("layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n): t
+                                  for n, t in tensors.items()}, ids)
+
+
+def load_eagle3_export(directory: str | Path, embed: Tensor, target_norm_weight: Tensor, target_lm_head: Tensor,
+                       dtype: torch.dtype = torch.float32):
+    """Build a fresh :class:`~artcache.trainers.eagle3.Eagle3Draft` from an exported directory alone (either
+    format) and load it with strict keys. Returns (model, vLLM input-of-layer aux ids).
+
+    Raises:
+        ConfigError: unreadable files, a config the loader cannot use, or keys/shapes that differ.
+    """
+    config, tensors = read_export(directory)
+    try:
+        if config.get("speculators_model_type") == "eagle3":
+            layer = dict(config["transformer_layer_config"])
+            tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
+                       for n, t in tensors.items()}
+        elif any("Eagle3" in a for a in config.get("architectures") or []):
+            layer = config
+        else:
+            raise ConfigError(f"not an exported EAGLE-3 config (architectures {config.get('architectures')!r})")
+        theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
+        cfg = Eagle3Config(hidden_size=layer["hidden_size"], num_heads=layer["num_attention_heads"],
+                           num_kv_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"],
+                           intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
+                           draft_vocab_size=config["draft_vocab_size"], rope_theta=float(theta),
+                           rms_norm_eps=float(layer["rms_norm_eps"]))
+        aux = list(config["eagle_aux_hidden_state_layer_ids"])
+        d2t, t2d = tensors["d2t"], tensors["t2d"]
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"exported EAGLE-3 draft {directory} lacks a field the loader needs: {exc!r}") from exc
+    model = Eagle3Draft(cfg, embed, target_norm_weight, target_lm_head, d2t, t2d, dtype=dtype)
+    check_keys(tensors, {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()},
+                f"exported EAGLE-3 draft {directory}")
+    model.load_state_dict(tensors, strict=True)
+    return model, aux

@@ -1,0 +1,468 @@
+"""One consumer run as a :class:`Session`: one draft trainer reading target hidden states from a cache root.
+
+Read it top to bottom, like nanoGPT's ``train.py``: :func:`run_consumer` runs the phases in order —
+
+1. :meth:`Session.setup`: read the root and the plan, fix the held-out split and the run directory,
+   find the start (``--resume`` / ``--init-from``, :mod:`.restore`), build the draft (it reads its own
+   ordered view of the root's captured layers). Nothing is written yet.
+2. :meth:`Session.resume`: load the start's weights (and, for ``--resume``, optimizer, RNG, step, cursor).
+3. :meth:`Session.register`: the run directory, the journal, the registration (window, held-out split
+   pinned, checkpoint cursor), the tracker, the reader thread (:mod:`.reader`), the heartbeat, the
+   signal handlers (the first SIGTERM / Ctrl-C stops at the next step boundary, a second at once; the
+   previous handlers come back in :meth:`close`).
+4. :meth:`Session.run`: the loop — :meth:`step` (wait for a batch, forward, backward, optimizer step,
+   release the batch's leases, commit the cursor), with :meth:`checkpoint` every ``--save-every`` and
+   :meth:`evaluate` every ``--eval-interval`` steps — then :meth:`close` whatever happened: threads
+   stopped, unused leases released, a final checkpoint when the state is a consistent step, the
+   registration finished, the journal closed.
+
+The cursor is committed only after the optimizer step that consumed its positions; leases are released
+once the batch is no longer used. Checkpoints (:mod:`artcache.trainers.checkpoint`), held-out evaluation
+(:mod:`artcache.trainers.evaluation`) and tracking (:mod:`artcache.trainers.tracking`) hang off the loop;
+see docs/training.md. Crash points (``ARTCACHE_CRASH_AT``, docs/protocol.md): ``cursor.before-commit``,
+``cursor.after-commit`` in :meth:`step`; ``checkpoint.before-record``, ``checkpoint.after-record`` in
+:meth:`checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from artcache import journal as J
+from artcache import registry
+from artcache.client import CacheClient, Leased
+from artcache.crashpoints import crash_point
+from artcache.errors import ConfigError, ConsumerFenced
+from artcache.layer_ids import layer_view, view_slice
+from artcache.layout import CacheLayout, host_id
+from artcache.plan import Plan
+from artcache.settings import load_settings
+from artcache.target import quiet_transformers
+from artcache.trainers.checkpoint import (
+    Loaded,
+    point_latest,
+    prune,
+    restore_optimizer,
+    restore_rng,
+    save_checkpoint,
+)
+from artcache.trainers.draft import DraftBatch, MetricSums, build_draft
+from artcache.trainers.evaluation import Evaluator, eval_split, target_argmax_fn
+from artcache.trainers.tracking import Progress, RunTracker
+
+from .config import ConsumerConfig, lr_at, run_settings
+from .reader import Reader, collate, drain, group_cursor
+from .restore import (
+    InitSource,
+    check_same_draft,
+    find_resume,
+    init_source,
+    jsonable,
+    load_weights_strict,
+    refuse_existing_run,
+    vocab_map_of,
+)
+
+__all__ = ["Session", "run_consumer"]
+
+log = logging.getLogger("artcache.consumer")
+
+
+def run_consumer(cfg: ConsumerConfig) -> dict:
+    """Train one draft on the cache root; returns a summary dict. Raises on failure (after fencing).
+
+    Summary keys: ``consumer_id``, ``draft``, ``steps``, ``cursor``, ``resumed_from_step`` (None for a
+    fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last up to 5 steps
+    this process trained; None when it trained none), ``tau``, ``checkpoint``, ``run_dir``, ``wait_s``,
+    and ``sim_acc_len`` (EAGLE-3) / ``eval`` (the last evaluation) when there are such figures.
+
+    Raises:
+        ConfigError / ContractMismatch: bad settings, layers the root does not capture, a resume or
+            init source that does not fit (all before registering). Training errors after fencing.
+    """
+    session = Session(cfg)
+    session.setup()
+    session.resume()
+    session.register()
+    return session.run()
+
+
+class Session:
+    """One consumer run; :func:`run_consumer` calls its phases in order (see the module docstring)."""
+
+    def __init__(self, cfg: ConsumerConfig) -> None:
+        self.cfg = cfg
+        self.resumed: Loaded | None = None  # --resume: the checkpoint continued
+        self.init: InitSource | None = None  # --init-from: the weights seeded
+        self.start_step = self.start_cursor = 0
+        self.steps_done = 0  # optimizer steps done (the checkpoint's step)
+        self.cursor = 0  # one past the last position trained on
+        self.state, self.error = "failed", ""  # the registration's final state
+        self.saved_step = -1  # the step of the newest checkpoint of this run (-1: none)
+        self.ckpt: Path | None = None
+        self.consistent = True  # model, optimizer and RNG match (steps_done, cursor): safe to checkpoint
+        self.total: MetricSums | None = None
+        self.first_losses: list[float] = []
+        self.last_losses: list[float] = []
+        self.wait_total = 0.0
+        self.last_eval: dict = {}
+        self.save_error: Exception | None = None
+        self.fenced = threading.Event()
+        self.beat_stop = threading.Event()
+        self.stop_req = threading.Event()  # a signal asked to stop: finish the current step, then cancel
+        self.previous_handlers: dict = {}
+
+    # ---- setup: read the root, choose the start, build the draft (nothing written yet) ------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        cfg.validate()
+        quiet_transformers()
+        self.layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
+        self.settings = load_settings(self.layout)  # raises CacheRootError for a missing/uninitialised root
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = torch.device(cfg.device)
+        self.plan = Plan.load(self.layout.plan_dir(self.settings.plan_id))
+        self.end = cfg.steps * cfg.batch_size  # exclusive: the consumer never reads at or past it
+        self.pinned = eval_split(len(self.plan), cfg.eval_samples, cfg.steps, cfg.batch_size)
+        self.run_dir = Path(cfg.out_dir or Path("runs") / cfg.consumer_id).absolute()
+        vocab_map = None
+        if cfg.resume:
+            self.resumed = find_resume(cfg, self.layout, self.settings, self.run_dir)
+            vocab_map = vocab_map_of(self.resumed.weights)
+        else:
+            refuse_existing_run(self.run_dir)
+            if cfg.init_from:
+                self.init = init_source(cfg, self.settings)
+                vocab_map = self.init.vocab_map
+        self.draft = build_draft(cfg, self.settings, self.plan, self.device, vocab_map=vocab_map)
+        self.model = self.draft.model
+        captured = list(self.settings.contract.layer_ids)
+        layers = view_slice(layer_view(captured, self.draft.needed_layer_ids, draft=cfg.draft, flag_hint=""))
+        # None: the draft reads every captured layer, in order
+        self.layers = None if isinstance(layers, slice) and layers == slice(0, len(captured)) else layers
+        # greedy replay against the target's argmax needs output-of-layer L-1 (un-normed) in the root
+        last_id = self.draft.target_info.num_layers - 1
+        self.last_index = captured.index(last_id) if (cfg.eval_samples and last_id in captured) else None
+
+    # ---- resume: the start's weights, and for --resume its optimizer, RNG, step and cursor ---------------
+
+    def resume(self) -> None:
+        cfg, draft = self.cfg, self.draft
+        if self.resumed is not None:
+            check_same_draft(self.resumed, draft)
+            load_weights_strict(self.model, self.resumed.weights, f"checkpoint {self.resumed.path}")
+        elif self.init is not None:
+            load_weights_strict(self.model, self.init.weights, f"--init-from {self.init.source}")
+            log.info("[%s] weights seeded from %s%s", cfg.consumer_id, self.init.source,
+                     " (its own vocab map kept)" if self.init.vocab_map else "")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
+                                           fused=True)
+        self.generators = draft.generators()
+        if self.resumed is not None:
+            st = self.resumed.state
+            restore_optimizer(self.optimizer, self.resumed.optimizer, st.param_groups)
+            restore_rng(self.resumed.rng, self.generators)
+            self.start_step, self.start_cursor = st.step, st.cursor
+            self.saved_step, self.ckpt = st.step, self.resumed.path
+        self.argmax_fn = target_argmax_fn(draft.target_info, draft.target_lm_head, self.device) \
+            if self.last_index is not None else None
+
+    # ---- register: run directory, journal, registration, tracker, reader, heartbeat, signals ------------
+
+    def register(self) -> None:
+        cfg, layout = self.cfg, self.layout
+        _check_run_dir(self.run_dir)  # before registering or journaling: a bad --out leaves nothing in the root
+        self.journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
+        try:
+            reg = registry.register(layout, registry.Registration(
+                consumer_id=cfg.consumer_id, draft=cfg.draft, cursor=self.start_cursor, lookbehind=cfg.lookbehind,
+                lookahead=cfg.lookahead, batch_size=cfg.batch_size, end=self.end, pid=os.getpid(), host=host_id(),
+                pinned=self.pinned, checkpoint_cursor=self.start_cursor if self.resumed is not None else -1),
+                check=self._check_resume, live_timeout_s=self.settings.heartbeat_timeout_s)
+        except BaseException:
+            self.journal.close()
+            raise
+        self.handle = registry.ConsumerHandle(layout, reg)
+        try:  # after registering: a refused resume must not touch the run's metrics
+            self.tracker = RunTracker(self.run_dir, tensorboard=cfg.tensorboard,
+                                      resume_step=self.start_step if self.resumed is not None else None)
+        except BaseException as exc:
+            self.handle.finish("failed", f"{type(exc).__name__}: {exc}")
+            self.journal.close()
+            raise
+        if self.resumed is not None:
+            log.info("[%s] resumed from %s: step %d, cursor %d", cfg.consumer_id, self.resumed.path, self.start_step,
+                     self.start_cursor)
+        self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
+                                          block_size=cfg.block_size, batch_size=cfg.batch_size,
+                                          lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
+                                          step=self.start_step, pinned=self.pinned[1] - self.pinned[0]))
+        self.client = CacheClient(layout, self.settings, self.plan, self.handle, self.journal, cfg.demand_timeout_s,
+                                  pin=self.device.type == "cuda")
+        group = [m for m in cfg.lockstep_group.split(",") if m]
+        self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
+                             end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None)
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled",
+            # leases released, journal closed (the previous handlers come back in close())
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        self.evaluator = Evaluator(self.draft, self.client, range(*self.pinned), cfg.batch_size, self._collate_eval,
+                                   self.argmax_fn, self.stop_req) if cfg.eval_samples else None
+        self.cursor, self.steps_done = reg.cursor, self.start_step
+        self.progress = Progress(cfg.steps, self.start_step, cfg.progress, cfg.consumer_id)
+        self.t_start, self.t_loop = time.time(), time.monotonic()
+        threading.Thread(target=self._heartbeat, daemon=True, name="artcache-heartbeat").start()
+        self.reader.start()
+
+    def _check_resume(self, old: registry.Registration | None) -> None:
+        """Under the registry lock: a resumed checkpoint must be the one the registry recorded last."""
+        if self.resumed is not None and (old is None or old.checkpoint_cursor != self.start_cursor):
+            raise ConfigError(
+                f"--resume: consumer {self.cfg.consumer_id!r}'s recorded checkpoint cursor is "
+                f"{old.checkpoint_cursor if old else 'absent'}, checkpoint {self.resumed.path} has cursor "
+                f"{self.start_cursor}")
+
+    def _heartbeat(self) -> None:
+        while not self.beat_stop.wait(self.cfg.heartbeat_s):
+            try:
+                self.handle.heartbeat()
+            except ConsumerFenced as exc:
+                log.error("%s", exc)
+                self.fenced.set()
+                self.reader.stop.set()
+                return
+            except Exception as exc:  # a transient filesystem error: try again next beat
+                log.warning("heartbeat failed: %s", exc)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.stop_req.is_set():
+            raise KeyboardInterrupt(f"signal {signum} (second)")
+        self.stop_req.set()
+        log.warning("[%s] signal %d: stopping after the current step (send it again to stop at once)",
+                    self.cfg.consumer_id, signum)
+
+    def _collate_eval(self, items: list[Leased], with_last: bool) -> DraftBatch:
+        return collate(items, self.device, self.layers, self.last_index if with_last else None)
+
+    # ---- run: the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Step to ``--steps`` (checkpoints and evaluations on their intervals), then close; the summary."""
+        cfg, evaluating = self.cfg, self.evaluator is not None
+        try:
+            if evaluating and cfg.eval_interval and self.start_step == 0:
+                self.evaluate(0)  # the untrained draft: the baseline every later evaluation is compared with
+            for step_index in range(self.start_step, cfg.steps):
+                self.step(step_index)
+                done = self.steps_done
+                if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+                    self.checkpoint()
+                if evaluating and cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
+                    self.evaluate(done)
+            if evaluating and self.last_eval.get("step") != self.steps_done:
+                self.evaluate(self.steps_done)
+            self.state = "completed"
+        except KeyboardInterrupt:
+            self.state, self.error = "cancelled", "interrupted"
+            raise
+        except BaseException as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.close()
+        if self.save_error is not None:
+            raise self.save_error
+        return self.summary()
+
+    # ---- step: one batch, one optimizer step, one cursor commit ------------------------------------------
+
+    def step(self, step_index: int) -> None:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        got = self._next_batch()
+        wait_s = time.monotonic() - t0
+        self.wait_total += wait_s
+        batch = collate(got, self.device, self.layers)
+        lr = lr_at(step_index, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.min_lr_frac)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.consistent = False  # from the anchor draw on, until the cursor commit
+        loss, sums = self.draft.loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self.optimizer.step()
+        self.cursor = got[-1].position + 1
+        # the step no longer needs the batch's bytes: release its leases while its positions are
+        # still inside the window, then commit (a crash in between leaves nothing outside it)
+        for it in got:
+            self.client.release(it)
+        crash_point("cursor.before-commit")
+        self.handle.commit_cursor(self.cursor)  # only after the step that consumed the positions
+        crash_point("cursor.after-commit")
+        self.steps_done = step_index + 1
+        self.consistent = True
+        self.reader.authorize(self.cursor)
+        self._record(step_index, sums, lr, wait_s, time.monotonic() - t0)
+
+    def _next_batch(self) -> list[Leased]:
+        """The reader's next batch; raises what stopped the reader, a signal's request, or a fence."""
+        got = None
+        while got is None:
+            if self.stop_req.is_set():
+                raise KeyboardInterrupt("signal")
+            try:
+                got = self.reader.out.get(timeout=0.2)
+            except queue.Empty:
+                continue
+        if isinstance(got, BaseException):
+            raise got
+        if self.fenced.is_set():
+            raise ConsumerFenced(f"consumer {self.cfg.consumer_id} was fenced")
+        return got
+
+    def _record(self, step_index: int, sums: MetricSums, lr: float, wait_s: float, step_s: float) -> None:
+        """The step's figures into the journal, metrics.csv / TensorBoard, the progress bar and the log."""
+        cfg, draft, step = self.cfg, self.draft, self.steps_done
+        self.total = sums if self.total is None else self.total + sums
+        s = draft.summary(sums)
+        if step_index - self.start_step < 5:
+            self.first_losses.append(s["loss"])
+        self.last_losses.append(s["loss"])
+        del self.last_losses[:-5]
+        self.journal.emit(J.Step(consumer=cfg.consumer_id, step=step, cursor=self.cursor, loss=s["loss"],
+                                 wait_s=wait_s, step_s=step_s, lr=lr, **draft.journal_fields(sums)))
+        rate = (step - self.start_step) / max(1e-9, time.monotonic() - self.t_loop)
+        self.tracker.scalars(step, "train", {**{k: v for k, v in s.items() if k != "blocks"}, "lr": lr,
+                                             "steps_per_s": rate, "wait_s": wait_s, "wait_total_s": self.wait_total})
+        self.progress.update(rate, s.get(draft.progress_metric), self.wait_total, draft.progress_metric)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            shown = s["acc"][:4]
+            acc = " ".join(f"{a:.2f}" for a in shown)
+            log.info("[%s] step %d/%d loss %.3f %s acc_1..%d %s trainer wait for batch %.2fs",
+                     cfg.consumer_id, step, cfg.steps, s["loss"], draft.headline(s), len(shown), acc, wait_s)
+            self.tracker.flush()
+
+    # ---- evaluate: one pass over the held-out split -------------------------------------------------------
+
+    def evaluate(self, at_step: int) -> None:
+        t0 = time.monotonic()
+        try:
+            self.last_eval = self.evaluator.run()
+        except InterruptedError:
+            raise KeyboardInterrupt("stopped during evaluation") from None
+        ev = self.last_eval
+        ev["step"] = at_step
+        self.tracker.scalars(at_step, "eval", {k: v for k, v in ev.items() if k not in ("step", "samples")})
+        self.tracker.flush()
+        shown = ev.get("acc", [])[:4]
+        acc = " ".join(f"{a:.2f}" for a in shown)
+        log.info("[%s] eval step %d on %d held-out samples: loss %.3f %s acc_1..%d %s (labels: %s) %.1fs",
+                 self.cfg.consumer_id, at_step, ev["samples"], ev["loss"], self.draft.headline(ev), len(shown), acc,
+                 ev["labels"], time.monotonic() - t0)
+
+    # ---- checkpoint: write, record the cursor, point latest, prune --------------------------------------
+
+    def checkpoint(self) -> Path:
+        cfg = self.cfg
+        path = save_checkpoint(self.run_dir, step=self.steps_done, cursor=self.cursor,
+                               weights=self.model.trainable_state_dict(), optimizer=self.optimizer,
+                               generators=self.generators, extra_tensors=self.draft.extra_tensors(),
+                               state=self._checkpoint_state())
+        self.tracker.flush()  # metrics.csv holds every step the checkpoint covers (a SIGKILL later loses none)
+        crash_point("checkpoint.before-record")
+        self.handle.record_checkpoint(self.cursor)  # the resume point moves only once the directory is complete
+        crash_point("checkpoint.after-record")
+        point_latest(self.run_dir, path)
+        prune(self.run_dir, cfg.keep_checkpoints, path)
+        self.saved_step, self.ckpt = self.steps_done, path
+        log.info("[%s] checkpoint %s (step %d, cursor %d)", cfg.consumer_id, path, self.steps_done, self.cursor)
+        return path
+
+    def _checkpoint_state(self) -> dict:
+        """The :class:`~artcache.trainers.checkpoint.CheckpointState` fields the consumer records (``step``,
+        ``cursor``, ``format`` and ``param_groups`` are added by ``save_checkpoint``)."""
+        cfg, contract, draft = self.cfg, self.settings.contract, self.draft
+        return {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "draft_config": jsonable(draft.config_dict()),
+                "run": run_settings(cfg),
+                "schedule": {"kind": "linear-warmup-cosine", "base_lr": cfg.lr, "warmup_frac": cfg.warmup_frac,
+                             "min_lr_frac": cfg.min_lr_frac, "total_steps": cfg.steps, "next_step": self.steps_done},
+                "plan_id": self.settings.plan_id, "contract_id": contract.contract_id,
+                "target_name": contract.target_name, "target_path": self.settings.target_path,
+                "target_weights_digest": contract.target_weights_digest, "dtype": contract.dtype,
+                "layer_convention": contract.layer_convention, "final_norm": draft.target_info.final_norm,
+                "layer_ids": list(draft.needed_layer_ids), "pinned": list(self.pinned),
+                "generation": self.handle.generation, "saved_at": time.time()}
+
+    # ---- close: stop the threads, release, final checkpoint, finish the registration ----------------------
+
+    def close(self) -> None:
+        cfg = self.cfg
+        self.progress.close()
+        for sig, handler in self.previous_handlers.items():
+            signal.signal(sig, handler)
+        self.reader.stop.set()
+        self.beat_stop.set()
+        self.reader.join(timeout=5)
+        drain(self.reader, self.client)
+        # also on a failure between steps (e.g. CaptureTimeout when the producer is gone): the state is a
+        # consistent step, so --resume continues from here instead of the last --save-every checkpoint
+        if self.consistent and self.steps_done > max(self.saved_step, 0) and not self.fenced.is_set():
+            try:
+                self.checkpoint()
+            except Exception as exc:  # never mask the error in flight; a completed run without it failed
+                self.save_error = exc
+                log.error("[%s] the final checkpoint failed: %s: %s", cfg.consumer_id, type(exc).__name__, exc)
+                if self.state == "completed":
+                    self.state, self.error = "failed", f"checkpoint: {type(exc).__name__}: {exc}"
+        self.handle.finish(self.state, self.error)
+        self.journal.emit(J.ConsumerEnd(consumer=cfg.consumer_id, state=self.state, steps=self.steps_done,
+                                        cursor=self.cursor, error=self.error))
+        self.journal.close()
+        self.tracker.close()
+
+    def summary(self) -> dict:
+        """What :func:`run_consumer` returns (keys in its docstring)."""
+        cfg, first, last = self.cfg, self.first_losses, self.last_losses
+        summary = self.draft.summary(self.total) if self.total is not None else {}
+        out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "steps": self.steps_done, "cursor": self.cursor,
+               "resumed_from_step": self.start_step if self.resumed is not None else None,
+               "seconds": time.time() - self.t_start,
+               # means over the first / last (up to) 5 steps this process trained; None when it trained none
+               # (e.g. --resume of a run that had already completed)
+               "first_loss": sum(first) / len(first) if first else None,
+               "final_loss": sum(last) / len(last) if last else None,
+               "tau": summary.get("tau"), "checkpoint": str(self.ckpt) if self.ckpt else None,
+               "run_dir": str(self.run_dir), "wait_s": self.wait_total}
+        if "sim_acc_len" in summary:
+            out["sim_acc_len"] = summary["sim_acc_len"]
+        if self.last_eval:
+            out["eval"] = self.last_eval
+        return out
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` if missing; it must be a writable directory.
+
+    Raises:
+        ConfigError: naming ``--out`` and why it cannot be the run directory.
+    """
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        raise ConfigError(f"--out {str(run_dir)!r} cannot be the run directory ({exc.strerror or exc}); give a "
+                          "writable directory path (created if missing)") from None

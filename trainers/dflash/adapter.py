@@ -1,0 +1,234 @@
+"""DFlash behind the :class:`~artcache.trainers.draft.Draft` interface: build, train, evaluate (greedy
+replay against the target's argmax), export."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError
+from artcache.layer_ids import check_layer_ids, dflash_layer_ids, layer_view
+from artcache.plan import choose_mask_token
+from artcache.target import load_embedding_and_lm_head, load_tokenizer
+from artcache.trainers.draft import (
+    Draft,
+    DraftBatch,
+    MetricSums,
+    check_target,
+    replay_headline,
+    replay_summary,
+    replay_sums,
+)
+
+from .anchors import eligible_anchors, sample_anchors
+from .config import DFlashConfig
+from .export import export_checkpoint_files
+from .loss import dflash_loss
+from .model import DFlashDraft
+
+__all__ = ["DFlashAdapter", "dflash_default_layers", "evenly_spaced", "greedy_replay"]
+
+
+def evenly_spaced(positions: Tensor, k: int) -> Tensor:
+    """``k`` entries of the 1-D ``positions`` at evenly spaced indices (first and last included), in order.
+
+    ``k <= 0`` or ``k >= len(positions)``: ``positions`` unchanged. Indices are
+    ``round(linspace(0, n - 1, k))`` (distinct for k <= n), so the choice is deterministic.
+    """
+    n = positions.numel()
+    if k <= 0 or k >= n:
+        return positions
+    if k == 1:
+        return positions[:1]
+    idx = torch.linspace(0, n - 1, k, dtype=torch.float64).round().long()
+    return positions[idx]
+
+
+class DFlashAdapter(Draft):
+    """DFlash (arXiv:2602.06036) behind the :class:`Draft` interface.
+
+    Args:
+        model: a :class:`~artcache.trainers.dflash.DFlashDraft`. dcfg: its config.
+        needed_layer_ids: the ``dflash_layer_ids(L, n)`` it reads (or the explicit ``--layer-ids`` view).
+        anchor_generator: the CPU generator anchors are drawn from (checkpointed with the run).
+        eval_anchors: evaluate at most this many evenly spaced anchors per sample (0: every one).
+    """
+
+    name = "dflash"
+
+    def __init__(self, model, dcfg, needed_layer_ids: Sequence[int], anchor_generator: torch.Generator,
+                 eval_anchors: int = 0) -> None:
+        self.model = model
+        self.dcfg = dcfg
+        self.needed_layer_ids = tuple(int(i) for i in needed_layer_ids)
+        self.generator = anchor_generator
+        self.eval_anchors = int(eval_anchors)
+
+    @classmethod
+    def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
+              info=None) -> DFlashAdapter:
+        """The DFlash draft around the target's frozen embedding and lm_head.
+
+        Raises:
+            ContractMismatch: a layer the draft needs is not captured, or the target's weights changed.
+            ConfigError: a vocab map given (a DFlash draft has none), no valid MASK token, or bad sizes.
+        """
+        from transformers import AutoConfig
+
+        if vocab_map:
+            raise ConfigError("a DFlash draft has no vocab map; the checkpoint given carries one (an EAGLE-3 draft?)")
+        info = info or check_target(settings)
+        captured = list(settings.contract.layer_ids)
+        if cfg.layer_ids:  # an explicit view replaces the formula
+            need = check_layer_ids(cfg.layer_ids, info.num_layers, f"--layer-ids {list(cfg.layer_ids)}")
+            n = cfg.draft_layers or len(need)
+            layer_view(captured, need, draft=f"a {n}-layer DFlash draft", flag_hint=" (--layer-ids)")
+        else:
+            n = cfg.draft_layers or dflash_default_layers(info.num_layers, captured)
+            need = dflash_layer_ids(info.num_layers, n)
+            layer_view(captured, need, draft=f"a {n}-layer DFlash draft", flag_hint=f" (--draft-layers {n})")
+        mask_id = choose_mask_token(load_tokenizer(info), info.vocab_size, plan)
+        embed, lm_head = load_embedding_and_lm_head(info)
+        dcfg = DFlashConfig.from_target(AutoConfig.from_pretrained(info.path), num_layers=n,
+                                        block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+                                        mask_token_id=mask_id, num_context_layers=len(need))
+        torch.manual_seed(cfg.seed)
+        model = DFlashDraft(dcfg, embed.to(device), lm_head.to(device))
+        draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors)
+        draft.target_info, draft.target_lm_head = info, model.lm_head_weight
+        return draft
+
+    @classmethod
+    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what):
+        return export_checkpoint_files(state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens,
+                                       what)
+
+    def generators(self) -> dict[str, torch.Generator]:
+        return {"anchors": self.generator}
+
+    def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor):
+        dev = batch.hidden.device
+        anchors, avalid = anchors.to(dev), avalid.to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            out = self.model(batch.hidden, batch.input_ids, anchors, avalid, context_valid=batch.valid)
+            loss, stats = dflash_loss(self.model, out, batch.input_ids, batch.loss_mask, anchors, avalid,
+                                      context_valid=batch.valid)
+        return out, loss, stats
+
+    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
+        # anchors are drawn on the CPU generator whatever the device (reproducible across devices)
+        anchors, avalid = sample_anchors((batch.loss_mask & batch.valid).cpu(), self.dcfg.num_anchors, self.generator)
+        _, loss, stats = self._forward(batch, anchors, avalid)
+        return loss, self._sums(stats)
+
+    @staticmethod
+    def _sums(stats) -> MetricSums:
+        s = MetricSums()
+        s.add("loss", float(stats.loss_sum), float(stats.weight_sum))
+        s.add("tau", int(stats.tau_sum), int(stats.num_blocks))
+        for k, (c, t) in enumerate(zip(stats.correct.tolist(), stats.total.tolist(), strict=True)):
+            if k >= 1:
+                s.add(f"acc_{k}", c, t)
+        return s
+
+    @torch.no_grad()
+    def evaluate(self, batch: DraftBatch, target_argmax: Tensor | None) -> MetricSums:
+        """Held-out metrics over **every** eligible anchor (no sampling), ``max(num_anchors, 256)`` at a time.
+
+        With ``eval_anchors`` k > 0, a sample with more than k eligible anchors is evaluated on k of them,
+        evenly spaced over its eligible positions (first and last included; deterministic, no RNG), so
+        an evaluation costs at most ``k × B`` draft positions per sample instead of ``T × B``.
+
+        Data-token metrics: loss, acc_k, τ (``tau``, +1 bonus included). With ``target_argmax``
+        ([b, T] long, the target's greedy next token after each prefix) also a greedy acceptance
+        replay (``replay_tau``, +1 bonus included; see :func:`greedy_replay`).
+        """
+        elig = eligible_anchors((batch.loss_mask & batch.valid).cpu())
+        sums = MetricSums()
+        n = max(self.dcfg.num_anchors, 256)  # no gradients: larger chunks than in training
+        for row in range(elig.shape[0]):
+            one = DraftBatch(batch.hidden[row:row + 1], batch.input_ids[row:row + 1],
+                             batch.loss_mask[row:row + 1], batch.valid[row:row + 1])
+            pos = elig[row].nonzero().squeeze(1)
+            pos = evenly_spaced(pos, self.eval_anchors)
+            for s in range(0, pos.numel(), n):
+                anchors = pos[s:s + n][None]
+                out, _, stats = self._forward(one, anchors, torch.ones_like(anchors, dtype=torch.bool))
+                sums = sums + self._sums(stats)
+                if target_argmax is not None:
+                    sums = sums + greedy_replay(self.model, out, one.input_ids, one.loss_mask & one.valid,
+                                                anchors.to(out.device), target_argmax[row:row + 1])
+        return sums
+
+    def config_dict(self) -> dict[str, Any]:
+        return {**msgspec.to_builtins(self.dcfg), "layer_ids": list(self.needed_layer_ids)}
+
+    def summary(self, sums: MetricSums) -> dict[str, Any]:
+        B = self.dcfg.block_size
+        out = {"loss": sums.ratio("loss"), "acc": [sums.ratio(f"acc_{k}") for k in range(1, B)],
+               "tau": sums.ratio("tau"), "tau_includes_bonus": True, "blocks": int(sums.den.get("tau", 0))}
+        return {**out, **replay_summary(sums)}
+
+    def headline(self, summary: dict[str, Any]) -> str:
+        return f"tau {summary['tau']:.2f} (incl. +1 bonus)" + replay_headline(summary, bonus_note="")
+
+    def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
+        """The Step event's metric sums (block size B: acc lists have B entries, index 0 unused)."""
+        B = self.dcfg.block_size
+        return {"tau_sum": sums.num.get("tau", 0.0), "blocks": int(sums.den.get("tau", 0)),
+                "acc_correct": [0] + [int(sums.num.get(f"acc_{k}", 0)) for k in range(1, B)],
+                "acc_total": [0] + [int(sums.den.get(f"acc_{k}", 0)) for k in range(1, B)]}
+
+
+def greedy_replay(model, out: Tensor, input_ids: Tensor, supervised: Tensor, anchors: Tensor,
+                  target_argmax: Tensor) -> MetricSums:
+    """Greedy acceptance of DFlash blocks against the target's own argmax (one sequence).
+
+    For the block anchored at p the draft proposes ``d_k`` (slot k, k = 1 … B-1, all in parallel).
+    Greedy verification accepts ``d_k`` while ``d_k == g_k``, where ``g_k`` is the target's greedy
+    token after ``x_≤p, g_1 … g_{k-1}``. From captures of the data sequence ``g_k`` is known only while
+    the greedy path stays on the data, i.e. ``g_j == x_{p+j}`` for j < k; then ``g_k =
+    target_argmax[p+k-1]``. The walk stops at the first rejection, at an unsupervised or padded
+    position (as τ in training), or — counted in ``replay_truncated`` — when the draft is still
+    being accepted but the greedy path leaves the data (the figure is then a lower bound). Exact when
+    the data are the target's own greedy outputs.
+
+    Args:
+        out: [1, N, B, H] draft hidden states. input_ids, supervised: [1, T]. anchors: [1, N] long.
+        target_argmax: [1, T] long: argmax of the target's logits at each position.
+
+    Returns:
+        MetricSums with ``replay_tau`` (Σ (accepted + 1) / blocks; **includes the +1 bonus**) and
+        ``replay_truncated`` (blocks cut short by the path leaving the data / blocks).
+    """
+    _, N, B, H = out.shape
+    T = input_ids.shape[1]
+    dev = out.device
+    k = torch.arange(1, B, device=dev)
+    tpos = anchors[0][:, None] + k  # [N, B-1] positions of slots 1..B-1
+    inside = tpos < T
+    tpc = tpos.clamp(max=T - 1)
+    ok = inside & supervised[0].to(dev)[tpc]
+    logits_rows = out[0, :, 1:].reshape(-1, H)
+    preds = torch.empty(logits_rows.shape[0], dtype=torch.long, device=dev)
+    chunk = 512
+    for s in range(0, logits_rows.shape[0], chunk):
+        preds[s:s + chunk] = model.logits(logits_rows[s:s + chunk]).argmax(dim=-1)
+    preds = preds.reshape(N, B - 1)
+    greedy = target_argmax[0].to(dev)[(tpos - 1).clamp(max=T - 1)]  # g_k = argmax after x_{<= p+k-1}
+    on_data = input_ids[0].to(dev)[tpc] == greedy  # g_k == x_{p+k}: the path stays on the data
+    return replay_sums(preds, greedy, ok, on_data)
+
+
+def dflash_default_layers(num_target_layers: int, captured: Sequence[int]) -> int:
+    """Draft layers n when ``--draft-layers`` is not given: the largest n <= len(captured) whose
+    ``dflash_layer_ids(L, n)`` are all captured (a DFlash-only root: one per captured layer)."""
+    cap = set(captured)
+    for n in range(min(len(cap), num_target_layers - 3), 0, -1):
+        if set(dflash_layer_ids(num_target_layers, n)) <= cap:
+            return n
+    return len(cap)  # nothing fits: dflash_layer_ids of this n names the missing ids

@@ -1,0 +1,255 @@
+"""Export a DFlash draft to the layouts vLLM loads: the hf ``DFlashDraftModel`` directory (as
+z-lab/dflash writes it) and the speculators ``dflash`` format (format-independent parts, layer-id
+conventions and the upstream files checked: :mod:`artcache.trainers.export`).
+
+**DFlash keys.** ``fc.weight`` [H, m·H]; ``hidden_norm.weight`` [H] (artcache's ``context_norm``: the
+RMSNorm applied to ``fc``'s output before the per-layer k/v projections); per layer ``i``:
+``layers.i.input_layernorm.weight``, ``layers.i.post_attention_layernorm.weight``,
+``layers.i.self_attn.{q,k,v,o}_proj.weight``, ``layers.i.self_attn.{q,k}_norm.weight``,
+``layers.i.mlp.{gate,up,down}_proj.weight``; ``norm.weight``. No ``embed_tokens`` / ``lm_head``: the
+draft uses the target's frozen ones, and vLLM shares the target's when the checkpoint has none. The
+attention is non-causal inside the block (``is_causal: false``; speculators:
+``sliding_window_non_causal: true``, which vLLM 0.32 turns into ``dflash_config.causal = false``).
+vLLM is run with ``num_speculative_tokens = B - 1`` (one bonus query plus B-1 MASK queries = one block).
+
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError
+from artcache.layer_ids import dflash_layer_ids, output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
+from artcache.trainers.draft import ExportedDraft
+from artcache.trainers.export import (
+    DTYPE_NAMES,
+    FORMATS,
+    SPECULATORS_VERSION,
+    check_keys,
+    decode_draft_config,
+    read_export,
+    speculators_config,
+    text_config,
+)
+
+from .config import DFlashConfig
+from .model import DFlashDraft
+
+__all__ = ["DFLASH_ARCHITECTURE", "dflash_config_from_export", "dflash_export_config", "dflash_export_state_dict",
+           "export_checkpoint_files", "load_dflash_export"]
+
+#: The architecture vLLM's registry maps to its DFlash draft (``qwen3_dflash.DFlashQwen3ForCausalLM``).
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+
+
+def export_checkpoint_files(state, weights: dict[str, Tensor], target_cfg: Any, fmt: str, dtype: torch.dtype,
+                            verifier: str, num_speculative_tokens: int | None, what: str) -> ExportedDraft:
+    """A DFlash checkpoint's ``config.json`` and serving tensors (``Draft.export`` of DFlash).
+
+    The layer ids are the checkpoint's recorded view; checkpoints written before layer ids were
+    recorded get the DFlash formula ``dflash_layer_ids(L, num_layers)``.
+
+    Raises:
+        ConfigError: the draft config, layer ids or weights do not fit (see :func:`dflash_export_config`,
+            :func:`dflash_export_state_dict`).
+    """
+    cfg = decode_draft_config(state.draft_config, DFlashConfig, what)
+    ids = state.view_layer_ids
+    if not ids:  # checkpoints written before layer ids were recorded: the DFlash formula
+        ids = dflash_layer_ids(int(text_config(target_cfg).num_hidden_layers), cfg.num_layers)
+    config = dflash_export_config(cfg, list(ids), target_cfg, fmt, dtype=dtype, verifier=verifier,
+                                  num_speculative_tokens=num_speculative_tokens)
+    return ExportedDraft(config, dflash_export_state_dict(weights, cfg, dtype), list(ids))
+
+
+def _check_ids(ids: Any, L: int, what: str) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not ids or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < L for i in ids):
+        raise ConfigError(f"{what}: layer ids {ids!r} must be a non-empty list of output-of-layer ids in [0, {L})")
+    return [int(i) for i in ids]
+
+
+def dflash_export_state_dict(weights: dict[str, Tensor], cfg: Any, dtype: torch.dtype | None = None
+                             ) -> dict[str, Tensor]:
+    """A DFlash draft's trainable tensors under the serving keys (``context_norm.`` -> ``hidden_norm.``).
+
+    ``weights`` must be exactly ``DFlashDraft(cfg).trainable_state_dict()``'s keys with its shapes
+    (checked against a meta-device draft, so nothing is allocated): a checkpoint of another draft or
+    size is refused rather than exported half-right.
+
+    Returns:
+        CPU, contiguous tensors; floating ones cast to ``dtype`` when given.
+
+    Raises:
+        ConfigError: missing / unexpected keys or mismatched shapes (all named), or a non-floating dtype.
+    """
+    if dtype is not None and not dtype.is_floating_point:
+        raise ConfigError(f"export dtype must be a floating dtype, got {dtype}")
+    meta = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
+    ref = DFlashDraft(cfg, meta, meta, dtype=torch.float32).trainable_state_dict()
+    check_keys(weights, {k: tuple(v.shape) for k, v in ref.items()}, "DFlash checkpoint")
+    out = {}
+    for k, v in weights.items():
+        name = "hidden_norm." + k[len("context_norm."):] if k.startswith("context_norm.") else k
+        t = v.detach().to("cpu")
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[name] = t.contiguous()
+    return out
+
+
+def _qwen3_layer_config(cfg: Any, tc: Any, dtype: torch.dtype) -> dict:
+    """The DFlash decoder-layer config (Qwen3 fields: q/k norms, no biases, plain RoPE)."""
+    return {
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", None) or 8192),
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "is_causal": False,
+        "dtype": DTYPE_NAMES[dtype],
+        "torch_dtype": DTYPE_NAMES[dtype],
+        **{k: getattr(tc, k) for k in ("bos_token_id", "eos_token_id") if getattr(tc, k, None) is not None},
+    }
+
+
+def dflash_export_config(cfg: Any, layer_ids: list[int], target_hf_config: Any, fmt: str = "hf", *,
+                         dtype: torch.dtype = torch.bfloat16, verifier: str = "target",
+                         num_speculative_tokens: int | None = None) -> dict:
+    """The ``config.json`` dict of an exported DFlash draft.
+
+    Args:
+        cfg: the draft's :class:`~artcache.trainers.dflash.DFlashConfig`.
+        layer_ids: captured layers in **output-of-layer** convention, in ``fc``'s input order.
+        target_hf_config: the target's transformers config (num_hidden_layers, max_position_embeddings,
+            token ids, architectures).
+        fmt: ``"hf"`` or ``"speculators"``.
+        verifier: the target's path or name (speculators' ``verifier.name_or_path``).
+        num_speculative_tokens: speculators' proposal length; default ``B - 1`` (one block).
+
+    Raises:
+        ConfigError: sizes disagree with the target, ``layer_ids`` has the wrong length or range, or
+            ``fmt`` / ``dtype`` is not accepted.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r} is not accepted: one of {', '.join(FORMATS)}")
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"--dtype {dtype} is not accepted: one of {', '.join(DTYPE_NAMES.values())}")
+    tc = text_config(target_hf_config)
+    L = getattr(tc, "num_hidden_layers", None)
+    if not isinstance(L, int):
+        raise ConfigError(f"target config has no integer num_hidden_layers (got {L!r})")
+    for name, ours in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size)):
+        theirs = getattr(tc, name, None)
+        if theirs != ours:
+            raise ConfigError(f"target {name}={theirs} != the draft's {name}={ours}: export against the target "
+                              "the draft was trained for (--target)")
+    ids = _check_ids(layer_ids, L, "DFlash export")
+    if len(ids) != cfg.num_context_layers:
+        raise ConfigError(f"{len(ids)} layer ids {ids} for a draft whose fc reads num_context_layers="
+                          f"{cfg.num_context_layers}")
+    vllm_ids = [output_of_layer_to_vllm_id(i) for i in ids]
+    B = cfg.block_size
+    layer_cfg = _qwen3_layer_config(cfg, tc, dtype)
+    if fmt == "hf":
+        return {
+            "architectures": [DFLASH_ARCHITECTURE],
+            **layer_cfg,
+            "num_target_layers": L,
+            "target_hidden_size": cfg.hidden_size,
+            "block_size": B,
+            "dflash_config": {"block_size": B, "mask_token_id": cfg.mask_token_id, "target_layer_ids": ids,
+                              "use_aux_hidden_state": True},
+            "eagle_aux_hidden_state_layer_ids": vllm_ids,
+        }
+    k = B - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+    if k < 1:
+        raise ConfigError(f"num_speculative_tokens={k} must be >= 1")
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": speculators_config("dflash", k, verifier, tc),
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": cfg.vocab_size,
+        "block_size": B,
+        "target_hidden_size": cfg.hidden_size,
+        "aux_hidden_state_layer_ids": vllm_ids,
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": True,
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+
+
+def dflash_config_from_export(config: dict) -> tuple[Any, list[int]]:
+    """Read an exported DFlash ``config.json`` back (either format) the way a serving engine does:
+    the draft's :class:`~artcache.trainers.dflash.DFlashConfig` and its layer ids, **output-of-layer**.
+
+    Raises:
+        ConfigError: a field the loader needs is missing, or the two layer-id fields disagree.
+    """
+    try:
+        if config.get("speculators_model_type") == "dflash":
+            layer = config["transformer_layer_config"]
+            ids = [vllm_id_to_output_of_layer(i) for i in config["aux_hidden_state_layer_ids"]]
+            mask_id, B = config["mask_token_id"], config["block_size"]
+        elif DFLASH_ARCHITECTURE in (config.get("architectures") or []):
+            layer, dc = config, config["dflash_config"]
+            ids = list(dc["target_layer_ids"])
+            aux = config.get("eagle_aux_hidden_state_layer_ids")
+            if aux is not None and [vllm_id_to_output_of_layer(i) for i in aux] != ids:
+                raise ConfigError(f"eagle_aux_hidden_state_layer_ids {aux} is not target_layer_ids {ids} + 1")
+            mask_id, B = dc["mask_token_id"], dc.get("block_size", config.get("block_size"))
+        else:
+            raise ConfigError(f"not an exported DFlash config (architectures {config.get('architectures')!r}, "
+                              f"speculators_model_type {config.get('speculators_model_type')!r})")
+        theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
+        cfg = DFlashConfig(
+            hidden_size=layer["hidden_size"], num_layers=layer["num_hidden_layers"],
+            num_heads=layer["num_attention_heads"], num_kv_heads=layer["num_key_value_heads"],
+            head_dim=layer["head_dim"], intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
+            num_context_layers=len(ids), mask_token_id=mask_id, block_size=B, rope_theta=float(theta),
+            rms_norm_eps=float(layer["rms_norm_eps"]))
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"exported DFlash config lacks a field the loader needs: {exc!r}") from exc
+    return cfg, ids
+
+
+def load_dflash_export(directory: str | Path, embed_weight: Tensor, lm_head_weight: Tensor,
+                       dtype: torch.dtype = torch.float32):
+    """Build a fresh :class:`~artcache.trainers.dflash.DFlashDraft` from an exported directory alone (its
+    config.json and model.safetensors; the target's embedding and lm_head are supplied, as an engine
+    shares them) and load the weights with strict keys in both directions.
+
+    Returns:
+        (model, output-of-layer ids).
+
+    Raises:
+        ConfigError: unreadable files, a config the loader cannot use, or keys/shapes that differ.
+    """
+    config, tensors = read_export(directory)
+    cfg, ids = dflash_config_from_export(config)
+    model = DFlashDraft(cfg, embed_weight, lm_head_weight, dtype=dtype)
+    own = {("context_norm." + k[len("hidden_norm."):] if k.startswith("hidden_norm.") else k): v
+           for k, v in tensors.items()}
+    check_keys(own, {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()},
+                f"exported DFlash draft {directory}")
+    model.load_state_dict(own, strict=True)
+    return model, ids

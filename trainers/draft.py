@@ -1,0 +1,290 @@
+"""The draft interface: what the consumer and ``artcache export`` need from a draft algorithm.
+
+A draft is a package ``artcache.trainers.<name>/`` with the same files — ``config.py`` (its msgspec
+config), ``model.py`` (the ``nn.Module``), ``loss.py`` (training loss and metric sums), ``adapter.py``
+(its :class:`Draft` subclass) and ``export.py`` (its serving layout) — registered by one line in
+:data:`artcache.trainers.ADAPTERS`. :func:`build_draft` builds the draft a
+:class:`~artcache.trainers.consumer.ConsumerConfig` names; :func:`draft_class` gives its adapter class.
+
+What a :class:`Draft` exposes (shapes: b sequences, T positions, m layers in the draft's view, H the
+target's hidden size, V its vocabulary):
+
+- ``model``: the trainable ``nn.Module``; frozen target tensors are buffers, never trained or saved.
+  It must offer ``trainable_state_dict()`` (the tensors a checkpoint saves) and ``parameters()``.
+- ``needed_layer_ids``: the captured layers it reads, output-of-layer convention, in the order it reads
+  them (its *view* of the root's ``contract.layer_ids``, :func:`artcache.layer_ids.layer_view`).
+- ``target_info`` (:class:`artcache.target.TargetInfo`) and ``target_lm_head`` ([V, H], frozen): the
+  target the draft was built against; the consumer derives the target's argmax from them.
+- ``build(cfg, settings, plan, device, vocab_map=...)``: classmethod, the draft around the target.
+- ``loss(batch) -> (loss, sums)``: one training forward; ``loss`` a scalar tensor with grad,
+  ``sums`` a :class:`MetricSums`.
+- ``evaluate(batch, target_argmax) -> MetricSums``: held-out metrics without gradients;
+  ``target_argmax`` [b, T] long (the target's greedy next token after each prefix) or None.
+- ``summary(sums) -> dict``: the metrics of a :class:`MetricSums`, each ratio divided once; must hold
+  ``loss`` (float) and ``acc`` (list of floats), plus ``progress_metric``.
+- ``headline(summary) -> str``: one log fragment with the draft's acceptance figure, bonus stated.
+- ``journal_fields(sums) -> dict``: the Step journal event's ``tau_sum``, ``blocks``, ``acc_correct``,
+  ``acc_total``.
+- ``config_dict()``: its configuration, JSON-serialisable, stored in checkpoints (``draft_config``).
+- ``generators()``: named ``torch.Generator`` it draws from in training (checkpointed).
+- ``extra_tensors()``: tensors that belong to it but are not trained (EAGLE-3's vocab map).
+- ``export(...)``: classmethod, its ``config.json`` and serving tensors from a checkpoint.
+- ``progress_metric``: the summary key the progress bar shows.
+
+A draft never decides which positions it reads; the consumer does.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError, ContractMismatch
+from artcache.target import TargetInfo, resolve_target
+from artcache.trainers import ADAPTERS, DRAFT_NAMES
+from artcache.trainers.checkpoint import CheckpointState
+
+__all__ = ["Draft", "DraftBatch", "ExportedDraft", "MetricSums", "build_draft", "check_target", "draft_class", "replay_headline",
+           "replay_sums", "replay_summary"]
+
+
+@dataclass
+class DraftBatch:
+    """One padded batch, on the consumer's device.
+
+    Attributes:
+        hidden: [b, T, m, H] captured layers in the draft's view order (contract dtype).
+        input_ids: [b, T] long. loss_mask: [b, T] bool. valid: [b, T] bool (False = padding).
+        positions: the plan positions of the b rows.
+        last_layer: optional [b, T, H]: output-of-layer ``L - 1`` (un-normed), when the root captures
+            it and the caller asked for it (greedy replay against the target's argmax).
+    """
+
+    hidden: Tensor
+    input_ids: Tensor
+    loss_mask: Tensor
+    valid: Tensor
+    positions: tuple[int, ...] = ()
+    last_layer: Tensor | None = None
+
+
+@dataclass
+class MetricSums:
+    """Named numerator / denominator sums that add across steps, batches and processes.
+
+    Every reported ratio is ``num[name] / den[name]`` computed once over the summed values (never a
+    mean of per-step ratios). A name absent from ``den`` is a plain sum (a count).
+    """
+
+    num: dict[str, float] = field(default_factory=dict)
+    den: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, num: float, den: float | None = None) -> None:
+        self.num[name] = self.num.get(name, 0.0) + float(num)
+        if den is not None:
+            self.den[name] = self.den.get(name, 0.0) + float(den)
+
+    def __add__(self, other: MetricSums) -> MetricSums:
+        out = MetricSums(dict(self.num), dict(self.den))
+        for k, v in other.num.items():
+            out.num[k] = out.num.get(k, 0.0) + v
+        for k, v in other.den.items():
+            out.den[k] = out.den.get(k, 0.0) + v
+        return out
+
+    def ratio(self, name: str) -> float:
+        """``num / den`` (NaN when the denominator is 0 or the name is unknown)."""
+        d = self.den.get(name, 0.0)
+        return self.num.get(name, 0.0) / d if d > 0 else math.nan
+
+
+@dataclass
+class ExportedDraft:
+    """What :meth:`Draft.export` returns: the ``config.json`` dict, the serving tensors (CPU, contiguous)
+    and the layer ids the draft reads in the **output-of-layer** convention (None when the checkpoint
+    records none), for the export's provenance file."""
+
+    config: dict
+    tensors: dict[str, Tensor]
+    layer_ids: list[int] | None
+
+
+# ---- the greedy acceptance replay every draft reports on held-out data --------------------------------
+
+def replay_sums(preds: Tensor, greedy: Tensor, ok: Tensor, on_data: Tensor) -> MetricSums:
+    """Greedy acceptance walk over proposals, one row per block (a DFlash block, or the EAGLE-3 TTT
+    steps from one position; see :func:`artcache.trainers.dflash.adapter.greedy_replay`).
+
+    Args (all [N, K], column k = the k-th proposed token of a block):
+        preds: the draft's proposals (target vocabulary ids). greedy: the target's greedy token
+            there, valid while the path stays on the data. ok: the position is supervised and inside
+            the sequence. on_data: ``greedy == data token`` there.
+
+    The walk accepts column k while ``preds == greedy`` and ``ok``, and continues past column k only
+    if ``on_data`` there. ``replay_truncated`` counts walks cut short by a path leaving the data
+    while the next column was still ``ok`` (the figure is then a lower bound).
+
+    Returns:
+        MetricSums: ``replay_tau`` = Σ (accepted + 1) / N (**includes the +1 bonus token**),
+        ``replay_truncated`` / N.
+    """
+    N, K = preds.shape
+    dev = preds.device
+    match = (preds == greedy) & ok
+    lead = match.long().cumprod(dim=1)  # 1 while every column so far was accepted
+    cont = torch.cat((torch.ones(N, 1, dtype=torch.long, device=dev), on_data[:, :-1].long()), dim=1).cumprod(dim=1)
+    accepted = (lead * cont).sum(dim=1)
+    if K > 1:
+        last = (accepted - 1).clamp(min=0)
+        truncated = (accepted > 0) & (accepted < K) & ~on_data.gather(1, last[:, None]).squeeze(1) \
+            & ok.gather(1, accepted.clamp(max=K - 1)[:, None]).squeeze(1)
+    else:
+        truncated = torch.zeros(N, dtype=torch.bool, device=dev)
+    s = MetricSums()
+    s.add("replay_tau", float((accepted + 1).sum()), N)
+    s.add("replay_truncated", float(truncated.sum()), N)
+    return s
+
+
+def replay_summary(sums: MetricSums) -> dict[str, float]:
+    """Greedy-replay figures (``replay_tau`` incl. +1 bonus, ``replay_truncated_frac``: share of blocks
+    cut short) when an evaluation recorded them; ``{}`` otherwise."""
+    if "replay_tau" not in sums.den:
+        return {}
+    return {"replay_tau": sums.ratio("replay_tau"), "replay_truncated_frac": sums.ratio("replay_truncated")}
+
+
+def replay_headline(summary: dict[str, Any], bonus_note: str = " (incl. +1 bonus)") -> str:
+    """`` greedy-replay tau X.XX`` plus ``bonus_note`` when ``summary`` has a replay, else ``""``."""
+    if "replay_tau" not in summary:
+        return ""
+    return f" greedy-replay tau {summary['replay_tau']:.2f}{bonus_note}"
+
+
+def check_target(settings) -> TargetInfo:
+    """The cache root's target (``settings.target_path``), resolved, with the weights it was captured from.
+
+    Raises:
+        ContractMismatch: the target's weights digest differs from the root's contract.
+        ConfigError: the target cannot be resolved.
+    """
+    info = resolve_target(settings.target_path)
+    if info.weights_digest != settings.contract.target_weights_digest:
+        raise ContractMismatch(
+            f"target at {settings.target_path} has weights digest {info.weights_digest}, but the cache "
+            f"root was captured from {settings.contract.target_weights_digest}")
+    return info
+
+
+# ---- the interface ------------------------------------------------------------------------------------
+
+class Draft(abc.ABC):
+    """The interface the consumer trains through and ``artcache export`` exports through (see the
+    module docstring for every member's contract)."""
+
+    #: the registered draft name (a key of :data:`artcache.trainers.ADAPTERS`)
+    name: ClassVar[str] = ""
+    #: the summary key the progress bar shows
+    progress_metric: ClassVar[str] = "tau"
+    model: torch.nn.Module
+    needed_layer_ids: tuple[int, ...] = ()
+    #: the resolved target (:class:`artcache.target.TargetInfo`) and its frozen lm_head [V, H]
+    target_info: TargetInfo | None = None
+    target_lm_head: Tensor | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
+              info: TargetInfo | None = None) -> Draft:
+        """The draft for consumer config ``cfg`` on a root (``settings``, ``plan``), on ``device``.
+
+        Args:
+            vocab_map: a draft's own non-trained tensors taken from the checkpoint it resumes or is
+                seeded from (EAGLE-3: ``d2t``/``t2d``); a draft that has none must refuse one.
+            info: the resolved target when the caller has it (else :func:`check_target`).
+
+        Raises:
+            ContractMismatch: a needed layer is not captured, or the target's weights changed.
+            ConfigError: bad sizes or options.
+        """
+
+    @classmethod
+    def export(cls, state: CheckpointState, weights: dict[str, Tensor], target_cfg: Any, fmt: str,
+               dtype: torch.dtype, verifier: str, num_speculative_tokens: int | None, what: str) -> ExportedDraft:
+        """The serving ``config.json`` and tensors of a checkpoint of this draft.
+
+        Args:
+            state: the checkpoint's state. weights: its ``model.safetensors`` merged with
+                ``extra.safetensors``. target_cfg: the target's transformers config. fmt: ``"hf"`` or
+                ``"speculators"``. dtype: of the exported floating tensors. verifier: the target's path
+                or name. num_speculative_tokens: the speculators proposal length (None: the draft's
+                default). what: names the checkpoint in error messages.
+
+        Raises:
+            ConfigError: the draft has no export, or the checkpoint does not fit its config.
+        """
+        raise ConfigError(f"a {cls.name} draft has no serving export")
+
+    @abc.abstractmethod
+    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
+        """One training forward on ``batch``: (scalar loss with grad, metric sums)."""
+
+    @abc.abstractmethod
+    def evaluate(self, batch: DraftBatch, target_argmax: Tensor | None) -> MetricSums:
+        """Held-out metric sums, no gradients; ``target_argmax`` [b, T] long or None."""
+
+    @abc.abstractmethod
+    def config_dict(self) -> dict[str, Any]:
+        """The draft's configuration (JSON-serialisable, with ``layer_ids``): a checkpoint's ``draft_config``."""
+
+    @abc.abstractmethod
+    def summary(self, sums: MetricSums) -> dict[str, Any]:
+        """Metrics of ``sums`` (``loss``, ``acc`` list, the draft's acceptance figure), ratios divided once."""
+
+    @abc.abstractmethod
+    def headline(self, summary: dict[str, Any]) -> str:
+        """One log fragment for a summary: the draft's acceptance figure, bonus convention stated."""
+
+    @abc.abstractmethod
+    def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
+        """The Step journal event's metric sums: ``tau_sum``, ``blocks``, ``acc_correct``, ``acc_total``."""
+
+    def generators(self) -> dict[str, torch.Generator]:
+        """Named generators the draft draws from during training (their states are checkpointed)."""
+        return {}
+
+    def extra_tensors(self) -> dict[str, Tensor]:
+        """Tensors that belong to the draft but are not trained (saved as ``extra.safetensors``)."""
+        return {}
+
+
+def draft_class(name: str) -> type[Draft]:
+    """The adapter class registered for draft ``name`` (imported on first use).
+
+    Raises:
+        ConfigError: ``name`` is not a registered draft.
+    """
+    target = ADAPTERS.get(name)
+    if target is None:
+        raise ConfigError(f"--draft {name!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_draft(cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None) -> Draft:
+    """The draft ``cfg.draft`` names, built by its adapter's :meth:`Draft.build`.
+
+    Args:
+        vocab_map: EAGLE-3 only: ``{"d2t", "t2d"}`` to keep (a seeded or resumed draft keeps its
+            own map); None computes it from the plan's loss-masked tokens.
+
+    Raises:
+        ConfigError: unknown draft. ContractMismatch: see the drafts' ``build``.
+    """
+    return draft_class(cfg.draft).build(cfg, settings, plan, device, vocab_map=vocab_map)

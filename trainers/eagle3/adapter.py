@@ -1,0 +1,212 @@
+"""EAGLE-3 behind the :class:`~artcache.trainers.draft.Draft` interface: build (with its vocab map),
+train, evaluate (greedy replay against the target's argmax), export."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError
+from artcache.layer_ids import check_layer_ids, eagle3_capture_ids, layer_view
+from artcache.target import load_embedding_and_lm_head, load_final_norm
+from artcache.trainers.draft import (
+    Draft,
+    DraftBatch,
+    MetricSums,
+    check_target,
+    replay_headline,
+    replay_summary,
+    replay_sums,
+)
+
+from .config import Eagle3Config
+from .export import export_checkpoint_files
+from .loss import eagle3_loss, supervision_masks
+from .model import Eagle3Draft
+from .vocab import build_vocab_map, count_plan_tokens
+
+__all__ = ["Eagle3Adapter", "TrainingTokens"]
+
+log = logging.getLogger("artcache.consumer")
+
+
+class Eagle3Adapter(Draft):
+    """EAGLE-3 (arXiv:2503.01840) behind the :class:`Draft` interface.
+
+    The draft's view is :func:`~artcache.layer_ids.eagle3_capture_ids` ``(L)``: three auxiliary layers
+    then output-of-layer ``L - 1`` (un-normed), from which the frozen target head gives the soft labels.
+
+    Args:
+        model: a :class:`~artcache.trainers.eagle3.Eagle3Draft`. ecfg: its config. needed_layer_ids: the view.
+    """
+
+    name = "eagle3"
+    progress_metric = "sim_acc_len"
+
+    def __init__(self, model, ecfg, needed_layer_ids: Sequence[int]) -> None:
+        self.model = model
+        self.ecfg = ecfg
+        self.needed_layer_ids = tuple(int(i) for i in needed_layer_ids)
+
+    @classmethod
+    def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
+              info=None) -> Eagle3Adapter:
+        """The EAGLE-3 draft around the target's frozen embedding, final norm and lm_head.
+
+        The vocab map (``d2t``/``t2d``) is ``vocab_map`` when given (a resumed or seeded draft keeps its
+        own), else built from the loss-masked tokens of the plan's **training** samples (the held-out
+        split, ``--eval-samples``, is left out) with ``--draft-vocab`` entries.
+
+        Raises:
+            ContractMismatch: the root lacks a layer (three aux layers and L-1), or the target changed.
+            ConfigError: a given vocab map's size differs from ``--draft-vocab``, or bad sizes.
+        """
+        from transformers import AutoConfig
+
+        info = info or check_target(settings)
+        need = eagle3_capture_ids(info.num_layers)
+        if cfg.layer_ids:  # an explicit view: three auxiliary layers, then L-1 for the target logits
+            need = check_layer_ids(cfg.layer_ids, info.num_layers, f"--layer-ids {list(cfg.layer_ids)}")
+            if len(need) != 4 or need[-1] != info.num_layers - 1:
+                raise ConfigError(f"--layer-ids {need} for EAGLE-3: give three auxiliary output-of-layer ids then "
+                                  f"the last layer {info.num_layers - 1} (default {eagle3_capture_ids(info.num_layers)})")
+        layer_view(settings.contract.layer_ids, need,
+                   draft="an EAGLE-3 draft (3 auxiliary layers, then the last layer L-1 for the target logits)",
+                   flag_hint="")
+        ecfg = Eagle3Config.from_target(AutoConfig.from_pretrained(info.path), draft_vocab_size=cfg.draft_vocab,
+                                        ttt_steps=cfg.ttt_steps)
+        if ecfg.draft_vocab_size < cfg.draft_vocab:  # the default 32000 on a smaller-vocab target is not an error
+            log.warning("--draft-vocab %d exceeds the target vocabulary (%d tokens): the draft uses all %d "
+                        "(identity vocab map)", cfg.draft_vocab, ecfg.vocab_size, ecfg.vocab_size)
+        d2t, t2d = _vocab_map(cfg, plan, info, ecfg, vocab_map)
+        embed, lm_head = load_embedding_and_lm_head(info)
+        norm = load_final_norm(info)
+        torch.manual_seed(cfg.seed)
+        model = Eagle3Draft(ecfg, embed.to(device), norm.to(device), lm_head.to(device), d2t, t2d)
+        draft = cls(model, ecfg, need)
+        draft.target_info, draft.target_lm_head = info, model.target_lm_head_weight
+        return draft
+
+    @classmethod
+    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what):
+        return export_checkpoint_files(state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens,
+                                       what)
+
+    def _split(self, batch: DraftBatch) -> tuple[Tensor, Tensor]:
+        return batch.hidden[:, :, :3], batch.hidden[:, :, 3]
+
+    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
+        aux, last = self._split(batch)
+        dev = batch.hidden.device
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss, stats = eagle3_loss(self.model, aux, last, batch.input_ids, batch.loss_mask, batch.valid)
+        return loss, self._sums(stats)
+
+    @staticmethod
+    def _sums(stats) -> MetricSums:
+        s = MetricSums()
+        for i, (ls, kept, c, t) in enumerate(zip(stats.loss_sum.tolist(), stats.kept.tolist(), stats.correct.tolist(),
+                                                 stats.total.tolist(), strict=True)):
+            s.add(f"loss_{i}", ls, kept)
+            s.add(f"acc_{i + 1}", c, t)
+        return s
+
+    @torch.no_grad()
+    def evaluate(self, batch: DraftBatch, target_argmax: Tensor | None) -> MetricSums:
+        """Held-out TTT metrics (loss, per-step accuracy, ``sim_acc_len``) and a greedy acceptance replay
+        against the target's argmax: at each position t whose step-0 prediction is supervised, the
+        proposals of steps 0 … S-1 are walked as in :func:`~artcache.trainers.draft.replay_sums`
+        (``replay_tau`` includes the +1 bonus token). The target's argmax comes from the captured
+        ``L - 1`` layer when not given."""
+        aux, last = self._split(batch)
+        model = self.model
+        _, stats = eagle3_loss(model, aux, last, batch.input_ids, batch.loss_mask, batch.valid)
+        sums = self._sums(stats)
+        b, T = batch.input_ids.shape
+        dev = batch.hidden.device
+        if target_argmax is None:
+            flat = last.reshape(b * T, -1)
+            target_argmax = torch.cat([model.target_logits(flat[s:s + 256]).argmax(dim=-1)
+                                       for s in range(0, flat.shape[0], 256)]).reshape(b, T)
+        S = self.ecfg.ttt_steps
+        hiddens = model(aux, batch.input_ids, batch.valid, steps=S)
+        used = model.used_ids().to(dev)
+        sup = supervision_masks(batch.loss_mask, batch.valid, S)
+        ids, g = batch.input_ids.to(dev), target_argmax.to(dev)
+        rows = sup[0].reshape(-1).nonzero().squeeze(1)  # positions t (flattened b·T) with step 0 supervised
+        if rows.numel() == 0:
+            return sums
+        tb, tt = rows // T, rows % T
+        preds, greedy, ok, on_data = [], [], [], []
+        for i, h in enumerate(hiddens):
+            hr = h.reshape(b * T, -1).index_select(0, rows)
+            pred = torch.cat([model.draft_logits(hr[s:s + 256]).argmax(dim=-1) for s in range(0, hr.shape[0], 256)])
+            preds.append(used[pred])
+            lab = (tt + 1 + i).clamp(max=T - 1)  # step i predicts x_{t+2+i}: the target's argmax at t+1+i
+            nxt = (tt + 2 + i).clamp(max=T - 1)
+            greedy.append(g[tb, lab])
+            ok.append(sup[i].to(dev)[tb, tt])
+            on_data.append(ids[tb, nxt] == g[tb, lab])
+        return sums + replay_sums(torch.stack(preds, 1), torch.stack(greedy, 1), torch.stack(ok, 1),
+                                  torch.stack(on_data, 1))
+
+    def config_dict(self) -> dict[str, Any]:
+        return {**msgspec.to_builtins(self.ecfg), "layer_ids": list(self.needed_layer_ids)}
+
+    def summary(self, sums: MetricSums) -> dict[str, Any]:
+        """``loss`` = Σ_i decay^i · loss_i over the steps that kept a position (a step with none adds
+        0, as in the objective); ``acc`` per TTT step; ``sim_acc_len`` = Σ_k Π_{i<=k} acc_i (SpecForge's
+        ``simulated_acc_len``, **no** bonus token); ``coverage`` = kept / supervised positions."""
+        S = self.ecfg.ttt_steps
+        per_step = [sums.ratio(f"loss_{i}") for i in range(S)]
+        acc = [sums.ratio(f"acc_{i + 1}") for i in range(S)]
+        sim, prod = 0.0, 1.0
+        for a in acc:
+            prod *= a
+            sim += prod
+        kept = sum(sums.den.get(f"loss_{i}", 0.0) for i in range(S))
+        total = sum(sums.den.get(f"acc_{i + 1}", 0.0) for i in range(S))
+        out = {"loss": sum(self.ecfg.loss_decay ** i * v for i, v in enumerate(per_step) if math.isfinite(v)),
+               "loss_per_step": per_step, "acc": acc, "sim_acc_len": sim, "sim_acc_len_includes_bonus": False,
+               "coverage": kept / total if total > 0 else math.nan}
+        return {**out, **replay_summary(sums)}
+
+    def headline(self, summary: dict[str, Any]) -> str:
+        return f"sim_acc_len {summary['sim_acc_len']:.2f} (no bonus)" + replay_headline(summary)
+
+    def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
+        """Step event sums: no blocks (τ is a DFlash figure); ``acc_*`` hold the per-TTT-step counts."""
+        S = self.ecfg.ttt_steps
+        return {"tau_sum": 0.0, "blocks": 0,
+                "acc_correct": [int(sums.num.get(f"acc_{i + 1}", 0)) for i in range(S)],
+                "acc_total": [int(sums.den.get(f"acc_{i + 1}", 0)) for i in range(S)]}
+
+
+class TrainingTokens:
+    """The plan's training samples only (its held-out split left out), as ``count_plan_tokens`` reads them."""
+
+    def __init__(self, plan, train_samples: int) -> None:
+        cut = int(plan.offsets[train_samples])
+        self.input_ids, self.loss_mask = plan.input_ids[:cut], plan.loss_mask[:cut]
+        self.provenance = plan.provenance
+
+
+def _vocab_map(cfg, plan, info, ecfg: Eagle3Config, given: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """(d2t, t2d): the given map checked against ``--draft-vocab``, or one built from the training tokens."""
+    if not given:
+        train = len(plan) - cfg.eval_samples
+        return build_vocab_map(count_plan_tokens(TrainingTokens(plan, train), info.vocab_size), ecfg.draft_vocab_size)
+    missing = {"d2t", "t2d"} - set(given)
+    if missing:
+        raise ConfigError(f"the EAGLE-3 vocab map given lacks {sorted(missing)}")
+    d2t, t2d = given["d2t"], given["t2d"]
+    if d2t.numel() != ecfg.draft_vocab_size:
+        raise ConfigError(f"the draft's own vocab map has {d2t.numel()} entries, but --draft-vocab "
+                          f"{cfg.draft_vocab} gives {ecfg.draft_vocab_size}: pass --draft-vocab {d2t.numel()}")
+    return d2t, t2d
