@@ -1,0 +1,161 @@
+"""The floors of the installed package, read from every module's AST (function-local imports included).
+
+Floors, lowest first: the cache library ``artcache.*`` < the drafts and their trainer ``artcache.trainers``
+< the harness ``artcache.bench`` < the composition root ``artcache.app`` (with ``artcache.__main__``,
+which only starts it). A module never imports a higher floor. Also: no import cycle, and no product
+function longer than 120 lines outside the composition root.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"artcache": "artcache", "artcache.trainers": "trainers", "artcache.bench": "bench"}
+#: highest floor first: the first prefix a module name starts with decides its floor
+FLOORS = (("artcache.app", 4), ("artcache.__main__", 4), ("artcache.bench", 3), ("artcache.trainers", 2),
+          ("artcache", 1))
+MAX_FUNCTION_LINES = 120
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([pkg, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def floor(module: str) -> int:
+    for prefix, level in FLOORS:
+        if module == prefix or module.startswith(prefix + "."):
+            return level
+    raise AssertionError(f"{module} is on no floor")
+
+
+def _owner(name: str) -> str | None:
+    """The artcache module ``name`` (a dotted import target) lives in, or None outside the package."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(module: str, *, function_local: bool = True) -> list[tuple[int, str]]:
+    """(line, artcache module) for each import in ``module``: ``from a.b import c`` counts as ``a.b.c``
+    when that is a module, else ``a.b``; relative imports are resolved."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            local = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and (function_local or not in_function):
+                if isinstance(child, ast.Import):
+                    names = [a.name for a in child.names]
+                else:
+                    base = child.module or ""
+                    if child.level:
+                        anchor = package
+                        for _ in range(child.level - 1):
+                            anchor = anchor.rpartition(".")[0]
+                        base = f"{anchor}.{base}" if base else anchor
+                    names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in child.names]
+                found.extend((child.lineno, m) for m in map(_owner, names) if m and m != module)
+            visit(child, local)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return found
+
+
+def test_the_floors_cover_every_module_and_imports_are_seen():
+    assert {floor(m) for m in MODULES} == {1, 2, 3, 4}
+    assert floor("artcache.trainers.draft") == 2 and floor("artcache.logs") == 1 and floor("artcache.app.cli") == 4
+    # the CLI imports the consumer inside its verb: seen only with function-local imports
+    assert "artcache.trainers.consumer" in {t for _, t in imports("artcache.app.cli")}
+    assert "artcache.trainers.consumer" not in {t for _, t in imports("artcache.app.cli", function_local=False)}
+    # relative imports resolve to their modules
+    assert {"artcache.trainers.dflash.loss", "artcache.trainers.draft"} <= {
+        t for _, t in imports("artcache.trainers.dflash.adapter")}
+
+
+def test_no_module_imports_a_higher_floor():
+    """Library modules import neither the drafts, the harness nor the app; the drafts neither the
+    harness nor the app; the harness not the app (function-local imports included)."""
+    bad = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {target} (floor {floor(target)} > {floor(m)})"
+           for m in MODULES for line, target in imports(m) if floor(target) > floor(m)]
+    assert bad == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_at_module_level():
+    graph = {m: {t for _, t in imports(m, function_local=False)} for m in MODULES}
+    assert _cycles(graph) == []
+
+
+def test_no_import_cycle_below_the_composition_root():
+    """With function-local imports too, outside ``artcache.app`` (its cli/config/experiments circle is
+    issue 19's composition-root step)."""
+    below = {m for m in MODULES if floor(m) < 4}
+    graph = {m: {t for _, t in imports(m) if t in below} for m in below}
+    assert _cycles(graph) == []
+
+
+def test_no_product_function_over_120_lines():
+    """Outside the composition root (``experiments.plan_run`` is issue 19's composition-root step)."""
+    long = []
+    for m, path in MODULES.items():
+        if floor(m) == 4:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert long == []
