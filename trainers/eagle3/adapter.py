@@ -27,7 +27,7 @@ from artcache.trainers.draft import (
 
 from .config import Eagle3Config
 from .export import export_checkpoint_files
-from .loss import eagle3_loss, supervision_masks
+from .loss import eagle3_loss, simulated_acc_len, supervision_masks
 from .model import Eagle3Draft
 from .vocab import build_vocab_map, count_plan_tokens
 
@@ -166,10 +166,7 @@ class Eagle3Adapter(Draft):
         S = self.ecfg.ttt_steps
         per_step = [sums.ratio(f"loss_{i}") for i in range(S)]
         acc = [sums.ratio(f"acc_{i + 1}") for i in range(S)]
-        sim, prod = 0.0, 1.0
-        for a in acc:
-            prod *= a
-            sim += prod
+        sim = simulated_acc_len(acc)
         kept = sum(sums.den.get(f"loss_{i}", 0.0) for i in range(S))
         total = sum(sums.den.get(f"acc_{i + 1}", 0.0) for i in range(S))
         out = {"loss": sum(self.ecfg.loss_decay ** i * v for i, v in enumerate(per_step) if math.isfinite(v)),

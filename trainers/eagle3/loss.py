@@ -33,7 +33,18 @@ from artcache.errors import ConfigError
 if TYPE_CHECKING:
     from .model import Eagle3Draft
 
-__all__ = ["Eagle3Stats", "eagle3_loss", "supervision_masks", "target_soft_labels"]
+__all__ = ["Eagle3Stats", "eagle3_loss", "simulated_acc_len", "supervision_masks", "target_soft_labels"]
+
+
+def simulated_acc_len(acc: list[float]) -> float:
+    """``Σ_k Π_{i<=k} acc_i`` over per-TTT-step accuracies (SpecForge's ``simulated_acc_len``): the
+    expected accepted length of a chain whose step k is accepted with probability ``acc_k`` given the
+    steps before. Does **not** include the +1 bonus token. NaN if any ``acc_i`` is NaN."""
+    sim, prod = 0.0, 1.0
+    for a in acc:
+        prod *= a
+        sim += prod
+    return sim
 
 
 @dataclass(frozen=True)
@@ -96,10 +107,7 @@ class Eagle3Stats:
         corr, tot = self.correct.tolist(), self.total.tolist()
         per_step = [s / k if k > 0 else math.nan for s, k in zip(ls, kept, strict=True)]
         acc = [c / t if t > 0 else math.nan for c, t in zip(corr, tot, strict=True)]
-        sim, prod = 0.0, 1.0
-        for a in acc:
-            prod *= a
-            sim += prod
+        sim = simulated_acc_len(acc)
         n_tot = sum(tot)
         return {
             "loss": sum(self.loss_decay ** i * v for i, v in enumerate(per_step)),
