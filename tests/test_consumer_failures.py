@@ -21,6 +21,10 @@ from artcache.trainers.checkpoint import read_state
 from artcache.trainers.tracking import read_metrics
 
 STEPS = 8
+# The capture-timeout run needs more positions than the producer can publish ahead of the cursor
+# (lookahead 8 of --window 2:8) before it is killed; with 8 steps a slow 2-core CI machine let the
+# producer publish all 16 positions first and the consumer finished (regression seen in CI, stop 22).
+TIMEOUT_STEPS = 18
 
 
 def producer(cache, tiny_target, tmp_path, name: str) -> Proc:
@@ -35,7 +39,7 @@ def test_regression_capture_timeout_checkpoints_and_releases_leases(tmp_path, ti
     procs = [prod]
     try:
         wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
-        args = consume_args(cache, tmp_path, "x", STEPS)
+        args = consume_args(cache, tmp_path, "x", TIMEOUT_STEPS)
         args[args.index("--demand-timeout") + 1] = "3"
         x = Proc("x", args, tmp_path)
         procs.append(x)
@@ -45,7 +49,7 @@ def test_regression_capture_timeout_checkpoints_and_releases_leases(tmp_path, ti
         assert x.wait() != 0
         assert "CaptureTimeout" in x.text()
         reg = registry.read(layout, "x")
-        assert reg.state == "failed" and 0 < reg.cursor < STEPS * BATCH
+        assert reg.state == "failed" and 0 < reg.cursor < TIMEOUT_STEPS * BATCH
         assert reg.checkpoint_cursor == reg.cursor, "no checkpoint of the committed steps"
         latest = (tmp_path / "runs" / "x" / "checkpoints" / "latest").resolve()
         assert read_state(latest).cursor == reg.cursor
@@ -53,10 +57,10 @@ def test_regression_capture_timeout_checkpoints_and_releases_leases(tmp_path, ti
         assert held == [], f"leases left by the failed consumer: {held}"
 
         prod2 = producer(cache, tiny_target, tmp_path, "producer-2")
-        x2 = Proc("x-resumed", [*consume_args(cache, tmp_path, "x", STEPS), "--resume"], tmp_path)
+        x2 = Proc("x-resumed", [*consume_args(cache, tmp_path, "x", TIMEOUT_STEPS), "--resume"], tmp_path)
         procs += [prod2, x2]
         x2.expect(0)
-        assert registry.read(layout, "x").cursor == STEPS * BATCH
+        assert registry.read(layout, "x").cursor == TIMEOUT_STEPS * BATCH
         prod2.terminate_ready_producer()
     finally:
         for p in procs:
