@@ -3,9 +3,18 @@
 Every error derives from :class:`ArtcacheError` and also from the builtin a caller would already
 catch (``ValueError``, ``TimeoutError``, ``FileNotFoundError``, ``OSError``), so
 ``except FileNotFoundError`` keeps working for code that does not know artcache.
+
+Each class carries the CLI's exit status (``exit_code``: 2 = bad input the user can fix by changing a
+flag, a file or a path; 1 = an operational failure) and survives pickling with its attributes, so an
+error raised in a worker process reaches its parent intact (``tests/test_errors.py`` checks every class).
+The pattern follows filelock's ``_error.py``: keyword attributes are rebuilt by ``__reduce__``.
 """
 
 from __future__ import annotations
+
+import functools
+
+import filelock
 
 
 class ArtcacheError(Exception):
@@ -13,18 +22,49 @@ class ArtcacheError(Exception):
 
     #: Whether retrying the same operation may succeed (transient I/O, a lock held elsewhere).
     retryable: bool = False
+    #: The CLI's exit status for this error: 2 = bad input (a flag, file or path to change), 1 = failure.
+    exit_code: int = 1
+
+    def _keywords(self) -> dict:
+        """The keyword arguments ``__init__`` needs to rebuild this error (none for the plain classes)."""
+        return {}
+
+    def __reduce__(self):
+        keywords = self._keywords()
+        if not keywords:
+            return super().__reduce__()
+        return functools.partial(type(self), **keywords), (str(self),), None
+
+
+class _OSErrorMessage(ArtcacheError, OSError):
+    """An ``OSError`` whose ``errno`` is the failing call's and whose ``str`` is the message alone."""
+
+    def __init__(self, message: str, *, errno_: int | None = None) -> None:
+        super().__init__(errno_ if errno_ is not None else 0, message)
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+    def _keywords(self) -> dict:
+        return {"errno_": self.errno or None}
 
 
 class ConfigError(ArtcacheError, ValueError):
     """A setting, flag or input value is invalid. The message names the value and what is accepted."""
 
+    exit_code = 2
+
 
 class DataError(ArtcacheError, ValueError):
     """Input data (dataset, plan) is unusable: empty, malformed beyond recovery, or inconsistent."""
 
+    exit_code = 2
+
 
 class CacheRootError(ArtcacheError, FileNotFoundError):
     """The cache root is missing, not initialised, or was made by an incompatible version."""
+
+    exit_code = 2
 
 
 class ArtifactMissing(ArtcacheError, FileNotFoundError):
@@ -34,12 +74,16 @@ class ArtifactMissing(ArtcacheError, FileNotFoundError):
 
 
 class IntegrityError(ArtcacheError, ValueError):
-    """An artifact failed its content check (hash, shapes, dtype, fingerprint) and was quarantined."""
+    """An artifact failed its content check (hash, shapes, dtype, fingerprint) and was quarantined.
+
+    A ``ValueError`` for callers, but an operational failure for the CLI (exit 1): the input was fine,
+    the bytes on disk were not.
+    """
 
     retryable = True
 
 
-class PublishError(ArtcacheError, OSError):
+class PublishError(_OSErrorMessage):
     """Writing or renaming an artifact failed; the temp file was removed and nothing was published.
 
     ``retryable`` is True for transient errors (EIO, EAGAIN, EINTR) and False for ones that need
@@ -48,29 +92,30 @@ class PublishError(ArtcacheError, OSError):
 
     def __init__(self, message: str, *, fingerprint: str | None = None, retryable: bool = False,
                  errno_: int | None = None) -> None:
-        super().__init__(errno_ if errno_ is not None else 0, message)
+        super().__init__(message, errno_=errno_)
         self.fingerprint = fingerprint
         self.retryable = retryable
 
-    def __str__(self) -> str:
-        return self.strerror or super().__str__()
+    def _keywords(self) -> dict:
+        return {**super()._keywords(), "fingerprint": self.fingerprint, "retryable": self.retryable}
 
 
-class LockTimeout(ArtcacheError, TimeoutError):
-    """A lock could not be taken within its timeout."""
+class LockTimeout(ArtcacheError, filelock.Timeout):
+    """A lock could not be taken within its timeout. Also a :class:`filelock.Timeout` (a ``TimeoutError``),
+    so ``except filelock.Timeout`` keeps working; ``lock_file`` is the lock's path."""
 
     retryable = True
 
+    def __init__(self, lock_file: str, holder: str | None = None) -> None:
+        filelock.Timeout.__init__(self, lock_file, holder)
 
-class LockUnavailable(ArtcacheError, OSError):
+    def __reduce__(self):
+        return filelock.Timeout.__reduce__(self)
+
+
+class LockUnavailable(_OSErrorMessage):
     """The filesystem does not support ``flock`` (ENOSYS/EOPNOTSUPP/ENOLCK). Not retryable: artcache never
     falls back to marker-file locks, which a SIGKILLed holder would leave behind (see artcache.locking)."""
-
-    def __init__(self, message: str, *, errno_: int | None = None) -> None:
-        super().__init__(errno_ if errno_ is not None else 0, message)
-
-    def __str__(self) -> str:
-        return self.strerror or super().__str__()
 
 
 class UnsafePath(ArtcacheError, PermissionError):
@@ -93,6 +138,9 @@ class CaptureFailed(ArtcacheError, RuntimeError):
         self.attempts = attempts
         self.retryable = retryable
 
+    def _keywords(self) -> dict:
+        return {"fingerprint": self.fingerprint, "attempts": self.attempts, "retryable": self.retryable}
+
 
 class CaptureMismatch(ArtcacheError, RuntimeError):
     """A capture backend returned states that do not match the request: fewer or other token ids than
@@ -109,8 +157,10 @@ class ConsumerFenced(ArtcacheError, RuntimeError):
 class ContractMismatch(ArtcacheError, ValueError):
     """A consumer's needs (layers, target, dtype) do not match the cache root's capture contract."""
 
+    exit_code = 2
 
-class JournalError(ArtcacheError, OSError):
+
+class JournalError(_OSErrorMessage):
     """Appending an event to a journal failed (ENOSPC, EIO, ...). Lines already written stay readable;
     a partially written line is cut back or terminated so readers skip it as torn.
 
@@ -118,8 +168,8 @@ class JournalError(ArtcacheError, OSError):
     """
 
     def __init__(self, message: str, *, retryable: bool = False, errno_: int | None = None) -> None:
-        super().__init__(errno_ if errno_ is not None else 0, message)
+        super().__init__(message, errno_=errno_)
         self.retryable = retryable
 
-    def __str__(self) -> str:
-        return self.strerror or super().__str__()
+    def _keywords(self) -> dict:
+        return {**super()._keywords(), "retryable": self.retryable}

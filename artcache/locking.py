@@ -25,7 +25,7 @@ import re
 import filelock
 from filelock import Timeout, UnixFileLock
 
-from artcache.errors import LockUnavailable, UnsafePath
+from artcache.errors import LockTimeout, LockUnavailable, UnsafePath
 
 #: The oldest filelock release artcache accepts (see the module docstring).
 MIN_FILELOCK = (4, 2, 1)
@@ -65,8 +65,8 @@ check_filelock_version(filelock.__version__)
 class CacheLock(UnixFileLock):
     """An exclusive ``flock`` on one lock file; never falls back to a soft lock.
 
-    Construct with :func:`cache_lock`. ``acquire`` raises :class:`filelock.Timeout` (a TimeoutError)
-    when the lock stays held past the timeout, :class:`LockUnavailable` (an OSError, not
+    Construct with :func:`cache_lock`. ``acquire`` raises :class:`LockTimeout` (an artcache error that is
+    also a :class:`filelock.Timeout` and a TimeoutError) when the lock stays held past the timeout, :class:`LockUnavailable` (an OSError, not
     retryable) when the filesystem does not support ``flock``, and :class:`UnsafePath` when the lock
     file is a symbolic link.
     """
@@ -74,8 +74,10 @@ class CacheLock(UnixFileLock):
     def acquire(self, *args, **kwargs):
         try:
             return super().acquire(*args, **kwargs)
-        except Timeout:
+        except LockTimeout:
             raise
+        except Timeout as exc:  # filelock's own: re-raised inside the artcache tree
+            raise LockTimeout(self.lock_file, getattr(exc, '_holder', None)) from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link planted at the lock's name
                 raise UnsafePath(f"lock file {self.lock_file} is a symbolic link; artcache never follows links "
@@ -101,4 +103,4 @@ def cache_lock(path: str | os.PathLike, timeout: float = -1, *, thread_local: bo
                      fallback_to_soft=False)
 
 
-__all__ = ["MIN_FILELOCK", "CacheLock", "LockUnavailable", "Timeout", "cache_lock", "check_filelock_version"]
+__all__ = ["MIN_FILELOCK", "CacheLock", "LockTimeout", "LockUnavailable", "Timeout", "cache_lock", "check_filelock_version"]

@@ -10,27 +10,27 @@ import sys
 import click
 import msgspec
 
-from artcache.errors import ArtcacheError, CacheRootError, ConfigError
+from artcache.errors import ArtcacheError, ConfigError
 from artcache.logs import setup_logging
 from artcache.trainers import DRAFT_NAMES
 
 
 def _errors(fn):
-    """Turn artcache errors into one clear line on stderr and a nonzero exit (2 = bad input)."""
+    """Turn artcache errors into one clear line on stderr and the error class's exit status
+    (``ArtcacheError.exit_code``: 2 = bad input, 1 = operational failure); a msgspec validation error of
+    a config file is bad input too."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ConfigError, ValueError, CacheRootError) as exc:
-            # a missing / uninitialised cache root is bad input too (README: exit status 2)
-            if not isinstance(exc, ArtcacheError) and not isinstance(exc, msgspec.ValidationError):
-                raise
+        except msgspec.ValidationError as exc:
             click.echo(f"artcache: error: {exc}", err=True)
             sys.exit(2)
         except ArtcacheError as exc:
-            click.echo(f"artcache: error: {type(exc).__name__}: {exc}", err=True)
-            sys.exit(1)
+            prefix = "" if exc.exit_code == 2 else f"{type(exc).__name__}: "
+            click.echo(f"artcache: error: {prefix}{exc}", err=True)
+            sys.exit(exc.exit_code)
 
     return wrapper
 
