@@ -13,11 +13,12 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from artcache.errors import ConfigError
+from artcache.trainers.lm_head_ce import linear_ce
 
 if TYPE_CHECKING:
     from .model import DFlashDraft
 
-__all__ = ["LossStats", "dflash_loss", "slot_weights"]
+__all__ = ["LOSS_MODES", "LossStats", "dflash_loss", "slot_weights"]
 
 
 @dataclass(frozen=True)
@@ -111,44 +112,8 @@ def _ce_and_pred(model: DFlashDraft, h: Tensor, t: Tensor) -> tuple[Tensor, Tens
     return F.cross_entropy(logits, t, reduction="none"), logits.argmax(dim=-1)
 
 
-class _FusedWeightedCE(torch.autograd.Function):
-    """Σ w·CE(h W^T, t) over row chunks with the gradient w.r.t. h computed in the forward pass.
-
-    Per chunk: logits = h_c W^T (upcast to >= float32), CE and argmax, and, when a gradient is
-    needed, dL/dh_c = (w · (softmax - onehot(t))) W. Only dL/dh [rows, H] is kept for backward, so
-    no [rows, V] tensor outlives its chunk and nothing is recomputed (the "fused linear
-    cross-entropy" technique). W is frozen: no gradient for it. Backward scales the stored gradient
-    by the incoming scalar gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, h: Tensor, t: Tensor, w: Tensor, weight: Tensor, chunk_rows: int, need_grad: bool,
-                acc_dtype: torch.dtype):  # noqa: D102
-        loss_sum = torch.zeros((), dtype=acc_dtype, device=h.device)
-        preds = torch.empty_like(t)
-        grad_h = torch.empty_like(h) if need_grad else None
-        for s in range(0, h.shape[0], chunk_rows):
-            hc, tc, wc = h[s:s + chunk_rows], t[s:s + chunk_rows], w[s:s + chunk_rows]
-            logits = F.linear(hc.to(weight.dtype), weight)
-            logits = logits.to(torch.promote_types(logits.dtype, acc_dtype))
-            lse = torch.logsumexp(logits, dim=-1)
-            ce = lse - logits.gather(1, tc[:, None]).squeeze(1)
-            loss_sum = loss_sum + (ce * wc).sum()
-            preds[s:s + chunk_rows] = logits.argmax(dim=-1)
-            if need_grad:
-                p = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place over the logits buffer
-                p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
-                p.mul_(wc[:, None].to(p.dtype))
-                grad_h[s:s + chunk_rows] = (p.to(weight.dtype) @ weight).to(h.dtype)
-        ctx.save_for_backward(grad_h if need_grad else None)
-        ctx.mark_non_differentiable(preds)
-        return loss_sum, preds
-
-    @staticmethod
-    def backward(ctx, g_loss: Tensor, g_preds: Tensor | None):  # noqa: D102
-        (grad_h,) = ctx.saved_tensors
-        gh = None if grad_h is None else grad_h * g_loss.to(grad_h.dtype)
-        return gh, None, None, None, None, None, None
+#: ``mode`` values of :func:`dflash_loss`.
+LOSS_MODES = ("fused", "checkpoint", "plain", "chunked", "liger")
 
 
 def dflash_loss(
@@ -162,7 +127,9 @@ def dflash_loss(
     chunk_rows: int | None = None,
     *,
     context_valid: Tensor | None = None,
-    mode: Literal["fused", "checkpoint", "plain"] = "fused",
+    mode: Literal["fused", "checkpoint", "plain", "chunked", "liger"] = "fused",
+    static_rows: bool = False,
+    compile: bool = False,
 ) -> tuple[Tensor, LossStats]:
     """Decay-weighted cross-entropy of a DFlash draft, plus metric sums.
 
@@ -171,18 +138,25 @@ def dflash_loss(
     the anchor's validity (and ``context_valid[p+k]`` if given). Loss = Σ w·CE / Σ w (0 with a
     zero-gradient graph when Σ w = 0).
 
-    Logits are computed only for rows with w > 0, ``chunk_rows`` rows at a time, in float32 (float64
-    for a float64 model; bf16/fp16 logits are upcast before the softmax). ``mode``:
+    Logits go through the frozen lm_head ``chunk_rows`` rows at a time
+    (:func:`artcache.trainers.lm_head_ce.linear_ce`); no [rows, V] tensor outlives its chunk. ``mode``:
 
-    - ``"fused"`` (default): the gradient w.r.t. the selected hidden rows is computed chunk by chunk
-      during the forward pass (the lm_head is frozen, so that is all backward needs); only a
-      [rows, H] gradient is kept, no [rows, V] tensor outlives its chunk and nothing is recomputed.
-      The forward costs two lm_head matmuls per chunk when autograd is on, the backward none.
+    - ``"fused"`` (default, the CPU path): float32 logits (float64 for a float64 model); the gradient
+      w.r.t. the selected hidden rows is computed chunk by chunk during the forward pass (the lm_head is
+      frozen, so that is all backward needs): two lm_head matmuls per chunk, none in backward.
+    - ``"chunked"``: the same with bf16 matmuls and a float32 log-sum-exp per chunk (``compile``:
+      the per-chunk softmax body ``torch.compile``-d); the GPU path.
+    - ``"liger"``: Liger-Kernel's fused linear cross-entropy (CUDA, optional extra).
     - ``"checkpoint"``: plain autograd per chunk under ``torch.utils.checkpoint`` (one chunk's logits
       alive at a time; the logits matmul is recomputed in backward: three matmuls per chunk).
     - ``"plain"``: plain autograd per chunk; every chunk's logits stay alive until backward. Reference.
 
-    All modes give the same loss, gradients and stats (up to float rounding).
+    All modes give the same loss, gradients and stats up to float rounding (bf16 for chunked/liger).
+
+    ``static_rows``: the rows sent to the lm_head are every slot k >= 1 of every block (weight 0 where
+    unsupervised) instead of the supervised rows found by ``nonzero``: no host synchronisation, and
+    fixed shapes for ``torch.compile`` / CUDA graphs, at the cost of the unsupervised rows' matmuls.
+    Same loss and stats up to float rounding (the sums run over more, zero-weighted, terms).
 
     Args:
         model: the draft (its frozen lm_head makes the logits).
@@ -192,13 +166,14 @@ def dflash_loss(
         gamma: decay; None -> ``model.cfg.resolved_gamma``.
         chunk_rows: rows per lm_head chunk; None -> ``model.cfg.logit_chunk``.
         context_valid: optional [b, T] bool; False positions are never targets.
-        mode: ``"fused"`` | ``"checkpoint"`` | ``"plain"`` (see above).
+        mode: one of :data:`LOSS_MODES` (see above). static_rows, compile: see above.
 
     Returns:
-        (loss: float32 scalar (float64 for a float64 model), :class:`LossStats`).
+        (loss: float32 scalar (float64 for a float64 model), :class:`LossStats`). Nothing is read back
+        to the host when ``static_rows`` (the stats stay device tensors).
 
     Raises:
-        ConfigError: bad ``gamma``/``chunk_rows``/``mode`` or inconsistent shapes.
+        ConfigError: bad ``gamma``/``chunk_rows``/``mode`` or inconsistent shapes; ``"liger"`` off CUDA.
     """
     if hidden.dim() != 4:
         raise ConfigError(f"hidden must be [b, N, B, H], got shape {tuple(hidden.shape)}")
@@ -213,8 +188,8 @@ def dflash_loss(
     chunk_rows = model.cfg.logit_chunk if chunk_rows is None else chunk_rows
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ConfigError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
-    if mode not in ("fused", "checkpoint", "plain"):
-        raise ConfigError(f"mode must be 'fused', 'checkpoint' or 'plain', got {mode!r}")
+    if mode not in LOSS_MODES:
+        raise ConfigError(f"mode must be one of {', '.join(repr(m) for m in LOSS_MODES)}, got {mode!r}")
     T = input_ids.shape[1]
     dev = hidden.device
 
@@ -230,19 +205,28 @@ def dflash_loss(
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for fp64 models
     w = slot_weights(B, gamma, dev).to(acc_dtype) * sup  # [b, N, B]
 
-    rows = sup.reshape(-1).nonzero().squeeze(1)
-    h = hidden.reshape(-1, H).index_select(0, rows)
-    t = targets.reshape(-1).index_select(0, rows)
-    ws = w.reshape(-1).index_select(0, rows)
+    if static_rows:  # every slot k >= 1: fixed shapes, no nonzero (no host sync)
+        rows = None
+        h = hidden[:, :, 1:].reshape(-1, H)
+        t = targets[:, :, 1:].reshape(-1)
+        ws = w[:, :, 1:].reshape(-1)
+    else:
+        rows = sup.reshape(-1).nonzero().squeeze(1)
+        h = hidden.reshape(-1, H).index_select(0, rows)
+        t = targets.reshape(-1).index_select(0, rows)
+        ws = w.reshape(-1).index_select(0, rows)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
 
-    loss_sum = hidden.sum().to(acc_dtype) * 0.0  # keeps a (zero) graph when no row is supervised
-    if mode == "fused":
-        part, preds = _FusedWeightedCE.apply(h, t, ws, model.lm_head_weight, chunk_rows, need_grad, acc_dtype)
+    # keeps a (zero) graph when no row is supervised (static rows always reach the lm_head)
+    loss_sum = torch.zeros((), dtype=acc_dtype, device=dev) if static_rows else hidden.sum().to(acc_dtype) * 0.0
+    if mode in ("fused", "chunked", "liger"):
+        impl = {"fused": "reference"}.get(mode, mode)
+        part, preds = linear_ce(h, model.lm_head_weight, t, ws, chunk_rows=chunk_rows, impl=impl,
+                                acc_dtype=acc_dtype, compile=compile)
         loss_sum = loss_sum + part
     else:
         preds = torch.empty_like(t)
-        for s in range(0, rows.numel(), chunk_rows):
+        for s in range(0, t.numel(), chunk_rows):
             hc, tc = h[s:s + chunk_rows], t[s:s + chunk_rows]
             if mode == "checkpoint" and need_grad:
                 ce, pred = checkpoint(_ce_and_pred, model, hc, tc, use_reentrant=False)
@@ -254,8 +238,12 @@ def dflash_loss(
     loss = loss_sum / weight_sum.clamp_min(torch.finfo(acc_dtype).tiny)
 
     with torch.no_grad():
-        correct = torch.zeros(b * N * B, dtype=torch.bool, device=dev)
-        correct[rows] = preds == t
+        if static_rows:
+            correct = torch.zeros(b, N, B, dtype=torch.bool, device=dev)
+            correct[:, :, 1:] = (preds == t).reshape(b, N, B - 1)
+        else:
+            correct = torch.zeros(b * N * B, dtype=torch.bool, device=dev)
+            correct[rows] = preds == t
         correct = correct.reshape(b, N, B) & sup
         lead = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1)  # leading correct slots
         vb = valid.to(dev).bool()
