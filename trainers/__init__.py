@@ -17,4 +17,11 @@ ADAPTERS: dict[str, str] = {
 #: The accepted ``--draft`` values, in registration order.
 DRAFT_NAMES: tuple[str, ...] = tuple(ADAPTERS)
 
-__all__ = ["ADAPTERS", "DRAFT_NAMES"]
+#: ``--compile`` values (:mod:`artcache.trainers.speed`): ``auto`` = ``off`` (not yet measured on a GPU).
+COMPILE_MODES: tuple[str, ...] = ("auto", "off", "on", "graphs")
+#: lm_head cross-entropy implementations (:mod:`artcache.trainers.lm_head_ce`).
+CE_IMPLS: tuple[str, ...] = ("reference", "chunked", "liger")
+#: ``--loss-impl`` values: ``auto`` = ``chunked`` on CUDA, ``reference`` on a CPU.
+LOSS_IMPLS: tuple[str, ...] = ("auto", *CE_IMPLS)
+
+__all__ = ["ADAPTERS", "CE_IMPLS", "COMPILE_MODES", "DRAFT_NAMES", "LOSS_IMPLS"]

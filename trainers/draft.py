@@ -17,7 +17,9 @@ target's hidden size, V its vocabulary):
   target the draft was built against; the consumer derives the target's argmax from them.
 - ``build(cfg, settings, plan, device, vocab_map=...)``: classmethod, the draft around the target.
 - ``loss(batch) -> (loss, sums)``: one training forward; ``loss`` a scalar tensor with grad,
-  ``sums`` a :class:`MetricSums`.
+  ``sums`` a :class:`MetricSums`, or a :class:`PendingSums` whose values stay on the device (the
+  GPU path: no host synchronisation in the step; the consumer reads them back every ``--log-every``
+  steps).
 - ``evaluate(batch, target_argmax) -> MetricSums``: held-out metrics without gradients;
   ``target_argmax`` [b, T] long (the target's greedy next token after each prefix) or None.
 - ``summary(sums) -> dict``: the metrics of a :class:`MetricSums`, each ratio divided once; must hold
@@ -50,7 +52,7 @@ from artcache.target import TargetInfo, resolve_target
 from artcache.trainers import ADAPTERS, DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState
 
-__all__ = ["Draft", "DraftBatch", "ExportedDraft", "MetricSums", "build_draft", "check_target", "draft_class", "replay_headline",
+__all__ = ["Draft", "DraftBatch", "ExportedDraft", "MetricSums", "PendingSums", "build_draft", "check_target", "draft_class", "replay_headline",
            "replay_sums", "replay_summary"]
 
 
@@ -64,6 +66,8 @@ class DraftBatch:
         positions: the plan positions of the b rows.
         last_layer: optional [b, T, H]: output-of-layer ``L - 1`` (un-normed), when the root captures
             it and the caller asked for it (greedy replay against the target's argmax).
+        supervised_host: optional [b, T] bool on the **host**: ``loss_mask & valid``, for draws that
+            must not read device memory back (DFlash's anchors); None = derive it from the batch.
     """
 
     hidden: Tensor
@@ -72,6 +76,13 @@ class DraftBatch:
     valid: Tensor
     positions: tuple[int, ...] = ()
     last_layer: Tensor | None = None
+    supervised_host: Tensor | None = None
+
+    def supervised_on_host(self) -> Tensor:
+        """``loss_mask & valid`` [b, T] bool on the host (no device read when the collator supplied it)."""
+        if self.supervised_host is not None:
+            return self.supervised_host
+        return (self.loss_mask & self.valid).cpu()
 
 
 @dataclass
@@ -102,6 +113,56 @@ class MetricSums:
         """``num / den`` (NaN when the denominator is 0 or the name is unknown)."""
         d = self.den.get(name, 0.0)
         return self.num.get(name, 0.0) / d if d > 0 else math.nan
+
+
+@dataclass
+class PendingSums:
+    """A :class:`MetricSums` whose values are still on the device: read back only when needed.
+
+    ``names`` lists ``(name, has_den)`` in order; ``values`` is a float64 tensor holding, for each
+    name, its numerator then (if ``has_den``) its denominator. Counts are exact below 2**53 and the
+    float64 values equal ``float()`` of the tensors they came from, so :meth:`resolve` gives the
+    :class:`MetricSums` the same stats would have given on the host. :meth:`resolve_all` reads any
+    number of them back with one device-to-host copy (one synchronisation for many steps).
+    """
+
+    names: tuple[tuple[str, bool], ...]
+    values: Tensor
+
+    @classmethod
+    def build(cls, parts: list[tuple[str, Tensor, Tensor | None]]) -> PendingSums:
+        """From ``(name, num, den or None)`` scalar (0-d) tensors on one device; no host sync."""
+        names = tuple((n, d is not None) for n, _, d in parts)
+        flat = [x for _, num, den in parts for x in ((num,) if den is None else (num, den))]
+        return cls(names, torch.stack([x.reshape(()).double() for x in flat]))
+
+    def _sums(self, values: list[float]) -> MetricSums:
+        out, i = MetricSums(), 0
+        for name, has_den in self.names:
+            out.add(name, values[i], values[i + 1] if has_den else None)
+            i += 2 if has_den else 1
+        return out
+
+    def resolve(self) -> MetricSums:
+        return self._sums(self.values.tolist())
+
+    @staticmethod
+    def resolve_all(pending: list[PendingSums | MetricSums]) -> list[MetricSums]:
+        """Each entry as a :class:`MetricSums` (MetricSums pass through); the device values of all
+        pending entries come back in one copy."""
+        dev = [p for p in pending if isinstance(p, PendingSums)]
+        if not dev:
+            return list(pending)
+        flat = torch.cat([p.values for p in dev]).tolist()
+        out, i = [], 0
+        for p in pending:
+            if isinstance(p, PendingSums):
+                n = p.values.numel()
+                out.append(p._sums(flat[i:i + n]))
+                i += n
+            else:
+                out.append(p)
+        return out
 
 
 @dataclass

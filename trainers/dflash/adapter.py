@@ -18,11 +18,13 @@ from artcache.trainers.draft import (
     Draft,
     DraftBatch,
     MetricSums,
+    PendingSums,
     check_target,
     replay_headline,
     replay_summary,
     replay_sums,
 )
+from artcache.trainers.speed import SpeedOptions, to_device
 
 from .anchors import eligible_anchors, sample_anchors
 from .config import DFlashConfig
@@ -61,12 +63,14 @@ class DFlashAdapter(Draft):
     name = "dflash"
 
     def __init__(self, model, dcfg, needed_layer_ids: Sequence[int], anchor_generator: torch.Generator,
-                 eval_anchors: int = 0) -> None:
+                 eval_anchors: int = 0, speed: SpeedOptions | None = None) -> None:
         self.model = model
         self.dcfg = dcfg
         self.needed_layer_ids = tuple(int(i) for i in needed_layer_ids)
         self.generator = anchor_generator
         self.eval_anchors = int(eval_anchors)
+        self.speed = speed or SpeedOptions()
+        self._forward_fn = self.speed.compiled(self.model)
 
     @classmethod
     def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
@@ -98,7 +102,8 @@ class DFlashAdapter(Draft):
                                         mask_token_id=mask_id, num_context_layers=len(need))
         torch.manual_seed(cfg.seed)
         model = DFlashDraft(dcfg, embed.to(device), lm_head.to(device))
-        draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors)
+        draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors,
+                    speed=SpeedOptions.for_device(cfg, device))
         draft.target_info, draft.target_lm_head = info, model.lm_head_weight
         return draft
 
@@ -110,20 +115,36 @@ class DFlashAdapter(Draft):
     def generators(self) -> dict[str, torch.Generator]:
         return {"anchors": self.generator}
 
-    def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor):
+    def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor, *, train: bool = False):
         dev = batch.hidden.device
-        anchors, avalid = anchors.to(dev), avalid.to(dev)
+        fast = train and self.speed.sync_free
+        anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            out = self.model(batch.hidden, batch.input_ids, anchors, avalid, context_valid=batch.valid)
+            forward = self._forward_fn if fast else self.model
+            out = forward(batch.hidden, batch.input_ids, anchors, avalid, context_valid=batch.valid,
+                          check_anchors=not fast)
             loss, stats = dflash_loss(self.model, out, batch.input_ids, batch.loss_mask, anchors, avalid,
-                                      context_valid=batch.valid)
+                                      context_valid=batch.valid, mode=self._loss_mode() if train else "fused",
+                                      static_rows=fast, compile=fast and self.speed.compile != "off")
         return out, loss, stats
 
-    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
-        # anchors are drawn on the CPU generator whatever the device (reproducible across devices)
-        anchors, avalid = sample_anchors((batch.loss_mask & batch.valid).cpu(), self.dcfg.num_anchors, self.generator)
-        _, loss, stats = self._forward(batch, anchors, avalid)
-        return loss, self._sums(stats)
+    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
+        # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
+        # from the host copy of the batch's masks (no device read-back)
+        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.dcfg.num_anchors, self.generator)
+        self.speed.step_begin()
+        _, loss, stats = self._forward(batch, anchors, avalid, train=True)
+        return loss, (self._pending(stats) if self.speed.sync_free else self._sums(stats))
+
+    def _loss_mode(self) -> str:
+        return "fused" if self.speed.ce_impl == "reference" else self.speed.ce_impl
+
+    @staticmethod
+    def _pending(stats) -> PendingSums:
+        """:meth:`_sums` with the values left on the device."""
+        parts = [("loss", stats.loss_sum, stats.weight_sum), ("tau", stats.tau_sum, stats.num_blocks)]
+        parts += [(f"acc_{k}", stats.correct[k], stats.total[k]) for k in range(1, stats.correct.numel())]
+        return PendingSums.build(parts)
 
     @staticmethod
     def _sums(stats) -> MetricSums:

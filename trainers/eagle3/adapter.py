@@ -19,11 +19,13 @@ from artcache.trainers.draft import (
     Draft,
     DraftBatch,
     MetricSums,
+    PendingSums,
     check_target,
     replay_headline,
     replay_summary,
     replay_sums,
 )
+from artcache.trainers.speed import SpeedOptions
 
 from .config import Eagle3Config
 from .export import export_checkpoint_files
@@ -49,10 +51,12 @@ class Eagle3Adapter(Draft):
     name = "eagle3"
     progress_metric = "sim_acc_len"
 
-    def __init__(self, model, ecfg, needed_layer_ids: Sequence[int]) -> None:
+    def __init__(self, model, ecfg, needed_layer_ids: Sequence[int], speed: SpeedOptions | None = None) -> None:
         self.model = model
         self.ecfg = ecfg
         self.needed_layer_ids = tuple(int(i) for i in needed_layer_ids)
+        self.speed = speed or SpeedOptions()
+        self._forward_fn = self.speed.compiled(self.model)
 
     @classmethod
     def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
@@ -89,7 +93,7 @@ class Eagle3Adapter(Draft):
         norm = load_final_norm(info)
         torch.manual_seed(cfg.seed)
         model = Eagle3Draft(ecfg, embed.to(device), norm.to(device), lm_head.to(device), d2t, t2d)
-        draft = cls(model, ecfg, need)
+        draft = cls(model, ecfg, need, speed=SpeedOptions.for_device(cfg, device))
         draft.target_info, draft.target_lm_head = info, model.target_lm_head_weight
         return draft
 
@@ -101,12 +105,24 @@ class Eagle3Adapter(Draft):
     def _split(self, batch: DraftBatch) -> tuple[Tensor, Tensor]:
         return batch.hidden[:, :, :3], batch.hidden[:, :, 3]
 
-    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
+    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
         aux, last = self._split(batch)
         dev = batch.hidden.device
+        fast = self.speed.sync_free
+        self.speed.step_begin()
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss, stats = eagle3_loss(self.model, aux, last, batch.input_ids, batch.loss_mask, batch.valid)
-        return loss, self._sums(stats)
+            loss, stats = eagle3_loss(self.model, aux, last, batch.input_ids, batch.loss_mask, batch.valid,
+                                      sync_free=fast, forward=self._forward_fn if fast else None)
+        return loss, (self._pending(stats) if fast else self._sums(stats))
+
+    @staticmethod
+    def _pending(stats) -> PendingSums:
+        """:meth:`_sums` with the values left on the device."""
+        parts = []
+        for i in range(stats.total.numel()):
+            parts += [(f"loss_{i}", stats.loss_sum[i], stats.kept[i]), (f"acc_{i + 1}", stats.correct[i],
+                                                                        stats.total[i])]
+        return PendingSums.build(parts)
 
     @staticmethod
     def _sums(stats) -> MetricSums:

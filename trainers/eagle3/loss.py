@@ -122,7 +122,8 @@ class Eagle3Stats:
 
 @torch.no_grad()
 def target_soft_labels(model: Eagle3Draft, last_hidden: Tensor, valid: Tensor | None = None,
-                       chunk_rows: int | None = None, *, normed: bool = False) -> tuple[Tensor, Tensor]:
+                       chunk_rows: int | None = None, *, normed: bool = False,
+                       all_rows: bool = False) -> tuple[Tensor, Tensor]:
     """Target distributions restricted to the draft vocabulary, computed ``chunk_rows`` rows at a time.
 
     For each valid position j: ``z_j = target_logits(last_hidden_j)`` over the full vocabulary V,
@@ -132,6 +133,9 @@ def target_soft_labels(model: Eagle3Draft, last_hidden: Tensor, valid: Tensor | 
 
     Memory: the result is [b, T, V_d] in float32 (float64 for a float64 model), e.g. 393 MB for T=3072,
     V_d=32000; plus one transient [chunk_rows, V] logits block.
+
+    ``all_rows``: compute every row (invalid ones masked afterwards) instead of finding the valid rows
+    with ``nonzero``: no host synchronisation, fixed shapes; same result.
 
     Returns:
         ``probs`` [b, T, V_d] (zero rows at invalid positions) and ``argmax_draft`` [b, T] int64 (-1 at
@@ -149,6 +153,17 @@ def target_soft_labels(model: Eagle3Draft, last_hidden: Tensor, valid: Tensor | 
     probs = torch.zeros(b * T, Vd, dtype=acc_dtype, device=dev)
     arg = torch.full((b * T,), -1, dtype=torch.long, device=dev)
     flat = last_hidden.reshape(b * T, H)
+    if all_rows:
+        for s in range(0, b * T, chunk_rows):
+            z = model.target_logits(flat[s:s + chunk_rows], normed=normed)
+            z = z.to(torch.promote_types(z.dtype, acc_dtype))
+            arg[s:s + chunk_rows] = t2d_index[z.argmax(dim=-1)]
+            probs[s:s + chunk_rows] = torch.softmax(z.index_select(1, used), dim=-1)
+        if valid is not None:
+            vb = valid.to(dev).bool().reshape(-1)
+            probs.mul_(vb[:, None])
+            arg.masked_fill_(~vb, -1)
+        return probs.reshape(b, T, Vd), arg.reshape(b, T)
     rows = (valid.to(dev).bool().reshape(-1).nonzero().squeeze(1) if valid is not None
             else torch.arange(b * T, device=dev))
     for s in range(0, rows.numel(), chunk_rows):
@@ -197,6 +212,8 @@ def eagle3_loss(
     steps: int | None = None,
     chunk_rows: int | None = None,
     last_hidden_normed: bool = False,
+    sync_free: bool = False,
+    forward=None,
 ) -> tuple[Tensor, Eagle3Stats]:
     """EAGLE-3 TTT loss of one batch, plus metric sums (shift convention: module docstring).
 
@@ -217,6 +234,12 @@ def eagle3_loss(
         input_ids: [b, T] long. loss_mask: [b, T] bool/int (nonzero = training token).
         valid: [b, T] bool, False marks padding (contributes nothing; garbage there stays finite).
         steps: TTT steps (default ``cfg.ttt_steps``). chunk_rows: default ``cfg.logit_chunk``.
+        sync_free: the GPU path: every position of every step reaches the draft head (weight 0 where
+            not kept) instead of the kept rows found with ``nonzero``; plain autograd over chunks of at
+            least 2**26 / V_d rows (no recomputation); the stats stay device tensors; the model's
+            input checks are skipped (:meth:`Eagle3Draft.forward` ``validate``): no host
+            synchronisation. Same loss and stats up to float rounding.
+        forward: the callable that runs the model (a ``torch.compile``-d ``model``); default ``model``.
 
     Returns:
         ``(loss, stats)``: a scalar in float32 (float64 for a float64 model), and :class:`Eagle3Stats`.
@@ -241,8 +264,11 @@ def eagle3_loss(
     vb = valid.to(dev).bool()
     lh = torch.where(vb[:, :, None], last_hidden.to(dev), torch.zeros((), dtype=last_hidden.dtype, device=dev))
 
-    probs, arg = target_soft_labels(model, lh, vb, chunk_rows, normed=last_hidden_normed)
-    hiddens = model(aux_hidden, input_ids, vb, steps=steps)  # validates the remaining shapes
+    probs, arg = target_soft_labels(model, lh, vb, chunk_rows, normed=last_hidden_normed, all_rows=sync_free)
+    hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free)  # checks the other shapes
+    if sync_free:
+        return _sync_free_steps(model, hiddens, supervision_masks(loss_mask.to(dev), vb, steps), probs, arg,
+                                max(chunk_rows, (1 << 26) // cfg.draft_vocab_size))
     sup = supervision_masks(loss_mask.to(dev), vb, steps)
     acc_dtype = probs.dtype
     probs_flat, arg_flat = probs.reshape(b * T, -1), arg.reshape(-1)
@@ -280,4 +306,40 @@ def eagle3_loss(
         total=torch.tensor(total_n, dtype=torch.long, device=dev),
         loss_decay=float(cfg.loss_decay),
     )
+    return total_loss, stats
+
+
+def _sync_free_steps(model: Eagle3Draft, hiddens: list[Tensor], sup: list[Tensor], probs: Tensor, arg: Tensor,
+                     chunk_rows: int) -> tuple[Tensor, Eagle3Stats]:
+    """The TTT steps' loss and stats over all b·T positions, kept ones weighted 1, no host read-back."""
+    cfg = model.cfg
+    b, T, Vd = probs.shape
+    dev = probs.device
+    acc_dtype = probs.dtype
+    probs_flat, arg_flat = probs.reshape(b * T, Vd), arg.reshape(-1)
+    q_all = torch.arange(b * T, device=dev)
+    total_loss = torch.zeros((), dtype=acc_dtype, device=dev)
+    loss_sums, kept_n, correct_n, total_n = [], [], [], []
+    for i, (h, m) in enumerate(zip(hiddens, sup, strict=True)):
+        # label of query t is position t+1+i of the same sequence; where t+2+i >= T the mask is False
+        # and the clamped label row is only a placeholder (weight 0)
+        l_rows = (q_all + 1 + i).clamp(max=b * T - 1)
+        label_arg = arg_flat[l_rows]
+        keep = m.reshape(-1) & (label_arg >= 0)
+        hf = h.reshape(b * T, -1)
+        step_sum = torch.zeros((), dtype=acc_dtype, device=dev)
+        correct = torch.zeros((), dtype=torch.long, device=dev)
+        for s in range(0, b * T, chunk_rows):
+            ce, pred = _soft_ce(model, hf[s:s + chunk_rows], probs_flat, l_rows[s:s + chunk_rows])
+            kc = keep[s:s + chunk_rows]
+            step_sum = step_sum + (ce * kc).sum()
+            correct = correct + ((pred == label_arg[s:s + chunk_rows]) & kc).sum()
+        n_kept = keep.sum()
+        total_loss = total_loss + cfg.loss_decay ** i * step_sum / n_kept.clamp_min(1)
+        loss_sums.append(step_sum.detach().double())
+        kept_n.append(n_kept)
+        correct_n.append(correct)
+        total_n.append(m.sum())
+    stats = Eagle3Stats(loss_sum=torch.stack(loss_sums), kept=torch.stack(kept_n), correct=torch.stack(correct_n),
+                        total=torch.stack(total_n).long(), loss_decay=float(cfg.loss_decay))
     return total_loss, stats

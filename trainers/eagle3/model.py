@@ -232,7 +232,7 @@ class Eagle3Draft(nn.Module):
         return F.linear(h.to(w.dtype), w)
 
     def forward(self, aux_hidden: Tensor, input_ids: Tensor, valid: Tensor | None = None,
-                steps: int | None = None) -> list[Tensor]:
+                steps: int | None = None, validate: bool = True) -> list[Tensor]:
         """Unroll the draft over ``steps`` TTT steps (default ``cfg.ttt_steps``).
 
         Step 0 at position t reads ``fc(aux_hidden[t])`` and the token ``input_ids[t + 1]``; step i > 0
@@ -248,6 +248,10 @@ class Eagle3Draft(nn.Module):
             valid: optional [b, T] bool; False marks padding. Padded positions have their features
                 and ids replaced by zeros (any garbage, NaN included, stays out) and are hidden as keys.
             steps: unroll length >= 1.
+            validate: check the ids' range and whether ``valid`` is a right-padded prefix (both read
+                device memory back: a synchronisation on a GPU). False when the caller guarantees
+                both (a collated batch: ids verified against the plan's fingerprint, validity a prefix);
+                the key mask is then left out, as for any right-padded batch.
 
         Returns:
             list of ``steps`` tensors [b, T, H] in the module dtype: each step's **pre-norm** output.
@@ -277,8 +281,8 @@ class Eagle3Draft(nn.Module):
                                                                                     device=dev))
             ids = torch.where(vb, ids, torch.zeros_like(ids))
             # a right-padded (prefix) validity needs no key mask: the causal part never reaches padding
-            key_valid = vb if bool((vb[:, 1:] & ~vb[:, :-1]).any()) else None
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+            key_valid = vb if validate and bool((vb[:, 1:] & ~vb[:, :-1]).any()) else None
+        if validate and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
             raise DataError(f"input_ids hold ids in [{int(ids.min())}, {int(ids.max())}], "
                             f"outside [0, vocab_size={cfg.vocab_size})")
         mask = build_ttt_mask(T, steps, key_valid, device=dev)
