@@ -11,7 +11,7 @@ import msgspec
 
 from artcache.errors import ConfigError
 from artcache.layout import check_id
-from artcache.trainers import DRAFT_NAMES
+from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 __all__ = ["FLAGS", "RUN_FIELDS", "ConsumerConfig", "lr_at", "parse_window", "run_settings"]
 
@@ -52,6 +52,16 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         eval_interval: evaluate every this many steps (0: only at the end); needs ``eval_samples``.
         progress: show a progress bar on stderr (only when it is a TTY).
         tensorboard: write TensorBoard scalars when the package is installed (metrics.csv always).
+        compile: ``torch.compile`` the draft's forward (and the lm_head loss's per-chunk body): ``auto``
+            (= ``off`` for now), ``off``, ``on``, ``graphs`` (with CUDA graphs; CUDA only).
+        loss_impl: the lm_head cross-entropy (:mod:`artcache.trainers.lm_head_ce`): ``auto``
+            (``chunked`` bf16 on CUDA, ``reference`` on a CPU), ``reference``, ``chunked``, ``liger``.
+        length_bucket: on CUDA, pad each batch's length T up to a multiple of this many positions so a
+            compiled draft sees few distinct shapes (padding is never supervised); 0 = the batch's longest
+            sample. Ignored on a CPU (its batches stay exactly as long as their longest sample).
+
+    On CUDA the training step reads nothing back to the host; its metrics are read back every
+    ``log_every`` steps (docs/training.md, "GPU speed").
     """
 
     cache: str
@@ -90,6 +100,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eval_anchors: int = 0
     progress: bool = True
     tensorboard: bool = True
+    compile: Literal[COMPILE_MODES] = "auto"
+    loss_impl: Literal[LOSS_IMPLS] = "auto"
+    length_bucket: int = 64
 
     def validate(self) -> None:
         check_id(self.consumer_id, "consumer id")
@@ -102,7 +115,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if getattr(self, name) < 1:
                 flag = flags.get(name, "--" + name.replace("_", "-"))
                 raise ConfigError(f"{flag} {getattr(self, name)} is invalid: it must be >= 1")
-        for name in ("save_every", "keep_checkpoints", "eval_samples", "eval_interval", "eval_anchors"):
+        for name in ("save_every", "keep_checkpoints", "eval_samples", "eval_interval", "eval_anchors",
+                     "length_bucket"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 0")
         if self.draft_layers is not None and self.draft_layers < 1:

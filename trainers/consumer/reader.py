@@ -2,15 +2,21 @@
 
 :class:`Reader` leases and reads batches of consecutive positions ahead of the trainer, inside the
 window ``[cursor, cursor + lookahead]``; it cannot move the window (the trainer commits the cursor and
-then calls :meth:`Reader.authorize`). :func:`collate` pads a batch into a
-:class:`~artcache.trainers.draft.DraftBatch` holding the draft's view of the captured layers.
+then calls :meth:`Reader.authorize`). It also collates each batch it read, so the trainer thread only
+steps: on a CPU :func:`collate` pads the batch into a :class:`~artcache.trainers.draft.DraftBatch`
+holding the draft's view of the captured layers; on a GPU :class:`DeviceCollator` copies each
+artifact's page-locked read buffer to the device without blocking on a side stream and pads, selects
+the view and casts there, behind a CUDA event the trainer's stream waits on (no host copy, no host
+synchronisation). What the reader hands over is a :class:`Fetched`.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,19 +26,70 @@ from artcache.layer_ids import select_layers
 from artcache.layout import CacheLayout
 from artcache.trainers.draft import DraftBatch
 
-__all__ = ["Reader", "collate", "drain", "group_cursor"]
+__all__ = ["DeviceCollator", "Fetched", "Reader", "collate", "drain", "group_cursor"]
+
+
+@dataclass
+class Fetched:
+    """One batch the reader read and collated.
+
+    Attributes:
+        items: the leased artifacts, in position order (the trainer releases their leases).
+        batch: the collated :class:`DraftBatch` (None when the reader was built without ``collate``).
+        ready: a CUDA event recorded after the batch's host-to-device copies (None on a CPU): the
+            trainer's stream waits on it; the artifacts' host buffers must stay referenced until it
+            has completed (:meth:`Retired.retire`).
+    """
+
+    items: list[Leased]
+    batch: DraftBatch | None = None
+    ready: object | None = None
+
+    def wait(self) -> DraftBatch:
+        """The batch, usable on the current CUDA stream (which waits on ``ready``; no host wait)."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream(self.batch.hidden.device)
+            stream.wait_event(self.ready)
+            for t in (self.batch.hidden, self.batch.input_ids, self.batch.loss_mask, self.batch.valid):
+                t.record_stream(stream)  # allocated on the copy stream: not reused before this stream is done
+        return self.batch
+
+
+class Retired:
+    """Batches the trainer is done with whose host buffers may still feed a copy in flight.
+
+    :meth:`retire` keeps each :class:`Fetched` until its ``ready`` event has completed (checked
+    without blocking); :meth:`clear` waits for the rest. The read buffers are page-locked host memory
+    that a later read may reuse once unreferenced, so they outlive their copy.
+    """
+
+    def __init__(self) -> None:
+        self._q: collections.deque[Fetched] = collections.deque()
+
+    def retire(self, fetched: Fetched) -> None:
+        if fetched.ready is not None:
+            self._q.append(fetched)
+        while self._q and self._q[0].ready.query():
+            self._q.popleft()
+
+    def clear(self) -> None:
+        while self._q:
+            self._q.popleft().ready.synchronize()
 
 
 class Reader(threading.Thread):
     """Leases and reads batches of consecutive positions, never beyond ``cursor + lookahead``.
 
     It cannot move the window: the trainer commits the cursor and calls :meth:`authorize`.
-    Results (lists of :class:`Leased`, or the exception that stopped it) go to ``out``.
+    Results (a :class:`Fetched` per batch, collated by ``collate`` when given, or the exception that
+    stopped it) go to ``out``, at most ``depth`` waiting.
     """
 
     def __init__(self, client: CacheClient, start_pos: int, batch: int, lookahead: int, depth: int,
-                 end: int, group_cursor: Callable[[], int] | None = None) -> None:
+                 end: int, group_cursor: Callable[[], int] | None = None,
+                 collate: Callable[[list[Leased]], Fetched] | None = None) -> None:
         super().__init__(daemon=True, name="artcache-reader")
+        self.collate = collate
         self.client, self.next_pos, self.batch, self.lookahead = client, start_pos, batch, lookahead
         self.end = end  # exclusive: the consumer never reads at or past its announced end
         self.group_cursor = group_cursor  # lockstep: the group's min committed cursor (registry poll)
@@ -74,13 +131,20 @@ class Reader(threading.Thread):
                         self.client.release(it)
                     return
                 self.next_pos += self.batch
+                try:
+                    fetched = self.collate(items) if self.collate is not None else Fetched(items)
+                except BaseException:
+                    for it in items:
+                        self.client.release(it)
+                    raise
                 while not self.stop.is_set():
                     try:
-                        self.out.put(items, timeout=0.1)
+                        self.out.put(fetched, timeout=0.1)
                         break
                     except queue.Full:
                         continue
                 else:
+                    _settle(fetched)
                     for it in items:
                         self.client.release(it)
         except InterruptedError:
@@ -129,6 +193,64 @@ def collate(items: list[Leased], device: torch.device, layers: slice | torch.Ten
                       last_layer=last.to(device) if last is not None else None)
 
 
+class DeviceCollator:
+    """Collates a batch on a CUDA device without a host copy or a host synchronisation.
+
+    Each artifact's ``hidden_states`` (a view of its page-locked read buffer) is copied without
+    blocking into a device batch [b, T, M, H] on a side stream, rows past each length zeroed there;
+    the draft's view of the layers (``layers``) is selected on the device. ``input_ids``,
+    ``loss_mask`` and ``valid`` are padded on the host (small), pinned and copied the same way; the
+    host copy of ``loss_mask & valid`` rides along as ``supervised_host`` (host-side anchor draws
+    without reading device memory back). The copies end with an event (:attr:`Fetched.ready`).
+
+    Args:
+        device: a CUDA device. layers: the view (as :func:`collate`). length_bucket: pad T up to a
+            multiple of this (0: the batch's longest sample), so ``torch.compile`` / CUDA graphs see
+            few distinct shapes; padded positions are ``valid=False`` and never supervised.
+
+    The same batch as :func:`collate` on the same items, element for element (apart from the
+    bucket padding): tests pin it.
+    """
+
+    def __init__(self, device: torch.device, layers: slice | torch.Tensor | None = None,
+                 length_bucket: int = 0) -> None:
+        self.device, self.layers, self.length_bucket = device, layers, int(length_bucket)
+        self.stream = torch.cuda.Stream(device)
+        self._index = layers.to(device) if isinstance(layers, torch.Tensor) else layers
+
+    def __call__(self, items: list[Leased]) -> Fetched:
+        arts = [it.artifact for it in items]
+        if getattr(arts[0], "hidden_scales", None) is not None:  # fp8 codes: the generic path dequantises
+            return Fetched(items, collate(items, self.device, self.layers))
+        lengths = [a.input_ids.shape[0] for a in arts]
+        t = max(lengths)
+        if self.length_bucket > 1:
+            t = -(-t // self.length_bucket) * self.length_bucket
+        b, (m, h), dtype = len(items), arts[0].hidden_states.shape[1:], arts[0].hidden_states.dtype
+        ids = torch.zeros(b, t, dtype=torch.long, pin_memory=True)
+        mask = torch.zeros(b, t, dtype=torch.bool, pin_memory=True)
+        valid = torch.zeros(b, t, dtype=torch.bool, pin_memory=True)
+        for i, a in enumerate(arts):
+            n = lengths[i]
+            ids[i, :n] = a.input_ids
+            mask[i, :n] = a.loss_mask.bool()
+            valid[i, :n] = True
+        dev = self.device
+        with torch.cuda.stream(self.stream):
+            raw = torch.empty(b, t, m, h, dtype=dtype, device=dev)
+            for i, a in enumerate(arts):
+                raw[i, :lengths[i]].copy_(a.hidden_states, non_blocking=True)
+                if lengths[i] < t:
+                    raw[i, lengths[i]:].zero_()
+            hidden = raw if self._index is None else select_layers(raw, self._index)
+            batch = DraftBatch(hidden, ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True),
+                               valid.to(dev, non_blocking=True), positions=tuple(it.position for it in items),
+                               supervised_host=mask & valid)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return Fetched(items, batch, ready)
+
+
 def group_cursor(layout: CacheLayout, members: list[str]) -> int:
     """Min committed cursor over a lockstep group's members: one not registered yet counts as 0,
     one in a terminal state (completed, failed, ...) no longer counts."""
@@ -147,6 +269,13 @@ def drain(reader: Reader, client: CacheClient) -> None:
             got = reader.out.get_nowait()
         except queue.Empty:
             return
-        if isinstance(got, list):
-            for it in got:
+        if isinstance(got, Fetched):
+            _settle(got)
+            for it in got.items:
                 client.release(it)
+
+
+def _settle(fetched: Fetched) -> None:
+    """Wait for a discarded batch's copies (its host buffers may be reused once unreferenced)."""
+    if fetched.ready is not None:
+        fetched.ready.synchronize()

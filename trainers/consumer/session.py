@@ -32,6 +32,7 @@ import queue
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,12 +55,12 @@ from artcache.trainers.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from artcache.trainers.draft import DraftBatch, MetricSums, build_draft
+from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums, build_draft
 from artcache.trainers.evaluation import Evaluator, eval_split, target_argmax_fn
 from artcache.trainers.tracking import Progress, RunTracker
 
 from .config import ConsumerConfig, lr_at, run_settings
-from .reader import Reader, collate, drain, group_cursor
+from .reader import DeviceCollator, Fetched, Reader, Retired, collate, drain, group_cursor
 from .restore import (
     InitSource,
     check_same_draft,
@@ -119,6 +120,9 @@ class Session:
         self.beat_stop = threading.Event()
         self.stop_req = threading.Event()  # a signal asked to stop: finish the current step, then cancel
         self.previous_handlers: dict = {}
+        self.pending: list[_StepRecord] = []  # steps whose figures are not written yet (_flush_metrics)
+        self.last_progress: float | None = None
+        self.retired = Retired()
 
     # ---- setup: read the root, choose the start, build the draft (nothing written yet) ------------------
 
@@ -212,7 +216,8 @@ class Session:
                                   pin=self.device.type == "cuda")
         group = [m for m in cfg.lockstep_group.split(",") if m]
         self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
-                             end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None)
+                             end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
+                             collate=self._collator())
         if threading.current_thread() is threading.main_thread():
             # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled",
             # leases released, journal closed (the previous handlers come back in close())
@@ -253,6 +258,13 @@ class Session:
         log.warning("[%s] signal %d: stopping after the current step (send it again to stop at once)",
                     self.cfg.consumer_id, signum)
 
+    def _collator(self):
+        """The reader thread's collate: on the device without host copies (CUDA), else :func:`collate`."""
+        if self.device.type == "cuda":
+            return DeviceCollator(self.device, self.layers, self.cfg.length_bucket)
+        device, layers = self.device, self.layers
+        return lambda items: Fetched(items, collate(items, device, layers))
+
     def _collate_eval(self, items: list[Leased], with_last: bool) -> DraftBatch:
         return collate(items, self.device, self.layers, self.last_index if with_last else None)
 
@@ -289,12 +301,16 @@ class Session:
     # ---- step: one batch, one optimizer step, one cursor commit ------------------------------------------
 
     def step(self, step_index: int) -> None:
+        """One batch, one optimizer step, one cursor commit. On CUDA nothing here reads device memory
+        back: the batch arrives collated on the device (the reader thread's :class:`DeviceCollator`),
+        the metric sums stay on the device until :meth:`_flush_metrics`."""
         cfg = self.cfg
         t0 = time.monotonic()
-        got = self._next_batch()
+        fetched = self._next_batch()
+        got = fetched.items
         wait_s = time.monotonic() - t0
         self.wait_total += wait_s
-        batch = collate(got, self.device, self.layers)
+        batch = fetched.wait()
         lr = lr_at(step_index, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.min_lr_frac)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -309,6 +325,7 @@ class Session:
         # still inside the window, then commit (a crash in between leaves nothing outside it)
         for it in got:
             self.client.release(it)
+        self.retired.retire(fetched)  # its host buffers live until its copies completed
         crash_point("cursor.before-commit")
         self.handle.commit_cursor(self.cursor)  # only after the step that consumed the positions
         crash_point("cursor.after-commit")
@@ -317,7 +334,7 @@ class Session:
         self.reader.authorize(self.cursor)
         self._record(step_index, sums, lr, wait_s, time.monotonic() - t0)
 
-    def _next_batch(self) -> list[Leased]:
+    def _next_batch(self) -> Fetched:
         """The reader's next batch; raises what stopped the reader, a signal's request, or a fence."""
         got = None
         while got is None:
@@ -333,31 +350,52 @@ class Session:
             raise ConsumerFenced(f"consumer {self.cfg.consumer_id} was fenced")
         return got
 
-    def _record(self, step_index: int, sums: MetricSums, lr: float, wait_s: float, step_s: float) -> None:
-        """The step's figures into the journal, metrics.csv / TensorBoard, the progress bar and the log."""
-        cfg, draft, step = self.cfg, self.draft, self.steps_done
-        self.total = sums if self.total is None else self.total + sums
-        s = draft.summary(sums)
-        if step_index - self.start_step < 5:
-            self.first_losses.append(s["loss"])
-        self.last_losses.append(s["loss"])
-        del self.last_losses[:-5]
-        self.journal.emit(J.Step(consumer=cfg.consumer_id, step=step, cursor=self.cursor, loss=s["loss"],
-                                 wait_s=wait_s, step_s=step_s, lr=lr, **draft.journal_fields(sums)))
+    def _record(self, step_index: int, sums: MetricSums | PendingSums, lr: float, wait_s: float,
+                step_s: float) -> None:
+        """Queue the step's figures; :meth:`_flush_metrics` writes them (at once on a CPU; on CUDA every
+        ``--log-every`` steps, before a checkpoint or an evaluation, and at the end)."""
+        step = self.steps_done
         rate = (step - self.start_step) / max(1e-9, time.monotonic() - self.t_loop)
-        self.tracker.scalars(step, "train", {**{k: v for k, v in s.items() if k != "blocks"}, "lr": lr,
-                                             "steps_per_s": rate, "wait_s": wait_s, "wait_total_s": self.wait_total})
-        self.progress.update(rate, s.get(draft.progress_metric), self.wait_total, draft.progress_metric)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            shown = s["acc"][:4]
-            acc = " ".join(f"{a:.2f}" for a in shown)
-            log.info("[%s] step %d/%d loss %.3f %s acc_1..%d %s trainer wait for batch %.2fs",
-                     cfg.consumer_id, step, cfg.steps, s["loss"], draft.headline(s), len(shown), acc, wait_s)
-            self.tracker.flush()
+        self.pending.append(_StepRecord(step_index, step, self.cursor, sums, lr, wait_s, step_s, time.time(), rate,
+                                        self.wait_total))
+        if self.device.type != "cuda" or step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            self._flush_metrics()
+        self.progress.update(rate, self.last_progress, self.wait_total, self.draft.progress_metric)
+
+    def _flush_metrics(self) -> None:
+        """Read the queued steps' sums back (one device-to-host copy for all of them) and write each step's
+        figures, in step order, into the journal (a Step event with the step's own sums and end time),
+        metrics.csv / TensorBoard, the progress bar and the log."""
+        if not self.pending:
+            return
+        cfg, draft = self.cfg, self.draft
+        records, self.pending = self.pending, []
+        for rec, sums in zip(records, PendingSums.resolve_all([r.sums for r in records]), strict=True):
+            self.total = sums if self.total is None else self.total + sums
+            s = draft.summary(sums)
+            if rec.step_index - self.start_step < 5:
+                self.first_losses.append(s["loss"])
+            self.last_losses.append(s["loss"])
+            del self.last_losses[:-5]
+            self.journal.emit(J.Step(consumer=cfg.consumer_id, step=rec.step, cursor=rec.cursor, loss=s["loss"],
+                                     wait_s=rec.wait_s, step_s=rec.step_s, lr=rec.lr, t=rec.t,
+                                     **draft.journal_fields(sums)))
+            self.tracker.scalars(rec.step, "train", {**{k: v for k, v in s.items() if k != "blocks"}, "lr": rec.lr,
+                                                     "steps_per_s": rec.rate, "wait_s": rec.wait_s,
+                                                     "wait_total_s": rec.wait_total})
+            self.last_progress = s.get(draft.progress_metric)
+            if rec.step % cfg.log_every == 0 or rec.step == cfg.steps:
+                shown = s["acc"][:4]
+                acc = " ".join(f"{a:.2f}" for a in shown)
+                log.info("[%s] step %d/%d loss %.3f %s acc_1..%d %s trainer wait for batch %.2fs",
+                         cfg.consumer_id, rec.step, cfg.steps, s["loss"], draft.headline(s), len(shown), acc,
+                         rec.wait_s)
+                self.tracker.flush()
 
     # ---- evaluate: one pass over the held-out split -------------------------------------------------------
 
     def evaluate(self, at_step: int) -> None:
+        self._flush_metrics()
         t0 = time.monotonic()
         try:
             self.last_eval = self.evaluator.run()
@@ -377,6 +415,7 @@ class Session:
 
     def checkpoint(self) -> Path:
         cfg = self.cfg
+        self._flush_metrics()  # the journal and metrics.csv hold every step the checkpoint covers
         path = save_checkpoint(self.run_dir, step=self.steps_done, cursor=self.cursor,
                                weights=self.model.trainable_state_dict(), optimizer=self.optimizer,
                                generators=self.generators, extra_tensors=self.draft.extra_tensors(),
@@ -417,6 +456,12 @@ class Session:
         self.beat_stop.set()
         self.reader.join(timeout=5)
         drain(self.reader, self.client)
+        self.retired.clear()
+        try:
+            self._flush_metrics()  # the steps trained since the last read-back (before the final checkpoint)
+        except Exception as exc:  # the device failed: the figures are lost, the run's error is in flight
+            log.error("[%s] the last steps' metrics could not be read back: %s", cfg.consumer_id, exc)
+            self.pending = []
         # also on a failure between steps (e.g. CaptureTimeout when the producer is gone): the state is a
         # consistent step, so --resume continues from here instead of the last --save-every checkpoint
         if self.consistent and self.steps_done > max(self.saved_step, 0) and not self.fenced.is_set():
@@ -451,6 +496,22 @@ class Session:
         if self.last_eval:
             out["eval"] = self.last_eval
         return out
+
+
+@dataclass
+class _StepRecord:
+    """A trained step whose figures wait for :meth:`Session._flush_metrics` (``t``: its end, epoch s)."""
+
+    step_index: int
+    step: int
+    cursor: int
+    sums: MetricSums | PendingSums
+    lr: float
+    wait_s: float
+    step_s: float
+    t: float
+    rate: float
+    wait_total: float
 
 
 def _check_run_dir(run_dir: Path) -> None:
