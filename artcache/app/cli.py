@@ -12,7 +12,7 @@ import msgspec
 
 from artcache.errors import ArtcacheError, ConfigError
 from artcache.logs import setup_logging
-from artcache.trainers import DRAFT_NAMES
+from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 
 def _errors(fn):
@@ -272,11 +272,19 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @click.option("--tensorboard/--no-tensorboard", default=True,
               help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")
+@click.option("--compile", "compile_mode", default="auto", type=click.Choice(COMPILE_MODES),
+              help="torch.compile the draft: auto (= off for now), off, on, graphs (with CUDA graphs; CUDA only).")
+@click.option("--loss-impl", default="auto", type=click.Choice(LOSS_IMPLS),
+              help="lm_head cross-entropy: auto (chunked bf16 on CUDA, reference on a CPU), reference, chunked, "
+              "liger (CUDA; pip install 'artcache[liger]').")
+@click.option("--length-bucket", default=64, type=int,
+              help="CUDA: pad batch lengths to a multiple of N positions (few shapes for --compile); 0: none.")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps, lr,
             seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, save_every,
-            keep_checkpoints, resume, init_from, eval_samples, eval_interval, eval_anchors, progress, tensorboard):
+            keep_checkpoints, resume, init_from, eval_samples, eval_interval, eval_anchors, progress, tensorboard,
+            compile_mode, loss_impl, length_bucket):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, parse_window, run_consumer
 
@@ -295,7 +303,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         demand_timeout_s=demand_timeout, log_every=log_every, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, init_from=init_from,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, progress=progress,
-        tensorboard=tensorboard)
+        tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl, length_bucket=length_bucket)
     cfg.validate()
     summary = run_consumer(cfg)
     click.echo(json.dumps(summary), err=False)
