@@ -119,7 +119,8 @@ def _chunked_chunk(hc: Tensor, tc: Tensor, wc: Tensor, wmat: Tensor, need_grad: 
     logits = F.linear(hc.to(wmat.dtype), wmat)  # bf16 × bf16 -> bf16, fp32 accumulation in the GEMM
     body = _compiled_body() if compile else _softmax_ce_body
     ce, preds, g = body(logits, tc, wc, need_grad)
-    part = (ce.double() if wc.dtype == torch.float64 else ce) @ wc.to(torch.promote_types(ce.dtype, wc.dtype))
+    # an elementwise sum, not a dot product: autocast would run ``@`` in bf16
+    part = (ce.to(torch.promote_types(ce.dtype, wc.dtype)) * wc).sum()
     return part, preds, (g @ wmat) if need_grad else None
 
 
