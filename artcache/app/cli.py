@@ -278,7 +278,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="lm_head cross-entropy: auto (chunked bf16 on CUDA, reference on a CPU), reference, chunked, "
               "liger (CUDA; pip install 'artcache[liger]').")
 @click.option("--length-bucket", default=64, type=int,
-              help="CUDA: pad batch lengths to a multiple of N positions (few shapes for --compile); 0: none.")
+              help="With --compile on|graphs on CUDA: pad batch lengths to a multiple of N positions; 0: none.")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps, lr,

@@ -56,9 +56,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (= ``off`` for now), ``off``, ``on``, ``graphs`` (with CUDA graphs; CUDA only).
         loss_impl: the lm_head cross-entropy (:mod:`artcache.trainers.lm_head_ce`): ``auto``
             (``chunked`` bf16 on CUDA, ``reference`` on a CPU), ``reference``, ``chunked``, ``liger``.
-        length_bucket: on CUDA, pad each batch's length T up to a multiple of this many positions so a
-            compiled draft sees few distinct shapes (padding is never supervised); 0 = the batch's longest
-            sample. Ignored on a CPU (its batches stay exactly as long as their longest sample).
+        length_bucket: with ``--compile on|graphs`` on CUDA, pad each batch's length T up to a multiple
+            of this many positions so the compiled draft sees few distinct shapes (padding is never
+            supervised); 0 = the batch's longest sample. Ignored otherwise (batches stay exactly as long
+            as their longest sample).
 
     On CUDA the training step reads nothing back to the host; its metrics are read back every
     ``log_every`` steps (docs/training.md, "GPU speed").

@@ -260,8 +260,10 @@ class Session:
 
     def _collator(self):
         """The reader thread's collate: on the device without host copies (CUDA), else :func:`collate`."""
-        if self.device.type == "cuda":
-            return DeviceCollator(self.device, self.layers, self.cfg.length_bucket)
+        if self.device.type == "cuda":  # length buckets only help a compiled draft (few shapes)
+            speed = getattr(self.draft, "speed", None)
+            bucket = self.cfg.length_bucket if speed is not None and speed.compile != "off" else 0
+            return DeviceCollator(self.device, self.layers, bucket)
         device, layers = self.device, self.layers
         return lambda items: Fetched(items, collate(items, device, layers))
 
