@@ -1,0 +1,623 @@
+"""Consumer step speed on a GPU against its limits: steps/s, MFU, bytes read per second, the binding limit.
+
+``python -m artcache.bench.consumer_speed --out DIR [--plan PART:VARIANT,...] [--steps 20] [--budget-s S]``
+
+For each draft (DFlash, EAGLE-3) and variant, measured one after the other in one process on one GPU
+so that the rows compare side by side (the speed options of :mod:`artcache.trainers.speed`: ``main`` =
+the reference path with its host synchronisations, as before issue 20; ``syncfree`` = no read-back in
+the step, bf16 chunked lm_head loss; ``+compile`` / ``+graphs`` / ``liger``):
+
+- **in memory**: the step of the consumer (``Draft.loss``, backward, clip, fused AdamW) on batches
+  already on the GPU, timed over ``--steps`` steps after warm-up with one synchronisation at the end;
+- **from the cache** (``cache-dflash`` / ``cache-eagle3`` parts): :func:`~artcache.trainers.consumer.run_consumer`
+  itself on a root holding published artifacts of the SmolLM2 union (read + verify, reader-thread
+  collate, journal, leases, cursor commits), steps/s from the run's own clock. The consumer's CUDA
+  step is always sync-free, so there the variant picks only ``--loss-impl`` and ``--compile``
+  (``main`` = ``--loss-impl reference --compile off``);
+- a ``torch.profiler`` table of the in-memory step (self CUDA and self CPU time, per step), kernel
+  launches and synchronisations per step.
+
+MFU: analytic model FLOPs (:func:`dflash_step_flops`, :func:`eagle3_step_flops`) over the measured bf16
+matmul rate of this run. Reads: artifact bytes per step × steps/s against the measured ``store.read``
+rate of this run's root. Binding limit: the largest of FLOP time (flops / peak), read time (bytes /
+read rate) and the host: ``host`` when the GPU is busy for less than 70 % of the step.
+Every row gives steps/s, samples/s (sequences of the batch per second) and tokens/s, and its ratio to
+the ``main`` row of the same draft and data source (``x_main``). The JSON (``DIR/consumer_speed.json``,
+rewritten after every row so a run cut short keeps what it measured) records the command, the git
+commit of the tree and the hardware (GPU, CUDA, CPU, torch).
+Sizes: SmolLM2-135M shapes (``random:smollm2-135m``; synthetic 1024-token samples, batch 8), DFlash
+B 16 / 64 anchors / 5 layers, EAGLE-3 7 TTT steps / 8192-token draft vocab; Qwen3-8B DFlash B 16 at
+gpu_micro's shape (one 3072-token sequence, 256 anchors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from artcache.bench.gpu_micro import dflash_step_flops, matmul_peak
+
+SMOL_UNION = [1, 8, 14, 20, 26, 27, 29]
+DFLASH_VIEW = [1, 8, 14, 20, 27]
+EAGLE3_VIEW = [1, 14, 26, 29]
+
+#: variant -> (sync_free, ce_impl, compile)
+VARIANTS = {
+    "main": (False, "reference", "off"),
+    "syncfree": (True, "chunked", "off"),
+    "syncfree+compile": (True, "chunked", "on"),
+    "syncfree+graphs": (True, "chunked", "graphs"),
+    "liger": (True, "liger", "off"),
+}
+
+
+#: what a plain run measures, in this order (the most telling figures first: before/after per draft)
+DEFAULT_PLAN = (
+    "dflash:main,dflash:syncfree,eagle3:main,eagle3:syncfree,cache-dflash:main,cache-dflash:syncfree,"
+    "cache-eagle3:main,cache-eagle3:syncfree,dflash:syncfree+compile,eagle3:syncfree+compile,"
+    "qwen3:main,qwen3:syncfree,cache-dflash:syncfree+compile,dflash:liger,dflash:syncfree+graphs"
+)
+PARTS = ("dflash", "eagle3", "qwen3", "cache-dflash", "cache-eagle3")
+
+
+def parse_plan(plan: str) -> list[tuple[str, str]]:
+    """``PART:VARIANT,...`` as pairs; raises ValueError naming a bad part or variant and what is accepted."""
+    out = []
+    for entry in plan.split(","):
+        part, _, variant = entry.strip().partition(":")
+        if part not in PARTS:
+            raise ValueError(f"plan entry {entry!r}: part {part!r} is not one of {', '.join(PARTS)}")
+        if variant not in VARIANTS:
+            raise ValueError(f"plan entry {entry!r}: variant {variant!r} is not one of {', '.join(VARIANTS)}")
+        out.append((part, variant))
+    return out
+
+
+def provenance(device) -> dict:
+    """The command, the git commit of this tree (``unknown`` outside a git checkout) and the hardware."""
+    here = Path(__file__).resolve().parent
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", "-C", str(here), *a], capture_output=True, text=True, timeout=20, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
+    hw = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        prop = torch.cuda.get_device_properties(device)
+        hw.update(
+            gpu=prop.name,
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_bytes=prop.total_memory,
+            cuda=torch.version.cuda,
+        )
+    return {
+        "command": [sys.executable, "-m", "artcache.bench.consumer_speed", *sys.argv[1:]],
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": git("status", "--porcelain") not in ("", "unknown"),
+        "hardware": hw,
+    }
+
+
+def rates(row: dict, batch: int, seq: int) -> dict:
+    """samples/s and tokens/s of a row's steps/s at ``batch`` sequences of ``seq`` positions."""
+    return {
+        "batch_size": batch,
+        "seq_len": seq,
+        "samples_per_s": row["steps_per_s"] * batch,
+        "tokens_per_s": row["steps_per_s"] * batch * seq,
+    }
+
+
+def compare(rows: list[dict]) -> None:
+    """Each row's ``x_main``: its steps/s over the ``main`` row of the same name and data (in place)."""
+    base = {
+        (r["name"], r["data"]): r["steps_per_s"]
+        for r in rows
+        if r.get("variant") == "main" and "error" not in r
+    }
+    for r in rows:
+        b = base.get((r["name"], r["data"]))
+        if "error" not in r and b:
+            r["x_main"] = r["steps_per_s"] / b
+
+
+def eagle3_step_flops(cfg, seq: int, steps: int) -> float:
+    """Model FLOPs of one EAGLE-3 TTT training step on one sequence (forward + backward), attention as
+    executed (dense SDPA over the (i+1)·T keys of step i). Trainable matmuls 3× their forward; the frozen
+    target head (soft labels, no gradient) once."""
+    h, q, kv, i_sz = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    per = (
+        2 * seq * 2 * h * (q + 2 * kv)
+        + 2 * seq * q * h
+        + 2 * seq * 3 * h * i_sz
+        + 2 * seq * h * cfg.draft_vocab_size
+    )
+    attn = sum(2 * 2 * seq * (i + 1) * seq * q for i in range(steps))
+    fc = 2 * seq * 3 * h * h
+    return 3 * (steps * per + attn + fc) + 2 * seq * h * cfg.vocab_size
+
+
+def _arch_config(arch: str):
+    from transformers import AutoConfig
+
+    from artcache.target import RANDOM_ARCHS
+
+    spec = dict(RANDOM_ARCHS[arch])
+    spec.pop("architectures", None)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def _frozen(v: int, h: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(0)
+    emb = (torch.randn(v, h, generator=g, device=device) * 0.02).to(torch.bfloat16)
+    head = (torch.randn(v, h, generator=g, device=device) * 0.02).to(torch.bfloat16)
+    return emb, head
+
+
+def build(
+    draft: str,
+    arch: str,
+    variant: str,
+    device,
+    *,
+    layers: int,
+    anchors: int = 64,
+    block: int = 16,
+    ttt: int = 7,
+    draft_vocab: int = 8192,
+):
+    """A draft adapter of ``arch``'s shape on ``device`` with the variant's speed options."""
+    from artcache.trainers.speed import SpeedOptions
+
+    sync_free, impl, comp = VARIANTS[variant]
+    speed = SpeedOptions(sync_free=sync_free, ce_impl=impl, compile=comp)
+    hf = _arch_config(arch)
+    emb, head = _frozen(hf.vocab_size, hf.hidden_size, device)
+    torch.manual_seed(0)
+    if draft == "dflash":
+        from artcache.trainers.dflash import DFlashConfig, DFlashDraft
+        from artcache.trainers.dflash.adapter import DFlashAdapter
+
+        cfg = DFlashConfig.from_target(
+            hf,
+            num_layers=5,
+            block_size=block,
+            num_anchors=anchors,
+            mask_token_id=hf.vocab_size - 1,
+            num_context_layers=layers,
+        )
+        model = DFlashDraft(cfg, emb, head)
+        return DFlashAdapter(
+            model, cfg, list(range(layers)), torch.Generator().manual_seed(0), speed=speed
+        ), cfg
+    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
+    from artcache.trainers.eagle3.adapter import Eagle3Adapter
+    from artcache.trainers.eagle3.vocab import build_vocab_map
+
+    cfg = Eagle3Config.from_target(hf, draft_vocab_size=draft_vocab, ttt_steps=ttt)
+    counts = torch.randint(0, 1000, (hf.vocab_size,), generator=torch.Generator().manual_seed(0))
+    d2t, t2d = build_vocab_map(counts, cfg.draft_vocab_size)
+    norm = torch.ones(hf.hidden_size, device=device)
+    model = Eagle3Draft(cfg, emb, norm, head, d2t, t2d)
+    return Eagle3Adapter(model, cfg, list(range(4)), speed=speed), cfg
+
+
+def device_batches(b: int, seq: int, m: int, h: int, vocab: int, device, n: int = 3):
+    """``n`` collated batches on ``device``: synthetic samples (first T/8 positions unsupervised)."""
+    from artcache.trainers.draft import DraftBatch
+
+    out = []
+    g = torch.Generator(device=device).manual_seed(1)
+    for _ in range(n):
+        hidden = torch.randn(b, seq, m, h, generator=g, device=device).to(torch.bfloat16)
+        ids = torch.randint(0, vocab - 64, (b, seq), generator=g, device=device)
+        mask = torch.ones(b, seq, dtype=torch.bool, device=device)
+        mask[:, : max(1, seq // 8)] = False
+        valid = torch.ones(b, seq, dtype=torch.bool, device=device)
+        out.append(DraftBatch(hidden, ids, mask, valid, supervised_host=(mask & valid).cpu()))
+    return out
+
+
+def train_step_fn(draft):
+    params = [p for p in draft.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), fused=True)
+
+    def step(batch):
+        loss, sums = draft.loss(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return sums
+
+    return step
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_in_memory(draft, batches, steps: int, warmup: int) -> dict:
+    """Steps/s of the consumer's step on ``batches`` (cycled), one synchronisation after the timed steps."""
+    step = train_step_fn(draft)
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(batches[i % len(batches)])
+    _sync()
+    warm_s = time.perf_counter() - t0
+    pending = []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        pending.append(step(batches[i % len(batches)]))
+    _sync()
+    dt = (time.perf_counter() - t0) / steps
+    from artcache.trainers.draft import PendingSums
+
+    last = PendingSums.resolve_all(pending[-1:])[0]
+    return {
+        "step_ms": dt * 1e3,
+        "steps_per_s": 1 / dt,
+        "warmup_s": warm_s,
+        "last_loss": draft.summary(last)["loss"],
+    }
+
+
+def profile_steps(draft, batches, steps: int = 6) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    step = train_step_fn(draft)
+    for i in range(3):
+        step(batches[i % len(batches)])
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        _sync()
+    ka = prof.key_averages()
+    count = {e.key: e.count for e in ka}
+    # kernels and copies only (device-side rows): an operator row repeats its kernels' time
+    gpu_us = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
+    table = ka.table(sort_by="self_cuda_time_total", row_limit=25)
+    table_cpu = ka.table(sort_by="self_cpu_time_total", row_limit=20)
+    return {
+        "gpu_busy_ms_per_step": gpu_us / steps / 1e3,
+        "launches_per_step": (
+            count.get("cudaLaunchKernel", 0)
+            + count.get("cuLaunchKernelEx", 0)
+            + count.get("cuLaunchKernel", 0)
+        )
+        / steps,
+        "syncs_per_step": (count.get("cudaStreamSynchronize", 0) + count.get("cudaDeviceSynchronize", 0))
+        / steps,
+        "memcpy_per_step": count.get("cudaMemcpyAsync", 0) / steps,
+        "table": table,
+        "table_cpu": table_cpu,
+    }
+
+
+def limits(row: dict, flops: float, peak: float, bytes_per_step: float, read_bps: float | None) -> dict:
+    """MFU, read rate and the binding limit of one measured row."""
+    sps = row["steps_per_s"]
+    out = {
+        "flops_per_step": flops,
+        "mfu": flops * sps / peak,
+        "flop_floor_ms": flops / peak * 1e3,
+        "bytes_per_step": bytes_per_step,
+        "bytes_per_s": bytes_per_step * sps,
+    }
+    if read_bps:
+        out["read_bandwidth_Bps"] = read_bps
+        out["read_fraction"] = bytes_per_step * sps / read_bps
+        out["read_floor_ms"] = bytes_per_step / read_bps * 1e3
+    step_ms = 1e3 / sps
+    busy = row.get("gpu_busy_ms_per_step")
+    if busy is not None and busy < 0.7 * step_ms:
+        out["binding"] = "host"
+    elif read_bps and out["read_floor_ms"] > 0.7 * step_ms:
+        out["binding"] = "reads"
+    else:
+        out["binding"] = "flops" if out["mfu"] > 0.35 else "gpu kernels (below the FLOP floor's rate)"
+    return out
+
+
+def make_root(
+    root: Path,
+    samples: int,
+    device,
+    target: str = "random:smollm2-135m",
+    seq: int = 1024,
+    union: list[int] = SMOL_UNION,
+) -> dict:
+    """A root (random target, synthetic ``seq``-token plan, the ``union`` captured) with every position
+    published (random bf16 states, a pool of distinct tensors); the measured read + verify rate."""
+    from artcache.fingerprint import PlanFingerprints
+    from artcache.producer import ProducerConfig, prepare_root
+    from artcache.store import publish, read
+
+    layout, settings, plan, info, _ = prepare_root(
+        ProducerConfig(
+            cache=str(root),
+            target=target,
+            dataset="synthetic",
+            max_length=seq,
+            max_samples=samples,
+            layer_ids=union,
+            device=str(device),
+        )
+    )
+    fp_of = PlanFingerprints(settings.contract, plan)
+    pool = [
+        torch.randn(seq, len(union), info.hidden_size, device=device).to(torch.bfloat16).cpu()
+        for _ in range(4)
+    ]
+    t0 = time.perf_counter()
+    nbytes = 0
+    for p in range(len(plan)):
+        s = plan.sample(p)
+        nbytes += publish(
+            layout,
+            fp_of(p),
+            settings.contract,
+            {
+                "hidden_states": pool[p % 4][: s.input_ids.shape[0]],
+                "input_ids": s.input_ids,
+                "loss_mask": s.loss_mask,
+            },
+            durable=False,
+            values_checked=True,
+        )
+    pub_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n = min(64, len(plan))
+    for p in range(n):
+        read(layout, fp_of(p), settings.contract, pin=device.type == "cuda", verify_tokens=True)
+    rd = time.perf_counter() - t0
+    return {
+        "artifact_bytes": nbytes / len(plan),
+        "publish_s": pub_s,
+        "read_verify_Bps": nbytes / len(plan) * n / rd,
+    }
+
+
+def from_cache(
+    root: Path, draft: str, variant: str, steps: int, device, view: list[int] | None = None
+) -> dict:
+    """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences; steps/s from its journal's Step
+    end times past the first steps (compilation, warm-up)."""
+    from artcache.trainers.consumer import ConsumerConfig, run_consumer
+
+    _, impl, comp = VARIANTS[variant]
+    kw = (
+        dict(draft="dflash", block_size=16, num_anchors=64, layer_ids=view or DFLASH_VIEW)
+        if draft == "dflash"
+        else dict(draft="eagle3", ttt_steps=7, draft_vocab=8192, layer_ids=view or EAGLE3_VIEW)
+    )
+    cid = f"{draft}-{variant.replace('+', '-')}"
+    cfg = ConsumerConfig(
+        cache=str(root),
+        consumer_id=cid,
+        out_dir=str(root.parent / "runs" / cid),
+        steps=steps,
+        batch_size=8,
+        lookbehind=64,
+        lookahead=512,
+        device=str(device),
+        progress=False,
+        tensorboard=False,
+        log_every=50,
+        demand_timeout_s=120,
+        compile=comp,
+        loss_impl=impl,
+        **kw,
+    )
+    s = run_consumer(cfg)
+    # the run's own clock, past its first steps (compilation and warm-up): Step events' end times
+    from artcache import journal as J
+    from artcache.layout import CacheLayout
+
+    events = [
+        e for e in J.iter_file(CacheLayout(root).journal_path("consumer", cid)) if isinstance(e, J.Step)
+    ]
+    ts = sorted(e.t for e in events)
+    skip = min(10, len(ts) // 3)
+    rate = (len(ts) - 1 - skip) / (ts[-1] - ts[skip]) if len(ts) > skip + 1 else float("nan")
+    return {
+        "steps": s["steps"],
+        "seconds": s["seconds"],
+        "steps_per_s": rate,
+        "wait_s": s["wait_s"],
+        "final_loss": s["final_loss"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--plan",
+        default=DEFAULT_PLAN,
+        help=f"comma list of PART:VARIANT in order; PART one of {', '.join(PARTS)} (dflash, eagle3, "
+        f"qwen3: in memory; cache-*: run_consumer fed from a cache root); VARIANT one of {', '.join(VARIANTS)}",
+    )
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiler tables")
+    ap.add_argument("--steps", type=int, default=20, help="timed in-memory steps per row (after warm-up)")
+    ap.add_argument("--cache-steps", type=int, default=60, help="run_consumer steps per from-cache row")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=float(os.environ.get("BUDGET_S", "1e9")),
+        help="stop starting new measurements after this many seconds",
+    )
+    ap.add_argument("--root", default="/tmp/artcache-consumer-speed")
+    args = ap.parse_args()
+    try:
+        plan = parse_plan(args.plan)
+    except ValueError as exc:
+        ap.error(str(exc))  # exit 2
+    if not torch.cuda.is_available():
+        print("consumer_speed measures a CUDA device; none is available", file=sys.stderr)
+        raise SystemExit(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    t_start = time.time()
+    report = {
+        **provenance(device),
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "rows": [],
+    }
+    report["matmul_peak_flops"] = peak = matmul_peak(device)
+    print(f"matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    smol = _arch_config("smollm2-135m")
+
+    def save() -> None:
+        compare(report["rows"])
+        (out / "consumer_speed.json").write_text(json.dumps(report, indent=1))
+
+    def over() -> bool:
+        return time.time() - t_start > args.budget_s
+
+    sup = 1024 - 1024 // 8
+    q = _arch_config("qwen3-8b")
+    # part -> (row name, draft, arch, device_batches args (b, seq, m, h, vocab), flops of one sequence, build kw)
+    shapes = {
+        "dflash": (
+            "dflash-smollm2",
+            "dflash",
+            "smollm2-135m",
+            (8, 1024, 5, smol.hidden_size, smol.vocab_size),
+            lambda c: dflash_step_flops(c, 1024, sup),
+            {"layers": 5},
+        ),
+        "eagle3": (
+            "eagle3-smollm2",
+            "eagle3",
+            "smollm2-135m",
+            (8, 1024, 4, smol.hidden_size, smol.vocab_size),
+            lambda c: eagle3_step_flops(c, 1024, 7),
+            {"layers": 4},
+        ),
+        "qwen3": (
+            "dflash-qwen3-8b-B16",
+            "dflash",
+            "qwen3-8b",
+            (1, 3072, 5, q.hidden_size, q.vocab_size),
+            lambda c: dflash_step_flops(c, 3072, 3072 - 3072 // 8),
+            {"layers": 5, "anchors": 256},
+        ),
+    }
+
+    def in_memory(part: str, variant: str) -> dict:
+        name, draft, arch, bargs, flops_fn, kw = shapes[part]
+        row = {"name": name, "variant": variant, "data": "in-memory"}
+        d, cfg = build(draft, arch, variant, device, **kw)
+        batches = device_batches(*bargs, device=device)
+        if variant == "main":  # as before issue 20: the anchors' mask is read back from the device
+            for b in batches:
+                b.supervised_host = None
+        row.update(time_in_memory(d, batches, args.steps, warmup=3 if "compile" not in variant else 4))
+        if args.profile and part != "qwen3":
+            prof = profile_steps(d, batches)
+            (out / f"profile-{name}-{variant}.txt").write_text(
+                prof.pop("table") + "\n\n" + prof.pop("table_cpu")
+            )
+            row.update(prof)
+        row.update(rates(row, bargs[0], bargs[1]))
+        row.update(limits(row, flops_fn(cfg) * bargs[0], peak, 0.0, None))
+        return row
+
+    root_info = None
+
+    def cached(part: str, variant: str) -> dict:
+        nonlocal root_info
+        draft = part.removeprefix("cache-")
+        name, _, arch, bargs, flops_fn, kw = shapes[draft]
+        row = {"name": name, "variant": variant, "data": "from-cache"}
+        if root_info is None:
+            root_info = report["root"] = make_root(Path(args.root) / "cache", 8 * args.cache_steps, device)
+            print(json.dumps(root_info), flush=True)
+        row.update(from_cache(Path(args.root) / "cache", draft, variant, args.cache_steps, device))
+        cfg = build(draft, arch, "main", device, **kw)[1]
+        row.update(rates(row, 8, 1024))
+        row.update(
+            limits(
+                row, flops_fn(cfg) * 8, peak, 8 * root_info["artifact_bytes"], root_info["read_verify_Bps"]
+            )
+        )
+        return row
+
+    for part, variant in plan:
+        if over():
+            print(f"skip {part}:{variant}: past --budget-s", flush=True)
+            continue
+        try:
+            row = cached(part, variant) if part.startswith("cache-") else in_memory(part, variant)
+        except Exception as exc:  # one failing variant must not lose the others' figures
+            row = {
+                "name": part,
+                "variant": variant,
+                "data": "from-cache" if part.startswith("cache-") else "in-memory",
+                "error": f"{type(exc).__name__}: {exc}",
+            }
+            traceback.print_exc()
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+        torch.cuda.empty_cache()
+    report["seconds"] = time.time() - t_start
+    save()
+    print(
+        "\nname                 variant           data        steps/s  samples/s  x main   MFU  GB/s read  binding",
+        flush=True,
+    )
+    for r in report["rows"]:
+        if "error" in r:
+            print(f"{r['name']:<20} {r['variant']:<17} {r['data']:<10}  ERROR {r['error'][:60]}")
+            continue
+        print(
+            f"{r['name']:<20} {r['variant']:<17} {r['data']:<10} {r['steps_per_s']:8.1f} {r['samples_per_s']:10.1f} "
+            f"{r.get('x_main', float('nan')):7.2f} {r['mfu']:5.3f} {r.get('bytes_per_s', 0) / 1e9:9.2f}  "
+            f"{r.get('binding', '')} busy {r.get('gpu_busy_ms_per_step', float('nan')):.1f} ms "
+            f"launch {r.get('launches_per_step', float('nan')):.0f} sync {r.get('syncs_per_step', float('nan')):.0f}"
+        )
+    print(
+        f"commit {report['commit']}{' (dirty)' if report['dirty'] else ''}, total {report['seconds']:.0f}s",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""bench/consumer_speed.py's parts run end to end at a toy size on the CPU (the GPU figures come from the
+lead's H200 run): a built draft steps, a root with published artifacts reads back, run_consumer trains on
+it for each draft, and the figures (MFU, bytes read, binding limit, samples/s, ratio to main) are
+complete; the plan is validated and the JSON's provenance names the commit and the hardware."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from artcache.bench import consumer_speed as cs
+
+
+def test_plan_parsing_names_bad_entries():
+    assert cs.parse_plan("dflash:main, cache-eagle3:syncfree+compile") == [
+        ("dflash", "main"),
+        ("cache-eagle3", "syncfree+compile"),
+    ]
+    assert [p for p, _ in cs.parse_plan(cs.DEFAULT_PLAN)].count("cache-eagle3") >= 2
+    with pytest.raises(ValueError, match="'cache'.*cache-dflash"):
+        cs.parse_plan("cache:main")
+    with pytest.raises(ValueError, match="'fast'.*syncfree"):
+        cs.parse_plan("eagle3:fast")
+
+
+def test_rates_and_ratio_to_main():
+    rows = [
+        {"name": "d", "data": "in-memory", "variant": "main", "steps_per_s": 8.0},
+        {"name": "d", "data": "in-memory", "variant": "syncfree", "steps_per_s": 20.0},
+        {"name": "d", "data": "from-cache", "variant": "syncfree", "steps_per_s": 10.0},
+        {"name": "d", "data": "in-memory", "variant": "liger", "error": "ImportError: x"},
+    ]
+    cs.compare(rows)
+    assert rows[0]["x_main"] == 1.0 and rows[1]["x_main"] == 2.5
+    assert "x_main" not in rows[2] and "x_main" not in rows[3]  # no main row of that data source
+    assert cs.rates(rows[1], 8, 1024) == {
+        "batch_size": 8,
+        "seq_len": 1024,
+        "samples_per_s": 160.0,
+        "tokens_per_s": 163840.0,
+    }
+
+
+def test_provenance_names_commit_and_hardware():
+    p = cs.provenance(torch.device("cpu"))
+    assert p["command"][1:3] == ["-m", "artcache.bench.consumer_speed"]
+    assert len(p["commit"]) == 40 and int(p["commit"], 16) >= 0  # the tests run in a git checkout
+    assert p["hardware"]["cpu_count"] >= 1 and p["hardware"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["dflash", "eagle3"])
+def test_in_memory_step_and_figures(draft):
+    d, cfg = cs.build(
+        draft,
+        "tiny-llama",
+        "syncfree",
+        torch.device("cpu"),
+        layers=5 if draft == "dflash" else 4,
+        anchors=8,
+        draft_vocab=512,
+    )
+    batches = cs.device_batches(2, 64, 5 if draft == "dflash" else 4, 64, 49152, torch.device("cpu"), n=2)
+    row = cs.time_in_memory(d, batches, steps=2, warmup=1)
+    assert row["steps_per_s"] > 0 and math.isfinite(row["last_loss"])
+    flops = (
+        cs.dflash_step_flops(cfg, 64, 56)
+        if draft == "dflash"
+        else cs.eagle3_step_flops(cfg, 64, cfg.ttt_steps)
+    )
+    lim = cs.limits(row, flops * 2, 1e12, 1e6, 1e9)
+    assert 0 < lim["mfu"] < 1 and lim["binding"] in (
+        "reads",
+        "flops",
+        "gpu kernels (below the FLOP floor's rate)",
+    )
+    assert lim["bytes_per_s"] == pytest.approx(1e6 * row["steps_per_s"])
+
+
+@pytest.mark.slow
+def test_from_cache_run(tmp_path):
+    info = cs.make_root(
+        tmp_path / "cache",
+        8 * 3,
+        torch.device("cpu"),
+        target="random:tiny-llama",
+        seq=48,
+        union=[1, 2, 3, 4, 5, 7],
+    )
+    assert info["artifact_bytes"] > 48 * 6 * 64 * 2 and info["read_verify_Bps"] > 0
+    r = cs.from_cache(tmp_path / "cache", "dflash", "main", 3, torch.device("cpu"), view=[1, 2, 3, 4, 5])
+    assert r["steps"] == 3 and math.isfinite(r["final_loss"])
+    r = cs.from_cache(tmp_path / "cache", "eagle3", "syncfree", 3, torch.device("cpu"), view=[1, 3, 4, 7])
+    assert r["steps"] == 3 and math.isfinite(r["final_loss"])
