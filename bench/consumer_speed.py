@@ -84,7 +84,8 @@ def parse_plan(plan: str) -> list[tuple[str, str]]:
 
 
 def provenance(device) -> dict:
-    """The command, the git commit of this tree (``unknown`` outside a git checkout) and the hardware."""
+    """The command, the git commit of this tree (outside a git checkout: ``$ARTCACHE_COMMIT``, else
+    ``unknown``) and the hardware."""
     here = Path(__file__).resolve().parent
 
     def git(*a: str) -> str:
@@ -116,9 +117,12 @@ def provenance(device) -> dict:
             gpu_memory_bytes=prop.total_memory,
             cuda=torch.version.cuda,
         )
+    commit = git("rev-parse", "HEAD")
+    if commit == "unknown":  # a copied tree without .git (a device machine's copy): what its sender names
+        commit = os.environ.get("ARTCACHE_COMMIT", "unknown")
     return {
         "command": [sys.executable, "-m", "artcache.bench.consumer_speed", *sys.argv[1:]],
-        "commit": git("rev-parse", "HEAD"),
+        "commit": commit,
         "dirty": git("status", "--porcelain") not in ("", "unknown"),
         "hardware": hw,
     }

@@ -50,6 +50,18 @@ def test_provenance_names_commit_and_hardware():
     assert p["hardware"]["cpu_count"] >= 1 and p["hardware"]["torch"] == torch.__version__
 
 
+def test_provenance_outside_a_checkout_takes_the_named_commit(monkeypatch):
+    def no_git(*a, **k):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(cs.subprocess, "run", no_git)
+    monkeypatch.delenv("ARTCACHE_COMMIT", raising=False)
+    assert cs.provenance(torch.device("cpu"))["commit"] == "unknown"
+    monkeypatch.setenv("ARTCACHE_COMMIT", "abc123")
+    p = cs.provenance(torch.device("cpu"))
+    assert p["commit"] == "abc123" and p["dirty"] is False
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["dflash", "eagle3"])
 def test_in_memory_step_and_figures(draft):
