@@ -18,6 +18,8 @@ from artcache.layout import CacheLayout, host_id, pid_alive
 
 class ConsumerCounts(msgspec.Struct, kw_only=True):
     consumer: str
+    epoch_len: int = 0  # training samples per epoch (0: the whole plan)
+    epoch: int = 0  # epoch of its last committed step
     draft: str = ""
     block_size: int = 0
     lookbehind: int = 0
@@ -65,6 +67,7 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     timeouts: int = 0
     quarantined: int = 0
     fences: int = 0
+    #: distinct (epoch, sample) pairs the consumers committed (every consumer's positions below its cursor)
     distinct_positions_consumed: int = 0
     distinct_fingerprints_captured: int = 0
     captures_per_consumed_position: float = 0.0
@@ -73,6 +76,18 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     max_retained_artifacts: int = 0
     max_retained_bytes: int = 0
     window_bound_artifacts: int = 0
+    #: the disk budget of the latest producer (0: none recorded) and its retention rule
+    budget_bytes: int = 0
+    retention: str = ""
+    #: a decision evicted something needed or left a capture out because of the budget
+    budget_binding: bool = False
+    #: the live windows alone held more than the budget at some point (the guarantee won)
+    windows_exceeded_budget: bool = False
+    #: the most the retained bytes ever exceeded the producer's budget while its live windows fitted it
+    #: (the budget invariant: must be 0)
+    budget_exceeded_bytes: int = 0
+    #: evictions by reason: unneeded, needed-later, outside-windows (journal ``evict.reason``)
+    evictions_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
     published_bytes: int = 0
     producer_busy_s: float = 0.0
     torn_journal_lines: int = 0
@@ -128,11 +143,19 @@ def account(layout: CacheLayout) -> Accounting:
             c.failures += 1
         elif isinstance(ev, J.Evict):
             c.evictions += 1
+            why = ev.reason or "outside-windows"  # producers before retention by need evicted by windows only
+            c.evictions_by_reason[why] = c.evictions_by_reason.get(why, 0) + 1
+        elif isinstance(ev, J.ProducerStart):
+            c.budget_bytes, c.retention = ev.budget_bytes, ev.policy or "windows"
         elif isinstance(ev, J.Coalesced):
             c.coalesced += ev.requesters
         elif isinstance(ev, J.Retained):
             c.max_retained_artifacts = max(c.max_retained_artifacts, ev.artifacts)
             c.max_retained_bytes = max(c.max_retained_bytes, ev.nbytes)
+            c.budget_binding |= ev.binding
+            c.windows_exceeded_budget |= ev.windows_exceed_budget
+            if not ev.windows_exceed_budget and ev.budget:
+                c.budget_exceeded_bytes = max(c.budget_exceeded_bytes, ev.nbytes - ev.budget)
         elif isinstance(ev, J.Fence):
             c.fences += 1
             cons(ev.consumer).state = ev.state
@@ -144,11 +167,13 @@ def account(layout: CacheLayout) -> Accounting:
             k.state, k.error = "running", ""
             k.draft, k.block_size = ev.draft, ev.block_size
             k.lookbehind, k.lookahead = ev.lookbehind, ev.lookahead
+            k.epoch_len = ev.epoch_len
             windows[ev.consumer] = ev.lookbehind + ev.lookahead + 1 + ev.pinned  # as Registration.retain_bound
         elif isinstance(ev, J.Step):
             k = cons(ev.consumer)
             k.steps = max(k.steps, ev.step)
             k.cursor = max(k.cursor, ev.cursor)
+            k.epoch = max(k.epoch, ev.epoch)
         elif isinstance(ev, J.ConsumerEnd):
             k = cons(ev.consumer)
             k.state, k.error = ev.state, ev.error
@@ -165,7 +190,7 @@ def account(layout: CacheLayout) -> Accounting:
         c.leases_released += k.leases_released
         c.timeouts += k.timeouts
         c.quarantined += k.quarantined
-    c.distinct_positions_consumed = max((k.cursor for k in consumers), default=0)
+    c.distinct_positions_consumed = consumed_pairs(layout, consumers)
     c.captures_lost_in_crash = captures_lost_in_crash(layout.journal)
     c.distinct_fingerprints_captured = len(captured_fps)
     if c.distinct_positions_consumed:
@@ -177,6 +202,29 @@ def account(layout: CacheLayout) -> Accounting:
     c.leases_held = len(on_disk)
     c.leases_removal_unjournaled = sum(removal_unjournaled(name) for name in acquired - settled - on_disk)
     return Accounting(cache=c, consumers=consumers, violations=check_invariants(c, consumers))
+
+
+def consumed_pairs(layout: CacheLayout, consumers: list[ConsumerCounts]) -> int:
+    """Distinct (epoch, sample) pairs committed: position ``p < cursor`` of a consumer is pair
+    ``(p // epoch_len, order.sample(p))``. Consumers of one epoch length share their positions, so that
+    is the largest cursor; with several lengths the pairs are counted from the plan's epoch order."""
+    lens = {k.epoch_len for k in consumers if k.cursor}
+    if len(lens) <= 1:
+        return max((k.cursor for k in consumers), default=0)
+    import json
+
+    from artcache.plan import EPOCH_ORDER_VERSION, EpochOrder
+    from artcache.settings import load_settings
+
+    prov = json.loads((layout.plan_dir(load_settings(layout).plan_id) / "plan.json").read_text())
+    n = int(prov["counts"]["kept"])
+    order = prov.get("epoch_order") or {"version": EPOCH_ORDER_VERSION, "seed": prov["spec"]["seed"]}
+    pairs: set[tuple[int, int]] = set()
+    for k in consumers:
+        m = k.epoch_len or n
+        samples = EpochOrder(n, m, int(order["seed"])).samples(0, k.cursor).tolist()
+        pairs.update((p // m, s) for p, s in enumerate(samples))
+    return len(pairs)
 
 
 def removal_unjournaled(lease: str) -> bool:
@@ -218,9 +266,13 @@ def check_invariants(c: CacheCounts, consumers: list[ConsumerCounts]) -> list[st
                    f"{c.leases_removal_unjournaled}")
     if c.logical_requests != c.hits + c.misses:
         out.append(f"logical requests {c.logical_requests} != hits {c.hits} + misses {c.misses}")
-    if c.window_bound_artifacts and c.max_retained_artifacts > c.window_bound_artifacts:
+    if c.retention in ("", "windows") and c.window_bound_artifacts \
+            and c.max_retained_artifacts > c.window_bound_artifacts:
         out.append(f"max retained artifacts {c.max_retained_artifacts} exceeded the window bound "
                    f"{c.window_bound_artifacts}")
+    if c.budget_exceeded_bytes > 0:
+        out.append(f"retained bytes exceeded the disk budget by {c.budget_exceeded_bytes} while the live windows "
+                   "fitted it")
     if c.recaptures > c.captures:
         out.append(f"recaptures {c.recaptures} > captures {c.captures}")
     if c.distinct_fingerprints_captured > c.captures:

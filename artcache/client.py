@@ -52,23 +52,31 @@ class CacheClient:
     """
 
     def __init__(self, layout: CacheLayout, settings: RootSettings, plan, handle: ConsumerHandle,
-                 journal: J.JournalWriter, demand_timeout_s: float = 600.0, pin: bool = False) -> None:
+                 journal: J.JournalWriter, demand_timeout_s: float = 600.0, pin: bool = False,
+                 epoch_len: int = 0) -> None:
         self.layout = layout
         self.contract = settings.contract
         self.plan = plan
-        self.fp_of = PlanFingerprints(self.contract, plan)
+        self.fps = PlanFingerprints(self.contract, plan)
+        self.order = plan.order(epoch_len)  # position -> sample (artcache.plan.EpochOrder)
         self.handle = handle
         self.journal = journal
         self.demand_timeout_s = demand_timeout_s
         self.pin = pin
         self.consumer_id = handle.consumer_id
-        self._demand: set[int] = set()
+        self._demand: set[int] = set()  # training positions
+        self._held_out: set[int] = set()  # held-out sample indices
         self._demand_lock = threading.Lock()
 
-    def _set_demand(self, position: int, on: bool) -> None:
+    def fp_of(self, position: int) -> str:
+        """The fingerprint read at training position ``position`` (its sample's)."""
+        return self.fps.of_sample(self.order.sample(position))
+
+    def _set_demand(self, key: int, on: bool, held_out: bool = False) -> None:
         with self._demand_lock:
-            (self._demand.add if on else self._demand.discard)(position)
-            self.handle.set_demand(sorted(self._demand))
+            target = self._held_out if held_out else self._demand
+            (target.add if on else target.discard)(key)
+            self.handle.set_demand(sorted(self._demand), sorted(self._held_out))
 
     def want(self, positions: Iterable[int]) -> list[int]:
         """Announce positions this consumer will read next as demand, in one registration update.
@@ -80,30 +88,47 @@ class CacheClient:
 
         Returns the positions announced (sorted). Raises nothing beyond the registry's own errors.
         """
-        missing = sorted({p for p in positions if not store.exists(self.layout, self.fp_of(p))})
+        return self._want(positions, held_out=False)
+
+    def want_samples(self, samples: Iterable[int]) -> list[int]:
+        """:meth:`want` for held-out sample indices (read with :meth:`acquire_sample`)."""
+        return self._want(samples, held_out=True)
+
+    def _want(self, keys: Iterable[int], held_out: bool) -> list[int]:
+        fp = self.fps.of_sample if held_out else self.fp_of
+        missing = sorted({k for k in keys if not store.exists(self.layout, fp(k))})
         if missing:
             with self._demand_lock:
-                self._demand.update(missing)
-                self.handle.set_demand(sorted(self._demand))
+                (self._held_out if held_out else self._demand).update(missing)
+                self.handle.set_demand(sorted(self._demand), sorted(self._held_out))
         return missing
 
-    def unwant(self, positions: Iterable[int]) -> None:
-        """Withdraw demand announced by :meth:`want` for positions not read after all."""
+    def unwant(self, positions: Iterable[int], held_out: bool = False) -> None:
+        """Withdraw demand announced by :meth:`want` (``held_out``: by :meth:`want_samples`) not read after all."""
         with self._demand_lock:
-            before = len(self._demand)
-            self._demand.difference_update(positions)
-            if len(self._demand) != before:
-                self.handle.set_demand(sorted(self._demand))
+            target = self._held_out if held_out else self._demand
+            before = len(target)
+            target.difference_update(positions)
+            if len(target) != before:
+                self.handle.set_demand(sorted(self._demand), sorted(self._held_out))
 
     def acquire(self, position: int, stop: threading.Event | None = None) -> Leased:
-        """Lease and read ``position``; wait on a demand miss.
+        """Lease and read training position ``position`` (its sample in its epoch); wait on a demand miss.
 
         Raises:
             CaptureTimeout: not published within ``demand_timeout_s`` (names the fingerprint).
             ConsumerFenced: this consumer was fenced (before the read, or while waiting).
             InterruptedError: ``stop`` was set while waiting.
         """
-        fp = self.fp_of(position)
+        return self._acquire(position, self.order.sample(position), False, stop)
+
+    def acquire_sample(self, index: int, stop: threading.Event | None = None) -> Leased:
+        """Lease and read held-out plan sample ``index`` (``Leased.position`` is -1); as :meth:`acquire`."""
+        return self._acquire(-1, index, True, stop)
+
+    def _acquire(self, position: int, sample: int, held_out: bool, stop: threading.Event | None) -> Leased:
+        fp = self.fps.of_sample(sample)
+        key = sample if held_out else position
         lease = leases.acquire(self.layout, fp, self.consumer_id)
         self.journal.emit(J.LeaseAcquire(consumer=self.consumer_id, fp=fp, lease=lease))
         t0 = time.monotonic()
@@ -123,20 +148,22 @@ class CacheClient:
                 except IntegrityError as exc:
                     self.journal.emit(J.Quarantined(consumer=self.consumer_id, fp=fp, reason=str(exc)))
                     log.warning("quarantined %s: %s", fp, exc)
-                self._raise_if_given_up(fp, position)
+                self._raise_if_given_up(fp, key)
                 if not waiting:
                     waiting = True
                     self.journal.emit(J.DemandWait(consumer=self.consumer_id, position=position, fp=fp))
-                    self._set_demand(position, True)
+                    self._set_demand(key, True, held_out)
                 waited = time.monotonic() - t0
                 if waited >= next_note:  # a silent wait reads like a hang: say what we wait for, and on whom
-                    log.warning("[%s] waited %.0fs for position %d (fingerprint %s; gives up after %.0fs): is "
-                                "`artcache producer` running on %s?", self.consumer_id, waited, position, fp,
+                    log.warning("[%s] waited %.0fs for %s %d (fingerprint %s; gives up after %.0fs): is "
+                                "`artcache producer` running on %s?", self.consumer_id, waited,
+                                "held-out sample" if held_out else "position", key, fp,
                                 self.demand_timeout_s, self.layout.root)
                     next_note += WAIT_NOTE_S
                 if waited > self.demand_timeout_s:
+                    what = "held-out sample" if held_out else "position"
                     raise CaptureTimeout(
-                        f"position {position} (fingerprint {fp}) was not published within "
+                        f"{what} {key} (fingerprint {fp}) was not published within "
                         f"{self.demand_timeout_s:.0f}s; is `artcache producer` running on {self.layout.root}?")
                 if stop is not None and stop.wait(delay):
                     raise InterruptedError("stopped while waiting for a demand miss")
@@ -146,13 +173,14 @@ class CacheClient:
         except BaseException:
             self._release(fp, lease)
             if waiting:
-                self._set_demand(position, False)
+                self._set_demand(key, False, held_out)
             raise
         wait_s = time.monotonic() - t0 if waiting else 0.0
-        if waiting or position in self._demand:  # also withdraws demand announced by want()
-            self._set_demand(position, False)
-        self.journal.emit(J.Request(consumer=self.consumer_id, position=position, fp=fp,
-                                    hit=not waiting, wait_s=wait_s))
+        if waiting or key in (self._held_out if held_out else self._demand):  # also withdraws want()'s demand
+            self._set_demand(key, False, held_out)
+        self.journal.emit(J.Request(consumer=self.consumer_id, position=position, fp=fp, hit=not waiting,
+                                    wait_s=wait_s, sample=sample, held_out=held_out,
+                                    epoch=self.order.epoch(position) if position >= 0 else 0))
         return Leased(position, art, lease)
 
     def _raise_if_given_up(self, fp: str, position: int) -> None:

@@ -100,6 +100,12 @@ class PublishError(_OSErrorMessage):
         return {**super()._keywords(), "fingerprint": self.fingerprint, "retryable": self.retryable}
 
 
+class DiskBudgetExceeded(ArtcacheError, OSError):
+    """What was asked for does not fit the disk budget (``artcache producer --fill`` with a plan larger than
+    ``--disk-budget``). Not retryable with the same budget; an operational failure (exit 1): what fitted
+    stays published."""
+
+
 class LockTimeout(ArtcacheError, filelock.Timeout):
     """A lock could not be taken within its timeout. Also a :class:`filelock.Timeout` (a ``TimeoutError``),
     so ``except filelock.Timeout`` keeps working; ``lock_file`` is the lock's path."""

@@ -1,19 +1,466 @@
-"""Eviction: remove published artifacts outside the union of live windows that no live lease holds.
+"""Retention by future need under a disk budget, and the eviction pass that carries it out.
 
-Decision order per artifact (cf. python-diskcache's culling and Bazel's re-check before delete):
-retained if its fingerprint is in the retain set; else expired leases are removed first; retained
-if a live lease remains; else renamed aside and unlinked (:func:`artcache.store.remove`). A lease
-taken between the check and the rename is harmless: the reader either opened the file already
-(POSIX keeps the bytes) or sees a miss that becomes a demand.
+:func:`decide` is the one retention policy. It is pure (no I/O, no clock) and called by the producer
+(every scheduling pass), ``artcache.bench.sim`` (every simulated pass) and ``artcache inspect`` (the
+decision the root's state implies now). It works on plan sample indices and returns, with a reason
+for each:
+
+* what must stay: every published sample inside a live window ``[cursor - lookbehind, cursor +
+  lookahead]`` (clipped at the consumer's end) or a pinned held-out range, and every leased one —
+  the hard guarantee, whatever the budget;
+* what to capture next, in order of need: demand misses first (always, even over the budget), then
+  the unpublished positions of the live lookaheads by *need time* (how many seconds until a consumer
+  reads it: distance from its cursor / its rate), then pinned ranges, then (``fill``) the rest of the
+  plan in plan order;
+* what to evict: beyond the guarantee everything published is kept while the retained bytes fit
+  ``budget``. When they do not, items are ranked by need time — the time until the first live
+  consumer reads the sample again, from its known cursor, rate and end (Belady's rule: what is needed
+  furthest in the future goes first); samples no live consumer will read again rank last, among them
+  the highest plan index first (a consumer that starts later walks the plan from its beginning) — and
+  the longest prefix of that ranking that fits beside the guaranteed bytes and the demand is kept or
+  captured. Evicted: ``unneeded`` (outside every window, no live consumer reads it again) or
+  ``needed-later`` (needed, but later than everything kept). A capture never makes room by evicting
+  something needed sooner than itself, and prefetch stops at the budget.
+
+:func:`evict_pass` removes the chosen artifacts from ``objects/`` (re-checking leases), and
+:class:`RateEstimator` gives each consumer's rate from its committed cursors.
+
+Decision order per artifact in :func:`evict_pass` (cf. python-diskcache's culling and Bazel's
+re-check before delete): expired leases are removed first; kept if a live lease remains; else
+renamed aside and unlinked (:func:`artcache.store.remove`). A lease taken between the check and the
+rename is harmless: the reader either opened the file already (POSIX keeps the bytes) or sees a miss
+that becomes a demand.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
 
 from artcache import leases as leases_mod
 from artcache import store
 from artcache.layout import CacheLayout
+from artcache.plan import EpochOrder
+from artcache.registry import Registration
+from artcache.scheduler import Want
+
+#: eviction reasons (journal ``evict.reason``)
+UNNEEDED = "unneeded"
+NEEDED_LATER = "needed-later"
+OUTSIDE_WINDOWS = "outside-windows"  # the ``windows`` policy: the rule before retention by need
+REASONS = (UNNEEDED, NEEDED_LATER, OUTSIDE_WINDOWS)
+
+Policy = Literal["need", "windows"]
+POLICIES = ("need", "windows")
+
+# capture classes (Want.priority[0])
+DEMAND, WINDOW, PINNED, FILL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A live consumer as retention sees it.
+
+    Attributes:
+        consumer_id: its id. cursor: committed position. lookbehind, lookahead: its window (positions).
+        end: exclusive end of its run in positions (``math.inf``: unbounded).
+        order: its :class:`~artcache.plan.EpochOrder` (position → sample).
+        rate: positions per second it reads (> 0; :class:`RateEstimator`).
+        pinned: sample indices of its held-out split (retained, captured after its window).
+        demand: positions it is blocked on. pinned_demand: held-out sample indices it is blocked on.
+        batch_size: positions per optimizer step; its next two batches ``[cursor, cursor + 2 ×
+            batch_size)`` are *urgent* (the reader is acquiring them now).
+    """
+
+    consumer_id: str
+    cursor: int
+    lookbehind: int
+    lookahead: int
+    end: float
+    order: EpochOrder
+    rate: float
+    pinned: range = range(0)
+    demand: tuple[int, ...] = ()
+    pinned_demand: tuple[int, ...] = ()
+    batch_size: int = 1
+
+    @classmethod
+    def of(cls, reg: Registration, order: EpochOrder, rate: float) -> Reader:
+        pinned = reg.pinned_range()
+        demand, pinned_demand = [], list(reg.pinned_demand)
+        lo, hi = reg.readable()
+        for p in reg.demand:
+            if lo <= p <= hi:
+                demand.append(p)
+            elif p in pinned:  # a held-out read announced as a position (epoch 0: position = sample)
+                pinned_demand.append(p)
+        return cls(reg.consumer_id, reg.cursor, reg.lookbehind, reg.lookahead,
+                   reg.end if reg.end >= 0 else math.inf, order, max(rate, 1e-9), pinned,
+                   tuple(demand), tuple(pinned_demand), reg.batch_size)
+
+    def window(self) -> tuple[int, int]:
+        """Inclusive window ``[lo, hi]`` of positions (``hi < lo`` past the end), as Registration.window."""
+        hi = self.cursor + self.lookahead
+        if self.end != math.inf:
+            hi = min(hi, int(self.end) - 1)
+        return max(0, self.cursor - self.lookbehind), hi
+
+
+@dataclass
+class RetentionDecision:
+    """What :func:`decide` chose. Indices are (canonical) plan sample indices; bytes are bytes.
+
+    Attributes:
+        evict: sample → reason (:data:`REASONS`), furthest need first.
+        capture_samples: int64, the capture queue's samples in order, at most ``max_queue`` long,
+            inside the budget except for demand; :meth:`head` / :attr:`capture` give them as
+            :class:`~artcache.scheduler.Want` entries.
+        retained_bytes: published bytes after the evictions (plus bytes in flight).
+        guaranteed_bytes: bytes the windows, pinned ranges, leases and captures in flight hold.
+        budget: the budget it worked to. binding: something needed (or, with ``fill``, a plan sample)
+            was evicted or left uncaptured because of the budget. windows_exceed_budget: the guarantee
+            and the demand alone exceed the budget (the guarantee wins; nothing else is kept).
+        left_out: capture candidates the budget left out.
+        kept: reason → number of published samples kept (``window``, ``leased``, ``needed``,
+            ``unneeded``), filled only with ``explain=True``.
+    """
+
+    evict: dict[int, str] = field(default_factory=dict)
+    capture_samples: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    retained_bytes: int = 0
+    guaranteed_bytes: int = 0
+    budget: float = math.inf
+    binding: bool = False
+    windows_exceed_budget: bool = False
+    left_out: int = 0
+    kept: dict[str, int] = field(default_factory=dict)
+    _make: Callable[[int], list[Want]] | None = field(default=None, repr=False)
+
+    def head(self, k: int) -> list[Want]:
+        """The first ``k`` entries of the capture queue, each with the consumers and positions that
+        asked for its sample (built only for these ``k``: a batch takes a few)."""
+        return self._make(k) if self._make is not None else []
+
+    @property
+    def capture(self) -> list[Want]:
+        """The whole capture queue as :class:`~artcache.scheduler.Want` entries."""
+        return self.head(len(self.capture_samples))
+
+
+def _as_index(x: Iterable[int] | np.ndarray | None) -> np.ndarray:
+    if x is None:
+        return np.empty(0, dtype=np.int64)
+    if isinstance(x, np.ndarray):
+        return x.astype(np.int64, copy=False)
+    return np.fromiter(x, dtype=np.int64)
+
+
+def need_times(readers: Sequence[Reader], samples: np.ndarray) -> np.ndarray:
+    """float64 [len(samples)]: seconds until the first of ``readers`` reads each sample again (from its
+    cursor, at its rate, before its end; ``inf``: none will). A sample that is a duplicate of another
+    (same fingerprint) is ranked by its canonical index's reads only."""
+    out = np.full(len(samples), np.inf)
+    for r in readers:
+        if len(samples):
+            pos = r.order.next_positions(samples, r.cursor, r.end)
+            np.minimum(out, (pos - r.cursor) / r.rate, out=out)
+    return out
+
+
+def decide(readers: Sequence[Reader], *, sizes: np.ndarray, budget: float,
+           est_size: np.ndarray | int, fp_of: Callable[[int], str] = str,
+           leased: Iterable[int] | np.ndarray | None = None, inflight: Iterable[int] | np.ndarray | None = None,
+           blocked: Iterable[int] | np.ndarray | None = None, canon: np.ndarray | None = None,
+           max_queue: int = 1024, fill: bool = False, policy: Policy = "need", urgent_s: float = 0.0,
+           explain: bool = False) -> RetentionDecision:
+    """The retain set, the evictions and the capture queue for one pass (see the module docstring).
+
+    Args:
+        readers: the live consumers (:meth:`Reader.of`).
+        sizes: int64 [plan_len]: bytes on disk of each published (canonical) sample, 0 if unpublished.
+        budget: disk budget in bytes (``math.inf``: none).
+        est_size: int64 [plan_len] (or one int): bytes an unpublished sample will take once captured.
+        fp_of: canonical sample index → the ``fp`` put in each :class:`~artcache.scheduler.Want`.
+        leased: samples a live lease holds (never evicted). inflight: captured, being published
+            (their estimated bytes count; never queued again). blocked: never queued (given up).
+        canon: int64 [plan_len], sample → the first sample with the same fingerprint (None: all distinct).
+        max_queue: longest capture queue returned. fill: queue every unpublished sample of the plan
+            (after everything a consumer needs; ``artcache producer --fill``).
+        policy: ``need`` (this retention) or ``windows`` (keep only windows, pinned ranges and leases,
+            no budget: the rule before issue 21, kept as the baseline the bench and simulator compare).
+        urgent_s: a window position needed within this many seconds is *urgent* like a reader's next
+            two batches (the producer passes its idle poll plus two capture batches: what it could
+            not capture in time if it waited).
+        explain: also count what is kept by reason (``RetentionDecision.kept``; inspect).
+
+    Returns:
+        A :class:`RetentionDecision`. Cost: numpy over the live windows, plus over the published
+        samples when the budget binds (and, with ``fill``, over the plan).
+    """
+    n = len(sizes)
+    est = np.full(n, int(est_size), dtype=np.int64) if np.isscalar(est_size) else np.asarray(est_size)
+    published = sizes > 0
+
+    def cn(a: np.ndarray) -> np.ndarray:
+        return a if canon is None else canon[a]
+
+    # -- the guarantee: windows, pinned ranges, leases, captures in flight ------------------------
+    guard = np.zeros(n, dtype=bool)
+    rows_s, rows_c, rows_k, rows_p, rows_r, rows_u = [], [], [], [], [], []  # sample, class, key, pos, reader, urgent
+    for ri, r in enumerate(readers):
+        lo, hi = r.window()
+        if hi >= lo:
+            guard[cn(r.order.samples(lo, hi + 1))] = True
+        if len(r.pinned):
+            pinned = cn(np.arange(r.pinned.start, r.pinned.stop, dtype=np.int64))
+            guard[pinned] = True
+            rows_s.append(pinned)
+            rows_c.append(np.full(len(pinned), PINNED))
+            rows_k.append(np.full(len(pinned), (r.lookahead + 1) / r.rate) + np.arange(len(pinned)) * 1e-9)
+            rows_p.append(-1 - np.arange(r.pinned.start, r.pinned.stop))  # held-out: -1 - sample index
+            rows_r.append(np.full(len(pinned), ri))
+            rows_u.append(np.zeros(len(pinned), dtype=bool))
+        start = max(lo, r.cursor)
+        if hi >= start:
+            s = cn(r.order.samples(start, hi + 1))
+            pos = np.arange(start, hi + 1, dtype=np.int64)
+            rows_s.append(s)
+            rows_c.append(np.full(len(s), WINDOW))
+            rows_k.append((pos - r.cursor) / r.rate)
+            rows_p.append(pos)
+            rows_r.append(np.full(len(s), ri))
+            rows_u.append((pos < r.cursor + 2 * r.batch_size) | (rows_k[-1] <= urgent_s))
+        dem = [p for p in r.demand if start <= p <= hi]
+        if dem:
+            pos = np.asarray(dem, dtype=np.int64)
+            rows_s.append(cn(np.asarray([r.order.sample(p) for p in dem], dtype=np.int64)))
+            rows_c.append(np.full(len(dem), DEMAND))
+            rows_k.append((pos - r.cursor) / r.rate)
+            rows_p.append(pos)
+            rows_r.append(np.full(len(dem), ri))
+            rows_u.append(np.ones(len(dem), dtype=bool))
+        pdem = [s for s in r.pinned_demand if s in r.pinned]
+        if pdem:
+            rows_s.append(cn(np.asarray(pdem, dtype=np.int64)))
+            rows_c.append(np.full(len(pdem), DEMAND))
+            rows_k.append(np.arange(len(pdem)) * 1e-9)
+            rows_p.append(-1 - np.asarray(pdem, dtype=np.int64))
+            rows_r.append(np.full(len(pdem), ri))
+            rows_u.append(np.ones(len(pdem), dtype=bool))
+    leased_i, inflight_i, blocked_i = _as_index(leased), _as_index(inflight), _as_index(blocked)
+    guard[leased_i] = True
+    skip = published.copy()
+    skip[inflight_i] = True
+    skip[blocked_i] = True
+    inflight_bytes = int(est[inflight_i[~published[inflight_i]]].sum()) if len(inflight_i) else 0
+
+    # -- capture candidates: one row per (sample, reader, position), best row per sample ----------
+    if rows_s:
+        cs, cc, ck = np.concatenate(rows_s), np.concatenate(rows_c), np.concatenate(rows_k).astype(np.float64)
+        cp, cr, cu = np.concatenate(rows_p), np.concatenate(rows_r), np.concatenate(rows_u)
+        keep_rows = ~skip[cs]
+        cs, cc, ck, cp, cr, cu = (a[keep_rows] for a in (cs, cc, ck, cp, cr, cu))
+    else:
+        cs = cc = cp = cr = np.empty(0, dtype=np.int64)
+        ck = np.empty(0)
+        cu = np.empty(0, dtype=bool)
+    order = np.lexsort((ck, cc))  # by class, then need time
+    cs, cc, ck, cp, cr, cu = (a[order] for a in (cs, cc, ck, cp, cr, cu))
+    # the first (best) row of each sample, in priority order
+    uniq = np.sort(np.unique(cs, return_index=True)[1]) if len(cs) else np.empty(0, dtype=np.int64)
+    u_s, u_c, u_k = cs[uniq], cc[uniq], ck[uniq]
+    # a sample is urgent if any reader needs it within its next two batches
+    u_u = np.zeros(len(uniq), dtype=bool)
+    if len(cs):
+        urgent_samples = np.zeros(n, dtype=bool)
+        urgent_samples[cs[cu]] = True
+        u_u = urgent_samples[u_s]
+    first = np.zeros(n, dtype=bool)
+    first[u_s] = True
+    fill_s = np.empty(0, dtype=np.int64)
+    if fill:
+        todo = ~skip & ~first
+        if canon is not None:
+            todo &= canon == np.arange(n)
+        fill_s = np.flatnonzero(todo)
+
+    res = RetentionDecision(budget=budget)
+    used = int(sizes.sum()) + inflight_bytes
+    guaranteed = int(sizes[guard & published].sum()) + inflight_bytes
+    res.guaranteed_bytes = guaranteed
+
+    def queue(sel: np.ndarray, fill_samples: np.ndarray) -> None:
+        """Set the capture queue: unique candidate rows ``sel`` (indices into ``uniq``), then fill."""
+        sel = sel[:max_queue]
+        fill_samples = fill_samples[:max_queue - len(sel)] if fill else fill_samples[:0]
+        res.capture_samples = np.concatenate([u_s[sel], fill_samples]).astype(np.int64)
+        ids = [r.consumer_id for r in readers]
+
+        def make(k: int) -> list[Want]:
+            out = [Want(fp_of(int(cs[i])), int(cs[i]), (int(cc[i]), float(ck[i]))) for i in uniq[sel[:k]].tolist()]
+            if out:  # every reader and position that asked for each chosen sample
+                pick = {w.sample: w for w in out}
+                rows = np.flatnonzero(np.isin(cs, list(pick)))
+                for s, p, r in zip(cs[rows].tolist(), cp[rows].tolist(), cr[rows].tolist(), strict=True):
+                    w = pick[s]
+                    w.consumers.add(ids[r])
+                    if p >= 0:
+                        w.positions.add(p)
+            out += [Want(fp_of(int(f)), int(f), (FILL, float(f))) for f in fill_samples[:max(0, k - len(out))].tolist()]
+            return out
+
+        res._make = make
+
+    if policy == "windows":
+        gone = np.flatnonzero(published & ~guard)
+        res.evict = {int(s): OUTSIDE_WINDOWS for s in gone.tolist()}
+        queue(np.arange(len(uniq)), fill_s)
+        res.retained_bytes = used - int(sizes[gone].sum())
+        if explain:
+            res.kept = _explain(readers, sizes, guard, leased_i, gone)
+        return res
+
+    is_dem = u_c == DEMAND
+    dem_bytes = int(est[u_s[is_dem]].sum())
+    rest = np.flatnonzero(~is_dem)
+    rest_bytes = int(est[u_s[rest]].sum()) + (int(est[fill_s].sum()) if fill else 0)
+    if used + dem_bytes + rest_bytes <= budget:  # everything fits: keep all, capture every candidate
+        queue(np.arange(len(uniq)), fill_s)
+        res.retained_bytes = used
+        if explain:
+            res.kept = _explain(readers, sizes, guard, leased_i, np.empty(0, dtype=np.int64))
+        return res
+
+    # -- the budget binds: rank what may go and what may come by need time (Belady) -----------------
+    free = np.flatnonzero(published & ~guard)  # published, evictable
+    need_free = need_times(readers, free)
+    room = budget - guaranteed - dem_bytes
+    # items: evictable published (kept if taken), non-demand candidates and fill (captured if taken).
+    # A candidate outside every reader's next two batches ranks after every published sample that is
+    # still needed: prefetch fills free room and what nobody needs, and evicts something needed only
+    # for a read that is imminent (making room early would throw away what the slowest consumer is
+    # about to free anyway)
+    cand_k = u_k[rest].copy()
+    lazy = ~u_u[rest]
+    if lazy.any():
+        finite = need_free[np.isfinite(need_free)]
+        cand_k[lazy] += (float(finite.max()) + 1.0 if len(finite) else 0.0)
+    keys = np.concatenate([need_free, cand_k, np.full(len(fill_s), np.inf)])
+    ties = np.concatenate([free, u_s[rest], fill_s]).astype(np.float64)
+    nbytes = np.concatenate([sizes[free], est[u_s[rest]], est[fill_s]]).astype(np.int64)
+    taken = _longest_fitting_prefix(keys, ties, nbytes, room)
+    res.windows_exceed_budget = room < 0
+    nf, nr = len(free), len(rest)
+    gone_mask = ~taken[:nf]
+    gone = free[gone_mask]
+    gone_need = need_free[gone_mask]
+    by_far = np.lexsort((-gone.astype(np.float64), -gone_need))  # furthest need first, unneeded first
+    why = np.where(np.isinf(gone_need[by_far]), UNNEEDED, NEEDED_LATER)
+    res.evict = dict(zip(gone[by_far].tolist(), why.tolist(), strict=True))
+    cap_rest = rest[taken[nf:nf + nr]]
+    cap = np.concatenate([np.flatnonzero(is_dem), cap_rest])
+    cap.sort()  # uniq is already in priority order
+    queue(cap, fill_s[taken[nf + nr:]])
+    left = ~taken[nf:]
+    res.left_out = int(left.sum())
+    res.binding = bool(np.isfinite(gone_need).any() or left[:nr].any() or (fill and left[nr:].any()))
+    res.retained_bytes = used - int(sizes[gone].sum())
+    if explain:
+        res.kept = _explain(readers, sizes, guard, leased_i, gone)
+    return res
+
+
+def _longest_fitting_prefix(keys: np.ndarray, ties: np.ndarray, nbytes: np.ndarray, room: float) -> np.ndarray:
+    """bool [len(keys)]: the longest prefix of the ranking by (key, tie) whose bytes fit ``room``.
+
+    Found as the shortest suffix to drop (what exceeds the room), with a partial partition of the
+    ranking: only the dropped items and those beside the cut are sorted."""
+    n = len(keys)
+    taken = np.ones(n, dtype=bool)
+    excess = int(nbytes.sum()) - room
+    if excess <= 0:
+        return taken
+    if room < 0 or n == 0:
+        return ~taken
+    finite = np.isfinite(keys)
+    top = float(keys[finite].max()) + 1.0 if finite.any() else 0.0
+    order_key = np.where(finite, keys, top + ties)  # unneeded: after every need, by plan index
+    m = min(n, int(math.ceil(excess / max(1, int(nbytes.min())))) + 1)
+    part = np.argpartition(order_key, n - m)[n - m:] if m < n else np.arange(n)
+    tail = part[np.lexsort((ties[part], order_key[part]))][::-1]  # furthest first
+    cum = np.cumsum(nbytes[tail])
+    drop = int(np.searchsorted(cum, excess, side="left")) + 1  # shortest suffix with bytes >= excess
+    taken[tail[:drop]] = False
+    return taken
+
+
+def _explain(readers, sizes, guard, leased_i, gone) -> dict[str, int]:
+    published = sizes > 0
+    kept = published.copy()
+    kept[gone] = False
+    lease = np.zeros(len(sizes), dtype=bool)
+    lease[leased_i] = True
+    window = guard & ~lease
+    rest = np.flatnonzero(kept & ~guard)
+    need = need_times(readers, rest)
+    return {"window": int((kept & window).sum()), "leased": int((kept & lease).sum()),
+            "needed": int(np.isfinite(need).sum()), "unneeded": int(np.isinf(need).sum())}
+
+
+class RateEstimator:
+    """Each consumer's reading rate (positions per second) from its committed cursors over time.
+
+    ``observe(consumer_id, generation, cursor, t)`` records one observation; :meth:`rate` is the
+    cursor's advance over the last ``window_s`` seconds (at least ``min_span_s`` of them) divided by
+    that time. A consumer not measured yet (or re-registered: new generation) gets the median rate
+    of those that are, else ``prior`` — a new consumer is assumed as fast as the others. A consumer
+    that stops committing (blocked, evaluating) slows down in the estimate, so what only it needs
+    moves back in the need order.
+    """
+
+    def __init__(self, window_s: float = 30.0, min_span_s: float = 1.0, prior: float = 1.0) -> None:
+        self.window_s, self.min_span_s, self.prior = window_s, min_span_s, prior
+        self._obs: dict[str, tuple[int, deque]] = {}
+
+    def observe(self, consumer_id: str, generation: int, cursor: int, t: float) -> None:
+        gen, obs = self._obs.get(consumer_id, (None, None))
+        if gen != generation or obs is None:
+            obs = deque()
+            self._obs[consumer_id] = (generation, obs)
+        if obs and obs[-1][1] == cursor and len(obs) > 1 and obs[-2][1] == cursor:
+            obs[-1] = (t, cursor)  # a run of equal cursors: keep its first and last observation
+        else:
+            obs.append((t, cursor))
+        while len(obs) > 2 and t - obs[1][0] >= self.window_s:
+            obs.popleft()
+
+    def _measured(self, consumer_id: str) -> float | None:
+        _, obs = self._obs.get(consumer_id, (None, None))
+        if not obs or len(obs) < 2:
+            return None
+        (t0, c0), (t1, c1) = obs[0], obs[-1]
+        if t1 - t0 < self.min_span_s or c1 <= c0 and t1 - t0 < self.window_s:
+            return None
+        return max(c1 - c0, 0) / (t1 - t0)
+
+    def rate(self, consumer_id: str) -> float:
+        own = self._measured(consumer_id)
+        if own is not None and own > 0:
+            return own
+        known = sorted(r for c in self._obs if c != consumer_id and (r := self._measured(c)))
+        base = known[len(known) // 2] if known else self.prior
+        return base if own is None else max(base * 1e-3, 1e-6)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop consumers not in ``keep`` (no longer live)."""
+        keep = set(keep)
+        for c in [c for c in self._obs if c not in keep]:
+            del self._obs[c]
 
 
 @dataclass
@@ -24,43 +471,48 @@ class EvictionResult:
     retained: dict[str, int] = field(default_factory=dict)  # fp -> bytes after the pass
 
 
-def evict_pass(layout: CacheLayout, retain: set[str], live_consumers: set[str], *,
-               lease_ttl_s: float = 600.0, objects: dict[str, int] | None = None) -> EvictionResult:
-    """One eviction pass over ``objects/``.
+def expire_leases(layout: CacheLayout, live_consumers: set[str], *, lease_ttl_s: float = 600.0,
+                  leases: dict | None = None) -> tuple[dict[str, list], list[tuple[leases_mod.LeaseInfo, str]]]:
+    """Remove expired leases (:func:`artcache.leases.expired_reason`); return (fp → live leases, expired)."""
+    leases = leases_mod.scan(layout) if leases is None else leases
+    live: dict[str, list] = {}
+    expired = []
+    for fp, infos in leases.items():
+        for lease in infos:
+            reason = leases_mod.expired_reason(layout, lease, live_consumers, lease_ttl_s)
+            if reason is None:
+                live.setdefault(fp, []).append(lease)
+            elif leases_mod.release(layout, lease.name):
+                expired.append((lease, reason))
+    return live, expired
+
+
+def evict_pass(layout: CacheLayout, evict: Iterable[str], live_consumers: set[str], *,
+               lease_ttl_s: float = 600.0, objects: dict[str, int] | None = None,
+               live_leases: dict[str, list] | None = None) -> EvictionResult:
+    """Remove the artifacts ``evict`` names from ``objects/`` unless a live lease holds one.
 
     Args:
-        retain: fingerprints inside some live window (never evicted).
+        evict: fingerprints chosen by :func:`decide` (others are never touched).
         live_consumers: ids of running, heart-beating consumers (their leases are live).
         lease_ttl_s: age after which another host's lease is expired.
         objects: a fresh :func:`store.list_objects` result, to avoid listing twice.
+        live_leases: :func:`expire_leases`'s first result, when the caller expired leases already;
+            otherwise expired leases are removed here (``EvictionResult.expired_leases``).
     """
     res = EvictionResult()
     objects = store.list_objects(layout) if objects is None else objects
-    leases = leases_mod.scan(layout)
-    for fp, size in objects.items():
-        if fp in retain:
-            res.retained[fp] = size
+    if live_leases is None:
+        live_leases, res.expired_leases = expire_leases(layout, live_consumers, lease_ttl_s=lease_ttl_s)
+    res.retained = dict(objects)
+    for fp in evict:
+        if fp not in objects:
             continue
-        live = []
-        for lease in leases.get(fp, ()):
-            reason = leases_mod.expired_reason(layout, lease, live_consumers, lease_ttl_s)
-            if reason is None:
-                live.append(lease)
-            elif leases_mod.release(layout, lease.name):
-                res.expired_leases.append((lease, reason))
-        if live:
+        if live_leases.get(fp):
             res.held_by_lease.add(fp)
-            res.retained[fp] = size
             continue
         freed = store.remove(layout, fp)
+        res.retained.pop(fp, None)
         if freed:
             res.evicted[fp] = freed
-    # leases on fingerprints that are no longer published: expire the dead ones too
-    for fp, infos in leases.items():
-        if fp in objects:
-            continue
-        for lease in infos:
-            reason = leases_mod.expired_reason(layout, lease, live_consumers, lease_ttl_s)
-            if reason is not None and leases_mod.release(layout, lease.name):
-                res.expired_leases.append((lease, reason))
     return res

@@ -60,10 +60,12 @@ def fingerprint(contract: CaptureContract | bytes, input_ids, loss_mask) -> str:
 
 
 class PlanFingerprints:
-    """Fingerprint of each plan position under one contract, computed once per plan index.
+    """Fingerprint of each plan sample under one contract, computed once per sample.
 
-    Positions run past the plan's end epoch after epoch: position ``p`` is plan sample
-    ``p % len(plan)``, so a repeated sample has the same fingerprint (and artifact).
+    ``fps.of_sample(i)``: sample ``i``'s fingerprint. A run position maps to a sample through
+    the consumer's :class:`artcache.plan.EpochOrder` (``plan.order(epoch_len).sample(p)``); a sample read in
+    a later epoch has the same fingerprint (and artifact). :meth:`table` computes every sample's (the
+    producer's reverse map and duplicate detection).
     """
 
     def __init__(self, contract: CaptureContract, plan) -> None:
@@ -71,10 +73,25 @@ class PlanFingerprints:
         self.plan = plan
         self._cache: dict[int, str] = {}
 
-    def __call__(self, position: int) -> str:
-        idx = position % len(self.plan)
-        fp = self._cache.get(idx)
+    def of_sample(self, index: int) -> str:
+        """Sample ``index``'s fingerprint. Raises IndexError outside ``[0, len(plan))``."""
+        fp = self._cache.get(index)
         if fp is None:
-            s = self.plan.sample(idx)
-            fp = self._cache[idx] = fingerprint(self._canon, s.input_ids, s.loss_mask)
+            s = self.plan.sample(index)
+            fp = self._cache[index] = fingerprint(self._canon, s.input_ids, s.loss_mask)
         return fp
+
+    def __call__(self, index: int) -> str:
+        """:meth:`of_sample` of ``index`` modulo the plan length (a sample index, or a position of a plan
+        walked in plan order: epoch 0, or a reader that does not reshuffle)."""
+        return self.of_sample(index % len(self.plan))
+
+    def table(self) -> tuple[list[str], dict[str, int], np.ndarray]:
+        """(fingerprint of every sample, fingerprint → its first sample, int64 [len(plan)] sample → the
+        first sample with the same fingerprint). Hashes every sample not hashed yet (once)."""
+        fps = [self.of_sample(i) for i in range(len(self.plan))]
+        first: dict[str, int] = {}
+        canon = np.empty(len(fps), dtype=np.int64)
+        for i, fp in enumerate(fps):
+            canon[i] = first.setdefault(fp, i)
+        return fps, first, canon

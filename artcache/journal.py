@@ -29,10 +29,17 @@ class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
 
 # ---- producer events -------------------------------------------------------------------------
 class ProducerStart(Event, tag="producer_start"):
+    """``budget_bytes``: the disk budget it keeps the retained artifacts under (0: not recorded, a
+    producer older than retention by need); ``policy``: its retention rule (``need`` or ``windows``);
+    ``fill``: it captures the whole plan and exits."""
+
     producer: str
     pid: int
     contract_id: str
     plan_id: str
+    budget_bytes: int = 0
+    policy: str = ""
+    fill: bool = False
 
 
 class ProducerStop(Event, tag="producer_stop"):
@@ -88,18 +95,28 @@ class Coalesced(Event, tag="coalesced"):
 
 
 class Evict(Event, tag="evict"):
+    """``reason``: why (:data:`artcache.eviction.REASONS`: ``unneeded`` — outside every window and no
+    live consumer reads it again; ``needed-later`` — needed, but later than everything the budget
+    kept; ``outside-windows`` — the ``windows`` rule)."""
+
     producer: str
     fp: str
     nbytes: int
+    reason: str = ""
 
 
 class Retained(Event, tag="retained"):
-    """Published artifacts after an eviction or publication, against the live window bound."""
+    """Published artifacts after an eviction or publication, against the live window bound and the
+    disk budget. ``binding``: the last decision evicted something needed or left a capture out for
+    the budget; ``windows_exceed_budget``: the live windows alone held more than the budget."""
 
     producer: str
     artifacts: int
     nbytes: int
     window_bound: int
+    budget: int = 0
+    binding: bool = False
+    windows_exceed_budget: bool = False
 
 
 class LeaseExpire(Event, tag="lease_expire"):
@@ -120,7 +137,8 @@ class Fence(Event, tag="fence"):
 # ---- consumer events -------------------------------------------------------------------------
 class ConsumerStart(Event, tag="consumer_start"):
     """A consumer (re)started at ``cursor`` (``step`` optimizer steps already done: > 0 on --resume).
-    ``pinned``: positions of its held-out evaluation split, retained besides its window."""
+    ``pinned``: positions of its held-out evaluation split, retained besides its window.
+    ``epoch_len``: training samples per epoch (0: the whole plan; :class:`artcache.plan.EpochOrder`)."""
 
     consumer: str
     pid: int
@@ -132,16 +150,22 @@ class ConsumerStart(Event, tag="consumer_start"):
     cursor: int
     step: int = 0
     pinned: int = 0
+    epoch_len: int = 0
 
 
 class Request(Event, tag="request"):
-    """A logical request for one position. ``hit`` = published at first look."""
+    """A logical request for one position. ``hit`` = published at first look. ``sample``: the plan
+    sample read (-1: not recorded); ``epoch``: the position's epoch; ``held_out``: a read of the
+    held-out split (``position`` is then -1: held-out samples have no run position)."""
 
     consumer: str
     position: int
     fp: str
     hit: bool
     wait_s: float = 0.0
+    sample: int = -1
+    epoch: int = 0
+    held_out: bool = False
 
 
 class DemandWait(Event, tag="demand_wait"):
@@ -184,6 +208,7 @@ class Step(Event, tag="step"):
     wait_s: float
     step_s: float
     lr: float
+    epoch: int = 0
 
 
 class ConsumerEnd(Event, tag="consumer_end"):

@@ -4,6 +4,11 @@ A plan is derived from (dataset file, seed, tokenizer, chat template, max length
 tokens). ``plan_id`` is the strong digest of those inputs, so the same inputs give the same id and any
 change gives a new one. On disk: ``plans_dir/<plan_id>/plan.safetensors`` (``input_ids`` int32 [total],
 ``loss_mask`` uint8 [total], ``offsets`` int64 [N+1]) and ``plan.json`` (provenance).
+
+A consumer's run walks *positions* 0, 1, 2, ...: epoch after epoch over the training part of the plan
+(its first ``epoch_len`` samples; the rest is a held-out split), in the order :class:`EpochOrder` gives:
+epoch 0 in plan order, every later epoch reshuffled by the plan's epoch seed (``plan.json``
+``epoch_order``), the same for every consumer of the root.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ LOSS_MASK_POLICY = "assistant-content-and-eot/token-overlap/v1"
 DATASETS = ("sharegpt", "synthetic")
 #: Token ids >= vocab_size - SYNTHETIC_RESERVED never occur in synthetic data (room for a MASK id).
 SYNTHETIC_RESERVED = 64
+#: how later epochs are shuffled (plan.json ``epoch_order.version``); a change must bump it
+EPOCH_ORDER_VERSION = 1
 _BATCH = 64  # conversations rendered and tokenized per batch (the fast tokenizer batches in parallel)
 
 
@@ -235,6 +242,7 @@ class Plan:
         self.loss_mask = loss_mask
         self.offsets = offsets
         self.provenance = provenance
+        self._orders: dict[int, EpochOrder] = {}
 
     def __len__(self) -> int:
         return int(self.offsets.numel()) - 1
@@ -247,11 +255,28 @@ class Plan:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Sample(index=i, input_ids=self.input_ids[a:b], loss_mask=self.loss_mask[a:b])
 
-    def at_position(self, p: int) -> Sample:
-        """Sample at run position ``p`` >= 0: ``sample(p % len(plan))``. Raises IndexError for p < 0."""
-        if p < 0:
-            raise IndexError(f"plan position must be >= 0, got {p}")
-        return self.sample(p % len(self))
+    @property
+    def epoch_seed(self) -> int:
+        """Seed of the per-epoch reshuffle (plan.json ``epoch_order.seed``; plans written before it was
+        recorded use the plan's seed, which is what it records)."""
+        order = self.provenance.get("epoch_order") or {}
+        if order.get("version", EPOCH_ORDER_VERSION) != EPOCH_ORDER_VERSION:
+            raise DataError(f"plan {self.plan_id[:12]}: epoch_order version {order.get('version')!r} is not "
+                            f"{EPOCH_ORDER_VERSION}; this artcache cannot walk its epochs")
+        return int(order.get("seed", self.provenance.get("spec", {}).get("seed", 0)))
+
+    def order(self, epoch_len: int = 0) -> EpochOrder:
+        """The position order of a consumer training on the first ``epoch_len`` samples (0: all of them);
+        one object per length is cached (its epoch permutations are reused)."""
+        n = epoch_len or len(self)
+        if n not in self._orders:
+            self._orders[n] = EpochOrder(len(self), n, self.epoch_seed)
+        return self._orders[n]
+
+    def at_position(self, p: int, epoch_len: int = 0) -> Sample:
+        """Sample at run position ``p`` >= 0 of a consumer training on the first ``epoch_len`` samples
+        (:meth:`order`). Raises IndexError for p < 0."""
+        return self.sample(self.order(epoch_len).sample(p))
 
     def __iter__(self) -> Iterator[Sample]:
         return (self.sample(i) for i in range(len(self)))
@@ -317,6 +342,88 @@ class Plan:
         return cls(plan_id, ids, mask, offsets, prov)
 
 
+class EpochOrder:
+    """Run position → plan sample index, epoch after epoch over the training part of a plan.
+
+    A consumer training on the first ``epoch_len`` samples of a plan of ``plan_len`` (the last
+    ``plan_len - epoch_len`` are its held-out split, never returned here) reads position ``p`` in epoch
+    ``p // epoch_len``. Epoch 0 is plan order (position ``p`` is sample ``p``); epoch ``e >= 1`` is
+    ``numpy.random.default_rng([seed, e]).permutation(plan_len)`` with the held-out samples removed, so
+    two consumers with different held-out splits still see the same relative order. Deterministic:
+    every consumer of a root and every resume maps a position to the same sample.
+
+    Raises:
+        ValueError: ``epoch_len`` outside ``[1, plan_len]``.
+    """
+
+    _KEEP = 4  # epochs whose permutations stay cached
+
+    def __init__(self, plan_len: int, epoch_len: int, seed: int) -> None:
+        if not 1 <= epoch_len <= plan_len:
+            raise ValueError(f"epoch_len {epoch_len} must be in [1, {plan_len}]")
+        self.plan_len, self.epoch_len, self.seed = int(plan_len), int(epoch_len), int(seed)
+        self._perms: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order int64 [epoch_len]: the samples of epoch e in reading order, inverse int64 [plan_len]:
+        the offset of each sample within epoch e, -1 for held-out samples)."""
+        got = self._perms.get(e)
+        if got is None:
+            n, m = self.plan_len, self.epoch_len
+            if e == 0:
+                order = np.arange(m, dtype=np.int64)
+            else:
+                perm = np.random.default_rng([self.seed, e]).permutation(n)
+                order = perm[perm < m].astype(np.int64) if m < n else perm.astype(np.int64)
+            inv = np.full(n, -1, dtype=np.int64)
+            inv[order] = np.arange(m, dtype=np.int64)
+            if len(self._perms) >= self._KEEP:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[e] = got = (order, inv)
+        return got
+
+    def epoch(self, p: int) -> int:
+        """The epoch of position ``p`` (>= 0)."""
+        return p // self.epoch_len
+
+    def sample(self, p: int) -> int:
+        """The plan sample index read at position ``p``. Raises IndexError for ``p < 0``."""
+        if p < 0:
+            raise IndexError(f"plan position must be >= 0, got {p}")
+        e, i = divmod(p, self.epoch_len)
+        return i if e == 0 else int(self._epoch(e)[0][i])
+
+    def samples(self, lo: int, hi: int) -> np.ndarray:
+        """int64 [max(0, hi - lo)]: the samples read at positions ``lo .. hi - 1`` (lo >= 0)."""
+        if hi <= lo:
+            return np.empty(0, dtype=np.int64)
+        out = np.empty(hi - lo, dtype=np.int64)
+        m = self.epoch_len
+        p = lo
+        while p < hi:
+            e, i = divmod(p, m)
+            k = min(hi - p, m - i)
+            out[p - lo:p - lo + k] = self._epoch(e)[0][i:i + k]
+            p += k
+        return out
+
+    def next_positions(self, samples: np.ndarray, cursor: int, end: float) -> np.ndarray:
+        """float64 [len(samples)]: for each sample the first position ``p`` with ``cursor <= p < end`` that
+        reads it, ``inf`` where there is none (held-out samples, or the run ends first). Every training
+        sample occurs once per epoch, so it lies in the cursor's epoch or the next."""
+        samples = np.asarray(samples, dtype=np.int64)
+        e0 = cursor // self.epoch_len
+        base0 = e0 * self.epoch_len
+        off0 = self._epoch(e0)[1][samples]
+        out = np.where((off0 >= 0) & (base0 + off0 >= cursor), base0 + off0, np.inf).astype(np.float64)
+        late = np.isinf(out) & (off0 >= 0)
+        if late.any() and base0 + self.epoch_len < end:
+            off1 = self._epoch(e0 + 1)[1][samples[late]]
+            out[late] = base0 + self.epoch_len + off1
+        out[out >= end] = np.inf
+        return out
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -350,6 +457,7 @@ def build_synthetic_plan(spec: PlanSpec, *, target_vocab_size: int) -> Plan:
         "counts": {"records": n, "visited": n, "kept": n, "truncated": 0, "skipped": {}},
         "read": {"bytes_total": 0, "bytes_dropped": 0, "records_dropped": 0},
         "tokens": _stats([t] * n), "loss_tokens": _stats([t - max(1, t // 8)] * n),
+        "epoch_order": {"version": EPOCH_ORDER_VERSION, "seed": spec.seed},
     }
     return Plan(plan_id, torch.from_numpy(ids), torch.from_numpy(mask.reshape(-1)), torch.from_numpy(offsets),
                 provenance)
@@ -442,6 +550,7 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
                  "records_dropped": read.records_dropped},
         "tokens": _stats(lengths),
         "loss_tokens": _stats([int(m.sum()) for m in kept_masks]),
+        "epoch_order": {"version": EPOCH_ORDER_VERSION, "seed": spec.seed},
     }
     return Plan(plan_id, torch.from_numpy(np.concatenate(kept_ids)),
                 torch.from_numpy(np.concatenate(kept_masks)), torch.from_numpy(offsets), provenance)

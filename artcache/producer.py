@@ -3,13 +3,16 @@
 One loop iteration (:meth:`Producer.tick`):
 
 1. read registrations; fence consumers whose process died or whose heartbeat expired;
-2. evict everything outside the union of live windows that no live lease holds;
-3. build the queue (demand misses first, then lookahead by distance) and take one batch;
+2. decide retention (:func:`artcache.eviction.decide`: live windows and leases always kept, the
+   rest kept by future need while it fits the disk budget) and evict what it names;
+3. take one batch from its capture queue (demand misses first, then the lookaheads in order of need,
+   inside the budget; with ``--fill`` the rest of the plan after them);
 4. for each fingerprint, take its striped lock without blocking (held ⇒ someone else is capturing:
    skip, counted as coalesced), re-check ``objects/``; capture the batch in one forward pass;
    publish each artifact (temp file, fsync, rename); release the locks.
 
-With nothing to do it sleeps ``poll_interval_s`` (backpressure: it never runs ahead of a window).
+With nothing to do it sleeps ``poll_interval_s`` (backpressure: it never runs ahead of a window,
+except with ``fill``).
 """
 
 from __future__ import annotations
@@ -26,18 +29,34 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from artcache import journal as J
 from artcache import registry, store
 from artcache.contract import BACKENDS, CaptureContract
 from artcache.crashpoints import crash_point
-from artcache.errors import ArtcacheError, CaptureFailed, ConfigError, IntegrityError, PublishError
-from artcache.eviction import evict_pass
+from artcache.errors import (
+    ArtcacheError,
+    CaptureFailed,
+    ConfigError,
+    DiskBudgetExceeded,
+    IntegrityError,
+    PublishError,
+)
+from artcache.eviction import (
+    POLICIES,
+    RateEstimator,
+    Reader,
+    RetentionDecision,
+    decide,
+    evict_pass,
+    expire_leases,
+)
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import atomic_write
 from artcache.layout import SUBDIRS, CacheLayout, check_id, host_id, pid_alive
 from artcache.locking import Timeout, cache_lock
-from artcache.scheduler import SchedulerLimits, next_batch, wanted, window_bound
+from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
 log = logging.getLogger("artcache.producer")
@@ -78,6 +97,11 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         backend: ``hf`` (transformers, forward hooks) or ``vllm`` (a vLLM engine with
             ``extract_hidden_states``; needs the ``artcache[vllm]`` extra, see docs/vllm.md). Recorded in
             the contract, so the two never share artifacts.
+        disk_budget: bytes the retained artifacts may take (0: the default, :func:`default_budget`, from
+            the filesystem's free space at start). Live windows and leases are kept whatever it is.
+        retention: ``need`` (keep by future need inside the budget) or ``windows`` (the rule before:
+            only live windows, pinned ranges and leases; for comparisons).
+        fill: capture every sample of the plan (after what live consumers need), then exit.
     """
 
     cache: str
@@ -106,6 +130,52 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
     group_shared: bool = False
     backend: str = "hf"
+    disk_budget: int = 0
+    retention: str = "need"
+    fill: bool = False
+
+
+#: the default disk budget: this share of the free space beyond :data:`BUDGET_RESERVE` ...
+BUDGET_FREE_FRACTION = 0.9
+#: ... bytes left free for everything else on the filesystem
+BUDGET_RESERVE = 1 << 30
+
+
+def default_budget(layout: CacheLayout, retained: int) -> tuple[int, str]:
+    """(budget bytes, how it was derived): what the root holds now plus
+    :data:`BUDGET_FREE_FRACTION` of the filesystem's free space beyond :data:`BUDGET_RESERVE`."""
+    usage = shutil.disk_usage(layout.objects)
+    free = max(0, usage.free - BUDGET_RESERVE)
+    budget = retained + int(BUDGET_FREE_FRACTION * free)
+    return budget, (f"default: {retained / 2**30:.2f} GiB retained + {BUDGET_FREE_FRACTION:.0%} of the "
+                    f"{usage.free / 2**30:.2f} GiB free on {layout.objects} beyond a {BUDGET_RESERVE / 2**30:.0f} "
+                    "GiB reserve")
+
+
+class SizeModel:
+    """Bytes of an artifact of ``T`` tokens: ``overhead + per_token × T``.
+
+    ``per_token`` comes from the capture (layers × hidden size × stored dtype size, plus 5 bytes of
+    token id and loss mask) when the hidden size is known, else from the largest bytes per token
+    published; ``overhead`` (the safetensors header) is the largest excess any published artifact
+    showed, 64 KiB until one was published. An estimate, used to keep captures inside the budget.
+    """
+
+    def __init__(self, per_token: int = 0) -> None:
+        self.per_token = per_token
+        self.overhead = 64 << 10 if per_token else 0
+        self._seen = False
+
+    def observe(self, tokens: int, nbytes: int) -> None:
+        if not self.per_token or not self._seen and self.overhead == 0:
+            self.per_token = max(self.per_token, -(-nbytes // max(1, tokens)))
+        if not self._seen:
+            self.overhead = 0
+            self._seen = True
+        self.overhead = max(self.overhead, nbytes - self.per_token * tokens)
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        return self.overhead + self.per_token * tokens
 
 
 @dataclass
@@ -118,6 +188,11 @@ class ProducerStats:
     coalesced: int = 0
     busy_s: float = 0.0
     max_retained: int = 0
+    max_retained_bytes: int = 0
+    budget_bytes: int = 0
+    binding_passes: int = 0
+    evictions_by_reason: dict[str, int] = field(default_factory=dict)
+    fill_complete: bool = False
     ever_published: set[str] = field(default_factory=set)
 
 
@@ -244,12 +319,27 @@ class Producer:
     """The producer loop over one cache root. See the module docstring for one iteration."""
 
     def __init__(self, layout: CacheLayout, settings: RootSettings, plan, backend, cfg: ProducerConfig,
-                 journal: J.JournalWriter) -> None:
+                 journal: J.JournalWriter, hidden_size: int = 0) -> None:
+        """``hidden_size``: the target's (sizes the first captures against the budget; 0: learned from
+        the first publications)."""
+        if cfg.retention not in POLICIES:
+            raise ConfigError(f"--retention {cfg.retention!r} is not accepted: use one of {', '.join(POLICIES)}")
+        if cfg.disk_budget < 0:
+            raise ConfigError(f"--disk-budget {cfg.disk_budget} is not accepted: bytes >= 1 (or 0: the default)")
         self.layout = layout
         self.settings = settings
         self.contract = settings.contract
         self.plan = plan
-        self.fp_of = PlanFingerprints(self.contract, plan)
+        self.fps = self.fp_of = PlanFingerprints(self.contract, plan)  # sample index -> fingerprint
+        t0 = time.monotonic()
+        self._fp_list, self._index_of, self._canon = self.fps.table()  # every sample's fingerprint, once
+        self._lengths = np.array([plan.sample(i).input_ids.shape[0] for i in range(len(plan))], dtype=np.int64)
+        if time.monotonic() - t0 > 5:
+            log.info("fingerprinted %d plan samples in %.1f s", len(plan), time.monotonic() - t0)
+        itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}.get(self.contract.dtype, 0)
+        self.sizes = SizeModel(len(self.contract.layer_ids) * hidden_size * itemsize + 5
+                               if hidden_size and itemsize else 0)
+        self.rates = RateEstimator()
         self.backend = backend
         self.cfg = cfg
         self.journal = journal
@@ -259,7 +349,7 @@ class Producer:
         self._seen_consumers: set[str] = set()
         self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts
         self._state = threading.Lock()  # guards _published, _inflight, _failed and stats
-        self._inflight: set[str] = set()  # captured, not yet published
+        self._inflight: dict[str, int] = {}  # captured, not yet published: fp -> estimated bytes
         self._fresh: dict[str, int] | None = None  # published during an eviction pass (see evict)
         self._last_retained: tuple[int, int, int] | None = None
         self._none_running_since: float | None = None
@@ -272,6 +362,17 @@ class Producer:
         self._idle_since = time.monotonic()
         self.stop_event = threading.Event()
         self._seed_history()
+        retained = sum(self._published.values())
+        if cfg.disk_budget:
+            self.budget, how = cfg.disk_budget, "--disk-budget"
+        else:
+            self.budget, how = default_budget(layout, retained)
+        self.stats.budget_bytes = self.budget
+        self.budget_note = f"disk budget {self.budget / 2**30:.2f} GiB ({self.budget} bytes; {how})"
+        self._decision = RetentionDecision(budget=self.budget)
+        self._decision_inflight = True
+        self._fill_stuck = False  # --fill: the queue holds only samples the budget cannot take
+        self._batch_s = 0.0  # recent capture batch latency (what a consumer would wait for one)
 
     # -- helpers ---------------------------------------------------------------------------
     def _seed_history(self) -> None:
@@ -280,8 +381,9 @@ class Producer:
             if isinstance(ev, J.Publish):
                 self.stats.ever_published.add(ev.fp)
 
-    def length_of(self, position: int) -> int:
-        return int(self.plan.sample(position % len(self.plan)).input_ids.shape[0])
+    def length_of(self, sample: int) -> int:
+        """Tokens of plan sample ``sample``."""
+        return int(self._lengths[sample])
 
     def _emit(self, ev) -> None:
         self.journal.emit(ev)
@@ -309,19 +411,55 @@ class Producer:
         self._any_live = bool(live)
         return live
 
-    # -- eviction --------------------------------------------------------------------------
-    def evict(self, live: list[registry.Registration]) -> None:
-        retain = set()
+    # -- retention and eviction ---------------------------------------------------------------
+    def readers(self, live: list[registry.Registration]) -> list[Reader]:
+        """The live registrations as :func:`artcache.eviction.decide` sees them (rates observed now)."""
+        now = time.monotonic()
+        out = []
         for reg in live:
-            retain.update(self.fp_of(p) for p in reg.retained_positions())  # window + pinned eval range
+            self.rates.observe(reg.consumer_id, reg.generation, reg.cursor, now)
+            out.append(Reader.of(reg, self.plan.order(reg.epoch_len), self.rates.rate(reg.consumer_id)))
+        self.rates.forget(r.consumer_id for r in live)
+        return out
+
+    def evict(self, live: list[registry.Registration]) -> RetentionDecision:
+        """Decide retention for this pass and evict what the decision names (never a live lease)."""
+        live_ids = {r.consumer_id for r in live}
         with self._state:
-            self._fresh = {}  # what the publisher thread publishes from now on (after evict_pass's listing)
-        res = evict_pass(self.layout, retain, {r.consumer_id for r in live}, lease_ttl_s=self.cfg.lease_ttl_s)
-        for lease, reason in res.expired_leases:
+            self._fresh = {}  # what the publisher thread publishes from now on (after the listing below)
+        objects = store.list_objects(self.layout)
+        live_leases, expired = expire_leases(self.layout, live_ids, lease_ttl_s=self.cfg.lease_ttl_s)
+        for lease, reason in expired:
             self._emit(J.LeaseExpire(producer=self.pid, fp=lease.fp, lease=lease.name, reason=reason))
+        n = len(self.plan)
+        sizes = np.zeros(n, dtype=np.int64)
+        foreign = []  # files named like fingerprints that no plan sample has: nobody can read them
+        for fp, nbytes in objects.items():
+            i = self._index_of.get(fp)
+            if i is None:
+                foreign.append(fp)
+            else:
+                sizes[i] = max(nbytes, 1)
+        with self._state:
+            inflight = dict(self._inflight)
+        self._decision_inflight = bool(inflight) or not self._publish_queue.empty()
+        blocked = [self._index_of[fp] for fp, k in self._failed.items() if k >= MAX_ATTEMPTS and fp in self._index_of]
+        est = self.sizes(self._lengths)
+        index = self._index_of
+        decision = decide(
+            self.readers(live), sizes=sizes, budget=self.budget, est_size=est, fp_of=self._fp_list.__getitem__,
+            leased=[index[fp] for fp in live_leases if fp in index],
+            inflight=[index[fp] for fp in inflight if fp in index], blocked=blocked, canon=self._canon,
+            max_queue=self.cfg.limits.max_queue, fill=self.cfg.fill, policy=self.cfg.retention,
+            urgent_s=self.cfg.poll_interval_s + 2 * self._batch_s)
+        reasons = {self._fp_list[i]: why for i, why in decision.evict.items()}
+        reasons.update((fp, "unneeded") for fp in foreign)
+        res = evict_pass(self.layout, reasons, live_ids, objects=objects, live_leases=live_leases)
         for fp, nbytes in res.evicted.items():
             self.stats.evictions += 1
-            self._emit(J.Evict(producer=self.pid, fp=fp, nbytes=nbytes))
+            why = reasons[fp]
+            self.stats.evictions_by_reason[why] = self.stats.evictions_by_reason.get(why, 0) + 1
+            self._emit(J.Evict(producer=self.pid, fp=fp, nbytes=nbytes, reason=why))
         with self._state:
             # what is on disk now: the pass's listing (minus what it evicted) plus what the publisher thread
             # published since that listing. Not the old map: an artifact that vanished (quarantined by a
@@ -330,35 +468,63 @@ class Producer:
             fresh = {fp: n for fp, n in self._fresh.items() if fp not in res.evicted}
             self._published = {**res.retained, **fresh}
             self._fresh = None
+        self.stats.binding_passes += decision.binding
+        self._decision = decision
         self._note_retained(live)
+        return decision
 
     def _note_retained(self, live) -> None:
-        """Journal the published artifacts on disk now (one listing), against the live window bound."""
-        objects = store.list_objects(self.layout)
-        key = (len(objects), sum(objects.values()), window_bound(live))
+        """Journal the published artifacts (the producer's map of objects/), against the live window bound
+        and the budget; only changes (the journal must not grow while idle)."""
         with self._state:
-            self.stats.max_retained = max(self.stats.max_retained, len(objects))
-            if key == self._last_retained:  # journal changes only: the journal must not grow when idle
+            nbytes = sum(self._published.values())
+            d = self._decision
+            key = (len(self._published), nbytes, window_bound(live), d.binding, d.windows_exceed_budget)
+            self.stats.max_retained = max(self.stats.max_retained, key[0])
+            self.stats.max_retained_bytes = max(self.stats.max_retained_bytes, nbytes)
+            if key == self._last_retained:
                 return
             self._last_retained = key
-        self._emit(J.Retained(producer=self.pid, artifacts=key[0], nbytes=key[1], window_bound=key[2]))
+        self._emit(J.Retained(producer=self.pid, artifacts=key[0], nbytes=key[1], window_bound=key[2],
+                              budget=self.budget if self.cfg.retention == "need" else 0, binding=key[3],
+                              windows_exceed_budget=key[4]))
+
+    def _fit_budget(self, batch: list) -> list:
+        """The batch without what would take the retained bytes over the budget (demand always stays:
+        a blocked consumer is served whatever the budget). The decision fitted it already; this catches an
+        eviction a lease prevented since."""
+        if self.cfg.retention != "need":
+            return batch
+        with self._state:
+            used = sum(self._published.values()) + sum(self._inflight.values())
+        out = []
+        for w in batch:
+            est = int(self.sizes(self._lengths[w.sample]))
+            if not w.demand and used + est > self.budget:
+                continue
+            used += est
+            out.append(w)
+        return out
 
     # -- capture ---------------------------------------------------------------------------
     def tick(self) -> bool:
         """One scheduling pass. Returns True if it captured anything."""
         live = self.live_registrations()
-        self.evict(live)
-        if not live or (len(self._seen_consumers) < self.cfg.expect_consumers
-                        and time.monotonic() - self._started < self.cfg.expect_timeout_s):
+        decision = self.evict(live)
+        if not self.cfg.fill and (not live or (len(self._seen_consumers) < self.cfg.expect_consumers
+                                               and time.monotonic() - self._started < self.cfg.expect_timeout_s)):
             return False
-        with self._state:
-            skip = set(self._published) | self._inflight
-        skip |= {fp for fp, n in self._failed.items() if n >= MAX_ATTEMPTS}
-        queue = wanted(live, self.fp_of, skip, self.cfg.limits.max_queue)
-        if not queue:
+        if not len(decision.capture_samples):
             return False
-        batch = next_batch(queue, self.length_of, self.cfg.limits)
-        return self.capture_batch(batch, live)
+        batch = self._fit_budget(next_batch(decision.head(self.cfg.limits.max_batch_samples), self.length_of,
+                                            self.cfg.limits))
+        self._fill_stuck = not batch
+        return bool(batch) and self.capture_batch(batch, live)
+
+    def fill_done(self) -> bool:
+        """``--fill``: the last decision, taken with nothing in flight, left nothing to capture (every plan
+        sample published or given up) or only what the budget leaves out."""
+        return not self._decision_inflight and (not len(self._decision.capture_samples) or self._fill_stuck)
 
     def capture_batch(self, batch, live) -> bool:
         """Lock, capture one batch in one forward pass, and hand it to the publisher thread.
@@ -390,7 +556,7 @@ class Producer:
             todo.append(w)
         if not todo:
             return False
-        samples = [self.plan.sample(w.position % len(self.plan)) for w in todo]
+        samples = [self.plan.sample(w.sample) for w in todo]
         t0 = time.time()
         try:
             outputs = self.backend.capture(samples)
@@ -403,6 +569,7 @@ class Producer:
         t1 = time.time()
         crash_point("capture.after-forward")
         self.stats.busy_s += t1 - t0
+        self._batch_s = (t1 - t0) if not self._batch_s else 0.8 * self._batch_s + 0.2 * (t1 - t0)
         tokens = sum(int(s.input_ids.shape[0]) for s in samples)
         longest = max(int(s.input_ids.shape[0]) for s in samples)
         self._emit(J.CaptureBatch(producer=self.pid, fps=[w.fp for w in todo], samples=len(todo),
@@ -419,7 +586,7 @@ class Producer:
                 self.stats.coalesced += len(w.consumers) - 1
                 self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers) - 1))
         with self._state:
-            self._inflight.update(w.fp for w in todo)
+            self._inflight.update((w.fp, int(self.sizes(self._lengths[w.sample]))) for w in todo)
         self._publish_queue.put((todo, outputs, finite, locks, live))
         return True
 
@@ -432,15 +599,16 @@ class Producer:
             todo, outputs, finite, locks, live = item
             try:
                 for w, tensors, checked in zip(todo, outputs, finite, strict=True):
-                    self._publish(w.fp, tensors, values_checked=checked)
+                    self._publish(w.fp, tensors, values_checked=checked, tokens=self.length_of(w.sample))
             finally:
                 for lock in locks:
                     lock.release()
                 with self._state:
-                    self._inflight.difference_update(w.fp for w in todo)
+                    for w in todo:
+                        self._inflight.pop(w.fp, None)
                 self._note_retained(live)
 
-    def _publish(self, fp: str, tensors, attempts: int = 3, values_checked: bool = False) -> None:
+    def _publish(self, fp: str, tensors, attempts: int = 3, values_checked: bool = False, tokens: int = 0) -> None:
         for attempt in range(1, attempts + 1):
             try:
                 nbytes = store.publish(self.layout, fp, self.contract, tensors, values_checked=values_checked,
@@ -458,6 +626,8 @@ class Producer:
                 self.stats.publications += 1
                 self.stats.ever_published.add(fp)
                 self._published[fp] = nbytes
+                if tokens:
+                    self.sizes.observe(tokens, nbytes)
                 if self._fresh is not None:
                     self._fresh[fp] = nbytes
             self._emit(J.Publish(producer=self.pid, fp=fp, nbytes=nbytes))
@@ -484,7 +654,8 @@ class Producer:
     def run(self) -> None:
         """Loop until stopped (signal, ``exit_when_done`` or ``idle_exit_s``)."""
         self._emit(J.ProducerStart(producer=self.pid, pid=os.getpid(), contract_id=self.contract.contract_id,
-                                   plan_id=self.settings.plan_id))
+                                   plan_id=self.settings.plan_id, budget_bytes=self.budget,
+                                   policy=self.cfg.retention, fill=self.cfg.fill))
         reason = "stopped"
         try:
             while not self.stop_event.is_set():
@@ -492,6 +663,10 @@ class Producer:
                 if worked:
                     self._idle_since = time.monotonic()
                     continue
+                if self.cfg.fill and self.fill_done():
+                    self.stats.fill_complete = not len(self._decision.capture_samples)
+                    reason = "plan filled" if self.stats.fill_complete else "plan does not fit the budget"
+                    break
                 if self._any_live:  # as read by this pass's live_registrations()
                     self._idle_since = time.monotonic()
                     self._none_running_since = None
@@ -509,7 +684,7 @@ class Producer:
             else:
                 reason = "signal"
             self.drain()
-            # final pass: nothing is live any more, so everything unleased goes
+            # final pass: what no live consumer needs stays while it fits the budget (a later run reads it)
             self.evict(self.live_registrations())
         finally:
             self.drain()
@@ -553,10 +728,12 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         model = load_target_model(info, device=cfg.device, dtype=dtype)
         backend = HFCaptureBackend(model, settings.contract, device=cfg.device)
     journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
-    producer = Producer(layout, settings, plan, backend, cfg, journal)
+    producer = Producer(layout, settings, plan, backend, cfg, journal, hidden_size=info.hidden_size)
     install_signal_handlers(producer.stop_event)
     presence = claim_producer_presence(layout)
     _cleanup_orphans(layout)
+    log.info("%s; retention %s%s", producer.budget_note, cfg.retention, ", --fill: the whole plan, then exit"
+             if cfg.fill else "")
     log.info("producer ready: plan %s (%d samples), layers %s, root %s", plan.plan_id[:12], len(plan),
              list(settings.contract.layer_ids), layout.root)
     try:
@@ -566,6 +743,11 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         backend.close()
         if presence is not None:
             presence.release()
+    if cfg.fill and not producer.stats.fill_complete and not producer.stop_event.is_set():
+        missing = len(plan) - sum(1 for fp in set(producer._fp_list) if fp in producer._published)
+        raise DiskBudgetExceeded(
+            f"--fill: {missing} of the plan's {len(plan)} samples do not fit {producer.budget_note}; raise "
+            "--disk-budget (what fitted stays published)")
     return producer.stats
 
 

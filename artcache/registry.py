@@ -44,6 +44,9 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             in the window union and in the retain bound (:meth:`retain_bound`).
         checkpoint_cursor: the committed cursor of the consumer's latest durable checkpoint (-1: none).
             ``--resume`` continues only from a checkpoint with exactly this cursor.
+        epoch_len: training samples per epoch, the plan's first ``epoch_len`` (0: the whole plan);
+            position ``p`` reads sample ``plan.order(epoch_len).sample(p)`` (:class:`artcache.plan.EpochOrder`).
+        pinned_demand: held-out sample indices (inside ``pinned``) the consumer is blocked on now.
     """
 
     consumer_id: str
@@ -62,6 +65,8 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reason: str = ""
     pinned: tuple[int, int] = (0, 0)
     checkpoint_cursor: int = -1
+    epoch_len: int = 0
+    pinned_demand: list[int] = []
 
     def window(self) -> tuple[int, int]:
         """Inclusive window [lo, hi] of positions (hi < lo when the consumer is past its end)."""
@@ -241,8 +246,12 @@ class ConsumerHandle:
 
         return self._modify(check, checkpoint_cursor=cursor)
 
-    def set_demand(self, positions: list[int]) -> Registration:
-        return self._modify(demand=sorted(set(positions)))
+    def set_demand(self, positions: list[int], pinned: list[int] | None = None) -> Registration:
+        """Replace the demand lists: training ``positions`` and (when given) held-out sample indices."""
+        changes = {"demand": sorted(set(positions))}
+        if pinned is not None:
+            changes["pinned_demand"] = sorted(set(pinned))
+        return self._modify(**changes)
 
     def finish(self, state: State, reason: str = "") -> Registration | None:
         """Fence ourselves into a terminal state (generation bumped). No-op if already fenced."""
@@ -251,7 +260,7 @@ class ConsumerHandle:
             if old is None or old.generation != self.generation:
                 return None
             return msgspec.structs.replace(old, state=state, generation=old.generation + 1,
-                                           demand=[], reason=reason, heartbeat=time.time())
+                                           demand=[], pinned_demand=[], reason=reason, heartbeat=time.time())
 
         return update(self.layout, self.consumer_id, fn)
 
@@ -266,6 +275,6 @@ def fence(layout: CacheLayout, consumer_id: str, state: State, reason: str,
         if expect_generation is not None and old.generation != expect_generation:
             return None
         return msgspec.structs.replace(old, state=state, generation=old.generation + 1, demand=[],
-                                       reason=reason)
+                                       pinned_demand=[], reason=reason)
 
     return update(layout, consumer_id, fn)

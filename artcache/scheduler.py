@@ -1,10 +1,12 @@
-"""The producer's scheduler: demand misses first, then lookahead prefetch by distance from cursor.
+"""The producer's scheduler: the capture queue's entries, the batch limits and the start-up checks.
 
-Pure logic (no I/O) so it can be tested directly. Each pass takes the live registrations and the
-set of published fingerprints and returns the next capture batch under three limits: queue length
-(how many wanted fingerprints are considered at all), capture batch size in samples, and capture
-batch size in padded tokens. Requests for the same fingerprint from several consumers collapse into
-one entry (one capture serves them all). The producer captures one batch at a time (one in flight).
+Pure logic (no I/O) so it can be tested directly. The queue itself — demand misses first, then the
+live lookaheads in order of need, inside the disk budget — comes from
+:func:`artcache.eviction.decide`, the one retention policy; :func:`next_batch` takes one capture
+batch from it under three limits: queue length (how many wanted fingerprints are considered at all),
+capture batch size in samples, and capture batch size in padded tokens. Requests for the same
+fingerprint from several consumers collapse into one entry (one capture serves them all). The
+producer captures one batch at a time (one in flight).
 """
 
 from __future__ import annotations
@@ -68,11 +70,20 @@ def check_deadlock(limits: SchedulerLimits, batch_size: int, lookahead: int, max
 
 @dataclass
 class Want:
-    """One fingerprint somebody wants. ``priority`` sorts: (0 = demand / 1 = prefetch, distance)."""
+    """One fingerprint somebody wants captured.
+
+    Attributes:
+        fp: its fingerprint. sample: the plan sample index it captures.
+        priority: sort key ``(class, need)``: class 0 = demand, 1 = window prefetch, 2 = pinned
+            (held-out) prefetch, 3 = ``--fill``; need = seconds until a consumer reads it
+            (:func:`artcache.eviction.decide`).
+        consumers: ids of the consumers that asked for it. positions: the run positions they read it at
+            (held-out reads have none).
+    """
 
     fp: str
-    position: int
-    priority: tuple[int, int]
+    sample: int
+    priority: tuple[int, float]
     consumers: set[str] = field(default_factory=set)
     positions: set[int] = field(default_factory=set)
 
@@ -81,61 +92,10 @@ class Want:
         return self.priority[0] == 0
 
 
-def wanted(regs: Iterable[Registration], fp_of: Callable[[int], str], published: set[str],
-           max_queue: int) -> list[Want]:
-    """Unpublished fingerprints inside live windows, demand first, then by distance from cursor.
-
-    Only positions in ``[cursor, min(cursor + lookahead, end - 1)]`` and pinned positions (a
-    consumer's held-out evaluation split, :meth:`Registration.pinned_range`) are ever wanted: the
-    lookbehind is retained if present but never (re)captured, and nothing past a consumer's
-    announced end is prefetched. Priorities: demand ``(0, distance)``, window prefetch
-    ``(1, distance from cursor)``, pinned prefetch ``(2, offset in the pinned range)`` — pinned
-    positions never delay a window; a consumer blocked on one turns it into demand.
-    """
-    by_fp: dict[str, Want] = {}
-    regs = list(regs)
-    # demand misses: positions a consumer is blocked on (still inside its window)
-    for reg in regs:
-        lo, hi = reg.readable()
-        pinned = reg.pinned_range()
-        for p in reg.demand:
-            if lo <= p <= hi:
-                _add(by_fp, fp_of(p), p, (0, p - reg.cursor), reg.consumer_id, published)
-            elif p in pinned:
-                _add(by_fp, fp_of(p), p, (0, p - pinned.start), reg.consumer_id, published)
-    # prefetch, interleaved across consumers by distance from each cursor
-    spans = [(reg, *reg.readable()) for reg in regs]
-    for dist in range(max((hi - lo for _, lo, hi in spans), default=-1) + 1):
-        if len(by_fp) >= max_queue:
-            break
-        for reg, lo, hi in spans:
-            if lo + dist <= hi:
-                _add(by_fp, fp_of(lo + dist), lo + dist, (1, dist), reg.consumer_id, published)
-    # pinned ranges last (held-out evaluation positions: needed only every --eval-interval steps)
-    for reg in regs:
-        for i, p in enumerate(reg.pinned_range()):
-            if len(by_fp) >= max_queue:
-                break
-            _add(by_fp, fp_of(p), p, (2, i), reg.consumer_id, published)
-    out = sorted(by_fp.values(), key=lambda w: w.priority)
-    return out[:max_queue]
-
-
-def _add(by_fp: dict[str, Want], fp: str, p: int, prio: tuple[int, int], consumer: str,
-         published: set[str]) -> None:
-    if fp in published:
-        return
-    w = by_fp.get(fp)
-    if w is None:
-        by_fp[fp] = w = Want(fp, p, prio)
-    elif prio < w.priority:
-        w.priority, w.position = prio, p
-    w.consumers.add(consumer)
-    w.positions.add(p)
-
-
 def next_batch(queue: list[Want], length_of: Callable[[int], int], limits: SchedulerLimits) -> list[Want]:
     """Take wants in priority order while the batch fits ``max_batch_samples`` and padded tokens.
+
+    ``length_of(sample)``: tokens of a plan sample.
 
     The first want is always taken (a single sample never exceeds max_batch_tokens, which
     :meth:`SchedulerLimits.validate` guarantees).
@@ -143,7 +103,7 @@ def next_batch(queue: list[Want], length_of: Callable[[int], int], limits: Sched
     batch: list[Want] = []
     longest = 0
     for w in queue:
-        n = length_of(w.position)
+        n = length_of(w.sample)
         new_longest = max(longest, n)
         if batch and (len(batch) + 1 > limits.max_batch_samples
                       or new_longest * (len(batch) + 1) > limits.max_batch_tokens):
@@ -151,14 +111,6 @@ def next_batch(queue: list[Want], length_of: Callable[[int], int], limits: Sched
         batch.append(w)
         longest = new_longest
     return batch
-
-
-def window_positions(regs: Iterable[Registration]) -> set[int]:
-    """The retain set as positions: the union of live windows and pinned ranges."""
-    out: set[int] = set()
-    for reg in regs:
-        out |= reg.retained_positions()
-    return out
 
 
 def window_bound(regs: Iterable[Registration]) -> int:

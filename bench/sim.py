@@ -1,41 +1,42 @@
-"""Deterministic discrete-event simulation of one producer and N consumers over the REAL scheduler.
+"""Deterministic discrete-event simulation of one producer and N consumers over the REAL retention policy.
 
-Nothing sleeps and no model runs: a virtual clock advances from event to event. The producer uses
-:func:`artcache.scheduler.wanted`, :func:`~artcache.scheduler.next_batch`,
-:class:`~artcache.scheduler.SchedulerLimits` and :func:`~artcache.scheduler.window_bound` exactly as
-``Producer.tick`` does, over real :class:`artcache.registry.Registration` structs:
+Nothing sleeps and no model runs: a virtual clock advances from event to event. The producer calls
+:func:`artcache.eviction.decide` (the retain set, the evictions with their reasons, the capture queue
+inside the disk budget), :func:`~artcache.scheduler.next_batch`, :class:`~artcache.scheduler.SchedulerLimits`
+and :class:`~artcache.eviction.RateEstimator` exactly as ``Producer.tick`` does, over the consumers'
+real :class:`~artcache.plan.EpochOrder` position orders:
 
-* a **pass** (whenever the producer is idle and something happened): evict every published
-  fingerprint outside the union of live windows (``[cursor - lookbehind, min(cursor + lookahead,
-  end - 1)]``) that no lease holds (as ``Producer.evict``), build the queue (demand first, then
-  prefetch by distance), take one batch under the limits and start capturing it;
+* a **pass** (right after a capture completes; otherwise at most every ``poll_s``, the producer's idle
+  poll, when something happened): fence expired consumers, observe every live cursor (rates),
+  decide, evict what the decision names (never a leased artifact), take one batch from the queue
+  and start capturing it;
 * a **capture** takes ``fixed_s + per_sample_s * len(batch)`` of virtual time (one batch in flight)
-  and then publishes the batch at once; a capture of a fingerprint published before and evicted
-  since is a **recapture**;
+  and then publishes the batch at once (``artifact_bytes`` each); a capture of a sample published
+  before and evicted since is a **recapture**;
 * a **consumer** registers at ``start_s``, then repeatedly reads its next batch of consecutive
-  positions ``[cursor, cursor + batch_size)`` in order (as ``artcache.trainers.consumer.reader.Reader``), leasing
-  each position it reads; on an unpublished position it records it in ``Registration.demand`` and
-  waits; with the whole batch read it trains for ``step_s``, commits the cursor, releases the
-  batch's leases; at ``end`` it completes (fenced: its window stops counting);
+  positions ``[cursor, cursor + batch_size)`` in order (as the consumer's reader), leasing each
+  position it reads; on an unpublished position it records it in its demand and waits; with the
+  whole batch read it trains for ``step_s``, commits the cursor, releases the batch's leases; at
+  ``end`` it completes (its window stops counting);
 * **liveness**: a consumer heart-beats every ``heartbeat_s`` while its process lives; one with
-  ``killed_s`` dies then (mid-step or mid-read: no commit, its leases stay on disk). At each pass
-  the producer fences every running consumer whose last heartbeat is older than
-  ``heartbeat_timeout_s`` (as ``Producer.live_registrations``): state ``expired``, its leases
-  expired, its window no longer live. While a killed consumer is unfenced the producer polls every
-  ``poll_s`` (its idle poll), so the fence comes at the first pass after the timeout.
+  ``killed_s`` dies then (no commit, its leases stay). At each pass the producer fences every
+  running consumer whose last heartbeat is older than ``heartbeat_timeout_s``: its leases expired,
+  its window no longer live.
 
-After every pass's eviction the retained artifacts must lie inside the union of live windows
-(a lease outside it is reported), and after every event their number must not exceed that union's
-size at the last pass (``union_violations``) nor Σ live window sizes (``retained_violations``).
-
-Positions map to fingerprints through the plan index ``p % plan_len``.
+Checked as it runs: after every event, retained bytes <= the budget (unless the live windows alone
+exceed it, which the decision reports); at every eviction, that no evicted artifact lies inside a
+live window or is leased; after every pass that found a blocked consumer, that the batch starts with
+the demanded position. Every read is logged (``trace``), so :func:`offline_optimum` can compute what
+Belady's MIN — the whole trace known in advance, any artifact evictable at any time — needs for the
+same reads and budget.
 
 Reproduce the figures of ``docs/scheduler.md``::
 
+    python -m artcache.bench.sim --scenario hetero --positions 10000 --solo --opt
+    python -m artcache.bench.sim --scenario hetero --positions 10000 --policy windows
+    python -m artcache.bench.sim --scenario hetero --positions 10000 --budget 2000 --opt
     python -m artcache.bench.sim --scenario overlap --positions 10000 --solo
-    python -m artcache.bench.sim --scenario lagging --positions 10000 --solo
-    python -m artcache.bench.sim --scenario killed --positions 10000
-    python -m artcache.bench.sim --consumer fast:0.2:16:64:512 --consumer slow:0.1:4:0:32:30 --positions 4000
+    python -m artcache.bench.sim --scenario killed --positions 10000 --policy windows
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from artcache.registry import Registration
-from artcache.scheduler import SchedulerLimits, check_deadlock, next_batch, wanted, window_bound
+import numpy as np
+
+from artcache.eviction import POLICIES, RateEstimator, Reader, decide
+from artcache.plan import EpochOrder
+from artcache.scheduler import SchedulerLimits, check_deadlock, next_batch
 
 
 class SimDeadlock(RuntimeError):
@@ -65,6 +69,7 @@ class ConsumerSpec:
         batch_size: positions per step. lookbehind, lookahead: its window.
         start_s: when it registers. end: exclusive last position (None: the run's ``positions``).
         killed_s: when its process dies (None: never). heartbeat_s: its heartbeat period.
+        epoch_len: training samples per epoch (None: the whole plan).
     """
 
     name: str
@@ -76,6 +81,7 @@ class ConsumerSpec:
     end: int | None = None
     killed_s: float | None = None
     heartbeat_s: float = 2.0
+    epoch_len: int | None = None
 
     @property
     def compute_rate(self) -> float:
@@ -86,8 +92,9 @@ class ConsumerSpec:
 @dataclass(frozen=True)
 class ProducerSpec:
     """Capture latency of one batch: ``fixed_s + per_sample_s * samples``; scheduler limits;
-    ``heartbeat_timeout_s`` (fence a consumer silent for longer, the producer's default 30 s) and
-    ``poll_s`` (idle poll, the producer's 20 ms)."""
+    ``heartbeat_timeout_s`` (fence a consumer silent for longer, the producer's default 30 s),
+    ``poll_s`` (idle poll, the producer's 20 ms), ``artifact_bytes`` (every artifact's size),
+    ``budget_bytes`` (the disk budget; inf: none), ``policy`` (``need`` or the old ``windows`` rule)."""
 
     fixed_s: float = 0.02
     per_sample_s: float = 0.005
@@ -96,12 +103,21 @@ class ProducerSpec:
     max_length: int = 512
     heartbeat_timeout_s: float = 30.0
     poll_s: float = 0.02
+    artifact_bytes: int = 1 << 20
+    budget_bytes: float = math.inf
+    policy: str = "need"
 
     @property
     def capacity(self) -> float:
         """Samples per second with full batches."""
         n = min(self.limits.max_batch_samples, max(1, self.limits.max_batch_tokens // self.sample_tokens))
         return n / (self.fixed_s + self.per_sample_s * n)
+
+    def with_budget(self, artifacts: float) -> ProducerSpec:
+        """This producer with a budget of ``artifacts`` artifacts (inf: none)."""
+        from dataclasses import replace
+
+        return replace(self, budget_bytes=artifacts * self.artifact_bytes)
 
 
 @dataclass
@@ -128,27 +144,33 @@ class ConsumerResult:
 @dataclass
 class SimResult:
     consumers: dict[str, ConsumerResult]
-    positions: int  # distinct positions consumed (max end over consumers)
+    positions: int  # distinct (epoch, sample) pairs consumed
     captures: int
     recaptures: int
     distinct_fps_captured: int
     evictions: int
+    evictions_by_reason: dict[str, int]
     batches: int
     passes: int
     busy_s: float
     end_s: float
-    max_retained: int
+    max_retained: int  # artifacts
+    max_retained_bytes: int
+    budget_bytes: float
+    binding_passes: int  # passes whose decision said the budget binds
+    windows_exceed_budget_passes: int
     window_bound_all: int  # Σ window sizes of every consumer of the run
-    max_queue: int  # longest queue wanted() returned in any pass
-    retained_violations: list[str]
+    max_queue: int  # longest capture queue a decision returned
+    budget_violations: list[str]  # retained bytes above the budget after some event
+    window_violations: list[str]  # an evicted artifact inside a live window, or leased
     demand_passes: int  # passes that found a blocked consumer's demand
     demand_with_prefetch_pending: int  # ... while other prefetch was queued as well
     demand_not_first: list[str]  # passes whose batch did not start with the demanded positions
     final_retained: int
-    union_violations: list[str]  # retained outside / beyond the union of live windows
     max_union: int  # largest union of live windows at any pass
     retained_log: list[tuple[float, int, int]]  # per pass, after eviction: (t, retained, union size)
     leases_expired: int  # leases of fenced consumers, released by the producer
+    trace: list[int] = field(default_factory=list, repr=False)  # sample of every read, in time order
 
     @property
     def captures_per_position(self) -> float:
@@ -158,19 +180,23 @@ class SimResult:
     def utilization(self) -> float:
         return self.busy_s / self.end_s if self.end_s else 0.0
 
+    @property
+    def binding(self) -> bool:
+        return self.binding_passes > 0
+
 
 class _Consumer:
-    def __init__(self, spec: ConsumerSpec, end: int) -> None:
+    def __init__(self, spec: ConsumerSpec, end: int, order: EpochOrder) -> None:
         self.spec = spec
         self.end = end
-        self.reg = Registration(consumer_id=spec.name, draft="sim", state="completed", cursor=0,
-                                lookbehind=spec.lookbehind, lookahead=spec.lookahead,
-                                batch_size=spec.batch_size, end=end)
+        self.order = order
+        self.cursor = 0
+        self.demand: list[int] = []
         self.started = False
         self.done = False
         self.training = False
         self.next_pos = 0  # next position of the current batch to read
-        self.held: list[str] = []  # leased fingerprints of the current batch
+        self.held: list[int] = []  # leased samples of the current batch
         self.blocked_since: float | None = None
         self.wait_s = 0.0
         self.demand_waits = 0
@@ -182,82 +208,84 @@ class _Consumer:
         self.fenced_s: float | None = None
 
     def batch_stop(self) -> int:
-        return min(self.reg.cursor + self.spec.batch_size, self.end)
+        return min(self.cursor + self.spec.batch_size, self.end)
+
+    def reader(self, rate: float) -> Reader:
+        return Reader(self.spec.name, self.cursor, self.spec.lookbehind, self.spec.lookahead, self.end, self.order,
+                      rate, demand=tuple(self.demand), batch_size=self.spec.batch_size)
 
 
 class Simulation:
-    """One run. ``positions`` is the run's length; ``plan_len`` the plan's (defaults to positions)."""
+    """One run. ``positions`` is the run's length; ``plan_len`` the plan's (defaults to positions);
+    positions past a consumer's epoch walk its next epoch (:class:`~artcache.plan.EpochOrder`, seed 0)."""
 
     def __init__(self, consumers: Sequence[ConsumerSpec], producer: ProducerSpec, positions: int,
-                 plan_len: int | None = None, check: bool = True, max_events: int = 10_000_000) -> None:
+                 plan_len: int | None = None, check: bool = True, max_events: int = 20_000_000) -> None:
         if not consumers:
             raise ValueError("at least one consumer")
         names = [c.name for c in consumers]
         if len(set(names)) != len(names):
             raise ValueError(f"consumer names must be unique: {names}")
+        if producer.policy not in POLICIES:
+            raise ValueError(f"policy {producer.policy!r}: accepted {', '.join(POLICIES)}")
         if check:
             for c in consumers:
                 check_deadlock(producer.limits, c.batch_size, c.lookahead, producer.max_length)
         self.producer = producer
         self.positions = positions
         self.plan_len = plan_len or positions
-        self._fps = [f"{i:040x}" for i in range(self.plan_len)]
-        self.cons = [_Consumer(c, positions if c.end is None else c.end) for c in consumers]
+        orders: dict[int, EpochOrder] = {}
+        self.cons = []
+        for c in consumers:
+            n = c.epoch_len or self.plan_len
+            if n not in orders:
+                orders[n] = EpochOrder(self.plan_len, n, 0)
+            self.cons.append(_Consumer(c, positions if c.end is None else c.end, orders[n]))
         self.max_events = max_events
         self.now = 0.0
         self._seq = 0
         self._events: list = []
-        self.published: set[str] = set()
-        self.ever_published: set[str] = set()
-        self.captured: set[str] = set()
-        self.leases: Counter[str] = Counter()
+        self.sizes = np.zeros(self.plan_len, dtype=np.int64)
+        self.retained = 0  # artifacts; bytes = retained * artifact_bytes
+        self.ever_published = np.zeros(self.plan_len, dtype=bool)
+        self.leases: Counter[int] = Counter()
+        self.rates = RateEstimator()
         self.busy = False
+        self.idle_until = -1.0  # an idle pass waits for the poll interval
+        self.poll_pending = False
+        self.dirty = False  # something happened since the last pass
         self.captures = self.recaptures = self.evictions = self.batches = self.passes = 0
+        self.by_reason: Counter[str] = Counter()
         self.busy_s = 0.0
         self.max_retained = 0
         self.max_queue = 0
-        self.bound_at_pass = 0
-        self.violations: list[str] = []
+        self.binding_passes = self.exceed_passes = 0
+        self.exceeds = False  # the last decision: windows alone exceed the budget
+        self.budget_violations: list[str] = []
+        self.window_violations: list[str] = []
         self.demand_passes = 0
         self.demand_with_prefetch = 0
         self.demand_not_first: list[str] = []
-        self.batch_log: list[tuple[float, list[int], list[int]]] = []  # (time, positions, demanded)
         self.union_size = 0
         self.max_union = 0
-        self.union_violations: list[str] = []
         self.retained_log: list[tuple[float, int, int]] = []
         self.leases_expired = 0
+        self.trace: list[int] = []
+        # as the producer: what it could not capture in time if it waited (its poll and two batches)
+        self.urgent_s = producer.poll_s + 2 * (producer.fixed_s + producer.per_sample_s * producer.limits.max_batch_samples)
 
     # -- helpers -------------------------------------------------------------------------------
-    def fp_of(self, p: int) -> str:
-        return self._fps[p % self.plan_len]
-
-    def length_of(self, p: int) -> int:
+    def length_of(self, sample: int) -> int:
         return self.producer.sample_tokens
 
     def _push(self, t: float, kind: str, obj) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, obj))
 
-    def live(self) -> list[Registration]:
-        return [c.reg for c in self.cons if c.started and not c.done]
+    def live(self) -> list[_Consumer]:
+        return [c for c in self.cons if c.started and not c.done]
 
     # -- producer ------------------------------------------------------------------------------
-    def _evict(self, live: list[Registration]) -> None:
-        union = set()
-        for reg in live:
-            lo, hi = reg.window()
-            union.update(self.fp_of(p) for p in range(lo, hi + 1))
-        stray = set(self.leases) - union
-        if stray:
-            self.union_violations.append(f"t={self.now:.3f}: {len(stray)} leased artifacts outside every live window")
-        gone = self.published - union - stray
-        self.evictions += len(gone)
-        self.published -= gone
-        self.union_size = len(union)
-        self.max_union = max(self.max_union, self.union_size)
-        self.retained_log.append((self.now, len(self.published), self.union_size))
-
     def _last_beat(self, c: _Consumer) -> float:
         """The consumer's last heartbeat: every ``heartbeat_s`` from its start while its process lives."""
         alive_until = self.now if c.spec.killed_s is None else min(self.now, c.spec.killed_s)
@@ -269,44 +297,73 @@ class Simulation:
         for c in self.cons:
             if c.started and not c.done and self.now - self._last_beat(c) > self.producer.heartbeat_timeout_s:
                 c.done, c.fenced_s = True, self.now
-                c.reg.state, c.reg.demand = "expired", []
-                for fp in c.held:
-                    self.leases[fp] -= 1
-                    if not self.leases[fp]:
-                        del self.leases[fp]
-                    self.leases_expired += 1
-                c.held = []
+                c.demand = []
+                self._release(c)
+
+    def _release(self, c: _Consumer, expired: bool = True) -> None:
+        for s in c.held:
+            self.leases[s] -= 1
+            if not self.leases[s]:
+                del self.leases[s]
+            self.leases_expired += expired
+        c.held = []
 
     def _pass(self) -> None:
+        self.dirty = False
         self._fence_expired()
         live = self.live()
         self.passes += 1
-        self._evict(live)
-        self.bound_at_pass = window_bound(live)
-        if not live:
+        prod = self.producer
+        for c in live:
+            self.rates.observe(c.spec.name, 0, c.cursor, self.now)
+        readers = [c.reader(self.rates.rate(c.spec.name)) for c in live]
+        in_window = np.zeros(self.plan_len, dtype=bool)  # the union of the live windows
+        for r, c in zip(readers, live, strict=True):
+            lo, hi = r.window()
+            if hi >= lo:
+                in_window[c.order.samples(lo, hi + 1)] = True
+        dec = decide(readers, sizes=self.sizes, budget=prod.budget_bytes, est_size=prod.artifact_bytes,
+                     leased=np.fromiter(self.leases, dtype=np.int64, count=len(self.leases)),
+                     max_queue=prod.limits.max_queue, policy=prod.policy, urgent_s=self.urgent_s)
+        if dec.evict:
+            gone = np.fromiter(dec.evict, dtype=np.int64, count=len(dec.evict))
+            inside = gone[in_window[gone]]
+            if len(inside):
+                self.window_violations.append(f"t={self.now:.3f}: evicted {len(inside)} inside a live window")
+            leased = [s for s in gone.tolist() if s in self.leases]
+            if leased:
+                self.window_violations.append(f"t={self.now:.3f}: evicted {len(leased)} leased")
+            self.sizes[gone] = 0
+            self.retained -= len(gone)
+            self.evictions += len(gone)
+            self.by_reason.update(dec.evict.values())
+        self.binding_passes += dec.binding
+        self.exceed_passes += dec.windows_exceed_budget
+        self.exceeds = dec.windows_exceed_budget
+        self.union_size = int(np.count_nonzero(in_window))
+        self.max_union = max(self.max_union, self.union_size)
+        self.retained_log.append((self.now, self.retained, self.union_size))
+        self.max_queue = max(self.max_queue, len(dec.capture_samples))
+        limits = prod.limits
+        batch = next_batch(dec.head(limits.max_batch_samples), self.length_of, limits) \
+            if len(dec.capture_samples) else []
+        if not batch:
+            self.idle_until = self.now + prod.poll_s
             return
-        limits = self.producer.limits
-        queue = wanted(live, self.fp_of, self.published, limits.max_queue)
-        self.max_queue = max(self.max_queue, len(queue))
-        if not queue:
-            return
-        batch = next_batch(queue, self.length_of, limits)
-        demanded = {p for reg in live for p in reg.demand
-                    if reg.readable()[0] <= p <= reg.readable()[1] and self.fp_of(p) not in self.published}
+        demanded = {(c.spec.name, p) for c in live for p in c.demand
+                    if c.cursor <= p < c.batch_stop() and not self.sizes[c.order.sample(p)]}
         if demanded:
             self.demand_passes += 1
-            if any(not w.demand for w in queue):
+            if (dec.capture_samples.size > len([w for w in batch if w.demand])
+                    and any(not w.demand for w in dec.head(len(dec.capture_samples)))):
                 self.demand_with_prefetch += 1
-            # demand before prefetch: the batch starts with demanded positions, and holds all of them
-            # that fit
-            got = set().union(*(w.positions for w in batch))
-            want_fps = {self.fp_of(p) for p in demanded}
-            if not batch[0].demand or not (want_fps <= {w.fp for w in batch}
+            want = {next(c for c in live if c.spec.name == n).order.sample(p) for n, p in demanded}
+            if not batch[0].demand or not (want <= {w.sample for w in batch}
                                            or len(batch) == limits.max_batch_samples):
-                self.demand_not_first.append(f"t={self.now:.3f} demanded {sorted(demanded)} batch {sorted(got)}")
-        self.batch_log.append((self.now, [w.position for w in batch], sorted(demanded)))
+                self.demand_not_first.append(f"t={self.now:.3f} demanded {sorted(want)} batch "
+                                             f"{[w.sample for w in batch]}")
         self.busy = True
-        dt = self.producer.fixed_s + self.producer.per_sample_s * len(batch)
+        dt = prod.fixed_s + prod.per_sample_s * len(batch)
         self.busy_s += dt
         self.batches += 1
         self._push(self.now + dt, "captured", batch)
@@ -314,12 +371,13 @@ class Simulation:
     def _captured(self, batch) -> None:
         self.busy = False
         for w in batch:
+            s = w.sample
             self.captures += 1
-            if w.fp in self.ever_published:
-                self.recaptures += 1
-            self.captured.add(w.fp)
-            self.ever_published.add(w.fp)
-            self.published.add(w.fp)
+            self.recaptures += bool(self.ever_published[s])
+            self.ever_published[s] = True
+            if not self.sizes[s]:
+                self.sizes[s] = self.producer.artifact_bytes
+                self.retained += 1
 
     # -- consumers -----------------------------------------------------------------------------
     def _advance(self, c: _Consumer) -> None:
@@ -328,56 +386,62 @@ class Simulation:
             return
         stop = c.batch_stop()
         while c.next_pos < stop:
-            fp = self.fp_of(c.next_pos)
-            if fp not in self.published:
+            s = c.order.sample(c.next_pos)
+            if not self.sizes[s]:
                 if c.blocked_since is None:
                     c.blocked_since = self.now
                     c.demand_waits += 1
-                if c.reg.demand != [c.next_pos]:
+                if c.demand != [c.next_pos]:
                     self._demand_served(c)
-                    c.reg.demand = [c.next_pos]
+                    c.demand = [c.next_pos]
                     c.demand_since = self.now
                 return
-            self.leases[fp] += 1
-            c.held.append(fp)
+            self.leases[s] += 1
+            c.held.append(s)
+            self.trace.append(s)
             c.next_pos += 1
         if c.blocked_since is not None:
             c.wait_s += self.now - c.blocked_since
             c.blocked_since = None
         self._demand_served(c)
-        c.reg.demand = []
+        c.demand = []
         c.training = True
         self._push(self.now + c.spec.step_s, "step", c)
 
     def _demand_served(self, c: _Consumer) -> None:
-        if c.reg.demand:
+        if c.demand:
             c.max_demand_wait_s = max(c.max_demand_wait_s, self.now - c.demand_since)
 
     def _step_done(self, c: _Consumer) -> None:
         c.training = False
         c.steps += 1
-        c.reg.cursor = c.batch_stop()  # commit after the step that consumed the positions
-        for fp in c.held:
-            self.leases[fp] -= 1
-            if not self.leases[fp]:
-                del self.leases[fp]
-        c.held = []
-        if c.reg.cursor >= c.end:
+        c.cursor = c.batch_stop()  # commit after the step that consumed the positions
+        self._release(c, expired=False)
+        if c.cursor >= c.end:
             c.done = True
             c.finish_s = self.now
-            c.reg.state = "completed"  # fenced: its window stops counting
-            c.reg.demand = []
+            c.demand = []
 
     # -- run -----------------------------------------------------------------------------------
     def _check_retained(self) -> None:
-        n = len(self.published)
-        self.max_retained = max(self.max_retained, n)
-        if n > self.bound_at_pass:
-            self.violations.append(f"t={self.now:.3f}: retained {n} > window bound {self.bound_at_pass}")
-        if n > self.union_size:
-            self.union_violations.append(f"t={self.now:.3f}: retained {n} > union of live windows {self.union_size}")
+        self.max_retained = max(self.max_retained, self.retained)
+        nbytes = self.retained * self.producer.artifact_bytes
+        if nbytes > self.producer.budget_bytes and not self.exceeds:
+            self.budget_violations.append(f"t={self.now:.3f}: retained {nbytes} > budget {self.producer.budget_bytes}")
 
-    def run(self) -> SimResult:
+    def _consumed_pairs(self) -> int:
+        """Distinct (epoch, sample) pairs the consumers committed."""
+        lens = {c.order.epoch_len for c in self.cons}
+        if len(lens) == 1:
+            return max(c.cursor for c in self.cons)
+        pairs: set[tuple[int, int]] = set()
+        for c in self.cons:
+            m = c.order.epoch_len
+            samples = c.order.samples(0, c.cursor).tolist()
+            pairs.update((p // m, s) for p, s in enumerate(samples))
+        return len(pairs)
+
+    def run(self, keep_trace: bool = True) -> SimResult:
         for c in self.cons:
             self._push(c.spec.start_s, "start", c)
             if c.spec.killed_s is not None:
@@ -388,51 +452,60 @@ class Simulation:
             if events > self.max_events:
                 raise RuntimeError(f"more than {self.max_events} events")
             self.now, _, kind, obj = heapq.heappop(self._events)
+            captured = kind == "captured"
+            if kind == "poll":
+                self.poll_pending = False
+            else:
+                self.dirty = True
             if kind == "start":
                 obj.started = True
-                obj.reg.state = "running"
-                obj.reg.cursor = 0
-                obj.next_pos = 0
             elif kind == "step":
                 if obj.killed:  # died mid-step: nothing is committed
                     continue
                 self._step_done(obj)
                 if not obj.done:
-                    obj.next_pos = obj.reg.cursor
-            elif kind == "captured":
+                    obj.next_pos = obj.cursor
+            elif captured:
                 self._captured(obj)
             elif kind == "kill":
                 obj.killed = True
-                self._push(self.now + self.producer.poll_s, "poll", None)
-            elif kind == "poll" and any(c.killed and not c.done for c in self.cons):
-                self._push(self.now + self.producer.poll_s, "poll", None)
             # publications and commits let waiting consumers read on (recording demand if blocked)
             for c in self.cons:
                 self._advance(c)
             self._check_retained()
-            if not self.busy:
+            if self.busy:
+                continue
+            awaiting_fence = any(c.killed and not c.done for c in self.cons)
+            if captured or (self.now >= self.idle_until and (self.dirty or awaiting_fence)):
                 self._pass()
                 self._check_retained()
+            if not self.busy and not self.poll_pending and (self.dirty or awaiting_fence):
+                self.poll_pending = True  # the idle producer's next poll
+                self._push(max(self.idle_until, self.now), "poll", None)
         unfinished = [c.spec.name for c in self.cons if not c.done]
         if unfinished:
             raise SimDeadlock(
                 f"no event left at t={self.now:.3f} but {unfinished} did not finish: cursors "
-                f"{[c.reg.cursor for c in self.cons if not c.done]}, demand "
-                f"{[c.reg.demand for c in self.cons if not c.done]}")
+                f"{[c.cursor for c in self.cons if not c.done]}, demand "
+                f"{[c.demand for c in self.cons if not c.done]}")
+        prod = self.producer
         return SimResult(
             consumers={c.spec.name: ConsumerResult(
-                c.spec.name, c.spec.start_s, c.finish_s, c.reg.cursor if c.killed else c.end, c.steps, c.wait_s,
+                c.spec.name, c.spec.start_s, c.finish_s, c.cursor if c.killed else c.end, c.steps, c.wait_s,
                 c.demand_waits, c.max_demand_wait_s, c.fenced_s,
                 self._last_beat(c) if c.killed else None) for c in self.cons},
-            positions=max(c.reg.cursor for c in self.cons), captures=self.captures, recaptures=self.recaptures,
-            distinct_fps_captured=len(self.captured), evictions=self.evictions, batches=self.batches,
-            passes=self.passes, busy_s=self.busy_s, end_s=self.now, max_retained=self.max_retained,
+            positions=self._consumed_pairs(), captures=self.captures, recaptures=self.recaptures,
+            distinct_fps_captured=int(self.ever_published.sum()), evictions=self.evictions,
+            evictions_by_reason=dict(self.by_reason), batches=self.batches, passes=self.passes,
+            busy_s=self.busy_s, end_s=self.now, max_retained=self.max_retained,
+            max_retained_bytes=self.max_retained * prod.artifact_bytes, budget_bytes=prod.budget_bytes,
+            binding_passes=self.binding_passes, windows_exceed_budget_passes=self.exceed_passes,
             window_bound_all=sum(c.spec.lookbehind + c.spec.lookahead + 1 for c in self.cons),
-            max_queue=self.max_queue, retained_violations=self.violations,
-            demand_passes=self.demand_passes, demand_with_prefetch_pending=self.demand_with_prefetch,
-            demand_not_first=self.demand_not_first, final_retained=len(self.published),
-            union_violations=self.union_violations, max_union=self.max_union, retained_log=self.retained_log,
-            leases_expired=self.leases_expired)
+            max_queue=self.max_queue, budget_violations=self.budget_violations,
+            window_violations=self.window_violations, demand_passes=self.demand_passes,
+            demand_with_prefetch_pending=self.demand_with_prefetch, demand_not_first=self.demand_not_first,
+            final_retained=self.retained, max_union=self.max_union, retained_log=self.retained_log,
+            leases_expired=self.leases_expired, trace=self.trace if keep_trace else [])
 
 
 def simulate(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = None, positions: int = 10_000,
@@ -441,12 +514,55 @@ def simulate(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = 
     return Simulation(consumers, producer or ProducerSpec(), positions, plan_len, check).run()
 
 
+def offline_optimum(trace: Sequence[int], capacity: int) -> int:
+    """Captures Belady's MIN needs for ``trace`` (the samples read, in order) with room for ``capacity``
+    artifacts: every first read and every read of an evicted sample is a capture; a captured sample is
+    published before it is read (it takes room, as every artifact a consumer reads is on disk), and a
+    capture into a full cache evicts the sample whose next read is furthest away (never read again
+    first). With every artifact the same size this is the fewest captures any demand-fetching policy
+    can make for these reads (Belady 1966; Mattson et al. 1970), and prefetching cannot need fewer
+    (it only moves captures earlier); it knows the future and keeps no window, so it is a lower
+    bound for the producer on the same reads.
+
+    Raises:
+        ValueError: ``capacity < 1``.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity {capacity} must be >= 1")
+    n = len(trace)
+    nxt = [math.inf] * n
+    last: dict[int, int] = {}
+    for i in range(n - 1, -1, -1):
+        s = trace[i]
+        nxt[i] = last.get(s, math.inf)
+        last[s] = i
+    cache: dict[int, float] = {}  # sample -> its next read
+    heap: list[tuple[float, int]] = []  # (-next read, sample), lazily stale
+    misses = 0
+    for i, s in enumerate(trace):
+        if s in cache:
+            cache[s] = nxt[i]
+            heapq.heappush(heap, (-nxt[i], s))
+            continue
+        misses += 1
+        if len(cache) >= capacity:
+            while True:
+                neg, victim = heapq.heappop(heap)
+                if cache.get(victim) == -neg:
+                    break
+            del cache[victim]
+        cache[s] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], s))
+    return misses
+
+
 def solo_rates(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = None, positions: int = 10_000,
                plan_len: int | None = None) -> dict[str, float]:
     """Each consumer's rate when it runs alone with the same producer (start delay dropped)."""
     out = {}
     for c in consumers:
-        alone = ConsumerSpec(c.name, c.step_s, c.batch_size, c.lookbehind, c.lookahead, 0.0, c.end)
+        alone = ConsumerSpec(c.name, c.step_s, c.batch_size, c.lookbehind, c.lookahead, 0.0, c.end,
+                             epoch_len=c.epoch_len)
         out[c.name] = simulate([alone], producer, positions, plan_len).consumers[c.name].rate
     return out
 
@@ -520,6 +636,48 @@ SCENARIOS = {
 }
 
 
+def hetero_consumers(positions: int = 10_000) -> list[ConsumerSpec]:
+    """Speeds 1 : 1.5 : 3 (40 / 60 / 120 positions/s), started 0 / 10 / 20 s apart (the fastest last),
+    windows 64:256, and a fourth that stops a third of the way (``quit``: 60 positions/s, from 5 s).
+    The fastest passes the others within seconds and leads the slowest by thousands of positions at
+    its end: with windows as the only rule every position they read again was evicted."""
+    return [
+        ConsumerSpec("slow", step_s=0.1, batch_size=4, lookbehind=64, lookahead=256),
+        ConsumerSpec("mid", step_s=0.2, batch_size=12, lookbehind=64, lookahead=256, start_s=10.0),
+        ConsumerSpec("fast", step_s=0.2, batch_size=24, lookbehind=64, lookahead=256, start_s=20.0),
+        ConsumerSpec("quit", step_s=0.1, batch_size=6, lookbehind=64, lookahead=256, start_s=5.0,
+                     end=positions // 3),
+    ]
+
+
+def hetero_producer() -> ProducerSpec:
+    """16 samples per 50 ms batch: 320 samples/s, above what all four need even with disjoint windows."""
+    return ProducerSpec(fixed_s=0.01, per_sample_s=0.0025,
+                        limits=SchedulerLimits(max_queue=1024, max_batch_samples=16, max_batch_tokens=8192))
+
+
+def hetero_lead(consumers: Sequence[ConsumerSpec], positions: int) -> int:
+    """Positions between the fastest and the slowest cursor when the fastest finishes (compute-bound
+    rates, its own start): what a budget must hold beside the windows for nothing to be recaptured."""
+    ends = {c.name: positions if c.end is None else c.end for c in consumers}
+    fast = max(consumers, key=lambda c: c.compute_rate)
+    t_end = fast.start_s + ends[fast.name] / fast.compute_rate
+    behind = [min(ends[c.name], max(0.0, (t_end - c.start_s) * c.compute_rate)) for c in consumers
+              if c is not fast and ends[c.name] > ends[fast.name] * 0.99]
+    return int(ends[fast.name] - min(behind, default=ends[fast.name]))
+
+
+#: name -> (consumers, producer)
+SCENARIOS = {
+    "overlap": lambda n: (overlap_consumers(), default_producer()),
+    "lagging": lambda n: ([*overlap_consumers(), lagging_consumer()], default_producer()),
+    "killed": lambda n: ([*overlap_consumers(), killed_consumer()], default_producer()),
+    "diverge": lambda n: (diverge_consumers(), diverge_producer()),
+    "saturated": lambda n: (saturated_consumers(), saturated_producer()),
+    "hetero": lambda n: (hetero_consumers(n), hetero_producer()),
+}
+
+
 # ---- CLI -----------------------------------------------------------------------------------------------
 def parse_consumer(text: str) -> ConsumerSpec:
     """``NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]]``."""
@@ -535,7 +693,8 @@ def parse_consumer(text: str) -> ConsumerSpec:
         raise argparse.ArgumentTypeError(f"--consumer {text!r}: {exc}") from None
 
 
-def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[str, float] | None = None) -> str:
+def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[str, float] | None = None,
+                 opt: int | None = None, artifact_bytes: int = 1 << 20) -> str:
     lines = ["| consumer | batch | window | start s | positions | compute-bound pos/s | rate pos/s"
              + (" | solo pos/s | rate / solo" if solo else "") + " | waited s | demand waits | longest wait s |",
              "|---|---|---|---|---|---|---" + ("|---|---" if solo else "") + "|---|---|---|"]
@@ -546,21 +705,30 @@ def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[s
         if solo:
             row += f" | {solo[c.name]:.2f} | {r.rate / solo[c.name]:.3f}"
         lines.append(row + f" | {r.wait_s:.2f} | {r.demand_waits} | {r.max_demand_wait_s:.3f} |")
+    budget = "none" if math.isinf(res.budget_bytes) else f"{res.budget_bytes / artifact_bytes:.0f} artifacts"
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(res.evictions_by_reason.items())) or "-"
     lines += [
         "",
         "| producer | value |",
         "|---|---|",
-        f"| distinct positions | {res.positions} |",
+        f"| distinct (epoch, position) pairs consumed | {res.positions} |",
         f"| captures | {res.captures} |",
         f"| captures per position | {res.captures_per_position:.4f} |",
+    ]
+    if opt is not None:
+        lines.append(f"| offline optimum (Belady, trace known) per position | {opt / res.positions:.4f} "
+                     f"({opt} captures) |")
+    lines += [
         f"| recaptures | {res.recaptures} |",
-        f"| evictions | {res.evictions} |",
-        f"| capture batches | {res.batches} |",
-        f"| max queue | {res.max_queue} |",
-        f"| max retained | {res.max_retained} |",
+        f"| evictions (by reason) | {res.evictions} ({reasons}) |",
+        f"| budget | {budget} |",
+        f"| max retained | {res.max_retained} artifacts |",
+        f"| budget binding (passes) | {'yes' if res.binding else 'no'} ({res.binding_passes}) |",
+        f"| budget / window violations | {len(res.budget_violations)} / {len(res.window_violations)} |",
         f"| window bound (Σ window sizes) | {res.window_bound_all} |",
         f"| max union of live windows | {res.max_union} |",
-        f"| retained-bound violations (Σ, union) | {len(res.retained_violations)}, {len(res.union_violations)} |",
+        f"| capture batches | {res.batches} |",
+        f"| max queue | {res.max_queue} |",
         f"| producer utilization | {res.utilization:.2f} |",
         f"| virtual run time s | {res.end_s:.2f} |",
         f"| passes with demand (with prefetch pending) | {res.demand_passes} ({res.demand_with_prefetch_pending}) |",
@@ -581,16 +749,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--consumer", action="append", type=parse_consumer, default=[],
                     help="NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]] (repeatable)")
     ap.add_argument("--positions", type=int, default=10_000, help="run length in positions")
-    ap.add_argument("--plan-len", type=int, default=None, help="plan length (positions wrap: p %% plan_len)")
+    ap.add_argument("--plan-len", type=int, default=None, help="plan length (later epochs reshuffled)")
     ap.add_argument("--fixed-s", type=float, help="capture latency per batch (default: the scenario's, 0.02)")
     ap.add_argument("--per-sample-s", type=float, help="capture latency per sample (default 0.005)")
     ap.add_argument("--batch-samples", type=int, help="max capture batch in samples (default 8)")
     ap.add_argument("--batch-tokens", type=int, help="max capture batch in padded tokens (default 8192)")
     ap.add_argument("--max-queue", type=int, help="max queued fingerprints per pass (default 1024)")
     ap.add_argument("--sample-tokens", type=int, help="every sample's length in tokens (default 256)")
+    ap.add_argument("--budget", type=float, default=math.inf,
+                    help="disk budget in artifacts (default: none; 'lead' is not a number: see --budget-lead)")
+    ap.add_argument("--budget-lead", type=float, default=None, metavar="F",
+                    help="budget = F x (the fastest consumer's lead + Σ windows), from the compute-bound rates")
+    ap.add_argument("--policy", choices=POLICIES, default="need",
+                    help="need (retention by future need) or windows (the rule before: windows only)")
     ap.add_argument("--solo", action="store_true", help="also simulate each consumer alone")
+    ap.add_argument("--opt", action="store_true", help="also compute the offline optimum for the same reads")
     args = ap.parse_args(argv)
-    consumers, base = SCENARIOS[args.scenario]() if args.scenario else ([], default_producer())
+    consumers, base = SCENARIOS[args.scenario](args.positions) if args.scenario else ([], default_producer())
     consumers = [*consumers, *args.consumer]
     if not consumers:
         ap.error("give --scenario or at least one --consumer")
@@ -599,23 +774,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return default if value is None else value
 
     tokens = pick(args.sample_tokens, base.sample_tokens)
+    budget = args.budget
+    if args.budget_lead is not None:
+        budget = args.budget_lead * (hetero_lead(consumers, args.positions) + sum(
+            c.lookbehind + c.lookahead + 1 for c in consumers))
+    if not budget >= 1:
+        print(f"error: --budget {budget} must be >= 1 artifact", file=sys.stderr)
+        return 2
     producer = ProducerSpec(
         fixed_s=pick(args.fixed_s, base.fixed_s), per_sample_s=pick(args.per_sample_s, base.per_sample_s),
         sample_tokens=tokens, max_length=max(tokens, base.max_length) if args.sample_tokens is None else tokens,
         limits=SchedulerLimits(max_queue=pick(args.max_queue, base.limits.max_queue),
                                max_batch_samples=pick(args.batch_samples, base.limits.max_batch_samples),
-                               max_batch_tokens=pick(args.batch_tokens, base.limits.max_batch_tokens)))
+                               max_batch_tokens=pick(args.batch_tokens, base.limits.max_batch_tokens)),
+        policy=args.policy).with_budget(math.floor(budget) if math.isfinite(budget) else budget)
     try:
         res = simulate(consumers, producer, args.positions, args.plan_len)
     except (ValueError, SimDeadlock) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     solo = solo_rates(consumers, producer, args.positions, args.plan_len) if args.solo else None
+    opt = None
+    if args.opt:
+        cap = res.budget_bytes / producer.artifact_bytes
+        opt = offline_optimum(res.trace, int(cap) if math.isfinite(cap) else len(res.trace) + 1)
     print(f"producer: {producer.fixed_s:g} s + {producer.per_sample_s:g} s/sample, batch ≤ "
           f"{producer.limits.max_batch_samples}: "
           f"capacity {producer.capacity:.1f} samples/s; {args.positions} positions"
-          + (f", plan of {args.plan_len}" if args.plan_len else ""))
-    print(format_table(res, consumers, solo))
+          + (f", plan of {args.plan_len}" if args.plan_len else "") + f"; policy {producer.policy}")
+    print(format_table(res, consumers, solo, opt, producer.artifact_bytes))
     return 0
 
 

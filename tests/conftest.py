@@ -72,6 +72,11 @@ class FakeSample:
 class FakePlan:
     """A 4-sample plan of 8 tokens each (distinct ids per sample), for protocol tests without a tokenizer."""
 
+    def order(self, epoch_len: int = 0):
+        from artcache.plan import EpochOrder
+
+        return EpochOrder(len(self), epoch_len or len(self), 0)
+
     def __len__(self) -> int:
         return 4
 

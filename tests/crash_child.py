@@ -50,6 +50,11 @@ class FakePlan:
 
     plan_id = "0" * 40
 
+    def order(self, epoch_len: int = 0):
+        from artcache.plan import EpochOrder
+
+        return EpochOrder(len(self), epoch_len or len(self), 0)
+
     def __len__(self) -> int:
         return N_SAMPLES
 

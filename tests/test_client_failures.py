@@ -49,20 +49,26 @@ def test_regression_eval_split_is_demanded_at_once(tmp_path, fake_plan, small_co
     """The held-out pass used to announce one position per acquire, so the producer captured one batch
     per eval sample (16 samples took 16 producer batches, ~4 min, on SmolLM2/CPU). ``want`` announces the
     whole split as demand in one registration update; acquiring or ``unwant`` withdraws it."""
-    from artcache.scheduler import wanted
+    import math
+
+    import numpy as np
+
+    from artcache.eviction import Reader, decide
+    from artcache.plan import EpochOrder
 
     layout, client, journal = make_client(tmp_path, fake_plan, small_contract, lookahead=2, pinned=(10, 14))
-    assert client.want(range(10, 14)) == [10, 11, 12, 13]
+    assert client.want_samples(range(10, 14)) == [10, 11, 12, 13]
     live = registry.read(layout, "c")
-    assert live.demand == [10, 11, 12, 13]
-    queue = wanted([live], client.fp_of, published=set(), max_queue=8)
+    assert live.pinned_demand == [10, 11, 12, 13] and live.demand == []
+    reader = Reader.of(live, EpochOrder(20, 20, 0), 1.0)
+    queue = decide([reader], sizes=np.zeros(20, dtype=np.int64), budget=math.inf, est_size=1, max_queue=8).capture
     # the whole split is demand (priority 0), ahead of the window's prefetch (positions 0..2)
-    assert [w.position for w in queue if w.demand] == [10, 11, 12, 13]
-    assert all(not w.demand for w in queue if w.position < 10)
-    client.unwant([12, 13])
-    assert registry.read(layout, "c").demand == [10, 11]
-    client.unwant(range(10, 14))
-    assert registry.read(layout, "c").demand == []
+    assert [w.sample for w in queue if w.demand] == [10, 11, 12, 13]
+    assert all(not w.demand for w in queue if w.sample < 10)
+    client.unwant([12, 13], held_out=True)
+    assert registry.read(layout, "c").pinned_demand == [10, 11]
+    client.unwant(range(10, 14), held_out=True)
+    assert registry.read(layout, "c").pinned_demand == []
     journal.close()
 
 

@@ -1,4 +1,5 @@
-"""eviction + leases: retain set, live leases, expiry of dead / fenced / stale holders."""
+"""eviction + leases: the artifacts a decision names go unless a live lease holds them; expiry of dead /
+fenced / stale holders."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ def publish(layout: CacheLayout, i: int) -> str:
     return fp
 
 
+def others(layout: CacheLayout, retain: set[str]) -> list[str]:
+    """Every published fingerprint outside ``retain`` (what a decision keeping ``retain`` evicts)."""
+    return sorted(set(store.list_objects(layout)) - retain)
+
+
 def fake_lease(layout: CacheLayout, fp: str, consumer: str, host: str, pid: int, nonce: str = "00") -> str:
     name = f"{fp}~{consumer}~{host}~{pid}~{nonce}"
     (layout.leases / name).touch()
@@ -46,7 +52,7 @@ def fake_lease(layout: CacheLayout, fp: str, consumer: str, host: str, pid: int,
 def test_evicts_only_outside_retain(layout):
     fps = [publish(layout, i) for i in range(10)]
     retain = set(fps[3:7])
-    res = evict_pass(layout, retain, set())
+    res = evict_pass(layout, others(layout, retain), set())
     assert set(res.evicted) == set(fps) - retain
     assert set(store.list_objects(layout)) == retain
     assert set(res.retained) == retain
@@ -54,29 +60,29 @@ def test_evicts_only_outside_retain(layout):
     # the evictor leaves nothing behind in tmp/
     assert list(layout.tmp.iterdir()) == []
     # a second pass is a no-op
-    res2 = evict_pass(layout, retain, set())
+    res2 = evict_pass(layout, others(layout, retain), set())
     assert res2.evicted == {} and set(res2.retained) == retain
 
 
-def test_never_evicts_inside_retain_even_with_expired_leases(layout):
+def test_never_evicts_what_the_decision_keeps_and_expires_dead_leases_first(layout):
     fps = [publish(layout, i) for i in range(4)]
     name = fake_lease(layout, fps[0], "gone", host_id(), dead_pid())
-    res = evict_pass(layout, set(fps), set())
+    res = evict_pass(layout, others(layout, set(fps)), set())
     assert res.evicted == {} and set(store.list_objects(layout)) == set(fps)
-    # retained items are not even looked at for leases
-    assert (layout.leases / name).exists()
+    # the dead holder's lease is expired before anything is decided (it holds nothing any more)
+    assert not (layout.leases / name).exists() and [r for _, r in res.expired_leases] == ["holder-dead"]
 
 
 def test_keeps_leased(layout):
     fps = [publish(layout, i) for i in range(5)]
     name = leases.acquire(layout, fps[1], "c1")
-    res = evict_pass(layout, set(), {"c1"})
+    res = evict_pass(layout, others(layout, set()), {"c1"})
     assert res.held_by_lease == {fps[1]}
     assert set(store.list_objects(layout)) == {fps[1]}
     assert set(res.evicted) == set(fps) - {fps[1]}
     assert (layout.leases / name).exists()
     assert leases.release(layout, name) is True
-    res = evict_pass(layout, set(), {"c1"})
+    res = evict_pass(layout, others(layout, set()), {"c1"})
     assert set(res.evicted) == {fps[1]} and store.list_objects(layout) == {}
     assert leases.release(layout, name) is False
 
@@ -87,16 +93,16 @@ def test_several_leases_on_one_fp(layout):
     b = leases.acquire(layout, fp, "c2")
     assert a != b
     leases.release(layout, a)
-    assert evict_pass(layout, set(), {"c1", "c2"}).held_by_lease == {fp}
+    assert evict_pass(layout, others(layout, set()), {"c1", "c2"}).held_by_lease == {fp}
     leases.release(layout, b)
-    assert set(evict_pass(layout, set(), {"c1", "c2"}).evicted) == {fp}
+    assert set(evict_pass(layout, others(layout, set()), {"c1", "c2"}).evicted) == {fp}
 
 
 def test_expires_lease_of_dead_pid(layout):
     fp = publish(layout, 1)
     pid = dead_pid()
     name = fake_lease(layout, fp, "c1", host_id(), pid)
-    res = evict_pass(layout, set(), {"c1"})
+    res = evict_pass(layout, others(layout, set()), {"c1"})
     assert [(lease.name, reason) for lease, reason in res.expired_leases] == [(name, "holder-dead")]
     assert set(res.evicted) == {fp}
     assert not (layout.leases / name).exists()
@@ -105,7 +111,7 @@ def test_expires_lease_of_dead_pid(layout):
 def test_expires_lease_of_fenced_consumer(layout):
     fp = publish(layout, 1)
     name = leases.acquire(layout, fp, "c1")  # our own (live) pid
-    res = evict_pass(layout, set(), {"other"})
+    res = evict_pass(layout, others(layout, set()), {"other"})
     assert [(lease.name, reason) for lease, reason in res.expired_leases] == [(name, "consumer-fenced")]
     assert set(res.evicted) == {fp}
     assert leases.release(layout, name) is False
@@ -114,11 +120,11 @@ def test_expires_lease_of_fenced_consumer(layout):
 def test_other_host_lease_expires_by_ttl(layout):
     fp = publish(layout, 1)
     name = fake_lease(layout, fp, "c1", "some-other-host", 1)
-    res = evict_pass(layout, set(), {"c1"}, lease_ttl_s=600)
+    res = evict_pass(layout, others(layout, set()), {"c1"}, lease_ttl_s=600)
     assert res.held_by_lease == {fp} and res.expired_leases == []
     old = time.time() - 1000
     os.utime(layout.leases / name, (old, old))
-    res = evict_pass(layout, set(), {"c1"}, lease_ttl_s=600)
+    res = evict_pass(layout, others(layout, set()), {"c1"}, lease_ttl_s=600)
     assert [(lease.name, reason) for lease, reason in res.expired_leases] == [(name, "ttl")]
     assert set(res.evicted) == {fp}
 
@@ -126,14 +132,14 @@ def test_other_host_lease_expires_by_ttl(layout):
 def test_other_host_lease_of_fenced_consumer_expires(layout):
     fp = publish(layout, 1)
     name = fake_lease(layout, fp, "c1", "some-other-host", 1)
-    res = evict_pass(layout, set(), set(), lease_ttl_s=600)
+    res = evict_pass(layout, others(layout, set()), set(), lease_ttl_s=600)
     assert [(lease.name, reason) for lease, reason in res.expired_leases] == [(name, "consumer-fenced")]
 
 
 def test_dead_leases_on_unpublished_fps_are_expired(layout):
     live_name = leases.acquire(layout, fp_of(7), "c1")
     dead_name = fake_lease(layout, fp_of(8), "c1", host_id(), dead_pid())
-    res = evict_pass(layout, set(), {"c1"})
+    res = evict_pass(layout, others(layout, set()), {"c1"})
     assert [lease.name for lease, _ in res.expired_leases] == [dead_name]
     assert (layout.leases / live_name).exists() and not (layout.leases / dead_name).exists()
 
@@ -142,7 +148,7 @@ def test_garbage_in_leases_dir_ignored(layout):
     fp = publish(layout, 1)
     (layout.leases / "not-a-lease").touch()
     (layout.leases / f"{fp}~c1~h~notapid~00").touch()
-    res = evict_pass(layout, set(), {"c1"})
+    res = evict_pass(layout, others(layout, set()), {"c1"})
     assert set(res.evicted) == {fp}
     assert leases.parse("a~b") is None and leases.parse(f"{'Z' * 40}~c~h~1~n") is None
     with pytest.raises(ValueError):
@@ -168,7 +174,7 @@ def test_acquire_validates_inputs(layout):
 
 def test_objects_argument_is_used(layout):
     fps = [publish(layout, i) for i in range(3)]
-    res = evict_pass(layout, set(), set(), objects={fps[0]: 1})
+    res = evict_pass(layout, fps, set(), objects={fps[0]: 1})
     assert set(res.evicted) == {fps[0]}
     assert set(store.list_objects(layout)) == set(fps[1:])
 
@@ -177,6 +183,6 @@ def test_evicted_file_gone_meanwhile_is_success(layout):
     fps = [publish(layout, i) for i in range(2)]
     listing = store.list_objects(layout)
     store.remove(layout, fps[0])  # someone else removed it between the listing and the pass
-    res = evict_pass(layout, set(), set(), objects=listing)
+    res = evict_pass(layout, fps, set(), objects=listing)
     assert set(res.evicted) == {fps[1]}
     assert store.list_objects(layout) == {}

@@ -14,7 +14,8 @@ from artcache import journal as J
 FP = "ab" * 20
 
 SAMPLES: dict[type, dict] = {
-    J.ProducerStart: dict(producer="p", pid=12, contract_id="cc" * 20, plan_id="dd" * 20),
+    J.ProducerStart: dict(producer="p", pid=12, contract_id="cc" * 20, plan_id="dd" * 20, budget_bytes=1 << 40,
+                          policy="windows", fill=True),
     J.ProducerStop: dict(producer="p", reason="signal"),
     J.CaptureBatch: dict(producer="p", fps=[FP, "cd" * 20], samples=2, tokens=30, padded_tokens=40, start=1.5,
                          end=2.25, demand=1),
@@ -22,19 +23,20 @@ SAMPLES: dict[type, dict] = {
     J.Publish: dict(producer="p", fp=FP, nbytes=123456),
     J.CaptureFailure: dict(producer="p", fp=FP, attempts=3, retryable=False, error="PublishError: ENOSPC"),
     J.Coalesced: dict(producer="p", fp=FP, requesters=2, reason="lock-held"),
-    J.Evict: dict(producer="p", fp=FP, nbytes=99),
-    J.Retained: dict(producer="p", artifacts=5, nbytes=500, window_bound=12),
+    J.Evict: dict(producer="p", fp=FP, nbytes=99, reason="needed-later"),
+    J.Retained: dict(producer="p", artifacts=5, nbytes=500, window_bound=12, budget=1000, binding=True,
+                     windows_exceed_budget=True),
     J.LeaseExpire: dict(producer="p", fp=FP, lease=f"{FP}~c~h~1~aa", reason="holder-dead"),
     J.Fence: dict(producer="p", consumer="c", generation=4, state="expired", reason="no heartbeat for 31s"),
     J.ConsumerStart: dict(consumer="c", pid=7, draft="dflash", block_size=16, batch_size=4, lookbehind=64,
-                          lookahead=256, cursor=10, step=5, pinned=8),
-    J.Request: dict(consumer="c", position=5, fp=FP, hit=False, wait_s=0.25),
+                          lookahead=256, cursor=10, step=5, pinned=8, epoch_len=90),
+    J.Request: dict(consumer="c", position=5, fp=FP, hit=False, wait_s=0.25, sample=95, epoch=2, held_out=True),
     J.DemandWait: dict(consumer="c", position=5, fp=FP),
     J.LeaseAcquire: dict(consumer="c", fp=FP, lease=f"{FP}~c~h~1~aa"),
     J.LeaseRelease: dict(consumer="c", fp=FP, lease=f"{FP}~c~h~1~aa"),
     J.Quarantined: dict(consumer="c", fp=FP, reason="failed its content hash"),
     J.Step: dict(consumer="c", step=3, cursor=12, loss=1.25, tau_sum=7.5, blocks=4, acc_correct=[4, 3, 2],
-                 acc_total=[4, 4, 4], wait_s=0.0, step_s=0.5, lr=3e-4),
+                 acc_total=[4, 4, 4], wait_s=0.0, step_s=0.5, lr=3e-4, epoch=1),
     J.ConsumerEnd: dict(consumer="c", state="failed", steps=3, cursor=12, error="CaptureTimeout: x"),
 }
 

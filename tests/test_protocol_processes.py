@@ -218,13 +218,13 @@ def test_lease_in_other_process_blocks_eviction_until_released(tmp_path):
     p, (ready, release, released, exit_now) = _start_holder(layout, fp, crash=False)
     try:
         for _ in range(3):
-            res = evict_pass(layout, set(), {"reader1"})
+            res = evict_pass(layout, list(store.list_objects(layout)), {"reader1"})
             assert store.exists(layout, fp), "evicted while a live lease was held"
             assert res.held_by_lease == {fp} and res.expired_leases == []
         assert not store.exists(layout, other)  # the unleased one went
         release.set()
         assert released.wait(DEADLINE_S)
-        res = evict_pass(layout, set(), {"reader1"})
+        res = evict_pass(layout, list(store.list_objects(layout)), {"reader1"})
         assert set(res.evicted) == {fp} and res.expired_leases == []
         assert not store.exists(layout, fp)
     finally:
@@ -238,11 +238,11 @@ def test_lease_of_crashed_reader_expires(tmp_path):
     fp = fp_of(3)
     store.publish(layout, fp, C, capture(fp))
     p, (ready, release, released, exit_now) = _start_holder(layout, fp, crash=True)
-    res = evict_pass(layout, set(), {"reader1"})
+    res = evict_pass(layout, list(store.list_objects(layout)), {"reader1"})
     assert res.held_by_lease == {fp} and store.exists(layout, fp)
     exit_now.set()
     _join_all([p])
-    res = evict_pass(layout, set(), {"reader1"})
+    res = evict_pass(layout, list(store.list_objects(layout)), {"reader1"})
     assert [reason for _, reason in res.expired_leases] == ["holder-dead"]
     assert set(res.evicted) == {fp}
     assert list(layout.leases.iterdir()) == []

@@ -1,17 +1,21 @@
 """Window / lease / eviction properties: a hypothesis state machine plus a long deterministic stream.
 
-The model: positions map injectively to fingerprints; a fake producer publishes positions inside live
-windows (tiny tensors, real store.publish); eviction passes retain the union of live windows exactly as
-Producer.evict computes it (registrations in state ``running``; windows incl. lookbehind).
+The model: positions map injectively to fingerprints (a plan walked in plan order); a fake producer
+publishes positions inside live windows (tiny tensors, real store.publish); eviction passes evict what
+:func:`artcache.eviction.decide` names, as Producer.evict does (registrations in state ``running``;
+windows incl. lookbehind), under a drawn disk budget: nothing inside a live window or leased is ever
+evicted, and the retained bytes fit the budget unless the windows alone exceed it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -21,13 +25,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from artcache import leases, registry, store
 from artcache.contract import CaptureContract
 from artcache.errors import ConsumerFenced
-from artcache.eviction import evict_pass
+from artcache.eviction import Reader, decide, evict_pass
 from artcache.layout import CacheLayout
+from artcache.plan import EpochOrder
 from artcache.registry import ConsumerHandle, Registration
 
 C = CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
                     layer_ids=(0,), max_length=4, tokenizer_digest="k", template_digest="m")
 IDS = ("c0", "c1", "c2")
+PLAN = 20_000  # positions (= samples) of the model's plan
 
 
 def fp_of(p: int) -> str:
@@ -38,24 +44,36 @@ def pos_of(fp: str) -> int:
     return int(fp, 16)
 
 
-def publish(layout: CacheLayout, p: int) -> None:
+def publish(layout: CacheLayout, p: int) -> int:
     ts = {"hidden_states": torch.tensor([[[float(p % 97)]]], dtype=torch.bfloat16),
           "input_ids": torch.tensor([p % 50_000], dtype=torch.int32),
           "loss_mask": torch.ones(1, dtype=torch.uint8)}
-    store.publish(layout, fp_of(p), C, ts, durable=False)
+    return store.publish(layout, fp_of(p), C, ts, durable=False)
 
 
 def live_regs(layout: CacheLayout) -> list[Registration]:
     return [r for r in registry.read_all(layout) if r.state == "running"]
 
 
-def retain_set(regs: list[Registration]) -> set[str]:
-    """As Producer.evict: fingerprints of every position in the union of live windows and pinned
-    (held-out evaluation) ranges."""
+def window_set(regs: list[Registration]) -> set[str]:
+    """Fingerprints of every position in the union of live windows and pinned (held-out) ranges: what no
+    eviction may touch."""
     out = set()
     for r in regs:
         out.update(fp_of(p) for p in r.retained_positions())
     return out
+
+
+def decision(layout: CacheLayout, regs: list[Registration], budget: float, leased: set[str], policy: str = "need"):
+    """The decision Producer.evict takes for ``regs`` over what ``objects/`` holds (every consumer at rate 1)."""
+    sizes = np.zeros(PLAN, dtype=np.int64)
+    for fp, n in store.list_objects(layout).items():
+        sizes[pos_of(fp)] = n
+    est = int(sizes.max()) or 200
+    order = EpochOrder(PLAN, PLAN, 0)
+    readers = [Reader.of(r, order, 1.0) for r in regs]
+    return decide(readers, sizes=sizes, budget=budget, est_size=est, leased=[pos_of(fp) for fp in leased],
+                  policy=policy)
 
 
 class WindowMachine(RuleBasedStateMachine):
@@ -139,31 +157,36 @@ class WindowMachine(RuleBasedStateMachine):
         publish(self.layout, p)
         self.published.add(fp_of(p))
 
-    @rule()
-    def evict(self):
+    @rule(budget=st.sampled_from([math.inf, 0, 2, 6, 12]))
+    def evict(self, budget):
         regs = live_regs(self.layout)
         live_ids = {r.consumer_id for r in regs}
         assert live_ids == set(self.handles)
-        retain = retain_set(regs)
-        before = set(store.list_objects(self.layout))
+        before_objects = store.list_objects(self.layout)
+        before = set(before_objects)
         assert before == self.published
+        size = max(before_objects.values(), default=1)
+        budget_bytes = budget * size  # in artifacts of this (constant) size
         live_leased = {fp for cid, fp in self.held.values() if cid in live_ids}
-        res = evict_pass(self.layout, retain, live_ids)
+        dec = decision(self.layout, regs, budget_bytes, live_leased)
+        res = evict_pass(self.layout, [fp_of(i) for i in dec.evict], live_ids)
         after = set(store.list_objects(self.layout))
         evicted = before - after
         self.evictions += len(evicted)
         assert set(res.evicted) == evicted
+        assert {fp_of(i) for i in dec.evict} == evicted  # nothing it named was held by a live lease
         # nothing inside a live window is evicted; every live-leased artifact survives
-        assert not evicted & retain
+        assert not evicted & window_set(regs)
         assert not evicted & live_leased
-        # what is left is inside a window or leased; bounded by the windows plus the leased outside them
-        assert after <= retain | live_leased
-        leased_outside = {fp for fp in live_leased if fp not in retain}
-        assert len(after) <= sum(r.retain_bound() for r in regs) + len(leased_outside)
-        # leases of fenced/finished consumers were expired (their holder pid is alive: reason is the fence),
-        # except on artifacts still inside a live window: those are not looked at, and harmless
-        dead = {name for name, (cid, fp) in self.held.items()
-                if cid not in live_ids and not (fp in before and fp in retain)}
+        # the retained bytes fit the budget, unless the live windows and leases alone exceed it
+        kept = sum(before_objects[fp] for fp in after)
+        assert kept <= budget_bytes or dec.windows_exceed_budget
+        if dec.windows_exceed_budget:  # then only the guarantee is left
+            assert after <= window_set(regs) | live_leased
+        if math.isinf(budget):
+            assert not evicted  # no budget: nothing goes
+        # leases of fenced/finished consumers were expired (their holder pid is alive: reason is the fence)
+        dead = {name for name, (cid, fp) in self.held.items() if cid not in live_ids}
         assert {lease.name for lease, _ in res.expired_leases} == dead
         assert all(reason == "consumer-fenced" for _, reason in res.expired_leases)
         for name in dead:
@@ -193,21 +216,27 @@ TestWindowMachine.settings = settings(max_examples=30, stateful_step_count=40, d
 
 
 # ---- long stream ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("n_positions", [2_000, pytest.param(10_000, marks=pytest.mark.reliability)])
-def test_long_stream_retained_bounded_by_windows(tmp_path, n_positions):
-    """3 consumers at different speeds walk the positions; the producer keeps every live window
-    published; eviction after every tick. Retained artifacts never exceed Σ live window sizes."""
+@pytest.mark.parametrize("policy,n_positions", [("windows", 2_000), ("need", 2_000),
+                                                pytest.param("windows", 10_000, marks=pytest.mark.reliability)])
+def test_long_stream_retained_bounded(tmp_path, policy, n_positions):
+    """3 consumers at different speeds walk the positions; the producer keeps every live lookahead
+    published; eviction after every tick. ``windows``: retained artifacts never exceed Σ live window sizes
+    (and everything is gone at the end); ``need`` with a budget of 120 artifacts: never above the budget (this
+    fake producer publishes every lookahead whatever the budget; eviction alone brings it back under)."""
     layout = CacheLayout(tmp_path / "root")
     layout.create()
     spec = {"fast": (13, 4, 32), "mid": (8, 8, 16), "slow": (5, 0, 24)}  # speed, lookbehind, lookahead
     handles = {}
     for cid, (_, lb, la) in spec.items():
         handles[cid] = ConsumerHandle(layout, registry.register(layout, Registration(
-            consumer_id=cid, draft="d", lookbehind=lb, lookahead=la, pid=os.getpid())))
+            consumer_id=cid, draft="d", lookbehind=lb, lookahead=la, pid=os.getpid(), end=n_positions)))
     published: set[int] = set()
     captures = 0
-    max_retained = 0
+    max_retained = max_bytes = 0
     ticks = 0
+    size = publish(layout, 0)
+    store.remove(layout, fp_of(0))
+    budget = 120 * size if policy == "need" else math.inf  # above Σ window sizes (87), below the lead
     while handles:
         ticks += 1
         regs = [h.current for h in handles.values()]
@@ -218,8 +247,9 @@ def test_long_stream_retained_bounded_by_windows(tmp_path, n_positions):
                     publish(layout, p)
                     published.add(p)
                     captures += 1
-        bound = sum(r.window_size() for r in regs)
-        assert len(published) <= bound, f"tick {ticks}: {len(published)} published > window bound {bound}"
+        if policy == "windows":
+            bound = sum(r.window_size() for r in regs)
+            assert len(published) <= bound, f"tick {ticks}: {len(published)} published > window bound {bound}"
         # consumers: lease their batch, read it, commit, release
         for cid in list(handles):
             h = handles[cid]
@@ -234,17 +264,25 @@ def test_long_stream_retained_bounded_by_windows(tmp_path, n_positions):
             if batch.stop >= n_positions:
                 h.finish("completed")
                 del handles[cid]
-        # evict outside the union of live windows
         regs = live_regs(layout)
-        res = evict_pass(layout, retain_set(regs), {r.consumer_id for r in regs})
+        dec = decision(layout, regs, budget, set(), policy)
+        res = evict_pass(layout, [fp_of(i) for i in dec.evict], {r.consumer_id for r in regs})
         published -= {pos_of(fp) for fp in res.evicted}
         on_disk = store.list_objects(layout)
         assert {pos_of(fp) for fp in on_disk} == published
-        assert len(on_disk) <= sum(r.window_size() for r in regs)
+        if policy == "windows":
+            assert len(on_disk) <= sum(r.window_size() for r in regs)
+        else:
+            assert sum(on_disk.values()) <= budget and not dec.windows_exceed_budget
         max_retained = max(max_retained, len(on_disk))
-    assert store.list_objects(layout) == {}
+        max_bytes = max(max_bytes, sum(on_disk.values()))
     assert os.listdir(layout.leases) == []
     bound = sum(lb + la + 1 for _, lb, la in spec.values())
-    assert 0 < max_retained <= bound
-    # the slow consumer re-needs what the fast ones moved past: recaptures happen, and are bounded
-    assert n_positions < captures <= 3 * n_positions
+    if policy == "windows":
+        assert store.list_objects(layout) == {}
+        assert 0 < max_retained <= bound
+        # the slow consumer re-needs what the fast ones moved past: recaptures happen, and are bounded
+        assert n_positions < captures <= 3 * n_positions
+    else:
+        assert budget - 2 * size < max_bytes <= budget  # the budget fills, and holds
+        assert n_positions < captures <= 3 * n_positions

@@ -64,6 +64,11 @@ class StreamPlan:
     def __init__(self, n: int) -> None:
         self.n = n
 
+    def order(self, epoch_len: int = 0):
+        from artcache.plan import EpochOrder
+
+        return EpochOrder(len(self), epoch_len or len(self), 0)
+
     def __len__(self) -> int:
         return self.n
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import sys
 
 import click
@@ -57,6 +58,25 @@ def parse_template_options(items) -> dict:
                     value = text
         out[name] = value
     return out
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str | int, flag: str) -> int:
+    """``--disk-budget`` text → bytes: an integer, optionally with K, M, G or T (powers of 1024; a trailing
+    ``B``/``iB`` is accepted). Raises ConfigError naming the value and what is accepted."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
+        if m is None:
+            raise ConfigError(f"--{flag} {text!r} is not accepted: bytes as an integer, optionally with K, M, G or T "
+                              "(powers of 1024), e.g. 500G; 0 for the default")
+        value = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if value < 0:
+        raise ConfigError(f"--{flag} {text!r} is not accepted: bytes >= 0")
+    return value
 
 
 def _parse_layer_ids(text: str | None) -> list[int] | None:
@@ -206,12 +226,21 @@ def main(verbose: bool) -> None:
               help="Create the cache root group-shared (mode 2770, setgid) instead of private (0700).")
 @click.option("--backend", default="hf", type=click.Choice(["hf", "vllm"]),
               help="Capture backend: hf (transformers) or vllm (needs the artcache[vllm] extra; docs/vllm.md).")
+@click.option("--disk-budget", default="0", metavar="BYTES",
+              help="Bytes the retained artifacts may take (suffixes K, M, G, T: powers of 1024; 0: 90% of the "
+              "filesystem's free space beyond 1 GiB, reported at start). Live windows are kept whatever it is.")
+@click.option("--retention", default="need", type=click.Choice(["need", "windows"]),
+              help="need: keep what live consumers will read again while it fits the budget (Belady); windows: "
+              "keep only the live windows (the rule before, for comparisons).")
+@click.option("--fill", is_flag=True, help="Capture the whole plan (after what live consumers need), then exit; "
+              "later runs on the root read it with no capture.")
 @_errors
 @_with_config("producer")
 def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers, layer_ids, device, dtype,
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, idle_exit, threads,
-             producer_id, template_options=(), group_shared=False, backend="hf"):
+             producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention="need",
+             fill=False):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
@@ -228,7 +257,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
         expect_consumers=expect_consumers, idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
-        group_shared=group_shared, backend=backend)
+        group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
+        retention=retention, fill=fill)
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)

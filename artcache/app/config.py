@@ -34,7 +34,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import msgspec.inspect as mi
@@ -117,6 +117,9 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         done_grace_s: ``artcache run``: the producer exits this long after the last experiment ended.
         demand_timeout_s: an experiment gives up waiting for one position after this long (seconds).
         group_shared: create the root group-shared (mode 2770, setgid) instead of private (0700).
+        disk_budget: bytes the retained artifacts may take (0: the producer's default from the
+            filesystem's free space); live windows and leases are kept whatever it is.
+        retention: ``need`` (keep by future need inside the budget) or ``windows`` (only live windows).
     """
 
     root: str = ""
@@ -124,6 +127,8 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     done_grace_s: float = 5.0
     demand_timeout_s: float = 600.0
     group_shared: bool = False
+    disk_budget: Annotated[int, msgspec.Meta(ge=0)] = 0
+    retention: Literal["need", "windows"] = "need"
 
 
 class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -627,8 +632,9 @@ PRODUCER_FLAGS = {
     "batch_tokens": "capture.batch_tokens", "max_queue": "capture.max_queue",
     "heartbeat_timeout": "cache.heartbeat_timeout_s", "done_grace": "cache.done_grace_s", "threads": "target.threads",
     "template_options": "data.template_options", "group_shared": "cache.group_shared", "backend": "capture.backend",
+    "disk_budget": "cache.disk_budget", "retention": "cache.retention",
 }
-PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "idle_exit", "producer_id")
+PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "idle_exit", "producer_id", "fill")
 
 #: ``artcache consume --experiment NAME`` flag → field of that experiment (``E.`` prefix) or config path.
 CONSUME_FLAGS = {
@@ -672,6 +678,10 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
             from artcache.app.cli import parse_template_options
 
             value = parse_template_options(value)
+        elif path == "cache.disk_budget":
+            from artcache.app.cli import parse_bytes
+
+            value = parse_bytes(value, "disk-budget")
         out[path] = value
     return out
 
@@ -707,7 +717,8 @@ def producer_config(cfg: RunConfig, **process: Any):
                                max_batch_tokens=cfg.capture.batch_tokens),
         heartbeat_timeout_s=cfg.cache.heartbeat_timeout_s, done_grace_s=cfg.cache.done_grace_s,
         threads=cfg.target.threads, template_options=dict(cfg.data.template_options),
-        group_shared=cfg.cache.group_shared, backend=cfg.capture.backend, **extra)
+        group_shared=cfg.cache.group_shared, backend=cfg.capture.backend, disk_budget=cfg.cache.disk_budget,
+        retention=cfg.cache.retention, **extra)
 
 
 def experiment_dir(cfg: RunConfig, e: Experiment) -> str:
