@@ -363,10 +363,13 @@ class EpochOrder:
             raise ValueError(f"epoch_len {epoch_len} must be in [1, {plan_len}]")
         self.plan_len, self.epoch_len, self.seed = int(plan_len), int(epoch_len), int(seed)
         self._perms: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._last: tuple[int, tuple[np.ndarray, np.ndarray] | None] = (-1, None)
 
     def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         """(order int64 [epoch_len]: the samples of epoch e in reading order, inverse int64 [plan_len]:
         the offset of each sample within epoch e, -1 for held-out samples)."""
+        if self._last[0] == e:
+            return self._last[1]
         got = self._perms.get(e)
         if got is None:
             n, m = self.plan_len, self.epoch_len
@@ -380,6 +383,7 @@ class EpochOrder:
             if len(self._perms) >= self._KEEP:
                 self._perms.pop(next(iter(self._perms)))
             self._perms[e] = got = (order, inv)
+        self._last = (e, got)
         return got
 
     def epoch(self, p: int) -> int:
@@ -388,10 +392,12 @@ class EpochOrder:
 
     def sample(self, p: int) -> int:
         """The plan sample index read at position ``p``. Raises IndexError for ``p < 0``."""
-        if p < 0:
-            raise IndexError(f"plan position must be >= 0, got {p}")
+        if p < self.epoch_len:
+            if p < 0:
+                raise IndexError(f"plan position must be >= 0, got {p}")
+            return p
         e, i = divmod(p, self.epoch_len)
-        return i if e == 0 else int(self._epoch(e)[0][i])
+        return int(self._epoch(e)[0][i])
 
     def samples(self, lo: int, hi: int) -> np.ndarray:
         """int64 [max(0, hi - lo)]: the samples read at positions ``lo .. hi - 1`` (lo >= 0)."""

@@ -1,13 +1,17 @@
-"""Issue 4 in numbers: a deterministic discrete-event simulation (bench/sim.py) of one producer and N
-consumers over the real scheduler (wanted / next_batch / SchedulerLimits / window_bound, Registration).
+"""Issues 4 and 21 in numbers: a deterministic discrete-event simulation (bench/sim.py) of one producer and N
+consumers over the real retention policy (eviction.decide / RateEstimator, scheduler.next_batch, EpochOrder).
 
-Each consumer advances at its own rate; producer work is shared where windows overlap; retained
-artifacts and the producer's queue stay bounded however long the run; a lagging consumer is served
-by recapture without slowing the others; demand is captured before prefetch; a consumer killed mid-run
-is fenced within its lease time (the heartbeat timeout) and its window stops counting.
+Each consumer advances at its own rate; producer work is shared where windows overlap; under the windows
+rule (``policy="windows"``, the rule before retention by need) retained artifacts and the producer's queue
+stay bounded by the windows however long the run and a lagging consumer is served by recapture without
+slowing the others; demand is captured before prefetch; a consumer killed mid-run is fenced within its
+lease time (the heartbeat timeout) and its window stops counting. Retention by need: see
+test_retention_sim.py.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -33,14 +37,19 @@ from artcache.scheduler import SchedulerLimits, check_deadlock
 N = 10_000
 
 
+def windows(prod):
+    """The same producer under the windows-only rule."""
+    return replace(prod, policy="windows")
+
+
 @pytest.fixture(scope="module")
 def overlap():
-    return simulate(overlap_consumers(), default_producer(), N)
+    return simulate(overlap_consumers(), windows(default_producer()), N)
 
 
 @pytest.fixture(scope="module")
 def lagging():
-    return simulate([*overlap_consumers(), lagging_consumer()], default_producer(), N)
+    return simulate([*overlap_consumers(), lagging_consumer()], windows(default_producer()), N)
 
 
 def test_every_consumer_completes_at_its_own_rate(overlap):
@@ -66,16 +75,15 @@ def test_b_fastest_rate_matches_solo_with_spare_capacity(overlap):
     # the producer has spare capacity: more samples/s than the fastest consumer needs, and idle time
     assert prod.capacity > 1.5 * fast.compute_rate
     assert overlap.utilization < 0.8
-    solo = solo_rates([fast], prod, N)[fast.name]
+    solo = solo_rates([fast], windows(prod), N)[fast.name]
     assert overlap.consumers[fast.name].rate == pytest.approx(solo, rel=0.10)
     assert overlap.consumers[fast.name].rate >= 0.99 * solo
 
 
 def test_c_retained_never_exceeds_window_bound(overlap, lagging):
     for res in (overlap, lagging):
-        assert res.retained_violations == []  # checked after every event against Σ live window sizes
-        # ... and against the union of the live windows (after every pass's eviction: nothing outside it)
-        assert res.union_violations == []
+        assert res.window_violations == [] and res.budget_violations == []
+        # after every pass's eviction nothing outside the union of the live windows is left
         assert res.max_retained <= res.max_union < res.window_bound_all
         assert all(retained <= union for _, retained, union in res.retained_log)
         assert 0 < res.max_retained <= res.window_bound_all
@@ -87,13 +95,13 @@ def test_d_queue_and_retained_do_not_grow_with_run_length():
     """80 / 60 / 40 positions/s plus the lagging consumer: their windows part within the first 2,000
     positions, after which the run is in steady state (a run whose windows still overlap retains the
     union, which grows with the gap between cursors until the windows part: bounded all the same)."""
-    consumers, prod = diverge_consumers(), diverge_producer()
+    consumers, prod = diverge_consumers(), windows(diverge_producer())
     short, long = (simulate(consumers, prod, n) for n in (2_000, 10_000))
     assert (short.max_queue, short.max_retained) == (long.max_queue, long.max_retained)
     for res in (short, long):
         assert res.max_queue <= prod.limits.max_queue
         assert res.max_retained <= res.window_bound_all
-        assert res.retained_violations == []
+        assert res.window_violations == []
         # producer work is per position, at most once per consumer whose window is its own
         assert res.captures <= len(consumers) * res.positions
     # the windows part: retained reaches exactly Σ window sizes, and no more
@@ -112,7 +120,7 @@ def test_e_lagging_consumer_recaptures_completes_and_does_not_slow_others(overla
 
 
 def test_g_killed_consumer_fenced_within_lease_time_and_its_window_stops_counting(overlap):
-    prod, spec = default_producer(), killed_consumer()
+    prod, spec = windows(default_producer()), killed_consumer()
     res = simulate([*overlap_consumers(), spec], prod, N)
     victim = res.consumers["victim"]
     batch_s = prod.fixed_s + prod.per_sample_s * prod.limits.max_batch_samples
@@ -130,7 +138,7 @@ def test_g_killed_consumer_fenced_within_lease_time_and_its_window_stops_countin
     before = [r for t, r, _ in res.retained_log if t < victim.fenced_s][-1]
     after = [r for t, r, _ in res.retained_log if t >= victim.fenced_s][0]
     assert before - after >= 0.9 * (spec.lookbehind + spec.lookahead + 1)
-    assert res.union_violations == [] and res.retained_violations == [] and res.final_retained == 0
+    assert res.window_violations == [] and res.budget_violations == [] and res.final_retained == 0
     # and the others never noticed: their rates are those of the run without it
     for name, r in overlap.consumers.items():
         assert res.consumers[name].rate == pytest.approx(r.rate, rel=0.01), name
@@ -148,8 +156,8 @@ def test_a_live_consumer_is_never_fenced(overlap, lagging):
 
 
 def test_f_demand_before_prefetch():
-    res = simulate(saturated_consumers(), saturated_producer(), 2_000)
-    prod = saturated_producer()
+    prod = windows(saturated_producer())  # the late consumer's positions were evicted: it demands them
+    res = simulate(saturated_consumers(), prod, 2_000)
     # the producer is the bottleneck: consumers block often while the greedy lookahead is pending
     assert res.utilization > 0.99
     assert res.demand_with_prefetch_pending >= 100
@@ -162,12 +170,16 @@ def test_f_demand_before_prefetch():
         assert r.max_demand_wait_s <= 2 * batch_s + 1e-9
 
 
-def test_plan_wrap_fingerprints():
-    """Positions map to fingerprints by p % plan_len: one capture per plan sample while windows cover it."""
+def test_plan_epochs_fingerprints():
+    """Positions past the plan walk its later epochs (reshuffled): under the windows rule most of every epoch
+    is captured again (it was evicted); retained by need each sample is captured once for all four epochs."""
     cons = [ConsumerSpec("x", 0.1, 8, 64, 128), ConsumerSpec("y", 0.1, 8, 64, 128)]
+    res = simulate(cons, windows(default_producer()), 1_000, plan_len=250)
+    assert res.distinct_fps_captured == 250 and res.positions == 1_000
+    # each epoch re-captures the evicted sample (but for those the reshuffle puts inside a window again)
+    assert 600 < res.captures <= 1_000 and res.recaptures == res.captures - 250
     res = simulate(cons, default_producer(), 1_000, plan_len=250)
-    assert res.distinct_fps_captured == 250
-    assert res.captures == 1_000 and res.recaptures == 750  # each epoch re-captures the evicted sample
+    assert res.captures == 250 and res.recaptures == 0 and res.captures_per_position == 0.25
 
 
 # ---- check_deadlock ------------------------------------------------------------------------------
@@ -194,8 +206,8 @@ def test_rejected_setting_really_deadlocks_in_the_simulation():
 
 def test_simulation_is_deterministic():
     cons = [*overlap_consumers(), lagging_consumer(start_s=3.0)]
-    a, b = (simulate(cons, ProducerSpec(), 1_500) for _ in range(2))
-    assert a == b
+    a, b = (simulate(cons, ProducerSpec().with_budget(600), 1_500) for _ in range(2))
+    assert a == b and a.binding
 
 
 def test_cli_prints_table(capsys):
