@@ -93,14 +93,42 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     torn_journal_lines: int = 0
 
 
+class RetentionNow(msgspec.Struct, kw_only=True):
+    """The retention decision the root's state implies now (:func:`artcache.eviction.decide` over the live
+    registrations, ``objects/``, the leases, the consumers' rates from their journaled steps, and the
+    latest producer's budget and rule); read-only: nothing is evicted.
+
+    Attributes:
+        policy: the rule (``need`` / ``windows``). budget_bytes: 0 when no producer recorded one (none).
+        retained_bytes, retained_artifacts: ``objects/`` now. live_consumers: running, heart-beating.
+        kept: reason → artifacts kept (``window`` incl. pinned ranges, ``leased``, ``needed`` by a live
+            consumer later, ``unneeded`` kept while the budget has room). would_evict: reason → artifacts.
+        binding, windows_exceed_budget: as :class:`artcache.eviction.RetentionDecision`.
+        rates: consumer → positions per second the decision assumed.
+    """
+
+    policy: str
+    budget_bytes: int
+    retained_bytes: int
+    retained_artifacts: int
+    live_consumers: int
+    kept: dict[str, int]
+    would_evict: dict[str, int]
+    binding: bool
+    windows_exceed_budget: bool
+    rates: dict[str, float]
+
+
 class Accounting(msgspec.Struct, kw_only=True):
     cache: CacheCounts
     consumers: list[ConsumerCounts]
     violations: list[str]
+    retention_now: RetentionNow | None = None
 
 
-def account(layout: CacheLayout) -> Accounting:
-    """Read every journal of ``layout`` and the live state on disk; check invariants."""
+def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
+    """Read every journal of ``layout`` and the live state on disk; check invariants. ``retention_now``:
+    also compute :class:`RetentionNow` (loads the plan and fingerprints every sample: ``artcache inspect``)."""
     res = J.read_events(layout.journal)
     c = CacheCounts(torn_journal_lines=res.torn_lines)
     per: dict[str, ConsumerCounts] = {}
@@ -201,7 +229,59 @@ def account(layout: CacheLayout) -> Accounting:
     on_disk = {info.name for infos in leases_mod.scan(layout).values() for info in infos}
     c.leases_held = len(on_disk)
     c.leases_removal_unjournaled = sum(removal_unjournaled(name) for name in acquired - settled - on_disk)
-    return Accounting(cache=c, consumers=consumers, violations=check_invariants(c, consumers))
+    now = None
+    if retention_now:
+        from artcache.errors import ArtcacheError
+
+        try:
+            now = current_retention(layout, res.events, c, objects)
+        except (ArtcacheError, OSError, ValueError):  # e.g. a bad plan (fsck reports it): the counts still stand
+            now = None
+    return Accounting(cache=c, consumers=consumers, violations=check_invariants(c, consumers), retention_now=now)
+
+
+def current_retention(layout: CacheLayout, events: list, c: CacheCounts, objects: dict[str, int]) -> RetentionNow:
+    """:class:`RetentionNow` for ``layout`` (see there)."""
+    import math
+    import time
+
+    import numpy as np
+
+    from artcache import registry
+    from artcache.eviction import RateEstimator, Reader, decide
+    from artcache.fingerprint import PlanFingerprints
+    from artcache.plan import Plan
+    from artcache.settings import load_settings
+
+    settings = load_settings(layout)
+    plan = Plan.load(layout.plan_dir(settings.plan_id))
+    fps, index_of, canon = PlanFingerprints(settings.contract, plan).table()
+    rates = RateEstimator()
+    for ev in events:  # the consumers' committed cursors over time, as the producer observes them
+        if isinstance(ev, J.Step):
+            rates.observe(ev.consumer, 0, ev.cursor, ev.t)
+    now = time.time()
+    live = [r for r in registry.read_all(layout) if r.is_live(now, settings.heartbeat_timeout_s)]
+    readers = [Reader.of(r, plan.order(r.epoch_len), rates.rate(r.consumer_id)) for r in live]
+    sizes = np.zeros(len(plan), dtype=np.int64)
+    for fp, n in objects.items():
+        if fp in index_of:
+            sizes[index_of[fp]] = max(n, 1)
+    live_ids = {r.consumer_id for r in live}
+    leased = [index_of[info.fp] for infos in leases_mod.scan(layout).values() for info in infos
+              if info.fp in index_of and info.consumer in live_ids]
+    budget = c.budget_bytes if c.retention == "need" and c.budget_bytes else math.inf
+    est = int(sizes[sizes > 0].mean()) if (sizes > 0).any() else 1
+    d = decide(readers, sizes=sizes, budget=budget, est_size=est, leased=leased, canon=canon,
+               policy="windows" if c.retention == "windows" else "need", explain=True)
+    would: dict[str, int] = {}
+    for why in d.evict.values():
+        would[why] = would.get(why, 0) + 1
+    return RetentionNow(policy=c.retention or "need", budget_bytes=c.budget_bytes,
+                        retained_bytes=sum(objects.values()), retained_artifacts=len(objects),
+                        live_consumers=len(live), kept=d.kept, would_evict=would, binding=d.binding,
+                        windows_exceed_budget=d.windows_exceed_budget,
+                        rates={r.consumer_id: round(r.rate, 3) for r in readers})
 
 
 def consumed_pairs(layout: CacheLayout, consumers: list[ConsumerCounts]) -> int:

@@ -157,13 +157,14 @@ class SizeModel:
 
     ``per_token`` comes from the capture (layers × hidden size × stored dtype size, plus 5 bytes of
     token id and loss mask) when the hidden size is known, else from the largest bytes per token
-    published; ``overhead`` (the safetensors header) is the largest excess any published artifact
-    showed, 64 KiB until one was published. An estimate, used to keep captures inside the budget.
+    published; ``overhead`` (the safetensors header: contract, fingerprint and digests) is the largest
+    excess any published artifact showed, 4 KiB until one was published. An estimate, used to keep
+    captures inside the budget.
     """
 
     def __init__(self, per_token: int = 0) -> None:
         self.per_token = per_token
-        self.overhead = 64 << 10 if per_token else 0
+        self.overhead = 4 << 10 if per_token else 0
         self._seen = False
 
     def observe(self, tokens: int, nbytes: int) -> None:
@@ -340,6 +341,9 @@ class Producer:
         self.sizes = SizeModel(len(self.contract.layer_ids) * hidden_size * itemsize + 5
                                if hidden_size and itemsize else 0)
         self.rates = RateEstimator()
+        for fp, nbytes in store.list_objects(layout).items():  # what a previous producer published
+            if fp in self._index_of:
+                self.sizes.observe(int(self._lengths[self._index_of[fp]]), nbytes)
         self.backend = backend
         self.cfg = cfg
         self.journal = journal
@@ -521,6 +525,12 @@ class Producer:
         self._fill_stuck = not batch
         return bool(batch) and self.capture_batch(batch, live)
 
+    def fill_missing(self) -> list[str]:
+        """Fingerprints of the plan neither published nor given up (``--fill`` is complete without any)."""
+        with self._state:
+            return [fp for fp in dict.fromkeys(self._fp_list)
+                    if fp not in self._published and self._failed.get(fp, 0) < MAX_ATTEMPTS]
+
     def fill_done(self) -> bool:
         """``--fill``: the last decision, taken with nothing in flight, left nothing to capture (every plan
         sample published or given up) or only what the budget leaves out."""
@@ -664,7 +674,7 @@ class Producer:
                     self._idle_since = time.monotonic()
                     continue
                 if self.cfg.fill and self.fill_done():
-                    self.stats.fill_complete = not len(self._decision.capture_samples)
+                    self.stats.fill_complete = not self.fill_missing()
                     reason = "plan filled" if self.stats.fill_complete else "plan does not fit the budget"
                     break
                 if self._any_live:  # as read by this pass's live_registrations()
@@ -744,10 +754,9 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         if presence is not None:
             presence.release()
     if cfg.fill and not producer.stats.fill_complete and not producer.stop_event.is_set():
-        missing = len(plan) - sum(1 for fp in set(producer._fp_list) if fp in producer._published)
         raise DiskBudgetExceeded(
-            f"--fill: {missing} of the plan's {len(plan)} samples do not fit {producer.budget_note}; raise "
-            "--disk-budget (what fitted stays published)")
+            f"--fill: {len(producer.fill_missing())} of the plan's {len(plan)} samples do not fit "
+            f"{producer.budget_note}; raise --disk-budget (what fitted stays published)")
     return producer.stats
 
 

@@ -34,6 +34,9 @@ def format_accounting(acc: Accounting) -> str:
         ["retained artifacts now", c.retained_artifacts], ["retained bytes now", c.retained_bytes],
         ["max retained artifacts", c.max_retained_artifacts],
         ["window bound (artifacts)", c.window_bound_artifacts], ["max retained bytes", c.max_retained_bytes],
+        ["disk budget (bytes)", c.budget_bytes or "-"], ["retention", c.retention or "-"],
+        ["budget binding", "yes" if c.budget_binding else "no"],
+        ["evictions by reason", ", ".join(f"{k} {v}" for k, v in sorted(c.evictions_by_reason.items())) or "-"],
         ["leases acquired", c.leases_acquired], ["leases released", c.leases_released],
         ["leases expired", c.leases_expired], ["leases held now", c.leases_held],
         ["lease removals lost in a kill", c.leases_removal_unjournaled],
@@ -50,10 +53,26 @@ def format_accounting(acc: Accounting) -> str:
            "Per consumer (each consumer's own requests and committed work):",
            table(["consumer", "draft", "B", "window", "state", "steps", "cursor", "requests", "hits", "misses",
                   "wait_s", "leases+", "leases-", "timeouts", "quarantined"], [*per, totals]), ""]
+    now = acc.retention_now
+    if now is not None:
+        rows = [["policy", now.policy], ["budget (bytes)", now.budget_bytes or "none"],
+                ["retained now", f"{now.retained_artifacts} artifacts, {now.retained_bytes} bytes"],
+                ["live consumers (rates, positions/s)", f"{now.live_consumers} "
+                 f"({', '.join(f'{k} {v:g}' for k, v in now.rates.items()) or '-'})"],
+                ["kept: in a live window / leased", f"{now.kept.get('window', 0)} / {now.kept.get('leased', 0)}"],
+                ["kept: needed later / needed by no live consumer",
+                 f"{now.kept.get('needed', 0)} / {now.kept.get('unneeded', 0)}"],
+                ["would evict now", ", ".join(f"{k} {v}" for k, v in sorted(now.would_evict.items())) or "nothing"],
+                ["budget binding now", "yes" if now.binding else "no"]]
+        if now.windows_exceed_budget:
+            rows.append(["live windows alone exceed the budget", "yes (the windows are kept)"])
+        out += ["Retention now (the decision the producer would take on this state):",
+                table(["", "value"], rows), ""]
     if acc.violations:
         out.append("INVARIANT VIOLATIONS:")
         out.extend(f"  - {v}" for v in acc.violations)
     else:
         out.append("invariants: ok (captures = publications + failures + lost in a crash; leases balance; "
-                   "requests = hits + misses; max retained <= window bound)")
+                   "requests = hits + misses; retained bytes <= the disk budget, or <= the window bound under "
+                   "--retention windows)")
     return "\n".join(out)

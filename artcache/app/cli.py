@@ -344,7 +344,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @_errors
 def inspect(cache, as_json):
-    """Lease and eviction accounting, per consumer and in total, with invariant checks."""
+    """Lease and eviction accounting, per consumer and in total, with invariant checks, and the retention
+    decision the root's state implies now (budget, kept and evicted by reason)."""
     from pathlib import Path
 
     from artcache.accounting import account
@@ -353,7 +354,7 @@ def inspect(cache, as_json):
 
     layout = CacheLayout(Path(cache).expanduser().absolute())
     layout.require()
-    acc = account(layout)
+    acc = account(layout, retention_now=True)
     if as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(acc)).decode())
     else:
