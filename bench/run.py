@@ -16,6 +16,17 @@ the same consumers, settings and step counts:
 With baselines the report adds ``modes`` (per mode: producer captures per consumed position, each
 consumer's steady steps/s, the aggregate) and ``comparison`` (the verdict: artcache against
 ``naive`` on captures, against ``lockstep`` on the fast consumer's steps/s), plus ``modes.png``.
+
+Retention modes (the ``hetero`` scenario runs them by default):
+
+* ``windows``: as ``artcache`` but the producer keeps only the live windows (``--retention windows``, the rule
+  before retention by need): the before of the before/after.
+* ``tight``: as ``artcache`` with a disk budget ``--budget-fraction`` of the one that covers the run: too small
+  for the fast consumer's lead, so the budget binds (recaptures rise; the report says it binds).
+* ``solo``: the scenario's fast consumer alone on its own root: its rate alone, against its rate in ``artcache``.
+
+``artcache`` and ``solo`` get a budget that covers the run (every position any consumer reads, at the longest
+sample's size) unless ``--disk-budget`` says otherwise; the 1p1c/1p3c scenarios keep the producer's default.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import subprocess
 import sys
 import time
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
@@ -46,7 +57,9 @@ from artcache.report import table
 from artcache.telemetry import make_sampler
 
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
-MODES = ("artcache", "naive", "lockstep")
+MODES = ("artcache", "naive", "lockstep", "windows", "tight", "solo")
+#: goals of the hetero scenario (issue 21)
+HETERO_GOALS = {"captures_per_consumed_position": 1.05, "speed_ratio": 1.5, "fast_vs_solo": 0.95}
 
 
 @dataclass
@@ -55,18 +68,30 @@ class BenchConfig:
     device: str = "cpu"
     out_dir: str = "bench-out"
     warmup: int = 5
-    steps: int = 40
+    steps: int | None = 40  # None: the scenario's default for the device (else 150 cuda / 15 cpu)
     target: str = "smollm2-135m-instruct"
     dataset: str = "sharegpt"
-    max_length: int = 512
+    max_length: int = 512  # 0: the scenario's default for the device (else 512)
     max_samples: int = 2000
     anchors: int = 32
     batch_size: int = 1
-    window: str = "64:256"
+    window: str = ""  # "": the scenario's default, else 64:256
     allow_shared_gpu: bool = False
     draft_layers: int = 5
     timeout_s: float = 1800.0
     modes: str = ""  # comma-separated subset of MODES; "" = parse_modes' default for the scenario
+    disk_budget: int = 0  # bytes for the artcache/solo producers (0: the run's covering budget for hetero)
+    budget_fraction: float = 0.25  # the tight mode's budget, as a fraction of the covering budget
+
+
+def resolved(cfg: BenchConfig, sc: Scenario) -> BenchConfig:
+    """``cfg`` with the scenario's defaults filled in (window, steps)."""
+    window = cfg.window or sc.window or "64:256"
+    steps = cfg.steps
+    if steps is None:
+        steps = (sc.steps or {}).get(cfg.device, 150 if cfg.device == "cuda" else 15)
+    max_length = cfg.max_length or (sc.max_length or {}).get(cfg.device, 512)
+    return replace(cfg, window=window, steps=steps, max_length=max_length)
 
 
 def _check_environment(cfg: BenchConfig, n_roles: int) -> list[int]:
@@ -108,7 +133,9 @@ def parse_modes(text: str, sc: Scenario) -> tuple[str, ...]:
     list without ``artcache`` (the baselines are compared against it).
     """
     if not text.strip():
-        return MODES if len(sc.consumers) > 1 else ("artcache",)
+        if sc.modes:
+            return tuple(m for m in MODES if m in sc.modes)
+        return ("artcache", "naive", "lockstep") if len(sc.consumers) > 1 else ("artcache",)
     names = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in names if m not in MODES]
     if bad:
@@ -124,7 +151,51 @@ def _producers(base: Path, mode: str, sc: Scenario) -> list[tuple[str, Path, tup
     if mode == "naive":
         return [(f"producer-{c.consumer_id}", base / "naive" / f"cache-{c.consumer_id}", (c,))
                 for c in sc.consumers]
+    if mode == "solo":
+        return [("producer", base / "solo" / "cache", (fast_consumer(sc),))]
     return [("producer", (base if mode == "artcache" else base / mode) / "cache", sc.consumers)]
+
+
+def fast_consumer(sc: Scenario) -> ConsumerSpec:
+    """The consumer marked ``fast`` (else the first), started at once when it runs alone."""
+    fast = next((c for c in sc.consumers if c.fast), sc.consumers[0])
+    return replace(fast, start_s=0.0)
+
+
+def capture_layers(cfg: BenchConfig, sc: Scenario) -> list[int] | None:
+    """The producer's ``--layer-ids`` when a consumer is not DFlash (the union of every consumer's layers), else
+    None (``--draft-layers``)."""
+    if all(c.draft == "dflash" for c in sc.consumers):
+        return None
+    from artcache.layer_ids import dflash_layer_ids, eagle3_capture_ids
+    from artcache.target import resolve_target
+
+    n = resolve_target(cfg.target).num_layers
+    ids = set(dflash_layer_ids(n, cfg.draft_layers)) if any(c.draft == "dflash" for c in sc.consumers) else set()
+    ids |= set(eagle3_capture_ids(n)) if any(c.draft == "eagle3" for c in sc.consumers) else set()
+    return sorted(ids)
+
+
+def covering_budget(cfg: BenchConfig, sc: Scenario) -> int:
+    """Bytes that hold every position of the run at the longest sample's size: a budget that covers any lead
+    (``(warmup + steps) × batch size`` artifacts of ``max_length`` tokens, the captured layers in bfloat16,
+    plus 16 KiB of header each)."""
+    from artcache.layer_ids import dflash_layer_ids
+    from artcache.target import resolve_target
+
+    info = resolve_target(cfg.target)
+    layers = capture_layers(cfg, sc) or dflash_layer_ids(info.num_layers, cfg.draft_layers)
+    per_sample = (16 << 10) + cfg.max_length * (len(layers) * info.hidden_size * 2 + 5)
+    return (cfg.warmup + cfg.steps) * cfg.batch_size * per_sample
+
+
+def mode_budget(cfg: BenchConfig, sc: Scenario, mode: str) -> int:
+    """The ``--disk-budget`` of ``mode``'s producer (0: the producer's default)."""
+    if mode == "tight":
+        return int(cfg.budget_fraction * (cfg.disk_budget or covering_budget(cfg, sc)))
+    if mode in ("artcache", "solo", "windows") and (cfg.disk_budget or sc.modes):
+        return cfg.disk_budget or covering_budget(cfg, sc)
+    return 0
 
 
 @dataclass
@@ -153,6 +224,12 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     logs = work / "logs"
     logs.mkdir(parents=True)
     producers = _producers(base, mode, sc)
+    layers = capture_layers(cfg, sc)
+    capture = ["--layer-ids", ",".join(map(str, layers))] if layers else ["--draft-layers", str(cfg.draft_layers)]
+    budget = mode_budget(cfg, sc, mode)
+    retention = [*(["--disk-budget", str(budget)] if budget else []),
+                 *(["--retention", "windows"] if mode == "windows" else [])]
+    staggered = any(c.start_s > 0 for c in sc.consumers)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cpu = cfg.device == "cpu"
     threads = ["--threads", "1"] if cpu else []
@@ -170,28 +247,37 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                 procs[pid] = subprocess.Popen(_cli(
                     "producer", "--cache", str(root), "--id", pid, "--target", cfg.target, "--data", cfg.dataset,
                     "--max-length", str(cfg.max_length),
-                    "--max-samples", str(cfg.max_samples), "--draft-layers", str(cfg.draft_layers),
+                    "--max-samples", str(cfg.max_samples), *capture,
                     "--device", dev(i), "--exit-when-done", "--done-grace", "5",
-                    "--expect-consumers", str(len(served)), *threads), stdout=log, stderr=subprocess.STDOUT,
-                    env=env)
+                    # staggered starts: capture for the first consumer at once (a start line would wait)
+                    "--expect-consumers", str(1 if staggered else len(served)), *retention, *threads),
+                    stdout=log, stderr=subprocess.STDOUT, env=env)
         for pid, root, _ in producers:
             _wait_ready(root, procs[pid], logs / f"{pid}.log", cfg.timeout_s)
         role = len(producers)
+        starts = []  # (start_s, root, consumer, role)
         for _, root, served in producers:
             for c in served:
-                ccfg = ConsumerConfig(
-                    cache=str(root), consumer_id=c.consumer_id, draft=c.draft, lookbehind=lookbehind,
-                    lookahead=lookahead, block_size=c.block_size, num_anchors=cfg.anchors,
-                    batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=dev(role),
-                    threads=1 if cpu else 0, out_dir=str(work / "runs" / c.consumer_id), log_every=10,
-                    lockstep_group=group)
+                starts.append((c.start_s, root, c, role))
                 role += 1
-                with open(logs / f"{c.consumer_id}.log", "wb") as log:
-                    procs[c.consumer_id] = subprocess.Popen(
-                        [sys.executable, "-m", "artcache.bench.consume", msgspec.json.encode(ccfg).decode()],
-                        stdout=log, stderr=subprocess.STDOUT, env=env)
+        t_first = time.monotonic()
+        for start_s, root, c, r in sorted(starts, key=lambda x: (x[0], x[3])):
+            time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
+            extra = {"draft_layers": cfg.draft_layers} if layers and c.draft == "dflash" else {}
+            ccfg = ConsumerConfig(
+                cache=str(root), consumer_id=c.consumer_id, draft=c.draft, lookbehind=lookbehind,
+                lookahead=lookahead, block_size=c.block_size, num_anchors=c.anchors or cfg.anchors,
+                ttt_steps=c.ttt_steps, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=dev(r),
+                **({"draft_vocab": c.draft_vocab} if c.draft_vocab else {}),
+                threads=1 if cpu else 0, out_dir=str(work / "runs" / c.consumer_id), log_every=10,
+                lockstep_group=group, progress=False, **extra)
+            with open(logs / f"{c.consumer_id}.log", "wb") as log:
+                procs[c.consumer_id] = subprocess.Popen(
+                    [sys.executable, "-m", "artcache.bench.consume", msgspec.json.encode(ccfg).decode()],
+                    stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + cfg.timeout_s
-        for c in sc.consumers:
+        served_ids = [c.consumer_id for _, _, served in producers for c in served]
+        for c in (c for c in sc.consumers if c.consumer_id in served_ids):
             codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.time()))
         for pid, _, _ in producers:
             try:
@@ -216,6 +302,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
 
 def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
     """Run every mode of one scenario end to end and return its report dict (also written to disk)."""
+    cfg = resolved(cfg, sc)
     modes = parse_modes(cfg.modes, sc)
     n_roles = max((2 if m == "naive" else 1) * len(sc.consumers) + (m != "naive") for m in modes)
     gpus = _check_environment(cfg, n_roles)
@@ -241,6 +328,9 @@ def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
     report["modes"] = {m: mode_summary(cfg, sc, r, mode_figures[m]) for m, r in runs.items()}
     report["comparison"] = compare(report["modes"]) if len(modes) > 1 else None
     report["checks"].update(validity_checks(cfg, report["modes"]))
+    if any(m in modes for m in ("windows", "tight", "solo")):
+        report["retention"] = retention_summary(sc, report)
+        report["checks"].update(report["retention"]["checks"])
     _write(base, report, figures, sampler, roles)
     if len(modes) > 1:
         modes_plot(report["modes"], mode_figures, base / "modes.png", f"{sc.name} on {cfg.device}: modes")
@@ -277,7 +367,10 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
     checks = {
         "all_consumers_finished": all(x["exit_code"] == 0 and x["steps"] == cfg.warmup + cfg.steps for x in consumers),
         "captures_per_consumed_position_le_1.1": c.captures <= 1.1 * max(1, c.distinct_positions_consumed),
-        "max_retained_within_window_bound": c.max_retained_artifacts <= c.window_bound_artifacts,
+        # retained bytes under the disk budget (retention by need), or under the windows (--retention windows)
+        "max_retained_within_bound": (c.budget_exceeded_bytes == 0 and (
+            c.max_retained_bytes <= c.budget_bytes or c.windows_exceeded_budget) if c.retention == "need"
+            else c.max_retained_artifacts <= c.window_bound_artifacts),
         "every_loss_went_down": all(x["final_loss"] is not None and x["final_loss"] < x["first_loss"]
                                     for x in consumers),
         "accounting_invariants": not acc.violations,
@@ -304,6 +397,9 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
                   "max_retained_artifacts": c.max_retained_artifacts,
                   "max_retained_bytes": c.max_retained_bytes,
                   "window_bound_artifacts": c.window_bound_artifacts,
+                  "retention": c.retention, "budget_bytes": c.budget_bytes, "budget_binding": c.budget_binding,
+                  "windows_exceeded_budget": c.windows_exceeded_budget,
+                  "evictions_by_reason": c.evictions_by_reason,
                   "leases_acquired": c.leases_acquired, "leases_released": c.leases_released,
                   "leases_expired": c.leases_expired},
         "accounting_violations": acc.violations,
@@ -341,11 +437,11 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
     steady rate after its own warm-up (:func:`artcache.bench.metrics.scenario_figures`);
     ``aggregate_steps_per_s`` is taken over the mode's common post-warm-up interval.
     """
-    ids = [c.consumer_id for c in sc.consumers]
+    ids = [c.consumer_id for c in sc.consumers if c.consumer_id in run.codes]
     captures = sum(a.cache.captures for a in run.accounts)
     positions = max((a.cache.distinct_positions_consumed for a in run.accounts), default=0)
     consumers = []
-    for spec in sc.consumers:
+    for spec in (c for c in sc.consumers if c.consumer_id in ids):
         f = figures["consumers"].get(spec.consumer_id, {})
         consumers.append({"id": spec.consumer_id, "block_size": spec.block_size, "steps": f.get("steps", 0),
                           "steps_per_s": f.get("steps_per_s", 0.0), "wait_s": f.get("wait_s", 0.0),
@@ -363,7 +459,57 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
         "producer_exit_codes": {k: v for k, v in run.codes.items() if k not in ids},
         "consumers_per_root": [len(a.consumers) for a in run.accounts],
         "accounting_violations": [v for a in run.accounts for v in a.violations],
+        "budget_bytes": max((a.cache.budget_bytes for a in run.accounts), default=0),
+        "max_retained_bytes": max((a.cache.max_retained_bytes for a in run.accounts), default=0),
+        "budget_binding": any(a.cache.budget_binding for a in run.accounts),
+        "evictions_by_reason": {k: sum(a.cache.evictions_by_reason.get(k, 0) for a in run.accounts)
+                                for k in sorted({k for a in run.accounts for k in a.cache.evictions_by_reason})},
     }
+
+
+def retention_summary(sc: Scenario, report: dict) -> dict:
+    """The retention figures of a scenario run with the retention modes (issue 21): the speed ratio of its
+    consumers, captures per consumed position under retention by need (``artcache``) and under the windows
+    rule (``windows``), the fast consumer's rate against its rate alone (``solo``), and a budget too small for
+    the lead (``tight``); ``checks`` holds the goals of :data:`HETERO_GOALS`."""
+    modes = report["modes"]
+    art = modes["artcache"]
+    rates = {c["id"]: c["steps_per_s"] for c in art["consumers"]}
+    positive = [r for r in rates.values() if r > 0]
+    ratio = max(positive) / min(positive) if positive else 0.0
+    out: dict = {
+        "goals": HETERO_GOALS, "steps_per_s": rates, "speed_ratio": ratio,
+        "captures_per_consumed_position": art["captures_per_consumed_position"],
+        "recaptures": art["recaptures"], "budget_bytes": art["budget_bytes"],
+        "max_retained_bytes": art["max_retained_bytes"], "budget_binding": art["budget_binding"],
+    }
+    checks = {
+        "speed_ratio_ge_1.5": ratio >= HETERO_GOALS["speed_ratio"],
+        "captures_per_consumed_position_le_1.05":
+            art["captures_per_consumed_position"] <= HETERO_GOALS["captures_per_consumed_position"],
+        "max_retained_le_budget": 0 < art["max_retained_bytes"] <= art["budget_bytes"],
+    }
+    if "windows" in modes:
+        w = modes["windows"]
+        out["windows_rule"] = {"captures_per_consumed_position": w["captures_per_consumed_position"],
+                               "recaptures": w["recaptures"], "max_retained_bytes": w["max_retained_bytes"]}
+    if "solo" in modes:
+        fast = fast_consumer(sc).consumer_id
+        solo = next((c["steps_per_s"] for c in modes["solo"]["consumers"] if c["id"] == fast), 0.0)
+        out["fast_consumer"] = {"id": fast, "steps_per_s": rates.get(fast, 0.0), "solo_steps_per_s": solo,
+                                "ratio": rates.get(fast, 0.0) / solo if solo else 0.0}
+        checks["fast_consumer_ge_0.95_of_solo"] = out["fast_consumer"]["ratio"] >= HETERO_GOALS["fast_vs_solo"]
+    if "tight" in modes:
+        t = modes["tight"]
+        out["tight"] = {"budget_bytes": t["budget_bytes"], "captures_per_consumed_position":
+                        t["captures_per_consumed_position"], "recaptures": t["recaptures"],
+                        "budget_binding": t["budget_binding"], "max_retained_bytes": t["max_retained_bytes"],
+                        "evictions_by_reason": t["evictions_by_reason"]}
+        # too small for the lead: the report says the budget binds, and the figure rises
+        checks["tight_budget_binds_and_is_kept"] = (t["budget_binding"]
+                                                    and 0 < t["max_retained_bytes"] <= t["budget_bytes"])
+    out["checks"] = checks
+    return out
 
 
 #: a ratio below this is reported as inside the run-to-run noise of these machines (docs/benchmarks.md)
@@ -456,14 +602,43 @@ def format_report(r: dict) -> str:
                       "tau(+1)", "hits", "misses", "state"], rows), "```", "",
         f"captures {cache['captures']} for {cache['distinct_positions_consumed']} distinct positions consumed "
         f"({cache['captures_per_consumed_position']:.3f} per position; {cache['recaptures']} recaptures); "
-        f"max retained {cache['max_retained_artifacts']} artifacts (window bound {cache['window_bound_artifacts']}); "
-        f"evictions {cache['evictions']}; logical requests {cache['logical_requests']} = hits {cache['hits']} + "
-        f"misses {cache['misses']}.", "",
+        f"max retained {cache['max_retained_artifacts']} artifacts, {cache['max_retained_bytes']} bytes (window "
+        f"bound {cache['window_bound_artifacts']} artifacts; disk budget {cache.get('budget_bytes') or '-'} bytes, "
+        f"{'binding' if cache.get('budget_binding') else 'not binding'}; retention {cache.get('retention') or '-'}); "
+        f"evictions {cache['evictions']} ({', '.join(f'{k} {v}' for k, v in sorted(cache.get('evictions_by_reason', {}).items())) or '-'}); "
+        f"logical requests {cache['logical_requests']} = hits {cache['hits']} + misses {cache['misses']}.", "",
         "tau(+1) = mean acceptance length per block over the last 10 steps, including the +1 bonus token.", "",
         "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()), "",
     ]
-    if r.get("comparison"):
+    if len(r.get("modes", {})) > 1:
         lines += [format_modes(r), ""]
+    if r.get("retention"):
+        lines += [format_retention(r["retention"]), ""]
+    return "\n".join(lines)
+
+
+def format_retention(t: dict) -> str:
+    """The retention figures (:func:`retention_summary`) as lines of text."""
+    gib = 2 ** 30
+    lines = [f"### retention: speed ratio {t['speed_ratio']:.2f} (fastest / slowest steady steps/s); budget "
+             f"{t['budget_bytes'] / gib:.3f} GiB, max retained {t['max_retained_bytes'] / gib:.3f} GiB, "
+             f"{t['captures_per_consumed_position']:.3f} captures per consumed position ({t['recaptures']} "
+             f"recaptures), budget {'binding' if t['budget_binding'] else 'not binding'}"]
+    if "windows_rule" in t:
+        w = t["windows_rule"]
+        lines.append(f"- windows-only rule (before): {w['captures_per_consumed_position']:.3f} captures per consumed "
+                     f"position ({w['recaptures']} recaptures)")
+    if "tight" in t:
+        x = t["tight"]
+        lines.append(f"- budget too small for the lead ({x['budget_bytes'] / gib:.3f} GiB): "
+                     f"{x['captures_per_consumed_position']:.3f} captures per consumed position ({x['recaptures']} "
+                     f"recaptures), the budget {'BINDS' if x['budget_binding'] else 'does not bind'}; evictions "
+                     + (", ".join(f"{k} {v}" for k, v in sorted(x["evictions_by_reason"].items())) or "none"))
+    if "fast_consumer" in t:
+        f = t["fast_consumer"]
+        lines.append(f"- fast consumer {f['id']}: {f['steps_per_s']:.3f} steps/s, alone {f['solo_steps_per_s']:.3f} "
+                     f"({f['ratio']:.3f} of solo)")
+    lines.append("goals: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in t["checks"].items()))
     return "\n".join(lines)
 
 
@@ -475,7 +650,8 @@ def format_modes(r: dict) -> str:
     for m, s in modes.items():
         rate = {c["id"]: c["steps_per_s"] for c in s["consumers"]}
         rows.append([m, s["producers"], s["captures"], s["distinct_positions_consumed"],
-                     round(s["captures_per_consumed_position"], 3), *(round(rate[i], 3) for i in ids),
+                     round(s["captures_per_consumed_position"], 3),
+                     *(round(rate[i], 3) if i in rate else "-" for i in ids),
                      round(s["aggregate_steps_per_s"], 3) if s["interval_s"] > 0 else "n/a", s["max_lead_steps"],
                      round(s["wall_s"], 1), round(s["cpu_s"], 1)])
     headers = ["mode", "producers", "captures", "positions", "captures/pos", *(f"{i} steps/s" for i in ids),
@@ -489,7 +665,7 @@ def format_modes(r: dict) -> str:
         "interval (n/a: the first consumer finished before the last one's warm-up ended); max lead = most "
         "steps any consumer committed beyond the slowest other; cpu_s = CPU seconds of all the mode's "
         "processes (start-up included; unlike steps/s it does not depend on other load on the machine).", "",
-        "verdict: " + r["comparison"]["verdict"],
+        "verdict: " + (r["comparison"] or {}).get("verdict", "") if (r["comparison"] or {}).get("verdict") else "",
     ])
 
 
@@ -499,12 +675,17 @@ def run_bench(cfg: BenchConfig) -> bool:
 
     ok = True
     reports = []
-    parse_window(cfg.window)  # bad input fails here, before anything is written
-    for sc in resolve(cfg.scenario):
+    if not 0 < cfg.budget_fraction < 1:
+        raise ConfigError(f"--budget-fraction {cfg.budget_fraction} is not accepted: a number in (0, 1)")
+    if cfg.disk_budget < 0:
+        raise ConfigError(f"--disk-budget {cfg.disk_budget} is not accepted: bytes >= 0 (0: the scenario's)")
+    for sc in resolve(cfg.scenario):  # bad input fails here, before anything is written
+        parse_window(resolved(cfg, sc).window)
         parse_modes(cfg.modes, sc)
     for sc in resolve(cfg.scenario):
-        print(f"== scenario {sc.name}: {len(sc.consumers)} consumer(s), {cfg.device}, {cfg.warmup}+{cfg.steps} "
-              f"steps each, modes {','.join(parse_modes(cfg.modes, sc))} ...", flush=True)
+        rc = resolved(cfg, sc)
+        print(f"== scenario {sc.name}: {len(sc.consumers)} consumer(s), {cfg.device}, {rc.warmup}+{rc.steps} "
+              f"steps each, window {rc.window}, modes {','.join(parse_modes(cfg.modes, sc))} ...", flush=True)
         r = run_scenario(cfg, sc)
         reports.append(r)
         print(format_report(r), flush=True)

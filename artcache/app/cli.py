@@ -364,36 +364,45 @@ def inspect(cache, as_json):
 
 
 @main.command()
-@click.option("--scenario", default="1p3c", type=click.Choice(["1p1c", "1p3c", "all"]))
+@click.option("--scenario", default="1p3c", type=click.Choice(["1p1c", "1p3c", "hetero", "all"]),
+              help="all = 1p1c and 1p3c; hetero: three consumers of different speeds started at different times, "
+              "run under retention by need, the windows-only rule, a budget too small, and the fast one alone.")
 @click.option("--device", default="cpu", type=click.Choice(["cpu", "cuda"]))
 @click.option("--out", "out_dir", default="bench-out", help="Output directory (one subdirectory per scenario).")
 @click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 3 cpu, 30 cuda).")
 @click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 15 cpu, 150 cuda).")
 @click.option("--target", default="smollm2-135m-instruct", help="Target name or HF directory.")
 @click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a ShareGPT-format file.")
-@click.option("--max-length", default=512, type=int)
+@click.option("--max-length", default=0, type=int, help="Tokens per sample (default: 512; hetero on cpu 128).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
 @click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 64 cpu, 256 cuda).")
 @click.option("--batch-size", default=1, type=int, help="Sequences per optimizer step.")
 @click.option("--draft-layers", default=5, type=int, help="DFlash draft layers (one captured layer each).")
-@click.option("--window", default="64:256")
+@click.option("--window", default="", help="LOOKBEHIND:LOOKAHEAD (default: the scenario's; 64:256, hetero 2:8).")
 @click.option("--allow-shared-gpu", is_flag=True, help="Allow two roles on one GPU (every report line says so).")
-@click.option("--modes", default="", help="Comma-separated subset of artcache,naive,lockstep run in this one "
-              "invocation (default: all three for 1p3c, artcache alone for 1p1c).")
+@click.option("--modes", default="", help="Comma-separated subset of artcache,naive,lockstep,windows,tight,solo run "
+              "in this one invocation (default: artcache,naive,lockstep for 1p3c, artcache alone for 1p1c, "
+              "artcache,windows,tight,solo for hetero).")
+@click.option("--disk-budget", default="0", metavar="BYTES",
+              help="Disk budget of the artcache (and solo) producer (default: hetero: one that holds the whole run; "
+              "1p1c/1p3c: the producer's default).")
+@click.option("--budget-fraction", default=0.25, type=float,
+              help="tight mode: its budget as a fraction of the artcache one (too small for the fast consumer's lead).")
 @_errors
 @_with_config("bench")
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
-          draft_layers, window, allow_shared_gpu, modes):
+          draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
     from artcache.bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,
                       warmup=warmup if warmup is not None else (30 if device == "cuda" else 3),
-                      steps=steps if steps is not None else (150 if device == "cuda" else 15),
+                      steps=steps,  # None: the scenario's default for the device
                       target=target, dataset=dataset, max_length=max_length, max_samples=max_samples,
                       anchors=anchors if anchors is not None else (256 if device == "cuda" else 64),
                       batch_size=batch_size, draft_layers=draft_layers, window=window,
-                      allow_shared_gpu=allow_shared_gpu, modes=modes)
+                      allow_shared_gpu=allow_shared_gpu, modes=modes,
+                      disk_budget=parse_bytes(disk_budget, "disk-budget"), budget_fraction=budget_fraction)
     ok = run_bench(cfg)
     sys.exit(0 if ok else 1)
 

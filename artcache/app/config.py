@@ -188,10 +188,12 @@ class BenchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     steps: int | None = None
     anchors: int | None = None
     batch_size: int = 1
-    window: str = "64:256"
+    window: str = ""  # "": the scenario's (64:256; hetero 2:8)
     allow_shared_gpu: bool = False
     timeout_s: float = 1800.0
     modes: str = ""
+    disk_budget: Annotated[int, msgspec.Meta(ge=0)] = 0
+    budget_fraction: float = 0.25
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -650,7 +652,7 @@ BENCH_FLAGS = {
     "steps": "bench.steps", "target": "target.name", "dataset": "data.dataset", "max_length": "data.max_length",
     "max_samples": "data.max_samples", "anchors": "bench.anchors", "batch_size": "bench.batch_size",
     "draft_layers": "capture.draft_layers", "window": "bench.window", "allow_shared_gpu": "bench.allow_shared_gpu",
-    "modes": "bench.modes",
+    "modes": "bench.modes", "disk_budget": "bench.disk_budget", "budget_fraction": "bench.budget_fraction",
 }
 
 
@@ -678,7 +680,7 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
             from artcache.app.cli import parse_template_options
 
             value = parse_template_options(value)
-        elif path == "cache.disk_budget":
+        elif path in ("cache.disk_budget", "bench.disk_budget"):
             from artcache.app.cli import parse_bytes
 
             value = parse_bytes(value, "disk-budget")
@@ -788,6 +790,7 @@ def bench_config(cfg: RunConfig):
         "max_samples": cfg.data.max_samples, "anchors": b.anchors if b.anchors is not None else (256 if cuda else 32),
         "batch_size": b.batch_size, "window": b.window, "allow_shared_gpu": b.allow_shared_gpu,
         "draft_layers": cfg.capture.draft_layers, "timeout_s": b.timeout_s, "modes": b.modes,
+        "disk_budget": b.disk_budget, "budget_fraction": b.budget_fraction,
     }
     names = {f.name for f in dataclasses.fields(BenchConfig)}
     if b.modes and "modes" not in names:
