@@ -172,6 +172,109 @@ def need_times(readers: Sequence[Reader], samples: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass
+class _Rows:
+    """Capture candidates, one row per (sample, reader, position): ``s`` sample, ``c`` class, ``k`` need
+    (seconds), ``p`` position (held-out: ``-1 - sample``), ``r`` reader index, ``u`` urgent."""
+
+    s: list = field(default_factory=list)
+    c: list = field(default_factory=list)
+    k: list = field(default_factory=list)
+    p: list = field(default_factory=list)
+    r: list = field(default_factory=list)
+    u: list = field(default_factory=list)
+
+    def add(self, samples, cls: int, need, pos, reader: int, urgent) -> None:
+        m = len(samples)
+        self.s.append(np.asarray(samples, dtype=np.int64))
+        self.c.append(np.full(m, cls))
+        self.k.append(np.broadcast_to(np.asarray(need, dtype=np.float64), (m,)))
+        self.p.append(np.asarray(pos, dtype=np.int64))
+        self.r.append(np.full(m, reader))
+        self.u.append(np.broadcast_to(np.asarray(urgent, dtype=bool), (m,)))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        if not self.s:
+            e = np.empty(0, dtype=np.int64)
+            return e, e, np.empty(0), e, e, np.empty(0, dtype=bool)
+        return tuple(np.concatenate(x) for x in (self.s, self.c, self.k, self.p, self.r, self.u))
+
+
+def _guarantee(readers: Sequence[Reader], n: int, cn: Callable, urgent_s: float) -> tuple[np.ndarray, _Rows]:
+    """(bool [n]: samples in a live window or pinned range, the capture candidate rows of every reader)."""
+    guard = np.zeros(n, dtype=bool)
+    rows = _Rows()
+    for ri, r in enumerate(readers):
+        lo, hi = r.window()
+        if hi >= lo:
+            guard[cn(r.order.samples(lo, hi + 1))] = True
+        if len(r.pinned):
+            pinned = cn(np.arange(r.pinned.start, r.pinned.stop, dtype=np.int64))
+            guard[pinned] = True
+            # after the reader's window, in split order
+            rows.add(pinned, PINNED, (r.lookahead + 1) / r.rate + np.arange(len(pinned)) * 1e-9,
+                     -1 - np.arange(r.pinned.start, r.pinned.stop), ri, False)
+        start = max(lo, r.cursor)
+        if hi >= start:
+            pos = np.arange(start, hi + 1, dtype=np.int64)
+            need = (pos - r.cursor) / r.rate
+            rows.add(cn(r.order.samples(start, hi + 1)), WINDOW, need, pos, ri,
+                     (pos < r.cursor + 2 * r.batch_size) | (need <= urgent_s))
+        dem = [p for p in r.demand if start <= p <= hi]
+        if dem:
+            pos = np.asarray(dem, dtype=np.int64)
+            rows.add(cn(np.asarray([r.order.sample(p) for p in dem], dtype=np.int64)), DEMAND,
+                     (pos - r.cursor) / r.rate, pos, ri, True)
+        pdem = [s for s in r.pinned_demand if s in r.pinned]
+        if pdem:
+            rows.add(cn(np.asarray(pdem, dtype=np.int64)), DEMAND, np.arange(len(pdem)) * 1e-9,
+                     -1 - np.asarray(pdem, dtype=np.int64), ri, True)
+    return guard, rows
+
+
+class _Queue:
+    """The unique candidates (the best row of each sample, in priority order) and the Want entries of a
+    selection of them."""
+
+    def __init__(self, rows: _Rows, skip: np.ndarray, n: int, readers: Sequence[Reader], fp_of) -> None:
+        cs, cc, ck, cp, cr, cu = rows.arrays()
+        keep = ~skip[cs]
+        cs, cc, ck, cp, cr, cu = (a[keep] for a in (cs, cc, ck, cp, cr, cu))
+        order = np.lexsort((ck, cc))  # by class, then need time
+        self.cs, self.cc, self.ck, self.cp, self.cr = (a[order] for a in (cs, cc, ck, cp, cr))
+        cu = cu[order]
+        self.uniq = np.sort(np.unique(self.cs, return_index=True)[1]) if len(self.cs) else np.empty(0, np.int64)
+        self.samples, self.cls, self.need = self.cs[self.uniq], self.cc[self.uniq], self.ck[self.uniq]
+        urgent = np.zeros(n, dtype=bool)  # urgent if any reader needs it within its next two batches
+        urgent[self.cs[cu]] = True
+        self.urgent = urgent[self.samples]
+        self.queued = np.zeros(n, dtype=bool)
+        self.queued[self.samples] = True
+        self.ids = [r.consumer_id for r in readers]
+        self.fp_of = fp_of
+
+    def set(self, res: RetentionDecision, sel: np.ndarray, fill: np.ndarray, max_queue: int) -> None:
+        """The decision's queue: unique candidates ``sel`` (indices into them), then ``fill`` samples."""
+        sel = sel[:max_queue]
+        fill = fill[:max_queue - len(sel)]
+        res.capture_samples = np.concatenate([self.samples[sel], fill]).astype(np.int64)
+
+        def make(k: int) -> list[Want]:
+            out = [Want(self.fp_of(int(self.cs[i])), int(self.cs[i]), (int(self.cc[i]), float(self.ck[i])))
+                   for i in self.uniq[sel[:k]].tolist()]
+            if out:  # every reader and position that asked for each chosen sample
+                pick = {w.sample: w for w in out}
+                rows = np.flatnonzero(np.isin(self.cs, list(pick)))
+                for s, p, r in zip(self.cs[rows].tolist(), self.cp[rows].tolist(), self.cr[rows].tolist(), strict=True):
+                    pick[s].consumers.add(self.ids[r])
+                    if p >= 0:
+                        pick[s].positions.add(p)
+            out += [Want(self.fp_of(int(f)), int(f), (FILL, float(f))) for f in fill[:max(0, k - len(out))].tolist()]
+            return out
+
+        res._make = make
+
+
 def decide(readers: Sequence[Reader], *, sizes: np.ndarray, budget: float,
            est_size: np.ndarray | int, fp_of: Callable[[int], str] = str,
            leased: Iterable[int] | np.ndarray | None = None, inflight: Iterable[int] | np.ndarray | None = None,
@@ -205,174 +308,75 @@ def decide(readers: Sequence[Reader], *, sizes: np.ndarray, budget: float,
     n = len(sizes)
     est = np.full(n, int(est_size), dtype=np.int64) if np.isscalar(est_size) else np.asarray(est_size)
     published = sizes > 0
-
-    def cn(a: np.ndarray) -> np.ndarray:
-        return a if canon is None else canon[a]
-
-    # -- the guarantee: windows, pinned ranges, leases, captures in flight ------------------------
-    guard = np.zeros(n, dtype=bool)
-    rows_s, rows_c, rows_k, rows_p, rows_r, rows_u = [], [], [], [], [], []  # sample, class, key, pos, reader, urgent
-    for ri, r in enumerate(readers):
-        lo, hi = r.window()
-        if hi >= lo:
-            guard[cn(r.order.samples(lo, hi + 1))] = True
-        if len(r.pinned):
-            pinned = cn(np.arange(r.pinned.start, r.pinned.stop, dtype=np.int64))
-            guard[pinned] = True
-            rows_s.append(pinned)
-            rows_c.append(np.full(len(pinned), PINNED))
-            rows_k.append(np.full(len(pinned), (r.lookahead + 1) / r.rate) + np.arange(len(pinned)) * 1e-9)
-            rows_p.append(-1 - np.arange(r.pinned.start, r.pinned.stop))  # held-out: -1 - sample index
-            rows_r.append(np.full(len(pinned), ri))
-            rows_u.append(np.zeros(len(pinned), dtype=bool))
-        start = max(lo, r.cursor)
-        if hi >= start:
-            s = cn(r.order.samples(start, hi + 1))
-            pos = np.arange(start, hi + 1, dtype=np.int64)
-            rows_s.append(s)
-            rows_c.append(np.full(len(s), WINDOW))
-            rows_k.append((pos - r.cursor) / r.rate)
-            rows_p.append(pos)
-            rows_r.append(np.full(len(s), ri))
-            rows_u.append((pos < r.cursor + 2 * r.batch_size) | (rows_k[-1] <= urgent_s))
-        dem = [p for p in r.demand if start <= p <= hi]
-        if dem:
-            pos = np.asarray(dem, dtype=np.int64)
-            rows_s.append(cn(np.asarray([r.order.sample(p) for p in dem], dtype=np.int64)))
-            rows_c.append(np.full(len(dem), DEMAND))
-            rows_k.append((pos - r.cursor) / r.rate)
-            rows_p.append(pos)
-            rows_r.append(np.full(len(dem), ri))
-            rows_u.append(np.ones(len(dem), dtype=bool))
-        pdem = [s for s in r.pinned_demand if s in r.pinned]
-        if pdem:
-            rows_s.append(cn(np.asarray(pdem, dtype=np.int64)))
-            rows_c.append(np.full(len(pdem), DEMAND))
-            rows_k.append(np.arange(len(pdem)) * 1e-9)
-            rows_p.append(-1 - np.asarray(pdem, dtype=np.int64))
-            rows_r.append(np.full(len(pdem), ri))
-            rows_u.append(np.ones(len(pdem), dtype=bool))
+    guard, rows = _guarantee(readers, n, (lambda a: a) if canon is None else canon.__getitem__, urgent_s)
     leased_i, inflight_i, blocked_i = _as_index(leased), _as_index(inflight), _as_index(blocked)
     guard[leased_i] = True
     skip = published.copy()
     skip[inflight_i] = True
     skip[blocked_i] = True
     inflight_bytes = int(est[inflight_i[~published[inflight_i]]].sum()) if len(inflight_i) else 0
-
-    # -- capture candidates: one row per (sample, reader, position), best row per sample ----------
-    if rows_s:
-        cs, cc, ck = np.concatenate(rows_s), np.concatenate(rows_c), np.concatenate(rows_k).astype(np.float64)
-        cp, cr, cu = np.concatenate(rows_p), np.concatenate(rows_r), np.concatenate(rows_u)
-        keep_rows = ~skip[cs]
-        cs, cc, ck, cp, cr, cu = (a[keep_rows] for a in (cs, cc, ck, cp, cr, cu))
-    else:
-        cs = cc = cp = cr = np.empty(0, dtype=np.int64)
-        ck = np.empty(0)
-        cu = np.empty(0, dtype=bool)
-    order = np.lexsort((ck, cc))  # by class, then need time
-    cs, cc, ck, cp, cr, cu = (a[order] for a in (cs, cc, ck, cp, cr, cu))
-    # the first (best) row of each sample, in priority order
-    uniq = np.sort(np.unique(cs, return_index=True)[1]) if len(cs) else np.empty(0, dtype=np.int64)
-    u_s, u_c, u_k = cs[uniq], cc[uniq], ck[uniq]
-    # a sample is urgent if any reader needs it within its next two batches
-    u_u = np.zeros(len(uniq), dtype=bool)
-    if len(cs):
-        urgent_samples = np.zeros(n, dtype=bool)
-        urgent_samples[cs[cu]] = True
-        u_u = urgent_samples[u_s]
-    first = np.zeros(n, dtype=bool)
-    first[u_s] = True
+    q = _Queue(rows, skip, n, readers, fp_of)
     fill_s = np.empty(0, dtype=np.int64)
     if fill:
-        todo = ~skip & ~first
+        todo = ~skip & ~q.queued
         if canon is not None:
             todo &= canon == np.arange(n)
         fill_s = np.flatnonzero(todo)
-
     res = RetentionDecision(budget=budget)
     used = int(sizes.sum()) + inflight_bytes
-    guaranteed = int(sizes[guard & published].sum()) + inflight_bytes
-    res.guaranteed_bytes = guaranteed
-
-    def queue(sel: np.ndarray, fill_samples: np.ndarray) -> None:
-        """Set the capture queue: unique candidate rows ``sel`` (indices into ``uniq``), then fill."""
-        sel = sel[:max_queue]
-        fill_samples = fill_samples[:max_queue - len(sel)] if fill else fill_samples[:0]
-        res.capture_samples = np.concatenate([u_s[sel], fill_samples]).astype(np.int64)
-        ids = [r.consumer_id for r in readers]
-
-        def make(k: int) -> list[Want]:
-            out = [Want(fp_of(int(cs[i])), int(cs[i]), (int(cc[i]), float(ck[i]))) for i in uniq[sel[:k]].tolist()]
-            if out:  # every reader and position that asked for each chosen sample
-                pick = {w.sample: w for w in out}
-                rows = np.flatnonzero(np.isin(cs, list(pick)))
-                for s, p, r in zip(cs[rows].tolist(), cp[rows].tolist(), cr[rows].tolist(), strict=True):
-                    w = pick[s]
-                    w.consumers.add(ids[r])
-                    if p >= 0:
-                        w.positions.add(p)
-            out += [Want(fp_of(int(f)), int(f), (FILL, float(f))) for f in fill_samples[:max(0, k - len(out))].tolist()]
-            return out
-
-        res._make = make
-
+    res.guaranteed_bytes = int(sizes[guard & published].sum()) + inflight_bytes
+    gone = np.empty(0, dtype=np.int64)
+    is_dem = q.cls == DEMAND
+    dem_bytes = int(est[q.samples[is_dem]].sum())
+    rest = np.flatnonzero(~is_dem)
     if policy == "windows":
         gone = np.flatnonzero(published & ~guard)
         res.evict = {int(s): OUTSIDE_WINDOWS for s in gone.tolist()}
-        queue(np.arange(len(uniq)), fill_s)
-        res.retained_bytes = used - int(sizes[gone].sum())
-        if explain:
-            res.kept = _explain(readers, sizes, guard, leased_i, gone)
-        return res
-
-    is_dem = u_c == DEMAND
-    dem_bytes = int(est[u_s[is_dem]].sum())
-    rest = np.flatnonzero(~is_dem)
-    rest_bytes = int(est[u_s[rest]].sum()) + (int(est[fill_s].sum()) if fill else 0)
-    if used + dem_bytes + rest_bytes <= budget:  # everything fits: keep all, capture every candidate
-        queue(np.arange(len(uniq)), fill_s)
-        res.retained_bytes = used
-        if explain:
-            res.kept = _explain(readers, sizes, guard, leased_i, np.empty(0, dtype=np.int64))
-        return res
-
-    # -- the budget binds: rank what may go and what may come by need time (Belady) -----------------
-    free = np.flatnonzero(published & ~guard)  # published, evictable
-    need_free = need_times(readers, free)
-    room = budget - guaranteed - dem_bytes
-    # items: evictable published (kept if taken), non-demand candidates and fill (captured if taken).
-    # A candidate outside every reader's next two batches ranks after every published sample that is
-    # still needed: prefetch fills free room and what nobody needs, and evicts something needed only
-    # for a read that is imminent (making room early would throw away what the slowest consumer is
-    # about to free anyway)
-    cand_k = u_k[rest].copy()
-    lazy = ~u_u[rest]
-    if lazy.any():
-        finite = need_free[np.isfinite(need_free)]
-        cand_k[lazy] += (float(finite.max()) + 1.0 if len(finite) else 0.0)
-    keys = np.concatenate([need_free, cand_k, np.full(len(fill_s), np.inf)])
-    ties = np.concatenate([free, u_s[rest], fill_s]).astype(np.float64)
-    nbytes = np.concatenate([sizes[free], est[u_s[rest]], est[fill_s]]).astype(np.int64)
-    taken = _longest_fitting_prefix(keys, ties, nbytes, room)
-    res.windows_exceed_budget = room < 0
-    nf, nr = len(free), len(rest)
-    gone_mask = ~taken[:nf]
-    gone = free[gone_mask]
-    gone_need = need_free[gone_mask]
-    by_far = np.lexsort((-gone.astype(np.float64), -gone_need))  # furthest need first, unneeded first
-    why = np.where(np.isinf(gone_need[by_far]), UNNEEDED, NEEDED_LATER)
-    res.evict = dict(zip(gone[by_far].tolist(), why.tolist(), strict=True))
-    cap_rest = rest[taken[nf:nf + nr]]
-    cap = np.concatenate([np.flatnonzero(is_dem), cap_rest])
-    cap.sort()  # uniq is already in priority order
-    queue(cap, fill_s[taken[nf + nr:]])
-    left = ~taken[nf:]
-    res.left_out = int(left.sum())
-    res.binding = bool(np.isfinite(gone_need).any() or left[:nr].any() or (fill and left[nr:].any()))
+        q.set(res, np.arange(len(q.samples)), fill_s, max_queue)
+    elif used + dem_bytes + int(est[q.samples[rest]].sum()) + int(est[fill_s].sum()) <= budget:
+        q.set(res, np.arange(len(q.samples)), fill_s, max_queue)  # everything fits: keep all, queue all
+    else:
+        gone = _within_budget(res, readers, q, sizes, est, published & ~guard, rest, is_dem, fill_s,
+                              budget - res.guaranteed_bytes - dem_bytes, max_queue, fill)
     res.retained_bytes = used - int(sizes[gone].sum())
     if explain:
         res.kept = _explain(readers, sizes, guard, leased_i, gone)
     return res
+
+
+def _within_budget(res: RetentionDecision, readers, q: _Queue, sizes, est, free_mask, rest, is_dem, fill_s,
+                   room: float, max_queue: int, fill: bool) -> np.ndarray:
+    """The budget binds: rank what may go (published, evictable) and what may come (non-demand candidates,
+    fill) by need time — Belady — and keep / capture the longest prefix that fits ``room``; set the
+    decision's evictions, queue and flags. Returns the evicted samples.
+
+    A candidate outside every reader's next two batches ranks after every published sample that is still
+    needed: prefetch fills free room and what nobody needs, and evicts something needed only for a read
+    that is imminent (making room early would throw away what the slowest consumer is about to free)."""
+    free = np.flatnonzero(free_mask)
+    need_free = need_times(readers, free)
+    cand_k = q.need[rest].copy()
+    lazy = ~q.urgent[rest]
+    if lazy.any():
+        finite = need_free[np.isfinite(need_free)]
+        cand_k[lazy] += float(finite.max()) + 1.0 if len(finite) else 0.0
+    keys = np.concatenate([need_free, cand_k, np.full(len(fill_s), np.inf)])
+    ties = np.concatenate([free, q.samples[rest], fill_s]).astype(np.float64)
+    nbytes = np.concatenate([sizes[free], est[q.samples[rest]], est[fill_s]]).astype(np.int64)
+    taken = _longest_fitting_prefix(keys, ties, nbytes, room)
+    res.windows_exceed_budget = room < 0
+    nf, nr = len(free), len(rest)
+    gone_mask = ~taken[:nf]
+    gone, gone_need = free[gone_mask], need_free[gone_mask]
+    by_far = np.lexsort((-gone.astype(np.float64), -gone_need))  # furthest need first, unneeded first
+    why = np.where(np.isinf(gone_need[by_far]), UNNEEDED, NEEDED_LATER)
+    res.evict = dict(zip(gone[by_far].tolist(), why.tolist(), strict=True))
+    cap = np.sort(np.concatenate([np.flatnonzero(is_dem), rest[taken[nf:nf + nr]]]))  # already in priority order
+    q.set(res, cap, fill_s[taken[nf + nr:]] if fill else fill_s[:0], max_queue)
+    left = ~taken[nf:]
+    res.left_out = int(left.sum())
+    res.binding = bool(np.isfinite(gone_need).any() or left[:nr].any() or (fill and left[nr:].any()))
+    return gone
 
 
 def _longest_fitting_prefix(keys: np.ndarray, ties: np.ndarray, nbytes: np.ndarray, room: float) -> np.ndarray:

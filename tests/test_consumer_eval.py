@@ -67,11 +67,14 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
     res = J.read_events(CacheLayout(cache).journal)
     evs = res.events
     for cid in ("d", "e"):
-        requested = [e.position for e in evs if isinstance(e, J.Request) and e.consumer == cid]
-        train = [p for p in requested if p not in held_out]
-        assert train == list(range(STEPS * BATCH))  # never a held-out position in training
-        # evaluations at steps 0, 3 and 6, each over the whole split
-        assert Counter(p for p in requested if p in held_out) == {p: STEPS // INTERVAL + 1 for p in held_out}
+        requests = [e for e in evs if isinstance(e, J.Request) and e.consumer == cid]
+        train = [e for e in requests if not e.held_out]
+        assert [e.position for e in train] == list(range(STEPS * BATCH))
+        assert not {e.sample for e in train} & held_out  # never a held-out sample in training
+        # evaluations at steps 0, 3 and 6, each over the whole split (read by sample index, no position)
+        held = [e for e in requests if e.held_out]
+        assert all(e.position == -1 for e in held)
+        assert Counter(e.sample for e in held) == {p: STEPS // INTERVAL + 1 for p in held_out}
         steps = [e for e in evs if isinstance(e, J.Step) and e.consumer == cid]
         assert [s.cursor for s in steps] == [BATCH * (i + 1) for i in range(STEPS)]
         start = [e for e in evs if isinstance(e, J.ConsumerStart) and e.consumer == cid]

@@ -14,7 +14,7 @@ from artcache.errors import ConfigError, ContractMismatch
 from artcache.layer_ids import layer_view, select_layers, view_slice
 from artcache.trainers.dflash.adapter import greedy_replay
 from artcache.trainers.draft import DraftBatch, MetricSums, replay_sums
-from artcache.trainers.evaluation import eval_split
+from artcache.trainers.evaluation import epoch_steps, eval_split
 
 # ---- layer views ---------------------------------------------------------------------------------
 
@@ -156,13 +156,14 @@ def test_dflash_greedy_replay_against_target_argmax():
 # ---- the held-out split --------------------------------------------------------------------------
 
 
-def test_eval_split():
-    assert eval_split(40, 0, 1000, 2) == (0, 0)  # off: any length, positions wrap
-    assert eval_split(40, 8, 16, 2) == (32, 40)
-    with pytest.raises(ConfigError, match=r"--steps 17 × --batch-size 2 = 34 .* \[32, 40\).*--steps <= 16"):
-        eval_split(40, 8, 17, 2)
+def test_eval_split_and_epoch_steps():
+    assert eval_split(40, 0) == (0, 0)  # off: training walks the whole plan, epoch after epoch
+    assert eval_split(40, 8) == (32, 40)  # the last 8; training walks the first 32, any number of epochs
     with pytest.raises(ConfigError, match="--eval-samples 40 leaves no training sample"):
-        eval_split(40, 40, 1, 1)
+        eval_split(40, 40)
+    assert epoch_steps(3, 32, 2) == 48 and epoch_steps(1, 33, 2) == 16  # a last partial batch is not taken
+    with pytest.raises(ConfigError, match="--epochs 1 over 3 training samples is not one batch of 4"):
+        epoch_steps(1, 3, 4)
 
 
 # ---- both drafts on the tiny target --------------------------------------------------------------

@@ -89,8 +89,10 @@ def test_determinism_and_ids(small, smollm2_tokenizer):
 def test_truncation_max_samples_and_positions(small, smollm2_tokenizer):
     plan = build_plan(_spec(small, max_samples=2), smollm2_tokenizer, target_vocab_size=V)
     assert len(plan) == 2
-    assert plan.at_position(5).input_ids.tolist() == plan.sample(1).input_ids.tolist()
-    assert plan.at_position(5).index == 1
+    # position 5 is in epoch 2 (reshuffled by the plan's seed): the sample EpochOrder names
+    order = plan.order()
+    assert order.epoch(5) == 2 and plan.at_position(5).index == order.sample(5)
+    assert plan.at_position(1).index == 1  # epoch 0: plan order
     with pytest.raises(IndexError):
         plan.sample(2)
     with pytest.raises(IndexError):

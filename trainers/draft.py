@@ -63,7 +63,7 @@ class DraftBatch:
     Attributes:
         hidden: [b, T, m, H] captured layers in the draft's view order (contract dtype).
         input_ids: [b, T] long. loss_mask: [b, T] bool. valid: [b, T] bool (False = padding).
-        positions: the plan positions of the b rows.
+        positions: the run positions of the b rows (-1: a held-out sample, read by index).
         last_layer: optional [b, T, H]: output-of-layer ``L - 1`` (un-normed), when the root captures
             it and the caller asked for it (greedy replay against the target's argmax).
         supervised_host: optional [b, T] bool on the **host**: ``loss_mask & valid``, for draws that

@@ -1,14 +1,15 @@
 """Held-out evaluation of a consumer's draft on the plan's held-out split.
 
-Split (decided here, documented in docs/training.md): with ``--eval-samples E`` the **last E
-positions of the plan's first epoch**, ``[len(plan) - E, len(plan))``, are the held-out split. A
-consumer that evaluates never trains on them: its announced end (``steps × batch_size``) must be
-<= ``len(plan) - E`` (no wrap into a second epoch), checked before it registers. The split is
-pinned in the consumer's registration (``Registration.pinned``): the producer retains those
-artifacts while the consumer is live, counts them in the window union and the retain bound, prefetches
-them after every window position and captures them on demand, so an evaluation never breaks the
-eviction invariants. Consumers that share a root and are compared with each other should use the same
-``--eval-samples`` (the split depends only on E and the plan).
+Split (decided here, documented in docs/training.md): with ``--eval-samples E`` the **last E samples of
+the plan**, ``[len(plan) - E, len(plan))``, are the held-out split. A consumer that evaluates never trains
+on them: its positions walk the plan's first ``len(plan) - E`` samples only, epoch after epoch
+(:class:`artcache.plan.EpochOrder` with that ``epoch_len``; ``Registration.epoch_len``), so any number of
+steps or ``--epochs`` keeps the split out of training. Held-out samples are read by sample index
+(``CacheClient.acquire_sample``: no run position), pinned in the consumer's registration
+(``Registration.pinned``): the producer retains those artifacts while the consumer is live, counts them in
+the window bound, prefetches them after every window position and captures them on demand, so an
+evaluation never breaks the eviction invariants. Consumers that share a root and are compared with each
+other should use the same ``--eval-samples`` (the split depends only on E and the plan).
 
 Metrics (sums divided once over the whole split, see :class:`artcache.trainers.draft.MetricSums`): the
 draft's loss, per-position accuracy ``acc_k``, DFlash τ (mean accepted length per block **including
@@ -36,26 +37,33 @@ from artcache.trainers.draft import MetricSums
 log = logging.getLogger("artcache.consumer")
 
 
-def eval_split(plan_len: int, eval_samples: int, steps: int, batch_size: int) -> tuple[int, int]:
-    """The held-out positions ``[lo, hi)`` (``(0, 0)`` when ``eval_samples`` is 0).
+def eval_split(plan_len: int, eval_samples: int) -> tuple[int, int]:
+    """The held-out sample indices ``[lo, hi)`` (``(0, 0)`` when ``eval_samples`` is 0); training walks the
+    plan's first ``lo`` samples (``epoch_len``; all of it without a split).
 
     Raises:
-        ConfigError: ``eval_samples`` leaves no training sample, or the run's end
-            (``steps × batch_size``) reaches the split.
+        ConfigError: ``eval_samples`` leaves no training sample.
     """
     if eval_samples <= 0:
         return (0, 0)
     if eval_samples >= plan_len:
         raise ConfigError(f"--eval-samples {eval_samples} leaves no training sample: the plan has {plan_len} "
                           f"samples; accepted: 1 .. {plan_len - 1}")
-    lo = plan_len - eval_samples
-    end = steps * batch_size
-    if end > lo:
-        raise ConfigError(
-            f"--steps {steps} × --batch-size {batch_size} = {end} positions would train on the held-out split "
-            f"[{lo}, {plan_len}) (the last {eval_samples} of the plan's {plan_len} samples): use --steps <= "
-            f"{lo // batch_size}, a smaller --eval-samples, or a producer plan with more samples (--max-samples)")
-    return (lo, plan_len)
+    return (plan_len - eval_samples, plan_len)
+
+
+def epoch_steps(epochs: int, epoch_len: int, batch_size: int) -> int:
+    """Optimizer steps of ``epochs`` passes over ``epoch_len`` training samples: ``epochs × epoch_len //
+    batch_size`` (a last partial batch is not taken).
+
+    Raises:
+        ConfigError: not even one step (the training part is smaller than one batch).
+    """
+    steps = epochs * epoch_len // batch_size
+    if steps < 1:
+        raise ConfigError(f"--epochs {epochs} over {epoch_len} training samples is not one batch of {batch_size}; "
+                          "raise --epochs or lower --batch-size")
+    return steps
 
 
 def target_argmax_fn(info, lm_head: Tensor, device: torch.device) -> Callable[[Tensor], Tensor]:
@@ -85,12 +93,12 @@ def target_argmax_fn(info, lm_head: Tensor, device: torch.device) -> Callable[[T
 
 
 class Evaluator:
-    """Evaluates a draft on the pinned held-out positions.
+    """Evaluates a draft on the pinned held-out samples.
 
     Args:
         draft: a :class:`artcache.trainers.draft.Draft`.
-        client: the consumer's :class:`artcache.client.CacheClient` (leases each position while read).
-        positions: the held-out split.
+        client: the consumer's :class:`artcache.client.CacheClient` (leases each sample while read).
+        positions: the held-out split (plan sample indices).
         batch_size: positions per forward.
         collate: ``(items, with_last_layer) -> DraftBatch`` (the consumer's collate with its layer view).
         target_argmax: see :func:`target_argmax_fn`, or None (data tokens only).
@@ -116,7 +124,7 @@ class Evaluator:
         pos = list(self.positions)
         # every missing split position becomes demand at once: the producer captures them together
         # (regression: one producer batch per eval sample when each acquire announced its own demand)
-        self.client.want(pos)
+        self.client.want_samples(pos)
         try:
             for s in range(0, len(pos), self.batch_size):
                 if self.stop.is_set():  # SIGTERM/Ctrl-C: a full pass can take minutes on a CPU
@@ -124,7 +132,7 @@ class Evaluator:
                 items = []
                 try:
                     for p in pos[s:s + self.batch_size]:
-                        items.append(self.client.acquire(p, self.stop))
+                        items.append(self.client.acquire_sample(p, self.stop))
                     batch = self.collate(items, self.target_argmax is not None)
                     argmax = None
                     if self.target_argmax is not None and batch.last_layer is not None:
@@ -136,7 +144,7 @@ class Evaluator:
                     for it in items:
                         self.client.release(it)
         finally:
-            self.client.unwant(pos)
+            self.client.unwant(pos, held_out=True)
             model.train(was_training)
         out = self.draft.summary(sums)
         out["labels"] = self.labels

@@ -275,7 +275,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--layer-ids", default=None, help="Explicit ordered view of captured output-of-layer ids, comma "
               "separated (default: the draft's formula; EAGLE-3: three auxiliary ids then L-1).")
 @click.option("--batch-size", default=2, type=int, help="Sequences per optimizer step.")
-@click.option("--steps", default=100, type=int, help="Optimizer steps.")
+@click.option("--steps", default=100, type=int,
+              help="Optimizer steps (may run past one pass: later epochs reshuffled, the held-out split never read).")
+@click.option("--epochs", default=0, type=int,
+              help="Passes over the plan's training part instead of --steps (steps = epochs x samples // batch size).")
 @click.option("--lr", default=6e-4, type=float, help="Peak learning rate.")
 @click.option("--seed", default=0, type=int)
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
@@ -314,9 +317,14 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps, lr,
             seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, save_every,
             keep_checkpoints, resume, init_from, eval_samples, eval_interval, eval_anchors, progress, tensorboard,
-            compile_mode, loss_impl, length_bucket):
+            compile_mode, loss_impl, length_bucket, epochs=0):
     """Train one draft on the cache root at its own pace."""
+    from click.core import ParameterSource
+
     from artcache.trainers.consumer import ConsumerConfig, parse_window, run_consumer
+
+    if epochs and click.get_current_context().get_parameter_source("steps") == ParameterSource.COMMANDLINE:
+        raise ConfigError(f"--epochs {epochs} and --steps {steps} both say how long to train; give one of them")
 
     if draft not in DRAFT_NAMES:
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
@@ -329,7 +337,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         cache=cache, consumer_id=consumer_id or (f"{draft}-b{block_size}" if draft == "dflash" else draft),
         draft=draft, lookbehind=lookbehind,
         lookahead=lookahead, block_size=block_size, num_anchors=anchors, draft_layers=draft_layers, layer_ids=view,
-        batch_size=batch_size, steps=steps, lr=lr, seed=seed, device=device, threads=threads, out_dir=out_dir,
+        batch_size=batch_size, steps=steps, epochs=epochs, lr=lr, seed=seed, device=device, threads=threads,
+        out_dir=out_dir,
         demand_timeout_s=demand_timeout, log_every=log_every, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
         save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, init_from=init_from,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, progress=progress,

@@ -26,7 +26,12 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         lookbehind, lookahead: window in positions; lookahead must be >= batch_size.
         block_size (B), num_anchors (N per sequence), draft_layers (DFlash; default: the largest n
             whose layer ids the root captures, one per captured layer on a DFlash-only root).
-        batch_size: sequences (= positions) per optimizer step. steps: optimizer steps to run.
+        batch_size: sequences (= positions) per optimizer step. steps: optimizer steps to run; they may
+            run past one pass over the plan: position ``p`` is epoch ``p // E`` over the training part of
+            the plan (its first ``E`` samples, all but the held-out split), each later epoch reshuffled by
+            the plan's seed (:class:`artcache.plan.EpochOrder`).
+        epochs: run this many passes over the training part instead of ``steps``: ``steps = epochs × E //
+            batch_size`` (0: use ``steps``).
         lr, warmup_frac, min_lr_frac, weight_decay, grad_clip: AdamW with linear warmup and cosine
             decay to ``min_lr_frac × lr`` (DFlash recipe: lr 6e-4, warmup 4 %, clip 1.0).
         seed: draft init and anchor sampling. device: ``cpu`` or ``cuda[:i]``.
@@ -47,8 +52,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             registry recorded); refuses when they differ or the run's settings changed.
         init_from: seed the draft's weights (only) from a checkpoint, a published draft or a run
             directory; strict keys both ways. EAGLE-3 keeps the source's vocab map.
-        eval_samples: size E of the held-out split: plan positions ``[len(plan) - E, len(plan))`` are
-            evaluated, never trained on (``steps × batch_size`` must stay <= ``len(plan) - E``). 0: off.
+        eval_samples: size of the held-out split: the plan's last ``eval_samples`` samples are evaluated and
+            never trained on, however many epochs the run walks. 0: off.
         eval_interval: evaluate every this many steps (0: only at the end); needs ``eval_samples``.
         progress: show a progress bar on stderr (only when it is a TTY).
         tensorboard: write TensorBoard scalars when the package is installed (metrics.csv always).
@@ -75,6 +80,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft_layers: int | None = None
     batch_size: int = 2
     steps: int = 100
+    epochs: int = 0
     lr: float = 6e-4
     warmup_frac: float = 0.04
     min_lr_frac: float = 0.0
@@ -117,7 +123,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 flag = flags.get(name, "--" + name.replace("_", "-"))
                 raise ConfigError(f"{flag} {getattr(self, name)} is invalid: it must be >= 1")
         for name in ("save_every", "keep_checkpoints", "eval_samples", "eval_interval", "eval_anchors",
-                     "length_bucket"):
+                     "length_bucket", "epochs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 0")
         if self.draft_layers is not None and self.draft_layers < 1:
@@ -164,10 +170,11 @@ def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: floa
 
 #: Settings that define a run: ``--resume`` refuses when one differs from the checkpoint's.
 RUN_FIELDS = ("draft", "block_size", "num_anchors", "batch_size", "steps", "lr", "warmup_frac", "min_lr_frac",
-              "weight_decay", "grad_clip", "seed", "eval_samples")
+              "weight_decay", "grad_clip", "seed", "eval_samples", "epochs")
 #: The CLI flag of run fields, naming them in a refused ``--resume`` (others are named by their field).
 FLAGS = {"num_anchors": "--anchors", "block_size": "--block-size", "batch_size": "--batch-size",
-         "steps": "--steps", "lr": "--lr", "seed": "--seed", "eval_samples": "--eval-samples", "draft": "--draft"}
+         "steps": "--steps", "lr": "--lr", "seed": "--seed", "eval_samples": "--eval-samples", "draft": "--draft",
+         "epochs": "--epochs"}
 
 
 def run_settings(cfg: ConsumerConfig) -> dict:

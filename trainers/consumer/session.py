@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from artcache import journal as J
@@ -56,7 +57,7 @@ from artcache.trainers.checkpoint import (
     save_checkpoint,
 )
 from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums, build_draft
-from artcache.trainers.evaluation import Evaluator, eval_split, target_argmax_fn
+from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, target_argmax_fn
 from artcache.trainers.tracking import Progress, RunTracker
 
 from .config import ConsumerConfig, lr_at, run_settings
@@ -80,7 +81,8 @@ log = logging.getLogger("artcache.consumer")
 def run_consumer(cfg: ConsumerConfig) -> dict:
     """Train one draft on the cache root; returns a summary dict. Raises on failure (after fencing).
 
-    Summary keys: ``consumer_id``, ``draft``, ``steps``, ``cursor``, ``resumed_from_step`` (None for a
+    Summary keys: ``consumer_id``, ``draft``, ``steps``, ``cursor``, ``epoch`` (of the last position trained
+    on, 0-based) and ``epoch_len`` (training samples per epoch), ``resumed_from_step`` (None for a
     fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last up to 5 steps
     this process trained; None when it trained none), ``tau``, ``checkpoint``, ``run_dir``, ``wait_s``,
     and ``sim_acc_len`` (EAGLE-3) / ``eval`` (the last evaluation) when there are such figures.
@@ -136,8 +138,13 @@ class Session:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
         self.plan = Plan.load(self.layout.plan_dir(self.settings.plan_id))
+        self.pinned = eval_split(len(self.plan), cfg.eval_samples)
+        # training walks the plan's first epoch_len samples epoch after epoch; the held-out split never
+        self.epoch_len = self.pinned[0] or len(self.plan)
+        self.order = self.plan.order(self.epoch_len)
+        if cfg.epochs:
+            cfg = self.cfg = msgspec.structs.replace(cfg, steps=epoch_steps(cfg.epochs, self.epoch_len, cfg.batch_size))
         self.end = cfg.steps * cfg.batch_size  # exclusive: the consumer never reads at or past it
-        self.pinned = eval_split(len(self.plan), cfg.eval_samples, cfg.steps, cfg.batch_size)
         self.run_dir = Path(cfg.out_dir or Path("runs") / cfg.consumer_id).absolute()
         vocab_map = None
         if cfg.resume:
@@ -192,7 +199,8 @@ class Session:
             reg = registry.register(layout, registry.Registration(
                 consumer_id=cfg.consumer_id, draft=cfg.draft, cursor=self.start_cursor, lookbehind=cfg.lookbehind,
                 lookahead=cfg.lookahead, batch_size=cfg.batch_size, end=self.end, pid=os.getpid(), host=host_id(),
-                pinned=self.pinned, checkpoint_cursor=self.start_cursor if self.resumed is not None else -1),
+                pinned=self.pinned, checkpoint_cursor=self.start_cursor if self.resumed is not None else -1,
+                epoch_len=self.epoch_len),
                 check=self._check_resume, live_timeout_s=self.settings.heartbeat_timeout_s)
         except BaseException:
             self.journal.close()
@@ -211,9 +219,10 @@ class Session:
         self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
                                           block_size=cfg.block_size, batch_size=cfg.batch_size,
                                           lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
-                                          step=self.start_step, pinned=self.pinned[1] - self.pinned[0]))
+                                          step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
+                                          epoch_len=self.epoch_len))
         self.client = CacheClient(layout, self.settings, self.plan, self.handle, self.journal, cfg.demand_timeout_s,
-                                  pin=self.device.type == "cuda")
+                                  pin=self.device.type == "cuda", epoch_len=self.epoch_len)
         group = [m for m in cfg.lockstep_group.split(",") if m]
         self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
                              end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
@@ -379,19 +388,20 @@ class Session:
                 self.first_losses.append(s["loss"])
             self.last_losses.append(s["loss"])
             del self.last_losses[:-5]
+            epoch = self.order.epoch(rec.cursor - 1)  # the epoch of the step's last position
             self.journal.emit(J.Step(consumer=cfg.consumer_id, step=rec.step, cursor=rec.cursor, loss=s["loss"],
-                                     wait_s=rec.wait_s, step_s=rec.step_s, lr=rec.lr, t=rec.t,
+                                     wait_s=rec.wait_s, step_s=rec.step_s, lr=rec.lr, t=rec.t, epoch=epoch,
                                      **draft.journal_fields(sums)))
             self.tracker.scalars(rec.step, "train", {**{k: v for k, v in s.items() if k != "blocks"}, "lr": rec.lr,
                                                      "steps_per_s": rec.rate, "wait_s": rec.wait_s,
-                                                     "wait_total_s": rec.wait_total})
+                                                     "wait_total_s": rec.wait_total, "epoch": epoch})
             self.last_progress = s.get(draft.progress_metric)
             if rec.step % cfg.log_every == 0 or rec.step == cfg.steps:
                 shown = s["acc"][:4]
                 acc = " ".join(f"{a:.2f}" for a in shown)
-                log.info("[%s] step %d/%d loss %.3f %s acc_1..%d %s trainer wait for batch %.2fs",
-                         cfg.consumer_id, rec.step, cfg.steps, s["loss"], draft.headline(s), len(shown), acc,
-                         rec.wait_s)
+                log.info("[%s] step %d/%d (epoch %d) loss %.3f %s acc_1..%d %s trainer wait for batch %.2fs",
+                         cfg.consumer_id, rec.step, cfg.steps, epoch, s["loss"], draft.headline(s), len(shown),
+                         acc, rec.wait_s)
                 self.tracker.flush()
 
     # ---- evaluate: one pass over the held-out split -------------------------------------------------------
@@ -492,7 +502,9 @@ class Session:
                "first_loss": sum(first) / len(first) if first else None,
                "final_loss": sum(last) / len(last) if last else None,
                "tau": summary.get("tau"), "checkpoint": str(self.ckpt) if self.ckpt else None,
-               "run_dir": str(self.run_dir), "wait_s": self.wait_total}
+               "run_dir": str(self.run_dir), "wait_s": self.wait_total,
+               # the epoch of the last position trained on (0-based) and the training samples per epoch
+               "epoch": self.order.epoch(self.cursor - 1) if self.cursor else 0, "epoch_len": self.epoch_len}
         if "sim_acc_len" in summary:
             out["sim_acc_len"] = summary["sim_acc_len"]
         if self.last_eval:
