@@ -728,6 +728,10 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         torch.set_num_threads(cfg.threads)
     quiet_transformers()
     layout, settings, plan, info, _tok = prepare_root(cfg)
+    if cfg.fill and _plan_published(layout, settings, plan):  # a filled root: no target to load, nothing to do
+        log.info("--fill: %s already holds every sample of plan %s (%d): nothing to capture", layout.root,
+                 plan.plan_id[:12], len(plan))
+        return ProducerStats(fill_complete=True)
     if settings.contract.backend == "vllm":
         from artcache.backends.vllm import VLLMCaptureBackend  # lazy: vLLM is an optional extra
 
@@ -758,6 +762,12 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
             f"--fill: {len(producer.fill_missing())} of the plan's {len(plan)} samples do not fit "
             f"{producer.budget_note}; raise --disk-budget (what fitted stays published)")
     return producer.stats
+
+
+def _plan_published(layout: CacheLayout, settings: RootSettings, plan) -> bool:
+    """Whether ``objects/`` holds every sample of ``plan`` (one listing, every fingerprint)."""
+    objects = store.list_objects(layout)
+    return all(fp in objects for fp in PlanFingerprints(settings.contract, plan).table()[0])
 
 
 #: presence locks a warned producer waits for (see claim_producer_presence)

@@ -223,3 +223,25 @@ def test_fill_serves_a_consumer_first_and_stops_at_a_budget_too_small(root):
     assert producer.stats.fill_complete
     assert backend.captured[:3] == [20, 21, 22]  # what the live consumer reads first, then the plan
     assert sorted(backend.captured) == list(range(30))
+
+
+def test_fill_on_a_filled_root_loads_no_target_and_captures_nothing(tmp_path, monkeypatch):
+    """``run_producer --fill`` end to end on a tiny random target: the first run captures the whole plan;
+    a second on the same root (same contract and plan) finds every sample published and returns before
+    loading the target (the loader raises if called), journaling no capture."""
+    import artcache.target
+    from artcache.producer import run_producer
+
+    cfg = ProducerConfig(cache=str(tmp_path / "root"), target="random:tiny-llama", dataset="synthetic",
+                         max_samples=6, max_length=32, draft_layers=3, fill=True, poll_interval_s=0.0)
+    assert run_producer(cfg).fill_complete
+    layout = CacheLayout(tmp_path / "root")
+    first = account(layout).cache
+    assert first.captures == 6 and first.retained_artifacts == 6
+
+    def no_target(*a, **k):
+        raise AssertionError("a filled root must not load the target")
+
+    monkeypatch.setattr(artcache.target, "load_target_model", no_target)
+    assert run_producer(cfg).fill_complete
+    assert account(layout).cache.captures == 6

@@ -315,22 +315,14 @@ class Session:
         """One batch, one optimizer step, one cursor commit. On CUDA nothing here reads device memory
         back: the batch arrives collated on the device (the reader thread's :class:`DeviceCollator`),
         the metric sums stay on the device until :meth:`_flush_metrics`."""
-        cfg = self.cfg
         t0 = time.monotonic()
         fetched = self._next_batch()
         got = fetched.items
         wait_s = time.monotonic() - t0
         self.wait_total += wait_s
         batch = fetched.wait()
-        lr = lr_at(step_index, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.min_lr_frac)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
         self.consistent = False  # from the anchor draw on, until the cursor commit
-        loss, sums = self.draft.loss(batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-        self.optimizer.step()
+        sums, lr = self.train_step(batch, step_index)
         self.cursor = got[-1].position + 1
         # the step no longer needs the batch's bytes: release its leases while its positions are
         # still inside the window, then commit (a crash in between leaves nothing outside it)
@@ -344,6 +336,21 @@ class Session:
         self.consistent = True
         self.reader.authorize(self.cursor)
         self._record(step_index, sums, lr, wait_s, time.monotonic() - t0)
+
+    def train_step(self, batch: DraftBatch, step_index: int) -> tuple[MetricSums | PendingSums, float]:
+        """The compute of one step on ``batch``: the scheduled lr, forward, backward, clip, optimizer step.
+        Returns (the step's metric sums, its lr). (``artcache.bench.offline`` times it on batches held in
+        memory: the consumer's rate without the cache.)"""
+        cfg = self.cfg
+        lr = lr_at(step_index, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.min_lr_frac)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        loss, sums = self.draft.loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self.optimizer.step()
+        return sums, lr
 
     def _next_batch(self) -> Fetched:
         """The reader's next batch; raises what stopped the reader, a signal's request, or a fence."""
