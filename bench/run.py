@@ -317,7 +317,8 @@ def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
     runs = {}
     for mode in modes:
         if len(modes) > 1:
-            print(f"-- mode {mode}: {len(_producers(base, mode, sc))} producer(s), {len(sc.consumers)} consumer(s)",
+            served = _producers(base, mode, sc)
+            print(f"-- mode {mode}: {len(served)} producer(s), {sum(len(p[2]) for p in served)} consumer(s)",
                   flush=True)
         runs[mode] = run_mode(cfg, sc, base, mode, gpus, sampler if mode == "artcache" else None)
     art = runs["artcache"]
