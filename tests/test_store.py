@@ -517,8 +517,10 @@ def test_regression_stray_file_in_objects_is_ignored(tmp_path):
     assert store.list_objects(layout) == {}
     from artcache.eviction import evict_pass
 
-    res = evict_pass(layout, retain=set(), live_consumers=set())
+    # asked to evict the fingerprint of the wrongly sharded file, the pass touches nothing it did not write
+    res = evict_pass(layout, evict=["ab" * 20], live_consumers=set())
     assert res.evicted == {} and (layout.objects / "ab" / "junk.safetensors").exists()
+    assert (layout.objects / "cd" / ("ab" * 20 + ".safetensors")).exists()
 
 
 def test_free_space_reserve_scales_down_on_small_filesystems(monkeypatch, tmp_path):
