@@ -466,7 +466,7 @@ def from_cache(
     }
 
 
-def main() -> None:
+def _arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -485,6 +485,34 @@ def main() -> None:
         help="stop starting new measurements after this many seconds",
     )
     ap.add_argument("--root", default="/tmp/artcache-consumer-speed")
+    return ap
+
+
+def _print_table(report: dict) -> None:
+    """The rows of ``report`` as one table on stdout (errors on their own line)."""
+    print(
+        "\nname                 variant           data        steps/s  samples/s  x main   MFU  GB/s read  binding",
+        flush=True,
+    )
+    for r in report["rows"]:
+        if "error" in r:
+            print(f"{r['name']:<20} {r['variant']:<17} {r['data']:<10}  ERROR {r['error'][:60]}")
+            continue
+        print(
+            f"{r['name']:<20} {r['variant']:<17} {r['data']:<10} {r['steps_per_s']:8.1f} {r['samples_per_s']:10.1f} "
+            f"{r.get('x_main', float('nan')):7.2f} {r['mfu']:5.3f} {r.get('bytes_per_s', 0) / 1e9:9.2f}  "
+            f"{r.get('binding', '')} busy {r.get('gpu_busy_ms_per_step', float('nan')):.1f} ms "
+            f"launch {r.get('launches_per_step', float('nan')):.0f} sync {r.get('syncs_per_step', float('nan')):.0f}"
+        )
+    print(
+        f"commit {report['commit']}{' (dirty)' if report['dirty'] else ''}, total {report['seconds']:.0f}s",
+        flush=True,
+    )
+
+
+
+def main() -> None:
+    ap = _arg_parser()
     args = ap.parse_args()
     try:
         plan = parse_plan(args.plan)
@@ -603,25 +631,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     report["seconds"] = time.time() - t_start
     save()
-    print(
-        "\nname                 variant           data        steps/s  samples/s  x main   MFU  GB/s read  binding",
-        flush=True,
-    )
-    for r in report["rows"]:
-        if "error" in r:
-            print(f"{r['name']:<20} {r['variant']:<17} {r['data']:<10}  ERROR {r['error'][:60]}")
-            continue
-        print(
-            f"{r['name']:<20} {r['variant']:<17} {r['data']:<10} {r['steps_per_s']:8.1f} {r['samples_per_s']:10.1f} "
-            f"{r.get('x_main', float('nan')):7.2f} {r['mfu']:5.3f} {r.get('bytes_per_s', 0) / 1e9:9.2f}  "
-            f"{r.get('binding', '')} busy {r.get('gpu_busy_ms_per_step', float('nan')):.1f} ms "
-            f"launch {r.get('launches_per_step', float('nan')):.0f} sync {r.get('syncs_per_step', float('nan')):.0f}"
-        )
-    print(
-        f"commit {report['commit']}{' (dirty)' if report['dirty'] else ''}, total {report['seconds']:.0f}s",
-        flush=True,
-    )
-
+    _print_table(report)
 
 if __name__ == "__main__":
     main()

@@ -175,21 +175,12 @@ def dflash_loss(
     Raises:
         ConfigError: bad ``gamma``/``chunk_rows``/``mode`` or inconsistent shapes; ``"liger"`` off CUDA.
     """
-    if hidden.dim() != 4:
-        raise ConfigError(f"hidden must be [b, N, B, H], got shape {tuple(hidden.shape)}")
+    _check_loss_args(hidden, input_ids, loss_mask, anchors, valid, mode)
     b, N, B, H = hidden.shape
-    if input_ids.dim() != 2 or input_ids.shape[0] != b or tuple(loss_mask.shape) != tuple(input_ids.shape):
-        raise ConfigError(
-            f"input_ids {tuple(input_ids.shape)} and loss_mask {tuple(loss_mask.shape)} must both be [b={b}, T]"
-        )
-    if tuple(anchors.shape) != (b, N) or tuple(valid.shape) != (b, N):
-        raise ConfigError(f"anchors {tuple(anchors.shape)} / valid {tuple(valid.shape)} must be [{b}, {N}]")
     gamma = model.cfg.resolved_gamma if gamma is None else gamma
     chunk_rows = model.cfg.logit_chunk if chunk_rows is None else chunk_rows
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ConfigError(f"chunk_rows must be an int >= 1, got {chunk_rows!r}")
-    if mode not in LOSS_MODES:
-        raise ConfigError(f"mode must be one of {', '.join(repr(m) for m in LOSS_MODES)}, got {mode!r}")
     T = input_ids.shape[1]
     dev = hidden.device
 
@@ -237,22 +228,47 @@ def dflash_loss(
     weight_sum = ws.sum()
     loss = loss_sum / weight_sum.clamp_min(torch.finfo(acc_dtype).tiny)
 
-    with torch.no_grad():
-        if static_rows:
-            correct = torch.zeros(b, N, B, dtype=torch.bool, device=dev)
-            correct[:, :, 1:] = (preds == t).reshape(b, N, B - 1)
-        else:
-            correct = torch.zeros(b * N * B, dtype=torch.bool, device=dev)
-            correct[rows] = preds == t
-        correct = correct.reshape(b, N, B) & sup
-        lead = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1)  # leading correct slots
-        vb = valid.to(dev).bool()
-        stats = LossStats(
-            loss_sum=loss_sum.detach().double(),
-            weight_sum=weight_sum.detach().double(),
-            correct=correct.sum(dim=(0, 1)).long(),
-            total=sup.sum(dim=(0, 1)).long(),
-            tau_sum=((lead + 1) * vb).sum().long(),
-            num_blocks=vb.sum().long(),
-        )
+    stats = _loss_stats(preds, t, rows, sup, valid.to(dev).bool(), loss_sum, weight_sum, static_rows)
     return loss, stats
+
+
+def _check_loss_args(hidden: Tensor, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, valid: Tensor,
+                     mode: str) -> None:
+    """:func:`dflash_loss`'s shape and mode checks (ConfigError naming the bad value)."""
+    if hidden.dim() != 4:
+        raise ConfigError(f"hidden must be [b, N, B, H], got shape {tuple(hidden.shape)}")
+    b, N = hidden.shape[:2]
+    if input_ids.dim() != 2 or input_ids.shape[0] != b or tuple(loss_mask.shape) != tuple(input_ids.shape):
+        raise ConfigError(
+            f"input_ids {tuple(input_ids.shape)} and loss_mask {tuple(loss_mask.shape)} must both be [b={b}, T]"
+        )
+    if tuple(anchors.shape) != (b, N) or tuple(valid.shape) != (b, N):
+        raise ConfigError(f"anchors {tuple(anchors.shape)} / valid {tuple(valid.shape)} must be [{b}, {N}]")
+    if mode not in LOSS_MODES:
+        raise ConfigError(f"mode must be one of {', '.join(repr(m) for m in LOSS_MODES)}, got {mode!r}")
+
+
+@torch.no_grad()
+def _loss_stats(preds: Tensor, t: Tensor, rows: Tensor | None, sup: Tensor, vb: Tensor, loss_sum: Tensor,
+                weight_sum: Tensor, static_rows: bool) -> LossStats:
+    """:func:`dflash_loss`'s metric sums from the lm_head's argmax ``preds`` of the rows it scored
+    (``rows``: their flat indices into [b, N, B], or every slot k >= 1 when ``static_rows``). ``sup``:
+    [b, N, B] supervised slots; ``vb``: [b, N] valid blocks. τ counts the +1 bonus token."""
+    b, N, B = sup.shape
+    dev = sup.device
+    if static_rows:
+        correct = torch.zeros(b, N, B, dtype=torch.bool, device=dev)
+        correct[:, :, 1:] = (preds == t).reshape(b, N, B - 1)
+    else:
+        correct = torch.zeros(b * N * B, dtype=torch.bool, device=dev)
+        correct[rows] = preds == t
+    correct = correct.reshape(b, N, B) & sup
+    lead = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1)  # leading correct slots
+    return LossStats(
+        loss_sum=loss_sum.detach().double(),
+        weight_sum=weight_sum.detach().double(),
+        correct=correct.sum(dim=(0, 1)).long(),
+        total=sup.sum(dim=(0, 1)).long(),
+        tau_sum=((lead + 1) * vb).sum().long(),
+        num_blocks=vb.sum().long(),
+    )
