@@ -525,12 +525,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     t_start = time.time()
-    report = {
-        **provenance(device),
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "rows": [],
-    }
+    report = {**provenance(device), "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "rows": []}
     report["matmul_peak_flops"] = peak = matmul_peak(device)
     print(f"matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     smol = _arch_config("smollm2-135m")
@@ -632,6 +628,7 @@ def main() -> None:
     report["seconds"] = time.time() - t_start
     save()
     _print_table(report)
+
 
 if __name__ == "__main__":
     main()
