@@ -17,7 +17,32 @@ from artcache.hashing import canonical_json, strong_digest
 #: i.e. Hugging Face ``output_hidden_states[i + 1]`` (SpecForge, z-lab DFlash, DeepSpec).
 OUTPUT_OF_LAYER = "output-of-layer"
 
-DTYPES = ("bfloat16", "float16", "float32")
+#: stored dtypes of ``hidden_states``. ``float8_e4m3fn`` is the row-scaled fp8 scheme of :mod:`artcache.fp8`
+#: (codes plus a ``hidden_scales`` fp32 tensor, one scale per token row per layer; docs/format.md)
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+#: what ``--dtype`` / ``target.dtype`` accept besides ``DTYPES`` (an alias is stored as its full name)
+DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def stored_dtype(name: str) -> str:
+    """The contract dtype for ``name`` (an entry of ``DTYPES`` or ``DTYPE_ALIASES``).
+
+    Raises:
+        ValueError: naming the value and what is accepted.
+    """
+    full = DTYPE_ALIASES.get(name, name)
+    if full not in DTYPES:
+        raise ValueError(f"dtype {name!r} not accepted: use {', '.join(DTYPES)} or {', '.join(DTYPE_ALIASES)}")
+    return full
+
+
+def stored_bytes_per_token(dtype: str, layers: int, hidden: int) -> int:
+    """Data bytes one token takes in an artifact of ``dtype``: ``layers × hidden`` hidden-state values,
+    plus one fp32 scale per layer for fp8, plus 5 (int32 token id, uint8 loss mask). The header (under
+    4 KiB) comes on top, once per artifact."""
+    full = stored_dtype(dtype)
+    return layers * hidden * _ITEMSIZE[full] + (4 * layers if full == "float8_e4m3fn" else 0) + 5
 
 #: Capture backends (``artcache producer --backend``): ``hf`` runs the target in transformers with
 #: forward hooks, ``vllm`` in a vLLM engine with ``extract_hidden_states`` (artcache.backends.vllm). Both
@@ -31,7 +56,8 @@ class CaptureContract(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     Attributes:
         target_name, target_revision, target_config_hash, target_weights_digest: target identity.
         layer_ids: captured layers, in artifact order, in the ``layer_convention`` convention.
-        dtype: dtype of ``hidden_states`` in the artifact (one of ``DTYPES``).
+        dtype: dtype of ``hidden_states`` in the artifact (one of ``DTYPES``); ``float8_e4m3fn`` means the
+            row-scaled fp8 scheme (:mod:`artcache.fp8`), whose artifacts also hold ``hidden_scales``.
         compute_dtype: dtype the target ran in (the stored bits depend on it).
         include_last_hidden: whether ``last_hidden`` (post final norm) is stored.
         include_target_argmax: whether ``target_argmax`` ids are stored.
@@ -50,7 +76,7 @@ class CaptureContract(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     target_weights_digest: str
     layer_ids: tuple[int, ...]
     layer_convention: Literal["output-of-layer"] = OUTPUT_OF_LAYER
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = "bfloat16"
     compute_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     include_last_hidden: bool = False
     include_target_argmax: bool = False

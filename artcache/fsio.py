@@ -6,9 +6,12 @@ reader sees either nothing or a complete file, on every POSIX filesystem, whethe
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import os
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from artcache.crashpoints import crash_point
@@ -26,6 +29,33 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages in the range, do not wait
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to the device now, without
+    waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the device works while the caller
+    writes the next chunk and the closing fsync waits only for the tail. A hint: it makes nothing
+    durable (the fsync does), a failure is ignored (the fsync reports real I/O errors), and it is a
+    no-op (False) where the call does not exist. On tmpfs it returns at once."""
+    if _SYNC_FILE_RANGE is None:
+        return False
+    return _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
 def is_retryable(exc: OSError) -> bool:
@@ -47,9 +77,13 @@ def check_free_space(directory: Path, nbytes: int, reserve: int | None = None) -
             f"{reserve} B reserve", retryable=False, errno_=errno.ENOSPC)
 
 
-def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path, *,
+def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[int], int], tmp_dir: Path, *,
                  durable: bool = True, fingerprint: str | None = None) -> int:
     """Write ``chunks`` to ``dest`` atomically; return the number of bytes written.
+
+    ``chunks`` is an iterable of byte chunks written in order, or a writer ``f(fd) -> bytes written``
+    that writes the content into the open temp file itself (``artcache.store`` streams artifacts this
+    way: positioned writes, hashing beside them, the header last); it may raise only OSError.
 
     Writes to ``tmp_dir/<host>.<pid>.<nonce>.part`` (same filesystem as ``dest``; created
     ``O_CREAT|O_EXCL|O_NOFOLLOW``), fsyncs it,
@@ -66,12 +100,15 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview], tmp_dir: Path
         # O_EXCL: never an existing name (nor a planted link: O_EXCL does not follow); O_NOFOLLOW besides
         fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                while view:
-                    n = os.write(fd, view)
-                    written += n
-                    view = view[n:]
+            if callable(chunks):
+                written = chunks(fd)
+            else:
+                for chunk in chunks:
+                    view = memoryview(chunk).cast("B")
+                    while view:
+                        n = os.write(fd, view)
+                        written += n
+                        view = view[n:]
             if fingerprint is not None:  # crash points only on artifact publication
                 crash_point("publish.after-write")
             if durable:

@@ -1,6 +1,8 @@
 """Small hashing helpers shared by artcache modules.
 
 - ``digest_bytes`` / ``digest_file``: fast content hashes (xxh3_128, 32 hex chars) for integrity checks.
+- ``StreamDigest``: the same hash over a stream of chunks, optionally on a helper thread beside the
+  caller's writes or reads (artifact publication and reads hash while they do I/O).
 - ``strong_digest``: blake2b (20 bytes, 40 hex chars) for ids and fingerprints.
 - ``canonical_json``: a deterministic JSON encoding (sorted keys) to feed either hash.
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from typing import Any
 
 import msgspec
@@ -37,6 +41,70 @@ def digest_file(path: str | os.PathLike[str], chunk: int = _DEFAULT_CHUNK) -> st
                 break
             h.update(block)
     return h.hexdigest()
+
+
+class StreamDigest:
+    """xxh3_128 over chunks fed in order, as 32 lowercase hex characters (equal to :func:`digest_bytes` of
+    their concatenation).
+
+    With ``background=True`` the chunks are hashed on a helper thread while the caller goes on (xxhash
+    releases the GIL): a caller that writes chunk i while chunk i is hashed, or reads chunk i + 1 while
+    chunk i is hashed, pays max(I/O, hash) instead of their sum. A chunk must stay unchanged until
+    :meth:`hexdigest` returns. Use it as a context manager (or call :meth:`close`), so the helper thread
+    ends when the caller fails midway.
+
+    Raises:
+        RuntimeError: :meth:`update` after :meth:`hexdigest` or :meth:`close`.
+    """
+
+    def __init__(self, background: bool = False) -> None:
+        self._h = xxhash.xxh3_128()
+        self._q: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        if background:
+            self._q = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name="artcache-hash", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        assert self._q is not None
+        while (chunk := self._q.get()) is not None:
+            if self._error is None:
+                try:
+                    self._h.update(chunk)
+                except BaseException as exc:  # handed to hexdigest()
+                    self._error = exc
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise RuntimeError("StreamDigest.update after hexdigest/close")
+        if self._q is None:
+            self._h.update(chunk)
+        else:
+            self._q.put(chunk)
+
+    def close(self) -> None:
+        """Stop the helper thread (waits for the chunks already fed). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self._q is not None and self._thread is not None:
+                self._q.put(None)
+                self._thread.join()
+
+    def hexdigest(self) -> str:
+        """The digest of every chunk fed; waits for the helper thread. Re-raises its error, if any."""
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self._h.hexdigest()
+
+    def __enter__(self) -> StreamDigest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def canonical_json(obj: Any) -> bytes:

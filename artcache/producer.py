@@ -33,7 +33,7 @@ import numpy as np
 
 from artcache import journal as J
 from artcache import registry, store
-from artcache.contract import BACKENDS, CaptureContract
+from artcache.contract import BACKENDS, CaptureContract, stored_dtype
 from artcache.crashpoints import crash_point
 from artcache.errors import (
     ArtcacheError,
@@ -75,7 +75,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         seed, max_length, max_samples: the plan (see :class:`artcache.plan.PlanSpec`).
         draft_layers: number of DFlash draft layers; captured ids follow ALGORITHMS.md's formula.
         layer_ids: explicit output-of-layer ids (overrides ``draft_layers``).
-        device: ``cpu`` or ``cuda[:i]``. dtype: stored dtype of the hidden states.
+        device: ``cpu`` or ``cuda[:i]``. dtype: stored dtype of the hidden states (``fp8`` =
+            ``float8_e4m3fn`` codes with one fp32 scale per token row per layer, :mod:`artcache.fp8`).
         compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU (bf16 matmuls are ~6x
             slower than fp32 on CPUs without AVX512-BF16/AMX), bfloat16 on CUDA.
         limits: scheduler limits. poll_interval_s: sleep when idle (seconds).
@@ -211,11 +212,12 @@ def prepare_root(cfg: ProducerConfig):
     from artcache.plan import PlanSpec, ensure_plan, plan_id_for
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
 
-    for name in ("dtype", "compute_dtype"):
-        value = getattr(cfg, name)
-        if value not in ("bfloat16", "float16", "float32") and not (name == "compute_dtype" and value == "auto"):
-            raise ConfigError(f"{name} {value!r} not accepted: use bfloat16, float16 or float32"
-                              + (" or auto" if name == "compute_dtype" else ""))
+    try:
+        dtype = stored_dtype(cfg.dtype)  # "fp8" is stored as float8_e4m3fn (artcache.fp8)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.compute_dtype not in ("bfloat16", "float16", "float32", "auto"):
+        raise ConfigError(f"compute_dtype {cfg.compute_dtype!r} not accepted: use bfloat16, float16, float32 or auto")
     check_id(cfg.producer_id, "producer id")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"--backend {cfg.backend!r} is not accepted: use one of {', '.join(BACKENDS)}")
@@ -252,7 +254,7 @@ def prepare_root(cfg: ProducerConfig):
     tok = load_tokenizer(info)
     contract = CaptureContract(
         target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-        target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=cfg.dtype,
+        target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=dtype,
         compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
         max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
         template_digest=template_digest(tok, spec.template_options), backend=cfg.backend)
@@ -585,7 +587,9 @@ class Producer:
         self._emit(J.CaptureBatch(producer=self.pid, fps=[w.fp for w in todo], samples=len(todo),
                                   tokens=tokens, padded_tokens=longest * len(todo), start=t0, end=t1,
                                   demand=sum(w.demand for w in todo)))
-        finite = getattr(self.backend, "last_finite", None) or [False] * len(todo)
+        # a backend whose batch has ready() (hf on a GPU) gives its NaN/Inf flags there, in the publisher
+        finite = [False] * len(todo) if hasattr(outputs, "ready") else (
+            getattr(self.backend, "last_finite", None) or [False] * len(todo))
         for w, s in zip(todo, samples, strict=True):
             recapture = w.fp in self.stats.ever_published
             self.stats.captures += 1
@@ -608,6 +612,14 @@ class Producer:
                 return
             todo, outputs, finite, locks, live = item
             try:
+                ready = getattr(outputs, "ready", None)
+                if ready is not None:  # a GPU capture's host copies finish here, beside the next prefill
+                    try:
+                        finite = ready()
+                    except Exception as exc:  # the copies failed: every fingerprint of the batch failed once
+                        for w in todo:
+                            self._fail(w.fp, exc)
+                        continue
                 for w, tensors, checked in zip(todo, outputs, finite, strict=True):
                     self._publish(w.fp, tensors, values_checked=checked, tokens=self.length_of(w.sample))
             finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -78,6 +79,256 @@ def disk_bandwidth(root: Path, size: int = 2 << 30, chunk: int = 64 << 20) -> di
     read = size / (time.perf_counter() - t0)
     path.unlink()
     return {"write_fsync_Bps": write, "read_pagecache_Bps": read, "bytes": size}
+
+
+def _git_commit() -> str:
+    """``git rev-parse HEAD`` of the checkout this module runs from, ``+dirty`` when it has local changes."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def _mount_of(path: Path) -> dict:
+    """Filesystem type, device and mount options of the mount holding ``path`` (from /proc/mounts)."""
+    best: dict = {}
+    target = str(path.resolve())
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        dev, mnt, fstype, opts = line.split()[:4]
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best.get("mount", "")):
+            best = {"mount": mnt, "device": dev, "fstype": fstype, "options": opts}
+    return best
+
+
+def hardware(device: torch.device, roots: list[Path]) -> dict:
+    """What the figures were measured on: CPU model and count, memory, GPU and driver, each root's mount."""
+    import platform
+
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_bytes": mem, "kernel": platform.release(),
+           "python": platform.python_version(), "torch": str(torch.__version__),
+           "roots": {str(r): _mount_of(r.parent if not r.exists() else r) for r in roots}}
+    with contextlib.suppress(OSError, ValueError):
+        out["load_average"] = list(os.getloadavg())
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        out["cuda"] = torch.version.cuda
+        with contextlib.suppress(Exception):
+            import subprocess
+
+            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+    return out
+
+
+def synthetic_capture(seq: int, layers: int, hidden: int, seed: int = 0, pin: bool = False,
+                      dtype: str = "bfloat16") -> dict:
+    """One artifact's tensors of the given shape: ``hidden_states`` [seq, layers, hidden] (standard normal
+    values) in ``dtype``, ``input_ids`` [seq] int32, ``loss_mask`` [seq] uint8; for ``float8_e4m3fn`` the
+    fp8 codes and ``hidden_scales`` [seq, layers] fp32 (:func:`artcache.fp8.quantize_rows`). ``pin``: in
+    page-locked memory, as the CUDA capture backend delivers them."""
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(seq, layers, hidden, generator=g, dtype=torch.float32)
+    out = {"input_ids": torch.randint(0, 32000, (seq,), generator=g, dtype=torch.int32),
+           "loss_mask": torch.ones(seq, dtype=torch.uint8)}
+    if dtype == "float8_e4m3fn":
+        from artcache.fp8 import quantize_rows
+
+        out["hidden_states"], out["hidden_scales"] = quantize_rows(hs)
+    else:
+        out["hidden_states"] = hs.to(getattr(torch, dtype))
+    if pin:
+        out = {k: v.pin_memory() for k, v in out.items()}
+    return out
+
+
+def _write_file(path: Path, data, fsync: bool = True) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def io_components(root: Path, tensors: dict, reps: int) -> dict:
+    """Where a publish and a read spend their time: each primitive the store uses, timed alone on this
+    root over one artifact's bytes (medians, seconds): the NaN/Inf scan, xxh3-128 of the data, the write
+    into the page cache (no fsync), the fsync after it, rename + directory fsync, a read into a fresh
+    buffer and into a reused one (page cache hot), and the allocation of a fresh buffer."""
+    from artcache import hashing
+    from artcache.fsio import fsync_dir
+    from artcache.store import all_finite
+
+    data = memoryview(tensors["hidden_states"].reshape(-1).view(torch.uint8).numpy())
+    path, other = root / "component.bin", root / "component-renamed.bin"
+    times: dict[str, list[float]] = {k: [] for k in ("finite_scan", "hash", "write_cache", "fsync",
+                                                     "rename_dirsync", "read_fresh_buffer", "read_reused_buffer",
+                                                     "alloc_fresh_buffer")}
+    reuse = bytearray(data.nbytes)
+
+    def clock(key, fn):
+        t0 = time.perf_counter()
+        fn()
+        times[key].append(time.perf_counter() - t0)
+
+    def read_into(buf):
+        with open(other, "rb", buffering=0) as f:
+            view = memoryview(buf)
+            got = 0
+            while got < len(view) and (n := f.readinto(view[got:])):
+                got += n
+
+    for _ in range(reps + 1):
+        clock("finite_scan", lambda: all_finite(tensors["hidden_states"]))
+        clock("hash", lambda: hashing.digest_bytes(data))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            clock("write_cache", lambda fd=fd: [os.write(fd, data[i:i + (1 << 30)])
+                                               for i in range(0, data.nbytes, 1 << 30)])
+            clock("fsync", lambda fd=fd: os.fsync(fd))
+        finally:
+            os.close(fd)
+        clock("rename_dirsync", lambda: (os.replace(path, other), fsync_dir(root)))
+        clock("alloc_fresh_buffer", lambda: bytearray(data.nbytes))
+        clock("read_fresh_buffer", lambda: read_into(bytearray(data.nbytes)))
+        clock("read_reused_buffer", lambda: read_into(reuse))
+        other.unlink()
+    out = {k: statistics.median(v[1:]) for k, v in times.items()}
+    out["bytes"] = data.nbytes
+    return out
+
+
+#: store I/O versions measured side by side (``--io-variants``): ``legacy`` is the path before issue 14
+#: (hash the whole data section, then write; read the whole file into a fresh buffer, then hash)
+IO_VARIANTS = {
+    "legacy": {"stream": False, "reuse_buffers": False},
+    "stream": {"hash_thread": False, "writeback": False},
+    "stream+hash-thread": {"writeback": False},
+    "default": {},  # stream + hash thread + writeback (store.IOSettings defaults)
+    "default+fallocate": {"fallocate": True},
+}
+
+
+def io_bench(roots: list[Path], device: torch.device, seq: int, layers: int, hidden: int, reps: int,
+             raw_bytes: int, variants: list[str] | None = None, dtype: str = "bfloat16") -> dict:
+    """The store's I/O against the raw device, side by side in each repetition, on each root.
+
+    Per repetition: the raw figures (:func:`disk_bandwidth`: ``raw_bytes`` written in 64 MiB chunks with
+    one fsync; its page-cache read into one reused 64 MiB buffer) and one artifact-sized write + fsync;
+    then for each store I/O version (:data:`IO_VARIANTS`): ``store.publish`` of a new artifact of shape
+    [seq, layers, hidden] with its values already checked (the GPU producer's path: the backend checks
+    NaN/Inf on the device), with the host NaN/Inf scan (the CPU producer's path), and two artifacts by
+    two threads at once; then ``store.read`` of each (header, hash, structure; no token check), each
+    artifact dropped before the next read (as a consumer does). Medians over ``reps`` (one warm-up
+    repetition first, discarded). Ratios: publish / raw write+fsync, read+verify / raw page-cache read.
+    ``dtype`` ``float8_e4m3fn`` stores the fp8 form (:mod:`artcache.fp8`) of the same values.
+    """
+    import shutil
+
+    from artcache import store
+    from artcache.contract import CaptureContract
+    from artcache.layout import CacheLayout
+
+    variants = variants or ["legacy", "default"]
+    pin = device.type == "cuda"
+    contract = CaptureContract(
+        target_name="synthetic", target_revision="none", target_config_hash="none", target_weights_digest="none",
+        layer_ids=tuple(range(layers)), dtype=dtype, compute_dtype="bfloat16", max_length=seq,
+        tokenizer_digest="none", template_digest="none")
+    tensors = synthetic_capture(seq, layers, hidden, pin=pin, dtype=dtype)
+    out: dict = {"shape": [seq, layers, hidden], "dtype": dtype, "reps": reps, "raw_bytes": raw_bytes,
+                 "variants": {v: IO_VARIANTS[v] for v in variants}, "io_defaults": dataclasses.asdict(store.IO),
+                 "roots": {}}
+    counter = iter(range(1, 10**9))
+    for root in roots:
+        base = root / "io-bench"
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        layout = CacheLayout(base / "cache")
+        layout.create()
+        raw_keys = ("raw_write_fsync_Bps", "raw_read_pagecache_Bps", "raw_artifact_write_fsync_Bps")
+        var_keys = ("publish_Bps", "publish_host_scan_Bps", "publish_2threads_Bps", "read_verify_Bps")
+        series: dict = {k: [] for k in raw_keys}
+        series.update({v: {k: [] for k in var_keys} for v in variants})
+        nbytes = 0
+        for rep in range(reps + 1):
+            keep = rep > 0  # the first repetition warms up
+            raw = disk_bandwidth(base, raw_bytes)
+            t0 = time.perf_counter()
+            _write_file(base / "raw-artifact.bin", tensors["hidden_states"].reshape(-1).view(torch.uint8).numpy())
+            raw_art = tensors["hidden_states"].numel() * tensors["hidden_states"].element_size() / (
+                time.perf_counter() - t0)
+            (base / "raw-artifact.bin").unlink()
+            if keep:
+                series["raw_write_fsync_Bps"].append(raw["write_fsync_Bps"])
+                series["raw_read_pagecache_Bps"].append(raw["read_pagecache_Bps"])
+                series["raw_artifact_write_fsync_Bps"].append(raw_art)
+            for v in variants:
+                with store.io_settings(**IO_VARIANTS[v]):
+                    fps, rates = [], []
+                    for checked in (True, False):
+                        fps.append(f"{next(counter):040x}")
+                        t0 = time.perf_counter()
+                        nbytes = store.publish(layout, fps[-1], contract, tensors, values_checked=checked)
+                        rates.append(nbytes / (time.perf_counter() - t0))
+                    pair = [f"{next(counter):040x}" for _ in range(2)]
+                    threads = [threading.Thread(target=store.publish, args=(layout, fp, contract, tensors),
+                                                kwargs={"values_checked": True}) for fp in pair]
+                    t0 = time.perf_counter()
+                    for th in threads:
+                        th.start()
+                    for th in threads:
+                        th.join()
+                    rates.append(2 * nbytes / (time.perf_counter() - t0))
+                    reads = []
+                    for fp in fps + pair:
+                        t0 = time.perf_counter()
+                        art = store.read(layout, fp, contract, pin=pin)
+                        reads.append(art.nbytes / (time.perf_counter() - t0))
+                        del art
+                    for fp in fps + pair:
+                        store.remove(layout, fp)
+                if keep:
+                    for k, r in zip(var_keys, rates, strict=False):
+                        series[v][k].append(r)
+                    series[v]["read_verify_Bps"].extend(reads)
+        row: dict = {k: statistics.median(series[k]) for k in raw_keys}
+        row["artifact_bytes"] = nbytes
+        for v in variants:
+            med = {k: statistics.median(series[v][k]) for k in var_keys}
+            med["publish_over_raw"] = med["publish_Bps"] / row["raw_write_fsync_Bps"]
+            med["publish_host_scan_over_raw"] = med["publish_host_scan_Bps"] / row["raw_write_fsync_Bps"]
+            med["publish_2threads_over_raw"] = med["publish_2threads_Bps"] / row["raw_write_fsync_Bps"]
+            med["read_verify_over_pagecache"] = med["read_verify_Bps"] / row["raw_read_pagecache_Bps"]
+            row[v] = med
+        row["series"] = series
+        row["components_s"] = io_components(base, tensors, reps)
+        out["roots"][str(root)] = row
+        shutil.rmtree(base, ignore_errors=True)
+    return out
 
 
 def producer_bench(arch: str, device: torch.device, seq: int, batch: int, reps: int, roots: list[Path],
@@ -278,9 +529,36 @@ def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, layout, f
     return row
 
 
-def main() -> None:
+def _io_summary(io: dict) -> str:
+    lines = [f"artifact {io['dtype']} {io['shape']}; GB/s (ratio to the raw figure of the same root and run)",
+             f"{'root / version':<34} {'raw w+fsync':>11} {'publish':>13} {'host scan':>13} {'2 threads':>13} "
+             f"{'page cache':>10} {'read+verify':>13}"]
+    for root, r in io["roots"].items():
+        lines.append(f"{root:<34} {r['raw_write_fsync_Bps'] / 1e9:>11.2f} {'':>13} {'':>13} {'':>13} "
+                     f"{r['raw_read_pagecache_Bps'] / 1e9:>10.2f}   (artifact {r['artifact_bytes']:,} B; "
+                     f"raw artifact-size write+fsync {r['raw_artifact_write_fsync_Bps'] / 1e9:.2f})")
+        for v in io["variants"]:
+            m = r[v]
+            lines.append(f"  {v:<32} {'':>11} {m['publish_Bps'] / 1e9:>6.2f} ({m['publish_over_raw']:.2f}) "
+                         f"{m['publish_host_scan_Bps'] / 1e9:>6.2f} ({m['publish_host_scan_over_raw']:.2f}) "
+                         f"{m['publish_2threads_Bps'] / 1e9:>6.2f} ({m['publish_2threads_over_raw']:.2f}) "
+                         f"{'':>10} {m['read_verify_Bps'] / 1e9:>6.2f} ({m['read_verify_over_pagecache']:.2f})")
+        c = r["components_s"]
+        lines.append("  components, ms per artifact: " + ", ".join(
+            f"{k} {v * 1e3:.1f}" for k, v in c.items() if k != "bytes"))
+    return "\n".join(lines)
+
+
+PARTS = ("matmul", "io", "producer", "consumer")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="directory for micro.json (unless --json names the file)")
+    ap.add_argument("--json", default=None, help="write the machine-readable result here (e.g. "
+                    "bench/results/<date>-h200-micro.json); default OUT/micro.json")
     ap.add_argument("--arch", default="qwen3-8b")
     ap.add_argument("--seq", type=int, default=3072)
     ap.add_argument("--batch", type=int, default=2)
@@ -290,25 +568,65 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--roots", default="/tmp/artcache-micro")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: producer,consumer")
-    args = ap.parse_args()
+    ap.add_argument("--parts", default=None, help=f"comma list of parts to run, of {','.join(PARTS)}; default "
+                    "all on CUDA, matmul,io on CPU (a CPU cannot run the 8B-shaped prefill)")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip")
+    ap.add_argument("--io-layers", type=int, default=5, help="io part: captured layers per artifact")
+    ap.add_argument("--io-hidden", type=int, default=4096, help="io part: hidden size (Qwen3-8B: 4096)")
+    ap.add_argument("--raw-bytes", type=int, default=2 << 30, help="size of the raw write+fsync file (bytes)")
+    ap.add_argument("--io-variants", default="legacy,default",
+                    help=f"io part: store I/O versions to measure side by side, of {','.join(IO_VARIANTS)}")
+    ap.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
+                    help="io part: also measure fp8 artifacts (bytes per artifact against bf16)")
+    args = ap.parse_args(argv)
     device = torch.device(args.device)
+    parts = (args.parts.split(",") if args.parts else list(PARTS) if device.type == "cuda" else ["matmul", "io"])
+    bad = [p for p in parts + [p for p in args.skip.split(",") if p] if p not in PARTS]
+    if bad:
+        ap.error(f"--parts/--skip {','.join(bad)} not accepted: use a comma list of {','.join(PARTS)}")
+    parts = [p for p in parts if p not in args.skip.split(",")]
+    bad = [v for v in args.io_variants.split(",") if v and v not in IO_VARIANTS]
+    if bad:
+        ap.error(f"--io-variants {','.join(bad)} not accepted: use a comma list of {','.join(IO_VARIANTS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     roots = [Path(r) for r in args.roots.split(",") if r]
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": str(torch.__version__), "random_weights": True}
-    report["matmul_peak_flops"] = peak = matmul_peak(device)
-    print(f"matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
-    if "producer" not in args.skip:
+    report = {"command": [sys.executable, "-m", "artcache.bench.gpu_micro", *(argv if argv is not None else
+                                                                            sys.argv[1:])],
+              "commit": _git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "hardware": hardware(device, roots),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": str(torch.__version__), "random_weights": True, "parts": parts}
+    peak = float("nan")
+    if "matmul" in parts:
+        report["matmul_peak_flops"] = peak = matmul_peak(device)
+        print(f"matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+    if "io" in parts:
+        variants = [v for v in args.io_variants.split(",") if v]
+        report["io"] = io_bench(roots, device, args.seq, args.io_layers, args.io_hidden, args.reps, args.raw_bytes,
+                                variants)
+        print(_io_summary(report["io"]), flush=True)
+        if args.fp8:
+            report["io_fp8"] = io_bench(roots, device, args.seq, args.io_layers, args.io_hidden, args.reps,
+                                        args.raw_bytes, ["default"], dtype="float8_e4m3fn")
+            print(_io_summary(report["io_fp8"]), flush=True)
+            report["fp8_bytes_over_bf16"] = {
+                r: report["io_fp8"]["roots"][r]["artifact_bytes"] / report["io"]["roots"][r]["artifact_bytes"]
+                for r in report["io"]["roots"]}
+            print("fp8 artifact bytes / bf16: " + ", ".join(f"{r} {x:.4f}" for r, x in
+                                                            report["fp8_bytes_over_bf16"].items()), flush=True)
+    if "producer" in parts:
         report["producer"] = producer_bench(args.arch, device, args.seq, args.batch, args.reps, roots, peak)
         print(json.dumps(report["producer"], indent=1), flush=True)
-    if "consumer" not in args.skip:
+    if "consumer" in parts:
         report["consumer"] = consumer_bench(args.arch, device, args.seq, args.anchors,
                                             [int(b) for b in args.blocks.split(",")], args.steps,
                                             roots[0] if roots else None, peak)
         print(json.dumps(report["consumer"], indent=1), flush=True)
-    (out / "micro.json").write_text(json.dumps(report, indent=1))
+    dest = Path(args.json) if args.json else out / "micro.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(report, indent=1))
+    print(f"wrote {dest}", flush=True)
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def test_overrides_are_typed_by_field(tmp_path):
     ("capture.layer_ids=1,x", ["capture.layer_ids[1]", "expected an integer"]),
     ("capture.layer_ids=1,,2", ["capture.layer_ids='1,,2'"]),  # regression: the empty item was skipped
     ("capture.layer_ids=", ["capture.layer_ids is empty"]),  # regression: silently the union
-    ("target.dtype=fp8", ["one of bfloat16, float16, float32"]),
+    ("target.dtype=fp4", ["one of bfloat16, float16, float32, float8_e4m3fn, fp8"]),  # fp8 is accepted (issue 14)
 ])
 def test_bad_overrides_name_the_path_and_accepted(tmp_path, override, needles):
     msg = rejected(tmp_path, TWO, override)

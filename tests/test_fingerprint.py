@@ -42,7 +42,11 @@ GOLDEN = [
     (dict(), [], [], "c37926557746ed7831de0a7598f9061b8b6c2171"),
     (dict(), [0, 49151, 2**31 - 1, 7], [1, 0, 1, 0], "cf00ecf00879193217f3f7e91a6b3561809be03a"),
     (dict(include_last_hidden=True, dtype="float16"), IDS, MASK, "d7d97da7550f12df8cb524e917409b86be6e4002"),
+    # fp8 artifacts (issue 14): the row-scaled e4m3fn scheme is named by the contract's dtype alone, so every
+    # earlier golden value stays as it was
+    (dict(dtype="float8_e4m3fn", compute_dtype="bfloat16"), IDS, MASK, "027b8445fdd05d2c9db2b21971596fbe500b3566"),
 ]
+GOLDEN_FP8_CONTRACT_ID = "93dff5f61b0d396e3920da2fd87cb39719f55980"
 
 
 def test_format_version_is_pinned():
@@ -53,6 +57,28 @@ def test_format_version_is_pinned():
 def test_golden_canonical_contract_and_id():
     assert C.canonical() == GOLDEN_CANONICAL
     assert C.contract_id == GOLDEN_CONTRACT_ID
+
+
+def test_golden_fp8_contract():
+    c = make_contract(dtype="float8_e4m3fn", compute_dtype="bfloat16")
+    assert c.canonical() == GOLDEN_CANONICAL.replace(b'"compute_dtype":"float32","dtype":"bfloat16"',
+                                                     b'"compute_dtype":"bfloat16","dtype":"float8_e4m3fn"')
+    assert c.contract_id == GOLDEN_FP8_CONTRACT_ID
+    bf16 = make_contract(compute_dtype="bfloat16")
+    assert fingerprint(c, IDS, MASK) != fingerprint(bf16, IDS, MASK)  # never served for a bf16 request
+
+
+def test_fp8_alias_is_stored_under_its_full_name():
+    from artcache.contract import stored_bytes_per_token, stored_dtype
+
+    assert stored_dtype("fp8") == "float8_e4m3fn" and stored_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="'fp4' not accepted"):
+        stored_dtype("fp4")
+    with pytest.raises(msgspec.ValidationError):  # the contract itself holds only full names
+        msgspec.convert({**msgspec.to_builtins(C), "dtype": "fp8"}, CaptureContract)
+    # Qwen3-8B-shaped rows: 5 layers of 4096; fp8 is half of bf16 plus 20 B of scales per token
+    assert stored_bytes_per_token("bfloat16", 5, 4096) == 40965
+    assert stored_bytes_per_token("fp8", 5, 4096) == 20480 + 20 + 5
 
 
 @pytest.mark.parametrize(("kw", "ids", "mask", "want"), GOLDEN)

@@ -107,8 +107,8 @@ def test_target_files_change_every_fingerprint(tmp_path, targets, base, what):
 
 
 @pytest.mark.parametrize("kw", [dict(layer_ids=[1, 4]), dict(layer_ids=[3, 1]), dict(dtype="float16"),
-                                dict(compute_dtype="bfloat16"), dict(max_length=48)],
-                         ids=["layer-ids", "layer-order", "dtype", "compute-dtype", "max-length"])
+                                dict(dtype="float8_e4m3fn"), dict(compute_dtype="bfloat16"), dict(max_length=48)],
+                         ids=["layer-ids", "layer-order", "dtype", "dtype-fp8", "compute-dtype", "max-length"])
 def test_capture_settings_change_every_fingerprint(tmp_path, targets, base, kw):
     other = Run(tmp_path, targets["base"], **kw)
     assert not other.fps & base.fps

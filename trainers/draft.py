@@ -61,7 +61,8 @@ class DraftBatch:
     """One padded batch, on the consumer's device.
 
     Attributes:
-        hidden: [b, T, m, H] captured layers in the draft's view order (contract dtype).
+        hidden: [b, T, m, H] captured layers in the draft's view order (contract dtype; fp8 artifacts
+            arrive dequantised, bf16 on CUDA and fp32 on a CPU).
         input_ids: [b, T] long. loss_mask: [b, T] bool. valid: [b, T] bool (False = padding).
         positions: the run positions of the b rows (-1: a held-out sample, read by index).
         last_layer: optional [b, T, H]: output-of-layer ``L - 1`` (un-normed), when the root captures

@@ -204,8 +204,10 @@ def main(verbose: bool) -> None:
 @click.option("--draft-layers", default=5, type=int, help="DFlash draft layers; captured ids follow the DFlash formula.")
 @click.option("--layer-ids", default=None, help="Explicit output-of-layer ids, comma separated (overrides --draft-layers).")
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
-@click.option("--dtype", default="bfloat16", type=click.Choice(["bfloat16", "float16", "float32"]),
-              help="Stored dtype of the captured hidden states.")
+@click.option("--dtype", default="bfloat16",
+              type=click.Choice(["bfloat16", "float16", "float32", "fp8", "float8_e4m3fn"]),
+              help="Stored dtype of the captured hidden states. fp8 (= float8_e4m3fn): e4m3 codes with one fp32 "
+              "scale per token row per layer, half the bytes of bf16, dequantised on read (docs/format.md).")
 @click.option("--compute-dtype", default="auto", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Dtype the target runs in (auto: float32 on CPU, bfloat16 on CUDA).")
 @click.option("--batch-samples", default=8, type=int, help="Max samples per capture batch.")

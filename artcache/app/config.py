@@ -47,7 +47,7 @@ else:  # Python 3.10: the same parser, from PyPI
 from artcache.errors import ConfigError
 from artcache.trainers import DRAFT_NAMES
 
-DType = Literal["bfloat16", "float16", "float32"]
+DType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "fp8"]
 DRAFTS = DRAFT_NAMES  # the registered drafts (artcache.trainers.ADAPTERS)
 
 
@@ -57,7 +57,8 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     Attributes:
         name: ``smollm2-135m-instruct``, ``random:<arch>`` or an HF directory (config.json + safetensors).
         device: the producer's device, ``cpu`` or ``cuda[:i]``; experiments default to it.
-        dtype: stored dtype of the captured hidden states (one per cache root).
+        dtype: stored dtype of the captured hidden states (one per cache root); ``fp8`` (stored as
+            ``float8_e4m3fn``): e4m3 codes with one fp32 scale per token row per layer (docs/format.md).
         compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU, bfloat16 on CUDA.
         threads: the producer's torch CPU threads (0 = torch's default).
     """

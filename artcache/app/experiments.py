@@ -35,11 +35,11 @@ from artcache.app.config import (
     producer_config,
     save_config,
 )
+from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import ConfigError, ContractMismatch
 
 log = logging.getLogger("artcache.run")
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: safetensors header and metadata of one artifact, upper bound (bytes)
 _HEADER_BOUND = 4096
 
@@ -163,15 +163,15 @@ def _check_device(device: str, what: str) -> None:
 
 def _check_dtypes(cfg: RunConfig, compute: str) -> None:
     """The stored dtype must be one the target's compute dtype can give without inventing precision."""
-    stored = cfg.target.dtype
-    if stored != compute and compute != "float32":
+    stored = stored_dtype(cfg.target.dtype)
+    if stored != compute and compute != "float32" and stored != "float8_e4m3fn":  # fp8 holds less than any
         raise ConfigError(
             f"target.dtype {stored} cannot be given by a target computing in {compute} (target.compute_dtype"
             f"{' auto on ' + cfg.target.device if cfg.target.compute_dtype == 'auto' else ''}): the stored bits "
             f"would only be {compute} values converted; set target.dtype = {compute!r} or "
             "target.compute_dtype = 'float32'")
     for e in cfg.experiments:
-        if e.dtype is not None and e.dtype != stored:
+        if e.dtype is not None and stored_dtype(e.dtype) != stored:
             raise ConfigError(f"experiment {e.name!r} wants {e.dtype} hidden states but this run captures "
                               f"{stored} (target.dtype): one capture serves every experiment in one dtype; "
                               f"set experiments.{e.name}.dtype = {stored!r} or run it separately")
@@ -281,7 +281,7 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
     plan_id = plan_id_for(spec, tok)
     contract = CaptureContract(
         target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-        target_weights_digest=info.weights_digest, layer_ids=tuple(captured), dtype=resolved.target.dtype,
+        target_weights_digest=info.weights_digest, layer_ids=tuple(captured), dtype=stored_dtype(resolved.target.dtype),
         compute_dtype=compute, max_length=spec.max_length, tokenizer_digest=tokenizer_digest(tok),
         template_digest=template_digest(tok, spec.template_options), backend=resolved.capture.backend)
     layout = CacheLayout(Path(resolved.cache.root))
@@ -293,7 +293,7 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
     elif layout.root.exists() and any(layout.root.iterdir()):
         raise ConfigError(f"cache.root {str(layout.root)!r} exists, is not empty and is not a cache root; choose "
                           "another cache.root or out")
-    per_artifact = spec.max_length * (len(captured) * info.hidden_size * _ITEMSIZE[resolved.target.dtype] + 5) \
+    per_artifact = spec.max_length * stored_bytes_per_token(resolved.target.dtype, len(captured), info.hidden_size) \
         + _HEADER_BOUND
     exps = []
     notes: list[str] = []
@@ -359,7 +359,7 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
                 "num_layers": info.num_layers, "hidden_size": info.hidden_size,
                 "weights_digest": info.weights_digest, "final_norm": info.final_norm,
                 "device": resolved.target.device},
-        dtype=resolved.target.dtype, compute_dtype=compute, captured_layer_ids=captured, plan_id=plan_id,
+        dtype=stored_dtype(resolved.target.dtype), compute_dtype=compute, captured_layer_ids=captured, plan_id=plan_id,
         contract_id=contract.contract_id,
         data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
         disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes)

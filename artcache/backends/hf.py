@@ -4,6 +4,12 @@ Layer convention: artcache stores *output-of-layer i* (the residual stream leavi
 i, Hugging Face ``output_hidden_states[i + 1]``). A forward hook on ``model.layers[i]`` sees exactly
 that tensor, so no index conversion happens here; the forward pass is cut short after the deepest
 captured layer (the remaining layers, the final norm and the lm_head are never run).
+
+On a GPU, :meth:`HFCaptureBackend.capture` returns as soon as the work is queued: the NaN/Inf check runs
+on the device in one pass (per-sample flags, no host sync), an fp8 contract is quantised there
+(half the bytes to copy), and the device-to-host copy into pinned memory runs on a side stream, so it
+overlaps the next batch's prefill instead of holding the compute stream. The returned
+:class:`CapturedBatch` says when its host tensors are complete (:meth:`CapturedBatch.ready`).
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import torch
 
 from artcache.contract import CaptureContract
 from artcache.errors import ConfigError
+from artcache.fp8 import SCALES, stored_hidden
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class _StopForward(Exception):
@@ -40,6 +48,29 @@ def check_layer_ids(layer_ids, num_layers: int, target_name: str) -> None:
             f"0..{num_layers - 1}); requested layer ids {list(layer_ids)} do not fit")
 
 
+class CapturedBatch(list):
+    """The per-sample tensors of one capture (a list of dicts, as :func:`artcache.store.publish` takes them)
+    whose host copies may still be in flight.
+
+    :meth:`ready` blocks until they are complete and returns, per sample, whether its hidden states were
+    verified free of NaN/Inf on the device (False = not checked: publish checks on the host). Touch
+    the tensors only after it returned. A batch captured on the CPU is ready at once.
+    """
+
+    def __init__(self, items, finite=None, event=None) -> None:
+        super().__init__(items)
+        self._finite = finite  # list[bool], or a pinned bool tensor filled by the copy stream
+        self._event = event
+
+    def ready(self) -> list[bool]:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        if isinstance(self._finite, torch.Tensor):
+            self._finite = [bool(x) for x in self._finite.tolist()]
+        return list(self._finite) if self._finite is not None else [False] * len(self)
+
+
 class HFCaptureBackend:
     """Captures ``contract.layer_ids`` from a transformers model.
 
@@ -58,8 +89,8 @@ class HFCaptureBackend:
         self.dtype = _DTYPES[contract.dtype]
         self._captured: dict[int, torch.Tensor] = {}
         self._last = max(contract.layer_ids)
-        #: per sample of the last capture: True if its hidden states were verified finite on the device
-        self.last_finite: list[bool] = []
+        self._last_batch: CapturedBatch | None = None
+        self._copy_stream = None  # created on the first GPU capture
         self._hooks = [self.layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(contract.layer_ids))]
 
     def _hook(self, idx: int):
@@ -75,26 +106,50 @@ class HFCaptureBackend:
             h.remove()
         self._hooks = []
 
-    def _to_host(self, stacked: torch.Tensor) -> torch.Tensor:
-        """Copy a device tensor into page-locked host memory. A fresh buffer per batch (torch's
-        caching host allocator recycles freed ones), since the publisher thread may still be
-        writing the previous batch."""
-        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-        host.copy_(stacked, non_blocking=True)
-        torch.cuda.current_stream(stacked.device).synchronize()
-        return host
+    @property
+    def last_finite(self) -> list[bool]:
+        """Per sample of the last capture: True if its hidden states were verified finite on the device
+        (waits for that capture's host copies). New code uses the returned batch's ``ready()``."""
+        return self._last_batch.ready() if self._last_batch is not None else []
+
+    def _to_host(self, tensors: dict[str, torch.Tensor], row_ok: torch.Tensor):
+        """Queue the copies of device tensors into fresh page-locked host buffers on the side copy stream.
+
+        Returns ``(host tensors, host row flags, event)``; the host tensors are complete once ``event``
+        has completed. The copy stream waits for the compute stream's work so far (the capture), and each
+        device tensor is marked used by the copy stream so the caching allocator does not hand its memory
+        to the next batch before the copy is done. The host buffers come from torch's caching host
+        allocator, which recycles a buffer only after the copies recorded on it completed (the publisher
+        may still be writing the previous batch: each batch gets its own)."""
+        dev = row_ok.device
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(dev)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        host = {}
+        with torch.cuda.stream(stream):
+            for name, t in {**tensors, "_row_ok": row_ok}.items():
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                host[name] = h
+            event = torch.cuda.Event()
+            event.record(stream)
+        flags = host.pop("_row_ok")
+        return host, flags, event
 
     @torch.inference_mode()
-    def capture(self, samples) -> list[dict[str, torch.Tensor]]:
+    def capture(self, samples) -> CapturedBatch:
         """Run one batched forward pass.
 
         Args:
             samples: plan samples with ``input_ids`` [T_i] int32 and ``loss_mask`` [T_i] uint8.
 
         Returns:
-            Per sample, CPU tensors ``hidden_states`` [T_i, m, H] (contract dtype), ``input_ids``,
-            ``loss_mask`` — ready for :func:`artcache.store.publish`. On a GPU the hidden states are
-            views of one pinned host buffer per batch.
+            Per sample, CPU tensors ``hidden_states`` [T_i, m, H] (contract dtype; for fp8 the e4m3fn codes
+            plus ``hidden_scales`` [T_i, m] float32, :mod:`artcache.fp8`), ``input_ids``, ``loss_mask``,
+            ready for :func:`artcache.store.publish` once ``ready()`` returned (at once on a CPU). On a GPU
+            the tensors are views of one pinned host buffer per batch and tensor name.
         """
         lengths = [int(s.input_ids.shape[0]) for s in samples]
         tmax = max(lengths)
@@ -105,24 +160,31 @@ class HFCaptureBackend:
             attn[row, : lengths[row]] = 1
         self._captured.clear()
         base = getattr(self.model, "model", self.model)
+        attn_dev = attn.to(self.device)
         with contextlib.suppress(_StopForward):
-            base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
+            base(input_ids=ids.to(self.device), attention_mask=attn_dev, use_cache=False)
         stacked = torch.stack([self._captured[i] for i in self.contract.layer_ids], dim=2)  # [b,T,m,H]
-        stacked = stacked.to(self.dtype)
         self._captured.clear()
-        if stacked.device.type != "cpu":
-            # NaN/Inf check per sample on the device (cheap there), over the real tokens only
-            bad = ~torch.isfinite(stacked)
-            self.last_finite = [not bool(bad[row, : lengths[row]].any()) for row in range(len(samples))]
-            stacked = self._to_host(stacked)
+        stored = stored_hidden(stacked, self.dtype)  # fp8: quantised here, on the device
+        del stacked
+        if self.device.type != "cpu":
+            # NaN/Inf check of what is stored, per sample, over the real tokens only: one pass, no host sync
+            # (the flags travel with the copies). fp8: a NaN/Inf anywhere in a row makes its scale NaN/Inf,
+            # so the [b, T, m] scales are checked instead of the codes
+            check = stored.get(SCALES, stored["hidden_states"])
+            bad = (~torch.isfinite(check)).flatten(2).any(dim=-1)  # [b, T]
+            row_ok = ~(bad & attn_dev.bool()).any(dim=1)
+            host, batch_finite, batch_event = self._to_host(stored, row_ok)
         else:
-            self.last_finite = [False] * len(samples)  # not checked here: publish checks on the host
+            host = stored
+            batch_finite, batch_event = [False] * len(samples), None  # not checked here: publish checks
         out = []
         for row, s in enumerate(samples):
             out.append({
-                # a prefix of one row of a contiguous [b, T, m, H] tensor is contiguous: no copy
-                "hidden_states": stacked[row, : lengths[row]],
+                # a prefix of one row of a contiguous [b, T, ...] tensor is contiguous: no copy
+                **{name: t[row, : lengths[row]] for name, t in host.items()},
                 "input_ids": s.input_ids.to(torch.int32).contiguous(),
                 "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
             })
-        return out
+        self._last_batch = CapturedBatch(out, batch_finite, batch_event)
+        return self._last_batch

@@ -37,8 +37,10 @@ import torch
 
 from artcache.contract import CaptureContract
 from artcache.errors import CaptureMismatch, ConfigError
+from artcache.fp8 import stored_hidden
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "float8_e4m3fn": torch.float8_e4m3fn}
 
 #: the message for a missing vLLM (the CLI prints it as one line, exit status 2)
 INSTALL_HINT = ("the vllm backend needs vLLM: install artcache[vllm] "
@@ -256,7 +258,7 @@ class VLLMCaptureBackend:
             if self._order is not None:
                 hs = hs.index_select(1, self._order)
             out.append({
-                "hidden_states": hs.to(self.dtype).contiguous(),
+                **stored_hidden(hs, self.dtype),  # fp8: codes and per-row scales (artcache.fp8)
                 "input_ids": s.input_ids.to(torch.int32).contiguous(),
                 "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
             })

@@ -22,6 +22,7 @@ import torch
 
 from artcache import registry
 from artcache.client import CacheClient, Leased
+from artcache.fp8 import dequantize_rows
 from artcache.layer_ids import select_layers
 from artcache.layout import CacheLayout
 from artcache.trainers.draft import DraftBatch
@@ -154,7 +155,7 @@ class Reader(threading.Thread):
 
 
 def collate(items: list[Leased], device: torch.device, layers: slice | torch.Tensor | None = None,
-            last_layer: int | None = None) -> DraftBatch:
+            last_layer: int | None = None, hidden_dtype: torch.dtype | None = None) -> DraftBatch:
     """Pad a batch into a :class:`~artcache.trainers.draft.DraftBatch` on ``device``.
 
     ``hidden`` [b, T, m, H] (zeros past each length) holds the draft's *view* of the captured layers:
@@ -163,32 +164,58 @@ def collate(items: list[Leased], device: torch.device, layers: slice | torch.Ten
     the m layers read; None = all). ``input_ids`` [b, T] long, ``loss_mask`` and ``valid`` [b, T]
     bool. ``last_layer``: index of output-of-layer L-1 in the artifact, copied to ``last_layer``
     [b, T, H] (held-out replay against the target's argmax), or None.
+
+    fp8 artifacts (``hidden_scales`` present, :mod:`artcache.fp8`): the e4m3fn codes and their scales go to
+    ``device`` as stored (half the bytes of bf16) and are dequantised there into ``hidden_dtype``
+    (default: bfloat16 on CUDA, float32 on a CPU: the drafts' compute dtypes). Other artifacts arrive in
+    their stored dtype, ``hidden_dtype`` ignored.
     """
     lengths = [it.artifact.input_ids.shape[0] for it in items]
     t = max(lengths)
     full = items[0].artifact.hidden_states
-    first = full if layers is None else select_layers(full, layers)
+    fp8 = items[0].artifact.hidden_scales is not None
+
+    def view(hs: torch.Tensor) -> torch.Tensor:
+        return hs if layers is None else select_layers(hs, layers)
+
+    def scale_view(sc: torch.Tensor) -> torch.Tensor:  # [T, m]: the same layer view as the hidden states
+        return view(sc[..., None])[..., 0]
+
+    first = view(full)
     b, m, h = len(items), first.shape[1], first.shape[2]
     gpu = device.type == "cuda"
+    scales = None
     if b == 1:
         hidden = first[None]
+        if fp8:
+            scales = scale_view(items[0].artifact.hidden_scales)[None]
     else:
         hidden = torch.zeros(b, t, m, h, dtype=first.dtype, pin_memory=gpu)
+        if fp8:
+            scales = torch.zeros(b, t, m, dtype=torch.float32, pin_memory=gpu)
         for i, it in enumerate(items):
-            hs = it.artifact.hidden_states
-            hidden[i, : lengths[i]] = hs if layers is None else select_layers(hs, layers)
+            hidden[i, : lengths[i]] = view(it.artifact.hidden_states)
+            if scales is not None:
+                scales[i, : lengths[i]] = scale_view(it.artifact.hidden_scales)
     ids = torch.zeros(b, t, dtype=torch.long)
     mask = torch.zeros(b, t, dtype=torch.bool)
     valid = torch.zeros(b, t, dtype=torch.bool)
-    last = torch.zeros(b, t, h, dtype=full.dtype) if last_layer is not None else None
+    last_dtype = torch.float32 if fp8 else full.dtype
+    last = torch.zeros(b, t, h, dtype=last_dtype) if last_layer is not None else None
     for i, it in enumerate(items):
         n = lengths[i]
         ids[i, :n] = it.artifact.input_ids.long()
         mask[i, :n] = it.artifact.loss_mask.bool()
         valid[i, :n] = True
         if last is not None:
-            last[i, :n] = it.artifact.hidden_states[:, last_layer]
-    return DraftBatch(hidden.to(device, non_blocking=gpu), ids.to(device), mask.to(device), valid.to(device),
+            art = it.artifact
+            last[i, :n] = (dequantize_rows(art.hidden_states[:, last_layer], art.hidden_scales[:, last_layer])
+                           if fp8 else art.hidden_states[:, last_layer])
+    hidden = hidden.to(device, non_blocking=gpu)
+    if scales is not None:
+        dtype = hidden_dtype or (torch.bfloat16 if gpu else torch.float32)
+        hidden = dequantize_rows(hidden, scales.to(device, non_blocking=gpu), dtype)
+    return DraftBatch(hidden, ids.to(device), mask.to(device), valid.to(device),
                       positions=tuple(it.position for it in items),
                       last_layer=last.to(device) if last is not None else None)
 
