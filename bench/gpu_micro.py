@@ -331,25 +331,76 @@ def io_bench(roots: list[Path], device: torch.device, seq: int, layers: int, hid
     return out
 
 
+def _capture_publish(backend, samples, layout, contract, batches: int, publishers: int, counter) -> dict:
+    """The producer's pipeline: capture ``batches`` batches on this thread while ``publishers`` threads wait
+    for each batch's host copies (``ready()``) and publish it (at most 2 batches waiting, as
+    ``max_inflight_batches``). Steady-state samples/s = the samples of batches 2..n over the time between the
+    first and the last batch's publication (the pipeline's fill and drain left out). Published artifacts
+    are removed afterwards (eviction, not timed)."""
+    from artcache.store import publish, remove
+
+    q: queue.Queue = queue.Queue(maxsize=2)
+    done: list[float] = []
+    fps: list[str] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def publisher():
+        while (item := q.get()) is not None:
+            try:
+                finite = item.ready()
+                for t, ok in zip(item, finite, strict=True):
+                    with lock:
+                        fp = f"{next(counter):040x}"
+                        fps.append(fp)
+                    publish(layout, fp, contract, t, values_checked=ok)
+                with lock:
+                    done.append(time.perf_counter())
+            except BaseException as exc:  # re-raised below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=publisher) for _ in range(publishers)]
+    for th in threads:
+        th.start()
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        q.put(backend.capture(samples))
+    for _ in threads:
+        q.put(None)
+    for th in threads:
+        th.join()
+    total = time.perf_counter() - t0
+    for fp in fps:
+        remove(layout, fp)
+    if errors:
+        raise errors[0]
+    done.sort()
+    return {"steady_samples_per_s": (len(done) - 1) * len(samples) / (done[-1] - done[0]),
+            "end_to_end_samples_per_s": batches * len(samples) / total}
+
+
 def producer_bench(arch: str, device: torch.device, seq: int, batch: int, reps: int, roots: list[Path],
-                   peak: float) -> dict:
+                   peak: float, dtypes: list[str], batches: int = 8, publishers: list[int] | None = None,
+                   raw: dict | None = None) -> dict:
+    """Plain prefill, capture (hooks, cut after the deepest captured layer, device NaN check, fp8
+    quantisation on the device for an fp8 contract, D2H into pinned memory on a side stream) and capture +
+    publish into each root (:func:`_capture_publish`), per stored dtype, all in one run; the limit of
+    capture + publish is min(plain prefill, raw write+fsync / artifact bytes) with the raw figure of the
+    io part of the same run (``raw``: root -> bytes/s), when it ran. Then ``store.read`` of published
+    artifacts, each dropped before the next (as a consumer does)."""
     from artcache.backends.hf import HFCaptureBackend
     from artcache.contract import CaptureContract
     from artcache.layer_ids import dflash_layer_ids
     from artcache.layout import CacheLayout
     from artcache.plan import PlanSpec, build_synthetic_plan
-    from artcache.store import publish, read
+    from artcache.store import publish, read, remove
     from artcache.target import load_target_model, resolve_target
 
+    publishers = publishers or [1]
     info = resolve_target(f"random:{arch}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_target_model(info, device=device, dtype=dtype)
     layer_ids = dflash_layer_ids(info.num_layers, 5)
-    contract = CaptureContract(
-        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-        target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype="bfloat16",
-        compute_dtype=str(dtype).removeprefix("torch."), max_length=seq, tokenizer_digest="none",
-        template_digest="none")
     plan = build_synthetic_plan(PlanSpec(dataset="synthetic", max_length=seq, max_samples=batch * (reps + 4)),
                                 target_vocab_size=info.vocab_size)
     samples = [plan.sample(i) for i in range(batch)]
@@ -364,57 +415,65 @@ def producer_bench(arch: str, device: torch.device, seq: int, batch: int, reps: 
 
     with torch.inference_mode():
         plain = _timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
-    backend = HFCaptureBackend(model, contract, device=device)
-    capture = _timed(lambda: backend.capture(samples), device, reps)
-    out = {"arch": arch, "seq": seq, "batch": batch, "layer_ids": layer_ids,
-           "plain_prefill_s": statistics.median(plain), "capture_s": statistics.median(capture),
-           "plain_samples_per_s": batch / statistics.median(plain),
-           "capture_samples_per_s": batch / statistics.median(capture),
+    plain_rate = batch / statistics.median(plain)
+    out = {"arch": arch, "seq": seq, "batch": batch, "layer_ids": layer_ids, "batches_per_rep": batches,
+           "plain_prefill_s": statistics.median(plain), "plain_samples_per_s": plain_rate,
            "plain_tokens_per_s": batch * seq / statistics.median(plain),
-           "plain_mfu": flops(info.num_layers) / statistics.median(plain) / peak,
-           "capture_mfu": flops(max(layer_ids) + 1) / statistics.median(capture) / peak,
-           "roots": {}}
-    captured = backend.capture(samples)
-    artifact_bytes = sum(t["hidden_states"].numel() * 2 for t in captured) / batch
-    out["artifact_bytes"] = artifact_bytes
-    for root in roots:
-        layout = CacheLayout(root / "cache")
-        layout.create()
-        counter = iter(range(10**9))
+           "plain_mfu": flops(info.num_layers) / statistics.median(plain) / peak, "dtypes": {}}
+    counter = iter(range(1, 10**12))
+    for stored in dtypes:
+        contract = CaptureContract(
+            target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
+            target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=stored,
+            compute_dtype=str(dtype).removeprefix("torch."), max_length=seq, tokenizer_digest="none",
+            template_digest="none")
+        backend = HFCaptureBackend(model, contract, device=device)
+        capture = _timed(lambda backend=backend: backend.capture(samples).ready(), device, reps)
+        captured = backend.capture(samples)
+        captured.ready()
+        row = {"capture_s": statistics.median(capture), "capture_samples_per_s": batch / statistics.median(capture),
+               "capture_mfu": flops(max(layer_ids) + 1) / statistics.median(capture) / peak, "roots": {}}
+        for root in roots:
+            layout = CacheLayout(root / f"producer-{stored}")
+            layout.create()
+            nbytes = publish(layout, "e" * 40, contract, captured[0], values_checked=True)
+            remove(layout, "e" * 40)
+            r: dict = {"artifact_bytes": nbytes}
+            for n in publishers:
+                runs = [_capture_publish(backend, samples, layout, contract, batches, n, counter)
+                        for _ in range(max(1, reps // 2))]
+                r[f"capture_publish_{n}pub_samples_per_s"] = statistics.median(x["steady_samples_per_s"] for x in runs)
+                r[f"capture_publish_{n}pub_end_to_end_samples_per_s"] = statistics.median(
+                    x["end_to_end_samples_per_s"] for x in runs)
+            raw_bps = (raw or {}).get(str(root))
+            limit = min(plain_rate, raw_bps / nbytes) if raw_bps else plain_rate
+            r["limit_samples_per_s"] = limit
+            r["limit_is"] = "disk" if raw_bps and raw_bps / nbytes < plain_rate else "prefill"
+            for n in publishers:
+                r[f"capture_publish_{n}pub_over_limit"] = r[f"capture_publish_{n}pub_samples_per_s"] / limit
+            fps = [f"{next(counter):040x}" for _ in range(4)]
+            for fp in fps:
+                publish(layout, fp, contract, captured[0], values_checked=True)
+            def read_all(layout=layout, fps=fps, contract=contract):
+                for fp in fps:  # each artifact dropped before the next read, as a consumer does
+                    read(layout, fp, contract, pin=device.type == "cuda")
 
-        def capture_publish(layout=layout, counter=counter):
-            # the producer's pipeline: capture here, publish on a thread (at most 2 batches waiting)
-            q: queue.Queue = queue.Queue(maxsize=2)
-
-            def publisher():
-                while (item := q.get()) is not None:
-                    for t, ok in item:
-                        publish(layout, f"{next(counter):040x}", contract, t, values_checked=ok)
-
-            th = threading.Thread(target=publisher)
-            th.start()
-            for _ in range(4):
-                q.put(list(zip(backend.capture(samples), backend.last_finite, strict=True)))
-            q.put(None)
-            th.join()
-
-        cp = _timed(capture_publish, device, reps, warmup=1)
-        fps = [f"{i:040x}" for i in range(4 * batch * (reps + 1))]
-        rd = _timed(lambda layout=layout, fps=fps: [read(layout, fp, contract, pin=device.type == "cuda")
-                                                    for fp in fps], device, 3, 0)
-        pub_only = _timed(lambda layout=layout, t=captured[0]: publish(layout, "f" * 40, contract, t), device, 5, 1)
-        out["roots"][str(root)] = {
-            "disk": disk_bandwidth(root),
-            "capture_publish_samples_per_s": 4 * batch / statistics.median(cp),
-            "publish_Bps": artifact_bytes / statistics.median(pub_only),
-            "read_verify_Bps": len(fps) * artifact_bytes / statistics.median(rd),
-        }
-    backend.close()
+            rd = _timed(read_all, device, 3, 1)
+            r["read_verify_Bps"] = len(fps) * nbytes / statistics.median(rd)
+            for fp in fps:
+                remove(layout, fp)
+            row["roots"][str(root)] = r
+        backend.close()
+        out["dtypes"][stored] = row
     return out
 
 
 def consumer_bench(arch: str, device: torch.device, seq: int, anchors: int, blocks: list[int], steps: int,
-                   root: Path | None, peak: float) -> dict:
+                   root: Path | None, peak: float, dtypes: list[str] | None = None) -> dict:
+    """DFlash steps/s with the batch in GPU memory and fed from a cache root of each stored dtype through
+    the consumer's own data path (read + verify into pinned memory on a reader thread, then the
+    consumer's ``collate``: host-to-device copy, fp8 dequantised on the device)."""
+    import msgspec
     from transformers import AutoConfig
 
     from artcache.contract import CaptureContract
@@ -435,23 +494,30 @@ def consumer_bench(arch: str, device: torch.device, seq: int, anchors: int, bloc
         target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
         target_weights_digest=info.weights_digest, layer_ids=tuple(range(m)), dtype="bfloat16",
         max_length=seq, tokenizer_digest="none", template_digest="none")
-    layout = None
-    fps = []
+    dtypes = dtypes or ["bfloat16"]
+    caches = {}  # stored dtype -> (layout, contract, fingerprints)
     if root is not None:
-        layout = CacheLayout(root / "consumer-cache")
-        layout.create()
-        for i in range(8):
-            s = plan.sample(i)
-            t = {"hidden_states": torch.randn(seq, m, info.hidden_size, dtype=torch.bfloat16),
-                 "input_ids": s.input_ids, "loss_mask": s.loss_mask}
-            fps.append(f"{i + 1:040x}")
-            publish(layout, fps[-1], contract, t)
+        from artcache.fp8 import stored_hidden
+
+        for stored in dtypes:
+            c = msgspec.structs.replace(contract, dtype=stored)
+            layout = CacheLayout(root / f"consumer-cache-{stored}")
+            layout.create()
+            fps = []
+            g = torch.Generator().manual_seed(0)
+            for i in range(8):
+                s = plan.sample(i)
+                hs = torch.randn(seq, m, info.hidden_size, generator=g).to(torch.bfloat16)
+                t = {**stored_hidden(hs, getattr(torch, stored)), "input_ids": s.input_ids, "loss_mask": s.loss_mask}
+                fps.append(f"{i + 1:040x}")
+                publish(layout, fps[-1], c, t)
+            caches[stored] = (layout, c, fps)
     results = {}
     for block in blocks:
         dcfg = DFlashConfig.from_target(hf, num_layers=5, block_size=block, num_anchors=anchors,
                                         mask_token_id=mask_id, num_context_layers=m)
         results[f"B{block}"] = _consumer_block(dcfg, embed, lm_head, plan.sample(0), device, steps, peak,
-                                               layout, fps, contract, info.hidden_size)
+                                               caches, info.hidden_size)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"arch": arch, "seq": seq, "anchors": anchors, "draft_layers": 5, "blocks": results}
@@ -474,9 +540,11 @@ def dflash_step_flops(cfg, seq: int, supervised_tokens: int) -> float:
     return 3 * (cfg.num_layers * per_layer + fc) + 2 * lm_head
 
 
-def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, layout, fps, contract, hidden_size) -> dict:
-    """Steps/s of one DFlash draft, fed from GPU memory and (with ``layout``) from the cache."""
+def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, caches: dict, hidden_size) -> dict:
+    """Steps/s of one DFlash draft, fed from GPU memory and from each cache of ``caches``."""
+    from artcache.client import Leased
     from artcache.store import read
+    from artcache.trainers.consumer import collate
     from artcache.trainers.dflash import DFlashDraft, dflash_loss, sample_anchors
 
     model = DFlashDraft(dcfg, embed.to(device), lm_head.to(device))
@@ -504,28 +572,28 @@ def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, layout, f
     mem = _timed(lambda: step(hidden_gpu), device, steps)
     row = {"in_memory_steps_per_s": 1 / statistics.median(mem), "flops_per_step": step_flops,
            "mfu": step_flops / statistics.median(mem) / peak}
-    if layout is not None:
-        # the consumer's data path: a reader thread reads + verifies + pins ahead (depth 2), the
-        # training thread copies host-to-device without blocking and steps
+    for stored, (layout, contract, fps) in caches.items():
+        # the consumer's data path: a reader thread reads + verifies + pins ahead (depth 2); the training
+        # thread collates (host-to-device without blocking; fp8 dequantised on the device) and steps
         q: queue.Queue = queue.Queue(maxsize=2)
         stop = threading.Event()
 
-        def reader():
+        def reader(layout=layout, contract=contract, fps=fps, q=q, stop=stop):
             i = 0
             while not stop.is_set():
-                q.put(read(layout, fps[i % len(fps)], contract, pin=device.type == "cuda").hidden_states)
+                q.put(Leased(i, read(layout, fps[i % len(fps)], contract, pin=device.type == "cuda"), ""))
                 i += 1
 
         th = threading.Thread(target=reader, daemon=True)
         th.start()
-        cached = _timed(lambda: step(q.get()[None].to(device, non_blocking=True)), device, steps)
+        cached = _timed(lambda q=q: step(collate([q.get()], device).hidden), device, steps)
         stop.set()
         while th.is_alive():
             with contextlib.suppress(queue.Empty):
                 q.get_nowait()
             th.join(timeout=0.05)
-        row["from_cache_steps_per_s"] = 1 / statistics.median(cached)
-        row["cache_over_memory"] = row["from_cache_steps_per_s"] / row["in_memory_steps_per_s"]
+        row[f"from_cache_{stored}_steps_per_s"] = 1 / statistics.median(cached)
+        row[f"cache_{stored}_over_memory"] = row[f"from_cache_{stored}_steps_per_s"] / row["in_memory_steps_per_s"]
     return row
 
 
@@ -546,6 +614,20 @@ def _io_summary(io: dict) -> str:
         c = r["components_s"]
         lines.append("  components, ms per artifact: " + ", ".join(
             f"{k} {v * 1e3:.1f}" for k, v in c.items() if k != "bytes"))
+    return "\n".join(lines)
+
+
+def _producer_summary(p: dict) -> str:
+    lines = [f"plain prefill {p['plain_samples_per_s']:.2f} samples/s (batch {p['batch']}, seq {p['seq']})"]
+    for d, row in p["dtypes"].items():
+        lines.append(f"{d}: capture {row['capture_samples_per_s']:.2f} samples/s")
+        for root, r in row["roots"].items():
+            pubs = ", ".join(f"{k.split('_')[2]} {v:.2f} ({r[k.replace('samples_per_s', 'over_limit')]:.2f})"
+                             for k, v in r.items() if k.startswith("capture_publish_") and
+                             k.endswith("pub_samples_per_s"))
+            lines.append(f"  {root}: {r['artifact_bytes']:,} B/artifact; capture+publish samples/s (of limit) {pubs}; "
+                         f"limit {r['limit_samples_per_s']:.2f} ({r['limit_is']}); read+verify "
+                         f"{r['read_verify_Bps'] / 1e9:.2f} GB/s")
     return "\n".join(lines)
 
 
@@ -576,9 +658,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--raw-bytes", type=int, default=2 << 30, help="size of the raw write+fsync file (bytes)")
     ap.add_argument("--io-variants", default="legacy,default",
                     help=f"io part: store I/O versions to measure side by side, of {','.join(IO_VARIANTS)}")
+    ap.add_argument("--dtypes", default="bfloat16,fp8", help="producer part: stored dtypes to capture + publish")
+    ap.add_argument("--batches", type=int, default=8, help="producer part: batches per capture + publish run")
+    ap.add_argument("--publishers", default="1,2", help="producer part: publisher thread counts to measure")
     ap.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
                     help="io part: also measure fp8 artifacts (bytes per artifact against bf16)")
     args = ap.parse_args(argv)
+    from artcache.contract import stored_dtype
+
+    try:
+        [stored_dtype(d) for d in args.dtypes.split(",")]
+    except ValueError as exc:
+        ap.error(f"--dtypes: {exc}")
     device = torch.device(args.device)
     parts = (args.parts.split(",") if args.parts else list(PARTS) if device.type == "cuda" else ["matmul", "io"])
     bad = [p for p in parts + [p for p in args.skip.split(",") if p] if p not in PARTS]
@@ -616,12 +707,18 @@ def main(argv: list[str] | None = None) -> None:
             print("fp8 artifact bytes / bf16: " + ", ".join(f"{r} {x:.4f}" for r, x in
                                                             report["fp8_bytes_over_bf16"].items()), flush=True)
     if "producer" in parts:
-        report["producer"] = producer_bench(args.arch, device, args.seq, args.batch, args.reps, roots, peak)
+        raw = {r: row["raw_write_fsync_Bps"] for r, row in report.get("io", {}).get("roots", {}).items()}
+        report["producer"] = producer_bench(
+            args.arch, device, args.seq, args.batch, args.reps, roots, peak,
+            [stored_dtype(d) for d in args.dtypes.split(",")], args.batches,
+            [int(n) for n in args.publishers.split(",")], raw)
         print(json.dumps(report["producer"], indent=1), flush=True)
+        print(_producer_summary(report["producer"]), flush=True)
     if "consumer" in parts:
         report["consumer"] = consumer_bench(args.arch, device, args.seq, args.anchors,
                                             [int(b) for b in args.blocks.split(",")], args.steps,
-                                            roots[0] if roots else None, peak)
+                                            roots[0] if roots else None, peak,
+                                            [stored_dtype(d) for d in args.dtypes.split(",")])
         print(json.dumps(report["consumer"], indent=1), flush=True)
     dest = Path(args.json) if args.json else out / "micro.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
