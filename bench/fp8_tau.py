@@ -3,8 +3,8 @@ two bf16 seeds beside it (issue 14).
 
 ``python -m artcache.bench.fp8_tau --out DIR [--device cpu|cuda] [--steps 300] [--target NAME] ...``
 
-Two ``artcache run`` invocations, one after the other, on the same target, plan (dataset, data seed, max
-length, samples) and step count:
+Two ``artcache run`` invocations (at the same time, or one after the other with ``--no-parallel``), on
+the same target, plan (dataset, data seed, max length, samples) and step count:
 
 - ``DIR/bfloat16``: a bf16 root; a DFlash and an EAGLE-3 draft for each of ``--seeds`` (default 0 and 1:
   the second seed measures how far two bf16 runs differ by their draft seed alone);
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eagle3-vocab", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     ap.add_argument("--demand-timeout", type=float, default=3600.0)
+    ap.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the bf16 and the fp8 root at the same time (default) or one after the other")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if not seeds or args.steps < 1 or args.eval_samples < 1:
@@ -157,20 +159,28 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     runs, wall, nbytes = {}, {}, {}
+    procs = {}
     for dtype, run_seeds in (("bfloat16", seeds), ("fp8", seeds[:1])):
-        run_dir = out / dtype
         cfg = out / f"{dtype}.toml"
-        cfg.write_text(run_config(args, dtype, run_seeds, run_dir))
+        cfg.write_text(run_config(args, dtype, run_seeds, out / dtype))
         print(f"== {dtype}: artcache run --config {cfg}", flush=True)
-        t0 = time.monotonic()
-        rc = subprocess.call([sys.executable, "-m", "artcache", "run", "--config", str(cfg)], env=os.environ)
+        procs[dtype] = (subprocess.Popen([sys.executable, "-m", "artcache", "run", "--config", str(cfg)],
+                                         env=os.environ), time.monotonic())
+        if not args.parallel:
+            procs[dtype][0].wait()
+    failed = []
+    for dtype, (proc, t0) in procs.items():
+        rc = proc.wait()
         wall[dtype] = time.monotonic() - t0
+        run_dir = out / dtype
         report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").is_file() else {}
         runs[dtype] = _results(report)
         nbytes[dtype] = int((report.get("shared_production") or {}).get("published_bytes") or 0)
         if rc != 0:
-            print(f"artcache run for {dtype} exited {rc}; see {run_dir}/report.md", file=sys.stderr)
-            return 1
+            failed.append(f"artcache run for {dtype} exited {rc}; see {run_dir}/report.md")
+    if failed:
+        print("\n".join(failed), file=sys.stderr)
+        return 1
     rows = compare(runs, seeds)
     meta = {"command": [sys.executable, "-m", "artcache.bench.fp8_tau", *(argv if argv is not None else sys.argv[1:])],
             "args": vars(args), "bytes": nbytes,
