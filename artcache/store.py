@@ -20,6 +20,7 @@ with string metadata ``artcache_format``, ``fingerprint``, ``contract_id`` and `
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -293,10 +294,10 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 def _stream_writer(fp: str, contract: CaptureContract, header: dict, chunks: list[memoryview], io: IOSettings):
     """A writer for :func:`artcache.fsio.atomic_write` that puts the artifact's bytes into the temp file in
-    one pass: the data section chunk by chunk at its final offset (sequential ``os.write`` after a seek past
-the header) while each chunk is hashed (on a helper
-    thread beside the write, with ``io.hash_thread``) and its device write started (``io.writeback``),
-    then the header, which carries the hash, at offset 0. The header's length is known before the hash
+    one pass: the data section chunk by chunk at its final offset (sequential ``os.write`` after a seek
+    past the header) while each chunk is hashed (on a helper thread beside the write, with
+    ``io.hash_thread``) and its device write started (``io.writeback``), then the header, which carries
+    the hash, at offset 0. The header's length is known before the hash
     (see :func:`_header_bytes`). Same bytes as :func:`_encode`."""
     start = len(_header_bytes(fp, contract, header, "0" * 32))
     data_bytes = sum(c.nbytes for c in chunks)
@@ -421,28 +422,33 @@ class ReadBuffers:
         self.max_free_bytes = max_free_bytes
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
+        # buffers handed back by finalizers: a finalizer may run on any thread at any point (inside take(),
+        # when an allocation there triggers a collection), so it only appends here, lock-free
+        self._returned: collections.deque[np.ndarray] = collections.deque()
+
+    def _collect(self) -> None:  # with self._lock held
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        while self._free and sum(b.nbytes for b in self._free) > self.max_free_bytes:
+            self._free.pop(0)  # the oldest goes first
 
     def take(self, size: int) -> np.ndarray:
         """A uint8 array of exactly ``size`` bytes (contents undefined)."""
         raw = None
         with self._lock:
+            self._collect()
             fits = [i for i, b in enumerate(self._free) if size <= b.nbytes <= 2 * size + (1 << 20)]
             if fits:
                 raw = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
         if raw is None:
             raw = np.empty(-(-size // 4096) * 4096 if size else 0, dtype=np.uint8)
         view = raw[:size]
-        weakref.finalize(view, self._give, raw)
+        weakref.finalize(view, self._returned.append, raw)
         return view
-
-    def _give(self, raw: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(raw)
-            while sum(b.nbytes for b in self._free) > self.max_free_bytes:
-                self._free.pop(0)  # the oldest goes first
 
     def free_bytes(self) -> int:
         with self._lock:
+            self._collect()
             return sum(b.nbytes for b in self._free)
 
 
