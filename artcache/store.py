@@ -57,7 +57,8 @@ class IOSettings:
 
     Attributes:
         chunk_bytes: bytes per write / read / hash step (8 MiB: few system calls, and a chunk is still
-            in the CPU cache when the hash and the copy touch it).
+            in the CPU cache when the hash and the copy touch it); writes end on file offsets that are
+            multiples of it, so use a multiple of the page size.
         hash_thread: hash on a helper thread beside the write or read (xxhash releases the GIL), for
             artifacts of at least two chunks; else inline, chunk by chunk.
         writeback: start the device write of each chunk as soon as it is in the page cache
@@ -308,15 +309,23 @@ def _stream_writer(fp: str, contract: CaptureContract, header: dict, chunks: lis
             with contextlib.suppress(OSError):  # not every filesystem reserves space; the write still decides
                 os.posix_fallocate(fd, 0, start + data_bytes)
         offset = os.lseek(fd, start, os.SEEK_SET)
+        # file bytes handed to the device so far end here; the pages the header will cover wait for the fsync
+        kicked = start - start % 4096 + 4096
         with StreamDigest(background=io.hash_thread and data_bytes >= 2 * step) as digest:
             for view in chunks:
-                for i in range(0, view.nbytes, step):
-                    piece = view[i:i + step]
+                i = 0
+                while i < view.nbytes:
+                    # pieces end on file offsets that are multiples of the step: page-aligned writes, and a
+                    # page handed to the device is never written again
+                    n = min(view.nbytes - i, step - offset % step)
+                    piece = view[i:i + n]
                     digest.update(piece)
                     _write_all(fd, piece)
-                    if io.writeback:
-                        start_writeback(fd, offset, piece.nbytes)
-                    offset += piece.nbytes
+                    i += n
+                    offset += n
+                    if io.writeback and offset % step == 0 and offset > kicked:
+                        start_writeback(fd, kicked, offset - kicked)
+                        kicked = offset
             head = _header_bytes(fp, contract, header, digest.hexdigest())
         if len(head) != start:  # cannot happen (the hash has a fixed width); never write a bad artifact
             raise OSError(errno.EINVAL, f"header of {fp} changed length while hashing")
