@@ -53,7 +53,8 @@ def run_config(args, dtype: str, seeds: list[int], out: Path) -> str:
              "", "[data]", f"dataset = {_toml_value(args.data)}", f"seed = {args.data_seed}",
              f"max_length = {args.max_length}", f"max_samples = {args.max_samples}", "",
              "[capture]", f"batch_samples = {args.batch_samples}", f"draft_layers = {args.dflash_layers}", "",
-             "[cache]", f"demand_timeout_s = {_toml_value(float(args.demand_timeout))}", ""]
+             "[cache]", f"demand_timeout_s = {_toml_value(float(args.demand_timeout))}",
+             f"heartbeat_timeout_s = {_toml_value(float(args.heartbeat_timeout))}", ""]
     common = {"batch_size": args.batch_size, "steps": args.steps, "lr": args.lr, "window": args.window,
               "threads": args.threads, "log_every": max(1, args.steps // 10)}
     consumer = {"eval_samples": args.eval_samples, "eval_interval": args.eval_interval, "progress": False,
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eagle3-vocab", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     ap.add_argument("--demand-timeout", type=float, default=3600.0)
+    ap.add_argument("--heartbeat-timeout", type=float, default=600.0,
+                    help="cache.heartbeat_timeout_s: generous, since a whole-machine stall on a shared CPU fenced "
+                    "every DFlash consumer of a 30 s default run at once")
     ap.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=True,
                     help="run the bf16 and the fp8 root at the same time (default) or one after the other")
     args = ap.parse_args(argv)
