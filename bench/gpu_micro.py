@@ -587,7 +587,7 @@ def _consumer_block(dcfg, embed, lm_head, sample, device, steps, peak, caches: d
     """Steps/s of one DFlash draft, fed from GPU memory and from each cache of ``caches``."""
     from artcache.client import Leased
     from artcache.store import read
-    from artcache.trainers.consumer import collate
+    from artcache.trainers.consumer.reader import collate
     from artcache.trainers.dflash import DFlashDraft, dflash_loss, sample_anchors
 
     model = DFlashDraft(dcfg, embed.to(device), lm_head.to(device))

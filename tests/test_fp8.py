@@ -179,7 +179,7 @@ def _leased(art: store.Artifact, pos: int):
 
 
 def test_collate_dequantises_fp8_into_the_compute_dtype(layout):
-    from artcache.trainers.consumer import collate
+    from artcache.trainers.consumer.reader import collate
 
     arts = []
     for t, seed in ((12, 0), (7, 1)):

@@ -39,7 +39,7 @@ def test_io_and_producer_parts_write_a_complete_result(tmp_path):
     p = r["producer"]
     assert set(p["dtypes"]) == {"bfloat16", "float8_e4m3fn"}
     for d in p["dtypes"].values():
-        for root, row in d["roots"].items():
+        for row in d["roots"].values():
             assert row["capture_publish_1pub_samples_per_s"] > 0 and row["capture_publish_2pub_samples_per_s"] > 0
             assert row["limit_is"] in ("disk", "prefill") and row["read_verify_Bps"] > 0
     assert p["dtypes"]["float8_e4m3fn"]["roots"][str(tmp_path / "a")]["artifact_bytes"] < \
