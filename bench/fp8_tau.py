@@ -125,7 +125,8 @@ def markdown(rows: list[dict], seeds: list[int], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[int]]:
+    """The flags and the draft seeds; exits 2 with one line naming a bad value (argparse)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]: the producer and every consumer")
@@ -160,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     if not seeds or args.steps < 1 or args.eval_samples < 1:
         ap.error(f"--seeds {args.seeds!r}, --steps {args.steps}, --eval-samples {args.eval_samples}: need at least "
                  "one seed, one step and one held-out sample")
+    return args, seeds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, seeds = parse_args(argv)
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     runs, wall, nbytes = {}, {}, {}

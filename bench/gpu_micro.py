@@ -731,10 +731,25 @@ def main(argv: list[str] | None = None) -> None:
               "hardware": hardware(device, roots),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": str(torch.__version__), "random_weights": True, "parts": parts}
+    dest = Path(args.json) if args.json else out / "micro.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(done: str | None) -> None:  # after every part: a run cut short keeps the parts it finished
+        now = time.monotonic()
+        if done:
+            report["parts_done"] = report.get("parts_done", []) + [done]
+            report.setdefault("part_wall_s", {})[done] = now - t_start - sum(report.get("part_wall_s", {}).values())
+        report["wall_s"] = now - t_start
+        tmp = dest.with_name(dest.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, dest)
+
+    t_start = time.monotonic()
     peak = float("nan")
     if "matmul" in parts:
         report["matmul_peak_flops"] = peak = matmul_peak(device)
         print(f"matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+        save("matmul")
     if "io" in parts:
         variants = [v for v in args.io_variants.split(",") if v]
         report["io"] = io_bench(roots, device, args.seq, args.io_layers, args.io_hidden, args.reps, args.raw_bytes,
@@ -749,6 +764,7 @@ def main(argv: list[str] | None = None) -> None:
                 for r in report["io"]["roots"]}
             print("fp8 artifact bytes / bf16: " + ", ".join(f"{r} {x:.4f}" for r, x in
                                                             report["fp8_bytes_over_bf16"].items()), flush=True)
+        save("io")
     if "producer" in parts:
         raw = {r: row["raw_write_fsync_Bps"] for r, row in report.get("io", {}).get("roots", {}).items()}
         report["producer"] = producer_bench(
@@ -757,16 +773,16 @@ def main(argv: list[str] | None = None) -> None:
             [int(n) for n in args.publishers.split(",")], raw)
         print(json.dumps(report["producer"], indent=1), flush=True)
         print(_producer_summary(report["producer"]), flush=True)
+        save("producer")
     if "consumer" in parts:
         report["consumer"] = consumer_bench(args.arch, device, args.seq, args.anchors,
                                             [int(b) for b in args.blocks.split(",")], args.steps,
                                             roots[0] if roots else None, peak,
                                             [stored_dtype(d) for d in args.dtypes.split(",")])
         print(json.dumps(report["consumer"], indent=1), flush=True)
-    dest = Path(args.json) if args.json else out / "micro.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(report, indent=1))
-    print(f"wrote {dest}", flush=True)
+        save("consumer")
+    save(None)
+    print(f"wrote {dest} ({report['wall_s']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ def test_io_and_producer_parts_write_a_complete_result(tmp_path):
                     "--io-variants", "legacy,default,default+fallocate", "--arch", "tiny-llama", "--batch", "2",
                     "--batches", "3", "--publishers", "1,2"])
     r = json.loads(dest.read_text())
+    assert r["parts_done"] == ["io", "producer"] and set(r["part_wall_s"]) == {"io", "producer"}
+    assert not dest.with_name(dest.name + ".tmp").exists()  # saved after each part by rename
     assert r["command"][1:3] == ["-m", "artcache.bench.gpu_micro"] and "--parts" in r["command"]
     assert r["commit"] and r["hardware"]["cpu_count"] >= 1 and set(r["hardware"]["roots"]) == {
         str(tmp_path / "a"), str(tmp_path / "b")}
