@@ -556,13 +556,19 @@ def consumer_bench(arch: str, device: torch.device, seq: int, anchors: int, bloc
                 publish(layout, fps[-1], c, t)
             caches[stored] = (layout, c, fps)
     results = {}
-    for block in blocks:
-        dcfg = DFlashConfig.from_target(hf, num_layers=5, block_size=block, num_anchors=anchors,
-                                        mask_token_id=mask_id, num_context_layers=m)
-        results[f"B{block}"] = _consumer_block(dcfg, embed, lm_head, plan.sample(0), device, steps, peak,
-                                               caches, info.hidden_size)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    try:
+        for block in blocks:
+            dcfg = DFlashConfig.from_target(hf, num_layers=5, block_size=block, num_anchors=anchors,
+                                            mask_token_id=mask_id, num_context_layers=m)
+            results[f"B{block}"] = _consumer_block(dcfg, embed, lm_head, plan.sample(0), device, steps, peak,
+                                                   caches, info.hidden_size)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:  # the roots' 16 artifacts (~1.5 GB at Qwen3-8B's shape) go with the part
+        import shutil
+
+        for layout, _c, _fps in caches.values():
+            shutil.rmtree(layout.root, ignore_errors=True)
     return {"arch": arch, "seq": seq, "anchors": anchors, "draft_layers": 5, "blocks": results}
 
 

@@ -1,7 +1,7 @@
 """bench.gpu_micro's CPU-runnable parts at a toy size: the machine-readable result carries the command, the
 commit and the hardware, every I/O version and ratio, the fp8 byte ratio, and the producer part runs its
-GPU code path's CPU twin (capture batches with ready(), steady-state capture + publish). No figure is
-checked for speed: only that the harness measures what it says."""
+GPU code path's CPU twin (capture batches with ready(), steady-state capture + publish), the consumer
+part feeds a DFlash step from a bf16 and an fp8 root and removes them. No figure is checked for speed: only that the harness measures what it says."""
 
 from __future__ import annotations
 
@@ -13,16 +13,21 @@ from artcache.bench import gpu_micro
 
 
 @pytest.mark.slow  # a minute on an idle 2-core machine (two roots, five I/O versions, two dtypes)
-def test_io_and_producer_parts_write_a_complete_result(tmp_path):
+def test_io_producer_and_consumer_parts_write_a_complete_result(tmp_path):
     out = tmp_path / "out"
     dest = tmp_path / "results" / "micro.json"
     gpu_micro.main(["--out", str(out), "--json", str(dest), "--roots", f"{tmp_path / 'a'},{tmp_path / 'b'}",
-                    "--parts", "io,producer", "--device", "cpu", "--seq", "64", "--io-layers", "2",
+                    "--parts", "io,producer,consumer", "--device", "cpu", "--seq", "64", "--io-layers", "2",
                     "--io-hidden", "256", "--reps", "1", "--raw-bytes", str(4 << 20),
                     "--io-variants", "legacy,default,default+fallocate", "--arch", "tiny-llama", "--batch", "2",
-                    "--batches", "3", "--publishers", "1,2"])
+                    "--batches", "3", "--publishers", "1,2",
+                    "--anchors", "4", "--blocks", "4", "--steps", "2"])
     r = json.loads(dest.read_text())
-    assert r["parts_done"] == ["io", "producer"] and set(r["part_wall_s"]) == {"io", "producer"}
+    assert r["parts_done"] == ["io", "producer", "consumer"] and set(r["part_wall_s"]) == set(r["parts_done"])
+    b4 = r["consumer"]["blocks"]["B4"]
+    assert b4["in_memory_steps_per_s"] > 0 and b4["from_cache_bfloat16_steps_per_s"] > 0
+    assert b4["from_cache_float8_e4m3fn_steps_per_s"] > 0
+    assert not list((tmp_path / "a").glob("consumer-cache-*"))  # the consumer part removes its roots
     assert not dest.with_name(dest.name + ".tmp").exists()  # saved after each part by rename
     assert r["command"][1:3] == ["-m", "artcache.bench.gpu_micro"] and "--parts" in r["command"]
     assert r["commit"] and r["hardware"]["cpu_count"] >= 1 and set(r["hardware"]["roots"]) == {
