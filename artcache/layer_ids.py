@@ -27,8 +27,10 @@ from torch import Tensor
 from artcache.errors import ConfigError, ContractMismatch
 
 __all__ = [
+    "LAST_LAYER_STATE",
     "check_layer_ids",
     "dflash_layer_ids",
+    "dspark_layer_ids",
     "eagle3_capture_ids",
     "eagle3_layer_ids",
     "hf_index_to_output_of_layer",
@@ -146,6 +148,29 @@ def eagle3_capture_ids(num_target_layers: int) -> list[int]:
     """
     ids = eagle3_layer_ids(num_target_layers)
     return [*ids, num_target_layers - 1]
+
+
+#: What a capture holds for output-of-layer ``L - 1`` (the last decoder layer): the residual stream **before**
+#: the target's final norm, like every output-of-layer id (the contract's ``layer_convention``). A draft that
+#: needs the target's distribution (EAGLE-3, DSpark) applies ``final_norm`` once, then the frozen lm_head.
+#: Recorded in DSpark checkpoints and exports (``target_state``); peers that store the post-norm state
+#: (DeepSpec's ``last_hidden_state``) must not be mixed with it.
+LAST_LAYER_STATE = "output-of-layer L-1, before the final norm"
+
+
+def dspark_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The captured layers a DSpark draft reads, output-of-layer convention: its context layers
+    (:func:`dflash_layer_ids` ``(L, n)``: DSpark's backbone is DFlash's) followed by ``L - 1``, the last
+    decoder layer's output before the final norm (:data:`LAST_LAYER_STATE`), which gives the target's
+    distribution at every supervised position (DSpark arXiv:2607.05147; DeepSpec
+    ``config/dspark/dspark_qwen3_8b.py`` reads context layers [1, 9, 17, 25, 33] on Qwen3-8B).
+
+    Goldens: L=30, n=5 -> [1, 8, 14, 20, 27, 29] (SmolLM2-135M); L=36, n=5 -> [1, 9, 17, 25, 33, 35].
+
+    Raises:
+        ConfigError: as :func:`dflash_layer_ids`.
+    """
+    return [*dflash_layer_ids(num_target_layers, num_draft_layers), num_target_layers - 1]
 
 
 def check_layer_ids(ids: Sequence[int], num_layers: int, what: str) -> list[int]:

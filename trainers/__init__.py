@@ -12,6 +12,7 @@ without loading torch.
 ADAPTERS: dict[str, str] = {
     "dflash": "artcache.trainers.dflash.adapter:DFlashAdapter",
     "eagle3": "artcache.trainers.eagle3.adapter:Eagle3Adapter",
+    "dspark": "artcache.trainers.dspark.adapter:DSparkAdapter",
 }
 
 #: The accepted ``--draft`` values, in registration order.

@@ -30,6 +30,8 @@ target's hidden size, V its vocabulary):
 - ``config_dict()``: its configuration, JSON-serialisable, stored in checkpoints (``draft_config``).
 - ``generators()``: named ``torch.Generator`` it draws from in training (checkpointed).
 - ``extra_tensors()``: tensors that belong to it but are not trained (EAGLE-3's vocab map).
+- ``published_weights(weights, source)``: ``--init-from`` weights in its own key names (an export's
+  serving names mapped back; default: unchanged).
 - ``export(...)``: classmethod, its ``config.json`` and serving tensors from a checkpoint.
 - ``progress_metric``: the summary key the progress bar shows.
 
@@ -324,6 +326,12 @@ class Draft(abc.ABC):
     def extra_tensors(self) -> dict[str, Tensor]:
         """Tensors that belong to the draft but are not trained (saved as ``extra.safetensors``)."""
         return {}
+
+    def published_weights(self, weights: dict[str, Tensor], source) -> dict[str, Tensor]:
+        """``--init-from`` weights (``source``'s model.safetensors) in this draft's own key names: a draft
+        whose exports rename keys maps an export's names back here (and may check its config.json).
+        Default: as they are."""
+        return weights
 
 
 def draft_class(name: str) -> type[Draft]:

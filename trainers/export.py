@@ -372,7 +372,8 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", *,
                       target: Any = None, dtype: str | torch.dtype = "bfloat16",
                       overwrite: bool = False, num_speculative_tokens: int | None = None) -> ExportResult:
-    """Export a consumer checkpoint (DFlash or EAGLE-3, read from its state.json ``draft``) to ``out``.
+    """Export a consumer checkpoint (DFlash, EAGLE-3 or DSpark, read from its state.json ``draft``) to ``out``.
+    DSpark: :func:`artcache.trainers.dspark.export.export_dspark` (its calibration temperatures included).
 
     Args:
         checkpoint: a ``checkpoints/step-N`` directory or a consumer run directory.
@@ -387,7 +388,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
         overwrite: replace an existing ``out`` that is a previous export (a directory holding
             ``export.json``); any other existing path is refused.
         num_speculative_tokens: the speculators proposal length (default: B-1 for DFlash, the TTT
-            unroll for EAGLE-3); the hf format does not record it (vLLM takes it from its
+            unroll for EAGLE-3, B for DSpark); the hf format does not record it (vLLM takes it from its
             ``speculative_config``).
 
     Raises:

@@ -268,11 +268,13 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 
 @main.command()
 @click.option("--cache", default=None, help="Cache root made by `artcache producer`; required without --config.")
-@click.option("--draft", default="dflash", help=f"Draft algorithm: {' or '.join(DRAFT_NAMES)}.")
+@click.option("--draft", default="dflash", help=f"Draft algorithm: {', '.join(DRAFT_NAMES)}.")
 @click.option("--window", default="64:256", help="LOOKBEHIND:LOOKAHEAD in positions.")
-@click.option("--id", "consumer_id", default=None, help="Consumer id (default: dflash-b<block size> or eagle3).")
-@click.option("--block-size", default=16, type=int, help="DFlash block size B.")
-@click.option("--anchors", default=64, type=int, help="Anchors (blocks) per sequence.")
+@click.option("--id", "consumer_id", default=None,
+              help="Consumer id (default: dflash-b<block size>, dspark-b<block size> or eagle3).")
+@click.option("--block-size", default=None, type=int, help="Block size B (default: DFlash 16, DSpark 7).")
+@click.option("--anchors", default=None, type=int,
+              help="Anchors (blocks) per sequence (default 64; DSpark: 512 on cuda, 64 on cpu).")
 @click.option("--draft-layers", default=None, type=int, help="Draft layers (default: one per captured layer).")
 @click.option("--layer-ids", default=None, help="Explicit ordered view of captured output-of-layer ids, comma "
               "separated (default: the draft's formula; EAGLE-3: three auxiliary ids then L-1).")
@@ -290,6 +292,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--log-every", default=10, type=int)
 @click.option("--ttt-steps", default=7, type=int, help="EAGLE-3 training-time-test unroll steps.")
 @click.option("--draft-vocab", default=32000, type=int, help="EAGLE-3 pruned draft vocabulary size.")
+@click.option("--markov-rank", default=256, type=int, help="DSpark Markov head rank r (0: no Markov head).")
+@click.option("--markov-head", default="vanilla", type=click.Choice(["vanilla", "gated"]),
+              help="DSpark Markov head: vanilla (what vLLM serves) or gated.")
 @click.option("--save-every", default=0, type=int,
               help="Checkpoint every N steps (0: only at the end and when cancelled).")
 @click.option("--keep-checkpoints", default=3, type=int, help="Keep the newest N checkpoints (0: all).")
@@ -317,32 +322,41 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps, lr,
-            seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, save_every,
-            keep_checkpoints, resume, init_from, eval_samples, eval_interval, eval_anchors, progress, tensorboard,
-            compile_mode, loss_impl, length_bucket, epochs=0):
+            seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, markov_rank,
+            markov_head, save_every, keep_checkpoints, resume, init_from, eval_samples, eval_interval, eval_anchors,
+            progress, tensorboard, compile_mode, loss_impl, length_bucket, epochs=0):
     """Train one draft on the cache root at its own pace."""
     from click.core import ParameterSource
 
-    from artcache.trainers.consumer import ConsumerConfig, parse_window, run_consumer
+    from artcache.trainers.consumer import (
+        ConsumerConfig,
+        default_anchors,
+        default_block_size,
+        parse_window,
+        run_consumer,
+    )
 
     if epochs and click.get_current_context().get_parameter_source("steps") == ParameterSource.COMMANDLINE:
         raise ConfigError(f"--epochs {epochs} and --steps {steps} both say how long to train; give one of them")
 
     if draft not in DRAFT_NAMES:
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
+    block_size = default_block_size(draft) if block_size is None else block_size
+    anchors = default_anchors(draft, device) if anchors is None else anchors
     lookbehind, lookahead = parse_window(window)
     view = _parse_layer_ids(layer_ids)
     _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
     _check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
     _check_device(device)
     cfg = ConsumerConfig(
-        cache=cache, consumer_id=consumer_id or (f"{draft}-b{block_size}" if draft == "dflash" else draft),
+        cache=cache, consumer_id=consumer_id or (draft if draft == "eagle3" else f"{draft}-b{block_size}"),
         draft=draft, lookbehind=lookbehind,
         lookahead=lookahead, block_size=block_size, num_anchors=anchors, draft_layers=draft_layers, layer_ids=view,
         batch_size=batch_size, steps=steps, epochs=epochs, lr=lr, seed=seed, device=device, threads=threads,
         out_dir=out_dir,
         demand_timeout_s=demand_timeout, log_every=log_every, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
-        save_every=save_every, keep_checkpoints=keep_checkpoints, resume=resume, init_from=init_from,
+        markov_rank=markov_rank, markov_head=markov_head, save_every=save_every, keep_checkpoints=keep_checkpoints,
+        resume=resume, init_from=init_from,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, progress=progress,
         tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl, length_bucket=length_bucket)
     cfg.validate()
@@ -501,11 +515,30 @@ def fsck(cache, fix, as_json):
               help="Replace an existing --out that is a previous export (a directory holding export.json).")
 @_errors
 def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
-    """Write a trained DFlash or EAGLE-3 draft as a directory vLLM / speculators load (docs/export.md)."""
+    """Write a trained DFlash, EAGLE-3 or DSpark draft as a directory vLLM / speculators load (docs/export.md)."""
     from artcache.trainers.export import export_checkpoint
 
     res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite)
     click.echo(json.dumps(res.summary()))
+
+
+@main.command()
+@click.option("--checkpoint", required=True,
+              help="A DSpark consumer checkpoint (checkpoints/step-N) or run directory (its checkpoints/latest) "
+                   "trained with --eval-samples.")
+@_errors
+def calibrate(checkpoint):
+    """Fit one temperature per slot to a DSpark draft's confidence head (STS, on the held-out split the run
+    evaluated) and write them into the checkpoint's calibration.json; `artcache export` then writes them into
+    the exported config. Prints the cumulative-confidence ECE before and after (docs/training.md)."""
+    from artcache.trainers.dspark.calibrate import calibrate_checkpoint
+
+    rep = calibrate_checkpoint(checkpoint)
+    click.echo(f"calibrated {rep['checkpoint']} on {rep['blocks']} held-out blocks of {rep['samples']} samples: "
+               f"cumulative-confidence ECE (pooled over slots) {rep['ece_cum_pooled_before']:.4f} -> "
+               f"{rep['ece_cum_pooled_after']:.4f} (2-fold cross-validated {rep['ece_cum_pooled_after_crossval']:.4f}); "
+               f"temperatures {', '.join(f'{t:.3g}' for t in rep['temperatures'])}", err=True)
+    click.echo(json.dumps({k: v for k, v in rep.items() if k != "method"}))
 
 
 @main.command()

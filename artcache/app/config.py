@@ -143,7 +143,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``dflash_layer_ids(L, draft_layers)``. EAGLE-3's view is ``eagle3_capture_ids(L)``.
         layer_ids: an explicit ordered view (output-of-layer ids), replacing the draft's formula.
         dtype: hidden-state dtype this draft expects; must be ``target.dtype`` (``None``: any).
-        block_size (DFlash B), anchors (per sequence), batch_size (positions per step), steps.
+        block_size (B; default DFlash 16, DSpark 7), anchors (per sequence; default 64, DSpark 512 on cuda),
+        batch_size (positions per step), steps.
         lr (peak), warmup_frac, seed, window (``LOOKBEHIND:LOOKAHEAD`` positions).
         device: ``""`` = ``target.device``. threads: torch CPU threads (0 = torch's default).
         out: run directory (checkpoints, config); ``""`` = ``<out>/experiments/<name>``.
@@ -160,8 +161,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft_layers: int | None = None
     layer_ids: list[int] | None = None
     dtype: DType | None = None
-    block_size: int = 16
-    anchors: int = 64
+    block_size: int | None = None
+    anchors: int | None = None
     batch_size: int = 2
     steps: int = 100
     lr: float = 6e-4
@@ -385,14 +386,14 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
         if not re.fullmatch(r"[0-9]+:[0-9]+", e.window):
             raise ConfigError(f"{source}: experiments.{i}.window {e.window!r} is not LOOKBEHIND:LOOKAHEAD with two "
                               "non-negative integers, e.g. 64:256")
-        if e.block_size < 2:  # as the CLI: the anchor and at least one MASK slot
+        if e.block_size is not None and e.block_size < 2:  # as the CLI: the anchor and at least one MASK slot
             raise ConfigError(f"{source}: experiments.{i}.block_size {e.block_size} is invalid: accepted an "
                               "integer >= 2")
         if e.layer_ids is not None and not e.layer_ids:
             raise ConfigError(f"{source}: experiments.{i}.layer_ids is empty: give output-of-layer ids, or leave "
                               "it out for the draft's default view")
         for name in ("steps", "batch_size", "anchors", "log_every"):
-            if getattr(e, name) < 1:
+            if getattr(e, name) is not None and getattr(e, name) < 1:
                 raise ConfigError(f"{source}: experiments.{i}.{name} {getattr(e, name)} is invalid: accepted "
                                   "an integer >= 1")
         if e.draft_layers is not None and e.draft_layers < 1:
@@ -730,15 +731,19 @@ def experiment_dir(cfg: RunConfig, e: Experiment) -> str:
 
 def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = None) -> dict[str, Any]:
     """The :class:`artcache.trainers.consumer.ConsumerConfig` fields of experiment ``e`` (a plain dict)."""
+    from artcache.trainers.consumer import default_anchors, default_block_size
+
     lookbehind, lookahead = (int(x) for x in e.window.split(":"))
     fields: dict[str, Any] = {
         "cache": cache_root(cfg), "consumer_id": consumer_id or e.name, "draft": e.draft,
-        "lookbehind": lookbehind, "lookahead": lookahead, "block_size": e.block_size, "num_anchors": e.anchors,
+        "lookbehind": lookbehind, "lookahead": lookahead,
+        "block_size": default_block_size(e.draft) if e.block_size is None else e.block_size,
+        "num_anchors": default_anchors(e.draft, e.device or cfg.target.device) if e.anchors is None else e.anchors,
         "batch_size": e.batch_size, "steps": e.steps, "lr": e.lr, "warmup_frac": e.warmup_frac, "seed": e.seed,
         "device": e.device or cfg.target.device, "threads": e.threads, "out_dir": experiment_dir(cfg, e),
         "demand_timeout_s": cfg.cache.demand_timeout_s, "log_every": e.log_every,
     }
-    if e.draft == "dflash":
+    if e.draft in ("dflash", "dspark"):
         fields["draft_layers"] = e.draft_layers or cfg.capture.draft_layers
     elif e.draft_layers is not None:
         fields["draft_layers"] = e.draft_layers

@@ -51,6 +51,7 @@ def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) ->
 
     DFlash: ``dflash_layer_ids(L, n)`` (DFlash arXiv:2602.06036 / z-lab ``build_target_layer_ids``);
     EAGLE-3: ``eagle3_capture_ids(L)`` = three aux layers then ``L - 1`` (EAGLE-3 arXiv:2503.01840);
+    DSpark: ``dspark_layer_ids(L, n)`` = the DFlash ids then ``L - 1`` (DSpark arXiv:2607.05147);
     an explicit ``layer_ids`` replaces the formula. Raises ConfigError for ids the target lacks.
     The same list as the consumer's ``Draft.needed_layer_ids`` (the drafts' adapters), computed here
     without building the draft.
@@ -61,6 +62,10 @@ def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) ->
         from artcache.layer_ids import dflash_layer_ids
 
         ids = dflash_layer_ids(num_layers, e.draft_layers or default_draft_layers)
+    elif e.draft == "dspark":
+        from artcache.layer_ids import dspark_layer_ids
+
+        ids = dspark_layer_ids(num_layers, e.draft_layers or default_draft_layers)
     else:
         try:
             from artcache.layer_ids import eagle3_capture_ids

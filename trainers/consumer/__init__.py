@@ -7,7 +7,8 @@
   register, then the loop of step / checkpoint / evaluate, and close).
 """
 
-from .config import ConsumerConfig, lr_at, parse_window
+from .config import ConsumerConfig, default_anchors, default_block_size, lr_at, parse_window
 from .session import Session, run_consumer
 
-__all__ = ["ConsumerConfig", "Session", "lr_at", "parse_window", "run_consumer"]
+__all__ = ["ConsumerConfig", "Session", "default_anchors", "default_block_size", "lr_at", "parse_window",
+           "run_consumer"]

@@ -45,6 +45,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         layer_ids: an explicit ordered view (output-of-layer ids) replacing the draft's formula. DFlash:
             any ids (context layers = their count); EAGLE-3: three auxiliary ids then ``L - 1``.
         ttt_steps: EAGLE-3 training-time-test unroll steps. draft_vocab: EAGLE-3 pruned draft vocabulary.
+        markov_rank, markov_head: DSpark's Markov head (rank r, 0 = none; ``vanilla`` or ``gated``).
         save_every: write a checkpoint every this many steps (0: only at the end and on cancellation;
             a checkpoint is always written at the end and when cancelled by Ctrl-C / SIGTERM).
         keep_checkpoints: keep the newest this many checkpoints (0: all).
@@ -98,6 +99,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     layer_ids: list[int] | None = None
     ttt_steps: int = 7
     draft_vocab: int = 32000
+    markov_rank: int = 256
+    markov_head: Literal["vanilla", "gated"] = "vanilla"
     save_every: int = 0
     keep_checkpoints: int = 3
     resume: bool = False
@@ -126,6 +129,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                      "length_bucket", "epochs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 0")
+        if self.markov_rank < 0:
+            raise ConfigError(f"--markov-rank {self.markov_rank} is invalid: it must be >= 0 (0: no Markov head)")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ConfigError(f"--draft-layers {self.draft_layers} is invalid: it must be >= 1 (or left out: one "
                               "draft layer per captured layer the formula selects)")
@@ -149,6 +154,18 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if self.consumer_id not in self.lockstep_group.split(","):
                 raise ConfigError(f"lockstep group {self.lockstep_group!r} must list this consumer's id "
                                   f"{self.consumer_id!r}")
+
+
+def default_block_size(draft: str) -> int:
+    """Block size B when none is given: DSpark's 7 (DeepSpec), else DFlash's 16."""
+    return 7 if draft == "dspark" else 16
+
+
+def default_anchors(draft: str, device: str) -> int:
+    """Anchors per sequence when none is given: DSpark 512 on a GPU and 64 on a CPU, else 64."""
+    if draft == "dspark":
+        return 512 if str(device).startswith("cuda") else 64
+    return 64
 
 
 def parse_window(text: str) -> tuple[int, int]:

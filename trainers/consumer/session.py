@@ -173,7 +173,8 @@ class Session:
             check_same_draft(self.resumed, draft)
             load_weights_strict(self.model, self.resumed.weights, f"checkpoint {self.resumed.path}")
         elif self.init is not None:
-            load_weights_strict(self.model, self.init.weights, f"--init-from {self.init.source}")
+            load_weights_strict(self.model, self.draft.published_weights(self.init.weights, self.init.source),
+                                f"--init-from {self.init.source}")
             log.info("[%s] weights seeded from %s%s", cfg.consumer_id, self.init.source,
                      " (its own vocab map kept)" if self.init.vocab_map else "")
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -1,0 +1,372 @@
+"""DSpark unit tests: layer ids, block layout, Markov teacher forcing, the supervised prefix, the three loss
+terms, fused = plain gradients, metrics and calibration on small hand-checked cases, export round trips."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+
+from artcache.errors import ConfigError
+from artcache.layer_ids import dspark_layer_ids
+from artcache.trainers.dflash import sample_anchors
+from artcache.trainers.dspark import (
+    BlockOutputs,
+    DSparkConfig,
+    DSparkDraft,
+    block_layout,
+    dspark_loss,
+    slot_weights,
+)
+from artcache.trainers.dspark.calibrate import cumulative_ece, fit_temperatures
+from artcache.trainers.dspark.loss import _FusedDSparkTerms
+from artcache.trainers.dspark.metrics import block_sums, ece_from_arrays, greedy_proposals, summarize
+
+V, H = 40, 16
+
+
+def cfg_of(**kw) -> DSparkConfig:
+    base = dict(hidden_size=H, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                vocab_size=V, num_context_layers=2, mask_token_id=V - 1, block_size=4, num_anchors=6, markov_rank=6)
+    base.update(kw)
+    return DSparkConfig(**base)
+
+
+def model_of(seed: int = 0, dtype=torch.float64, **kw) -> DSparkDraft:
+    torch.manual_seed(seed)
+    emb, head = torch.randn(V, H, dtype=dtype), torch.randn(V, H, dtype=dtype)
+    return DSparkDraft(cfg_of(**kw), emb, head, torch.rand(H, dtype=dtype) + 0.5, dtype=dtype)
+
+
+def test_dspark_layer_ids_goldens():
+    assert dspark_layer_ids(30, 5) == [1, 8, 14, 20, 27, 29]  # SmolLM2: --layer-ids 1,8,14,20,27,29
+    assert dspark_layer_ids(36, 5) == [1, 9, 17, 25, 33, 35]  # Qwen3-8B: DeepSpec's context ids + L-1
+    assert dspark_layer_ids(6, 3) == [1, 2, 3, 5]
+
+
+def test_config_defaults_and_validation():
+    c = DSparkConfig(hidden_size=H, num_layers=5, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                     vocab_size=V, num_context_layers=5, mask_token_id=3)
+    assert (c.block_size, c.num_anchors, c.markov_rank, c.markov_head_type, c.gamma) == (7, 512, 256, "vanilla", 4.0)
+    assert (c.ce_weight, c.l1_weight, c.confidence_weight) == (0.1, 0.9, 1.0)
+    assert c.confidence_input_size == H + 256
+    with pytest.raises(ConfigError, match="markov-rank -1"):
+        cfg_of(markov_rank=-1)
+    with pytest.raises(ConfigError, match="needs the Markov head"):
+        cfg_of(markov_rank=0)  # confidence_head_with_markov defaults to True
+    assert cfg_of(markov_rank=0, confidence_head_with_markov=False).confidence_input_size == H
+    with pytest.raises(ConfigError, match="markov_head_type"):
+        cfg_of(markov_head_type="rnn")
+
+
+def test_block_layout_sample_from_anchor_and_prefix_mask():
+    """Slot k of the block at p predicts x_{p+k+1} from the target state at p+k; prev is x_p then the labels;
+    a hole in the loss mask ends the supervised prefix; the sequence end and invalid blocks supervise nothing."""
+    ids = torch.arange(10, 20)[None]  # x_t = 10 + t, T = 10
+    lm = torch.ones(1, 10, dtype=torch.bool)
+    lm[0, 5] = False
+    anchors = torch.tensor([[2, 7, 0]])
+    valid = torch.tensor([[True, True, False]])
+    lay = block_layout(ids, lm, anchors, valid, 4)
+    assert lay.labels[0, 0].tolist() == [13, 14, 15, 16]
+    assert lay.prev[0, 0].tolist() == [12, 13, 14, 15]  # anchor, then the data tokens (teacher forcing)
+    assert lay.target_pos[0, 0].tolist() == [2, 3, 4, 5]
+    assert lay.supervised[0, 0].tolist() == [True, True, False, False]  # label 15 is at position 5: hole
+    assert lay.supervised[0, 1].tolist() == [True, True, False, False]  # labels at 8, 9, then past T
+    assert lay.labels[0, 1, :2].tolist() == [18, 19]
+    assert lay.supervised[0, 2].tolist() == [False] * 4  # padded block
+    cv = torch.ones(1, 10, dtype=torch.bool)
+    cv[0, 9] = False
+    assert block_layout(ids, lm, anchors, valid, 4, cv).supervised[0, 1].tolist() == [True, False, False, False]
+
+
+def test_slot_weights():
+    assert torch.allclose(slot_weights(4, 4.0), torch.exp(-torch.arange(4.0) / 4))
+    assert float(slot_weights(7, 4.0)[0]) == 1.0  # slot 0 (the anchor) is trained: every slot predicts
+
+
+def test_fused_terms_hand_checked():
+    """p = (1/2, 1/4, 1/4), q uniform: CE(label 0) = ln 2, ‖p − q‖₁ = 1/3, α = 5/6."""
+    W = torch.eye(3, dtype=torch.float64)
+    h = torch.log(torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.float64))
+    tn = torch.zeros(1, 3, dtype=torch.float64)
+    loss, ce, l1, pred = _FusedDSparkTerms.apply(h, None, None, W, tn, torch.tensor([0]), torch.ones(1, dtype=torch.float64),
+                                                 0.1, 0.9, 8, False, torch.float64)
+    assert math.isclose(float(ce), math.log(2), rel_tol=1e-12)
+    assert math.isclose(float(l1), 1 / 3, rel_tol=1e-12)
+    assert math.isclose(float(loss), 0.1 * math.log(2) + 0.9 / 3, rel_tol=1e-12)
+    assert int(pred) == 0
+
+
+def _setup(model, b=2, T=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(b, T, 2, H, dtype=torch.float64, generator=g)
+    last = torch.randn(b, T, H, dtype=torch.float64, generator=g) * 3
+    ids = torch.randint(0, V - 1, (b, T), generator=g)
+    lm = torch.ones(b, T, dtype=torch.bool)
+    lm[:, :3] = False
+    lm[-1, 11:] = False
+    a, v = sample_anchors(lm, model.cfg.num_anchors, torch.Generator().manual_seed(seed))
+    return ctx, last, ids, lm, a, v
+
+
+def test_three_loss_terms_against_a_direct_computation():
+    """0.1·CE + 0.9·L1 + 1.0·BCE(conf, detached clamp(1 − ½L1)), weights exp(−k/4) over the supervised prefix,
+    normalised by Σw; the target distribution through the final norm once; the Markov head teacher-forced."""
+    m = model_of()
+    ctx, last, ids, lm, a, v = _setup(m)
+    hidden = m(ctx, ids, a, v)
+    loss, out = dspark_loss(m, hidden, last, ids, lm, a, v)
+    lay = block_layout(ids, lm, a, v, 4)
+    w = torch.exp(-torch.arange(4.0, dtype=torch.float64) / 4) * lay.supervised
+    ce_n = l1_n = bce_n = 0.0
+    for bi, n, k in lay.supervised.nonzero().tolist():
+        h = hidden[bi, n, k]
+        prev = int(lay.prev[bi, n, k])
+        assert prev == (int(ids[bi, a[bi, n]]) if k == 0 else int(ids[bi, a[bi, n] + k]))  # teacher forcing
+        emb = m.markov_head.markov_w1.weight[prev]
+        z = m.lm_head_weight @ h + m.markov_head.markov_w2.weight @ emb
+        x = last[bi, a[bi, n] + k]
+        x = x / torch.sqrt(x.pow(2).mean() + m.cfg.rms_norm_eps) * m.target_norm_weight
+        q = torch.softmax(m.lm_head_weight @ x, dim=-1)
+        p = torch.softmax(z, dim=-1)
+        ce = -torch.log_softmax(z, dim=-1)[ids[bi, a[bi, n] + k + 1]]
+        l1 = (p - q).abs().sum()
+        alpha = (1 - 0.5 * l1).clamp(0, 1)
+        c = m.confidence_head.proj(torch.cat((h, emb)))[0]
+        bce = F.binary_cross_entropy_with_logits(c, alpha)
+        wk = w[bi, n, k]
+        ce_n, l1_n, bce_n = ce_n + wk * ce, l1_n + wk * l1, bce_n + wk * bce
+        assert math.isclose(float(out.alpha[bi, n, k]), float(alpha.detach()), rel_tol=1e-5)
+    ws = w.sum()
+    expect = (0.1 * ce_n + 0.9 * l1_n + 1.0 * bce_n) / ws
+    assert math.isclose(float(loss.detach()), float(expect.detach()), rel_tol=1e-10)
+    assert math.isclose(float(out.weight_sum), float(ws), rel_tol=1e-12)
+    assert math.isclose(float(out.ce_sum), float(ce_n.detach()), rel_tol=1e-10)
+    # the confidence target is detached: its gradient does not flow into the L1 path
+    loss.backward()
+    assert m.confidence_head.proj.weight.grad is not None
+
+
+def test_markov_teacher_forcing_reads_the_data_not_the_backbone():
+    """The backbone sees only the anchor and MASKs; slot k's Markov input is the data token x_{p+k}: changing
+    x_{p+1} changes slot 1's loss and leaves the backbone's states alone."""
+    m = model_of()
+    ctx, last, ids, lm, _, _ = _setup(m, b=1)
+    a, v = torch.tensor([[5]]), torch.tensor([[True]])
+    h1 = m(ctx, ids, a, v)
+    _, o1 = dspark_loss(m, h1, last, ids, lm, a, v)
+    ids2 = ids.clone()
+    ids2[0, 6] = (ids[0, 6] + 1) % (V - 1)
+    h2 = m(ctx, ids2, a, v)
+    _, o2 = dspark_loss(m, h2, last, ids2, lm, a, v)
+    assert torch.equal(h1, h2)
+    assert o1.alpha[0, 0, 0] == o2.alpha[0, 0, 0]  # slot 0: prev = anchor, same target state
+    assert o1.alpha[0, 0, 1] != o2.alpha[0, 0, 1]  # slot 1: prev = x_6 changed
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated"])
+def test_fused_equals_plain_gradients(head):
+    m = model_of(markov_head_type=head)
+    ctx, last, ids, lm, a, v = _setup(m)
+    res = {}
+    for mode in ("fused", "plain"):
+        m.zero_grad()
+        loss, out = dspark_loss(m, m(ctx, ids, a, v), last, ids, lm, a, v, mode=mode, chunk_rows=5)
+        loss.backward()
+        res[mode] = (loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()}, out)
+    (lf, gf, of), (lp, gp, op) = res["fused"], res["plain"]
+    assert math.isclose(lf, lp, rel_tol=1e-12)
+    assert set(gf) == set(gp) and "markov_head.markov_w2.weight" in gf and "markov_head.markov_w1.weight" in gf
+    for k in gp:
+        assert torch.allclose(gf[k], gp[k], atol=1e-12), k
+    assert torch.equal(of.correct, op.correct) and torch.allclose(of.alpha, op.alpha)
+
+
+def test_no_supervised_row_gives_a_zero_loss_with_a_graph():
+    m = model_of()
+    ctx, last, ids, _, a, v = _setup(m)
+    lm = torch.zeros_like(ids, dtype=torch.bool)
+    loss, out = dspark_loss(m, m(ctx, ids, a, v), last, ids, lm, a, v)
+    loss.backward()
+    assert float(loss) == 0.0 and float(out.weight_sum) == 0.0
+    s = summarize(block_sums(out, (0.1, 0.9, 1.0)), 4)
+    assert "tau" not in s and "conf_mae" not in s and "ece" not in s and "accept_rate@0" not in s
+
+
+def _outputs(alpha, sup, conf, valid=None) -> BlockOutputs:
+    alpha, sup = torch.tensor(alpha, dtype=torch.float32)[None], torch.tensor(sup)[None]
+    conf = torch.tensor(conf, dtype=torch.float32)[None]
+    w = torch.exp(-torch.arange(alpha.shape[-1], dtype=torch.float64) / 4) * sup
+    z = torch.zeros((), dtype=torch.float64)
+    return BlockOutputs(supervised=sup, weights=w, alpha=alpha * sup, correct=sup & (alpha > 0.6), conf_logit=conf,
+                        valid=torch.ones(sup.shape[:2], dtype=torch.bool) if valid is None else valid,
+                        ce_sum=z + 1.0, l1_sum=z + 2.0, conf_sum=z + 3.0, weight_sum=w.sum())
+
+
+def test_metrics_hand_checked():
+    """One block, α = (0.8, 0.5, ·) over a prefix of 2, confidence logits 0 (c = 0.5)."""
+    out = _outputs([[0.8, 0.5, 0.9]], [[True, True, False]], [[0.0, 0.0, 0.0]])
+    s = summarize(block_sums(out, (0.1, 0.9, 1.0)), 3)
+    assert math.isclose(s["tau"], 1 + 0.8 + 0.8 * 0.5, rel_tol=1e-6)  # incl. the +1 bonus
+    assert s["tau_includes_bonus"] is True and s["blocks"] == 1
+    assert math.isclose(s["accept_rate@0"], 0.8, rel_tol=1e-6) and math.isclose(s["accept_rate@1"], 0.5, rel_tol=1e-6)
+    assert "accept_rate@2" not in s and math.isnan(s["accept_rate"][2])  # no supervised row: omitted
+    assert math.isclose(s["conf_mae"], (0.3 + 0.0) / 2, rel_tol=1e-6)
+    assert math.isclose(s["conf_bias"], (-0.3 + 0.0) / 2, rel_tol=1e-6)
+    assert math.isclose(s["cum_mae"], (0.3 + 0.15) / 2, rel_tol=1e-6)  # Πc = (.5, .25), Πα = (.8, .4)
+    assert math.isclose(s["ece@0"], 0.3, rel_tol=1e-6) and math.isclose(s["ece_cum@1"], 0.15, rel_tol=1e-6)
+    assert math.isclose(s["ece_cum"], (0.3 + 0.15) / 2, rel_tol=1e-6) and "ece@2" not in s
+    wsum = 1 + math.exp(-0.25)
+    assert math.isclose(s["loss"], (0.1 * 1 + 0.9 * 2 + 3) / wsum, rel_tol=1e-9)
+    assert s["acc"][:2] == [1.0, 0.0]
+
+
+def test_metric_sums_divide_once_across_batches():
+    """Two batches summed then divided: τ is the mean over all blocks (not the mean of batch means)."""
+    a = _outputs([[0.5, 0.5]], [[True, True]], [[0.0, 0.0]])
+    b = _outputs([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]], [[True, True], [True, False], [True, False]],
+                 [[0.0, 0.0]] * 3)
+    s = summarize(block_sums(a, (0.1, 0.9, 1.0)) + block_sums(b, (0.1, 0.9, 1.0)), 2)
+    assert math.isclose(s["tau"], (1.75 + 3.0 + 1.0 + 1.0) / 4, rel_tol=1e-6)
+    assert s["blocks"] == 4
+
+
+def test_ece_bins():
+    """Two predictions in one bin: |mean pred − mean target| there, weighted by the bin's share."""
+    pred = torch.tensor([[0.31], [0.39], [0.95]])
+    tgt = torch.tensor([[0.5], [0.6], [0.95]])
+    e = ece_from_arrays(pred, tgt, torch.ones(3, 1, dtype=torch.bool))
+    assert math.isclose(e[0], (abs(0.70 - 1.10) + 0.0) / 3, rel_tol=1e-6)
+
+
+def test_sts_recovers_temperatures_and_lowers_ece():
+    """Targets made with per-slot temperatures (2, 0.5, 1): STS finds them and lowers the cumulative ECE."""
+    g = torch.Generator().manual_seed(0)
+    n, true = 1500, torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64)
+    z = torch.randn(n, 3, generator=g, dtype=torch.float64) * 2
+    alpha = torch.sigmoid(z / true)
+    mask = torch.ones(n, 3, dtype=torch.bool)
+    mask[: n // 4, 2] = False
+    temps = torch.tensor(fit_temperatures(z, alpha, mask), dtype=torch.float64)
+    assert torch.allclose(temps, true, rtol=0.05), temps
+    _, before = cumulative_ece(z, alpha, mask, torch.ones(3, dtype=torch.float64))
+    _, after = cumulative_ece(z, alpha, mask, temps)
+    assert after < 0.2 * before
+
+
+def test_greedy_proposals_feed_their_own_tokens_and_match_propose():
+    """Serving-style drafting: prev is the draft's own previous proposal; propose() (one block, no mask)
+    equals greedy_proposals over forward()'s block at the same anchor."""
+    m = model_of(dtype=torch.float32)
+    ctx, _, ids, _, _, _ = _setup(m, b=1)
+    ctx = ctx.float()
+    p = 9
+    h = m(ctx, ids, torch.tensor([[p]]), torch.tensor([[True]]))
+    got = greedy_proposals(m, h[0], ids[0, [p]])
+    toks, conf = m.propose(ctx[:, :p], ids[:, p])
+    assert torch.equal(got, toks)
+    assert conf.shape == (1, 4) and bool(((conf > 0) & (conf < 1)).all())
+    # by hand: slot 1 reads slot 0's proposal
+    _, bias_in = m.markov_inputs(toks[:, 0], h[0, :, 1])
+    assert int(m.draft_logits(h[0, :, 1], bias_in).argmax()) == int(toks[0, 1])
+
+
+def test_frozen_target_tensors_are_not_trainable():
+    m = model_of()
+    keys = set(m.trainable_state_dict())
+    assert not keys & {"embed_weight", "lm_head_weight", "target_norm_weight"}
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "confidence_head.proj.bias", "fc.weight", "context_norm.weight"} <= keys
+
+
+# ------------------------------------------------------------------------------------------ export
+
+def _checkpoint(tmp_path, m: DSparkDraft, ids, calib=None):
+    from artcache.trainers.checkpoint import point_latest, save_checkpoint
+
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    extra = {} if calib is None else {"calibration.temperatures": torch.tensor(calib, dtype=torch.float64)}
+    path = save_checkpoint(tmp_path / "run", step=1, cursor=0, weights=m.trainable_state_dict(), optimizer=opt,
+                           generators={}, extra_tensors=extra,
+                           state={"draft": "dspark", "layer_ids": ids,
+                                  "draft_config": {**msgspec.to_builtins(m.cfg), "layer_ids": ids}})
+    point_latest(tmp_path / "run", path)
+    return path
+
+
+def _target_cfg(L=6):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=32, architectures=["LlamaForCausalLM"])
+
+
+@pytest.mark.parametrize("fmt", ["hf", "speculators"])
+def test_export_round_trip(tmp_path, fmt):
+    from artcache.trainers.dspark.export import load_dspark_export
+    from artcache.trainers.export import export_checkpoint
+
+    m = model_of(dtype=torch.float32)
+    ckpt = _checkpoint(tmp_path, m, [1, 3, 5], calib=[1.5, 1.0, 0.8, 2.0])
+    res = export_checkpoint(ckpt, tmp_path / "out", fmt, target=_target_cfg(), dtype="float32")
+    c = res.config
+    assert c["architectures"] == ["Qwen3DSparkModel"] and c["sample_from_anchor"] is True
+    assert c["block_size"] == 4 and c["markov_rank"] == 6 and c["markov_head_type"] == "vanilla"
+    assert c["enable_confidence_head"] is True and c["confidence_head_with_markov"] is True
+    assert c["mask_token_id"] == V - 1 and c["confidence_temperatures"] == [1.5, 1.0, 0.8, 2.0]
+    if fmt == "speculators":
+        assert c["speculators_model_type"] == "dspark" and c["aux_hidden_state_layer_ids"] == [2, 4]  # input-of-layer
+        assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    else:
+        assert c["target_layer_ids"] == [1, 3] and c["model_type"] == "qwen3"  # output-of-layer, as DeepSpec
+    assert "hidden_norm.weight" in res.keys and "context_norm.weight" not in res.keys
+    assert "confidence_head.proj.bias" in res.keys and not any(k.startswith(("embed", "lm_head")) for k in res.keys)
+    m2, ctx_ids, temps = load_dspark_export(tmp_path / "out", m.embed_weight, m.lm_head_weight, m.target_norm_weight)
+    assert ctx_ids == [1, 3] and temps == [1.5, 1.0, 0.8, 2.0]
+    for k, v in m.trainable_state_dict().items():
+        assert torch.equal(v, m2.trainable_state_dict()[k]), k
+    prov = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert prov["draft"] == "dspark" and prov["layer_ids_output_of_layer"] == [1, 3]
+    assert "before the final norm" in c["dspark_target_state"]
+
+
+def test_export_refuses_a_gated_head_as_speculators_and_mismatched_weights(tmp_path):
+    from artcache.trainers.export import export_checkpoint
+
+    m = model_of(dtype=torch.float32, markov_head_type="gated")
+    ckpt = _checkpoint(tmp_path, m, [1, 3, 5])
+    with pytest.raises(ConfigError, match="vanilla"):
+        export_checkpoint(ckpt, tmp_path / "o1", "speculators", target=_target_cfg())
+    export_checkpoint(ckpt, tmp_path / "o2", "hf", target=_target_cfg())  # DeepSpec layout has gate_proj
+    m3 = model_of(dtype=torch.float32)
+    st = json.loads((ckpt / "state.json").read_text())
+    ck2 = _checkpoint(tmp_path / "x", m3, [1, 3, 5])
+    st2 = json.loads((ck2 / "state.json").read_text())
+    st2["draft_config"]["markov_rank"] = 5
+    (ck2 / "state.json").write_text(json.dumps(st2))
+    with pytest.raises(ConfigError, match="does not match its draft config"):
+        export_checkpoint(ck2, tmp_path / "o3", "hf", target=_target_cfg())
+    assert st["draft"] == "dspark" and not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
+
+
+def test_init_from_an_export_maps_names_back_and_checks_the_config(tmp_path):
+    from artcache.trainers.dspark.adapter import DSparkAdapter
+    from artcache.trainers.export import export_checkpoint
+
+    m = model_of(dtype=torch.float32)
+    export_checkpoint(_checkpoint(tmp_path, m, [1, 3, 5]), tmp_path / "out", "speculators", target=_target_cfg(),
+                      dtype="float32")
+    import safetensors.torch
+
+    tensors = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+    ad = DSparkAdapter(model_of(seed=3, dtype=torch.float32), m.cfg, [1, 3, 5], torch.Generator())
+    got = ad.published_weights(tensors, tmp_path / "out")
+    assert set(got) == set(m.trainable_state_dict())
+    other = DSparkAdapter(model_of(seed=3, dtype=torch.float32), m.cfg, [1, 2, 5], torch.Generator())
+    with pytest.raises(ConfigError, match="context layer ids"):
+        other.published_weights(tensors, tmp_path / "out")

@@ -1,0 +1,270 @@
+"""DSpark behind the :class:`~artcache.trainers.draft.Draft` interface: build, train, evaluate, export.
+
+The draft's view of the capture is :func:`~artcache.layer_ids.dspark_layer_ids`: the m context layers
+(the DFlash formula by default) followed by output-of-layer ``L - 1`` (the target's last decoder layer,
+stored **before** the final norm; :meth:`~artcache.trainers.dspark.model.DSparkDraft.target_hidden`
+applies the norm once), from which the frozen lm_head gives the target distribution of every slot.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError
+from artcache.layer_ids import LAST_LAYER_STATE, dspark_layer_ids, layer_view
+from artcache.trainers.dflash.adapter import evenly_spaced
+from artcache.trainers.dflash.anchors import eligible_anchors, sample_anchors
+from artcache.trainers.draft import Draft, DraftBatch, ExportedDraft, MetricSums, check_target
+
+from .config import DSparkConfig
+from .loss import BlockOutputs, dspark_loss
+from .metrics import block_sums, replay, summarize
+
+__all__ = ["CALIBRATION_KEY", "HELDOUT_PREFIX", "DSparkAdapter", "dspark_default_layers", "weights_check"]
+
+#: Prefix of the held-out confidence records in a checkpoint's extra.safetensors (read by ``calibrate``).
+HELDOUT_PREFIX = "heldout."
+#: The per-slot confidence temperatures ``artcache calibrate`` adds to a checkpoint's extra.safetensors ([B]
+#: float64; read by the export).
+CALIBRATION_KEY = "calibration.temperatures"
+
+
+def weights_check(weights: dict[str, Tensor]) -> Tensor:
+    """[2] float64: Σ and Σ² of every trainable tensor (sorted keys): ties held-out records to the weights
+    that produced them (equal up to float reduction order on another device)."""
+    s = torch.zeros(2, dtype=torch.float64)
+    for k in sorted(weights):
+        t = weights[k].detach().double()
+        s += torch.stack((t.sum(), t.pow(2).sum())).cpu()
+    return s
+
+
+class DSparkAdapter(Draft):
+    """DSpark (arXiv:2607.05147) for the consumer.
+
+    Args:
+        model: a :class:`~artcache.trainers.dspark.DSparkDraft`. cfg: its config.
+        needed_layer_ids: context ids then ``L - 1`` (output-of-layer).
+        anchor_generator: CPU generator for anchors (checkpointed). eval_anchors: as DFlash.
+
+    Held-out evaluation also records, per held-out block, the confidence logits, α and the supervised
+    prefix (``extra_tensors`` -> the checkpoint's extra.safetensors), which ``artcache calibrate`` fits
+    its temperatures on.
+    """
+
+    name = "dspark"
+    progress_metric = "tau"
+
+    def __init__(self, model, cfg: DSparkConfig, needed_layer_ids: Sequence[int], anchor_generator: torch.Generator,
+                 eval_anchors: int = 0) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.needed_layer_ids = tuple(int(i) for i in needed_layer_ids)
+        self.generator = anchor_generator
+        self.eval_anchors = int(eval_anchors)
+        self._weights_seen = 0  # training steps so far (held-out records belong to one weight state)
+        self._heldout: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self._heldout_check: Tensor | None = None
+        self._heldout_at = -1
+
+    @classmethod
+    def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
+              info=None) -> DSparkAdapter:
+        """See :func:`_build`. Raises ConfigError for a vocab map (a DSpark draft has none)."""
+        if vocab_map:
+            raise ConfigError("a DSpark draft has no vocab map; the checkpoint given carries one (an EAGLE-3 draft?)")
+        return _build(cls, cfg, settings, plan, device, info)
+
+    @classmethod
+    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what) -> ExportedDraft:
+        """:func:`artcache.trainers.dspark.export.export_dspark` (calibration temperatures included when
+        ``artcache calibrate`` added them)."""
+        from .export import export_dspark
+
+        return export_dspark(state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what)
+
+    def generators(self) -> dict[str, torch.Generator]:
+        return {"anchors": self.generator}
+
+    @property
+    def _loss_weights(self) -> tuple[float, float, float]:
+        c = self.cfg
+        return (c.ce_weight, c.l1_weight, c.confidence_weight)
+
+    def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor) -> tuple[Tensor, Tensor, BlockOutputs]:
+        m = self.cfg.num_context_layers
+        dev = batch.hidden.device
+        anchors, avalid = anchors.to(dev), avalid.to(dev)
+        ctx, last = batch.hidden[:, :, :m], batch.hidden[:, :, m]
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            hidden = self.model(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid)
+            loss, out = dspark_loss(self.model, hidden, last, batch.input_ids, batch.loss_mask, anchors, avalid,
+                                    context_valid=batch.valid)
+        return hidden, loss, out
+
+    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
+        anchors, avalid = sample_anchors((batch.loss_mask & batch.valid).cpu(), self.cfg.num_anchors, self.generator)
+        _, loss, out = self._forward(batch, anchors, avalid)
+        self._weights_seen += 1
+        return loss, block_sums(out, self._loss_weights)
+
+    @torch.no_grad()
+    def evaluate(self, batch: DraftBatch, target_argmax: Tensor | None) -> MetricSums:
+        """Held-out metrics over every eligible anchor (or ``eval_anchors`` evenly spaced ones per sample):
+        the loss terms, α per slot, τ, calibration, and with ``target_argmax`` ([b, T] long) a greedy
+        acceptance replay (``replay_tau``, +1 bonus included; see :func:`~.metrics.replay`)."""
+        if self._heldout_at != self._weights_seen:  # a new weight state: records of the old one are void
+            self._heldout = {}
+            self._heldout_check = weights_check(self.model.trainable_state_dict())
+            self._heldout_at = self._weights_seen
+        elig = eligible_anchors((batch.loss_mask & batch.valid).cpu())
+        sums = MetricSums()
+        n = max(self.cfg.num_anchors, 256)
+        for row in range(elig.shape[0]):
+            one = DraftBatch(batch.hidden[row:row + 1], batch.input_ids[row:row + 1], batch.loss_mask[row:row + 1],
+                             batch.valid[row:row + 1])
+            pos = evenly_spaced(elig[row].nonzero().squeeze(1), self.eval_anchors)
+            recs = []
+            for s in range(0, pos.numel(), n):
+                anchors = pos[s:s + n][None]
+                hidden, _, out = self._forward(one, anchors, torch.ones_like(anchors, dtype=torch.bool))
+                sums = sums + block_sums(out, self._loss_weights)
+                if out.conf_logit is not None:
+                    recs.append((out.conf_logit[0].cpu(), out.alpha[0].cpu(), out.supervised[0].cpu()))
+                if target_argmax is not None:
+                    sums = sums + replay(self.model, hidden.float(), one.input_ids, one.loss_mask & one.valid,
+                                         anchors, target_argmax[row:row + 1])
+            if recs and row < len(batch.positions):
+                self._heldout[int(batch.positions[row])] = tuple(torch.cat(x) for x in zip(*recs, strict=True))
+        return sums
+
+    def extra_tensors(self) -> dict[str, Tensor]:
+        """The latest held-out confidence records (``heldout.conf_logit`` / ``alpha`` [n, B] float32,
+        ``heldout.supervised`` [n, B] bool, ``heldout.position`` [n] int64: the plan position of each
+        block, ``heldout.weights_check`` [2] float64, see :func:`weights_check`); empty before any."""
+        if not self._heldout or self._heldout_check is None:
+            return {}
+        order = sorted(self._heldout)
+        conf, alpha, sup = (torch.cat([self._heldout[p][i] for p in order]) for i in range(3))
+        pos = torch.cat([torch.full((self._heldout[p][0].shape[0],), p, dtype=torch.long) for p in order])
+        return {f"{HELDOUT_PREFIX}conf_logit": conf.float().contiguous(),
+                f"{HELDOUT_PREFIX}alpha": alpha.float().contiguous(),
+                f"{HELDOUT_PREFIX}supervised": sup.bool().contiguous(), f"{HELDOUT_PREFIX}position": pos,
+                f"{HELDOUT_PREFIX}weights_check": self._heldout_check.clone()}
+
+    def config_dict(self) -> dict[str, Any]:
+        return {**msgspec.to_builtins(self.cfg), "layer_ids": list(self.needed_layer_ids),
+                "target_state": LAST_LAYER_STATE}
+
+    def summary(self, sums: MetricSums) -> dict[str, Any]:
+        """See :func:`~.metrics.summarize` (τ and ``replay_tau`` include the +1 bonus token)."""
+        return summarize(sums, self.cfg.block_size)
+
+    def headline(self, summary: dict[str, Any]) -> str:
+        out = f"tau {summary.get('tau', float('nan')):.2f} (incl. +1 bonus)"
+        if "replay_tau" in summary:
+            out += f" greedy-replay tau {summary['replay_tau']:.2f}"
+        if "ece_cum" in summary:
+            out += f" conf cum-ECE {summary['ece_cum']:.3f}"
+        return out
+
+    def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
+        """Step event sums: ``tau_sum`` = Σ τ (expected acceptance length incl. +1 bonus) over ``blocks``;
+        ``acc_*`` the teacher-forced top-1 counts of slots 0 … B-1."""
+        B = self.cfg.block_size
+        return {"tau_sum": sums.num.get("tau", 0.0), "blocks": int(sums.den.get("tau", 0)),
+                "acc_correct": [int(sums.num.get(f"acc_{k}", 0)) for k in range(B)],
+                "acc_total": [int(sums.den.get(f"acc_{k}", 0)) for k in range(B)]}
+
+    def published_weights(self, weights: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
+        """``--init-from`` weights in this draft's key names: a checkpoint's as they are; an ``artcache
+        export`` directory (either format, :mod:`~artcache.trainers.dspark.export`) renamed back, after its
+        config.json is checked against this draft (block size, mask id, layer ids, Markov head).
+
+        Raises:
+            ConfigError: the export describes another DSpark draft (the differing fields named).
+        """
+        cfg_path = Path(source) / "config.json"
+        if not cfg_path.is_file() or (Path(source) / "state.json").is_file():
+            return weights
+        from .export import config_from_export, from_export_keys
+
+        try:
+            theirs, ids, _ = config_from_export(json.loads(cfg_path.read_text()))
+        except ValueError as exc:
+            raise ConfigError(f"--init-from {source}: config.json is not a readable DSpark export ({exc})") from exc
+        diffs = [f"{k} {getattr(theirs, k)!r} (ours {getattr(self.cfg, k)!r})"
+                 for k in ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "hidden_size",
+                           "num_layers", "vocab_size", "enable_confidence_head", "confidence_head_with_markov")
+                 if getattr(theirs, k) != getattr(self.cfg, k)]
+        if list(ids) != list(self.needed_layer_ids[:-1]):
+            diffs.append(f"context layer ids {list(ids)} (ours {list(self.needed_layer_ids[:-1])})")
+        if diffs:
+            raise ConfigError(f"--init-from {source}: the exported DSpark draft differs from this one in "
+                              f"{'; '.join(diffs)}; pass matching draft options")
+        return from_export_keys(weights)
+
+
+def dspark_default_layers(num_target_layers: int, captured: Sequence[int], cap: int = 5) -> int:
+    """Draft layers n when ``--draft-layers`` is not given: the largest n <= ``cap`` (DSpark's 5) whose
+    :func:`dspark_layer_ids` are all captured; ``cap`` when none is (its missing ids are then named)."""
+    have = set(captured)
+    for n in range(min(cap, num_target_layers - 3), 0, -1):
+        if set(dspark_layer_ids(num_target_layers, n)) <= have:
+            return n
+    return min(cap, num_target_layers - 3)
+
+
+def _build(cls, cfg, settings, plan, device: torch.device, info=None) -> DSparkAdapter:
+    """The DSpark draft around the target's frozen embedding, final norm and lm_head.
+
+    View: ``cfg.layer_ids`` when given (context ids, then ``L - 1``), else
+    ``dspark_layer_ids(L, n)`` with n = ``cfg.draft_layers`` or :func:`dspark_default_layers`.
+    MASK: chosen and validated as for DFlash (:func:`artcache.plan.choose_mask_token`).
+
+    Raises:
+        ContractMismatch: the root lacks a layer of the view, or the target's weights changed.
+        ConfigError: a bad view, no valid MASK token, or bad sizes.
+    """
+    from transformers import AutoConfig
+
+    from artcache.layer_ids import check_layer_ids
+    from artcache.plan import choose_mask_token
+    from artcache.target import load_embedding_and_lm_head, load_final_norm, load_tokenizer
+
+    info = info or check_target(settings)
+    L = info.num_layers
+    captured = list(settings.contract.layer_ids)
+    if cfg.layer_ids:
+        need = check_layer_ids([int(i) for i in cfg.layer_ids], L, f"--layer-ids {','.join(map(str, cfg.layer_ids))}")
+        if len(need) < 2 or need[-1] != L - 1 or (L - 1) in need[:-1]:
+            raise ConfigError(f"--layer-ids {need} for DSpark: give the context ids then the last layer {L - 1} "
+                              f"(default {dspark_layer_ids(L, cfg.draft_layers or 5)})")
+        n = cfg.draft_layers or len(need) - 1
+        hint = " (--layer-ids)"
+    else:
+        n = cfg.draft_layers or dspark_default_layers(L, captured)
+        need = dspark_layer_ids(L, n)
+        hint = f" (--draft-layers {n}: the DFlash formula plus the last layer {L - 1})"
+    layer_view(captured, need, draft=f"a {n}-layer DSpark draft", flag_hint=hint)
+    mask_id = choose_mask_token(load_tokenizer(info), info.vocab_size, plan)
+    embed, lm_head = load_embedding_and_lm_head(info)
+    norm = load_final_norm(info)
+    dcfg = DSparkConfig.from_target(AutoConfig.from_pretrained(info.path), num_layers=n, block_size=cfg.block_size,
+                                    num_anchors=cfg.num_anchors, mask_token_id=mask_id,
+                                    num_context_layers=len(need) - 1, markov_rank=cfg.markov_rank,
+                                    markov_head_type=cfg.markov_head)
+    from .model import DSparkDraft
+
+    torch.manual_seed(cfg.seed)
+    model = DSparkDraft(dcfg, embed.to(device), lm_head.to(device), norm.to(device))
+    draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors)
+    draft.target_info, draft.target_lm_head = info, model.lm_head_weight
+    return draft

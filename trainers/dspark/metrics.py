@@ -1,0 +1,205 @@
+"""DSpark metrics: acceptance (α_k, τ), teacher-forced accuracy, confidence calibration, greedy replay.
+
+Definitions (DSpark arXiv:2607.05147; DeepSpec ``deepspec/modeling/dspark/loss.py`` and
+``deepspec/eval/dspark/confidence_head.py``):
+
+- ``accept_rate@k`` = mean of ``α_k = 1 − ½‖p_k − q_k‖₁`` over supervised slots k (0-based): the
+  probability that speculative sampling accepts slot k's draft token given the prefix was accepted.
+- ``tau`` = mean over valid blocks of ``1 + Σ_k Π_{i≤k} α_i`` (over the supervised prefix): the expected
+  acceptance length **including the +1 bonus token**, in [1, B + 1].
+- calibration of the confidence ``c_k = sigmoid(conf_k)`` (conditional: slot k accepted given slots < k
+  were): ``conf_mae`` / ``conf_bias`` = mean of ``|c_k − α_k|`` / ``c_k − α_k`` over supervised slots;
+  ``cum_mae`` / ``cum_bias`` the same for ``Π_{i≤k} c_i`` against ``Π_{i≤k} α_i`` (the probability that
+  the first k+1 slots are all accepted); ``ece@k`` / ``ece_cum@k`` = expected calibration error of slot k
+  with 10 equal-width bins of the prediction: ``Σ_bins |Σ pred − Σ α| / n_k`` (the targets are the
+  teacher-forced α, not sampled accept/reject outcomes); ``ece`` / ``ece_cum`` pool every slot's bins.
+- ``replay_tau``: greedy acceptance replay against the target's argmax (as the other drafts), +1 bonus
+  included.
+
+Every ratio is accumulated as numerator and denominator sums (:class:`~artcache.trainers.draft.MetricSums`)
+and divided once; a metric whose denominator is 0 is left out of the summary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from artcache.trainers.draft import MetricSums, replay_sums
+
+from .loss import BlockOutputs
+
+if TYPE_CHECKING:
+    from .model import DSparkDraft
+
+__all__ = ["ECE_BINS", "block_sums", "ece_from_arrays", "greedy_proposals", "replay", "summarize"]
+
+#: Bins of every expected-calibration-error figure.
+ECE_BINS = 10
+
+
+def _bin_sums(pred: Tensor, target: Tensor, bins: int = ECE_BINS) -> tuple[Tensor, Tensor, Tensor]:
+    """(count, Σ pred, Σ target) per bin [bins] float64 for 1-D ``pred`` in [0, 1]."""
+    idx = (pred.double() * bins).long().clamp_(0, bins - 1)
+    n = torch.zeros(bins, dtype=torch.float64, device=pred.device)
+    n.index_add_(0, idx, torch.ones_like(pred, dtype=torch.float64))
+    ps = torch.zeros_like(n).index_add_(0, idx, pred.double())
+    ts = torch.zeros_like(n).index_add_(0, idx, target.double())
+    return n, ps, ts
+
+
+def _ece(n: Tensor, ps: Tensor, ts: Tensor) -> float:
+    total = float(n.sum())
+    return float((ps - ts).abs().sum()) / total if total > 0 else math.nan
+
+
+def ece_from_arrays(pred: Tensor, target: Tensor, mask: Tensor, bins: int = ECE_BINS) -> list[float]:
+    """Per-slot ECE of ``pred`` against ``target`` over ``mask`` (all [n, B]); NaN for a slot with no row."""
+    out = []
+    for k in range(pred.shape[1]):
+        m = mask[:, k]
+        out.append(_ece(*_bin_sums(pred[m, k], target[m, k], bins)))
+    return out
+
+
+def block_sums(out: BlockOutputs, loss_weights: tuple[float, float, float]) -> MetricSums:
+    """The :class:`MetricSums` of one forward's :class:`BlockOutputs`.
+
+    Args:
+        loss_weights: (ce, l1, confidence) weights of the objective (``loss`` = their weighted sum).
+    """
+    s = MetricSums()
+    ws = float(out.weight_sum)
+    ce_w, l1_w, cf_w = loss_weights
+    s.add("loss", ce_w * float(out.ce_sum) + l1_w * float(out.l1_sum) + cf_w * float(out.conf_sum), ws)
+    s.add("ce_loss", float(out.ce_sum), ws)
+    s.add("l1_loss", float(out.l1_sum), ws)
+    sup = out.supervised
+    B = sup.shape[-1]
+    alpha = out.alpha.double() * sup
+    cum_alpha = alpha.cumprod(dim=-1)
+    for k in range(B):
+        nk = float(sup[..., k].sum())
+        s.add(f"accept_rate@{k}", float(alpha[..., k].sum()), nk)
+        s.add(f"acc_{k}", float(out.correct[..., k].sum()), nk)
+    blocks = out.valid & sup.any(dim=-1)
+    s.add("tau", float(((1.0 + cum_alpha.sum(dim=-1)) * blocks).sum()), float(blocks.sum()))
+    if out.conf_logit is not None:
+        s.add("conf_loss", float(out.conf_sum), ws)
+        c = torch.sigmoid(out.conf_logit.double()) * sup
+        cum_c = c.cumprod(dim=-1)
+        n_sup = float(sup.sum())
+        err, cerr = (c - alpha)[sup], (cum_c - cum_alpha)[sup]
+        s.add("conf_mae", float(err.abs().sum()), n_sup)
+        s.add("conf_bias", float(err.sum()), n_sup)
+        s.add("cum_mae", float(cerr.abs().sum()), n_sup)
+        s.add("cum_bias", float(cerr.sum()), n_sup)
+        for k in range(B):
+            m = sup[..., k]
+            for tag, pred, tgt in (("ece", c, alpha), ("ece_cum", cum_c, cum_alpha)):
+                n, ps, ts = _bin_sums(pred[..., k][m], tgt[..., k][m])
+                for i in range(ECE_BINS):
+                    if float(n[i]) > 0:
+                        s.add(f"{tag}@{k}.n{i}", float(n[i]))
+                        s.add(f"{tag}@{k}.p{i}", float(ps[i]))
+                        s.add(f"{tag}@{k}.t{i}", float(ts[i]))
+    return s
+
+
+def _ece_of(sums: MetricSums, tag: str, slots: range) -> float:
+    n = err = 0.0
+    for k in slots:
+        for i in range(ECE_BINS):
+            nb = sums.num.get(f"{tag}@{k}.n{i}", 0.0)
+            if nb > 0:
+                n += nb
+                err += abs(sums.num.get(f"{tag}@{k}.p{i}", 0.0) - sums.num.get(f"{tag}@{k}.t{i}", 0.0))
+    return err / n if n > 0 else math.nan
+
+
+def summarize(sums: MetricSums, block_size: int) -> dict[str, Any]:
+    """Plain-Python figures of summed :class:`MetricSums` (each ratio divided once; zero-denominator
+    metrics left out). ``acc`` (teacher-forced top-1 accuracy per slot 0 … B-1) and ``accept_rate``
+    (α per slot) are lists with NaN where a slot had no supervised row (the consumer's log reads
+    ``acc``); every other per-slot figure is a scalar key ``name@k``. ``tau`` and ``replay_tau``
+    include the +1 bonus token (``tau_includes_bonus``)."""
+    out: dict[str, Any] = {}
+    for name in ("loss", "ce_loss", "l1_loss", "conf_loss", "tau", "conf_mae", "conf_bias", "cum_mae", "cum_bias",
+                 "replay_tau", "replay_truncated"):
+        if sums.den.get(name, 0.0) > 0:
+            out[name] = sums.ratio(name)
+    if "replay_truncated" in out:
+        out["replay_truncated_frac"] = out.pop("replay_truncated")
+    out["loss"] = out.get("loss", math.nan)  # the consumer logs it every step
+    out["tau_includes_bonus"] = True
+    out["blocks"] = int(sums.den.get("tau", 0))
+    out["acc"] = [sums.ratio(f"acc_{k}") for k in range(block_size)]
+    out["accept_rate"] = [sums.ratio(f"accept_rate@{k}") for k in range(block_size)]
+    for k in range(block_size):
+        if sums.den.get(f"accept_rate@{k}", 0.0) > 0:
+            out[f"accept_rate@{k}"] = sums.ratio(f"accept_rate@{k}")
+        for tag in ("ece", "ece_cum"):
+            e = _ece_of(sums, tag, range(k, k + 1))
+            if math.isfinite(e):
+                out[f"{tag}@{k}"] = e
+    for tag in ("ece", "ece_cum"):
+        e = _ece_of(sums, tag, range(block_size))
+        if math.isfinite(e):
+            out[tag] = e
+    return out
+
+
+@torch.no_grad()
+def greedy_proposals(model: DSparkDraft, hidden: Tensor, anchor_tokens: Tensor, chunk: int = 256) -> Tensor:
+    """The draft's greedy block proposals as it drafts when serving: slot k's token is
+    ``argmax(lm_head(h_k) + markov_w2(W1[prev_k]))`` with ``prev_0`` the anchor token and ``prev_k`` the
+    proposal of slot k-1 (its own, not the data's).
+
+    Args:
+        hidden: [N, B, H] backbone states of N blocks. anchor_tokens: [N] long (x_p).
+
+    Returns:
+        [N, B] long proposals for x_{p+1} … x_{p+B}.
+    """
+    N, B, _ = hidden.shape
+    out = torch.empty(N, B, dtype=torch.long, device=hidden.device)
+    for s in range(0, N, chunk):
+        prev = anchor_tokens[s:s + chunk].long().to(hidden.device)
+        for k in range(B):
+            h = hidden[s:s + chunk, k]
+            _, bias_in = model.markov_inputs(prev, h)
+            prev = model.draft_logits(h, bias_in).argmax(dim=-1)
+            out[s:s + chunk, k] = prev
+    return out
+
+
+@torch.no_grad()
+def replay(model: DSparkDraft, hidden: Tensor, input_ids: Tensor, supervised: Tensor, anchors: Tensor,
+           target_argmax: Tensor) -> MetricSums:
+    """Greedy acceptance of DSpark blocks against the target's own argmax (one sequence).
+
+    Slot k of the block at p proposes ``d_k`` for ``x_{p+k+1}``; greedy verification accepts it while
+    ``d_k == g_k``, the target's argmax after ``x_{≤p}, g_0 … g_{k-1}``, known from the data while the
+    greedy path stays on it (``g_k = target_argmax[p+k]``). As :func:`artcache.trainers.draft.replay_sums`
+    (``replay_tau`` includes the +1 bonus; ``replay_truncated`` counts walks cut by the path leaving the data).
+
+    Args:
+        hidden: [1, N, B, H]. input_ids, supervised: [1, T]. anchors: [1, N] long. target_argmax: [1, T] long.
+    """
+    _, N, B, _ = hidden.shape
+    T = input_ids.shape[1]
+    dev = hidden.device
+    a = anchors[0].to(dev).long()
+    ids = input_ids[0].to(dev)
+    preds = greedy_proposals(model, hidden[0], ids[a])
+    k = torch.arange(B, device=dev)
+    lab = a[:, None] + k + 1
+    inside = lab < T
+    labc = lab.clamp(max=T - 1)
+    ok = inside & supervised[0].to(dev).bool()[labc]
+    greedy = target_argmax[0].to(dev)[(a[:, None] + k).clamp(max=T - 1)]
+    on_data = ids[labc] == greedy
+    return replay_sums(preds, greedy, ok, on_data)
