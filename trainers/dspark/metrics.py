@@ -65,47 +65,73 @@ def ece_from_arrays(pred: Tensor, target: Tensor, mask: Tensor, bins: int = ECE_
     return out
 
 
+def _slot_bin_sums(pred: Tensor, target: Tensor, sup: Tensor, bins: int = ECE_BINS) -> Tensor:
+    """[3, B, bins] float64: count, Σ pred, Σ target per slot and bin over the supervised entries of the
+    [..., B] ``pred`` / ``target`` (one scatter for every slot)."""
+    B = sup.shape[-1]
+    slot = torch.arange(B, device=sup.device).expand_as(sup)[sup]
+    p, t = pred[sup].double(), target[sup].double()
+    idx = slot * bins + (p * bins).long().clamp_(0, bins - 1)
+    out = torch.zeros(3, B * bins, dtype=torch.float64, device=sup.device)
+    out[0].index_add_(0, idx, torch.ones_like(p))
+    out[1].index_add_(0, idx, p)
+    out[2].index_add_(0, idx, t)
+    return out.reshape(3, B, bins)
+
+
 def block_sums(out: BlockOutputs, loss_weights: tuple[float, float, float]) -> MetricSums:
-    """The :class:`MetricSums` of one forward's :class:`BlockOutputs`.
+    """The :class:`MetricSums` of one forward's :class:`BlockOutputs` (every figure computed on the
+    outputs' device and read back in one transfer).
 
     Args:
         loss_weights: (ce, l1, confidence) weights of the objective (``loss`` = their weighted sum).
     """
-    s = MetricSums()
-    ws = float(out.weight_sum)
-    ce_w, l1_w, cf_w = loss_weights
-    s.add("loss", ce_w * float(out.ce_sum) + l1_w * float(out.l1_sum) + cf_w * float(out.conf_sum), ws)
-    s.add("ce_loss", float(out.ce_sum), ws)
-    s.add("l1_loss", float(out.l1_sum), ws)
     sup = out.supervised
     B = sup.shape[-1]
     alpha = out.alpha.double() * sup
     cum_alpha = alpha.cumprod(dim=-1)
-    for k in range(B):
-        nk = float(sup[..., k].sum())
-        s.add(f"accept_rate@{k}", float(alpha[..., k].sum()), nk)
-        s.add(f"acc_{k}", float(out.correct[..., k].sum()), nk)
     blocks = out.valid & sup.any(dim=-1)
-    s.add("tau", float(((1.0 + cum_alpha.sum(dim=-1)) * blocks).sum()), float(blocks.sum()))
-    if out.conf_logit is not None:
-        s.add("conf_loss", float(out.conf_sum), ws)
+    ce_w, l1_w, cf_w = loss_weights
+    head = [out.ce_sum, out.l1_sum, out.conf_sum, out.weight_sum,
+            ((1.0 + cum_alpha.sum(dim=-1)) * blocks).sum(), blocks.sum()]
+    per_slot = [alpha.sum(dim=(0, 1)), out.correct.sum(dim=(0, 1)), sup.sum(dim=(0, 1))]
+    parts = [torch.stack([x.double() for x in head]), *[x.double() for x in per_slot]]
+    conf = out.conf_logit is not None
+    if conf:
         c = torch.sigmoid(out.conf_logit.double()) * sup
         cum_c = c.cumprod(dim=-1)
-        n_sup = float(sup.sum())
         err, cerr = (c - alpha)[sup], (cum_c - cum_alpha)[sup]
-        s.add("conf_mae", float(err.abs().sum()), n_sup)
-        s.add("conf_bias", float(err.sum()), n_sup)
-        s.add("cum_mae", float(cerr.abs().sum()), n_sup)
-        s.add("cum_bias", float(cerr.sum()), n_sup)
-        for k in range(B):
-            m = sup[..., k]
-            for tag, pred, tgt in (("ece", c, alpha), ("ece_cum", cum_c, cum_alpha)):
-                n, ps, ts = _bin_sums(pred[..., k][m], tgt[..., k][m])
+        parts.append(torch.stack([err.abs().sum(), err.sum(), cerr.abs().sum(), cerr.sum()]))
+        parts.append(_slot_bin_sums(c, alpha, sup).reshape(-1))
+        parts.append(_slot_bin_sums(cum_c, cum_alpha, sup).reshape(-1))
+    vals = torch.cat(parts).tolist()
+    (ce, l1, cf, ws, tau, nblocks), vals = vals[:6], vals[6:]
+    a_sum, correct, n_k, vals = vals[:B], vals[B:2 * B], vals[2 * B:3 * B], vals[3 * B:]
+    s = MetricSums()
+    s.add("loss", ce_w * ce + l1_w * l1 + cf_w * cf, ws)
+    s.add("ce_loss", ce, ws)
+    s.add("l1_loss", l1, ws)
+    for k in range(B):
+        s.add(f"accept_rate@{k}", a_sum[k], n_k[k])
+        s.add(f"acc_{k}", correct[k], n_k[k])
+    s.add("tau", tau, nblocks)
+    if conf:
+        n_sup = sum(n_k)
+        (mae, bias, cmae, cbias), vals = vals[:4], vals[4:]
+        s.add("conf_loss", cf, ws)
+        s.add("conf_mae", mae, n_sup)
+        s.add("conf_bias", bias, n_sup)
+        s.add("cum_mae", cmae, n_sup)
+        s.add("cum_bias", cbias, n_sup)
+        size = 3 * B * ECE_BINS
+        for tag, flat in (("ece", vals[:size]), ("ece_cum", vals[size:2 * size])):
+            for k in range(B):
                 for i in range(ECE_BINS):
-                    if float(n[i]) > 0:
-                        s.add(f"{tag}@{k}.n{i}", float(n[i]))
-                        s.add(f"{tag}@{k}.p{i}", float(ps[i]))
-                        s.add(f"{tag}@{k}.t{i}", float(ts[i]))
+                    j = k * ECE_BINS + i
+                    if flat[j] > 0:
+                        s.add(f"{tag}@{k}.n{i}", flat[j])
+                        s.add(f"{tag}@{k}.p{i}", flat[B * ECE_BINS + j])
+                        s.add(f"{tag}@{k}.t{i}", flat[2 * B * ECE_BINS + j])
     return s
 
 
