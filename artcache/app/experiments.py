@@ -665,7 +665,9 @@ def run_report(plan: RunPlan, producer: _Role | None, consumers: dict[str, _Role
         })
         e = experiments[-1]
         if e["tau"] is not None:
-            e["acceptance"], e["acceptance_metric"] = e["tau"], "tau (DFlash, incl. +1 bonus)"
+            e["acceptance"] = e["tau"]
+            e["acceptance_metric"] = ("tau (DSpark: expected acceptance length from alpha_k, incl. +1 bonus)"
+                                      if x.draft == "dspark" else "tau (DFlash, incl. +1 bonus)")
         else:
             e["acceptance"] = summary.get("sim_acc_len")
             e["acceptance_metric"] = "simulated_acc_len (EAGLE-3, no bonus)" if e["acceptance"] is not None else ""
@@ -731,8 +733,8 @@ def format_report(r: dict) -> str:
         table(["experiment", "draft", "layers", "device", "state", "exit", "steps", "step range", "cursor",
                "positions", "requests", "hits", "misses", "loss first", "loss last", "accept", "registration"], rows),
         "```", "",
-        "accept: DFlash tau over the last 10 steps including the +1 bonus token; EAGLE-3 simulated_acc_len "
-        "(no bonus).", "",
+        "accept: DFlash tau over the last 10 steps including the +1 bonus token; DSpark tau = 1 + sum_k prod_i<=k "
+        "alpha_i over the last 10 steps (incl. +1 bonus); EAGLE-3 simulated_acc_len (no bonus).", "",
         "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()),
     ]
     lines.extend(f"problem: {x}" for x in r["problems"])
