@@ -370,3 +370,36 @@ def test_init_from_an_export_maps_names_back_and_checks_the_config(tmp_path):
     other = DSparkAdapter(model_of(seed=3, dtype=torch.float32), m.cfg, [1, 2, 5], torch.Generator())
     with pytest.raises(ConfigError, match="context layer ids"):
         other.published_weights(tensors, tmp_path / "out")
+
+
+def test_views_union_and_default_layers():
+    from artcache.app.config import Experiment
+    from artcache.app.experiments import draft_view, layer_union
+    from artcache.errors import ContractMismatch
+    from artcache.layer_ids import layer_view
+    from artcache.trainers.dspark.adapter import dspark_default_layers
+
+    views = [draft_view(Experiment(name="d", draft_layers=5), 30), draft_view(Experiment(name="e", draft="eagle3"), 30),
+             draft_view(Experiment(name="s", draft="dspark", draft_layers=5), 30)]
+    assert views[2] == [1, 8, 14, 20, 27, 29]
+    assert layer_union(views) == [1, 8, 14, 20, 26, 27, 29]
+    assert dspark_default_layers(30, [1, 8, 14, 20, 26, 27, 29]) == 5
+    assert dspark_default_layers(30, [1, 14, 26, 27, 29]) == 3  # [1, 14, 27] + 29
+    with pytest.raises(ContractMismatch, match=r"missing \[29\].*--layer-ids 1,8,14,20,27,29"):
+        layer_view([1, 8, 14, 20, 27], dspark_layer_ids(30, 5), draft="a 5-layer DSpark draft", flag_hint="")
+
+
+def test_consume_refuses_bad_dspark_flags(tmp_path):
+    from click.testing import CliRunner
+
+    from artcache.app.cli import main
+
+    res = CliRunner().invoke(main, ["consume", "--cache", str(tmp_path), "--draft", "dspark", "--markov-rank", "-1"])
+    assert res.exit_code == 2 and "--markov-rank -1" in res.output
+    res = CliRunner().invoke(main, ["consume", "--cache", str(tmp_path), "--draft", "dspork"])
+    assert res.exit_code == 2 and "dflash, eagle3, dspark" in res.output
+    from artcache.trainers.consumer import default_anchors, default_block_size
+
+    assert (default_block_size("dspark"), default_block_size("dflash")) == (7, 16)
+    assert (default_anchors("dspark", "cuda:0"), default_anchors("dspark", "cpu"), default_anchors("dflash", "cuda")) \
+        == (512, 64, 64)
