@@ -111,7 +111,7 @@ def test_type_error_names_field_and_accepted_type(tmp_path):
 
 def test_literal_error_lists_accepted_values(tmp_path):
     msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\ndraft = 'medusa'\n")
-    assert "experiments.0.draft" in msg and "dflash, eagle3" in msg
+    assert "experiments.0.draft" in msg and "dflash, dspark, eagle3" in msg
 
 
 def test_missing_experiment_name(tmp_path):
@@ -180,7 +180,7 @@ def test_overrides_are_typed_by_field(tmp_path):
     ("data.max_length=abc", ["data.max_length='abc'", "expected an integer"]),
     ("experiments.0.lr=fast", ["expected a number"]),
     ("experiments.0.resume=maybe", ["expected true or false"]),
-    ("experiments.0.draft=medusa", ["expected one of dflash, eagle3"]),
+    ("experiments.0.draft=medusa", ["expected one of dflash, dspark, eagle3"]),
     ("capture.layer_ids=1,x", ["capture.layer_ids[1]", "expected an integer"]),
     ("capture.layer_ids=1,,2", ["capture.layer_ids='1,,2'"]),  # regression: the empty item was skipped
     ("capture.layer_ids=", ["capture.layer_ids is empty"]),  # regression: silently the union
