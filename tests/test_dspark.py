@@ -442,3 +442,33 @@ def test_qwen3_8b_vocab_at_512_anchors_fits_on_cuda():
     assert torch.isfinite(loss) and int(out.supervised.sum()) > 3000
     assert peak < 6 * 2**30
 
+
+
+def test_calibrate_checkpoint_writes_temperatures_and_refuses_stale_or_missing_records(tmp_path):
+    from artcache.trainers.checkpoint import save_checkpoint
+    from artcache.trainers.dspark.adapter import HELDOUT_PREFIX, weights_check
+    from artcache.trainers.dspark.calibrate import calibrate_checkpoint
+
+    m = model_of(dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(400, 4, generator=g) * 2
+    rec = {"conf_logit": z, "alpha": torch.sigmoid(z / 2), "supervised": torch.ones(400, 4, dtype=torch.bool),
+           "position": torch.arange(400) // 50, "weights_check": weights_check(m.trainable_state_dict())}
+
+    def save(run, weights, extra):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        return save_checkpoint(tmp_path / run, step=3, cursor=6, weights=weights, optimizer=opt, generators={},
+                               extra_tensors={HELDOUT_PREFIX + k: v for k, v in extra.items()},
+                               state={"draft": "dspark", "draft_config": msgspec.to_builtins(m.cfg)})
+
+    rep = calibrate_checkpoint(save("ok", m.trainable_state_dict(), rec))
+    assert len(rep["temperatures"]) == 4 and all(1.8 < t < 2.2 for t in rep["temperatures"])
+    assert rep["ece_cum_pooled_after"] < 0.3 * rep["ece_cum_pooled_before"]
+    assert rep["ece_cum_pooled_after_crossval"] < rep["ece_cum_pooled_before"] and rep["samples"] == 8
+    assert json.loads((tmp_path / "ok" / "checkpoints" / "step-00000003" / "calibration.json").read_text())[
+        "temperatures"] == rep["temperatures"]
+    stale = {k: v + 1e-3 if v.is_floating_point() else v for k, v in m.trainable_state_dict().items()}
+    with pytest.raises(ConfigError, match="other weights"):
+        calibrate_checkpoint(save("stale", stale, rec))
+    with pytest.raises(ConfigError, match="no held-out confidence records"):
+        calibrate_checkpoint(save("none", m.trainable_state_dict(), {}))
