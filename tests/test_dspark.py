@@ -472,3 +472,25 @@ def test_calibrate_checkpoint_writes_temperatures_and_refuses_stale_or_missing_r
         calibrate_checkpoint(save("stale", stale, rec))
     with pytest.raises(ConfigError, match="no held-out confidence records"):
         calibrate_checkpoint(save("none", m.trainable_state_dict(), {}))
+
+
+def test_greedy_replay_hand_checked():
+    """Slot k of the block at p proposes x_{p+k+1} and is checked against the target's argmax at p+k: proposals
+    (x3, x4, wrong) at p = 2 accept 2 (τ 3 incl. the bonus); a wrong first proposal accepts none (τ 1)."""
+    from artcache.trainers.dspark.metrics import replay
+
+    class Fake:  # draft logits = the hidden state itself; no Markov head
+        def markov_inputs(self, prev, h):
+            return None, None
+
+        def draft_logits(self, h, bias_in):
+            return h
+
+    Vs, T = 12, 8
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    target_argmax = torch.roll(ids, -1, dims=1)  # the data are the target's greedy path: g_t = x_{t+1}
+    sup = torch.ones(1, T, dtype=torch.bool)
+    want = [[4, 5, 11], [9, 6, 7]]  # block at 2: x3, x4, wrong; block at 4: wrong first
+    hidden = F.one_hot(torch.tensor(want), Vs).float()[None]
+    s = replay(Fake(), hidden, ids, sup, torch.tensor([[2, 4]]), target_argmax)
+    assert s.num["replay_tau"] == (2 + 1) + (0 + 1) and s.den["replay_tau"] == 2
