@@ -529,8 +529,9 @@ def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
 @_errors
 def calibrate(checkpoint):
     """Fit one temperature per slot to a DSpark draft's confidence head (STS, on the held-out split the run
-    evaluated) and write them into the checkpoint's calibration.json; `artcache export` then writes them into
-    the exported config. Prints the cumulative-confidence ECE before and after (docs/training.md)."""
+    evaluated) and add them to the checkpoint (extra.safetensors; the report in calibration.json); `artcache
+    export` then writes them into the exported config. Prints the cumulative-confidence ECE before and after
+    (docs/training.md)."""
     from artcache.trainers.dspark.calibrate import calibrate_checkpoint
 
     rep = calibrate_checkpoint(checkpoint)
