@@ -193,7 +193,7 @@ def test_no_supervised_row_gives_a_zero_loss_with_a_graph():
     lm = torch.zeros_like(ids, dtype=torch.bool)
     loss, out = dspark_loss(m, m(ctx, ids, a, v), last, ids, lm, a, v)
     loss.backward()
-    assert float(loss) == 0.0 and float(out.weight_sum) == 0.0
+    assert loss.item() == 0.0 and float(out.weight_sum) == 0.0
     s = summarize(block_sums(out, (0.1, 0.9, 1.0)), 4)
     assert "tau" not in s and "conf_mae" not in s and "ece" not in s and "accept_rate@0" not in s
 
