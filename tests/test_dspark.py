@@ -8,6 +8,7 @@ import math
 
 import msgspec
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -446,7 +447,7 @@ def test_qwen3_8b_vocab_at_512_anchors_fits_on_cuda():
 
 def test_calibrate_checkpoint_writes_temperatures_and_refuses_stale_or_missing_records(tmp_path):
     from artcache.trainers.checkpoint import save_checkpoint
-    from artcache.trainers.dspark.adapter import HELDOUT_PREFIX, weights_check
+    from artcache.trainers.dspark.adapter import CALIBRATION_KEY, HELDOUT_PREFIX, weights_check
     from artcache.trainers.dspark.calibrate import calibrate_checkpoint
 
     m = model_of(dtype=torch.float32)
@@ -465,13 +466,37 @@ def test_calibrate_checkpoint_writes_temperatures_and_refuses_stale_or_missing_r
     assert len(rep["temperatures"]) == 4 and all(1.8 < t < 2.2 for t in rep["temperatures"])
     assert rep["ece_cum_pooled_after"] < 0.3 * rep["ece_cum_pooled_before"]
     assert rep["ece_cum_pooled_after_crossval"] < rep["ece_cum_pooled_before"] and rep["samples"] == 8
-    assert json.loads((tmp_path / "ok" / "checkpoints" / "step-00000003" / "calibration.json").read_text())[
-        "temperatures"] == rep["temperatures"]
+    ck = tmp_path / "ok" / "checkpoints" / "step-00000003"
+    assert json.loads((ck / "calibration.json").read_text())["temperatures"] == rep["temperatures"]
+    written = safetensors.torch.load_file(ck / "extra.safetensors")
+    assert written[CALIBRATION_KEY].tolist() == rep["temperatures"] and HELDOUT_PREFIX + "alpha" in written
     stale = {k: v + 1e-3 if v.is_floating_point() else v for k, v in m.trainable_state_dict().items()}
     with pytest.raises(ConfigError, match="other weights"):
         calibrate_checkpoint(save("stale", stale, rec))
     with pytest.raises(ConfigError, match="no held-out confidence records"):
         calibrate_checkpoint(save("none", m.trainable_state_dict(), {}))
+
+
+def test_calibrate_cli_refuses_bad_checkpoints_in_one_line(tmp_path):
+    """`artcache calibrate` on a missing path, a corrupt or non-object state.json and another draft's checkpoint:
+    exit 2 and one stderr line naming the path and what is accepted; nothing written."""
+    from click.testing import CliRunner
+
+    from artcache.app.cli import main
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"")
+    cases = {"missing": (tmp_path / "nope", "accepted: a DSpark checkpoint"),
+             "{": (bad, "state.json is unreadable"), "[1]": (bad, "holds a None draft"),
+             '{"draft": "dflash"}': (bad, "holds a 'dflash' draft")}
+    for state, (path, message) in cases.items():
+        if state != "missing":
+            (bad / "state.json").write_text(state)
+        res = CliRunner().invoke(main, ["calibrate", "--checkpoint", str(path)])
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and message in lines[0] and str(path) in lines[0], res.output
+    assert sorted(p.name for p in bad.iterdir()) == ["model.safetensors", "state.json"]
 
 
 def test_greedy_replay_hand_checked():
@@ -494,3 +519,20 @@ def test_greedy_replay_hand_checked():
     hidden = F.one_hot(torch.tensor(want), Vs).float()[None]
     s = replay(Fake(), hidden, ids, sup, torch.tensor([[2, 4]]), target_argmax)
     assert s.num["replay_tau"] == (2 + 1) + (0 + 1) and s.den["replay_tau"] == 2
+
+
+def test_regression_dspark_bad_layer_ids_message_on_a_small_target():
+    """A bad --layer-ids on a 6-layer target raised "num_draft_layers=5 must be in [1, 3]" (the message's own
+    default view was computed for 5 draft layers) instead of naming the bad ids; now it names them and a valid
+    default. Reproduced with `consume --draft dspark --layer-ids 1,2` on a tiny-target root."""
+    from types import SimpleNamespace
+
+    from artcache.trainers.dspark.adapter import DSparkAdapter, _build
+
+    settings = SimpleNamespace(contract=SimpleNamespace(layer_ids=(1, 2, 3)))
+    for ids, n in (([1, 2], None), ([2, 2, 3], None), ([5, 1, 5], 2)):
+        cfg = SimpleNamespace(layer_ids=ids, draft_layers=n)
+        default = "1,3,5" if n == 2 else "1,2,3,5"
+        with pytest.raises(ConfigError, match=rf"^--layer-ids {','.join(map(str, ids))} for DSpark: .*last layer 5 "
+                           rf"once \(default for {n or 3} draft layers: {default}\)$"):
+            _build(DSparkAdapter, cfg, settings, None, torch.device("cpu"), info=SimpleNamespace(num_layers=6))

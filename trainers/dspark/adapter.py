@@ -245,8 +245,12 @@ def _build(cls, cfg, settings, plan, device: torch.device, info=None) -> DSparkA
     if cfg.layer_ids:
         need = check_layer_ids([int(i) for i in cfg.layer_ids], L, f"--layer-ids {','.join(map(str, cfg.layer_ids))}")
         if len(need) < 2 or need[-1] != L - 1 or (L - 1) in need[:-1]:
-            raise ConfigError(f"--layer-ids {need} for DSpark: give the context ids then the last layer {L - 1} "
-                              f"(default {dspark_layer_ids(L, cfg.draft_layers or 5)})")
+            # the default named in the message is a valid view of this target (a small target has L - 3 < 5)
+            n_default = cfg.draft_layers if cfg.draft_layers and 1 <= cfg.draft_layers <= L - 3 else \
+                dspark_default_layers(L, captured)
+            raise ConfigError(f"--layer-ids {','.join(map(str, need))} for DSpark: give the context ids then the "
+                              f"last layer {L - 1} once (default for {n_default} draft layers: "
+                              f"{','.join(map(str, dspark_layer_ids(L, n_default)))})")
         n = cfg.draft_layers or len(need) - 1
         hint = " (--layer-ids)"
     else:

@@ -98,14 +98,18 @@ def fit_temperatures(z: Tensor, alpha: Tensor, mask: Tensor, grid: Tensor | None
 def _load_records(ckpt: Path) -> tuple[dict[str, Tensor], dict, dict[str, Tensor]]:
     try:
         state = json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"checkpoint {ckpt}: state.json is unreadable: {exc}") from exc
+    draft = state.get("draft") if isinstance(state, dict) else None
+    if draft != "dspark":
+        raise ConfigError(f"--checkpoint {ckpt} holds a {draft!r} draft; calibrate fits DSpark's "
+                          "confidence head only")
+    try:
         extra_path = ckpt / "extra.safetensors"
         extra = safetensors.torch.load_file(extra_path) if extra_path.is_file() else {}
         weights = safetensors.torch.load_file(ckpt / "model.safetensors")
     except (OSError, ValueError, safetensors.SafetensorError) as exc:
         raise ConfigError(f"checkpoint {ckpt} is unreadable: {exc}") from exc
-    if state.get("draft") != "dspark":
-        raise ConfigError(f"--checkpoint {ckpt} holds a {state.get('draft')!r} draft; calibrate fits DSpark's "
-                          "confidence head only")
     rec = {k[len(HELDOUT_PREFIX):]: v for k, v in extra.items() if k.startswith(HELDOUT_PREFIX)}
     if not {"conf_logit", "alpha", "supervised", "position", "weights_check"} <= set(rec):
         raise ConfigError(f"checkpoint {ckpt} has no held-out confidence records: train with --eval-samples N "
