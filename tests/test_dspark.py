@@ -488,8 +488,9 @@ def test_calibrate_cli_refuses_bad_checkpoints_in_one_line(tmp_path):
     bad.mkdir()
     (bad / "model.safetensors").write_bytes(b"")
     cases = {"missing": (tmp_path / "nope", "accepted: a DSpark checkpoint"),
-             "{": (bad, "state.json is unreadable"), "[1]": (bad, "holds a None draft"),
-             '{"draft": "dflash"}': (bad, "holds a 'dflash' draft")}
+             "{": (bad, "state.json is unreadable"), "[1]": (bad, "not a checkpoint state"),
+             '{"step": 1, "cursor": 2}': (bad, "holds a None draft"),
+             '{"step": 1, "cursor": 2, "draft": "dflash"}': (bad, "holds a 'dflash' draft")}
     for state, (path, message) in cases.items():
         if state != "missing":
             (bad / "state.json").write_text(state)

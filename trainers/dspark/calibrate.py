@@ -34,6 +34,7 @@ from torch import Tensor
 
 from artcache.errors import ConfigError
 from artcache.fsio import atomic_write
+from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_state
 
 from .adapter import CALIBRATION_KEY, HELDOUT_PREFIX, weights_check
 from .metrics import ECE_BINS, _bin_sums
@@ -95,14 +96,10 @@ def fit_temperatures(z: Tensor, alpha: Tensor, mask: Tensor, grid: Tensor | None
     return temps.tolist()
 
 
-def _load_records(ckpt: Path) -> tuple[dict[str, Tensor], dict, dict[str, Tensor]]:
-    try:
-        state = json.loads((ckpt / "state.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"checkpoint {ckpt}: state.json is unreadable: {exc}") from exc
-    draft = state.get("draft") if isinstance(state, dict) else None
-    if draft != "dspark":
-        raise ConfigError(f"--checkpoint {ckpt} holds a {draft!r} draft; calibrate fits DSpark's "
+def _load_records(ckpt: Path) -> tuple[dict[str, Tensor], CheckpointState, dict[str, Tensor]]:
+    state = read_state(ckpt)  # checked before any tensor is read
+    if state.draft != "dspark":
+        raise ConfigError(f"--checkpoint {ckpt} holds a {state.draft!r} draft; calibrate fits DSpark's "
                           "confidence head only")
     try:
         extra_path = ckpt / "extra.safetensors"
@@ -137,8 +134,6 @@ def calibrate_checkpoint(checkpoint: str | Path, *, bins: int = ECE_BINS) -> dic
     Raises:
         ConfigError: not a DSpark checkpoint, no (or stale) held-out records, too few blocks.
     """
-    from artcache.trainers.checkpoint import find_checkpoint
-
     ckpt = find_checkpoint(checkpoint)
     if ckpt is None:
         raise ConfigError(f"--checkpoint {str(checkpoint)!r}: no state.json + model.safetensors there nor in its "
@@ -170,7 +165,7 @@ def calibrate_checkpoint(checkpoint: str | Path, *, bins: int = ECE_BINS) -> dic
         "method": "STS: one temperature per slot, fitted slot by slot minimising the ECE of the cumulative "
                   "product against the cumulative alpha on the held-out split",
         "temperatures": temps.tolist(), "bins": bins, "blocks": int(mask[:, 0].sum()),
-        "samples": int(torch.unique(pos).numel()), "step": state.get("step"), "checkpoint": str(ckpt),
+        "samples": int(torch.unique(pos).numel()), "step": state.step, "checkpoint": str(ckpt),
         "ece_cum_before": before, "ece_cum_after": after,
         "ece_cum_pooled_before": pooled_before, "ece_cum_pooled_after": pooled_after,
         "ece_cum_pooled_after_crossval": err / n if n > 0 else math.nan, "written_at": time.time(),
