@@ -55,6 +55,12 @@ class ConfigError(ArtcacheError, ValueError):
     exit_code = 2
 
 
+class InsufficientSpace(ConfigError):
+    """What a run will write cannot fit in the free space of the filesystem it goes to (a consumer's
+    checkpoints, the bench's checkpoints and artifacts). Found before anything is written; bad input
+    (exit 2): the message names the bytes needed and free there, and the settings that need fewer."""
+
+
 class DataError(ArtcacheError, ValueError):
     """Input data (dataset, plan) is unusable: empty, malformed beyond recovery, or inconsistent."""
 
@@ -179,3 +185,20 @@ class JournalError(_OSErrorMessage):
 
     def _keywords(self) -> dict:
         return {**super()._keywords(), "retryable": self.retryable}
+
+
+class CheckpointWriteError(_OSErrorMessage):
+    """Writing a checkpoint failed (ENOSPC, EDQUOT, EIO, ...). Nothing was published: the temp directory
+    was removed and ``checkpoints/latest`` is untouched. ``last_good`` is the checkpoint a ``--resume``
+    or ``--init-from`` can still use (None when the run has none); the message names it. ``errno`` is
+    the underlying error's (also when it came from safetensors as ``os error N``), or 0 if unknown.
+    ``retryable`` is True for transient errors (EIO, EAGAIN, EINTR), False for ENOSPC/EDQUOT/EROFS."""
+
+    def __init__(self, message: str, *, errno_: int | None = None, last_good: str | None = None,
+                 retryable: bool = False) -> None:
+        super().__init__(message, errno_=errno_)
+        self.last_good = last_good
+        self.retryable = retryable
+
+    def _keywords(self) -> dict:
+        return {**super()._keywords(), "last_good": self.last_good, "retryable": self.retryable}

@@ -62,15 +62,31 @@ def is_retryable(exc: OSError) -> bool:
     return exc.errno in RETRYABLE_ERRNOS
 
 
+def space_reserve(fs_bytes: int) -> int:
+    """Bytes never to fill on a filesystem of ``fs_bytes``: 64 MiB or 5 % of it, whichever is smaller (so
+    a small filesystem can still be used, and a large one is never filled to the last block)."""
+    return min(64 << 20, fs_bytes // 20)
+
+
+def free_space(path: Path) -> tuple[int, int, Path]:
+    """(free bytes an unprivileged writer may use, the filesystem's size in bytes, the directory measured)
+    for ``path``, or for its nearest existing ancestor when it does not exist yet (a run directory
+    made later lands on that filesystem). Raises OSError when nothing on the path can be measured."""
+    at = Path(path).absolute()
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    st = os.statvfs(at)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, at
+
+
 def check_free_space(directory: Path, nbytes: int, reserve: int | None = None) -> None:
     """Raise PublishError(ENOSPC, not retryable) if ``directory`` has < nbytes + reserve free bytes.
 
-    The default reserve is 64 MiB or 5 % of the filesystem, whichever is smaller (so a small
-    filesystem can still be used, and a large one is never filled to the last block)."""
+    The default reserve is :func:`space_reserve` of the filesystem."""
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
     if reserve is None:
-        reserve = min(64 << 20, st.f_blocks * st.f_frsize // 20)
+        reserve = space_reserve(st.f_blocks * st.f_frsize)
     if free < nbytes + reserve:
         raise PublishError(
             f"not enough free space in {directory}: {free} B free, need {nbytes} B plus a "

@@ -15,6 +15,15 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units, three significant figures or so: ``512 B``, ``4.0 KiB``, ``120.0 MiB``,
+    ``11.72 GiB``, ``1.25 TiB``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit in ("GiB", "TiB") else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"

@@ -3,14 +3,18 @@ run continue exactly as an uninterrupted one, lookup by recorded cursor, pruning
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
+import hypothesis
 import msgspec
 import pytest
 import safetensors.torch
 import torch
+from hypothesis import strategies as st
 
-from artcache.errors import ConfigError
+from artcache.errors import CheckpointWriteError, ConfigError, InsufficientSpace
 from artcache.trainers import checkpoint as ck
 from artcache.trainers.consumer import lr_at
 from artcache.trainers.consumer.restore import load_weights_strict
@@ -105,7 +109,15 @@ def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
     assert ck.load_checkpoint(path).extra["d2t"].tolist() == [0, 1, 2]
 
 
-def test_a_failed_save_leaves_nothing_and_keeps_the_previous(tmp_path, monkeypatch):
+#: what safetensors raised when the disk filled during the issue-14 bench's final checkpoints
+ENOSPC_MESSAGE = ('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+                  'device" }) (os error 28)')
+
+
+def test_regression_enospc_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Issue 14: the disk filled while a checkpoint was written and the run died with a bare
+    SafetensorError. Now the half-written directory is removed, ``latest`` and the earlier checkpoint stay,
+    and the error is a typed CheckpointWriteError naming the errno and the last good checkpoint."""
     model, opt = make()
     gen = torch.Generator()
     first = save(tmp_path, 1, model, opt, gen)
@@ -115,17 +127,79 @@ def test_a_failed_save_leaves_nothing_and_keeps_the_previous(tmp_path, monkeypat
 
     def failing(tensors, path, *a, **k):
         calls.append(path)
-        if len(calls) == 2:  # the optimizer file: the model file is already written
-            raise OSError(28, "No space left on device")
+        if len(calls) == 2:  # the optimizer file: the model file is already written, this one half-way
+            real(tensors, path, *a, **k)
+            with open(path, "r+b") as f:
+                f.truncate(f.seek(0, 2) // 2)
+            raise safetensors.SafetensorError(ENOSPC_MESSAGE)
         return real(tensors, path, *a, **k)
 
     monkeypatch.setattr(safetensors.torch, "save_file", failing)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointWriteError) as info:
         save(tmp_path, 2, model, opt, gen)
     monkeypatch.setattr(safetensors.torch, "save_file", real)
+    exc = info.value
+    assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC and exc.retryable is False
+    assert exc.last_good == str(first)
+    text = str(exc)
+    assert "ENOSPC: No space left on device" in text and str(ck.step_dir(tmp_path, 2)) in text
+    assert f"the last good checkpoint is {first} (step 1, cursor 2)" in text and "latest is unchanged" in text
+    assert "\n" not in text
     assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [1]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001"]
     assert (tmp_path / "checkpoints" / "latest").resolve() == first
+    assert ck.load_checkpoint(first).state.step == 1  # still whole
+
+
+def test_a_failed_fsync_is_typed_and_retryable_and_names_that_there_is_no_earlier_checkpoint(tmp_path, monkeypatch):
+    model, opt = make()
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, os.strerror(errno.EIO))))
+    with pytest.raises(CheckpointWriteError) as info:
+        save(tmp_path, 1, model, opt, torch.Generator())
+    monkeypatch.setattr(os, "fsync", real)
+    assert info.value.errno == errno.EIO and info.value.retryable is True and info.value.last_good is None
+    assert "this run has no earlier checkpoint" in str(info.value)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+_FSIZE_CHILD = """
+import resource, signal, sys, torch
+from artcache.errors import CheckpointWriteError
+from artcache.trainers import checkpoint as ck
+run = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 64)).sum().backward()
+opt.step()
+kw = dict(cursor=1, weights=dict(model.state_dict()), optimizer=opt, generators={}, extra_tensors={}, state={})
+ck.point_latest(run, ck.save_checkpoint(run, step=1, **kw))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the kernel then fails the write with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))  # model file ~16.9 KB, optimizer ~33 KB
+try:
+    ck.save_checkpoint(run, step=2, **kw)
+except CheckpointWriteError as exc:
+    print(exc.errno, exc.last_good)
+    print(exc)
+"""
+
+
+def test_a_kernel_write_error_inside_safetensors_keeps_the_previous_checkpoint(tmp_path):
+    """A real errno from the kernel, raised inside safetensors' own (Rust) writer: a child process lowers
+    RLIMIT_FSIZE below the optimizer file's size, so its write fails with EFBIG half-way."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, last = proc.stdout.splitlines()[0].split()
+    first = ck.step_dir(tmp_path, 1)
+    assert int(code) == errno.EFBIG and last == str(first)
+    assert "EFBIG: File too large" in proc.stdout and f"the last good checkpoint is {first}" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001"]
+    assert ck.load_checkpoint(first).state.step == 1
 
 
 def test_find_checkpoint_by_cursor_and_prune(tmp_path):
@@ -234,3 +308,133 @@ def test_regression_resume_names_only_the_draft_options_that_differ():
     assert config_diffs(saved, ours) == ["layer_ids [1, 27] (checkpoint: [1, 14, 27])",
                                          "new 1 (checkpoint: None)", "num_layers 2 (checkpoint: 3)"]
     assert config_diffs(saved, dict(saved)) == []
+
+
+# ---- weights-only checkpoints ------------------------------------------------------------------------------
+
+def test_weights_only_checkpoint_is_seeded_from_never_resumed(tmp_path):
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.consumer.restore import init_source
+
+    model, opt = make()
+    train(model, opt, torch.Generator(), range(2))
+    path = ck.save_checkpoint(tmp_path / "run", step=2, cursor=4, weights=model.trainable_state_dict(),
+                              optimizer=None, generators={"anchors": torch.Generator()}, extra_tensors={},
+                              state={"draft": "dflash"})
+    assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", "state.json"]
+    state = ck.read_state(path)
+    assert state.resumable is False and state.param_groups == [] and (state.step, state.cursor) == (2, 4)
+    with pytest.raises(ConfigError, match=r"weights-only .* cannot be resumed, only seeded from: start a new run "
+                                          r"with --init-from .*step-00000002"):
+        ck.load_checkpoint(path)
+    assert ck.find_checkpoint(tmp_path / "run", cursor=4) == path  # --resume finds it, then refuses it, by name
+    settings = type("S", (), {"contract": type("C", (), {"target_weights_digest": None, "layer_convention": None})})
+    src = init_source(ConsumerConfig(cache="-", init_from=str(path)), settings)
+    assert src.source == path and all(torch.equal(src.weights[k], v) for k, v in model.trainable_state_dict().items())
+    full = save(tmp_path / "full", 2, model, opt, torch.Generator())
+    assert ck.read_state(full).resumable is True  # and an older state.json without the field reads as full
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "state.json").write_text(json.dumps({"step": 1, "cursor": 2}))
+    assert ck.read_state(tmp_path / "old").resumable is True
+
+
+# ---- sizes and the free-space preflight ------------------------------------------------------------------
+
+def _file_sizes(path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in path.iterdir()}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_checkpoint_size_before_step_1_bounds_the_files_written(tmp_path, fused):
+    """The size computed before the first step (AdamW state from the parameters) is what the checkpoint
+    takes after it: tensor bytes exact, safetensors headers bounded by a few bytes per tensor."""
+    torch.manual_seed(0)
+    model = Tiny()
+    model.extra = torch.nn.Linear(2, 2).requires_grad_(False)  # a frozen parameter has no optimizer state
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), fused=fused)
+    gen = torch.Generator().manual_seed(3)
+    extra = {"d2t": torch.arange(5), "t2d": torch.ones(9, dtype=torch.bool)}
+    before = ck.checkpoint_size(model.trainable_state_dict(), extra, ck.adamw_state_specs(params), {"anchors": gen})
+    train(model, opt, gen, range(1))
+    tensors, _ = ck.optimizer_tensors(opt)
+    specs = ck.adamw_state_specs(params)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == \
+        {k: (tuple(v.shape), v.dtype) for k, v in specs.items()}
+    path = ck.save_checkpoint(tmp_path, step=1, cursor=1, weights=model.trainable_state_dict(), optimizer=opt,
+                              generators={"anchors": gen}, extra_tensors=extra, state={"consumer_id": "c"})
+    got = _file_sizes(path)
+    for name, bound in (("model.safetensors", before.weights), ("optimizer.safetensors", before.optimizer),
+                        ("rng.safetensors", before.rng), ("extra.safetensors", before.extra)):
+        n = len(safetensors.torch.load_file(path / name))
+        assert got[name] <= bound <= got[name] + 32 * n + 8, (name, got[name], bound)
+    assert got["state.json"] <= before.state == ck.STATE_JSON_BOUND
+    assert before.total >= sum(got.values())
+    weights_only = ck.checkpoint_size(model.trainable_state_dict(), extra, None)
+    assert (weights_only.optimizer, weights_only.rng) == (0, 0) and weights_only.total == before.weights_only
+    assert ck.safetensors_bytes({}) == 0
+
+
+def test_an_fp32_adamw_checkpoint_is_three_times_its_weights():
+    """Why --no-checkpoint-optimizer matters: AdamW keeps two moments of every fp32 weight (issue 14: a
+    1.05 B-parameter DFlash draft, 4.2 GB of weights, 12.6 GB per checkpoint)."""
+    weights = {f"w{i}": torch.empty(1024, 1024, device="meta") for i in range(4)}
+    size = ck.checkpoint_size(weights, {}, ck.adamw_state_specs(list(weights.values())))
+    assert size.optimizer / size.weights == pytest.approx(2.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("start,steps,every,saves", [
+    (0, 10, 0, 1), (0, 10, 3, 4), (0, 9, 3, 3), (3, 9, 3, 2), (9, 9, 3, 0), (0, 1, 1, 1), (4, 10, 0, 1)])
+def test_planned_saves(start, steps, every, saves):
+    assert ck.planned_saves(start, steps, every) == saves
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(start=st.integers(0, 30), extra=st.integers(0, 30), every=st.integers(0, 7), keep=st.integers(0, 5),
+       existing=st.integers(0, 6))
+def test_peak_checkpoints_is_what_the_save_and_prune_loop_leaves_on_disk(start, extra, every, keep, existing):
+    """Simulate the consumer's loop (a save at every multiple of --save-every below --steps, the final one at
+    --steps, prune to the newest --keep-checkpoints after each write): the most directories on disk at once,
+    and the number written, are what peak_checkpoints and planned_saves say."""
+    steps = start + extra
+    on_disk, peak, written = existing, existing, 0
+    save_points = [s for s in range(start + 1, steps) if every and s % every == 0] + ([steps] if steps > start else [])
+    for _ in save_points:
+        on_disk += 1
+        written += 1
+        peak = max(peak, on_disk)
+        if keep:
+            on_disk = min(on_disk, keep)
+    assert written == ck.planned_saves(start, steps, every)
+    assert peak == ck.peak_checkpoints(keep, written, existing)
+
+
+def test_check_checkpoint_space_refuses_naming_the_bytes_and_the_ways_out(tmp_path, monkeypatch):
+    size = ck.CheckpointSize(weights=4_194_304_000, optimizer=8_388_608_000, rng=6_000, state=1 << 20)
+    fs = 64 * 10**9
+    reserve = min(64 << 20, fs // 20)
+    monkeypatch.setattr(ck, "free_space", lambda p: (2 * size.total + reserve, fs, tmp_path))
+    run = tmp_path / "runs" / "d16"  # not made yet: its nearest existing ancestor is measured
+    assert ck.check_checkpoint_space(run, size, keep=3, saves=1) == size.total
+    assert ck.check_checkpoint_space(run, size, keep=1, saves=5) == 2 * size.total  # keep 1: two while writing
+    assert ck.check_checkpoint_space(run, size, keep=3, saves=0) == 0
+    with pytest.raises(InsufficientSpace) as info:
+        ck.check_checkpoint_space(run, size, keep=3, saves=10, what="consumer 'd16'")
+    text = str(info.value)
+    assert isinstance(info.value, ConfigError) and "\n" not in text
+    assert f"checkpoints of consumer 'd16' need {4 * size.total:,} B" in text and f"under {run}" in text
+    assert f"{tmp_path} has {2 * size.total + reserve:,} B" in text
+    for way in ("--keep-checkpoints", "--no-checkpoint-optimizer", "another --out"):
+        assert way in text, way
+    # weights-only and one checkpoint at a time: only another --out is left to suggest
+    with pytest.raises(InsufficientSpace) as info:
+        ck.check_checkpoint_space(run, ck.CheckpointSize(weights=10**12), keep=3, saves=1)
+    assert "a smaller --keep-checkpoints" not in str(info.value) and "--no-checkpoint-optimizer" not in str(info.value)
+    assert not run.exists()
+
+
+def test_free_space_measures_the_nearest_existing_ancestor(tmp_path):
+    from artcache.fsio import free_space
+
+    free, total, at = free_space(tmp_path / "a" / "b")
+    assert at == tmp_path and 0 < free <= total

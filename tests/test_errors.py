@@ -13,9 +13,10 @@ from artcache import errors
 from artcache.errors import ArtcacheError
 
 # the bad-input kinds (exit 2); everything else is an operational failure (exit 1)
-BAD_INPUT = {"ConfigError", "DataError", "CacheRootError", "ContractMismatch"}
+BAD_INPUT = {"ConfigError", "InsufficientSpace", "DataError", "CacheRootError", "ContractMismatch"}
 KEYWORDS = {  # a value for every keyword an error's __init__ requires
     "fingerprint": "ab" * 32, "attempts": 3, "retryable": True, "errno_": errno.ENOSPC,
+    "last_good": "/runs/d16/checkpoints/step-00000002",
 }
 
 
@@ -39,7 +40,7 @@ def test_every_error_pickles_with_its_attributes(cls):
     assert type(back) is cls
     assert str(back) == str(exc)
     assert back.retryable == exc.retryable
-    for name in ("fingerprint", "attempts", "errno", "lock_file"):
+    for name in ("fingerprint", "attempts", "errno", "lock_file", "last_good"):
         assert getattr(back, name, None) == getattr(exc, name, None), name
 
 

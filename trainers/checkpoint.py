@@ -4,14 +4,29 @@ Layout of ``<run_dir>/checkpoints/step-<N>/`` (N zero-padded to 8 digits)::
 
     model.safetensors       trainable draft weights (never the frozen target embedding/lm_head)
     optimizer.safetensors   optimizer state tensors, keys ``state.<param index>.<state name>``
+                            (absent from a weights-only checkpoint)
     rng.safetensors         RNG states as uint8 tensors: ``torch_cpu``, ``cuda.<i>`` (each visible GPU),
                             ``generator.<name>`` (the draft's own generators, e.g. DFlash anchors)
+                            (absent from a weights-only checkpoint)
     extra.safetensors       draft tensors that are not trained but belong to it (EAGLE-3 ``d2t``,
                             ``t2d``); absent when the draft has none
     state.json              format, step, committed cursor, consumer id, draft, draft config, the run's
                             settings, optimizer param groups, LR schedule state, plan / contract ids
 
 Nothing is ever unpickled: tensors come from safetensors, the rest from JSON.
+
+A **weights-only** checkpoint (``save_checkpoint(optimizer=None)``; the consumer's
+``--no-checkpoint-optimizer``) holds no optimizer or RNG state and records ``resumable: false``: it can
+seed a new run (``--init-from``) or be exported, never be resumed (:func:`load_checkpoint` refuses it,
+naming ``--init-from``). For a DFlash or EAGLE-3 draft trained in fp32 with AdamW it is a third of the
+full checkpoint (AdamW keeps two moments of every parameter's size).
+
+Size before writing: :func:`checkpoint_size` gives the bytes a checkpoint of a draft will take
+(exact tensor bytes, bounded safetensors headers, a bound for ``state.json``), computable before step 1
+(the optimizer state AdamW will hold, from the parameters); :func:`check_checkpoint_space` refuses a
+run whose checkpoints cannot fit in the free space of its run directory's filesystem
+(:class:`~artcache.errors.InsufficientSpace`), counting the checkpoints on disk at once
+(:func:`peak_checkpoints`).
 
 ``state.json`` is read as a :class:`CheckpointState` (typed; see its docstring for how fields a
 reader does not know, and fields an older checkpoint lacks, are handled).
@@ -21,15 +36,20 @@ into place and the parent directory fsynced, so a crash leaves either no ``step-
 one. ``latest`` is a symlink replaced atomically after the rename (a convenience: ``--resume`` looks
 the checkpoint up by the cursor the registry recorded). :func:`find_checkpoint` is the one lookup
 every reader uses (``--resume`` by cursor, ``--init-from``, ``artcache export``, ``artcache run``).
+A write that fails (ENOSPC mid-file, EIO at fsync, ...) removes its temp directory, leaves ``latest``
+and every earlier checkpoint as they were, and raises :class:`~artcache.errors.CheckpointWriteError`
+naming the errno and the last good checkpoint (never a bare ``SafetensorError``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,9 +59,10 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from artcache.errors import ConfigError
-from artcache.fsio import fsync_dir
+from artcache.errors import ArtcacheError, CheckpointWriteError, ConfigError, InsufficientSpace
+from artcache.fsio import RETRYABLE_ERRNOS, free_space, fsync_dir, space_reserve
 from artcache.layout import unique_suffix
+from artcache.report import format_bytes
 
 log = logging.getLogger("artcache.consumer")
 
@@ -86,6 +107,8 @@ class CheckpointState(msgspec.Struct, kw_only=True):
         dtype (hidden-state dtype), layer_convention, final_norm: the target identity it was trained on.
         layer_ids: the draft's layer view (output-of-layer ids). pinned: the held-out range ``[lo, hi)``.
         generation: the registration generation that wrote it. saved_at: ``time.time()`` of the save.
+        resumable: False for a weights-only checkpoint (no ``optimizer.safetensors`` / ``rng.safetensors``):
+            ``--init-from`` and export read it, ``--resume`` refuses it. Older checkpoints (no field) are full.
     """
 
     format: int | None = None
@@ -109,6 +132,7 @@ class CheckpointState(msgspec.Struct, kw_only=True):
     pinned: list[int] | None = None
     generation: int | None = None
     saved_at: float | None = None
+    resumable: bool = True
 
     @property
     def view_layer_ids(self) -> list[int] | None:
@@ -210,39 +234,48 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str, Tensor],
-                    optimizer: torch.optim.Optimizer, generators: dict[str, torch.Generator],
+                    optimizer: torch.optim.Optimizer | None, generators: dict[str, torch.Generator],
                     extra_tensors: dict[str, Tensor], state: dict) -> Path:
     """Write ``run_dir/checkpoints/step-<step>`` atomically and return its path (``latest`` is not
     touched: see :func:`point_latest`).
 
     Args:
         weights: the trainable tensors (``trainable_state_dict()``), any device.
+        optimizer: its state is saved (``optimizer.safetensors``) with the RNG states; None writes a
+            **weights-only** checkpoint (no optimizer, no RNG; ``resumable: false``).
         generators: named generators whose states are saved (besides torch's CPU / CUDA ones).
         extra_tensors: non-trained draft tensors (EAGLE-3 vocab map); may be empty.
         state: JSON-serialisable metadata (draft config, run settings, ids, schedule): the fields of
-            :class:`CheckpointState` (extra keys are kept in the file); ``step``, ``cursor``, ``format``
-            and the optimizer's param groups are added.
+            :class:`CheckpointState` (extra keys are kept in the file); ``step``, ``cursor``, ``format``,
+            ``resumable`` and the optimizer's param groups are added.
 
     Raises:
+        CheckpointWriteError: a write, fsync or rename failed (ENOSPC, EIO, ... also when safetensors
+            reports it): the temp directory is gone, ``latest`` and earlier checkpoints are untouched;
+            the message names the errno and :func:`last_good_checkpoint`.
         msgspec.ValidationError: ``state`` holds a :class:`CheckpointState` field of the wrong type
             (nothing is written).
     """
     final = step_dir(run_dir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{unique_suffix()}"
-    tmp.mkdir()
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
                                     tmp / "model.safetensors")
-        opt_tensors, groups = optimizer_tensors(optimizer)
-        safetensors.torch.save_file(opt_tensors, tmp / "optimizer.safetensors")
-        safetensors.torch.save_file(rng_tensors(generators), tmp / "rng.safetensors")
-        names = ["model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
+        names = ["model.safetensors", "state.json"]
+        groups: list[dict] = []
+        if optimizer is not None:
+            opt_tensors, groups = optimizer_tensors(optimizer)
+            safetensors.torch.save_file(opt_tensors, tmp / "optimizer.safetensors")
+            safetensors.torch.save_file(rng_tensors(generators), tmp / "rng.safetensors")
+            names += ["optimizer.safetensors", "rng.safetensors"]
         if extra_tensors:
             safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
                                         tmp / "extra.safetensors")
             names.append("extra.safetensors")
-        doc = {**state, "format": CHECKPOINT_FORMAT, "step": step, "cursor": cursor, "param_groups": groups}
+        doc = {**state, "format": CHECKPOINT_FORMAT, "step": step, "cursor": cursor, "param_groups": groups,
+               "resumable": optimizer is not None}
         text = json.dumps(doc, indent=1, default=str)
         msgspec.json.decode(text, type=CheckpointState)  # what is written reads back (ValidationError if not)
         (tmp / "state.json").write_text(text)
@@ -254,10 +287,50 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (OSError, safetensors.SafetensorError)) and not isinstance(exc, ArtcacheError):
+            raise _write_error(run_dir, final, exc) from exc
         raise
     return final
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    """The errno of an OSError, or the ``os error N`` a SafetensorError's message carries."""
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    m = re.search(r"os error (\d+)", str(exc))
+    return int(m.group(1)) if m else None
+
+
+def _write_error(run_dir: Path, final: Path, exc: BaseException) -> CheckpointWriteError:
+    code = _errno_of(exc)
+    reason = (f"{errno.errorcode.get(code, 'errno ' + str(code))}: {os.strerror(code)}" if code
+              else f"{type(exc).__name__}: {exc}")
+    last = last_good_checkpoint(run_dir)
+    if last is None:
+        where = "this run has no earlier checkpoint"
+    else:
+        try:
+            st = read_state(last)
+            where = (f"the last good checkpoint is {last} (step {st.step}, cursor {st.cursor}"
+                     f"{'' if st.resumable else ', weights only'})")
+        except ConfigError:
+            where = f"the last good checkpoint is {last}"
+    hint = "; free space on that filesystem before resuming" if code in (errno.ENOSPC, errno.EDQUOT) else ""
+    return CheckpointWriteError(f"checkpoint {final} could not be written ({reason}); nothing was published "
+                                f"and checkpoints/latest is unchanged: {where}{hint}", errno_=code,
+                                last_good=str(last) if last else None, retryable=code in RETRYABLE_ERRNOS)
+
+
+def last_good_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``run_dir/checkpoints/latest`` points at when it is complete, else the newest
+    complete one (:func:`list_checkpoints`), else None: what a failed write leaves usable."""
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    if latest.is_symlink() and (latest / "state.json").is_file() and (latest / "model.safetensors").is_file():
+        return latest.resolve()
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1][1] if ckpts else None
 
 
 def point_latest(run_dir: Path, ckpt: Path) -> None:
@@ -336,15 +409,20 @@ class Loaded:
 
 
 def load_checkpoint(path: Path) -> Loaded:
-    """Read every file of a checkpoint directory (safetensors and JSON only).
+    """Read every file of a checkpoint directory (safetensors and JSON only), to resume from it.
 
     Raises:
-        ConfigError: a file is missing or unreadable, or the format is unknown.
+        ConfigError: a file is missing or unreadable, the format is unknown, or the checkpoint is
+            weights-only (``resumable: false``: it cannot be resumed, only seeded from with ``--init-from``).
     """
     path = Path(path)
     state = read_state(path)
     if state.format != CHECKPOINT_FORMAT:
         raise ConfigError(f"checkpoint {path} has format {state.format!r}; this artcache reads {CHECKPOINT_FORMAT}")
+    if not state.resumable:
+        raise ConfigError(f"checkpoint {path} is weights-only (written with --no-checkpoint-optimizer: no optimizer "
+                          f"or RNG state), so it cannot be resumed, only seeded from: start a new run with "
+                          f"--init-from {path}")
     try:
         extra = path / "extra.safetensors"
         return Loaded(path, state, safetensors.torch.load_file(path / "model.safetensors"),
@@ -368,3 +446,143 @@ def read_state(checkpoint: str | Path) -> CheckpointState:
     except (OSError, msgspec.DecodeError) as exc:
         raise ConfigError(f"checkpoint {Path(checkpoint)}: state.json is unreadable or not a checkpoint state "
                           f"({exc})") from exc
+
+
+# ---- sizes: what checkpoints will take on disk, known before step 1 ---------------------------------------
+
+#: bytes allowed for ``state.json`` (run settings, draft config, param groups: a few KiB in practice)
+STATE_JSON_BOUND = 1 << 20
+#: safetensors dtype names are at most this long (``F8_E4M3``, ``BF16``, ``F32``)
+_DTYPE_NAME_MAX = 8
+
+
+def safetensors_bytes(tensors: Mapping[str, Tensor]) -> int:
+    """Upper bound of the size of the safetensors file ``safetensors.torch.save_file(tensors)`` writes,
+    in bytes: the tensors' data exactly (``numel × element_size``; meta tensors work) plus the 8-byte
+    length and a bound of the JSON header (``{"name":{"dtype":..,"shape":[..],"data_offsets":[a,b]},..}``,
+    padded to 8 bytes; the bound over-counts by at most 26 bytes per tensor). An empty mapping is 0
+    (no file is written for it)."""
+    if not tensors:
+        return 0
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    offset_digits = len(str(data))
+    header = 2 + 7  # braces, padding to a multiple of 8
+    for name, t in tensors.items():
+        shape = ",".join(str(d) for d in t.shape)
+        header += (len(json.dumps(name)) + len(':{"dtype":"","shape":[],"data_offsets":[,]},') + _DTYPE_NAME_MAX
+                   + len(shape) + 2 * offset_digits)
+    return 8 + header + data
+
+
+def adamw_state_specs(params: Sequence[Tensor], *, amsgrad: bool = False) -> dict[str, Tensor]:
+    """Meta tensors of the state torch's Adam / AdamW holds after its first step, keyed as
+    :func:`optimizer_tensors` saves them: per parameter i (in order) ``state.i.step`` (0-d float32),
+    ``state.i.exp_avg`` and ``state.i.exp_avg_sq`` (the parameter's shape and dtype), and
+    ``state.i.max_exp_avg_sq`` with ``amsgrad``. Lets a checkpoint be sized before step 1."""
+    out = {}
+    for i, p in enumerate(params):
+        out[f"state.{i}.step"] = torch.empty((), dtype=torch.float32, device="meta")
+        names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+        for name in names:
+            out[f"state.{i}.{name}"] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+    return out
+
+
+class CheckpointSize(msgspec.Struct, frozen=True, kw_only=True):
+    """Bytes one checkpoint of a draft takes on disk (upper bounds; the tensor data exact).
+
+    Attributes:
+        weights: ``model.safetensors``. extra: ``extra.safetensors`` (0: none). optimizer:
+        ``optimizer.safetensors`` (0: weights-only). rng: ``rng.safetensors`` (0: weights-only).
+        state: ``state.json`` (:data:`STATE_JSON_BOUND`).
+    """
+
+    weights: int
+    extra: int = 0
+    optimizer: int = 0
+    rng: int = 0
+    state: int = STATE_JSON_BOUND
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.extra + self.optimizer + self.rng + self.state
+
+    @property
+    def weights_only(self) -> int:
+        """What the same checkpoint takes without optimizer and RNG state."""
+        return self.weights + self.extra + self.state
+
+
+def checkpoint_size(weights: Mapping[str, Tensor], extra_tensors: Mapping[str, Tensor],
+                    optimizer_state: Mapping[str, Tensor] | None,
+                    generators: Mapping[str, torch.Generator] | None = None) -> CheckpointSize:
+    """The :class:`CheckpointSize` of ``save_checkpoint`` with these tensors.
+
+    Args:
+        weights, extra_tensors: as ``save_checkpoint`` takes them (any device, meta included).
+        optimizer_state: the optimizer's tensors as saved (:func:`optimizer_tensors`, or before step 1
+            :func:`adamw_state_specs`); None for a weights-only checkpoint (no optimizer, no RNG).
+        generators: the named generators whose states are saved with the optimizer.
+    """
+    if optimizer_state is None:
+        return CheckpointSize(weights=safetensors_bytes(weights), extra=safetensors_bytes(extra_tensors))
+    rng = rng_tensors(dict(generators or {}))
+    if torch.cuda.is_available() and not any(k.startswith("cuda.") for k in rng):
+        # CUDA not initialised yet: the save will hold every visible device's Philox state (16 bytes)
+        rng.update({f"cuda.{i}": torch.empty(16, dtype=torch.uint8, device="meta")
+                    for i in range(torch.cuda.device_count())})
+    return CheckpointSize(weights=safetensors_bytes(weights), extra=safetensors_bytes(extra_tensors),
+                          optimizer=safetensors_bytes(optimizer_state), rng=safetensors_bytes(rng))
+
+
+def planned_saves(start_step: int, steps: int, save_every: int) -> int:
+    """Checkpoints a run from ``start_step`` to ``steps`` writes: one at every multiple of ``save_every``
+    strictly between them (0: none), and the final one (at ``steps``, or when cancelled earlier)."""
+    if steps <= start_step:
+        return 0
+    periodic = (steps - 1) // save_every - start_step // save_every if save_every > 0 else 0
+    return periodic + 1
+
+
+def peak_checkpoints(keep: int, saves: int, existing: int = 0) -> int:
+    """Most checkpoint directories of a run on disk at once: ``existing`` ones plus ``saves`` new ones,
+    each written before the older ones are pruned to the newest ``keep`` (0: all kept) — so
+    ``keep + 1`` while one is being written, never more than exist in all."""
+    if saves <= 0:
+        return existing
+    total = existing + saves
+    return total if keep <= 0 else max(existing + 1, min(keep + 1, total))
+
+
+def check_checkpoint_space(run_dir: Path, size: CheckpointSize, *, keep: int, saves: int, existing: int = 0,
+                           what: str = "this run") -> int:
+    """Refuse a run whose checkpoints cannot fit: the bytes the new checkpoints need at their peak
+    (:func:`peak_checkpoints` minus the ``existing`` ones, already on disk, × ``size.total``) plus the
+    filesystem's reserve (:func:`artcache.fsio.space_reserve`) must be free under ``run_dir`` (or its
+    nearest existing ancestor). Returns the bytes needed (0 when nothing will be written).
+
+    Raises:
+        InsufficientSpace: one line naming the bytes needed and free and the ways to need less
+            (``--keep-checkpoints``, ``--no-checkpoint-optimizer``, another ``--out``).
+    """
+    count = peak_checkpoints(keep, saves, existing) - existing
+    needed = count * size.total
+    if needed <= 0:
+        return 0
+    free, fs_size, at = free_space(Path(run_dir))
+    reserve = space_reserve(fs_size)
+    if needed + reserve <= free:
+        return needed
+    ways = []
+    if count > 1:
+        ways.append("a smaller --keep-checkpoints (K keeps K + 1 on disk while one is written) or a larger "
+                    "--save-every")
+    if size.optimizer:
+        ways.append(f"--no-checkpoint-optimizer (weights-only, {format_bytes(size.weights_only)} each; such a "
+                    "checkpoint cannot be resumed, only seeded from)")
+    ways.append("another --out on a filesystem with more free space")
+    raise InsufficientSpace(
+        f"checkpoints of {what} need {needed:,} B ({format_bytes(needed)}: {count} × {format_bytes(size.total)}, "
+        f"--keep-checkpoints {keep} and {saves} written by this run) under {run_dir}, but {at} has "
+        f"{free:,} B ({format_bytes(free)}) free, {format_bytes(reserve)} of it kept in reserve; pass "
+        + ", or ".join(ways))

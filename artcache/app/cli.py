@@ -297,7 +297,12 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="DSpark Markov head: vanilla (what vLLM serves) or gated.")
 @click.option("--save-every", default=0, type=int,
               help="Checkpoint every N steps (0: only at the end and when cancelled).")
-@click.option("--keep-checkpoints", default=3, type=int, help="Keep the newest N checkpoints (0: all).")
+@click.option("--keep-checkpoints", default=3, type=int, help="Keep the newest N checkpoints (0: all); N + 1 "
+              "must fit in the free space under --out while one is written (checked before step 1).")
+@click.option("--checkpoint-optimizer/--no-checkpoint-optimizer", default=True,
+              help="Save the optimizer and RNG state in checkpoints (what --resume needs). --no-checkpoint-optimizer: "
+              "weights-only checkpoints, a third of the bytes with AdamW; --init-from and export read them, "
+              "--resume refuses them.")
 @click.option("--resume", is_flag=True, help="Continue this --id from its checkpoint in --out (cursor, step, "
               "optimizer, RNG); refused unless the registry recorded that checkpoint.")
 @click.option("--init-from", default="", help="Seed the draft's weights only from a checkpoint, published draft "
@@ -323,8 +328,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps, lr,
             seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, markov_rank,
-            markov_head, save_every, keep_checkpoints, resume, init_from, eval_samples, eval_interval, eval_anchors,
-            progress, tensorboard, compile_mode, loss_impl, length_bucket, epochs=0):
+            markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from, eval_samples,
+            eval_interval, eval_anchors, progress, tensorboard, compile_mode, loss_impl, length_bucket, epochs=0):
     """Train one draft on the cache root at its own pace."""
     from click.core import ParameterSource
 
@@ -356,6 +361,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         out_dir=out_dir,
         demand_timeout_s=demand_timeout, log_every=log_every, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
         markov_rank=markov_rank, markov_head=markov_head, save_every=save_every, keep_checkpoints=keep_checkpoints,
+        checkpoint_optimizer=checkpoint_optimizer,
         resume=resume, init_from=init_from,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, progress=progress,
         tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl, length_bucket=length_bucket)

@@ -151,6 +151,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         resume: continue from this experiment's own latest checkpoint (its step, cursor, optimizer, RNG).
         init_from: a checkpoint directory (or a run directory holding ``checkpoints/latest``) whose
             weights start this draft; it must record the same target weights digest.
+        checkpoint_optimizer: save optimizer and RNG state in checkpoints (false: weights-only checkpoints,
+            which can seed a run or be exported but not be resumed).
         log_every: metrics line every this many steps.
         consumer: further :class:`artcache.trainers.consumer.ConsumerConfig` fields, passed as they are.
         env: environment variables of this experiment's consumer process (``artcache run`` only).
@@ -174,6 +176,7 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     out: str = ""
     resume: bool = False
     init_from: str = ""
+    checkpoint_optimizer: bool = True
     log_every: int = 10
     consumer: dict[str, Any] = {}
     env: dict[str, str] = {}
@@ -753,6 +756,8 @@ def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = Non
         fields["resume"] = True
     if e.init_from:
         fields["init_from"] = e.init_from
+    if not e.checkpoint_optimizer:
+        fields["checkpoint_optimizer"] = False
     fields.update(e.consumer)
     return fields
 

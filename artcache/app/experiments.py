@@ -193,7 +193,8 @@ def check_checkpoint(e: Experiment, ckpt: Path, *, info, contract, plan_id: str,
     Raises:
         ContractMismatch: naming the recorded and the expected value (or, ``strict``, that the
             checkpoint records no target identity).
-        ConfigError: its state.json is unreadable or not a checkpoint state.
+        ConfigError: its state.json is unreadable or not a checkpoint state, or a resume names a
+            weights-only checkpoint (it cannot be resumed).
     """
     from artcache.trainers.checkpoint import read_state
 
@@ -214,6 +215,9 @@ def check_checkpoint(e: Experiment, ckpt: Path, *, info, contract, plan_id: str,
             raise ContractMismatch(f"{what} records {name} {got!r}; this run gives {expected!r}")
     if state.draft not in (None, e.draft):
         raise ContractMismatch(f"{what} holds a {state.draft!r} draft; the experiment trains {e.draft!r}")
+    if resume and not state.resumable:
+        raise ConfigError(f"{what} is weights-only (checkpoint_optimizer = false: no optimizer or RNG state), so it "
+                          f"cannot be resumed, only seeded from: set resume = false and init_from = {str(ckpt)!r}")
     if resume and state.plan_id not in (None, plan_id):
         raise ContractMismatch(f"{what} walked plan {state.plan_id}; this run's data section gives plan "
                                f"{plan_id} (positions would not mean the same samples)")

@@ -48,7 +48,14 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         markov_rank, markov_head: DSpark's Markov head (rank r, 0 = none; ``vanilla`` or ``gated``).
         save_every: write a checkpoint every this many steps (0: only at the end and on cancellation;
             a checkpoint is always written at the end and when cancelled by Ctrl-C / SIGTERM).
-        keep_checkpoints: keep the newest this many checkpoints (0: all).
+        keep_checkpoints: keep the newest this many checkpoints (0: all). Before step 1 the consumer checks
+            that the checkpoints on disk at once (``keep_checkpoints + 1`` while one is written, at most the
+            ones this run writes) fit in the free space under ``out_dir``, and refuses to start otherwise.
+        checkpoint_optimizer: save the optimizer and RNG state with the weights (``--checkpoint-optimizer``,
+            the default; what ``--resume`` needs). False: weights-only checkpoints (a third of the bytes
+            with AdamW over fp32 weights), which ``--init-from`` and export read and ``--resume`` refuses.
+        checkpoints: write checkpoints at all. False: none, not even the final one (``artcache bench --save
+            none``: a throughput run whose drafts are thrown away); the run can be neither resumed nor exported.
         resume: continue this consumer id from its checkpoint in ``out_dir`` (the one whose cursor the
             registry recorded); refuses when they differ or the run's settings changed.
         init_from: seed the draft's weights (only) from a checkpoint, a published draft or a run
@@ -103,6 +110,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     markov_head: Literal["vanilla", "gated"] = "vanilla"
     save_every: int = 0
     keep_checkpoints: int = 3
+    checkpoint_optimizer: bool = True
+    checkpoints: bool = True
     resume: bool = False
     init_from: str = ""
     eval_samples: int = 0
@@ -134,6 +143,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ConfigError(f"--draft-layers {self.draft_layers} is invalid: it must be >= 1 (or left out: one "
                               "draft layer per captured layer the formula selects)")
+        if self.save_every and not self.checkpoints:
+            raise ConfigError(f"--save-every {self.save_every} needs checkpoints, but this run writes none "
+                              "(checkpoints = false); leave --save-every at 0 or turn checkpoints on")
         if self.eval_interval and not self.eval_samples:
             raise ConfigError(f"--eval-interval {self.eval_interval} needs a held-out split: pass --eval-samples N")
         if self.resume and self.init_from:

@@ -4,7 +4,8 @@ Read it top to bottom, like nanoGPT's ``train.py``: :func:`run_consumer` runs th
 
 1. :meth:`Session.setup`: read the root and the plan, fix the held-out split and the run directory,
    find the start (``--resume`` / ``--init-from``, :mod:`.restore`), build the draft (it reads its own
-   ordered view of the root's captured layers). Nothing is written yet.
+   ordered view of the root's captured layers), size its checkpoints and check that they fit under the
+   run directory (:func:`~artcache.trainers.checkpoint.check_checkpoint_space`). Nothing is written yet.
 2. :meth:`Session.resume`: load the start's weights (and, for ``--resume``, optimizer, RNG, step, cursor).
 3. :meth:`Session.register`: the run directory, the journal, the registration (window, held-out split
    pinned, checkpoint cursor), the tracker, the reader thread (:mod:`.reader`), the heartbeat, the
@@ -42,14 +43,21 @@ from artcache import journal as J
 from artcache import registry
 from artcache.client import CacheClient, Leased
 from artcache.crashpoints import crash_point
-from artcache.errors import ConfigError, ConsumerFenced
+from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced
 from artcache.layer_ids import layer_view, view_slice
 from artcache.layout import CacheLayout, host_id
 from artcache.plan import Plan
+from artcache.report import format_bytes
 from artcache.settings import load_settings
 from artcache.target import quiet_transformers
 from artcache.trainers.checkpoint import (
+    CheckpointSize,
     Loaded,
+    adamw_state_specs,
+    check_checkpoint_space,
+    checkpoint_size,
+    list_checkpoints,
+    planned_saves,
     point_latest,
     prune,
     restore_optimizer,
@@ -118,6 +126,8 @@ class Session:
         self.wait_total = 0.0
         self.last_eval: dict = {}
         self.save_error: Exception | None = None
+        self.failure: BaseException | None = None  # what stopped the loop (None: it ran to the end)
+        self.checkpoint_bytes: CheckpointSize | None = None  # one checkpoint's size (None: checkpoints off)
         self.fenced = threading.Event()
         self.beat_stop = threading.Event()
         self.stop_req = threading.Event()  # a signal asked to stop: finish the current step, then cancel
@@ -164,6 +174,31 @@ class Session:
         # greedy replay against the target's argmax needs output-of-layer L-1 (un-normed) in the root
         last_id = self.draft.target_info.num_layers - 1
         self.last_index = captured.index(last_id) if (cfg.eval_samples and last_id in captured) else None
+        self._check_checkpoint_space()
+
+    def _check_checkpoint_space(self) -> None:
+        """The checkpoints this run writes (sized from the draft before step 1: trainable weights, the AdamW
+        state they will have, extras, RNG, at their dtypes) must fit under the run directory.
+
+        Raises:
+            InsufficientSpace: naming the bytes needed and free (before anything is written).
+        """
+        cfg = self.cfg
+        if not cfg.checkpoints:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]  # the optimizer's, in its order
+        opt = adamw_state_specs(params) if cfg.checkpoint_optimizer else None
+        size = checkpoint_size(self.model.trainable_state_dict(), self.draft.extra_tensors(), opt,
+                               self.draft.generators())
+        start = self.resumed.state.step if self.resumed is not None else 0
+        saves = planned_saves(start, cfg.steps, cfg.save_every)
+        existing = len(list_checkpoints(self.run_dir)) if self.resumed is not None else 0
+        needed = check_checkpoint_space(self.run_dir, size, keep=cfg.keep_checkpoints, saves=saves,
+                                        existing=existing, what=f"consumer {cfg.consumer_id!r}")
+        self.checkpoint_bytes = size
+        log.info("[%s] checkpoints: %s each (%s), %d to write, %s free space needed under %s", cfg.consumer_id,
+                 format_bytes(size.total), "with optimizer state" if opt is not None else "weights only", saves,
+                 format_bytes(needed), self.run_dir)
 
     # ---- resume: the start's weights, and for --resume its optimizer, RNG, step and cursor ---------------
 
@@ -302,7 +337,7 @@ class Session:
             self.state, self.error = "cancelled", "interrupted"
             raise
         except BaseException as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error, self.failure = f"{type(exc).__name__}: {exc}", exc
             raise
         finally:
             self.close()
@@ -437,7 +472,8 @@ class Session:
         cfg = self.cfg
         self._flush_metrics()  # the journal and metrics.csv hold every step the checkpoint covers
         path = save_checkpoint(self.run_dir, step=self.steps_done, cursor=self.cursor,
-                               weights=self.model.trainable_state_dict(), optimizer=self.optimizer,
+                               weights=self.model.trainable_state_dict(),
+                               optimizer=self.optimizer if cfg.checkpoint_optimizer else None,
                                generators=self.generators, extra_tensors=self.draft.extra_tensors(),
                                state=self._checkpoint_state())
         self.tracker.flush()  # metrics.csv holds every step the checkpoint covers (a SIGKILL later loses none)
@@ -483,8 +519,11 @@ class Session:
             log.error("[%s] the last steps' metrics could not be read back: %s", cfg.consumer_id, exc)
             self.pending = []
         # also on a failure between steps (e.g. CaptureTimeout when the producer is gone): the state is a
-        # consistent step, so --resume continues from here instead of the last --save-every checkpoint
-        if self.consistent and self.steps_done > max(self.saved_step, 0) and not self.fenced.is_set():
+        # consistent step, so --resume continues from here instead of the last --save-every checkpoint.
+        # Not after a checkpoint write failed (its error names the last good one; a second try at once
+        # would fail the same way)
+        if cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0) \
+                and not self.fenced.is_set() and not isinstance(self.failure, CheckpointWriteError):
             try:
                 self.checkpoint()
             except Exception as exc:  # never mask the error in flight; a completed run without it failed
