@@ -3,7 +3,8 @@
 ``python -m artcache.bench.consume '<json>'`` is what ``artcache bench`` runs for every consumer of every
 mode (artcache, naive, lockstep), so the modes differ only in the fields the bench sets (the cache
 root, ``lockstep_group``) and never in how a consumer is started. It logs like ``artcache consume``
-and prints the same summary line; a ConfigError or unknown field exits 2.
+and prints the same summary line; a ConfigError (also one found before step 1, such as checkpoints
+that cannot fit) or an unknown field exits 2, another artcache error 1.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = run_consumer(cfg)
+    except ConfigError as exc:  # bad settings found before step 1 (e.g. checkpoints that cannot fit)
+        print(f"artcache.bench.consume: error: {exc}", file=sys.stderr)
+        return 2
     except ArtcacheError as exc:
         print(f"artcache.bench.consume: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
