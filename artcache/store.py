@@ -648,3 +648,16 @@ def list_objects(layout: CacheLayout) -> dict[str, int]:
 
 __all__ = ["Artifact", "PublishError", "check_tokens", "exists", "list_objects", "publish", "quarantine", "read",
            "remove", "validate_capture", "verify"]
+
+
+#: bytes allowed for one artifact's safetensors header and metadata
+ARTIFACT_HEADER_BOUND = 4096
+
+
+def artifact_bytes_bound(contract: CaptureContract, hidden_size: int, tokens: int | None = None) -> int:
+    """Upper bound of one artifact's file size in bytes: ``tokens`` (default ``contract.max_length``) ×
+    (captured layers × ``hidden_size`` × the stored dtype's size + 4 B of ``input_ids`` + 1 B of
+    ``loss_mask``) + :data:`ARTIFACT_HEADER_BOUND`. Qwen3-8B, 3072 tokens, 5 layers, bf16: 125,848,576 B."""
+    itemsize = torch.empty((), dtype=getattr(torch, contract.dtype)).element_size()
+    t = contract.max_length if tokens is None else tokens
+    return t * (len(contract.layer_ids) * hidden_size * itemsize + 5) + ARTIFACT_HEADER_BOUND

@@ -27,16 +27,27 @@ Retention modes (the ``hetero`` scenario runs them by default):
 
 ``artcache`` and ``solo`` get a budget that covers the run (every position any consumer reads, at the longest
 sample's size) unless ``--disk-budget`` says otherwise; the 1p1c/1p3c scenarios keep the producer's default.
+
+Disk (``--save``, :data:`SAVE_POLICIES`): each consumer ends with the final checkpoint a real run writes,
+weights only by default (``weights``: the bench never resumes, and AdamW's state is two thirds of an
+fp32 draft's checkpoint), with its optimizer state (``full``) or none at all (``none``). Once a mode's
+journals have been read, :func:`clean_mode` removes what it wrote in bulk — its consumers' checkpoints and
+the artifacts left in its roots — before the next mode starts, keeping logs, journals, registrations,
+plans and metrics, and writes ``removed.json`` (every path removed and its bytes) beside them. Each
+mode's ``disk`` (:func:`disk_summary`) gives the bytes it wrote: checkpoints, artifacts published, the
+artifacts' peak and what was left at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -51,15 +62,19 @@ from artcache.accounting import account
 from artcache.bench.metrics import scenario_figures
 from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
 from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
-from artcache.errors import ConfigError
+from artcache.errors import ConfigError, InsufficientSpace
+from artcache.fsio import free_space, space_reserve
 from artcache.layout import CacheLayout
-from artcache.report import table
+from artcache.report import format_bytes, table
+from artcache.store import artifact_bytes_bound
 from artcache.telemetry import make_sampler
 
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 MODES = ("artcache", "naive", "lockstep", "windows", "tight", "solo")
 #: goals of the hetero scenario (issue 21)
 HETERO_GOALS = {"captures_per_consumed_position": 1.05, "speed_ratio": 1.5, "fast_vs_solo": 0.95}
+#: ``--save``: what each consumer's final checkpoint holds (``none``: no checkpoint at all)
+SAVE_POLICIES = ("none", "weights", "full")
 
 
 @dataclass
@@ -82,6 +97,7 @@ class BenchConfig:
     modes: str = ""  # comma-separated subset of MODES; "" = parse_modes' default for the scenario
     disk_budget: int = 0  # bytes for the artcache/solo producers (0: the run's covering budget for hetero)
     budget_fraction: float = 0.25  # the tight mode's budget, as a fraction of the covering budget
+    save: str = "weights"  # one of SAVE_POLICIES
 
 
 def resolved(cfg: BenchConfig, sc: Scenario) -> BenchConfig:
@@ -209,13 +225,23 @@ class ModeRun:
     events: list
     accounts: list
     cpu_s: float = 0.0  # user + system CPU seconds of the mode's processes (getrusage of waited children)
+    #: what :func:`clean_mode` found and removed: {"checkpoints": [(path, bytes)], "artifacts": [(path, bytes)]}
+    removed: dict = dataclasses.field(default_factory=dict)
+    #: what :func:`plan_disk` expected before the consumers started
+    planned: dict = dataclasses.field(default_factory=dict)
 
 
-def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[int], sampler=None) -> ModeRun:
+def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[int], sampler=None,
+             sizes: dict | None = None) -> ModeRun:
     """Start the producer(s) of ``mode``, then its consumers; wait for all of them; read the journals.
 
     Every consumer is started by :mod:`artcache.bench.consume` from the same :class:`ConsumerConfig` in every
     mode; only ``cache`` and ``lockstep_group`` differ. Roles get GPUs producers first, then consumers.
+    Before the consumers start, :func:`plan_disk` checks that the mode's checkpoints and artifacts fit
+    (``sizes`` caches the consumers' checkpoint sizes across modes).
+
+    Raises:
+        InsufficientSpace: the mode would not fit on its disk (its producers are stopped first).
     """
     from artcache.trainers.consumer import ConsumerConfig, parse_window
 
@@ -260,9 +286,9 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
             for c in served:
                 starts.append((c.start_s, root, c, role))
                 role += 1
-        t_first = time.monotonic()
+        ccfgs: dict[Path, list] = {}
+        order = []  # (start_s, ConsumerConfig), in start order
         for start_s, root, c, r in sorted(starts, key=lambda x: (x[0], x[3])):
-            time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
             extra = {"draft_layers": cfg.draft_layers} if layers and c.draft == "dflash" else {}
             ccfg = ConsumerConfig(
                 cache=str(root), consumer_id=c.consumer_id, draft=c.draft, lookbehind=lookbehind,
@@ -270,9 +296,16 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                 ttt_steps=c.ttt_steps, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=dev(r),
                 **({"draft_vocab": c.draft_vocab} if c.draft_vocab else {}),
                 threads=1 if cpu else 0, out_dir=str(work / "runs" / c.consumer_id), log_every=10,
-                lockstep_group=group, progress=False, **extra)
-            with open(logs / f"{c.consumer_id}.log", "wb") as log:
-                procs[c.consumer_id] = subprocess.Popen(
+                lockstep_group=group, progress=False, checkpoints=cfg.save != "none",
+                checkpoint_optimizer=cfg.save == "full", **extra)
+            ccfgs.setdefault(root, []).append(ccfg)
+            order.append((start_s, ccfg))
+        planned = plan_disk(cfg, f"{sc.name} mode {mode}", work, ccfgs, sizes if sizes is not None else {})
+        t_first = time.monotonic()
+        for start_s, ccfg in order:
+            time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
+            with open(logs / f"{ccfg.consumer_id}.log", "wb") as log:
+                procs[ccfg.consumer_id] = subprocess.Popen(
                     [sys.executable, "-m", "artcache.bench.consume", msgspec.json.encode(ccfg).decode()],
                     stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + cfg.timeout_s
@@ -297,7 +330,8 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     roots = [root for _, root, _ in producers]
     events = [ev for root in roots for ev in J.read_events(CacheLayout(root).journal).events]
-    return ModeRun(mode, roots, codes, wall, events, [account(CacheLayout(root)) for root in roots], cpu)
+    return ModeRun(mode, roots, codes, wall, events, [account(CacheLayout(root)) for root in roots], cpu,
+                   planned=planned)
 
 
 def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
@@ -315,12 +349,14 @@ def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
         for i, c in enumerate(sc.consumers, start=1):
             roles[gpus[i]] = (roles[gpus[i]] + "+" if gpus[i] in roles else "") + c.consumer_id
     runs = {}
+    sizes: dict = {}  # consumer id -> (checkpoint bytes, hidden size): the same consumers in every mode
     for mode in modes:
         if len(modes) > 1:
             served = _producers(base, mode, sc)
             print(f"-- mode {mode}: {len(served)} producer(s), {sum(len(p[2]) for p in served)} consumer(s)",
                   flush=True)
-        runs[mode] = run_mode(cfg, sc, base, mode, gpus, sampler if mode == "artcache" else None)
+        runs[mode] = run_mode(cfg, sc, base, mode, gpus, sampler if mode == "artcache" else None, sizes)
+        runs[mode].removed = clean_mode(base if mode == "artcache" else base / mode, runs[mode].roots, sc)
     art = runs["artcache"]
     figures = scenario_figures(art.events, cfg.warmup)
     report = _report(cfg, sc, figures, art.accounts[0], art.codes, art.wall_s, sampler, roles)
@@ -336,6 +372,131 @@ def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
     if len(modes) > 1:
         modes_plot(report["modes"], mode_figures, base / "modes.png", f"{sc.name} on {cfg.device}: modes")
     return report
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (symlinks neither followed nor counted)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(dirpath, name))
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
+def _empty(directory: Path) -> None:
+    """Remove everything inside ``directory`` (the directory itself, its mode and owner stay)."""
+    for child in directory.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def clean_mode(work: Path, roots: list[Path], sc: Scenario) -> dict:
+    """Remove what one mode wrote in bulk, once its journals and accounting have been read: each
+    consumer's ``runs/<id>/checkpoints/`` and the artifacts (published and quarantined) left in its
+    cache roots. Logs, journals, registrations, plans, ``metrics.csv`` and the reports stay. Writes
+    ``work/removed.json`` (``{"checkpoints": [[path, bytes], ...], "artifacts": [...]}``, paths relative
+    to ``work``) and returns the same dict."""
+    removed: dict[str, list] = {"checkpoints": [], "artifacts": []}
+    for c in sc.consumers:
+        ckpts = work / "runs" / c.consumer_id / "checkpoints"
+        if ckpts.is_dir():
+            removed["checkpoints"].append([str(ckpts.relative_to(work)), _tree_bytes(ckpts)])
+            shutil.rmtree(ckpts)
+    for root in roots:
+        layout = CacheLayout(root)
+        for sub in (layout.objects, layout.quarantine, layout.tmp):
+            if sub.is_dir() and (n := _tree_bytes(sub)):
+                removed["artifacts"].append([str(sub.relative_to(work)), n])
+                _empty(sub)
+    (work / "removed.json").write_text(json.dumps(removed, indent=1))
+    return removed
+
+
+def checkpoint_size_of(ccfg) -> tuple[int, int]:
+    """(bytes of the checkpoint ``ccfg``'s run writes, the target's hidden size), as the consumer itself sizes
+    it: :meth:`Session.setup <artcache.trainers.consumer.Session.setup>` reads the root, builds the draft and
+    sizes its checkpoints (refusing them alone if they cannot fit). Built on the meta device (no memory,
+    no initialisation) where the draft's build allows it, else on the CPU. 0 bytes with checkpoints off."""
+    import torch
+
+    from artcache.trainers.consumer import Session
+
+    try:
+        session = Session(msgspec.structs.replace(ccfg, device="meta", threads=0))
+        with torch.device("meta"):
+            session.setup()
+    except InsufficientSpace:
+        raise
+    except Exception:  # a build that reads values (EAGLE-3's vocab map check): build it for real; a real
+        session = Session(msgspec.structs.replace(ccfg, device="cpu", threads=0))  # error raises again here
+        session.setup()
+    size = session.checkpoint_bytes
+    return (size.total if size is not None else 0), session.draft.target_info.hidden_size
+
+
+def plan_disk(cfg: BenchConfig, what: str, work: Path, ccfgs: dict[Path, list], sizes: dict) -> dict:
+    """What one mode will hold on its disk at most, checked against the free space under ``work`` before its
+    consumers start: every consumer's final checkpoint (:func:`checkpoint_size_of`) plus each root's window
+    bound (the sum of its consumers' ``lookbehind + lookahead + 1``, at most the plan) × the artifact bound
+    (:func:`artcache.store.artifact_bytes_bound`), plus the filesystem's reserve.
+
+    Returns ``{"checkpoint_bytes": .., "artifact_bytes": .., "free_bytes": ..}`` (the first two planned).
+
+    Raises:
+        InsufficientSpace: naming the bytes needed and free and the settings that need fewer.
+    """
+    from artcache.settings import load_settings
+
+    ckpt = art = 0
+    for root, group in ccfgs.items():
+        for c in group:
+            if c.consumer_id not in sizes:
+                sizes[c.consumer_id] = checkpoint_size_of(c)
+            ckpt += sizes[c.consumer_id][0]
+        contract = load_settings(CacheLayout(root)).contract
+        bound = min(sum(c.lookbehind + c.lookahead + 1 for c in group), cfg.max_samples)
+        art += bound * artifact_bytes_bound(contract, sizes[group[0].consumer_id][1])
+    free, fs_size, at = free_space(work)
+    reserve = space_reserve(fs_size)
+    if ckpt + art + reserve > free:
+        ways = ["a smaller --window (fewer artifacts retained)", "another --out on a filesystem with more space"]
+        if cfg.save != "none":
+            ways.insert(0, "--save none (no checkpoints)" if cfg.save == "weights" else
+                        "--save weights (a third of the bytes) or --save none")
+        raise InsufficientSpace(
+            f"{what} needs {ckpt + art:,} B ({format_bytes(ckpt + art)}: checkpoints {format_bytes(ckpt)} under "
+            f"--save {cfg.save}, artifacts {format_bytes(art)} at the window bound) under {work}, but {at} has "
+            f"{free:,} B ({format_bytes(free)}) free, {format_bytes(reserve)} of it kept in reserve; pass "
+            + ", or ".join(ways))
+    return {"checkpoint_bytes": ckpt, "artifact_bytes": art, "free_bytes": free}
+
+
+def disk_summary(cfg: BenchConfig, run: ModeRun) -> dict:
+    """The bytes one mode wrote, from its roots' accounting and what :func:`clean_mode` removed.
+
+    ``checkpoint_bytes``: the consumers' checkpoints (``--save``; measured on disk before removal).
+    ``artifact_bytes_published``: every artifact its producers published (recaptures included).
+    ``artifact_bytes_peak``: the most artifact bytes retained at once, summed over the mode's roots (one
+    root: its peak; naive: the per-root peaks added, a bound since they need not coincide).
+    ``artifact_bytes_left``: artifacts still in the roots when the mode ended (removed then).
+    ``peak_bytes_bound``: ``artifact_bytes_peak + checkpoint_bytes``, at least the most the mode held on
+    its disk at once (the final checkpoints are written while the windows' artifacts are still retained).
+    ``planned``: what :func:`plan_disk` expected before the consumers started (checkpoints, artifact bound,
+    free bytes then).
+    """
+    ckpt = sum(n for _, n in run.removed.get("checkpoints", []))
+    peak = sum(a.cache.max_retained_bytes for a in run.accounts)
+    return {"save": cfg.save, "checkpoint_bytes": ckpt,
+            "checkpoints": len(run.removed.get("checkpoints", [])),
+            "artifact_bytes_published": sum(a.cache.published_bytes for a in run.accounts),
+            "artifact_bytes_peak": peak,
+            "artifact_bytes_left": sum(n for _, n in run.removed.get("artifacts", [])),
+            "peak_bytes_bound": peak + ckpt,
+            "planned": run.planned,
+            "removed": run.removed}
 
 
 def _wait_ready(cache: Path, proc: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -409,7 +570,7 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
         "environment": {"python": platform.python_version(), "torch": str(torch.__version__),
                         "platform": platform.platform(), "cpus": os.cpu_count(), **sampler.environment(),
                         "settings": {"target": cfg.target, "dataset": cfg.dataset, "max_length": cfg.max_length, "anchors": cfg.anchors,
-                                     "batch_size": cfg.batch_size, "window": cfg.window}},
+                                     "batch_size": cfg.batch_size, "window": cfg.window, "save": cfg.save}},
     }
 
 
@@ -456,7 +617,7 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
         "consumers": consumers,
         "aggregate_steps_per_s": figures["aggregate_steps_per_s"], "interval_s": figures["interval_s"],
         "producer_busy_s": figures["producer_busy_s"], "wall_s": run.wall_s, "cpu_s": run.cpu_s,
-        "max_lead_steps": max_lead(run.events, ids),
+        "max_lead_steps": max_lead(run.events, ids), "disk": disk_summary(cfg, run),
         "producer_exit_codes": {k: v for k, v in run.codes.items() if k not in ids},
         "consumers_per_root": [len(a.consumers) for a in run.accounts],
         "accounting_violations": [v for a in run.accounts for v in a.violations],
@@ -613,6 +774,8 @@ def format_report(r: dict) -> str:
     ]
     if len(r.get("modes", {})) > 1:
         lines += [format_modes(r), ""]
+    if any("disk" in m for m in r.get("modes", {}).values()):
+        lines += [format_disk(r), ""]
     if r.get("retention"):
         lines += [format_retention(r["retention"]), ""]
     return "\n".join(lines)
@@ -641,6 +804,29 @@ def format_retention(t: dict) -> str:
                      f"({f['ratio']:.3f} of solo)")
     lines.append("goals: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in t["checks"].items()))
     return "\n".join(lines)
+
+
+def format_disk(r: dict) -> str:
+    """The bytes each mode wrote (checkpoints under ``--save``, artifacts) and what was removed after it."""
+    rows, save = [], ""
+    for m, s in r["modes"].items():
+        d = s["disk"]
+        save = d["save"]
+        plan = d.get("planned") or {}
+        rows.append([m, d["checkpoints"], format_bytes(d["checkpoint_bytes"]),
+                     format_bytes(plan.get("checkpoint_bytes", 0)), format_bytes(d["artifact_bytes_published"]),
+                     format_bytes(d["artifact_bytes_peak"]), format_bytes(plan.get("artifact_bytes", 0)),
+                     format_bytes(d["artifact_bytes_left"]), format_bytes(d["peak_bytes_bound"])])
+    return "\n".join([
+        f"### disk: bytes each mode wrote (--save {save}); removed once the mode's journals were read", "",
+        "```", table(["mode", "checkpoints", "checkpoint bytes", "planned", "artifacts published", "artifact peak",
+                      "planned bound", "left at end", "peak bound"], rows), "```", "",
+        "planned = what the bench checked against the free space before the mode's consumers started (each "
+        "consumer's checkpoint as it sizes it; the window bound x the artifact bound); artifact peak = most "
+        "artifact bytes retained at once (several roots: their peaks added); left at end = artifacts still in the "
+        "roots when the mode ended; peak bound = artifact peak + checkpoint bytes. Every removed path and its "
+        "bytes: removed.json in the mode's directory.",
+    ])
 
 
 def format_modes(r: dict) -> str:
@@ -680,6 +866,8 @@ def run_bench(cfg: BenchConfig) -> bool:
         raise ConfigError(f"--budget-fraction {cfg.budget_fraction} is not accepted: a number in (0, 1)")
     if cfg.disk_budget < 0:
         raise ConfigError(f"--disk-budget {cfg.disk_budget} is not accepted: bytes >= 0 (0: the scenario's)")
+    if cfg.save not in SAVE_POLICIES:
+        raise ConfigError(f"--save {cfg.save!r} is not accepted: use one of {', '.join(SAVE_POLICIES)}")
     for sc in resolve(cfg.scenario):  # bad input fails here, before anything is written
         parse_window(resolved(cfg, sc).window)
         parse_modes(cfg.modes, sc)

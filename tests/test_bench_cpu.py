@@ -87,6 +87,107 @@ def test_1p3c_runs_both_baselines_in_the_same_invocation(bench_all):
     assert "verdict:" in proc.stdout
 
 
+def test_every_mode_reports_its_bytes_and_leaves_no_checkpoint_or_artifact(bench_all):
+    """Issue 14: three modes x three consumers of full checkpoints filled a 64 GB disk. Now each consumer
+    saves its weights only (--save weights, the default), and every mode's checkpoints and leftover
+    artifacts are removed once its figures are read; report.json / report.md give the bytes per mode."""
+    _, out = bench_all
+    for scenario, modes in (("1p1c", ["artcache"]), ("1p3c", ["artcache", "naive", "lockstep"])):
+        base = out / scenario
+        report = json.loads((base / "report.json").read_text())
+        n = len(report["consumers"])
+        assert report["environment"]["settings"]["save"] == "weights"
+        for m in modes:
+            work = base if m == "artcache" else base / m
+            disk = report["modes"][m]["disk"]
+            removed = json.loads((work / "removed.json").read_text())
+            assert disk["removed"] == removed and disk["save"] == "weights"
+            assert disk["checkpoints"] == n == len(removed["checkpoints"]) and disk["checkpoint_bytes"] > 0, m
+            assert disk["checkpoint_bytes"] == sum(b for _, b in removed["checkpoints"])
+            assert 0 < disk["artifact_bytes_peak"] <= disk["artifact_bytes_published"], m
+            assert disk["peak_bytes_bound"] == disk["artifact_bytes_peak"] + disk["checkpoint_bytes"]
+            plan = disk["planned"]  # checked before the consumers started, an upper bound of what they wrote
+            assert disk["checkpoint_bytes"] <= plan["checkpoint_bytes"] <= disk["checkpoint_bytes"] + n * (2 << 20)
+            assert disk["artifact_bytes_peak"] <= plan["artifact_bytes"] < plan["free_bytes"]
+            for c in report["consumers"]:  # the run's record stays, its checkpoints do not
+                run = work / "runs" / c["id"]
+                assert (run / "metrics.csv").is_file() and not (run / "checkpoints").exists(), (m, c["id"])
+            roots = [work / "cache"] if m != "naive" else [work / f"cache-{c['id']}" for c in report["consumers"]]
+            for root in roots:
+                assert list((root / "objects").iterdir()) == [], root
+                assert list((root / "journal").iterdir()), root  # the journals the report was made from stay
+        sizes = {report["modes"][m]["disk"]["checkpoint_bytes"] for m in modes}
+        assert len(sizes) == 1  # the same consumers write the same weights in every mode
+        assert "### disk: bytes each mode wrote (--save weights)" in (base / "report.md").read_text()
+
+
+def test_clean_mode_removes_checkpoints_and_artifacts_and_keeps_the_record(tmp_path):
+    from artcache.bench.run import clean_mode
+    from artcache.bench.scenarios import SCENARIOS
+    from artcache.layout import CacheLayout
+
+    work = tmp_path / "naive"
+    sc = SCENARIOS["1p3c"]
+    roots = []
+    for c in sc.consumers:
+        (work / "runs" / c.consumer_id / "checkpoints" / "step-00000002").mkdir(parents=True)
+        (work / "runs" / c.consumer_id / "checkpoints" / "step-00000002" / "model.safetensors").write_bytes(b"w" * 100)
+        (work / "runs" / c.consumer_id / "checkpoints" / "latest").symlink_to("step-00000002")
+        (work / "runs" / c.consumer_id / "metrics.csv").write_text("step,tag,value,wall_time\n")
+        layout = CacheLayout(work / f"cache-{c.consumer_id}")
+        layout.create()
+        (layout.objects / "ab").mkdir()
+        (layout.objects / "ab" / ("ab" + "0" * 38 + ".safetensors")).write_bytes(b"a" * 1000)
+        (layout.journal / "producer-p-1.jsonl").write_text("{}\n")
+        roots.append(layout.root)
+    removed = clean_mode(work, roots, sc)
+    assert removed["checkpoints"] == [[f"runs/{c.consumer_id}/checkpoints", 100] for c in sc.consumers]
+    assert removed["artifacts"] == [[f"cache-{c.consumer_id}/objects", 1000] for c in sc.consumers]
+    assert json.loads((work / "removed.json").read_text()) == removed
+    for c, root in zip(sc.consumers, roots, strict=True):
+        assert not (work / "runs" / c.consumer_id / "checkpoints").exists()
+        assert (work / "runs" / c.consumer_id / "metrics.csv").is_file()
+        assert (root / "objects").is_dir() and list((root / "objects").iterdir()) == []
+        assert (root / "journal" / "producer-p-1.jsonl").is_file()
+
+
+def test_plan_disk_refuses_a_mode_that_cannot_fit_naming_the_bytes(tmp_path, monkeypatch):
+    """The bench's own preflight: every consumer's checkpoint as the consumer sizes it, plus each root's
+    window bound of artifacts, against the free space, before any consumer starts (three consumers that
+    each fit alone can fill a disk together)."""
+    from artcache import fsio
+    from artcache.bench import run as R
+    from artcache.errors import InsufficientSpace
+    from artcache.producer import ProducerConfig, prepare_root
+    from artcache.store import artifact_bytes_bound
+    from artcache.trainers.consumer import ConsumerConfig
+
+    root = tmp_path / "cache"
+    _, settings, _, info, _ = prepare_root(ProducerConfig(cache=str(root), target="random:tiny-llama",
+                                                          dataset="synthetic", max_length=64, max_samples=16,
+                                                          draft_layers=3, threads=1))
+    cfg = R.BenchConfig(max_samples=16, save="weights")
+    ccfgs = {root: [ConsumerConfig(cache=str(root), consumer_id=f"d{b}", block_size=b, lookbehind=2, lookahead=4,
+                                   batch_size=1, steps=4, num_anchors=4, checkpoint_optimizer=False, threads=1,
+                                   out_dir=str(tmp_path / "runs" / f"d{b}")) for b in (4, 8, 16)]}
+    sizes: dict = {}
+    plan = R.plan_disk(cfg, "1p3c mode artcache", tmp_path, ccfgs, sizes)
+    per = sizes["d4"][0]
+    assert set(sizes) == {"d4", "d8", "d16"} and sizes["d4"][1] == info.hidden_size == 64
+    assert plan["checkpoint_bytes"] == sum(v[0] for v in sizes.values()) and per > 0
+    # three windows of 2 + 4 + 1 positions, at most the plan's 16 samples
+    assert plan["artifact_bytes"] == min(3 * 7, 16) * artifact_bytes_bound(settings.contract, 64)
+    fs = 10**12
+    need = plan["checkpoint_bytes"] + plan["artifact_bytes"]
+    monkeypatch.setattr(R, "free_space", lambda p: (need + fsio.space_reserve(fs) - 1, fs, tmp_path))
+    with pytest.raises(InsufficientSpace) as info_:
+        R.plan_disk(cfg, "1p3c mode naive", tmp_path, ccfgs, sizes)
+    text = str(info_.value)
+    assert f"1p3c mode naive needs {need:,} B" in text and "--save weights" in text and "--save none" in text
+    assert "a smaller --window" in text and "another --out" in text
+    assert not (tmp_path / "runs").exists()  # sizing writes nothing
+
+
 def test_bad_modes_exit_2_and_write_nothing(tmp_path):
     out = tmp_path / "bench-out"
     for modes, msg in (("artcache,bogus", "unknown mode(s) bogus"), ("naive,lockstep", "must include artcache")):

@@ -419,10 +419,13 @@ def inspect(cache, as_json):
               "1p1c/1p3c: the producer's default).")
 @click.option("--budget-fraction", default=0.25, type=float,
               help="tight mode: its budget as a fraction of the artcache one (too small for the fast consumer's lead).")
+@click.option("--save", default="weights", type=click.Choice(["none", "weights", "full"]),
+              help="Each consumer's final checkpoint: weights only, with optimizer state (full) or none. Every "
+              "mode's checkpoints and leftover artifacts are removed once its report figures are read.")
 @_errors
 @_with_config("bench")
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
-          draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25):
+          draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25, save="weights"):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
     from artcache.bench.run import BenchConfig, run_bench
 
@@ -433,7 +436,8 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
                       anchors=anchors if anchors is not None else (256 if device == "cuda" else 64),
                       batch_size=batch_size, draft_layers=draft_layers, window=window,
                       allow_shared_gpu=allow_shared_gpu, modes=modes,
-                      disk_budget=parse_bytes(disk_budget, "disk-budget"), budget_fraction=budget_fraction)
+                      disk_budget=parse_bytes(disk_budget, "disk-budget"), budget_fraction=budget_fraction,
+                      save=save)
     ok = run_bench(cfg)
     sys.exit(0 if ok else 1)
 

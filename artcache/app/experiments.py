@@ -35,13 +35,11 @@ from artcache.app.config import (
     producer_config,
     save_config,
 )
-from artcache.contract import stored_bytes_per_token, stored_dtype
+from artcache.contract import stored_dtype
 from artcache.errors import ConfigError, ContractMismatch
+from artcache.store import artifact_bytes_bound
 
 log = logging.getLogger("artcache.run")
-
-#: safetensors header and metadata of one artifact, upper bound (bytes)
-_HEADER_BOUND = 4096
 
 
 # ---- views and the union ---------------------------------------------------------------------------
@@ -302,8 +300,7 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
     elif layout.root.exists() and any(layout.root.iterdir()):
         raise ConfigError(f"cache.root {str(layout.root)!r} exists, is not empty and is not a cache root; choose "
                           "another cache.root or out")
-    per_artifact = spec.max_length * stored_bytes_per_token(resolved.target.dtype, len(captured), info.hidden_size) \
-        + _HEADER_BOUND
+    per_artifact = artifact_bytes_bound(contract, info.hidden_size)
     exps = []
     notes: list[str] = []
     for e in resolved.experiments:
