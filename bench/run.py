@@ -35,7 +35,9 @@ journals have been read, :func:`clean_mode` removes what it wrote in bulk — it
 the artifacts left in its roots — before the next mode starts, keeping logs, journals, registrations,
 plans and metrics, and writes ``removed.json`` (every path removed and its bytes) beside them. Each
 mode's ``disk`` (:func:`disk_summary`) gives the bytes it wrote: checkpoints, artifacts published, the
-artifacts' peak and what was left at the end.
+artifacts' peak and what was left at the end. Before any scenario starts, :func:`preflight_disk` sizes
+every mode (consumers' checkpoints + window bounds of artifacts) and refuses the run in one line (exit 2)
+unless the largest fits in the free space; report.json's ``disk_plan`` keeps that plan.
 """
 
 from __future__ import annotations
@@ -129,10 +131,16 @@ def _check_environment(cfg: BenchConfig, n_roles: int) -> list[int]:
     return [i % n for i in range(n_roles)]
 
 
+def _check_fresh(path: Path) -> None:
+    """ConfigError unless ``path`` is absent, empty or a previous bench output (which the run replaces)."""
+    if path.exists() and any(path.iterdir()) and not (path / "report.json").exists() \
+            and not (path / "cache").exists():
+        raise ConfigError(f"{path} exists and is not a previous bench output; choose another --out")
+
+
 def _fresh_dir(path: Path) -> None:
+    _check_fresh(path)
     if path.exists():
-        if any(path.iterdir()) and not (path / "report.json").exists() and not (path / "cache").exists():
-            raise ConfigError(f"{path} exists and is not a previous bench output; choose another --out")
         shutil.rmtree(path)
     path.mkdir(parents=True)
 
@@ -243,9 +251,6 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     Raises:
         InsufficientSpace: the mode would not fit on its disk (its producers are stopped first).
     """
-    from artcache.trainers.consumer import ConsumerConfig, parse_window
-
-    lookbehind, lookahead = parse_window(cfg.window)
     work = base if mode == "artcache" else base / mode
     logs = work / "logs"
     logs.mkdir(parents=True)
@@ -260,7 +265,6 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     cpu = cfg.device == "cpu"
     threads = ["--threads", "1"] if cpu else []
     dev = (lambda i: "cpu") if cpu else (lambda i: f"cuda:{gpus[i]}")
-    group = ",".join(c.consumer_id for c in sc.consumers) if mode == "lockstep" else ""
     procs: dict[str, subprocess.Popen] = {}
     codes: dict[str, int | None] = {}
     if sampler is not None:
@@ -280,29 +284,15 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                     stdout=log, stderr=subprocess.STDOUT, env=env)
         for pid, root, _ in producers:
             _wait_ready(root, procs[pid], logs / f"{pid}.log", cfg.timeout_s)
-        role = len(producers)
-        starts = []  # (start_s, root, consumer, role)
-        for _, root, served in producers:
-            for c in served:
-                starts.append((c.start_s, root, c, role))
-                role += 1
+        n_served = sum(len(served) for _, _, served in producers)
+        order = consumer_configs(cfg, sc, work, mode, [(root, served) for _, root, served in producers],
+                                 [dev(i) for i in range(len(producers), len(producers) + n_served)])
         ccfgs: dict[Path, list] = {}
-        order = []  # (start_s, ConsumerConfig), in start order
-        for start_s, root, c, r in sorted(starts, key=lambda x: (x[0], x[3])):
-            extra = {"draft_layers": cfg.draft_layers} if layers and c.draft == "dflash" else {}
-            ccfg = ConsumerConfig(
-                cache=str(root), consumer_id=c.consumer_id, draft=c.draft, lookbehind=lookbehind,
-                lookahead=lookahead, block_size=c.block_size, num_anchors=c.anchors or cfg.anchors,
-                ttt_steps=c.ttt_steps, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=dev(r),
-                **({"draft_vocab": c.draft_vocab} if c.draft_vocab else {}),
-                threads=1 if cpu else 0, out_dir=str(work / "runs" / c.consumer_id), log_every=10,
-                lockstep_group=group, progress=False, checkpoints=cfg.save != "none",
-                checkpoint_optimizer=cfg.save == "full", **extra)
+        for _, root, ccfg in order:
             ccfgs.setdefault(root, []).append(ccfg)
-            order.append((start_s, ccfg))
         planned = plan_disk(cfg, f"{sc.name} mode {mode}", work, ccfgs, sizes if sizes is not None else {})
         t_first = time.monotonic()
-        for start_s, ccfg in order:
+        for start_s, _, ccfg in order:
             time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
             with open(logs / f"{ccfg.consumer_id}.log", "wb") as log:
                 procs[ccfg.consumer_id] = subprocess.Popen(
@@ -334,8 +324,37 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                    planned=planned)
 
 
-def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
-    """Run every mode of one scenario end to end and return its report dict (also written to disk)."""
+def consumer_configs(cfg: BenchConfig, sc: Scenario, work: Path, mode: str,
+                     served: list[tuple[Path, tuple[ConsumerSpec, ...]]],
+                     devices: list[str]) -> list[tuple[float, Path, object]]:
+    """(start offset in s, cache root, :class:`ConsumerConfig`) of every consumer of ``mode``, in start order
+    (offset, then role). ``served``: (root, its consumers) per producer, in :func:`_producers` order;
+    ``devices``: one per consumer in that order. The same settings in every mode; only ``cache`` and
+    ``lockstep_group`` differ. ``cfg`` is the scenario's :func:`resolved` config."""
+    from artcache.trainers.consumer import ConsumerConfig, parse_window
+
+    lookbehind, lookahead = parse_window(cfg.window)
+    group = ",".join(c.consumer_id for c in sc.consumers) if mode == "lockstep" else ""
+    layers = capture_layers(cfg, sc)
+    starts = [(c.start_s, role, root, c) for role, (root, c) in
+              enumerate((root, c) for root, consumers in served for c in consumers)]
+    out = []
+    for start_s, role, root, c in sorted(starts, key=lambda x: (x[0], x[1])):
+        extra = {"draft_layers": cfg.draft_layers} if layers and c.draft == "dflash" else {}
+        out.append((start_s, root, ConsumerConfig(
+            cache=str(root), consumer_id=c.consumer_id, draft=c.draft, lookbehind=lookbehind,
+            lookahead=lookahead, block_size=c.block_size, num_anchors=c.anchors or cfg.anchors,
+            ttt_steps=c.ttt_steps, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=devices[role],
+            **({"draft_vocab": c.draft_vocab} if c.draft_vocab else {}),
+            threads=1 if cfg.device == "cpu" else 0, out_dir=str(work / "runs" / c.consumer_id), log_every=10,
+            lockstep_group=group, progress=False, checkpoints=cfg.save != "none",
+            checkpoint_optimizer=cfg.save == "full", **extra)))
+    return out
+
+
+def run_scenario(cfg: BenchConfig, sc: Scenario, plan: dict | None = None) -> dict:
+    """Run every mode of one scenario end to end and return its report dict (also written to disk).
+    ``plan``: the run's :func:`preflight_disk` (its checkpoint sizes are reused; the report's ``disk_plan``)."""
     cfg = resolved(cfg, sc)
     modes = parse_modes(cfg.modes, sc)
     n_roles = max((2 if m == "naive" else 1) * len(sc.consumers) + (m != "naive") for m in modes)
@@ -349,7 +368,8 @@ def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
         for i, c in enumerate(sc.consumers, start=1):
             roles[gpus[i]] = (roles[gpus[i]] + "+" if gpus[i] in roles else "") + c.consumer_id
     runs = {}
-    sizes: dict = {}  # consumer id -> (checkpoint bytes, hidden size): the same consumers in every mode
+    # consumer id -> (checkpoint bytes, hidden size): the same consumers in every mode
+    sizes = plan["sizes"].setdefault(sc.name, {}) if plan is not None else {}
     for mode in modes:
         if len(modes) > 1:
             served = _producers(base, mode, sc)
@@ -368,6 +388,8 @@ def run_scenario(cfg: BenchConfig, sc: Scenario) -> dict:
     if any(m in modes for m in ("windows", "tight", "solo")):
         report["retention"] = retention_summary(sc, report)
         report["checks"].update(report["retention"]["checks"])
+    if plan is not None:
+        report["disk_plan"] = {k: v for k, v in plan.items() if k != "sizes"}
     _write(base, report, figures, sampler, roles)
     if len(modes) > 1:
         modes_plot(report["modes"], mode_figures, base / "modes.png", f"{sc.name} on {cfg.device}: modes")
@@ -408,8 +430,9 @@ def clean_mode(work: Path, roots: list[Path], sc: Scenario) -> dict:
     for root in roots:
         layout = CacheLayout(root)
         for sub in (layout.objects, layout.quarantine, layout.tmp):
-            if sub.is_dir() and (n := _tree_bytes(sub)):
-                removed["artifacts"].append([str(sub.relative_to(work)), n])
+            if sub.is_dir() and any(sub.iterdir()):  # fan-out directories that eviction emptied go too
+                if n := _tree_bytes(sub):
+                    removed["artifacts"].append([str(sub.relative_to(work)), n])
                 _empty(sub)
     (work / "removed.json").write_text(json.dumps(removed, indent=1))
     return removed
@@ -437,17 +460,12 @@ def checkpoint_size_of(ccfg) -> tuple[int, int]:
     return (size.total if size is not None else 0), session.draft.target_info.hidden_size
 
 
-def plan_disk(cfg: BenchConfig, what: str, work: Path, ccfgs: dict[Path, list], sizes: dict) -> dict:
-    """What one mode will hold on its disk at most, checked against the free space under ``work`` before its
-    consumers start: every consumer's final checkpoint (:func:`checkpoint_size_of`) plus each root's window
-    bound (the sum of its consumers' ``lookbehind + lookahead + 1``, at most the plan) × the artifact bound
-    (:func:`artcache.store.artifact_bytes_bound`), plus the filesystem's reserve.
-
-    Returns ``{"checkpoint_bytes": .., "artifact_bytes": .., "free_bytes": ..}`` (the first two planned).
-
-    Raises:
-        InsufficientSpace: naming the bytes needed and free and the settings that need fewer.
-    """
+def mode_bytes(cfg: BenchConfig, ccfgs: dict[Path, list], sizes: dict, contract=None) -> tuple[int, int]:
+    """(checkpoint bytes, artifact bytes) one mode holds on its disk at most: every consumer's final
+    checkpoint (:func:`checkpoint_size_of`, cached in ``sizes`` by consumer id) and each root's window bound
+    (the sum of its consumers' ``lookbehind + lookahead + 1``, at most ``cfg.max_samples``) × the artifact
+    bound (:func:`artcache.store.artifact_bytes_bound`). ``contract``: the roots' capture contract (default:
+    read from each root's ``artcache.json``)."""
     from artcache.settings import load_settings
 
     ckpt = art = 0
@@ -456,22 +474,114 @@ def plan_disk(cfg: BenchConfig, what: str, work: Path, ccfgs: dict[Path, list], 
             if c.consumer_id not in sizes:
                 sizes[c.consumer_id] = checkpoint_size_of(c)
             ckpt += sizes[c.consumer_id][0]
-        contract = load_settings(CacheLayout(root)).contract
+        con = contract if contract is not None else load_settings(CacheLayout(root)).contract
         bound = min(sum(c.lookbehind + c.lookahead + 1 for c in group), cfg.max_samples)
-        art += bound * artifact_bytes_bound(contract, sizes[group[0].consumer_id][1])
+        art += bound * artifact_bytes_bound(con, sizes[group[0].consumer_id][1])
+    return ckpt, art
+
+
+def _refuse(cfg: BenchConfig, what: str, ckpt: int, art: int, work: Path, free: int, at: Path, reserve: int,
+            extra: str = "") -> InsufficientSpace:
+    """The one-line refusal of :func:`plan_disk` and :func:`preflight_disk`: the bytes needed (checkpoints
+    and artifacts), free, kept in reserve, and the settings that need fewer."""
+    ways = ["a smaller --window (fewer artifacts retained)", "another --out on a filesystem with more space"]
+    if cfg.save != "none":
+        ways.insert(0, "--save none (no checkpoints)" if cfg.save == "weights" else
+                    "--save weights (a third of the bytes) or --save none")
+    return InsufficientSpace(
+        f"{what} needs {ckpt + art:,} B ({format_bytes(ckpt + art)}: checkpoints {format_bytes(ckpt)} under "
+        f"--save {cfg.save}, artifacts {format_bytes(art)} at the window bound) under {work}, but {at} has "
+        f"{free:,} B ({format_bytes(free)}) free{extra}, {format_bytes(reserve)} of it kept in reserve; pass "
+        + ", or ".join(ways))
+
+
+def plan_disk(cfg: BenchConfig, what: str, work: Path, ccfgs: dict[Path, list], sizes: dict) -> dict:
+    """What one mode will hold on its disk at most (:func:`mode_bytes`), checked against the free space
+    under ``work`` before its consumers start, plus the filesystem's reserve. The bench checked the whole
+    run before any mode started (:func:`preflight_disk`); this check, with the mode's real roots, catches
+    a disk that other writers filled since.
+
+    Returns ``{"checkpoint_bytes": .., "artifact_bytes": .., "free_bytes": ..}`` (the first two planned).
+
+    Raises:
+        InsufficientSpace: naming the bytes needed and free and the settings that need fewer.
+    """
+    ckpt, art = mode_bytes(cfg, ccfgs, sizes)
     free, fs_size, at = free_space(work)
     reserve = space_reserve(fs_size)
-    if ckpt + art + reserve > free:
-        ways = ["a smaller --window (fewer artifacts retained)", "another --out on a filesystem with more space"]
-        if cfg.save != "none":
-            ways.insert(0, "--save none (no checkpoints)" if cfg.save == "weights" else
-                        "--save weights (a third of the bytes) or --save none")
-        raise InsufficientSpace(
-            f"{what} needs {ckpt + art:,} B ({format_bytes(ckpt + art)}: checkpoints {format_bytes(ckpt)} under "
-            f"--save {cfg.save}, artifacts {format_bytes(art)} at the window bound) under {work}, but {at} has "
-            f"{free:,} B ({format_bytes(free)}) free, {format_bytes(reserve)} of it kept in reserve; pass "
-            + ", or ".join(ways))
+    # artifacts the producers published already are inside the window bound and out of the free space
+    present = sum(_tree_bytes(CacheLayout(root).objects) for root in ccfgs if CacheLayout(root).objects.is_dir())
+    if ckpt + max(0, art - present) + reserve > free:
+        extra = f" (+ {format_bytes(present)} of artifacts published already)" if present else ""
+        raise _refuse(cfg, what, ckpt, art, work, free, at, reserve, extra)
     return {"checkpoint_bytes": ckpt, "artifact_bytes": art, "free_bytes": free}
+
+
+def preflight_disk(cfg: BenchConfig, scenarios: list[Scenario]) -> dict:
+    """The whole run's disk plan, checked before any scenario or mode starts (nothing is written if it
+    refuses; sizing needs one scratch cache root, made in a temporary directory and removed).
+
+    For every scenario × mode, what it holds at most (:func:`mode_bytes`: the consumers' checkpoints
+    under ``--save`` plus each root's window bound of artifacts, from the contract the producers will
+    write). :func:`clean_mode` removes each mode's checkpoints and artifacts before the next mode starts,
+    so the run needs the largest mode's bytes at once, not their sum (the sum over consumers × modes,
+    ``total_bytes_bound``, is what the run writes over its length at most counting each artifact once per
+    window slot; the artifacts published are in each report). A previous bench output that the run
+    replaces (``--out``'s scenario directories) counts as free from the scenario that removes it on.
+
+    Returns ``{"free_bytes", "reserve_bytes", "peak_bytes", "peak_mode", "checkpoint_bytes_total",
+    "total_bytes_bound", "modes": {"<scenario>/<mode>": {"checkpoint_bytes", "artifact_bytes"}}, "sizes":
+    {"<scenario>": {consumer id: (checkpoint bytes, hidden size)}}}``.
+
+    Raises:
+        InsufficientSpace: one line naming the mode that does not fit, its bytes, the free bytes and the
+            settings that need fewer (exit 2).
+        ConfigError: a scenario directory under ``--out`` is not a previous bench output.
+    """
+    import tempfile
+
+    from artcache.producer import ProducerConfig, prepare_root
+
+    out = Path(cfg.out_dir).absolute()
+    with tempfile.TemporaryDirectory(prefix="artcache-bench-preflight-") as tmp:
+        free, fs_size, at = free_space(out)
+        reserve = space_reserve(fs_size)
+        plan: dict = {"free_bytes": free, "reserve_bytes": reserve, "peak_bytes": 0, "peak_mode": "",
+                      "checkpoint_bytes_total": 0, "total_bytes_bound": 0, "modes": {}, "sizes": {}}
+        scratch: dict[tuple, tuple] = {}  # (max_length, capture layers) -> (scratch root, contract)
+        reclaimed = 0
+        for sc in scenarios:
+            rc = resolved(cfg, sc)
+            layers = capture_layers(rc, sc)
+            key = (rc.max_length, tuple(layers) if layers else None)
+            if key not in scratch:  # the contract the scenario's producers will write, on a scratch root
+                root = Path(tmp) / f"cache-{len(scratch)}"
+                _, settings, _, _, _ = prepare_root(ProducerConfig(
+                    cache=str(root), target=rc.target, dataset=rc.dataset, max_length=rc.max_length,
+                    max_samples=rc.max_samples, draft_layers=rc.draft_layers, layer_ids=layers, threads=1))
+                scratch[key] = (root, settings.contract)
+            root, contract = scratch[key]
+            base = out / sc.name
+            _check_fresh(base)
+            reclaimed += _tree_bytes(base) if base.exists() else 0
+            sizes = plan["sizes"].setdefault(sc.name, {})
+            for mode in parse_modes(rc.modes, sc):
+                work = base if mode == "artcache" else base / mode
+                merged: dict[Path, list] = {}
+                for _, _, consumers in _producers(base, mode, sc):  # one key per root of the mode (naive: one each)
+                    group = consumer_configs(rc, sc, work, mode, [(root, consumers)], ["cpu"] * len(consumers))
+                    merged[root / consumers[0].consumer_id] = [ccfg for _, _, ccfg in group]
+                ckpt, art = mode_bytes(rc, merged, sizes, contract)
+                what = f"{sc.name} mode {mode}"
+                plan["modes"][f"{sc.name}/{mode}"] = {"checkpoint_bytes": ckpt, "artifact_bytes": art}
+                plan["checkpoint_bytes_total"] += ckpt
+                plan["total_bytes_bound"] += ckpt + art
+                if ckpt + art > plan["peak_bytes"]:
+                    plan["peak_bytes"], plan["peak_mode"] = ckpt + art, what
+                if ckpt + art + reserve > free + reclaimed:
+                    extra = f" (+ {format_bytes(reclaimed)} of the previous output it replaces)" if reclaimed else ""
+                    raise _refuse(rc, f"artcache bench: {what}", ckpt, art, work, free, at, reserve, extra)
+    return plan
 
 
 def disk_summary(cfg: BenchConfig, run: ModeRun) -> dict:
@@ -871,11 +981,16 @@ def run_bench(cfg: BenchConfig) -> bool:
     for sc in resolve(cfg.scenario):  # bad input fails here, before anything is written
         parse_window(resolved(cfg, sc).window)
         parse_modes(cfg.modes, sc)
+    plan = preflight_disk(cfg, resolve(cfg.scenario))  # refuses (exit 2) before any mode starts
+    print(f"disk plan: at most {format_bytes(plan['peak_bytes'])} at once ({plan['peak_mode']}; each mode's "
+          f"checkpoints and artifacts are removed before the next) of {format_bytes(plan['free_bytes'])} free "
+          f"under {Path(cfg.out_dir).absolute()}; checkpoints over the run {format_bytes(plan['checkpoint_bytes_total'])}"
+          f" (--save {cfg.save})", flush=True)
     for sc in resolve(cfg.scenario):
         rc = resolved(cfg, sc)
         print(f"== scenario {sc.name}: {len(sc.consumers)} consumer(s), {cfg.device}, {rc.warmup}+{rc.steps} "
               f"steps each, window {rc.window}, modes {','.join(parse_modes(cfg.modes, sc))} ...", flush=True)
-        r = run_scenario(cfg, sc)
+        r = run_scenario(cfg, sc, plan)
         reports.append(r)
         print(format_report(r), flush=True)
         print(f"report: {Path(cfg.out_dir).absolute() / sc.name / 'report.json'}", flush=True)

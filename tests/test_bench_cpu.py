@@ -122,6 +122,8 @@ def test_every_mode_reports_its_bytes_and_leaves_no_checkpoint_or_artifact(bench
 
 
 def test_clean_mode_removes_checkpoints_and_artifacts_and_keeps_the_record(tmp_path):
+    """Also the regression of the CPU bench leaving ``objects/<fan-out>/`` directories that eviction had
+    emptied (nothing to count, so they were skipped): every root's ``objects/`` ends empty."""
     from artcache.bench.run import clean_mode
     from artcache.bench.scenarios import SCENARIOS
     from artcache.layout import CacheLayout
@@ -136,13 +138,15 @@ def test_clean_mode_removes_checkpoints_and_artifacts_and_keeps_the_record(tmp_p
         (work / "runs" / c.consumer_id / "metrics.csv").write_text("step,tag,value,wall_time\n")
         layout = CacheLayout(work / f"cache-{c.consumer_id}")
         layout.create()
-        (layout.objects / "ab").mkdir()
-        (layout.objects / "ab" / ("ab" + "0" * 38 + ".safetensors")).write_bytes(b"a" * 1000)
+        (layout.objects / "cd").mkdir()  # a fan-out directory whose artifacts were all evicted
+        if c is not sc.consumers[-1]:  # the last root: nothing left but that empty directory
+            (layout.objects / "ab").mkdir()
+            (layout.objects / "ab" / ("ab" + "0" * 38 + ".safetensors")).write_bytes(b"a" * 1000)
         (layout.journal / "producer-p-1.jsonl").write_text("{}\n")
         roots.append(layout.root)
     removed = clean_mode(work, roots, sc)
     assert removed["checkpoints"] == [[f"runs/{c.consumer_id}/checkpoints", 100] for c in sc.consumers]
-    assert removed["artifacts"] == [[f"cache-{c.consumer_id}/objects", 1000] for c in sc.consumers]
+    assert removed["artifacts"] == [[f"cache-{c.consumer_id}/objects", 1000] for c in sc.consumers[:-1]]
     assert json.loads((work / "removed.json").read_text()) == removed
     for c, root in zip(sc.consumers, roots, strict=True):
         assert not (work / "runs" / c.consumer_id / "checkpoints").exists()
@@ -186,6 +190,81 @@ def test_plan_disk_refuses_a_mode_that_cannot_fit_naming_the_bytes(tmp_path, mon
     assert f"1p3c mode naive needs {need:,} B" in text and "--save weights" in text and "--save none" in text
     assert "a smaller --window" in text and "another --out" in text
     assert not (tmp_path / "runs").exists()  # sizing writes nothing
+
+
+def _preflight_cfg(out: Path, **kw):
+    from artcache.bench import run as R
+
+    kw = {"scenario": "all", **kw}
+    return R.BenchConfig(out_dir=str(out), target="random:tiny-llama", dataset="synthetic", max_length=64,
+                         max_samples=16, anchors=4, draft_layers=3, warmup=1, steps=2, window="2:4", **kw)
+
+
+def test_preflight_refuses_the_whole_run_before_any_mode_starts(tmp_path, monkeypatch):
+    """Issue 14: the bench's own preflight sizes every scenario x mode before the first one starts: a run
+    whose 1p1c fits but whose 1p3c modes (three checkpoints each) do not is refused in one line, exit 2,
+    with nothing written under --out and no process started (1p1c does not run first)."""
+    from click.testing import CliRunner
+
+    from artcache import fsio
+    from artcache.app.cli import main
+    from artcache.bench import run as R
+    from artcache.bench.scenarios import resolve
+
+    plan = R.preflight_disk(_preflight_cfg(tmp_path / "probe"), resolve("all"))
+    m = plan["modes"]
+    assert set(m) == {"1p1c/artcache", "1p3c/artcache", "1p3c/naive", "1p3c/lockstep"}
+    one = m["1p1c/artcache"]["checkpoint_bytes"]
+    assert one > 0 and m["1p3c/naive"]["checkpoint_bytes"] == 3 * one  # weights-only, the same draft shape
+    # cleaning between modes: the run needs its largest mode at once, and writes every mode's checkpoints
+    peak = max(v["checkpoint_bytes"] + v["artifact_bytes"] for v in m.values())
+    assert plan["peak_bytes"] == peak and plan["peak_mode"] == "1p3c mode naive"
+    assert plan["checkpoint_bytes_total"] == one + 3 * 3 * one
+    # naive: 3 roots x (2 + 4 + 1) artifacts; artcache: one root of 21, capped by the plan's 16 samples
+    assert m["1p3c/naive"]["artifact_bytes"] > m["1p3c/artcache"]["artifact_bytes"]
+    assert not (tmp_path / "probe").exists()
+    fs = 10**12
+    free = m["1p1c/artcache"]["checkpoint_bytes"] + m["1p1c/artcache"]["artifact_bytes"] + fsio.space_reserve(fs)
+    monkeypatch.setattr(R, "free_space", lambda p: (free, fs, tmp_path))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "--scenario", "all", "--target", "random:tiny-llama", "--data",
+                                    "synthetic", "--max-length", "64", "--max-samples", "16", "--anchors", "4",
+                                    "--draft-layers", "3", "--warmup", "1", "--steps", "2", "--window", "2:4",
+                                    "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("artcache: error:")]
+    assert len(lines) == 1 and "1p3c mode artcache needs" in lines[0], res.output
+    assert f"{free:,} B" in lines[0] and "--save none" in lines[0] and "== scenario" not in res.output
+    assert not out.exists()
+    # the same free space is enough for 1p1c alone: the refusal came from 1p3c, before 1p1c ran
+    assert R.preflight_disk(_preflight_cfg(out, scenario="1p1c"), resolve("1p1c"))["peak_mode"] == "1p1c mode artcache"
+    assert not out.exists()
+
+
+def test_preflight_counts_the_previous_output_it_replaces(tmp_path, monkeypatch):
+    """A previous bench output under --out is removed when its scenario starts: from then on its bytes are
+    free. A directory that is not a bench output is refused before anything runs (ConfigError)."""
+    from artcache import fsio
+    from artcache.bench import run as R
+    from artcache.bench.scenarios import resolve
+    from artcache.errors import ConfigError, InsufficientSpace
+
+    out = tmp_path / "out"
+    cfg = _preflight_cfg(out, save="none")
+    plan = R.preflight_disk(cfg, resolve("1p3c"))
+    fs = 10**12
+    short = 1 << 20
+    monkeypatch.setattr(R, "free_space", lambda p: (plan["peak_bytes"] + fsio.space_reserve(fs) - short, fs, out))
+    with pytest.raises(InsufficientSpace, match="1p3c mode artcache needs"):
+        R.preflight_disk(cfg, resolve("1p3c"))
+    (out / "1p3c").mkdir(parents=True)
+    (out / "1p3c" / "report.json").write_text("{}")
+    (out / "1p3c" / "old.bin").write_bytes(b"x" * short)
+    assert R.preflight_disk(cfg, resolve("1p3c"))["peak_bytes"] == plan["peak_bytes"]
+    (out / "1p3c" / "report.json").unlink()
+    with pytest.raises(ConfigError, match="is not a previous bench output"):
+        R.preflight_disk(cfg, resolve("1p3c"))
+    assert (out / "1p3c" / "old.bin").is_file()  # nothing removed by a refused run
 
 
 def test_bad_modes_exit_2_and_write_nothing(tmp_path):
