@@ -221,9 +221,16 @@ def test_checkpoint_and_resume_on_the_device(served):
 
 # ---- the bench, short ------------------------------------------------------------------------------------
 
+#: on synthetic data (uniform random ids) no loss can fall below ln(vocab - 64), and the tiny draft starts
+#: within ~0.015 nats of it: in 8 steps "the loss went down" measures noise (seen on the CPU variant: B 4
+#: 10.815 -> 10.819). tests/test_bench_cpu.py checks it on ShareGPT, where the drafts learn.
+NOT_ON_SYNTHETIC = {"every_loss_went_down"}
+
+
 def test_bench_1p1c_and_1p3c_short(device, tmp_path):
     """``artcache bench --scenario all`` on the device in a short form (tiny target, 2 + 6 steps): every check
-    of 1p1c and of 1p3c's three modes passes, and every mode's checkpoints and artifacts are gone after it."""
+    of 1p1c and of 1p3c's three modes passes (but :data:`NOT_ON_SYNTHETIC`), the exit status follows the
+    checks, and every mode's checkpoints and artifacts are gone after it."""
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "artcache", "bench", "--scenario", "all", "--device", device, "--target", TARGET,
            "--data", "synthetic", "--max-length", "128", "--max-samples", "32", "--anchors", "8", "--draft-layers",
@@ -231,10 +238,14 @@ def test_bench_1p1c_and_1p3c_short(device, tmp_path):
     if device == "cuda":
         cmd.append("--allow-shared-gpu")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode in (0, 1), proc.stdout[-4000:] + proc.stderr[-4000:]
+    every = True
     for scenario, modes in (("1p1c", ["artcache"]), ("1p3c", ["artcache", "naive", "lockstep"])):
         report = json.loads((out / scenario / "report.json").read_text())
-        assert report["device"] == device and all(report["checks"].values()), report["checks"]
+        every &= all(report["checks"].values())
+        failed = {k for k, ok in report["checks"].items() if not ok}
+        assert report["device"] == device and failed <= NOT_ON_SYNTHETIC, report["checks"]
+        assert report["disk_plan"]["peak_bytes"] > 0 and report["disk_plan"]["modes"]
         assert list(report["modes"]) == modes
         assert report["shared_gpu"] == (device == "cuda")
         if device == "cuda":
@@ -244,3 +255,4 @@ def test_bench_1p1c_and_1p3c_short(device, tmp_path):
             assert disk["checkpoints"] == len(report["consumers"]) and disk["checkpoint_bytes"] > 0, m
         assert not list((out / scenario).rglob("checkpoints")), scenario
         assert not [p for p in (out / scenario).rglob("*.safetensors") if "objects" in p.parts], scenario
+    assert proc.returncode == (0 if every else 1), proc.stdout[-2000:]
