@@ -116,8 +116,10 @@ def test_every_mode_reports_its_bytes_and_leaves_no_checkpoint_or_artifact(bench
             for root in roots:
                 assert list((root / "objects").iterdir()) == [], root
                 assert list((root / "journal").iterdir()), root  # the journals the report was made from stay
-        sizes = {report["modes"][m]["disk"]["checkpoint_bytes"] for m in modes}
-        assert len(sizes) == 1  # the same consumers write the same weights in every mode
+        sizes = [report["modes"][m]["disk"]["checkpoint_bytes"] for m in modes]
+        # the same consumers write the same tensors in every mode; state.json's figures (losses, cursor,
+        # times) differ by a few digits (seen: 1,496,308 and 1,496,310 B)
+        assert max(sizes) - min(sizes) < 4096, sizes
         assert "### disk: bytes each mode wrote (--save weights)" in (base / "report.md").read_text()
 
 
