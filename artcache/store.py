@@ -39,7 +39,7 @@ import torch
 import xxhash
 
 from artcache import FORMAT_VERSION
-from artcache.contract import CaptureContract
+from artcache.contract import CaptureContract, stored_bytes_per_token
 from artcache.crashpoints import crash_point
 from artcache.errors import ArtifactMissing, IntegrityError, PublishError
 from artcache.fp8 import SCALES
@@ -656,8 +656,8 @@ ARTIFACT_HEADER_BOUND = 4096
 
 def artifact_bytes_bound(contract: CaptureContract, hidden_size: int, tokens: int | None = None) -> int:
     """Upper bound of one artifact's file size in bytes: ``tokens`` (default ``contract.max_length``) ×
-    (captured layers × ``hidden_size`` × the stored dtype's size + 4 B of ``input_ids`` + 1 B of
-    ``loss_mask``) + :data:`ARTIFACT_HEADER_BOUND`. Qwen3-8B, 3072 tokens, 5 layers, bf16: 125,848,576 B."""
-    itemsize = torch.empty((), dtype=getattr(torch, contract.dtype)).element_size()
+    :func:`artcache.contract.stored_bytes_per_token` (captured layers × ``hidden_size`` × the stored dtype's
+    size, fp8: + one fp32 scale per layer, + 4 B of ``input_ids`` + 1 B of ``loss_mask``) +
+    :data:`ARTIFACT_HEADER_BOUND`. Qwen3-8B, 3072 tokens, 5 layers, bf16: 125,848,576 B."""
     t = contract.max_length if tokens is None else tokens
-    return t * (len(contract.layer_ids) * hidden_size * itemsize + 5) + ARTIFACT_HEADER_BOUND
+    return t * stored_bytes_per_token(contract.dtype, len(contract.layer_ids), hidden_size) + ARTIFACT_HEADER_BOUND

@@ -36,7 +36,7 @@ the artifacts left in its roots — before the next mode starts, keeping logs, j
 plans and metrics, and writes ``removed.json`` (every path removed and its bytes) beside them. Each
 mode's ``disk`` (:func:`disk_summary`) gives the bytes it wrote: checkpoints, artifacts published, the
 artifacts' peak and what was left at the end. Before any scenario starts, :func:`preflight_disk` sizes
-every mode (consumers' checkpoints + window bounds of artifacts) and refuses the run in one line (exit 2)
+every mode (consumers' checkpoints + retention bounds of artifacts) and refuses the run in one line (exit 2)
 unless the largest fits in the free space; report.json's ``disk_plan`` keeps that plan.
 """
 
@@ -222,6 +222,11 @@ def mode_budget(cfg: BenchConfig, sc: Scenario, mode: str) -> int:
     return 0
 
 
+def mode_retention(mode: str) -> str:
+    """The ``--retention`` of ``mode``'s producer: ``windows`` for the windows mode, else ``need``."""
+    return "windows" if mode == "windows" else "need"
+
+
 @dataclass
 class ModeRun:
     """What one mode left behind: its roots' journal events (concatenated) and accounting."""
@@ -258,8 +263,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     layers = capture_layers(cfg, sc)
     capture = ["--layer-ids", ",".join(map(str, layers))] if layers else ["--draft-layers", str(cfg.draft_layers)]
     budget = mode_budget(cfg, sc, mode)
-    retention = [*(["--disk-budget", str(budget)] if budget else []),
-                 *(["--retention", "windows"] if mode == "windows" else [])]
+    retention = [*(["--disk-budget", str(budget)] if budget else []), "--retention", mode_retention(mode)]
     staggered = any(c.start_s > 0 for c in sc.consumers)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cpu = cfg.device == "cpu"
@@ -290,7 +294,8 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
         ccfgs: dict[Path, list] = {}
         for _, root, ccfg in order:
             ccfgs.setdefault(root, []).append(ccfg)
-        planned = plan_disk(cfg, f"{sc.name} mode {mode}", work, ccfgs, sizes if sizes is not None else {})
+        planned = plan_disk(cfg, f"{sc.name} mode {mode}", work, ccfgs, sizes if sizes is not None else {},
+                            budget=budget, retention=mode_retention(mode))
         t_first = time.monotonic()
         for start_s, _, ccfg in order:
             time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
@@ -460,12 +465,18 @@ def checkpoint_size_of(ccfg) -> tuple[int, int]:
     return (size.total if size is not None else 0), session.draft.target_info.hidden_size
 
 
-def mode_bytes(cfg: BenchConfig, ccfgs: dict[Path, list], sizes: dict, contract=None) -> tuple[int, int]:
+def mode_bytes(cfg: BenchConfig, ccfgs: dict[Path, list], sizes: dict, contract=None, *, budget: int = 0,
+               retention: str = "need") -> tuple[int, int]:
     """(checkpoint bytes, artifact bytes) one mode holds on its disk at most: every consumer's final
-    checkpoint (:func:`checkpoint_size_of`, cached in ``sizes`` by consumer id) and each root's window bound
-    (the sum of its consumers' ``lookbehind + lookahead + 1``, at most ``cfg.max_samples``) × the artifact
-    bound (:func:`artcache.store.artifact_bytes_bound`). ``contract``: the roots' capture contract (default:
-    read from each root's ``artcache.json``)."""
+    checkpoint (:func:`checkpoint_size_of`, cached in ``sizes`` by consumer id) and, per root, its retention
+    bound × the artifact bound (:func:`artcache.store.artifact_bytes_bound`). A root's producer never holds
+    more than the positions its consumers read (``steps × batch_size`` of the longest, at most
+    ``cfg.max_samples``: windows are clipped at each consumer's end). Under ``retention`` ``windows`` it
+    holds at most its live windows (the sum of its consumers' ``lookbehind + lookahead + 1``); under
+    ``need`` (the producer's default) it keeps what a consumer will still read while it fits ``budget``
+    (the producer's ``--disk-budget``; 0: its default, from the free space, which does not bound it here),
+    but never evicts a live window, so at most max(windows, ``budget``) bytes. ``contract``: the roots'
+    capture contract (default: read from each root's ``artcache.json``)."""
     from artcache.settings import load_settings
 
     ckpt = art = 0
@@ -475,8 +486,13 @@ def mode_bytes(cfg: BenchConfig, ccfgs: dict[Path, list], sizes: dict, contract=
                 sizes[c.consumer_id] = checkpoint_size_of(c)
             ckpt += sizes[c.consumer_id][0]
         con = contract if contract is not None else load_settings(CacheLayout(root)).contract
-        bound = min(sum(c.lookbehind + c.lookahead + 1 for c in group), cfg.max_samples)
-        art += bound * artifact_bytes_bound(con, sizes[group[0].consumer_id][1])
+        per = artifact_bytes_bound(con, sizes[group[0].consumer_id][1])
+        positions = min(max(c.steps * c.batch_size for c in group), cfg.max_samples)
+        windows = min(sum(c.lookbehind + c.lookahead + 1 for c in group), positions) * per
+        if retention == "windows":
+            art += windows
+        else:
+            art += min(positions * per, max(windows, budget)) if budget else positions * per
     return ckpt, art
 
 
@@ -484,19 +500,22 @@ def _refuse(cfg: BenchConfig, what: str, ckpt: int, art: int, work: Path, free: 
             extra: str = "") -> InsufficientSpace:
     """The one-line refusal of :func:`plan_disk` and :func:`preflight_disk`: the bytes needed (checkpoints
     and artifacts), free, kept in reserve, and the settings that need fewer."""
-    ways = ["a smaller --window (fewer artifacts retained)", "another --out on a filesystem with more space"]
+    ways = ["a smaller --window or fewer --warmup/--steps (fewer artifacts retained)",
+            "another --out on a filesystem with more space"]
     if cfg.save != "none":
         ways.insert(0, "--save none (no checkpoints)" if cfg.save == "weights" else
                     "--save weights (a third of the bytes) or --save none")
     return InsufficientSpace(
         f"{what} needs {ckpt + art:,} B ({format_bytes(ckpt + art)}: checkpoints {format_bytes(ckpt)} under "
-        f"--save {cfg.save}, artifacts {format_bytes(art)} at the window bound) under {work}, but {at} has "
+        f"--save {cfg.save}, artifacts {format_bytes(art)} at the retention bound) under {work}, but {at} has "
         f"{free:,} B ({format_bytes(free)}) free{extra}, {format_bytes(reserve)} of it kept in reserve; pass "
         + ", or ".join(ways))
 
 
-def plan_disk(cfg: BenchConfig, what: str, work: Path, ccfgs: dict[Path, list], sizes: dict) -> dict:
-    """What one mode will hold on its disk at most (:func:`mode_bytes`), checked against the free space
+def plan_disk(cfg: BenchConfig, what: str, work: Path, ccfgs: dict[Path, list], sizes: dict, *, budget: int = 0,
+              retention: str = "need") -> dict:
+    """What one mode will hold on its disk at most (:func:`mode_bytes`, its producers' ``budget`` and
+    ``retention``), checked against the free space
     under ``work`` before its consumers start, plus the filesystem's reserve. The bench checked the whole
     run before any mode started (:func:`preflight_disk`); this check, with the mode's real roots, catches
     a disk that other writers filled since.
@@ -506,10 +525,10 @@ def plan_disk(cfg: BenchConfig, what: str, work: Path, ccfgs: dict[Path, list], 
     Raises:
         InsufficientSpace: naming the bytes needed and free and the settings that need fewer.
     """
-    ckpt, art = mode_bytes(cfg, ccfgs, sizes)
+    ckpt, art = mode_bytes(cfg, ccfgs, sizes, budget=budget, retention=retention)
     free, fs_size, at = free_space(work)
     reserve = space_reserve(fs_size)
-    # artifacts the producers published already are inside the window bound and out of the free space
+    # artifacts the producers published already are inside the retention bound and out of the free space
     present = sum(_tree_bytes(CacheLayout(root).objects) for root in ccfgs if CacheLayout(root).objects.is_dir())
     if ckpt + max(0, art - present) + reserve > free:
         extra = f" (+ {format_bytes(present)} of artifacts published already)" if present else ""
@@ -522,11 +541,11 @@ def preflight_disk(cfg: BenchConfig, scenarios: list[Scenario]) -> dict:
     refuses; sizing needs one scratch cache root, made in a temporary directory and removed).
 
     For every scenario × mode, what it holds at most (:func:`mode_bytes`: the consumers' checkpoints
-    under ``--save`` plus each root's window bound of artifacts, from the contract the producers will
-    write). :func:`clean_mode` removes each mode's checkpoints and artifacts before the next mode starts,
+    under ``--save`` plus each root's retention bound of artifacts under the mode's ``--retention`` and
+    ``--disk-budget``, from the contract the scenario's producers will write). :func:`clean_mode` removes each mode's checkpoints and artifacts before the next mode starts,
     so the run needs the largest mode's bytes at once, not their sum (the sum over consumers × modes,
-    ``total_bytes_bound``, is what the run writes over its length at most counting each artifact once per
-    window slot; the artifacts published are in each report). A previous bench output that the run
+    ``total_bytes_bound``, is what the run writes over its length at most counting each retained artifact
+    once; the artifacts published are in each report). A previous bench output that the run
     replaces (``--out``'s scenario directories) counts as free from the scenario that removes it on.
 
     Returns ``{"free_bytes", "reserve_bytes", "peak_bytes", "peak_mode", "checkpoint_bytes_total",
@@ -571,7 +590,8 @@ def preflight_disk(cfg: BenchConfig, scenarios: list[Scenario]) -> dict:
                 for _, _, consumers in _producers(base, mode, sc):  # one key per root of the mode (naive: one each)
                     group = consumer_configs(rc, sc, work, mode, [(root, consumers)], ["cpu"] * len(consumers))
                     merged[root / consumers[0].consumer_id] = [ccfg for _, _, ccfg in group]
-                ckpt, art = mode_bytes(rc, merged, sizes, contract)
+                ckpt, art = mode_bytes(rc, merged, sizes, contract, budget=mode_budget(rc, sc, mode),
+                                       retention=mode_retention(mode))
                 what = f"{sc.name} mode {mode}"
                 plan["modes"][f"{sc.name}/{mode}"] = {"checkpoint_bytes": ckpt, "artifact_bytes": art}
                 plan["checkpoint_bytes_total"] += ckpt
@@ -932,7 +952,7 @@ def format_disk(r: dict) -> str:
         "```", table(["mode", "checkpoints", "checkpoint bytes", "planned", "artifacts published", "artifact peak",
                       "planned bound", "left at end", "peak bound"], rows), "```", "",
         "planned = what the bench checked against the free space before the mode's consumers started (each "
-        "consumer's checkpoint as it sizes it; the window bound x the artifact bound); artifact peak = most "
+        "consumer's checkpoint as it sizes it; the retention bound x the artifact bound); artifact peak = most "
         "artifact bytes retained at once (several roots: their peaks added); left at end = artifacts still in the "
         "roots when the mode ended; peak bound = artifact peak + checkpoint bytes. Every removed path and its "
         "bytes: removed.json in the mode's directory.",

@@ -159,8 +159,10 @@ def test_clean_mode_removes_checkpoints_and_artifacts_and_keeps_the_record(tmp_p
 
 def test_plan_disk_refuses_a_mode_that_cannot_fit_naming_the_bytes(tmp_path, monkeypatch):
     """The bench's own preflight: every consumer's checkpoint as the consumer sizes it, plus each root's
-    window bound of artifacts, against the free space, before any consumer starts (three consumers that
+    retention bound of artifacts (windows; by need: the positions read, or the budget), against the free space, before any consumer starts (three consumers that
     each fit alone can fill a disk together)."""
+    import msgspec
+
     from artcache import fsio
     from artcache.bench import run as R
     from artcache.errors import InsufficientSpace
@@ -177,17 +179,25 @@ def test_plan_disk_refuses_a_mode_that_cannot_fit_naming_the_bytes(tmp_path, mon
                                    batch_size=1, steps=4, num_anchors=4, checkpoint_optimizer=False, threads=1,
                                    out_dir=str(tmp_path / "runs" / f"d{b}")) for b in (4, 8, 16)]}
     sizes: dict = {}
-    plan = R.plan_disk(cfg, "1p3c mode artcache", tmp_path, ccfgs, sizes)
+    per_artifact = artifact_bytes_bound(settings.contract, 64)
+    # --retention windows: three windows of 2 + 4 + 1 positions, at most the 4 positions the consumers read
+    plan = R.plan_disk(cfg, "1p3c mode windows", tmp_path, ccfgs, sizes, retention="windows")
     per = sizes["d4"][0]
     assert set(sizes) == {"d4", "d8", "d16"} and sizes["d4"][1] == info.hidden_size == 64
     assert plan["checkpoint_bytes"] == sum(v[0] for v in sizes.values()) and per > 0
-    # three windows of 2 + 4 + 1 positions, at most the plan's 16 samples
-    assert plan["artifact_bytes"] == min(3 * 7, 16) * artifact_bytes_bound(settings.contract, 64)
+    assert plan["artifact_bytes"] == min(3 * 7, 4) * per_artifact
+    # retention by need (the producer's default budget): every position a consumer reads (steps 4 x batch 1)
+    assert R.plan_disk(cfg, "1p3c mode artcache", tmp_path, ccfgs, sizes)["artifact_bytes"] == 4 * per_artifact
+    # a budget: at most it (and the 12 positions read), but never less than the live window (7 positions)
+    long = {root: [msgspec.structs.replace(ccfgs[root][0], steps=12)]}
+    for budget, n in ((10, 10), (1, 7), (50, 12)):
+        got = R.plan_disk(cfg, "1p1c mode artcache", tmp_path, long, sizes, budget=budget * per_artifact)
+        assert got["artifact_bytes"] == n * per_artifact, budget
     fs = 10**12
     need = plan["checkpoint_bytes"] + plan["artifact_bytes"]
     monkeypatch.setattr(R, "free_space", lambda p: (need + fsio.space_reserve(fs) - 1, fs, tmp_path))
     with pytest.raises(InsufficientSpace) as info_:
-        R.plan_disk(cfg, "1p3c mode naive", tmp_path, ccfgs, sizes)
+        R.plan_disk(cfg, "1p3c mode naive", tmp_path, ccfgs, sizes, retention="windows")
     text = str(info_.value)
     assert f"1p3c mode naive needs {need:,} B" in text and "--save weights" in text and "--save none" in text
     assert "a smaller --window" in text and "another --out" in text
@@ -222,8 +232,10 @@ def test_preflight_refuses_the_whole_run_before_any_mode_starts(tmp_path, monkey
     peak = max(v["checkpoint_bytes"] + v["artifact_bytes"] for v in m.values())
     assert plan["peak_bytes"] == peak and plan["peak_mode"] == "1p3c mode naive"
     assert plan["checkpoint_bytes_total"] == one + 3 * 3 * one
-    # naive: 3 roots x (2 + 4 + 1) artifacts; artcache: one root of 21, capped by the plan's 16 samples
-    assert m["1p3c/naive"]["artifact_bytes"] > m["1p3c/artcache"]["artifact_bytes"]
+    # retention by need (1p3c's producers keep their default budget): every position read, warmup 1 + steps 2;
+    # naive: 3 roots of 3 artifacts; artcache and lockstep: one root of 3
+    assert m["1p3c/naive"]["artifact_bytes"] == 3 * m["1p3c/artcache"]["artifact_bytes"] > 0
+    assert m["1p3c/lockstep"]["artifact_bytes"] == m["1p3c/artcache"]["artifact_bytes"]
     assert not (tmp_path / "probe").exists()
     fs = 10**12
     free = m["1p1c/artcache"]["checkpoint_bytes"] + m["1p1c/artcache"]["artifact_bytes"] + fsio.space_reserve(fs)

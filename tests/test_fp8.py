@@ -120,6 +120,12 @@ def test_fp8_artifact_round_trip_half_the_bytes_and_loads_with_safetensors(layou
     for n, contract, f in ((n8, C8, fp), (n16, C16, fp_of(bf, C16))):
         (hlen,) = struct.unpack("<Q", layout.object_path(f).read_bytes()[:8])
         assert n == 8 + hlen + 64 * stored_bytes_per_token(contract.dtype, 2, H)
+    # regression (ckpt-gpu-lane rebase): the disk bound the bench and `artcache run` plan with counts fp8's
+    # scales (it sized fp8 as 1 B per value alone, below the file it bounds)
+    for n, contract, f in ((n8, C8, fp), (n16, C16, fp_of(bf, C16))):
+        (hlen,) = struct.unpack("<Q", layout.object_path(f).read_bytes()[:8])
+        bound = store.artifact_bytes_bound(contract, H, 64)
+        assert bound >= n and bound - store.ARTIFACT_HEADER_BOUND >= n - 8 - hlen  # the data part alone too
     art = store.read(layout, fp, C8, verify_tokens=True)
     assert art.hidden_states.dtype == torch.float8_e4m3fn and art.hidden_scales.dtype == torch.float32
     assert torch.equal(art.hidden_states.view(torch.uint8), ts["hidden_states"].view(torch.uint8))
