@@ -79,9 +79,12 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
         assert [s.cursor for s in steps] == [BATCH * (i + 1) for i in range(STEPS)]
         start = [e for e in evs if isinstance(e, J.ConsumerStart) and e.consumer == cid]
         assert start[0].pinned == EVAL
-    captured = Counter(p for e in evs if isinstance(e, J.Capture) for p in e.positions)
     # pinned in both registrations: captured once, kept between evaluations and shared by both drafts
-    assert all(captured[p] == 1 for p in held_out), captured
+    # (held-out samples have no run position since epochs: counted by the fingerprint each read names)
+    held_fps = {e.fp for e in evs if isinstance(e, J.Request) and e.held_out}
+    assert len(held_fps) == EVAL
+    captured = Counter(e.fp for e in evs if isinstance(e, J.Capture))
+    assert all(captured[fp] == 1 for fp in held_fps), captured
 
     d, e = summary_of(cons[0]), summary_of(cons[1])
     assert d["eval"]["labels"] == e["eval"]["labels"] == "target argmax"

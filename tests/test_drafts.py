@@ -313,14 +313,15 @@ def test_regression_evaluation_stops_between_batches_on_a_signal():
         def __init__(self):
             self.wanted, self.unwanted, self.acquired = [], [], []
 
-        def want(self, positions):
-            self.wanted = list(positions)
+        def want_samples(self, samples):  # the held-out split is read by sample index (issue 21)
+            self.wanted = list(samples)
             return self.wanted
 
-        def unwant(self, positions):
-            self.unwanted = list(positions)
+        def unwant(self, samples, held_out=False):
+            assert held_out
+            self.unwanted = list(samples)
 
-        def acquire(self, p, stop=None):
+        def acquire_sample(self, p, stop=None):
             self.acquired.append(p)
             raise AssertionError("acquired after the stop request")
 
