@@ -328,7 +328,7 @@ def test_failed_experiment_leaves_siblings_running_and_exit_nonzero(tiny_target,
     # started later walks the plan from its beginning), never more than the budget (issue 21)
     cache_acc = r["root_accounting"]["cache"]
     assert cache_acc["leases_held"] == 0 and cache_acc["budget_exceeded_bytes"] == 0
-    assert 0 < cache_acc["budget_bytes"] and sum(store.list_objects(layout).values()) <= cache_acc["budget_bytes"]
+    assert cache_acc["budget_bytes"] > 0 and sum(store.list_objects(layout).values()) <= cache_acc["budget_bytes"]
     # the resolved config beside the run and each experiment; it reloads to the config the run used
     saved = load_run_config(out / "config.toml")
     assert saved.capture.layer_ids == [1, 2, 3] and [e.name for e in saved.experiments] == ["good", "bad"]
