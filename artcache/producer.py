@@ -122,7 +122,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_timeout_s: float = 30.0
     lease_ttl_s: float = 600.0
     exit_when_done: bool = False
-    done_grace_s: float = 10.0
+    done_grace_s: float = 5.0
     expect_consumers: int = 0
     expect_timeout_s: float = 300.0
     idle_exit_s: float = 0.0

@@ -79,18 +79,30 @@ HETERO_GOALS = {"captures_per_consumed_position": 1.05, "speed_ratio": 1.5, "fas
 SAVE_POLICIES = ("none", "weights", "full")
 
 
+#: the bench's per-device defaults, in one place (``artcache bench`` flags, ``[bench]`` config fields and
+#: :class:`BenchConfig` leave these unset; :func:`resolved` fills them in): warm-up and measured steps per
+#: consumer, DFlash anchors per sequence. A scenario may set its own steps / max_length per device.
+DEVICE_DEFAULTS = {"cpu": {"warmup": 3, "steps": 15, "anchors": 64},
+                   "cuda": {"warmup": 30, "steps": 150, "anchors": 256}}
+DEFAULT_MAX_LENGTH = 512
+
+
 @dataclass
 class BenchConfig:
+    """One ``artcache bench`` invocation. ``None`` (``0`` for ``max_length``) = the default for the
+    device and scenario (:data:`DEVICE_DEFAULTS`, the scenario's own, else :data:`DEFAULT_MAX_LENGTH`),
+    filled in by :func:`resolved`."""
+
     scenario: str = "1p3c"
     device: str = "cpu"
     out_dir: str = "bench-out"
-    warmup: int = 5
-    steps: int | None = 40  # None: the scenario's default for the device (else 150 cuda / 15 cpu)
+    warmup: int | None = None
+    steps: int | None = None
     target: str = "smollm2-135m-instruct"
     dataset: str = "sharegpt"
-    max_length: int = 512  # 0: the scenario's default for the device (else 512)
+    max_length: int = 0
     max_samples: int = 2000
-    anchors: int = 32
+    anchors: int | None = None
     batch_size: int = 1
     window: str = ""  # "": the scenario's default, else 64:256
     allow_shared_gpu: bool = False
@@ -103,13 +115,18 @@ class BenchConfig:
 
 
 def resolved(cfg: BenchConfig, sc: Scenario) -> BenchConfig:
-    """``cfg`` with the scenario's defaults filled in (window, steps)."""
+    """``cfg`` with the device's and the scenario's defaults filled in (window, warm-up, steps, anchors,
+    max_length). ConfigError for a device with no defaults."""
+    dev = "cuda" if cfg.device.startswith("cuda") else cfg.device
+    if dev not in DEVICE_DEFAULTS:
+        raise ConfigError(f"--device {cfg.device!r} is not accepted: use cpu or cuda")
+    base = DEVICE_DEFAULTS[dev]
     window = cfg.window or sc.window or "64:256"
-    steps = cfg.steps
-    if steps is None:
-        steps = (sc.steps or {}).get(cfg.device, 150 if cfg.device == "cuda" else 15)
-    max_length = cfg.max_length or (sc.max_length or {}).get(cfg.device, 512)
-    return replace(cfg, window=window, steps=steps, max_length=max_length)
+    steps = cfg.steps if cfg.steps is not None else (sc.steps or {}).get(dev, base["steps"])
+    max_length = cfg.max_length or (sc.max_length or {}).get(dev, DEFAULT_MAX_LENGTH)
+    return replace(cfg, window=window, steps=steps, max_length=max_length,
+                   warmup=cfg.warmup if cfg.warmup is not None else base["warmup"],
+                   anchors=cfg.anchors if cfg.anchors is not None else base["anchors"])
 
 
 def _check_environment(cfg: BenchConfig, n_roles: int) -> list[int]:

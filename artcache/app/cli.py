@@ -215,7 +215,7 @@ def main(verbose: bool) -> None:
 @click.option("--max-queue", default=1024, type=int, help="Max queued fingerprints per scheduling pass.")
 @click.option("--heartbeat-timeout", default=30.0, type=float, help="Seconds before a silent consumer is fenced.")
 @click.option("--exit-when-done", is_flag=True, help="Exit once every registered consumer has finished.")
-@click.option("--done-grace", default=10.0, type=float,
+@click.option("--done-grace", default=5.0, type=float,
               help="With --exit-when-done: seconds with no running consumer before exiting.")
 @click.option("--expect-consumers", default=0, type=int,
               help="Capture nothing until this many consumers have registered (a start line).")
@@ -430,10 +430,9 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
     from artcache.bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,
-                      warmup=warmup if warmup is not None else (30 if device == "cuda" else 3),
-                      steps=steps,  # None: the scenario's default for the device
+                      warmup=warmup, steps=steps,  # None: the device's / scenario's default (bench.run)
                       target=target, dataset=dataset, max_length=max_length, max_samples=max_samples,
-                      anchors=anchors if anchors is not None else (256 if device == "cuda" else 64),
+                      anchors=anchors,
                       batch_size=batch_size, draft_layers=draft_layers, window=window,
                       allow_shared_gpu=allow_shared_gpu, modes=modes,
                       disk_budget=parse_bytes(disk_budget, "disk-budget"), budget_fraction=budget_fraction,

@@ -791,17 +791,15 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
 
 
 def bench_config(cfg: RunConfig):
-    """:class:`artcache.bench.run.BenchConfig` from a run config (device-dependent defaults filled in)."""
+    """:class:`artcache.bench.run.BenchConfig` from a run config (unset counts stay None: the bench fills in
+    its device and scenario defaults, :data:`artcache.bench.run.DEVICE_DEFAULTS`)."""
     from artcache.bench.run import BenchConfig
 
     b = cfg.bench
-    cuda = b.device == "cuda"
-    values = {
-        "scenario": b.scenario, "device": b.device, "out_dir": b.out,
-        "warmup": b.warmup if b.warmup is not None else (30 if cuda else 5),
-        "steps": b.steps if b.steps is not None else (150 if cuda else 30),
+    values = {  # None counts: the device's / scenario's defaults, filled in by artcache.bench.run.resolved
+        "scenario": b.scenario, "device": b.device, "out_dir": b.out, "warmup": b.warmup, "steps": b.steps,
         "target": cfg.target.name, "dataset": cfg.data.dataset, "max_length": cfg.data.max_length,
-        "max_samples": cfg.data.max_samples, "anchors": b.anchors if b.anchors is not None else (256 if cuda else 32),
+        "max_samples": cfg.data.max_samples, "anchors": b.anchors,
         "batch_size": b.batch_size, "window": b.window, "allow_shared_gpu": b.allow_shared_gpu,
         "draft_layers": cfg.capture.draft_layers, "timeout_s": b.timeout_s, "modes": b.modes,
         "disk_budget": b.disk_budget, "budget_fraction": b.budget_fraction, "save": b.save,
