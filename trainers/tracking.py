@@ -22,10 +22,11 @@ import csv
 import io
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
+
+from artcache.fsio import atomic_write
 
 log = logging.getLogger("artcache.consumer")
 
@@ -120,9 +121,7 @@ def _truncate_csv(path: Path, keep_through_step: int) -> None:
         except ValueError:
             continue
         w.writerow(row)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(out.getvalue())
-    os.replace(tmp, path)
+    atomic_write(path, [out.getvalue().encode()], path.parent)  # fsynced, like every atomic write
 
 
 def read_metrics(path: Path) -> list[tuple[int, str, float]]:

@@ -618,15 +618,14 @@ def dump_toml(cfg: RunConfig) -> str:
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
-    """Write the resolved config as TOML (atomically) and return its path."""
-    import os
+    """Write the resolved config as TOML and return its path (:func:`artcache.fsio.atomic_write`: temp file,
+    fsync, rename, directory fsync; PublishError on an OSError, ``path`` untouched)."""
+    from artcache.fsio import atomic_write
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text("# resolved artcache run config (defaults filled in); rerun with --config this file\n"
-                   + dump_toml(cfg))
-    os.replace(tmp, p)
+    text = "# resolved artcache run config (defaults filled in); rerun with --config this file\n" + dump_toml(cfg)
+    atomic_write(p, [text.encode()], p.parent)
     return p
 
 
