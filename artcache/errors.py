@@ -202,3 +202,16 @@ class CheckpointWriteError(_OSErrorMessage):
 
     def _keywords(self) -> dict:
         return {**super()._keywords(), "last_good": self.last_good, "retryable": self.retryable}
+
+
+class TrainingDiverged(ArtcacheError, FloatingPointError):
+    """A consumer's loss or gradient norm became non-finite (NaN / inf): training stops at once, no
+    checkpoint is written after it (the last finite one stays ``latest``), the registration is marked
+    failed. ``step`` is the first optimizer step whose loss or gradient was non-finite."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+    def _keywords(self) -> dict:
+        return {"step": self.step}

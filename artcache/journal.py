@@ -200,7 +200,7 @@ class Step(Event, tag="step"):
     consumer: str
     step: int
     cursor: int
-    loss: float
+    loss: float | None  # None: the batch supervised nothing (no loss to report)
     tau_sum: float
     blocks: int
     acc_correct: list[int]

@@ -44,7 +44,7 @@ def scenario_figures(events: list, warmup: int) -> dict:
         in_interval = sum(1 for s in ss if t0 < s.t <= t1)
         wait = sum(s.wait_s for s in measured)
         busy = sum(s.step_s for s in measured)
-        losses = [s.loss for s in ss]
+        losses = [s.loss for s in ss if s.loss is not None]
         k = max(1, min(5, len(losses) // 2))  # first-k and last-k windows never overlap
         consumers[cid] = {
             "steps": len(ss), "measured_steps": len(measured),

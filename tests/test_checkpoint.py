@@ -210,10 +210,10 @@ def test_find_checkpoint_by_cursor_and_prune(tmp_path):
     assert ck.find_checkpoint(tmp_path, cursor=5) is None
     (tmp_path / "checkpoints" / ".tmp-half").mkdir()  # a crashed save's temp dir is never a checkpoint
     assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2, 4, 6, 8]
-    removed = ck.prune(tmp_path, 2, protect=paths[2])
+    removed = ck.prune(tmp_path, 2, paths[2])
     assert sorted(removed) == [paths[4]]
     assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2, 6, 8]
-    assert ck.prune(tmp_path, 0, protect=paths[2]) == []
+    assert ck.prune(tmp_path, 0, paths[2]) == []
 
 
 def test_restore_optimizer_rejects_another_model(tmp_path):
@@ -249,11 +249,10 @@ def test_strict_weights_both_ways():
 
 def test_find_checkpoint_is_the_one_lookup(tmp_path):
     """--init-from (a published draft is enough), export / artcache run (a checkpoint) and --resume (by cursor)."""
-    from artcache.trainers.consumer import ConsumerConfig
-    from artcache.trainers.consumer.restore import init_source
+    from artcache.trainers.seed import read_seed
 
-    with pytest.raises(ConfigError, match="no model.safetensors"):
-        init_source(ConsumerConfig(cache="-", init_from=str(tmp_path / "missing")), settings=None)
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_seed(tmp_path / "missing", 6)
     assert ck.find_checkpoint(tmp_path / "missing", published=True) is None
     model, opt = make()
     path = save(tmp_path / "run", 3, model, opt, torch.Generator())

@@ -355,22 +355,35 @@ def test_export_refuses_a_gated_head_as_speculators_and_mismatched_weights(tmp_p
     assert st["draft"] == "dspark" and not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
 
 
-def test_init_from_an_export_maps_names_back_and_checks_the_config(tmp_path):
+@pytest.mark.parametrize("fmt", ["speculators", "hf"])
+def test_init_from_an_export_maps_names_back_and_checks_the_config(tmp_path, fmt):
+    """A DSpark export (either format) seeds a run through the one seed loader (artcache.trainers.seed): its
+    config.json is read back as DSpark's (layer ids = the context ids then L - 1), its serving names map back
+    onto the model's keys and load the source's tensors, and a run reading other layers or with another Markov
+    rank is refused naming the field and both values."""
     from artcache.trainers.dspark.adapter import DSparkAdapter
     from artcache.trainers.export import export_checkpoint
+    from artcache.trainers.seed import SeedPlan, compare_configs, load_seed, map_back, read_seed
 
     m = model_of(dtype=torch.float32)
-    export_checkpoint(_checkpoint(tmp_path, m, [1, 3, 5]), tmp_path / "out", "speculators", target=_target_cfg(),
+    export_checkpoint(_checkpoint(tmp_path, m, [1, 3, 5]), tmp_path / "out", fmt, target=_target_cfg(),
                       dtype="float32")
-    import safetensors.torch
-
-    tensors = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
-    ad = DSparkAdapter(model_of(seed=3, dtype=torch.float32), m.cfg, [1, 3, 5], torch.Generator())
-    got = ad.published_weights(tensors, tmp_path / "out")
-    assert set(got) == set(m.trainable_state_dict())
-    other = DSparkAdapter(model_of(seed=3, dtype=torch.float32), m.cfg, [1, 2, 5], torch.Generator())
-    with pytest.raises(ConfigError, match="context layer ids"):
-        other.published_weights(tensors, tmp_path / "out")
+    own = {k: tuple(v.shape) for k, v in m.trainable_state_dict().items()}
+    ours = {**msgspec.to_builtins(m.cfg), "layer_ids": [1, 3, 5]}
+    assert DSparkAdapter.weight_shapes(ours) == own
+    src = read_seed(tmp_path / "out", 6)
+    assert src.draft == "dspark" and src.recorded["layer_ids"] == [1, 3, 5]
+    assert compare_configs(src, ours, DSparkAdapter.seed_fields, [], "seed") == []
+    mapping, target = map_back(src.shapes, own, DSparkAdapter.serving_names, DSparkAdapter.target_tensors, "seed")
+    assert sorted(mapping.values()) == sorted(own) and not target
+    assert any(k.startswith("hidden_norm.") for k in mapping)  # a serving name, mapped back
+    got = load_seed(SeedPlan(src, mapping))
+    for k, v in m.trainable_state_dict().items():
+        assert torch.equal(got[k], v), k
+    with pytest.raises(ConfigError, match=r"trained on layers \[1, 3, 5\], this run reads \[1, 2, 5\]"):
+        compare_configs(src, {**ours, "layer_ids": [1, 2, 5]}, DSparkAdapter.seed_fields, [], "seed")
+    with pytest.raises(ConfigError, match="markov_rank differs: seed 6, this run 5"):
+        compare_configs(src, {**ours, "markov_rank": 5}, DSparkAdapter.seed_fields, [], "seed")
 
 
 def test_views_union_and_default_layers():

@@ -156,7 +156,8 @@ def test_dflash_speculators_config_fields(tmp_path, target_dir):
     assert c["aux_hidden_state_layer_ids"] == [i + 1 for i in ids]  # vLLM: target_layer_ids = aux - 1
     sc = c["speculators_config"]
     assert sc["algorithm"] == "dflash" and sc["proposal_methods"][0]["speculative_tokens"] == cfg.block_size - 1
-    assert sc["verifier"]["name_or_path"] == str(target_dir.resolve())
+    # regression (issue 16): the verifier was the target's absolute local path; it is the target's name
+    assert sc["verifier"]["name_or_path"] == target_dir.name and "/" not in sc["verifier"]["name_or_path"]
     assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
     assert c["transformer_layer_config"]["num_hidden_layers"] == 2 and c["mask_token_id"] == V - 1
     assert c["sliding_window_non_causal"] is True  # vLLM 0.32: dflash_config.causal = not this
@@ -226,11 +227,18 @@ def eagle3_checkpoint(run_dir: Path):
     return model, cfg, (emb, norm, head)
 
 
+def with_weights(target_dir: Path, emb: torch.Tensor, norm: torch.Tensor, head: torch.Tensor) -> Path:
+    """``target_dir`` with the frozen tensors the draft was built around as its weights (a resolvable target)."""
+    safetensors.torch.save_file({"model.embed_tokens.weight": emb.contiguous(), "model.norm.weight": norm.contiguous(),
+                                 "lm_head.weight": head.contiguous()}, str(target_dir / "model.safetensors"))
+    return target_dir
+
+
 @pytest.mark.parametrize("fmt", ["hf", "speculators"])
 def test_eagle3_export_roundtrip_strict(tmp_path, target_dir, fmt):
     model, cfg, frozen = eagle3_checkpoint(tmp_path / "run")
     out = tmp_path / "draft"
-    res = export_checkpoint(tmp_path / "run", out, fmt, target=str(target_dir), dtype="float32")
+    res = export_checkpoint(tmp_path / "run", out, fmt, target=str(with_weights(target_dir, *frozen)), dtype="float32")
     assert res.draft == "eagle3"
     tensors = safetensors.torch.load_file(out / "model.safetensors")
     layer = "midlayer." if fmt == "hf" else "layers.0."
@@ -244,6 +252,9 @@ def test_eagle3_export_roundtrip_strict(tmp_path, target_dir, fmt):
     if fmt == "speculators":
         assert c["speculators_model_type"] == "eagle3" and c["norm_before_residual"] is False
         assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+        # regression (issue 16): speculators' Eagle3DraftModel reads embed_tokens.weight from the checkpoint
+        # (absent, it stayed zeros and its logits were off): the export carries the target's embedding
+        assert torch.equal(tensors["embed_tokens.weight"], frozen[0])
     else:
         assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["draft_vocab_size"] == 16
     fresh, got_aux = load_eagle3_export(out, *frozen)
@@ -539,7 +550,8 @@ def test_regression_target_defaults_to_the_checkpoint_record(tmp_path, target_di
     (step / "state.json").write_text(json.dumps(state))
     r = runner.invoke(main, [*base, "--out", str(tmp_path / "h")])
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "h" / "export.json").read_text())["target"] == str(good.resolve())
+    prov = json.loads((tmp_path / "h" / "export.json").read_text())  # the name, never the local path
+    assert prov["target"] == prov["target_name"] == good.name and prov["target_weights_digest"] == good_digest
     assert not any((tmp_path / n).exists() for n in "defg")
     _no_leftovers(tmp_path)
 

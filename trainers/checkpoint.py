@@ -109,6 +109,8 @@ class CheckpointState(msgspec.Struct, kw_only=True):
         generation: the registration generation that wrote it. saved_at: ``time.time()`` of the save.
         resumable: False for a weights-only checkpoint (no ``optimizer.safetensors`` / ``rng.safetensors``):
             ``--init-from`` and export read it, ``--resume`` refuses it. Older checkpoints (no field) are full.
+        eval: the held-out evaluation of this step (the draft's summary, ``step``), when one ran at it.
+        steps_planned: the run's ``--steps`` (its stop) when it was saved.
     """
 
     format: int | None = None
@@ -133,6 +135,8 @@ class CheckpointState(msgspec.Struct, kw_only=True):
     generation: int | None = None
     saved_at: float | None = None
     resumable: bool = True
+    eval: dict[str, Any] | None = None
+    steps_planned: int | None = None
 
     @property
     def view_layer_ids(self) -> list[int] | None:
@@ -342,6 +346,25 @@ def point_latest(run_dir: Path, ckpt: Path) -> None:
     fsync_dir(parent)
 
 
+def point_best(run_dir: Path, ckpt: Path) -> None:
+    """Point ``run_dir/checkpoints/best`` at ``ckpt`` (relative symlink, replaced atomically): the checkpoint
+    whose held-out figure was best so far. :func:`prune` never removes it."""
+    parent = Path(run_dir) / "checkpoints"
+    tmp_link = parent / f".best-{unique_suffix()}"
+    os.symlink(Path(ckpt).name, tmp_link)
+    os.replace(tmp_link, parent / "best")
+    fsync_dir(parent)
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The complete checkpoint ``run_dir/checkpoints/best`` points at, or None."""
+    link = Path(run_dir) / "checkpoints" / "best"
+    if not link.is_symlink() and not link.is_dir():
+        return None
+    target = link.resolve()
+    return target if (target / "state.json").is_file() else None
+
+
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoint directories of a run, (step, path), ascending by step."""
     parent = Path(run_dir) / "checkpoints"
@@ -355,14 +378,16 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def prune(run_dir: Path, keep: int, protect: Path) -> list[Path]:
-    """Remove all but the newest ``keep`` checkpoints (0: keep all); never ``protect``. Returns the removed."""
+def prune(run_dir: Path, keep: int, *protect: Path) -> list[Path]:
+    """Remove all but the newest ``keep`` checkpoints (0: keep all); never one of ``protect`` (``latest``,
+    ``best``). Returns the removed."""
     if keep <= 0:
         return []
     ckpts = [p for _, p in list_checkpoints(run_dir)]
+    keep_paths = {Path(x).resolve() for x in protect}
     removed = []
     for p in ckpts[:-keep]:
-        if p.resolve() != Path(protect).resolve():
+        if p.resolve() not in keep_paths:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed

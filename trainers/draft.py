@@ -22,16 +22,18 @@ target's hidden size, V its vocabulary):
   steps).
 - ``evaluate(batch, target_argmax) -> MetricSums``: held-out metrics without gradients;
   ``target_argmax`` [b, T] long (the target's greedy next token after each prefix) or None.
-- ``summary(sums) -> dict``: the metrics of a :class:`MetricSums`, each ratio divided once; must hold
-  ``loss`` (float) and ``acc`` (list of floats), plus ``progress_metric``.
+- ``summary(sums) -> dict``: the metrics of a :class:`MetricSums`, each ratio divided once; a figure
+  whose denominator is 0 is left out (``acc`` entries are None), never reported as 0.0 or NaN.
 - ``headline(summary) -> str``: one log fragment with the draft's acceptance figure, bonus stated.
 - ``journal_fields(sums) -> dict``: the Step journal event's ``tau_sum``, ``blocks``, ``acc_correct``,
   ``acc_total``.
 - ``config_dict()``: its configuration, JSON-serialisable, stored in checkpoints (``draft_config``).
 - ``generators()``: named ``torch.Generator`` it draws from in training (checkpointed).
 - ``extra_tensors()``: tensors that belong to it but are not trained (EAGLE-3's vocab map).
-- ``published_weights(weights, source)``: ``--init-from`` weights in its own key names (an export's
-  serving names mapped back; default: unchanged).
+- for ``--init-from`` (the one seed loader, :mod:`artcache.trainers.seed`): ``configure(...)`` (the draft
+  config a run builds, no weight loaded), ``weight_shapes(config)``, ``read_published(config, L)`` (its
+  published layouts' ``config.json``), ``serving_names``, ``target_tensors``, ``seed_fields``,
+  ``vocab_coverage``; ``options`` / ``run_options``: the consumer options only this draft uses.
 - ``export(...)``: classmethod, its ``config.json`` and serving tensors from a checkpoint.
 - ``progress_metric``: the summary key the progress bar shows.
 
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import abc
 import importlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -54,8 +55,8 @@ from artcache.target import TargetInfo, resolve_target
 from artcache.trainers import ADAPTERS, DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState
 
-__all__ = ["Draft", "DraftBatch", "ExportedDraft", "MetricSums", "PendingSums", "build_draft", "check_target", "draft_class", "replay_headline",
-           "replay_sums", "replay_summary"]
+__all__ = ["Draft", "DraftBatch", "ExportedDraft", "MetricSums", "PendingSums", "build_draft", "check_target",
+           "draft_class", "present", "replay_headline", "replay_sums", "replay_summary"]
 
 
 @dataclass
@@ -112,10 +113,11 @@ class MetricSums:
             out.den[k] = out.den.get(k, 0.0) + v
         return out
 
-    def ratio(self, name: str) -> float:
-        """``num / den`` (NaN when the denominator is 0 or the name is unknown)."""
+    def ratio(self, name: str) -> float | None:
+        """``num / den``; None when the denominator is 0 or the name is unknown (nothing was measured:
+        reported figures leave it out rather than print 0.0 or NaN)."""
         d = self.den.get(name, 0.0)
-        return self.num.get(name, 0.0) / d if d > 0 else math.nan
+        return self.num.get(name, 0.0) / d if d > 0 else None
 
 
 @dataclass
@@ -219,9 +221,12 @@ def replay_sums(preds: Tensor, greedy: Tensor, ok: Tensor, on_data: Tensor) -> M
 def replay_summary(sums: MetricSums) -> dict[str, float]:
     """Greedy-replay figures (``replay_tau`` incl. +1 bonus, ``replay_truncated_frac``: share of blocks
     cut short) when an evaluation recorded them; ``{}`` otherwise."""
-    if "replay_tau" not in sums.den:
-        return {}
-    return {"replay_tau": sums.ratio("replay_tau"), "replay_truncated_frac": sums.ratio("replay_truncated")}
+    return present({"replay_tau": sums.ratio("replay_tau"), "replay_truncated_frac": sums.ratio("replay_truncated")})
+
+
+def present(figures: dict[str, Any]) -> dict[str, Any]:
+    """``figures`` without the ones that are None (a zero denominator: not measured, so not reported)."""
+    return {k: v for k, v in figures.items() if v is not None}
 
 
 def replay_headline(summary: dict[str, Any], bonus_note: str = " (incl. +1 bonus)") -> str:
@@ -256,6 +261,19 @@ class Draft(abc.ABC):
     name: ClassVar[str] = ""
     #: the summary key the progress bar shows
     progress_metric: ClassVar[str] = "tau"
+    #: the :class:`~artcache.trainers.consumer.ConsumerConfig` fields only this draft uses, with their
+    #: defaults: another draft refuses them when given (they would be ignored silently)
+    options: ClassVar[dict[str, Any]] = {}
+    #: the options among :attr:`options` that define a run (``--resume`` refuses when one differs)
+    run_options: ClassVar[tuple[str, ...]] = ()
+    #: its export's key renames, ``(native prefix, serving prefix)``; the seed loader maps serving names
+    #: back per key, only where the model lacks the key (:func:`artcache.trainers.seed.map_back`)
+    serving_names: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: keys a published layout may carry that are the target's own frozen tensors, -> ``"embed"`` |
+    #: ``"lm_head"`` | ``"final_norm"``: a seed's copy must equal this run's target's (then it is dropped)
+    target_tensors: ClassVar[dict[str, str]] = {}
+    #: the draft-config fields a seed must share with the run (besides layer ids and the target)
+    seed_fields: ClassVar[tuple[str, ...]] = ()
     model: torch.nn.Module
     needed_layer_ids: tuple[int, ...] = ()
     #: the resolved target (:class:`artcache.target.TargetInfo`) and its frozen lm_head [V, H]
@@ -280,20 +298,62 @@ class Draft(abc.ABC):
 
     @classmethod
     def export(cls, state: CheckpointState, weights: dict[str, Tensor], target_cfg: Any, fmt: str,
-               dtype: torch.dtype, verifier: str, num_speculative_tokens: int | None, what: str) -> ExportedDraft:
+               dtype: torch.dtype, verifier: str, num_speculative_tokens: int | None, what: str,
+               target_info: TargetInfo | None = None) -> ExportedDraft:
         """The serving ``config.json`` and tensors of a checkpoint of this draft.
 
         Args:
             state: the checkpoint's state. weights: its ``model.safetensors`` merged with
                 ``extra.safetensors``. target_cfg: the target's transformers config. fmt: ``"hf"`` or
-                ``"speculators"``. dtype: of the exported floating tensors. verifier: the target's path
-                or name. num_speculative_tokens: the speculators proposal length (None: the draft's
-                default). what: names the checkpoint in error messages.
+                ``"speculators"``. dtype: of the exported floating tensors. verifier: the target's name
+                (speculators' ``verifier.name_or_path``; never a local path). num_speculative_tokens: the
+                speculators proposal length (None: the draft's default). what: names the checkpoint in
+                error messages. target_info: the resolved target when its weights are at hand (a layout
+                that carries a target tensor reads it from there), else None.
 
         Raises:
             ConfigError: the draft has no export, or the checkpoint does not fit its config.
         """
         raise ConfigError(f"a {cls.name} draft has no serving export")
+
+    @classmethod
+    def configure(cls, cfg, info: TargetInfo, captured: list[int], plan) -> dict[str, Any]:
+        """The draft config (:meth:`config_dict`, with ``layer_ids``) a run of ``cfg`` builds on a root
+        capturing ``captured`` from target ``info`` with ``plan``, without loading any weight: what
+        ``artcache run --dry-run`` compares with a seed or a checkpoint, and what :meth:`build` builds.
+
+        Raises:
+            ContractMismatch: a needed layer is not captured. ConfigError: bad sizes or options.
+        """
+        raise ConfigError(f"a {cls.name} draft cannot be planned without building it")
+
+    @classmethod
+    def weight_shapes(cls, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """``trainable_state_dict()`` key -> shape of a draft of ``config`` (built on the meta device: no memory).
+
+        Raises:
+            ConfigError: ``config`` does not describe this draft.
+        """
+        raise ConfigError(f"a {cls.name} draft has no seed loader")
+
+    @classmethod
+    def read_published(cls, config: dict[str, Any], num_target_layers: int) -> dict[str, Any] | None:
+        """The draft config (as :meth:`config_dict`, ``layer_ids`` output-of-layer, plus ``target_name`` /
+        ``num_target_layers`` where recorded and a ``layout`` label) a ``config.json`` of one of this
+        draft's published layouts describes; None when it is not one of them. ``num_target_layers``: L of
+        the run's target (layouts that leave ids to a formula or imply ``L - 1``).
+
+        Raises:
+            ConfigError: it is this draft's layout but lacks a field the draft needs, or holds an option
+                this draft does not compute (named).
+        """
+        return None
+
+    @classmethod
+    def vocab_coverage(cls, vocab_map: dict[str, Tensor], counts: Tensor) -> float | None:
+        """The share of ``counts`` (int64 [V], the plan's supervised training tokens) a kept vocab map
+        covers; None for a draft without one."""
+        return None
 
     @abc.abstractmethod
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
@@ -327,12 +387,6 @@ class Draft(abc.ABC):
         """Tensors that belong to the draft but are not trained (saved as ``extra.safetensors``)."""
         return {}
 
-    def published_weights(self, weights: dict[str, Tensor], source) -> dict[str, Tensor]:
-        """``--init-from`` weights (``source``'s model.safetensors) in this draft's own key names: a draft
-        whose exports rename keys maps an export's names back here (and may check its config.json).
-        Default: as they are."""
-        return weights
-
 
 def draft_class(name: str) -> type[Draft]:
     """The adapter class registered for draft ``name`` (imported on first use).
@@ -357,4 +411,5 @@ def build_draft(cfg, settings, plan, device: torch.device, *, vocab_map: dict[st
     Raises:
         ConfigError: unknown draft. ContractMismatch: see the drafts' ``build``.
     """
+    cfg = cfg.resolved() if hasattr(cfg, "resolved") else cfg  # the draft's own option defaults
     return draft_class(cfg.draft).build(cfg, settings, plan, device, vocab_map=vocab_map)

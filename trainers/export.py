@@ -9,8 +9,8 @@ Formats (``--format``):
   EAGLE-3: ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: "llama"``
   (:func:`artcache.trainers.eagle3.export.export_config`).
 - ``speculators``: vllm-project/speculators' format: ``speculators_model_type``, ``speculators_config``
-  (algorithm, one greedy proposal method with ``speculative_tokens``, the verifier's path and
-  architectures), ``transformer_layer_config`` (the decoder-layer config), plus the algorithm's fields.
+  (algorithm, one greedy proposal method with ``speculative_tokens``, the verifier's name — the
+  target's name, never a local path — and architectures), ``transformer_layer_config`` (the decoder-layer config), plus the algorithm's fields.
 
 **Layer-id conventions (converted here, explicitly).** artcache stores *output-of-layer* ids (id ``i``
 = the stream leaving decoder layer ``i`` = HF ``hidden_states[i + 1]``). vLLM's
@@ -142,31 +142,45 @@ def decode_draft_config(raw: Any, typ: type, what: str) -> Any:
         raise ConfigError(f"{what}: draft_config does not describe a {typ.__name__}: {exc}") from exc
 
 
-def _target_hf_config(target: Any) -> tuple[Any, str]:
-    """(transformers config, name_or_path) of the target: a config object as is; a directory with
-    config.json (weights not needed); else a name :func:`artcache.target.resolve_target` knows."""
+@dataclass
+class ExportTarget:
+    """The target an export is written for: its transformers ``config``, ``name`` (the verifier named in a
+    speculators config: a target name, never a local path), ``revision``, ``weights_digest`` (None when
+    unknown) and the resolved ``info`` when its weights are at hand (None for a config-only directory)."""
+
+    config: Any
+    name: str
+    revision: str | None = None
+    weights_digest: str | None = None
+    info: Any = None
+
+
+def _target_hf_config(target: Any) -> ExportTarget:
+    """The export target of ``target``: a config object as is (named by its ``_name_or_path``); a directory
+    with config.json but no weights (named by the directory); else a name or HF directory
+    :func:`artcache.target.resolve_target` knows (named, revisioned and digested as it says)."""
     from transformers import AutoConfig
 
     if not isinstance(target, (str, os.PathLike)):
-        return target, str(getattr(target, "_name_or_path", "") or "target")
+        return ExportTarget(target, Path(str(getattr(target, "_name_or_path", "") or "target")).name)
     p = Path(target).expanduser()
     try:
-        if (p / "config.json").is_file():
-            return AutoConfig.from_pretrained(str(p)), str(p.resolve())
+        if (p / "config.json").is_file() and not any(p.glob("*.safetensors")):
+            return ExportTarget(AutoConfig.from_pretrained(str(p)), p.resolve().name, "local")
         info = resolve_target(str(target))
-        return AutoConfig.from_pretrained(str(info.path)), str(info.path)
+        return ExportTarget(AutoConfig.from_pretrained(str(info.path)), info.name, info.revision,
+                            info.weights_digest, info)
     except (OSError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"--target {str(target)!r}: cannot read its config ({exc})") from exc
 
 
-def _export_target(target: Any, state: CheckpointState, ckpt: Path) -> tuple[Any, str]:
-    """(transformers config, name_or_path) of the target to export against: ``target`` when given,
-    else the one the checkpoint records (state.json ``target_path`` when that directory still exists,
-    else ``target_name``). When the checkpoint records
-    ``target_weights_digest`` and the target's digest is at hand (a known name, or a directory
-    holding ``*.safetensors``; a config-only directory has none), the two must agree.
+def _export_target(target: Any, state: CheckpointState, ckpt: Path) -> ExportTarget:
+    """The target to export against: ``target`` when given, else the one the checkpoint records
+    (state.json ``target_path`` when that directory still exists, else ``target_name``). When the
+    checkpoint records ``target_weights_digest`` and the target's digest is at hand (a known name, or a
+    directory holding ``*.safetensors``; a config-only directory has none), the two must agree.
 
     Raises:
         ConfigError: no target given and none recorded (or the recorded name resolves to nothing
@@ -192,20 +206,17 @@ def _export_target(target: Any, state: CheckpointState, ckpt: Path) -> tuple[Any
             raise ConfigError(f"checkpoint {ckpt} was trained for target {name!r} with weights digest {digest}, but "
                               f"{name!r} resolves here to {info.path} with weights digest {info.weights_digest}; "
                               "pass --target with the HF directory of the target the draft was trained for")
-        return _target_hf_config(info.path)
-    if digest is not None and isinstance(target, (str, os.PathLike)):
-        p = Path(target).expanduser()
-        info = None
-        try:
-            if not p.is_dir() or any(p.glob("*.safetensors")):  # a name, or a directory with weights
-                info = resolve_target(str(target))
-        except ConfigError:
-            info = None  # _target_hf_config below names what is wrong with it
-        if info is not None and info.weights_digest != digest:
-            raise ConfigError(f"--target {str(target)!r} has weights digest {info.weights_digest}, but checkpoint "
-                              f"{ckpt} was trained for target {name!r} with weights digest {digest}; pass the "
-                              "target the draft was trained for (or leave --target out to use the recorded one)")
-    return _target_hf_config(target)
+        out = _target_hf_config(info.path)
+        out.name = name  # the recorded name (a directory target records the directory's name)
+        return out
+    out = _target_hf_config(target)
+    if digest is not None and out.weights_digest is not None and out.weights_digest != digest:
+        raise ConfigError(f"--target {str(target)!r} has weights digest {out.weights_digest}, but checkpoint "
+                          f"{ckpt} was trained for target {name!r} with weights digest {digest}; pass the "
+                          "target the draft was trained for (or leave --target out to use the recorded one)")
+    if out.weights_digest is None:  # a config-only target: the identity the checkpoint records
+        out.weights_digest = digest
+    return out
 
 
 def text_config(tc: Any) -> Any:
@@ -418,14 +429,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     if state.draft not in DRAFT_NAMES:
         raise ConfigError(f"checkpoint {ckpt}: draft {state.draft!r} cannot be exported; accepted: "
                           f"{', '.join(DRAFT_NAMES)}")
-    target_cfg, verifier = _export_target(target, state, ckpt)
+    tgt = _export_target(target, state, ckpt)
     what = f"checkpoint {ckpt}"
-    exported = draft_class(state.draft).export(state, weights, target_cfg, fmt, dtype, verifier,
-                                               num_speculative_tokens, what)
+    exported = draft_class(state.draft).export(state, weights, tgt.config, fmt, dtype, tgt.name,
+                                               num_speculative_tokens, what, target_info=tgt.info)
     provenance = {
         "exported_by": _EXPORTED_BY, "format": fmt, "draft": state.draft, "checkpoint": str(ckpt),
         "step": state.step, "cursor": state.cursor, "consumer_id": state.consumer_id,
-        "plan_id": state.plan_id, "contract_id": state.contract_id, "target": verifier,
+        "plan_id": state.plan_id, "contract_id": state.contract_id, "target": tgt.name,
+        "target_name": tgt.name, "target_revision": tgt.revision, "target_weights_digest": tgt.weights_digest,
+        "layer_convention": state.layer_convention,
         "layer_ids_output_of_layer": exported.layer_ids,
         "layer_id_note": "artcache ids are output-of-layer; vLLM/speculators aux ids are input-of-layer (+1)",
     }

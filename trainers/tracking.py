@@ -83,13 +83,15 @@ class RunTracker:
             self.tb.add_scalar(tag, value, step)
 
     def scalars(self, step: int, prefix: str, values: dict) -> None:
-        """Every number in ``values`` as ``prefix/name``; a list ``acc`` becomes ``prefix/acc_1`` …"""
+        """Every number in ``values`` as ``prefix/name``; a list ``acc`` becomes ``prefix/acc_1`` … (a None
+        value or entry, a figure with a zero denominator, is left out)."""
         for name, value in values.items():
             if isinstance(value, bool) or value is None:
                 continue
             if isinstance(value, (list, tuple)):
                 for k, v in enumerate(value, start=1):
-                    self.scalar(step, f"{prefix}/{name}_{k}", v)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):  # None: not measured
+                        self.scalar(step, f"{prefix}/{name}_{k}", v)
             elif isinstance(value, (int, float)):
                 self.scalar(step, f"{prefix}/{name}", value)
 

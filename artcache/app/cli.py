@@ -279,10 +279,12 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--layer-ids", default=None, help="Explicit ordered view of captured output-of-layer ids, comma "
               "separated (default: the draft's formula; EAGLE-3: three auxiliary ids then L-1).")
 @click.option("--batch-size", default=2, type=int, help="Sequences per optimizer step.")
-@click.option("--steps", default=100, type=int,
-              help="Optimizer steps (may run past one pass: later epochs reshuffled, the held-out split never read).")
+@click.option("--steps", default=100, type=int, help="Optimizer steps to run (the stop; raise it to extend a run; "
+              "may run past one pass: later epochs reshuffled, the held-out split never read).")
 @click.option("--epochs", default=0, type=int,
               help="Passes over the plan's training part instead of --steps (steps = epochs x samples // batch size).")
+@click.option("--lr-total-steps", default=None, type=int,
+              help="LR schedule horizon in steps (default: --steps; on --resume the checkpoint's).")
 @click.option("--lr", default=6e-4, type=float, help="Peak learning rate.")
 @click.option("--seed", default=0, type=int)
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
@@ -290,11 +292,12 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--out", "out_dir", default="", help="Run directory for checkpoints (default ./runs/<id>).")
 @click.option("--demand-timeout", default=600.0, type=float, help="Seconds to wait for one position.")
 @click.option("--log-every", default=10, type=int)
-@click.option("--ttt-steps", default=7, type=int, help="EAGLE-3 training-time-test unroll steps.")
-@click.option("--draft-vocab", default=32000, type=int, help="EAGLE-3 pruned draft vocabulary size.")
-@click.option("--markov-rank", default=256, type=int, help="DSpark Markov head rank r (0: no Markov head).")
-@click.option("--markov-head", default="vanilla", type=click.Choice(["vanilla", "gated"]),
-              help="DSpark Markov head: vanilla (what vLLM serves) or gated.")
+@click.option("--ttt-steps", default=None, type=int, help="EAGLE-3 training-time-test unroll steps (default 7).")
+@click.option("--draft-vocab", default=None, type=int, help="EAGLE-3 pruned draft vocabulary size (default 32000).")
+@click.option("--markov-rank", default=None, type=int,
+              help="DSpark Markov head rank r (default 256; 0: no Markov head).")
+@click.option("--markov-head", default=None, type=click.Choice(["vanilla", "gated"]),
+              help="DSpark Markov head: vanilla (default; what vLLM serves) or gated.")
 @click.option("--save-every", default=0, type=int,
               help="Checkpoint every N steps (0: only at the end and when cancelled).")
 @click.option("--keep-checkpoints", default=3, type=int, help="Keep the newest N checkpoints (0: all); N + 1 "
@@ -305,15 +308,26 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               "--resume refuses them.")
 @click.option("--resume", is_flag=True, help="Continue this --id from its checkpoint in --out (cursor, step, "
               "optimizer, RNG); refused unless the registry recorded that checkpoint.")
-@click.option("--init-from", default="", help="Seed the draft's weights only from a checkpoint, published draft "
-              "or run directory (strict keys).")
+@click.option("--init-from", default="", help="Seed the draft's weights only from an artcache checkpoint or run "
+              "directory, an artcache export or a published z-lab / speculators / SpecForge draft (a model.safetensors "
+              "file or its directory); checked against this run first, strict keys.")
+@click.option("--init-override", "init_overrides", multiple=True, metavar="FIELD",
+              help="With --init-from: accept a difference in block_size, mask_token or target (repeatable).")
+@click.option("--min-vocab-coverage", default=None, type=float,
+              help="EAGLE-3 with --init-from: least share of the plan's supervised tokens the seed's own vocab map "
+              "must cover (default 0.5).")
+@click.option("--keep-vocab-map", is_flag=True, default=None,
+              help="EAGLE-3 with --init-from: train with the seed's vocab map even below --min-vocab-coverage.")
 @click.option("--eval-samples", default=0, type=int,
               help="Held-out split: the plan's last N samples, never trained on (0: no evaluation).")
 @click.option("--eval-interval", default=0, type=int,
               help="Evaluate on the held-out split every N steps (0: only at the end).")
-@click.option("--eval-anchors", default=0, type=int,
-              help="DFlash: evaluate at most N evenly spaced anchors per held-out sample (0: every eligible "
+@click.option("--eval-anchors", default=None, type=int,
+              help="DFlash: evaluate at most N evenly spaced anchors per held-out sample (default 0: every eligible "
               "anchor; costly on a CPU).")
+@click.option("--best-metric", default=None,
+              help="Held-out figure checkpoints/best follows (default replay_tau when the root captures L-1, else "
+              "the draft's acceptance figure; a name with 'loss' is minimised).")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @click.option("--tensorboard/--no-tensorboard", default=True,
               help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")
@@ -326,45 +340,42 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="With --compile on|graphs on CUDA: pad batch lengths to a multiple of N positions; 0: none.")
 @_errors
 @_with_config("consume")
-def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps, lr,
-            seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab, markov_rank,
-            markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from, eval_samples,
-            eval_interval, eval_anchors, progress, tensorboard, compile_mode, loss_impl, length_bucket, epochs=0):
+def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps,
+            lr_total_steps, lr, seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab,
+            markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
+            init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
+            best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, epochs=0):
     """Train one draft on the cache root at its own pace."""
     from click.core import ParameterSource
 
-    from artcache.trainers.consumer import (
-        ConsumerConfig,
-        default_anchors,
-        default_block_size,
-        parse_window,
-        run_consumer,
-    )
+    from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
     if epochs and click.get_current_context().get_parameter_source("steps") == ParameterSource.COMMANDLINE:
         raise ConfigError(f"--epochs {epochs} and --steps {steps} both say how long to train; give one of them")
 
     if draft not in DRAFT_NAMES:
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
-    block_size = default_block_size(draft) if block_size is None else block_size
-    anchors = default_anchors(draft, device) if anchors is None else anchors
     lookbehind, lookahead = parse_window(window)
     view = _parse_layer_ids(layer_ids)
     _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
     _check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
     _check_device(device)
     cfg = ConsumerConfig(
-        cache=cache, consumer_id=consumer_id or (draft if draft == "eagle3" else f"{draft}-b{block_size}"),
+        cache=cache, consumer_id=consumer_id or (
+            draft if default_block_size(draft) is None else f"{draft}-b{block_size or default_block_size(draft)}"),
         draft=draft, lookbehind=lookbehind,
         lookahead=lookahead, block_size=block_size, num_anchors=anchors, draft_layers=draft_layers, layer_ids=view,
-        batch_size=batch_size, steps=steps, epochs=epochs, lr=lr, seed=seed, device=device, threads=threads,
-        out_dir=out_dir,
+        batch_size=batch_size, steps=steps, epochs=epochs, lr_total_steps=lr_total_steps, lr=lr, seed=seed,
+        device=device, threads=threads, out_dir=out_dir,
         demand_timeout_s=demand_timeout, log_every=log_every, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
-        markov_rank=markov_rank, markov_head=markov_head, save_every=save_every, keep_checkpoints=keep_checkpoints,
-        checkpoint_optimizer=checkpoint_optimizer,
+        markov_rank=markov_rank, markov_head=markov_head,
+        save_every=save_every, keep_checkpoints=keep_checkpoints, checkpoint_optimizer=checkpoint_optimizer,
         resume=resume, init_from=init_from,
-        eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, progress=progress,
-        tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl, length_bucket=length_bucket)
+        init_overrides=[x for item in init_overrides for x in item.split(",") if x],
+        min_vocab_coverage=min_vocab_coverage, keep_vocab_map=keep_vocab_map or None,
+        eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
+        progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
+        length_bucket=length_bucket)
     cfg.validate()
     summary = run_consumer(cfg)
     click.echo(json.dumps(summary), err=False)

@@ -143,14 +143,20 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``dflash_layer_ids(L, draft_layers)``. EAGLE-3's view is ``eagle3_capture_ids(L)``.
         layer_ids: an explicit ordered view (output-of-layer ids), replacing the draft's formula.
         dtype: hidden-state dtype this draft expects; must be ``target.dtype`` (``None``: any).
-        block_size (B; default DFlash 16, DSpark 7), anchors (per sequence; default 64, DSpark 512 on cuda),
-        batch_size (positions per step), steps.
+        block_size (B; default DFlash 16, DSpark 7), anchors (per sequence; default 64, DSpark 512 on cuda,
+            64 on cpu): a draft that does not use an option (EAGLE-3) refuses it. batch_size (positions per
+            step). steps: the stop (raise it to extend a run). lr_total_steps: the LR schedule horizon
+            (default: steps; on a resume, the checkpoint's).
         lr (peak), warmup_frac, seed, window (``LOOKBEHIND:LOOKAHEAD`` positions).
         device: ``""`` = ``target.device``. threads: torch CPU threads (0 = torch's default).
         out: run directory (checkpoints, config); ``""`` = ``<out>/experiments/<name>``.
-        resume: continue from this experiment's own latest checkpoint (its step, cursor, optimizer, RNG).
-        init_from: a checkpoint directory (or a run directory holding ``checkpoints/latest``) whose
-            weights start this draft; it must record the same target weights digest.
+        resume: ``true``: continue from this experiment's own checkpoint (its step, cursor, optimizer,
+            RNG; refused when there is none); ``false``: start fresh (refused when its out holds
+            checkpoints); left out: resume when its out holds checkpoints, else start fresh. An experiment
+            whose checkpoint is at its final step is complete and is not started again.
+        init_from: a seed for this draft's weights (``--init-from``: an artcache checkpoint or run
+            directory, an artcache export, a published z-lab / speculators / SpecForge draft), checked
+            against the experiment before anything starts (:mod:`artcache.trainers.seed`).
         checkpoint_optimizer: save optimizer and RNG state in checkpoints (false: weights-only checkpoints,
             which can seed a run or be exported but not be resumed).
         log_every: metrics line every this many steps.
@@ -167,6 +173,7 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     anchors: int | None = None
     batch_size: int = 2
     steps: int = 100
+    lr_total_steps: int | None = None
     lr: float = 6e-4
     warmup_frac: float = 0.04
     seed: int = 0
@@ -174,7 +181,7 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: str = ""
     threads: int = 0
     out: str = ""
-    resume: bool = False
+    resume: bool | None = None
     init_from: str = ""
     checkpoint_optimizer: bool = True
     log_every: int = 10
@@ -397,7 +404,7 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
         if e.layer_ids is not None and not e.layer_ids:
             raise ConfigError(f"{source}: experiments.{i}.layer_ids is empty: give output-of-layer ids, or leave "
                               "it out for the draft's default view")
-        for name in ("steps", "batch_size", "anchors", "log_every"):
+        for name in ("steps", "batch_size", "anchors", "log_every", "lr_total_steps"):
             if getattr(e, name) is not None and getattr(e, name) < 1:
                 raise ConfigError(f"{source}: experiments.{i}.{name} {getattr(e, name)} is invalid: accepted "
                                   "an integer >= 1")
@@ -736,14 +743,10 @@ def experiment_dir(cfg: RunConfig, e: Experiment) -> str:
 
 def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = None) -> dict[str, Any]:
     """The :class:`artcache.trainers.consumer.ConsumerConfig` fields of experiment ``e`` (a plain dict)."""
-    from artcache.trainers.consumer import default_anchors, default_block_size
-
     lookbehind, lookahead = (int(x) for x in e.window.split(":"))
     fields: dict[str, Any] = {
         "cache": cache_root(cfg), "consumer_id": consumer_id or e.name, "draft": e.draft,
         "lookbehind": lookbehind, "lookahead": lookahead,
-        "block_size": default_block_size(e.draft) if e.block_size is None else e.block_size,
-        "num_anchors": default_anchors(e.draft, e.device or cfg.target.device) if e.anchors is None else e.anchors,
         "batch_size": e.batch_size, "steps": e.steps, "lr": e.lr, "warmup_frac": e.warmup_frac, "seed": e.seed,
         "device": e.device or cfg.target.device, "threads": e.threads, "out_dir": experiment_dir(cfg, e),
         "demand_timeout_s": cfg.cache.demand_timeout_s, "log_every": e.log_every,
@@ -752,6 +755,9 @@ def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = Non
         fields["draft_layers"] = e.draft_layers or cfg.capture.draft_layers
     elif e.draft_layers is not None:
         fields["draft_layers"] = e.draft_layers
+    for name, value in (("block_size", e.block_size), ("num_anchors", e.anchors), ("lr_total_steps", e.lr_total_steps)):
+        if value is not None:
+            fields[name] = value
     if e.layer_ids is not None:
         fields["layer_ids"] = list(e.layer_ids)
     if e.resume:

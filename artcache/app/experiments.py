@@ -602,7 +602,7 @@ def committed_work(events: list) -> dict:
     reqs = [ev for ev in events if isinstance(ev, J.Request)]
     cursor0 = start.cursor if start else 0
     cursor1 = max([cursor0, *(s.cursor for s in steps), *([end.cursor] if end else [])])
-    losses = [s.loss for s in steps]
+    losses = [s.loss for s in steps if s.loss is not None]
     k = max(1, min(5, len(losses) // 2))
     last = steps[-10:]
     blocks = sum(s.blocks for s in last)

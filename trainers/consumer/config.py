@@ -13,7 +13,8 @@ from artcache.errors import ConfigError
 from artcache.layout import check_id
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
-__all__ = ["FLAGS", "RUN_FIELDS", "ConsumerConfig", "lr_at", "parse_window", "run_settings"]
+__all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_draft_options", "default_anchors",
+           "default_block_size", "draft_options", "flag_of", "lr_at", "parse_window", "run_settings"]
 
 
 class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -26,12 +27,14 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         lookbehind, lookahead: window in positions; lookahead must be >= batch_size.
         block_size (B), num_anchors (N per sequence), draft_layers (DFlash; default: the largest n
             whose layer ids the root captures, one per captured layer on a DFlash-only root).
-        batch_size: sequences (= positions) per optimizer step. steps: optimizer steps to run; they may
-            run past one pass over the plan: position ``p`` is epoch ``p // E`` over the training part of
-            the plan (its first ``E`` samples, all but the held-out split), each later epoch reshuffled by
-            the plan's seed (:class:`artcache.plan.EpochOrder`).
+        batch_size: sequences (= positions) per optimizer step. steps: optimizer steps to run (the stop;
+            raise it to extend a run); they may run past one pass over the plan: position ``p`` is epoch
+            ``p // E`` over the training part of the plan (its first ``E`` samples, all but the held-out
+            split), each later epoch reshuffled by the plan's seed (:class:`artcache.plan.EpochOrder`).
         epochs: run this many passes over the training part instead of ``steps``: ``steps = epochs × E //
             batch_size`` (0: use ``steps``).
+        lr_total_steps: the LR schedule's horizon in steps (None: ``steps`` for a fresh run, the
+            checkpoint's horizon for ``--resume``), so a run is extended by raising ``steps`` alone.
         lr, warmup_frac, min_lr_frac, weight_decay, grad_clip: AdamW with linear warmup and cosine
             decay to ``min_lr_frac × lr`` (DFlash recipe: lr 6e-4, warmup 4 %, clip 1.0).
         seed: draft init and anchor sampling. device: ``cpu`` or ``cuda[:i]``.
@@ -46,6 +49,14 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             any ids (context layers = their count); EAGLE-3: three auxiliary ids then ``L - 1``.
         ttt_steps: EAGLE-3 training-time-test unroll steps. draft_vocab: EAGLE-3 pruned draft vocabulary.
         markov_rank, markov_head: DSpark's Markov head (rank r, 0 = none; ``vanilla`` or ``gated``).
+        min_vocab_coverage: EAGLE-3 with ``init_from``: the least share of the plan's supervised training
+            tokens the seed's own vocab map must cover (default 0.5); ``keep_vocab_map`` trains below it
+            (with a warning naming the figure).
+        init_overrides: differences from the ``init_from`` source to accept (``block_size``,
+            ``mask_token``, ``target``); any other difference is refused (:mod:`artcache.trainers.seed`).
+        Draft options (``block_size`` … ``keep_vocab_map``, ``eval_anchors``, ``markov_*``) are None when
+            not given; a draft refuses another draft's option (:attr:`~artcache.trainers.draft.Draft.options`)
+            and :meth:`resolved` fills in its own defaults.
         save_every: write a checkpoint every this many steps (0: only at the end and on cancellation;
             a checkpoint is always written at the end and when cancelled by Ctrl-C / SIGTERM).
         keep_checkpoints: keep the newest this many checkpoints (0: all). Before step 1 the consumer checks
@@ -63,6 +74,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         eval_samples: size of the held-out split: the plan's last ``eval_samples`` samples are evaluated and
             never trained on, however many epochs the run walks. 0: off.
         eval_interval: evaluate every this many steps (0: only at the end); needs ``eval_samples``.
+        best_metric: the held-out figure ``checkpoints/best`` follows (None: ``replay_tau`` when the root
+            captures layer ``L - 1``, else the draft's acceptance figure); a name with ``loss`` is minimised.
         progress: show a progress bar on stderr (only when it is a TTY).
         tensorboard: write TensorBoard scalars when the package is installed (metrics.csv always).
         compile: ``torch.compile`` the draft's forward (and the lm_head loss's per-chunk body): ``auto``
@@ -83,12 +96,13 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft: Literal[DRAFT_NAMES] = "dflash"  # the registered drafts (artcache.trainers.ADAPTERS)
     lookbehind: int = 64
     lookahead: int = 256
-    block_size: int = 16
-    num_anchors: int = 64
+    block_size: int | None = None  # DFlash options: None = not given (the draft's default, Draft.options)
+    num_anchors: int | None = None
     draft_layers: int | None = None
     batch_size: int = 2
     steps: int = 100
     epochs: int = 0
+    lr_total_steps: int | None = None
     lr: float = 6e-4
     warmup_frac: float = 0.04
     min_lr_frac: float = 0.0
@@ -104,10 +118,13 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_every: int = 10
     lockstep_group: str = ""
     layer_ids: list[int] | None = None
-    ttt_steps: int = 7
-    draft_vocab: int = 32000
-    markov_rank: int = 256
-    markov_head: Literal["vanilla", "gated"] = "vanilla"
+    ttt_steps: int | None = None  # EAGLE-3 options: None = not given (Draft.options)
+    draft_vocab: int | None = None
+    markov_rank: int | None = None  # DSpark options
+    markov_head: Literal["vanilla", "gated"] | None = None
+    min_vocab_coverage: float | None = None
+    keep_vocab_map: bool | None = None
+    init_overrides: list[str] = []
     save_every: int = 0
     keep_checkpoints: int = 3
     checkpoint_optimizer: bool = True
@@ -116,7 +133,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     init_from: str = ""
     eval_samples: int = 0
     eval_interval: int = 0
-    eval_anchors: int = 0
+    eval_anchors: int | None = None
+    best_metric: str | None = None
     progress: bool = True
     tensorboard: bool = True
     compile: Literal[COMPILE_MODES] = "auto"
@@ -124,22 +142,37 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     length_bucket: int = 64
 
     def validate(self) -> None:
+        """Check every setting; a draft option another draft owns is refused naming both drafts.
+
+        Raises:
+            ConfigError: naming the flag, the bad value and what is accepted.
+        """
         check_id(self.consumer_id, "consumer id")
-        flags = {"num_anchors": "--anchors"}  # fields whose CLI flag has another name
-        if self.block_size < 2:  # before the generic >= 1 checks: one message for 0, 1 and negatives
+        check_draft_options(self)
+        if self.block_size is not None and self.block_size < 2:  # one message for 0, 1 and negatives
             raise ConfigError(f"--block-size {self.block_size} is invalid: it must be >= 2 (the anchor and at "
                               "least one MASK slot)")
         for name in ("batch_size", "steps", "num_anchors", "prefetch_batches", "log_every",
-                     "ttt_steps", "draft_vocab"):
-            if getattr(self, name) < 1:
-                flag = flags.get(name, "--" + name.replace("_", "-"))
-                raise ConfigError(f"{flag} {getattr(self, name)} is invalid: it must be >= 1")
+                     "ttt_steps", "draft_vocab", "lr_total_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{flag_of(name)} {getattr(self, name)} is invalid: it must be >= 1")
         for name in ("save_every", "keep_checkpoints", "eval_samples", "eval_interval", "eval_anchors",
                      "length_bucket", "epochs"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: it must be >= 0")
-        if self.markov_rank < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{flag_of(name)} {getattr(self, name)} is invalid: it must be >= 0")
+        if self.markov_rank is not None and self.markov_rank < 0:
             raise ConfigError(f"--markov-rank {self.markov_rank} is invalid: it must be >= 0 (0: no Markov head)")
+        if self.min_vocab_coverage is not None and not 0.0 <= self.min_vocab_coverage <= 1.0:
+            raise ConfigError(f"--min-vocab-coverage {self.min_vocab_coverage} is invalid: accepted a share in "
+                              "[0, 1] of the plan's supervised tokens")
+        bad = [o for o in self.init_overrides if o not in INIT_OVERRIDES]
+        if bad:
+            raise ConfigError(f"--init-override {bad[0]!r} is not accepted: one of {', '.join(INIT_OVERRIDES)} "
+                              "(layer ids, sizes and the vocab map are never overridden)")
+        if self.init_overrides and not self.init_from:
+            raise ConfigError(f"--init-override {','.join(self.init_overrides)} needs --init-from")
+        if self.best_metric is not None and not self.eval_samples:
+            raise ConfigError(f"--best-metric {self.best_metric} needs a held-out split: pass --eval-samples N")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ConfigError(f"--draft-layers {self.draft_layers} is invalid: it must be >= 1 (or left out: one "
                               "draft layer per captured layer the formula selects)")
@@ -167,17 +200,37 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(f"lockstep group {self.lockstep_group!r} must list this consumer's id "
                                   f"{self.consumer_id!r}")
 
+    def resolved(self) -> ConsumerConfig:
+        """This config with the draft's own options that were not given set to its defaults
+        (:attr:`~artcache.trainers.draft.Draft.options`); other drafts' options stay None. ``lr_total_steps``
+        is left as given (None on ``--resume``: the checkpoint's horizon; see :func:`schedule_horizon`)."""
+        defaults = draft_options(self.draft)
+        fill = {k: v for k, v in defaults.items() if getattr(self, k) is None and v is not None}
+        if "num_anchors" in defaults and self.num_anchors is None:  # DSpark's default depends on the device
+            fill["num_anchors"] = default_anchors(self.draft, self.device)
+        return msgspec.structs.replace(self, **fill) if fill else self
 
-def default_block_size(draft: str) -> int:
-    """Block size B when none is given: DSpark's 7 (DeepSpec), else DFlash's 16."""
-    return 7 if draft == "dspark" else 16
+    @property
+    def horizon(self) -> int:
+        """The LR schedule horizon: ``lr_total_steps``, else ``steps``."""
+        return self.lr_total_steps if self.lr_total_steps is not None else self.steps
 
 
-def default_anchors(draft: str, device: str) -> int:
-    """Anchors per sequence when none is given: DSpark 512 on a GPU and 64 on a CPU, else 64."""
+def default_block_size(draft: str) -> int | None:
+    """Block size B when none is given (the draft's ``options``): DSpark's 7 (DeepSpec), DFlash's 16; None
+    for a draft without blocks (EAGLE-3)."""
+    return draft_options(draft).get("block_size")
+
+
+def default_anchors(draft: str, device: str) -> int | None:
+    """Anchors per sequence when none is given: DSpark 512 on a GPU and 64 on a CPU
+    (:func:`artcache.trainers.dspark.config.default_anchors`), else the draft's ``options`` (DFlash 64);
+    None for a draft without anchors (EAGLE-3)."""
     if draft == "dspark":
-        return 512 if str(device).startswith("cuda") else 64
-    return 64
+        from artcache.trainers.dspark.config import default_anchors as dspark_anchors
+
+        return dspark_anchors(device)
+    return draft_options(draft).get("num_anchors")
 
 
 def parse_window(text: str) -> tuple[int, int]:
@@ -197,15 +250,56 @@ def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: floa
     return base * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-#: Settings that define a run: ``--resume`` refuses when one differs from the checkpoint's.
-RUN_FIELDS = ("draft", "block_size", "num_anchors", "batch_size", "steps", "lr", "warmup_frac", "min_lr_frac",
-              "weight_decay", "grad_clip", "seed", "eval_samples", "epochs")
-#: The CLI flag of run fields, naming them in a refused ``--resume`` (others are named by their field).
-FLAGS = {"num_anchors": "--anchors", "block_size": "--block-size", "batch_size": "--batch-size",
-         "steps": "--steps", "lr": "--lr", "seed": "--seed", "eval_samples": "--eval-samples", "draft": "--draft",
-         "epochs": "--epochs"}
+#: Settings every draft's run is defined by: ``--resume`` refuses when one differs from the checkpoint's.
+#: ``steps`` is not one (a run is extended by raising it); the LR horizon ``lr_total_steps`` is.
+RUN_FIELDS = ("draft", "batch_size", "lr_total_steps", "lr", "warmup_frac", "min_lr_frac", "weight_decay",
+              "grad_clip", "seed", "eval_samples")
+#: The accepted ``--init-override`` values (see :mod:`artcache.trainers.seed`).
+INIT_OVERRIDES = ("block_size", "mask_token", "target")
+#: CLI flags whose name is not the field's (``--x-y`` for ``x_y`` otherwise).
+FLAGS = {"num_anchors": "--anchors", "out_dir": "--out", "consumer_id": "--id", "demand_timeout_s": "--demand-timeout",
+         "init_overrides": "--init-override"}
+
+
+def flag_of(field: str) -> str:
+    """The ``artcache consume`` flag of a :class:`ConsumerConfig` field."""
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def draft_options(draft: str) -> dict:
+    """Draft ``draft``'s own options and their defaults (its adapter's ``options``)."""
+    from artcache.trainers.draft import draft_class
+
+    return dict(draft_class(draft).options)
+
+
+def check_draft_options(cfg: ConsumerConfig) -> None:
+    """Refuse an option given for a draft that does not use it (``--ttt-steps`` on DFlash, ``--block-size``
+    on EAGLE-3): it would be accepted and silently ignored.
+
+    Raises:
+        ConfigError: naming the option, the draft it belongs to and the draft given.
+    """
+    from artcache.trainers import DRAFT_NAMES
+
+    own = draft_options(cfg.draft)
+    for name in DRAFT_NAMES:
+        if name == cfg.draft:
+            continue
+        for field in draft_options(name):
+            if field not in own and getattr(cfg, field) is not None:
+                raise ConfigError(f"{flag_of(field)} {getattr(cfg, field)!r} is an option of the {name} draft; the "
+                                  f"{cfg.draft} draft does not use it: leave it out")
 
 
 def run_settings(cfg: ConsumerConfig) -> dict:
-    """The run-defining settings (:data:`RUN_FIELDS`) of ``cfg``, as a checkpoint's ``run`` records them."""
-    return {k: getattr(cfg, k) for k in RUN_FIELDS}
+    """The run-defining settings of ``cfg`` as a checkpoint's ``run`` records them: :data:`RUN_FIELDS`
+    (``lr_total_steps`` as the effective horizon) plus the draft's own ``run_options`` (DFlash: block
+    size, anchors)."""
+    from artcache.trainers.draft import draft_class
+
+    out = {k: getattr(cfg, k) for k in RUN_FIELDS}
+    out["lr_total_steps"] = cfg.horizon
+    out["steps"] = cfg.steps  # recorded (the stop), never compared
+    out.update({k: getattr(cfg, k) for k in draft_class(cfg.draft).run_options})
+    return out

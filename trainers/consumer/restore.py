@@ -1,46 +1,53 @@
 """Where a consumer run starts from: ``--resume`` (the checkpoint the registry recorded: weights,
-optimizer, RNG, step, cursor) or ``--init-from`` (another draft's weights only), and the checks that
-refuse a source that does not fit — all before the consumer registers.
+optimizer, RNG, step, cursor) or ``--init-from`` (another draft's weights only, any published layout:
+:mod:`artcache.trainers.seed`), and the checks that refuse a source that does not fit — all before the
+consumer registers, and the same functions in ``artcache run --dry-run``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
+import msgspec
 import torch
 
 from artcache import registry
-from artcache.errors import ConfigError, ContractMismatch
+from artcache.errors import ConfigError
 from artcache.layout import CacheLayout
 from artcache.trainers.checkpoint import (
+    CheckpointState,
     Loaded,
     find_checkpoint,
     list_checkpoints,
     load_checkpoint,
     read_state,
 )
-from artcache.trainers.draft import Draft
+from artcache.trainers.seed import SeedPlan, SeedSource, map_back, plan_seed, seed_vocab_map
 
-from .config import FLAGS, RUN_FIELDS, ConsumerConfig
+from .config import ConsumerConfig, flag_of, run_settings
 
-__all__ = ["InitSource", "check_same_draft", "config_diffs", "find_resume", "init_source", "jsonable",
-           "load_weights_strict", "refuse_existing_run", "vocab_map_of"]
+__all__ = ["check_run_settings", "check_same_draft", "config_diffs", "find_resume", "jsonable", "load_weights_strict",
+           "plan_init", "refuse_existing_run", "resume_state", "saved_horizon", "training_token_counts",
+           "vocab_map_of", "with_horizon"]
+
+log = logging.getLogger("artcache.consumer")
 
 
-def find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Path) -> Loaded:
-    """The checkpoint ``--resume`` continues from: the one in ``run_dir`` whose cursor the registry
-    recorded for this consumer id, read whole.
+def resume_state(cfg: ConsumerConfig, layout: CacheLayout, plan_id: str, contract_id: str,
+                 run_dir: Path, *, allow_complete: bool = False) -> tuple[Path, CheckpointState]:
+    """The checkpoint ``--resume`` continues from (the one in ``run_dir`` whose cursor the registry recorded
+    for this consumer id) and its state, checked against this run: id, cache root, run settings
+    (:func:`check_run_settings`). Reads only ``state.json`` files (``artcache run --dry-run`` calls it too).
 
     Raises:
         ConfigError: the id never registered or recorded no checkpoint, no checkpoint of ``run_dir``
             has the recorded cursor (those found are named), or the checkpoint belongs to another
             consumer id, cache root (plan / contract) or run settings (the differing flags are named).
     """
-    old = registry.read(layout, cfg.consumer_id)
+    old = registry.read(layout, cfg.consumer_id) if layout.consumers.is_dir() else None
     if old is None:
         raise ConfigError(f"--resume: consumer id {cfg.consumer_id!r} never registered on {layout.root}; "
                           "start it without --resume")
@@ -60,33 +67,81 @@ def find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Pat
             f"--resume: the registry records consumer {cfg.consumer_id!r}'s last checkpoint at cursor "
             f"{old.checkpoint_cursor}, but {run_dir / 'checkpoints'} holds "
             f"{', '.join(found) if found else 'no checkpoint'}; pass the --out directory of that run")
-    ck = load_checkpoint(path)
-    st = ck.state
+    st = read_state(path)
     if st.consumer_id != cfg.consumer_id:
         raise ConfigError(f"--resume: checkpoint {path} belongs to consumer {st.consumer_id!r}, "
                           f"not {cfg.consumer_id!r}")
-    for key, theirs, ours in (("plan_id", st.plan_id, settings.plan_id),
-                              ("contract_id", st.contract_id, settings.contract.contract_id)):
+    for key, theirs, ours in (("plan_id", st.plan_id, plan_id), ("contract_id", st.contract_id, contract_id)):
         if theirs != ours:
             raise ConfigError(f"--resume: checkpoint {path} was trained on another cache root ({key} "
                               f"{str(theirs)[:12]} != {ours[:12]})")
-    diffs = [f"{FLAGS.get(k, k)} {getattr(cfg, k)!r} (checkpoint: {st.run.get(k)!r})" for k in RUN_FIELDS
-             if st.run.get(k) != getattr(cfg, k)]
+    check_run_settings(cfg, st, path, allow_complete=allow_complete)
+    return path, st
+
+
+def saved_horizon(st: CheckpointState) -> int | None:
+    """The LR horizon a checkpoint was trained under: its schedule's ``total_steps`` (checkpoints written
+    before ``lr_total_steps`` existed recorded ``--steps`` there)."""
+    if st.schedule is not None:
+        return st.schedule.total_steps
+    return st.run.get("lr_total_steps", st.run.get("steps"))
+
+
+def with_horizon(cfg: ConsumerConfig, st: CheckpointState) -> ConsumerConfig:
+    """``cfg`` with ``lr_total_steps`` set to the checkpoint's horizon when not given (``--resume`` keeps the
+    schedule; a run is extended by raising ``--steps`` alone)."""
+    if cfg.lr_total_steps is not None:
+        return cfg
+    return msgspec.structs.replace(cfg, lr_total_steps=saved_horizon(st))
+
+
+def check_run_settings(cfg: ConsumerConfig, st: CheckpointState, path: Path, *, allow_complete: bool = False) -> None:
+    """The settings that define a run must be the checkpoint's (:func:`~.config.run_settings`; ``--steps``
+    may change: it is the stop), the checkpoint must be below ``--steps``, and steps past the LR horizon
+    must not train at LR 0.
+
+    Raises:
+        ConfigError: naming each differing flag with both values, a checkpoint at or past ``--steps``
+            (at it is accepted with ``allow_complete``: ``artcache run`` recognises a complete
+            experiment), or ``--steps`` beyond a horizon whose floor LR is 0.
+    """
+    cfg = with_horizon(cfg, st)
+    saved = dict(st.run)
+    saved["lr_total_steps"] = saved_horizon(st)
+    diffs = [f"{flag_of(k)} {v!r} (checkpoint: {saved.get(k)!r})" for k, v in run_settings(cfg).items()
+             if k != "steps" and saved.get(k) != v]
     if diffs:
         raise ConfigError(f"--resume continues the same run, but these settings differ from checkpoint {path}: "
                           f"{'; '.join(diffs)}; pass the run's own values or start a new run with --init-from")
-    return ck
+    if st.step > cfg.steps or (st.step == cfg.steps and not allow_complete):
+        raise ConfigError(f"--resume: checkpoint {path} is at step {st.step}, --steps is {cfg.steps}: nothing left "
+                          f"to train; raise --steps to extend the run")
+    if cfg.steps > cfg.horizon and cfg.min_lr_frac == 0:
+        raise ConfigError(f"--steps {cfg.steps} runs past the LR schedule's horizon --lr-total-steps {cfg.horizon} "
+                          "with --min-lr-frac 0: the extra steps would train at LR 0; start runs you may extend "
+                          "with --lr-total-steps >= the final --steps")
 
 
-def check_same_draft(resume: Loaded, draft: Draft) -> None:
-    """The draft this run builds must be the checkpoint's (its recorded ``draft_config``).
+def find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Path) -> Loaded:
+    """The checkpoint ``--resume`` continues from (:func:`resume_state`), read whole.
+
+    Raises:
+        ConfigError: see :func:`resume_state`; an incomplete or unreadable checkpoint.
+    """
+    path, _ = resume_state(cfg, layout, settings.plan_id, settings.contract.contract_id, run_dir)
+    return load_checkpoint(path)
+
+
+def check_same_draft(saved: dict | None, ours: dict, path: Path) -> None:
+    """The draft this run builds (its ``config_dict``, or the planned one) must be the checkpoint's
+    (its recorded ``draft_config``).
 
     Raises:
         ConfigError: naming only the options that differ (:func:`config_diffs`).
     """
-    saved, ours = resume.state.draft_config or {}, jsonable(draft.config_dict())
+    saved, ours = saved or {}, jsonable(ours)
     if saved != ours:
-        raise ConfigError(f"--resume: this run builds a draft that differs from checkpoint {resume.path} in "
+        raise ConfigError(f"--resume: this run builds a draft that differs from checkpoint {path} in "
                           f"{'; '.join(config_diffs(saved, ours))}; pass the run's own draft options or start "
                           "a new run with --init-from")
 
@@ -104,64 +159,45 @@ def jsonable(obj: Any) -> Any:
 
 
 def load_weights_strict(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``weights`` into ``model.trainable_state_dict()``; keys must match both ways, shapes exactly.
+    """Copy ``weights`` into ``model.trainable_state_dict()``; keys must match both ways, shapes exactly
+    (the check of :func:`artcache.trainers.seed.map_back`, with no renames).
 
     Raises:
         ConfigError: missing or unexpected keys, or a shape mismatch (named, up to five of each).
     """
     own = model.trainable_state_dict()
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
-    shapes = [f"{k} {tuple(weights[k].shape)} != {tuple(own[k].shape)}" for k in sorted(set(own) & set(weights))
-              if tuple(weights[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} key(s) {missing[:5]}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} key(s) {unexpected[:5]}")
-        if shapes:
-            parts.append(f"shape mismatches {shapes[:5]}")
-        raise ConfigError(f"{source}: the weights do not fit this draft ({'; '.join(parts)})")
+    map_back({k: tuple(v.shape) for k, v in weights.items()}, {k: tuple(v.shape) for k, v in own.items()}, (), {},
+             source)
     with torch.no_grad():
         for k, t in own.items():
             t.copy_(weights[k].to(dtype=t.dtype, device=t.device))
 
 
-@dataclass
-class InitSource:
-    """What ``--init-from`` seeds a draft with: its ``weights``, its own ``vocab_map`` (EAGLE-3) or None,
-    and the ``source`` directory they were read from."""
+def training_token_counts(plan, eval_samples: int, vocab_size: int) -> torch.Tensor:
+    """Occurrences of each target id among the supervised tokens of the plan's **training** samples
+    (the held-out split left out): int64 [V] (what a kept vocab map's coverage is measured on)."""
+    from artcache.trainers.eagle3.adapter import TrainingTokens
+    from artcache.trainers.eagle3.vocab import count_plan_tokens
 
-    weights: dict[str, torch.Tensor]
-    vocab_map: dict[str, torch.Tensor] | None
-    source: Path
+    return count_plan_tokens(TrainingTokens(plan, len(plan) - eval_samples), vocab_size)
 
 
-def init_source(cfg: ConsumerConfig, settings) -> InitSource:
-    """The weights ``--init-from`` names: a checkpoint, a published draft directory or a run directory
-    (its ``checkpoints/latest``), found by :func:`~artcache.trainers.checkpoint.find_checkpoint`.
+def plan_init(cfg: ConsumerConfig, src: SeedSource, ours: dict, own: dict[str, tuple[int, ...]], info, contract,
+              plan) -> SeedPlan:
+    """:func:`~artcache.trainers.seed.plan_seed` for this run (the plan's training tokens measure a kept
+    vocab map), then its notes logged (a kept map below ``--min-vocab-coverage`` as a warning).
 
     Raises:
-        ConfigError: no weights there, or they belong to another draft.
-        ContractMismatch: the source records another target (weights digest) or layer convention.
+        as :func:`~artcache.trainers.seed.plan_seed`.
     """
-    src = find_checkpoint(cfg.init_from, published=True)
-    if src is None:
-        raise ConfigError(f"--init-from {cfg.init_from!r}: no model.safetensors there nor in its checkpoints/latest; "
-                          "accepted: a checkpoint directory, a published draft directory or a consumer run directory")
-    if (src / "state.json").is_file():
-        st = read_state(src)
-        if st.draft not in (None, cfg.draft):
-            raise ConfigError(f"--init-from {cfg.init_from!r} holds a {st.draft} draft, not {cfg.draft}")
-        contract = settings.contract
-        for key, theirs, ours in (("target_weights_digest", st.target_weights_digest, contract.target_weights_digest),
-                                  ("layer_convention", st.layer_convention, contract.layer_convention)):
-            if theirs not in (None, ours):
-                raise ContractMismatch(f"--init-from {cfg.init_from!r} was trained with {key} {theirs!r}; "
-                                       f"this cache root has {ours!r}")
-    weights = safetensors.torch.load_file(src / "model.safetensors")
-    return InitSource(weights, vocab_map_of(weights), src)
+    counts = training_token_counts(plan, cfg.eval_samples, info.vocab_size) if seed_vocab_map(src) else None
+    planned = plan_seed(src, jsonable(ours), own, cfg, info, contract, counts)
+    for note in planned.notes:
+        low = cfg.min_vocab_coverage if cfg.min_vocab_coverage is not None else 0.5
+        level = logging.WARNING if planned.coverage is not None and planned.coverage < low and "vocab map" in note \
+            else logging.INFO
+        log.log(level, "[%s] --init-from %s: %s", cfg.consumer_id, src.path, note)
+    return planned
 
 
 def vocab_map_of(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:

@@ -28,6 +28,7 @@ see docs/training.md. Crash points (``ARTCACHE_CRASH_AT``, docs/protocol.md): ``
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import signal
@@ -43,7 +44,7 @@ from artcache import journal as J
 from artcache import registry
 from artcache.client import CacheClient, Leased
 from artcache.crashpoints import crash_point
-from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced
+from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced, TrainingDiverged
 from artcache.layer_ids import layer_view, view_slice
 from artcache.layout import CacheLayout, host_id
 from artcache.plan import Plan
@@ -54,31 +55,35 @@ from artcache.trainers.checkpoint import (
     CheckpointSize,
     Loaded,
     adamw_state_specs,
+    best_checkpoint,
     check_checkpoint_space,
     checkpoint_size,
     list_checkpoints,
     planned_saves,
+    point_best,
     point_latest,
     prune,
+    read_state,
     restore_optimizer,
     restore_rng,
     save_checkpoint,
 )
-from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums, build_draft
+from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums, build_draft, check_target
 from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, target_argmax_fn
+from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
 from artcache.trainers.tracking import Progress, RunTracker
 
 from .config import ConsumerConfig, lr_at, run_settings
 from .reader import DeviceCollator, Fetched, Reader, Retired, collate, drain, group_cursor
 from .restore import (
-    InitSource,
     check_same_draft,
     find_resume,
-    init_source,
     jsonable,
     load_weights_strict,
+    plan_init,
     refuse_existing_run,
     vocab_map_of,
+    with_horizon,
 )
 
 __all__ = ["Session", "run_consumer"]
@@ -112,7 +117,7 @@ class Session:
     def __init__(self, cfg: ConsumerConfig) -> None:
         self.cfg = cfg
         self.resumed: Loaded | None = None  # --resume: the checkpoint continued
-        self.init: InitSource | None = None  # --init-from: the weights seeded
+        self.init: SeedPlan | None = None  # --init-from: the seed, checked against this run
         self.start_step = self.start_cursor = 0
         self.steps_done = 0  # optimizer steps done (the checkpoint's step)
         self.cursor = 0  # one past the last position trained on
@@ -135,12 +140,16 @@ class Session:
         self.pending: list[_StepRecord] = []  # steps whose figures are not written yet (_flush_metrics)
         self.last_progress: float | None = None
         self.retired = Retired()
+        self.bad_step: torch.Tensor | None = None  # device flag: first step with a non-finite loss/grad (-1: none)
+        self.bad_what: torch.Tensor | None = None  # 1: loss, 2: gradient norm, 3: both
+        self.diverged = False
+        self.best: tuple[str, float, int] | None = None  # (metric, value, step) of checkpoints/best
 
     # ---- setup: read the root, choose the start, build the draft (nothing written yet) ------------------
 
     def setup(self) -> None:
-        cfg = self.cfg
-        cfg.validate()
+        self.cfg.validate()
+        cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
         self.layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
         self.settings = load_settings(self.layout)  # raises CacheRootError for a missing/uninitialised root
@@ -156,17 +165,24 @@ class Session:
             cfg = self.cfg = msgspec.structs.replace(cfg, steps=epoch_steps(cfg.epochs, self.epoch_len, cfg.batch_size))
         self.end = cfg.steps * cfg.batch_size  # exclusive: the consumer never reads at or past it
         self.run_dir = Path(cfg.out_dir or Path("runs") / cfg.consumer_id).absolute()
-        vocab_map = None
+        vocab_map = src = None
         if cfg.resume:
             self.resumed = find_resume(cfg, self.layout, self.settings, self.run_dir)
+            cfg = self.cfg = with_horizon(cfg, self.resumed.state)
             vocab_map = vocab_map_of(self.resumed.weights)
         else:
             refuse_existing_run(self.run_dir)
-            if cfg.init_from:
-                self.init = init_source(cfg, self.settings)
-                vocab_map = self.init.vocab_map
+            if cfg.init_from:  # any published layout; checked against the built draft below, before loading
+                src = read_seed(cfg.init_from, check_target(self.settings).num_layers)
+                if src.draft != cfg.draft:
+                    raise ConfigError(f"--init-from {src.path} ({src.layout}) holds a {src.draft} draft, not {cfg.draft}")
+                vocab_map = seed_vocab_map(src)  # a seeded EAGLE-3 keeps its own map
         self.draft = build_draft(cfg, self.settings, self.plan, self.device, vocab_map=vocab_map)
         self.model = self.draft.model
+        if src is not None:
+            own = {k: tuple(v.shape) for k, v in self.model.trainable_state_dict().items()}
+            self.init = plan_init(cfg, src, self.draft.config_dict(), own, self.draft.target_info,
+                                  self.settings.contract, self.plan)
         captured = list(self.settings.contract.layer_ids)
         layers = view_slice(layer_view(captured, self.draft.needed_layer_ids, draft=cfg.draft, flag_hint=""))
         # None: the draft reads every captured layer, in order
@@ -205,13 +221,13 @@ class Session:
     def resume(self) -> None:
         cfg, draft = self.cfg, self.draft
         if self.resumed is not None:
-            check_same_draft(self.resumed, draft)
+            check_same_draft(self.resumed.state.draft_config, draft.config_dict(), self.resumed.path)
             load_weights_strict(self.model, self.resumed.weights, f"checkpoint {self.resumed.path}")
         elif self.init is not None:
-            load_weights_strict(self.model, self.draft.published_weights(self.init.weights, self.init.source),
-                                f"--init-from {self.init.source}")
-            log.info("[%s] weights seeded from %s%s", cfg.consumer_id, self.init.source,
-                     " (its own vocab map kept)" if self.init.vocab_map else "")
+            src = self.init.source
+            load_weights_strict(self.model, load_seed(self.init), f"--init-from {src.path}")
+            log.info("[%s] weights seeded from %s (%s)%s", cfg.consumer_id, src.path, src.layout,
+                     " (its own vocab map kept)" if self.init.coverage is not None else "")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
                                            fused=True)
@@ -224,6 +240,30 @@ class Session:
             self.saved_step, self.ckpt = st.step, self.resumed.path
         self.argmax_fn = target_argmax_fn(draft.target_info, draft.target_lm_head, self.device) \
             if self.last_index is not None else None
+        self.best_metric = self._best_metric()
+        best = best_checkpoint(self.run_dir) if self.resumed is not None and self.best_metric else None
+        if best is not None:  # the best so far of the run this one continues
+            ev = read_state(best).eval or {}
+            if isinstance(ev.get(self.best_metric), (int, float)):
+                self.best = (self.best_metric, float(ev[self.best_metric]), read_state(best).step)
+
+    def _best_metric(self) -> str | None:
+        """The held-out figure ``checkpoints/best`` follows (None without evaluation).
+
+        Raises:
+            ConfigError: ``--best-metric`` names a figure this run's evaluation cannot give.
+        """
+        cfg = self.cfg
+        if not cfg.eval_samples:
+            return None
+        if cfg.best_metric is None:
+            return "replay_tau" if self.argmax_fn is not None else self.draft.progress_metric
+        if cfg.best_metric == "replay_tau" and self.argmax_fn is None:
+            last = self.draft.target_info.num_layers - 1
+            raise ConfigError(f"--best-metric replay_tau needs the target's last layer {last} in the root (captured: "
+                              f"{list(self.settings.contract.layer_ids)}); choose --best-metric "
+                              f"{self.draft.progress_metric} or loss")
+        return cfg.best_metric
 
     # ---- register: run directory, journal, registration, tracker, reader, heartbeat, signals ------------
 
@@ -326,13 +366,18 @@ class Session:
             for step_index in range(self.start_step, cfg.steps):
                 self.step(step_index)
                 done = self.steps_done
-                if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
-                    self.checkpoint()
                 if evaluating and cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
-                    self.evaluate(done)
+                    self.evaluate(done)  # before a checkpoint of the same step, which then records it
+                if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps and self.saved_step != done:
+                    self.checkpoint()
             if evaluating and self.last_eval.get("step") != self.steps_done:
                 self.evaluate(self.steps_done)
+            self._check_finite()
             self.state = "completed"
+        except TrainingDiverged as exc:
+            self.diverged = True
+            self.error = f"{type(exc).__name__}: {exc}"
+            raise
         except KeyboardInterrupt:
             self.state, self.error = "cancelled", "interrupted"
             raise
@@ -372,19 +417,57 @@ class Session:
         self.consistent = True
         self.reader.authorize(self.cursor)
         self._record(step_index, sums, lr, wait_s, time.monotonic() - t0)
+        if self.device.type != "cuda":  # reading the flag costs nothing off the GPU: caught at its own step
+            self._check_finite()
+
+    # ---- divergence: a non-finite loss or gradient stops the run, no checkpoint after it ------------------
+
+    def _watch_finite(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Record on the device (no host sync) the first step whose loss or gradient norm is not finite."""
+        bad_loss = ~torch.isfinite(loss.detach())
+        bad_grad = ~torch.isfinite(grad_norm.detach())
+        what = bad_loss.long() + 2 * bad_grad.long()
+        if self.bad_step is None:
+            self.bad_step = torch.full((), -1, dtype=torch.long, device=what.device)
+            self.bad_what = torch.zeros((), dtype=torch.long, device=what.device)
+        first = (self.bad_step < 0) & (what > 0)
+        self.bad_step = torch.where(first, torch.full_like(self.bad_step, step), self.bad_step)
+        self.bad_what = torch.where(first, what, self.bad_what)
+
+    def _check_finite(self) -> None:
+        """Read the divergence flag (one host sync): every step off the GPU; on CUDA at each log line, before
+        every checkpoint and evaluation and at the end, so divergence is caught within ``--log-every`` steps
+        and never checkpointed.
+
+        Raises:
+            TrainingDiverged: naming the first non-finite step, what was non-finite and the checkpoint kept.
+        """
+        if self.bad_step is None or self.diverged:
+            return
+        step = int(self.bad_step)
+        if step < 0:
+            return
+        self.diverged = True
+        what = {1: "loss", 2: "gradient norm", 3: "loss and gradient norm"}[int(self.bad_what)]
+        kept = f"the last finite checkpoint {self.ckpt} (step {self.saved_step}) is kept" if self.ckpt else \
+            "no checkpoint was written before it"
+        raise TrainingDiverged(f"[{self.cfg.consumer_id}] non-finite {what} at step {step} (--lr {self.cfg.lr:g}): "
+                               f"training diverged and stopped; {kept}; lower --lr or check the data", step=step)
 
     def train_step(self, batch: DraftBatch, step_index: int) -> tuple[MetricSums | PendingSums, float]:
-        """The compute of one step on ``batch``: the scheduled lr, forward, backward, clip, optimizer step.
+        """The compute of one step on ``batch``: the scheduled lr (horizon ``cfg.horizon``), forward, backward,
+        clip, the divergence flag (:meth:`_watch_finite`), optimizer step.
         Returns (the step's metric sums, its lr). (``artcache.bench.offline`` times it on batches held in
         memory: the consumer's rate without the cache.)"""
         cfg = self.cfg
-        lr = lr_at(step_index, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.min_lr_frac)
+        lr = lr_at(step_index, cfg.horizon, cfg.lr, cfg.warmup_frac, cfg.min_lr_frac)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         loss, sums = self.draft.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        self._watch_finite(step_index + 1, loss, grad_norm)  # on the device: no host sync
         self.optimizer.step()
         return sums, lr
 
@@ -414,6 +497,7 @@ class Session:
                                         self.wait_total))
         if self.device.type != "cuda" or step % self.cfg.log_every == 0 or step == self.cfg.steps:
             self._flush_metrics()
+            self._check_finite()  # on CUDA the flag is read here: divergence is caught within --log-every steps
         self.progress.update(rate, self.last_progress, self.wait_total, self.draft.progress_metric)
 
     def _flush_metrics(self) -> None:
@@ -427,12 +511,14 @@ class Session:
         for rec, sums in zip(records, PendingSums.resolve_all([r.sums for r in records]), strict=True):
             self.total = sums if self.total is None else self.total + sums
             s = draft.summary(sums)
-            if rec.step_index - self.start_step < 5:
-                self.first_losses.append(s["loss"])
-            self.last_losses.append(s["loss"])
-            del self.last_losses[:-5]
+            loss = s.get("loss")  # absent when the batch supervised nothing (a zero denominator)
+            if loss is not None:
+                if rec.step_index - self.start_step < 5:
+                    self.first_losses.append(loss)
+                self.last_losses.append(loss)
+                del self.last_losses[:-5]
             epoch = self.order.epoch(rec.cursor - 1)  # the epoch of the step's last position
-            self.journal.emit(J.Step(consumer=cfg.consumer_id, step=rec.step, cursor=rec.cursor, loss=s["loss"],
+            self.journal.emit(J.Step(consumer=cfg.consumer_id, step=rec.step, cursor=rec.cursor, loss=loss,
                                      wait_s=rec.wait_s, step_s=rec.step_s, lr=rec.lr, t=rec.t, epoch=epoch,
                                      **draft.journal_fields(sums)))
             self.tracker.scalars(rec.step, "train", {**{k: v for k, v in s.items() if k != "blocks"}, "lr": rec.lr,
@@ -440,16 +526,19 @@ class Session:
                                                      "wait_total_s": rec.wait_total, "epoch": epoch})
             self.last_progress = s.get(draft.progress_metric)
             if rec.step % cfg.log_every == 0 or rec.step == cfg.steps:
-                shown = s["acc"][:4]
-                acc = " ".join(f"{a:.2f}" for a in shown)
-                log.info("[%s] step %d/%d (epoch %d) loss %.3f %s acc_1..%d %s trainer wait for batch %.2fs",
-                         cfg.consumer_id, rec.step, cfg.steps, epoch, s["loss"], draft.headline(s), len(shown),
+                shown = s.get("acc", [])[:4]
+                acc = " ".join(fmt(a) for a in shown)
+                log.info("[%s] step %d/%d (epoch %d) loss %s %s acc_1..%d %s trainer wait for batch %.2fs",
+                         cfg.consumer_id, rec.step, cfg.steps, epoch, fmt(loss, 3), draft.headline(s), len(shown),
                          acc, rec.wait_s)
                 self.tracker.flush()
 
     # ---- evaluate: one pass over the held-out split -------------------------------------------------------
 
     def evaluate(self, at_step: int) -> None:
+        """One pass over the held-out split, logged and tracked; an improved ``best_metric`` (steps > 0)
+        moves ``checkpoints/best`` to a checkpoint of this step (written now when there is none)."""
+        self._check_finite()
         self._flush_metrics()
         t0 = time.monotonic()
         try:
@@ -461,16 +550,33 @@ class Session:
         self.tracker.scalars(at_step, "eval", {k: v for k, v in ev.items() if k not in ("step", "samples")})
         self.tracker.flush()
         shown = ev.get("acc", [])[:4]
-        acc = " ".join(f"{a:.2f}" for a in shown)
-        log.info("[%s] eval step %d on %d held-out samples: loss %.3f %s acc_1..%d %s (labels: %s) %.1fs",
-                 self.cfg.consumer_id, at_step, ev["samples"], ev["loss"], self.draft.headline(ev), len(shown), acc,
-                 ev["labels"], time.monotonic() - t0)
+        log.info("[%s] eval step %d on %d held-out samples: loss %s %s acc_1..%d %s (labels: %s) %.1fs",
+                 self.cfg.consumer_id, at_step, ev["samples"], fmt(ev.get("loss"), 3), self.draft.headline(ev),
+                 len(shown), " ".join(fmt(a) for a in shown), ev["labels"], time.monotonic() - t0)
+        self._maybe_best(at_step)
+
+    def _maybe_best(self, at_step: int) -> None:
+        """Point ``checkpoints/best`` at this step's checkpoint when its ``best_metric`` beats the best so far
+        (a name with ``loss`` is minimised, every other figure maximised; step 0, the untrained or seeded
+        draft, is only the baseline)."""
+        metric = self.best_metric
+        value = self.last_eval.get(metric) if metric else None
+        if at_step == 0 or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return
+        lower = "loss" in metric
+        if self.best is not None and not (value < self.best[1] if lower else value > self.best[1]):
+            return
+        path = self.ckpt if self.saved_step == at_step and self.ckpt is not None else self.checkpoint()
+        point_best(self.run_dir, path)
+        self.best = (metric, float(value), at_step)
+        log.info("[%s] checkpoints/best -> step %d (%s %.4f)", self.cfg.consumer_id, at_step, metric, value)
 
     # ---- checkpoint: write, record the cursor, point latest, prune --------------------------------------
 
     def checkpoint(self) -> Path:
         cfg = self.cfg
         self._flush_metrics()  # the journal and metrics.csv hold every step the checkpoint covers
+        self._check_finite()  # a diverged state is never checkpointed: the last finite one stays latest
         path = save_checkpoint(self.run_dir, step=self.steps_done, cursor=self.cursor,
                                weights=self.model.trainable_state_dict(),
                                optimizer=self.optimizer if cfg.checkpoint_optimizer else None,
@@ -481,7 +587,8 @@ class Session:
         self.handle.record_checkpoint(self.cursor)  # the resume point moves only once the directory is complete
         crash_point("checkpoint.after-record")
         point_latest(self.run_dir, path)
-        prune(self.run_dir, cfg.keep_checkpoints, path)
+        best = best_checkpoint(self.run_dir)
+        prune(self.run_dir, cfg.keep_checkpoints, path, *([best] if best is not None else []))
         self.saved_step, self.ckpt = self.steps_done, path
         log.info("[%s] checkpoint %s (step %d, cursor %d)", cfg.consumer_id, path, self.steps_done, self.cursor)
         return path
@@ -493,7 +600,9 @@ class Session:
         return {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "draft_config": jsonable(draft.config_dict()),
                 "run": run_settings(cfg),
                 "schedule": {"kind": "linear-warmup-cosine", "base_lr": cfg.lr, "warmup_frac": cfg.warmup_frac,
-                             "min_lr_frac": cfg.min_lr_frac, "total_steps": cfg.steps, "next_step": self.steps_done},
+                             "min_lr_frac": cfg.min_lr_frac, "total_steps": cfg.horizon, "next_step": self.steps_done},
+                "eval": self.last_eval if self.last_eval.get("step") == self.steps_done else None,
+                "steps_planned": cfg.steps,
                 "plan_id": self.settings.plan_id, "contract_id": contract.contract_id,
                 "target_name": contract.target_name, "target_path": self.settings.target_path,
                 "target_weights_digest": contract.target_weights_digest, "dtype": contract.dtype,
@@ -521,9 +630,10 @@ class Session:
         # also on a failure between steps (e.g. CaptureTimeout when the producer is gone): the state is a
         # consistent step, so --resume continues from here instead of the last --save-every checkpoint.
         # Not after a checkpoint write failed (its error names the last good one; a second try at once
-        # would fail the same way)
+        # would fail the same way), nor after divergence (the last finite checkpoint stays latest)
         if cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0) \
-                and not self.fenced.is_set() and not isinstance(self.failure, CheckpointWriteError):
+                and not self.fenced.is_set() and not isinstance(self.failure, CheckpointWriteError) \
+                and not self.diverged:
             try:
                 self.checkpoint()
             except Exception as exc:  # never mask the error in flight; a completed run without it failed
@@ -549,6 +659,8 @@ class Session:
                "first_loss": sum(first) / len(first) if first else None,
                "final_loss": sum(last) / len(last) if last else None,
                "tau": summary.get("tau"), "checkpoint": str(self.ckpt) if self.ckpt else None,
+               "best": {"metric": self.best[0], "value": self.best[1], "step": self.best[2]} if self.best else None,
+               "vocab_coverage": self.init.coverage if self.init is not None else None,
                "run_dir": str(self.run_dir), "wait_s": self.wait_total,
                # the epoch of the last position trained on (0-based) and the training samples per epoch
                "epoch": self.order.epoch(self.cursor - 1) if self.cursor else 0, "epoch_len": self.epoch_len}
@@ -573,6 +685,11 @@ class _StepRecord:
     t: float
     rate: float
     wait_total: float
+
+
+def fmt(value, digits: int = 2) -> str:
+    """A figure for a log line; ``-`` for one that is absent (a zero denominator)."""
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _check_run_dir(run_dir: Path) -> None:

@@ -20,15 +20,17 @@ from artcache.trainers.draft import (
     MetricSums,
     PendingSums,
     check_target,
+    present,
     replay_headline,
     replay_summary,
     replay_sums,
 )
+from artcache.trainers.export import decode_draft_config
 from artcache.trainers.speed import SpeedOptions, to_device
 
 from .anchors import eligible_anchors, sample_anchors
 from .config import DFlashConfig
-from .export import export_checkpoint_files
+from .export import SERVING_NAMES, TARGET_TENSORS, export_checkpoint_files, read_published
 from .loss import dflash_loss
 from .model import DFlashDraft
 
@@ -61,6 +63,13 @@ class DFlashAdapter(Draft):
     """
 
     name = "dflash"
+    options = {"block_size": 16, "num_anchors": 64, "draft_layers": None, "eval_anchors": 0}
+    run_options = ("block_size", "num_anchors")
+    serving_names = SERVING_NAMES
+    target_tensors = TARGET_TENSORS
+    seed_fields = ("mask_token_id", "block_size", "hidden_size", "vocab_size", "num_layers", "num_heads",
+                   "num_kv_heads", "head_dim", "intermediate_size", "num_context_layers", "rope_theta",
+                   "rms_norm_eps")
 
     def __init__(self, model, dcfg, needed_layer_ids: Sequence[int], anchor_generator: torch.Generator,
                  eval_anchors: int = 0, speed: SpeedOptions | None = None) -> None:
@@ -73,20 +82,16 @@ class DFlashAdapter(Draft):
         self._forward_fn = self.speed.compiled(self.model)
 
     @classmethod
-    def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
-              info=None) -> DFlashAdapter:
-        """The DFlash draft around the target's frozen embedding and lm_head.
+    def configure(cls, cfg, info, captured, plan) -> dict[str, Any]:
+        """The DFlash config and view a run builds: the layers (formula or ``--layer-ids``, each captured),
+        the MASK token (:func:`artcache.plan.choose_mask_token`) and the sizes of the target's config.
 
         Raises:
-            ContractMismatch: a layer the draft needs is not captured, or the target's weights changed.
-            ConfigError: a vocab map given (a DFlash draft has none), no valid MASK token, or bad sizes.
+            ContractMismatch: a layer the draft needs is not captured. ConfigError: no MASK token, bad sizes.
         """
         from transformers import AutoConfig
 
-        if vocab_map:
-            raise ConfigError("a DFlash draft has no vocab map; the checkpoint given carries one (an EAGLE-3 draft?)")
-        info = info or check_target(settings)
-        captured = list(settings.contract.layer_ids)
+        captured = list(captured)
         if cfg.layer_ids:  # an explicit view replaces the formula
             need = check_layer_ids(cfg.layer_ids, info.num_layers, f"--layer-ids {list(cfg.layer_ids)}")
             n = cfg.draft_layers or len(need)
@@ -96,19 +101,48 @@ class DFlashAdapter(Draft):
             need = dflash_layer_ids(info.num_layers, n)
             layer_view(captured, need, draft=f"a {n}-layer DFlash draft", flag_hint=f" (--draft-layers {n})")
         mask_id = choose_mask_token(load_tokenizer(info), info.vocab_size, plan)
-        embed, lm_head = load_embedding_and_lm_head(info)
         dcfg = DFlashConfig.from_target(AutoConfig.from_pretrained(info.path), num_layers=n,
                                         block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                                         mask_token_id=mask_id, num_context_layers=len(need))
+        return {**msgspec.to_builtins(dcfg), "layer_ids": list(need)}
+
+    @classmethod
+    def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
+              info=None) -> DFlashAdapter:
+        """The DFlash draft around the target's frozen embedding and lm_head (config: :meth:`configure`).
+
+        Raises:
+            ContractMismatch: a layer the draft needs is not captured, or the target's weights changed.
+            ConfigError: a vocab map given (a DFlash draft has none), no valid MASK token, or bad sizes.
+        """
+        if vocab_map:
+            raise ConfigError("a DFlash draft has no vocab map; the checkpoint given carries one (an EAGLE-3 draft?)")
+        info = info or check_target(settings)
+        planned = cls.configure(cfg, info, settings.contract.layer_ids, plan)
+        need = planned.pop("layer_ids")
+        dcfg = msgspec.convert(planned, DFlashConfig)
+        embed, lm_head = load_embedding_and_lm_head(info)
         torch.manual_seed(cfg.seed)
         model = DFlashDraft(dcfg, embed.to(device), lm_head.to(device))
-        draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors,
+        draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors or 0,
                     speed=SpeedOptions.for_device(cfg, device))
         draft.target_info, draft.target_lm_head = info, model.lm_head_weight
         return draft
 
     @classmethod
-    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what):
+    def weight_shapes(cls, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        dcfg = decode_draft_config(config, DFlashConfig, "DFlash draft config")
+        with torch.device("meta"):
+            meta = torch.empty(dcfg.vocab_size, dcfg.hidden_size)
+            model = DFlashDraft(dcfg, meta, meta)
+        return {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()}
+
+    @classmethod
+    def read_published(cls, config: dict[str, Any], num_target_layers: int) -> dict[str, Any] | None:
+        return read_published(config, num_target_layers)
+
+    @classmethod
+    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what, target_info=None):
         return export_checkpoint_files(state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens,
                                        what)
 
@@ -190,12 +224,13 @@ class DFlashAdapter(Draft):
 
     def summary(self, sums: MetricSums) -> dict[str, Any]:
         B = self.dcfg.block_size
-        out = {"loss": sums.ratio("loss"), "acc": [sums.ratio(f"acc_{k}") for k in range(1, B)],
-               "tau": sums.ratio("tau"), "tau_includes_bonus": True, "blocks": int(sums.den.get("tau", 0))}
+        out = present({"loss": sums.ratio("loss"), "acc": [sums.ratio(f"acc_{k}") for k in range(1, B)],
+                       "tau": sums.ratio("tau"), "tau_includes_bonus": True, "blocks": int(sums.den.get("tau", 0))})
         return {**out, **replay_summary(sums)}
 
     def headline(self, summary: dict[str, Any]) -> str:
-        return f"tau {summary['tau']:.2f} (incl. +1 bonus)" + replay_headline(summary, bonus_note="")
+        tau = f"{summary['tau']:.2f}" if "tau" in summary else "-"
+        return f"tau {tau} (incl. +1 bonus)" + replay_headline(summary, bonus_note="")
 
     def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
         """The Step event's metric sums (block size B: acc lists have B entries, index 0 unused)."""

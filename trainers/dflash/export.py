@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -38,11 +39,17 @@ from artcache.trainers.export import (
 from .config import DFlashConfig
 from .model import DFlashDraft
 
-__all__ = ["DFLASH_ARCHITECTURE", "dflash_config_from_export", "dflash_export_config", "dflash_export_state_dict",
-           "export_checkpoint_files", "load_dflash_export"]
+__all__ = ["DFLASH_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "dflash_config_from_export", "dflash_export_config",
+           "dflash_export_state_dict", "export_checkpoint_files", "load_dflash_export", "read_published"]
 
 #: The architecture vLLM's registry maps to its DFlash draft (``qwen3_dflash.DFlashQwen3ForCausalLM``).
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+#: artcache key prefix -> serving key prefix (every format; z-lab, speculators and SpecForge use the same).
+SERVING_NAMES = (("context_norm.", "hidden_norm."),)
+#: keys a published DFlash layout may carry that are the target's frozen tensors (speculators omits them on
+#: save and reloads them from the verifier; a full-vocabulary ``lm_head`` is the verifier's own).
+TARGET_TENSORS = {"embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "verifier_lm_head.weight": "lm_head",
+                  "verifier_norm.weight": "final_norm"}
 
 
 def export_checkpoint_files(state, weights: dict[str, Tensor], target_cfg: Any, fmt: str, dtype: torch.dtype,
@@ -93,7 +100,7 @@ def dflash_export_state_dict(weights: dict[str, Tensor], cfg: Any, dtype: torch.
     check_keys(weights, {k: tuple(v.shape) for k, v in ref.items()}, "DFlash checkpoint")
     out = {}
     for k, v in weights.items():
-        name = "hidden_norm." + k[len("context_norm."):] if k.startswith("context_norm.") else k
+        name = next((s + k[len(n):] for n, s in SERVING_NAMES if k.startswith(n)), k)
         t = v.detach().to("cpu")
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
@@ -197,38 +204,116 @@ def dflash_export_config(cfg: Any, layer_ids: list[int], target_hf_config: Any, 
     }
 
 
-def dflash_config_from_export(config: dict) -> tuple[Any, list[int]]:
-    """Read an exported DFlash ``config.json`` back (either format) the way a serving engine does:
-    the draft's :class:`~artcache.trainers.dflash.DFlashConfig` and its layer ids, **output-of-layer**.
+def _check_neutral(config: dict, layer: dict, dc: dict) -> None:
+    """Refuse layout options artcache's DFlash does not compute (it would load and predict wrong)."""
+    types = layer.get("layer_types") or []
+    if any(t != "full_attention" for t in types) or layer.get("use_sliding_window"):
+        raise ConfigError(f"layer_types {types} / use_sliding_window {layer.get('use_sliding_window')}: "
+                          "artcache's DFlash attends the whole context (full_attention only)")
+    if layer.get("is_causal") or dc.get("causal"):
+        raise ConfigError("is_causal / dflash_config.causal true: artcache's DFlash block attention is bidirectional")
+    for key, neutral in (("output_multiplier", 1.0), ("final_logit_softcapping", None), ("input_embedding_scale", 1.0),
+                         ("projector_type", None), ("pure_draft_prefix_len", 0), ("shift_label", False)):
+        if dc.get(key, neutral) not in (neutral, 0.0 if neutral is None else neutral):
+            raise ConfigError(f"dflash_config.{key} {dc[key]!r}: artcache's DFlash does not compute it")
+    if config.get("sample_from_anchor"):
+        raise ConfigError("sample_from_anchor true (a DSpark-style draft): artcache's DFlash proposes after the anchor")
+    if layer.get("attention_bias"):
+        raise ConfigError("attention_bias true: artcache's DFlash projections have no bias")
+
+
+def _published_fields(config: dict, num_target_layers: int | None) -> tuple[dict, list[int]]:
+    """The DFlashConfig fields and the output-of-layer ids a DFlash ``config.json`` records
+    (``mask_token_id`` / ``block_size`` None when absent).
+
+    Layouts: artcache's exports (both formats), z-lab ``DFlashDraftModel`` (``dflash_config``:
+    ``target_layer_ids`` output-of-layer, ``mask_token_id``, ``block_size``), SpecForge's (the same
+    architecture; ``block_size`` at the top level, ``target_layer_ids`` absent = the DFlash formula over
+    ``num_target_layers``), vllm-project/speculators ``dflash`` (``aux_hidden_state_layer_ids``
+    input-of-layer, ``transformer_layer_config``). ``mask_token_id`` absent reads as None.
 
     Raises:
-        ConfigError: a field the loader needs is missing, or the two layer-id fields disagree.
+        ConfigError: a field the loader needs is missing, the two layer-id fields disagree, or the
+            layout asks for something artcache's DFlash does not compute (sliding or causal attention,
+            logit scaling, a reduced draft vocabulary, sampling from the anchor).
     """
     try:
         if config.get("speculators_model_type") == "dflash":
-            layer = config["transformer_layer_config"]
+            layer, dc = config["transformer_layer_config"], {}
             ids = [vllm_id_to_output_of_layer(i) for i in config["aux_hidden_state_layer_ids"]]
-            mask_id, B = config["mask_token_id"], config["block_size"]
+            mask_id, B = config.get("mask_token_id"), config["block_size"]
+            dvs = config.get("draft_vocab_size")
+            if dvs is not None and dvs != layer["vocab_size"]:
+                raise ConfigError(f"draft_vocab_size {dvs} != vocab_size {layer['vocab_size']}: a reduced-vocabulary "
+                                  "DFlash draft; artcache's DFlash predicts over the target vocabulary")
         elif DFLASH_ARCHITECTURE in (config.get("architectures") or []):
-            layer, dc = config, config["dflash_config"]
-            ids = list(dc["target_layer_ids"])
+            layer, dc = config, config.get("dflash_config") or {}
+            ids = dc.get("target_layer_ids")
+            if ids is None:  # SpecForge: the formula over the target's layers
+                L = config.get("num_target_layers", num_target_layers)
+                ids = dflash_layer_ids(int(L), int(config["num_hidden_layers"]))
+            ids = list(ids)
             aux = config.get("eagle_aux_hidden_state_layer_ids")
             if aux is not None and [vllm_id_to_output_of_layer(i) for i in aux] != ids:
                 raise ConfigError(f"eagle_aux_hidden_state_layer_ids {aux} is not target_layer_ids {ids} + 1")
-            mask_id, B = dc["mask_token_id"], dc.get("block_size", config.get("block_size"))
+            mask_id, B = dc.get("mask_token_id"), dc.get("block_size", config.get("block_size"))
         else:
             raise ConfigError(f"not an exported DFlash config (architectures {config.get('architectures')!r}, "
                               f"speculators_model_type {config.get('speculators_model_type')!r})")
+        _check_neutral(config, layer, dc)
         theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
-        cfg = DFlashConfig(
+        fields = dict(
             hidden_size=layer["hidden_size"], num_layers=layer["num_hidden_layers"],
             num_heads=layer["num_attention_heads"], num_kv_heads=layer["num_key_value_heads"],
-            head_dim=layer["head_dim"], intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
-            num_context_layers=len(ids), mask_token_id=mask_id, block_size=B, rope_theta=float(theta),
-            rms_norm_eps=float(layer["rms_norm_eps"]))
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"exported DFlash config lacks a field the loader needs: {exc!r}") from exc
-    return cfg, ids
+            head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+            intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
+            num_context_layers=len(ids), mask_token_id=mask_id, block_size=B,
+            rope_theta=float(theta if theta is not None else 10000.0), rms_norm_eps=float(layer["rms_norm_eps"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"DFlash config lacks or mistypes a field the loader needs: {exc!r}") from exc
+    return fields, [int(i) for i in ids]
+
+
+def dflash_config_from_export(config: dict, num_target_layers: int | None = None) -> tuple[Any, list[int]]:
+    """Read a DFlash ``config.json`` back the way a serving engine does: the draft's
+    :class:`~artcache.trainers.dflash.DFlashConfig` and its layer ids, **output-of-layer**
+    (layouts: :func:`_published_fields`).
+
+    Raises:
+        ConfigError: see :func:`_published_fields`; also no ``mask_token_id`` or block size recorded.
+    """
+    fields, ids = _published_fields(config, num_target_layers)
+    try:
+        return msgspec.convert(fields, DFlashConfig), ids
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"DFlash config does not describe a draft artcache builds: {exc}") from exc
+
+
+def read_published(config: dict, num_target_layers: int) -> dict | None:
+    """A published DFlash ``config.json`` as a draft config for the seed loader (:mod:`artcache.trainers.seed`),
+    or None when it is not a DFlash layout. Adds ``target_name`` (speculators' verifier),
+    ``num_target_layers`` (z-lab, SpecForge) and the ``layout``.
+
+    Raises:
+        ConfigError: see :func:`dflash_config_from_export`.
+    """
+    spec = config.get("speculators_model_type")
+    if spec != "dflash" and (spec is not None or DFLASH_ARCHITECTURE not in (config.get("architectures") or [])):
+        return None
+    out, ids = _published_fields(config, num_target_layers)
+    out["layer_ids"] = ids
+    if spec == "dflash":
+        out["layout"] = "speculators dflash"
+        name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if name:
+            out["target_name"] = name
+    else:
+        out["layout"] = "hf DFlashDraftModel (z-lab / SpecForge)"
+        if config.get("num_target_layers") is not None:
+            out["num_target_layers"] = int(config["num_target_layers"])
+    return out
 
 
 def load_dflash_export(directory: str | Path, embed_weight: Tensor, lm_head_weight: Tensor,
@@ -246,8 +331,7 @@ def load_dflash_export(directory: str | Path, embed_weight: Tensor, lm_head_weig
     config, tensors = read_export(directory)
     cfg, ids = dflash_config_from_export(config)
     model = DFlashDraft(cfg, embed_weight, lm_head_weight, dtype=dtype)
-    own = {("context_norm." + k[len("hidden_norm."):] if k.startswith("hidden_norm.") else k): v
-           for k, v in tensors.items()}
+    own = {next((n + k[len(sv):] for n, sv in SERVING_NAMES if k.startswith(sv)), k): v for k, v in tensors.items()}
     check_keys(own, {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()},
                 f"exported DFlash draft {directory}")
     model.load_state_dict(own, strict=True)

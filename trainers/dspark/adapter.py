@@ -8,9 +8,7 @@ applies the norm once), from which the frozen lm_head gives the target distribut
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,8 +20,10 @@ from artcache.layer_ids import LAST_LAYER_STATE, dspark_layer_ids, layer_view
 from artcache.trainers.dflash.adapter import evenly_spaced
 from artcache.trainers.dflash.anchors import eligible_anchors, sample_anchors
 from artcache.trainers.draft import Draft, DraftBatch, ExportedDraft, MetricSums, check_target
+from artcache.trainers.export import decode_draft_config
 
-from .config import DSparkConfig
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
+from .export import SERVING_NAMES, TARGET_TENSORS, read_published
 from .loss import BlockOutputs, dspark_loss
 from .metrics import block_sums, replay, summarize
 
@@ -61,6 +61,16 @@ class DSparkAdapter(Draft):
 
     name = "dspark"
     progress_metric = "tau"
+    #: ``num_anchors`` None: its default depends on the device (ConsumerConfig.resolved, default_anchors)
+    options = {"block_size": DEFAULT_BLOCK_SIZE, "num_anchors": None, "draft_layers": None, "eval_anchors": 0,
+               "markov_rank": DEFAULT_MARKOV_RANK, "markov_head": "vanilla"}
+    run_options = ("block_size", "num_anchors")
+    serving_names = SERVING_NAMES
+    target_tensors = TARGET_TENSORS
+    seed_fields = ("mask_token_id", "block_size", "hidden_size", "vocab_size", "num_layers", "num_heads",
+                   "num_kv_heads", "head_dim", "intermediate_size", "num_context_layers", "rope_theta",
+                   "rms_norm_eps", "markov_rank", "markov_head_type", "enable_confidence_head",
+                   "confidence_head_with_markov")
 
     def __init__(self, model, cfg: DSparkConfig, needed_layer_ids: Sequence[int], anchor_generator: torch.Generator,
                  eval_anchors: int = 0) -> None:
@@ -75,6 +85,11 @@ class DSparkAdapter(Draft):
         self._heldout_at = -1
 
     @classmethod
+    def configure(cls, cfg, info, captured, plan) -> dict[str, Any]:
+        """See :func:`_configure` (no weight loaded: what ``artcache run --dry-run`` compares with a seed)."""
+        return _configure(cfg, info, captured, plan)
+
+    @classmethod
     def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
               info=None) -> DSparkAdapter:
         """See :func:`_build`. Raises ConfigError for a vocab map (a DSpark draft has none)."""
@@ -83,7 +98,20 @@ class DSparkAdapter(Draft):
         return _build(cls, cfg, settings, plan, device, info)
 
     @classmethod
-    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what) -> ExportedDraft:
+    def weight_shapes(cls, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        from .export import _meta_model
+
+        cfg = decode_draft_config(config, DSparkConfig, "DSpark draft config")
+        return {k: tuple(v.shape) for k, v in _meta_model(cfg).trainable_state_dict().items()}
+
+    @classmethod
+    def read_published(cls, config: dict[str, Any], num_target_layers: int) -> dict[str, Any] | None:
+        """:func:`artcache.trainers.dspark.export.read_published` (artcache's exports, DeepSpec's layout)."""
+        return read_published(config, num_target_layers)
+
+    @classmethod
+    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what,
+               target_info=None) -> ExportedDraft:
         """:func:`artcache.trainers.dspark.export.export_dspark` (calibration temperatures included when
         ``artcache calibrate`` added them)."""
         from .export import export_dspark
@@ -183,34 +211,6 @@ class DSparkAdapter(Draft):
                 "acc_correct": [int(sums.num.get(f"acc_{k}", 0)) for k in range(B)],
                 "acc_total": [int(sums.den.get(f"acc_{k}", 0)) for k in range(B)]}
 
-    def published_weights(self, weights: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
-        """``--init-from`` weights in this draft's key names: a checkpoint's as they are; an ``artcache
-        export`` directory (either format, :mod:`~artcache.trainers.dspark.export`) renamed back, after its
-        config.json is checked against this draft (block size, mask id, layer ids, Markov head).
-
-        Raises:
-            ConfigError: the export describes another DSpark draft (the differing fields named).
-        """
-        cfg_path = Path(source) / "config.json"
-        if not cfg_path.is_file() or (Path(source) / "state.json").is_file():
-            return weights
-        from .export import config_from_export, from_export_keys
-
-        try:
-            theirs, ids, _ = config_from_export(json.loads(cfg_path.read_text()))
-        except ValueError as exc:
-            raise ConfigError(f"--init-from {source}: config.json is not a readable DSpark export ({exc})") from exc
-        diffs = [f"{k} {getattr(theirs, k)!r} (ours {getattr(self.cfg, k)!r})"
-                 for k in ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "hidden_size",
-                           "num_layers", "vocab_size", "enable_confidence_head", "confidence_head_with_markov")
-                 if getattr(theirs, k) != getattr(self.cfg, k)]
-        if list(ids) != list(self.needed_layer_ids[:-1]):
-            diffs.append(f"context layer ids {list(ids)} (ours {list(self.needed_layer_ids[:-1])})")
-        if diffs:
-            raise ConfigError(f"--init-from {source}: the exported DSpark draft differs from this one in "
-                              f"{'; '.join(diffs)}; pass matching draft options")
-        return from_export_keys(weights)
-
 
 def dspark_default_layers(num_target_layers: int, captured: Sequence[int], cap: int = 5) -> int:
     """Draft layers n when ``--draft-layers`` is not given: the largest n <= ``cap`` (DSpark's 5) whose
@@ -222,26 +222,26 @@ def dspark_default_layers(num_target_layers: int, captured: Sequence[int], cap: 
     return min(cap, num_target_layers - 3)
 
 
-def _build(cls, cfg, settings, plan, device: torch.device, info=None) -> DSparkAdapter:
-    """The DSpark draft around the target's frozen embedding, final norm and lm_head.
+def _configure(cfg, info, captured, plan) -> dict[str, Any]:
+    """The DSpark config and view a run builds, without loading a weight (:meth:`DSparkAdapter.config_dict`'s
+    fields).
 
     View: ``cfg.layer_ids`` when given (context ids, then ``L - 1``), else
     ``dspark_layer_ids(L, n)`` with n = ``cfg.draft_layers`` or :func:`dspark_default_layers`.
     MASK: chosen and validated as for DFlash (:func:`artcache.plan.choose_mask_token`).
 
     Raises:
-        ContractMismatch: the root lacks a layer of the view, or the target's weights changed.
+        ContractMismatch: the root lacks a layer of the view.
         ConfigError: a bad view, no valid MASK token, or bad sizes.
     """
     from transformers import AutoConfig
 
     from artcache.layer_ids import check_layer_ids
     from artcache.plan import choose_mask_token
-    from artcache.target import load_embedding_and_lm_head, load_final_norm, load_tokenizer
+    from artcache.target import load_tokenizer
 
-    info = info or check_target(settings)
     L = info.num_layers
-    captured = list(settings.contract.layer_ids)
+    captured = list(captured)
     if cfg.layer_ids:
         need = check_layer_ids([int(i) for i in cfg.layer_ids], L, f"--layer-ids {','.join(map(str, cfg.layer_ids))}")
         if len(need) < 2 or need[-1] != L - 1 or (L - 1) in need[:-1]:
@@ -259,16 +259,34 @@ def _build(cls, cfg, settings, plan, device: torch.device, info=None) -> DSparkA
         hint = f" (--draft-layers {n}: the DFlash formula plus the last layer {L - 1})"
     layer_view(captured, need, draft=f"a {n}-layer DSpark draft", flag_hint=hint)
     mask_id = choose_mask_token(load_tokenizer(info), info.vocab_size, plan)
-    embed, lm_head = load_embedding_and_lm_head(info)
-    norm = load_final_norm(info)
     dcfg = DSparkConfig.from_target(AutoConfig.from_pretrained(info.path), num_layers=n, block_size=cfg.block_size,
                                     num_anchors=cfg.num_anchors, mask_token_id=mask_id,
                                     num_context_layers=len(need) - 1, markov_rank=cfg.markov_rank,
                                     markov_head_type=cfg.markov_head)
+    return {**msgspec.to_builtins(dcfg), "layer_ids": list(need), "target_state": LAST_LAYER_STATE}
+
+
+def _build(cls, cfg, settings, plan, device: torch.device, info=None) -> DSparkAdapter:
+    """The DSpark draft around the target's frozen embedding, final norm and lm_head (config and view:
+    :func:`_configure`).
+
+    Raises:
+        ContractMismatch: the root lacks a layer of the view, or the target's weights changed.
+        ConfigError: a bad view, no valid MASK token, or bad sizes.
+    """
+    from artcache.target import load_embedding_and_lm_head, load_final_norm
+
+    info = info or check_target(settings)
+    planned = _configure(cfg, info, settings.contract.layer_ids, plan)
+    need = planned.pop("layer_ids")
+    planned.pop("target_state")
+    dcfg = msgspec.convert(planned, DSparkConfig)
+    embed, lm_head = load_embedding_and_lm_head(info)
+    norm = load_final_norm(info)
     from .model import DSparkDraft
 
     torch.manual_seed(cfg.seed)
     model = DSparkDraft(dcfg, embed.to(device), lm_head.to(device), norm.to(device))
-    draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors)
+    draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors or 0)
     draft.target_info, draft.target_lm_head = info, model.lm_head_weight
     return draft

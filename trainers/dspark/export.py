@@ -60,14 +60,19 @@ from artcache.trainers.export import (
 
 from .config import DSparkConfig
 
-__all__ = ["ARCHITECTURE", "config_from_export", "export_dspark", "from_export_keys", "load_dspark_export",
-           "to_export_keys"]
+__all__ = ["ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "config_from_export", "export_dspark",
+           "from_export_keys", "load_dspark_export", "read_published", "to_export_keys"]
 
 #: The architecture vLLM's registry maps to ``qwen3_dspark.Qwen3DSparkForCausalLM`` (DeepSpec's class name).
 ARCHITECTURE = "Qwen3DSparkModel"
 _HELDOUT = "heldout."
 #: ``artcache calibrate``'s temperatures in a checkpoint's extra tensors (see :mod:`.adapter`).
 _CALIBRATION = "calibration.temperatures"
+#: artcache key prefix -> serving key prefix (both formats; DeepSpec's ``Qwen3DSparkModel`` names them alike).
+SERVING_NAMES = (("context_norm.", "hidden_norm."),)
+#: keys a published DSpark layout may carry that are the target's frozen tensors (DeepSpec copies the
+#: target's embedding and lm_head into its draft; artcache's exports carry neither).
+TARGET_TENSORS = {"embed_tokens.weight": "embed", "lm_head.weight": "lm_head"}
 
 
 def to_export_keys(weights: dict[str, Tensor], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
@@ -77,7 +82,7 @@ def to_export_keys(weights: dict[str, Tensor], dtype: torch.dtype | None = None)
     for k, v in weights.items():
         if k.startswith(_HELDOUT) or k == _CALIBRATION:
             continue
-        name = "hidden_norm." + k[len("context_norm."):] if k.startswith("context_norm.") else k
+        name = next((sv + k[len(n):] for n, sv in SERVING_NAMES if k.startswith(n)), k)
         t = v.detach().to("cpu")
         out[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
     return out
@@ -85,8 +90,7 @@ def to_export_keys(weights: dict[str, Tensor], dtype: torch.dtype | None = None)
 
 def from_export_keys(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """Inverse of :func:`to_export_keys` (``hidden_norm.`` -> ``context_norm.``)."""
-    return {("context_norm." + k[len("hidden_norm."):] if k.startswith("hidden_norm.") else k): v
-            for k, v in tensors.items()}
+    return {next((n + k[len(sv):] for n, sv in SERVING_NAMES if k.startswith(sv)), k): v for k, v in tensors.items()}
 
 
 def _check_keys(got: dict[str, Tensor], model, what: str) -> None:
@@ -203,6 +207,36 @@ def config_from_export(config: dict) -> tuple[DSparkConfig, list[int], list[floa
         raise ConfigError(f"exported DSpark config lacks a field the loader needs: {exc!r}") from exc
     temps = config.get("confidence_temperatures")
     return cfg, ids, [float(t) for t in temps] if temps is not None else None
+
+
+def read_published(config: dict, num_target_layers: int) -> dict | None:
+    """A published DSpark ``config.json`` (either format, :func:`config_from_export`) as a draft config for the
+    seed loader (:mod:`artcache.trainers.seed`): :meth:`DSparkAdapter.config_dict`'s fields with ``layer_ids``
+    = the context ids then ``L - 1`` (``L``: the export's ``num_target_layers`` when recorded, else
+    ``num_target_layers``), plus ``target_name`` (speculators' verifier), ``num_target_layers`` (hf) and the
+    ``layout``; None when it is not a DSpark layout.
+
+    Raises:
+        ConfigError: see :func:`config_from_export`.
+    """
+    import msgspec
+
+    if config.get("speculators_model_type") != "dspark" and ARCHITECTURE not in (config.get("architectures") or []):
+        return None
+    cfg, ids, _ = config_from_export(config)
+    out: dict[str, Any] = msgspec.to_builtins(cfg)
+    L = int(config.get("num_target_layers") or num_target_layers)
+    out["layer_ids"] = [*ids, L - 1]
+    if config.get("speculators_model_type") == "dspark":
+        out["layout"] = "speculators dspark"
+        name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if name:
+            out["target_name"] = name
+    else:
+        out["layout"] = f"hf {ARCHITECTURE} (DeepSpec)"
+        if config.get("num_target_layers") is not None:
+            out["num_target_layers"] = L
+    return out
 
 
 def load_dspark_export(directory: str | Path, embed_weight: Tensor, lm_head_weight: Tensor, target_norm_weight: Tensor,

@@ -4,7 +4,6 @@ train, evaluate (greedy replay against the target's argmax), export."""
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,17 +20,19 @@ from artcache.trainers.draft import (
     MetricSums,
     PendingSums,
     check_target,
+    present,
     replay_headline,
     replay_summary,
     replay_sums,
 )
+from artcache.trainers.export import decode_draft_config
 from artcache.trainers.speed import SpeedOptions
 
 from .config import Eagle3Config
-from .export import export_checkpoint_files
+from .export import SERVING_NAMES, TARGET_TENSORS, export_checkpoint_files, read_published
 from .loss import eagle3_loss, simulated_acc_len, supervision_masks
 from .model import Eagle3Draft
-from .vocab import build_vocab_map, count_plan_tokens
+from .vocab import build_vocab_map, count_plan_tokens, vocab_coverage
 
 __all__ = ["Eagle3Adapter", "TrainingTokens"]
 
@@ -50,6 +51,11 @@ class Eagle3Adapter(Draft):
 
     name = "eagle3"
     progress_metric = "sim_acc_len"
+    options = {"ttt_steps": 7, "draft_vocab": 32000, "min_vocab_coverage": 0.5, "keep_vocab_map": False}
+    serving_names = SERVING_NAMES
+    target_tensors = TARGET_TENSORS
+    seed_fields = ("hidden_size", "vocab_size", "draft_vocab_size", "num_heads", "num_kv_heads", "head_dim",
+                   "intermediate_size", "rope_theta", "rms_norm_eps")
 
     def __init__(self, model, ecfg, needed_layer_ids: Sequence[int], speed: SpeedOptions | None = None) -> None:
         self.model = model
@@ -59,9 +65,32 @@ class Eagle3Adapter(Draft):
         self._forward_fn = self.speed.compiled(self.model)
 
     @classmethod
+    def configure(cls, cfg, info, captured, plan) -> dict[str, Any]:
+        """The EAGLE-3 config and view a run builds (three auxiliary layers then ``L - 1``, each captured).
+
+        Raises:
+            ContractMismatch: the root lacks a layer. ConfigError: a bad ``--layer-ids`` or sizes.
+        """
+        from transformers import AutoConfig
+
+        need = eagle3_capture_ids(info.num_layers)
+        if cfg.layer_ids:  # an explicit view: three auxiliary layers, then L-1 for the target logits
+            need = check_layer_ids(cfg.layer_ids, info.num_layers, f"--layer-ids {list(cfg.layer_ids)}")
+            if len(need) != 4 or need[-1] != info.num_layers - 1:
+                raise ConfigError(f"--layer-ids {need} for EAGLE-3: give three auxiliary output-of-layer ids then "
+                                  f"the last layer {info.num_layers - 1} (default {eagle3_capture_ids(info.num_layers)})")
+        layer_view(list(captured), need,
+                   draft="an EAGLE-3 draft (3 auxiliary layers, then the last layer L-1 for the target logits)",
+                   flag_hint="")
+        ecfg = Eagle3Config.from_target(AutoConfig.from_pretrained(info.path), draft_vocab_size=cfg.draft_vocab,
+                                        ttt_steps=cfg.ttt_steps)
+        return {**msgspec.to_builtins(ecfg), "layer_ids": list(need)}
+
+    @classmethod
     def build(cls, cfg, settings, plan, device: torch.device, *, vocab_map: dict[str, Tensor] | None = None,
               info=None) -> Eagle3Adapter:
-        """The EAGLE-3 draft around the target's frozen embedding, final norm and lm_head.
+        """The EAGLE-3 draft around the target's frozen embedding, final norm and lm_head (config:
+        :meth:`configure`).
 
         The vocab map (``d2t``/``t2d``) is ``vocab_map`` when given (a resumed or seeded draft keeps its
         own), else built from the loss-masked tokens of the plan's **training** samples (the held-out
@@ -71,20 +100,10 @@ class Eagle3Adapter(Draft):
             ContractMismatch: the root lacks a layer (three aux layers and L-1), or the target changed.
             ConfigError: a given vocab map's size differs from ``--draft-vocab``, or bad sizes.
         """
-        from transformers import AutoConfig
-
         info = info or check_target(settings)
-        need = eagle3_capture_ids(info.num_layers)
-        if cfg.layer_ids:  # an explicit view: three auxiliary layers, then L-1 for the target logits
-            need = check_layer_ids(cfg.layer_ids, info.num_layers, f"--layer-ids {list(cfg.layer_ids)}")
-            if len(need) != 4 or need[-1] != info.num_layers - 1:
-                raise ConfigError(f"--layer-ids {need} for EAGLE-3: give three auxiliary output-of-layer ids then "
-                                  f"the last layer {info.num_layers - 1} (default {eagle3_capture_ids(info.num_layers)})")
-        layer_view(settings.contract.layer_ids, need,
-                   draft="an EAGLE-3 draft (3 auxiliary layers, then the last layer L-1 for the target logits)",
-                   flag_hint="")
-        ecfg = Eagle3Config.from_target(AutoConfig.from_pretrained(info.path), draft_vocab_size=cfg.draft_vocab,
-                                        ttt_steps=cfg.ttt_steps)
+        planned = cls.configure(cfg, info, settings.contract.layer_ids, plan)
+        need = planned.pop("layer_ids")
+        ecfg = msgspec.convert(planned, Eagle3Config)
         if ecfg.draft_vocab_size < cfg.draft_vocab:  # the default 32000 on a smaller-vocab target is not an error
             log.warning("--draft-vocab %d exceeds the target vocabulary (%d tokens): the draft uses all %d "
                         "(identity vocab map)", cfg.draft_vocab, ecfg.vocab_size, ecfg.vocab_size)
@@ -98,9 +117,31 @@ class Eagle3Adapter(Draft):
         return draft
 
     @classmethod
-    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what):
+    def weight_shapes(cls, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        ecfg = decode_draft_config(config, Eagle3Config, "EAGLE-3 draft config")
+        V, Vd, H = ecfg.vocab_size, ecfg.draft_vocab_size, ecfg.hidden_size
+        with torch.device("meta"):
+            model = Eagle3Draft(ecfg, torch.empty(V, H), torch.empty(H), torch.empty(V, H),
+                                torch.empty(Vd, dtype=torch.long), torch.empty(V, dtype=torch.bool))
+        return {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()}
+
+    @classmethod
+    def read_published(cls, config: dict[str, Any], num_target_layers: int) -> dict[str, Any] | None:
+        return read_published(config, num_target_layers)
+
+    @classmethod
+    def vocab_coverage(cls, vocab_map: dict[str, Tensor], counts: Tensor) -> float | None:
+        """Share of the supervised training tokens (``counts`` int64 [V]) inside the map's draft
+        vocabulary (``t2d`` bool [V]): the positions whose label the draft head can predict."""
+        return vocab_coverage(vocab_map["t2d"], counts)
+
+    @classmethod
+    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what, target_info=None):
+        embed = None
+        if fmt == "speculators" and target_info is not None:
+            embed = load_embedding_and_lm_head(target_info)[0]
         return export_checkpoint_files(state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens,
-                                       what)
+                                       what, target_embed=embed)
 
     def _split(self, batch: DraftBatch) -> tuple[Tensor, Tensor]:
         return batch.hidden[:, :, :3], batch.hidden[:, :, 3]
@@ -182,16 +223,21 @@ class Eagle3Adapter(Draft):
         S = self.ecfg.ttt_steps
         per_step = [sums.ratio(f"loss_{i}") for i in range(S)]
         acc = [sums.ratio(f"acc_{i + 1}") for i in range(S)]
-        sim = simulated_acc_len(acc)
         kept = sum(sums.den.get(f"loss_{i}", 0.0) for i in range(S))
         total = sum(sums.den.get(f"acc_{i + 1}", 0.0) for i in range(S))
-        out = {"loss": sum(self.ecfg.loss_decay ** i * v for i, v in enumerate(per_step) if math.isfinite(v)),
-               "loss_per_step": per_step, "acc": acc, "sim_acc_len": sim, "sim_acc_len_includes_bonus": False,
-               "coverage": kept / total if total > 0 else math.nan}
+        measured = [v for v in per_step if v is not None]
+        out = present({
+            # a step that kept no position adds nothing (as in the objective); none kept: no loss at all
+            "loss": sum(self.ecfg.loss_decay ** i * v for i, v in enumerate(per_step) if v is not None)
+            if measured else None,
+            "loss_per_step": per_step, "acc": acc,
+            "sim_acc_len": simulated_acc_len([a or 0.0 for a in acc]) if total > 0 else None,
+            "sim_acc_len_includes_bonus": False, "coverage": kept / total if total > 0 else None})
         return {**out, **replay_summary(sums)}
 
     def headline(self, summary: dict[str, Any]) -> str:
-        return f"sim_acc_len {summary['sim_acc_len']:.2f} (no bonus)" + replay_headline(summary)
+        sim = f"{summary['sim_acc_len']:.2f}" if "sim_acc_len" in summary else "-"
+        return f"sim_acc_len {sim} (no bonus)" + replay_headline(summary)
 
     def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
         """Step event sums: no blocks (τ is a DFlash figure); ``acc_*`` hold the per-TTT-step counts."""

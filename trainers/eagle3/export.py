@@ -32,11 +32,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor
 
 from artcache.errors import ConfigError
-from artcache.layer_ids import eagle3_layer_ids, output_of_layer_to_vllm_id
+from artcache.layer_ids import eagle3_layer_ids, output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
 from artcache.trainers.draft import ExportedDraft
 from artcache.trainers.export import (
     DTYPE_NAMES,
@@ -51,11 +52,19 @@ from artcache.trainers.export import (
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 from .model import FROZEN_BUFFERS, Eagle3Draft
 
-__all__ = ["EXPORT_ARCHITECTURE", "export_checkpoint_files", "export_config", "export_state_dict",
-           "load_eagle3_export"]
+__all__ = ["EXPORT_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "eagle3_config_from_export", "export_checkpoint_files",
+           "export_config", "export_state_dict", "load_eagle3_export", "read_published"]
 
 #: The architecture name written into the exported config.json (vLLM maps it to Eagle3LlamaForCausalLM).
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+#: artcache key prefix -> serving key prefix: speculators' ``layers.0.*`` is artcache's (and vLLM's,
+#: SpecForge's) ``midlayer.*``.
+SERVING_NAMES = (("midlayer.", "layers.0."),)
+#: keys a published EAGLE-3 layout may carry that are the target's frozen tensors: speculators' and
+#: SpecForge's ``embed_tokens.weight`` (speculators' loader reads it from the checkpoint: absent, it stays
+#: zeros), speculators' ``verifier_*`` (ignored on save, but tolerated).
+TARGET_TENSORS = {"embed_tokens.weight": "embed", "verifier_lm_head.weight": "lm_head",
+                  "verifier_norm.weight": "final_norm"}
 
 
 def export_state_dict(model: Eagle3Draft, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
@@ -178,13 +187,18 @@ def _aux_layer_ids(state, L: int) -> list[int] | None:
 
 
 def export_checkpoint_files(state, weights: dict[str, Tensor], target_cfg: Any, fmt: str, dtype: torch.dtype,
-                            verifier: str, k: int | None, what: str) -> ExportedDraft:
+                            verifier: str, k: int | None, what: str, target_embed: Tensor | None = None
+                            ) -> ExportedDraft:
     """An EAGLE-3 checkpoint's ``config.json`` and serving tensors (``Draft.export`` of EAGLE-3): ``hf``
-    as :func:`export_config` / :func:`export_state_dict`; ``speculators`` wraps the same layer config
-    and writes ``layers.0.*`` for ``midlayer.*``. ``k``: the proposal length (default: the TTT unroll).
+    as :func:`export_config` / :func:`export_state_dict`; ``speculators`` wraps the same layer config,
+    writes ``layers.0.*`` for ``midlayer.*`` and carries the target's input embedding as
+    ``embed_tokens.weight`` (``target_embed``, [V, H], cast to ``dtype``): speculators' ``Eagle3DraftModel``
+    reads it from the checkpoint (it lists it as may-be-missing, and a missing one stays zeros, so every
+    token embedding would be 0). ``k``: the proposal length (default: the TTT unroll).
 
     Raises:
-        ConfigError: the draft config, vocab map or weights do not fit the checkpoint's config.
+        ConfigError: the draft config, vocab map or weights do not fit the checkpoint's config, or the
+            speculators format without the target's embedding (a config-only ``--target``).
     """
     tc = text_config(target_cfg)
     model, cfg = _model_from_checkpoint(state, weights, what)
@@ -193,6 +207,13 @@ def export_checkpoint_files(state, weights: dict[str, Tensor], target_cfg: Any, 
     tensors = export_state_dict(model, dtype=dtype)
     if fmt == "hf":
         return ExportedDraft(hf, tensors, ids)
+    if target_embed is None:
+        raise ConfigError(f"{what}: the speculators EAGLE-3 format carries the target's embedding "
+                          "(embed_tokens.weight), and the --target given has no weights; give the target's HF "
+                          "directory with its *.safetensors (or its name)")
+    if tuple(target_embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ConfigError(f"{what}: the target's embedding is {tuple(target_embed.shape)}, the draft needs "
+                          f"[{cfg.vocab_size}, {cfg.hidden_size}]")
     layer_cfg = {k2: v for k2, v in hf.items() if k2 not in (
         "architectures", "eagle_aux_hidden_state_layer_ids", "eagle_config", "draft_vocab_size",
         "target_hidden_size", "norm_before_residual")}
@@ -206,42 +227,120 @@ def export_checkpoint_files(state, weights: dict[str, Tensor], target_cfg: Any, 
         "target_hidden_size": cfg.hidden_size,
         "norm_before_residual": False,
         "norm_before_fc": False,
+        "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": hf["eagle_aux_hidden_state_layer_ids"],
         "torch_dtype": DTYPE_NAMES[dtype],
     }
-    return ExportedDraft(config, {("layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n): t
-                                  for n, t in tensors.items()}, ids)
+    out = {next((s + n[len(p):] for p, s in SERVING_NAMES if n.startswith(p)), n): t for n, t in tensors.items()}
+    out["embed_tokens.weight"] = target_embed.detach().to("cpu", dtype).contiguous()
+    return ExportedDraft(config, out, ids)
+
+
+def _eagle3_fields(config: dict, num_target_layers: int | None) -> tuple[dict, list[int] | None, str]:
+    """(Eagle3Config fields, auxiliary layer ids **output-of-layer** or None when the layout leaves them to
+    the default, layout label) of an EAGLE-3 ``config.json``.
+
+    Layouts: artcache's exports, vLLM / SpecForge ``LlamaForCausalLMEagle3`` (``eagle_aux_hidden_state_layer_ids``
+    top level or in ``eagle_config``, input-of-layer; absent: EAGLE-3's default), speculators ``eagle3``
+    (``transformer_layer_config``, a Llama layer).
+
+    Raises:
+        ConfigError: a missing field, or an option artcache's EAGLE-3 does not compute
+            (``norm_before_residual`` true — speculators' default —, ``norm_before_fc``, ``fc_norm``,
+            more than one layer, a non-Llama layer, biases).
+    """
+    try:
+        if config.get("speculators_model_type") == "eagle3":
+            layer, label = dict(config["transformer_layer_config"]), "speculators eagle3"
+            if config.get("norm_before_residual", True):
+                raise ConfigError("norm_before_residual true (speculators' default when absent): artcache's EAGLE-3 "
+                                  "keeps the un-normed hidden state as the residual")
+            if config.get("norm_before_fc"):
+                raise ConfigError("norm_before_fc true: artcache's EAGLE-3 has no norm before fc")
+        elif any("Eagle3" in a for a in config.get("architectures") or []):
+            layer, label = config, "hf LlamaForCausalLMEagle3 (vLLM / SpecForge)"
+            if config.get("norm_before_residual"):
+                raise ConfigError("norm_before_residual true: artcache's EAGLE-3 keeps the un-normed residual")
+            if config.get("fc_norm") or config.get("norm_output") is False:
+                raise ConfigError("fc_norm / norm_output false: artcache's EAGLE-3 does not compute them")
+        else:
+            raise ConfigError(f"not an EAGLE-3 config (architectures {config.get('architectures')!r})")
+        if layer.get("model_type", "llama") != "llama" or int(layer.get("num_hidden_layers", 1)) != 1:
+            raise ConfigError(f"a {layer.get('model_type')} layer config with {layer.get('num_hidden_layers')} layers: "
+                              "artcache's EAGLE-3 is one Llama decoder layer")
+        if layer.get("attention_bias") or layer.get("mlp_bias"):
+            raise ConfigError("attention_bias / mlp_bias true: artcache's EAGLE-3 projections have no bias")
+        theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
+        fields = dict(hidden_size=layer["hidden_size"], num_heads=layer["num_attention_heads"],
+                      num_kv_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
+                      head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+                      intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
+                      draft_vocab_size=config.get("draft_vocab_size", layer["vocab_size"]),
+                      rope_theta=float(theta if theta is not None else 10000.0),
+                      rms_norm_eps=float(layer["rms_norm_eps"]))
+        aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"EAGLE-3 config lacks or mistypes a field the loader needs: {exc!r}") from exc
+    if aux is None:
+        ids = eagle3_layer_ids(num_target_layers) if num_target_layers else None
+    else:
+        ids = [vllm_id_to_output_of_layer(int(i)) for i in aux]
+    return fields, ids, label
+
+
+def eagle3_config_from_export(config: dict) -> tuple[Eagle3Config, list[int]]:
+    """An EAGLE-3 ``config.json`` read the way an engine does: (config, vLLM **input-of-layer** aux ids).
+
+    Raises:
+        ConfigError: see :func:`_eagle3_fields`; the aux layer ids must be recorded.
+    """
+    fields, ids, _ = _eagle3_fields(config, None)
+    if ids is None:
+        raise ConfigError("EAGLE-3 config records no eagle_aux_hidden_state_layer_ids")
+    try:
+        return msgspec.convert(fields, Eagle3Config), [output_of_layer_to_vllm_id(i) for i in ids]
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"EAGLE-3 config does not describe a draft artcache builds: {exc}") from exc
+
+
+def read_published(config: dict, num_target_layers: int) -> dict | None:
+    """A published EAGLE-3 ``config.json`` as a draft config for the seed loader: the fields of
+    :func:`_eagle3_fields` plus ``layer_ids`` (the three auxiliary layers, then ``L - 1``: the layer the
+    target logits come from, which every EAGLE-3 reads), ``target_name`` (speculators' verifier) and the
+    ``layout``; None when it is not an EAGLE-3 layout."""
+    spec = config.get("speculators_model_type")
+    if spec != "eagle3" and (spec is not None or not any("Eagle3" in a for a in config.get("architectures") or [])):
+        return None
+    fields, ids, label = _eagle3_fields(config, num_target_layers)
+    fields["layer_ids"] = [*ids, num_target_layers - 1]
+    fields["layout"] = label
+    name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if name:
+        fields["target_name"] = name
+    return fields
 
 
 def load_eagle3_export(directory: str | Path, embed: Tensor, target_norm_weight: Tensor, target_lm_head: Tensor,
                        dtype: torch.dtype = torch.float32):
     """Build a fresh :class:`~artcache.trainers.eagle3.Eagle3Draft` from an exported directory alone (either
-    format) and load it with strict keys. Returns (model, vLLM input-of-layer aux ids).
+    format) and load it with strict keys. Returns (model, vLLM input-of-layer aux ids). A carried
+    ``embed_tokens.weight`` must equal ``embed``.
 
     Raises:
         ConfigError: unreadable files, a config the loader cannot use, or keys/shapes that differ.
     """
     config, tensors = read_export(directory)
-    try:
-        if config.get("speculators_model_type") == "eagle3":
-            layer = dict(config["transformer_layer_config"])
-            tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
-                       for n, t in tensors.items()}
-        elif any("Eagle3" in a for a in config.get("architectures") or []):
-            layer = config
-        else:
-            raise ConfigError(f"not an exported EAGLE-3 config (architectures {config.get('architectures')!r})")
-        theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
-        cfg = Eagle3Config(hidden_size=layer["hidden_size"], num_heads=layer["num_attention_heads"],
-                           num_kv_heads=layer["num_key_value_heads"], head_dim=layer["head_dim"],
-                           intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
-                           draft_vocab_size=config["draft_vocab_size"], rope_theta=float(theta),
-                           rms_norm_eps=float(layer["rms_norm_eps"]))
-        aux = list(config["eagle_aux_hidden_state_layer_ids"])
-        d2t, t2d = tensors["d2t"], tensors["t2d"]
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"exported EAGLE-3 draft {directory} lacks a field the loader needs: {exc!r}") from exc
-    model = Eagle3Draft(cfg, embed, target_norm_weight, target_lm_head, d2t, t2d, dtype=dtype)
+    cfg, aux = eagle3_config_from_export(config)
+    tensors = {next((p + n[len(s):] for p, s in SERVING_NAMES if n.startswith(s)), n): t for n, t in tensors.items()}
+    carried = tensors.pop("embed_tokens.weight", None)
+    if carried is not None and not torch.equal(carried, embed.to(carried.dtype)):
+        raise ConfigError(f"exported EAGLE-3 draft {directory}: embed_tokens.weight is not the target's embedding")
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise ConfigError(f"exported EAGLE-3 draft {directory} lacks its vocab map (d2t, t2d)")
+    model = Eagle3Draft(cfg, embed, target_norm_weight, target_lm_head, tensors["d2t"], tensors["t2d"], dtype=dtype)
     check_keys(tensors, {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()},
                 f"exported EAGLE-3 draft {directory}")
     model.load_state_dict(tensors, strict=True)

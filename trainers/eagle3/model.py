@@ -151,7 +151,8 @@ class Eagle3Draft(nn.Module):
 
     Raises:
         ConfigError: a tensor's shape disagrees with ``cfg``, or d2t/t2d are inconsistent
-            (``t2d.sum() != V_d`` or ``arange(V_d) + d2t`` is not the ascending list of t2d's ids).
+            (``t2d.sum() != V_d`` or ``arange(V_d) + d2t`` is not the ascending list of t2d's ids; not
+            checked on the meta device, where only shapes exist).
     """
 
     def __init__(self, cfg: Eagle3Config, embed: Tensor, target_norm_weight: Tensor, target_lm_head: Tensor,
@@ -170,7 +171,7 @@ class Eagle3Draft(nn.Module):
         dev = embed.device
         d2t, t2d = d2t.detach().to(dev, torch.long), t2d.detach().to(dev, torch.bool)
         used = torch.arange(Vd, device=dev) + d2t
-        if int(t2d.sum()) != Vd or not torch.equal(used, t2d.nonzero().squeeze(1)):
+        if dev.type != "meta" and (int(t2d.sum()) != Vd or not torch.equal(used, t2d.nonzero().squeeze(1))):
             raise ConfigError(f"d2t/t2d are inconsistent: t2d selects {int(t2d.sum())} ids, V_d={Vd}, and "
                               "arange(V_d) + d2t must equal the ascending ids where t2d is True")
         self.cfg = cfg

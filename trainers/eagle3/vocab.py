@@ -21,7 +21,7 @@ from torch import Tensor
 
 from artcache.errors import ConfigError, DataError
 
-__all__ = ["build_vocab_map", "count_plan_tokens", "draft_ids_to_target", "vocab_map_from_used"]
+__all__ = ["build_vocab_map", "count_plan_tokens", "draft_ids_to_target", "vocab_coverage", "vocab_map_from_used"]
 
 
 def count_plan_tokens(plan: Any, vocab_size: int | None = None) -> Tensor:
@@ -116,3 +116,24 @@ def build_vocab_map(token_counts: Tensor, draft_vocab_size: int) -> tuple[Tensor
 def draft_ids_to_target(draft_ids: Tensor, d2t: Tensor) -> Tensor:
     """Map draft-vocabulary ids to target ids: ``draft_ids + d2t[draft_ids]`` (vLLM's convention)."""
     return draft_ids + d2t[draft_ids]
+
+
+def vocab_coverage(t2d: Tensor, token_counts: Tensor) -> float | None:
+    """Share of token occurrences a draft vocabulary covers: ``Σ counts[t2d] / Σ counts``.
+
+    Args:
+        t2d: bool [V], True for the target ids in the draft vocabulary. token_counts: integer [V]
+            (e.g. :func:`count_plan_tokens` of the training samples).
+
+    Returns:
+        a float in [0, 1]; None when ``token_counts`` sums to 0 (nothing supervised: no figure).
+
+    Raises:
+        DataError: the two tensors are not [V] of the same V.
+    """
+    if t2d.dim() != 1 or token_counts.shape != t2d.shape:
+        raise DataError(f"t2d {tuple(t2d.shape)} and token_counts {tuple(token_counts.shape)} must both be [V]")
+    total = int(token_counts.sum())
+    if total == 0:
+        return None
+    return int(token_counts[t2d.bool()].sum()) / total
