@@ -382,7 +382,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
 
 
 @main.command()
-@click.option("--cache", required=True, help="Cache root.")
+@click.option("--cache", required=True, help="Cache root (or an `artcache run` directory: its cache root).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @_errors
 def inspect(cache, as_json):
@@ -394,7 +394,14 @@ def inspect(cache, as_json):
     from artcache.layout import CacheLayout
     from artcache.report import format_accounting
 
-    layout = CacheLayout(Path(cache).expanduser().absolute())
+    path = Path(cache).expanduser().absolute()
+    if not (path / "artcache.json").is_file() and (path / "config.toml").is_file():
+        # an `artcache run` directory: its cache root (regression: inspect refused a run directory)
+        from artcache.app.config import load_run_config
+        from artcache.app.experiments import resolve
+
+        path = Path(resolve(load_run_config(path / "config.toml")).cache.root)
+    layout = CacheLayout(path)
     layout.require()
     acc = account(layout, retention_now=True)
     if as_json:
@@ -479,6 +486,19 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device):
         return
     click.echo(format_plan(plan))
     sys.exit(run_experiments(plan, resolved))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@_errors
+def report(run_dir, as_json):
+    """Each experiment of an `artcache run` directory: state, steps, last evaluation, checkpoints, and the
+    shared production (captures, counted once) apart from each experiment's committed work."""
+    from artcache.app.experiments import format_run_dir_report, run_dir_report
+
+    r = run_dir_report(run_dir)
+    click.echo(json.dumps(r, indent=2) if as_json else format_run_dir_report(r))
 
 
 @main.command("verify-fs")

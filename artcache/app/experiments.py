@@ -105,7 +105,8 @@ def view_index(captured: list[int] | tuple[int, ...], view: list[int]) -> list[i
 
 class ExperimentPlan(msgspec.Struct, kw_only=True):
     """One experiment, resolved. ``positions``: plan positions it reads this run (steps × batch size
-    from its start cursor); ``window_artifacts``: lookbehind + lookahead + 1."""
+    from its start cursor); ``window_artifacts``: lookbehind + lookahead + 1. ``skip``: why it is not
+    started (a complete experiment: its checkpoint is at its final step), else empty."""
 
     name: str
     draft: str
@@ -124,6 +125,7 @@ class ExperimentPlan(msgspec.Struct, kw_only=True):
     out_dir: str
     resume_from: str = ""
     init_from: str = ""
+    skip: str = ""
     consumer: dict[str, Any]
     env: dict[str, str] = {}
 
@@ -253,7 +255,10 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
     from artcache.producer import resolve_compute_dtype
     from artcache.settings import check_compatible, load_settings
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
-    from artcache.trainers.checkpoint import find_checkpoint
+    from artcache.trainers.checkpoint import list_checkpoints
+    from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
+    from artcache.trainers.draft import draft_class
+    from artcache.trainers.seed import read_seed
 
     if not cfg.experiments:
         raise ConfigError("the config has no experiments: add at least one [[experiments]] table with a name")
@@ -303,36 +308,53 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
     per_artifact = artifact_bytes_bound(contract, info.hidden_size)
     exps = []
     notes: list[str] = []
+    plan_cache: list = []  # the plan, built (in memory) or loaded once, when a check needs its tokens
+
+    def plan_obj():
+        if not plan_cache:
+            plan_cache.append(_load_or_build_plan(layout, plan_id, spec, tok, info))
+        return plan_cache[0]
+
+    final = []
     for e in resolved.experiments:
         start_step = start_cursor = 0
-        resume_from = ""
-        if e.resume:
-            ckpt = find_checkpoint(e.out)
-            if ckpt is None:
-                raise ConfigError(f"experiment {e.name!r}: resume = true but {e.out} holds no checkpoint "
-                                  "(checkpoints/latest); set resume = false to start it fresh")
-            state = check_checkpoint(e, ckpt, info=info, contract=contract, plan_id=plan_id, resume=True)
-            start_step, start_cursor, resume_from = state.step, state.cursor, str(ckpt)
-            if start_step >= e.steps:
-                raise ConfigError(f"experiment {e.name!r}: its checkpoint is at step {start_step}, not below steps = "
-                                  f"{e.steps}: nothing left to run; raise experiments.{e.name}.steps")
-        elif any((Path(e.out) / "checkpoints").glob("step-*")):
-            raise ConfigError(f"experiment {e.name!r}: {e.out} already holds checkpoints of an earlier run; set "
-                              f"experiments.{e.name}.resume = true to continue it, or choose another out")
-        if e.init_from:
-            src = find_checkpoint(e.init_from, published=True)
-            if src is None:
-                raise ConfigError(f"experiment {e.name!r}: init_from {e.init_from!r} holds no model.safetensors (nor "
-                                  "in checkpoints/latest): give a checkpoint, a published draft or a run directory")
-            if (src / "state.json").is_file():
-                if check_checkpoint(e, src, info=info, contract=contract, plan_id=plan_id, resume=False,
-                                    strict=False) is None:
-                    notes.append(f"{e.name}: init_from checkpoint {src} records no target weights digest; "
-                                 f"its target could not be checked against {info.name}")
-            else:
-                notes.append(f"{e.name}: init_from {src} is a published draft without a checkpoint state; its "
-                             "target could not be checked")
-        ccfg = consumer_config(resolved, e.name)
+        resume_from = skip = ""
+        has = bool(list_checkpoints(Path(e.out)))
+        resume = e.resume if e.resume is not None else has  # left out: resume when its out holds checkpoints
+        if resume and not has:
+            raise ConfigError(f"experiment {e.name!r}: resume = true but {e.out} holds no checkpoint "
+                              "(checkpoints/latest); leave resume out (or false) to start it fresh")
+        if not resume and has:
+            raise ConfigError(f"experiment {e.name!r}: {e.out} already holds checkpoints of an earlier run and resume "
+                              f"= false; leave experiments.{e.name}.resume out (or true) to continue it, or choose "
+                              "another out")
+        e = msgspec.structs.replace(e, resume=bool(resume))
+        final.append(e)
+        resolved_e = msgspec.structs.replace(resolved, experiments=[*final, *resolved.experiments[len(final):]])
+        ccfg = consumer_config(resolved_e, e.name).resolved()
+        if resume:  # the consumer's own checks (registry record, run settings, draft), before anything starts
+            path, state = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True)
+            check_checkpoint(e, path, info=info, contract=contract, plan_id=plan_id, resume=True)
+            planned = draft_class(e.draft).configure(ccfg, info, captured, plan_obj())
+            check_same_draft(state.draft_config, planned, path)
+            start_step, start_cursor, resume_from = state.step, state.cursor, str(path)
+            if state.step == ccfg.steps:
+                skip = f"complete: its checkpoint is at its final step {state.step}"
+        elif e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
+            src = read_seed(e.init_from, info.num_layers)
+            if src.state is not None:
+                check_checkpoint(e, src.path, info=info, contract=contract, plan_id=plan_id, resume=False,
+                                 strict=False)
+            if src.draft != e.draft:
+                raise ConfigError(f"experiment {e.name!r}: init_from {src.path} ({src.layout}) holds a {src.draft} "
+                                  f"draft, not {e.draft}")
+            planned = draft_class(e.draft).configure(ccfg, info, captured, plan_obj())
+            try:
+                seeded = plan_init(ccfg, src, planned, draft_class(e.draft).weight_shapes(planned), info, contract,
+                                   plan_obj())
+            except (ConfigError, ContractMismatch) as exc:
+                raise type(exc)(f"experiment {e.name!r}: {exc}") from None
+            notes.extend(f"{e.name}: {n}" for n in seeded.notes)
         beat = getattr(ccfg, "heartbeat_s", 0.0)
         if beat >= resolved.cache.heartbeat_timeout_s:
             raise ConfigError(f"experiment {e.name!r}: heartbeat every {beat}s is not below cache.heartbeat_timeout_s "
@@ -346,9 +368,11 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
             name=e.name, draft=e.draft, layer_ids=views[e.name], view=view_index(captured, views[e.name]),
             device=ccfg.device, window=f"{lb}:{la}", steps=ccfg.steps, batch_size=ccfg.batch_size, lr=ccfg.lr,
             seed=ccfg.seed, start_step=start_step, start_cursor=start_cursor,
-            positions=(ccfg.steps - start_step) * ccfg.batch_size, window_artifacts=lb + la + 1,
-            out_dir=e.out, resume_from=resume_from, init_from=e.init_from,
+            positions=0 if skip else (ccfg.steps - start_step) * ccfg.batch_size,
+            window_artifacts=0 if skip else lb + la + 1,
+            out_dir=e.out, resume_from=resume_from, init_from=e.init_from, skip=skip,
             consumer=msgspec.to_builtins(ccfg), env=dict(e.env)))
+    resolved = msgspec.structs.replace(resolved, experiments=final)
     bound = min(sum(x.window_artifacts for x in exps), spec.max_samples)
     free_at = next((p for p in [layout.root, *layout.root.parents] if p.exists()), Path("/"))
     free = shutil.disk_usage(free_at).free
@@ -370,6 +394,17 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
         data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
         disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes)
     return plan, resolved
+
+
+def _load_or_build_plan(layout, plan_id: str, spec, tok, info):
+    """The root's plan when it is published, else built in memory (nothing is written: a dry run)."""
+    from artcache.plan import Plan, build_plan, build_synthetic_plan
+
+    if (layout.plan_dir(plan_id) / "plan.json").is_file():
+        return Plan.load(layout.plan_dir(plan_id))
+    if spec.dataset == "synthetic":
+        return build_synthetic_plan(spec, target_vocab_size=info.vocab_size)
+    return build_plan(spec, tok, target_vocab_size=info.vocab_size)
 
 
 def _mib(n: float) -> str:
@@ -396,6 +431,7 @@ def format_plan(plan: RunPlan) -> str:
                "positions", "lr", "seed", "start", "out"],
               [[x.name, x.draft, ",".join(map(str, x.layer_ids)), ",".join(map(str, x.view)), x.device, x.window,
                 x.steps, x.batch_size, x.positions, f"{x.lr:g}", x.seed,
+                "complete (not started)" if x.skip else
                 f"step {x.start_step} cursor {x.start_cursor}" if x.resume_from else
                 ("init " + Path(x.init_from).name if x.init_from else "fresh"), x.out_dir] for x in plan.experiments]),
     ]
@@ -479,6 +515,9 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         prepare_root(producer_config(cfg))
         layout = CacheLayout(Path(plan.cache_root))
         for x in plan.experiments:
+            if x.skip:
+                print(f"experiment {x.name} {x.skip}; not started", flush=True)
+                continue
             consumers[x.name] = _Role(x.name, _cli("consume", "--config", plan.config_path, "--experiment", x.name),
                                       logs / f"{x.name}.log", {**env, **x.env})
             print(f"experiment {x.name} started (pid {consumers[x.name].popen.pid}, {x.draft}, layers "
@@ -492,7 +531,9 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             if stop["signal"]:
                 raise KeyboardInterrupt
             time.sleep(poll_s)
-        if any(c.poll() is None for c in consumers.values()):
+        if not consumers:
+            print("every experiment is complete: nothing to run", flush=True)
+        elif any(c.poll() is None for c in consumers.values()):
             producer = _Role("producer", _cli("producer", "--config", plan.config_path, "--exit-when-done",
                                               "--id", "producer"), logs / "producer.log", env)
             print(f"producer started (pid {producer.popen.pid}); capturing layers {plan.captured_layer_ids}; "
@@ -543,7 +584,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         for s, h in old.items():
             signal.signal(s, h)
     wall = time.time() - t0
-    report = run_report(plan, producer, consumers, wall, problems)
+    report = merge_earlier(run_report(plan, producer, consumers, wall, problems), out / "report.json")
     write_report(plan, report)
     print(format_report(report), flush=True)
     print(f"report: {out / 'report.json'}", flush=True)
@@ -655,6 +696,8 @@ def run_report(plan: RunPlan, producer: _Role | None, consumers: dict[str, _Role
         role = consumers.get(x.name)
         work = committed_work(_events(jdir / f"consumer-{x.name}-{role.popen.pid}.jsonl")) if role else \
             committed_work([])
+        if x.skip:
+            work["state"] = "complete"
         reg = registry.read(layout, x.name) if layout.consumers.is_dir() else None
         summary = _summary_line(role.log) if role else {}
         experiments.append({
@@ -662,6 +705,7 @@ def run_report(plan: RunPlan, producer: _Role | None, consumers: dict[str, _Role
             "window": x.window, "lr": x.lr, "seed": x.seed, "steps_planned": x.steps, "start_step": x.start_step,
             "exit_code": role.code if role else None, **work,
             "registration": reg.state if reg else "missing", "checkpoint": summary.get("checkpoint"),
+            "skipped": x.skip, "best": summary.get("best"),
             "out_dir": x.out_dir, "log": str(role.log) if role else None, "consumer_summary": summary,
         })
         e = experiments[-1]
@@ -675,10 +719,11 @@ def run_report(plan: RunPlan, producer: _Role | None, consumers: dict[str, _Role
     ranges = [(x["cursor_start"], x["cursor_end"]) for x in experiments]
     distinct = _union_length(ranges)
     acc = account(layout) if layout.settings.is_file() else None
+    ran = [x for x in experiments if not x.get("skipped")]
     checks = {
-        "every_experiment_completed": all(x["exit_code"] == 0 and x["state"] == "completed" for x in experiments),
+        "every_experiment_completed": all(x["exit_code"] == 0 and x["state"] == "completed" for x in ran),
         "failed_experiments_fenced": all(x["registration"] != "running" for x in experiments),
-        "producer_exit_ok": prod["exit_code"] == 0,
+        "producer_exit_ok": prod["exit_code"] == 0 or (producer is None and not consumers),
         "accounting_invariants": bool(acc) and not acc.violations,
     }
     exit_code = 0 if all(checks.values()) and not problems else 1
@@ -692,6 +737,51 @@ def run_report(plan: RunPlan, producer: _Role | None, consumers: dict[str, _Role
         "experiments": experiments,
         "root_accounting": msgspec.to_builtins(acc) if acc else None,
     }
+
+
+#: the per-experiment keys kept of each earlier run in ``history``
+_HISTORY_KEYS = ("state", "exit_code", "steps_run", "first_step", "last_step", "cursor_start", "cursor_end",
+                 "positions_committed", "first_loss", "final_loss", "acceptance", "error", "checkpoint")
+
+
+def merge_earlier(report: dict, earlier_path: Path) -> dict:
+    """This run's report merged with the earlier runs of the same run directory (their ``report.json``):
+    ``runs`` lists every run (wall time, exit code, the experiments it ran); each experiment carries
+    the ``history`` of its earlier runs; an experiment not started this run (complete) keeps its last
+    run's figures, and one that is no longer in the config is kept, marked ``in_config: false``."""
+    try:
+        earlier = json.loads(earlier_path.read_text()) if earlier_path.is_file() else None
+    except (OSError, ValueError):
+        earlier = None
+    this_run = {"wall_s": report["wall_s"], "exit_code": report["exit_code"], "problems": report["problems"],
+                "experiments": [x["name"] for x in report["experiments"] if not x.get("skipped")]}
+    if not isinstance(earlier, dict):
+        report["runs"] = [this_run]
+        for x in report["experiments"]:
+            x.setdefault("history", [])
+        return report
+    runs = earlier.get("runs") or [{"wall_s": earlier.get("wall_s"), "exit_code": earlier.get("exit_code"),
+                                    "problems": earlier.get("problems", []),
+                                    "experiments": [x.get("name") for x in earlier.get("experiments", [])]}]
+    report["runs"] = [*runs, this_run]
+    before = {x.get("name"): x for x in earlier.get("experiments", []) if isinstance(x, dict)}
+    for x in report["experiments"]:
+        prior = before.pop(x["name"], None)
+        if prior is None:
+            x.setdefault("history", [])
+            continue
+        history = list(prior.get("history", []))
+        if not prior.get("skipped"):
+            history.append({k: prior.get(k) for k in _HISTORY_KEYS})
+        x["history"] = history
+        if x.get("skipped"):  # not run now: its figures are those of its last run
+            for k in _HISTORY_KEYS:
+                if k not in ("state",) and prior.get(k) is not None:
+                    x[k] = prior[k]
+            x["acceptance_metric"] = prior.get("acceptance_metric", "")
+    for prior in before.values():
+        report["experiments"].append({**prior, "in_config": False})
+    return report
 
 
 def write_report(plan: RunPlan, report: dict) -> None:
@@ -745,5 +835,105 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ExperimentPlan", "RunPlan", "check_checkpoint", "draft_view", "format_plan",
-           "layer_union", "plan_run", "resolve", "run_experiments", "view_index"]
+# ---- artcache report RUN_DIR ---------------------------------------------------------------------------
+
+def _last_eval(metrics_csv: Path) -> dict:
+    """The last held-out evaluation in a ``metrics.csv`` (``eval/*`` rows of its highest step), or {}."""
+    from artcache.trainers.tracking import read_metrics
+
+    try:
+        rows = [r for r in read_metrics(metrics_csv) if r[1].startswith("eval/")]
+    except (OSError, ValueError, IndexError):
+        return {}
+    if not rows:
+        return {}
+    step = max(r[0] for r in rows)
+    return {"step": step, **{tag[len("eval/"):]: v for st, tag, v in rows if st == step}}
+
+
+def run_dir_report(out: str | Path) -> dict:
+    """What a run directory holds, read from disk (every run of it): each experiment's state, steps,
+    last evaluation, checkpoints (``latest``, ``best``) and the committed work of each of its consumer
+    processes, apart from the shared production of every producer of the cache root (counted once).
+
+    Raises:
+        ConfigError: ``out`` is not a run directory (no ``config.toml`` written by ``artcache run``).
+    """
+    from artcache import registry
+    from artcache.app.config import load_run_config
+    from artcache.layout import CacheLayout
+    from artcache.trainers.checkpoint import best_checkpoint, find_checkpoint, list_checkpoints, read_state
+
+    out = Path(out).expanduser().absolute()
+    if not (out / "config.toml").is_file():
+        raise ConfigError(f"{str(out)!r} is not a run directory of artcache run (no config.toml); accepted: the out "
+                          "directory of an artcache run (for a cache root use artcache inspect --cache)")
+    cfg = resolve(load_run_config(out / "config.toml"))
+    layout = CacheLayout(Path(cfg.cache.root))
+    jdir = layout.journal
+    prod_events = [ev for f in sorted(jdir.glob("producer-*.jsonl")) for ev in _events(f)] if jdir.is_dir() else []
+    shared = production(prod_events)
+    shared["producer_processes"] = len(list(jdir.glob("producer-*.jsonl"))) if jdir.is_dir() else 0
+    experiments, ranges = [], []
+    for e in cfg.experiments:
+        files = sorted(jdir.glob(f"consumer-{e.name}-*.jsonl"), key=lambda f: f.stat().st_mtime) if jdir.is_dir() else []
+        processes = [committed_work(_events(f)) for f in files]
+        ranges.extend((w["cursor_start"], w["cursor_end"]) for w in processes)
+        reg = registry.read(layout, e.name) if layout.consumers.is_dir() else None
+        run_dir = Path(e.out)
+        latest, best = find_checkpoint(run_dir), best_checkpoint(run_dir)
+        st = read_state(latest) if latest is not None else None
+        best_st = read_state(best) if best is not None else None
+        step = st.step if st else 0
+        state = "complete" if st is not None and step >= e.steps else (reg.state if reg else "not started")
+        experiments.append({
+            "name": e.name, "draft": e.draft, "state": state, "error": reg.error if reg else "",
+            "steps": step, "steps_planned": e.steps, "cursor": st.cursor if st else 0,
+            "last_eval": _last_eval(run_dir / "metrics.csv"),
+            "checkpoints": [s for s, _ in list_checkpoints(run_dir)],
+            "latest": latest.name if latest else None,
+            "best": {"checkpoint": best.name, **({k: v for k, v in (best_st.eval or {}).items()
+                                                  if isinstance(v, (int, float))})} if best and best_st else None,
+            "processes": processes, "out_dir": str(run_dir)})
+    shared["distinct_positions_consumed"] = _union_length(ranges)
+    return {"out": str(out), "cache_root": str(layout.root), "shared_production": shared, "experiments": experiments}
+
+
+def format_run_dir_report(r: dict) -> str:
+    """:func:`run_dir_report` as text: shared production (counted once), then each experiment, then each
+    experiment's committed work per consumer process (never added into production)."""
+    from artcache.report import table
+
+    p = r["shared_production"]
+    rows = []
+    for x in r["experiments"]:
+        ev = x["last_eval"]
+        shown = ", ".join(f"{k} {v:.3g}" for k, v in ev.items() if k in ("loss", "tau", "replay_tau", "sim_acc_len"))
+        best = x["best"]
+        rows.append([x["name"], x["draft"], x["state"], f"{x['steps']}/{x['steps_planned']}",
+                     f"step {ev['step']}: {shown}" if ev else "-",
+                     ",".join(map(str, x["checkpoints"])) or "-", x["latest"] or "-",
+                     f"{best['checkpoint']}" + (f" ({best.get('replay_tau', best.get('tau', best.get('loss'))):.3g})"
+                                                if any(k in best for k in ("replay_tau", "tau", "loss")) else "")
+                     if best else "-"])
+    lines = [f"## run directory {r['out']}", "", f"cache root {r['cache_root']}", "",
+             f"Shared production ({p['producer_processes']} producer process(es) of this root, counted once): "
+             f"captures {p['captures']} ({p['recaptures']} recaptures) for {p['distinct_positions_consumed']} distinct "
+             f"positions consumed; publications {p['publications']} ({_mib(p['published_bytes'])}); failures "
+             f"{p['failures']}; evictions {p['evictions']}", "",
+             "Experiments:", "```",
+             table(["experiment", "draft", "state", "steps", "last eval", "checkpoints", "latest", "best"], rows),
+             "```", "", "Committed work per consumer process (each experiment's own; not production):"]
+    for x in r["experiments"]:
+        for i, w in enumerate(x["processes"], 1):
+            lines.append(f"  {x['name']} #{i}: {w['state']}, steps {w['first_step']}-{w['last_step']} "
+                         f"({w['steps_run']} run), cursor {w['cursor_start']}->{w['cursor_end']}, requests "
+                         f"{w['requests']} ({w['hits']} hits, {w['misses']} misses)"
+                         + (f"; {w['error']}" if w["error"] else ""))
+        if not x["processes"]:
+            lines.append(f"  {x['name']}: no consumer process yet")
+    return "\n".join(lines)
+
+
+__all__ = ["ExperimentPlan", "RunPlan", "check_checkpoint", "draft_view", "format_plan", "format_run_dir_report",
+           "layer_union", "merge_earlier", "plan_run", "resolve", "run_dir_report", "run_experiments", "view_index"]
