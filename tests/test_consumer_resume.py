@@ -42,7 +42,10 @@ class Proc(BaseProc):
 
 
 def consume_args(cache: Path, cwd: Path, cid: str, steps: int, *extra: str) -> list[str]:
-    return ["consume", "--cache", str(cache), "--id", cid, "--block-size", "4", "--window", "2:8", "--anchors", "4",
+    """The consume flags of these tests; the DFlash options only for a DFlash consumer (an EAGLE-3 one refuses
+    them)."""
+    dflash = [] if "eagle3" in extra else ["--block-size", "4", "--anchors", "4"]
+    return ["consume", "--cache", str(cache), "--id", cid, *dflash, "--window", "2:8",
             "--steps", str(steps), "--batch-size", str(BATCH), "--threads", "1", "--demand-timeout", "180",
             "--log-every", "1", "--out", str(cwd / "runs" / cid), "--no-progress", *extra]
 

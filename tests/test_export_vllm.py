@@ -113,7 +113,7 @@ def test_exported_draft_serves_in_vllm(tmp_path, vllm_python, smollm2_target, ba
     if env_ckpt and draft == "dflash":
         k = json.loads((out / "config.json").read_text()).get("block_size", k + 1) - 1
     args = ["--draft", str(out), "--k", str(k)]
-    args += ["--speculators"] if fmt == "speculators" else ["--method", draft]
+    args += ["--method", draft] + (["--speculators"] if fmt == "speculators" else [])
     res = _run(vllm_python, Path(smollm2_target.path), *args)
     print(f"\n[{draft}/{fmt}] vLLM mean acceptance length {res['mean_acceptance_length']} (incl. +1 bonus), "
           f"drafts {res['drafts']}, accepted {res['accepted_tokens']}/{res['draft_tokens']}, "

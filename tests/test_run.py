@@ -60,13 +60,12 @@ def exp(name: str, draft: str = "dflash", steps: int = 6, **consumer) -> str:
     if draft == "eagle3":
         table.update(ttt_steps=2, draft_vocab=512)
     body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in table.items())
+    dflash = "block_size = 4\nanchors = 4\n" if draft == "dflash" else ""  # an EAGLE-3 refuses DFlash options
     return f"""
 [[experiments]]
 name = "{name}"
 draft = "{draft}"
-block_size = 4
-anchors = 4
-batch_size = 2
+{dflash}batch_size = 2
 steps = {steps}
 window = "2:8"
 threads = 1
@@ -239,15 +238,20 @@ def test_init_from_other_dtype_normalisation_or_draft_is_rejected(tiny_target, t
         plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={ck}"])
 
 
-def test_init_from_same_target_is_accepted_and_unrecorded_identity_noted(tiny_target, tmp_path):
-    same = fake_checkpoint(tmp_path / "same", target_weights_digest=tiny_target.weights_digest)
-    plan, _ = plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={same}"])
-    assert plan.experiments[0].init_from == str(same) and not plan.notes
-    bare = fake_checkpoint(tmp_path / "bare")
-    plan, _ = plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={bare}"])
-    assert "records no target weights digest" in plan.notes[0]
-    with pytest.raises(ConfigError, match="holds no model.safetensors"):
+def test_regression_dry_run_checks_the_seed_as_the_consumer_will(tiny_target, tmp_path):
+    """Regression (issue 16): a seed that the consumer would refuse passed ``--dry-run`` (and ``artcache run``'s
+    checks) and failed only after the run started. The dry run now runs the consumer's own seed checks
+    (artcache.trainers.seed): layers in order, sizes, keys."""
+    no_layers = fake_checkpoint(tmp_path / "nl", target_weights_digest=tiny_target.weights_digest)
+    with pytest.raises(ConfigError, match="records no layer ids"):
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={no_layers}"])
+    other = fake_checkpoint(tmp_path / "ol", target_weights_digest=tiny_target.weights_digest,
+                            draft_config={"layer_ids": [1, 2, 5]})
+    with pytest.raises(ConfigError, match=r"trained on layers \[1, 2, 5\], this run reads \[1, 2, 3\]"):
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={other}"])
+    with pytest.raises(ConfigError, match="no model.safetensors there"):
         plan_of(tiny_target, tmp_path, exp("d"), overrides=[f"experiments.d.init_from={tmp_path}"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_dtype_the_target_cannot_give_is_rejected(tiny_target, tmp_path):
@@ -381,3 +385,59 @@ def test_two_experiments_resume_from_unequal_checkpoints(tiny_target, tmp_path):
         assert got == list(range(x["cursor_start"], 12)), (x["name"], got)
     assert r2["shared_production"]["distinct_positions_consumed"] == 12 - b["cursor_start"]
     assert r2["checks"]["accounting_invariants"]
+
+
+@pytest.mark.reliability  # kill -9 through crash points, like tests/test_crash.py
+def test_full_experiment_list_resumes_skips_the_complete_one_and_extends_by_steps(tiny_target, tmp_path):
+    """Regression (issue 16): keeping the full experiment list while one experiment was complete was refused
+    both ways, ``steps`` was both the LR horizon and the stop (a run could not be extended), and a resumed
+    run overwrote the run report (the complete experiment disappeared from it).
+
+    Run 1: ``a`` completes (4 steps); ``b`` and ``c`` are killed after committing steps 2 and 4 (a
+    checkpoint every step). Run 2, the same file unchanged: ``a`` is recognised as complete (its
+    checkpoint is at its final step) and skipped, ``b`` and ``c`` resume from their own unequal
+    checkpoints and complete. Run 3 extends ``b`` by raising its ``steps`` alone (``lr_total_steps`` is the
+    horizon). Every report lists all three; ``artcache report`` prints the run directory."""
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "run.toml", base_toml(
+        tiny_target, out, exp("a", steps=4, save_every=1),
+        exp("b", save_every=1, lr_total_steps=8), exp("c", save_every=1, lr_total_steps=8)))
+    proc = artcache_run(cfg, "experiments.b.env.ARTCACHE_CRASH_AT=cursor.after-commit:2",
+                        "experiments.c.env.ARTCACHE_CRASH_AT=cursor.after-commit:4")
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r1 = {x["name"]: x for x in report_of(out)["experiments"]}
+    assert r1["a"]["state"] == "completed" and r1["b"]["exit_code"] == -9 and r1["c"]["exit_code"] == -9
+
+    dry = subprocess.run([sys.executable, "-m", "artcache", "run", "--config", str(cfg), "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=DEADLINE_S)
+    assert dry.returncode == 0 and "complete (not started)" in dry.stdout, dry.stdout + dry.stderr
+    # the dry run refuses what the consumers would refuse after starting (a changed run setting)
+    bad = subprocess.run([sys.executable, "-m", "artcache", "run", "--config", str(cfg), "--dry-run",
+                          "experiments.b.lr=1e-2"], cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert bad.returncode == 2 and "--lr 0.01 (checkpoint: 0.0006)" in bad.stderr, bad.stderr
+
+    proc = artcache_run(cfg)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "experiment a complete: its checkpoint is at its final step 4; not started" in proc.stdout
+    r2 = report_of(out)
+    by = {x["name"]: x for x in r2["experiments"]}
+    assert set(by) == {"a", "b", "c"} and len(r2["runs"]) == 2
+    assert by["a"]["state"] == "complete" and by["a"]["skipped"] and by["a"]["steps_run"] == 4  # its last run's
+    assert (by["b"]["start_step"], by["c"]["start_step"]) == (2, 4)
+    for x in (by["b"], by["c"]):
+        assert x["state"] == "completed" and x["last_step"] == 6 and len(x["history"]) == 1
+    assert r2["checks"]["every_experiment_completed"]
+
+    proc = artcache_run(cfg, "experiments.b.steps=8")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r3 = {x["name"]: x for x in report_of(out)["experiments"]}
+    assert set(r3) == {"a", "b", "c"} and r3["a"]["skipped"] and r3["c"]["skipped"]
+    assert (r3["b"]["start_step"], r3["b"]["last_step"], r3["b"]["cursor_end"]) == (6, 8, 16)
+    assert len(r3["b"]["history"]) == 2
+    text = CliRunner().invoke(main, ["report", str(out)])
+    assert text.exit_code == 0, text.output
+    assert text.output.index("Shared production") < text.output.index("Experiments:")
+    for name, steps in (("a", "4/4"), ("b", "8/8"), ("c", "6/6")):
+        row = next(line for line in text.output.splitlines() if line.strip().startswith(name + " "))
+        assert "complete" in row and steps in row, row
+    assert CliRunner().invoke(main, ["inspect", "--cache", str(out)]).exit_code == 0  # a run directory too

@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--draft", default=None, help="exported draft directory (omit: no speculation)")
     ap.add_argument("--method", default=None, help="dflash | eagle3 (hf-format drafts)")
     ap.add_argument("--speculators", action="store_true",
-                    help="the draft is in speculators format: it is passed as the model and names its verifier")
+                    help="the draft is in speculators format (it names its verifier by name: the target is given)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -50,9 +50,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     spec, model = None, a.target
-    if a.draft and a.speculators:  # vLLM reads method and verifier from the draft's speculators_config
-        spec, model = {"num_speculative_tokens": a.k}, a.draft
-    elif a.draft:
+    if a.draft:  # a speculators-format draft names its verifier by name only: the target is given too
         spec = {"model": a.draft, "num_speculative_tokens": a.k}
         if a.method:
             spec["method"] = a.method

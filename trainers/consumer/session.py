@@ -293,7 +293,7 @@ class Session:
             log.info("[%s] resumed from %s: step %d, cursor %d", cfg.consumer_id, self.resumed.path, self.start_step,
                      self.start_cursor)
         self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
-                                          block_size=cfg.block_size, batch_size=cfg.batch_size,
+                                          block_size=cfg.block_size or 0, batch_size=cfg.batch_size,
                                           lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
                                           step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
                                           epoch_len=self.epoch_len))
