@@ -254,6 +254,16 @@ def test_regression_dry_run_checks_the_seed_as_the_consumer_will(tiny_target, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_dry_run_accepts_steps_past_one_pass_with_a_held_out_split(tiny_target, tmp_path):
+    """With epochs (training wraps over the plan's training part and never reads the held-out split), an
+    experiment whose ``steps × batch_size`` runs past the plan is planned, held-out split and all (this
+    branch's dry-run refusal of such steps predated epochs and was dropped)."""
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", steps=30, eval_samples=8))
+    assert plan.experiments[0].consumer["eval_samples"] == 8 and plan.experiments[0].consumer["steps"] == 30
+    assert plan.experiments[0].positions == 60
+    assert not (tmp_path / "out").exists()
+
+
 def test_dtype_the_target_cannot_give_is_rejected(tiny_target, tmp_path):
     with pytest.raises(ConfigError, match="target.dtype float32 cannot be given by a target computing in bfloat16"):
         plan_of(tiny_target, tmp_path, exp("d"), overrides=["target.dtype=float32", "target.compute_dtype=bfloat16"])

@@ -67,8 +67,10 @@ def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
         assert (tmp_path / "runs" / "d" / "checkpoints" / "latest").resolve().name == "step-00000004"
         assert read_state(best).eval["step"] == read_state(best).step  # the evaluation that made it best
         assert json.loads(d.text().strip().splitlines()[-1])["best"]["metric"] == "replay_tau"  # the root has L-1
-        # every export of both drafts seeds a new run
-        for src, flags in (("d", DF), ("e", E3)):
+        # every export of both drafts seeds a new run. The EAGLE-3 seed keeps its own 256-token map, which
+        # covers ~40 % of this random-token plan's supervised tokens (below the 0.5 default): it is refused
+        # without --keep-vocab-map (tests/test_seed.py) and trains with it, logging the figure.
+        for src, flags in (("d", DF), ("e", (*E3, "--keep-vocab-map"))):
             for fmt in ("hf", "speculators"):
                 out = tmp_path / f"{src}-{fmt}"
                 x = Proc(f"export-{src}-{fmt}", ["export", "--checkpoint", str(tmp_path / "runs" / src), "--format",
@@ -78,6 +80,9 @@ def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
                                                       "--init-from", str(out)), tmp_path)
                 s.expect(0)
                 assert "weights seeded from" in s.text() and f"artcache export ({fmt})" in s.text()
+                if src == "e":
+                    assert re.search(r"vocab map \(256 tokens\) covers \d+\.\d% of this plan's supervised training "
+                                     r"tokens \(below --min-vocab-coverage 0.5, kept by --keep-vocab-map\)", s.text())
         # a layer-id mismatch is refused before registering, naming both layer lists
         bad = Proc("bad", consume(root, tmp_path, "bad", *DF, "--layer-ids", f"{DFLASH[1]},{DFLASH[0]}", "--steps", "1",
                                   "--init-from", str(tmp_path / "runs" / "d")), tmp_path)
@@ -97,7 +102,7 @@ def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
         else:
             assert not latest.exists()
         reg = registry.read(CacheLayout(root), "div")
-        assert reg.state == "failed" and "TrainingDiverged" in reg.error
+        assert reg.state == "failed" and "TrainingDiverged" in reg.reason
     finally:
         prod.popen.terminate()
         prod.wait()

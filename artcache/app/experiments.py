@@ -887,7 +887,7 @@ def run_dir_report(out: str | Path) -> dict:
         step = st.step if st else 0
         state = "complete" if st is not None and step >= e.steps else (reg.state if reg else "not started")
         experiments.append({
-            "name": e.name, "draft": e.draft, "state": state, "error": reg.error if reg else "",
+            "name": e.name, "draft": e.draft, "state": state, "error": reg.reason if reg else "",
             "steps": step, "steps_planned": e.steps, "cursor": st.cursor if st else 0,
             "last_eval": _last_eval(run_dir / "metrics.csv"),
             "checkpoints": [s for s, _ in list_checkpoints(run_dir)],

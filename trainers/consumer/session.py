@@ -470,6 +470,28 @@ class Session:
         self._watch_finite(step_index + 1, loss, grad_norm)  # on the device: no host sync
         self.optimizer.step()
         return sums, lr
+    def _check_finite_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Refuse to checkpoint non-finite weights (one host sync, at checkpoint time only). A step whose loss
+        and gradient were finite can still overflow the weights in its update (``--lr 1e38``); the next
+        step's loss would be NaN, but the checkpoint of this step must not be written.
+
+        Raises:
+            TrainingDiverged: naming the step and the first non-finite tensors.
+        """
+        floats = [(k, v) for k, v in weights.items() if v.is_floating_point()]
+        if not floats:
+            return
+        ok = torch.stack([v.isfinite().all() for _, v in floats]).cpu()
+        if bool(ok.all()):
+            return
+        self.diverged = True
+        bad = [k for (k, _), good in zip(floats, ok.tolist(), strict=True) if not good]
+        kept = f"the last finite checkpoint {self.ckpt} (step {self.saved_step}) is kept" if self.ckpt else \
+            "no checkpoint was written before it"
+        step = self.steps_done
+        raise TrainingDiverged(f"[{self.cfg.consumer_id}] non-finite weights at step {step} ({', '.join(bad[:3])}"
+                               f"{', …' if len(bad) > 3 else ''}; --lr {self.cfg.lr:g}): training diverged and "
+                               f"stopped; {kept}; lower --lr or check the data", step=step)
 
     def _next_batch(self) -> Fetched:
         """The reader's next batch; raises what stopped the reader, a signal's request, or a fence."""
@@ -577,9 +599,10 @@ class Session:
         cfg = self.cfg
         self._flush_metrics()  # the journal and metrics.csv hold every step the checkpoint covers
         self._check_finite()  # a diverged state is never checkpointed: the last finite one stays latest
+        weights = self.model.trainable_state_dict()
+        self._check_finite_weights(weights)
         path = save_checkpoint(self.run_dir, step=self.steps_done, cursor=self.cursor,
-                               weights=self.model.trainable_state_dict(),
-                               optimizer=self.optimizer if cfg.checkpoint_optimizer else None,
+                               weights=weights, optimizer=self.optimizer if cfg.checkpoint_optimizer else None,
                                generators=self.generators, extra_tensors=self.draft.extra_tensors(),
                                state=self._checkpoint_state())
         self.tracker.flush()  # metrics.csv holds every step the checkpoint covers (a SIGKILL later loses none)
