@@ -15,7 +15,7 @@ from artcache.errors import ArtcacheError
 # the bad-input kinds (exit 2); everything else is an operational failure (exit 1)
 BAD_INPUT = {"ConfigError", "InsufficientSpace", "DataError", "CacheRootError", "ContractMismatch"}
 KEYWORDS = {  # a value for every keyword an error's __init__ requires
-    "fingerprint": "ab" * 32, "attempts": 3, "retryable": True, "errno_": errno.ENOSPC,
+    "fingerprint": "ab" * 32, "attempts": 3, "retryable": True, "errno_": errno.ENOSPC, "step": 7,
     "last_good": "/runs/d16/checkpoints/step-00000002",
 }
 
