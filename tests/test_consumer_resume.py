@@ -117,11 +117,13 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
         assert (rb.cursor, rb.checkpoint_cursor) == (4 * BATCH, 4 * BATCH)
         assert (tmp_path / "runs" / "b" / "checkpoints" / "latest").resolve().name == "step-00000002"
 
-        # a resume that changes the run, or points at another directory, is refused before registering
+        # a resume past the run's LR horizon (steps is the stop, lr_total_steps the schedule: issue 16), or
+        # pointing at another directory, is refused before registering
         runner = CliRunner()
         bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main,
                             consume_args(cache, tmp_path, "a", STEPS + 1, "--resume"))
-        assert bad.exit_code == 2 and f"--steps {STEPS + 1} (checkpoint: {STEPS})" in bad.stderr, bad.output
+        assert bad.exit_code == 2 and f"--steps {STEPS + 1} runs past the LR schedule's horizon --lr-total-steps " \
+            f"{STEPS} with --min-lr-frac 0" in bad.stderr, bad.output
         bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main,
                             consume_args(cache, tmp_path, "a", STEPS, "--resume", "--out", str(tmp_path / "elsewhere")))
         assert bad.exit_code == 2 and "cursor 6" in bad.stderr and "no checkpoint" in bad.stderr, bad.output
