@@ -196,7 +196,7 @@ class DSparkAdapter(Draft):
         return summarize(sums, self.cfg.block_size)
 
     def headline(self, summary: dict[str, Any]) -> str:
-        out = f"tau {summary.get('tau', float('nan')):.2f} (incl. +1 bonus)"
+        out = f"tau {summary['tau']:.2f} (incl. +1 bonus)" if "tau" in summary else "tau - (incl. +1 bonus)"
         if "replay_tau" in summary:
             out += f" greedy-replay tau {summary['replay_tau']:.2f}"
         if "ece_cum" in summary:

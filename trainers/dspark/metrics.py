@@ -149,7 +149,7 @@ def _ece_of(sums: MetricSums, tag: str, slots: range) -> float:
 def summarize(sums: MetricSums, block_size: int) -> dict[str, Any]:
     """Plain-Python figures of summed :class:`MetricSums` (each ratio divided once; zero-denominator
     metrics left out). ``acc`` (teacher-forced top-1 accuracy per slot 0 … B-1) and ``accept_rate``
-    (α per slot) are lists with NaN where a slot had no supervised row (the consumer's log reads
+    (α per slot) are lists with None where a slot had no supervised row (the consumer's log reads
     ``acc``); every other per-slot figure is a scalar key ``name@k``. ``tau`` and ``replay_tau``
     include the +1 bonus token (``tau_includes_bonus``)."""
     out: dict[str, Any] = {}
@@ -159,7 +159,6 @@ def summarize(sums: MetricSums, block_size: int) -> dict[str, Any]:
             out[name] = sums.ratio(name)
     if "replay_truncated" in out:
         out["replay_truncated_frac"] = out.pop("replay_truncated")
-    out["loss"] = out.get("loss", math.nan)  # the consumer logs it every step
     out["tau_includes_bonus"] = True
     out["blocks"] = int(sums.den.get("tau", 0))
     out["acc"] = [sums.ratio(f"acc_{k}") for k in range(block_size)]
