@@ -24,15 +24,16 @@ mkdir -p "$res"
 export ARTCACHE_HOME=${ARTCACHE_HOME:-/tmp/artcache-home}   # the converted target, kept for later pieces
 # The subpackages artcache.trainers / artcache.bench live in trainers/ and bench/ (setuptools package-dir);
 # an uninstalled checkout on PYTHONPATH (use.sh's PYTHONPATH=$PWD) lacks them, so mirror the installed
-# layout with links under /tmp. Where artcache.trainers already imports (an installed tree, e.g. after
-# `source .gpu/setup.sh`, which pip-installs -e it), the links are skipped.
+# layout with links under /tmp, first on the path (PYTHONSAFEPATH: `python3 -m`/`-c` would otherwise put
+# the working directory, this checkout's bare artcache/, first). Where artcache.trainers already imports
+# (an installed tree, e.g. after `source .gpu/setup.sh`, which pip-installs -e it), the links are skipped.
 export PYTHONUNBUFFERED=1
 if ! python3 -c 'import artcache.trainers, artcache.bench' 2>/dev/null; then
   pkg=/tmp/artcache-pkg
   rm -rf "$pkg" && mkdir -p "$pkg/artcache" || exit 1
   for f in "$root"/artcache/*; do ln -s "$f" "$pkg/artcache/"; done
   ln -s "$root/trainers" "$pkg/artcache/trainers" && ln -s "$root/bench" "$pkg/artcache/bench" || exit 1
-  export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1
   python3 -c 'import artcache.trainers, artcache.bench' || { echo "artcache.trainers does not import" >&2; exit 1; }
 fi
 resume=()
