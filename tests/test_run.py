@@ -60,7 +60,8 @@ def exp(name: str, draft: str = "dflash", steps: int = 6, **consumer) -> str:
     if draft == "eagle3":
         table.update(ttt_steps=2, draft_vocab=512)
     body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in table.items())
-    dflash = "block_size = 4\nanchors = 4\n" if draft == "dflash" else ""  # an EAGLE-3 refuses DFlash options
+    # block options for the block drafts (DFlash, DSpark); an EAGLE-3 refuses them
+    dflash = "block_size = 4\nanchors = 4\n" if draft in ("dflash", "dspark") else ""
     return f"""
 [[experiments]]
 name = "{name}"
