@@ -354,6 +354,7 @@ def consumer_configs(cfg: BenchConfig, sc: Scenario, work: Path, mode: str,
     ``devices``: one per consumer in that order. The same settings in every mode; only ``cache`` and
     ``lockstep_group`` differ. ``cfg`` is the scenario's :func:`resolved` config."""
     from artcache.trainers.consumer import ConsumerConfig, parse_window
+    from artcache.trainers.consumer.config import draft_options
 
     lookbehind, lookahead = parse_window(cfg.window)
     group = ",".join(c.consumer_id for c in sc.consumers) if mode == "lockstep" else ""
@@ -363,11 +364,14 @@ def consumer_configs(cfg: BenchConfig, sc: Scenario, work: Path, mode: str,
     out = []
     for start_s, role, root, c in sorted(starts, key=lambda x: (x[0], x[1])):
         extra = {"draft_layers": cfg.draft_layers} if layers and c.draft == "dflash" else {}
+        # each draft's own options only: a consumer refuses another draft's (issue 16)
+        opts = {"block_size": c.block_size, "num_anchors": c.anchors or cfg.anchors, "ttt_steps": c.ttt_steps,
+                "draft_vocab": c.draft_vocab}
+        own = draft_options(c.draft)
         out.append((start_s, root, ConsumerConfig(
             cache=str(root), consumer_id=c.consumer_id, draft=c.draft, lookbehind=lookbehind,
-            lookahead=lookahead, block_size=c.block_size, num_anchors=c.anchors or cfg.anchors,
-            ttt_steps=c.ttt_steps, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=devices[role],
-            **({"draft_vocab": c.draft_vocab} if c.draft_vocab else {}),
+            lookahead=lookahead, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=devices[role],
+            **{k: v for k, v in opts.items() if k in own and v is not None},
             threads=1 if cfg.device == "cpu" else 0, out_dir=str(work / "runs" / c.consumer_id), log_every=10,
             lockstep_group=group, progress=False, checkpoints=cfg.save != "none",
             checkpoint_optimizer=cfg.save == "full", **extra)))
