@@ -312,8 +312,7 @@ def test_regression_resume_names_only_the_draft_options_that_differ():
 # ---- weights-only checkpoints ------------------------------------------------------------------------------
 
 def test_weights_only_checkpoint_is_seeded_from_never_resumed(tmp_path):
-    from artcache.trainers.consumer import ConsumerConfig
-    from artcache.trainers.consumer.restore import init_source
+    from artcache.trainers.seed import SeedPlan, load_seed, read_seed
 
     model, opt = make()
     train(model, opt, torch.Generator(), range(2))
@@ -327,9 +326,10 @@ def test_weights_only_checkpoint_is_seeded_from_never_resumed(tmp_path):
                                           r"with --init-from .*step-00000002"):
         ck.load_checkpoint(path)
     assert ck.find_checkpoint(tmp_path / "run", cursor=4) == path  # --resume finds it, then refuses it, by name
-    settings = type("S", (), {"contract": type("C", (), {"target_weights_digest": None, "layer_convention": None})})
-    src = init_source(ConsumerConfig(cache="-", init_from=str(path)), settings)
-    assert src.source == path and all(torch.equal(src.weights[k], v) for k, v in model.trainable_state_dict().items())
+    src = read_seed(path, 4)  # the one seed loader (--init-from) reads it
+    assert src.path == path.resolve() and src.layout == "artcache checkpoint" and src.state.resumable is False
+    got = load_seed(SeedPlan(src, {k: k for k in src.shapes}))
+    assert all(torch.equal(got[k], v) for k, v in model.trainable_state_dict().items())
     full = save(tmp_path / "full", 2, model, opt, torch.Generator())
     assert ck.read_state(full).resumable is True  # and an older state.json without the field reads as full
     (tmp_path / "old").mkdir()
