@@ -2,10 +2,17 @@
 
 Shared production (what the producer captured and published once) is reported apart from what
 each consumer requested and committed; consumer counts are never summed into "unique production".
+
+One consistent snapshot, also beside a live run (issue 17, item 9): the journals are read once (each file
+up to its last complete line), then ``leases/`` is listed, then only what the journals gained since is
+read, to settle leases released between the two reads. A live producer's captures not yet published are
+``captures_in_flight``, not a crash; only a producer that is provably dead (same host id, pid gone) or
+stopped by a failure has ``captures_lost_in_crash``.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import msgspec
@@ -13,7 +20,8 @@ import msgspec
 from artcache import journal as J
 from artcache import leases as leases_mod
 from artcache import store
-from artcache.layout import CacheLayout, host_id, pid_alive
+from artcache.layout import CacheLayout, parse_journal_name
+from artcache.liveness import ProcessIdentity, dead_reason
 
 
 class ConsumerCounts(msgspec.Struct, kw_only=True):
@@ -48,13 +56,19 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     coalesced: int = 0
     captures: int = 0
     publications: int = 0
+    #: failed capture attempts (every ``capture_failure`` line); ``forward_failures`` of them failed in
+    #: the forward pass (no ``capture`` line: outside captures = publications + failures)
     failures: int = 0
+    forward_failures: int = 0
     evictions: int = 0
     recaptures: int = 0
     leases_acquired: int = 0
     leases_released: int = 0
     leases_expired: int = 0
     leases_held: int = 0
+    #: lease files on disk whose ``lease_acquire`` is not (yet) in the journal: being acquired now, or
+    #: left by a holder killed before journaling it (the producer expires those): outside the invariant
+    leases_held_unjournaled: int = 0
     #: leases expired by the producer whose ``lease_acquire`` never reached the journal (the holder
     #: was killed between creating the lease file and journaling it): outside the lease invariant
     #: (a lease file still on disk counts as held until then)
@@ -64,6 +78,9 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     #: (expiry) was killed between unlinking the file and journaling it: outside the lease invariant
     leases_removal_unjournaled: int = 0
     captures_lost_in_crash: int = 0
+    #: captures of a producer that has not stopped and may be alive (same host: its pid lives; another
+    #: host: cannot be checked), not yet published or failed: work in flight, not a crash
+    captures_in_flight: int = 0
     timeouts: int = 0
     quarantined: int = 0
     fences: int = 0
@@ -127,10 +144,14 @@ class Accounting(msgspec.Struct, kw_only=True):
 
 
 def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
-    """Read every journal of ``layout`` and the live state on disk; check invariants. ``retention_now``:
-    also compute :class:`RetentionNow` (loads the plan and fingerprints every sample: ``artcache inspect``)."""
-    res = J.read_events(layout.journal)
-    c = CacheCounts(torn_journal_lines=res.torn_lines)
+    """Read every journal of ``layout`` and the live state on disk as one snapshot (see the module
+    docstring); check invariants. ``retention_now``: also compute :class:`RetentionNow` (loads the plan
+    and fingerprints every sample: ``artcache inspect``)."""
+    files = J.read_files(layout.journal)
+    on_disk = {info.name: info for infos in leases_mod.scan(layout).values() for info in infos}
+    later = J.read_files(layout.journal, since={f.path.name: f.end for f in files})
+    events = sorted((ev for f in files for ev in f.events), key=lambda e: e.t)
+    c = CacheCounts(torn_journal_lines=sum(f.torn_lines for f in files) + _dead_tails(files))
     per: dict[str, ConsumerCounts] = {}
     captured_fps: set[str] = set()
 
@@ -140,9 +161,9 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
         return per[name]
 
     windows: dict[str, int] = defaultdict(int)
-    acquired = {ev.lease for ev in res.events if isinstance(ev, J.LeaseAcquire)}
-    settled = {ev.lease for ev in res.events if isinstance(ev, (J.LeaseRelease, J.LeaseExpire))}
-    for ev in res.events:
+    acquired = {ev.lease for ev in events if isinstance(ev, J.LeaseAcquire)}
+    settled = {ev.lease for ev in events if isinstance(ev, (J.LeaseRelease, J.LeaseExpire))}
+    for ev in events:
         if isinstance(ev, J.Request):
             k = cons(ev.consumer)
             k.logical_requests += 1
@@ -169,6 +190,7 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
             c.published_bytes += ev.nbytes
         elif isinstance(ev, J.CaptureFailure):
             c.failures += 1
+            c.forward_failures += ev.stage == "forward"
         elif isinstance(ev, J.Evict):
             c.evictions += 1
             why = ev.reason or "outside-windows"  # producers before retention by need evicted by windows only
@@ -219,31 +241,41 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
         c.timeouts += k.timeouts
         c.quarantined += k.quarantined
     c.distinct_positions_consumed = consumed_pairs(layout, consumers)
-    c.captures_lost_in_crash = captures_lost_in_crash(layout.journal)
+    c.captures_lost_in_crash, c.captures_in_flight = unsettled_captures(files)
     c.distinct_fingerprints_captured = len(captured_fps)
     if c.distinct_positions_consumed:
         c.captures_per_consumed_position = c.captures / c.distinct_positions_consumed
     c.window_bound_artifacts = sum(windows.values())
     objects = store.list_objects(layout)
     c.retained_artifacts, c.retained_bytes = len(objects), sum(objects.values())
-    on_disk = {info.name for infos in leases_mod.scan(layout).values() for info in infos}
-    c.leases_held = len(on_disk)
-    c.leases_removal_unjournaled = sum(removal_unjournaled(name) for name in acquired - settled - on_disk)
+    _count_leases(c, acquired, settled, on_disk, files, later)
     now = None
     if retention_now:
         from artcache.errors import ArtcacheError
 
         try:
-            now = current_retention(layout, res.events, c, objects)
+            now = current_retention(layout, events, c, objects)
         except (ArtcacheError, OSError, ValueError):  # e.g. a bad plan (fsck reports it): the counts still stand
             now = None
     return Accounting(cache=c, consumers=consumers, violations=check_invariants(c, consumers), retention_now=now)
 
 
+def _count_leases(c: CacheCounts, acquired: set[str], settled: set[str], on_disk: dict, files, later) -> None:
+    """Lease counts of the snapshot: ``acquired``/``settled`` lease names from the journals read first,
+    ``on_disk`` the lease files scanned next, ``later`` the journal lines written since the first read."""
+    unsettled = acquired - settled
+    settled_since = {ev.lease for f in later for ev in f.events if isinstance(ev, (J.LeaseRelease, J.LeaseExpire))}
+    # held at the snapshot: on disk, or released right after it (the journal line came after the first read)
+    c.leases_held = len(unsettled & on_disk.keys()) + len((unsettled - on_disk.keys()) & settled_since)
+    c.leases_held_unjournaled = len(on_disk.keys() - acquired)
+    ended = _cleanly_ended_consumers(files, later)
+    c.leases_removal_unjournaled = sum(removal_unjournaled(name, ended)
+                                       for name in unsettled - on_disk.keys() - settled_since)
+
+
 def current_retention(layout: CacheLayout, events: list, c: CacheCounts, objects: dict[str, int]) -> RetentionNow:
     """:class:`RetentionNow` for ``layout`` (see there)."""
     import math
-    import time
 
     import numpy as np
 
@@ -260,8 +292,9 @@ def current_retention(layout: CacheLayout, events: list, c: CacheCounts, objects
     for ev in events:  # the consumers' committed cursors over time, as the producer observes them
         if isinstance(ev, J.Step):
             rates.observe(ev.consumer, 0, ev.cursor, ev.t)
-    now = time.time()
-    live = [r for r in registry.read_all(layout) if r.is_live(now, settings.heartbeat_timeout_s)]
+    # running and not provably dead (same host id, process gone): one snapshot cannot watch heartbeat
+    # progress (artcache.liveness), and a wall-clock heartbeat age is no liveness test across hosts
+    live = [r for r in registry.read_all(layout) if r.state == "running" and r.dead_reason() is None]
     readers = [Reader.of(r, plan.order(r.epoch_len), rates.rate(r.consumer_id)) for r in live]
     sizes = np.zeros(len(plan), dtype=np.int64)
     for fp, n in objects.items():
@@ -307,38 +340,99 @@ def consumed_pairs(layout: CacheLayout, consumers: list[ConsumerCounts]) -> int:
     return len(pairs)
 
 
-def removal_unjournaled(lease: str) -> bool:
-    """True if ``lease`` (acquired, never released or expired in the journal, and no longer on disk) was
-    held by a process of this host that is dead: a kill between its unlink and the journal line explains
-    it. A live holder (or one on another host) leaves it unexplained: an invariant violation."""
+def _writer(path) -> tuple[str, str, ProcessIdentity | None, int] | None:
+    """(role, id, identity, legacy pid) of a journal file's writer, from its name."""
+    parsed = parse_journal_name(os.path.basename(path))
+    if parsed is None:
+        return None
+    role, ident, w = parsed
+    return role, ident, w.identity, w.legacy_pid
+
+
+def _cleanly_ended_consumers(files, later) -> set[tuple[str, str]]:
+    """Keys (consumer id, writer token or legacy pid) of consumer journals that end with ``consumer_end``."""
+    out = set()
+    for f in [*files, *later]:
+        w = _writer(f.path)
+        if w is not None and w[0] == "consumer" and any(isinstance(ev, J.ConsumerEnd) for ev in f.events):
+            out.add((w[1], w[2].token() if w[2] else str(w[3])))
+    return out
+
+
+def removal_unjournaled(lease: str, ended: set[tuple[str, str]] = frozenset()) -> bool:
+    """True if ``lease`` (acquired, never released or expired in the journal, and no longer on disk) is
+    explained by a kill between its unlink and the journal line: its holder is provably dead (same host
+    id, pid gone), or its pid cannot be checked from here (another host; a legacy name) and its journal
+    (``ended``: consumer journals that end cleanly) does not end with ``consumer_end``. A live local holder,
+    or a cleanly ended one, leaves it unexplained: an invariant violation."""
     info = leases_mod.parse(lease)
-    return info is not None and info.host == host_id() and not pid_alive(info.pid)
+    if info is None:
+        return False
+    if info.holder is not None and info.holder.comparable():
+        return dead_reason(info.holder) is not None
+    key = (info.consumer, info.holder.token() if info.holder else str(info.pid))
+    return key not in ended
 
 
-def captures_lost_in_crash(journal_dir) -> int:
-    """Captures journaled by a producer process that died (its journal has no ``producer_stop``)
-    before publishing them or recording their failure: the kill lost them, nothing else did."""
-    lost = 0
-    for path in sorted(journal_dir.glob("producer-*.jsonl")) if journal_dir.is_dir() else []:
-        captured, settled, stopped = 0, 0, False
-        for ev in J.iter_file(path):
+def _producer_alive(identity: ProcessIdentity) -> bool:
+    """A producer journal's writer may be alive: same host id and its pid lives, or not checkable here."""
+    return not identity.comparable() or dead_reason(identity) is None
+
+
+def unsettled_captures(files) -> tuple[int, int]:
+    """(lost, in flight): captures a producer journaled and neither published nor failed. Lost: its journal
+    has no ``producer_stop`` and its writer is provably dead, or it stopped with a ``failed: ...`` reason
+    (its queued batches were abandoned). In flight: no ``producer_stop`` yet and the writer may be alive
+    (this host: its pid lives; another host: cannot be checked, so not called a crash). Migration rule: a
+    legacy-named journal (``<role>-<id>-<pid>.jsonl``) without ``producer_stop`` counts as lost, as before."""
+    lost = in_flight = 0
+    for f in files:
+        w = _writer(f.path)
+        if w is None or w[0] != "producer":
+            continue
+        captured = settled = 0
+        stop = None
+        for ev in f.events:
             if isinstance(ev, J.Capture):
                 captured += 1
-            elif isinstance(ev, (J.Publish, J.CaptureFailure)):
+            elif isinstance(ev, J.Publish) or (isinstance(ev, J.CaptureFailure) and ev.stage != "forward"):
                 settled += 1
             elif isinstance(ev, J.ProducerStop):
-                stopped = True
-        if not stopped:
-            lost += max(0, captured - settled)
-    return lost
+                stop = ev.reason
+        n = max(0, captured - settled)
+        if stop is None and w[2] is not None and _producer_alive(w[2]):
+            in_flight += n
+        elif stop is None or stop.startswith("failed"):
+            lost += n
+    return lost, in_flight
+
+
+def _dead_tails(files) -> int:
+    """Incomplete last lines of journals whose writer is gone (killed mid-line): torn for good. A writer
+    that may be alive (this host: its pid lives; another host) may still be writing its line: not counted.
+    A legacy-named journal's tail counts, as before identities."""
+    n = 0
+    for f in files:
+        try:
+            size = os.stat(f.path).st_size
+        except FileNotFoundError:
+            continue
+        w = _writer(f.path)
+        if size <= f.end or w is None:
+            continue
+        ident = w[2]
+        if ident is None or (ident.comparable() and dead_reason(ident) is not None):
+            n += 1
+    return n
 
 
 def check_invariants(c: CacheCounts, consumers: list[ConsumerCounts]) -> list[str]:
     """Invariants that must hold on any root; each violation is a sentence naming the numbers."""
     out = []
-    if c.captures != c.publications + c.failures + c.captures_lost_in_crash:
-        out.append(f"captures {c.captures} != publications {c.publications} + failures {c.failures} + lost "
-                   f"in a producer crash {c.captures_lost_in_crash}")
+    publish_failures = c.failures - c.forward_failures
+    if c.captures != c.publications + publish_failures + c.captures_lost_in_crash + c.captures_in_flight:
+        out.append(f"captures {c.captures} != publications {c.publications} + failures {publish_failures} + lost "
+                   f"in a producer crash {c.captures_lost_in_crash} + in flight {c.captures_in_flight}")
     if c.leases_acquired != (c.leases_released + c.leases_expired + c.leases_held
                              + c.leases_removal_unjournaled):
         out.append(f"leases acquired {c.leases_acquired} != released {c.leases_released} + expired "

@@ -5,6 +5,10 @@ published (never captured, or evicted after faster consumers moved on), the posi
 the registration's ``demand`` list and the caller sleeps with exponential backoff (never
 busy-spins) until the producer publishes it, the consumer is fenced, or ``demand_timeout_s``
 passes. Every acquire is one *logical request* in the journal (``hit`` or miss with its wait).
+
+A read failing with a transient errno (ESTALE on NFS, EBUSY, EIO: :data:`artcache.fsio.RETRYABLE_ERRNOS`)
+is a miss, not a crash: the read is retried as the wait goes on, and after :data:`READ_ERRORS_BEFORE_QUARANTINE`
+failures in a row the file is moved to ``quarantine/`` so the producer recaptures it (issue 17, item 6).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from artcache import journal as J
 from artcache import leases, store
 from artcache.errors import ArtifactMissing, CaptureFailed, CaptureTimeout, IntegrityError
 from artcache.fingerprint import PlanFingerprints
+from artcache.fsio import is_retryable
 from artcache.layout import CacheLayout
+from artcache.liveness import dead_reason, from_token
 from artcache.registry import ConsumerHandle
 from artcache.settings import RootSettings
 
@@ -38,6 +44,8 @@ class Leased:
 
 #: seconds between "still waiting" warnings of one demand miss
 WAIT_NOTE_S = 60.0
+#: consecutive transient read errors of one artifact before it is quarantined (and so recaptured)
+READ_ERRORS_BEFORE_QUARANTINE = 3
 
 
 class CacheClient:
@@ -135,6 +143,7 @@ class CacheClient:
         waiting = False
         next_note = WAIT_NOTE_S
         delay = 0.002
+        read_errors = 0
         try:
             # a fenced consumer's workers cannot acquire: checked after the lease exists, so a fence
             # that lands later finds (and expires) this lease
@@ -148,6 +157,16 @@ class CacheClient:
                 except IntegrityError as exc:
                     self.journal.emit(J.Quarantined(consumer=self.consumer_id, fp=fp, reason=str(exc)))
                     log.warning("quarantined %s: %s", fp, exc)
+                except OSError as exc:
+                    if not is_retryable(exc):
+                        raise
+                    read_errors += 1
+                    log.warning("reading %s failed (%s, %d in a row): a miss", fp, exc.strerror or exc, read_errors)
+                    if read_errors >= READ_ERRORS_BEFORE_QUARANTINE and store.quarantine(self.layout, fp):
+                        reason = f"read failed {read_errors} times: {exc.strerror or exc}"
+                        self.journal.emit(J.Quarantined(consumer=self.consumer_id, fp=fp, reason=reason))
+                        log.warning("quarantined %s so that it is recaptured: %s", fp, reason)
+                        read_errors = 0
                 self._raise_if_given_up(fp, key)
                 if not waiting:
                     waiting = True
@@ -184,10 +203,17 @@ class CacheClient:
         return Leased(position, art, lease)
 
     def _raise_if_given_up(self, fp: str, position: int) -> None:
-        """Raise CaptureFailed if the producer gave up on ``fp`` (``failed/<fp>.json``)."""
+        """Raise CaptureFailed if the producer gave up on ``fp`` (``failed/<fp>.json``). A marker whose
+        producer is provably gone (same host id, pid gone) is superseded: the next producer retries the
+        fingerprint, so it is not an answer (issue 17, item 7)."""
         try:
             record = json.loads(self.layout.failure_path(fp).read_bytes())
         except (FileNotFoundError, ValueError):
+            return
+        if not isinstance(record, dict):
+            return
+        writer = from_token(str(record.get("producer", "")))
+        if writer is not None and writer.comparable() and dead_reason(writer) is not None:
             return
         raise CaptureFailed(
             f"the producer gave up capturing position {position} (fingerprint {fp}) after "

@@ -215,3 +215,14 @@ class TrainingDiverged(ArtcacheError, FloatingPointError):
 
     def _keywords(self) -> dict:
         return {"step": self.step}
+
+
+class ProducerFailed(ArtcacheError, RuntimeError):
+    """The producer stopped because of a failure it cannot work around: its publisher thread failed (a
+    journal write, an unsafe path, a lock error), every capture it attempted failed, or (``--exit-when-done``)
+    no consumer registered within ``--expect-timeout``. ``artcache producer`` exits 1 with this message."""
+
+
+class NotWritable(_OSErrorMessage, PermissionError):
+    """A cache root file or directory artcache must write cannot be written (EACCES, EPERM, EROFS: a
+    read-only lock file, directory or mount). The message names the path; ``errno`` is the cause's."""

@@ -34,9 +34,10 @@ that becomes a demand.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,10 +45,14 @@ import numpy as np
 
 from artcache import leases as leases_mod
 from artcache import store
+from artcache.fsio import is_retryable
 from artcache.layout import CacheLayout
+from artcache.liveness import HeartbeatWatch, ProcessIdentity
 from artcache.plan import EpochOrder
 from artcache.registry import Registration
 from artcache.scheduler import Want
+
+log = logging.getLogger("artcache.eviction")
 
 #: eviction reasons (journal ``evict.reason``)
 UNNEEDED = "unneeded"
@@ -200,6 +205,14 @@ class _Rows:
         return tuple(np.concatenate(x) for x in (self.s, self.c, self.k, self.p, self.r, self.u))
 
 
+def _two_epochs_end(order: EpochOrder, start: int) -> int:
+    """Last position of the epoch after ``start``'s: ``[start, this]`` holds every sample's first read at
+    or after ``start`` (a whole epoch lies inside it), so a window wider than that adds no sample. Per-pass
+    work is bounded by the plan, not by the window width (issue 17, item 11: ``--window 0:2000000`` on a
+    300-sample plan)."""
+    return (start // order.epoch_len + 2) * order.epoch_len - 1
+
+
 def _guarantee(readers: Sequence[Reader], n: int, cn: Callable, urgent_s: float) -> tuple[np.ndarray, _Rows]:
     """(bool [n]: samples in a live window or pinned range, the capture candidate rows of every reader)."""
     guard = np.zeros(n, dtype=bool)
@@ -207,7 +220,7 @@ def _guarantee(readers: Sequence[Reader], n: int, cn: Callable, urgent_s: float)
     for ri, r in enumerate(readers):
         lo, hi = r.window()
         if hi >= lo:
-            guard[cn(r.order.samples(lo, hi + 1))] = True
+            guard[cn(r.order.samples(lo, min(hi, _two_epochs_end(r.order, lo)) + 1))] = True
         if len(r.pinned):
             pinned = cn(np.arange(r.pinned.start, r.pinned.stop, dtype=np.int64))
             guard[pinned] = True
@@ -215,10 +228,11 @@ def _guarantee(readers: Sequence[Reader], n: int, cn: Callable, urgent_s: float)
             rows.add(pinned, PINNED, (r.lookahead + 1) / r.rate + np.arange(len(pinned)) * 1e-9,
                      -1 - np.arange(r.pinned.start, r.pinned.stop), ri, False)
         start = max(lo, r.cursor)
-        if hi >= start:
-            pos = np.arange(start, hi + 1, dtype=np.int64)
+        top = min(hi, _two_epochs_end(r.order, start))
+        if top >= start:
+            pos = np.arange(start, top + 1, dtype=np.int64)
             need = (pos - r.cursor) / r.rate
-            rows.add(cn(r.order.samples(start, hi + 1)), WINDOW, need, pos, ri,
+            rows.add(cn(r.order.samples(start, top + 1)), WINDOW, need, pos, ri,
                      (pos < r.cursor + 2 * r.batch_size) | (need <= urgent_s))
         dem = [p for p in r.demand if start <= p <= hi]
         if dem:
@@ -473,17 +487,25 @@ class EvictionResult:
     expired_leases: list[tuple[leases_mod.LeaseInfo, str]] = field(default_factory=list)
     held_by_lease: set[str] = field(default_factory=set)
     retained: dict[str, int] = field(default_factory=dict)  # fp -> bytes after the pass
+    deferred: dict[str, int] = field(default_factory=dict)  # fp -> errno of a transient failure (next pass)
 
 
-def expire_leases(layout: CacheLayout, live_consumers: set[str], *, lease_ttl_s: float = 600.0,
-                  leases: dict | None = None) -> tuple[dict[str, list], list[tuple[leases_mod.LeaseInfo, str]]]:
-    """Remove expired leases (:func:`artcache.leases.expired_reason`); return (fp → live leases, expired)."""
+def expire_leases(layout: CacheLayout, live_consumers: Mapping[str, ProcessIdentity | None] | set[str], *,
+                  lease_ttl_s: float = 600.0, leases: dict | None = None,
+                  lease_watch: HeartbeatWatch | None = None,
+                  ) -> tuple[dict[str, list], list[tuple[leases_mod.LeaseInfo, str]]]:
+    """Remove expired leases (:func:`artcache.leases.expired_reason`); return (fp → live leases, expired).
+
+    ``live_consumers`` maps running consumers' ids to their registrations' process identities;
+    ``lease_watch`` times leases whose holder cannot be checked from here (another host) on this
+    process's monotonic clock (see :func:`artcache.leases.expired_reason`).
+    """
     leases = leases_mod.scan(layout) if leases is None else leases
     live: dict[str, list] = {}
     expired = []
     for fp, infos in leases.items():
         for lease in infos:
-            reason = leases_mod.expired_reason(layout, lease, live_consumers, lease_ttl_s)
+            reason = leases_mod.expired_reason(lease, live_consumers, lease_ttl_s, lease_watch)
             if reason is None:
                 live.setdefault(fp, []).append(lease)
             elif leases_mod.release(layout, lease.name):
@@ -491,23 +513,31 @@ def expire_leases(layout: CacheLayout, live_consumers: set[str], *, lease_ttl_s:
     return live, expired
 
 
-def evict_pass(layout: CacheLayout, evict: Iterable[str], live_consumers: set[str], *,
+def evict_pass(layout: CacheLayout, evict: Iterable[str],
+               live_consumers: Mapping[str, ProcessIdentity | None] | set[str], *,
                lease_ttl_s: float = 600.0, objects: dict[str, int] | None = None,
-               live_leases: dict[str, list] | None = None) -> EvictionResult:
+               live_leases: dict[str, list] | None = None,
+               lease_watch: HeartbeatWatch | None = None) -> EvictionResult:
     """Remove the artifacts ``evict`` names from ``objects/`` unless a live lease holds one.
 
     Args:
         evict: fingerprints chosen by :func:`decide` (others are never touched).
-        live_consumers: ids of running, heart-beating consumers (their leases are live).
-        lease_ttl_s: age after which another host's lease is expired.
+        live_consumers: ids of running, heart-beating consumers (their leases are live), mapped to their
+            registrations' process identities (see :func:`artcache.leases.expired_reason`).
+        lease_ttl_s: how long a lease whose holder cannot be checked from here must have been seen (by
+            ``lease_watch``, on this process's monotonic clock) before it is expired.
         objects: a fresh :func:`store.list_objects` result, to avoid listing twice.
         live_leases: :func:`expire_leases`'s first result, when the caller expired leases already;
             otherwise expired leases are removed here (``EvictionResult.expired_leases``).
+
+    A transient error removing an artifact (ESTALE, EBUSY, EIO, ...: :func:`artcache.fsio.is_retryable`)
+    keeps it for this pass (``deferred``); the next pass retries it.
     """
     res = EvictionResult()
     objects = store.list_objects(layout) if objects is None else objects
     if live_leases is None:
-        live_leases, res.expired_leases = expire_leases(layout, live_consumers, lease_ttl_s=lease_ttl_s)
+        live_leases, res.expired_leases = expire_leases(layout, live_consumers, lease_ttl_s=lease_ttl_s,
+                                                        lease_watch=lease_watch)
     res.retained = dict(objects)
     for fp in evict:
         if fp not in objects:
@@ -515,7 +545,14 @@ def evict_pass(layout: CacheLayout, evict: Iterable[str], live_consumers: set[st
         if live_leases.get(fp):
             res.held_by_lease.add(fp)
             continue
-        freed = store.remove(layout, fp)
+        try:
+            freed = store.remove(layout, fp)
+        except OSError as exc:
+            if not is_retryable(exc):
+                raise
+            log.warning("evicting %s failed (%s); retried on the next pass", fp, exc.strerror or exc)
+            res.deferred[fp] = exc.errno or 0
+            continue
         res.retained.pop(fp, None)
         if freed:
             res.evicted[fp] = freed

@@ -1,38 +1,52 @@
 """``artcache fsck``: find (and with ``fix``, repair) what crashes, kills and foreign hands leave in a root.
 
 Each check reports :class:`Problem` records; with ``fix=True`` each fixable problem is repaired and
-marked ``fixed``. Nothing that may belong to a live process is touched: a temp file or lease is only
-removed when its writer/holder is provably gone (same host, its pid no longer exists), a
-registration is only fenced when its process is gone (same host) or its heartbeat is older than the
-root's ``heartbeat_timeout_s`` (another host). So ``fsck --fix`` is safe beside a running producer
-and consumers: it does what the producer's own passes would do, plus the repairs they never make.
+marked ``fixed``. Scope: only what artcache creates: ``artcache.json`` and the layout's subdirectories
+(:data:`artcache.layout.SUBDIRS`) and, inside them, only names artcache makes; anything else in the root
+(a user's own files, links and directories beside a cache in a non-empty ``--cache``) is counted in a
+note and never touched (issue 17, item 2).
+
+Nothing that may belong to a live process is touched (:mod:`artcache.liveness`): a temp file or lease is
+removed only when its writer/holder is provably gone (same host id, its pid no longer exists), a
+registration is fenced only when its process is gone (same host id) or its heartbeat counter did not move
+while fsck watched it for the root's ``heartbeat_timeout_s`` (``observe_s``) on fsck's own monotonic clock
+(a process of another host or pid namespace; no clocks are compared). Temp files of writers fsck cannot
+check are left to the producer (which removes them once unchanged for its lease TTL) or to an fsck on
+their host. So ``fsck --fix`` is safe beside a running producer and consumers on any host: it does what
+the producer's own passes would do, plus the repairs they never make.
 
 =======================  ===========================================  ==================================
 kind                     what                                          ``--fix``
 =======================  ===========================================  ==================================
-``symlink``              a symbolic link anywhere inside the root      unlink the link (never its target)
+``symlink``              a symbolic link in artcache's part of the    unlink the link (never its target)
+                         root (artcache.json, a layout subdirectory
+                         or anything inside one)
 ``missing-dir``          a subdirectory of the layout is missing       create it (root's mode)
-``orphan-temp``          ``tmp/<host>.<pid>.*`` or a plan temp dir     remove it
-                         whose writer (this host) is dead
+``orphan-temp``          ``tmp/<writer>.*`` or a plan temp dir whose   remove it
+                         writer (same host id) is dead
 ``bad-artifact``         fails a check of ``store.read`` (content      move to ``quarantine/``
                          hash, header, shapes, token ids vs. its
                          fingerprint)
 ``misplaced-artifact``   an artifact under the wrong ``objects/<ab>``  move into place if it verifies and
                                                                        the place is free, else quarantine
-``stale-failure``        ``failed/<fp>.json`` for a published fp       remove the marker
+``stale-failure``        ``failed/<fp>.json`` for a published fp, or   remove the marker
+                         written by a producer that is gone
+                         (superseded: the next one retries it)
 ``bad-registration``     ``consumers/<id>.json`` unreadable or naming  move to ``quarantine/``
                          another id
 ``dead-consumer``        registration ``running`` whose process is    fence it (``failed``/``expired``,
-                         gone or whose heartbeat expired               journaled)
-``dead-lease``           a lease whose holder is gone, whose consumer  remove it (journaled
-                         is not live, or (other host) past its TTL     ``lease_expire``)
+                         gone or whose heartbeat did not progress      journaled)
+                         while watched
+``dead-lease``           a lease whose holder is gone (same host id)   remove it (journaled
+                         or whose consumer is not live                 ``lease_expire``)
 ``stale-lock``           a marker-file ("soft") lock left by a dead    remove it
                          process, or a lock path that is not a file
 ``bad-plan``             the root's plan does not load and verify      not fixable here (report only)
 =======================  ===========================================  ==================================
 
-Notes (not problems): temp files of live writers or other hosts, stray files artcache did not write,
-locks held now (``/proc/locks``), torn journal lines, quarantined files.
+Notes (not problems): temp files of live writers or other hosts, entries artcache did not write, locks
+held now (``/proc/locks``), torn journal lines, quarantined files, consumers of other hosts left unjudged
+(``observe_s=0``).
 
 Fixes that the accounting sees (fences, expired leases) are journaled in
 ``journal/fsck-fsck-<pid>.jsonl`` so ``artcache inspect`` keeps its invariants.
@@ -41,6 +55,7 @@ Fixes that the accounting sees (fences, expired leases) are journaled in
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -55,12 +70,15 @@ from artcache import journal as J
 from artcache import leases as leases_mod
 from artcache import registry, store
 from artcache.errors import ArtifactMissing, CacheRootError, DataError, IntegrityError, UnsafePath
-from artcache.layout import SUBDIRS, CacheLayout, host_id, pid_alive, unique_suffix
+from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, parse_temp_name, unique_suffix
+from artcache.liveness import dead_reason, from_token, in_initial_pid_namespace, pid_exists
 
+log = logging.getLogger("artcache.fsck")
 _FP = re.compile(r"[0-9a-f]{16,128}")
-_TMP = re.compile(r"(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>[0-9]+)\.[0-9a-f]+\.[A-Za-z0-9_]+")
-#: plan.save's temp directory: .tmp-<plan id[:12]>-<socket.gethostname()>-<pid>-<8 hex>
-_PLAN_TMP = re.compile(r"\.tmp-[0-9a-f]{12}-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+#: plan.save's temp directory: .tmp-<plan id[:12]>-<writer token>.<nonce>
+_PLAN_TMP = re.compile(r"\.tmp-[0-9a-f]{12}-(?P<rest>.+)")
+#: seconds between fsck's looks at the registrations it watches for heartbeat progress
+OBSERVE_POLL_S = 0.25
 
 
 class Problem(msgspec.Struct, kw_only=True):
@@ -93,12 +111,11 @@ class FsckReport(msgspec.Struct, kw_only=True):
 
 
 class _Fsck:
-    def __init__(self, layout: CacheLayout, fix: bool, lease_ttl_s: float, now: float) -> None:
+    def __init__(self, layout: CacheLayout, fix: bool, lease_ttl_s: float, observe_s: float) -> None:
         self.layout = layout
         self.fix = fix
         self.lease_ttl_s = lease_ttl_s
-        self.now = now
-        self.me = host_id()
+        self.observe_s = observe_s
         self.problems: list[Problem] = []
         self.notes: list[str] = []
         self.checked: dict[str, int] = {}
@@ -142,17 +159,38 @@ class _Fsck:
 
     # -- checks ------------------------------------------------------------------------------
     def check_symlinks(self) -> None:
-        """Every symbolic link inside the root (never followed; the walk does not descend into them)."""
+        """Every symbolic link in artcache's part of the root: ``artcache.json``, a layout subdirectory, or
+        anything inside one (never followed; the walk does not descend into links). Other entries of the
+        root are not artcache's: counted in a note, never looked into (issue 17, item 2)."""
         n = 0
-        for dirpath, dirnames, filenames in os.walk(self.layout.root, followlinks=False):
-            for name in dirnames + filenames:
-                path = Path(dirpath) / name
-                n += 1
-                if path.is_symlink():
-                    target = os.readlink(path)
-                    self.problem("symlink", path, f"symbolic link to {target!r} inside the root (never followed)",
-                                 "unlink the link (its target is not touched)", lambda p=path: os.unlink(p))
+        ours = {SETTINGS_FILE, *SUBDIRS}
+        foreign = 0
+        for name in sorted(os.listdir(self.layout.root)):
+            path = self.layout.root / name
+            if name not in ours:
+                foreign += 1
+                continue
+            n += 1
+            if path.is_symlink():
+                self._symlink(path)
+                continue
+            if not path.is_dir():
+                continue
+            for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+                for entry in dirnames + filenames:
+                    sub = Path(dirpath) / entry
+                    n += 1
+                    if sub.is_symlink():
+                        self._symlink(sub)
         self.checked["entries"] = n
+        if foreign:
+            self.notes.append(f"{foreign} entr(y/ies) in the root are not artcache's (left alone, never looked "
+                              "into)")
+
+    def _symlink(self, path: Path) -> None:
+        target = os.readlink(path)
+        self.problem("symlink", path, f"symbolic link to {target!r} inside the root (never followed)",
+                     "unlink the link (its target is not touched)", lambda p=path: os.unlink(p))
 
     def check_dirs(self) -> None:
         for name in SUBDIRS:
@@ -171,34 +209,40 @@ class _Fsck:
         entries = list(os.scandir(self.layout.tmp)) if self.real_dir(self.layout.tmp) else []
         self.checked["temp_files"] = len(entries)
         for entry in entries:
-            m = _TMP.fullmatch(entry.name)
-            if m is None:
+            writer = parse_temp_name(entry.name)
+            if writer is None:
                 stray += 1
                 continue
-            if m["host"] != self.me:
+            ident = writer.identity
+            if ident is None or not ident.comparable():
                 other += 1
                 continue
-            pid = int(m["pid"])
-            if pid_alive(pid):
+            why = dead_reason(ident)
+            if why is None:
                 live += 1
                 continue
-            self.problem("orphan-temp", entry.path, f"temp file of pid {pid} (this host), which is gone",
+            self.problem("orphan-temp", entry.path, f"temp file of pid {ident.pid} (this host): {why}",
                          "remove it", lambda p=entry.path: _unlink_missing_ok(p))
         if live:
             self.notes.append(f"{live} temp file(s) in tmp/ belong to live writers on this host (left alone)")
         if other:
-            self.notes.append(f"{other} temp file(s) in tmp/ belong to other hosts (their pids cannot be checked "
-                              "from here; run fsck on that host)")
+            self.notes.append(f"{other} temp file(s) in tmp/ were written on other hosts or pid namespaces, or "
+                              "before identity tokens (their pids cannot be checked from here: a producer removes "
+                              "them once unchanged for its lease TTL; or run fsck where they were written)")
         if stray:
             self.notes.append(f"{stray} file(s) in tmp/ do not have artcache's temp-file names (left alone)")
         # plan.save's temp directories
-        hostname = socket.gethostname()
         for entry in list(os.scandir(self.layout.plans)) if self.real_dir(self.layout.plans) else []:
             m = _PLAN_TMP.fullmatch(entry.name)
-            if m is None or m["host"] != hostname or pid_alive(int(m["pid"])):
+            writer = parse_temp_name(m["rest"]) if m is not None else None
+            ident = writer.identity if writer is not None else None
+            if ident is None or not ident.comparable():
                 continue
-            self.problem("orphan-temp", entry.path, f"plan temp directory of pid {m['pid']} (this host), which "
-                         "is gone", "remove it", lambda p=entry.path: shutil.rmtree(p))
+            why = dead_reason(ident)
+            if why is None:
+                continue
+            self.problem("orphan-temp", entry.path, f"plan temp directory of pid {ident.pid} (this host): {why}",
+                         "remove it", lambda p=entry.path: shutil.rmtree(p))
 
     def check_objects(self, contract) -> set[str]:
         """Verify every artifact; returns the fingerprints published (and good) after the check."""
@@ -263,17 +307,36 @@ class _Fsck:
                      "move it into place if it verifies and the place is free, else quarantine it", repair)
 
     def check_failures(self, published: set[str]) -> None:
+        from artcache.producer import marker_writer
+
         d = self.layout.root / "failed"
         for entry in list(os.scandir(d)) if self.real_dir(d) else []:
             fp = entry.name[: -len(".json")] if entry.name.endswith(".json") else ""
+            if not _FP.fullmatch(fp) or entry.is_symlink():
+                continue
+            writer = from_token(marker_writer(entry.path))
+            why = dead_reason(writer) if writer is not None and writer.comparable() else None
             if fp in published:
-                self.problem("stale-failure", entry.path, f"fingerprint {fp} is published, but a give-up marker "
-                             "remains (consumers waiting on it would stop)", "remove the marker",
-                             lambda p=entry.path: _unlink_missing_ok(p))
+                detail = f"fingerprint {fp} is published, but a give-up marker remains (consumers waiting on it " \
+                         "would stop)"
+            elif why is not None:
+                detail = f"give-up marker of a producer that is gone ({why}): superseded, the next producer " \
+                         "retries the fingerprint (consumers waiting on it would stop)"
+            else:
+                continue
+            self.problem("stale-failure", entry.path, detail, "remove the marker",
+                         lambda p=entry.path: _unlink_missing_ok(p))
 
-    def check_consumers(self, heartbeat_timeout_s: float) -> set[str]:
-        """Registrations; returns the ids of live (running, not dead) consumers after the check."""
-        live: set[str] = set()
+    def check_consumers(self, heartbeat_timeout_s: float) -> dict:
+        """Registrations; returns the live (running, not dead) consumers after the check: id → identity.
+
+        A running registration of this host id is dead when its process is gone. One whose pid cannot be
+        checked (another host or pid namespace, or a legacy registration) is watched for up to
+        ``observe_s`` seconds on fsck's monotonic clock: live as soon as its heartbeat counter moves, dead
+        if it did not move for ``observe_s`` >= the root's heartbeat timeout (a shorter watch proves
+        nothing: those stay live)."""
+        live: dict = {}
+        watched: dict[str, registry.Registration] = {}
         files = sorted(self.layout.consumers.glob("*.json")) if self.real_dir(self.layout.consumers) else []
         self.checked["registrations"] = len(files)
         for path in files:
@@ -294,24 +357,60 @@ class _Fsck:
                 continue
             if reg.state != "running":
                 continue
-            if reg.host == self.me and reg.pid and not pid_alive(reg.pid):
-                state, why = "failed", f"process {reg.pid} (this host) is gone"
-            elif reg.host != self.me and self.now - reg.heartbeat > heartbeat_timeout_s:
-                state, why = "expired", f"no heartbeat for {self.now - reg.heartbeat:.0f}s (host {reg.host})"
-            else:
-                live.add(reg.consumer_id)
+            if reg.identity is not None and reg.identity.comparable():
+                why = dead_reason(reg.identity)
+                if why is None:
+                    live[reg.consumer_id] = reg.identity
+                else:
+                    self._dead_consumer(path, reg, "failed", f"{why} (this host)")
                 continue
-
-            def repair(reg=reg, state=state, why=why) -> None:
-                if registry.fence(self.layout, reg.consumer_id, state, f"fsck: {why}", reg.generation):
-                    self.emit(J.Fence(producer="fsck", consumer=reg.consumer_id, generation=reg.generation + 1,
-                                      state=state, reason=f"fsck: {why}"))
-
-            self.problem("dead-consumer", path, f"consumer {reg.consumer_id!r} is registered running but {why}",
-                         f"fence it ({state}); a restart with the same id resumes from cursor {reg.cursor}", repair)
+            watched[reg.consumer_id] = reg
+        for cid, (reg, silent_s) in self._watch(watched, heartbeat_timeout_s).items():
+            if silent_s is None:
+                live[cid] = reg.identity
+            else:
+                where = reg.identity.describe() if reg.identity else f"pid {reg.pid} on {reg.host or '?'}"
+                self._dead_consumer(self.layout.consumer_path(cid), reg, "expired",
+                                    f"no heartbeat progress for {silent_s:.0f}s while fsck watched ({where})")
         return live
 
-    def check_leases(self, live_consumers: set[str]) -> None:
+    def _watch(self, regs: dict, timeout_s: float) -> dict:
+        """id → (registration, None if it is or may be live, else seconds it was watched silent)."""
+        out = {cid: (reg, None) for cid, reg in regs.items()}
+        if not regs:
+            return out
+        if self.observe_s < timeout_s:
+            self.notes.append(f"{len(regs)} running consumer(s) of other hosts or pid namespaces were not judged "
+                              f"(watching {self.observe_s:g}s < the root's heartbeat timeout {timeout_s:g}s "
+                              "proves nothing)")
+            return out
+        log.info("fsck: watching the heartbeat of %d consumer(s) whose pid cannot be checked here, for up to %.0fs",
+                 len(regs), self.observe_s)
+        t0 = time.monotonic()
+        pending = dict(regs)
+        while pending and time.monotonic() - t0 < self.observe_s:
+            time.sleep(OBSERVE_POLL_S)
+            for cid, reg in list(pending.items()):
+                try:
+                    cur = registry.read(self.layout, cid)
+                except UnsafePath:
+                    cur = None
+                if cur is None or cur.progress_token() != reg.progress_token() or cur.state != "running":
+                    del pending[cid]  # progressed, re-registered or finished: not dead
+        for cid, reg in pending.items():
+            out[cid] = (reg, time.monotonic() - t0)
+        return out
+
+    def _dead_consumer(self, path: Path, reg, state: str, why: str) -> None:
+        def repair() -> None:
+            if registry.fence(self.layout, reg.consumer_id, state, f"fsck: {why}", reg.generation):
+                self.emit(J.Fence(producer="fsck", consumer=reg.consumer_id, generation=reg.generation + 1,
+                                  state=state, reason=f"fsck: {why}"))
+
+        self.problem("dead-consumer", path, f"consumer {reg.consumer_id!r} is registered running but {why}",
+                     f"fence it ({state}); a restart with the same id resumes from cursor {reg.cursor}", repair)
+
+    def check_leases(self, live_consumers: dict) -> None:
         stray = 0
         names = os.listdir(self.layout.leases) if self.real_dir(self.layout.leases) else []
         self.checked["leases"] = len(names)
@@ -320,7 +419,7 @@ class _Fsck:
             if info is None:
                 stray += 1
                 continue
-            reason = leases_mod.expired_reason(self.layout, info, live_consumers, self.lease_ttl_s, now=self.now)
+            reason = leases_mod.expired_reason(info, live_consumers, self.lease_ttl_s)
             if reason is None:
                 continue
 
@@ -353,7 +452,9 @@ class _Fsck:
             pid, host = _soft_marker(entry.path)
             if pid is None:
                 self.notes.append(f"locks/{entry.name} is not empty and not a marker lock (left alone)")
-            elif host == socket.gethostname() and not pid_alive(pid):
+            elif host == socket.gethostname() and in_initial_pid_namespace() and not pid_exists(pid):
+                # a marker names only a host name and pid: checked only from the initial pid namespace, where
+                # the (older) writers of such markers ran
                 self.problem("stale-lock", entry.path, f"marker (soft) lock left by pid {pid} (this host), which "
                              "is gone; it would block its lock forever", "remove it",
                              lambda p=entry.path: _unlink_missing_ok(p))
@@ -383,12 +484,15 @@ class _Fsck:
 
 
 def fsck(root: str | os.PathLike, *, fix: bool = False, lease_ttl_s: float = 600.0,
-         now: float | None = None) -> FsckReport:
+         observe_s: float | None = None) -> FsckReport:
     """Check (and with ``fix``, repair) the cache root ``root``; see the module docstring.
 
     Args:
-        lease_ttl_s: another host's lease older than this is dead (the producer's default).
-        now: wall-clock time for heartbeat/TTL ages (tests); default ``time.time()``.
+        lease_ttl_s: accepted for symmetry with the producer; a one-shot fsck never expires a lease by age
+            (it cannot watch one for that long): another host's lease goes with its consumer.
+        observe_s: how long to watch the heartbeat of running consumers whose pid cannot be checked here
+            (default: the root's heartbeat timeout; less than that judges none of them). Only spent when
+            there are such consumers, and only until each one's counter moves.
 
     Raises:
         CacheRootError: ``root`` is not an initialised cache root (no ``artcache.json``).
@@ -398,14 +502,14 @@ def fsck(root: str | os.PathLike, *, fix: bool = False, lease_ttl_s: float = 600
     layout = CacheLayout(Path(root).expanduser().absolute())
     if not layout.root.is_dir() or not layout.settings.is_file() or layout.settings.is_symlink():
         raise CacheRootError(f"{str(layout.root)!r} is not an initialised cache root (no {layout.settings.name})")
-    run = _Fsck(layout, fix, lease_ttl_s, time.time() if now is None else now)
+    try:  # not load_settings: it refuses a root with a linked subdirectory, which fsck reports
+        settings = msgspec.json.decode(layout.settings.read_bytes(), type=RootSettings)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CacheRootError(f"{layout.settings} is invalid: {exc}") from exc
+    run = _Fsck(layout, fix, lease_ttl_s, settings.heartbeat_timeout_s if observe_s is None else observe_s)
     try:
         run.check_symlinks()
         run.check_dirs()
-        try:  # not load_settings: it refuses a root with a linked subdirectory, which fsck reports
-            settings = msgspec.json.decode(layout.settings.read_bytes(), type=RootSettings)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise CacheRootError(f"{layout.settings} is invalid: {exc}") from exc
         run.check_tmp()
         published = run.check_objects(settings.contract)
         run.check_failures(published)

@@ -1,16 +1,30 @@
-"""Durable file primitives: unique temp file, fsync, atomic rename, directory fsync.
+"""Durable file primitives: unique temp file, fsync, atomic rename, directory fsync; file modes.
 
 The pattern follows huggingface_hub's download (unique temp name per writer, then rename): a
 reader sees either nothing or a complete file, on every POSIX filesystem, whether or not locks work.
+
+Once the rename has happened the file *is* published (readers see it): nothing after it withdraws it.
+A failing directory fsync after the rename is retried with backoff and then logged: the file stays, and
+a crash before the filesystem syncs the directory can only lose it, which readers see as a miss
+(triton #11512: an EBUSY from that fsync used to unlink a finished artifact).
+
+File modes: files artcache writes get ``0o644 & ~umask``, plus the group's read bit in a group-shared
+directory (setgid: ``artcache producer --group-shared``), whatever the umask or the writing library
+(safetensors creates 0600 files) would give (:func:`share_mode`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import logging
 import os
+import stat
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -18,8 +32,14 @@ from artcache.crashpoints import crash_point
 from artcache.errors import PublishError
 from artcache.layout import open_nofollow, unique_suffix
 
-#: errno values after which retrying the same write can succeed.
-RETRYABLE_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT})
+log = logging.getLogger("artcache.fsio")
+
+#: errno values after which retrying the same operation can succeed: transient I/O errors, and ESTALE (an
+#: NFS file handle gone stale; the path names the current file again). A read failing so is a miss that
+#: recaptures (artcache.client), an eviction failing so is retried on the next pass (artcache.eviction).
+RETRYABLE_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE})
+#: delays (seconds) between the tries of a directory fsync after a rename
+DIR_FSYNC_BACKOFF = (0.05, 0.25, 1.0)
 
 
 def fsync_dir(path: Path) -> None:
@@ -58,8 +78,50 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     return _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
-def is_retryable(exc: OSError) -> bool:
-    return exc.errno in RETRYABLE_ERRNOS
+def is_retryable(exc: BaseException) -> bool:
+    """Whether ``exc`` is an OSError whose errno is in :data:`RETRYABLE_ERRNOS`."""
+    return isinstance(exc, OSError) and exc.errno in RETRYABLE_ERRNOS
+
+
+_umask_lock = threading.Lock()
+
+
+def current_umask() -> int:
+    """This process's umask (from /proc/self/status on Linux; else set-and-restore under a lock)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _umask_lock:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def group_shared(directory: Path) -> bool:
+    """Whether ``directory`` is group-shared: setgid with group read/write/search (``--group-shared``)."""
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:
+        return False
+    return bool(mode & stat.S_ISGID) and mode & 0o070 == 0o070
+
+
+def share_mode(directory: Path, base: int = 0o644) -> int:
+    """The mode of a file artcache creates in ``directory``: ``base & ~umask``, plus group read when
+    ``directory`` is group-shared (:func:`group_shared`)."""
+    mode = base & ~current_umask() & 0o777
+    return mode | 0o040 if group_shared(directory) else mode
+
+
+def apply_share_mode(*paths: Path) -> None:
+    """chmod each file to :func:`share_mode` of its directory (for files a library created, e.g.
+    safetensors' 0600 ones). Raises OSError as chmod does."""
+    for path in paths:
+        os.chmod(path, share_mode(Path(path).parent))
 
 
 def space_reserve(fs_bytes: int) -> int:
@@ -101,21 +163,23 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[in
     that writes the content into the open temp file itself (``artcache.store`` streams artifacts this
     way: positioned writes, hashing beside them, the header last); it may raise only OSError.
 
-    Writes to ``tmp_dir/<host>.<pid>.<nonce>.part`` (same filesystem as ``dest``; created
-    ``O_CREAT|O_EXCL|O_NOFOLLOW``), fsyncs it,
-    ``os.replace``-s it onto ``dest`` and fsyncs ``dest``'s directory (when ``durable``).
+    Writes to ``tmp_dir/<writer>.<nonce>.part`` (same filesystem as ``dest``; created
+    ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode :func:`share_mode`), fsyncs it, ``os.replace``-s it onto ``dest``
+    and fsyncs ``dest``'s directory (when ``durable``). After the rename nothing raises: a failing
+    directory fsync is retried (:data:`DIR_FSYNC_BACKOFF`) and then logged, never undone.
 
     Raises:
-        PublishError: on any OSError; the temp file has been removed and ``dest`` is untouched.
-            ``retryable`` says whether the same call may succeed later.
+        PublishError: on any OSError before the rename; the temp file has been removed and ``dest`` is
+            untouched. ``retryable`` says whether the same call may succeed later.
     """
     tmp = tmp_dir / f"{unique_suffix()}.part"
     written = 0
-    renamed = False
     try:
         # O_EXCL: never an existing name (nor a planted link: O_EXCL does not follow); O_NOFOLLOW besides
         fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
+            if group_shared(tmp_dir):
+                os.fchmod(fd, share_mode(tmp_dir))
             if callable(chunks):
                 written = chunks(fd)
             else:
@@ -135,20 +199,35 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[in
             crash_point("publish.after-fsync")
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
-        renamed = True
-        if fingerprint is not None:
-            crash_point("publish.after-rename")
-        if durable:
-            fsync_dir(dest.parent)
     except OSError as exc:
-        try:
-            # the directory fsync failed after the rename: withdraw it, nothing counts as published
-            os.unlink(dest if renamed else tmp)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise PublishError(
             f"writing {dest.name} failed: {exc.strerror or exc}", fingerprint=fingerprint,
             retryable=is_retryable(exc), errno_=exc.errno) from exc
+    # published: from here on nothing withdraws it
+    if fingerprint is not None:
+        crash_point("publish.after-rename")
+    if durable:
+        fsync_dir_after_rename(dest)
     return written
+
+
+def fsync_dir_after_rename(dest: Path) -> bool:
+    """fsync ``dest``'s directory after ``dest`` was renamed into it; True once it succeeded.
+
+    Retryable errors are retried after each delay of :data:`DIR_FSYNC_BACKOFF`; a failure that remains is
+    logged, not raised: the rename already happened, and undoing it would withdraw a complete file."""
+    delays = iter(DIR_FSYNC_BACKOFF)
+    while True:
+        try:
+            fsync_dir(dest.parent)
+            return True
+        except OSError as exc:
+            delay = next(delays, None) if is_retryable(exc) else None
+            if delay is None:
+                log.warning("%s is in place, but fsync of its directory failed (%s): it is durable once the "
+                            "filesystem syncs the directory; a crash before that can only lose it (a miss)",
+                            dest, exc.strerror or exc)
+                return False
+            time.sleep(delay)

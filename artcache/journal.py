@@ -1,7 +1,10 @@
 """Accounting journal: typed events (msgspec), one append-only JSONL file per process.
 
-Each process writes only its own file ``journal/<role>-<id>-<pid>.jsonl``; :func:`read_events`
-merges all of them. A torn last line (the writer was killed mid-write) is skipped and counted.
+Each process writes only its own file ``journal/<role>-<id>-<writer>.jsonl`` (``<writer>``: its identity
+token, unique across hosts and pid namespaces; see artcache.layout); :func:`read_events` merges all of
+them. A torn line (the writer was killed mid-write) is skipped and counted. :func:`read_files` reads each
+file up to its last complete line and says where it stopped, so a reader can take one consistent
+snapshot and then read only what was appended since (``artcache inspect`` does).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import msgspec
 
 from artcache.errors import JournalError
-from artcache.fsio import is_retryable
+from artcache.fsio import group_shared, is_retryable, share_mode
 from artcache.layout import open_nofollow
 
 
@@ -78,11 +81,15 @@ class Publish(Event, tag="publish"):
 
 
 class CaptureFailure(Event, tag="capture_failure"):
+    """One failed capture attempt of ``fp``. ``stage``: ``publish`` (a journaled ``capture`` that was not
+    published; ``attempts`` = writes tried) or ``forward`` (the forward pass failed: no ``capture`` line)."""
+
     producer: str
     fp: str
     attempts: int
     retryable: bool
     error: str
+    stage: str = "publish"
 
 
 class Coalesced(Event, tag="coalesced"):
@@ -242,6 +249,9 @@ class JournalWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         # O_NOFOLLOW: a link planted at this name is refused (UnsafePath), never appended through
         self._fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if group_shared(path.parent):  # readable by the group whatever the umask
+            with contextlib.suppress(OSError):
+                os.fchmod(self._fd, share_mode(path.parent))
         self._lock = threading.Lock()
         self._torn = False  # a failed write left a fragment without its newline at the end
 
@@ -282,13 +292,21 @@ class JournalWriter:
                                    f"failed: {exc.strerror or exc}", retryable=is_retryable(exc),
                                    errno_=exc.errno) from exc
 
-    def close(self) -> None:
+    def close(self, *, remove_if_empty: bool = False) -> None:
+        """fsync and close. ``remove_if_empty``: also unlink the file if nothing was ever written to it (a
+        refused start must not leave an empty journal behind)."""
         with self._lock:
             if self._fd >= 0:
+                empty = False
+                with contextlib.suppress(OSError):
+                    empty = os.fstat(self._fd).st_size == 0
                 with contextlib.suppress(OSError):
                     os.fsync(self._fd)
                 os.close(self._fd)
                 self._fd = -1
+                if remove_if_empty and empty:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path)
 
     def __enter__(self) -> JournalWriter:
         return self
@@ -324,6 +342,44 @@ def iter_file(path: Path) -> Iterator[Event | None]:
                 yield _decode(line)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 yield None
+
+
+class JournalFile(msgspec.Struct):
+    """One journal file as read by :func:`read_files`: its events (torn lines skipped and counted), and
+    ``end``: the byte offset after its last complete line (an incomplete last line is left for later)."""
+
+    path: Path
+    events: list
+    torn_lines: int
+    end: int
+
+
+def read_files(journal_dir: Path, since: dict[str, int] | None = None) -> list[JournalFile]:
+    """Every journal file, each read from ``since[name]`` (default 0) up to its last complete line.
+
+    An incomplete last line (being written right now, or left by a writer killed mid-line) is not read:
+    it is left for a later call (``end`` stops before it). Files are in name order."""
+    out = []
+    files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
+    for path in files:
+        start = (since or {}).get(path.name, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        cut = data.rfind(b"\n") + 1
+        events, torn = [], 0
+        for line in data[:cut].splitlines():
+            if not line.strip():
+                continue
+            try:
+                events.append(_decode(line))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                torn += 1
+        out.append(JournalFile(path=path, events=events, torn_lines=torn, end=start + cut))
+    return out
 
 
 def read_events(journal_dir: Path) -> JournalReadResult:

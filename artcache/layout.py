@@ -7,10 +7,16 @@
       plans/<plan_id>/                   the plan (tokens, loss masks, provenance)
       objects/<ab>/<fp>.safetensors      published artifacts
       locks/                             lock files: created once, never deleted
-      tmp/                               partial writes: <host>.<pid>.<nonce>.<suffix>
+      tmp/                               partial writes: <writer>.<nonce>.<suffix>
       consumers/<id>.json                registrations
-      leases/<fp>~<consumer>~<host>~<pid>~<nonce>   one file per held lease
-      journal/<role>-<id>-<pid>.jsonl    accounting events, one writer per file
+      leases/<fp>~<consumer>~<holder>~<nonce>   one file per held lease
+      journal/<role>-<id>-<writer>.jsonl accounting events, one writer per file
+
+``<writer>`` and ``<holder>`` are the writing process's identity token ``<host id>-<pid>-<start time>``
+(:mod:`artcache.liveness`): unique among every process sharing the root, on any host or pid namespace, and
+what orphan cleanup and lease expiry judge liveness by. Names written before identity tokens existed
+(``<hostname>.<pid>.<nonce>.<suffix>``, ``<fp>~<consumer>~<hostname>~<pid>~<nonce>``,
+``<role>-<id>-<pid>.jsonl``) are still read; their pids are never checked (see :func:`parse_temp_name`).
       quarantine/                        artifacts that failed their content check
       failed/<fp>.json                   fingerprints the producer gave up on (error, attempts)
 
@@ -32,12 +38,12 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from artcache.errors import CacheRootError, ConfigError, UnsafePath
+from artcache.liveness import ProcessIdentity, from_token, this_process
 
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
 _ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -94,25 +100,55 @@ def check_id(value: str, what: str = "id") -> str:
 
 
 def host_id() -> str:
-    """This host's name reduced to a safe path component."""
-    name = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:32] or "host"
-    return name
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (signal 0; a PermissionError means it exists)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """This process's host id (16 hex digits: boot id and pid namespace; see :mod:`artcache.liveness`)."""
+    return this_process().host
 
 
 def unique_suffix() -> str:
-    """``<host>.<pid>.<nonce>``: unique among all writers sharing a filesystem."""
-    return f"{host_id()}.{os.getpid()}.{secrets.token_hex(6)}"
+    """``<writer token>.<nonce>``: unique among all writers sharing a filesystem, on any host."""
+    return f"{this_process().token()}.{secrets.token_hex(6)}"
+
+
+_TEMP = re.compile(r"(?P<token>[0-9a-f]{16}-[0-9]+-[0-9]+)\.[0-9a-f]+(?:\..+)?")
+_LEGACY_TEMP = re.compile(r"(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>[0-9]+)\.[0-9a-f]+\.[A-Za-z0-9_]+")
+_JOURNAL = re.compile(r"(?P<role>[A-Za-z0-9_]+)-(?P<ident>.+?)-(?:(?P<token>[0-9a-f]{16}-[0-9]+-[0-9]+)|"
+                      r"(?P<pid>[0-9]+))\.jsonl")
+
+
+@dataclass(frozen=True)
+class WriterName:
+    """The writer a file name records: its identity (None for a pre-identity ``legacy`` name, whose pid
+    cannot be checked: any host could have written it) and, for legacy names, the recorded host name/pid."""
+
+    identity: ProcessIdentity | None
+    legacy_host: str = ""
+    legacy_pid: int = 0
+
+
+def parse_temp_name(name: str) -> WriterName | None:
+    """The writer of a temp file or temp directory name made from :func:`unique_suffix` (``tmp/`` files,
+    plan and checkpoint temp directories), or None if ``name`` is not one artcache makes.
+
+    Migration rule: a legacy ``<hostname>.<pid>.<nonce>.<suffix>`` name parses with ``identity=None``; its
+    pid is never checked (a host name cannot tell pid namespaces apart), so it is an orphan only when
+    observed unchanged for the orphan timeout (see ``Producer.cleanup_orphans``)."""
+    m = _TEMP.fullmatch(name)
+    if m is not None:
+        return WriterName(from_token(m["token"]))
+    m = _LEGACY_TEMP.fullmatch(name)
+    if m is not None:
+        return WriterName(None, m["host"], int(m["pid"]))
+    return None
+
+
+def parse_journal_name(name: str) -> tuple[str, str, WriterName] | None:
+    """``(role, id, writer)`` of a journal file name (``<role>-<id>-<token>.jsonl``, or the legacy
+    ``<role>-<id>-<pid>.jsonl`` with ``identity=None``), or None."""
+    m = _JOURNAL.fullmatch(name)
+    if m is None:
+        return None
+    writer = WriterName(from_token(m["token"])) if m["token"] else WriterName(None, "", int(m["pid"]))
+    return m["role"], m["ident"], writer
 
 
 @dataclass(frozen=True)
@@ -185,7 +221,21 @@ class CacheLayout:
     def journal_path(self, role: str, ident: str) -> Path:
         check_id(role, "role")
         check_id(ident, "journal id")
-        return self.journal / f"{role}-{ident}-{os.getpid()}.jsonl"
+        return self.journal / f"{role}-{ident}-{this_process().token()}.jsonl"
+
+    def journal_of(self, role: str, ident: str, pid: int) -> Path | None:
+        """The journal file written by process ``pid`` of this host as ``role``/``ident`` (the newest, if that
+        pid wrote several), or None."""
+        found = []
+        me = this_process().host
+        for path in self.journal.glob(f"{check_id(role, 'role')}-{check_id(ident, 'journal id')}-*.jsonl"):
+            parsed = parse_journal_name(path.name)
+            if parsed is None or parsed[0] != role or parsed[1] != ident:
+                continue
+            w = parsed[2]
+            if (w.identity is not None and w.identity.host == me and w.identity.pid == pid) or w.legacy_pid == pid:
+                found.append(path)
+        return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
     def tmp_path(self, suffix: str) -> Path:
         return self.tmp / f"{unique_suffix()}.{suffix}"

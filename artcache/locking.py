@@ -25,12 +25,14 @@ import re
 import filelock
 from filelock import Timeout, UnixFileLock
 
-from artcache.errors import LockTimeout, LockUnavailable, UnsafePath
+from artcache.errors import LockTimeout, LockUnavailable, NotWritable, UnsafePath
 
 #: The oldest filelock release artcache accepts (see the module docstring).
 MIN_FILELOCK = (4, 2, 1)
 #: errno values with which ``flock`` says the filesystem does not support it.
 _UNSUPPORTED = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK})
+#: errno values with which opening a lock file says it (or its directory, or the mount) is not writable.
+_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 #: Lock files are group-writable: access is controlled by the cache root's directory mode (0700 by
 #: default; 2770 with ``--group-shared``), and a group-shared root needs every member to open them.
 LOCK_FILE_MODE = 0o660
@@ -66,9 +68,10 @@ class CacheLock(UnixFileLock):
     """An exclusive ``flock`` on one lock file; never falls back to a soft lock.
 
     Construct with :func:`cache_lock`. ``acquire`` raises :class:`LockTimeout` (an artcache error that is
-    also a :class:`filelock.Timeout` and a TimeoutError) when the lock stays held past the timeout, :class:`LockUnavailable` (an OSError, not
-    retryable) when the filesystem does not support ``flock``, and :class:`UnsafePath` when the lock
-    file is a symbolic link.
+    also a :class:`filelock.Timeout` and a TimeoutError) when the lock stays held past the timeout,
+    :class:`LockUnavailable` (an OSError, not retryable) when the filesystem does not support ``flock``,
+    :class:`UnsafePath` when the lock file is a symbolic link, and :class:`NotWritable` (a PermissionError)
+    when the lock file cannot be opened for writing (a read-only lock file, ``locks/`` directory or mount).
     """
 
     def acquire(self, *args, **kwargs):
@@ -82,6 +85,11 @@ class CacheLock(UnixFileLock):
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link planted at the lock's name
                 raise UnsafePath(f"lock file {self.lock_file} is a symbolic link; artcache never follows links "
                                  "planted in a cache root (remove it, e.g. with `artcache fsck --fix`)") from exc
+            if exc.errno in _NOT_WRITABLE:
+                raise NotWritable(
+                    f"cannot open lock file {self.lock_file} ({os.strerror(exc.errno)}): every process using a "
+                    "cache root needs write access to its locks/ (a group-shared root: the group's rw and umask "
+                    "007); a read-only root can only be read with `artcache inspect`", errno_=exc.errno) from exc
             if exc.errno in _UNSUPPORTED:
                 raise LockUnavailable(
                     f"cannot lock {self.lock_file}: the filesystem does not support flock "

@@ -17,8 +17,7 @@ import json
 import logging
 import os
 import shutil
-import socket
-import uuid
+import stat
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +31,9 @@ from safetensors.torch import load_file, save_file
 
 from artcache.data.sharegpt import locate_sharegpt, read_sharegpt, to_messages
 from artcache.errors import ConfigError, DataError
+from artcache.fsio import apply_share_mode, group_shared
 from artcache.hashing import canonical_json, digest_file, strong_digest
+from artcache.layout import unique_suffix
 from artcache.locking import cache_lock
 from artcache.target import template_digest, tokenizer_digest
 
@@ -289,13 +290,18 @@ class Plan:
         final = plans_dir / self.plan_id
         if (final / "plan.json").is_file():
             return final
-        tmp = plans_dir / f".tmp-{self.plan_id[:12]}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # the writer's identity token (artcache.layout.unique_suffix): fsck removes it only when that writer is gone
+        tmp = plans_dir / f".tmp-{self.plan_id[:12]}-{unique_suffix()}"
         tmp.mkdir()
+        if group_shared(plans_dir):
+            os.chmod(tmp, stat.S_IMODE(os.stat(plans_dir).st_mode))
         try:
             save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
                        "offsets": self.offsets.contiguous()}, str(tmp / "plan.safetensors"),
                       metadata={"plan_id": self.plan_id})
             (tmp / "plan.json").write_text(json.dumps(self.provenance, indent=2, sort_keys=True))
+            # safetensors writes 0600 whatever the umask: a group-shared root's members must read the plan
+            apply_share_mode(tmp / "plan.safetensors", tmp / "plan.json")
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())

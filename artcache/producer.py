@@ -2,7 +2,8 @@
 
 One loop iteration (:meth:`Producer.tick`):
 
-1. read registrations; fence consumers whose process died or whose heartbeat expired;
+1. read registrations; fence consumers whose process died (same host id) or whose heartbeat counter
+   made no progress for ``heartbeat_timeout_s`` on this process's monotonic clock (artcache.liveness);
 2. decide retention (:func:`artcache.eviction.decide`: live windows and leases always kept, the
    rest kept by future need while it fits the disk budget) and evict what it names;
 3. take one batch from its capture queue (demand misses first, then the lookaheads in order of need,
@@ -13,6 +14,15 @@ One loop iteration (:meth:`Producer.tick`):
 
 With nothing to do it sleeps ``poll_interval_s`` (backpressure: it never runs ahead of a window,
 except with ``fill``).
+Per-pass work is bounded by the plan's length and the number of consumers, not by window widths
+(a window wider than two epochs adds no sample: :func:`artcache.eviction.decide` looks no further).
+
+Failure semantics: a capture ends in exactly one ``publish`` or ``capture_failure`` journal line (or, if
+the producer is killed, in neither: "lost in a crash"). Transient write errors are retried with backoff
+over seconds within one capture (:data:`PUBLISH_BACKOFF_S`); a capture that still fails counts as one
+failed attempt, and after :data:`MAX_ATTEMPTS` the producer gives up on the fingerprint
+(``failed/<fp>.json``). Any other error in the publisher thread stops the producer (exit 1, the error on
+stderr); signals stop it at any point.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -41,6 +52,8 @@ from artcache.errors import (
     ConfigError,
     DiskBudgetExceeded,
     IntegrityError,
+    JournalError,
+    ProducerFailed,
     PublishError,
 )
 from artcache.eviction import (
@@ -54,16 +67,24 @@ from artcache.eviction import (
 )
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import atomic_write
-from artcache.layout import SUBDIRS, CacheLayout, check_id, host_id, pid_alive
+from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
+from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
 log = logging.getLogger("artcache.producer")
 
-#: capture attempts per fingerprint before the producer gives up on it (consumers then time out
-#: with CaptureTimeout naming the fingerprint).
+#: capture attempts per fingerprint before the producer gives up on it (``failed/<fp>.json``: consumers
+#: waiting on it then raise CaptureFailed with the error).
 MAX_ATTEMPTS = 3
+#: delays (seconds) between the tries of one publication that fails with a retryable errno: transient
+#: errors are retried over ~15 s before the capture counts as one failed attempt
+PUBLISH_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+#: seconds between the producer's passes over tmp/ for orphaned temp files
+ORPHAN_PASS_S = 30.0
+#: seconds between "waiting for consumers" lines while --expect-consumers holds capture back
+EXPECT_NOTE_S = 30.0
 
 
 class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -82,13 +103,21 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         limits: scheduler limits. poll_interval_s: sleep when idle (seconds).
         max_inflight_batches: captured batches waiting for the publisher thread (capture of the
             next batch overlaps publication of the previous ones).
-        heartbeat_timeout_s: consumers silent for longer are fenced as expired.
-        lease_ttl_s: another host's lease older than this is expired.
-        exit_when_done: exit once every consumer that registered has finished and no consumer has
-            been running for ``done_grace_s`` seconds.
+        heartbeat_timeout_s: a consumer whose heartbeat counter this producer saw make no progress for
+            longer (on its own monotonic clock) is fenced as expired.
+        lease_ttl_s: a lease or temp file whose holder's pid cannot be checked from here (another host or
+            pid namespace) and that this producer has seen unchanged for longer is expired / removed.
+        exit_when_done: exit once no consumer can come: at least one consumer has registered on the root
+            (in any state, also before this producer started; at least ``expect_consumers`` until
+            ``expect_timeout_s`` passes) and none has been live for ``done_grace_s`` seconds. With no
+            registration at all it waits ``expect_timeout_s`` for a first one (saying so in the log), then
+            stops with :class:`ProducerFailed` (exit 1: it served nobody, e.g. every consumer died before
+            registering); it never waits forever.
         expect_consumers: capture nothing until this many consumers have registered (a start
             line, not a step barrier: consumers started together then share every capture); after
             ``expect_timeout_s`` it starts anyway, so a consumer that died at start-up blocks no one.
+        expect_timeout_s: seconds to wait for consumers to register: the ``expect_consumers`` start line,
+            and ``exit_when_done``'s wait for a first registration.
         idle_exit_s: exit after this many seconds with no live consumer (0 = never).
         producer_id: journal id. threads: torch CPU threads (0 = torch default).
         template_options: chat template keyword arguments (e.g. ``{"enable_thinking": False}``); part of
@@ -313,8 +342,6 @@ def resolve_compute_dtype(compute_dtype: str, device: str) -> str:
 
 
 def _abspath(p: str):
-    from pathlib import Path
-
     return Path(p).expanduser().absolute()
 
 
@@ -360,13 +387,22 @@ class Producer:
         self._last_retained: tuple[int, int, int] | None = None
         self._none_running_since: float | None = None
         self._started = time.monotonic()
+        self._next_nobody_note = self._started
         self._lock_held_seen: set[str] = set()
         self._any_live = False
+        self._registered: set[str] = set()  # ids with a registration on the root (any state)
+        self._beats = HeartbeatWatch(cfg.heartbeat_timeout_s)  # consumers' heartbeat progress
+        self._lease_watch = HeartbeatWatch(cfg.lease_ttl_s)  # leases of holders it cannot check
+        self._tmp_watch = HeartbeatWatch(cfg.lease_ttl_s)  # temp files of writers it cannot check
+        self._next_orphan_pass = time.monotonic() + ORPHAN_PASS_S
+        self._next_expect_note = 0.0
+        self._last_failure = ""
+        self.stop_event = threading.Event()
+        self._publisher_error: BaseException | None = None
         self._publish_queue: queue.Queue = queue.Queue(maxsize=cfg.max_inflight_batches)
         self._publisher_thread = threading.Thread(target=self._publisher, daemon=True, name="artcache-publisher")
         self._publisher_thread.start()
         self._idle_since = time.monotonic()
-        self.stop_event = threading.Event()
         self._seed_history()
         retained = sum(self._published.values())
         if cfg.disk_budget:
@@ -396,16 +432,18 @@ class Producer:
 
     # -- liveness --------------------------------------------------------------------------
     def live_registrations(self) -> list[registry.Registration]:
-        now = time.time()
+        """The running registrations whose consumers are alive; fences (and journals) the dead ones: process
+        gone (same host id: ``failed``) or no heartbeat progress for the timeout (``expired``)."""
         live = []
-        for reg in registry.read_all(self.layout):
-            if reg.state != "running":
-                continue
-            reason = None
-            if reg.host == host_id() and reg.pid and not pid_alive(reg.pid):
-                reason, state = f"process {reg.pid} is gone", "failed"
-            elif now - reg.heartbeat > self.cfg.heartbeat_timeout_s:
-                reason, state = f"no heartbeat for {now - reg.heartbeat:.0f}s", "expired"
+        regs = registry.read_all(self.layout)
+        self._registered.update(r.consumer_id for r in regs)
+        running = [r for r in regs if r.state == "running"]
+        self._beats.prune(r.consumer_id for r in running)
+        for reg in running:
+            progress = self._beats.observe(reg.consumer_id, reg.progress_token())
+            reason, state = dead_reason(reg.identity), "failed"
+            if reason is None and progress.silent:
+                reason, state = dead_reason(None, progress), "expired"
             if reason:
                 if registry.fence(self.layout, reg.consumer_id, state, reason, reg.generation):
                     self._emit(J.Fence(producer=self.pid, consumer=reg.consumer_id,
@@ -430,11 +468,12 @@ class Producer:
 
     def evict(self, live: list[registry.Registration]) -> RetentionDecision:
         """Decide retention for this pass and evict what the decision names (never a live lease)."""
-        live_ids = {r.consumer_id for r in live}
+        live_ids = {r.consumer_id: r.identity for r in live}  # with identities: lease expiry
         with self._state:
             self._fresh = {}  # what the publisher thread publishes from now on (after the listing below)
         objects = store.list_objects(self.layout)
-        live_leases, expired = expire_leases(self.layout, live_ids, lease_ttl_s=self.cfg.lease_ttl_s)
+        live_leases, expired = expire_leases(self.layout, live_ids, lease_ttl_s=self.cfg.lease_ttl_s,
+                                             lease_watch=self._lease_watch)
         for lease, reason in expired:
             self._emit(J.LeaseExpire(producer=self.pid, fp=lease.fp, lease=lease.name, reason=reason))
         n = len(self.plan)
@@ -514,11 +553,20 @@ class Producer:
 
     # -- capture ---------------------------------------------------------------------------
     def tick(self) -> bool:
-        """One scheduling pass. Returns True if it captured anything."""
+        """One scheduling pass. Returns True if it captured anything.
+
+        Raises:
+            ProducerFailed: the publisher thread failed (see :meth:`_publisher`).
+        """
+        self._raise_if_publisher_failed()
         live = self.live_registrations()
         decision = self.evict(live)
-        if not self.cfg.fill and (not live or (len(self._seen_consumers) < self.cfg.expect_consumers
-                                               and time.monotonic() - self._started < self.cfg.expect_timeout_s)):
+        if time.monotonic() >= self._next_orphan_pass:
+            self._next_orphan_pass = time.monotonic() + ORPHAN_PASS_S
+            cleanup_orphans(self.layout, self._tmp_watch)
+            with contextlib.suppress(FileNotFoundError):  # bounded memory: forget leases that are gone
+                self._lease_watch.prune(os.listdir(self.layout.leases))
+        if not self.cfg.fill and (not live or self._expecting()):
             return False
         if not len(decision.capture_samples):
             return False
@@ -537,6 +585,19 @@ class Producer:
         """``--fill``: the last decision, taken with nothing in flight, left nothing to capture (every plan
         sample published or given up) or only what the budget leaves out."""
         return not self._decision_inflight and (not len(self._decision.capture_samples) or self._fill_stuck)
+
+    def _expecting(self) -> bool:
+        """True while ``--expect-consumers`` holds capture back (fewer registered, not timed out); says so in
+        the log every :data:`EXPECT_NOTE_S` seconds (a silent wait reads like a hang)."""
+        waited = time.monotonic() - self._started
+        if len(self._seen_consumers) >= self.cfg.expect_consumers or waited >= self.cfg.expect_timeout_s:
+            return False
+        if time.monotonic() >= self._next_expect_note:
+            self._next_expect_note = time.monotonic() + EXPECT_NOTE_S
+            log.info("--expect-consumers %d: %d registered (%s); capturing nothing until all have, or in %.0fs",
+                     self.cfg.expect_consumers, len(self._seen_consumers), ", ".join(sorted(self._seen_consumers)),
+                     self.cfg.expect_timeout_s - waited)
+        return True
 
     def capture_batch(self, batch, live) -> bool:
         """Lock, capture one batch in one forward pass, and hand it to the publisher thread.
@@ -573,10 +634,10 @@ class Producer:
         try:
             outputs = self.backend.capture(samples)
         except Exception as exc:  # a failed forward: every fingerprint in it failed once more
-            for w in todo:
-                self._fail(w.fp, exc)
             for lock in locks:
                 lock.release()
+            for w in todo:
+                self._fail(w.fp, exc, stage="forward")
             return False
         t1 = time.time()
         crash_point("capture.after-forward")
@@ -601,48 +662,96 @@ class Producer:
                 self._emit(J.Coalesced(producer=self.pid, fp=w.fp, requesters=len(w.consumers) - 1))
         with self._state:
             self._inflight.update((w.fp, int(self.sizes(self._lengths[w.sample]))) for w in todo)
-        self._publish_queue.put((todo, outputs, finite, locks, live))
-        return True
+        item = (todo, outputs, finite, locks, live)
+        while True:  # never block for good: the publisher may have died, a signal may stop us
+            try:
+                self._publish_queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                if self._publisher_error is not None or not self._publisher_thread.is_alive():
+                    self._abandon(item)
+                    self._raise_if_publisher_failed()
+                    raise ProducerFailed("the publisher thread stopped") from None
+
+    def _raise_if_publisher_failed(self) -> None:
+        exc = self._publisher_error
+        if exc is not None:
+            raise ProducerFailed(f"publishing failed, the producer stops: {type(exc).__name__}: {exc}") from exc
+
+    def _abandon(self, item) -> None:
+        """Release the locks of a captured batch that will never be published (after a publisher failure);
+        its captures stay unsettled in the journal, as a crash would leave them."""
+        todo, _outputs, _finite, locks, _live = item
+        for lock in locks:
+            with contextlib.suppress(Exception):
+                lock.release()
+        with self._state:
+            for w in todo:
+                self._inflight.pop(w.fp, None)
 
     def _publisher(self) -> None:
-        """Publisher thread: publishes captured batches in order, then releases their locks."""
-        while True:
-            item = self._publish_queue.get()
-            if item is None:
-                return
-            todo, outputs, finite, locks, live = item
-            try:
-                ready = getattr(outputs, "ready", None)
-                if ready is not None:  # a GPU capture's host copies finish here, beside the next prefill
-                    try:
-                        finite = ready()
-                    except Exception as exc:  # the copies failed: every fingerprint of the batch failed once
-                        for w in todo:
-                            self._fail(w.fp, exc)
-                        continue
-                for w, tensors, checked in zip(todo, outputs, finite, strict=True):
-                    self._publish(w.fp, tensors, values_checked=checked, tokens=self.length_of(w.sample))
-            finally:
-                for lock in locks:
-                    lock.release()
-                with self._state:
-                    for w in todo:
-                        self._inflight.pop(w.fp, None)
-                self._note_retained(live)
+        """Publisher thread: publishes captured batches in order, then releases their locks.
 
-    def _publish(self, fp: str, tensors, attempts: int = 3, values_checked: bool = False, tokens: int = 0) -> None:
-        for attempt in range(1, attempts + 1):
+        It cannot die silently: any exception (a journal write, an unsafe path, a lock error) is kept in
+        ``_publisher_error``, the producer is stopped (``stop_event``) and every queued batch's locks are
+        released; the main loop then raises :class:`ProducerFailed` (exit 1)."""
+        try:
+            while True:
+                item = self._publish_queue.get()
+                if item is None:
+                    return
+                todo, outputs, finite, locks, live = item
+                try:
+                    self._publish_batch(todo, outputs, finite)
+                finally:
+                    self._abandon(item)  # releases the locks, clears in-flight
+                self._note_retained(live)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self._publisher_error = exc
+            log.error("the publisher thread failed: %s: %s", type(exc).__name__, exc)
+            self.stop_event.set()
+            while True:
+                try:
+                    item = self._publish_queue.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not None:
+                    self._abandon(item)
+
+    def _publish_batch(self, todo, outputs, finite) -> None:
+        ready = getattr(outputs, "ready", None)
+        if ready is not None:  # a GPU capture's host copies finish here, beside the next prefill
+            try:
+                finite = ready()
+            except Exception as exc:  # the copies failed: every fingerprint of the batch failed once
+                for w in todo:
+                    self._fail(w.fp, exc)
+                return
+        for w, tensors, checked in zip(todo, outputs, finite, strict=True):
+            self._publish(w.fp, tensors, values_checked=checked, tokens=self.length_of(w.sample))
+
+
+    def _publish(self, fp: str, tensors, values_checked: bool = False, tokens: int = 0) -> None:
+        """Publish one capture: retryable errors are retried after each delay of :data:`PUBLISH_BACKOFF_S`
+        (interrupted by a stop); the capture then ends in one ``publish`` or one ``capture_failure``.
+        ``tokens``: the sample's length, to learn bytes per token (the budget's size estimate)."""
+        delays = iter(PUBLISH_BACKOFF_S)
+        tries = 0
+        while True:
+            tries += 1
             try:
                 nbytes = store.publish(self.layout, fp, self.contract, tensors, values_checked=values_checked,
                                        verify_tokens=True)
             except PublishError as exc:
-                if exc.retryable and attempt < attempts:
-                    time.sleep(0.05 * attempt)
-                    continue
-                self._fail(fp, exc, attempt)
+                delay = next(delays, None) if exc.retryable else None
+                if delay is not None:
+                    log.warning("publishing %s failed (%s, try %d); retrying in %gs", fp, exc, tries, delay)
+                    if not self.stop_event.wait(delay):
+                        continue
+                self._fail(fp, exc, tries=tries)
                 return
             except IntegrityError as exc:
-                self._fail(fp, exc, attempt)
+                self._fail(fp, exc, tries=tries)
                 return
             with self._state:
                 self.stats.publications += 1
@@ -657,24 +766,60 @@ class Producer:
                 os.unlink(self.layout.failure_path(fp))
             return
 
-    def _fail(self, fp: str, exc: BaseException, attempts: int = 1) -> None:
+    def _fail(self, fp: str, exc: BaseException, tries: int = 1, stage: str = "publish") -> None:
+        """One failed capture attempt of ``fp`` (``stage`` ``forward``: the forward pass failed, no capture was
+        journaled; ``publish``: a journaled capture was not published after ``tries`` writes). After
+        :data:`MAX_ATTEMPTS` attempts the producer gives up on ``fp``: ``failed/<fp>.json`` names this
+        producer incarnation, so a later one supersedes it (:func:`supersede_failure_markers`)."""
         with self._state:
             self.stats.failures += 1
-            self._failed[fp] = self._failed.get(fp, 0) + attempts
+            self._failed[fp] = self._failed.get(fp, 0) + 1
             total = self._failed[fp]
         retryable = bool(getattr(exc, "retryable", False))
         error = f"{type(exc).__name__}: {exc}"
-        self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=attempts, retryable=retryable, error=error))
-        log.error("capture of %s failed after %d attempt(s) (retryable=%s): %s", fp, attempts, retryable, exc)
+        self._last_failure = error
+        self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=tries, retryable=retryable, error=error,
+                                    stage=stage))
+        log.error("capture of %s failed (%s, attempt %d of %d, retryable=%s): %s", fp, stage, total, MAX_ATTEMPTS,
+                  retryable, exc)
         if total >= MAX_ATTEMPTS:  # give up: tell consumers waiting on it instead of letting them hang
-            record = {"fingerprint": fp, "attempts": total, "retryable": retryable, "error": error}
+            me = this_process()
+            record = {"fingerprint": fp, "attempts": total, "retryable": retryable, "error": error,
+                      "producer": me.token(), "hostname": me.hostname}
             with contextlib.suppress(OSError):
                 atomic_write(self.layout.failure_path(fp), [json.dumps(record).encode()], self.layout.tmp,
                              durable=False)
 
     # -- main loop -------------------------------------------------------------------------
+    def done(self) -> bool:
+        """``--exit-when-done``'s "no consumer can come": at least one consumer registered on the root (any
+        state; at least ``expect_consumers`` of them until ``expect_timeout_s`` passes) and none is live."""
+        if self._any_live:
+            return False
+        need = self.cfg.expect_consumers if time.monotonic() - self._started < self.cfg.expect_timeout_s else 0
+        return len(self._registered) >= max(1, need)
+
+    def _raise_if_nobody_came(self) -> None:
+        """``--exit-when-done`` with no registration on the root: log the wait every :data:`EXPECT_NOTE_S`
+        seconds, and raise :class:`ProducerFailed` once ``expect_timeout_s`` has passed (issue 17 item 4:
+        a producer that never saw a consumer waited forever)."""
+        waited = time.monotonic() - self._started
+        if waited >= self.cfg.expect_timeout_s:
+            raise ProducerFailed(f"--exit-when-done: no consumer registered on {self.cfg.cache} in "
+                                 f"{self.cfg.expect_timeout_s:g}s (--expect-timeout); nothing was served")
+        if time.monotonic() >= self._next_nobody_note:
+            self._next_nobody_note = time.monotonic() + EXPECT_NOTE_S
+            log.info("--exit-when-done: no consumer has registered yet; stopping in %.0fs if none does",
+                     self.cfg.expect_timeout_s - waited)
+
     def run(self) -> None:
-        """Loop until stopped (signal, ``exit_when_done`` or ``idle_exit_s``)."""
+        """Loop until stopped (signal, ``exit_when_done`` or ``idle_exit_s``).
+
+        Raises:
+            ProducerFailed: the publisher thread failed, or (``exit_when_done``) no consumer registered
+                within ``expect_timeout_s``; the producer stopped (journal ``producer_stop``
+                with reason ``failed: ...`` when the journal still takes it).
+        """
         self._emit(J.ProducerStart(producer=self.pid, pid=os.getpid(), contract_id=self.contract.contract_id,
                                    plan_id=self.settings.plan_id, budget_bytes=self.budget,
                                    policy=self.cfg.retention, fill=self.cfg.fill))
@@ -692,7 +837,9 @@ class Producer:
                 if self._any_live:  # as read by this pass's live_registrations()
                     self._idle_since = time.monotonic()
                     self._none_running_since = None
-                elif self.cfg.exit_when_done and self._seen_consumers:
+                elif self.cfg.exit_when_done and not self._registered:
+                    self._raise_if_nobody_came()
+                elif self.cfg.exit_when_done and self.done():
                     # wait a grace period: a sibling may register a moment after the others finished
                     now = time.monotonic()
                     self._none_running_since = self._none_running_since or now
@@ -705,18 +852,46 @@ class Producer:
                 self.stop_event.wait(self.cfg.poll_interval_s)
             else:
                 reason = "signal"
+            self._raise_if_publisher_failed()
             self.drain()
+            self._raise_if_publisher_failed()
             # final pass: what no live consumer needs stays while it fits the budget (a later run reads it)
             self.evict(self.live_registrations())
+        except BaseException as exc:
+            reason = f"failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
             self.drain()
-            self._emit(J.ProducerStop(producer=self.pid, reason=reason))
+            try:
+                self._emit(J.ProducerStop(producer=self.pid, reason=reason))
+            except JournalError as exc:  # the journal itself may be what failed: the stop is still logged
+                log.error("could not journal the producer's stop (%s): %s", reason, exc)
 
     def drain(self) -> None:
-        """Wait until every captured batch is published and stop the publisher thread."""
-        if self._publisher_thread.is_alive():
-            self._publish_queue.put(None)
-            self._publisher_thread.join()
+        """Wait until every captured batch is published and stop the publisher thread (or, after the
+        publisher failed, release what is still queued). Never blocks for good."""
+        while self._publisher_thread.is_alive():
+            try:
+                self._publish_queue.put(None, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self._publisher_thread.join()
+        while True:  # after a failure: locks of batches that will never be published
+            try:
+                item = self._publish_queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._abandon(item)
+
+    def check_outcome(self) -> None:
+        """Raise :class:`ProducerFailed` when every capture this producer attempted failed (a backend that
+        fails every batch must not exit 0)."""
+        st = self.stats
+        if st.failures and not st.publications:
+            raise ProducerFailed(f"every capture failed ({st.failures} failed attempt(s), 0 publications); last: "
+                                 f"{self._last_failure}")
 
 def install_signal_handlers(stop_event: threading.Event) -> None:
     """SIGINT/SIGTERM set ``stop_event``: the loop finishes its batch and exits cleanly."""
@@ -744,6 +919,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         log.info("--fill: %s already holds every sample of plan %s (%d): nothing to capture", layout.root,
                  plan.plan_id[:12], len(plan))
         return ProducerStats(fill_complete=True)
+    supersede_failure_markers(layout)  # before the (slow) target load: a consumer must not see them meanwhile
     if settings.contract.backend == "vllm":
         from artcache.backends.vllm import VLLMCaptureBackend  # lazy: vLLM is an optional extra
 
@@ -757,7 +933,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     producer = Producer(layout, settings, plan, backend, cfg, journal, hidden_size=info.hidden_size)
     install_signal_handlers(producer.stop_event)
     presence = claim_producer_presence(layout)
-    _cleanup_orphans(layout)
+    cleanup_orphans(layout)
     log.info("%s; retention %s%s", producer.budget_note, cfg.retention, ", --fill: the whole plan, then exit"
              if cfg.fill else "")
     log.info("producer ready: plan %s (%d samples), layers %s, root %s", plan.plan_id[:12], len(plan),
@@ -769,6 +945,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         backend.close()
         if presence is not None:
             presence.release()
+    producer.check_outcome()
     if cfg.fill and not producer.stats.fill_complete and not producer.stop_event.is_set():
         raise DiskBudgetExceeded(
             f"--fill: {len(producer.fill_missing())} of the plan's {len(plan)} samples do not fit "
@@ -809,25 +986,73 @@ def claim_producer_presence(layout: CacheLayout):
     return lock
 
 
-def _cleanup_orphans(layout: CacheLayout) -> int:
-    """Remove temp files whose writer (same host, dead pid) is gone. Never touches a live writer's."""
+def cleanup_orphans(layout: CacheLayout, watch: HeartbeatWatch | None = None) -> int:
+    """Remove temp files in ``tmp/`` whose writer is provably gone; returns how many were removed.
+
+    Same host id: the writer's pid is gone (or reused). Another host or pid namespace, or a legacy name:
+    only with a ``watch`` (the producer's), once the file was seen unchanged (inode, size, mtime) for the
+    watch's timeout on this process's monotonic clock. Never a live writer's file."""
     removed = 0
-    me = host_id()
-    for entry in os.scandir(layout.tmp):
-        parts = entry.name.split(".")
-        if len(parts) < 3 or parts[0] != me:
-            continue
-        try:
-            pid = int(parts[1])
-        except ValueError:
-            continue
-        if not pid_alive(pid):
+    try:
+        entries = list(os.scandir(layout.tmp))
+    except FileNotFoundError:
+        return 0
+    seen = []
+    for entry in entries:
+        writer = parse_temp_name(entry.name)
+        if writer is None:
+            continue  # not an artcache temp name: never touched
+        ident = writer.identity
+        if ident is not None and ident.comparable():
+            orphan = dead_reason(ident) is not None
+        elif watch is not None:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            seen.append(entry.name)
+            orphan = watch.observe(entry.name, (st.st_ino, st.st_size, st.st_mtime_ns)).silent
+        else:
+            orphan = False
+        if orphan:
             try:
                 os.unlink(entry.path)
                 removed += 1
             except FileNotFoundError:
                 pass
+    if watch is not None:
+        watch.prune(seen)
     return removed
+
+
+def supersede_failure_markers(layout: CacheLayout) -> int:
+    """Remove every give-up marker (``failed/<fp>.json``) that this process did not write: a starting
+    producer tries every fingerprint again, so an earlier incarnation's "gave up" no longer holds
+    (issue 17, item 7). Returns how many were removed."""
+    d = layout.root / "failed"
+    me = this_process()
+    removed = 0
+    for entry in list(os.scandir(d)) if d.is_dir() else []:
+        if not entry.name.endswith(".json") or entry.is_symlink():
+            continue
+        if marker_writer(Path(entry.path)) == me.token():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+            removed += 1
+    if removed:
+        log.info("superseded %d give-up marker(s) of an earlier producer in %s", removed, d)
+    return removed
+
+
+def marker_writer(path) -> str:
+    """The producer identity token a give-up marker records ("" for a legacy or unreadable one)."""
+    try:
+        record = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return ""
+    token = record.get("producer", "") if isinstance(record, dict) else ""
+    return token if isinstance(token, str) and from_token(token) is not None else ""
 
 
 __all__ = ["ArtcacheError", "CaptureFailed", "Producer", "ProducerConfig", "prepare_root", "run_producer"]

@@ -1,13 +1,23 @@
 """Consumer registrations: ``consumers/<id>.json``, replaced atomically under a per-consumer lock.
 
-A registration carries the consumer's committed cursor, its window, a heartbeat and a generation
-number (the fence). Every read-modify-write takes ``locks/consumer-<id>.lock`` so the producer's
-fencing and the consumer's heartbeat cannot lose each other's update. A consumer whose generation
-or state changed under it has been fenced and must stop (:class:`ConsumerFenced`).
+A registration carries the consumer's committed cursor, its window, its process identity, a heartbeat
+counter and a generation number (the fence). Every read-modify-write takes ``locks/consumer-<id>.lock``
+so the producer's fencing and the consumer's heartbeat cannot lose each other's update. A consumer whose
+generation or state changed under it has been fenced and must stop (:class:`ConsumerFenced`).
+
+Liveness (:mod:`artcache.liveness`): a reader decides a running registration is dead when its process
+(same host id) is gone, or when its heartbeat counter (:meth:`Registration.progress_token`) has not
+changed for the timeout on the reader's own monotonic clock. The wall-clock ``heartbeat`` field is for
+humans and is never subtracted from another process's clock.
+
+Migration rule: registrations written before identities existed (no ``identity``, ``beat`` 0) stay
+readable; their pid is never checked (their ``host`` is a host name, which cannot tell pid namespaces
+apart), and their progress token is the wall-clock ``heartbeat`` value, which changes on every beat.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -17,8 +27,11 @@ import msgspec
 
 from artcache.errors import ConfigError, ConsumerFenced, UnsafePath
 from artcache.fsio import atomic_write
-from artcache.layout import CacheLayout, host_id, open_nofollow, pid_alive
+from artcache.layout import CacheLayout, open_nofollow
+from artcache.liveness import HeartbeatWatch, ProcessIdentity, dead_reason, local_identity, this_process
 from artcache.locking import cache_lock
+
+log = logging.getLogger("artcache.registry")
 
 State = Literal["running", "completed", "cancelled", "failed", "expired"]
 TERMINAL = frozenset({"completed", "cancelled", "failed", "expired"})
@@ -37,7 +50,12 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         end: exclusive last position the consumer will ever read (its steps × batch size), or -1
             when unbounded; the window is clipped there so nothing past a run's end is prefetched.
         demand: positions the consumer is blocked on now (demand misses).
-        heartbeat: time.time() of the last heartbeat (seconds).
+        heartbeat: time.time() of the consumer's last write (seconds; for humans: readers never compare it
+            with their own clock).
+        beat: heartbeat counter, + 1 on every write by the consumer (heartbeat, cursor, demand): what
+            readers watch for progress (:meth:`progress_token`).
+        identity: the consumer process's identity (None in registrations written before identities).
+        pid, host: the consumer's pid and host name (for humans; ``identity`` is what is checked).
         pinned: half-open range ``[lo, hi)`` of positions the consumer reads besides its window (its
             held-out evaluation split; empty when ``lo >= hi``). Pinned positions are retained,
             prefetched after every window position and served on demand, like the window; they count
@@ -47,6 +65,8 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         epoch_len: training samples per epoch, the plan's first ``epoch_len`` (0: the whole plan);
             position ``p`` reads sample ``plan.order(epoch_len).sample(p)`` (:class:`artcache.plan.EpochOrder`).
         pinned_demand: held-out sample indices (inside ``pinned``) the consumer is blocked on now.
+        fenced_from: the generation a fence ended (-1: never fenced); lets that incarnation still record
+            its final checkpoint (:meth:`ConsumerHandle.record_final_checkpoint`).
     """
 
     consumer_id: str
@@ -67,6 +87,9 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     checkpoint_cursor: int = -1
     epoch_len: int = 0
     pinned_demand: list[int] = []
+    beat: int = 0
+    identity: ProcessIdentity | None = None
+    fenced_from: int = -1
 
     def window(self) -> tuple[int, int]:
         """Inclusive window [lo, hi] of positions (hi < lo when the consumer is past its end)."""
@@ -92,17 +115,35 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         lo, hi = self.readable()
         return lo <= position <= hi or position in self.pinned_range()
 
-    def retained_positions(self) -> set[int]:
-        """Positions the producer must not evict for this consumer: its window plus its pinned range."""
+    def retained_positions(self, period: int | None = None) -> set[int]:
+        """Positions the producer must not evict for this consumer: its window plus its pinned range.
+
+        With ``period`` (the plan's length: position p is plan sample p % period) the positions are
+        returned modulo ``period``, and the work is bounded by it: a window wider than the plan is every
+        sample once, not a set of millions of positions (issue 17, item 11)."""
         lo, hi = self.window()
-        return set(range(lo, hi + 1)) | set(self.pinned_range())
+        pinned = self.pinned_range()
+        if period is None:
+            return set(range(lo, hi + 1)) | set(pinned)
+        if hi - lo + 1 >= period:
+            return set(range(period))
+        return {p % period for p in range(lo, hi + 1)} | {p % period for p in pinned}
 
     def retain_bound(self) -> int:
         """Upper bound on this consumer's retained artifacts: window size plus pinned positions."""
         return self.window_size() + len(self.pinned_range())
 
-    def is_live(self, now: float, heartbeat_timeout: float) -> bool:
-        return self.state == "running" and now - self.heartbeat <= heartbeat_timeout
+    def progress_token(self) -> tuple[int, int, float]:
+        """What changes on every write by this incarnation: (generation, beat counter, wall-clock heartbeat).
+        Readers compare it for equality only (a legacy registration's ``beat`` is always 0; its heartbeat
+        value still changes on every beat)."""
+        return self.generation, self.beat, self.heartbeat
+
+    def dead_reason(self, watch: HeartbeatWatch | None = None) -> str | None:
+        """Why this running registration's consumer is provably dead (its process, same host id, is gone;
+        or ``watch`` saw no heartbeat progress for its timeout), or None. One observation per call."""
+        progress = watch.observe(self.consumer_id, self.progress_token()) if watch is not None else None
+        return dead_reason(self.identity, progress)
 
 
 _enc = msgspec.json.Encoder()
@@ -152,40 +193,76 @@ def update(layout: CacheLayout, consumer_id: str, fn: Callable[[Registration | N
 
 def register(layout: CacheLayout, reg: Registration, *,
              check: Callable[[Registration | None], None] | None = None,
-             live_timeout_s: float | None = None) -> Registration:
-    """(Re)register: bump the generation past any previous one, state running, heartbeat now.
+             live_timeout_s: float | None = None, poll_s: float = 0.2) -> Registration:
+    """(Re)register: bump the generation past any previous one, state running, heartbeat now, ``identity``
+    the consumer's process (``reg.identity`` if set; else the local process ``reg.pid``, by default this
+    one), ``pid`` and ``host`` its pid and host name.
 
     The generation bump fences any previous holder of the id: its next write raises ConsumerFenced.
 
     Args:
         check: called under the consumer's lock with the previous registration (or None) before
             anything is written; it raises to refuse (``--resume`` checks the recorded checkpoint).
-        live_timeout_s: also refuse a previous holder on another host (whose pid cannot be checked)
-            that is ``running`` with a heartbeat younger than this many seconds.
+        live_timeout_s: also refuse a previous holder whose pid cannot be checked from here (another host or
+            pid namespace, or a legacy registration) while it is live: its heartbeat counter is watched on
+            this process's monotonic clock for up to this many seconds; progress refuses, silence takes over.
+        poll_s: period of that watch.
 
     Raises:
-        ConfigError: the id is held by a live process (same host: its pid is alive; another host: a
-            fresh heartbeat), or ``check`` refused.
+        ConfigError: the id is held by a live process (same host id: its pid is alive; otherwise: its
+            heartbeat progressed while watched), or ``check`` refused.
     """
+    me = reg.identity or (local_identity(reg.pid) if reg.pid and reg.pid != os.getpid() else this_process())
+    watched = _watch_previous(layout, reg.consumer_id, me, live_timeout_s, poll_s) \
+        if live_timeout_s is not None else None
 
     def fn(old: Registration | None) -> Registration:
-        if old is not None and old.state == "running" and old.pid and old.host == host_id() \
-                and old.pid != reg.pid and pid_alive(old.pid):
-            raise ConfigError(
-                f"consumer id {reg.consumer_id!r} is already running as pid {old.pid}; "
-                "choose another --id")
-        if old is not None and old.state == "running" and live_timeout_s is not None and old.host != host_id() \
-                and time.time() - old.heartbeat <= live_timeout_s:
-            raise ConfigError(
-                f"consumer id {reg.consumer_id!r} is running on host {old.host!r} (heartbeat "
-                f"{time.time() - old.heartbeat:.0f}s ago); stop it first or choose another --id")
+        if old is not None and old.state == "running":
+            ident = old.identity
+            if ident is not None and ident.comparable():
+                if not ident.same_process(me) and dead_reason(ident) is None:
+                    raise ConfigError(
+                        f"consumer id {reg.consumer_id!r} is already running as pid {ident.pid}; "
+                        "choose another --id")
+            elif live_timeout_s is not None and watched is not None and old.progress_token() != watched:
+                raise _running_elsewhere(reg.consumer_id, old, "its heartbeat moved while this process waited")
         if check is not None:
             check(old)
         return msgspec.structs.replace(
-            reg, generation=(old.generation + 1) if old else 1, state="running",
-            heartbeat=time.time(), host=host_id())
+            reg, generation=(old.generation + 1) if old else 1, state="running", heartbeat=time.time(),
+            identity=me, pid=me.pid, host=me.hostname, beat=0, fenced_from=-1, reason="")
 
     return update(layout, reg.consumer_id, fn)
+
+
+def _running_elsewhere(consumer_id: str, old: Registration, why: str) -> ConfigError:
+    where = old.identity.describe() if old.identity else f"pid {old.pid} on {old.host or 'another host'}"
+    return ConfigError(f"consumer id {consumer_id!r} is running as {where} ({why}); stop it first or choose "
+                       "another --id")
+
+
+def _watch_previous(layout: CacheLayout, consumer_id: str, me: ProcessIdentity, timeout_s: float,
+                    poll_s: float) -> tuple | None:
+    """Outside the lock (the previous holder's heartbeat needs it): for a running previous registration
+    whose pid cannot be checked from here, watch its progress token until it changes (ConfigError: it is
+    live) or ``timeout_s`` passes on this process's monotonic clock. Returns the silent token, or None
+    when there was nothing to watch."""
+    old = read(layout, consumer_id)
+    if old is None or old.state != "running" or (old.identity is not None and old.identity.comparable()):
+        return None
+    token = old.progress_token()
+    t0 = time.monotonic()
+    log.info("consumer id %r is registered running as %s, whose pid cannot be checked from here: watching its "
+             "heartbeat for up to %.0fs", consumer_id, old.identity.describe() if old.identity else
+             f"pid {old.pid} on {old.host!r}", timeout_s)
+    while time.monotonic() - t0 <= timeout_s:
+        time.sleep(poll_s)
+        cur = read(layout, consumer_id)
+        if cur is None or cur.state != "running":
+            return None
+        if cur.progress_token() != token:
+            raise _running_elsewhere(consumer_id, cur, "its heartbeat is progressing")
+    return token
 
 
 class ConsumerHandle:
@@ -207,7 +284,7 @@ class ConsumerHandle:
                     f"{old.generation if old else '-'} != {self.generation}) {reason}".strip())
             if check is not None:
                 check(old)
-            return msgspec.structs.replace(old, heartbeat=time.time(), **changes)
+            return msgspec.structs.replace(old, heartbeat=time.time(), beat=old.beat + 1, **changes)
 
         self.current = update(self.layout, self.consumer_id, fn)
         return self.current
@@ -246,6 +323,39 @@ class ConsumerHandle:
 
         return self._modify(check, checkpoint_cursor=cursor)
 
+    def record_final_checkpoint(self, cursor: int) -> Registration:
+        """Record the checkpoint a consumer writes as it exits, also after it was fenced.
+
+        A fenced incarnation (the producer fenced it for silence, e.g. a ``SIGSTOP``-ed or swapped-out
+        process; issue 17, item 1) still holds a consistent training state. As long as no other process
+        has registered the id since (the registration's ``fenced_from`` is this incarnation's generation),
+        it may record its checkpoint, and commit its last optimizer step's cursor with it (positions it
+        read and trained on before the fence), so ``--resume`` continues from there. The registration stays
+        fenced (state, generation and heartbeat unchanged).
+
+        Raises:
+            ConsumerFenced: another incarnation registered the id since (its resume point is not ours).
+            ValueError: ``cursor`` is behind the committed cursor.
+        """
+        def fn(old: Registration | None) -> Registration:
+            if old is None:
+                raise ConsumerFenced(f"consumer {self.consumer_id!r} is no longer registered")
+            own = old.generation == self.generation and old.state == "running"
+            fenced_own = old.state in TERMINAL and old.fenced_from == self.generation
+            if not (own or fenced_own):
+                raise ConsumerFenced(
+                    f"consumer {self.consumer_id!r} was registered again since (generation {old.generation}, "
+                    f"state {old.state}); this incarnation ({self.generation}) may not move its resume point")
+            if cursor < old.cursor:
+                raise ValueError(f"checkpoint cursor {cursor} is behind the committed cursor {old.cursor}")
+            if own:
+                return msgspec.structs.replace(old, heartbeat=time.time(), beat=old.beat + 1, cursor=cursor,
+                                               checkpoint_cursor=cursor)
+            return msgspec.structs.replace(old, cursor=cursor, checkpoint_cursor=cursor)
+
+        self.current = update(self.layout, self.consumer_id, fn)
+        return self.current
+
     def set_demand(self, positions: list[int], pinned: list[int] | None = None) -> Registration:
         """Replace the demand lists: training ``positions`` and (when given) held-out sample indices."""
         changes = {"demand": sorted(set(positions))}
@@ -259,8 +369,9 @@ class ConsumerHandle:
         def fn(old: Registration | None) -> Registration | None:
             if old is None or old.generation != self.generation:
                 return None
-            return msgspec.structs.replace(old, state=state, generation=old.generation + 1,
-                                           demand=[], pinned_demand=[], reason=reason, heartbeat=time.time())
+            return msgspec.structs.replace(old, state=state, generation=old.generation + 1, demand=[],
+                                           pinned_demand=[], reason=reason, heartbeat=time.time(),
+                                           beat=old.beat + 1, fenced_from=old.generation)
 
         return update(self.layout, self.consumer_id, fn)
 
@@ -275,6 +386,6 @@ def fence(layout: CacheLayout, consumer_id: str, state: State, reason: str,
         if expect_generation is not None and old.generation != expect_generation:
             return None
         return msgspec.structs.replace(old, state=state, generation=old.generation + 1, demand=[],
-                                       pinned_demand=[], reason=reason)
+                                       pinned_demand=[], reason=reason, fenced_from=old.generation)
 
     return update(layout, consumer_id, fn)

@@ -97,7 +97,7 @@ def _run(fn, root: str, log_path: str, crash_at: str, **kw) -> None:
     log = _Log(log_path)
     try:
         crashpoints.reload(crash_at or "")
-        log(f"pid {os.getpid()}")
+        log(f"pid {os.getpid()} host {host_id()}")
         fn(CacheLayout(Path(root)), log, **kw)
         log("done")
         code = 0
@@ -202,6 +202,29 @@ def forkserver_context():
 
 
 # ---- racing workers (tests/test_concurrency.py) -------------------------------------------------------------
+
+class FileBarrier:
+    """A start line across pid namespaces (tests/hosts.py): :meth:`wait` returns once ``path`` exists."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def wait(self) -> None:
+        while not os.path.exists(self.path):
+            import time
+
+            time.sleep(0.002)
+
+
+class FileEvent:
+    """A stop flag across pid namespaces: set once ``path`` exists."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def is_set(self) -> bool:
+        return os.path.exists(self.path)
+
 
 def _noop_flock() -> None:
     """Make flock a no-op in this process: a filesystem where locks silently do nothing."""
@@ -379,3 +402,13 @@ def lease_reader_worker(root: str, n_pos: int, out: str, cid: str, seed: int, n_
     journal.close()
     Path(out).write_text(json.dumps({"counts": counts}))
     os._exit(0)
+
+
+def fsck_summary(root: str, observe_s: float | None = None) -> dict:
+    """``fsck --fix`` of ``root`` from this process (tests/hosts.py runs it on another host): what it found
+    and fixed, as JSON-able lists, and this process's host id."""
+    from artcache.fsck import fsck
+
+    rep = fsck(root, fix=True, observe_s=observe_s)
+    return {"host": host_id(), "problems": [{"kind": p.kind, "path": p.path, "detail": p.detail, "fixed": p.fixed}
+                                            for p in rep.problems], "notes": rep.notes}

@@ -51,12 +51,13 @@ class Proc:
     single_thread: bool = True
 
     def __init__(self, name: str, args: list[str], cwd: Path, crash_at: str | None = None, *,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, prefix: list[str] | None = None) -> None:
+        """``prefix``: a command the process runs under (e.g. tests/hosts.py's ``unshare`` for another host)."""
         self.name = name
         self.log = cwd / "logs" / f"{name}-{time.monotonic_ns()}.log"
         self.log.parent.mkdir(exist_ok=True)
         with open(self.log, "wb") as fh:
-            self.popen = subprocess.Popen([sys.executable, "-m", "artcache", *args], cwd=cwd, stdout=fh,
+            self.popen = subprocess.Popen([*(prefix or []), sys.executable, "-m", "artcache", *args], cwd=cwd, stdout=fh,
                                           stderr=subprocess.STDOUT,
                                           env=child_env(crash_at, self.single_thread, **(env or {})))
 
@@ -142,3 +143,38 @@ def dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     return p.pid
+
+
+def token(pid: int) -> str:
+    """The identity token of local process ``pid`` (as in its temp, lease and journal names; a dead pid's
+    start time is unknown: 0)."""
+    from artcache.liveness import local_identity
+
+    return local_identity(pid).token()
+
+
+def foreign_token(pid: int = 1) -> str:
+    """An identity token of another host (a host id no process here has): its pid cannot be checked."""
+    return f"{'f' * 16}-{pid}-12345"
+
+
+FAULTINJECT = Path(__file__).resolve().parent / "faultinject"
+
+
+def fault_env(faults: list[dict] | None = None, log: Path | None = None, clock_step: str = "") -> dict[str, str]:
+    """Environment (for :class:`Proc`'s ``env``) that loads tests/faultinject/sitecustomize.py in the child:
+    ``faults`` injected errnos, ``log`` a file listing each injection, ``clock_step`` e.g. ``"+40@3"``."""
+    env = {"PYTHONPATH": os.pathsep.join([str(FAULTINJECT), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "ARTCACHE_FAULTS": json.dumps(faults or [])}
+    if log is not None:
+        env["ARTCACHE_FAULTS_LOG"] = str(log)
+    if clock_step:
+        env["ARTCACHE_CLOCK_STEP"] = clock_step
+    return env
+
+
+def injected(log: Path) -> list[tuple[str, str, str]]:
+    """The faults a child injected: (call, errno name, path) per line of its ``ARTCACHE_FAULTS_LOG``."""
+    if not log.exists():
+        return []
+    return [tuple(line.split(" ", 2)) for line in log.read_text().splitlines() if line]

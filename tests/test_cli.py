@@ -490,6 +490,7 @@ def test_regression_cuda_without_gpu(tmp_path, workdir, tiny_target):
 
 @pytest.mark.parametrize("flag, value", [("--heartbeat-timeout", "0"), ("--heartbeat-timeout", "-1"),
                                          ("--heartbeat-timeout", "nan"), ("--idle-exit", "-5"),
+                                         ("--expect-timeout", "0"), ("--expect-timeout", "-2"),
                                          ("--heartbeat-timeout", "inf")])  # regression: inf was stored as null
 def test_regression_producer_nonpositive_timeouts(tmp_path, workdir, tiny_target, flag, value):
     """A negative --heartbeat-timeout used to be accepted: every consumer was fenced as expired at once."""

@@ -253,8 +253,10 @@ def test_consumer_config_rejects_a_setting_the_consumer_lacks(tmp_path):
 
 def test_producer_and_bench_configs(tmp_path):
     cfg = C.load_run_config(CONFIGS / "bench-1p3c.toml", ["cache.root=/tmp/r"])
-    pc = C.producer_config(cfg, exit_when_done=True, expect_consumers=None, idle_exit=3.0, producer_id="p")
+    pc = C.producer_config(cfg, exit_when_done=True, expect_consumers=None, idle_exit=3.0, producer_id="p",
+                           expect_timeout=7.0)
     assert pc.cache == "/tmp/r" and pc.max_length == 256 and pc.exit_when_done and pc.idle_exit_s == 3.0
+    assert pc.expect_timeout_s == 7.0
     assert pc.layer_ids is None and pc.draft_layers == 5 and pc.producer_id == "p"
     bc = C.bench_config(cfg)
     assert (bc.scenario, bc.warmup, bc.steps, bc.anchors, bc.max_length) == ("1p3c", 3, 12, 16, 256)

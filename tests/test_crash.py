@@ -66,7 +66,14 @@ def init_root(cwd: Path) -> Path:
 
 
 def tmp_of(cache: Path, pid: int) -> list[str]:
-    return sorted(p.name for p in (cache / "tmp").iterdir() if p.name.split(".")[1:2] == [str(pid)])
+    from artcache.layout import parse_temp_name
+
+    out = []
+    for p in (cache / "tmp").iterdir():
+        w = parse_temp_name(p.name)
+        if w is not None and w.identity is not None and w.identity.pid == pid:
+            out.append(p.name)
+    return sorted(out)
 
 
 def unexplained(acc: dict, producer_killed: bool = False, consumer_killed_after_commit: bool = False) -> list[str]:
@@ -77,8 +84,8 @@ def unexplained(acc: dict, producer_killed: bool = False, consumer_killed_after_
 
 
 def file_events(cache: Path, role: str, ident: str, pid: int) -> list:
-    path = CacheLayout(cache).journal_path(role, ident).with_name(f"{role}-{ident}-{pid}.jsonl")
-    return [e for e in J.iter_file(path) if e is not None] if path.is_file() else []
+    path = CacheLayout(cache).journal_of(role, ident, pid)
+    return [e for e in J.iter_file(path) if e is not None] if path is not None else []
 
 
 def consumed_positions(cache: Path, cid: str) -> set[int]:

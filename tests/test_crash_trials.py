@@ -32,12 +32,13 @@ import pytest
 from reliability_figures import record
 
 from artcache import journal as J
-from artcache import registry, store
+from artcache import leases, registry, store
 from artcache.accounting import account
 from artcache.errors import ArtifactMissing
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsck import fsck
-from artcache.layout import CacheLayout, host_id
+from artcache.layout import CacheLayout, parse_temp_name
+from artcache.liveness import this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.settings import init_settings
 
@@ -80,7 +81,7 @@ class Trials:
             j.emit(J.ConsumerStart(consumer=K.MOVER, pid=os.getpid(), draft="mover", block_size=2, batch_size=1,
                                    lookbehind=MOVER_WINDOW[0], lookahead=MOVER_WINDOW[1], cursor=0))
         # a temp file of a live writer (this process): no fsck run may ever remove it
-        self.canary = self.layout.tmp / f"{host_id()}.{os.getpid()}.c0ffee.part"
+        self.canary = self.layout.tmp / f"{this_process().token()}.c0ffee.part"
         self.canary.write_bytes(b"a live writer's partial file")
         self.n = 0
         self.stats = {"trials": 0, "kills": 0, "kills_at_point": 0, "kills_random_time": 0,
@@ -131,7 +132,7 @@ class Trials:
             typical = sorted(self.durations[kind])[len(self.durations[kind]) // 2]
             deadline = t0 + rng.uniform(0.0, 1.3 * typical)
             if rng.random() < 0.15:  # now and then, fsck --fix while the child is alive
-                fsck(self.layout.root, fix=True)
+                self.run_fsck()
                 self.stats["fsck_while_child_alive"] += 1
             while time.monotonic() < deadline and p.is_alive():
                 time.sleep(0.002)
@@ -189,15 +190,19 @@ class Trials:
             assert art.input_ids.tolist() == self.plan.sample(i).input_ids.tolist(), what
         assert list(self.layout.quarantine.iterdir()) == [], f"{what}: something was quarantined"
 
+    def run_fsck(self):
+        """``fsck --fix`` from the test process."""
+        return fsck(self.layout.root, fix=True)
+
     def check_fsck(self, dead_pid: int | None, what: str) -> None:
         tmp_before = {p.name for p in self.layout.tmp.iterdir()}
-        rep = fsck(self.layout.root, fix=True)
+        rep = self.run_fsck()
         kinds = {p.kind for p in rep.problems} - {"bad-plan"}  # the fake plan has no plan directory
         assert kinds <= {"orphan-temp", "dead-lease", "dead-consumer"}, (what, rep.problems)
         assert all(p.fixed for p in rep.problems if p.kind != "bad-plan"), (what, rep.problems)
         for p in rep.problems:
             if p.kind == "orphan-temp":  # only the dead child's files (or an earlier dead child's)
-                pid = int(Path(p.path).name.split(".")[1])
+                pid = parse_temp_name(Path(p.path).name).identity.pid
                 assert pid != os.getpid() and (pid == dead_pid or pid not in self.live_pids()), (what, p)
                 self.stats["orphans_removed"] += 1
             elif p.kind == "dead-lease":
@@ -206,7 +211,7 @@ class Trials:
                 self.stats["consumers_fenced"] += 1
         left = {p.name for p in self.layout.tmp.iterdir()}
         assert left == {self.canary.name}, f"{what}: tmp/ after fsck --fix: {sorted(left)} (before {tmp_before})"
-        assert not [n for n in os.listdir(self.layout.leases) if f"~{dead_pid}~" in n], what
+        assert not [n for n in os.listdir(self.layout.leases) if leases.parse(n).pid == dead_pid], what
 
     def live_pids(self) -> set[int]:
         return {int(d) for d in os.listdir("/proc") if d.isdigit()}

@@ -8,12 +8,13 @@ import time
 
 import pytest
 import torch
-from procs import dead_pid
+from procs import dead_pid, foreign_token, token
 
 from artcache import leases, store
 from artcache.contract import CaptureContract
 from artcache.eviction import evict_pass
 from artcache.layout import CacheLayout, host_id
+from artcache.liveness import HeartbeatWatch, from_token
 
 C = CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
                     layer_ids=(0,), max_length=8, tokenizer_digest="k", template_digest="m")
@@ -43,8 +44,9 @@ def others(layout: CacheLayout, retain: set[str]) -> list[str]:
     return sorted(set(store.list_objects(layout)) - retain)
 
 
-def fake_lease(layout: CacheLayout, fp: str, consumer: str, host: str, pid: int, nonce: str = "00") -> str:
-    name = f"{fp}~{consumer}~{host}~{pid}~{nonce}"
+def fake_lease(layout: CacheLayout, fp: str, consumer: str, holder: str, nonce: str = "00") -> str:
+    """A lease file held by ``holder`` (an identity token, see procs.token / procs.foreign_token)."""
+    name = f"{fp}~{consumer}~{holder}~{nonce}"
     (layout.leases / name).touch()
     return name
 
@@ -66,7 +68,7 @@ def test_evicts_only_outside_retain(layout):
 
 def test_never_evicts_what_the_decision_keeps_and_expires_dead_leases_first(layout):
     fps = [publish(layout, i) for i in range(4)]
-    name = fake_lease(layout, fps[0], "gone", host_id(), dead_pid())
+    name = fake_lease(layout, fps[0], "gone", token(dead_pid()))
     res = evict_pass(layout, others(layout, set(fps)), set())
     assert res.evicted == {} and set(store.list_objects(layout)) == set(fps)
     # the dead holder's lease is expired before anything is decided (it holds nothing any more)
@@ -101,7 +103,7 @@ def test_several_leases_on_one_fp(layout):
 def test_expires_lease_of_dead_pid(layout):
     fp = publish(layout, 1)
     pid = dead_pid()
-    name = fake_lease(layout, fp, "c1", host_id(), pid)
+    name = fake_lease(layout, fp, "c1", token(pid))
     res = evict_pass(layout, others(layout, set()), {"c1"})
     assert [(lease.name, reason) for lease, reason in res.expired_leases] == [(name, "holder-dead")]
     assert set(res.evicted) == {fp}
@@ -118,27 +120,64 @@ def test_expires_lease_of_fenced_consumer(layout):
 
 
 def test_other_host_lease_expires_by_ttl(layout):
+    """Another host's lease (its pid cannot be checked) is expired once this reader has seen it for the TTL
+    on its own clock; the file's mtime (another host's clock) plays no part."""
     fp = publish(layout, 1)
-    name = fake_lease(layout, fp, "c1", "some-other-host", 1)
-    res = evict_pass(layout, others(layout, set()), {"c1"}, lease_ttl_s=600)
-    assert res.held_by_lease == {fp} and res.expired_leases == []
-    old = time.time() - 1000
+    name = fake_lease(layout, fp, "c1", foreign_token())
+    old = time.time() - 1e6  # an ancient mtime: irrelevant
     os.utime(layout.leases / name, (old, old))
-    res = evict_pass(layout, others(layout, set()), {"c1"}, lease_ttl_s=600)
+    now = [0.0]
+    watch = HeartbeatWatch(600, clock=lambda: now[0])
+    res = evict_pass(layout, others(layout, set()), {"c1"}, lease_ttl_s=600, lease_watch=watch)
+    assert res.held_by_lease == {fp} and res.expired_leases == []
+    now[0] = 599.0
+    assert evict_pass(layout, others(layout, set()), {"c1"}, lease_ttl_s=600, lease_watch=watch).expired_leases == []
+    now[0] = 601.0
+    res = evict_pass(layout, others(layout, set()), {"c1"}, lease_ttl_s=600, lease_watch=watch)
     assert [(lease.name, reason) for lease, reason in res.expired_leases] == [(name, "ttl")]
     assert set(res.evicted) == {fp}
 
 
+def test_other_host_lease_of_the_live_registration_process_is_kept(layout):
+    """A lease whose holder is the live consumer's own registered process (on another host) lives as long as
+    that registration does: no TTL, no pid check."""
+    fp = publish(layout, 1)
+    name = fake_lease(layout, fp, "c1", foreign_token(7))
+    now = [0.0]
+    watch = HeartbeatWatch(600, clock=lambda: now[0])
+    live = {"c1": from_token(foreign_token(7))}
+    assert evict_pass(layout, others(layout, set()), live, lease_ttl_s=600, lease_watch=watch).held_by_lease == {fp}
+    now[0] = 1e6
+    assert evict_pass(layout, others(layout, set()), live, lease_ttl_s=600, lease_watch=watch).held_by_lease == {fp}
+    assert (layout.leases / name).exists()
+    # a one-shot reader (no watch) never expires another host's lease by age
+    assert evict_pass(layout, others(layout, set()), {"c1"}, lease_ttl_s=0).held_by_lease == {fp}
+
+
+def test_legacy_lease_names_are_read_and_never_pid_checked(layout):
+    """Migration rule: a lease named before identity tokens (<fp>~<consumer>~<hostname>~<pid>~<nonce>) is
+    parsed; its pid is never checked (the host name cannot tell pid namespaces apart); it expires with its
+    consumer, or by the TTL."""
+    fp = publish(layout, 1)
+    name = f"{fp}~c1~{os.uname().nodename}~{dead_pid()}~00"
+    (layout.leases / name).touch()
+    info = leases.parse(name)
+    assert info.holder is None and info.host == os.uname().nodename
+    assert evict_pass(layout, others(layout, set()), {"c1"}).held_by_lease == {fp}
+    res = evict_pass(layout, others(layout, set()), set())
+    assert [(lease.name, reason) for lease, reason in res.expired_leases] == [(name, "consumer-fenced")]
+
+
 def test_other_host_lease_of_fenced_consumer_expires(layout):
     fp = publish(layout, 1)
-    name = fake_lease(layout, fp, "c1", "some-other-host", 1)
+    name = fake_lease(layout, fp, "c1", foreign_token())
     res = evict_pass(layout, others(layout, set()), set(), lease_ttl_s=600)
     assert [(lease.name, reason) for lease, reason in res.expired_leases] == [(name, "consumer-fenced")]
 
 
 def test_dead_leases_on_unpublished_fps_are_expired(layout):
     live_name = leases.acquire(layout, fp_of(7), "c1")
-    dead_name = fake_lease(layout, fp_of(8), "c1", host_id(), dead_pid())
+    dead_name = fake_lease(layout, fp_of(8), "c1", token(dead_pid()))
     res = evict_pass(layout, others(layout, set()), {"c1"})
     assert [lease.name for lease, _ in res.expired_leases] == [dead_name]
     assert (layout.leases / live_name).exists() and not (layout.leases / dead_name).exists()

@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import foreign_token, token
 
 from artcache import crashpoints
 from artcache import journal as J
 from artcache.errors import ArtcacheError, JournalError
-from artcache.layout import CacheLayout, host_id
-from artcache.producer import _cleanup_orphans
+from artcache.layout import CacheLayout
+from artcache.producer import cleanup_orphans
 from artcache.verify_fs import verify_filesystem
 
 
@@ -154,19 +155,19 @@ def test_cleanup_orphans_spares_live_writers(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     try:
-        me = host_id()
-        names = {"live": f"{me}.{live.pid}.aaaa.part", "dead": f"{me}.{dead.pid}.bbbb.part",
-                 "dead_evict": f"{me}.{dead.pid}.cccc.evict", "other_host": f"zz-other.{dead.pid}.dddd.part",
-                 "junk": "not-a-temp-file"}
+        names = {"live": f"{token(live.pid)}.aaaa.part", "dead": f"{token(dead.pid)}.bbbb.part",
+                 "dead_evict": f"{token(dead.pid)}.cccc.evict", "other_host": f"{foreign_token(dead.pid)}.dddd.part",
+                 "legacy": f"{os.uname().nodename}.{dead.pid}.eeee.part", "junk": "not-a-temp-file"}
         for n in names.values():
             (layout.tmp / n).write_bytes(b"partial")
-        assert _cleanup_orphans(layout) == 2
+        assert cleanup_orphans(layout) == 2
         left = sorted(p.name for p in layout.tmp.iterdir())
-        assert left == sorted([names["live"], names["other_host"], names["junk"]])
+        # another host's (or a pre-identity name's) pid is never checked: left for the producer's watch
+        assert left == sorted([names["live"], names["other_host"], names["legacy"], names["junk"]])
     finally:
         live.kill()
         live.wait()
-    assert _cleanup_orphans(layout) == 1  # its writer is gone now
+    assert cleanup_orphans(layout) == 1  # its writer is gone now
     assert not (layout.tmp / names["live"]).exists()
 
 
@@ -196,3 +197,28 @@ def test_verify_filesystem_reports_a_failing_check(tmp_path, monkeypatch):
 def test_verify_filesystem_missing_dir(tmp_path):
     with pytest.raises(FileNotFoundError):
         verify_filesystem(tmp_path / "absent")
+
+
+def test_cleanup_orphans_of_other_hosts_by_observed_change(tmp_path):
+    """Issue 18 item 1: another host's temp file (its writer's pid cannot be checked here) is an orphan only
+    once the producer has seen it unchanged (inode, size, mtime) for the watch's timeout on its own clock;
+    one that keeps changing (a live writer) stays, however old its mtime looks."""
+    from artcache.liveness import HeartbeatWatch
+
+    layout = CacheLayout(tmp_path / "root")
+    layout.create()
+    still = layout.tmp / f"{foreign_token(5)}.aaaa.part"
+    growing = layout.tmp / f"{foreign_token(6)}.bbbb.part"
+    still.write_bytes(b"x")
+    growing.write_bytes(b"x")
+    os.utime(growing, (1.0, 1.0))  # an "ancient" mtime: another host's clock, irrelevant
+    now = [0.0]
+    watch = HeartbeatWatch(600.0, clock=lambda: now[0])
+    assert cleanup_orphans(layout, watch) == 0
+    for t in (300.0, 601.0):
+        now[0] = t
+        with open(growing, "ab") as f:
+            f.write(b"more")
+        removed = cleanup_orphans(layout, watch)
+    assert removed == 1 and not still.exists() and growing.exists()
+    assert cleanup_orphans(layout) == 0  # without a watch (a one-shot reader): never

@@ -13,7 +13,8 @@ import pytest
 
 from artcache import registry
 from artcache.errors import ConfigError, ConsumerFenced
-from artcache.layout import CacheLayout, host_id
+from artcache.layout import CacheLayout
+from artcache.liveness import HeartbeatWatch, ProcessIdentity, this_process
 from artcache.registry import ConsumerHandle, Registration
 
 
@@ -33,7 +34,7 @@ def test_register_sets_running_and_generation(layout):
     t0 = time.time()
     r = registry.register(layout, reg())
     assert r.generation == 1 and r.state == "running"
-    assert r.host == host_id() and r.heartbeat >= t0
+    assert r.identity == this_process() and r.host == this_process().hostname and r.heartbeat >= t0
     assert registry.read(layout, "c1") == r
     r2 = registry.register(layout, reg())  # same pid: a restart of the same process is allowed
     assert r2.generation == 2
@@ -79,10 +80,28 @@ def test_window_and_liveness():
     r = Registration(consumer_id="c", draft="d", cursor=10, lookbehind=3, lookahead=5, heartbeat=100.0)
     assert r.window() == (7, 15) and r.window_size() == 9
     assert Registration(consumer_id="c", draft="d", cursor=1, lookbehind=3, lookahead=5).window() == (0, 6)
-    assert r.is_live(now=120.0, heartbeat_timeout=30.0)
-    assert not r.is_live(now=131.0, heartbeat_timeout=30.0)
-    for state in registry.TERMINAL:
-        assert not Registration(consumer_id="c", draft="d", state=state, heartbeat=100.0).is_live(100.0, 30.0)
+    # liveness by heartbeat progress on the reader's clock: silent for the timeout = dead
+    now = [0.0]
+    watch = HeartbeatWatch(30.0, clock=lambda: now[0])
+    assert r.dead_reason(watch) is None  # first sight
+    now[0] = 30.0
+    assert r.dead_reason(watch) is None
+    beat = msgspec.structs.replace(r, beat=1, heartbeat=50.0)  # progress: the silence starts again
+    now[0] = 45.0
+    assert beat.dead_reason(watch) is None
+    now[0] = 76.0
+    assert "no heartbeat progress for 31s" in beat.dead_reason(watch)
+
+
+def test_window_wider_than_the_plan_is_bounded_by_it():
+    """Issue 17 item 11: --window 0:2000000 on a 300-sample plan made every producer pass build a set of
+    2 million positions; modulo the plan's length it is the 300 samples."""
+    r = Registration(consumer_id="c", draft="d", cursor=5, lookbehind=0, lookahead=2_000_000)
+    t0 = time.perf_counter()
+    assert r.retained_positions(300) == set(range(300))
+    assert time.perf_counter() - t0 < 0.05
+    small = Registration(consumer_id="c", draft="d", cursor=298, lookbehind=1, lookahead=3, pinned=(310, 312))
+    assert small.retained_positions(300) == {297, 298, 299, 0, 1, 10, 11}
 
 
 # ---- fencing -------------------------------------------------------------------------------------
@@ -175,7 +194,7 @@ def test_finish_sets_terminal_state(layout, state):
     assert out.state == state and out.generation == h.generation + 1
     assert out.demand == [] and out.reason == "done here" and out.cursor == 2
     assert registry.read(layout, "c1") == out
-    assert not out.is_live(time.time(), 30.0)
+    assert out.fenced_from == h.generation
     with pytest.raises(ConsumerFenced):
         h.commit_cursor(3)
     assert h.finish("failed") is None  # second finish: no-op
@@ -332,14 +351,46 @@ def test_register_check_runs_under_the_lock_and_can_refuse(layout):
         old.heartbeat()
 
 
-def test_register_refuses_a_fresh_holder_on_another_host(layout):
-    registry.update(layout, "c1", lambda _: Registration(consumer_id="c1", draft="d", state="running", generation=3,
-                                                         pid=1, host="elsewhere", heartbeat=time.time()))
-    with pytest.raises(ConfigError, match="running on host 'elsewhere'"):
-        registry.register(layout, reg(), live_timeout_s=30)
-    # without the timeout (the old behaviour) or once its heartbeat is stale, the id may be taken over
-    registry.update(layout, "c1", lambda old: msgspec.structs.replace(old, heartbeat=time.time() - 60))
-    assert registry.register(layout, reg(), live_timeout_s=30).generation == 4
+FAR = ProcessIdentity(host="f" * 16, pid=1, start=7, hostname="elsewhere")
+
+
+def test_register_refuses_a_holder_on_another_host_while_its_heartbeat_moves(layout):
+    """Issue 18 item 1: another host's consumer is judged by heartbeat progress watched on this process's
+    monotonic clock (never by comparing its wall-clock heartbeat with ours, nor by its pid)."""
+    far = registry.register(layout, reg(identity=FAR))
+    other = ConsumerHandle(layout, far)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            other.heartbeat()
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        with pytest.raises(ConfigError, match="running as pid 1 on elsewhere .*heartbeat is progressing"):
+            registry.register(layout, reg(), live_timeout_s=5, poll_s=0.05)
+    finally:
+        stop.set()
+        t.join()
+    # silent for the watch (its wall-clock heartbeat is "fresh" by our clock: irrelevant): taken over
+    t0 = time.monotonic()
+    r = registry.register(layout, reg(), live_timeout_s=0.5, poll_s=0.05)
+    assert time.monotonic() - t0 >= 0.5 and r.generation == far.generation + 1 and r.identity == this_process()
+    with pytest.raises(ConsumerFenced):
+        other.heartbeat()
+
+
+def test_register_takes_over_a_legacy_registration_after_watching_it(layout):
+    """Migration rule: a registration written before identities (no identity, beat 0, a host name) is never
+    pid-checked, whatever its host name says; it is watched like another host's."""
+    legacy = b'{"consumer_id":"c1","draft":"d","state":"running","generation":3,"pid":1,"host":"vm",' \
+             b'"heartbeat":1.5}'
+    layout.consumer_path("c1").write_bytes(legacy)
+    old = registry.read(layout, "c1")
+    assert old.identity is None and old.beat == 0 and old.progress_token() == (3, 0, 1.5)
+    r = registry.register(layout, reg(), live_timeout_s=0.3, poll_s=0.05)
+    assert r.generation == 4 and r.identity == this_process()
 
 
 def test_pinned_positions_are_readable_and_retained():

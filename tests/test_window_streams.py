@@ -163,7 +163,7 @@ def make_machine(n: int):
             if alive:
                 name = leases.acquire(self.layout, fp, cid)
             else:
-                name = f"{fp}~{cid}~{host_id()}~{DEAD_PID}~{os.urandom(4).hex()}"
+                name = f"{fp}~{cid}~{host_id()}-{DEAD_PID}-0~{os.urandom(4).hex()}"
                 (self.layout.leases / name).touch()
             self.held[name] = (cid, fp, alive)
 

@@ -39,6 +39,8 @@ every reader uses (``--resume`` by cursor, ``--init-from``, ``artcache export``,
 A write that fails (ENOSPC mid-file, EIO at fsync, ...) removes its temp directory, leaves ``latest``
 and every earlier checkpoint as they were, and raises :class:`~artcache.errors.CheckpointWriteError`
 naming the errno and the last good checkpoint (never a bare ``SafetensorError``).
+Files get ``0o644 & ~umask`` (plus group read in a setgid directory; artcache.fsio.share_mode): safetensors
+alone writes 0600, and a teammate could not export a checkpoint.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ArtcacheError, CheckpointWriteError, ConfigError, InsufficientSpace
-from artcache.fsio import RETRYABLE_ERRNOS, free_space, fsync_dir, space_reserve
+from artcache.fsio import RETRYABLE_ERRNOS, apply_share_mode, free_space, fsync_dir, space_reserve
 from artcache.layout import unique_suffix
 from artcache.report import format_bytes
 
@@ -283,6 +285,7 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
         text = json.dumps(doc, indent=1, default=str)
         msgspec.json.decode(text, type=CheckpointState)  # what is written reads back (ValidationError if not)
         (tmp / "state.json").write_text(text)
+        apply_share_mode(*(tmp / name for name in names))
         for name in names:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())

@@ -147,6 +147,7 @@ def _with_config(verb: str):
                 from artcache.producer import run_producer
 
                 _check_min("idle-exit", kwargs["idle_exit"], 0, accepted="seconds >= 0 (0: never)")
+                _check_min("expect-timeout", kwargs["expect_timeout"], 0, strict=True, accepted="seconds > 0")
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
                 _check_device(pcfg.device)
                 stats = run_producer(pcfg)
@@ -213,12 +214,17 @@ def main(verbose: bool) -> None:
 @click.option("--batch-samples", default=8, type=int, help="Max samples per capture batch.")
 @click.option("--batch-tokens", default=8192, type=int, help="Max padded tokens per capture batch.")
 @click.option("--max-queue", default=1024, type=int, help="Max queued fingerprints per scheduling pass.")
-@click.option("--heartbeat-timeout", default=30.0, type=float, help="Seconds before a silent consumer is fenced.")
-@click.option("--exit-when-done", is_flag=True, help="Exit once every registered consumer has finished.")
+@click.option("--heartbeat-timeout", default=30.0, type=float,
+              help="Seconds a consumer's heartbeat counter may stay still (on this producer's clock) before it is fenced.")
+@click.option("--exit-when-done", is_flag=True,
+              help="Exit once no consumer can come: one has registered (any state) and none is live for --done-grace.")
 @click.option("--done-grace", default=5.0, type=float,
               help="With --exit-when-done: seconds with no running consumer before exiting.")
 @click.option("--expect-consumers", default=0, type=int,
               help="Capture nothing until this many consumers have registered (a start line).")
+@click.option("--expect-timeout", default=300.0, type=float,
+              help="Seconds to wait for consumers to register: the --expect-consumers start line, and "
+                   "--exit-when-done's wait for a first consumer (none by then: exit 1).")
 @click.option("--idle-exit", default=0.0, type=float, help="Exit after this many idle seconds with no consumer (0: never).")
 @click.option("--threads", default=0, type=int, help="torch CPU threads (0: torch's default).")
 @click.option("--id", "producer_id", default="producer", help="Producer id (journal file name).")
@@ -240,7 +246,7 @@ def main(verbose: bool) -> None:
 @_with_config("producer")
 def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers, layer_ids, device, dtype,
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
-             expect_consumers, idle_exit, threads,
+             expect_consumers, expect_timeout, idle_exit, threads,
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention="need",
              fill=False):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
@@ -250,6 +256,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
     _check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
     _check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
+    _check_min("expect-timeout", expect_timeout, 0, strict=True, accepted="seconds > 0")
     _check_device(device)
     ids = _parse_layer_ids(layer_ids)
     cfg = ProducerConfig(
@@ -257,7 +264,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         draft_layers=draft_layers, layer_ids=ids, device=device, dtype=dtype, compute_dtype=compute_dtype,
         limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens),
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
-        expect_consumers=expect_consumers, idle_exit_s=idle_exit,
+        expect_consumers=expect_consumers, expect_timeout_s=expect_timeout, idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
         group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
         retention=retention, fill=fill)
@@ -523,15 +530,20 @@ def verify_fs(path, as_json):
 @click.option("--cache", required=True, help="Cache root made by `artcache producer`.")
 @click.option("--fix", is_flag=True, help="Repair what is found (only what provably belongs to no live process).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of one line per finding.")
+@click.option("--observe", default=None, type=float, metavar="SECONDS",
+              help="Watch the heartbeat of running consumers whose pid cannot be checked from here (other hosts "
+              "or pid namespaces) for up to this long [default: the root's heartbeat timeout; less judges none].")
 @_errors
-def fsck(cache, fix, as_json):
+def fsck(cache, fix, as_json, observe):
     """Find orphans, bad artifacts, dead leases/consumers and stale locks; repair them with --fix.
 
     Exits 0 when no problem is left, 1 otherwise (without --fix: when any problem was found)."""
     from artcache.fsck import format_report
     from artcache.fsck import fsck as run_fsck
 
-    rep = run_fsck(cache, fix=fix)
+    if observe is not None:
+        _check_min("observe", observe, 0, accepted="seconds >= 0")
+    rep = run_fsck(cache, fix=fix, observe_s=observe)
     if as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(rep)).decode())
     else:

@@ -649,7 +649,8 @@ PRODUCER_FLAGS = {
     "template_options": "data.template_options", "group_shared": "cache.group_shared", "backend": "capture.backend",
     "disk_budget": "cache.disk_budget", "retention": "cache.retention",
 }
-PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "idle_exit", "producer_id", "fill")
+PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "expect_timeout", "idle_exit", "producer_id",
+                          "fill")
 
 #: ``artcache consume --experiment NAME`` flag → field of that experiment (``E.`` prefix) or config path.
 CONSUME_FLAGS = {
@@ -710,13 +711,14 @@ def cache_root(cfg: RunConfig) -> str:
 def producer_config(cfg: RunConfig, **process: Any):
     """:class:`artcache.producer.ProducerConfig` from a run config (``capture.layer_ids`` as it is:
     ``artcache run`` fills in the union before saving). ``process``: exit_when_done, expect_consumers,
-    idle_exit (seconds), producer_id."""
+    expect_timeout and idle_exit (seconds), producer_id."""
     from artcache.producer import ProducerConfig
     from artcache.scheduler import SchedulerLimits
 
     extra = {k: v for k, v in process.items() if v is not None}
-    if "idle_exit" in extra:
-        extra["idle_exit_s"] = extra.pop("idle_exit")
+    for name in ("idle_exit", "expect_timeout"):
+        if name in extra:
+            extra[f"{name}_s"] = extra.pop(name)
     layer_ids = list(cfg.capture.layer_ids) if cfg.capture.layer_ids else None
     if layer_ids is None and cfg.experiments:  # a producer started by hand for a run config: the union
         from artcache.app.experiments import draft_view, layer_union

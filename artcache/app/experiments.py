@@ -599,8 +599,8 @@ def threading_is_main() -> bool:
 
 # ---- reports -----------------------------------------------------------------------------------------
 
-def _events(path: Path) -> list:
-    return list(J.iter_file(path)) if path.is_file() else []
+def _events(path: Path | None) -> list:
+    return list(J.iter_file(path)) if path is not None and path.is_file() else []
 
 
 def production(events: list) -> dict:
@@ -688,13 +688,13 @@ def run_report(plan: RunPlan, producer: _Role | None, consumers: dict[str, _Role
     from artcache.layout import CacheLayout
 
     layout = CacheLayout(Path(plan.cache_root))
-    jdir = layout.journal
-    prod = production(_events(jdir / f"producer-producer-{producer.popen.pid}.jsonl")) if producer else production([])
+    prod = production(_events(layout.journal_of("producer", "producer", producer.popen.pid))) if producer \
+        else production([])
     prod["exit_code"] = producer.code if producer else None
     experiments = []
     for x in plan.experiments:
         role = consumers.get(x.name)
-        work = committed_work(_events(jdir / f"consumer-{x.name}-{role.popen.pid}.jsonl")) if role else \
+        work = committed_work(_events(layout.journal_of("consumer", x.name, role.popen.pid))) if role else \
             committed_work([])
         if x.skip:
             work["state"] = "complete"

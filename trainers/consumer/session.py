@@ -279,7 +279,7 @@ class Session:
                 epoch_len=self.epoch_len),
                 check=self._check_resume, live_timeout_s=self.settings.heartbeat_timeout_s)
         except BaseException:
-            self.journal.close()
+            self.journal.close(remove_if_empty=True)  # a refused start leaves no empty journal behind
             raise
         self.handle = registry.ConsumerHandle(layout, reg)
         try:  # after registering: a refused resume must not touch the run's metrics
@@ -411,7 +411,12 @@ class Session:
             self.client.release(it)
         self.retired.retire(fetched)  # its host buffers live until its copies completed
         crash_point("cursor.before-commit")
-        self.handle.commit_cursor(self.cursor)  # only after the step that consumed the positions
+        try:
+            self.handle.commit_cursor(self.cursor)  # only after the step that consumed the positions
+        except ConsumerFenced:  # fenced during the step: the state is that of this step, uncommitted
+            self.steps_done, self.consistent = step_index + 1, True
+            self.fenced.set()
+            raise
         crash_point("cursor.after-commit")
         self.steps_done = step_index + 1
         self.consistent = True
@@ -499,6 +504,8 @@ class Session:
         while got is None:
             if self.stop_req.is_set():
                 raise KeyboardInterrupt("signal")
+            if self.fenced.is_set():  # the heartbeat found the fence and stopped the reader: no batch will come
+                raise ConsumerFenced(f"consumer {self.cfg.consumer_id} was fenced")
             try:
                 got = self.reader.out.get(timeout=0.2)
             except queue.Empty:
@@ -595,7 +602,10 @@ class Session:
 
     # ---- checkpoint: write, record the cursor, point latest, prune --------------------------------------
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self, final: bool = False) -> Path:
+        """Write a checkpoint of (steps done, cursor) and record it. ``final``: the exit checkpoint, recorded
+        also after a fence as long as no other process registered this id since
+        (:meth:`~artcache.registry.ConsumerHandle.record_final_checkpoint`), so ``--resume`` continues from it."""
         cfg = self.cfg
         self._flush_metrics()  # the journal and metrics.csv hold every step the checkpoint covers
         self._check_finite()  # a diverged state is never checkpointed: the last finite one stays latest
@@ -607,7 +617,8 @@ class Session:
                                state=self._checkpoint_state())
         self.tracker.flush()  # metrics.csv holds every step the checkpoint covers (a SIGKILL later loses none)
         crash_point("checkpoint.before-record")
-        self.handle.record_checkpoint(self.cursor)  # the resume point moves only once the directory is complete
+        # the resume point moves only once the directory is complete
+        (self.handle.record_final_checkpoint if final else self.handle.record_checkpoint)(self.cursor)
         crash_point("checkpoint.after-record")
         point_latest(self.run_dir, path)
         best = best_checkpoint(self.run_dir)
@@ -650,15 +661,14 @@ class Session:
         except Exception as exc:  # the device failed: the figures are lost, the run's error is in flight
             log.error("[%s] the last steps' metrics could not be read back: %s", cfg.consumer_id, exc)
             self.pending = []
-        # also on a failure between steps (e.g. CaptureTimeout when the producer is gone): the state is a
-        # consistent step, so --resume continues from here instead of the last --save-every checkpoint.
-        # Not after a checkpoint write failed (its error names the last good one; a second try at once
-        # would fail the same way), nor after divergence (the last finite checkpoint stays latest)
+        # also on a failure between steps (e.g. CaptureTimeout when the producer is gone) or a fence (a stopped
+        # or swapped-out process the producer gave up on): the state is a consistent step, so --resume continues
+        # from here instead of the last --save-every checkpoint. Not after a checkpoint write failed (its error
+        # names the last good one; a second try at once would fail the same way), nor after divergence (the last finite checkpoint stays latest)
         if cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0) \
-                and not self.fenced.is_set() and not isinstance(self.failure, CheckpointWriteError) \
-                and not self.diverged:
+                and not isinstance(self.failure, CheckpointWriteError) and not self.diverged:
             try:
-                self.checkpoint()
+                self.checkpoint(final=True)
             except Exception as exc:  # never mask the error in flight; a completed run without it failed
                 self.save_error = exc
                 log.error("[%s] the final checkpoint failed: %s: %s", cfg.consumer_id, type(exc).__name__, exc)
