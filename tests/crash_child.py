@@ -348,13 +348,14 @@ def evictor_worker(root: str, n_pos: int, out: str, readers: list[str], stop, ba
     """Evict everything not leased by a live reader, again and again, until ``stop``."""
     import json
 
+    from artcache import store
     from artcache.eviction import evict_pass
 
     layout = CacheLayout(Path(root))
     passes = evicted = 0
     barrier.wait()
     while not stop.is_set():
-        res = evict_pass(layout, set(), set(readers))
+        res = evict_pass(layout, list(store.list_objects(layout)), set(readers))  # evict all (leases kept)
         passes += 1
         evicted += len(res.evicted)
     Path(out).write_text(json.dumps({"counts": {"ops": passes, "evicted": evicted}}))

@@ -189,7 +189,7 @@ def test_regression_linked_shard_is_not_listed_evicted_through_or_published_into
     (victim / name).write_bytes(b"someone else's file")
     os.symlink(victim, layout.objects / fp[:2])
     assert store.list_objects(layout) == {}
-    res = evict_pass(layout, set(), set())
+    res = evict_pass(layout, [fp], set())  # asked to evict it: the planted link is still not followed
     assert res.evicted == {} and (victim / name).read_bytes() == b"someone else's file"
     with pytest.raises(UnsafePath):
         store.read(layout, fp, K.CONTRACT)

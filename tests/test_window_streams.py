@@ -205,7 +205,7 @@ def make_machine(n: int):
             before = set(store.list_objects(self.layout))
             assert before == self.published
             live_leased = {fp for cid, fp, alive in self.held.values() if alive and cid in live_ids}
-            res = evict_pass(self.layout, retain, live_ids)
+            res = evict_pass(self.layout, before - retain, live_ids)  # retention: the fingerprints to evict
             after = set(store.list_objects(self.layout))
             evicted = before - after
             assert set(res.evicted) == evicted
