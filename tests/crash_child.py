@@ -116,12 +116,13 @@ def consumer_main(root: str, log_path: str, crash_at: str, steps: int = 4) -> No
 
 
 def _producer(layout: CacheLayout, log, ticks: int) -> None:
-    cfg = ProducerConfig(cache=str(layout.root), heartbeat_timeout_s=1e9, poll_interval_s=0.0,
+    # the windows rule (as main's window-rule tests): the trials check retained <= the live windows' bound
+    cfg = ProducerConfig(cache=str(layout.root), heartbeat_timeout_s=1e9, poll_interval_s=0.0, retention="windows",
                          limits=SchedulerLimits(max_queue=64, max_batch_samples=2, max_batch_tokens=64))
     journal = J.JournalWriter(layout.journal_path("producer", "p"))
     producer = Producer(layout, settings(), FakePlan(), FakeBackend(), cfg, journal)
     producer._emit(J.ProducerStart(producer="p", pid=os.getpid(), contract_id=CONTRACT.contract_id,
-                                   plan_id=FakePlan.plan_id))
+                                   plan_id=FakePlan.plan_id, policy=cfg.retention))
     try:
         for _ in range(ticks):
             if not producer.tick():
@@ -155,7 +156,7 @@ def _consumer(layout: CacheLayout, log, steps: int) -> None:
     for _ in range(steps):
         items = [client.acquire(p) for p in range(cursor, cursor + BATCH)]
         for it in items:  # the bytes are the requested sample's (read verified its token ids too)
-            want = plan.sample(it.position % len(plan)).input_ids
+            want = plan.sample(client.order.sample(it.position)).input_ids  # the epoch order the client reads
             if not torch.equal(it.artifact.input_ids, want):
                 raise AssertionError(f"position {it.position}: wrong token ids")
         for it in items:
@@ -392,7 +393,7 @@ def lease_reader_worker(root: str, n_pos: int, out: str, cid: str, seed: int, n_
             continue
         counts["ops"] += 1
         counts["max_wait_s"] = max(counts["max_wait_s"], time.monotonic() - t0)
-        want = fake_capture(plan.sample(pos % len(plan)))
+        want = fake_capture(plan.sample(client.order.sample(pos)))  # the epoch order the client reads
         ok = torch.equal(item.artifact.hidden_states, want["hidden_states"])
         counts["reads_ok" if ok else "torn"] += 1
         client.release(item)

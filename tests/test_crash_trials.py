@@ -73,6 +73,7 @@ class Trials:
         self.logs.mkdir()
         self.plan = K.FakePlan()
         self.fp_of = PlanFingerprints(K.CONTRACT, self.plan)
+        self.order = self.plan.order()  # position -> sample, as the client and producer map it (epochs)
         mover = registry.register(self.layout, registry.Registration(
             consumer_id=K.MOVER, draft="mover", lookbehind=MOVER_WINDOW[0], lookahead=MOVER_WINDOW[1],
             pid=os.getpid()))
@@ -159,9 +160,9 @@ class Trials:
         reg = registry.read(self.layout, K.CONSUMER)
         start = reg.cursor if reg else 0
         for pos in range(start, start + 4 * K.BATCH):
-            fp = self.fp_of(pos)
+            fp = self.fp_of(self.order.sample(pos))
             if not store.exists(self.layout, fp):
-                s = self.plan.sample(pos % len(self.plan))
+                s = self.plan.sample(self.order.sample(pos))
                 store.publish(self.layout, fp, K.CONTRACT, K.fake_capture(s), verify_tokens=True)
 
     # -- checks after a trial ------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class Trials:
         positions = {p for reg in registry.read_all(self.layout) if reg.state == "running"
                      for p in range(reg.readable()[0], reg.readable()[1] + 1)}
         for i in sorted(positions):
-            lock = cache_lock(self.layout.fingerprint_lock(self.fp_of(i)), timeout=0)
+            lock = cache_lock(self.layout.fingerprint_lock(self.fp_of(self.order.sample(i))), timeout=0)
             try:
                 lock.acquire()
             except Timeout:
@@ -241,7 +242,7 @@ class Trials:
                 continue
             lo, hi = reg.readable()  # [cursor, cursor + lookahead]: what the producer prefetches
             for pos in range(lo, hi + 1):
-                fp = self.fp_of(pos)
+                fp = self.fp_of(self.order.sample(pos))
                 try:
                     bad = store.verify(self.layout, fp, K.CONTRACT)
                 except ArtifactMissing:
