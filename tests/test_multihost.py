@@ -277,7 +277,7 @@ def test_fencing_across_hosts(tmp_path, namespaces):
     prod = Proc("producer", ["producer", "--cache", str(cache), *PLAN, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
                              "--exit-when-done", "--done-grace", "3"], tmp_path,
                 env=fault_env(clock_step=f"+40@file:{step_file}"), prefix=on_host(None))
-    live = consume(cache, tmp_path, "live", 120, None, clock_step=f"-40@file:{step_file}")
+    live = consume(cache, tmp_path, "live", 600, None, clock_step=f"-40@file:{step_file}")
     doomed = consume(cache, tmp_path, "doomed", 100000, "hostD")
     procs = [prod, live, doomed]
     try:
