@@ -53,6 +53,7 @@ from artcache.errors import (
     DiskBudgetExceeded,
     IntegrityError,
     JournalError,
+    LockTimeout,
     ProducerFailed,
     PublishError,
 )
@@ -85,6 +86,9 @@ PUBLISH_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 ORPHAN_PASS_S = 30.0
 #: seconds between "waiting for consumers" lines while --expect-consumers holds capture back
 EXPECT_NOTE_S = 30.0
+#: seconds the producer waits for a dead consumer's registration lock before retrying the fence next pass
+#: (a SIGSTOPped consumer may hold it; waiting the default 30 s killed the producer with LockTimeout)
+FENCE_LOCK_TIMEOUT_S = 1.0
 
 
 class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -445,7 +449,15 @@ class Producer:
             if reason is None and progress.silent:
                 reason, state = dead_reason(None, progress), "expired"
             if reason:
-                if registry.fence(self.layout, reg.consumer_id, state, reason, reg.generation):
+                try:
+                    fenced = registry.fence(self.layout, reg.consumer_id, state, reason, reg.generation,
+                                            timeout=FENCE_LOCK_TIMEOUT_S)
+                except LockTimeout:  # a paused consumer can hold its own lock: retry next pass, keep its window
+                    log.warning("cannot fence consumer %s yet (%s): its registration lock is held; retrying "
+                                "next pass", reg.consumer_id, reason)
+                    live.append(reg)
+                    continue
+                if fenced:
                     self._emit(J.Fence(producer=self.pid, consumer=reg.consumer_id,
                                        generation=reg.generation + 1, state=state, reason=reason))
                     log.warning("fenced consumer %s (%s): %s", reg.consumer_id, state, reason)

@@ -377,8 +377,13 @@ class ConsumerHandle:
 
 
 def fence(layout: CacheLayout, consumer_id: str, state: State, reason: str,
-          expect_generation: int | None = None) -> Registration | None:
-    """Fence a consumer from outside (producer): bump generation, set a terminal state."""
+          expect_generation: int | None = None, timeout: float = 30.0) -> Registration | None:
+    """Fence a consumer from outside (producer): bump generation, set a terminal state.
+
+    Raises:
+        LockTimeout: the consumer's lock stayed held for ``timeout`` seconds (e.g. a paused process
+            holding it); nothing was written.
+    """
 
     def fn(old: Registration | None) -> Registration | None:
         if old is None or old.state in TERMINAL:
@@ -388,4 +393,4 @@ def fence(layout: CacheLayout, consumer_id: str, state: State, reason: str,
         return msgspec.structs.replace(old, state=state, generation=old.generation + 1, demand=[],
                                        pinned_demand=[], reason=reason, fenced_from=old.generation)
 
-    return update(layout, consumer_id, fn)
+    return update(layout, consumer_id, fn, timeout=timeout)

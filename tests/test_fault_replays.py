@@ -662,3 +662,35 @@ def test_regression_checkpoint_enospc_is_one_typed_error(tmp_path):
     assert "ERRNO True" in out and "No space left on device" in out and "step-00000001" in out, res
     assert "LEFT []" in out, out
     figure("ENOSPC", "consumer checkpoint (safetensors)", 1)
+
+
+def test_regression_fence_of_a_consumer_holding_its_lock_does_not_kill_the_producer(layout):
+    """A SIGSTOPped consumer can hold its own registration lock; the producer's fence of it waited 30 s for
+    the lock and then died with LockTimeout (seen in the paused-consumer replay after the faults-liveness
+    rebase). It now waits FENCE_LOCK_TIMEOUT_S, keeps the consumer's window this pass and fences it once
+    the lock is free."""
+    import crash_child as K
+
+    from artcache.locking import cache_lock
+    from artcache.producer import FENCE_LOCK_TIMEOUT_S, Producer, ProducerConfig
+
+    registry.register(layout, registry.Registration(consumer_id="dead", draft="fake", lookahead=7, end=8,
+                                                    pid=dead_pid()))
+    journal = J.JournalWriter(layout.journal_path("producer", "p"))
+    p = Producer(layout, K.settings(), K.FakePlan(), K.FakeBackend(), ProducerConfig(cache=str(layout.root)),
+                 journal)
+    held = cache_lock(layout.consumer_lock("dead"), thread_local=False)
+    held.acquire()
+    try:
+        t0 = time.monotonic()
+        assert [r.consumer_id for r in p.live_registrations()] == ["dead"]  # window kept, no exception
+        assert time.monotonic() - t0 < FENCE_LOCK_TIMEOUT_S + 5
+        assert registry.read(layout, "dead").state == "running"
+        held.release()
+        assert p.live_registrations() == []
+        assert registry.read(layout, "dead").state == "failed"
+    finally:
+        if held.is_locked:
+            held.release()
+        p.drain()
+        journal.close()
