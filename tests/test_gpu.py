@@ -139,11 +139,16 @@ def served(device, tmp_path_factory) -> Served:
 
 def consumer_config(served: Served, cid: str, draft: str, steps: int, out: Path, **extra):
     from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.consumer.config import draft_options
 
-    return ConsumerConfig(cache=str(served.cache), consumer_id=cid, draft=draft, block_size=4, num_anchors=8,
+    # each draft gets its own options only: a consumer refuses another draft's (issue 16)
+    opts = {"block_size": 4, "num_anchors": 8, "ttt_steps": 2, "draft_vocab": 1024}
+    own = draft_options(draft)
+    return ConsumerConfig(cache=str(served.cache), consumer_id=cid, draft=draft,
                           batch_size=BATCH, steps=steps, lookbehind=0, lookahead=4, device=served.device,
-                          threads=1 if served.device == "cpu" else 0, out_dir=str(out), ttt_steps=2,
-                          draft_vocab=1024, demand_timeout_s=180, progress=False, tensorboard=False, **extra)
+                          threads=1 if served.device == "cpu" else 0, out_dir=str(out),
+                          demand_timeout_s=180, progress=False, tensorboard=False,
+                          **{k: v for k, v in opts.items() if k in own}, **extra)
 
 
 @pytest.mark.parametrize("draft", DRAFT_NAMES)
