@@ -64,7 +64,8 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     if codes.dtype != torch.float8_e4m3fn:
         raise ValueError(f"codes must be float8_e4m3fn, got {codes.dtype}")
     if tuple(scales.shape) != tuple(codes.shape[:-1]):
-        raise ValueError(f"scales {tuple(scales.shape)} do not match codes {tuple(codes.shape)} (need [...] for [..., H])")
+        raise ValueError(f"scales {tuple(scales.shape)} do not match codes {tuple(codes.shape)} "
+                         "(need [...] for [..., H])")
     out = codes.float().mul_(scales.float().unsqueeze(-1))
     return out if dtype == torch.float32 else out.to(dtype)
 

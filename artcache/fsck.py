@@ -538,8 +538,8 @@ def format_report(rep: FsckReport) -> str:
     elif rep.fix:
         verdict = f"{len(rep.problems)} problem(s), {fixed} fixed, {left} left"
     else:
-        verdict = f"{len(rep.problems)} problem(s) (run with --fix to repair the {sum(p.fixable for p in rep.problems)} " \
-                  "fixable one(s))"
+        verdict = (f"{len(rep.problems)} problem(s) (run with --fix to repair the "
+                   f"{sum(p.fixable for p in rep.problems)} fixable one(s))")
     lines.append(f"fsck {rep.root}: {verdict}; checked {checked}")
     return "\n".join(lines)
 

@@ -111,4 +111,5 @@ def cache_lock(path: str | os.PathLike, timeout: float = -1, *, thread_local: bo
                      fallback_to_soft=False)
 
 
-__all__ = ["MIN_FILELOCK", "CacheLock", "LockTimeout", "LockUnavailable", "Timeout", "cache_lock", "check_filelock_version"]
+__all__ = ["MIN_FILELOCK", "CacheLock", "LockTimeout", "LockUnavailable", "Timeout", "cache_lock",
+           "check_filelock_version"]

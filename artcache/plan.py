@@ -198,7 +198,8 @@ def _mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, in
 _CUT_MARGIN = 64  # chars kept clear of a prefix cut; only a >64-char pre-token across it could differ
 
 
-def encode_truncated(tokenizer, texts: list[str], max_length: int) -> list[tuple[list[int], list[tuple[int, int]], bool]]:
+def encode_truncated(tokenizer, texts: list[str],
+                     max_length: int) -> list[tuple[list[int], list[tuple[int, int]], bool]]:
     """Tokenize ``texts`` (no added special tokens) and keep the first ``max_length`` tokens of each:
     [(ids, char offsets, truncated)].
 
@@ -480,8 +481,9 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
 
     Records are visited in a ``numpy.random.default_rng(seed)`` permutation and rendered with the
     tokenizer's chat template until ``max_samples`` samples are kept. Loss mask = 1 on assistant content
-    tokens (any token overlapping the content) and the assistant's end-of-turn token. Samples are truncated to ``max_length`` tokens and
-    dropped if they have < ``min_loss_tokens`` masked tokens or no anchor (p with mask[p] and mask[p+1]).
+    tokens (any token overlapping the content) and the assistant's end-of-turn token. Samples are truncated
+    to ``max_length`` tokens and dropped if they have < ``min_loss_tokens`` masked tokens or no anchor (p with
+    mask[p] and mask[p+1]).
     Raises DataError if no sample qualifies, ConfigError if a token id is >= ``target_vocab_size``.
     """
     if spec.dataset == "synthetic":

@@ -53,9 +53,9 @@ def format_accounting(acc: Accounting) -> str:
         ["torn journal lines", c.torn_journal_lines],
     ]
     # B is DFlash's block size; other drafts have none (EAGLE-3 rows showed the unused default 16)
-    per = [[k.consumer, k.draft, k.block_size if k.draft == "dflash" else "-", f"{k.lookbehind}:{k.lookahead}", k.state, k.steps, k.cursor,
-            k.logical_requests, k.hits, k.misses, round(k.wait_s, 2), k.leases_acquired, k.leases_released,
-            k.timeouts, k.quarantined] for k in acc.consumers]
+    per = [[k.consumer, k.draft, k.block_size if k.draft == "dflash" else "-", f"{k.lookbehind}:{k.lookahead}",
+            k.state, k.steps, k.cursor, k.logical_requests, k.hits, k.misses, round(k.wait_s, 2),
+            k.leases_acquired, k.leases_released, k.timeouts, k.quarantined] for k in acc.consumers]
     totals = ["total (consumer requests)", "", "", "", "", "", "", c.logical_requests, c.hits, c.misses, "",
               c.leases_acquired, c.leases_released, c.timeouts, c.quarantined]
     out = ["Shared production (counted once):", table(["counter", "value"], shared), "",

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     res = measure(args.target, args.data, args.samples, args.max_length, ids, args.device)
     res["command"] = [sys.executable, "-m", "artcache.bench.fp8_error", *(argv if argv is not None else sys.argv[1:])]
     print(f"{res['target']}, {res['samples']} samples of {res['dataset']} ({res['tokens']} tokens), float32 capture")
-    print(f"{'layer':>5} {'fp8 rel. error':>15} {'bf16 rel. error':>16} {'fp8 mean cos':>13} {'fp8 max err/absmax':>19}")
+    print(f"{'layer':>5} {'fp8 rel. error':>15} {'bf16 rel. error':>16} {'fp8 mean cos':>13} "
+          f"{'fp8 max err/absmax':>19}")
     for r in res["layers"]:
         print(f"{r['layer']:>5} {r['fp8_rel_error']:>15.5f} {r['bf16_rel_error']:>16.5f} "
               f"{r['fp8_mean_token_cosine']:>13.6f} {r['fp8_max_abs_error_over_row_absmax']:>19.5f}")

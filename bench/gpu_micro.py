@@ -261,7 +261,8 @@ def _odirect(root: Path, data: memoryview, reps: int) -> dict:
         buf.close()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-    return {"odirect_write_fsync": statistics.median(writes[1:]), "read_after_odirect_write": statistics.median(reads[1:])}
+    return {"odirect_write_fsync": statistics.median(writes[1:]),
+            "read_after_odirect_write": statistics.median(reads[1:])}
 
 
 #: store I/O versions measured side by side (``--io-variants``): ``legacy`` is the path before issue 14
@@ -451,7 +452,8 @@ def producer_bench(arch: str, device: torch.device, seq: int, batch: int, reps: 
     n_params = sum(p.numel() for n, p in model.model.named_parameters() if "embed_tokens" not in n)
     per_layer = n_params / info.num_layers
     cfg = model.config
-    attn = 2 * seq * seq * cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    attn = 2 * seq * seq * cfg.num_attention_heads * getattr(cfg, "head_dim",
+                                                             cfg.hidden_size // cfg.num_attention_heads)
 
     def flops(layers: int) -> float:  # 2·params·tokens + causal attention (QKᵀ and AV, half the square)
         return batch * (2 * per_layer * layers * seq + layers * attn)

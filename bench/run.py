@@ -563,8 +563,9 @@ def preflight_disk(cfg: BenchConfig, scenarios: list[Scenario]) -> dict:
 
     For every scenario × mode, what it holds at most (:func:`mode_bytes`: the consumers' checkpoints
     under ``--save`` plus each root's retention bound of artifacts under the mode's ``--retention`` and
-    ``--disk-budget``, from the contract the scenario's producers will write). :func:`clean_mode` removes each mode's checkpoints and artifacts before the next mode starts,
-    so the run needs the largest mode's bytes at once, not their sum (the sum over consumers × modes,
+    ``--disk-budget``, from the contract the scenario's producers will write). :func:`clean_mode` removes
+    each mode's checkpoints and artifacts before the next mode starts, so the run needs the largest mode's
+    bytes at once, not their sum (the sum over consumers × modes,
     ``total_bytes_bound``, is what the run writes over its length at most counting each retained artifact
     once; the artifacts published are in each report). A previous bench output that the run
     replaces (``--out``'s scenario directories) counts as free from the scenario that removes it on.
@@ -720,8 +721,9 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
         "telemetry": sampler.summary(roles, t0, t1),
         "environment": {"python": platform.python_version(), "torch": str(torch.__version__),
                         "platform": platform.platform(), "cpus": os.cpu_count(), **sampler.environment(),
-                        "settings": {"target": cfg.target, "dataset": cfg.dataset, "max_length": cfg.max_length, "anchors": cfg.anchors,
-                                     "batch_size": cfg.batch_size, "window": cfg.window, "save": cfg.save}},
+                        "settings": {"target": cfg.target, "dataset": cfg.dataset, "max_length": cfg.max_length,
+                                     "anchors": cfg.anchors, "batch_size": cfg.batch_size, "window": cfg.window,
+                                     "save": cfg.save}},
     }
 
 
@@ -918,7 +920,8 @@ def format_report(r: dict) -> str:
         f"max retained {cache['max_retained_artifacts']} artifacts, {cache['max_retained_bytes']} bytes (window "
         f"bound {cache['window_bound_artifacts']} artifacts; disk budget {cache.get('budget_bytes') or '-'} bytes, "
         f"{'binding' if cache.get('budget_binding') else 'not binding'}; retention {cache.get('retention') or '-'}); "
-        f"evictions {cache['evictions']} ({', '.join(f'{k} {v}' for k, v in sorted(cache.get('evictions_by_reason', {}).items())) or '-'}); "
+        f"evictions {cache['evictions']} "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(cache.get('evictions_by_reason', {}).items())) or '-'}); "
         f"logical requests {cache['logical_requests']} = hits {cache['hits']} + misses {cache['misses']}.", "",
         "tau(+1) = mean acceptance length per block over the last 10 steps, including the +1 bonus token.", "",
         "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()), "",
@@ -1025,7 +1028,8 @@ def run_bench(cfg: BenchConfig) -> bool:
     plan = preflight_disk(cfg, resolve(cfg.scenario))  # refuses (exit 2) before any mode starts
     print(f"disk plan: at most {format_bytes(plan['peak_bytes'])} at once ({plan['peak_mode']}; each mode's "
           f"checkpoints and artifacts are removed before the next) of {format_bytes(plan['free_bytes'])} free "
-          f"under {Path(cfg.out_dir).absolute()}; checkpoints over the run {format_bytes(plan['checkpoint_bytes_total'])}"
+          f"under {Path(cfg.out_dir).absolute()}; checkpoints over the run "
+          f"{format_bytes(plan['checkpoint_bytes_total'])}"
           f" (--save {cfg.save})", flush=True)
     for sc in resolve(cfg.scenario):
         rc = resolved(cfg, sc)

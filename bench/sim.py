@@ -272,7 +272,8 @@ class Simulation:
         self.leases_expired = 0
         self.trace: list[int] = []
         # as the producer: what it could not capture in time if it waited (its poll and two batches)
-        self.urgent_s = producer.poll_s + 2 * (producer.fixed_s + producer.per_sample_s * producer.limits.max_batch_samples)
+        self.urgent_s = producer.poll_s + 2 * (producer.fixed_s
+                                               + producer.per_sample_s * producer.limits.max_batch_samples)
 
     # -- helpers -------------------------------------------------------------------------------
     def length_of(self, sample: int) -> int:

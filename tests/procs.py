@@ -57,8 +57,8 @@ class Proc:
         self.log = cwd / "logs" / f"{name}-{time.monotonic_ns()}.log"
         self.log.parent.mkdir(exist_ok=True)
         with open(self.log, "wb") as fh:
-            self.popen = subprocess.Popen([*(prefix or []), sys.executable, "-m", "artcache", *args], cwd=cwd, stdout=fh,
-                                          stderr=subprocess.STDOUT,
+            self.popen = subprocess.Popen([*(prefix or []), sys.executable, "-m", "artcache", *args], cwd=cwd,
+                                          stdout=fh, stderr=subprocess.STDOUT,
                                           env=child_env(crash_at, self.single_thread, **(env or {})))
 
     @property

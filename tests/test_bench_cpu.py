@@ -159,8 +159,8 @@ def test_clean_mode_removes_checkpoints_and_artifacts_and_keeps_the_record(tmp_p
 
 def test_plan_disk_refuses_a_mode_that_cannot_fit_naming_the_bytes(tmp_path, monkeypatch):
     """The bench's own preflight: every consumer's checkpoint as the consumer sizes it, plus each root's
-    retention bound of artifacts (windows; by need: the positions read, or the budget), against the free space, before any consumer starts (three consumers that
-    each fit alone can fill a disk together)."""
+    retention bound of artifacts (windows; by need: the positions read, or the budget), against the free
+    space, before any consumer starts (three consumers that each fit alone can fill a disk together)."""
     import msgspec
 
     from artcache import fsio

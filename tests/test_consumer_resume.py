@@ -127,7 +127,8 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
         bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main,
                             consume_args(cache, tmp_path, "a", STEPS, "--resume", "--out", str(tmp_path / "elsewhere")))
         assert bad.exit_code == 2 and "cursor 6" in bad.stderr and "no checkpoint" in bad.stderr, bad.output
-        bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main, consume_args(cache, tmp_path, "a", STEPS))
+        bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main,
+                            consume_args(cache, tmp_path, "a", STEPS))
         assert bad.exit_code == 2 and "already holds checkpoints" in bad.stderr, bad.output
         assert registry.read(layout, "a").pid == ra.pid  # nothing registered (the producer may have fenced it)
 

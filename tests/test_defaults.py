@@ -20,7 +20,8 @@ DIFFERENT = {
     ("producer", "cache"): "the root is required by flag; the config's '' means <out>/cache",
     ("consume", "cache"): "as for the producer",
     ("consume", "device"): "a run config's experiment follows target.device when it names none",
-    ("bench", "max_length"): "the bench flag's 0 is the scenario's default; data.max_length is shared with the producer",
+    ("bench", "max_length"): "the bench flag's 0 is the scenario's default; "
+                             "data.max_length is shared with the producer",
 }
 UNSET_FLAGS = (None, click.core.UNSET) if hasattr(click.core, "UNSET") else (None,)
 

@@ -95,8 +95,8 @@ def test_fused_terms_hand_checked():
     W = torch.eye(3, dtype=torch.float64)
     h = torch.log(torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.float64))
     tn = torch.zeros(1, 3, dtype=torch.float64)
-    loss, ce, l1, pred = _FusedDSparkTerms.apply(h, None, None, W, tn, torch.tensor([0]), torch.ones(1, dtype=torch.float64),
-                                                 0.1, 0.9, 8, False, torch.float64)
+    loss, ce, l1, pred = _FusedDSparkTerms.apply(h, None, None, W, tn, torch.tensor([0]),
+                                                 torch.ones(1, dtype=torch.float64), 0.1, 0.9, 8, False, torch.float64)
     assert math.isclose(float(ce), math.log(2), rel_tol=1e-12)
     assert math.isclose(float(l1), 1 / 3, rel_tol=1e-12)
     assert math.isclose(float(loss), 0.1 * math.log(2) + 0.9 / 3, rel_tol=1e-12)

@@ -73,7 +73,8 @@ def test_three_drafts_on_one_capture_and_dspark_calibrates_and_exports(tiny_targ
 
     # a new run starts from the export (its names mapped back; strict keys) on a fresh root
     out2 = tmp_path / "out2"
-    seeded = dspark_exp("s2", 2).replace('window = "2:8"', f'window = "2:8"\ninit_from = "{tmp_path / "x-speculators"}"')
+    seeded = dspark_exp("s2", 2).replace('window = "2:8"',
+                                         f'window = "2:8"\ninit_from = "{tmp_path / "x-speculators"}"')
     proc = artcache_run(write(tmp_path / "run2.toml", base_toml(tiny_target, out2, seeded)))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert report_of(out2)["checks"]["every_experiment_completed"]

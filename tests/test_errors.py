@@ -22,7 +22,8 @@ KEYWORDS = {  # a value for every keyword an error's __init__ requires
 
 def error_classes() -> list[type[ArtcacheError]]:
     return [obj for _, obj in inspect.getmembers(errors, inspect.isclass)
-            if issubclass(obj, ArtcacheError) and obj.__module__ == errors.__name__ and not obj.__name__.startswith("_")]
+            if issubclass(obj, ArtcacheError) and obj.__module__ == errors.__name__
+            and not obj.__name__.startswith("_")]
 
 
 def make(cls: type[ArtcacheError]) -> ArtcacheError:

@@ -128,7 +128,8 @@ def test_regression_sigterm_stops_a_producer_retrying_a_failing_disk(tmp_path, c
     error (EIO on every rename): SIGTERM ends the producer at once, long before the retries would, and as
     every capture it attempted failed it exits 1 saying so."""
     hold_window(cache)
-    prod = producer(tmp_path, cache, faults=[{"call": "os.replace", "errno": "EIO", "times": -1, "path": "/cache/tmp/"}])
+    prod = producer(tmp_path, cache,
+                    faults=[{"call": "os.replace", "errno": "EIO", "times": -1, "path": "/cache/tmp/"}])
     wait_until(lambda: "retrying in" in prod.text(), "the publisher to back off", [prod])
     t0 = time.monotonic()
     prod.popen.send_signal(signal.SIGTERM)

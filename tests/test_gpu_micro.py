@@ -1,7 +1,8 @@
 """bench.gpu_micro's CPU-runnable parts at a toy size: the machine-readable result carries the command, the
 commit and the hardware, every I/O version and ratio, the fp8 byte ratio, and the producer part runs its
 GPU code path's CPU twin (capture batches with ready(), steady-state capture + publish), the consumer
-part feeds a DFlash step from a bf16 and an fp8 root and removes them. No figure is checked for speed: only that the harness measures what it says."""
+part feeds a DFlash step from a bf16 and an fp8 root and removes them. No figure is checked for speed: only
+that the harness measures what it says."""
 
 from __future__ import annotations
 

@@ -85,9 +85,8 @@ def outputs(draft, plan, seed: int = 5):
             anchors = torch.tensor([[1, 5, 9]])
             out = draft.model(hidden, ids, anchors, torch.ones_like(anchors, dtype=torch.bool))
             return [draft.model.logits(out.reshape(-1, 64))]
-        return [draft.model.draft_logits(h.reshape(-1, 64)) for h in draft.model(hidden[:, :, :3], ids,
-                                                                                  torch.ones_like(ids, dtype=torch.bool),
-                                                                                  steps=2)]
+        return [draft.model.draft_logits(h.reshape(-1, 64))
+                for h in draft.model(hidden[:, :, :3], ids, torch.ones_like(ids, dtype=torch.bool), steps=2)]
 
 
 def seed_into(path, cfg, settings, plan, **kw) -> tuple:
@@ -150,7 +149,8 @@ def test_every_layout_of_every_draft_seeds_a_run_with_the_sources_outputs(tmp_pa
     source = build_draft(cfg, settings, plan, torch.device("cpu"))
     perturb(source.model, 1)
     ckpt = save_source(tmp_path / "run", source, cfg, settings)
-    forms = {"checkpoint": ckpt, "run directory": tmp_path / "run", "model.safetensors file": ckpt / "model.safetensors"}
+    forms = {"checkpoint": ckpt, "run directory": tmp_path / "run",
+             "model.safetensors file": ckpt / "model.safetensors"}
     for fmt in ("hf", "speculators"):
         export_checkpoint(tmp_path / "run", tmp_path / fmt, fmt, dtype="float32")
         forms[f"artcache export {fmt}"] = tmp_path / fmt
@@ -310,7 +310,8 @@ def test_regression_kept_vocab_map_coverage_is_measured(tmp_path, tiny_root, cap
 
 def test_options_a_draft_does_not_use_are_refused_naming_the_draft():
     """Regression (issue 16): ``ttt_steps`` on DFlash and ``block_size`` on EAGLE-3 were accepted silently."""
-    with pytest.raises(ConfigError, match="--ttt-steps 3 is an option of the eagle3 draft; the dflash draft does not use"):
+    with pytest.raises(ConfigError,
+                       match="--ttt-steps 3 is an option of the eagle3 draft; the dflash draft does not use"):
         ConsumerConfig(cache="-", draft="dflash", ttt_steps=3).validate()
     with pytest.raises(ConfigError, match="--block-size 8 is an option of the dflash draft; the eagle3 draft"):
         ConsumerConfig(cache="-", draft="eagle3", block_size=8).validate()

@@ -105,7 +105,8 @@ def main() -> int:
         safetensors.torch.save_file(out, a.outputs)
     res = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
            "aux_layer_ids": list(get_eagle3_aux_layers_from_config(spec) or []),
-           "mask_token_id": getattr(hf, "mask_token_id", None), "sample_from_anchor": getattr(hf, "sample_from_anchor", None),
+           "mask_token_id": getattr(hf, "mask_token_id", None),
+           "sample_from_anchor": getattr(hf, "sample_from_anchor", None),
            "architectures": list(getattr(hf, "architectures", None) or []),
            "has_confidence_head": model.model.confidence_head is not None,
            "loaded_tensors": len(tensors), "unloaded_params": unloaded, "runner_refusal": refused}

@@ -10,7 +10,8 @@ Formats (``--format``):
   (:func:`artcache.trainers.eagle3.export.export_config`).
 - ``speculators``: vllm-project/speculators' format: ``speculators_model_type``, ``speculators_config``
   (algorithm, one greedy proposal method with ``speculative_tokens``, the verifier's name — the
-  target's name, never a local path — and architectures), ``transformer_layer_config`` (the decoder-layer config), plus the algorithm's fields.
+  target's name, never a local path — and architectures), ``transformer_layer_config`` (the decoder-layer
+  config), plus the algorithm's fields.
 
 **Layer-id conventions (converted here, explicitly).** artcache stores *output-of-layer* ids (id ``i``
 = the stream leaving decoder layer ``i`` = HF ``hidden_states[i + 1]``). vLLM's

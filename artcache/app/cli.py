@@ -202,8 +202,10 @@ def main(verbose: bool) -> None:
 @click.option("--seed", default=0, type=int, help="Plan shuffle seed.")
 @click.option("--max-length", default=512, type=int, help="Tokens per sample (truncated).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan (positions wrap around).")
-@click.option("--draft-layers", default=5, type=int, help="DFlash draft layers; captured ids follow the DFlash formula.")
-@click.option("--layer-ids", default=None, help="Explicit output-of-layer ids, comma separated (overrides --draft-layers).")
+@click.option("--draft-layers", default=5, type=int,
+              help="DFlash draft layers; captured ids follow the DFlash formula.")
+@click.option("--layer-ids", default=None,
+              help="Explicit output-of-layer ids, comma separated (overrides --draft-layers).")
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
 @click.option("--dtype", default="bfloat16",
               type=click.Choice(["bfloat16", "float16", "float32", "fp8", "float8_e4m3fn"]),
@@ -215,7 +217,8 @@ def main(verbose: bool) -> None:
 @click.option("--batch-tokens", default=8192, type=int, help="Max padded tokens per capture batch.")
 @click.option("--max-queue", default=1024, type=int, help="Max queued fingerprints per scheduling pass.")
 @click.option("--heartbeat-timeout", default=30.0, type=float,
-              help="Seconds a consumer's heartbeat counter may stay still (on this producer's clock) before it is fenced.")
+              help="Seconds a consumer's heartbeat counter may stay still (on this producer's clock) "
+                   "before it is fenced.")
 @click.option("--exit-when-done", is_flag=True,
               help="Exit once no consumer can come: one has registered (any state) and none is live for --done-grace.")
 @click.option("--done-grace", default=5.0, type=float,
@@ -225,7 +228,8 @@ def main(verbose: bool) -> None:
 @click.option("--expect-timeout", default=300.0, type=float,
               help="Seconds to wait for consumers to register: the --expect-consumers start line, and "
                    "--exit-when-done's wait for a first consumer (none by then: exit 1).")
-@click.option("--idle-exit", default=0.0, type=float, help="Exit after this many idle seconds with no consumer (0: never).")
+@click.option("--idle-exit", default=0.0, type=float,
+              help="Exit after this many idle seconds with no consumer (0: never).")
 @click.option("--threads", default=0, type=int, help="torch CPU threads (0: torch's default).")
 @click.option("--id", "producer_id", default="producer", help="Producer id (journal file name).")
 @click.option("--chat-template-option", "template_options", multiple=True, metavar="NAME=VALUE",
@@ -589,7 +593,8 @@ def calibrate(checkpoint):
     rep = calibrate_checkpoint(checkpoint)
     click.echo(f"calibrated {rep['checkpoint']} on {rep['blocks']} held-out blocks of {rep['samples']} samples: "
                f"cumulative-confidence ECE (pooled over slots) {rep['ece_cum_pooled_before']:.4f} -> "
-               f"{rep['ece_cum_pooled_after']:.4f} (2-fold cross-validated {rep['ece_cum_pooled_after_crossval']:.4f}); "
+               f"{rep['ece_cum_pooled_after']:.4f} "
+               f"(2-fold cross-validated {rep['ece_cum_pooled_after_crossval']:.4f}); "
                f"temperatures {', '.join(f'{t:.3g}' for t in rep['temperatures'])}", err=True)
     click.echo(json.dumps({k: v for k, v in rep.items() if k != "method"}))
 
@@ -597,7 +602,8 @@ def calibrate(checkpoint):
 @main.command()
 @click.option("--out", required=True, help="ShareGPT JSONL file to write (refused if it exists, unless --force).")
 @TARGET_OPTION
-@click.option("--data", "dataset", default="sharegpt", help="'sharegpt' (embedded) or a ShareGPT-format JSON/JSONL file.")
+@click.option("--data", "dataset", default="sharegpt",
+              help="'sharegpt' (embedded) or a ShareGPT-format JSON/JSONL file.")
 @click.option("--max-samples", default=1000, type=int, help="The first N usable records in file order.")
 @click.option("--max-new-tokens", default=256, type=int, help="Generated tokens per answer at most.")
 @click.option("--max-prompt-tokens", default=1024, type=int,

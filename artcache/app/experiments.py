@@ -876,7 +876,8 @@ def run_dir_report(out: str | Path) -> dict:
     shared["producer_processes"] = len(list(jdir.glob("producer-*.jsonl"))) if jdir.is_dir() else 0
     experiments, ranges = [], []
     for e in cfg.experiments:
-        files = sorted(jdir.glob(f"consumer-{e.name}-*.jsonl"), key=lambda f: f.stat().st_mtime) if jdir.is_dir() else []
+        files = (sorted(jdir.glob(f"consumer-{e.name}-*.jsonl"), key=lambda f: f.stat().st_mtime)
+                 if jdir.is_dir() else [])
         processes = [committed_work(_events(f)) for f in files]
         ranges.extend((w["cursor_start"], w["cursor_end"]) for w in processes)
         reg = registry.read(layout, e.name) if layout.consumers.is_dir() else None

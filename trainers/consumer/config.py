@@ -22,8 +22,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         cache: the cache root (made by ``artcache producer``). consumer_id: unique per root.
-        draft: draft algorithm (a name in :data:`artcache.trainers.DRAFT_NAMES`: ``dflash``, ``eagle3``, ``dspark``), built by
-            :func:`artcache.trainers.draft.build_draft`.
+        draft: draft algorithm (a name in :data:`artcache.trainers.DRAFT_NAMES`: ``dflash``, ``eagle3``,
+            ``dspark``), built by :func:`artcache.trainers.draft.build_draft`.
         lookbehind, lookahead: window in positions; lookahead must be >= batch_size.
         block_size (B), num_anchors (N per sequence), draft_layers (DFlash; default: the largest n
             whose layer ids the root captures, one per captured layer on a DFlash-only root).

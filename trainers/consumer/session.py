@@ -175,7 +175,8 @@ class Session:
             if cfg.init_from:  # any published layout; checked against the built draft below, before loading
                 src = read_seed(cfg.init_from, check_target(self.settings).num_layers)
                 if src.draft != cfg.draft:
-                    raise ConfigError(f"--init-from {src.path} ({src.layout}) holds a {src.draft} draft, not {cfg.draft}")
+                    raise ConfigError(f"--init-from {src.path} ({src.layout}) holds a {src.draft} draft, "
+                                      f"not {cfg.draft}")
                 vocab_map = seed_vocab_map(src)  # a seeded EAGLE-3 keeps its own map
         self.draft = build_draft(cfg, self.settings, self.plan, self.device, vocab_map=vocab_map)
         self.model = self.draft.model
@@ -664,7 +665,8 @@ class Session:
         # also on a failure between steps (e.g. CaptureTimeout when the producer is gone) or a fence (a stopped
         # or swapped-out process the producer gave up on): the state is a consistent step, so --resume continues
         # from here instead of the last --save-every checkpoint. Not after a checkpoint write failed (its error
-        # names the last good one; a second try at once would fail the same way), nor after divergence (the last finite checkpoint stays latest)
+        # names the last good one; a second try at once would fail the same way), nor after divergence (the last
+        # finite checkpoint stays latest)
         if cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0) \
                 and not isinstance(self.failure, CheckpointWriteError) and not self.diverged:
             try:

@@ -39,8 +39,9 @@ from artcache.trainers.export import (
 from .config import DFlashConfig
 from .model import DFlashDraft
 
-__all__ = ["DFLASH_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "dflash_config_from_export", "dflash_export_config",
-           "dflash_export_state_dict", "export_checkpoint_files", "load_dflash_export", "read_published"]
+__all__ = ["DFLASH_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "dflash_config_from_export",
+           "dflash_export_config", "dflash_export_state_dict", "export_checkpoint_files", "load_dflash_export",
+           "read_published"]
 
 #: The architecture vLLM's registry maps to its DFlash draft (``qwen3_dflash.DFlashQwen3ForCausalLM``).
 DFLASH_ARCHITECTURE = "DFlashDraftModel"

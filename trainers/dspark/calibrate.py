@@ -57,7 +57,8 @@ def _cum_parts(z: Tensor, alpha: Tensor, mask: Tensor, temps: Tensor, k: int) ->
     return c, a
 
 
-def cumulative_ece(z: Tensor, alpha: Tensor, mask: Tensor, temps: Tensor, bins: int = ECE_BINS) -> tuple[list[float], float]:
+def cumulative_ece(z: Tensor, alpha: Tensor, mask: Tensor, temps: Tensor,
+                   bins: int = ECE_BINS) -> tuple[list[float], float]:
     """(per-slot ECE of the cumulative product, pooled ECE over every slot's bins) for logits ``z``, targets
     ``alpha`` and supervised prefix ``mask`` ([n, B]) under ``temps`` [B]; NaN where no row."""
     per, err, n = [], 0.0, 0.0

@@ -118,6 +118,7 @@ class DSparkConfig(DFlashConfig, frozen=True, forbid_unknown_fields=True):
         return cls(
             hidden_size=t.hidden_size, num_layers=num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
             head_dim=t.head_dim, intermediate_size=resolve_intermediate(t, intermediate_size),
-            vocab_size=t.vocab_size, num_context_layers=num_layers if num_context_layers is None else num_context_layers,
+            vocab_size=t.vocab_size,
+            num_context_layers=num_layers if num_context_layers is None else num_context_layers,
             mask_token_id=mask_token_id, block_size=block_size, num_anchors=num_anchors, rope_theta=t.rope_theta,
             rms_norm_eps=t.rms_norm_eps, markov_rank=markov_rank, markov_head_type=markov_head_type, **fields)

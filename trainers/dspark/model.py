@@ -154,8 +154,9 @@ class DSparkDraft(DFlashDraft):
         return z
 
     def target_hidden(self, last: Tensor) -> Tensor:
-        """``final_norm(h_{L-1})`` in float32 (float64 for float64 input): the target's RMSNorm (``h / sqrt(mean(h²) + eps) · w``), the one
-        place the final norm is applied to the captured, pre-norm last-layer state. last [..., H]."""
+        """``final_norm(h_{L-1})`` in float32 (float64 for float64 input): the target's RMSNorm
+        (``h / sqrt(mean(h²) + eps) · w``), the one place the final norm is applied to the captured, pre-norm
+        last-layer state. last [..., H]."""
         x = last.to(torch.promote_types(last.dtype, torch.float32))
         return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.cfg.rms_norm_eps) * self.target_norm_weight
 

@@ -78,7 +78,8 @@ class Eagle3Adapter(Draft):
             need = check_layer_ids(cfg.layer_ids, info.num_layers, f"--layer-ids {list(cfg.layer_ids)}")
             if len(need) != 4 or need[-1] != info.num_layers - 1:
                 raise ConfigError(f"--layer-ids {need} for EAGLE-3: give three auxiliary output-of-layer ids then "
-                                  f"the last layer {info.num_layers - 1} (default {eagle3_capture_ids(info.num_layers)})")
+                                  f"the last layer {info.num_layers - 1} "
+                                  f"(default {eagle3_capture_ids(info.num_layers)})")
         layer_view(list(captured), need,
                    draft="an EAGLE-3 draft (3 auxiliary layers, then the last layer L-1 for the target logits)",
                    flag_hint="")

@@ -52,8 +52,8 @@ from artcache.trainers.export import (
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 from .model import FROZEN_BUFFERS, Eagle3Draft
 
-__all__ = ["EXPORT_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "eagle3_config_from_export", "export_checkpoint_files",
-           "export_config", "export_state_dict", "load_eagle3_export", "read_published"]
+__all__ = ["EXPORT_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "eagle3_config_from_export",
+           "export_checkpoint_files", "export_config", "export_state_dict", "load_eagle3_export", "read_published"]
 
 #: The architecture name written into the exported config.json (vLLM maps it to Eagle3LlamaForCausalLM).
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"

@@ -265,7 +265,8 @@ def eagle3_loss(
     lh = torch.where(vb[:, :, None], last_hidden.to(dev), torch.zeros((), dtype=last_hidden.dtype, device=dev))
 
     probs, arg = target_soft_labels(model, lh, vb, chunk_rows, normed=last_hidden_normed, all_rows=sync_free)
-    hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free)  # checks the other shapes
+    # checks the other shapes
+    hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free)
     if sync_free:
         return _sync_free_steps(model, hiddens, supervision_masks(loss_mask.to(dev), vb, steps), probs, arg,
                                 max(chunk_rows, (1 << 26) // cfg.draft_vocab_size))
