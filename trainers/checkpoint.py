@@ -436,6 +436,18 @@ class Loaded:
     extra: dict[str, Tensor]
 
 
+def require_resumable(path: Path, state: CheckpointState) -> None:
+    """Refuse to resume a weights-only checkpoint (``resumable: false``).
+
+    Raises:
+        ConfigError: naming the checkpoint and the ``--init-from`` that seeds a new run from it.
+    """
+    if not state.resumable:
+        raise ConfigError(f"checkpoint {path} is weights-only (written with --no-checkpoint-optimizer: no optimizer "
+                          f"or RNG state), so it cannot be resumed, only seeded from: start a new run with "
+                          f"--init-from {path}")
+
+
 def load_checkpoint(path: Path) -> Loaded:
     """Read every file of a checkpoint directory (safetensors and JSON only), to resume from it.
 
@@ -447,10 +459,7 @@ def load_checkpoint(path: Path) -> Loaded:
     state = read_state(path)
     if state.format != CHECKPOINT_FORMAT:
         raise ConfigError(f"checkpoint {path} has format {state.format!r}; this artcache reads {CHECKPOINT_FORMAT}")
-    if not state.resumable:
-        raise ConfigError(f"checkpoint {path} is weights-only (written with --no-checkpoint-optimizer: no optimizer "
-                          f"or RNG state), so it cannot be resumed, only seeded from: start a new run with "
-                          f"--init-from {path}")
+    require_resumable(path, state)
     try:
         extra = path / "extra.safetensors"
         return Loaded(path, state, safetensors.torch.load_file(path / "model.safetensors"),

@@ -24,6 +24,7 @@ from artcache.trainers.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     read_state,
+    require_resumable,
 )
 from artcache.trainers.seed import SeedPlan, SeedSource, map_back, plan_seed, seed_vocab_map
 
@@ -75,6 +76,8 @@ def resume_state(cfg: ConsumerConfig, layout: CacheLayout, plan_id: str, contrac
         if theirs != ours:
             raise ConfigError(f"--resume: checkpoint {path} was trained on another cache root ({key} "
                               f"{str(theirs)[:12]} != {ours[:12]})")
+    if not allow_complete:  # before the settings: raising --steps would not make it resumable
+        require_resumable(path, st)  # (a complete experiment `artcache run` skips needs no resume)
     check_run_settings(cfg, st, path, allow_complete=allow_complete)
     return path, st
 
