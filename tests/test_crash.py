@@ -45,8 +45,10 @@ class Proc(BaseProc):
 
 
 def start_producer(cwd: Path, cache: Path, crash_at: str | None = None) -> Proc:
+    # --retention windows: these crash points test the window protocol (evict what left every window);
+    # retention by need under the default budget would keep everything and never reach evict.* points
     return Proc("producer", ["producer", "--cache", str(cache), *PLAN, "--threads", "1", "--batch-samples", "2",
-                             "--heartbeat-timeout", "20"], cwd, crash_at)
+                             "--heartbeat-timeout", "20", "--retention", "windows"], cwd, crash_at)
 
 
 def start_consumer(cwd: Path, cache: Path, cid: str, crash_at: str | None = None, window: str = "0:2") -> Proc:
