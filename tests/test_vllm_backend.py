@@ -31,7 +31,7 @@ from procs import child_env, verify_all_published, wait_until  # noqa: E402
 from artcache import journal as J  # noqa: E402
 from artcache import store  # noqa: E402
 from artcache.errors import CaptureMismatch  # noqa: E402
-from artcache.layout import CacheLayout  # noqa: E402
+from artcache.layout import CacheLayout, parse_journal_name, parse_temp_name  # noqa: E402
 from artcache.settings import load_settings  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -246,7 +246,12 @@ def test_producer_vllm_1p1c(tmp_path):
 
 
 def _journal(cache: Path, proc: Proc) -> Path:
-    return CacheLayout(cache).journal / f"producer-producer-{proc.popen.pid}.jsonl"
+    """The journal file of the producer process ``proc`` (named by its identity token)."""
+    for path in CacheLayout(cache).journal.glob("producer-producer-*.jsonl"):
+        parsed = parse_journal_name(path.name)
+        if parsed is not None and parsed[2].identity is not None and parsed[2].identity.pid == proc.popen.pid:
+            return path
+    raise AssertionError(f"no journal of producer pid {proc.popen.pid} in {CacheLayout(cache).journal}")
 
 
 def test_vllm_producer_killed_mid_publish_resumes(tmp_path):
@@ -265,7 +270,10 @@ def test_vllm_producer_killed_mid_publish_resumes(tmp_path):
         # the engine ran inside the producer: nothing of it outlives the kill
         assert processes_tagged(tag) == []
         verify_all_published(cache)  # no partial artifact is readable
-        orphans = [p.name for p in (cache / "tmp").iterdir() if p.name.split(".")[1:2] == [str(prod.popen.pid)]]
+        # temp and journal names carry the writer's identity token since issue 18 (parse_*_name read them)
+        orphans = [p.name for p in (cache / "tmp").iterdir()
+                   if (w := parse_temp_name(p.name)) is not None and w.identity is not None
+                   and w.identity.pid == prod.popen.pid]
         assert len(orphans) == 1 and orphans[0].endswith(".part"), orphans
         killed = [e for e in J.iter_file(_journal(cache, prod))
                   if e is not None]
