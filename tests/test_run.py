@@ -391,7 +391,9 @@ def test_two_experiments_resume_from_unequal_checkpoints(tiny_target, tmp_path):
         assert x["state"] == "completed" and x["cursor_end"] == 12 and x["last_step"] == 6
         assert x["steps_run"] == 6 - x["start_step"]
         pid = [ev.pid for ev in _starts(out, x["name"])][-1]
-        path = out / "cache" / "journal" / f"consumer-{x['name']}-{pid}.jsonl"
+        # journal files are named by the writer's identity token since issue 18 (not by pid): look it up
+        path = CacheLayout(out / "cache").journal_of("consumer", x["name"], pid)
+        assert path is not None, (x["name"], pid, sorted(p.name for p in (out / "cache" / "journal").iterdir()))
         got = [ev.position for ev in J.iter_file(path) if isinstance(ev, J.Request)]
         assert got == list(range(x["cursor_start"], 12)), (x["name"], got)
     assert r2["shared_production"]["distinct_positions_consumed"] == 12 - b["cursor_start"]
@@ -405,10 +407,11 @@ def test_full_experiment_list_resumes_skips_the_complete_one_and_extends_by_step
     run overwrote the run report (the complete experiment disappeared from it).
 
     Run 1: ``a`` completes (4 steps); ``b`` and ``c`` are killed after committing steps 2 and 4 (a
-    checkpoint every step). Run 2, the same file unchanged: ``a`` is recognised as complete (its
-    checkpoint is at its final step) and skipped, ``b`` and ``c`` resume from their own unequal
-    checkpoints and complete. Run 3 extends ``b`` by raising its ``steps`` alone (``lr_total_steps`` is the
-    horizon). Every report lists all three; ``artcache report`` prints the run directory."""
+    checkpoint every step, so their last checkpoints are steps 1 and 3). Run 2, the same file unchanged:
+    ``a`` is recognised as complete (its checkpoint is at its final step) and skipped, ``b`` and ``c``
+    resume from their own unequal checkpoints and complete. Run 3 extends ``b`` by raising its ``steps``
+    alone (``lr_total_steps`` is the horizon). Every report lists all three; ``artcache report`` prints the
+    run directory."""
     out = tmp_path / "out"
     cfg = write(tmp_path / "run.toml", base_toml(
         tiny_target, out, exp("a", steps=4, save_every=1),
@@ -434,7 +437,10 @@ def test_full_experiment_list_resumes_skips_the_complete_one_and_extends_by_step
     by = {x["name"]: x for x in r2["experiments"]}
     assert set(by) == {"a", "b", "c"} and len(r2["runs"]) == 2
     assert by["a"]["state"] == "complete" and by["a"]["skipped"] and by["a"]["steps_run"] == 4  # its last run's
-    assert (by["b"]["start_step"], by["c"]["start_step"]) == (2, 4)
+    # a SIGKILL loses the steps since the last checkpoint (docs/training.md): killed after committing steps 2
+    # and 4, before checkpointing them, ``b`` and ``c`` resume from their step-1 and step-3 checkpoints
+    assert (by["b"]["start_step"], by["c"]["start_step"]) == (1, 3)
+    assert (by["b"]["cursor_start"], by["c"]["cursor_start"]) == (2, 6)
     for x in (by["b"], by["c"]):
         assert x["state"] == "completed" and x["last_step"] == 6 and len(x["history"]) == 1
     assert r2["checks"]["every_experiment_completed"]
