@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from artcache import eviction
 from artcache.bench.sim import (
     ConsumerSpec,
     ProducerSpec,
@@ -142,3 +143,23 @@ def test_cli_budget_policy_and_optimum(capsys):
 def test_property_over_100k_positions_more_examples(stream):
     """The same property, 20 random examples (the reliability lane)."""
     test_property_budget_window_and_offline_optimum_over_100k_positions.hypothesis.inner_test(stream)
+
+
+@pytest.mark.reliability
+def test_regression_epoch_bound_changes_nothing_on_the_floor_budget_stream(monkeypatch):
+    """Reliability-lane report of 2026-12-01: hypothesis's falsifying stream for the 0.02 bound (3 consumers
+    at 1500 / 1000 / 3000 positions/s, batches 32 / 48 / 96, lookbehind 0, lookahead 1024, all starting at 0,
+    none stopping, 25,000-sample plan, budget 3139 = the floor: the three windows + one capture batch) gives
+    1.83362 captures per position against the optimum's 1.80928 for 3075. decide()'s per-pass bound of
+    e3a6d61 (look at most to the end of the epoch after the cursor's) is not the cause: without it the run is
+    the same, capture for capture (the window, 1025 positions, never reaches past the next epoch)."""
+    cons = [ConsumerSpec("c0", 32 / 1500, 32, 0, 1024), ConsumerSpec("c1", 48 / 1000, 48, 0, 1024),
+            ConsumerSpec("c2", 96 / 3000, 96, 0, 1024)]
+    prod = ProducerSpec(fixed_s=0.002, per_sample_s=0.0001, poll_s=0.05,
+                        limits=SchedulerLimits(max_queue=1024, max_batch_samples=64, max_batch_tokens=64 * 256))
+    bounded = simulate(cons, prod.with_budget(3139), 100_000, plan_len=25_000)
+    monkeypatch.setattr(eviction, "_two_epochs_end", lambda order, start: 1 << 62)
+    unbounded = simulate(cons, prod.with_budget(3139), 100_000, plan_len=25_000)
+    assert bounded.captures == unbounded.captures == 183_362
+    assert bounded.trace == unbounded.trace
+    assert offline_optimum(bounded.trace, 3139 - 64) == 180_928
