@@ -25,6 +25,7 @@ from procs import inspect_json, verify_all_published, wait_until
 from artcache import journal as J
 from artcache import registry, store
 from artcache.layout import CacheLayout
+from artcache.trainers.checkpoint import find_checkpoint, read_state
 
 pytestmark = pytest.mark.reliability
 
@@ -51,10 +52,12 @@ def start_producer(cwd: Path, cache: Path, crash_at: str | None = None) -> Proc:
                              "--heartbeat-timeout", "20", "--retention", "windows"], cwd, crash_at)
 
 
-def start_consumer(cwd: Path, cache: Path, cid: str, crash_at: str | None = None, window: str = "0:2") -> Proc:
+def start_consumer(cwd: Path, cache: Path, cid: str, crash_at: str | None = None, window: str = "0:2",
+                   resume: bool = False, out: str | None = None) -> Proc:
     return Proc(cid, ["consume", "--cache", str(cache), "--id", cid, "--block-size", "4", "--window", window,
                       "--anchors", "4", "--steps", str(STEPS), "--batch-size", str(BATCH), "--threads", "1",
-                      "--demand-timeout", "120", "--log-every", "1", "--out", str(cwd / "runs" / cid)], cwd, crash_at)
+                      "--demand-timeout", "120", "--log-every", "1", "--out", str(cwd / "runs" / (out or cid)),
+                      *(["--resume"] if resume else [])], cwd, crash_at)
 
 
 def init_root(cwd: Path) -> Path:
@@ -253,9 +256,19 @@ def test_random_time_sigkill(tmp_path):
         else:
             if victim.popen.returncode == -signal.SIGKILL:
                 wait_until(lambda: registry.read(layout, "r").state != "running", "fence", [prod])
-            cons = start_consumer(tmp_path, cache, "r")
-            procs.append(cons)
-            cons.expect(0)
+                # Since today a consumer refuses an --out holding checkpoints unless --resume
+                # (restore.refuse_existing_run): the restart continues the killed run from the checkpoint
+                # the registry recorded; it starts afresh when the kill came before the first one, and in
+                # another --out when that checkpoint is already the last step (--resume: nothing left to train).
+                cursor = registry.read(layout, "r").checkpoint_cursor
+                ckpt = find_checkpoint(tmp_path / "runs" / "r", cursor=cursor) if cursor >= 0 else None
+                done = ckpt is not None and read_state(ckpt).step >= STEPS
+                cons = start_consumer(tmp_path, cache, "r", resume=ckpt is not None and not done,
+                                      out="r-again" if done else None)
+                procs.append(cons)
+                cons.expect(0)
+            else:  # it finished before the kill: its run is complete, there is nothing to restart
+                assert victim.popen.returncode == 0, victim.tail()
         verify_all_published(cache)
         prod.terminate_ready_producer()
     finally:
