@@ -59,12 +59,11 @@ def main() -> int:
 
     original = VllmConfig._validate_v1_model_runner
     VllmConfig._validate_v1_model_runner = skip_runner_check
-    if a.speculators:
-        args = EngineArgs(model=a.draft, speculative_config={}, enforce_eager=True, dtype="float32",
-                          max_model_len=512)
-    else:
-        args = EngineArgs(model=a.target, speculative_config={"model": a.draft, "method": "dspark"},
-                          enforce_eager=True, dtype="float32", max_model_len=512)
+    # a speculators-format draft names its verifier by name only (never a local path), so the target is
+    # given in both formats; vLLM reads the method of a speculators draft from its speculators_config
+    spec = {"model": a.draft} if a.speculators else {"model": a.draft, "method": "dspark"}
+    args = EngineArgs(model=a.target, speculative_config=spec, enforce_eager=True, dtype="float32",
+                      max_model_len=512)
     vcfg = args.create_engine_config()
     spec = vcfg.speculative_config
     hf = spec.draft_model_config.hf_config
