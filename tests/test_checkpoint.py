@@ -390,22 +390,45 @@ def test_planned_saves(start, steps, every, saves):
 
 @hypothesis.settings(max_examples=300, deadline=None)
 @hypothesis.given(start=st.integers(0, 30), extra=st.integers(0, 30), every=st.integers(0, 7), keep=st.integers(0, 5),
-       existing=st.integers(0, 6))
-def test_peak_checkpoints_is_what_the_save_and_prune_loop_leaves_on_disk(start, extra, every, keep, existing):
+                  existing=st.integers(0, 6), best_every=st.integers(0, 5), improves=st.lists(st.booleans()))
+def test_peak_checkpoints_is_what_the_save_and_prune_loop_leaves_on_disk(start, extra, every, keep, existing,
+                                                                          best_every, improves):
     """Simulate the consumer's loop (a save at every multiple of --save-every below --steps, the final one at
-    --steps, prune to the newest --keep-checkpoints after each write): the most directories on disk at once,
-    and the number written, are what peak_checkpoints and planned_saves say."""
+    --steps, prune to the newest --keep-checkpoints after each write, never removing checkpoints/best; with
+    best tracking an evaluation every ``best_every`` steps that beats the best so far — as ``improves``
+    says, or only the first, so best stays the oldest) — checkpoints its step and moves best there): the
+    directories on disk at once never exceed peak_checkpoints, nor the writes planned_saves; without best
+    tracking they are exactly what both say."""
     steps = start + extra
-    on_disk, peak, written = existing, existing, 0
-    save_points = [s for s in range(start + 1, steps) if every and s % every == 0] + ([steps] if steps > start else [])
-    for _ in save_points:
-        on_disk += 1
-        written += 1
-        peak = max(peak, on_disk)
-        if keep:
-            on_disk = min(on_disk, keep)
-    assert written == ck.planned_saves(start, steps, every)
-    assert peak == ck.peak_checkpoints(keep, written, existing)
+    for worst in (False, True):
+        on_disk, peak, written, best = list(range(-existing, 0)), existing, 0, None
+        flags = iter(improves)
+        for s in range(start + 1, steps + 1):
+            evaluated = bool(best_every) and (s % best_every == 0 or s == steps)
+            improved = evaluated and ((best is None) if worst else next(flags, True))
+            if not (improved or s == steps or (every and s % every == 0)):
+                continue
+            on_disk.append(s)
+            written += 1
+            peak = max(peak, len(on_disk))
+            if improved:
+                best = s
+            if keep:
+                on_disk = [c for i, c in enumerate(on_disk) if i >= len(on_disk) - keep or c == best]
+        bound = ck.peak_checkpoints(keep, ck.planned_saves(start, steps, every, best_every), existing,
+                                    best=bool(best_every))
+        assert written <= ck.planned_saves(start, steps, every, best_every) and peak <= bound
+        if not best_every:
+            assert written == ck.planned_saves(start, steps, every) and peak == ck.peak_checkpoints(keep, written,
+                                                                                                   existing)
+
+
+def test_regression_space_preflight_counts_an_older_best_checkpoint():
+    """Issue 16's follow-up: checkpoints/best is never pruned, so with --keep-checkpoints 2 and a best left at
+    step 1, steps 4 and 5 plus the one being written and best make 4 on disk, not keep + 1 = 3; and every
+    evaluation that improves writes a checkpoint of its own."""
+    assert ck.peak_checkpoints(2, 10, best=True) == 4 and ck.peak_checkpoints(2, 10) == 3
+    assert ck.planned_saves(0, 10, 5, best_every=2) == 6  # steps 2, 4, 5, 6, 8 and the final 10
 
 
 def test_check_checkpoint_space_refuses_naming_the_bytes_and_the_ways_out(tmp_path, monkeypatch):

@@ -572,27 +572,31 @@ def checkpoint_size(weights: Mapping[str, Tensor], extra_tensors: Mapping[str, T
                           optimizer=safetensors_bytes(optimizer_state), rng=safetensors_bytes(rng))
 
 
-def planned_saves(start_step: int, steps: int, save_every: int) -> int:
-    """Checkpoints a run from ``start_step`` to ``steps`` writes: one at every multiple of ``save_every``
-    strictly between them (0: none), and the final one (at ``steps``, or when cancelled earlier)."""
+def planned_saves(start_step: int, steps: int, save_every: int, best_every: int = 0) -> int:
+    """Most checkpoints a run from ``start_step`` to ``steps`` writes: one at every multiple of ``save_every``
+    or of ``best_every`` strictly between them (0: none), and the final one (at ``steps``, or when
+    cancelled earlier). ``best_every``: the evaluation interval of a run that follows ``checkpoints/best``
+    (an evaluation that beats the best so far checkpoints its step; at most every one does)."""
     if steps <= start_step:
         return 0
-    periodic = (steps - 1) // save_every - start_step // save_every if save_every > 0 else 0
-    return periodic + 1
+    every = [e for e in (save_every, best_every) if e > 0]
+    return sum(1 for s in range(start_step + 1, steps) if any(s % e == 0 for e in every)) + 1
 
 
-def peak_checkpoints(keep: int, saves: int, existing: int = 0) -> int:
+def peak_checkpoints(keep: int, saves: int, existing: int = 0, best: bool = False) -> int:
     """Most checkpoint directories of a run on disk at once: ``existing`` ones plus ``saves`` new ones,
     each written before the older ones are pruned to the newest ``keep`` (0: all kept) — so
-    ``keep + 1`` while one is being written, never more than exist in all."""
+    ``keep + 1`` while one is being written, never more than exist in all. ``best``: the run follows
+    ``checkpoints/best``, which :func:`prune` never removes, so an older best outside the newest ``keep``
+    is one more (``keep + 2``)."""
     if saves <= 0:
         return existing
     total = existing + saves
-    return total if keep <= 0 else max(existing + 1, min(keep + 1, total))
+    return total if keep <= 0 else max(existing + 1, min(keep + 1 + int(best), total))
 
 
 def check_checkpoint_space(run_dir: Path, size: CheckpointSize, *, keep: int, saves: int, existing: int = 0,
-                           what: str = "this run") -> int:
+                           best: bool = False, what: str = "this run") -> int:
     """Refuse a run whose checkpoints cannot fit: the bytes the new checkpoints need at their peak
     (:func:`peak_checkpoints` minus the ``existing`` ones, already on disk, × ``size.total``) plus the
     filesystem's reserve (:func:`artcache.fsio.space_reserve`) must be free under ``run_dir`` (or its
@@ -602,7 +606,7 @@ def check_checkpoint_space(run_dir: Path, size: CheckpointSize, *, keep: int, sa
         InsufficientSpace: one line naming the bytes needed and free and the ways to need less
             (``--keep-checkpoints``, ``--no-checkpoint-optimizer``, another ``--out``).
     """
-    count = peak_checkpoints(keep, saves, existing) - existing
+    count = peak_checkpoints(keep, saves, existing, best) - existing
     needed = count * size.total
     if needed <= 0:
         return 0
@@ -612,8 +616,8 @@ def check_checkpoint_space(run_dir: Path, size: CheckpointSize, *, keep: int, sa
         return needed
     ways = []
     if count > 1:
-        ways.append("a smaller --keep-checkpoints (K keeps K + 1 on disk while one is written) or a larger "
-                    "--save-every")
+        ways.append("a smaller --keep-checkpoints (K keeps K + 1 on disk while one is written, K + 2 with an "
+                    "older checkpoints/best) or a larger --save-every")
     if size.optimizer:
         ways.append(f"--no-checkpoint-optimizer (weights-only, {format_bytes(size.weights_only)} each; such a "
                     "checkpoint cannot be resumed, only seeded from)")

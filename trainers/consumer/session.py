@@ -208,10 +208,13 @@ class Session:
         size = checkpoint_size(self.model.trainable_state_dict(), self.draft.extra_tensors(), opt,
                                self.draft.generators())
         start = self.resumed.state.step if self.resumed is not None else 0
-        saves = planned_saves(start, cfg.steps, cfg.save_every)
+        # a held-out split makes the run follow checkpoints/best: an evaluation that beats the best so far
+        # checkpoints its step, and prune keeps that one even outside the newest --keep-checkpoints
+        best = bool(cfg.eval_samples)
+        saves = planned_saves(start, cfg.steps, cfg.save_every, cfg.eval_interval if best else 0)
         existing = len(list_checkpoints(self.run_dir)) if self.resumed is not None else 0
         needed = check_checkpoint_space(self.run_dir, size, keep=cfg.keep_checkpoints, saves=saves,
-                                        existing=existing, what=f"consumer {cfg.consumer_id!r}")
+                                        existing=existing, best=best, what=f"consumer {cfg.consumer_id!r}")
         self.checkpoint_bytes = size
         log.info("[%s] checkpoints: %s each (%s), %d to write, %s free space needed under %s", cfg.consumer_id,
                  format_bytes(size.total), "with optimizer state" if opt is not None else "weights only", saves,
