@@ -163,6 +163,31 @@ def test_lease_gone_without_event_while_holder_lives_is_reported(layout):
     assert len(acc.violations) == 1 and "leases acquired 4 != released 1 + expired 1 + held 1" in acc.violations[0]
 
 
+def test_regression_live_holder_release_line_after_the_lease_scan_is_no_violation(layout):
+    """Reliability lane 2026-12-01 (test_regression_inspect_json_under_load_reports_no_false_violation, 1 of
+    150 snapshots): 'leases acquired 2844 != released 2832 + expired 0 + held 11'. A live consumer unlinks its
+    lease, then journals the release; on loaded cores the line came after the snapshot's second journal
+    read. account() now waits (bounded) for a live holder's line: held at the snapshot, no violation."""
+    import threading
+
+    j = consistent(layout)
+    name = f"{fp(1)}~a~{token(os.getpid())}~0d"
+    j["consumer-a-2"].append(J.LeaseAcquire(consumer="a", fp=fp(1), lease=name))
+    write_all(layout, j)
+
+    def release_late():
+        with J.JournalWriter(layout.journal / "consumer-a-2.jsonl") as w:
+            w.emit(J.LeaseRelease(consumer="a", fp=fp(1), lease=name, t=2000.0))
+
+    timer = threading.Timer(0.5, release_late)
+    timer.start()
+    try:
+        acc = account(layout)
+    finally:
+        timer.join()
+    assert acc.violations == [] and acc.cache.leases_held == 2 and acc.cache.leases_removal_unjournaled == 0
+
+
 def test_lease_file_without_acquire_event_is_counted_apart(layout):
     """A lease file whose ``lease_acquire`` is not in the journal is being acquired right now (created, the
     line follows) or was left by a holder killed in between: counted apart, not held, not a violation (it used
