@@ -564,6 +564,31 @@ def _consume_args(cache: Path, tmp_path: Path, steps: int, *extra: str) -> list[
             "10", "--no-progress", "--no-tensorboard", "--out", str(tmp_path / "runs" / "x"), *extra]
 
 
+def _stop_outside_its_lock(proc: Proc, layout: CacheLayout, consumer_id: str, tries: int = 100) -> None:
+    """SIGSTOP ``proc`` at a moment it does not hold its registration lock. A consumer stopped inside its
+    lock (a heartbeat or cursor write: on loaded cores a tenth of the time) cannot be fenced until it runs
+    again — the producer keeps its window and retries every pass (docs/protocol.md;
+    test_regression_fence_of_a_consumer_holding_its_lock_does_not_kill_the_producer) — so a test of the
+    fence must stop it outside (the reliability lane of 2026-12-01 waited 300 s for a fence that could
+    not come)."""
+    from artcache.errors import LockTimeout
+    from artcache.locking import cache_lock
+
+    def stopped() -> bool:
+        return Path(f"/proc/{proc.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+    for _ in range(tries):
+        proc.popen.send_signal(signal.SIGSTOP)
+        wait_until(stopped, "the consumer to stop", [proc], timeout=30)
+        try:
+            with cache_lock(layout.consumer_lock(consumer_id), timeout=0.2, thread_local=False):
+                return
+        except LockTimeout:
+            proc.popen.send_signal(signal.SIGCONT)
+            time.sleep(0.05)
+    pytest.fail(f"{consumer_id} held its registration lock at each of {tries} stops")
+
+
 @pytest.mark.reliability
 def test_regression_paused_consumer_is_fenced_checkpoints_and_resumes(tmp_path, cache):
     """Issue 17 item 1 (MosaicML #437 / TorchSpec #72): `producer --heartbeat-timeout 5`, a consumer running,
@@ -579,7 +604,7 @@ def test_regression_paused_consumer_is_fenced_checkpoints_and_resumes(tmp_path, 
     procs = [prod, x]
     try:
         wait_until(lambda: (r := registry.read(layout, "x")) is not None and r.cursor >= 20, "x to step", procs)
-        x.popen.send_signal(signal.SIGSTOP)
+        _stop_outside_its_lock(x, layout, "x")
         wait_until(lambda: registry.read(layout, "x").state != "running", "the producer to fence x", [prod])
         time.sleep(12 - 5)
         x.popen.send_signal(signal.SIGCONT)
