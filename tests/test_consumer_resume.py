@@ -64,7 +64,7 @@ def steps_of(evs: list) -> list[J.Step]:
     return [e for e in evs if isinstance(e, J.Step)]
 
 
-def check_lineage(cache: Path, cid: str, ckpt_step: int, killed_after: int) -> None:
+def check_lineage(cache: Path, cid: str, ckpt_step: int, killed_after: int, steps: int = STEPS) -> None:
     """The killed process committed ``killed_after`` steps; the resumed one continues from ``ckpt_step``:
     the trained lineage is steps 1..STEPS with cursors 2, 4, … exactly once, positions read in order."""
     first, second = file_events(cache, cid)
@@ -74,12 +74,12 @@ def check_lineage(cache: Path, cid: str, ckpt_step: int, killed_after: int) -> N
     start = [e for e in second if isinstance(e, J.ConsumerStart)]
     assert len(start) == 1 and (start[0].step, start[0].cursor) == (ckpt_step, ckpt_step * BATCH)
     lineage = [s for s in s1 if s.step <= ckpt_step] + s2
-    assert [s.step for s in lineage] == list(range(1, STEPS + 1))
-    assert [s.cursor for s in lineage] == [BATCH * i for i in range(1, STEPS + 1)]
+    assert [s.step for s in lineage] == list(range(1, steps + 1))
+    assert [s.cursor for s in lineage] == [BATCH * i for i in range(1, steps + 1)]
     requested = [e.position for e in second if isinstance(e, J.Request)]
-    assert requested == list(range(ckpt_step * BATCH, STEPS * BATCH))  # none repeated, none skipped
+    assert requested == list(range(ckpt_step * BATCH, steps * BATCH))  # none repeated, none skipped
     ends = [e for e in second if isinstance(e, J.ConsumerEnd)]
-    assert len(ends) == 1 and (ends[0].state, ends[0].steps, ends[0].cursor) == ("completed", STEPS, STEPS * BATCH)
+    assert len(ends) == 1 and (ends[0].state, ends[0].steps, ends[0].cursor) == ("completed", steps, steps * BATCH)
     # the loss curve continues: the steps the dead process trained after its checkpoint are retrained
     # from the same weights, optimizer and anchor RNG state, so they give the same losses
     again = {s.step: s.loss for s in s2}
@@ -181,3 +181,53 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
     assert acc["violations"] == [], acc["violations"]
     ks = {k["consumer"]: k for k in acc["consumers"]}
     assert (ks["a"]["state"], ks["a"]["steps"], ks["a"]["cursor"]) == ("completed", STEPS, STEPS * BATCH)
+
+
+def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tmp_path, tiny_target):
+    """Breakfix report: a consumer SIGKILLed after writing its first checkpoint but before the registry
+    recorded it (``checkpoint.before-record:1``) could be neither resumed ("the registry records no
+    checkpoint ...; start it again without --resume") nor restarted ("already holds checkpoints of an
+    earlier run; pass --resume"). The previous checkpoint is none, so ``--resume`` continues from step 0 in the
+    same --out, replaces the unrecorded checkpoint, and trains every step once."""
+    cache = tmp_path / "cache"
+    layout = CacheLayout(cache)
+    prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
+                             "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1"],
+                tmp_path)
+    procs = [prod]
+    steps = 4
+    try:
+        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
+        k = Proc("k", consume_args(cache, tmp_path, "k", steps, "--save-every", "2"), tmp_path,
+                 crash_at="checkpoint.before-record:1")
+        procs.append(k)
+        assert k.wait() == -signal.SIGKILL, k.text()[-3000:]
+        run = tmp_path / "runs" / "k"
+        assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000002"]
+        assert registry.read(layout, "k").checkpoint_cursor == -1
+
+        runner = CliRunner()
+        main = __import__("artcache.app.cli", fromlist=["main"]).main
+        bad = runner.invoke(main, consume_args(cache, tmp_path, "k", steps, "--save-every", "2"))
+        assert bad.exit_code == 2 and "pass --resume" in bad.stderr, bad.output
+        # a run directory holding another id's checkpoints is still refused, naming another --out
+        other = Proc("other", consume_args(cache, tmp_path, "other", 1), tmp_path)
+        procs.append(other)
+        other.expect(0)
+        bad = runner.invoke(main, consume_args(cache, tmp_path, "k", steps, "--resume", "--out",
+                                               str(tmp_path / "runs" / "other")))
+        assert bad.exit_code == 2 and "another --out" in bad.stderr, bad.output
+
+        k2 = Proc("k-resumed", consume_args(cache, tmp_path, "k", steps, "--save-every", "2", "--resume"), tmp_path)
+        procs.append(k2)
+        k2.expect(0)
+        prod.terminate_ready_producer()
+    finally:
+        for p in procs:
+            p.kill()
+    check_lineage(cache, "k", ckpt_step=0, killed_after=2, steps=steps)
+    reg = registry.read(layout, "k")
+    assert (reg.state, reg.cursor, reg.checkpoint_cursor) == ("completed", steps * BATCH, steps * BATCH)
+    rows = [r for r in read_metrics(run / "metrics.csv") if r[1] == "train/loss"]
+    assert [r[0] for r in rows] == list(range(1, steps + 1))
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000004"]

@@ -332,8 +332,10 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
         final.append(e)
         resolved_e = msgspec.structs.replace(resolved, experiments=[*final, *resolved.experiments[len(final):]])
         ccfg = consumer_config(resolved_e, e.name).resolved()
-        if resume:  # the consumer's own checks (registry record, run settings, draft), before anything starts
-            path, state = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True)
+        found = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True) \
+            if resume else None  # None on resume: only unrecorded checkpoints of a kill, it continues from step 0
+        if found is not None:  # the consumer's own checks (registry record, run settings, draft), before it starts
+            path, state = found
             check_checkpoint(e, path, info=info, contract=contract, plan_id=plan_id, resume=True)
             planned = draft_class(e.draft).configure(ccfg, info, captured, plan_obj())
             check_same_draft(state.draft_config, planned, path)

@@ -32,30 +32,39 @@ from .config import ConsumerConfig, flag_of, run_settings
 
 __all__ = ["check_run_settings", "check_same_draft", "config_diffs", "find_resume", "jsonable", "load_weights_strict",
            "plan_init", "refuse_existing_run", "resume_state", "saved_horizon", "training_token_counts",
-           "vocab_map_of", "with_horizon"]
+           "unrecorded_checkpoints", "vocab_map_of", "with_horizon"]
 
 log = logging.getLogger("artcache.consumer")
 
 
 def resume_state(cfg: ConsumerConfig, layout: CacheLayout, plan_id: str, contract_id: str,
-                 run_dir: Path, *, allow_complete: bool = False) -> tuple[Path, CheckpointState]:
+                 run_dir: Path, *, allow_complete: bool = False) -> tuple[Path, CheckpointState] | None:
     """The checkpoint ``--resume`` continues from (the one in ``run_dir`` whose cursor the registry recorded
     for this consumer id) and its state, checked against this run: id, cache root, run settings
     (:func:`check_run_settings`). Reads only ``state.json`` files (``artcache run --dry-run`` calls it too).
 
+    None when the registry records no checkpoint and every checkpoint in ``run_dir`` is one the id's last
+    incarnation wrote but was killed before recording (:func:`unrecorded_checkpoints`): the previous checkpoint
+    is then none, so the run continues from step 0 in the same ``run_dir`` (the caller removes those).
+
     Raises:
-        ConfigError: the id never registered or recorded no checkpoint, no checkpoint of ``run_dir``
-            has the recorded cursor (those found are named), or the checkpoint belongs to another
-            consumer id, cache root (plan / contract) or run settings (the differing flags are named).
+        ConfigError: the id never registered or recorded no checkpoint (and ``run_dir`` holds none of its
+            unrecorded ones), no checkpoint of ``run_dir`` has the recorded cursor (those found are named), or
+            the checkpoint belongs to another consumer id, cache root (plan / contract) or run settings (the
+            differing flags are named).
     """
     old = registry.read(layout, cfg.consumer_id) if layout.consumers.is_dir() else None
     if old is None:
         raise ConfigError(f"--resume: consumer id {cfg.consumer_id!r} never registered on {layout.root}; "
                           "start it without --resume")
     if old.checkpoint_cursor < 0:
+        if unrecorded_checkpoints(old, run_dir, plan_id, contract_id):
+            return None
+        held = list_checkpoints(run_dir)
         raise ConfigError(f"--resume: the registry records no checkpoint of consumer {cfg.consumer_id!r} on "
-                          f"{layout.root} (it stopped before writing one; use --save-every N); start it again "
-                          "without --resume")
+                          f"{layout.root} (it stopped before writing one; use --save-every N); " + (
+                              f"{run_dir} holds checkpoints of another run: start it again without --resume and "
+                              "with another --out" if held else "start it again without --resume"))
     path = find_checkpoint(run_dir, cursor=old.checkpoint_cursor)
     if path is None:
         found = []
@@ -80,6 +89,29 @@ def resume_state(cfg: ConsumerConfig, layout: CacheLayout, plan_id: str, contrac
         require_resumable(path, st)  # (a complete experiment `artcache run` skips needs no resume)
     check_run_settings(cfg, st, path, allow_complete=allow_complete)
     return path, st
+
+
+def unrecorded_checkpoints(old: registry.Registration, run_dir: Path, plan_id: str,
+                           contract_id: str) -> list[Path]:
+    """The checkpoints of ``run_dir`` when the registry (``old``, the id's registration) records none and
+    every one of them was written by that registration's last incarnation (same consumer id, plan, capture
+    contract and registration generation — the one running, or the one a fence ended), i.e. by a process
+    killed between writing its first checkpoint and recording it (``checkpoint.before-record``); else ``[]``.
+    No ``--resume`` can continue from such a checkpoint (nothing recorded its cursor), and no other run owns
+    it. Reads only ``state.json`` files; an unreadable one makes the answer ``[]``."""
+    if old.checkpoint_cursor >= 0:
+        return []
+    found = [p for _, p in list_checkpoints(run_dir)]
+    generations = {old.generation, old.fenced_from}
+    for path in found:
+        try:
+            st = read_state(path)
+        except ConfigError:
+            return []
+        if (st.consumer_id, st.plan_id, st.contract_id) != (old.consumer_id, plan_id, contract_id) \
+                or st.generation is None or st.generation not in generations:
+            return []
+    return found
 
 
 def saved_horizon(st: CheckpointState) -> int | None:
@@ -125,14 +157,15 @@ def check_run_settings(cfg: ConsumerConfig, st: CheckpointState, path: Path, *, 
                           "with --lr-total-steps >= the final --steps")
 
 
-def find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Path) -> Loaded:
-    """The checkpoint ``--resume`` continues from (:func:`resume_state`), read whole.
+def find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Path) -> Loaded | None:
+    """The checkpoint ``--resume`` continues from (:func:`resume_state`), read whole; None: continue from
+    step 0 (only unrecorded checkpoints of this id's last incarnation in ``run_dir``).
 
     Raises:
         ConfigError: see :func:`resume_state`; an incomplete or unreadable checkpoint.
     """
-    path, _ = resume_state(cfg, layout, settings.plan_id, settings.contract.contract_id, run_dir)
-    return load_checkpoint(path)
+    found = resume_state(cfg, layout, settings.plan_id, settings.contract.contract_id, run_dir)
+    return load_checkpoint(found[0]) if found is not None else None
 
 
 def check_same_draft(saved: dict | None, ours: dict, path: Path) -> None:

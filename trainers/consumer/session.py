@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -117,6 +118,7 @@ class Session:
     def __init__(self, cfg: ConsumerConfig) -> None:
         self.cfg = cfg
         self.resumed: Loaded | None = None  # --resume: the checkpoint continued
+        self.unrecorded: list[Path] = []  # --resume from step 0: the killed run's unrecorded checkpoints
         self.init: SeedPlan | None = None  # --init-from: the seed, checked against this run
         self.start_step = self.start_cursor = 0
         self.steps_done = 0  # optimizer steps done (the checkpoint's step)
@@ -168,8 +170,11 @@ class Session:
         vocab_map = src = None
         if cfg.resume:
             self.resumed = find_resume(cfg, self.layout, self.settings, self.run_dir)
-            cfg = self.cfg = with_horizon(cfg, self.resumed.state)
-            vocab_map = vocab_map_of(self.resumed.weights)
+            if self.resumed is None:  # killed before recording its first checkpoint: the previous one is none
+                self.unrecorded = [p for _, p in list_checkpoints(self.run_dir)]
+            else:
+                cfg = self.cfg = with_horizon(cfg, self.resumed.state)
+                vocab_map = vocab_map_of(self.resumed.weights)
         else:
             refuse_existing_run(self.run_dir)
             if cfg.init_from:  # any published layout; checked against the built draft below, before loading
@@ -287,8 +292,10 @@ class Session:
             raise
         self.handle = registry.ConsumerHandle(layout, reg)
         try:  # after registering: a refused resume must not touch the run's metrics
+            self._drop_unrecorded()
+            resuming = self.resumed is not None or cfg.resume
             self.tracker = RunTracker(self.run_dir, tensorboard=cfg.tensorboard,
-                                      resume_step=self.start_step if self.resumed is not None else None)
+                                      resume_step=self.start_step if resuming else None)
         except BaseException as exc:
             self.handle.finish("failed", f"{type(exc).__name__}: {exc}")
             self.journal.close()
@@ -320,8 +327,27 @@ class Session:
         threading.Thread(target=self._heartbeat, daemon=True, name="artcache-heartbeat").start()
         self.reader.start()
 
+    def _drop_unrecorded(self) -> None:
+        """``--resume`` from step 0: remove the checkpoints the killed incarnation wrote and never recorded
+        (:func:`~.restore.unrecorded_checkpoints`; registering fenced it), so no later lookup by cursor finds
+        one of them; the steps they hold are trained again from the same state."""
+        if not self.unrecorded:
+            return
+        log.warning("[%s] --resume: the registry recorded none of the checkpoints in %s (%s: the last run was "
+                    "killed before recording its first one); continuing from step 0 and replacing them",
+                    self.cfg.consumer_id, self.run_dir, ", ".join(p.name for p in self.unrecorded))
+        for path in self.unrecorded:
+            shutil.rmtree(path, ignore_errors=True)
+        for name in ("latest", "best"):  # a pointer left at a removed checkpoint
+            link = self.run_dir / "checkpoints" / name
+            if link.is_symlink() and not link.exists():
+                link.unlink()
+
     def _check_resume(self, old: registry.Registration | None) -> None:
         """Under the registry lock: a resumed checkpoint must be the one the registry recorded last."""
+        if self.unrecorded and (old is None or old.checkpoint_cursor >= 0):
+            raise ConfigError(f"--resume: consumer {self.cfg.consumer_id!r} recorded a checkpoint meanwhile "
+                              f"(cursor {old.checkpoint_cursor if old else 'absent'}); run --resume again")
         if self.resumed is not None and (old is None or old.checkpoint_cursor != self.start_cursor):
             raise ConfigError(
                 f"--resume: consumer {self.cfg.consumer_id!r}'s recorded checkpoint cursor is "
