@@ -21,6 +21,7 @@ import ctypes.util
 import errno
 import logging
 import os
+import re
 import stat
 import sys
 import threading
@@ -76,6 +77,22 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     if _SYNC_FILE_RANGE is None:
         return False
     return _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
+
+
+def errno_of(exc: BaseException) -> int | None:
+    """The errno of an OSError, or the ``os error N`` a ``safetensors.SafetensorError``'s message carries
+    (safetensors raises its own error type for a failed write); None when neither says."""
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    m = re.search(r"os error (\d+)", str(exc))
+    return int(m.group(1)) if m else None
+
+
+def describe_errno(code: int | None, exc: BaseException) -> str:
+    """``"ENOSPC: No space left on device"`` for ``code``, else the exception's type and text."""
+    if code:
+        return f"{errno.errorcode.get(code, 'errno ' + str(code))}: {os.strerror(code)}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def is_retryable(exc: BaseException) -> bool:

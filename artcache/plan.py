@@ -27,11 +27,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from artcache.data.sharegpt import locate_sharegpt, read_sharegpt, to_messages
-from artcache.errors import ConfigError, DataError
-from artcache.fsio import apply_share_mode, group_shared
+from artcache.errors import ArtcacheError, ConfigError, DataError, PublishError
+from artcache.fsio import RETRYABLE_ERRNOS, apply_share_mode, check_free_space, describe_errno, errno_of, group_shared
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.layout import unique_suffix
 from artcache.locking import cache_lock
@@ -285,18 +286,33 @@ class Plan:
 
     def save(self, plans_dir: str | Path) -> Path:
         """Publish to ``plans_dir/<plan_id>/`` atomically (unique temp dir + rename). If that directory
-        already exists (another process published first) it is kept and this copy discarded. Returns it."""
+        already exists (another process published first) it is kept and this copy discarded. Returns it.
+
+        Raises:
+            PublishError: ``plans_dir`` has less free space than the plan's tensors plus the filesystem's
+                reserve (bytes needed and free named, ENOSPC, before anything is written), or a write, fsync
+                or rename failed (its errno named, also when safetensors raised it); nothing was published
+                and the temp directory is removed.
+        """
         plans_dir = Path(plans_dir)
         plans_dir.mkdir(parents=True, exist_ok=True)
         final = plans_dir / self.plan_id
         if (final / "plan.json").is_file():
             return final
+        tensors = (self.input_ids, self.loss_mask, self.offsets)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        try:
+            check_free_space(plans_dir, nbytes)
+        except PublishError as exc:
+            raise PublishError(f"plan {self.plan_id[:12]} ({nbytes} B of tokens) cannot be saved: {exc}; free "
+                               "space there (or give another --cache) and start the producer again",
+                               errno_=exc.errno) from None
         # the writer's identity token (artcache.layout.unique_suffix): fsck removes it only when that writer is gone
         tmp = plans_dir / f".tmp-{self.plan_id[:12]}-{unique_suffix()}"
-        tmp.mkdir()
-        if group_shared(plans_dir):
-            os.chmod(tmp, stat.S_IMODE(os.stat(plans_dir).st_mode))
         try:
+            tmp.mkdir()
+            if group_shared(plans_dir):
+                os.chmod(tmp, stat.S_IMODE(os.stat(plans_dir).st_mode))
             save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
                        "offsets": self.offsets.contiguous()}, str(tmp / "plan.safetensors"),
                       metadata={"plan_id": self.plan_id})
@@ -312,6 +328,13 @@ class Plan:
                 if not (final / "plan.json").is_file():
                     raise
             _fsync_dir(plans_dir)
+        except (OSError, SafetensorError) as exc:
+            if isinstance(exc, ArtcacheError):
+                raise
+            code = errno_of(exc)
+            raise PublishError(f"plan {self.plan_id[:12]} ({nbytes} B of tokens) could not be written under "
+                               f"{plans_dir} ({describe_errno(code, exc)}); nothing was published",
+                               errno_=code, retryable=code in RETRYABLE_ERRNOS) from exc
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final

@@ -563,3 +563,40 @@ def test_regression_unusable_out_and_cache_paths_are_clear_errors(root, workdir,
     assert snapshot(root) == before  # nothing registered, no journal
     assert_bad_input(invoke(*producer_args(afile / "cache", tiny_target)), "--cache", "cannot be created")
     assert_bad_input(invoke("consume", "--cache", str(afile)), "is a file, not a directory")
+
+
+def test_regression_producer_on_a_full_disk_is_one_line(tmp_path, workdir, tiny_target, monkeypatch):
+    """Breakfix report: `artcache producer` creating a root on a full filesystem (a 10 MiB tmpfs filled up)
+    died with a traceback from safetensors (``SafetensorError: ... No space left on device (os error 28)``)
+    while saving the plan. Now: one line naming the plan's bytes and the free space (checked before writing),
+    or the errno of the failed write, exit 1, and no root left behind."""
+    import os as _os
+
+    import artcache.fsio
+    import artcache.plan
+
+    cache = tmp_path / "cache"
+    real = _os.statvfs
+
+    def full(path):  # the plans directory's filesystem has no free block
+        st = real(path)
+        if "plans" not in str(path):
+            return st
+        return _os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0, st.f_files, st.f_ffree,
+                                   st.f_favail, st.f_flag, st.f_namemax))
+
+    monkeypatch.setattr(artcache.fsio.os, "statvfs", full)
+    line = assert_bad_input(invoke(*producer_args(cache, tiny_target, "--idle-exit", "1")), "plan ",
+                            "B of tokens", "cannot be saved", "0 B free", status=1)
+    assert "start the producer again" in line
+    assert not cache.exists()
+    monkeypatch.setattr(artcache.fsio.os, "statvfs", real)
+
+    def enospc(*args, **kwargs):  # what safetensors raises when the write itself hits ENOSPC
+        from safetensors import SafetensorError
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(artcache.plan, "save_file", enospc)
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, "--idle-exit", "1")), "could not be written",
+                     "ENOSPC: No space left on device", "nothing was published", status=1)
+    assert not cache.exists()

@@ -62,7 +62,15 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ArtcacheError, CheckpointWriteError, ConfigError, InsufficientSpace
-from artcache.fsio import RETRYABLE_ERRNOS, apply_share_mode, free_space, fsync_dir, space_reserve
+from artcache.fsio import (
+    RETRYABLE_ERRNOS,
+    apply_share_mode,
+    describe_errno,
+    errno_of,
+    free_space,
+    fsync_dir,
+    space_reserve,
+)
 from artcache.layout import unique_suffix
 from artcache.report import format_bytes
 
@@ -302,18 +310,9 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
     return final
 
 
-def _errno_of(exc: BaseException) -> int | None:
-    """The errno of an OSError, or the ``os error N`` a SafetensorError's message carries."""
-    if isinstance(exc, OSError) and exc.errno:
-        return exc.errno
-    m = re.search(r"os error (\d+)", str(exc))
-    return int(m.group(1)) if m else None
-
-
 def _write_error(run_dir: Path, final: Path, exc: BaseException) -> CheckpointWriteError:
-    code = _errno_of(exc)
-    reason = (f"{errno.errorcode.get(code, 'errno ' + str(code))}: {os.strerror(code)}" if code
-              else f"{type(exc).__name__}: {exc}")
+    code = errno_of(exc)
+    reason = describe_errno(code, exc)
     last = last_good_checkpoint(run_dir)
     if last is None:
         where = "this run has no earlier checkpoint"
