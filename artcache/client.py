@@ -217,7 +217,10 @@ class CacheClient:
             return
         raise CaptureFailed(
             f"the producer gave up capturing position {position} (fingerprint {fp}) after "
-            f"{record.get('attempts')} attempt(s): {record.get('error')}", fingerprint=fp,
+            f"{record.get('attempts')} attempt(s): {record.get('error')}; fix that (a full disk: free space), then "
+            f"restart `artcache producer` on {self.layout.root} (a producer gives up a fingerprint for the rest of "
+            "its run; a new one retries it) and this consumer (--resume when it recorded a checkpoint)",
+            fingerprint=fp,
             attempts=int(record.get("attempts", 0)), retryable=bool(record.get("retryable", False)))
 
     def _release(self, fp: str, lease: str) -> None:

@@ -86,3 +86,18 @@ def test_regression_long_demand_wait_is_not_silent(tmp_path, fake_plan, small_co
     notes = [r.getMessage() for r in caplog.records if "is `artcache producer` running" in r.getMessage()]
     assert notes and "position 1" in notes[0] and str(tmp_path) in notes[0]
     journal.close()
+
+
+def test_regression_capture_failed_says_how_to_recover(tmp_path, fake_plan, small_contract):
+    """Breakfix report: after a full disk the running producer had given up position 0; space was freed, and a
+    new consumer still died at once with the old "not enough free space" and no word on what to do (a producer
+    gives up a fingerprint for its whole run; only a new producer retries it)."""
+    layout, client, journal = make_client(tmp_path, fake_plan, small_contract)
+    fp = client.fp_of(0)
+    layout.failure_path(fp).write_text(json.dumps({"fingerprint": fp, "attempts": 3, "retryable": False,
+                                                   "error": "PublishError: not enough free space"}))
+    with pytest.raises(CaptureFailed) as info:
+        client.acquire(0)
+    msg = str(info.value)
+    assert "not enough free space" in msg and "restart `artcache producer`" in msg and str(layout.root) in msg
+    journal.close()
