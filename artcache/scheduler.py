@@ -34,9 +34,10 @@ class SchedulerLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_batch_tokens: int = 8192
 
     def validate(self, max_length: int) -> None:
-        for name in ("max_queue", "max_batch_samples", "max_batch_tokens"):
+        for name, flag in (("max_queue", "--max-queue"), ("max_batch_samples", "--batch-samples"),
+                           ("max_batch_tokens", "--batch-tokens")):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{flag} {getattr(self, name)} ({name}) is not accepted: an integer >= 1")
         if self.max_batch_tokens < max_length:
             raise ConfigError(
                 f"max_batch_tokens={self.max_batch_tokens} is smaller than the plan's max length "

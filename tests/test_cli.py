@@ -600,3 +600,16 @@ def test_regression_producer_on_a_full_disk_is_one_line(tmp_path, workdir, tiny_
     assert_bad_input(invoke(*producer_args(cache, tiny_target, "--idle-exit", "1")), "could not be written",
                      "ENOSPC: No space left on device", "nothing was published", status=1)
     assert not cache.exists()
+
+
+@pytest.mark.parametrize("flag, value, needle", [("--expect-consumers", "-1", "an integer >= 0"),
+                                                 ("--done-grace", "-5", "seconds >= 0"),
+                                                 ("--batch-samples", "0", "an integer >= 1"),
+                                                 ("--max-queue", "0", "an integer >= 1")])
+def test_regression_producer_negative_counts(tmp_path, workdir, tiny_target, flag, value, needle):
+    """Breakfix report: `--expect-consumers -1` and `--done-grace -5` were accepted silently (the producer ran),
+    and `--batch-samples 0` was refused as "max_batch_samples must be >= 1", not naming the flag."""
+    cache = tmp_path / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, flag, value, "--idle-exit", "1")),
+                     f"{flag} {value}", needle)
+    assert not cache.exists()

@@ -148,6 +148,8 @@ def _with_config(verb: str):
 
                 _check_min("idle-exit", kwargs["idle_exit"], 0, accepted="seconds >= 0 (0: never)")
                 _check_min("expect-timeout", kwargs["expect_timeout"], 0, strict=True, accepted="seconds > 0")
+                _check_min("expect-consumers", kwargs["expect_consumers"], 0, accepted="an integer >= 0 (0: none)")
+                _check_min("done-grace", kwargs["done_grace"], 0, accepted="seconds >= 0")
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
                 _check_device(pcfg.device)
                 stats = run_producer(pcfg)
@@ -261,6 +263,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     _check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
     _check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
     _check_min("expect-timeout", expect_timeout, 0, strict=True, accepted="seconds > 0")
+    _check_min("expect-consumers", expect_consumers, 0, accepted="an integer >= 0 (0: none)")
+    _check_min("done-grace", done_grace, 0, accepted="seconds >= 0")
     _check_device(device)
     ids = _parse_layer_ids(layer_ids)
     cfg = ProducerConfig(
