@@ -302,3 +302,13 @@ def test_struct_fields_documented():
         doc = cls.__doc__ or ""
         missing = [f for f in cls.__struct_fields__ if f not in doc]
         assert not missing, (cls.__name__, missing)
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".yaml", ".json"])
+def test_regression_binary_config_is_one_line(tmp_path, suffix):
+    """Breakfix report: `artcache run --config bin.toml --dry-run` on a file that is not UTF-8 died with a
+    UnicodeDecodeError traceback (exit 1)."""
+    path = tmp_path / f"bin{suffix}"
+    path.write_bytes(b"\x00\xff\xfe[target]\n")
+    assert_one_error_line(CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run"]), "is not UTF-8 text",
+                          "TOML, YAML or JSON")

@@ -258,9 +258,12 @@ def read_file(path: str | Path) -> dict:
     if p.suffix.lower() not in SUFFIXES:
         raise ConfigError(f"--config {str(path)!r}: unknown file type {p.suffix!r}; accepted: {', '.join(SUFFIXES)}")
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"--config {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); accepted: a "
+                          f"TOML, YAML or JSON file") from None
     try:
         if p.suffix.lower() == ".toml":
             raw = tomllib.loads(text)
