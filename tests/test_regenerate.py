@@ -288,3 +288,28 @@ def test_help_and_console_script_exit_status(tmp_path):
                            "--max-new-tokens", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("artcache: error: --max-new-tokens 0")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_regression_unwritable_out_is_refused_before_generating(tiny_target, data, tmp_path, monkeypatch):
+    """Breakfix report: `artcache regenerate --out` on a read-only mount generated every answer, then died with
+    an OSError traceback (EROFS, from the cleanup of the temp file it never created). An --out whose directory
+    cannot be made (a parent that is a file) failed the same way after generation. Now: refused before
+    generating; a write that still fails at the end is one line naming --out (exit 1)."""
+    import errno
+    import os
+
+    import artcache.data.regenerate as R
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = blocker / "o.jsonl"
+    assert_bad(invoke(*regen_args(tiny_target, data, out)), str(out), "cannot be written")
+    assert blocker.read_text() == "x"
+
+    def erofs(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(R.os, "open", erofs)
+    with pytest.raises(R.NotWritable, match="could not be written"):
+        R.write_atomic(tmp_path / "o.jsonl", b"{}\n", force=False)
+    assert leftovers(tmp_path) == []

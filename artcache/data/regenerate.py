@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from artcache.errors import ConfigError, DataError
+from artcache.errors import ArtcacheError, ConfigError, DataError, NotWritable
 
 BACKENDS = ("hf", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -356,11 +356,16 @@ def _jsonl_line(record: dict[str, Any]) -> str:
 
 
 def check_out(out: Path, force: bool) -> None:
-    """ConfigError if ``out`` is a directory, or exists and ``force`` is not set."""
+    """ConfigError if ``out`` is a directory, exists and ``force`` is not set, or its directory (the nearest
+    existing one when it is to be created) cannot be written — checked before generating, which takes minutes."""
     if out.is_dir():
         raise ConfigError(f"--out {str(out)!r} is a directory; give a file path")
     if (out.exists() or out.is_symlink()) and not force:
         raise ConfigError(f"--out {str(out)!r} exists; pass --force to replace it")
+    at = next((p for p in out.parents if p.exists()), Path("/"))
+    if not at.is_dir() or not os.access(at, os.W_OK) or os.statvfs(at).f_flag & os.ST_RDONLY:
+        raise ConfigError(f"--out {str(out)!r} cannot be written ({at} is not a writable directory); give a file "
+                          "path in a writable directory")
 
 
 def write_atomic(out: Path, data: bytes, *, force: bool) -> None:
@@ -392,8 +397,13 @@ def write_atomic(out: Path, data: bytes, *, force: bool) -> None:
                 check_out(out, force=False)
                 os.replace(tmp, out)
         fsync_dir(out.parent)
+    except OSError as exc:
+        if isinstance(exc, ArtcacheError):
+            raise
+        raise NotWritable(f"--out {str(out)!r} could not be written ({exc.strerror or exc}); nothing was written",
+                          errno_=exc.errno) from exc
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # absent, or on a filesystem that refused to create it
             os.unlink(tmp)
 
 
