@@ -25,7 +25,7 @@ from typing import Literal
 
 import msgspec
 
-from artcache.errors import ConfigError, ConsumerFenced, UnsafePath
+from artcache.errors import CacheRootError, ConfigError, ConsumerFenced, UnsafePath
 from artcache.fsio import atomic_write
 from artcache.layout import CacheLayout, open_nofollow
 from artcache.liveness import HeartbeatWatch, ProcessIdentity, dead_reason, local_identity, this_process
@@ -159,11 +159,18 @@ def read(layout: CacheLayout, consumer_id: str) -> Registration | None:
     """The registration, or None if absent. A torn file cannot exist (atomic replace).
 
     Raises:
-        UnsafePath: the registration file is a symbolic link (never followed)."""
+        UnsafePath: the registration file is a symbolic link (never followed).
+        CacheRootError: the file is not a registration (not JSON, or fields of the wrong type): named, with
+            ``artcache fsck --fix``, which moves it to ``quarantine/``."""
+    path = layout.consumer_path(consumer_id)
     try:
-        return msgspec.json.decode(_read_bytes(layout.consumer_path(consumer_id)), type=Registration)
+        return msgspec.json.decode(_read_bytes(path), type=Registration)
     except FileNotFoundError:
         return None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CacheRootError(f"registration {path} of consumer {consumer_id!r} is unreadable ({exc}); "
+                             f"`artcache fsck --cache {layout.root} --fix` moves it to quarantine/ (the id then "
+                             "starts afresh), or use another --id") from None
 
 
 def read_all(layout: CacheLayout) -> list[Registration]:

@@ -613,3 +613,22 @@ def test_regression_producer_negative_counts(tmp_path, workdir, tiny_target, fla
     assert_bad_input(invoke(*producer_args(cache, tiny_target, flag, value, "--idle-exit", "1")),
                      f"{flag} {value}", needle)
     assert not cache.exists()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_regression_garbage_registration_is_one_line(tmp_path, tiny_target, workdir, resume):
+    """Breakfix report: a consumer registration file that is not JSON (`echo '{garbage' > consumers/kk.json`)
+    made `artcache consume --id kk` die with a msgspec.DecodeError traceback. Now one line naming the file and
+    `artcache fsck --fix`, exit 2, and the file is left for fsck."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    cache = tmp_path / "cache"
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
+    bad = cache / "consumers" / "kk.json"
+    bad.write_text("{garbage")
+    args = ["consume", "--cache", str(cache), "--id", "kk", "--steps", "1", "--window", "0:4", "--anchors", "4",
+            "--block-size", "4", "--out", str(tmp_path / "kk"), "--demand-timeout", "5", "--no-progress",
+            *(["--resume"] if resume else [])]
+    assert_bad_input(invoke(*args), str(bad), "is unreadable", "fsck", "--fix")
+    assert bad.read_text() == "{garbage"

@@ -398,3 +398,14 @@ def test_pinned_positions_are_readable_and_retained():
     assert r.window() == (4, 6) and r.pinned_range() == range(20, 23)
     assert [p for p in range(0, 30) if r.may_read(p)] == [5, 6, 20, 21, 22]
     assert r.retained_positions() == {4, 5, 6, 20, 21, 22} and r.retain_bound() == 4 + 3
+
+
+def test_regression_read_of_a_garbage_registration_names_it(layout):
+    """Breakfix report: registry.read raised a bare msgspec.DecodeError for a registration that is not JSON;
+    read_all still skips it (fsck reports it)."""
+    from artcache.errors import CacheRootError
+
+    layout.consumer_path("g").write_text("{garbage")
+    with pytest.raises(CacheRootError, match="fsck"):
+        registry.read(layout, "g")
+    assert [r.consumer_id for r in registry.read_all(layout)] == []
