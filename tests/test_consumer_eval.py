@@ -116,3 +116,25 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
     assert 0 < c["max_retained_bytes"] <= c["budget_bytes"] and c["budget_exceeded_bytes"] == 0
     # both finished: nothing is needed any more, and the (default) budget keeps it all for a later run
     assert c["retained_artifacts"] == c["publications"] and c["evictions"] == 0
+
+
+def test_regression_unknown_best_metric_is_not_silent(caplog):
+    """Breakfix report: `consume --best-metric nope --eval-samples 2` trained and evaluated with no word while
+    checkpoints/best was never written (`"best": null`), a typo (`replay-tau`) the same. The first evaluation
+    that lacks the figure now warns once, naming the figures it has."""
+    import logging
+    from types import SimpleNamespace
+
+    from artcache.trainers.consumer.session import Session
+
+    s = Session.__new__(Session)
+    s.cfg = SimpleNamespace(consumer_id="d")
+    s.best_metric, s.best, s.unknown_best_noted = "replay-tau", None, False
+    s.last_eval = {"loss": 10.8, "tau": 1.0, "replay_tau": 1.0, "blocks": 110, "samples": 2, "step": 2,
+                   "tau_includes_bonus": True, "labels": "target argmax"}
+    with caplog.at_level(logging.WARNING, logger="artcache.consumer"):
+        s._maybe_best(2)
+        s._maybe_best(4)
+    notes = [r.getMessage() for r in caplog.records if "--best-metric replay-tau" in r.getMessage()]
+    assert len(notes) == 1 and "figures: loss, tau, replay_tau" in notes[0], notes
+    assert s.best is None

@@ -119,6 +119,7 @@ class Session:
         self.cfg = cfg
         self.resumed: Loaded | None = None  # --resume: the checkpoint continued
         self.unrecorded: list[Path] = []  # --resume from step 0: the killed run's unrecorded checkpoints
+        self.unknown_best_noted = False  # the warning that --best-metric names no figure of the evaluation
         self.init: SeedPlan | None = None  # --init-from: the seed, checked against this run
         self.start_step = self.start_cursor = 0
         self.steps_done = 0  # optimizer steps done (the checkpoint's step)
@@ -620,6 +621,12 @@ class Session:
         draft, is only the baseline)."""
         metric = self.best_metric
         value = self.last_eval.get(metric) if metric else None
+        if metric and metric not in self.last_eval and not self.unknown_best_noted:  # a typo: say so, once
+            self.unknown_best_noted = True
+            figures = ", ".join(k for k, v in self.last_eval.items() if isinstance(v, (int, float))
+                                and not isinstance(v, bool) and k not in ("step", "samples", "blocks"))
+            log.warning("[%s] --best-metric %s is not a figure of this evaluation (figures: %s): checkpoints/best "
+                        "is not written until an evaluation reports it", self.cfg.consumer_id, metric, figures)
         if at_step == 0 or not isinstance(value, (int, float)) or not math.isfinite(value):
             return
         lower = "loss" in metric
