@@ -632,3 +632,17 @@ def test_regression_garbage_registration_is_one_line(tmp_path, tiny_target, work
             *(["--resume"] if resume else [])]
     assert_bad_input(invoke(*args), str(bad), "is unreadable", "fsck", "--fix")
     assert bad.read_text() == "{garbage"
+
+
+def test_regression_inspect_names_an_unreadable_artcache_json(tmp_path, tiny_target, workdir):
+    """Breakfix report: with `artcache.json` overwritten by garbage, `artcache inspect` printed its tables and
+    "invariants: ok" (exit 0) while fsck, producer and consume all refused the root. Now inspect names the file
+    (exit 2) like they do."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    cache = tmp_path / "cache"
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
+    assert invoke("inspect", "--cache", str(cache)).exit_code == 0
+    (cache / "artcache.json").write_text("{garbage")
+    assert_bad_input(invoke("inspect", "--cache", str(cache)), "artcache.json is invalid")

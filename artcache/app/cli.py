@@ -408,6 +408,7 @@ def inspect(cache, as_json):
     from artcache.accounting import account
     from artcache.layout import CacheLayout
     from artcache.report import format_accounting
+    from artcache.settings import load_settings
 
     path = Path(cache).expanduser().absolute()
     if not (path / "artcache.json").is_file() and (path / "config.toml").is_file():
@@ -417,7 +418,7 @@ def inspect(cache, as_json):
 
         path = Path(resolve(load_run_config(path / "config.toml")).cache.root)
     layout = CacheLayout(path)
-    layout.require()
+    load_settings(layout)  # an unreadable artcache.json is named (exit 2), as fsck does, never reported "ok"
     acc = account(layout, retention_now=True)
     if as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(acc)).decode())
