@@ -1022,6 +1022,14 @@ def run_bench(cfg: BenchConfig) -> bool:
         raise ConfigError(f"--disk-budget {cfg.disk_budget} is not accepted: bytes >= 0 (0: the scenario's)")
     if cfg.save not in SAVE_POLICIES:
         raise ConfigError(f"--save {cfg.save!r} is not accepted: use one of {', '.join(SAVE_POLICIES)}")
+    if cfg.steps is not None and cfg.steps < 1:  # 0 measured steps "passed" every check with 0 steps/s
+        raise ConfigError(f"--steps {cfg.steps} is not accepted: measured steps per consumer, an integer >= 1")
+    if cfg.warmup is not None and cfg.warmup < 0:
+        raise ConfigError(f"--warmup {cfg.warmup} is not accepted: an integer >= 0")
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {cfg.out_dir!r} exists and is not a directory; give a directory path (created "
+                          "if missing)")
     for sc in resolve(cfg.scenario):  # bad input fails here, before anything is written
         parse_window(resolved(cfg, sc).window)
         parse_modes(cfg.modes, sc)

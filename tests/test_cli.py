@@ -646,3 +646,17 @@ def test_regression_inspect_names_an_unreadable_artcache_json(tmp_path, tiny_tar
     assert invoke("inspect", "--cache", str(cache)).exit_code == 0
     (cache / "artcache.json").write_text("{garbage")
     assert_bad_input(invoke("inspect", "--cache", str(cache)), "artcache.json is invalid")
+
+
+@pytest.mark.parametrize("args, needle", [(["--steps", "0"], "--steps 0"), (["--warmup", "-1"], "--warmup -1"),
+                                          (["--out", "FILE"], "is not a directory")])
+def test_regression_bench_zero_steps_and_file_out(tmp_path, workdir, args, needle):
+    """Breakfix report: `artcache bench --steps 0` ran, reported 0.000 steps/s and "checks: all ok" (exit 0);
+    `--warmup -1` ran too; `--out` naming a file died with a NotADirectoryError traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    args = [str(blocker) if a == "FILE" else a for a in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "bench-out")]
+    assert_bad_input(invoke("bench", "--scenario", "1p1c", "--target", "random:tiny-llama", "--data", "synthetic",
+                            "--max-samples", "20", "--max-length", "32", *out, *args), needle)
+    assert not (tmp_path / "bench-out").exists() and blocker.read_text() == "x"
