@@ -660,3 +660,12 @@ def test_regression_bench_zero_steps_and_file_out(tmp_path, workdir, args, needl
     assert_bad_input(invoke("bench", "--scenario", "1p1c", "--target", "random:tiny-llama", "--data", "synthetic",
                             "--max-samples", "20", "--max-length", "32", *out, *args), needle)
     assert not (tmp_path / "bench-out").exists() and blocker.read_text() == "x"
+
+
+def test_regression_negative_epochs_is_named_as_such(root, workdir):
+    """Breakfix report: `consume --steps 2 --epochs -1` was refused as "--epochs -1 and --steps 2 both say how
+    long to train" instead of naming -1 as out of range."""
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--steps", "2", "--epochs", "-1"), "--epochs -1",
+                     ">= 0")
+    assert snapshot(root) == before

@@ -365,7 +365,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
 
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
-    if epochs and click.get_current_context().get_parameter_source("steps") == ParameterSource.COMMANDLINE:
+    if epochs > 0 and click.get_current_context().get_parameter_source("steps") == ParameterSource.COMMANDLINE:
         raise ConfigError(f"--epochs {epochs} and --steps {steps} both say how long to train; give one of them")
 
     if draft not in DRAFT_NAMES:
