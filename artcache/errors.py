@@ -79,6 +79,17 @@ class ArtifactMissing(ArtcacheError, FileNotFoundError):
     retryable = True
 
 
+class PayloadUnavailable(ArtifactMissing):
+    """A remote payload store (Mooncake) could not serve a published artifact's payload just now: its
+    master is unreachable, a transfer failed, the object's replica is not ready or its read lease ran
+    out mid-transfer. The manifest stays; a reader treats it as a miss and tries again."""
+
+
+class PayloadStoreError(ArtcacheError, ConnectionError):
+    """A cache root's remote payload store cannot be used: its master does not answer or refused the
+    client. (A missing client library is a ConfigError: nothing can be done until it is installed.)"""
+
+
 class IntegrityError(ArtcacheError, ValueError):
     """An artifact failed its content check (hash, shapes, dtype, fingerprint) and was quarantined.
 

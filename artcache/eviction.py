@@ -534,7 +534,11 @@ def evict_pass(layout: CacheLayout, evict: Iterable[str],
     keeps it for this pass (``deferred``); the next pass retries it.
     """
     res = EvictionResult()
+    # a remote payload store's housekeeping (deferred removals; payloads it lost become misses, counted as
+    # evictions): a no-op for a POSIX root
+    res.evicted.update(store.maintain(layout))
     objects = store.list_objects(layout) if objects is None else objects
+    objects = {fp: n for fp, n in objects.items() if fp not in res.evicted}
     if live_leases is None:
         live_leases, res.expired_leases = expire_leases(layout, live_consumers, lease_ttl_s=lease_ttl_s,
                                                         lease_watch=lease_watch)

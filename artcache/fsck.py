@@ -69,9 +69,17 @@ import msgspec
 from artcache import journal as J
 from artcache import leases as leases_mod
 from artcache import registry, store
-from artcache.errors import ArtifactMissing, CacheRootError, DataError, IntegrityError, UnsafePath
+from artcache.errors import (
+    ArtifactMissing,
+    CacheRootError,
+    DataError,
+    IntegrityError,
+    PayloadUnavailable,
+    UnsafePath,
+)
 from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, parse_temp_name, unique_suffix
 from artcache.liveness import dead_reason, from_token, in_initial_pid_namespace, pid_exists
+from artcache.payload import remote_for
 
 log = logging.getLogger("artcache.fsck")
 _FP = re.compile(r"[0-9a-f]{16,128}")
@@ -246,6 +254,8 @@ class _Fsck:
 
     def check_objects(self, contract) -> set[str]:
         """Verify every artifact; returns the fingerprints published (and good) after the check."""
+        if remote_for(self.layout) is not None:
+            return self.check_remote_objects(contract)
         good: set[str] = set()
         verified = 0
         stray = 0
@@ -281,6 +291,33 @@ class _Fsck:
         if stray:
             self.notes.append(f"{stray} entr(y/ies) in objects/ are not artcache artifacts (ignored by artcache, "
                               "left alone)")
+        return good
+
+    def check_remote_objects(self, contract) -> set[str]:
+        """A root whose payloads are in a remote store (Mooncake): verify each manifest's payload (fetched from
+        the store: hash, header, shapes, token ids); a bad one is quarantined, which also marks its key for
+        removal. Payloads awaiting removal (``.pending``) are noted, not problems."""
+        good: set[str] = set()
+        objects = store.list_objects(self.layout)
+        for fp in sorted(objects):
+            try:
+                bad = store.verify(self.layout, fp, contract)
+            except PayloadUnavailable as exc:
+                self.notes.append(f"artifact {fp} not verified: {exc}")
+                continue
+            except (ArtifactMissing, UnsafePath):
+                continue
+            if bad is None:
+                good.add(fp)
+                continue
+            self.problem("bad-artifact", self.layout.objects / fp[:2] / f"{fp}.manifest", bad,
+                         "move the manifest to quarantine/ and remove its payload (recaptured on demand)",
+                         lambda fp=fp: store.quarantine(self.layout, fp))
+        self.checked["artifacts"] = len(objects)
+        pending = sum(1 for _ in self.layout.objects.glob("*/*.pending")) if self.real_dir(self.layout.objects) else 0
+        if pending:
+            self.notes.append(f"{pending} payload(s) wait for removal from the store (.pending markers; the producer "
+                              "removes them once their read lease expires)")
         return good
 
     def _misplaced(self, path: Path, fp: str, contract, good: set[str]) -> None:

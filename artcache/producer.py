@@ -72,6 +72,7 @@ from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
+from artcache.payload import describe, new_spec, parse_payload_url
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
 log = logging.getLogger("artcache.producer")
@@ -136,6 +137,9 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         retention: ``need`` (keep by future need inside the budget) or ``windows`` (the rule before:
             only live windows, pinned ranges and leases; for comparisons).
         fill: capture every sample of the plan (after what live consumers need), then exit.
+        payload: where the artifacts' tensors go: ``posix`` (files in the root), ``mooncake://HOST:PORT``
+            (Mooncake Store, manifests in the root; docs/scale-out.md), or ``""``: what an existing root
+            records (``posix`` for a new one). An explicit value must match the root's.
     """
 
     cache: str
@@ -211,6 +215,7 @@ class SizeModel:
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
         return self.overhead + self.per_token * tokens
+    payload: str = ""
 
 
 @dataclass
@@ -273,6 +278,7 @@ def prepare_root(cfg: ProducerConfig):
     if cfg.layer_ids and dup:  # a new root's capture set (the backend itself accepts any ordered view)
         raise ConfigError(f"--layer-ids {','.join(map(str, layer_ids))} captures layer(s) {dup} more than once; "
                           "list each captured id once (a consumer's --layer-ids view may repeat captured ids)")
+    payload_url = parse_payload_url(cfg.payload) if cfg.payload else None
     spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples,
                     template_options=dict(cfg.template_options))
     cfg.limits.validate(cfg.max_length)
@@ -291,8 +297,18 @@ def prepare_root(cfg: ProducerConfig):
         compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
         max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
         template_digest=template_digest(tok, spec.template_options), backend=cfg.backend)
+    recorded = None
     if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
-        check_compatible(load_settings(layout), contract, plan_id_for(spec, tok), layout)
+        current = load_settings(layout)
+        check_compatible(current, contract, plan_id_for(spec, tok), layout)
+        recorded = current.payload
+        if cfg.payload and payload_url != (recorded.url if recorded else None):
+            raise ConfigError(f"--payload {cfg.payload!r}: cache root {layout.root} keeps its payloads in "
+                              f"{describe(recorded)}; give --payload {describe(recorded)} (or leave it out)")
+    if payload_url is not None and recorded is None:  # before anything is written: the store must answer
+        from artcache.payload_mooncake import client_for
+
+        client_for(payload_url)  # kept open: this process publishes through it
     try:
         created = layout.create(group_shared=cfg.group_shared)
     except ArtcacheError:  # UnsafePath & co keep their own type
@@ -305,7 +321,8 @@ def prepare_root(cfg: ProducerConfig):
             plan = ensure_plan(spec, tok, layout.plans, target_vocab_size=info.vocab_size)
             settings = init_settings(layout, RootSettings(
                 plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
-                heartbeat_timeout_s=cfg.heartbeat_timeout_s))
+                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                payload=recorded or (new_spec(payload_url) if payload_url else None)))
         if settings.heartbeat_timeout_s != cfg.heartbeat_timeout_s:
             log.warning("this producer fences consumers silent for %g s (--heartbeat-timeout), but %s records "
                         "%g s from the root's creation, which `artcache fsck` uses for consumers of other hosts",
@@ -962,6 +979,9 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         raise DiskBudgetExceeded(
             f"--fill: {len(producer.fill_missing())} of the plan's {len(plan)} samples do not fit "
             f"{producer.budget_note}; raise --disk-budget (what fitted stays published)")
+        from artcache.payload import close_all
+
+        close_all()
     return producer.stats
 
 

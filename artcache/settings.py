@@ -9,6 +9,7 @@ from artcache.contract import CaptureContract
 from artcache.errors import CacheRootError, ConfigError
 from artcache.fsio import atomic_write
 from artcache.layout import CacheLayout
+from artcache.payload import PayloadSpec
 
 
 class RootSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -22,6 +23,8 @@ class RootSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             lm_head from here and check ``contract.target_weights_digest``).
         heartbeat_timeout_s: a consumer whose heartbeat is older is fenced as ``expired``.
         lock_stripes: number of striped fingerprint lock files.
+        payload: where the artifacts' tensors live: ``None`` = files in ``objects/`` (POSIX), or a remote
+            store (:class:`~artcache.payload.PayloadSpec`, e.g. Mooncake) with manifests in ``objects/``.
     """
 
     format_version: int = FORMAT_VERSION
@@ -30,6 +33,7 @@ class RootSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     target_path: str
     heartbeat_timeout_s: float = 30.0
     lock_stripes: int = 4096
+    payload: PayloadSpec | None = None
 
 
 def load_settings(layout: CacheLayout) -> RootSettings:

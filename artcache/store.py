@@ -46,6 +46,7 @@ from artcache.fp8 import SCALES
 from artcache.fsio import atomic_write, check_free_space, start_writeback
 from artcache.hashing import StreamDigest, digest_bytes
 from artcache.layout import CacheLayout, check_real_dir, open_nofollow, unique_suffix
+from artcache.payload import remote_for
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "float8_e4m3fn": torch.float8_e4m3fn}
@@ -374,6 +375,9 @@ def publish(layout: CacheLayout, fp: str, contract: CaptureContract,
         PublishError: a write, fsync or rename failed, or space ran out (temp file removed).
         UnsafePath: the shard directory ``objects/<ab>`` is a symbolic link (nothing written).
     """
+    if (remote := remote_for(layout)) is not None:  # a root whose payloads live elsewhere (artcache.payload)
+        return remote.publish(fp, contract, tensors, durable=durable, values_checked=values_checked,
+                              verify_tokens=verify_tokens)
     validate_capture(contract, tensors, check_values=not values_checked)
     if verify_tokens:
         check_tokens(fp, contract, tensors["input_ids"], tensors["loss_mask"])
@@ -393,6 +397,8 @@ def publish(layout: CacheLayout, fp: str, contract: CaptureContract,
 
 
 def exists(layout: CacheLayout, fp: str) -> bool:
+    if (remote := remote_for(layout)) is not None:
+        return remote.exists(fp)
     return layout.object_path(fp).is_file()
 
 
@@ -554,6 +560,8 @@ def read(layout: CacheLayout, fp: str, contract: CaptureContract, *, pin: bool =
             moved to ``quarantine/`` so the next request is a demand miss.
         UnsafePath: the artifact or its shard directory is a symbolic link (never followed).
     """
+    if (remote := remote_for(layout)) is not None:
+        return remote.read(fp, contract, pin=pin, verify_tokens=verify_tokens)
     path = layout.object_path(fp)
     try:
         _shard_dir(layout, fp, create=False)
@@ -579,6 +587,8 @@ def verify(layout: CacheLayout, fp: str, contract: CaptureContract, *, verify_to
     Raises:
         ArtifactMissing: not published. UnsafePath: a symbolic link in its path.
     """
+    if (remote := remote_for(layout)) is not None:
+        return remote.verify(fp, contract, verify_tokens=verify_tokens)
     try:
         _shard_dir(layout, fp, create=False)
         buf, digest = _read_file(layout.object_path(fp), False)
@@ -593,6 +603,8 @@ def verify(layout: CacheLayout, fp: str, contract: CaptureContract, *, verify_to
 
 def quarantine(layout: CacheLayout, fp: str) -> bool:
     """Move a bad artifact to ``quarantine/<fp>.<unique>``; False if it was already gone."""
+    if (remote := remote_for(layout)) is not None:
+        return remote.quarantine(fp)
     try:
         os.replace(layout.object_path(fp), layout.quarantine / f"{fp}.{unique_suffix()}.safetensors")
         return True
@@ -605,6 +617,8 @@ def remove(layout: CacheLayout, fp: str) -> int:
 
     "Already gone" is success. Readers that already opened the file keep their bytes (POSIX).
     """
+    if (remote := remote_for(layout)) is not None:
+        return remote.remove(fp)
     aside = layout.tmp / f"{unique_suffix()}.evict"
     try:
         size = layout.object_path(fp).stat().st_size
@@ -624,6 +638,8 @@ def list_objects(layout: CacheLayout) -> dict[str, int]:
     """Map fingerprint → size in bytes for every published artifact (one directory walk). Files whose
     names are not ``<fp[:2]>/<fp>.safetensors`` are ignored (regression: a stray file in objects/
     used to stop the producer)."""
+    if (remote := remote_for(layout)) is not None:
+        return remote.list_objects()
     out: dict[str, int] = {}
     try:
         shards = list(os.scandir(layout.objects))
@@ -646,8 +662,18 @@ def list_objects(layout: CacheLayout) -> dict[str, int]:
     return out
 
 
-__all__ = ["Artifact", "PublishError", "check_tokens", "exists", "list_objects", "publish", "quarantine", "read",
-           "remove", "validate_capture", "verify"]
+def maintain(layout: CacheLayout) -> dict[str, int]:
+    """Payload-store housekeeping, called once per eviction pass (:func:`artcache.eviction.evict_pass`).
+    Nothing to do for a POSIX root. A remote root removes the payloads whose removal waited (a read lease)
+    and checks that the store still holds this root's payloads; returns the artifacts it found lost
+    (fp → bytes: their manifests are withdrawn, so they read as misses and are recaptured on demand)."""
+    if (remote := remote_for(layout)) is not None:
+        return remote.maintain()
+    return {}
+
+
+__all__ = ["Artifact", "PublishError", "check_tokens", "exists", "list_objects", "maintain", "publish", "quarantine",
+           "read", "remove", "validate_capture", "verify"]
 
 
 #: bytes allowed for one artifact's safetensors header and metadata

@@ -248,13 +248,16 @@ def main(verbose: bool) -> None:
               "keep only the live windows (the rule before, for comparisons).")
 @click.option("--fill", is_flag=True, help="Capture the whole plan (after what live consumers need), then exit; "
               "later runs on the root read it with no capture.")
+@click.option("--payload", default="", help="Where the tensors go: posix (files in the cache root) or "
+              "mooncake://HOST:PORT (Mooncake Store; manifests stay in the root; docs/scale-out.md). Default: what "
+              "the root records, posix for a new root.")
 @_errors
 @_with_config("producer")
 def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers, layer_ids, device, dtype,
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention="need",
-             fill=False):
+             fill=False, payload=""):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
@@ -275,7 +278,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         expect_consumers=expect_consumers, expect_timeout_s=expect_timeout, idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
         group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
-        retention=retention, fill=fill)
+        retention=retention, fill=fill, payload=payload)
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
@@ -515,6 +518,36 @@ def report(run_dir, as_json):
 
     r = run_dir_report(run_dir)
     click.echo(json.dumps(r, indent=2) if as_json else format_run_dir_report(r))
+
+
+@main.command("payload-holder")
+@click.option("--payload", required=True, help="The Mooncake master: mooncake://HOST:PORT (as given to the producer).")
+@click.option("--size", default="4GiB", help="Memory to mount for payloads (K/M/G/T = powers of 1024): at least the "
+              "live windows' artifacts of every root using this store.")
+@_errors
+def payload_holder(payload, size):
+    """Hold the memory of Mooncake payloads: mount a segment of --size and keep it until SIGTERM/Ctrl-C.
+
+    Producers and consumers mount none, so they can exit or be killed without losing a payload. Stopping
+    the holder loses the payloads in its segment (readers miss; the producer recaptures)."""
+    import os
+    import signal
+    import threading
+
+    from artcache.payload import parse_payload_url
+    from artcache.payload_mooncake import parse_size, run_holder
+
+    url = parse_payload_url(payload)
+    if url is None:
+        raise ConfigError(f"--payload {payload!r}: a posix root keeps its payloads in its own files and needs no "
+                          "holder; give mooncake://HOST:PORT")
+    nbytes = parse_size(size)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    run_holder(url, nbytes, stop, ready=lambda _c: click.echo(
+        f"payload holder ready: {nbytes} B mounted at {url} (pid {os.getpid()}); stop with SIGTERM", err=True))
+    click.echo("payload holder stopped: its payloads are gone from the store", err=True)
 
 
 @main.command("verify-fs")

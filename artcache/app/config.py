@@ -121,6 +121,9 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         disk_budget: bytes the retained artifacts may take (0: the producer's default from the
             filesystem's free space); live windows and leases are kept whatever it is.
         retention: ``need`` (keep by future need inside the budget) or ``windows`` (only live windows).
+        payload: where the artifacts' tensors live: ``posix`` (files in the root) or ``mooncake://HOST:PORT``
+            (Mooncake Store; the root keeps a manifest per artifact); ``""`` = what the root records
+            (``posix`` for a new root). See docs/scale-out.md.
     """
 
     root: str = ""
@@ -130,6 +133,7 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     group_shared: bool = False
     disk_budget: Annotated[int, msgspec.Meta(ge=0)] = 0
     retention: Literal["need", "windows"] = "need"
+    payload: str = ""
 
 
 class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -650,7 +654,7 @@ PRODUCER_FLAGS = {
     "batch_tokens": "capture.batch_tokens", "max_queue": "capture.max_queue",
     "heartbeat_timeout": "cache.heartbeat_timeout_s", "done_grace": "cache.done_grace_s", "threads": "target.threads",
     "template_options": "data.template_options", "group_shared": "cache.group_shared", "backend": "capture.backend",
-    "disk_budget": "cache.disk_budget", "retention": "cache.retention",
+    "disk_budget": "cache.disk_budget", "retention": "cache.retention", "payload": "cache.payload",
 }
 PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "expect_timeout", "idle_exit", "producer_id",
                           "fill")
@@ -739,7 +743,7 @@ def producer_config(cfg: RunConfig, **process: Any):
         heartbeat_timeout_s=cfg.cache.heartbeat_timeout_s, done_grace_s=cfg.cache.done_grace_s,
         threads=cfg.target.threads, template_options=dict(cfg.data.template_options),
         group_shared=cfg.cache.group_shared, backend=cfg.capture.backend, disk_budget=cfg.cache.disk_budget,
-        retention=cfg.cache.retention, **extra)
+        retention=cfg.cache.retention, payload=cfg.cache.payload, **extra)
 
 
 def experiment_dir(cfg: RunConfig, e: Experiment) -> str:
