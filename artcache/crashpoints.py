@@ -18,9 +18,11 @@ POINTS = frozenset({
     "publish.after-write",     # temp file written, not yet fsync-ed
     "publish.after-fsync",     # temp file fsync-ed, not yet renamed into objects/
     "publish.after-rename",    # renamed into objects/, directory not yet fsync-ed
+    "publish.after-payload",   # remote payload store: the payload is put, its manifest not yet written
     "capture.after-forward",   # producer: forward pass done, nothing of the batch published
     "lease.after-create",      # consumer: lease file created, artifact not yet read
-    "evict.after-rename",      # producer: artifact renamed aside into tmp/, not yet unlinked
+    "evict.after-rename",      # producer: artifact renamed aside into tmp/ (remote store: manifest renamed to
+                               # <fp>.pending), not yet unlinked (its payload not yet removed)
     "cursor.before-commit",    # consumer: optimizer step done, cursor not yet committed
     "cursor.after-commit",     # consumer: cursor committed, the batch's leases not yet released
     "checkpoint.before-record",  # consumer: checkpoint directory renamed into place, not yet recorded

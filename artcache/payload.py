@@ -220,7 +220,7 @@ def remote_for(layout: CacheLayout):
         old = _roots.get(layout.root)
         _roots[layout.root] = (pid, ident, backend)
     if old is not None and old[0] == pid and old[2] is not None:
-        old[2].close()
+        old[2].close(drain_s=0.0)  # a root replaced under this process: its old store is not ours to drain
     return backend
 
 

@@ -74,6 +74,7 @@ log = logging.getLogger("artcache.payload")
 # Mooncake ErrorCode values (mooncake-store/include/types.h) that artcache handles by name
 NO_AVAILABLE_HANDLE = -200  #: no segment has room (hard-pinned objects fill it): back-pressure
 INVALID_PARAMS = -600  #: e.g. a buffer smaller than the object
+ILLEGAL_CLIENT = -601  #: the master dropped this client (no heartbeat within its --client_ttl); it re-registers
 REPLICA_IS_NOT_READY = -703  #: a put is in progress, or its writer died mid-put (30 s)
 OBJECT_NOT_FOUND = -704  #: no such key
 OBJECT_HAS_LEASE = -706  #: a read lease (default 10 s after a read) blocks the remove
@@ -83,15 +84,18 @@ RPC_FAIL = -900  #: the master does not answer (after ~4 s)
 RPC_TIMEOUT = -901
 
 _NAMES = {NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE (the store is full)", INVALID_PARAMS: "INVALID_PARAMS",
+          ILLEGAL_CLIENT: "ILLEGAL_CLIENT (the master dropped this client)",
           REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY", OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
           OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE", LEASE_EXPIRED: "LEASE_EXPIRED", TRANSFER_FAIL: "TRANSFER_FAIL",
           RPC_FAIL: "RPC_FAIL (master unreachable)", RPC_TIMEOUT: "RPC_TIMEOUT"}
 #: put results after which the same put can succeed later (space freed, master back, writer's key taken over)
-TRANSIENT_PUT = frozenset({NO_AVAILABLE_HANDLE, REPLICA_IS_NOT_READY, TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
+TRANSIENT_PUT = frozenset({NO_AVAILABLE_HANDLE, ILLEGAL_CLIENT, REPLICA_IS_NOT_READY, TRANSFER_FAIL, RPC_FAIL,
+                           RPC_TIMEOUT})
 #: get results after which a later get of the same published key can succeed
-TRANSIENT_GET = frozenset({REPLICA_IS_NOT_READY, LEASE_EXPIRED, TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT})
+TRANSIENT_GET = frozenset({ILLEGAL_CLIENT, REPLICA_IS_NOT_READY, LEASE_EXPIRED, TRANSFER_FAIL, RPC_FAIL,
+                           RPC_TIMEOUT})
 #: remove results that leave the key for a later pass (waited out, not an error)
-DEFERRED_REMOVE = frozenset({OBJECT_HAS_LEASE, REPLICA_IS_NOT_READY, RPC_FAIL, RPC_TIMEOUT})
+DEFERRED_REMOVE = frozenset({OBJECT_HAS_LEASE, ILLEGAL_CLIENT, REPLICA_IS_NOT_READY, RPC_FAIL, RPC_TIMEOUT})
 
 #: seconds a publish retries a transient put (a full store while evictions wait out read leases, a
 #: master restart) before raising PublishError
@@ -100,6 +104,8 @@ PUT_WAIT_S = 30.0
 EPOCH_CHECK_S = 2.0
 #: seconds between attempts to remove one deferred key
 PENDING_RETRY_S = 0.5
+#: seconds a closing backend waits for removals deferred by read leases (Mooncake's default lease is 10 s)
+DRAIN_S = 15.0
 #: the client's own transfer buffer (artcache reads and writes through registered buffers of its own)
 LOCAL_BUFFER_BYTES = 16 << 20
 #: largest payload a manifest may name (a guard against a corrupt manifest, not a limit in practice)
@@ -367,8 +373,11 @@ class MooncakePayloads:
         except FileNotFoundError as exc:
             raise PublishError(f"writing {fp} failed: {exc}", fingerprint=fp, errno_=exc.errno) from exc
         client = self._client_or_publish_error(fp)
-        if self.epoch is None:
-            self._check_epoch()
+        if self.epoch is None:  # adopt the store's epoch (withdrawing stale manifests is maintain()'s job)
+            self.epoch = self._epoch_now()
+            if self.epoch is None:
+                raise PublishError(f"publishing {fp}: the Mooncake store {self.spec.url} does not answer",
+                                   fingerprint=fp, retryable=True)
         buf = client.staging(nbytes)
         view = buf.numpy()
         off = 0
@@ -382,7 +391,7 @@ class MooncakePayloads:
             artcache_format=FORMAT_VERSION, fingerprint=fp, contract_id=contract.contract_id, key=self.key(fp),
             nbytes=nbytes, payload_hash=payload_hash, content_hash=meta["content_hash"],
             tensors={k: TensorSpec(v["dtype"], list(v["shape"])) for k, v in hdr.items() if k != "__metadata__"},
-            epoch=self.epoch or "")
+            epoch=self.epoch)
         # the intent marker first: a writer killed after the put leaves a marker, and the next maintain pass
         # removes the orphaned payload (unless a manifest names it by then)
         self._touch(self.pending_path(fp), fp)
@@ -667,32 +676,47 @@ class MooncakePayloads:
         self._retry_pending(now)
         return lost
 
-    def _check_epoch(self) -> dict[str, int]:
-        """Compare the sentinel with this process's epoch; start a new epoch when the store forgot it."""
+    def _epoch_now(self) -> str | None:
+        """The store's epoch: the sentinel's value, put fresh when the store has none (a new store, or one that
+        forgot every key). None when the store does not answer. Racing processes agree: ``put`` on an existing
+        key keeps its value, and a sentinel being put (``-703``) is waited for."""
+        deadline = time.monotonic() + 5.0
         try:
             client = self.client
-            n = client.get_size(self.sentinel)
+            while True:
+                n = client.get_size(self.sentinel)
+                if n > 0:
+                    value = client.get_small(self.sentinel).decode(errors="replace")
+                    if value:
+                        return value
+                elif n == OBJECT_NOT_FOUND:
+                    rc = client.put_small(self.sentinel, secrets.token_hex(8).encode())
+                    if rc == 0:
+                        continue  # read back what won (ours, or a racing process's)
+                elif n not in (REPLICA_IS_NOT_READY, ILLEGAL_CLIENT):  # neither being put nor re-registering
+                    self._note_unreachable(code_name(n))
+                    return None
+                if time.monotonic() > deadline:
+                    self._note_unreachable(f"the epoch sentinel stayed unreadable ({code_name(n)})")
+                    return None
+                time.sleep(0.02)
         except PayloadStoreError as exc:
-            if not self._unreachable_logged:
-                log.warning("Mooncake store of %s unreachable: %s", self.layout.root, exc)
-                self._unreachable_logged = True
-            return {}
-        if n < 0 and n != OBJECT_NOT_FOUND:
-            if not self._unreachable_logged:
-                log.warning("Mooncake master %s does not answer (%s); payload reads and puts wait for it",
-                            self.spec.url, code_name(n))
-                self._unreachable_logged = True
+            self._note_unreachable(str(exc))
+            return None
+
+    def _note_unreachable(self, why: str) -> None:
+        if not self._unreachable_logged:
+            log.warning("Mooncake store %s of %s does not answer (%s); payload reads and puts wait for it",
+                        self.spec.url, self.layout.root, why)
+            self._unreachable_logged = True
+
+    def _check_epoch(self) -> dict[str, int]:
+        """Compare the store's epoch with this process's; on a change (or at this process's first check) every
+        manifest of another epoch is withdrawn: the store forgot its payload (a master restart). Returns them."""
+        current = self._epoch_now()
+        if current is None:
             return {}
         self._unreachable_logged = False
-        current = client.get_small(self.sentinel).decode(errors="replace") if n > 0 else ""
-        if not current:  # a fresh store, or one that forgot every key (master restart, sentinel's holder gone)
-            rc = client.put_small(self.sentinel, secrets.token_hex(8).encode())
-            if rc != 0:
-                log.warning("cannot put the epoch sentinel %s (%s); retrying", self.sentinel, code_name(rc))
-                return {}
-            current = client.get_small(self.sentinel).decode(errors="replace")  # a racing producer's may win
-            if not current:
-                return {}
         if current == self.epoch:
             return {}
         previous, self.epoch = self.epoch, current
@@ -704,13 +728,21 @@ class MooncakePayloads:
                 if nbytes:
                     lost[fp] = nbytes
         if lost:
-            log.warning("Mooncake store %s forgot this root's payloads (epoch %s -> %s: its master restarted or "
-                        "the holder of the epoch sentinel stopped); %d published artifact(s) withdrawn, recaptured "
-                        "on demand", self.spec.url, previous or "(this process's first check)", current, len(lost))
+            log.warning("Mooncake store %s forgot this root's payloads (epoch %s -> %s: its master restarted, or the "
+                        "holder of the epoch sentinel stopped); %d published artifact(s) withdrawn, recaptured on "
+                        "demand", self.spec.url, previous or "(this process's first check)", current, len(lost))
         return lost
 
-    def close(self) -> None:
-        """Nothing of its own to close (the client is per process: :func:`close_clients`)."""
+    def close(self, drain_s: float | None = None) -> None:
+        """Finish this process's deferred removals, waiting out read leases for at most ``drain_s``
+        (default :data:`DRAIN_S`), so a producer that exits leaves no payload it evicted behind. What is
+        still deferred then keeps its ``.pending`` marker: the next producer's :meth:`maintain` removes it.
+        (The client is per process: :func:`close_clients`.)"""
+        deadline = time.monotonic() + (DRAIN_S if drain_s is None else drain_s)
+        while self._pending and time.monotonic() < deadline:
+            self._retry_pending(time.monotonic(), force=True)
+            if self._pending:
+                time.sleep(PENDING_RETRY_S)
 
 
 # ---- the holder -----------------------------------------------------------------------------------------

@@ -95,3 +95,19 @@ def small_contract():
 
     return CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
                            layer_ids=(1,), max_length=64, tokenizer_digest="t", template_digest="t")
+
+
+# ---- payload backends ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def mooncake_service(tmp_path_factory):
+    """One Mooncake master + payload holder on loopback for the session (tests/mooncake_store.py); skips
+    when Mooncake is not installed."""
+    from mooncake_store import MooncakeService
+
+    svc = MooncakeService(tmp_path_factory.mktemp("mooncake"))
+    yield svc
+    from artcache.payload import close_all
+
+    close_all()
+    svc.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import crash_child as K
 import pytest
+from mooncake_store import PAYLOAD_BACKENDS, root_settings
 from reliability_figures import record
 
 from artcache import store
@@ -38,10 +39,16 @@ def ctx():
     return K.forkserver_context()
 
 
-def _root(tmp_path: Path) -> CacheLayout:
+@pytest.fixture(params=PAYLOAD_BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+def _root(tmp_path: Path, backend: str = "posix", request=None) -> CacheLayout:
+    """A fresh root with crash_child's settings; ``mooncake``: its payloads in the session's Mooncake store."""
     layout = CacheLayout(tmp_path / "root")
     layout.create()
-    init_settings(layout, K.settings())
+    init_settings(layout, root_settings(backend, request))
     return layout
 
 
@@ -74,8 +81,8 @@ def _all_verify(layout: CacheLayout) -> int:
 
 
 @pytest.mark.parametrize("noop_locks", [False, True], ids=["flock", "flock-no-op"])
-def test_racing_producers_and_readers(tmp_path, ctx, noop_locks):
-    layout = _root(tmp_path)
+def test_racing_producers_and_readers(tmp_path, ctx, noop_locks, backend, request):
+    layout = _root(tmp_path, backend, request)
     n_workers, n_readers = 8, 4 if noop_locks else 0
     barrier = ctx.Barrier(n_workers + n_readers)
     stop = ctx.Event()
@@ -86,8 +93,10 @@ def test_racing_producers_and_readers(tmp_path, ctx, noop_locks):
     readers = [ctx.Process(target=K.reader_worker, args=(str(layout.root), N_POS, str(o), 100 + k, stop, barrier))
                for k, o in enumerate(routs)]
     _run(ctx, workers + readers)
-    _join(workers)
-    stop.set()
+    try:
+        _join(workers)
+    finally:
+        stop.set()  # the readers stop also when a worker failed (else they outlive the test)
     _join(readers)
     res = _results(outs + routs)
     captured = [fp for r in res for fp in r.get("captured", [])]
@@ -104,13 +113,14 @@ def test_racing_producers_and_readers(tmp_path, ctx, noop_locks):
         assert duplicates == 0, f"{duplicates} duplicate captures while flock works"
     assert _all_verify(layout) == N_POS
     label = "flock no-op (dups allowed)" if noop_locks else "flock working"
+    label += ", mooncake payloads" if backend == "mooncake" else ""
     record("concurrency", f"{n_workers} producers + {n_readers} readers, {label}",
            processes=n_workers + n_readers, operations=ops, reads=reads, torn_reads=torn,
            duplicate_captures=duplicates)
 
 
-def test_eviction_races_lease_acquisition(tmp_path, ctx):
-    layout = _root(tmp_path)
+def test_eviction_races_lease_acquisition(tmp_path, ctx, backend, request):
+    layout = _root(tmp_path, backend, request)
     # start with everything published, so readers race the evictor from the first read
     fp_of = PlanFingerprints(K.CONTRACT, K.FakePlan())
     plan = K.FakePlan()
@@ -129,8 +139,10 @@ def test_eviction_races_lease_acquisition(tmp_path, ctx):
                            args=(str(layout.root), N_POS, str(outs[c]), c, 50 + k, N_LEASE_OPS, barrier))
                for k, c in enumerate(cids)]
     _run(ctx, bg + readers)
-    _join(readers)
-    stop.set()
+    try:
+        _join(readers)
+    finally:
+        stop.set()
     _join(bg)
     res = {name: json.loads(path.read_text())["counts"] for name, path in outs.items()}
     rs = [res[c] for c in cids]
@@ -143,6 +155,7 @@ def test_eviction_races_lease_acquisition(tmp_path, ctx):
     assert list(layout.quarantine.iterdir()) == []
     ops = sum(r["ops"] for r in res.values())
     demands = sum(r["demands"] for r in rs)
-    record("concurrency", f"evictor + republisher + {n_readers} lease readers", processes=n_readers + 2,
+    where = ", mooncake payloads" if backend == "mooncake" else ""
+    record("concurrency", f"evictor + republisher + {n_readers} lease readers{where}", processes=n_readers + 2,
            operations=ops, reads=sum(r["reads_ok"] for r in rs), torn_reads=torn, errors=errors,
            misses_to_demand=demands, evictions=res["evictor"]["evicted"])

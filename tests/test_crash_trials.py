@@ -29,6 +29,7 @@ from pathlib import Path
 
 import crash_child as K
 import pytest
+from mooncake_store import PAYLOAD_BACKENDS, root_settings
 from reliability_figures import record
 
 from artcache import journal as J
@@ -46,15 +47,19 @@ pytestmark = pytest.mark.reliability
 
 #: kills to reach (the lane's promise is >= 500)
 KILLS = int(os.environ.get("ARTCACHE_CRASH_KILLS", "500"))
+#: kills of the Mooncake-payload subset (the mooncake lane: the same trials, fewer of them)
+MOONCAKE_KILLS = int(os.environ.get("ARTCACHE_CRASH_KILLS_MOONCAKE", "60"))
 CHILD_DEADLINE_S = 60.0  # only bounds a hang
 RECOVER_S = 30.0  # a fresh producer republishes the live windows within this
 MOVER_WINDOW = (1, 6)  # lookbehind, lookahead of the registration the test moves
 
 PRODUCER_POINTS = ["publish.after-write", "publish.after-fsync", "publish.after-rename", "capture.after-forward",
                    "evict.after-rename"]
+#: a Mooncake root's publish has one more step: the payload is put, its manifest not yet written
+MOONCAKE_POINTS = ["publish.after-payload"]
 CONSUMER_POINTS = ["lease.after-create", "cursor.before-commit", "cursor.after-commit"]
 MAX_N = {"publish.after-write": 4, "publish.after-fsync": 4, "publish.after-rename": 4,
-         "capture.after-forward": 2, "evict.after-rename": 3, "lease.after-create": 8,
+         "capture.after-forward": 2, "evict.after-rename": 3, "publish.after-payload": 4, "lease.after-create": 8,
          "cursor.before-commit": 4, "cursor.after-commit": 4}
 
 
@@ -64,11 +69,12 @@ def ctx():
 
 
 class Trials:
-    def __init__(self, tmp: Path, ctx, rng: random.Random) -> None:
+    def __init__(self, tmp: Path, ctx, rng: random.Random, settings=None) -> None:
         self.ctx, self.rng = ctx, rng
         self.layout = CacheLayout(tmp / "root")
         self.layout.create()
-        init_settings(self.layout, K.settings())
+        init_settings(self.layout, settings or K.settings())
+        self.producer_points = PRODUCER_POINTS + (MOONCAKE_POINTS if (settings and settings.payload) else [])
         self.logs = tmp / "trial-logs"
         self.logs.mkdir()
         self.plan = K.FakePlan()
@@ -124,7 +130,7 @@ class Trials:
             self.prepublish_for_consumer()
         crash_at = ""
         if at_point:
-            point = rng.choice(PRODUCER_POINTS if kind == "producer" else CONSUMER_POINTS)
+            point = rng.choice(self.producer_points if kind == "producer" else CONSUMER_POINTS)
             crash_at = f"{point}:{rng.randint(1, MAX_N[point])}"
         what = f"trial {self.stats['trials']} ({kind}, {crash_at or 'random time'})"
         t0 = time.monotonic()
@@ -279,19 +285,24 @@ class Trials:
         self.commits.append((start, cursor))
 
 
-def test_random_sigkill_trials(tmp_path, ctx):
+@pytest.mark.parametrize("backend", PAYLOAD_BACKENDS)
+def test_random_sigkill_trials(tmp_path, ctx, backend, request):
+    """``mooncake``: the same trials on a root whose payloads are in Mooncake Store (fewer kills: the
+    mooncake lane's subset), with its extra crash point between the payload put and the manifest."""
     seed = int(os.environ.get("ARTCACHE_CRASH_SEED", random.SystemRandom().randrange(1 << 32)))
     print(f"crash trials seed={seed} (replay with ARTCACHE_CRASH_SEED={seed})")
-    t = Trials(tmp_path, ctx, random.Random(seed))
+    t = Trials(tmp_path, ctx, random.Random(seed), root_settings(backend, request))
+    kills = KILLS if backend == "posix" else MOONCAKE_KILLS
+    where = "" if backend == "posix" else ", mooncake payloads"
     t0 = time.monotonic()
-    max_trials = 4 * KILLS
-    while t.stats["kills"] < KILLS and t.stats["trials"] < max_trials:
+    max_trials = 4 * kills
+    while t.stats["kills"] < kills and t.stats["trials"] < max_trials:
         try:
             t.trial()
         except BaseException:
             print(f"failed in trial {t.stats['trials']} (seed={seed})")
             raise
-    assert t.stats["kills"] >= KILLS, t.stats
+    assert t.stats["kills"] >= kills, t.stats
     # the canary (a live writer's temp file) survived every fsck --fix
     assert t.canary.exists()
     t.canary.unlink()
@@ -302,7 +313,7 @@ def test_random_sigkill_trials(tmp_path, ctx):
     assert acc.cache.quarantined == 0
     s = t.stats
     print(f"crash trials: {s} in {time.monotonic() - t0:.1f}s; kills per point: {t.per_point}")
-    record("crash", f"random SIGKILL trials (seed {seed})", run=s["trials"], kills=s["kills"], passed=s["passed"],
+    record("crash", f"random SIGKILL trials (seed {seed}{where})", run=s["trials"], kills=s["kills"], passed=s["passed"],
            failed=s["trials"] - s["passed"])
     for label, n in sorted(t.per_point.items()):
         record("crash", f"  killed at {label}", kills=n, passed=n)
