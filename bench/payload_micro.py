@@ -1,0 +1,253 @@
+"""Payload put/get bandwidth: a POSIX cache root against Mooncake Store payloads, side by side in one run.
+
+``python -m artcache.bench.payload_micro --out DIR (--start-master | --payload mooncake://HOST:PORT)
+[--root /tmp/artcache-payload-micro] [--tokens 3072 --layers 5 --hidden 4096] [--reps 7]``
+
+For one artifact shape (default: Qwen3-8B's, 3072 tokens x 5 layers x 4096 bf16 = 120 MiB), each rep
+publishes a fresh fingerprint through ``artcache.store.publish`` (POSIX: temp file, fsync, rename;
+Mooncake: hard-pinned put + manifest), reads it back with every check (``store.read``: content hash and,
+for Mooncake, the manifest's payload hash) and evicts it (``store.remove``). Beside the artcache path it
+times the bare transport with the same bytes: ``write + fsync`` / ``read`` of one file, and Mooncake
+``upsert_from`` / ``get_into`` of registered buffers. Medians over the reps; ratios Mooncake / POSIX.
+
+``--start-master`` starts ``mooncake_master`` on a free loopback port (read lease 1 s) and one ``artcache
+payload-holder`` big enough for the run, and stops both at the end. Every process talks over 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalMooncake:
+    """``mooncake_master`` + one payload holder on loopback, for the duration of the bench."""
+
+    def __init__(self, workdir: Path, holder_bytes: int) -> None:
+        binary = shutil.which("mooncake_master") or str(Path(sysconfig.get_path("scripts")) / "mooncake_master")
+        if not Path(binary).is_file():
+            raise SystemExit("mooncake_master not found: python3 -m pip install mooncake-transfer-engine-non-cuda")
+        port, metrics = _free_port(), _free_port()
+        self.url = f"mooncake://127.0.0.1:{port}"
+        self.procs: list[subprocess.Popen] = []
+        with open(workdir / "master.log", "wb") as log:
+            self.procs.append(subprocess.Popen(
+                [binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
+                 f"--metrics_port={metrics}", "--default_kv_lease_ttl=1000"], stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise SystemExit(f"mooncake_master did not start; see {workdir / 'master.log'}") from None
+                time.sleep(0.05)
+        holder_log = workdir / "holder.log"
+        with open(holder_log, "wb") as log:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "artcache", "payload-holder", "--payload", self.url, "--size", str(holder_bytes)],
+                stdout=log, stderr=subprocess.STDOUT))
+        while "payload holder ready" not in holder_log.read_text(errors="replace"):
+            if self.procs[-1].poll() is not None or time.monotonic() > deadline + 40:
+                self.close()
+                raise SystemExit(f"payload holder did not start; see {holder_log}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):  # the holder first, then the master
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def bench_root(layout, contract, tensors: dict, reps: int) -> dict:
+    """publish / read / remove of ``reps`` fresh fingerprints through artcache.store (seconds each)."""
+    from artcache import store
+
+    pub, rd, ev = [], [], []
+    nbytes = 0
+    for i in range(reps + 1):  # the first rep warms up (page cache, connections, staging buffers)
+        fp = f"{0xbe0000 + i:040x}"
+        t0 = time.perf_counter()
+        nbytes = store.publish(layout, fp, contract, tensors)
+        t1 = time.perf_counter()
+        art = store.read(layout, fp, contract)
+        t2 = time.perf_counter()
+        assert art.nbytes == nbytes
+        del art
+        store.remove(layout, fp)
+        t3 = time.perf_counter()
+        if i:
+            pub.append(t1 - t0)
+            rd.append(t2 - t1)
+            ev.append(t3 - t2)
+    store.maintain(layout)
+    return {"nbytes": nbytes, "publish_s": _median(pub), "read_s": _median(rd), "evict_s": _median(ev),
+            "publish_MBps": nbytes / _median(pub) / 1e6, "read_MBps": nbytes / _median(rd) / 1e6}
+
+
+def bare_posix(directory: Path, data: torch.Tensor, reps: int) -> dict:
+    """write + fsync and read of one file of ``data``'s bytes (no artcache)."""
+    path = directory / "bare.bin"
+    w, r = [], []
+    view = memoryview(data.numpy())
+    back = bytearray(len(view))
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            off = 0
+            while off < len(view):
+                off += os.write(fd, view[off:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        t1 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            got = f.readinto(back)
+        t2 = time.perf_counter()
+        assert got == len(view)
+        if i:
+            w.append(t1 - t0)
+            r.append(t2 - t1)
+    path.unlink()
+    n = len(view)
+    return {"write_fsync_MBps": n / _median(w) / 1e6, "read_MBps": n / _median(r) / 1e6}
+
+
+def bare_mooncake(url: str, data: torch.Tensor, reps: int) -> dict:
+    """``upsert_from`` / ``get_into`` of registered buffers (no artcache)."""
+    from artcache.payload_mooncake import MooncakeClient
+
+    client = MooncakeClient(url)
+    try:
+        n = data.numel()
+        src = client.staging(n)
+        src[:n] = data
+        dst = torch.empty(n, dtype=torch.uint8)
+        w, r = [], []
+        for i in range(reps + 1):
+            key = f"bench-{os.getpid()}-{i}"
+            t0 = time.perf_counter()
+            rc = client.upsert_from(key, src, n)
+            t1 = time.perf_counter()
+            got = client.get_into(key, dst)
+            t2 = time.perf_counter()
+            if rc != 0 or got != n:
+                raise SystemExit(f"bare Mooncake put/get failed: put {rc}, get {got}")
+            while client.remove(key) not in (0, -704):
+                time.sleep(0.1)  # the read lease (1 s on the bench's own master)
+            if i:
+                w.append(t1 - t0)
+                r.append(t2 - t1)
+        return {"put_MBps": n / _median(w) / 1e6, "get_MBps": n / _median(r) / 1e6}
+    finally:
+        client.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--payload", help="an existing Mooncake master, mooncake://HOST:PORT (and a holder)")
+    where.add_argument("--start-master", action="store_true", help="start a loopback master + holder for the run")
+    ap.add_argument("--root", default="", help="where the two cache roots go (default: a temporary directory)")
+    ap.add_argument("--tokens", type=int, default=3072)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+
+    import msgspec
+
+    from artcache import payload
+    from artcache.contract import CaptureContract
+    from artcache.layout import CacheLayout
+    from artcache.payload import new_spec, parse_payload_url
+    from artcache.settings import RootSettings, init_settings
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="artcache-payload-micro-"))
+    base.mkdir(parents=True, exist_ok=True)
+    contract = CaptureContract(target_name="bench", target_revision="r", target_config_hash="c",
+                               target_weights_digest="w", layer_ids=tuple(range(args.layers)),
+                               max_length=args.tokens, tokenizer_digest="none", template_digest="none")
+    g = torch.Generator().manual_seed(0)
+    tensors = {"hidden_states": torch.randn(args.tokens, args.layers, args.hidden, generator=g).to(torch.bfloat16),
+               "input_ids": torch.randint(0, 32000, (args.tokens,), generator=g, dtype=torch.int32),
+               "loss_mask": torch.ones(args.tokens, dtype=torch.uint8)}
+    raw = tensors["hidden_states"].reshape(-1).view(torch.uint8)
+    service = LocalMooncake(base, holder_bytes=4 * raw.numel() + (64 << 20)) if args.start_master else None
+    url = service.url if service else parse_payload_url(args.payload)
+    try:
+        settings = RootSettings(plan_id="0" * 40, contract=contract, target_path="/nowhere")
+        roots = {}
+        for name, spec in (("posix", None), ("mooncake", new_spec(url))):
+            lay = CacheLayout(base / f"{name}-root")
+            shutil.rmtree(lay.root, ignore_errors=True)
+            lay.create()
+            init_settings(lay, msgspec.structs.replace(settings, payload=spec))
+            roots[name] = lay
+        report = {"artifact": {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden, "dtype": "bfloat16"},
+                  "reps": args.reps, "posix_dir": str(base), "mooncake": url, "cpus": os.cpu_count(),
+                  "loadavg": os.getloadavg()}
+        # interleaved in one run: POSIX, Mooncake, then the bare transports
+        report["posix"] = bench_root(roots["posix"], contract, tensors, args.reps)
+        report["mooncake_payloads"] = bench_root(roots["mooncake"], contract, tensors, args.reps)
+        report["bare_posix"] = bare_posix(base, raw, args.reps)
+        report["bare_mooncake"] = bare_mooncake(url, raw, args.reps)
+        p, m = report["posix"], report["mooncake_payloads"]
+        report["ratios_mooncake_over_posix"] = {"publish": m["publish_MBps"] / p["publish_MBps"],
+                                                "read": m["read_MBps"] / p["read_MBps"]}
+    finally:
+        payload.close_all()
+        if service:
+            service.close()
+        if not args.root:
+            shutil.rmtree(base, ignore_errors=True)
+    (out / "payload_micro.json").write_text(json.dumps(report, indent=1))
+    mib = report["posix"]["nbytes"] / 2**20
+    print(f"artifact {mib:.1f} MiB ({args.tokens} tokens x {args.layers} layers x {args.hidden}, bf16); "
+          f"medians of {args.reps} reps; load {report['loadavg'][0]:.1f} on {report['cpus']} CPUs")
+    print(f"{'':26s}{'publish MB/s':>14s}{'read MB/s':>12s}{'evict ms':>10s}")
+    for name, key in (("posix root", "posix"), ("mooncake payloads", "mooncake_payloads")):
+        r = report[key]
+        print(f"{name:26s}{r['publish_MBps']:14.0f}{r['read_MBps']:12.0f}{r['evict_s'] * 1e3:10.1f}")
+    bp, bm = report["bare_posix"], report["bare_mooncake"]
+    print(f"{'bare file write+fsync/read':26s}{bp['write_fsync_MBps']:14.0f}{bp['read_MBps']:12.0f}")
+    print(f"{'bare mooncake put/get':26s}{bm['put_MBps']:14.0f}{bm['get_MBps']:12.0f}")
+    rt = report["ratios_mooncake_over_posix"]
+    print(f"mooncake / posix: publish {rt['publish']:.2f}x, read {rt['read']:.2f}x; report {out / 'payload_micro.json'}")
+
+
+if __name__ == "__main__":
+    main()
