@@ -183,6 +183,10 @@ class ContractMismatch(ArtcacheError, ValueError):
     exit_code = 2
 
 
+class LaunchError(ArtcacheError, RuntimeError):
+    """A cluster scheduler refused or failed a job (e.g. ``sbatch`` exited nonzero)."""
+
+
 class JournalError(_OSErrorMessage):
     """Appending an event to a journal failed (ENOSPC, EIO, ...). Lines already written stay readable;
     a partially written line is cut back or terminated so readers skip it as torn.

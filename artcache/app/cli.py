@@ -488,8 +488,15 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
 @click.option("--target", default=None, help="Shortcut for target.name=NAME_OR_DIR.")
 @click.option("--data", "dataset", default=None, help="Shortcut for data.dataset=NAME_OR_FILE.")
 @click.option("--device", default=None, help="Shortcut for target.device=DEV (experiments without a device follow).")
+@click.option("--launcher", default="local", type=click.Choice(["local", "slurm"]),
+              help="local: start the processes here; slurm: write an sbatch script of job steps ([slurm] section, "
+              "docs/scale-out.md).")
+@click.option("--submit", is_flag=True, help="With --launcher slurm: submit the script with sbatch.")
+@click.option("--wait", "wait_job", is_flag=True, help="With --submit: wait for the job, then print each role's exit "
+              "status and the root's inspect summary (exit 1 if any failed).")
 @_errors
-def run(config_path, overrides, dry_run, as_json, out, target, dataset, device):
+def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, launcher="local", submit=False,
+        wait_job=False):
     """One producer (capturing the union of the experiments' layers) and one consumer per experiment.
 
     OVERRIDES are SECTION.FIELD=VALUE, e.g. data.max_length=256 experiments.0.lr=1e-3 (an experiment by
@@ -498,8 +505,20 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device):
     from artcache.app.config import load_run_config
     from artcache.app.experiments import format_plan, plan_run, run_experiments
 
+    if (submit or wait_job) and launcher != "slurm":
+        raise ConfigError("--submit and --wait need --launcher slurm")
+    if wait_job and not submit:
+        raise ConfigError("--wait needs --submit (it waits for the submitted job)")
     flags = {"out": out, "target.name": target, "data.dataset": dataset, "target.device": device}
-    plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}))
+    plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}),
+                              local_devices=launcher == "local")
+    if launcher == "slurm":
+        from artcache.app.slurm import launch
+
+        if as_json:
+            raise ConfigError("--json is for the local launcher's --dry-run; --launcher slurm --dry-run prints the "
+                              "script")
+        sys.exit(launch(plan, resolved, dry_run=dry_run, submit=submit, wait=wait_job))
     if dry_run:
         click.echo(msgspec.json.format(msgspec.json.encode(plan)).decode() if as_json else format_plan(plan))
         return

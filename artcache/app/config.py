@@ -214,6 +214,46 @@ class BenchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     save: Literal["none", "weights", "full"] = "weights"
 
 
+class SlurmSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``artcache run --launcher slurm`` (``[slurm]``): the sbatch script it writes (artcache/app/slurm.py).
+
+    Attributes:
+        partition, account, qos: ``#SBATCH`` values (``""``: the cluster's default).
+        time: the job's time limit (``HH:MM:SS`` or any ``--time`` value).
+        nodes: nodes of the job; 0 = as few as the GPUs need (``gpus_per_node`` each).
+        gpus_per_node: GPUs of one node (a role never spans nodes).
+        producer_gpus: GPUs of the producer's step (the target; >1 for a target sharded over one node's GPUs).
+        experiment_gpus: GPUs of each experiment's step.
+        cpus_per_role: ``--cpus-per-task`` of every step.
+        placement: ``spread`` (the producer on the first node, experiment i on node i mod nodes) or ``pack``
+            (fill each node's GPUs before the next).
+        python: the interpreter every node runs (``""``: the one running ``artcache run``; it must exist at the
+            same path on every node, e.g. a venv on the shared filesystem).
+        setup: shell lines run at the start of the job (``module load ...``, ``source venv/bin/activate``).
+        sbatch_args: further ``#SBATCH`` lines, e.g. ``["--mem=0", "--exclusive"]``.
+        step_args: further ``srun`` arguments of every step.
+        env: environment variables exported in the job (every step inherits them).
+        root_wait_s: seconds the job waits for the producer to create the cache root before it gives up.
+    """
+
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = "04:00:00"
+    nodes: int = 0
+    gpus_per_node: int = 8
+    producer_gpus: int = 1
+    experiment_gpus: int = 1
+    cpus_per_role: int = 1
+    placement: Literal["spread", "pack"] = "spread"
+    python: str = ""
+    setup: list[str] = []
+    sbatch_args: list[str] = []
+    step_args: list[str] = []
+    env: dict[str, str] = {}
+    root_wait_s: float = 600.0
+
+
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A whole run: the sections above. ``out``: the run directory of ``artcache run``."""
 
@@ -224,6 +264,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache: CacheSection = msgspec.field(default_factory=CacheSection)
     experiments: list[Experiment] = []
     bench: BenchSection = msgspec.field(default_factory=BenchSection)
+    slurm: SlurmSection = msgspec.field(default_factory=SlurmSection)
 
     def experiment(self, name: str) -> Experiment:
         """The experiment called ``name``; ConfigError naming the accepted names otherwise."""
@@ -824,6 +865,6 @@ def bench_config(cfg: RunConfig):
     return BenchConfig(**{k: v for k, v in values.items() if k in names})
 
 
-__all__ = ["BenchSection", "CacheSection", "CaptureSection", "DataSection", "Experiment", "RunConfig",
+__all__ = ["BenchSection", "CacheSection", "CaptureSection", "DataSection", "Experiment", "RunConfig", "SlurmSection",
            "TargetSection", "apply_override", "bench_config", "consumer_config", "convert", "dump_toml",
            "load_run_config", "parse_override", "producer_config", "read_file", "save_config"]

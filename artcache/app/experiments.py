@@ -150,7 +150,8 @@ class RunPlan(msgspec.Struct, kw_only=True):
     notes: list[str] = []
 
 
-def _check_device(device: str, what: str) -> None:
+def _check_device(device: str, what: str, local: bool = True) -> None:
+    """ConfigError unless ``device`` is cpu, cuda or cuda:<index> (and, ``local``, usable on this machine)."""
     import torch
 
     try:
@@ -159,7 +160,7 @@ def _check_device(device: str, what: str) -> None:
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"{what} {device!r} is not accepted: use cpu, cuda or cuda:<index>")
-    if dev.type == "cuda":
+    if dev.type == "cuda" and local:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0 or (dev.index is not None and dev.index >= n):
             raise ConfigError(f"{what} {device!r}: {n} CUDA device(s) visible; use cpu"
@@ -240,8 +241,11 @@ def resolve(cfg: RunConfig, captured: list[int] | None = None) -> RunConfig:
                                    experiments=exps, capture=capture)
 
 
-def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
+def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, RunConfig]:
     """Resolve and check a run; nothing is written. Returns the plan and the resolved config.
+
+    ``local_devices=False`` (a launcher that runs the roles elsewhere, e.g. Slurm) checks only that each
+    device names cpu or cuda[:i], not that this machine has it.
 
     Raises:
         ConfigError: no experiment, a bad device, dtype, layer set, consumer setting or cache root.
@@ -262,9 +266,9 @@ def plan_run(cfg: RunConfig) -> tuple[RunPlan, RunConfig]:
 
     if not cfg.experiments:
         raise ConfigError("the config has no experiments: add at least one [[experiments]] table with a name")
-    _check_device(cfg.target.device, "target.device")
+    _check_device(cfg.target.device, "target.device", local_devices)
     for e in cfg.experiments:
-        _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device")
+        _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
     compute = resolve_compute_dtype(cfg.target.compute_dtype, cfg.target.device)
     _check_dtypes(cfg, compute)
     info = resolve_target(cfg.target.name)

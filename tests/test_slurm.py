@@ -1,0 +1,232 @@
+"""``artcache run --launcher slurm``: placement, the sbatch script, refusals (default lane), and a tiny run
+through a fake 3-node Slurm cluster on this machine (marker ``slurm``: ``.ci/slurm-cluster.sh`` starts
+munged, slurmctld and three slurmd as n1-n3 with two fake GPUs each; needs root and Debian's slurm
+packages, which the script installs; skips otherwise).
+
+The end-to-end test: the producer on n1, three consumers on n1, n2, n3, each step seeing its own
+``CUDA_VISIBLE_DEVICES`` (fake GPUs: the roles compute on the CPU, the test checks what Slurm gave them);
+``artcache inspect`` invariants hold and the producer captured each consumed position once (<= 1.05).
+Deadlines only bound a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from procs import REPO, child_env
+from test_cli import snapshot
+
+from artcache.app.cli import main
+from artcache.app.config import load_run_config
+from artcache.app.experiments import plan_run
+from artcache.app.slurm import collect, place, render
+from artcache.errors import ConfigError
+
+EXPERIMENT = """
+[[experiments]]
+name = "{name}"
+block_size = {bs}
+anchors = 4
+batch_size = 2
+steps = {steps}
+window = "2:8"
+threads = 1
+log_every = 1
+[experiments.consumer]
+progress = false
+tensorboard = false
+"""
+
+
+def config(tmp_path: Path, *, names=("c1", "c2", "c3"), steps: int = 6, slurm: str = "", device: str = "cpu") -> Path:
+    body = f"""
+out = "{tmp_path / 'run'}"
+[target]
+name = "random:tiny-llama"
+threads = 1
+device = "{device}"
+[data]
+dataset = "synthetic"
+max_length = 32
+max_samples = 64
+[capture]
+draft_layers = 3
+batch_samples = 2
+[cache]
+done_grace_s = 1.0
+[slurm]
+nodes = 3
+gpus_per_node = 2
+time = "00:20:00"
+{slurm}
+""" + "".join(EXPERIMENT.format(name=n, bs=4 * (1 + i % 2), steps=steps) for i, n in enumerate(names))
+    path = tmp_path / "run.toml"
+    path.write_text(body)
+    return path
+
+
+def planned(path: Path, *overrides: str):
+    return plan_run(load_run_config(path, overrides), local_devices=False)
+
+
+# ---- placement and script (no cluster) -------------------------------------------------------------------
+
+def test_spread_puts_the_producer_on_the_first_node_and_one_experiment_per_node(tmp_path):
+    plan, cfg = planned(config(tmp_path))
+    nodes, roles = place(plan, cfg)
+    assert nodes == 3
+    assert [(r.name, r.node, r.gpus) for r in roles] == [("producer", 0, 1), ("c1", 0, 1), ("c2", 1, 1), ("c3", 2, 1)]
+    assert roles[0].argv[2:5] == ["artcache", "producer", "--config"]
+    assert roles[0].argv[-5:] == ["--id", "producer", "--exit-when-done", "--expect-consumers", "3"]
+    assert roles[2].argv[-2:] == ["--experiment", "c2"]
+
+
+def test_pack_fills_a_node_before_the_next(tmp_path):
+    plan, cfg = planned(config(tmp_path, slurm='placement = "pack"'), "slurm.nodes=2")
+    _, roles = place(plan, cfg)
+    assert [r.node for r in roles] == [0, 0, 1, 1]
+
+
+def test_node_count_follows_the_gpus_when_not_given(tmp_path):
+    plan, cfg = planned(config(tmp_path), "slurm.nodes=0", "slurm.gpus_per_node=8", "slurm.producer_gpus=4")
+    nodes, roles = place(plan, cfg)
+    assert nodes == 1 and {r.node for r in roles} == {0} and roles[0].gpus == 4
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (("slurm.producer_gpus=3",), "a node has 2"),
+    (("slurm.nodes=1",), "do not fit on 1 node"),
+    (("slurm.nodes=5",), "more than the run's 4 roles"),
+    (("slurm.gpus_per_node=0",), "slurm.gpus_per_node 0"),
+])
+def test_placements_that_cannot_work_are_refused(tmp_path, overrides, needle):
+    plan, cfg = planned(config(tmp_path), *overrides)
+    with pytest.raises(ConfigError, match=needle):
+        place(plan, cfg)
+
+
+def test_a_device_index_beyond_the_steps_gpus_is_refused(tmp_path):
+    plan, cfg = planned(config(tmp_path), "experiments.c2.device=cuda:1")
+    with pytest.raises(ConfigError, match=r"experiments.c2.device 'cuda:1'.*cuda:0"):
+        render(plan, cfg)
+
+
+def test_script_has_one_exact_single_gpu_step_per_role(tmp_path):
+    plan, cfg = planned(config(tmp_path, slurm='partition = "gpu"\nsbatch_args = ["--mem=0"]\n'
+                                                'setup = ["source /opt/venv/bin/activate"]\nenv = { HF_HOME = "/shared/hf" }'))
+    script = render(plan, cfg)
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --gres=gpu:2", "#SBATCH --partition=gpu",
+                 "#SBATCH --mem=0", "#SBATCH --time=00:20:00", "source /opt/venv/bin/activate",
+                 "export HF_HOME=/shared/hf"):
+        assert line in script.splitlines(), line
+    assert 'srun --exact -N1 -n1 -w "$node" --gres=gpu:"$gpus"' in script
+    steps = [ln for ln in script.splitlines() if ln.startswith("role ")]
+    assert len(steps) == 4 and steps[0].startswith("role producer 0 1 ")
+    assert [ln.split()[1:4] for ln in steps[1:]] == [["c1", "0", "1"], ["c2", "1", "1"], ["c3", "2", "1"]]
+    assert all(ln.endswith(" &") for ln in steps)
+    # the consumers start only once the producer made the root
+    assert script.index('[ -f "$ROOT/artcache.json" ] && break') < script.index("role c1 ")
+    res = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = config(tmp_path)
+    before = snapshot(tmp_path)
+    res = CliRunner().invoke(main, ["run", "--config", str(cfg), "--launcher", "slurm", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "#!/bin/bash" in res.output and "srun --exact -N1 -n1" in res.output and "role c3 2 1 " in res.output
+    assert snapshot(tmp_path) == before
+
+
+def test_without_submit_the_script_and_configs_are_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["run", "--config", str(config(tmp_path)), "--launcher", "slurm"])
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    script = run / "slurm" / "run.sbatch"
+    assert script.is_file() and os.access(script, os.X_OK) and f"sbatch {script}" in res.output
+    assert (run / "config.toml").is_file() and (run / "plan.json").is_file()
+    assert not (run / "cache").exists()  # the producer step creates the root, in the job
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--submit"], "need --launcher slurm"),
+    (["--launcher", "slurm", "--wait"], "--wait needs --submit"),
+    (["--launcher", "slurm", "--dry-run", "--json"], "--json"),
+])
+def test_launcher_flag_combinations_refused(tmp_path, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["run", "--config", str(config(tmp_path)), *args])
+    assert res.exit_code == 2 and needle in res.stderr, res.output
+
+
+def test_submit_without_sbatch_is_bad_input_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    cfg = config(tmp_path)
+    before = snapshot(tmp_path)
+    res = CliRunner().invoke(main, ["run", "--config", str(cfg), "--launcher", "slurm", "--submit"])
+    assert res.exit_code == 2 and "sbatch is not on PATH" in res.stderr, res.output
+    assert snapshot(tmp_path) == before
+
+
+# ---- through a fake cluster ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """The fake 3-node cluster for this module; SLURM_CONF points at it meanwhile."""
+    if os.geteuid() != 0:
+        pytest.skip("the fake Slurm cluster needs root (slurmd runs jobs as any user)")
+    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        pytest.skip("no slurmctld and no apt-get to install Debian's slurmd slurmctld slurm-client munge")
+    d = tmp_path_factory.mktemp("slurm-cluster")
+    script = REPO / ".ci" / "slurm-cluster.sh"
+    res = subprocess.run(["bash", str(script), "start", str(d)], capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        pytest.fail(f"the fake cluster did not start:\n{res.stdout}\n{res.stderr}")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(d / "slurm.conf")
+    try:
+        yield d
+    finally:
+        subprocess.run(["bash", str(script), "stop", str(d)], capture_output=True, text=True, timeout=120)
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+@pytest.mark.slurm
+def test_tiny_run_through_slurm(tmp_path, slurm_cluster):
+    cfg = config(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "artcache", "run", "--config", str(cfg), "--launcher", "slurm",
+                           "--submit", "--wait"], capture_output=True, text=True, cwd=tmp_path,
+                          env=child_env(SLURM_CONF=os.environ["SLURM_CONF"]), timeout=900)
+    run = tmp_path / "run"
+    job_out = "\n".join(p.read_text(errors="replace") for p in (run / "logs").glob("slurm-*.out"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + job_out
+    res = collect(run, ["producer", "c1", "c2", "c3"])
+    assert res["ok"], json.dumps(res, indent=1)
+    roles = res["roles"]
+    assert {n: r["node"] for n, r in roles.items()} == {"producer": "n1", "c1": "n1", "c2": "n2", "c3": "n3"}
+    # every step saw one GPU of its own: Slurm's gres binding (fake GPUs 0 and 1 per node)
+    seen = {n: r["cuda_visible_devices"] for n, r in roles.items()}
+    assert all(v in ("0", "1") for v in seen.values()), seen
+    assert seen["producer"] != seen["c1"], seen  # the two roles on n1 got different GPUs
+    assert len({r["step"] for r in roles.values()}) == 4
+    acc = res["inspect"]
+    assert acc["violations"] == [], acc["violations"]
+    c = acc["cache"]
+    assert c["distinct_positions_consumed"] == 12 and c["captures_per_consumed_position"] <= 1.05, c
+    for name in roles:
+        assert (run / "logs" / f"{name}.log").stat().st_size > 0
+    assert (run / "experiments" / "c3" / "checkpoints" / "latest").exists()
+    assert "inspect: ok" in proc.stdout
