@@ -10,13 +10,15 @@ A file (all sections optional; every field has a default except an experiment's 
     max_length = 256
     [capture]                         # layers and capture batching (layer_ids: default = union of views)
     batch_samples = 4
-    [cache]                           # cache root and liveness
+    [cache]                           # cache root, liveness, where the tensors go (payload)
     heartbeat_timeout_s = 30.0
     [[experiments]]                   # one consumer each
     name = "lr-hi"
     lr = 1e-3
     [bench]                           # `artcache bench --config`
     scenario = "1p3c"
+    [slurm]                           # `artcache run --launcher slurm` (artcache/app/slurm.py)
+    gpus_per_node = 8
 
 Overrides (``artcache run --config FILE experiments.0.lr=1e-3 data.max_length=128``) name a field by
 its dotted path; an experiment is addressed by index or by name (``experiments.lr-hi.lr=1e-3``);

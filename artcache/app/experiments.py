@@ -387,7 +387,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
     gpus = [x.device for x in exps if x.device.startswith("cuda")] + \
         ([resolved.target.device] if resolved.target.device.startswith("cuda") else [])
     shared = sorted({d for d in gpus if gpus.count(d) > 1})
-    if shared:
+    if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
         notes.append(f"several roles share {', '.join(shared)}")
     plan = RunPlan(
         out=resolved.out, cache_root=str(layout.root), config_path=str(Path(resolved.out) / "config.toml"),
