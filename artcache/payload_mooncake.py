@@ -395,10 +395,14 @@ class MooncakePayloads:
         # the intent marker first: a writer killed after the put leaves a marker, and the next maintain pass
         # removes the orphaned payload (unless a manifest names it by then)
         self._touch(self.pending_path(fp), fp)
-        self._put(client, fp, buf, nbytes)
-        crash_point("publish.after-payload")
-        atomic_write(self.manifest_path(fp), [msgspec.json.encode(manifest)], self.layout.tmp, durable=durable,
-                     fingerprint=fp)
+        try:
+            self._put(client, fp, buf, nbytes)
+            crash_point("publish.after-payload")
+            atomic_write(self.manifest_path(fp), [msgspec.json.encode(manifest)], self.layout.tmp, durable=durable,
+                         fingerprint=fp)
+        except BaseException:
+            self._defer(fp)  # the marker stays; a later maintain() removes whatever the put left
+            raise
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.pending_path(fp))
         return nbytes
@@ -558,7 +562,9 @@ class MooncakePayloads:
             return 0
         crash_point("evict.after-rename")
         self._drop_payload(fp)
-        return m.nbytes if m is not None else 0
+        if m is not None:
+            return m.nbytes
+        return self._sizes.get(fp, (0, 0, 0, ""))[2]  # an unreadable manifest: the size last listed
 
     def remove(self, fp: str) -> int:
         """Evict one artifact: withdraw its manifest, then remove its key (now, or in a later
@@ -671,8 +677,8 @@ class MooncakePayloads:
         if now >= self._next_epoch_check:
             self._next_epoch_check = now + EPOCH_CHECK_S
             lost = self._check_epoch()
-        if not self._pending:
-            self.list_objects()  # picks up markers left by other (killed) processes
+        # deferred removals, and the .pending markers the last list_objects() saw (evict_pass lists objects/
+        # every pass, so markers left by killed processes are queued there)
         self._retry_pending(now)
         return lost
 
