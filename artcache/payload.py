@@ -1,4 +1,4 @@
-"""Where an artifact's bytes live: the payload backend of a cache root (the narrow seam below ``store``).
+"""Where an artifact's bytes live: the payload store of a cache root (the narrow seam below ``store``).
 
 A cache root's *control plane* is always the POSIX directory (``artcache.json``, the plan, registrations,
 windows, leases, journals, locks). The *payload* — each artifact's tensors — lives in one of two places,
@@ -6,17 +6,17 @@ chosen when the root is created and recorded in ``artcache.json`` (:attr:`RootSe
 <artcache.settings.RootSettings>`), so every process of the root uses the same one without a flag:
 
 ==========================  ======================================================================
-``posix`` (default)         ``objects/<ab>/<fp>.safetensors`` in the root (:mod:`artcache.store`)
+``posix`` (default)         ``objects/<ab>/<fp>.safetensors`` in the root: :mod:`artcache.store`'s
+                            own file code, unchanged
 ``mooncake://HOST:PORT``    the same safetensors bytes in Mooncake Store under ``<namespace>/<fp>``,
                             plus a small manifest ``objects/<ab>/<fp>.manifest`` in the root
                             (:mod:`artcache.payload_mooncake`, docs/scale-out.md)
 ==========================  ======================================================================
 
-:mod:`artcache.store`'s public functions (``publish``, ``exists``, ``read``, ``verify``, ``quarantine``,
-``remove``, ``list_objects``, ``maintain``) keep their signatures: each asks :func:`remote_for` first and
-hands the call to the root's remote backend when it has one; a POSIX root takes today's code path
-unchanged. :class:`PayloadBackend` is that interface; :class:`PosixPayloads` is the POSIX
-implementation as an object (the same functions), for code that wants the seam explicitly (tests, bench).
+The seam is at the level of bytes (:class:`RemotePayloads`): :mod:`artcache.store` keeps the artifact
+codec and all its checks, encodes before a remote ``put`` and verifies after a remote ``get``, so a
+change to the format or its checks applies to both. Each of store's public functions asks
+:func:`remote_for` first; a POSIX root takes today's code path.
 """
 
 from __future__ import annotations
@@ -32,12 +32,8 @@ import msgspec
 
 from artcache.errors import ConfigError
 
-if TYPE_CHECKING:  # typing only: store imports this module
-    import torch
-
-    from artcache.contract import CaptureContract
+if TYPE_CHECKING:
     from artcache.layout import CacheLayout
-    from artcache.store import Artifact
 
 #: ``--payload`` values naming the in-root backend
 POSIX_NAMES = ("posix",)
@@ -75,14 +71,6 @@ def parse_payload_url(text: str) -> str | None:
     return f"mooncake://{m['host']}:{int(m['port'])}"
 
 
-def host_port(url: str) -> tuple[str, int]:
-    """(host, port) of a ``mooncake://HOST:PORT`` URL (brackets of an IPv6 host removed)."""
-    m = _MOONCAKE.fullmatch(url)
-    if m is None:
-        raise ConfigError(f"not a mooncake://HOST:PORT URL: {url!r}")
-    return m["host"].strip("[]"), int(m["port"])
-
-
 def new_spec(url: str) -> PayloadSpec:
     """The spec a new root records for ``url`` (a fresh random namespace)."""
     return PayloadSpec(url=url, namespace=f"artcache-{secrets.token_hex(8)}")
@@ -93,79 +81,36 @@ def describe(spec: PayloadSpec | None) -> str:
     return "posix" if spec is None else spec.url
 
 
-class PayloadBackend(Protocol):
-    """What a payload backend does for one cache root (the functions of :mod:`artcache.store`, bound).
+class RemotePayloads(Protocol):
+    """A remote payload store of one cache root, at the level of bytes (the seam below :mod:`artcache.store`,
+    which keeps the artifact codec and every check: validation, encoding, content hash, token check).
 
-    Sizes are bytes; ``fp`` is a fingerprint (40 lower-case hex digits); tensors as in
-    :func:`artcache.store.publish`. Errors: ``ArtifactMissing`` (not published: a demand miss),
-    ``IntegrityError`` (failed a check; quarantined), ``PublishError`` (nothing published; ``retryable``).
+    ``fp`` is a fingerprint; sizes are bytes. Errors: ``ArtifactMissing`` (not published: a demand miss),
+    ``PayloadUnavailable`` (published, not servable now: a retried miss), ``IntegrityError`` (bad manifest
+    or bytes: the caller quarantines), ``PublishError`` (nothing published; ``retryable``).
     """
 
-    def publish(self, fp: str, contract: CaptureContract, tensors: dict[str, torch.Tensor], *,
-                durable: bool = True, values_checked: bool = False, verify_tokens: bool = False) -> int: ...
+    def put(self, fp: str, parts: list, *, durable: bool = True) -> int:
+        """Publish the artifact bytes ``parts`` (safetensors header, then data chunks); the bytes written."""
+        ...
+
+    def get(self, fp: str, *, pin: bool = False, repair: bool = True):
+        """The published bytes of ``fp`` (a uint8 buffer), checked against what was published."""
+        ...
 
     def exists(self, fp: str) -> bool: ...
 
-    def read(self, fp: str, contract: CaptureContract, *, pin: bool = False,
-             verify_tokens: bool = False) -> Artifact: ...
-
-    def verify(self, fp: str, contract: CaptureContract, *, verify_tokens: bool = True) -> str | None: ...
-
-    def quarantine(self, fp: str) -> bool: ...
+    def list_objects(self) -> dict[str, int]: ...
 
     def remove(self, fp: str) -> int: ...
 
-    def list_objects(self) -> dict[str, int]: ...
+    def quarantine(self, fp: str) -> bool: ...
 
     def maintain(self) -> dict[str, int]:
         """Housekeeping of the producer's eviction pass; returns the artifacts found lost (fp → bytes)."""
         ...
 
-
-class PosixPayloads:
-    """The POSIX backend as an object: :mod:`artcache.store`'s functions on one layout (today's behaviour)."""
-
-    def __init__(self, layout: CacheLayout) -> None:
-        self.layout = layout
-
-    def publish(self, fp, contract, tensors, *, durable=True, values_checked=False, verify_tokens=False) -> int:
-        from artcache import store
-
-        return store.publish(self.layout, fp, contract, tensors, durable=durable, values_checked=values_checked,
-                             verify_tokens=verify_tokens)
-
-    def exists(self, fp: str) -> bool:
-        from artcache import store
-
-        return store.exists(self.layout, fp)
-
-    def read(self, fp, contract, *, pin=False, verify_tokens=False):
-        from artcache import store
-
-        return store.read(self.layout, fp, contract, pin=pin, verify_tokens=verify_tokens)
-
-    def verify(self, fp, contract, *, verify_tokens=True):
-        from artcache import store
-
-        return store.verify(self.layout, fp, contract, verify_tokens=verify_tokens)
-
-    def quarantine(self, fp: str) -> bool:
-        from artcache import store
-
-        return store.quarantine(self.layout, fp)
-
-    def remove(self, fp: str) -> int:
-        from artcache import store
-
-        return store.remove(self.layout, fp)
-
-    def list_objects(self) -> dict[str, int]:
-        from artcache import store
-
-        return store.list_objects(self.layout)
-
-    def maintain(self) -> dict[str, int]:
-        return {}
+    def close(self, drain_s: float | None = None) -> None: ...
 
 
 class _RootBits(msgspec.Struct):
@@ -187,12 +132,9 @@ def remote_for(layout: CacheLayout):
 
     One backend per root and process, reopened when ``artcache.json`` is replaced (a root removed and
     created again at the same path) and in a forked child (a Mooncake client is never shared across a
-    fork). Costs one ``stat`` per call once open.
-
-    Raises:
-        ConfigError: ``artcache.json`` names a payload store this install cannot use (e.g. Mooncake
-            without the ``mooncake-transfer-engine-non-cuda`` package).
-        PayloadStoreError: the store is unreachable.
+    fork). Costs one ``stat`` per call once open. Touches no store: a backend connects on first use
+    (``exists``/``list_objects`` need only the root), and then raises ConfigError without the client
+    library, PayloadStoreError when the store does not answer.
     """
     path = layout.root / "artcache.json"
     try:
@@ -224,11 +166,6 @@ def remote_for(layout: CacheLayout):
     return backend
 
 
-def open_backend(layout: CacheLayout) -> PayloadBackend:
-    """The root's backend as an object: its remote backend, or :class:`PosixPayloads`."""
-    return remote_for(layout) or PosixPayloads(layout)
-
-
 def close_all() -> None:
     """Close every remote backend this process opened (and their store clients); safe to call twice."""
     with _lock:
@@ -241,5 +178,5 @@ def close_all() -> None:
     payload_mooncake.close_clients()
 
 
-__all__ = ["POSIX_NAMES", "PayloadBackend", "PayloadSpec", "PosixPayloads", "close_all", "describe", "host_port",
-           "new_spec", "open_backend", "parse_payload_url", "remote_for"]
+__all__ = ["POSIX_NAMES", "PayloadSpec", "RemotePayloads", "close_all", "describe", "new_spec", "parse_payload_url",
+           "remote_for"]

@@ -42,11 +42,13 @@ exit or be killed without losing a payload. Mooncake return codes are those of i
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
 import secrets
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -67,7 +69,6 @@ from artcache.fsio import atomic_write
 from artcache.hashing import digest_bytes
 from artcache.layout import CacheLayout, check_fingerprint, check_real_dir, open_nofollow, unique_suffix
 from artcache.locking import Timeout, cache_lock
-from artcache.payload import PayloadSpec, host_port
 
 log = logging.getLogger("artcache.payload")
 
@@ -113,6 +114,29 @@ MAX_PAYLOAD_BYTES = 1 << 40
 MANIFEST_SUFFIX = ".manifest"
 PENDING_SUFFIX = ".pending"
 _FP_NAME = re.compile(r"[0-9a-f]{16,128}")
+
+
+def host_port(url: str) -> tuple[str, int]:
+    """(host, port) of a ``mooncake://HOST:PORT`` URL (validated by :func:`artcache.payload.parse_payload_url`;
+    brackets of an IPv6 host removed)."""
+    host, _, port = url.removeprefix("mooncake://").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _header(first: memoryview, fp: str) -> dict:
+    """The JSON header of a safetensors encoding whose first part is ``first`` (8-byte LE length + JSON)."""
+    if first.nbytes < 8:
+        raise IntegrityError(f"artifact {fp}: its encoding is shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", first[:8])
+    if first.nbytes < 8 + n:
+        raise IntegrityError(f"artifact {fp}: its first part does not hold the whole safetensors header")
+    try:
+        header = json.loads(bytes(first[8:8 + n]))
+    except ValueError as exc:
+        raise IntegrityError(f"artifact {fp}: unreadable safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise IntegrityError(f"artifact {fp}: the safetensors header is not an object")
+    return header
 
 
 def code_name(rc: int) -> str:
@@ -324,7 +348,8 @@ class MooncakePayloads:
     POSIX root.
     """
 
-    def __init__(self, layout: CacheLayout, spec: PayloadSpec, *, lock_stripes: int = 4096) -> None:
+    def __init__(self, layout: CacheLayout, spec, *, lock_stripes: int = 4096) -> None:
+        """``spec``: the root's :class:`artcache.payload.PayloadSpec` (its ``url`` and ``namespace``)."""
         self.layout = layout
         self.spec = spec
         self.lock_stripes = lock_stripes
@@ -353,19 +378,20 @@ class MooncakePayloads:
     def pending_path(self, fp: str) -> Path:
         return self.layout.objects / fp[:2] / f"{check_fingerprint(fp)}{PENDING_SUFFIX}"
 
-    # -- publish ----------------------------------------------------------------------------------
-    def publish(self, fp, contract, tensors, *, durable: bool = True, values_checked: bool = False,
-                verify_tokens: bool = False) -> int:
-        """Validate, put the payload (hard-pinned), then publish the manifest by atomic rename; return the
-        payload size in bytes. Same arguments and errors as :func:`artcache.store.publish`; a put the
-        store keeps refusing for :data:`PUT_WAIT_S` raises PublishError naming the Mooncake code."""
-        from artcache import store
+    # -- put ------------------------------------------------------------------------------------
+    def put(self, fp: str, parts, *, durable: bool = True) -> int:
+        """Publish ``fp``'s artifact bytes (``parts``: the safetensors header, then the data chunks, as
+        :func:`artcache.store.publish` encodes them): intent marker, hard-pinned ``upsert`` of the payload,
+        then the manifest by temp file + fsync + rename. Returns the payload size in bytes.
 
-        store.validate_capture(contract, tensors, check_values=not values_checked)
-        if verify_tokens:
-            store.check_tokens(fp, contract, tensors["input_ids"], tensors["loss_mask"])
-        header, chunks = store._encode(fp, contract, tensors)
-        nbytes = len(header) + sum(c.nbytes for c in chunks)
+        Raises:
+            PublishError: nothing published (the marker stays and a later :meth:`maintain` removes any
+                half-put key); ``retryable`` for transient store states. A put the store keeps refusing
+                for :data:`PUT_WAIT_S` names the Mooncake code (``-200``: the holders are full).
+        """
+        views = [memoryview(p).cast("B") for p in parts]
+        nbytes = sum(v.nbytes for v in views)
+        header = _header(views[0], fp)
         try:
             shard = self.layout.objects / fp[:2]
             shard.mkdir(exist_ok=True)
@@ -381,16 +407,15 @@ class MooncakePayloads:
         buf = client.staging(nbytes)
         view = buf.numpy()
         off = 0
-        for part in (header, *chunks):
-            n = memoryview(part).nbytes
-            view[off:off + n] = memoryview(part).cast("B")
-            off += n
-        payload_hash = digest_bytes(memoryview(view)[:nbytes])
-        hdr, meta, _ = store._parse(header, fp)
+        for v in views:
+            view[off:off + v.nbytes] = v
+            off += v.nbytes
+        meta = header.get("__metadata__") or {}
         manifest = Manifest(
-            artcache_format=FORMAT_VERSION, fingerprint=fp, contract_id=contract.contract_id, key=self.key(fp),
-            nbytes=nbytes, payload_hash=payload_hash, content_hash=meta["content_hash"],
-            tensors={k: TensorSpec(v["dtype"], list(v["shape"])) for k, v in hdr.items() if k != "__metadata__"},
+            artcache_format=FORMAT_VERSION, fingerprint=fp, contract_id=str(meta.get("contract_id", "")),
+            key=self.key(fp), nbytes=nbytes, payload_hash=digest_bytes(memoryview(view)[:nbytes]),
+            content_hash=str(meta.get("content_hash", "")),
+            tensors={k: TensorSpec(v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__"},
             epoch=self.epoch)
         # the intent marker first: a writer killed after the put leaves a marker, and the next maintain pass
         # removes the orphaned payload (unless a manifest names it by then)
@@ -438,7 +463,7 @@ class MooncakePayloads:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    # -- read -------------------------------------------------------------------------------------
+    # -- get --------------------------------------------------------------------------------------
     def exists(self, fp: str) -> bool:
         return self.manifest_path(fp).is_file()
 
@@ -466,83 +491,40 @@ class MooncakePayloads:
             raise IntegrityError(f"manifest of {fp} names an impossible payload size {m.nbytes}")
         return m
 
-    def _fetch(self, m: Manifest, pin: bool):
-        """(uint8 tensor of m.nbytes, Mooncake result: bytes read or a negative code)."""
+    def get(self, fp: str, *, pin: bool = False, repair: bool = True):
+        """The payload bytes of ``fp`` (a uint8 numpy array over a fresh buffer, page-locked when ``pin``),
+        accepted only if they hash to the manifest's ``payload_hash``. The caller checks the artifact itself
+        (:func:`artcache.store.read`: content hash, fingerprint, contract, shapes, token ids).
+
+        Raises:
+            ArtifactMissing: no manifest; or (``repair``) Mooncake no longer has the key: the manifest is
+                withdrawn first, so the producer recaptures it.
+            PayloadUnavailable: published, but the store cannot serve it now (retry).
+            IntegrityError: the manifest is unreadable, the bytes do not match it, or (not ``repair``) the
+                store lost the payload. The caller quarantines.
+        """
         import torch
 
+        m = self._load_manifest(fp)
         buf = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=pin)
         try:
-            client = self.client
+            got = self.client.get_into(m.key, buf)
         except PayloadStoreError as exc:
-            raise PayloadUnavailable(f"payload of {m.fingerprint}: {exc}") from exc
-        return buf, client.get_into(m.key, buf)
-
-    def _check(self, m: Manifest, buf, got: int, fp: str, contract, verify_tokens: bool, check_values: bool):
-        """The payload's tensors after every check; IntegrityError naming the failed one."""
-        from artcache import store
-
+            raise PayloadUnavailable(f"payload of {fp}: {exc}") from exc
+        if got == OBJECT_NOT_FOUND:
+            if not repair:
+                raise IntegrityError(f"artifact {fp}: Mooncake no longer holds its payload (key {m.key})")
+            self._withdraw(fp, m)
+            raise ArtifactMissing(f"artifact {fp}: Mooncake no longer holds its payload (master restarted or its "
+                                  "holder stopped); withdrawn, it is recaptured on demand")
+        if got < 0 and got != INVALID_PARAMS:
+            raise PayloadUnavailable(f"artifact {fp}: Mooncake get failed with {code_name(got)}; retrying")
         if got != m.nbytes:
             raise IntegrityError(f"payload of {fp} has {got} B, its manifest says {m.nbytes}")
         data = buf.numpy()
         if digest_bytes(memoryview(data)) != m.payload_hash:
             raise IntegrityError(f"payload of {fp} does not match its manifest's payload hash")
-        if m.contract_id != contract.contract_id:
-            raise IntegrityError(f"artifact {fp} was captured under another contract")
-        tensors = store._verify(data, fp, contract, verify_tokens, check_values=check_values)
-        specs = {k: TensorSpec(store._ST_NAMES[t.dtype], list(t.shape)) for k, t in tensors.items()}
-        if specs != m.tensors:
-            raise IntegrityError(f"payload of {fp} holds other tensors than its manifest lists")
-        return tensors
-
-    def read(self, fp, contract, *, pin: bool = False, verify_tokens: bool = False):
-        """Read and verify one artifact (see :func:`artcache.store.read`).
-
-        Raises:
-            ArtifactMissing: no manifest, or Mooncake no longer has the key (the manifest is withdrawn
-                first, so the producer recaptures it).
-            PayloadUnavailable: published, but the store cannot serve it now (retry).
-            IntegrityError: a check failed; the manifest was quarantined and the key marked for removal.
-        """
-        from artcache.store import Artifact
-
-        try:
-            m = self._load_manifest(fp)
-        except IntegrityError:
-            self.quarantine(fp)
-            raise
-        buf, got = self._fetch(m, pin)
-        if got == OBJECT_NOT_FOUND:
-            self._withdraw(fp, m)
-            raise ArtifactMissing(f"artifact {fp}: Mooncake no longer holds its payload (master restarted or "
-                                  "its holder stopped); withdrawn, it is recaptured on demand")
-        if got in TRANSIENT_GET or (got < 0 and got != INVALID_PARAMS):
-            raise PayloadUnavailable(f"artifact {fp}: Mooncake get failed with {code_name(got)}; retrying")
-        try:
-            tensors = self._check(m, buf, got, fp, contract, verify_tokens, check_values=False)
-        except IntegrityError:
-            self.quarantine(fp)
-            raise
-        core = ("hidden_states", "input_ids", "loss_mask")
-        return Artifact(fp, tensors["hidden_states"], tensors["input_ids"], tensors["loss_mask"], m.nbytes,
-                        {k: v for k, v in tensors.items() if k not in core})
-
-    def verify(self, fp, contract, *, verify_tokens: bool = True) -> str | None:
-        """None if ``fp`` passes every check of :meth:`read` and has no NaN/Inf, else what failed (nothing
-        moved). Raises ArtifactMissing (no manifest) and PayloadUnavailable (store unreachable now)."""
-        try:
-            m = self._load_manifest(fp)
-        except IntegrityError as exc:
-            return str(exc)
-        buf, got = self._fetch(m, False)
-        if got == OBJECT_NOT_FOUND:
-            return f"artifact {fp}: Mooncake no longer holds its payload (key {m.key})"
-        if got in TRANSIENT_GET:
-            raise PayloadUnavailable(f"artifact {fp}: Mooncake get failed with {code_name(got)}")
-        try:
-            self._check(m, buf, got, fp, contract, verify_tokens, check_values=True)
-        except IntegrityError as exc:
-            return str(exc)
-        return None
+        return data
 
     # -- removal ----------------------------------------------------------------------------------
     def _withdraw(self, fp: str, m: Manifest | None = None) -> int:

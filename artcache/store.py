@@ -375,12 +375,12 @@ def publish(layout: CacheLayout, fp: str, contract: CaptureContract,
         PublishError: a write, fsync or rename failed, or space ran out (temp file removed).
         UnsafePath: the shard directory ``objects/<ab>`` is a symbolic link (nothing written).
     """
-    if (remote := remote_for(layout)) is not None:  # a root whose payloads live elsewhere (artcache.payload)
-        return remote.publish(fp, contract, tensors, durable=durable, values_checked=values_checked,
-                              verify_tokens=verify_tokens)
     validate_capture(contract, tensors, check_values=not values_checked)
     if verify_tokens:
         check_tokens(fp, contract, tensors["input_ids"], tensors["loss_mask"])
+    if (remote := remote_for(layout)) is not None:  # the bytes go to the root's payload store (artcache.payload)
+        head, chunks = _encode(fp, contract, tensors)
+        return remote.put(fp, [head, *chunks], durable=durable)
     io = IO
     if io.stream:
         header, chunks = _data_views(tensors)
@@ -560,14 +560,20 @@ def read(layout: CacheLayout, fp: str, contract: CaptureContract, *, pin: bool =
             moved to ``quarantine/`` so the next request is a demand miss.
         UnsafePath: the artifact or its shard directory is a symbolic link (never followed).
     """
-    if (remote := remote_for(layout)) is not None:
-        return remote.read(fp, contract, pin=pin, verify_tokens=verify_tokens)
     path = layout.object_path(fp)
     try:
-        _shard_dir(layout, fp, create=False)
-        buf, digest = _read_file(path, pin)
+        if (remote := remote_for(layout)) is not None:
+            buf, digest = remote.get(fp, pin=pin), None
+        else:
+            _shard_dir(layout, fp, create=False)
+            buf, digest = _read_file(path, pin)
     except FileNotFoundError as exc:
+        if isinstance(exc, ArtifactMissing):  # a remote store's miss keeps its reason
+            raise
         raise ArtifactMissing(f"artifact {fp} is not published") from exc
+    except IntegrityError:
+        quarantine(layout, fp)
+        raise
     try:
         tensors = _verify(buf, fp, contract, verify_tokens, digest=digest)
     except IntegrityError:
@@ -587,13 +593,18 @@ def verify(layout: CacheLayout, fp: str, contract: CaptureContract, *, verify_to
     Raises:
         ArtifactMissing: not published. UnsafePath: a symbolic link in its path.
     """
-    if (remote := remote_for(layout)) is not None:
-        return remote.verify(fp, contract, verify_tokens=verify_tokens)
     try:
-        _shard_dir(layout, fp, create=False)
-        buf, digest = _read_file(layout.object_path(fp), False)
+        if (remote := remote_for(layout)) is not None:
+            buf, digest = remote.get(fp, repair=False), None
+        else:
+            _shard_dir(layout, fp, create=False)
+            buf, digest = _read_file(layout.object_path(fp), False)
     except FileNotFoundError as exc:
+        if isinstance(exc, ArtifactMissing):
+            raise
         raise ArtifactMissing(f"artifact {fp} is not published") from exc
+    except IntegrityError as exc:
+        return str(exc)
     try:
         _verify(buf, fp, contract, verify_tokens, check_values=True, digest=digest)
     except IntegrityError as exc:

@@ -12,14 +12,13 @@ import sys
 import crash_child as K
 import msgspec
 import pytest
-import torch
 from test_cli import assert_bad_input, invoke, snapshot
 
-from artcache import payload, store
+from artcache import store
 from artcache.errors import ArtifactMissing, ConfigError, PayloadStoreError
 from artcache.fingerprint import PlanFingerprints
 from artcache.layout import CacheLayout
-from artcache.payload import PosixPayloads, new_spec, parse_payload_url, remote_for
+from artcache.payload import new_spec, parse_payload_url, remote_for
 from artcache.payload_mooncake import MooncakePayloads, parse_size
 from artcache.settings import init_settings, load_settings
 
@@ -67,23 +66,14 @@ def test_new_specs_get_distinct_namespaces():
     assert a.namespace != b.namespace and a.namespace.startswith("artcache-")
 
 
-def test_posix_root_has_no_remote_backend_and_the_adapter_is_todays_store(layout):
-    """A root without a payload record is files in objects/; PosixPayloads gives exactly store's results."""
+def test_posix_root_records_no_payload_and_takes_the_file_path(layout):
+    """A root without a payload record is files in objects/, exactly as before the seam existed."""
     assert load_settings(layout).payload is None and remote_for(layout) is None
-    backend = payload.open_backend(layout)
-    assert isinstance(backend, PosixPayloads)
     plan = K.FakePlan()
-    fp_of = PlanFingerprints(K.CONTRACT, plan)
-    tensors = K.fake_capture(plan.sample(3))
-    n = backend.publish(fp_of(3), K.CONTRACT, tensors, verify_tokens=True)
-    assert backend.exists(fp_of(3)) and layout.object_path(fp_of(3)).stat().st_size == n
-    assert backend.list_objects() == store.list_objects(layout) == {fp_of(3): n}
-    art = backend.read(fp_of(3), K.CONTRACT, verify_tokens=True)
-    assert torch.equal(art.hidden_states, tensors["hidden_states"])
-    assert backend.verify(fp_of(3), K.CONTRACT) is None and backend.maintain() == {}
-    assert backend.remove(fp_of(3)) == n and not backend.exists(fp_of(3))
-    with pytest.raises(ArtifactMissing):
-        backend.read(fp_of(3), K.CONTRACT)
+    fp = PlanFingerprints(K.CONTRACT, plan)(3)
+    n = store.publish(layout, fp, K.CONTRACT, K.fake_capture(plan.sample(3)), verify_tokens=True)
+    assert layout.object_path(fp).stat().st_size == n and store.list_objects(layout) == {fp: n}
+    assert store.maintain(layout) == {}
 
 
 def test_bare_layout_without_settings_is_posix(tmp_path):
