@@ -10,8 +10,9 @@ for Mooncake, the manifest's payload hash) and evicts it (``store.remove``). Bes
 times the bare transport with the same bytes: ``write + fsync`` / ``read`` of one file, and Mooncake
 ``upsert_from`` / ``get_into`` of registered buffers. Medians over the reps; ratios Mooncake / POSIX.
 
-``--start-master`` starts ``mooncake_master`` on a free loopback port (read lease 1 s) and one ``artcache
-payload-holder`` big enough for the run, and stops both at the end. Every process talks over 127.0.0.1.
+``--start-master`` starts ``mooncake_master`` on a free loopback port (its default 10 s read lease: a shorter
+one fails gets slower than it with -707) and one ``artcache payload-holder`` big enough for the run (evicted
+payloads wait out the lease), and stops both at the end. Every process talks over 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class LocalMooncake:
         with open(workdir / "master.log", "wb") as log:
             self.procs.append(subprocess.Popen(
                 [binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
-                 f"--metrics_port={metrics}", "--default_kv_lease_ttl=1000"], stdout=log, stderr=subprocess.STDOUT))
+                 f"--metrics_port={metrics}"], stdout=log, stderr=subprocess.STDOUT))  # its default 10 s read lease
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -144,10 +145,11 @@ def bare_posix(directory: Path, data: torch.Tensor, reps: int) -> dict:
 
 
 def bare_mooncake(url: str, data: torch.Tensor, reps: int) -> dict:
-    """``upsert_from`` / ``get_into`` of registered buffers (no artcache)."""
+    """``upsert_from`` / ``get_into`` of registered buffers, one key (no artcache)."""
     from artcache.payload_mooncake import MooncakeClient
 
     client = MooncakeClient(url)
+    key = f"bench-{os.getpid()}"
     try:
         n = data.numel()
         src = client.staging(n)
@@ -155,21 +157,21 @@ def bare_mooncake(url: str, data: torch.Tensor, reps: int) -> dict:
         dst = torch.empty(n, dtype=torch.uint8)
         w, r = [], []
         for i in range(reps + 1):
-            key = f"bench-{os.getpid()}-{i}"
             t0 = time.perf_counter()
-            rc = client.upsert_from(key, src, n)
+            rc = client.upsert_from(key, src, n)  # upsert: the key is under the last get's read lease
             t1 = time.perf_counter()
             got = client.get_into(key, dst)
             t2 = time.perf_counter()
             if rc != 0 or got != n:
                 raise SystemExit(f"bare Mooncake put/get failed: put {rc}, get {got}")
-            while client.remove(key) not in (0, -704):
-                time.sleep(0.1)  # the read lease (1 s on the bench's own master)
             if i:
                 w.append(t1 - t0)
                 r.append(t2 - t1)
         return {"put_MBps": n / _median(w) / 1e6, "get_MBps": n / _median(r) / 1e6}
     finally:
+        deadline = time.monotonic() + 30
+        while client.remove(key) not in (0, -704) and time.monotonic() < deadline:
+            time.sleep(0.5)  # the read lease
         client.close()
 
 
@@ -206,7 +208,9 @@ def main() -> None:
                "input_ids": torch.randint(0, 32000, (args.tokens,), generator=g, dtype=torch.int32),
                "loss_mask": torch.ones(args.tokens, dtype=torch.uint8)}
     raw = tensors["hidden_states"].reshape(-1).view(torch.uint8)
-    service = LocalMooncake(base, holder_bytes=4 * raw.numel() + (64 << 20)) if args.start_master else None
+    # evicted payloads wait out the 10 s read lease: room for every rep's, plus the bare transport's key
+    holder = (args.reps + 3) * (raw.numel() + (1 << 20)) + (64 << 20)
+    service = LocalMooncake(base, holder_bytes=holder) if args.start_master else None
     url = service.url if service else parse_payload_url(args.payload)
     try:
         settings = RootSettings(plan_id="0" * 40, contract=contract, target_path="/nowhere")
