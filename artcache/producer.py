@@ -71,8 +71,8 @@ from artcache.fsio import atomic_write
 from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
+from artcache.payload import close_all, describe, new_spec, parse_payload_url
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
-from artcache.payload import describe, new_spec, parse_payload_url
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
 log = logging.getLogger("artcache.producer")
@@ -171,6 +171,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disk_budget: int = 0
     retention: str = "need"
     fill: bool = False
+    payload: str = ""
 
 
 #: the default disk budget: this share of the free space beyond :data:`BUDGET_RESERVE` ...
@@ -215,7 +216,6 @@ class SizeModel:
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:
         return self.overhead + self.per_token * tokens
-    payload: str = ""
 
 
 @dataclass
@@ -974,14 +974,12 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         backend.close()
         if presence is not None:
             presence.release()
+        close_all()
     producer.check_outcome()
     if cfg.fill and not producer.stats.fill_complete and not producer.stop_event.is_set():
         raise DiskBudgetExceeded(
             f"--fill: {len(producer.fill_missing())} of the plan's {len(plan)} samples do not fit "
             f"{producer.budget_note}; raise --disk-budget (what fitted stays published)")
-        from artcache.payload import close_all
-
-        close_all()
     return producer.stats
 
 
