@@ -71,7 +71,7 @@ from artcache.fsio import atomic_write
 from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
-from artcache.payload import close_all, describe, new_spec, parse_payload_url
+from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
@@ -133,7 +133,10 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``extract_hidden_states``; needs the ``artcache[vllm]`` extra, see docs/vllm.md). Recorded in
             the contract, so the two never share artifacts.
         disk_budget: bytes the retained artifacts may take (0: the default, :func:`default_budget`, from
-            the filesystem's free space at start). Live windows and leases are kept whatever it is.
+            the filesystem's free space at start). Live windows and leases are kept whatever it is. On a root
+            whose payloads live in a remote store (``payload``) it budgets the payload bytes (the manifests
+            record them); without it such a root keeps the ``windows`` rule, since the store's capacity (its
+            holders' memory) is unknown here, and ``fill`` is refused (ConfigError).
         retention: ``need`` (keep by future need inside the budget) or ``windows`` (the rule before:
             only live windows, pinned ranges and leases; for comparisons).
         fill: capture every sample of the plan (after what live consumers need), then exit.
@@ -377,6 +380,14 @@ class Producer:
             raise ConfigError(f"--retention {cfg.retention!r} is not accepted: use one of {', '.join(POLICIES)}")
         if cfg.disk_budget < 0:
             raise ConfigError(f"--disk-budget {cfg.disk_budget} is not accepted: bytes >= 1 (or 0: the default)")
+        remote_default = not cfg.disk_budget and cfg.retention == "need" and remote_for(layout) is not None
+        if remote_default and cfg.fill:
+            raise ConfigError("--fill on a root whose payloads live in a remote store needs --disk-budget (at most "
+                              "the payload holders' memory): artcache cannot see that store's capacity")
+        if remote_default:
+            # the payloads live in a remote store whose capacity (its holders' memory) artcache cannot see, and
+            # the free space of the root's filesystem says nothing about it: keep only the windows
+            cfg = msgspec.structs.replace(cfg, retention="windows")
         self.layout = layout
         self.settings = settings
         self.contract = settings.contract
@@ -432,6 +443,9 @@ class Producer:
             self.budget, how = default_budget(layout, retained)
         self.stats.budget_bytes = self.budget
         self.budget_note = f"disk budget {self.budget / 2**30:.2f} GiB ({self.budget} bytes; {how})"
+        if remote_default:
+            self.budget_note = ("payloads in a remote store of unknown capacity and no --disk-budget: the "
+                                "windows-only rule (give --disk-budget, at most the holders' memory, to retain by need)")
         self._decision = RetentionDecision(budget=self.budget)
         self._decision_inflight = True
         self._fill_stuck = False  # --fill: the queue holds only samples the budget cannot take
@@ -963,7 +977,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     install_signal_handlers(producer.stop_event)
     presence = claim_producer_presence(layout)
     cleanup_orphans(layout)
-    log.info("%s; retention %s%s", producer.budget_note, cfg.retention, ", --fill: the whole plan, then exit"
+    log.info("%s; retention %s%s", producer.budget_note, producer.cfg.retention, ", --fill: the whole plan, then exit"
              if cfg.fill else "")
     log.info("producer ready: plan %s (%d samples), layers %s, root %s", plan.plan_id[:12], len(plan),
              list(settings.contract.layer_ids), layout.root)

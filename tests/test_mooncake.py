@@ -383,6 +383,39 @@ ROLE = ["--target", "random:tiny-llama", "--data", "synthetic", "--max-samples",
         "--draft-layers", "3"]
 
 
+def _producer(lay: CacheLayout, **cfg):
+    from artcache.producer import Producer, ProducerConfig
+
+    conf = ProducerConfig(cache=str(lay.root), heartbeat_timeout_s=1e9, poll_interval_s=0.0, **cfg)
+    return Producer(lay, load_settings(lay), PLAN, K.FakeBackend(), conf, J.JournalWriter(lay.journal_path("producer", "p")))
+
+
+def test_regression_remote_root_retention_does_not_budget_the_local_disk(tmp_path, mooncake_service):
+    """Reproduces the rebase onto issue 21's retention (mooncake lane: no evictions in the producer-kill test,
+    a consumer's demand failing in the crash trials): the default budget was the free space of the root's
+    filesystem, which holds only ~1 KB manifests, so nothing was ever evicted from the holders' memory. On a
+    root with remote payloads and no --disk-budget the producer keeps the windows rule; --fill is refused;
+    an explicit --disk-budget retains by need and budgets the payload bytes (list_objects gives them)."""
+    from artcache.errors import ConfigError
+
+    lay = mooncake_root(tmp_path, mooncake_service.url)
+    nbytes = publish(lay, 0)
+    manifest = remote_for(lay).manifest_path(FP_OF(0)).stat().st_size
+    # the retained bytes retention counts are the payload's (Mooncake's size of the key), not the manifest's
+    assert store.list_objects(lay) == {FP_OF(0): nbytes} and payload_of(lay, FP_OF(0)) == nbytes != manifest
+    p = _producer(lay)
+    assert p.cfg.retention == "windows" and "windows-only" in p.budget_note
+    p.drain()
+    with pytest.raises(ConfigError, match="--fill .* --disk-budget"):
+        _producer(lay, fill=True)
+    p = _producer(lay, disk_budget=10 * nbytes)
+    assert p.cfg.retention == "need" and p.budget == 10 * nbytes
+    p.drain()
+    p = _producer(lay, retention="windows")
+    assert p.cfg.retention == "windows"
+    p.drain()
+
+
 class MProc(Proc):
     deadline = 300.0
 
