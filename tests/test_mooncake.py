@@ -460,8 +460,11 @@ def test_producer_kill_against_mooncake_loses_no_published_payload(tmp_path, moo
 
 
 def test_artcache_run_with_mooncake_payloads(tmp_path, mooncake_service):
-    """A run whose config sets cache.payload: every experiment completes, inspect's invariants hold and the
-    producer captured each consumed position about once (<= 1.05)."""
+    """A run whose config sets cache.payload and a disk budget inside the holder's memory (retention by need:
+    without a budget a remote root keeps the windows-only rule, which recaptures what a lagging consumer
+    reads after the fast one's window passed it; one lane run saw 17 captures for 16 positions): every
+    experiment completes, inspect's invariants hold and the producer captured each consumed position about
+    once (<= 1.05)."""
     out = tmp_path / "run"
     cfg = tmp_path / "run.toml"
     exps = "".join(f"""
@@ -493,6 +496,7 @@ batch_samples = 2
 [cache]
 done_grace_s = 1.0
 payload = "{mooncake_service.url}"
+disk_budget = {mooncake_service.holder_bytes // 2}
 """ + exps)
     proc = subprocess.run([sys.executable, "-m", "artcache", "run", "--config", str(cfg)], capture_output=True,
                           text=True, env=child_env(), cwd=tmp_path, timeout=600)
@@ -504,6 +508,7 @@ payload = "{mooncake_service.url}"
     acc = inspect_json(cache)
     assert acc["violations"] == []
     c = acc["cache"]
+    assert c["retention"] == "need" and c["budget_bytes"] == mooncake_service.holder_bytes // 2, c
     assert c["distinct_positions_consumed"] >= 16 and c["captures_per_consumed_position"] <= 1.05, c
     assert c["publications"] == c["captures"] and c["quarantined"] == 0
     assert not list(CacheLayout(cache).objects.glob("*/*.safetensors"))  # the tensors never touched the root
