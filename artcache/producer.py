@@ -445,7 +445,8 @@ class Producer:
         self.budget_note = f"disk budget {self.budget / 2**30:.2f} GiB ({self.budget} bytes; {how})"
         if remote_default:
             self.budget_note = ("payloads in a remote store of unknown capacity and no --disk-budget: the "
-                                "windows-only rule (give --disk-budget, at most the holders' memory, to retain by need)")
+                                "windows-only rule (give --disk-budget, at most the holders' memory, to retain by "
+                                "need)")
         self._decision = RetentionDecision(budget=self.budget)
         self._decision_inflight = True
         self._fill_stuck = False  # --fill: the queue holds only samples the budget cannot take

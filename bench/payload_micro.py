@@ -66,7 +66,8 @@ class LocalMooncake:
         holder_log = workdir / "holder.log"
         with open(holder_log, "wb") as log:
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "artcache", "payload-holder", "--payload", self.url, "--size", str(holder_bytes)],
+                [sys.executable, "-m", "artcache", "payload-holder", "--payload", self.url,
+                 "--size", str(holder_bytes)],
                 stdout=log, stderr=subprocess.STDOUT))
         while "payload holder ready" not in holder_log.read_text(errors="replace"):
             if self.procs[-1].poll() is not None or time.monotonic() > deadline + 40:
@@ -221,7 +222,8 @@ def main() -> None:
             lay.create()
             init_settings(lay, msgspec.structs.replace(settings, payload=spec))
             roots[name] = lay
-        report = {"artifact": {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden, "dtype": "bfloat16"},
+        report = {"artifact": {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden,
+                               "dtype": "bfloat16"},
                   "reps": args.reps, "posix_dir": str(base), "mooncake": url, "cpus": os.cpu_count(),
                   "loadavg": os.getloadavg()}
         # interleaved in one run: POSIX, Mooncake, then the bare transports
@@ -250,7 +252,8 @@ def main() -> None:
     print(f"{'bare file write+fsync/read':26s}{bp['write_fsync_MBps']:14.0f}{bp['read_MBps']:12.0f}")
     print(f"{'bare mooncake put/get':26s}{bm['put_MBps']:14.0f}{bm['get_MBps']:12.0f}")
     rt = report["ratios_mooncake_over_posix"]
-    print(f"mooncake / posix: publish {rt['publish']:.2f}x, read {rt['read']:.2f}x; report {out / 'payload_micro.json'}")
+    print(f"mooncake / posix: publish {rt['publish']:.2f}x, read {rt['read']:.2f}x; "
+          f"report {out / 'payload_micro.json'}")
 
 
 if __name__ == "__main__":

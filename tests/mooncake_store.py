@@ -117,7 +117,8 @@ class MooncakeService:
         deadline = time.monotonic() + 20
         while not _listening(self.port):
             if self.master.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"mooncake_master did not start:\n{(self.workdir / f'master-{self.restarts}.log').read_text()}")
+                master_log = self.workdir / f"master-{self.restarts}.log"
+                pytest.fail(f"mooncake_master did not start:\n{master_log.read_text()}")
             time.sleep(0.05)
 
     def start_holder(self) -> None:

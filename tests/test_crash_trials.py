@@ -313,8 +313,8 @@ def test_random_sigkill_trials(tmp_path, ctx, backend, request):
     assert acc.cache.quarantined == 0
     s = t.stats
     print(f"crash trials: {s} in {time.monotonic() - t0:.1f}s; kills per point: {t.per_point}")
-    record("crash", f"random SIGKILL trials (seed {seed}{where})", run=s["trials"], kills=s["kills"], passed=s["passed"],
-           failed=s["trials"] - s["passed"])
+    record("crash", f"random SIGKILL trials (seed {seed}{where})", run=s["trials"], kills=s["kills"],
+           passed=s["passed"], failed=s["trials"] - s["passed"])
     for label, n in sorted(t.per_point.items()):
         record("crash", f"  killed at {label}", kills=n, passed=n)
     record("crash", "recaptures after producer kills", run=s["producer_recoveries"],

@@ -387,7 +387,8 @@ def _producer(lay: CacheLayout, **cfg):
     from artcache.producer import Producer, ProducerConfig
 
     conf = ProducerConfig(cache=str(lay.root), heartbeat_timeout_s=1e9, poll_interval_s=0.0, **cfg)
-    return Producer(lay, load_settings(lay), PLAN, K.FakeBackend(), conf, J.JournalWriter(lay.journal_path("producer", "p")))
+    journal = J.JournalWriter(lay.journal_path("producer", "p"))
+    return Producer(lay, load_settings(lay), PLAN, K.FakeBackend(), conf, journal)
 
 
 def test_regression_remote_root_retention_does_not_budget_the_local_disk(tmp_path, mooncake_service):

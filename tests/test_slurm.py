@@ -119,7 +119,8 @@ def test_a_device_index_beyond_the_steps_gpus_is_refused(tmp_path):
 
 def test_script_has_one_exact_single_gpu_step_per_role(tmp_path):
     plan, cfg = planned(config(tmp_path, slurm='partition = "gpu"\nsbatch_args = ["--mem=0"]\n'
-                                                'setup = ["source /opt/venv/bin/activate"]\nenv = { HF_HOME = "/shared/hf" }'))
+                                                'setup = ["source /opt/venv/bin/activate"]\n'
+                                                'env = { HF_HOME = "/shared/hf" }'))
     script = render(plan, cfg)
     for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=2", "#SBATCH --gres=gpu:2", "#SBATCH --partition=gpu",
                  "#SBATCH --mem=0", "#SBATCH --time=00:20:00", "source /opt/venv/bin/activate",

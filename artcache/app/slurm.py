@@ -182,7 +182,8 @@ def render(plan: RunPlan, cfg: RunConfig) -> str:
         '  ARTCACHE_ROLE_ENV="$RUN/status/$name.env" srun --exact -N1 -n1 -w "$node" --gres=gpu:"$gpus" \\',
         f'    --cpus-per-task={s.cpus_per_role} --job-name="$name" --output="$RUN/logs/$name.log" '
         + "".join(f"{q(a)} " for a in s.step_args) + "\\",
-        "    bash -c 'printf \"node=%s\\nstep=%s\\ncuda_visible_devices=%s\\n\" \"$SLURMD_NODENAME\" \"$SLURM_STEP_ID\" "
+        "    bash -c 'printf \"node=%s\\nstep=%s\\ncuda_visible_devices=%s\\n\" \"$SLURMD_NODENAME\" "
+        "\"$SLURM_STEP_ID\" "
         "\"${CUDA_VISIBLE_DEVICES-}\" > \"$ARTCACHE_ROLE_ENV\"; exec \"$@\"' role \"$@\"",
         '  echo $? > "$RUN/status/$name.exit"',
         "}",
