@@ -139,12 +139,42 @@ def test_no_import_cycle_at_module_level():
     assert _cycles(graph) == []
 
 
-def test_no_import_cycle_below_the_composition_root():
-    """With function-local imports too, outside ``artcache.app`` (its cli/config/experiments circle is
-    issue 19's composition-root step)."""
-    below = {m for m in MODULES if floor(m) < 4}
-    graph = {m: {t for _, t in imports(m) if t in below} for m in below}
+def test_no_import_cycle_with_function_local_imports():
+    """Anywhere in the package, the composition root included: a function-local import that runs back up
+    is a cycle too (``cli -> config -> experiments -> config -> cli`` was one, issue 19)."""
+    graph = {m: {t for _, t in imports(m)} for m in MODULES}
     assert _cycles(graph) == []
+
+
+#: the composition root's modules, lowest first: each imports only those before it
+APP_ORDER = ("artcache.app.values", "artcache.app.config", "artcache.app.experiments", "artcache.app.cli")
+
+
+def test_the_composition_root_imports_one_way():
+    """``values`` < ``config`` < ``experiments`` < ``cli`` (function-local imports included), and config reaches
+    ``values`` at module level (it used to borrow ``parse_bytes`` / ``parse_template_options`` from the CLI)."""
+    app = {m for m in MODULES if m.startswith("artcache.app.")}
+    assert set(APP_ORDER) <= app
+    rank = {m: i for i, m in enumerate(APP_ORDER)}
+    up = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {t}" for m in APP_ORDER for line, t in imports(m)
+          if t in rank and rank[t] >= rank[m]]
+    assert up == []
+    assert "artcache.app.values" in {t for _, t in imports("artcache.app.config", function_local=False)}
+    assert "artcache.app.config" in {t for _, t in imports("artcache.app.experiments", function_local=False)}
+    assert "artcache.app.config" in {t for _, t in imports("artcache.app.cli", function_local=False)}
+
+
+def test_cycle_finder_sees_a_function_local_cycle(tmp_path, monkeypatch):
+    """The import reader plus the cycle finder catch a circle closed only by a function-local import."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("import pkg.b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n    return a\n")
+    fake = {"pkg.a": pkg / "a.py", "pkg.b": pkg / "b.py"}
+    monkeypatch.setitem(globals(), "MODULES", fake)
+    graph = {m: {t for _, t in imports(m)} for m in fake}
+    assert _cycles(graph) == [["pkg.a", "pkg.b"]]
+    assert _cycles({m: {t for _, t in imports(m, function_local=False)} for m in fake}) == []
 
 
 def test_no_product_function_over_120_lines():

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 import json
-import math
-import re
 import sys
+from pathlib import Path
 
 import click
 import msgspec
+from click.core import ParameterSource
 
+from artcache.app import config as C
+from artcache.app.config import load_run_config
+from artcache.app.values import check_min, parse_bytes, parse_layer_ids, parse_template_options
 from artcache.errors import ArtcacheError, ConfigError
 from artcache.logs import setup_logging
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
@@ -36,62 +39,6 @@ def _errors(fn):
     return wrapper
 
 
-def parse_template_options(items) -> dict:
-    """``["enable_thinking=false", "k=3"]`` → ``{"enable_thinking": False, "k": 3}`` (true/false → bool, an
-    integer or decimal → number, anything else → string). ConfigError naming a malformed item."""
-    out: dict = {}
-    for item in items:
-        name, sep, text = item.partition("=")
-        name = name.strip()
-        if not sep or not name.isidentifier():
-            raise ConfigError(f"--chat-template-option {item!r}: expected NAME=VALUE, e.g. enable_thinking=false")
-        low = text.strip().lower()
-        if low in ("true", "false"):
-            value = low == "true"
-        else:
-            try:
-                value = int(text)
-            except ValueError:
-                try:
-                    value = float(text)
-                except ValueError:
-                    value = text
-        out[name] = value
-    return out
-
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_bytes(text: str | int, flag: str) -> int:
-    """``--disk-budget`` text → bytes: an integer, optionally with K, M, G or T (powers of 1024; a trailing
-    ``B``/``iB`` is accepted). Raises ConfigError naming the value and what is accepted."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
-        if m is None:
-            raise ConfigError(f"--{flag} {text!r} is not accepted: bytes as an integer, optionally with K, M, G or T "
-                              "(powers of 1024), e.g. 500G; 0 for the default")
-        value = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if value < 0:
-        raise ConfigError(f"--{flag} {text!r} is not accepted: bytes >= 0")
-    return value
-
-
-def _parse_layer_ids(text: str | None) -> list[int] | None:
-    """``--layer-ids`` as a list of ints; None when the option was not given. An empty or blank value is
-    refused (it used to mean "the default" silently)."""
-    if text is None:
-        return None
-    try:
-        ids = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--layer-ids {text!r}: expected comma-separated integers, e.g. 1,8,14 "
-                          "(leave the option out for the draft's default layers)") from None
-    return ids
-
-
 def _check_device(device: str) -> None:
     """Reject a device torch cannot use before anything is loaded or written."""
     import torch
@@ -110,15 +57,6 @@ def _check_device(device: str) -> None:
             raise ConfigError(f"--device {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
 
 
-def _check_min(name: str, value: float, low: float, *, strict: bool = False, accepted: str = "") -> None:
-    """ConfigError naming ``--name value`` unless value is finite and >= low (> low when ``strict``).
-    Infinity is refused too: ``--heartbeat-timeout inf`` was stored as JSON null and made the root unreadable."""
-    if value < low or (strict and value == low) or not math.isfinite(value):
-        raise ConfigError(f"--{name} {value} is not accepted: "
-                          f"{accepted or ('a number > ' if strict else 'a number >= ') + str(low)}"
-                          f"{'' if math.isfinite(value) else ' (finite)'}")
-
-
 def _with_config(verb: str):
     """Add ``--config FILE`` (plus ``SECTION.FIELD=VALUE`` overrides; ``--experiment NAME`` for consume)
     to a verb. With a file the settings come from it, then the overrides, then the flags given on the
@@ -134,10 +72,6 @@ def _with_config(verb: str):
                 if "cache" in kwargs and not kwargs["cache"]:
                     raise ConfigError("--cache DIR is required (or --config FILE, whose cache.root is used)")
                 return fn(*args, **kwargs)
-            from click.core import ParameterSource
-
-            from artcache.app import config as C
-
             ctx = click.get_current_context()
             explicit = {k: v for k, v in kwargs.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
             if verb == "consume" and not experiment:
@@ -146,10 +80,10 @@ def _with_config(verb: str):
             if verb == "producer":
                 from artcache.producer import run_producer
 
-                _check_min("idle-exit", kwargs["idle_exit"], 0, accepted="seconds >= 0 (0: never)")
-                _check_min("expect-timeout", kwargs["expect_timeout"], 0, strict=True, accepted="seconds > 0")
-                _check_min("expect-consumers", kwargs["expect_consumers"], 0, accepted="an integer >= 0 (0: none)")
-                _check_min("done-grace", kwargs["done_grace"], 0, accepted="seconds >= 0")
+                check_min("idle-exit", kwargs["idle_exit"], 0, accepted="seconds >= 0 (0: never)")
+                check_min("expect-timeout", kwargs["expect_timeout"], 0, strict=True, accepted="seconds > 0")
+                check_min("expect-consumers", kwargs["expect_consumers"], 0, accepted="an integer >= 0 (0: none)")
+                check_min("done-grace", kwargs["done_grace"], 0, accepted="seconds >= 0")
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
                 _check_device(pcfg.device)
                 stats = run_producer(pcfg)
@@ -163,8 +97,6 @@ def _with_config(verb: str):
                 _check_device(ccfg.device)
                 click.echo(json.dumps(run_consumer(ccfg)))
             else:
-                from pathlib import Path
-
                 from artcache.bench.run import run_bench
 
                 bcfg = C.bench_config(cfg)
@@ -262,14 +194,14 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
-    _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
-    _check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
-    _check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
-    _check_min("expect-timeout", expect_timeout, 0, strict=True, accepted="seconds > 0")
-    _check_min("expect-consumers", expect_consumers, 0, accepted="an integer >= 0 (0: none)")
-    _check_min("done-grace", done_grace, 0, accepted="seconds >= 0")
+    check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
+    check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
+    check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
+    check_min("expect-timeout", expect_timeout, 0, strict=True, accepted="seconds > 0")
+    check_min("expect-consumers", expect_consumers, 0, accepted="an integer >= 0 (0: none)")
+    check_min("done-grace", done_grace, 0, accepted="seconds >= 0")
     _check_device(device)
-    ids = _parse_layer_ids(layer_ids)
+    ids = parse_layer_ids(layer_ids)
     cfg = ProducerConfig(
         cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
         draft_layers=draft_layers, layer_ids=ids, device=device, dtype=dtype, compute_dtype=compute_dtype,
@@ -364,8 +296,6 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, epochs=0):
     """Train one draft on the cache root at its own pace."""
-    from click.core import ParameterSource
-
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
     if epochs > 0 and click.get_current_context().get_parameter_source("steps") == ParameterSource.COMMANDLINE:
@@ -374,9 +304,9 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
     if draft not in DRAFT_NAMES:
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
     lookbehind, lookahead = parse_window(window)
-    view = _parse_layer_ids(layer_ids)
-    _check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
-    _check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
+    view = parse_layer_ids(layer_ids)
+    check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
+    check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
     _check_device(device)
     cfg = ConsumerConfig(
         cache=cache, consumer_id=consumer_id or (
@@ -406,8 +336,6 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
 def inspect(cache, as_json):
     """Lease and eviction accounting, per consumer and in total, with invariant checks, and the retention
     decision the root's state implies now (budget, kept and evicted by reason)."""
-    from pathlib import Path
-
     from artcache.accounting import account
     from artcache.layout import CacheLayout
     from artcache.report import format_accounting
@@ -416,7 +344,6 @@ def inspect(cache, as_json):
     path = Path(cache).expanduser().absolute()
     if not (path / "artcache.json").is_file() and (path / "config.toml").is_file():
         # an `artcache run` directory: its cache root (regression: inspect refused a run directory)
-        from artcache.app.config import load_run_config
         from artcache.app.experiments import resolve
 
         path = Path(resolve(load_run_config(path / "config.toml")).cache.root)
@@ -502,7 +429,6 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
     OVERRIDES are SECTION.FIELD=VALUE, e.g. data.max_length=256 experiments.0.lr=1e-3 (an experiment by
     index or name). Exits nonzero if any experiment failed; its siblings run to the end.
     """
-    from artcache.app.config import load_run_config
     from artcache.app.experiments import format_plan, plan_run, run_experiments
 
     if (submit or wait_job) and launcher != "slurm":
@@ -603,7 +529,7 @@ def fsck(cache, fix, as_json, observe):
     from artcache.fsck import fsck as run_fsck
 
     if observe is not None:
-        _check_min("observe", observe, 0, accepted="seconds >= 0")
+        check_min("observe", observe, 0, accepted="seconds >= 0")
     rep = run_fsck(cache, fix=fix, observe_s=observe)
     if as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(rep)).decode())

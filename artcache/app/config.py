@@ -46,7 +46,11 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
+from artcache.app.values import parse_bytes, parse_template_options
 from artcache.errors import ConfigError
+from artcache.fsio import atomic_write
+from artcache.layout import check_id
+from artcache.scheduler import SchedulerLimits
 from artcache.trainers import DRAFT_NAMES
 
 DType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "fp8"]
@@ -434,8 +438,6 @@ def convert(raw: dict, source: str = "config") -> RunConfig:
 
 def check_run_config(cfg: RunConfig, source: str = "config") -> None:
     """Checks across fields: experiment names valid and unique, windows well formed, counts positive."""
-    from artcache.layout import check_id
-
     seen = set()
     for i, e in enumerate(cfg.experiments):
         try:
@@ -677,8 +679,6 @@ def dump_toml(cfg: RunConfig) -> str:
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
     """Write the resolved config as TOML and return its path (:func:`artcache.fsio.atomic_write`: temp file,
     fsync, rename, directory fsync; PublishError on an OSError, ``path`` untouched)."""
-    from artcache.fsio import atomic_write
-
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     text = "# resolved artcache run config (defaults filled in); rerun with --config this file\n" + dump_toml(cfg)
@@ -742,15 +742,46 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
         if path.startswith("E."):
             path = f"experiments.{experiment}.{path[2:]}"
         if path == "data.template_options":
-            from artcache.app.cli import parse_template_options
-
             value = parse_template_options(value)
         elif path in ("cache.disk_budget", "bench.disk_budget"):
-            from artcache.app.cli import parse_bytes
-
             value = parse_bytes(value, "disk-budget")
         out[path] = value
     return out
+
+
+# ---- views and the union ---------------------------------------------------------------------------
+
+def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) -> list[int]:
+    """The ordered output-of-layer ids experiment ``e``'s draft reads.
+
+    DFlash: ``dflash_layer_ids(L, n)`` (DFlash arXiv:2602.06036 / z-lab ``build_target_layer_ids``);
+    EAGLE-3: ``eagle3_capture_ids(L)`` = three aux layers then ``L - 1`` (EAGLE-3 arXiv:2503.01840);
+    DSpark: ``dspark_layer_ids(L, n)`` = the DFlash ids then ``L - 1`` (DSpark arXiv:2607.05147);
+    an explicit ``layer_ids`` replaces the formula. Raises ConfigError for ids the target lacks.
+    The same list as the consumer's ``Draft.needed_layer_ids`` (the drafts' adapters), computed here
+    without building the draft.
+    """
+    # imported here: artcache.layer_ids imports torch, which `artcache --help` and the light verbs never need
+    from artcache.layer_ids import dflash_layer_ids, dspark_layer_ids, eagle3_capture_ids
+
+    if e.layer_ids is not None:
+        ids = list(e.layer_ids)
+    elif e.draft == "dflash":
+        ids = dflash_layer_ids(num_layers, e.draft_layers or default_draft_layers)
+    elif e.draft == "dspark":
+        ids = dspark_layer_ids(num_layers, e.draft_layers or default_draft_layers)
+    else:
+        ids = list(eagle3_capture_ids(num_layers))
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad or not ids:
+        raise ConfigError(f"experiment {e.name!r}: layer ids {ids} are not output-of-layer ids of a "
+                          f"{num_layers}-layer target (accepted: 0..{num_layers - 1})")
+    return ids  # an id may repeat (EAGLE-3 on a 6-layer target: [1, 2, 2, 5]); the view reads it twice
+
+
+def layer_union(views: list[list[int]]) -> list[int]:
+    """The layers one capture must hold to serve every view: their union, ascending."""
+    return sorted({i for v in views for i in v})
 
 
 def cache_root(cfg: RunConfig) -> str:
@@ -762,8 +793,7 @@ def producer_config(cfg: RunConfig, **process: Any):
     """:class:`artcache.producer.ProducerConfig` from a run config (``capture.layer_ids`` as it is:
     ``artcache run`` fills in the union before saving). ``process``: exit_when_done, expect_consumers,
     expect_timeout and idle_exit (seconds), producer_id."""
-    from artcache.producer import ProducerConfig
-    from artcache.scheduler import SchedulerLimits
+    from artcache.producer import ProducerConfig  # imports torch: not at the CLI's start
 
     extra = {k: v for k, v in process.items() if v is not None}
     for name in ("idle_exit", "expect_timeout"):
@@ -771,7 +801,6 @@ def producer_config(cfg: RunConfig, **process: Any):
             extra[f"{name}_s"] = extra.pop(name)
     layer_ids = list(cfg.capture.layer_ids) if cfg.capture.layer_ids else None
     if layer_ids is None and cfg.experiments:  # a producer started by hand for a run config: the union
-        from artcache.app.experiments import draft_view, layer_union
         from artcache.target import resolve_target
 
         n = resolve_target(cfg.target.name).num_layers

@@ -31,7 +31,10 @@ from artcache.app.config import (
     RunConfig,
     cache_root,
     consumer_config,
+    draft_view,
     experiment_dir,
+    layer_union,
+    load_run_config,
     producer_config,
     save_config,
 )
@@ -43,48 +46,6 @@ log = logging.getLogger("artcache.run")
 
 
 # ---- views and the union ---------------------------------------------------------------------------
-
-def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) -> list[int]:
-    """The ordered output-of-layer ids experiment ``e``'s draft reads.
-
-    DFlash: ``dflash_layer_ids(L, n)`` (DFlash arXiv:2602.06036 / z-lab ``build_target_layer_ids``);
-    EAGLE-3: ``eagle3_capture_ids(L)`` = three aux layers then ``L - 1`` (EAGLE-3 arXiv:2503.01840);
-    DSpark: ``dspark_layer_ids(L, n)`` = the DFlash ids then ``L - 1`` (DSpark arXiv:2607.05147);
-    an explicit ``layer_ids`` replaces the formula. Raises ConfigError for ids the target lacks.
-    The same list as the consumer's ``Draft.needed_layer_ids`` (the drafts' adapters), computed here
-    without building the draft.
-    """
-    if e.layer_ids is not None:
-        ids = list(e.layer_ids)
-    elif e.draft == "dflash":
-        from artcache.layer_ids import dflash_layer_ids
-
-        ids = dflash_layer_ids(num_layers, e.draft_layers or default_draft_layers)
-    elif e.draft == "dspark":
-        from artcache.layer_ids import dspark_layer_ids
-
-        ids = dspark_layer_ids(num_layers, e.draft_layers or default_draft_layers)
-    else:
-        try:
-            from artcache.layer_ids import eagle3_capture_ids
-        except ImportError:
-            try:
-                from artcache.layer_ids import eagle3_capture_ids
-            except ImportError:
-                raise ConfigError(f"experiment {e.name!r}: draft 'eagle3' is not available in this install "
-                                  "(artcache.trainers.eagle3 has no eagle3_capture_ids)") from None
-        ids = list(eagle3_capture_ids(num_layers))
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad or not ids:
-        raise ConfigError(f"experiment {e.name!r}: layer ids {ids} are not output-of-layer ids of a "
-                          f"{num_layers}-layer target (accepted: 0..{num_layers - 1})")
-    return ids  # an id may repeat (EAGLE-3 on a 6-layer target: [1, 2, 2, 5]); the view reads it twice
-
-
-def layer_union(views: list[list[int]]) -> list[int]:
-    """The layers one capture must hold to serve every view: their union, ascending."""
-    return sorted({i for v in views for i in v})
-
 
 def view_index(captured: list[int] | tuple[int, ...], view: list[int]) -> list[int]:
     """Positions of ``view``'s ids inside the captured layer axis, in the view's order, so that
@@ -866,7 +827,6 @@ def run_dir_report(out: str | Path) -> dict:
         ConfigError: ``out`` is not a run directory (no ``config.toml`` written by ``artcache run``).
     """
     from artcache import registry
-    from artcache.app.config import load_run_config
     from artcache.layout import CacheLayout
     from artcache.trainers.checkpoint import best_checkpoint, find_checkpoint, list_checkpoints, read_state
 

@@ -1,0 +1,82 @@
+"""Parsers and checks of single values that the CLI flags and the run config share (the lowest module of
+``artcache.app``: it imports no other module of it, so :mod:`artcache.app.config` and
+:mod:`artcache.app.cli` both import it at module level).
+
+Every function raises :class:`~artcache.errors.ConfigError` (exit 2) with one line naming the value and
+what is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from artcache.errors import ConfigError
+
+
+def parse_template_options(items) -> dict:
+    """``["enable_thinking=false", "k=3"]`` → ``{"enable_thinking": False, "k": 3}`` (true/false → bool, an
+    integer or decimal → number, anything else → string). ConfigError naming a malformed item."""
+    out: dict = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise ConfigError(f"--chat-template-option {item!r}: expected NAME=VALUE, e.g. enable_thinking=false")
+        low = text.strip().lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = text
+        out[name] = value
+    return out
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str | int, flag: str) -> int:
+    """``--disk-budget`` text → bytes: an integer, optionally with K, M, G or T (powers of 1024; a trailing
+    ``B``/``iB`` is accepted). Raises ConfigError naming the value and what is accepted."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
+        if m is None:
+            raise ConfigError(f"--{flag} {text!r} is not accepted: bytes as an integer, optionally with K, M, G or T "
+                              "(powers of 1024), e.g. 500G; 0 for the default")
+        value = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if value < 0:
+        raise ConfigError(f"--{flag} {text!r} is not accepted: bytes >= 0")
+    return value
+
+
+def parse_layer_ids(text: str | None) -> list[int] | None:
+    """``--layer-ids`` as a list of ints; None when the option was not given. An empty or blank value is
+    refused (it used to mean "the default" silently)."""
+    if text is None:
+        return None
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--layer-ids {text!r}: expected comma-separated integers, e.g. 1,8,14 "
+                          "(leave the option out for the draft's default layers)") from None
+    return ids
+
+
+def check_min(name: str, value: float, low: float, *, strict: bool = False, accepted: str = "") -> None:
+    """ConfigError naming ``--name value`` unless value is finite and >= low (> low when ``strict``).
+    Infinity is refused too: ``--heartbeat-timeout inf`` was stored as JSON null and made the root unreadable."""
+    if value < low or (strict and value == low) or not math.isfinite(value):
+        raise ConfigError(f"--{name} {value} is not accepted: "
+                          f"{accepted or ('a number > ' if strict else 'a number >= ') + str(low)}"
+                          f"{'' if math.isfinite(value) else ' (finite)'}")
+
+
+__all__ = ["check_min", "parse_bytes", "parse_layer_ids", "parse_template_options"]
