@@ -220,10 +220,6 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
     from artcache.producer import resolve_compute_dtype
     from artcache.settings import check_compatible, load_settings
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
-    from artcache.trainers.checkpoint import list_checkpoints
-    from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
-    from artcache.trainers.draft import draft_class
-    from artcache.trainers.seed import read_seed
 
     if not cfg.experiments:
         raise ConfigError("the config has no experiments: add at least one [[experiments]] table with a name")
@@ -280,65 +276,15 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
             plan_cache.append(_load_or_build_plan(layout, plan_id, spec, tok, info))
         return plan_cache[0]
 
-    final = []
+    final: list[Experiment] = []
     for e in resolved.experiments:
-        start_step = start_cursor = 0
-        resume_from = skip = ""
-        has = bool(list_checkpoints(Path(e.out)))
-        resume = e.resume if e.resume is not None else has  # left out: resume when its out holds checkpoints
-        if resume and not has:
-            raise ConfigError(f"experiment {e.name!r}: resume = true but {e.out} holds no checkpoint "
-                              "(checkpoints/latest); leave resume out (or false) to start it fresh")
-        if not resume and has:
-            raise ConfigError(f"experiment {e.name!r}: {e.out} already holds checkpoints of an earlier run and resume "
-                              f"= false; leave experiments.{e.name}.resume out (or true) to continue it, or choose "
-                              "another out")
-        e = msgspec.structs.replace(e, resume=bool(resume))
+        e = msgspec.structs.replace(e, resume=_resume_or_fresh(e))
         final.append(e)
         resolved_e = msgspec.structs.replace(resolved, experiments=[*final, *resolved.experiments[len(final):]])
-        ccfg = consumer_config(resolved_e, e.name).resolved()
-        found = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True) \
-            if resume else None  # None on resume: only unrecorded checkpoints of a kill, it continues from step 0
-        if found is not None:  # the consumer's own checks (registry record, run settings, draft), before it starts
-            path, state = found
-            check_checkpoint(e, path, info=info, contract=contract, plan_id=plan_id, resume=True)
-            planned = draft_class(e.draft).configure(ccfg, info, captured, plan_obj())
-            check_same_draft(state.draft_config, planned, path)
-            start_step, start_cursor, resume_from = state.step, state.cursor, str(path)
-            if state.step == ccfg.steps:
-                skip = f"complete: its checkpoint is at its final step {state.step}"
-        elif e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
-            src = read_seed(e.init_from, info.num_layers)
-            if src.state is not None:
-                check_checkpoint(e, src.path, info=info, contract=contract, plan_id=plan_id, resume=False,
-                                 strict=False)
-            if src.draft != e.draft:
-                raise ConfigError(f"experiment {e.name!r}: init_from {src.path} ({src.layout}) holds a {src.draft} "
-                                  f"draft, not {e.draft}")
-            planned = draft_class(e.draft).configure(ccfg, info, captured, plan_obj())
-            try:
-                seeded = plan_init(ccfg, src, planned, draft_class(e.draft).weight_shapes(planned), info, contract,
-                                   plan_obj())
-            except (ConfigError, ContractMismatch) as exc:
-                raise type(exc)(f"experiment {e.name!r}: {exc}") from None
-            notes.extend(f"{e.name}: {n}" for n in seeded.notes)
-        beat = getattr(ccfg, "heartbeat_s", 0.0)
-        if beat >= resolved.cache.heartbeat_timeout_s:
-            raise ConfigError(f"experiment {e.name!r}: heartbeat every {beat}s is not below cache.heartbeat_timeout_s "
-                              f"{resolved.cache.heartbeat_timeout_s}s: the producer would fence it as expired")
-        writable_at = next((p for p in [Path(e.out), *Path(e.out).parents] if p.exists()), Path("/"))
-        if not (writable_at.is_dir() and os.access(writable_at, os.W_OK)):
-            raise ConfigError(f"experiment {e.name!r}: out {e.out!r} cannot be written ({writable_at} is not a "
-                              "writable directory)")
-        lb, la = ccfg.lookbehind, ccfg.lookahead
-        exps.append(ExperimentPlan(
-            name=e.name, draft=e.draft, layer_ids=views[e.name], view=view_index(captured, views[e.name]),
-            device=ccfg.device, window=f"{lb}:{la}", steps=ccfg.steps, batch_size=ccfg.batch_size, lr=ccfg.lr,
-            seed=ccfg.seed, start_step=start_step, start_cursor=start_cursor,
-            positions=0 if skip else (ccfg.steps - start_step) * ccfg.batch_size,
-            window_artifacts=0 if skip else lb + la + 1,
-            out_dir=e.out, resume_from=resume_from, init_from=e.init_from, skip=skip,
-            consumer=msgspec.to_builtins(ccfg), env=dict(e.env)))
+        x, seeded = _plan_experiment(e, resolved_e, layout=layout, plan_id=plan_id, contract=contract, info=info,
+                                     captured=captured, view=views[e.name], plan_obj=plan_obj)
+        exps.append(x)
+        notes.extend(seeded)
     resolved = msgspec.structs.replace(resolved, experiments=final)
     bound = min(sum(x.window_artifacts for x in exps), spec.max_samples)
     free_at = next((p for p in [layout.root, *layout.root.parents] if p.exists()), Path("/"))
@@ -361,6 +307,80 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
         data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
         disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes)
     return plan, resolved
+
+
+def _resume_or_fresh(e: Experiment) -> bool:
+    """Whether experiment ``e`` resumes: ``e.resume``, or (left out) whether its out holds checkpoints.
+    ConfigError when ``resume = true`` finds no checkpoint or ``resume = false`` finds some."""
+    from artcache.trainers.checkpoint import list_checkpoints
+
+    has = bool(list_checkpoints(Path(e.out)))
+    resume = e.resume if e.resume is not None else has  # left out: resume when its out holds checkpoints
+    if resume and not has:
+        raise ConfigError(f"experiment {e.name!r}: resume = true but {e.out} holds no checkpoint "
+                          "(checkpoints/latest); leave resume out (or false) to start it fresh")
+    if not resume and has:
+        raise ConfigError(f"experiment {e.name!r}: {e.out} already holds checkpoints of an earlier run and resume "
+                          f"= false; leave experiments.{e.name}.resume out (or true) to continue it, or choose "
+                          "another out")
+    return bool(resume)
+
+
+def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str, contract, info,
+                     captured: list[int], view: list[int], plan_obj) -> tuple[ExperimentPlan, list[str]]:
+    """One experiment of :func:`plan_run` (``e.resume`` decided, ``resolved`` holding it): its consumer
+    settings, the checkpoint it resumes or the seed it starts from (checked as the consumer will check
+    them), its heartbeat against the root's timeout and its out directory. Returns its plan and the seed's
+    notes. ``plan_obj()``: the run's plan, built or loaded once when a check needs its tokens."""
+    from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
+    from artcache.trainers.draft import draft_class
+    from artcache.trainers.seed import read_seed
+
+    start_step = start_cursor = 0
+    resume_from = skip = ""
+    notes: list[str] = []
+    ccfg = consumer_config(resolved, e.name).resolved()
+    found = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True) \
+        if e.resume else None  # None on resume: only unrecorded checkpoints of a kill, it continues from step 0
+    if found is not None:  # the consumer's own checks (registry record, run settings, draft), before it starts
+        path, state = found
+        check_checkpoint(e, path, info=info, contract=contract, plan_id=plan_id, resume=True)
+        planned = draft_class(e.draft).configure(ccfg, info, captured, plan_obj())
+        check_same_draft(state.draft_config, planned, path)
+        start_step, start_cursor, resume_from = state.step, state.cursor, str(path)
+        if state.step == ccfg.steps:
+            skip = f"complete: its checkpoint is at its final step {state.step}"
+    elif e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
+        src = read_seed(e.init_from, info.num_layers)
+        if src.state is not None:
+            check_checkpoint(e, src.path, info=info, contract=contract, plan_id=plan_id, resume=False, strict=False)
+        if src.draft != e.draft:
+            raise ConfigError(f"experiment {e.name!r}: init_from {src.path} ({src.layout}) holds a {src.draft} "
+                              f"draft, not {e.draft}")
+        planned = draft_class(e.draft).configure(ccfg, info, captured, plan_obj())
+        try:
+            seeded = plan_init(ccfg, src, planned, draft_class(e.draft).weight_shapes(planned), info, contract,
+                               plan_obj())
+        except (ConfigError, ContractMismatch) as exc:
+            raise type(exc)(f"experiment {e.name!r}: {exc}") from None
+        notes.extend(f"{e.name}: {n}" for n in seeded.notes)
+    beat = getattr(ccfg, "heartbeat_s", 0.0)
+    if beat >= resolved.cache.heartbeat_timeout_s:
+        raise ConfigError(f"experiment {e.name!r}: heartbeat every {beat}s is not below cache.heartbeat_timeout_s "
+                          f"{resolved.cache.heartbeat_timeout_s}s: the producer would fence it as expired")
+    writable_at = next((p for p in [Path(e.out), *Path(e.out).parents] if p.exists()), Path("/"))
+    if not (writable_at.is_dir() and os.access(writable_at, os.W_OK)):
+        raise ConfigError(f"experiment {e.name!r}: out {e.out!r} cannot be written ({writable_at} is not a "
+                          "writable directory)")
+    lb, la = ccfg.lookbehind, ccfg.lookahead
+    return ExperimentPlan(
+        name=e.name, draft=e.draft, layer_ids=view, view=view_index(captured, view),
+        device=ccfg.device, window=f"{lb}:{la}", steps=ccfg.steps, batch_size=ccfg.batch_size, lr=ccfg.lr,
+        seed=ccfg.seed, start_step=start_step, start_cursor=start_cursor,
+        positions=0 if skip else (ccfg.steps - start_step) * ccfg.batch_size,
+        window_artifacts=0 if skip else lb + la + 1,
+        out_dir=e.out, resume_from=resume_from, init_from=e.init_from, skip=skip,
+        consumer=msgspec.to_builtins(ccfg), env=dict(e.env)), notes
 
 
 def _load_or_build_plan(layout, plan_id: str, spec, tok, info):
