@@ -38,6 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -72,6 +73,7 @@ from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
+from artcache.ranges import FINITE, NonNegative, Positive, check_ranges
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 
@@ -159,15 +161,15 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     limits: SchedulerLimits = msgspec.field(default_factory=SchedulerLimits)
     max_inflight_batches: int = 2
     poll_interval_s: float = 0.02
-    heartbeat_timeout_s: float = 30.0
+    heartbeat_timeout_s: Positive = 30.0
     lease_ttl_s: float = 600.0
     exit_when_done: bool = False
     done_grace_s: float = 5.0
     expect_consumers: int = 0
-    expect_timeout_s: float = 300.0
-    idle_exit_s: float = 0.0
+    expect_timeout_s: Positive = 300.0
+    idle_exit_s: Annotated[float, msgspec.Meta(ge=0, le=FINITE)] = 0.0  # 0: never
     producer_id: str = "producer"
-    threads: int = 0
+    threads: NonNegative = 0
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
     group_shared: bool = False
     backend: str = "hf"
@@ -175,6 +177,11 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     retention: str = "need"
     fill: bool = False
     payload: str = ""
+
+    def validate(self) -> None:
+        """The ranges declared on the fields. Raises ConfigError naming the flag (``--heartbeat-timeout``), the
+        value and what is accepted (:func:`artcache.ranges.check_ranges`)."""
+        check_ranges(self, lambda name: "--" + name.removesuffix("_s").replace("_", "-"))
 
 
 #: the default disk budget: this share of the free space beyond :data:`BUDGET_RESERVE` ...

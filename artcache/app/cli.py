@@ -80,11 +80,10 @@ def _with_config(verb: str):
             if verb == "producer":
                 from artcache.producer import run_producer
 
-                check_min("idle-exit", kwargs["idle_exit"], 0, accepted="seconds >= 0 (0: never)")
-                check_min("expect-timeout", kwargs["expect_timeout"], 0, strict=True, accepted="seconds > 0")
                 check_min("expect-consumers", kwargs["expect_consumers"], 0, accepted="an integer >= 0 (0: none)")
                 check_min("done-grace", kwargs["done_grace"], 0, accepted="seconds >= 0")
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
+                pcfg.validate()
                 _check_device(pcfg.device)
                 stats = run_producer(pcfg)
                 click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
@@ -194,10 +193,6 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
-    check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
-    check_min("heartbeat-timeout", heartbeat_timeout, 0, strict=True, accepted="seconds > 0")
-    check_min("idle-exit", idle_exit, 0, accepted="seconds >= 0 (0: never)")
-    check_min("expect-timeout", expect_timeout, 0, strict=True, accepted="seconds > 0")
     check_min("expect-consumers", expect_consumers, 0, accepted="an integer >= 0 (0: none)")
     check_min("done-grace", done_grace, 0, accepted="seconds >= 0")
     _check_device(device)
@@ -211,6 +206,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
         group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
         retention=retention, fill=fill, payload=payload)
+    cfg.validate()
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
@@ -305,8 +301,6 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
     lookbehind, lookahead = parse_window(window)
     view = parse_layer_ids(layer_ids)
-    check_min("threads", threads, 0, accepted="0 (torch's default) or a positive integer")
-    check_min("demand-timeout", demand_timeout, 0, strict=True, accepted="seconds > 0")
     _check_device(device)
     cfg = ConsumerConfig(
         cache=cache, consumer_id=consumer_id or (

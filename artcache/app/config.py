@@ -50,11 +50,24 @@ from artcache.app.values import parse_bytes, parse_template_options
 from artcache.errors import ConfigError
 from artcache.fsio import atomic_write
 from artcache.layout import check_id
+from artcache.ranges import (
+    Count,
+    NonNegative,
+    Positive,
+    describe_number,
+    field_message,
+    is_range_error,
+    path_of,
+    range_message,
+)
 from artcache.scheduler import SchedulerLimits
 from artcache.trainers import DRAFT_NAMES
 
 DType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "fp8"]
 DRAFTS = DRAFT_NAMES  # the registered drafts (artcache.trainers.ADAPTERS)
+
+# Ranges are declared on the fields (artcache.ranges): msgspec checks them in :func:`convert`, whose ConfigError
+# names the field, the bad value and what is accepted.
 
 
 class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -73,7 +86,7 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: str = "cpu"
     dtype: DType = "bfloat16"
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    threads: int = 0
+    threads: NonNegative = 0
 
 
 class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -133,9 +146,9 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     root: str = ""
-    heartbeat_timeout_s: float = 30.0
-    done_grace_s: float = 5.0
-    demand_timeout_s: float = 600.0
+    heartbeat_timeout_s: Positive = 30.0
+    done_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    demand_timeout_s: Positive = 600.0
     group_shared: bool = False
     disk_budget: Annotated[int, msgspec.Meta(ge=0)] = 0
     retention: Literal["need", "windows"] = "need"
@@ -176,25 +189,25 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: str
     draft: Literal[DRAFT_NAMES] = "dflash"
-    draft_layers: int | None = None
+    draft_layers: Count | None = None
     layer_ids: list[int] | None = None
     dtype: DType | None = None
-    block_size: int | None = None
-    anchors: int | None = None
-    batch_size: int = 2
-    steps: int = 100
-    lr_total_steps: int | None = None
-    lr: float = 6e-4
+    block_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the anchor and at least one MASK slot
+    anchors: Count | None = None
+    batch_size: Count = 2
+    steps: Count = 100
+    lr_total_steps: Count | None = None
+    lr: Positive = 6e-4
     warmup_frac: float = 0.04
     seed: int = 0
     window: str = "64:256"
     device: str = ""
-    threads: int = 0
+    threads: NonNegative = 0
     out: str = ""
     resume: bool | None = None
     init_from: str = ""
     checkpoint_optimizer: bool = True
-    log_every: int = 10
+    log_every: Count = 10
     consumer: dict[str, Any] = {}
     env: dict[str, str] = {}
 
@@ -349,10 +362,10 @@ def _strip_none(t: mi.Type) -> tuple[mi.Type, bool]:
     return t, False
 
 
-def _describe(t: mi.Type) -> str:
+def _describe(t: mi.Type, seconds: bool = False, ranges: bool = True) -> str:
+    """What a field of type ``t`` accepts, in words (``ranges``: with its declared range)."""
     t, optional = _strip_none(t)
-    names = {mi.IntType: "an integer", mi.FloatType: "a number", mi.BoolType: "true or false",
-             mi.StrType: "a string"}
+    names = {mi.BoolType: "true or false", mi.StrType: "a string"}
     if isinstance(t, mi.LiteralType):
         text = "one of " + ", ".join(map(str, t.values))
     elif isinstance(t, mi.ListType):
@@ -361,6 +374,8 @@ def _describe(t: mi.Type) -> str:
         text = "a table with fields " + ", ".join(f.name for f in t.fields)
     elif isinstance(t, mi.DictType):
         text = "a table"
+    elif isinstance(t, (mi.IntType, mi.FloatType)):
+        text = describe_number(t, seconds) if ranges else "an integer" if isinstance(t, mi.IntType) else "a number"
     else:
         text = names.get(type(t), "a value")
     return text + (" or none" if optional else "")
@@ -410,12 +425,17 @@ def check_unknown(raw: Any, t: mi.Type = _INFO, path: list[str] | None = None, s
             check_unknown(item, t.item_type, [*path, str(i)], source)
 
 
-_AT = re.compile(r"\s*-\s*at\s*`\$(.*)`\s*$")
-
-
-def _dotted(msgspec_path: str) -> str:
-    """``.experiments[0].lr`` → ``experiments.0.lr``."""
-    return re.sub(r"\[(\d+)\]", r".\1", msgspec_path).lstrip(".")
+def _value_at(raw: Any, path: list[str]) -> tuple[bool, Any]:
+    """(found, value) at a dotted path of a raw table (list items by index)."""
+    node = raw
+    for seg in path:
+        if isinstance(node, dict) and seg in node:
+            node = node[seg]
+        elif isinstance(node, list) and seg.isdigit() and int(seg) < len(node):
+            node = node[int(seg)]
+        else:
+            return False, None
+    return True, node
 
 
 def convert(raw: dict, source: str = "config") -> RunConfig:
@@ -425,11 +445,11 @@ def convert(raw: dict, source: str = "config") -> RunConfig:
     try:
         cfg = msgspec.convert(raw, RunConfig)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        m = _AT.search(text)
-        where = _dotted(m.group(1)) if m else ""
-        problem = _AT.sub("", text)
-        accepted = _describe(type_at(where.split("."))) if where else ""
+        where, problem = path_of(exc)
+        accepted = _describe(type_at(where.split(".")), where.endswith("_s")) if where else ""
+        found, value = _value_at(raw, where.split(".")) if where else (False, None)
+        if found and is_range_error(problem, value):  # a declared range (msgspec.Meta) the value is outside of
+            raise ConfigError(f"{source}: {range_message(where, value, accepted)}") from None
         raise ConfigError(f"{source}: {where or 'top level'}: {problem}"
                           + (f"; accepted: {accepted}" if accepted else "")) from None
     check_run_config(cfg, source)
@@ -437,7 +457,8 @@ def convert(raw: dict, source: str = "config") -> RunConfig:
 
 
 def check_run_config(cfg: RunConfig, source: str = "config") -> None:
-    """Checks across fields: experiment names valid and unique, windows well formed, counts positive."""
+    """Checks the field types cannot declare: experiment names valid and unique, windows well formed, layer id
+    lists not empty (ranges are declared on the fields and checked by :func:`convert`)."""
     seen = set()
     for i, e in enumerate(cfg.experiments):
         try:
@@ -450,36 +471,12 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
         if not re.fullmatch(r"[0-9]+:[0-9]+", e.window):
             raise ConfigError(f"{source}: experiments.{i}.window {e.window!r} is not LOOKBEHIND:LOOKAHEAD with two "
                               "non-negative integers, e.g. 64:256")
-        if e.block_size is not None and e.block_size < 2:  # as the CLI: the anchor and at least one MASK slot
-            raise ConfigError(f"{source}: experiments.{i}.block_size {e.block_size} is invalid: accepted an "
-                              "integer >= 2")
         if e.layer_ids is not None and not e.layer_ids:
             raise ConfigError(f"{source}: experiments.{i}.layer_ids is empty: give output-of-layer ids, or leave "
                               "it out for the draft's default view")
-        for name in ("steps", "batch_size", "anchors", "log_every", "lr_total_steps"):
-            if getattr(e, name) is not None and getattr(e, name) < 1:
-                raise ConfigError(f"{source}: experiments.{i}.{name} {getattr(e, name)} is invalid: accepted "
-                                  "an integer >= 1")
-        if e.draft_layers is not None and e.draft_layers < 1:
-            raise ConfigError(f"{source}: experiments.{i}.draft_layers {e.draft_layers} is invalid: accepted an "
-                              "integer >= 1 or none")
-        if not (e.lr > 0 and math.isfinite(e.lr)):
-            raise ConfigError(f"{source}: experiments.{i}.lr {e.lr} is invalid: accepted a finite number > 0")
-        if e.threads < 0:
-            raise ConfigError(f"{source}: experiments.{i}.threads {e.threads} is invalid: accepted 0 (torch's "
-                              "default) or a positive integer")
-    if cfg.target.threads < 0:
-        raise ConfigError(f"{source}: target.threads {cfg.target.threads} is invalid: accepted 0 (torch's default) "
-                          "or a positive integer")
     if cfg.capture.layer_ids is not None and not cfg.capture.layer_ids:
         raise ConfigError(f"{source}: capture.layer_ids is empty: give output-of-layer ids, or leave it out for "
                           "the union of the experiments' views")
-    for name in ("heartbeat_timeout_s", "demand_timeout_s"):
-        value = getattr(cfg.cache, name)
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{source}: cache.{name} {value} is invalid: accepted seconds > 0")
-    if not cfg.cache.done_grace_s >= 0:
-        raise ConfigError(f"{source}: cache.done_grace_s {cfg.cache.done_grace_s} is invalid: accepted seconds >= 0")
 
 
 # ---- overrides ---------------------------------------------------------------------------------------
@@ -513,7 +510,7 @@ def parse_value(text: str, t: mi.Type, where: str) -> Any:
         return None
 
     def bad(extra: str = "") -> ConfigError:
-        return ConfigError(f"override {where}={text!r}: expected {_describe(t)}{extra}")
+        return ConfigError(f"override {where}={text!r}: expected {_describe(t, ranges=False)}{extra}")
 
     if isinstance(inner, mi.StrType):
         return text
@@ -866,9 +863,10 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
     try:
         ccfg = msgspec.convert(fields, ConsumerConfig)
     except msgspec.ValidationError as exc:
-        m = _AT.search(str(exc))
-        where = _dotted(m.group(1)) if m else ""
-        raise ConfigError(f"experiment {name!r}: consumer setting {where or '?'}: {_AT.sub('', str(exc))}") from None
+        where, problem = path_of(exc)
+        field = where.split(".")[0]
+        raise ConfigError(f"experiment {name!r}: " + field_message(
+            ConsumerConfig, field, fields.get(field), problem, f"consumer setting {where or '?'}")) from None
     try:
         ccfg.validate()
     except ConfigError as exc:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from artcache.errors import ConfigError
 from artcache.layout import check_id
+from artcache.ranges import Count, NonNegative, Positive, check_ranges
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 __all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_draft_options", "default_anchors",
@@ -96,50 +97,51 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft: Literal[DRAFT_NAMES] = "dflash"  # the registered drafts (artcache.trainers.ADAPTERS)
     lookbehind: int = 64
     lookahead: int = 256
-    block_size: int | None = None  # DFlash options: None = not given (the draft's default, Draft.options)
-    num_anchors: int | None = None
-    draft_layers: int | None = None
-    batch_size: int = 2
-    steps: int = 100
-    epochs: int = 0
-    lr_total_steps: int | None = None
-    lr: float = 6e-4
+    # DFlash options: None = not given (the draft's default, Draft.options); B >= 2: the anchor and one MASK slot
+    block_size: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    num_anchors: Count | None = None
+    draft_layers: Count | None = None
+    batch_size: Count = 2
+    steps: Count = 100
+    epochs: NonNegative = 0
+    lr_total_steps: Count | None = None
+    lr: Positive = 6e-4
     warmup_frac: float = 0.04
     min_lr_frac: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
     device: str = "cpu"
-    threads: int = 0
+    threads: NonNegative = 0
     out_dir: str = ""
-    demand_timeout_s: float = 600.0
+    demand_timeout_s: Positive = 600.0
     heartbeat_s: float = 2.0
-    prefetch_batches: int = 2
-    log_every: int = 10
+    prefetch_batches: Count = 2
+    log_every: Count = 10
     lockstep_group: str = ""
     layer_ids: list[int] | None = None
-    ttt_steps: int | None = None  # EAGLE-3 options: None = not given (Draft.options)
-    draft_vocab: int | None = None
-    markov_rank: int | None = None  # DSpark options
+    ttt_steps: Count | None = None  # EAGLE-3 options: None = not given (Draft.options)
+    draft_vocab: Count | None = None
+    markov_rank: NonNegative | None = None  # DSpark options (0: no Markov head)
     markov_head: Literal["vanilla", "gated"] | None = None
-    min_vocab_coverage: float | None = None
+    min_vocab_coverage: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # a share of supervised tokens
     keep_vocab_map: bool | None = None
     init_overrides: list[str] = []
-    save_every: int = 0
-    keep_checkpoints: int = 3
+    save_every: NonNegative = 0
+    keep_checkpoints: NonNegative = 3
     checkpoint_optimizer: bool = True
     checkpoints: bool = True
     resume: bool = False
     init_from: str = ""
-    eval_samples: int = 0
-    eval_interval: int = 0
-    eval_anchors: int | None = None
+    eval_samples: NonNegative = 0
+    eval_interval: NonNegative = 0
+    eval_anchors: NonNegative | None = None
     best_metric: str | None = None
     progress: bool = True
     tensorboard: bool = True
     compile: Literal[COMPILE_MODES] = "auto"
     loss_impl: Literal[LOSS_IMPLS] = "auto"
-    length_bucket: int = 64
+    length_bucket: NonNegative = 64
 
     def validate(self) -> None:
         """Check every setting; a draft option another draft owns is refused naming both drafts.
@@ -149,22 +151,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """
         check_id(self.consumer_id, "consumer id")
         check_draft_options(self)
-        if self.block_size is not None and self.block_size < 2:  # one message for 0, 1 and negatives
-            raise ConfigError(f"--block-size {self.block_size} is invalid: it must be >= 2 (the anchor and at "
-                              "least one MASK slot)")
-        for name in ("batch_size", "steps", "num_anchors", "prefetch_batches", "log_every",
-                     "ttt_steps", "draft_vocab", "lr_total_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{flag_of(name)} {getattr(self, name)} is invalid: it must be >= 1")
-        for name in ("save_every", "keep_checkpoints", "eval_samples", "eval_interval", "eval_anchors",
-                     "length_bucket", "epochs"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ConfigError(f"{flag_of(name)} {getattr(self, name)} is invalid: it must be >= 0")
-        if self.markov_rank is not None and self.markov_rank < 0:
-            raise ConfigError(f"--markov-rank {self.markov_rank} is invalid: it must be >= 0 (0: no Markov head)")
-        if self.min_vocab_coverage is not None and not 0.0 <= self.min_vocab_coverage <= 1.0:
-            raise ConfigError(f"--min-vocab-coverage {self.min_vocab_coverage} is invalid: accepted a share in "
-                              "[0, 1] of the plan's supervised tokens")
+        check_ranges(self, flag_of)  # the ranges declared on the fields (artcache.ranges)
         bad = [o for o in self.init_overrides if o not in INIT_OVERRIDES]
         if bad:
             raise ConfigError(f"--init-override {bad[0]!r} is not accepted: one of {', '.join(INIT_OVERRIDES)} "
@@ -173,9 +160,6 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"--init-override {','.join(self.init_overrides)} needs --init-from")
         if self.best_metric is not None and not self.eval_samples:
             raise ConfigError(f"--best-metric {self.best_metric} needs a held-out split: pass --eval-samples N")
-        if self.draft_layers is not None and self.draft_layers < 1:
-            raise ConfigError(f"--draft-layers {self.draft_layers} is invalid: it must be >= 1 (or left out: one "
-                              "draft layer per captured layer the formula selects)")
         if self.save_every and not self.checkpoints:
             raise ConfigError(f"--save-every {self.save_every} needs checkpoints, but this run writes none "
                               "(checkpoints = false); leave --save-every at 0 or turn checkpoints on")
@@ -191,8 +175,6 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"lookahead {self.lookahead} is smaller than one batch ({self.batch_size} positions): the "
                 f"consumer could never read a whole batch; use --window {self.lookbehind}:{self.batch_size} "
                 "or larger, or a smaller --batch-size")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.lockstep_group:
             for member in self.lockstep_group.split(","):
                 check_id(member, "lockstep group member")

@@ -1,0 +1,79 @@
+"""Ranges declared on typed fields (artcache/ranges.py): one message style for the run config, the consumer,
+and the producer (issue 19: ranges on the fields, not hand checks)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+
+from artcache.app import config as C
+from artcache.errors import ConfigError
+from artcache.producer import ProducerConfig
+from artcache.ranges import Count, NonNegative, Positive, check_ranges, describe_number
+from artcache.trainers.consumer import ConsumerConfig
+
+
+class S(msgspec.Struct, kw_only=True):
+    n: Count = 1
+    k: NonNegative = 0
+    x: Positive = 1.0
+    wait_s: Positive = 1.0
+    o: Count | None = None
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("n", 0, "n 0 is invalid: accepted an integer >= 1"),
+    ("k", -1, "k -1 is invalid: accepted 0 or a positive integer"),
+    ("x", 0.0, "x 0.0 is invalid: accepted a finite number > 0"),
+    ("x", math.inf, "x inf is invalid: accepted a finite number > 0"),
+    ("x", math.nan, "x nan is invalid: accepted a finite number > 0"),
+    ("wait_s", -2.0, "wait_s -2.0 is invalid: accepted finite seconds > 0"),
+    ("o", 0, "o 0 is invalid: accepted an integer >= 1"),
+])
+def test_check_ranges_names_the_field_value_and_range(field, value, message):
+    with pytest.raises(ConfigError) as exc:
+        check_ranges(S(**{field: value}))
+    assert str(exc.value) == message
+
+
+class Outer(msgspec.Struct, kw_only=True):
+    inner: S = msgspec.field(default_factory=S)
+
+
+def test_a_nested_struct_field_is_named_by_its_own_name():
+    with pytest.raises(ConfigError, match=r"^n 0 is invalid: accepted an integer >= 1$"):
+        check_ranges(Outer(inner=S(n=0)), lambda f: f"--{f}")
+
+
+def test_check_ranges_passes_values_inside_and_uses_the_flag_name():
+    check_ranges(S(n=3, k=0, x=1e-9, o=None))
+    with pytest.raises(ConfigError, match=r"^--n 0 is invalid"):
+        check_ranges(S(n=0), lambda f: f"--{f}")
+    assert describe_number(mi.type_info(Positive)) == "a finite number > 0"
+
+
+@pytest.mark.parametrize("struct, field, ranged", [
+    (C.Experiment, "steps", "ge"), (C.Experiment, "lr", "gt"), (C.Experiment, "block_size", "ge"),
+    (C.CacheSection, "heartbeat_timeout_s", "gt"), (C.TargetSection, "threads", "ge"),
+    (ConsumerConfig, "batch_size", "ge"), (ConsumerConfig, "demand_timeout_s", "gt"),
+    (ProducerConfig, "heartbeat_timeout_s", "gt"),
+])
+def test_ranges_are_declared_on_the_fields(struct, field, ranged):
+    t = next(f.type for f in mi.type_info(struct).fields if f.name == field)
+    t = next((x for x in t.types if not isinstance(x, mi.NoneType)), t) if isinstance(t, mi.UnionType) else t
+    assert getattr(t, ranged) is not None
+
+
+def test_the_role_structs_give_the_one_message():
+    with pytest.raises(ConfigError, match=r"^--batch-size 0 is invalid: accepted an integer >= 1$"):
+        ConsumerConfig(cache="c", batch_size=0).validate()
+    with pytest.raises(ConfigError, match=r"^--expect-timeout 0.0 is invalid: accepted finite seconds > 0$"):
+        ProducerConfig(cache="c", expect_timeout_s=0.0).validate()
+    with pytest.raises(ConfigError, match=r"^config: cache.demand_timeout_s -1 is invalid: accepted finite seconds"):
+        C.convert({"cache": {"demand_timeout_s": -1}})
+    with pytest.raises(ConfigError, match=r"^experiment 'a': consumer setting ttt_steps 0 is invalid: accepted"):
+        C.consumer_config(C.convert({"experiments": [{"name": "a", "draft": "eagle3", "consumer": {"ttt_steps": 0}}]}),
+                          "a")
