@@ -33,7 +33,6 @@ import logging
 import os
 import queue
 import shutil
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,6 +75,7 @@ from artcache.payload import close_all, describe, new_spec, parse_payload_url, r
 from artcache.ranges import FINITE, NonNegative, Positive, check_ranges
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
+from artcache.shutdown import GracefulShutdown
 
 log = logging.getLogger("artcache.producer")
 
@@ -944,17 +944,6 @@ class Producer:
             raise ProducerFailed(f"every capture failed ({st.failures} failed attempt(s), 0 publications); last: "
                                  f"{self._last_failure}")
 
-def install_signal_handlers(stop_event: threading.Event) -> None:
-    """SIGINT/SIGTERM set ``stop_event``: the loop finishes its batch and exits cleanly."""
-
-    def handler(signum, _frame):
-        log.info("received %s; finishing the current batch", signal.Signals(signum).name)
-        stop_event.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-
-
 def run_producer(cfg: ProducerConfig) -> ProducerStats:
     """Prepare the root, load the target once, and run the loop. Used by ``artcache producer``."""
     import torch
@@ -982,7 +971,10 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         backend = HFCaptureBackend(model, settings.contract, device=cfg.device)
     journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
     producer = Producer(layout, settings, plan, backend, cfg, journal, hidden_size=info.hidden_size)
-    install_signal_handlers(producer.stop_event)
+    # SIGINT/SIGTERM: the first sets stop_event (the loop finishes its batch and exits cleanly), a second stops
+    # at once (KeyboardInterrupt through the finally below); the previous handlers come back on the way out
+    shutdown = GracefulShutdown("producer", event=producer.stop_event, asked="finishing the current batch")
+    shutdown.install()
     presence = claim_producer_presence(layout)
     cleanup_orphans(layout)
     log.info("%s; retention %s%s", producer.budget_note, producer.cfg.retention, ", --fill: the whole plan, then exit"
@@ -992,6 +984,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     try:
         producer.run()
     finally:
+        shutdown.restore()
         journal.close()
         backend.close()
         if presence is not None:

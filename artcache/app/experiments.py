@@ -40,6 +40,7 @@ from artcache.app.config import (
 )
 from artcache.contract import stored_dtype
 from artcache.errors import ConfigError, ContractMismatch
+from artcache.shutdown import GracefulShutdown
 from artcache.store import artifact_bytes_bound
 
 log = logging.getLogger("artcache.run")
@@ -472,21 +473,20 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     registered (or exited), wait for all of them and write the report (no step barrier anywhere).
 
     Returns the exit status: 0 when every experiment completed and the producer exited cleanly, 1
-    otherwise. A failed experiment does not stop its siblings; SIGINT/SIGTERM are forwarded to every
-    process (experiments end as ``cancelled``).
+    otherwise. A failed experiment does not stop its siblings. Signals follow :mod:`artcache.shutdown`: the
+    first SIGINT/SIGTERM is forwarded once to every experiment (they end as ``cancelled``), then to the
+    producer; a second terminates every role still running (SIGTERM, SIGKILL after 30 s).
     """
     out = Path(plan.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     _write_configs(plan, cfg)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    stop = {"signal": 0}
-
-    def on_signal(signum, _frame):
-        stop["signal"] = signum
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
-        if threading_is_main() else {}
+    # the first SIGINT/SIGTERM asks: one SIGTERM to every experiment, the producer once they ended; a second
+    # forces: the roles are terminated now (artcache.shutdown; the previous handlers come back at the end)
+    shutdown = GracefulShutdown("artcache run", asked="stopping every experiment (one SIGTERM each)")
+    shutdown.install()
+    stop = shutdown.requested
     t0 = time.time()
     producer: _Role | None = None
     consumers: dict[str, _Role] = {}
@@ -515,7 +515,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
                          and not (n in regs and regs[n].pid == c.popen.pid)]
             if not unsettled:
                 break
-            if stop["signal"]:
+            if stop.is_set():
                 raise KeyboardInterrupt
             time.sleep(poll_s)
         if not consumers:
@@ -538,8 +538,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
                 # (exit 0 is --exit-when-done: every registration is terminal, the rest are exiting)
                 problems.append(f"the producer exited with {producer.code} while experiments were running")
                 print(f"producer exited with {producer.code}; stopping the experiments", flush=True)
-                stop["signal"] = stop["signal"] or signal.SIGTERM
-            if stop["signal"] and not forwarded:
+                stop.set()
+            if stop.is_set() and not forwarded:
                 forwarded = True
                 for c in consumers.values():
                     c.signal(signal.SIGTERM)
@@ -548,7 +548,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             if not c.announced:
                 print(f"experiment {c.name} {'completed' if c.code == 0 else f'FAILED (exit {c.code})'}", flush=True)
         if producer is not None:
-            if stop["signal"]:
+            if stop.is_set():
                 producer.signal(signal.SIGTERM)
             try:
                 producer.popen.wait(timeout=cfg.cache.done_grace_s + 120)
@@ -564,24 +564,17 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
                 role.signal(signal.SIGTERM)
                 try:
                     role.popen.wait(timeout=30)
-                except subprocess.TimeoutExpired:
+                except (subprocess.TimeoutExpired, KeyboardInterrupt):  # KeyboardInterrupt: a forced stop
                     role.popen.kill()
                     role.popen.wait()
             role.poll()
-        for s, h in old.items():
-            signal.signal(s, h)
+        shutdown.restore()
     wall = time.time() - t0
     report = merge_earlier(run_report(plan, producer, consumers, wall, problems), out / "report.json")
     write_report(plan, report)
     print(format_report(report), flush=True)
     print(f"report: {out / 'report.json'}", flush=True)
     return report["exit_code"]
-
-
-def threading_is_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 # ---- reports -----------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ import math
 import os
 import queue
 import shutil
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from artcache.layout import CacheLayout, host_id
 from artcache.plan import Plan
 from artcache.report import format_bytes
 from artcache.settings import load_settings
+from artcache.shutdown import GracefulShutdown
 from artcache.target import quiet_transformers
 from artcache.trainers.checkpoint import (
     CheckpointSize,
@@ -139,7 +139,11 @@ class Session:
         self.fenced = threading.Event()
         self.beat_stop = threading.Event()
         self.stop_req = threading.Event()  # a signal asked to stop: finish the current step, then cancel
-        self.previous_handlers: dict = {}
+        # SIGTERM / Ctrl-C: the first sets stop_req (the run ends at the next step boundary), a second raises
+        # KeyboardInterrupt at once (artcache.shutdown); installed in register(), the previous handlers restored
+        # in close()
+        self.shutdown = GracefulShutdown(f"[{cfg.consumer_id}]", event=self.stop_req,
+                                         asked="stopping after the current step")
         self.pending: list[_StepRecord] = []  # steps whose figures are not written yet (_flush_metrics)
         self.last_progress: float | None = None
         self.retired = Retired()
@@ -315,11 +319,9 @@ class Session:
         self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
                              end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
                              collate=self._collator())
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled",
-            # leases released, journal closed (the previous handlers come back in close())
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled", leases
+        # released, journal closed (in the main thread only; the previous handlers come back in close())
+        self.shutdown.install()
         self.evaluator = Evaluator(self.draft, self.client, range(*self.pinned), cfg.batch_size, self._collate_eval,
                                    self.argmax_fn, self.stop_req) if cfg.eval_samples else None
         self.cursor, self.steps_done = reg.cursor, self.start_step
@@ -366,13 +368,6 @@ class Session:
                 return
             except Exception as exc:  # a transient filesystem error: try again next beat
                 log.warning("heartbeat failed: %s", exc)
-
-    def _on_signal(self, signum, _frame) -> None:
-        if self.stop_req.is_set():
-            raise KeyboardInterrupt(f"signal {signum} (second)")
-        self.stop_req.set()
-        log.warning("[%s] signal %d: stopping after the current step (send it again to stop at once)",
-                    self.cfg.consumer_id, signum)
 
     def _collator(self):
         """The reader thread's collate: on the device without host copies (CUDA), else :func:`collate`."""
@@ -686,8 +681,7 @@ class Session:
     def close(self) -> None:
         cfg = self.cfg
         self.progress.close()
-        for sig, handler in self.previous_handlers.items():
-            signal.signal(sig, handler)
+        self.shutdown.restore()
         self.reader.stop.set()
         self.beat_stop.set()
         self.reader.join(timeout=5)

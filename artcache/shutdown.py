@@ -1,0 +1,90 @@
+"""Graceful shutdown on SIGINT / SIGTERM, one rule for every artcache process (the producer, the consumer,
+``artcache run``): the **first** signal asks to stop (sets an event the process's loop checks: the producer
+finishes its batch, a consumer its step, ``artcache run`` forwards one SIGTERM to its roles), the **second**
+forces (raises :class:`KeyboardInterrupt` in the main thread, where the handler runs, so the process unwinds
+through its ``finally`` blocks at once), and the handlers that were installed before are put back when the
+process leaves the block (a library caller, a test or an embedding program keeps its own).
+
+    with GracefulShutdown("producer", event=producer.stop_event):
+        producer.run()          # returns once stop_event is set; a second signal interrupts it
+
+Python runs signal handlers only in the main thread, so outside it :meth:`GracefulShutdown.install` does
+nothing (and says so by returning False); the event can still be set directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable
+
+log = logging.getLogger("artcache.shutdown")
+
+#: the signals a run stops on by default
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class GracefulShutdown:
+    """First signal: ask (``requested`` set, ``signum`` recorded, ``on_request`` called); second: force.
+
+    Args:
+        what: the process, for the log line (``"producer"``, ``"[dflash-b16]"``).
+        event: the event to set on the first signal (default: a new one, :attr:`requested`).
+        signals: the signals handled (default SIGINT and SIGTERM).
+        asked: what the first signal does, for the log (e.g. ``"stopping after the current step"``).
+        on_request: called with the signal number on the first signal (in the main thread, inside the
+            handler: keep it short and never block).
+
+    Attributes:
+        requested: set by the first signal. signum: that signal's number (0: none yet).
+        forced: True once a second signal forced the stop.
+    """
+
+    def __init__(self, what: str, *, event: threading.Event | None = None,
+                 signals: Iterable[int] = STOP_SIGNALS, asked: str = "stopping",
+                 on_request: Callable[[int], None] | None = None) -> None:
+        self.what, self.asked, self.on_request = what, asked, on_request
+        self.requested = event if event is not None else threading.Event()
+        self.signals = tuple(signals)
+        self.signum = 0
+        self.forced = False
+        self.previous: dict[int, object] = {}
+
+    def install(self) -> bool:
+        """Install the handler for every signal, keeping the ones it replaces. Returns False (nothing
+        installed) outside the main thread, where Python cannot install signal handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in self.signals:
+            if sig not in self.previous:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced (idempotent)."""
+        while self.previous:
+            sig, handler = self.previous.popitem()
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested.is_set() and self.signum:
+            self.forced = True
+            log.warning("%s: second signal (%s): stopping at once", self.what, name)
+            raise KeyboardInterrupt(f"signal {signum} (second)")
+        self.signum = signum
+        self.requested.set()
+        log.warning("%s: %s: %s (send it again to stop at once)", self.what, name, self.asked)
+        if self.on_request is not None:
+            self.on_request(signum)
+
+    def __enter__(self) -> GracefulShutdown:
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+__all__ = ["STOP_SIGNALS", "GracefulShutdown"]
