@@ -51,7 +51,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import time
 from bisect import bisect_right
 from dataclasses import dataclass, replace
@@ -66,6 +65,7 @@ from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
 from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 from artcache.errors import ConfigError, InsufficientSpace
 from artcache.fsio import free_space, space_reserve
+from artcache.launch import Role, cli_argv, kill_all, module_argv, role_env, wait_for_file
 from artcache.layout import CacheLayout
 from artcache.report import format_bytes, table
 from artcache.store import artifact_bytes_bound
@@ -160,10 +160,6 @@ def _fresh_dir(path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "artcache", *args]
 
 
 def parse_modes(text: str, sc: Scenario) -> tuple[str, ...]:
@@ -282,11 +278,12 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     budget = mode_budget(cfg, sc, mode)
     retention = [*(["--disk-budget", str(budget)] if budget else []), "--retention", mode_retention(mode)]
     staggered = any(c.start_s > 0 for c in sc.consumers)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = role_env()
     cpu = cfg.device == "cpu"
     threads = ["--threads", "1"] if cpu else []
     dev = (lambda i: "cpu") if cpu else (lambda i: f"cuda:{gpus[i]}")
-    procs: dict[str, subprocess.Popen] = {}
+    # the roles share the bench's process group (a terminal's Ctrl-C reaches them too), as they always did
+    procs: dict[str, Role] = {}
     codes: dict[str, int | None] = {}
     if sampler is not None:
         sampler.start()
@@ -294,17 +291,16 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         for i, (pid, root, served) in enumerate(producers):
-            with open(logs / f"{pid}.log", "wb") as log:
-                procs[pid] = subprocess.Popen(_cli(
-                    "producer", "--cache", str(root), "--id", pid, "--target", cfg.target, "--data", cfg.dataset,
-                    "--max-length", str(cfg.max_length),
-                    "--max-samples", str(cfg.max_samples), *capture,
-                    "--device", dev(i), "--exit-when-done", "--done-grace", "5",
-                    # staggered starts: capture for the first consumer at once (a start line would wait)
-                    "--expect-consumers", str(1 if staggered else len(served)), *retention, *threads),
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
+            procs[pid] = Role(pid, cli_argv(
+                "producer", "--cache", str(root), "--id", pid, "--target", cfg.target, "--data", cfg.dataset,
+                "--max-length", str(cfg.max_length),
+                "--max-samples", str(cfg.max_samples), *capture,
+                "--device", dev(i), "--exit-when-done", "--done-grace", "5",
+                # staggered starts: capture for the first consumer at once (a start line would wait)
+                "--expect-consumers", str(1 if staggered else len(served)), *retention, *threads),
+                logs / f"{pid}.log", env, new_session=False)
         for pid, root, _ in producers:
-            _wait_ready(root, procs[pid], logs / f"{pid}.log", cfg.timeout_s)
+            wait_for_file(root / "artcache.json", procs[pid], cfg.timeout_s)  # the producer initialised the root
         n_served = sum(len(served) for _, _, served in producers)
         order = consumer_configs(cfg, sc, work, mode, [(root, served) for _, root, served in producers],
                                  [dev(i) for i in range(len(producers), len(producers) + n_served)])
@@ -316,10 +312,9 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
         t_first = time.monotonic()
         for start_s, _, ccfg in order:
             time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
-            with open(logs / f"{ccfg.consumer_id}.log", "wb") as log:
-                procs[ccfg.consumer_id] = subprocess.Popen(
-                    [sys.executable, "-m", "artcache.bench.consume", msgspec.json.encode(ccfg).decode()],
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
+            procs[ccfg.consumer_id] = Role(
+                ccfg.consumer_id, module_argv("artcache.bench.consume", msgspec.json.encode(ccfg).decode()),
+                logs / f"{ccfg.consumer_id}.log", env, new_session=False)
         deadline = time.time() + cfg.timeout_s
         served_ids = [c.consumer_id for _, _, served in producers for c in served]
         for c in (c for c in sc.consumers if c.consumer_id in served_ids):
@@ -328,15 +323,12 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
             try:
                 codes[pid] = procs[pid].wait(timeout=60)
             except subprocess.TimeoutExpired:
-                procs[pid].send_signal(signal.SIGTERM)
+                procs[pid].signal(signal.SIGTERM)
                 codes[pid] = procs[pid].wait(timeout=60)
     finally:
         if sampler is not None:
             sampler.stop()
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs.values())
     wall = time.time() - t_start
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
@@ -649,17 +641,6 @@ def disk_summary(cfg: BenchConfig, run: ModeRun) -> dict:
             "peak_bytes_bound": peak + ckpt,
             "planned": run.planned,
             "removed": run.removed}
-
-
-def _wait_ready(cache: Path, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    t0 = time.time()
-    while not (cache / "artcache.json").is_file():
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"producer exited with {proc.returncode} before initialising the root:\n{tail}")
-        if time.time() - t0 > timeout:
-            raise TimeoutError(f"producer did not initialise {cache} within {timeout:.0f}s")
-        time.sleep(0.2)
 
 
 def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:

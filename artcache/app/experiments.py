@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from artcache.app.config import (
 )
 from artcache.contract import stored_dtype
 from artcache.errors import ConfigError, ContractMismatch
+from artcache.launch import Role, cli_argv, role_env, stop_all
 from artcache.shutdown import GracefulShutdown
 from artcache.store import artifact_bytes_bound
 
@@ -429,37 +429,6 @@ def format_plan(plan: RunPlan) -> str:
 
 # ---- running -----------------------------------------------------------------------------------------
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "artcache", *args]
-
-
-class _Role:
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
-        self.name, self.log = name, log
-        with open(log, "wb") as fh:
-            # a session of its own: a terminal's Ctrl-C reaches the run only, which forwards one SIGTERM
-            # (a second signal could interrupt a consumer while it writes its final checkpoint)
-            self.popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True)
-        self.code: int | None = None
-        self.ended = 0.0
-        self.announced = False
-
-    def poll(self) -> int | None:
-        if self.code is None:
-            self.code = self.popen.poll()
-            if self.code is not None:
-                self.ended = time.time()
-        return self.code
-
-    def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-
-    def tail(self, n: int = 2000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-
 def _write_configs(plan: RunPlan, cfg: RunConfig) -> None:
     out = Path(plan.out)
     save_config(cfg, out / "config.toml")
@@ -473,23 +442,24 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     registered (or exited), wait for all of them and write the report (no step barrier anywhere).
 
     Returns the exit status: 0 when every experiment completed and the producer exited cleanly, 1
-    otherwise. A failed experiment does not stop its siblings. Signals follow :mod:`artcache.shutdown`: the
-    first SIGINT/SIGTERM is forwarded once to every experiment (they end as ``cancelled``), then to the
-    producer; a second terminates every role still running (SIGTERM, SIGKILL after 30 s).
+    otherwise. A failed experiment does not stop its siblings. The roles are :class:`artcache.launch.Role`
+    processes; signals follow :mod:`artcache.shutdown`: the first SIGINT/SIGTERM is forwarded once to every
+    experiment (they end as ``cancelled``), then to the producer; a second terminates every role still
+    running (SIGTERM, SIGKILL after 30 s).
     """
     out = Path(plan.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     _write_configs(plan, cfg)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = role_env()
     # the first SIGINT/SIGTERM asks: one SIGTERM to every experiment, the producer once they ended; a second
     # forces: the roles are terminated now (artcache.shutdown; the previous handlers come back at the end)
     shutdown = GracefulShutdown("artcache run", asked="stopping every experiment (one SIGTERM each)")
     shutdown.install()
     stop = shutdown.requested
     t0 = time.time()
-    producer: _Role | None = None
-    consumers: dict[str, _Role] = {}
+    producer: Role | None = None
+    consumers: dict[str, Role] = {}
     problems: list[str] = []
     try:
         from artcache import registry
@@ -505,8 +475,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             if x.skip:
                 print(f"experiment {x.name} {x.skip}; not started", flush=True)
                 continue
-            consumers[x.name] = _Role(x.name, _cli("consume", "--config", plan.config_path, "--experiment", x.name),
-                                      logs / f"{x.name}.log", {**env, **x.env})
+            consumers[x.name] = Role(x.name, cli_argv("consume", "--config", plan.config_path, "--experiment", x.name),
+                                     logs / f"{x.name}.log", {**env, **x.env})
             print(f"experiment {x.name} started (pid {consumers[x.name].popen.pid}, {x.draft}, layers "
                   f"{x.layer_ids}, {x.device}); log {consumers[x.name].log}", flush=True)
         while True:
@@ -521,8 +491,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         if not consumers:
             print("every experiment is complete: nothing to run", flush=True)
         elif any(c.poll() is None for c in consumers.values()):
-            producer = _Role("producer", _cli("producer", "--config", plan.config_path, "--exit-when-done",
-                                              "--id", "producer"), logs / "producer.log", env)
+            producer = Role("producer", cli_argv("producer", "--config", plan.config_path, "--exit-when-done",
+                                                 "--id", "producer"), logs / "producer.log", env)
             print(f"producer started (pid {producer.popen.pid}); capturing layers {plan.captured_layer_ids}; "
                   f"log {producer.log}", flush=True)
         else:
@@ -551,23 +521,14 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             if stop.is_set():
                 producer.signal(signal.SIGTERM)
             try:
-                producer.popen.wait(timeout=cfg.cache.done_grace_s + 120)
+                producer.wait(timeout=cfg.cache.done_grace_s + 120)
             except subprocess.TimeoutExpired:
                 producer.signal(signal.SIGTERM)
-                producer.popen.wait(timeout=60)
-            producer.poll()
+                producer.wait(timeout=60)
     except KeyboardInterrupt:
         problems.append("interrupted")
     finally:
-        for role in [*consumers.values(), *([producer] if producer else [])]:
-            if role.popen.poll() is None:
-                role.signal(signal.SIGTERM)
-                try:
-                    role.popen.wait(timeout=30)
-                except (subprocess.TimeoutExpired, KeyboardInterrupt):  # KeyboardInterrupt: a forced stop
-                    role.popen.kill()
-                    role.popen.wait()
-            role.poll()
+        stop_all([*consumers.values(), *([producer] if producer else [])], grace_s=30)
         shutdown.restore()
     wall = time.time() - t0
     report = merge_earlier(run_report(plan, producer, consumers, wall, problems), out / "report.json")
@@ -659,7 +620,7 @@ def _summary_line(log_path: Path) -> dict:
         return {}
 
 
-def run_report(plan: RunPlan, producer: _Role | None, consumers: dict[str, _Role], wall: float,
+def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role], wall: float,
                problems: list[str]) -> dict:
     """The run report: shared production (this run's producer, counted once) apart from each
     experiment's committed work (this run's consumer process), plus the root-wide invariants."""
