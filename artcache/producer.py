@@ -945,12 +945,18 @@ class Producer:
                                  f"{self._last_failure}")
 
 def run_producer(cfg: ProducerConfig) -> ProducerStats:
-    """Prepare the root, load the target once, and run the loop. Used by ``artcache producer``."""
+    """Check the settings (:meth:`ProducerConfig.validate`: ConfigError before anything is written), prepare
+    the root, load the target once, and run the loop. Used by ``artcache producer``.
+
+    SIGINT/SIGTERM follow :mod:`artcache.shutdown` from the moment the target is loaded until it returns (the
+    previous handlers are restored then).
+    """
     import torch
 
     from artcache.backends.hf import HFCaptureBackend
     from artcache.target import load_target_model, quiet_transformers
 
+    cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     quiet_transformers()

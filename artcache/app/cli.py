@@ -83,7 +83,6 @@ def _with_config(verb: str):
                 check_min("expect-consumers", kwargs["expect_consumers"], 0, accepted="an integer >= 0 (0: none)")
                 check_min("done-grace", kwargs["done_grace"], 0, accepted="seconds >= 0")
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
-                pcfg.validate()
                 _check_device(pcfg.device)
                 stats = run_producer(pcfg)
                 click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
@@ -206,7 +205,6 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
         group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
         retention=retention, fill=fill, payload=payload)
-    cfg.validate()
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
