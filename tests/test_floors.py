@@ -147,12 +147,14 @@ def test_no_import_cycle_with_function_local_imports():
 
 
 #: the composition root's modules, lowest first: each imports only those before it
-APP_ORDER = ("artcache.app.values", "artcache.app.config", "artcache.app.experiments", "artcache.app.cli")
+APP_ORDER = ("artcache.app.values", "artcache.app.config", "artcache.app.experiments", "artcache.app.slurm",
+             "artcache.app.cli")
 
 
 def test_the_composition_root_imports_one_way():
-    """``values`` < ``config`` < ``experiments`` < ``cli`` (function-local imports included), and config reaches
-    ``values`` at module level (it used to borrow ``parse_bytes`` / ``parse_template_options`` from the CLI)."""
+    """``values`` < ``config`` < ``experiments`` < ``slurm`` < ``cli`` (function-local imports included), and
+    config reaches ``values`` at module level (it used to borrow ``parse_bytes`` / ``parse_template_options``
+    from the CLI)."""
     app = {m for m in MODULES if m.startswith("artcache.app.")}
     assert set(APP_ORDER) <= app
     rank = {m: i for i, m in enumerate(APP_ORDER)}
