@@ -40,10 +40,10 @@ def bounds(t: mi.Type) -> str:
 
 
 def describe_number(t: mi.Type, seconds: bool = False) -> str:
-    """``an integer >= 1``, ``0 or a positive integer``, ``a finite number > 0``, ``finite seconds > 0`` for an
-    int or float type."""
+    """What an int or float type accepts: ``an integer >= 1``, ``an integer >= 0 (0 or a positive integer)``,
+    ``a finite number > 0``, ``finite seconds > 0``."""
     if isinstance(t, mi.IntType) and bounds(t) == " >= 0":
-        return "0 or a positive integer"
+        return "an integer >= 0 (0 or a positive integer)"
     text = ("an integer" if isinstance(t, mi.IntType) else "seconds" if seconds else "a number") + bounds(t)
     if getattr(t, "le", None) == FINITE:
         text = ("finite " if seconds else "a finite ") + text.removeprefix("a ")

@@ -26,7 +26,7 @@ class S(msgspec.Struct, kw_only=True):
 
 @pytest.mark.parametrize("field, value, message", [
     ("n", 0, "n 0 is invalid: accepted an integer >= 1"),
-    ("k", -1, "k -1 is invalid: accepted 0 or a positive integer"),
+    ("k", -1, "k -1 is invalid: accepted an integer >= 0 (0 or a positive integer)"),
     ("x", 0.0, "x 0.0 is invalid: accepted a finite number > 0"),
     ("x", math.inf, "x inf is invalid: accepted a finite number > 0"),
     ("x", math.nan, "x nan is invalid: accepted a finite number > 0"),
