@@ -210,3 +210,18 @@ def test_no_product_function_over_120_lines():
             if f"{path}:{name}" not in LONG_FUNCTIONS]
     assert long == []
     assert all(reason for reason in LONG_FUNCTIONS.values())
+
+
+def test_signal_handlers_are_installed_only_by_the_shutdown_module():
+    """One signal rule (issue 19): every product process installs its SIGINT/SIGTERM handling through
+    :class:`artcache.shutdown.GracefulShutdown` (first signal asks, second forces, handlers restored); the
+    payload holder had a handler of its own."""
+    found = []
+    for name, path in _modules().items():
+        if name == "artcache.shutdown":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "signal" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "signal":
+                found.append(f"{name}:{node.lineno}")
+    assert found == []

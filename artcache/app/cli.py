@@ -468,11 +468,11 @@ def payload_holder(payload, size):
     Producers and consumers mount none, so they can exit or be killed without losing a payload. Stopping
     the holder loses the payloads in its segment (readers miss; the producer recaptures)."""
     import os
-    import signal
     import threading
 
     from artcache.payload import parse_payload_url
     from artcache.payload_mooncake import parse_size, run_holder
+    from artcache.shutdown import GracefulShutdown
 
     url = parse_payload_url(payload)
     if url is None:
@@ -480,10 +480,9 @@ def payload_holder(payload, size):
                           "holder; give mooncake://HOST:PORT")
     nbytes = parse_size(size)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    run_holder(url, nbytes, stop, ready=lambda _c: click.echo(
-        f"payload holder ready: {nbytes} B mounted at {url} (pid {os.getpid()}); stop with SIGTERM", err=True))
+    with GracefulShutdown("payload holder", event=stop, asked="unmounting its segment"):
+        run_holder(url, nbytes, stop, ready=lambda _c: click.echo(
+            f"payload holder ready: {nbytes} B mounted at {url} (pid {os.getpid()}); stop with SIGTERM", err=True))
     click.echo("payload holder stopped: its payloads are gone from the store", err=True)
 
 
