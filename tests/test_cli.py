@@ -669,3 +669,21 @@ def test_regression_negative_epochs_is_named_as_such(root, workdir):
     assert_bad_input(invoke("consume", "--cache", str(root), "--steps", "2", "--epochs", "-1"), "--epochs -1",
                      ">= 0")
     assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["consume", "--steps", "abc"], "Invalid value for '--steps': 'abc' is not a valid integer"),
+    (["consume", "--bogus"], "No such option '--bogus'"),
+    (["producer", "--retention", "lru"], "Invalid value for '--retention'"),
+    (["nope"], "No such command 'nope'"),
+    (["--bogus"], "No such option '--bogus'"),
+])
+def test_regression_click_usage_errors_are_one_line(workdir, args, needle):
+    """The new-user break test of 2026-12-01: click's own usage errors printed usage, a hint, a blank line
+    and 'Error: ...' (4 lines) where every other bad input is one 'artcache: error:' line; they are one line
+    now (exit 2, naming the value and where the accepted ones are listed), also from the console script."""
+    text = assert_bad_input(invoke(*args), needle)
+    assert "--help` lists what is accepted" in text
+    proc = run_script(*args, cwd=workdir)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("artcache: error: ")
+    assert needle in proc.stderr and proc.stdout == "" and list(workdir.iterdir()) == []

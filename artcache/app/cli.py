@@ -117,7 +117,37 @@ TARGET_OPTION = click.option("--target", default="smollm2-135m-instruct",
                              help="Target: the embedded name or an HF directory.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+class _OneLineUsageError(click.ClickException):
+    """A click usage error (bad flag value, unknown option or verb) shown as the one ``artcache: error:`` line
+    every other bad input gets, with click's exit status 2 (click prints usage, a hint and the error: 4
+    lines)."""
+
+    def __init__(self, error: click.UsageError) -> None:
+        where = error.ctx.command_path if error.ctx is not None else "artcache"
+        super().__init__(f"{error.format_message()} (`{where} --help` lists what is accepted)")
+        self.exit_code = error.exit_code
+
+    def show(self, file=None) -> None:
+        click.echo(f"artcache: error: {self.format_message()}", err=True, file=file)
+
+
+class _Verbs(click.Group):
+    """The ``artcache`` group: usage errors of the group and of every verb are one line."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            raise _OneLineUsageError(exc) from exc
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _OneLineUsageError(exc) from exc
+
+
+@click.group(cls=_Verbs, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.version_option(package_name="artcache")
 def main(verbose: bool) -> None:
