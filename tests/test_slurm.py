@@ -106,9 +106,10 @@ def test_node_count_follows_the_gpus_when_not_given(tmp_path):
     (("slurm.gpus_per_node=0",), "slurm.gpus_per_node 0"),
 ])
 def test_placements_that_cannot_work_are_refused(tmp_path, overrides, needle):
-    plan, cfg = planned(config(tmp_path), *overrides)
+    """A value outside a declared range (slurm.gpus_per_node 0) is refused when the config is read, the
+    placements that cannot fit by place()."""
     with pytest.raises(ConfigError, match=needle):
-        place(plan, cfg)
+        place(*planned(config(tmp_path), *overrides))
 
 
 def test_a_device_index_beyond_the_steps_gpus_is_refused(tmp_path):

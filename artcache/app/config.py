@@ -259,18 +259,18 @@ class SlurmSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     account: str = ""
     qos: str = ""
     time: str = "04:00:00"
-    nodes: int = 0
-    gpus_per_node: int = 8
-    producer_gpus: int = 1
-    experiment_gpus: int = 1
-    cpus_per_role: int = 1
+    nodes: NonNegative = 0
+    gpus_per_node: Count = 8
+    producer_gpus: NonNegative = 1
+    experiment_gpus: NonNegative = 1
+    cpus_per_role: Count = 1
     placement: Literal["spread", "pack"] = "spread"
     python: str = ""
     setup: list[str] = []
     sbatch_args: list[str] = []
     step_args: list[str] = []
     env: dict[str, str] = {}
-    root_wait_s: float = 600.0
+    root_wait_s: Positive = 600.0
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

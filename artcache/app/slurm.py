@@ -55,13 +55,7 @@ def place(plan: RunPlan, cfg: RunConfig) -> tuple[int, list[Role]]:
     Raises:
         ConfigError: a role needs more GPUs than a node has, or ``slurm.nodes`` is too small for them.
     """
-    s = cfg.slurm
-    for name in ("gpus_per_node", "cpus_per_role"):
-        if getattr(s, name) < 1:
-            raise ConfigError(f"slurm.{name} {getattr(s, name)} is invalid: accepted an integer >= 1")
-    for name in ("producer_gpus", "experiment_gpus", "nodes"):
-        if getattr(s, name) < 0:
-            raise ConfigError(f"slurm.{name} {getattr(s, name)} is invalid: accepted an integer >= 0")
+    s = cfg.slurm  # its ranges are declared on SlurmSection's fields (checked when the config is read)
     if max(s.producer_gpus, s.experiment_gpus) > s.gpus_per_node:
         raise ConfigError(f"slurm: a role asks for {max(s.producer_gpus, s.experiment_gpus)} GPUs but a node has "
                           f"{s.gpus_per_node} (slurm.gpus_per_node); a role never spans nodes")
