@@ -41,6 +41,13 @@ class Proc(BaseProc):
     deadline = DEADLINE_S
 
 
+def start_producer(cache: Path, cwd: Path, tiny_target) -> Proc:
+    """The producer of this file's runs: the tiny target on the test data, 40 samples of 128 tokens."""
+    return Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
+                             "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1"],
+                cwd)
+
+
 def consume_args(cache: Path, cwd: Path, cid: str, steps: int, *extra: str) -> list[str]:
     """The consume flags of these tests; the DFlash options only for a DFlash consumer (an EAGLE-3 one refuses
     them)."""
@@ -91,9 +98,7 @@ def check_lineage(cache: Path, cid: str, ckpt_step: int, killed_after: int, step
 def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tiny_target):
     cache = tmp_path / "cache"
     layout = CacheLayout(cache)
-    prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
-                             "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1"],
-                tmp_path)
+    prod = start_producer(cache, tmp_path, tiny_target)
     procs = [prod]
     try:
         wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
@@ -191,9 +196,7 @@ def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tm
     same --out, replaces the unrecorded checkpoint, and trains every step once."""
     cache = tmp_path / "cache"
     layout = CacheLayout(cache)
-    prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
-                             "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1"],
-                tmp_path)
+    prod = start_producer(cache, tmp_path, tiny_target)
     procs = [prod]
     steps = 4
     try:
