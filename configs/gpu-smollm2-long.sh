@@ -1,33 +1,36 @@
 #!/usr/bin/env bash
-# One piece (at most 5 minutes) of the long DFlash + EAGLE-3 run of configs/gpu-smollm2-long.toml on the
-# lent H200 with the real SmolLM2 target. Piece 1 starts fresh; piece 2 resumes both experiments from
-# their checkpoints (resume = true: refused with exit 2, in seconds, when they are gone) and raises their
-# `steps` to 2 x (700 DFlash, 500 EAGLE-3). Here, in the project root, once:
-#   bash ../shared/gpu/stage-smollm2.sh             # 6,000 conversations (epochs wrap; the split is never read)
-# then device calls back to back (each within 30 s of the last; the machine keeps /tmp while warm):
+# One piece (at most ~9 minutes) of the long run of configs/gpu-smollm2-long.toml on the lent H200 with the
+# real SmolLM2 target: DFlash, EAGLE-3 and DSpark, 10,000 steps each from one shared capture.
+# Piece 1 first regenerates the data (`artcache regenerate --device cuda`: the target's own greedy answers to
+# the staged ShareGPT prompts, in shards of $REGEN_SHARD records, new shards started while the last one's
+# time still fits in $REGEN_S seconds), then starts the run fresh; every later piece resumes each experiment
+# from its own checkpoint under `out` (which must still be there: the machine keeps /tmp only while warm).
+# Here, in the project root, once:
+#   bash ../shared/gpu/stage-smollm2.sh             # 6,000 conversations
+# then device calls back to back (each within 30 s of the last):
 #   call 1  carry [".stage-a"]   bash .stage-a/keep.sh
 #   call 2  carry [".stage-b"]   source .stage-b/use.sh && bash configs/gpu-smollm2-long.sh 1
-#   call 3  carry [".stage-b"]   source .stage-b/use.sh && bash configs/gpu-smollm2-long.sh 2   (optional)
-# artcache run is bounded to $PIECE_S seconds (default 230; stopping takes up to ~30 s more): past it,
+#   call K  carry [".stage-b"]   source .stage-b/use.sh && bash configs/gpu-smollm2-long.sh K   (K = 2, 3, ...)
+# artcache run is bounded to $PIECE_S seconds (default 300; stopping takes up to ~45 s more): past it,
 # SIGTERM is forwarded, every consumer checkpoints its last step, and the script exits 3 (not timeout's 124,
 # which the device tool reads as its own limit); the next piece resumes from those checkpoints.
-# Brought back under $OUT/piece-K/: run.log, report.txt (artcache report), report.json, the two
-# metrics.csv files (held-out figures: eval/replay_tau, greedy replay incl. the +1 bonus token).
+# Brought back as $OUT/piece-K.tgz: run.log, report.txt (artcache report), report.json, each experiment's
+# metrics.csv (held-out figures every 1,000 steps: eval/replay_tau, greedy replay incl. the +1
+# bonus token), and for piece 1 regenerate.jsonl (one JSON summary per shard: tokens/s).
 set -uo pipefail
-piece=${1:?usage: gpu-smollm2-long.sh PIECE (1 or 2)}
-[[ $piece =~ ^[12]$ ]] || { echo "PIECE must be 1 or 2 (the LR horizon covers two), got $piece" >&2; exit 2; }
+piece=${1:?usage: gpu-smollm2-long.sh PIECE (1, 2, ...)}
+[[ $piece =~ ^[1-9][0-9]*$ ]] || { echo "PIECE must be a positive integer, got $piece" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 cfg=$root/configs/gpu-smollm2-long.toml
 run=${LONG_OUT:-/tmp/artcache-long}                 # the run directory (the config's out)
-res=${OUT:-$root/gpu-long-out}/piece-$piece
-mkdir -p "$res"
+regen=${REGEN_OUT:-/tmp/regen.jsonl}                # the config's data.dataset
+res=/tmp/artcache-long-results/piece-$piece
+rm -rf "$res" && mkdir -p "$res"
 export ARTCACHE_HOME=${ARTCACHE_HOME:-/tmp/artcache-home}   # the converted target, kept for later pieces
-# The subpackages artcache.trainers / artcache.bench live in trainers/ and bench/ (setuptools package-dir);
-# an uninstalled checkout on PYTHONPATH (use.sh's PYTHONPATH=$PWD) lacks them, so mirror the installed
-# layout with links under /tmp, first on the path (PYTHONSAFEPATH: `python3 -m`/`-c` would otherwise put
-# the working directory, this checkout's bare artcache/, first). Where artcache.trainers already imports
-# (an installed tree, e.g. after `source .gpu/setup.sh`, which pip-installs -e it), the links are skipped.
 export PYTHONUNBUFFERED=1
+# The subpackages artcache.trainers / artcache.bench live in trainers/ and bench/ (setuptools package-dir);
+# an uninstalled checkout on PYTHONPATH lacks them, so mirror the installed layout with links under /tmp
+# (skipped where artcache.trainers already imports, e.g. after `source .gpu/setup.sh`).
 if ! python3 -c 'import artcache.trainers, artcache.bench' 2>/dev/null; then
   pkg=/tmp/artcache-pkg
   rm -rf "$pkg" && mkdir -p "$pkg/artcache" || exit 1
@@ -36,19 +39,37 @@ if ! python3 -c 'import artcache.trainers, artcache.bench' 2>/dev/null; then
   export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1
   python3 -c 'import artcache.trainers, artcache.bench' || { echo "artcache.trainers does not import" >&2; exit 1; }
 fi
-resume=()
-if (( piece > 1 )); then resume=(experiments.dflash.resume=true experiments.eagle3.resume=true); fi
+if (( piece == 1 )) && [ ! -s "$regen" ]; then
+  src=${REGEN_SOURCE:-/tmp/sharegpt.jsonl}; shards=/tmp/regen-shards; shard=${REGEN_SHARD:-512}
+  rm -rf "$shards" && mkdir -p "$shards" && split -d -a 3 -l "$shard" "$src" "$shards/in-" || exit 1
+  t0=$(date +%s); last=0
+  for f in "$shards"/in-*; do
+    k=${f##*/in-}; now=$(( $(date +%s) - t0 ))
+    (( now + last <= ${REGEN_S:-150} )) || { echo "regenerate: $now s used, next shard would pass ${REGEN_S:-150} s"; break; }
+    s0=$(date +%s)
+    python3 -m artcache regenerate --out "$shards/out-$k.jsonl" --target "${REGEN_TARGET:-smollm2-135m-instruct}" --data "$f" \
+      --max-samples "$shard" --max-new-tokens "${REGEN_NEW:-256}" --max-prompt-tokens 768 \
+      --batch-size "${REGEN_BATCH:-256}" --device "${REGEN_DEVICE:-cuda}" --no-progress >> "$res/regenerate.jsonl" \
+      || { echo "regenerate of shard $k failed" >&2; exit 1; }
+    last=$(( $(date +%s) - s0 ))
+  done
+  cat "$shards"/out-*.jsonl > "$regen.tmp" && mv "$regen.tmp" "$regen" || exit 1
+  echo "regenerated $(wc -l < "$regen") records in $(( $(date +%s) - t0 )) s"
+fi
 t0=$(date +%s)
 # LONG_EXTRA: further SECTION.FIELD=VALUE overrides (the CPU check of this script uses a tiny target)
 # shellcheck disable=SC2086
-timeout -s TERM -k 45 "${PIECE_S:-230}" python3 -m artcache run --config "$cfg" out="$run" \
-  experiments.dflash.steps=$((700 * piece)) experiments.eagle3.steps=$((500 * piece)) "${resume[@]}" \
+timeout -s TERM -k 45 "${PIECE_S:-300}" python3 -m artcache run --config "$cfg" out="$run" data.dataset="$regen" \
   ${LONG_EXTRA:-} 2>&1 | tee "$res/run.log"
 rc=${PIPESTATUS[0]}
-if (( rc == 124 )); then echo "piece $piece stopped at its ${PIECE_S:-230} s bound (checkpoints written)"; rc=3; fi
+if (( rc == 124 )); then echo "piece $piece stopped at its ${PIECE_S:-300} s bound (checkpoints written)"; rc=3; fi
 echo "piece $piece: artcache run exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$res/run.log"
 python3 -m artcache report "$run" > "$res/report.txt" 2>&1
 cp "$run/report.json" "$res/report.json" 2>/dev/null
-for x in dflash eagle3; do cp "$run/experiments/$x/metrics.csv" "$res/$x-metrics.csv" 2>/dev/null; done
+for d in "$run"/experiments/*/; do
+  x=$(basename "$d"); cp "$d/metrics.csv" "$res/$x-metrics.csv" 2>/dev/null
+done
+back=${OUT:-$root/gpu-long-out}
+mkdir -p "$back" && tar -C "$(dirname "$res")" -czf "$back/piece-$piece.tgz" "piece-$piece"
 cat "$res/report.txt"
 exit "$rc"

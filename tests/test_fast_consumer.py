@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import math
 
+import msgspec
 import pytest
 import torch
 
+from artcache.trainers.consumer.config import ConsumerConfig
 from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_loss, sample_anchors
 from artcache.trainers.dflash.adapter import DFlashAdapter
 from artcache.trainers.draft import DraftBatch
@@ -24,6 +26,7 @@ from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
 from artcache.trainers.eagle3.adapter import Eagle3Adapter
 from artcache.trainers.eagle3.loss import eagle3_loss
 from artcache.trainers.eagle3.vocab import build_vocab_map
+from artcache.trainers.speed import AUTO_COMPILE_MIN_STEPS, SpeedOptions
 
 V, H, M = 96, 32, 4
 
@@ -330,3 +333,15 @@ def test_pending_sums_resolve_to_the_host_sums():
 if __name__ == "__main__":
     torch.set_num_threads(1)
     print(json.dumps(cpu_figures(), indent=1))
+
+
+@pytest.mark.parametrize(("device", "steps", "want"), [
+    ("cpu", 100_000, "off"), ("cuda", AUTO_COMPILE_MIN_STEPS - 1, "off"), ("cuda", AUTO_COMPILE_MIN_STEPS, "on"),
+])
+def test_compile_auto_compiles_only_long_cuda_runs(device, steps, want):
+    """``--compile auto``: ``on`` on CUDA from AUTO_COMPILE_MIN_STEPS planned steps (the H200-measured break-even),
+    ``off`` on a CPU and for shorter runs; an explicit mode is kept as given."""
+    cfg = ConsumerConfig(cache="c", draft="dflash", steps=steps)
+    assert SpeedOptions.for_device(cfg, torch.device(device)).compile == want
+    explicit = msgspec.structs.replace(cfg, compile="off")
+    assert SpeedOptions.for_device(explicit, torch.device(device)).compile == "off"

@@ -7,7 +7,8 @@ k; metric sums stay on the device (:class:`~artcache.trainers.draft.PendingSums`
 reads them every ``--log-every`` steps. The lm_head loss runs in bf16 chunks
 (:mod:`artcache.trainers.lm_head_ce`), and ``--compile on`` wraps the draft's forward (and the loss's
 per-chunk softmax body) in ``torch.compile`` (``graphs``: with CUDA graphs, ``mode="reduce-overhead"``);
-``auto`` is ``off`` on every device until an H200 run measures the compiled step.
+``auto`` is ``on`` on CUDA for a run of at least :data:`AUTO_COMPILE_MIN_STEPS` steps and ``off`` otherwise
+(every CPU run, and short CUDA runs, which the ~20 s compile would not repay).
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from artcache.errors import ConfigError
 from artcache.trainers import COMPILE_MODES, LOSS_IMPLS
 from artcache.trainers.lm_head_ce import liger_available
 
-__all__ = ["SpeedOptions", "to_device"]
+__all__ = ["AUTO_COMPILE_MIN_STEPS", "SpeedOptions", "to_device"]
+
+#: ``--compile auto`` compiles on CUDA from this many planned steps on. Measured on one H200 (2026-12-01,
+#: bench/results/2026-12-01-h200-consumer-speed.json, SmolLM2 shapes, batch 8 x 1024): DFlash B16 32.8 ->
+#: 60.1 steps/s and EAGLE-3 (7 TTT) 23.9 -> 31.1 steps/s with ``--compile on``, after a 19-22 s compile.
+#: EAGLE-3 saves 1/23.9 - 1/31.1 = 9.7 ms a step, so the compile is repaid after ~2,000 steps.
+AUTO_COMPILE_MIN_STEPS = 2000
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,8 @@ class SpeedOptions:
         if impl == "liger" and not (cuda and liger_available()):
             raise ConfigError("--loss-impl liger needs a CUDA device and the liger-kernel package "
                               "(pip install 'artcache[liger]'); use --loss-impl chunked")
-        if mode == "auto":  # off until a GPU run shows the compiled step is faster (docs/training.md)
-            mode = "off"
+        if mode == "auto":
+            mode = "on" if cuda and getattr(cfg, "steps", 0) >= AUTO_COMPILE_MIN_STEPS else "off"
         if mode == "graphs" and not cuda:
             raise ConfigError("--compile graphs needs a CUDA device (CUDA graphs); use --compile on or off")
         return cls(sync_free=cuda, ce_impl=impl, compile=mode)

@@ -80,7 +80,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         progress: show a progress bar on stderr (only when it is a TTY).
         tensorboard: write TensorBoard scalars when the package is installed (metrics.csv always).
         compile: ``torch.compile`` the draft's forward (and the lm_head loss's per-chunk body): ``auto``
-            (= ``off`` for now), ``off``, ``on``, ``graphs`` (with CUDA graphs; CUDA only).
+            (``on`` on CUDA when ``steps`` >= :data:`~artcache.trainers.speed.AUTO_COMPILE_MIN_STEPS`, else
+            ``off``), ``off``, ``on``, ``graphs`` (with CUDA graphs; CUDA only).
         loss_impl: the lm_head cross-entropy (:mod:`artcache.trainers.lm_head_ce`): ``auto``
             (``chunked`` bf16 on CUDA, ``reference`` on a CPU), ``reference``, ``chunked``, ``liger``.
         length_bucket: with ``--compile on|graphs`` on CUDA, pad each batch's length T up to a multiple
