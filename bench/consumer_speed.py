@@ -37,7 +37,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 
 from artcache.bench.gpu_micro import dflash_step_flops, matmul_peak
+from artcache.bench.provenance import source_commit
 
 SMOL_UNION = [1, 8, 14, 20, 26, 27, 29]
 DFLASH_VIEW = [1, 8, 14, 20, 27]
@@ -84,18 +84,8 @@ def parse_plan(plan: str) -> list[tuple[str, str]]:
 
 
 def provenance(device) -> dict:
-    """The command, the git commit of this tree (outside a git checkout: ``$ARTCACHE_COMMIT``, else
-    ``unknown``) and the hardware."""
-    here = Path(__file__).resolve().parent
-
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", "-C", str(here), *a], capture_output=True, text=True, timeout=20, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return "unknown"
-
+    """The command, the commit of this code and whether it is dirty
+    (:func:`artcache.bench.provenance.source_commit`), and the hardware."""
     cpu = platform.processor() or "unknown"
     with contextlib.suppress(OSError, StopIteration):
         cpu = next(
@@ -117,13 +107,11 @@ def provenance(device) -> dict:
             gpu_memory_bytes=prop.total_memory,
             cuda=torch.version.cuda,
         )
-    commit = git("rev-parse", "HEAD")
-    if commit == "unknown":  # a copied tree without .git (a device machine's copy): what its sender names
-        commit = os.environ.get("ARTCACHE_COMMIT", "unknown")
+    commit, dirty = source_commit()
     return {
         "command": [sys.executable, "-m", "artcache.bench.consumer_speed", *sys.argv[1:]],
         "commit": commit,
-        "dirty": git("status", "--porcelain") not in ("", "unknown"),
+        "dirty": dirty,
         "hardware": hw,
     }
 

@@ -82,18 +82,12 @@ def disk_bandwidth(root: Path, size: int = 2 << 30, chunk: int = 64 << 20) -> di
 
 
 def _git_commit() -> str:
-    """``git rev-parse HEAD`` of the checkout this module runs from, ``+dirty`` when it has local changes."""
-    import subprocess
+    """The commit of this code (:func:`artcache.bench.provenance.source_commit`), ``+dirty`` when it has local
+    changes."""
+    from artcache.bench.provenance import source_commit
 
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
+    commit, dirty = source_commit()
+    return commit + ("+dirty" if dirty else "")
 
 
 def _mount_of(path: Path) -> dict:

@@ -51,15 +51,31 @@ def test_provenance_names_commit_and_hardware():
 
 
 def test_provenance_outside_a_checkout_takes_the_named_commit(monkeypatch):
+    from artcache.bench import provenance
+
     def no_git(*a, **k):
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(cs.subprocess, "run", no_git)
+    monkeypatch.setattr(provenance.subprocess, "run", no_git)
     monkeypatch.delenv("ARTCACHE_COMMIT", raising=False)
     assert cs.provenance(torch.device("cpu"))["commit"] == "unknown"
     monkeypatch.setenv("ARTCACHE_COMMIT", "abc123")
     p = cs.provenance(torch.device("cpu"))
     assert p["commit"] == "abc123" and p["dirty"] is False
+
+
+def test_regression_named_commit_wins_over_a_stale_git(monkeypatch):
+    """The H200 call of 2026-12-01 (session 4) ran 3a8a1ce's files in a copy whose .git said 44db884, and
+    consumer_speed.json recorded 44db884 (dirty): a commit named by the sender wins, its dirtiness unknown."""
+    from artcache.bench import provenance
+
+    monkeypatch.setattr(provenance, "_git", lambda *a: "44db884" if a[0] == "rev-parse" else " M x.py")
+    monkeypatch.setenv("ARTCACHE_COMMIT", "3a8a1ce")
+    assert provenance.source_commit() == ("3a8a1ce", None)
+    monkeypatch.setenv("ARTCACHE_COMMIT", "44db884")
+    assert provenance.source_commit() == ("44db884", True)
+    monkeypatch.delenv("ARTCACHE_COMMIT")
+    assert provenance.source_commit() == ("44db884", True)
 
 
 @pytest.mark.slow
