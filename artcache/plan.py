@@ -36,6 +36,7 @@ from artcache.fsio import RETRYABLE_ERRNOS, apply_share_mode, check_free_space, 
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.layout import unique_suffix
 from artcache.locking import cache_lock
+from artcache.ranges import Count, MaxLength, NonNegative, check_ranges
 from artcache.target import template_digest, tokenizer_digest
 
 log = logging.getLogger("artcache.plan")
@@ -56,22 +57,20 @@ class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``template_options``: keyword arguments for the chat template (``apply_chat_template``), e.g.
     ``{"enable_thinking": False}``; part of the plan id and of the contract's template digest.
 
-    Raises ConfigError on construction if max_length < 16, max_samples < 1, min_loss_tokens < 1 or seed < 0,
-    or a template option is not ``identifier: bool | int | float | str``.
+    Raises ConfigError on construction if a value is outside the range declared on its field (max_length >= 16,
+    max_samples >= 1, min_loss_tokens >= 1, seed >= 0: ``plan max_samples 0 is invalid: accepted an integer >= 1``,
+    :func:`artcache.ranges.check_ranges`), or a template option is not ``identifier: bool | int | float | str``.
     """
 
     dataset: str = "sharegpt"
-    seed: int = 0
-    max_length: int = 512
-    max_samples: int = 2000
-    min_loss_tokens: int = 2
+    seed: NonNegative = 0
+    max_length: MaxLength = 512
+    max_samples: Count = 2000
+    min_loss_tokens: Count = 2
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, low in (("seed", 0), ("max_length", 16), ("max_samples", 1), ("min_loss_tokens", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"plan {name}={value!r} is invalid: accepted is an integer >= {low}")
+        check_ranges(self, lambda field: f"plan {field}")
         if not isinstance(self.dataset, str) or not self.dataset:
             raise ConfigError(f"plan dataset={self.dataset!r} is invalid: accepted {list(DATASETS)} or a file path")
         for key, value in dict(self.template_options).items():

@@ -37,7 +37,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -72,7 +71,7 @@ from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
-from artcache.ranges import FINITE, NonNegative, Positive, check_ranges
+from artcache.ranges import Count, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 from artcache.shutdown import GracefulShutdown
@@ -150,9 +149,9 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache: str
     target: str = "smollm2-135m-instruct"
     dataset: str = "sharegpt"
-    seed: int = 0
-    max_length: int = 512
-    max_samples: int = 2000
+    seed: NonNegative = 0
+    max_length: MaxLength = 512
+    max_samples: Count = 2000
     draft_layers: int = 5
     layer_ids: list[int] | None = None
     device: str = "cpu"
@@ -164,10 +163,10 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_timeout_s: Positive = 30.0
     lease_ttl_s: float = 600.0
     exit_when_done: bool = False
-    done_grace_s: float = 5.0
-    expect_consumers: int = 0
+    done_grace_s: NonNegativeFloat = 5.0
+    expect_consumers: NonNegative = 0  # 0: none
     expect_timeout_s: Positive = 300.0
-    idle_exit_s: Annotated[float, msgspec.Meta(ge=0, le=FINITE)] = 0.0  # 0: never
+    idle_exit_s: NonNegativeFloat = 0.0  # 0: never
     producer_id: str = "producer"
     threads: NonNegative = 0
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
@@ -179,9 +178,22 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     payload: str = ""
 
     def validate(self) -> None:
-        """The ranges declared on the fields. Raises ConfigError naming the flag (``--heartbeat-timeout``), the
-        value and what is accepted (:func:`artcache.ranges.check_ranges`)."""
-        check_ranges(self, lambda name: "--" + name.removesuffix("_s").replace("_", "-"))
+        """The ranges declared on the fields (the plan's and the scheduler limits' included). Raises ConfigError
+        naming the flag (``--heartbeat-timeout``, ``--batch-samples``: :func:`flag_of`), the value and what is
+        accepted (:func:`artcache.ranges.check_ranges`)."""
+        check_ranges(self, flag_of)
+
+
+#: ``artcache producer`` flags not named ``--<field>`` (``_s`` dropped, ``_`` as ``-``); a scheduler limit by its
+#: dotted path from :class:`ProducerConfig`
+FLAGS = {"dataset": "--data", "producer_id": "--id", "template_options": "--chat-template-option",
+         "limits.max_batch_samples": "--batch-samples", "limits.max_batch_tokens": "--batch-tokens",
+         "limits.max_queue": "--max-queue"}
+
+
+def flag_of(field: str) -> str:
+    """The ``artcache producer`` flag of a :class:`ProducerConfig` field (dotted path: ``limits.max_queue``)."""
+    return FLAGS.get(field) or "--" + field.rpartition(".")[2].removesuffix("_s").replace("_", "-")
 
 
 #: the default disk budget: this share of the free space beyond :data:`BUDGET_RESERVE` ...
@@ -291,7 +303,7 @@ def prepare_root(cfg: ProducerConfig):
     payload_url = parse_payload_url(cfg.payload) if cfg.payload else None
     spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples,
                     template_options=dict(cfg.template_options))
-    cfg.limits.validate(cfg.max_length)
+    cfg.limits.validate(cfg.max_length, lambda field: flag_of(f"limits.{field}"))
     layout = CacheLayout(_abspath(cfg.cache))
     if layout.root.exists() and not layout.root.is_dir():
         raise ConfigError(f"--cache {cfg.cache!r} exists and is not a directory; give a directory path")
@@ -1106,4 +1118,5 @@ def marker_writer(path) -> str:
     return token if isinstance(token, str) and from_token(token) is not None else ""
 
 
-__all__ = ["ArtcacheError", "CaptureFailed", "Producer", "ProducerConfig", "prepare_root", "run_producer"]
+__all__ = ["FLAGS", "ArtcacheError", "CaptureFailed", "Producer", "ProducerConfig", "flag_of", "prepare_root",
+           "run_producer"]

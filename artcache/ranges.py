@@ -2,14 +2,18 @@
 a value outside them gives: ``<name> <value> is invalid: accepted <what>`` (ConfigError, exit 2).
 
 msgspec checks the ranges when it converts a table into a struct (``msgspec.convert``); a struct built
-directly (``ConsumerConfig(steps=0)``, as the CLI does) is checked by :func:`check_ranges`. A finite float is
+directly (``ConsumerConfig(steps=0)``, as the CLI does) is checked by :func:`check_ranges`, which names a field
+the caller's way (the CLI flag it came from, or a config path); a lone value (a flag with no struct field) by
+:func:`check_value`. Every range rule of typed input is declared this way: none is checked by hand. A finite float is
 declared as one ``<=`` the largest float (:data:`FINITE`): msgspec then refuses ``inf`` and ``nan``.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
+import typing
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -26,6 +30,10 @@ Count = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 #: a finite number > 0 (seconds, a learning rate)
 Positive = Annotated[float, msgspec.Meta(gt=0, le=FINITE)]
+#: a finite number >= 0 (seconds where 0 means "at once" or "never")
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0, le=FINITE)]
+#: a plan's tokens per sample (:class:`artcache.plan.PlanSpec`; the producer's flag and ``[data]`` use it too)
+MaxLength = Annotated[int, msgspec.Meta(ge=16)]
 
 _AT = re.compile(r"\s*-\s*at\s*`\$(.*)`\s*$")
 
@@ -67,34 +75,66 @@ def range_message(name: str, value: Any, accepted: str) -> str:
     return f"{name} {value} is invalid: accepted {accepted}"
 
 
-def field_message(cls: type, field: str, value: Any, problem: str, name: str) -> str:
-    """The one-line message for ``cls.field = value`` failing msgspec's ``problem``: the range message when
-    the field declares a range the number is outside of, else ``<name>: <problem>``."""
-    t = next((f.type for f in mi.type_info(cls).fields if f.name == field), None)
+def value_message(t: mi.Type, value: Any, problem: str, name: str, seconds: bool = False) -> str:
+    """The one-line message for ``value`` (of declared type ``t``) failing msgspec's ``problem``: the range
+    message when ``t`` declares a range the number is outside of, else ``<name>: <problem>``."""
     while isinstance(t, mi.UnionType):
         t = next((x for x in t.types if not isinstance(x, mi.NoneType)), None)
     if not isinstance(t, (mi.IntType, mi.FloatType)) or not is_range_error(problem, value):
         return f"{name}: {problem}"
-    return range_message(name, value, describe_number(t, field.endswith("_s")))
+    return range_message(name, value, describe_number(t, seconds))
+
+
+def field_message(cls: type, field: str, value: Any, problem: str, name: str) -> str:
+    """:func:`value_message` for ``cls.field = value`` (a field ending ``_s`` holds seconds)."""
+    t = next((f.type for f in mi.type_info(cls).fields if f.name == field), None)
+    return value_message(t, value, problem, name, field.endswith("_s"))
+
+
+def check_value(value: Any, declared: Any, name: str, seconds: bool = False) -> None:
+    """Check one value against a declared type (``NonNegativeFloat``, ``Count | None`` ...): the check of a
+    value that has no struct field, e.g. a CLI flag passed straight to a function (``fsck --observe``).
+
+    Raises:
+        ConfigError: ``<name> <value> is invalid: accepted <what>`` (:func:`value_message`).
+    """
+    try:
+        msgspec.convert(msgspec.to_builtins(value), declared)
+    except msgspec.ValidationError as exc:
+        problem = path_of(exc)[1]
+        raise ConfigError(value_message(mi.type_info(declared), value, problem, name, seconds)) from None
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def check_ranges(obj: msgspec.Struct, name_of: Callable[[str], str] = str) -> None:
-    """Check the declared ranges of a struct built directly (its fields are not checked then).
+    """Check the declared ranges of a struct built directly (its fields are not checked then), field by field
+    (so a struct may call it from its own ``__post_init__``); a field holding a struct is checked through.
+
+    ``name_of`` phrases the message the caller's way: it gets the field's dotted path from ``obj``
+    (``max_samples``; ``limits.max_queue`` for a nested struct's field) and returns the name to report,
+    e.g. the CLI flag the value came from (``--max-samples``, ``--max-queue``) or a config path.
 
     Raises:
-        ConfigError: ``<name_of(field)> <value> is invalid: accepted <what>`` for the first field outside its
-            range (a field of a nested struct is named by its own name, ``max_queue``).
+        ConfigError: ``<name_of(path)> <value> is invalid: accepted <what>`` for the first field outside its
+            range (fields in declaration order, a nested struct's where it stands).
     """
-    try:
-        msgspec.convert(msgspec.to_builtins(obj), type(obj))
-    except msgspec.ValidationError as exc:
-        where, problem = path_of(exc)
-        owner, *inner, field = [obj, *where.split(".")]
-        for seg in inner:  # a nested struct's field (ProducerConfig.limits.max_queue): named by its own name
-            owner = getattr(owner, seg, None)
-        name = name_of(field) if owner is obj else field
-        raise ConfigError(field_message(type(owner), field, getattr(owner, field, None), problem, name)) from None
+    _check_fields(obj, name_of, "")
 
 
-__all__ = ["FINITE", "Count", "NonNegative", "Positive", "bounds", "check_ranges", "describe_number",
-           "field_message", "is_range_error", "path_of", "range_message"]
+def _check_fields(obj: msgspec.Struct, name_of: Callable[[str], str], prefix: str) -> None:
+    hints = _hints(type(obj))
+    for field in obj.__struct_fields__:
+        value = getattr(obj, field)
+        if isinstance(value, msgspec.Struct):
+            _check_fields(value, name_of, f"{prefix}{field}.")
+        else:
+            check_value(value, hints[field], name_of(prefix + field), field.endswith("_s"))
+
+
+__all__ = ["FINITE", "Count", "MaxLength", "NonNegative", "NonNegativeFloat", "Positive", "bounds", "check_ranges",
+           "check_value", "describe_number", "field_message", "is_range_error", "path_of", "range_message",
+           "value_message"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from artcache.errors import ConfigError
+from artcache.ranges import Count, NonNegative, check_ranges, check_value, range_message
 from artcache.registry import Registration
 
 
@@ -29,19 +30,23 @@ class SchedulerLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         max_batch_tokens: padded tokens (samples × longest length) per forward pass.
     """
 
-    max_queue: int = 1024
-    max_batch_samples: int = 8
-    max_batch_tokens: int = 8192
+    max_queue: Count = 1024
+    max_batch_samples: Count = 8
+    max_batch_tokens: Count = 8192
 
-    def validate(self, max_length: int) -> None:
-        for name, flag in (("max_queue", "--max-queue"), ("max_batch_samples", "--batch-samples"),
-                           ("max_batch_tokens", "--batch-tokens")):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{flag} {getattr(self, name)} ({name}) is not accepted: an integer >= 1")
+    def validate(self, max_length: int, name_of: Callable[[str], str] = str) -> None:
+        """The ranges declared on the fields, then ``max_batch_tokens >= max_length`` (a full-length sample must
+        fit one batch). ``name_of`` names a field the caller's way (:func:`artcache.ranges.check_ranges`): the
+        producer's flag (``--batch-tokens``), a run config's ``capture.batch_tokens``; default: the field.
+
+        Raises:
+            ConfigError: ``<name> <value> is invalid: accepted <what>``.
+        """
+        check_ranges(self, name_of)
         if self.max_batch_tokens < max_length:
-            raise ConfigError(
-                f"max_batch_tokens={self.max_batch_tokens} is smaller than the plan's max length "
-                f"{max_length}: a full-length sample could never be captured; raise it to >= {max_length}")
+            raise ConfigError(range_message(
+                name_of("max_batch_tokens"), self.max_batch_tokens,
+                f"an integer >= {max_length}, the plan's max length (a full-length sample could never be captured)"))
 
 
 def check_deadlock(limits: SchedulerLimits, batch_size: int, lookahead: int, max_length: int) -> None:
@@ -57,10 +62,8 @@ def check_deadlock(limits: SchedulerLimits, batch_size: int, lookahead: int, max
         ConfigError: naming the setting and the fix.
     """
     limits.validate(max_length)
-    if batch_size < 1:
-        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
-    if lookahead < 0:
-        raise ConfigError(f"lookahead must be >= 0, got {lookahead}")
+    check_value(batch_size, Count, "batch size")
+    check_value(lookahead, NonNegative, "lookahead")
     if lookahead < batch_size:
         raise ConfigError(
             f"lookahead {lookahead} is smaller than the batch size {batch_size}: positions of a batch past "

@@ -13,9 +13,10 @@ from click.core import ParameterSource
 
 from artcache.app import config as C
 from artcache.app.config import load_run_config
-from artcache.app.values import check_min, parse_bytes, parse_layer_ids, parse_template_options
+from artcache.app.values import parse_bytes, parse_layer_ids, parse_template_options
 from artcache.errors import ArtcacheError, ConfigError
 from artcache.logs import setup_logging
+from artcache.ranges import NonNegativeFloat, check_value
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 
@@ -80,8 +81,6 @@ def _with_config(verb: str):
             if verb == "producer":
                 from artcache.producer import run_producer
 
-                check_min("expect-consumers", kwargs["expect_consumers"], 0, accepted="an integer >= 0 (0: none)")
-                check_min("done-grace", kwargs["done_grace"], 0, accepted="seconds >= 0")
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
                 _check_device(pcfg.device)
                 stats = run_producer(pcfg)
@@ -222,8 +221,6 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
-    check_min("expect-consumers", expect_consumers, 0, accepted="an integer >= 0 (0: none)")
-    check_min("done-grace", done_grace, 0, accepted="seconds >= 0")
     _check_device(device)
     ids = parse_layer_ids(layer_ids)
     cfg = ProducerConfig(
@@ -549,8 +546,7 @@ def fsck(cache, fix, as_json, observe):
     from artcache.fsck import format_report
     from artcache.fsck import fsck as run_fsck
 
-    if observe is not None:
-        check_min("observe", observe, 0, accepted="seconds >= 0")
+    check_value(observe, NonNegativeFloat | None, "--observe", seconds=True)
     rep = run_fsck(cache, fix=fix, observe_s=observe)
     if as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(rep)).decode())

@@ -52,7 +52,9 @@ from artcache.fsio import atomic_write
 from artcache.layout import check_id
 from artcache.ranges import (
     Count,
+    MaxLength,
     NonNegative,
+    NonNegativeFloat,
     Positive,
     describe_number,
     field_message,
@@ -100,9 +102,9 @@ class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     dataset: str = "sharegpt"
-    seed: int = 0
-    max_length: int = 512
-    max_samples: int = 2000
+    seed: NonNegative = 0
+    max_length: MaxLength = 512
+    max_samples: Count = 2000
     template_options: dict[str, bool | int | float | str] = {}
 
 
@@ -122,9 +124,9 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     layer_ids: list[int] | None = None
     draft_layers: int = 5
-    batch_samples: int = 8
-    batch_tokens: int = 8192
-    max_queue: int = 1024
+    batch_samples: Count = 8
+    batch_tokens: Count = 8192
+    max_queue: Count = 1024
     backend: Literal["hf", "vllm"] = "hf"
 
 
@@ -147,7 +149,7 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     root: str = ""
     heartbeat_timeout_s: Positive = 30.0
-    done_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    done_grace_s: NonNegativeFloat = 5.0
     demand_timeout_s: Positive = 600.0
     group_shared: bool = False
     disk_budget: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -786,6 +788,11 @@ def cache_root(cfg: RunConfig) -> str:
     return cfg.cache.root or str(Path(cfg.out) / "cache")
 
 
+#: :class:`artcache.scheduler.SchedulerLimits` field → its ``[capture]`` path (the name a limit is reported by)
+CAPTURE_PATHS = {"max_queue": "capture.max_queue", "max_batch_samples": "capture.batch_samples",
+                 "max_batch_tokens": "capture.batch_tokens"}
+
+
 def producer_config(cfg: RunConfig, **process: Any):
     """:class:`artcache.producer.ProducerConfig` from a run config (``capture.layer_ids`` as it is:
     ``artcache run`` fills in the union before saving). ``process``: exit_when_done, expect_consumers,
@@ -894,6 +901,6 @@ def bench_config(cfg: RunConfig):
     return BenchConfig(**{k: v for k, v in values.items() if k in names})
 
 
-__all__ = ["BenchSection", "CacheSection", "CaptureSection", "DataSection", "Experiment", "RunConfig", "SlurmSection",
-           "TargetSection", "apply_override", "bench_config", "consumer_config", "convert", "dump_toml",
-           "load_run_config", "parse_override", "producer_config", "read_file", "save_config"]
+__all__ = ["CAPTURE_PATHS", "BenchSection", "CacheSection", "CaptureSection", "DataSection", "Experiment", "RunConfig",
+           "SlurmSection", "TargetSection", "apply_override", "bench_config", "consumer_config", "convert",
+           "dump_toml", "load_run_config", "parse_override", "producer_config", "read_file", "save_config"]

@@ -26,6 +26,7 @@ import msgspec
 
 from artcache import journal as J
 from artcache.app.config import (
+    CAPTURE_PATHS,
     Experiment,
     RunConfig,
     cache_root,
@@ -244,10 +245,8 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
         captured = union
     check_layer_ids(captured, info.num_layers, info.name)
     resolved = resolve(cfg, captured)
-    try:  # capture batching vs max_length
-        producer_config(resolved).limits.validate(resolved.data.max_length)
-    except ConfigError as exc:
-        raise ConfigError(f"capture (batch_samples, batch_tokens, max_queue): {exc}") from None
+    # capture batching vs max_length, named by the config's capture.* paths
+    producer_config(resolved).limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
     # the spec and contract exactly as artcache.producer.prepare_root builds them (a test pins the equality)
     spec = PlanSpec(dataset=resolved.data.dataset, seed=resolved.data.seed, max_length=resolved.data.max_length,
                     max_samples=resolved.data.max_samples, template_options=dict(resolved.data.template_options))

@@ -8,7 +8,6 @@ what is accepted.
 
 from __future__ import annotations
 
-import math
 import re
 
 from artcache.errors import ConfigError
@@ -70,13 +69,4 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
     return ids
 
 
-def check_min(name: str, value: float, low: float, *, strict: bool = False, accepted: str = "") -> None:
-    """ConfigError naming ``--name value`` unless value is finite and >= low (> low when ``strict``).
-    Infinity is refused too: ``--heartbeat-timeout inf`` was stored as JSON null and made the root unreadable."""
-    if value < low or (strict and value == low) or not math.isfinite(value):
-        raise ConfigError(f"--{name} {value} is not accepted: "
-                          f"{accepted or ('a number > ' if strict else 'a number >= ') + str(low)}"
-                          f"{'' if math.isfinite(value) else ' (finite)'}")
-
-
-__all__ = ["check_min", "parse_bytes", "parse_layer_ids", "parse_template_options"]
+__all__ = ["parse_bytes", "parse_layer_ids", "parse_template_options"]

@@ -29,16 +29,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from artcache.errors import ArtcacheError, ConfigError, DataError, NotWritable
+from artcache.ranges import Count, NonNegative, NonNegativeFloat, check_ranges
 
 BACKENDS = ("hf", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -49,9 +51,8 @@ _ASSISTANT = "assistant"
 _LINE_BREAKS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
 
 
-@dataclass(frozen=True)
-class RegenerateConfig:
-    """Settings of one regeneration run (the ``artcache regenerate`` flags).
+class RegenerateConfig(msgspec.Struct, frozen=True):
+    """Settings of one regeneration run (the ``artcache regenerate`` flags; ranges declared on the fields).
 
     ``max_samples``: the first N usable records in file order (deterministic). ``temperature`` 0 is
     greedy; > 0 samples with ``seed``. ``dtype`` ``auto``: float32 on CPU, bfloat16 on CUDA. ``threads``
@@ -61,30 +62,24 @@ class RegenerateConfig:
     out: str
     target: str = "smollm2-135m-instruct"
     dataset: str = "sharegpt"
-    max_samples: int = 1000
-    max_new_tokens: int = 256
-    max_prompt_tokens: int = 1024
+    max_samples: Count = 1000
+    max_new_tokens: Count = 256
+    max_prompt_tokens: Count = 1024
     backend: str = "hf"
-    batch_size: int = 8
-    temperature: float = 0.0
-    seed: int = 0
+    batch_size: Count = 8
+    temperature: NonNegativeFloat = 0.0  # 0: greedy
+    seed: NonNegative = 0
     device: str = "cpu"
     dtype: str = "auto"
     force: bool = False
-    threads: int = 0
-    template_options: dict[str, Any] = field(default_factory=dict)
+    threads: NonNegative = 0
+    template_options: dict[str, Any] = msgspec.field(default_factory=dict)
     progress: bool = True
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first bad value and what is accepted."""
-        for name, low in (("max_samples", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 1),
-                          ("batch_size", 1), ("seed", 0), ("threads", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"--{name.replace('_', '-')} {value!r} is not accepted: an integer >= {low}")
-        t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise ConfigError(f"--temperature {t!r} is not accepted: a number >= 0 (0: greedy)")
+        """Raise ConfigError naming the first bad value (by its flag, ``--max-new-tokens``) and what is accepted:
+        the ranges declared on the fields (:func:`artcache.ranges.check_ranges`), then the choices."""
+        check_ranges(self, lambda name: "--" + name.replace("_", "-"))
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend {self.backend!r} is not accepted: use one of {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
