@@ -300,15 +300,15 @@ def test_producer_max_length_too_small(tmp_path, workdir, tiny_target):
     cache = tmp_path / "cache"
     args = producer_args(cache, tiny_target)
     args[args.index("--max-length") + 1] = "3"
-    assert_bad_input(invoke(*args), "max_length=3", ">= 16")
+    assert_bad_input(invoke(*args), "--max-length 3 is invalid: accepted an integer >= 16")
     assert not cache.exists()
 
 
 @pytest.mark.parametrize("args, needles", [
-    (["--max-samples", "0"], ["max_samples=0", ">= 1"]),
-    (["--seed", "-1"], ["seed=-1"]),
-    (["--batch-tokens", "64"], ["max_batch_tokens=64", "128"]),
-    (["--batch-samples", "0"], ["max_batch_samples", "0"]),
+    (["--max-samples", "0"], ["--max-samples 0 is invalid: accepted an integer >= 1"]),
+    (["--seed", "-1"], ["--seed -1 is invalid: accepted an integer >= 0"]),
+    (["--batch-tokens", "64"], ["--batch-tokens 64 is invalid: accepted an integer >= 128, the plan's max length"]),
+    (["--batch-samples", "0"], ["--batch-samples 0 is invalid: accepted an integer >= 1"]),
     (["--id", "../p"], ["'../p'"]),
 ])
 def test_producer_other_bad_values(tmp_path, workdir, tiny_target, args, needles):
@@ -602,16 +602,30 @@ def test_regression_producer_on_a_full_disk_is_one_line(tmp_path, workdir, tiny_
     assert not cache.exists()
 
 
-@pytest.mark.parametrize("flag, value, needle", [("--expect-consumers", "-1", "an integer >= 0"),
-                                                 ("--done-grace", "-5", "seconds >= 0"),
-                                                 ("--batch-samples", "0", "an integer >= 1"),
-                                                 ("--max-queue", "0", "an integer >= 1")])
-def test_regression_producer_negative_counts(tmp_path, workdir, tiny_target, flag, value, needle):
+@pytest.mark.parametrize("flag, value, message", [
+    ("--expect-consumers", "-1",
+     "--expect-consumers -1 is invalid: accepted an integer >= 0 (0 or a positive integer)"),
+    ("--done-grace", "-5", "--done-grace -5.0 is invalid: accepted finite seconds >= 0"),
+    ("--done-grace", "inf", "--done-grace inf is invalid: accepted finite seconds >= 0"),
+    ("--batch-samples", "0", "--batch-samples 0 is invalid: accepted an integer >= 1"),
+    ("--max-queue", "0", "--max-queue 0 is invalid: accepted an integer >= 1")])
+def test_regression_producer_negative_counts(tmp_path, workdir, tiny_target, flag, value, message):
     """Breakfix report: `--expect-consumers -1` and `--done-grace -5` were accepted silently (the producer ran),
-    and `--batch-samples 0` was refused as "max_batch_samples must be >= 1", not naming the flag."""
+    and `--batch-samples 0` was refused as "max_batch_samples must be >= 1", not naming the flag. Issue 19: the
+    ranges are declared on ProducerConfig's fields (no CLI hand check) and reported in the one style."""
     cache = tmp_path / "cache"
-    assert_bad_input(invoke(*producer_args(cache, tiny_target, flag, value, "--idle-exit", "1")),
-                     f"{flag} {value}", needle)
+    line = assert_bad_input(invoke(*producer_args(cache, tiny_target, flag, value, "--idle-exit", "1")))
+    assert line == f"artcache: error: {message}"
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("value, shown", [("-1", "-1.0"), ("inf", "inf"), ("nan", "nan")])
+def test_regression_fsck_observe_out_of_range(tmp_path, workdir, value, shown):
+    """Issue 19: `fsck --observe` had its own hand check (`--observe -1 is not accepted: seconds >= 0`); it is
+    now the declared range NonNegativeFloat reported in the one style, exit 2, before the root is read."""
+    cache = tmp_path / "cache"
+    line = assert_bad_input(invoke("fsck", "--cache", str(cache), "--observe", value))
+    assert line == f"artcache: error: --observe {shown} is invalid: accepted finite seconds >= 0"
     assert not cache.exists()
 
 

@@ -154,9 +154,18 @@ def test_empty_result_raises(tmp_path, smollm2_tokenizer):
 
 
 def test_spec_validation(tmp_path, smollm2_tokenizer):
-    for kw in ({"max_length": 15}, {"max_samples": 0}, {"seed": -1}, {"min_loss_tokens": 0}):
-        with pytest.raises(ConfigError):
+    for kw, accepted in (({"max_length": 15}, "an integer >= 16"), ({"max_samples": 0}, "an integer >= 1"),
+                         ({"seed": -1}, "an integer >= 0 (0 or a positive integer)"),
+                         ({"min_loss_tokens": 0}, "an integer >= 1")):
+        [(name, value)] = kw.items()
+        # issue 19: the ranges are declared on PlanSpec's fields and reported in the one style (they were a hand
+        # check saying "plan max_samples=0 is invalid: accepted is an integer >= 1")
+        with pytest.raises(ConfigError) as exc:
             PlanSpec(**kw)
+        assert str(exc.value) == f"plan {name} {value} is invalid: accepted {accepted}"
+    with pytest.raises(ConfigError, match=r"^plan seed: Expected `int`, got `bool`$"):
+        PlanSpec(seed=True)
+    assert PlanSpec(max_length=16, max_samples=1, seed=0, min_loss_tokens=1).max_length == 16
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"dataset": "sharegpt", "bogus": 1}, PlanSpec)
     with pytest.raises(ConfigError, match="nope"):

@@ -12,7 +12,7 @@ import pytest
 from artcache.app import config as C
 from artcache.errors import ConfigError
 from artcache.producer import ProducerConfig
-from artcache.ranges import Count, NonNegative, Positive, check_ranges, describe_number
+from artcache.ranges import Count, NonNegative, NonNegativeFloat, Positive, check_ranges, check_value, describe_number
 from artcache.trainers.consumer import ConsumerConfig
 
 
@@ -43,9 +43,37 @@ class Outer(msgspec.Struct, kw_only=True):
     inner: S = msgspec.field(default_factory=S)
 
 
-def test_a_nested_struct_field_is_named_by_its_own_name():
-    with pytest.raises(ConfigError, match=r"^n 0 is invalid: accepted an integer >= 1$"):
-        check_ranges(Outer(inner=S(n=0)), lambda f: f"--{f}")
+def test_a_nested_struct_field_is_named_by_its_dotted_path():
+    with pytest.raises(ConfigError, match=r"^inner\.n 0 is invalid: accepted an integer >= 1$"):
+        check_ranges(Outer(inner=S(n=0)))
+    with pytest.raises(ConfigError, match=r"^--n-flag 0 is invalid: accepted an integer >= 1$"):
+        check_ranges(Outer(inner=S(n=0)), {"inner.n": "--n-flag"}.get)
+
+
+class Checked(msgspec.Struct, frozen=True):
+    n: Count = 1
+
+    def __post_init__(self) -> None:
+        check_ranges(self, lambda f: f"checked {f}")
+
+
+def test_check_ranges_from_post_init_checks_construction_and_conversion():
+    """A struct may check itself on construction (PlanSpec does): check_ranges checks field by field, so it
+    does not re-enter __post_init__."""
+    assert Checked(n=2).n == 2
+    with pytest.raises(ConfigError, match=r"^checked n 0 is invalid: accepted an integer >= 1$"):
+        Checked(n=0)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"n": 0}, Checked)
+
+
+def test_check_value_names_a_lone_value():
+    check_value(None, NonNegativeFloat | None, "--observe", seconds=True)
+    check_value(0.0, NonNegativeFloat, "--observe", seconds=True)
+    with pytest.raises(ConfigError, match=r"^--observe -1.0 is invalid: accepted finite seconds >= 0$"):
+        check_value(-1.0, NonNegativeFloat | None, "--observe", seconds=True)
+    with pytest.raises(ConfigError, match=r"^--n: Expected `int`, got `str`$"):
+        check_value("x", Count, "--n")
 
 
 def test_check_ranges_passes_values_inside_and_uses_the_flag_name():

@@ -212,6 +212,25 @@ def test_bad_values_exit_2_and_write_nothing(tiny_target, data, tmp_path, args, 
     assert not out.exists() and leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (("--max-new-tokens", "0"), "--max-new-tokens 0 is invalid: accepted an integer >= 1"),
+    (("--max-prompt-tokens", "-3"), "--max-prompt-tokens -3 is invalid: accepted an integer >= 1"),
+    (("--seed", "-1"), "--seed -1 is invalid: accepted an integer >= 0 (0 or a positive integer)"),
+    (("--threads", "-2"), "--threads -2 is invalid: accepted an integer >= 0 (0 or a positive integer)"),
+    (("--temperature", "-1"), "--temperature -1.0 is invalid: accepted a finite number >= 0"),
+    (("--temperature", "inf"), "--temperature inf is invalid: accepted a finite number >= 0"),
+])
+def test_regression_regenerate_ranges_in_the_one_style(tiny_target, data, tmp_path, args, message):
+    """Issue 19: RegenerateConfig.validate checked (field, min) pairs by hand in its own message form (``--seed -1
+    is not accepted: an integer >= 0``); the ranges are declared on its fields now and reported in the one style."""
+    out = tmp_path / "o.jsonl"
+    result = invoke(*regen_args(tiny_target, data, out, *args))
+    assert result.exit_code == 2 and result.stderr.strip() == f"artcache: error: {message}"
+    assert not out.exists() and leftovers(tmp_path) == []
+    with pytest.raises(ConfigError, match=r"^--batch-size 0 is invalid: accepted an integer >= 1$"):
+        RegenerateConfig(out=str(out), batch_size=0).validate()
+
+
 def test_missing_data_and_out_directory(tiny_target, tmp_path):
     out = tmp_path / "o.jsonl"
     missing = tmp_path / "nope.jsonl"

@@ -289,6 +289,11 @@ def test_root_of_another_contract_is_rejected(tiny_target, tmp_path):
     (["experiments.d.consumer.heartbeat_s=60"], ConfigError, "not below cache.heartbeat_timeout_s"),
     (["experiments.d.window=2:1"], ConfigError, "lookahead 1 is smaller than one batch"),
     (["experiments.d.layer_ids=1,9"], ConfigError, "0..5"),
+    # issue 19's one range message, named by the config path (the plan's and the capture limits' declared ranges)
+    (["data.max_samples=0"], ConfigError, "data.max_samples 0 is invalid: accepted an integer >= 1"),
+    (["capture.batch_samples=0"], ConfigError, "capture.batch_samples 0 is invalid: accepted an integer >= 1"),
+    (["capture.batch_tokens=64"], ConfigError,
+     "capture.batch_tokens 64 is invalid: accepted an integer >= 128, the plan's max length"),
 ])
 def test_bad_experiments_are_rejected_before_start(tiny_target, tmp_path, overrides, error, needle):
     with pytest.raises(error) as info:

@@ -191,11 +191,24 @@ def test_next_batch_empty_queue():
 # ---- limits --------------------------------------------------------------------------------------
 def test_limits_validate():
     SchedulerLimits(max_batch_tokens=512).validate(512)
-    with pytest.raises(ConfigError, match="max_batch_tokens"):
+    with pytest.raises(ConfigError, match=r"^max_batch_tokens 511 is invalid: accepted an integer >= 512, the plan's"):
         SchedulerLimits(max_batch_tokens=511).validate(512)
     for field in ("max_queue", "max_batch_samples", "max_batch_tokens"):
-        with pytest.raises(ConfigError, match=field):
+        with pytest.raises(ConfigError, match=rf"^{field} 0 is invalid: accepted an integer >= 1$"):
             SchedulerLimits(**{field: 0}).validate(1)
+
+
+def test_regression_limits_ranges_are_declared_and_named_the_callers_way():
+    """Issue 19: SchedulerLimits.validate kept its own hand check and message form (``--batch-samples 0
+    (max_batch_samples) is not accepted: an integer >= 1``). The ranges are declared on the fields now, and the
+    caller names them: the producer by its flag, a run config by its capture.* path."""
+    import msgspec.inspect as mi
+
+    assert all(f.type.ge == 1 for f in mi.type_info(SchedulerLimits).fields)
+    with pytest.raises(ConfigError, match=r"^--batch-samples 0 is invalid: accepted an integer >= 1$"):
+        SchedulerLimits(max_batch_samples=0).validate(1, {"max_batch_samples": "--batch-samples"}.get)
+    with pytest.raises(ConfigError, match=r"^capture\.batch_tokens 8 is invalid: accepted an integer >= 16"):
+        SchedulerLimits(max_batch_tokens=8).validate(16, lambda f: "capture." + f.removeprefix("max_"))
 
 
 def test_window_bound():
