@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -519,10 +520,79 @@ def test_run_first_signal_cancels_every_experiment(tiny_target, tmp_path):
     assert report["problems"] == [], report["problems"]
     assert {x["name"]: x["state"] for x in report["experiments"]} == {"a": "cancelled", "b": "cancelled"}
     assert all((Path(x["out_dir"]) / "checkpoints" / "latest").is_dir() for x in report["experiments"])
-    # (not asserted: the producer's own exit status. artcache run SIGTERMs it once the experiments ended; an
-    # --exit-when-done producer may be in its interpreter teardown by then, where Python has put the default
-    # handlers back, and it dies of the signal (-15); main before issue 19 did the same)
+    # the producer's own exit is clean: the run does not SIGTERM an --exit-when-done producer that journaled its
+    # stop (test_regression_cancel_does_not_signal_an_exiting_producer)
+    prod = report["shared_production"]
+    assert report["checks"]["producer_exit_ok"], (prod["exit_code"], prod["stop_reason"], text[-2000:])
     assert all(_gone(pid) for pid in pids)
+
+
+_ROLE = """
+import sys, time
+from pathlib import Path
+from artcache import journal as J
+from artcache.layout import CacheLayout
+if sys.argv[2] != "-":
+    w = J.JournalWriter(CacheLayout(Path(sys.argv[1])).journal_path("producer", "producer"))
+    w.emit(J.ProducerStop(producer="producer", reason=sys.argv[2]))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _stand_in(tmp_path, layout, name: str, reason: str):
+    """A process that journals as producer ``producer`` (its stop with ``reason``; ``-``: none), then sleeps."""
+    from artcache.launch import Role
+
+    role = Role(name, [sys.executable, "-c", _ROLE, str(layout.root), reason], tmp_path / f"{name}.log")
+    t0 = time.monotonic()
+    while "ready" not in role.log.read_text():
+        assert role.poll() is None and time.monotonic() - t0 < 60, role.tail()
+        time.sleep(0.05)
+    return role
+
+
+def test_regression_cancel_does_not_signal_an_exiting_producer(tmp_path):
+    """Task report (issue 19 residue): a cancelled `artcache run` SIGTERMed its --exit-when-done producer once the
+    experiments ended, though the producer had already left its loop on its own (its grace passed while they
+    wrote their final checkpoints). In its teardown the default handlers are back, so it died -15 and the report
+    said producer_exit_ok false. Now a producer that journaled its stop is not signalled, only waited for; one
+    still in its loop gets the SIGTERM (it stops gracefully there)."""
+    import signal
+
+    from artcache.app.experiments import cancel_producer, journaled_stop
+
+    layout = CacheLayout(tmp_path / "root")
+    layout.journal.mkdir(parents=True)
+    exiting = _stand_in(tmp_path, layout, "exiting", "all consumers finished")
+    working = _stand_in(tmp_path, layout, "working", "-")
+    try:
+        assert journaled_stop(layout, exiting) == "all consumers finished" and journaled_stop(layout, working) is None
+        assert cancel_producer(layout, exiting) is False
+        assert cancel_producer(layout, working) is True
+        assert working.wait(timeout=30) == -signal.SIGTERM
+        time.sleep(0.5)
+        assert exiting.poll() is None  # not signalled
+    finally:
+        exiting.kill()
+        working.kill()
+
+
+@pytest.mark.parametrize("code, reason, signalled, ok", [
+    (0, "all consumers finished", False, True),
+    (0, "signal", True, True),
+    (-15, "all consumers finished", True, True),    # killed in its teardown, after its stop line: work complete
+    (-15, "", True, False),                         # killed before its stop line: cut off mid-work
+    (-15, "failed: ProducerFailed: x", True, False),
+    (-15, "all consumers finished", False, False),  # a SIGTERM this run's cancel did not send (the hung-exit one)
+    (-9, "all consumers finished", True, False),
+    (1, "failed: ProducerFailed: x", False, False),
+    (None, "", False, False),
+])
+def test_producer_exit_ok(code, reason, signalled, ok):
+    from artcache.app.experiments import producer_exit_ok
+
+    assert producer_exit_ok(code, reason, signalled) is ok
 
 
 def test_run_second_signal_forces(tiny_target, tmp_path):

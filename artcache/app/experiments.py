@@ -460,6 +460,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     producer: Role | None = None
     consumers: dict[str, Role] = {}
     problems: list[str] = []
+    cancel_signalled = False  # the producer got the cancel's one SIGTERM (not the hung-exit one below)
     try:
         from artcache import registry
         from artcache.layout import CacheLayout
@@ -518,7 +519,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
                 print(f"experiment {c.name} {'completed' if c.code == 0 else f'FAILED (exit {c.code})'}", flush=True)
         if producer is not None:
             if stop.is_set():
-                producer.signal(signal.SIGTERM)
+                cancel_signalled = cancel_producer(layout, producer)
             try:
                 producer.wait(timeout=cfg.cache.done_grace_s + 120)
             except subprocess.TimeoutExpired:
@@ -530,7 +531,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         stop_all([*consumers.values(), *([producer] if producer else [])], grace_s=30)
         shutdown.restore()
     wall = time.time() - t0
-    report = merge_earlier(run_report(plan, producer, consumers, wall, problems), out / "report.json")
+    report = merge_earlier(run_report(plan, producer, consumers, wall, problems, cancel_signalled=cancel_signalled),
+                           out / "report.json")
     write_report(plan, report)
     print(format_report(report), flush=True)
     print(f"report: {out / 'report.json'}", flush=True)
@@ -619,10 +621,45 @@ def _summary_line(log_path: Path) -> dict:
         return {}
 
 
+def journaled_stop(layout, producer: Role) -> str | None:
+    """The reason producer process ``producer`` journaled with its ``producer_stop``, or None while it has not.
+    The producer writes it as the last thing of its loop (after its last publication and final eviction pass),
+    just before it puts the default signal handlers back and exits on its own."""
+    stops = [ev for ev in _events(layout.journal_of("producer", "producer", producer.popen.pid))
+             if isinstance(ev, J.ProducerStop)]
+    return stops[-1].reason if stops else None
+
+
+def cancel_producer(layout, producer: Role) -> bool:
+    """The cancel's one SIGTERM to the producer once the experiments ended, unless it has journaled its stop
+    (:func:`journaled_stop`): an ``--exit-when-done`` producer whose grace passed is leaving on its own, and its
+    teardown runs with the default handlers back, where a SIGTERM kills it (-15) and cuts its backend's close
+    short; it is only waited for. Returns whether the SIGTERM was sent."""
+    reason = journaled_stop(layout, producer)
+    if reason is not None:
+        print(f"producer is already exiting ({reason}); not signalled", flush=True)
+        return False
+    producer.signal(signal.SIGTERM)
+    return True
+
+
+def producer_exit_ok(code: int | None, stop_reason: str, cancel_signalled: bool) -> bool:
+    """Whether this run's producer ended cleanly: exit 0; or killed by the cancel's one SIGTERM (``-15``) after it
+    had journaled a stop that is not a failure. That SIGTERM was sent because the stop was not journaled yet
+    when the run looked (:func:`journaled_stop`); a kill after it cut only the teardown (every capture was
+    published and journaled before it). A producer killed before its stop line (cut off mid-work), by any other
+    signal, or after ``failed: ...`` is not ok."""
+    if code == 0:
+        return True
+    return (cancel_signalled and code == -signal.SIGTERM and bool(stop_reason)
+            and not stop_reason.startswith("failed"))
+
+
 def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role], wall: float,
-               problems: list[str]) -> dict:
+               problems: list[str], *, cancel_signalled: bool = False) -> dict:
     """The run report: shared production (this run's producer, counted once) apart from each
-    experiment's committed work (this run's consumer process), plus the root-wide invariants."""
+    experiment's committed work (this run's consumer process), plus the root-wide invariants.
+    ``cancel_signalled``: the run sent the producer its cancel SIGTERM (:func:`producer_exit_ok`)."""
     from artcache import registry
     from artcache.accounting import account
     from artcache.layout import CacheLayout
@@ -663,7 +700,8 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
     checks = {
         "every_experiment_completed": all(x["exit_code"] == 0 and x["state"] == "completed" for x in ran),
         "failed_experiments_fenced": all(x["registration"] != "running" for x in experiments),
-        "producer_exit_ok": prod["exit_code"] == 0 or (producer is None and not consumers),
+        "producer_exit_ok": (producer_exit_ok(prod["exit_code"], prod["stop_reason"], cancel_signalled)
+                             or (producer is None and not consumers)),
         "accounting_invariants": bool(acc) and not acc.violations,
     }
     exit_code = 0 if all(checks.values()) and not problems else 1
@@ -875,5 +913,6 @@ def format_run_dir_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ExperimentPlan", "RunPlan", "check_checkpoint", "draft_view", "format_plan", "format_run_dir_report",
-           "layer_union", "merge_earlier", "plan_run", "resolve", "run_dir_report", "run_experiments", "view_index"]
+__all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "draft_view", "format_plan",
+           "format_run_dir_report", "journaled_stop", "layer_union", "merge_earlier", "plan_run", "producer_exit_ok",
+           "resolve", "run_dir_report", "run_experiments", "view_index"]
