@@ -70,13 +70,13 @@ class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_ranges(self, lambda field: f"plan {field}")
         if not isinstance(self.dataset, str) or not self.dataset:
             raise ConfigError(f"plan dataset={self.dataset!r} is invalid: accepted {list(DATASETS)} or a file path")
-        for key, value in dict(self.template_options).items():
+        for key, value in dict(self.template_options).items():  # before the field check: its own message
             if not (isinstance(key, str) and key.isidentifier()) or not isinstance(value, (bool, int, float, str)):
                 raise ConfigError(f"chat template option {key!r}={value!r} is invalid: accepted NAME=VALUE with a "
                                   "Python identifier NAME and a bool, number or string VALUE")
+        check_ranges(self, lambda field: f"plan {field}")
         if self.template_options and self.dataset == "synthetic":
             raise ConfigError("chat template options have no effect on --data synthetic (no chat template is used)")
 
