@@ -472,8 +472,11 @@ def test_regression_expect_consumers_says_what_it_waits_for(tmp_path, cache):
 def test_regression_wall_clock_step_fences_nobody(layout, monkeypatch):
     """Issue 17 item 1: a +40 s wall-clock step (NTP) fenced every live consumer: heartbeats were wall-clock
     times compared by another process. The producer now watches each registration's heartbeat counter on its
-    own monotonic clock: a step of the wall clock (in the producer, or -40 s in the consumer) changes nothing,
-    and a consumer whose counter stops is fenced once it has been still for the timeout."""
+    own monotonic clock: a step of the wall clock (-40 s in the consumer while it beats, +40 s in the producer
+    while it looks) changes nothing, and a consumer whose counter stops is fenced once it has been still for
+    the timeout. Each step is applied to one side only (``time.time`` is one function for the whole test
+    process): stepping both together leaves the heartbeat's age unchanged, and the pre-fix wall-clock
+    comparison passed that version (checked on e3a6d61^; this one fails there: "live" is fenced)."""
     import crash_child as K
 
     from artcache.producer import Producer, ProducerConfig
@@ -488,15 +491,17 @@ def test_regression_wall_clock_step_fences_nobody(layout, monkeypatch):
     real_time = time.time
     try:
         assert {r.consumer_id for r in p.live_registrations()} == {"live", "still"}
-        monkeypatch.setattr("artcache.registry.time.time", lambda: real_time() - 40)  # the consumer's clock
         for _ in range(2):
             now[0] += 2.0
-            live.heartbeat()
+            with monkeypatch.context() as m:
+                m.setattr("time.time", lambda: real_time() - 40)  # the consumer's clock, while it beats
+                live.heartbeat()
             assert {r.consumer_id for r in p.live_registrations()} == {"live", "still"}
-        monkeypatch.setattr("time.time", lambda: real_time() + 40)  # the producer's clock
         now[0] += 2.0
         live.heartbeat()
-        assert {r.consumer_id for r in p.live_registrations()} == {"live"}  # "still" was still for 6 s > 5 s
+        with monkeypatch.context() as m:
+            m.setattr("time.time", lambda: real_time() + 40)  # the producer's clock, while it looks
+            assert {r.consumer_id for r in p.live_registrations()} == {"live"}  # "still": still for 6 s > 5 s
     finally:
         p.drain()
         journal.close()
