@@ -130,6 +130,7 @@ def test_regression_held_out_split_is_never_trained_on_across_epochs(tmp_path, t
     assert set(captured.values()) == {1} and len(captured) == n
     summary = json.loads([ln for ln in cons.text().splitlines() if ln.startswith("{")][-1])
     assert summary["epoch"] == EPOCHS - 1 and summary["epoch_len"] == train_len and summary["steps"] == steps
+    assert summary["draft"] == "dflash" and summary["batch_size"] == BATCH  # issue 20: results quote both
     from artcache.accounting import account
 
     acc = account(layout)

@@ -95,8 +95,9 @@ log = logging.getLogger("artcache.consumer")
 def run_consumer(cfg: ConsumerConfig) -> dict:
     """Train one draft on the cache root; returns a summary dict. Raises on failure (after fencing).
 
-    Summary keys: ``consumer_id``, ``draft``, ``steps``, ``cursor``, ``epoch`` (of the last position trained
-    on, 0-based) and ``epoch_len`` (training samples per epoch), ``resumed_from_step`` (None for a
+    Summary keys: ``consumer_id``, ``draft``, ``batch_size`` (samples per step), ``steps``, ``cursor``,
+    ``epoch`` (of the last position trained on, 0-based) and ``epoch_len`` (training samples per epoch),
+    ``resumed_from_step`` (None for a
     fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last up to 5 steps
     this process trained; None when it trained none), ``tau``, ``checkpoint``, ``run_dir``, ``wait_s``,
     and ``sim_acc_len`` (EAGLE-3) / ``eval`` (the last evaluation) when there are such figures.
@@ -716,7 +717,8 @@ class Session:
         """What :func:`run_consumer` returns (keys in its docstring)."""
         cfg, first, last = self.cfg, self.first_losses, self.last_losses
         summary = self.draft.summary(self.total) if self.total is not None else {}
-        out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "steps": self.steps_done, "cursor": self.cursor,
+        out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "batch_size": cfg.batch_size,
+               "steps": self.steps_done, "cursor": self.cursor,
                "resumed_from_step": self.start_step if self.resumed is not None else None,
                "seconds": time.time() - self.t_start,
                # means over the first / last (up to) 5 steps this process trained; None when it trained none

@@ -1,0 +1,156 @@
+"""Training curves of one or more experiments from their ``metrics.csv`` files: held-out greedy-replay τ
+(incl. the +1 bonus token) and loss against steps and against training seconds, as a PNG and a JSON table.
+
+    python -m artcache.bench.training_curves --metrics dflash=RUN/experiments/dflash/metrics.csv \\
+        --metrics eagle3=... --png docs/img/curves.png --json bench/results/curves.json
+
+``metrics.csv`` rows are ``step,tag,value,wall_time`` (:mod:`artcache.trainers.tracking`); a resumed run
+appends to the same file. On CUDA a log interval's rows are written together once the GPU has finished
+its steps (the sync-free step reads its metrics back every ``--log-every`` steps), so the wall time of a row
+is when its interval ended. Training seconds count the wall time between consecutive ``train/loss`` rows,
+leaving out gaps longer than ``--gap-s`` (the time between two pieces of a chained run, when nothing ran),
+so each process's first interval (start-up, compile warm-up, the first capture) is not counted; where
+several experiments share one GPU they are that experiment's seconds on the shared device. The steady rate
+is the median over intervals of steps / seconds between two such writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from pathlib import Path
+
+from artcache.bench.provenance import source_commit
+
+__all__ = ["curves", "main", "read_metrics", "steady_rate", "training_seconds"]
+
+
+def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float, float]]]:
+    """``{tag: [(step, value, wall_time), ...]}`` sorted by step (a step logged twice, e.g. replayed after a
+    resume, keeps its last row)."""
+    by_tag: dict[str, dict[int, tuple[float, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            by_tag.setdefault(row["tag"], {})[int(row["step"])] = (float(row["value"]), float(row["wall_time"]))
+    return {t: [(s, v, w) for s, (v, w) in sorted(rows.items())] for t, rows in by_tag.items()}
+
+
+def training_seconds(rows: list[tuple[int, float, float]], gap_s: float) -> dict[int, float]:
+    """Step -> seconds trained up to it: the sum of wall-time deltas between consecutive rows, a delta over
+    ``gap_s`` (a stop between pieces) or below 0 counted as 0."""
+    out, total, prev = {}, 0.0, None
+    for step, _v, wall in rows:
+        if prev is not None and 0 <= wall - prev <= gap_s:
+            total += wall - prev
+        out[step], prev = total, wall
+    return out
+
+
+def steady_rate(rows: list[tuple[int, float, float]], gap_s: float, burst_s: float = 0.5) -> float | None:
+    """Median over write intervals of (steps between two writes) / (seconds between them): rows less than
+    ``burst_s`` apart are one write (an interval's rows are written within milliseconds), intervals over
+    ``gap_s`` are left out; None with fewer than two writes."""
+    writes: list[tuple[float, int]] = []  # (wall time of a write's last row, its last step)
+    for step, _v, wall in rows:
+        if writes and 0 <= wall - writes[-1][0] < burst_s:
+            writes[-1] = (wall, step)
+        else:
+            writes.append((wall, step))
+    rates = [(s1 - s0) / (w1 - w0) for (w0, s0), (w1, s1) in zip(writes, writes[1:], strict=False)
+             if 0 < w1 - w0 <= gap_s and s1 > s0]
+    return statistics.median(rates) if rates else None
+
+
+def _at(seconds: dict[int, float], step: int) -> float:
+    earlier = [s for s in seconds if s <= step]
+    return seconds[max(earlier)] if earlier else 0.0
+
+
+def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> dict:
+    """Per experiment: every held-out evaluation (step, training seconds, held-out figures, the median train
+    loss over the ``window`` steps before it) and the median train steps/s."""
+    out = {}
+    for name, path in metrics.items():
+        m = read_metrics(path)
+        train = m.get("train/loss", [])
+        secs = training_seconds(train, gap_s)
+        evals = sorted({s for t, rows in m.items() if t.startswith("eval/") for s, _, _ in rows})
+        table = []
+        for step in evals:
+            row = {"step": step, "train_seconds": round(_at(secs, step), 1)}
+            for t, rows in m.items():
+                if t.startswith("eval/") and "_per_step" not in t and not t.startswith("eval/acc_"):
+                    v = next((v for s, v, _ in rows if s == step), None)
+                    if v is not None:
+                        row[t[5:]] = v
+            recent = [v for s, v, _ in train if step - window < s <= step]
+            row["train_loss_median"] = statistics.median(recent) if recent else None
+            table.append(row)
+        out[name] = {"metrics_csv": str(path), "last_step": train[-1][0] if train else 0,
+                     "train_seconds": round(secs[train[-1][0]], 1) if train else 0.0,
+                     "steady_steps_per_s_median": steady_rate(train, gap_s), "evals": table}
+    return out
+
+
+def plot(figures: dict, path: Path, title: str) -> Path:
+    """Three panels: held-out replay τ against steps, held-out and train loss against steps, held-out τ
+    against training seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=110)
+    for i, (name, f) in enumerate(figures.items()):
+        ev = [e for e in f["evals"] if "replay_tau" in e]
+        c = f"C{i}"
+        ax.plot([e["step"] for e in ev], [e["replay_tau"] for e in ev], "o-", color=c, label=name)
+        cx.plot([e["train_seconds"] for e in ev], [e["replay_tau"] for e in ev], "o-", color=c, label=name)
+        bx.plot([e["step"] for e in ev], [e.get("loss") for e in ev], "o-", color=c, label=f"{name} held-out")
+        tr = [e for e in f["evals"] if e.get("train_loss_median") is not None]
+        bx.plot([e["step"] for e in tr], [e["train_loss_median"] for e in tr], ":", color=c, label=f"{name} train")
+    ax.set(xlabel="optimizer step", ylabel="held-out greedy-replay τ (incl. +1 bonus)", title=title)
+    bx.set(xlabel="optimizer step", ylabel="loss", yscale="log", title="held-out (solid) vs train (dotted) loss")
+    cx.set(xlabel="training seconds (shared GPU)", ylabel="held-out greedy-replay τ (incl. +1 bonus)",
+           title="τ against training time")
+    for a in (ax, bx, cx):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--metrics", action="append", required=True, metavar="NAME=CSV")
+    ap.add_argument("--png", type=Path, required=True)
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--title", default="held-out greedy-replay τ")
+    ap.add_argument("--gap-s", type=float, default=60.0)
+    ap.add_argument("--note", default="", help="free text recorded in the JSON (hardware, where it ran)")
+    a = ap.parse_args(argv)
+    metrics = {}
+    for spec in a.metrics:
+        name, sep, p = spec.partition("=")
+        if not sep or not name or not Path(p).is_file():
+            ap.error(f"--metrics {spec!r}: accepted NAME=CSV with an existing metrics.csv file")
+        metrics[name] = Path(p)
+    figures = curves(metrics, a.gap_s)
+    commit, dirty = source_commit()
+    a.json.write_text(json.dumps({"command": ["python", "-m", "artcache.bench.training_curves", *(argv or [])],
+                                  "commit": commit, "dirty": dirty, "note": a.note, "experiments": figures},
+                                 indent=1) + "\n")
+    plot(figures, a.png, a.title)
+    print(json.dumps({n: {"last_step": f["last_step"], "train_seconds": f["train_seconds"],
+                          "steady_steps_per_s": f["steady_steps_per_s_median"],
+                          "best_replay_tau": max((e.get("replay_tau", 0) for e in f["evals"]), default=None)}
+                      for n, f in figures.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
