@@ -172,7 +172,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
     group_shared: bool = False
     backend: str = "hf"
-    disk_budget: int = 0
+    disk_budget: NonNegative = 0
     retention: str = "need"
     fill: bool = False
     payload: str = ""
@@ -397,8 +397,6 @@ class Producer:
         the first publications)."""
         if cfg.retention not in POLICIES:
             raise ConfigError(f"--retention {cfg.retention!r} is not accepted: use one of {', '.join(POLICIES)}")
-        if cfg.disk_budget < 0:
-            raise ConfigError(f"--disk-budget {cfg.disk_budget} is not accepted: bytes >= 1 (or 0: the default)")
         remote_default = not cfg.disk_budget and cfg.retention == "need" and remote_for(layout) is not None
         if remote_default and cfg.fill:
             raise ConfigError("--fill on a root whose payloads live in a remote store needs --disk-budget (at most "

@@ -105,3 +105,15 @@ def test_the_role_structs_give_the_one_message():
     with pytest.raises(ConfigError, match=r"^experiment 'a': consumer setting ttt_steps 0 is invalid: accepted"):
         C.consumer_config(C.convert({"experiments": [{"name": "a", "draft": "eagle3", "consumer": {"ttt_steps": 0}}]}),
                           "a")
+
+
+def test_regression_disk_budget_range_is_declared_not_hand_checked():
+    """Issue 19's residue: ``--disk-budget`` kept a hand check in its own style ("is not accepted: bytes >= 1
+    (or 0: the default)") in the producer and in ``parse_bytes``; both now give the one message."""
+    from artcache.app.values import parse_bytes
+
+    with pytest.raises(ConfigError, match=r"^--disk-budget -1 is invalid: accepted an integer >= 0 \(0 or a positive integer\)$"):
+        ProducerConfig(cache="c", disk_budget=-1).validate()
+    with pytest.raises(ConfigError, match=r"^--disk-budget -5 is invalid: accepted an integer >= 0 \(0 or a positive integer\)$"):
+        parse_bytes(-5, "disk-budget")
+    assert parse_bytes("2K", "disk-budget") == 2048 and parse_bytes(0, "disk-budget") == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from artcache.errors import ConfigError
+from artcache.ranges import NonNegative, check_value
 
 
 def parse_template_options(items) -> dict:
@@ -51,8 +52,7 @@ def parse_bytes(text: str | int, flag: str) -> int:
             raise ConfigError(f"--{flag} {text!r} is not accepted: bytes as an integer, optionally with K, M, G or T "
                               "(powers of 1024), e.g. 500G; 0 for the default")
         value = int(float(m.group(1)) * _UNITS[m.group(2)])
-    if value < 0:
-        raise ConfigError(f"--{flag} {text!r} is not accepted: bytes >= 0")
+    check_value(value, NonNegative, f"--{flag}")
     return value
 
 
