@@ -217,9 +217,10 @@ class CacheClient:
             return
         raise CaptureFailed(
             f"the producer gave up capturing position {position} (fingerprint {fp}) after "
-            f"{record.get('attempts')} attempt(s): {record.get('error')}; fix that (a full disk: free space), then "
-            f"restart `artcache producer` on {self.layout.root} (a producer gives up a fingerprint for the rest of "
-            "its run; a new one retries it) and this consumer (--resume when it recorded a checkpoint)",
+            f"{record.get('attempts')} attempt(s): {record.get('error')}; fix that, then restart this consumer "
+            "(--resume when it recorded a checkpoint): a full disk once space is freed (the running producer "
+            "withdraws that give-up within seconds), any other error after you restart `artcache producer` on "
+            f"{self.layout.root} (a producer keeps other give-ups for the rest of its run; a new one retries them)",
             fingerprint=fp,
             attempts=int(record.get("attempts", 0)), retryable=bool(record.get("retryable", False)))
 

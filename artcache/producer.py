@@ -21,13 +21,16 @@ Failure semantics: a capture ends in exactly one ``publish`` or ``capture_failur
 the producer is killed, in neither: "lost in a crash"). Transient write errors are retried with backoff
 over seconds within one capture (:data:`PUBLISH_BACKOFF_S`); a capture that still fails counts as one
 failed attempt, and after :data:`MAX_ATTEMPTS` the producer gives up on the fingerprint
-(``failed/<fp>.json``). Any other error in the publisher thread stops the producer (exit 1, the error on
-stderr); signals stop it at any point.
+(``failed/<fp>.json``). A give-up on a full disk (ENOSPC, EDQUOT) is withdrawn by the same producer once the
+filesystem has room again (:meth:`Producer.retry_space_bound`, looked at every :data:`SPACE_RETRY_S`), so a
+consumer restarted after space was freed is served without restarting the producer. Any other error in
+the publisher thread stops the producer (exit 1, the error on stderr); signals stop it at any point.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -66,7 +69,7 @@ from artcache.eviction import (
     expire_leases,
 )
 from artcache.fingerprint import PlanFingerprints
-from artcache.fsio import atomic_write
+from artcache.fsio import atomic_write, free_space, space_reserve
 from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
@@ -88,6 +91,10 @@ PUBLISH_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 ORPHAN_PASS_S = 30.0
 #: seconds between "waiting for consumers" lines while --expect-consumers holds capture back
 EXPECT_NOTE_S = 30.0
+#: seconds between the producer's looks at free space while it holds give-ups caused by a full disk
+SPACE_RETRY_S = 10.0
+#: errnos of a full disk or quota: a give-up for one is withdrawn once the space is back
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: seconds the producer waits for a dead consumer's registration lock before retrying the fence next pass
 #: (a SIGSTOPped consumer may hold it; waiting the default 30 s killed the producer with LockTimeout)
 FENCE_LOCK_TIMEOUT_S = 1.0
@@ -430,6 +437,8 @@ class Producer:
         self._published: dict[str, int] = store.list_objects(layout)
         self._seen_consumers: set[str] = set()
         self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts
+        self._space_bound: dict[str, int] = {}  # fp given up on a full disk -> its estimated bytes
+        self._next_space_look = 0.0
         self._state = threading.Lock()  # guards _published, _inflight, _failed and stats
         self._inflight: dict[str, int] = {}  # captured, not yet published: fp -> estimated bytes
         self._fresh: dict[str, int] | None = None  # published during an eviction pass (see evict)
@@ -627,6 +636,7 @@ class Producer:
             cleanup_orphans(self.layout, self._tmp_watch)
             with contextlib.suppress(FileNotFoundError):  # bounded memory: forget leases that are gone
                 self._lease_watch.prune(os.listdir(self.layout.leases))
+        self.retry_space_bound()
         if not self.cfg.fill and (not live or self._expecting()):
             return False
         if not len(decision.capture_samples):
@@ -850,6 +860,41 @@ class Producer:
             with contextlib.suppress(OSError):
                 atomic_write(self.layout.failure_path(fp), [json.dumps(record).encode()], self.layout.tmp,
                              durable=False)
+            if getattr(exc, "errno", None) in SPACE_ERRNOS:
+                index = self._index_of.get(fp)
+                est = int(self.sizes(self._lengths[index])) if index is not None else 0
+                with self._state:
+                    self._space_bound[fp] = est
+
+    def retry_space_bound(self, now: float | None = None) -> list[str]:
+        """Withdraw the give-ups caused by a full disk (ENOSPC, EDQUOT) once the objects' filesystem has
+        room for the largest of them plus its reserve (:func:`artcache.fsio.space_reserve`): their
+        ``failed/<fp>.json`` markers are removed and their attempts forgotten, so they are captured again when
+        a consumer needs them (before, only a new producer retried them: a consumer restarted after space was
+        freed died at once on the old marker). Looks every :data:`SPACE_RETRY_S` seconds while any is held.
+        Returns the fingerprints withdrawn (empty when none, or when the space is not back)."""
+        now = time.monotonic() if now is None else now
+        if not self._space_bound or now < self._next_space_look:
+            return []
+        self._next_space_look = now + SPACE_RETRY_S
+        try:
+            free, size, _ = free_space(self.layout.objects)
+        except OSError:
+            return []
+        with self._state:
+            need = max(self._space_bound.values()) + space_reserve(size)
+            if free < need:
+                return []
+            fps = list(self._space_bound)
+            self._space_bound.clear()
+            for fp in fps:
+                self._failed.pop(fp, None)
+        for fp in fps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.layout.failure_path(fp))
+        log.info("free space is back on %s (%d B free, %d B needed): retrying %d capture(s) given up on a full "
+                 "disk", self.layout.objects, free, need, len(fps))
+        return fps
 
     # -- main loop -------------------------------------------------------------------------
     def done(self) -> bool:

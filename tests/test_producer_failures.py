@@ -154,3 +154,105 @@ def test_regression_cache_dir_holding_a_file_named_like_a_subdirectory(tmp_path)
     with pytest.raises(ConfigError, match="holds objects as file"):
         prepare_root(_tiny_root_cfg(d))
     assert sorted(p.name for p in d.iterdir()) == ["objects"]
+
+
+def _settle(producer, timeout_s: float = 20.0) -> None:
+    """Wait until the publisher thread has published or failed everything captured (drain() would stop it)."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with producer._state:
+            busy = bool(producer._inflight)
+        if not busy and producer._publish_queue.empty():
+            return
+        time.sleep(0.02)
+    raise AssertionError("the publisher thread did not settle")
+
+
+class _GoodBackend:
+    def capture(self, samples):
+        import torch
+
+        from artcache.backends.hf import CapturedBatch
+
+        out = [{"hidden_states": torch.randn(8, 1, 16).to(torch.bfloat16), "input_ids": s.input_ids,
+                "loss_mask": s.loss_mask} for s in samples]
+        return CapturedBatch(out, [True] * len(out))
+
+    def close(self):
+        pass
+
+
+def test_regression_a_full_disk_give_up_is_withdrawn_once_space_is_back(tmp_path, fake_plan, small_contract,
+                                                                        monkeypatch):
+    """New-user break test (2026-12-01): a producer that gave up a capture on ENOSPC kept the give-up for its
+    lifetime, so a consumer restarted after space was freed died at once on the old ``failed/<fp>.json``;
+    only a new producer retried it. The same producer now withdraws a full-disk give-up once the filesystem
+    has room again (and keeps every other give-up)."""
+    import errno
+
+    from artcache import producer as P
+    from artcache import store
+    from artcache.errors import PublishError
+
+    layout = CacheLayout(tmp_path)
+    layout.create()
+    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
+    registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=0, end=1,
+                                                    pid=os.getpid()))
+    real_publish, disk_full = store.publish, [True]
+
+    def publish(*a, **k):
+        if disk_full[0]:
+            raise PublishError("No space left on device", retryable=False, errno_=errno.ENOSPC)
+        return real_publish(*a, **k)
+
+    free = [0]
+    monkeypatch.setattr(P.store, "publish", publish)
+    monkeypatch.setattr(P, "free_space", lambda path: (free[0], 1 << 40, path))
+    journal = J.JournalWriter(layout.journal_path("producer", "p"))
+    producer = Producer(layout, settings, fake_plan, _GoodBackend(), ProducerConfig(cache=str(tmp_path)), journal)
+    fp = producer.fp_of(0)
+    try:
+        for _ in range(MAX_ATTEMPTS + 2):
+            producer.tick()
+            _settle(producer)
+        assert layout.failure_path(fp).exists() and producer.fill_missing() == [producer.fp_of(i) for i in (1, 2, 3)]
+        assert producer.retry_space_bound(now=1e12) == []  # still full: the give-up stands
+        assert layout.failure_path(fp).exists()
+        disk_full[0], free[0] = False, 1 << 30  # space freed
+        assert producer.retry_space_bound(now=1e12) == []  # looked at most every SPACE_RETRY_S
+        assert producer.retry_space_bound(now=2e12) == [fp]
+        assert not layout.failure_path(fp).exists()
+        for _ in range(3):
+            producer.tick()
+            _settle(producer)
+    finally:
+        producer.drain()
+        journal.close()
+    assert fp in store.list_objects(layout)  # captured again by the same producer and published
+    events = J.read_events(layout.journal).events
+    assert sum(isinstance(e, J.CaptureFailure) for e in events) == MAX_ATTEMPTS
+    assert any(isinstance(e, J.Publish) and e.fp == fp for e in events)
+
+
+def test_a_give_up_that_is_not_a_full_disk_stays(tmp_path, fake_plan, small_contract, monkeypatch):
+    from artcache import producer as P
+
+    layout = CacheLayout(tmp_path)
+    layout.create()
+    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
+    registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=0, end=1,
+                                                    pid=os.getpid()))
+    monkeypatch.setattr(P, "free_space", lambda path: (1 << 40, 1 << 40, path))
+    journal = J.JournalWriter(layout.journal_path("producer", "p"))
+    producer = Producer(layout, settings, fake_plan, _BrokenBackend(), ProducerConfig(cache=str(tmp_path)), journal)
+    try:
+        for _ in range(MAX_ATTEMPTS + 2):
+            producer.tick()
+        assert producer.retry_space_bound(now=1e12) == []
+        assert layout.failure_path(producer.fp_of(0)).exists()
+    finally:
+        producer.drain()
+        journal.close()
