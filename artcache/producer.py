@@ -165,10 +165,10 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: str = "bfloat16"
     compute_dtype: str = "auto"
     limits: SchedulerLimits = msgspec.field(default_factory=SchedulerLimits)
-    max_inflight_batches: int = 2
-    poll_interval_s: float = 0.02
+    max_inflight_batches: Count = 2
+    poll_interval_s: NonNegativeFloat = 0.02
     heartbeat_timeout_s: Positive = 30.0
-    lease_ttl_s: float = 600.0
+    lease_ttl_s: Positive = 600.0
     exit_when_done: bool = False
     done_grace_s: NonNegativeFloat = 5.0
     expect_consumers: NonNegative = 0  # 0: none

@@ -87,7 +87,8 @@ def test_check_ranges_passes_values_inside_and_uses_the_flag_name():
     (C.Experiment, "steps", "ge"), (C.Experiment, "lr", "gt"), (C.Experiment, "block_size", "ge"),
     (C.CacheSection, "heartbeat_timeout_s", "gt"), (C.TargetSection, "threads", "ge"),
     (ConsumerConfig, "batch_size", "ge"), (ConsumerConfig, "demand_timeout_s", "gt"),
-    (ProducerConfig, "heartbeat_timeout_s", "gt"),
+    (ProducerConfig, "heartbeat_timeout_s", "gt"), (ProducerConfig, "max_inflight_batches", "ge"),
+    (ProducerConfig, "poll_interval_s", "ge"), (ProducerConfig, "lease_ttl_s", "gt"),
 ])
 def test_ranges_are_declared_on_the_fields(struct, field, ranged):
     t = next(f.type for f in mi.type_info(struct).fields if f.name == field)
