@@ -183,6 +183,28 @@ class ExportedDraft:
 
 # ---- the greedy acceptance replay every draft reports on held-out data --------------------------------
 
+def replay_accepted(preds: Tensor, greedy: Tensor, ok: Tensor, on_data: Tensor) -> tuple[Tensor, Tensor]:
+    """Per block, the greedy acceptance walk of :func:`replay_sums` (same arguments, all [N, K]).
+
+    Returns:
+        (accepted [N] long: proposals accepted, 0 … K, **no** bonus; truncated [N] bool: the walk was cut
+        by the greedy path leaving the data while the next column was still ``ok``).
+    """
+    N, K = preds.shape
+    dev = preds.device
+    match = (preds == greedy) & ok
+    lead = match.long().cumprod(dim=1)  # 1 while every column so far was accepted
+    cont = torch.cat((torch.ones(N, 1, dtype=torch.long, device=dev), on_data[:, :-1].long()), dim=1).cumprod(dim=1)
+    accepted = (lead * cont).sum(dim=1)
+    if K > 1:
+        last = (accepted - 1).clamp(min=0)
+        truncated = (accepted > 0) & (accepted < K) & ~on_data.gather(1, last[:, None]).squeeze(1) \
+            & ok.gather(1, accepted.clamp(max=K - 1)[:, None]).squeeze(1)
+    else:
+        truncated = torch.zeros(N, dtype=torch.bool, device=dev)
+    return accepted, truncated
+
+
 def replay_sums(preds: Tensor, greedy: Tensor, ok: Tensor, on_data: Tensor) -> MetricSums:
     """Greedy acceptance walk over proposals, one row per block (a DFlash block, or the EAGLE-3 TTT
     steps from one position; see :func:`artcache.trainers.dflash.adapter.greedy_replay`).
@@ -200,18 +222,8 @@ def replay_sums(preds: Tensor, greedy: Tensor, ok: Tensor, on_data: Tensor) -> M
         MetricSums: ``replay_tau`` = Σ (accepted + 1) / N (**includes the +1 bonus token**),
         ``replay_truncated`` / N.
     """
-    N, K = preds.shape
-    dev = preds.device
-    match = (preds == greedy) & ok
-    lead = match.long().cumprod(dim=1)  # 1 while every column so far was accepted
-    cont = torch.cat((torch.ones(N, 1, dtype=torch.long, device=dev), on_data[:, :-1].long()), dim=1).cumprod(dim=1)
-    accepted = (lead * cont).sum(dim=1)
-    if K > 1:
-        last = (accepted - 1).clamp(min=0)
-        truncated = (accepted > 0) & (accepted < K) & ~on_data.gather(1, last[:, None]).squeeze(1) \
-            & ok.gather(1, accepted.clamp(max=K - 1)[:, None]).squeeze(1)
-    else:
-        truncated = torch.zeros(N, dtype=torch.bool, device=dev)
+    N = preds.shape[0]
+    accepted, truncated = replay_accepted(preds, greedy, ok, on_data)
     s = MetricSums()
     s.add("replay_tau", float((accepted + 1).sum()), N)
     s.add("replay_truncated", float(truncated.sum()), N)

@@ -261,6 +261,13 @@ def greedy_replay(model, out: Tensor, input_ids: Tensor, supervised: Tensor, anc
         MetricSums with ``replay_tau`` (Σ (accepted + 1) / blocks; **includes the +1 bonus**) and
         ``replay_truncated`` (blocks cut short by the path leaving the data / blocks).
     """
+    return replay_sums(*replay_inputs(model, out, input_ids, supervised, anchors, target_argmax))
+
+
+def replay_inputs(model, out: Tensor, input_ids: Tensor, supervised: Tensor, anchors: Tensor,
+                  target_argmax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What :func:`greedy_replay` walks (same arguments): ``(preds, greedy, ok, on_data)``, each [N, B-1]
+    (row = anchor, column k-1 = slot k), as :func:`artcache.trainers.draft.replay_sums` takes them."""
     _, N, B, H = out.shape
     T = input_ids.shape[1]
     dev = out.device
@@ -277,7 +284,7 @@ def greedy_replay(model, out: Tensor, input_ids: Tensor, supervised: Tensor, anc
     preds = preds.reshape(N, B - 1)
     greedy = target_argmax[0].to(dev)[(tpos - 1).clamp(max=T - 1)]  # g_k = argmax after x_{<= p+k-1}
     on_data = input_ids[0].to(dev)[tpc] == greedy  # g_k == x_{p+k}: the path stays on the data
-    return replay_sums(preds, greedy, ok, on_data)
+    return preds, greedy, ok, on_data
 
 
 def dflash_default_layers(num_target_layers: int, captured: Sequence[int]) -> int:

@@ -187,32 +187,13 @@ class Eagle3Adapter(Draft):
         _, stats = eagle3_loss(model, aux, last, batch.input_ids, batch.loss_mask, batch.valid)
         sums = self._sums(stats)
         b, T = batch.input_ids.shape
-        dev = batch.hidden.device
         if target_argmax is None:
             flat = last.reshape(b * T, -1)
             target_argmax = torch.cat([model.target_logits(flat[s:s + 256]).argmax(dim=-1)
                                        for s in range(0, flat.shape[0], 256)]).reshape(b, T)
-        S = self.ecfg.ttt_steps
-        hiddens = model(aux, batch.input_ids, batch.valid, steps=S)
-        used = model.used_ids().to(dev)
-        sup = supervision_masks(batch.loss_mask, batch.valid, S)
-        ids, g = batch.input_ids.to(dev), target_argmax.to(dev)
-        rows = sup[0].reshape(-1).nonzero().squeeze(1)  # positions t (flattened b·T) with step 0 supervised
-        if rows.numel() == 0:
-            return sums
-        tb, tt = rows // T, rows % T
-        preds, greedy, ok, on_data = [], [], [], []
-        for i, h in enumerate(hiddens):
-            hr = h.reshape(b * T, -1).index_select(0, rows)
-            pred = torch.cat([model.draft_logits(hr[s:s + 256]).argmax(dim=-1) for s in range(0, hr.shape[0], 256)])
-            preds.append(used[pred])
-            lab = (tt + 1 + i).clamp(max=T - 1)  # step i predicts x_{t+2+i}: the target's argmax at t+1+i
-            nxt = (tt + 2 + i).clamp(max=T - 1)
-            greedy.append(g[tb, lab])
-            ok.append(sup[i].to(dev)[tb, tt])
-            on_data.append(ids[tb, nxt] == g[tb, lab])
-        return sums + replay_sums(torch.stack(preds, 1), torch.stack(greedy, 1), torch.stack(ok, 1),
-                                  torch.stack(on_data, 1))
+        walk = replay_inputs(model, aux, batch.input_ids, batch.loss_mask, batch.valid, target_argmax,
+                             self.ecfg.ttt_steps)
+        return sums if walk is None else sums + replay_sums(*walk[1:])
 
     def config_dict(self) -> dict[str, Any]:
         return {**msgspec.to_builtins(self.ecfg), "layer_ids": list(self.needed_layer_ids)}
@@ -270,3 +251,36 @@ def _vocab_map(cfg, plan, info, ecfg: Eagle3Config, given: dict[str, Tensor] | N
         raise ConfigError(f"the draft's own vocab map has {d2t.numel()} entries, but --draft-vocab "
                           f"{cfg.draft_vocab} gives {ecfg.draft_vocab_size}: pass --draft-vocab {d2t.numel()}")
     return d2t, t2d
+
+
+@torch.no_grad()
+def replay_inputs(model: Eagle3Draft, aux: Tensor, input_ids: Tensor, loss_mask: Tensor, valid: Tensor,
+                  target_argmax: Tensor, steps: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+    """What :meth:`Eagle3Adapter.evaluate`'s greedy replay walks: ``(rows, preds, greedy, ok, on_data)``.
+
+    ``rows`` [N] are the flattened ``b·T`` positions t whose step-0 prediction is supervised; the other four
+    are [N, steps] (column i = TTT step i, which predicts ``x_{t+2+i}`` against the target's argmax at
+    ``t+1+i``), as :func:`artcache.trainers.draft.replay_sums` takes them. None when no position is
+    supervised. aux: [b, T, 3, H]; input_ids, loss_mask, valid, target_argmax: [b, T].
+    """
+    b, T = input_ids.shape
+    hiddens = model(aux, input_ids, valid, steps=steps)
+    dev = hiddens[0].device
+    used = model.used_ids().to(dev)
+    sup = supervision_masks(loss_mask, valid, steps)
+    ids, g = input_ids.to(dev), target_argmax.to(dev)
+    rows = sup[0].to(dev).reshape(-1).nonzero().squeeze(1)  # positions t (flattened b·T) with step 0 supervised
+    if rows.numel() == 0:
+        return None
+    tb, tt = rows // T, rows % T
+    preds, greedy, ok, on_data = [], [], [], []
+    for i, h in enumerate(hiddens):
+        hr = h.reshape(b * T, -1).index_select(0, rows)
+        pred = torch.cat([model.draft_logits(hr[s:s + 256]).argmax(dim=-1) for s in range(0, hr.shape[0], 256)])
+        preds.append(used[pred])
+        lab = (tt + 1 + i).clamp(max=T - 1)  # step i predicts x_{t+2+i}: the target's argmax at t+1+i
+        nxt = (tt + 2 + i).clamp(max=T - 1)
+        greedy.append(g[tb, lab])
+        ok.append(sup[i].to(dev)[tb, tt])
+        on_data.append(ids[tb, nxt] == g[tb, lab])
+    return rows, torch.stack(preds, 1), torch.stack(greedy, 1), torch.stack(ok, 1), torch.stack(on_data, 1)

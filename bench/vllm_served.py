@@ -1,0 +1,133 @@
+"""Collect the "served by vLLM" measurement of issue 20 into one JSON: vLLM's figures for the target alone and
+for each exported draft (``tests/vllm_spec_decode.py`` outputs on the same prompts), beside the offline held-out
+figures the consumer recorded for the exported checkpoint (its ``metrics.csv`` rows ``eval/*`` at the
+export's step).
+
+Inputs: ``--run NAME=FILE`` (the stdout of one ``tests/vllm_spec_decode.py`` run; ``base`` = no draft, every
+other name a draft) with ``--export NAME=DIR`` (the served export directory: ``export.json``, ``config.json``,
+``model.safetensors``) and ``--metrics NAME=CSV`` (one or more metrics.csv files of that consumer, later rows
+win). Writes ``--out`` (JSON) and prints one line per draft.
+
+Per draft: vLLM ``mean_acceptance_length`` (1 + accepted / drafts, **incl. the +1 bonus token**),
+``accepted_per_pos`` (drafts whose first k+1 proposals were all accepted), the per-position conditional
+acceptance ``accepted_per_pos[k] / accepted_per_pos[k-1]``, output tokens, seconds, output tokens/s and its
+ratio to the baseline's (both measured in this session, one after the other), how many generations equal
+the baseline's token for token; offline ``replay_tau`` (greedy replay, **incl. +1 bonus**) and the other
+``eval/*`` figures at the export's checkpoint step; the export's sha256 per file and ``export.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+RESULT_PREFIX = "VLLM_SPEC_RESULT "  # tests/vllm_spec_decode.py
+
+
+def read_result(path: Path) -> dict:
+    """The last ``VLLM_SPEC_RESULT`` line of a run's stdout (ValueError if none)."""
+    lines = [ln[len(RESULT_PREFIX):] for ln in path.read_text().splitlines() if ln.startswith(RESULT_PREFIX)]
+    if not lines:
+        raise ValueError(f"{path}: no {RESULT_PREFIX.strip()} line")
+    return json.loads(lines[-1])
+
+
+def eval_at(csvs: list[Path], step: int) -> dict[str, float]:
+    """``eval/*`` figures of ``step`` from metrics.csv files (``step,tag,value,wall_time``; later files win)."""
+    out: dict[str, float] = {}
+    for p in csvs:
+        with p.open() as f:
+            for row in csv.DictReader(f):
+                if int(row["step"]) == step and row["tag"].startswith("eval/"):
+                    out[row["tag"].removeprefix("eval/")] = float(row["value"])
+    return out
+
+
+def sha256_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How many generations are identical, and the tokens that agree before the first difference."""
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    prefix = 0
+    for x, y in zip(a, b, strict=True):
+        n = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+        prefix += n
+    return {"identical": same, "of": len(a), "common_prefix_tokens": prefix,
+            "baseline_tokens": sum(len(x) for x in b)}
+
+
+def pairs(items: list[str], flag: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for it in items:
+        name, sep, value = it.partition("=")
+        if not sep or not name or not value:
+            raise SystemExit(f"{flag} {it!r}: accepted: NAME=VALUE")
+        out.setdefault(name, []).append(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", action="append", required=True, help="NAME=stdout of tests/vllm_spec_decode.py")
+    ap.add_argument("--export", action="append", default=[], help="NAME=served export directory")
+    ap.add_argument("--metrics", action="append", default=[], help="NAME=metrics.csv (repeatable)")
+    ap.add_argument("--meta", type=Path, default=None, help="JSON object merged into the output's top level")
+    ap.add_argument("--out", required=True, type=Path)
+    a = ap.parse_args(argv)
+    runs = {k: read_result(Path(v[-1])) for k, v in pairs(a.run, "--run").items()}
+    exports = {k: Path(v[-1]) for k, v in pairs(a.export, "--export").items()}
+    metrics = {k: [Path(p) for p in v] for k, v in pairs(a.metrics, "--metrics").items()}
+    if "base" not in runs:
+        print("--run base=FILE (the target alone) is required", file=sys.stderr)
+        return 2
+    base = runs["base"]
+    base_tps = base["output_tokens"] / base["seconds"]
+    drop = ("texts", "prompt_token_ids", "output_token_ids")
+    out: dict = json.loads(a.meta.read_text()) if a.meta else {}
+    out["baseline"] = {**{k: v for k, v in base.items() if k not in drop}, "output_tokens_per_s": base_tps,
+                       "per_prompt_output_tokens": [len(x) for x in base["output_token_ids"]]}
+    out["drafts"] = {}
+    for name, r in runs.items():
+        if name == "base":
+            continue
+        if r["prompt_token_ids"] != base["prompt_token_ids"]:
+            print(f"--run {name}: other prompts than the baseline's", file=sys.stderr)
+            return 2
+        app = r["accepted_per_pos"]
+        cond = [app[0] / r["drafts"] if r["drafts"] else None] + [
+            (app[i] / app[i - 1]) if app[i - 1] else None for i in range(1, len(app))]
+        tps = r["output_tokens"] / r["seconds"]
+        d = {**{k: v for k, v in r.items() if k not in drop},
+             "accepted_per_pos_frac": [x / r["drafts"] for x in app] if r["drafts"] else None,
+             "conditional_acceptance_per_pos": cond, "output_tokens_per_s": tps,
+             "speed_vs_baseline": tps / base_tps,
+             "agreement_with_baseline": agreement(r["output_token_ids"], base["output_token_ids"])}
+        if name in exports:
+            ex = exports[name]
+            info = json.loads((ex / "export.json").read_text())
+            d["export"] = {"dir": str(ex), "export_json": info,
+                           "sha256": {p.name: sha256_file(p) for p in sorted(ex.iterdir()) if p.is_file()}}
+            if name in metrics:
+                off = eval_at(metrics[name], int(info["step"]))
+                d["offline_heldout"] = {"step": int(info["step"]), **off}
+        out["drafts"][name] = d
+        off = d.get("offline_heldout", {})
+        print(f"{name}: vLLM mean acceptance length {r['mean_acceptance_length']:.3f} (incl. +1 bonus, k {r['k']}, "
+              f"{r['drafts']} drafts); offline held-out replay tau {off.get('replay_tau', float('nan')):.3f} "
+              f"(incl. +1 bonus, step {off.get('step')}); {tps:.1f} tok/s = {tps / base_tps:.2f}x the target alone")
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The "served by vLLM" tooling of issue 20: the serving-style replay walk, the per-block accepted counts behind
+``replay_sums``, the held-out prompt reconstruction (plan order, not file order), the embedding restore
+(sha256-checked, nothing written on a mismatch) and ``tests/vllm_spec_decode.py --prompts-file`` parsing."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from artcache.bench.replay_served import walk
+from artcache.bench.restore_embedding import main as restore_main
+from artcache.bench.restore_embedding import tensor_sha256
+from artcache.trainers.draft import replay_accepted, replay_sums
+
+
+def test_walk_jumps_past_accepted_tokens():
+    # positions 0..7 with accepted counts; the walk visits 0 (a=2) -> 3 (a=0) -> 4 (a=3) -> 8: stop
+    drafts, total, per_pos = walk([2, 9, 9, 0, 3, 9, 9, 9])
+    assert (drafts, total, per_pos) == (3, 5, [2, 2, 1])
+
+
+def test_walk_is_the_harmonic_mean_on_alternating_runs():
+    # a region of 1 + a = 4 followed by one of 1 + a = 1, each 4 positions long: the position mean is 2.5,
+    # the walk visits the first region once and the second four times: 8 tokens in 5 drafts = 1.6, the
+    # harmonic mean of 1 + a (8 / (4/4 + 4/1))
+    acc = [3, 3, 3, 3, 0, 0, 0, 0]
+    drafts, total, _ = walk(acc)
+    assert 1 + total / drafts == pytest.approx(1.6)
+    assert 1 + sum(acc) / len(acc) == pytest.approx(2.5)  # the offline (position) mean
+
+
+def test_replay_accepted_is_what_replay_sums_counts():
+    g = torch.Generator().manual_seed(0)
+    N, K = 200, 7
+    greedy = torch.randint(0, 3, (N, K), generator=g)
+    preds = torch.where(torch.rand(N, K, generator=g) < 0.7, greedy, torch.randint(0, 3, (N, K), generator=g))
+    ok = torch.rand(N, K, generator=g) < 0.95
+    on_data = torch.rand(N, K, generator=g) < 0.9
+    acc, trunc = replay_accepted(preds, greedy, ok, on_data)
+    s = replay_sums(preds, greedy, ok, on_data)
+    assert s.num["replay_tau"] == float((acc + 1).sum()) and s.den["replay_tau"] == N
+    assert s.num["replay_truncated"] == float(trunc.sum())
+    assert int(acc.sum()) > 0 and int(acc.max()) <= K
+    # a walk is the longest accepted prefix
+    for i in range(N):
+        m = ((preds[i] == greedy[i]) & ok[i]).tolist()
+        lead = next((k for k, v in enumerate(m) if not v), K)
+        assert int(acc[i]) <= lead
+
+
+def _export(tmp_path: Path) -> tuple[Path, Path, torch.Tensor]:
+    emb = torch.randn(32, 8, dtype=torch.float32)
+    target = tmp_path / "target.safetensors"
+    save_file({"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(8)}, target)
+    ex = tmp_path / "export"
+    ex.mkdir()
+    save_file({"fc.weight": torch.zeros(8, 24, dtype=torch.bfloat16)}, ex / "model.safetensors", metadata={"a": "b"})
+    (ex / "config.json").write_text("{}")
+    (ex / "export.json").write_text('{"step": 7}')
+    want = emb.to(torch.bfloat16)
+    (ex / "embed_removed.json").write_text(json.dumps({"embed_tokens.weight": {
+        "shape": [32, 8], "dtype": "torch.bfloat16", "sha256": tensor_sha256(want)}}))
+    return ex, target, want
+
+
+def test_restore_embedding_rebuilds_the_recorded_tensor(tmp_path):
+    ex, target, want = _export(tmp_path)
+    before = hashlib.sha256((ex / "model.safetensors").read_bytes()).hexdigest()
+    out = tmp_path / "served" / "e"
+    assert restore_main(["--export", str(ex), "--target-weights", str(target), "--out", str(out)]) == 0
+    got = load_file(out / "model.safetensors")
+    assert torch.equal(got["embed_tokens.weight"], want) and set(got) == {"fc.weight", "embed_tokens.weight"}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export.json", "model.safetensors"]
+    assert hashlib.sha256((ex / "model.safetensors").read_bytes()).hexdigest() == before  # source untouched
+    assert restore_main(["--export", str(ex), "--target-weights", str(target), "--out", str(out)]) == 2  # exists
+
+
+def test_restore_embedding_refuses_another_tensor(tmp_path, capsys):
+    ex, _, _ = _export(tmp_path)
+    other = tmp_path / "other.safetensors"
+    save_file({"model.embed_tokens.weight": torch.randn(32, 8)}, other)
+    out = tmp_path / "served" / "e"
+    assert restore_main(["--export", str(ex), "--target-weights", str(other), "--out", str(out)]) == 1
+    assert "does not reproduce 'embed_tokens.weight'" in capsys.readouterr().err
+    assert not out.exists() and not list((tmp_path / "served").glob("*"))  # nothing half-written
+
+
+def _spec_decode():
+    spec = importlib.util.spec_from_file_location("vllm_spec_decode", Path(__file__).with_name("vllm_spec_decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # imports vLLM only inside main()
+    return mod
+
+
+def test_prompts_file_accepts_strings_messages_and_the_heldout_object(tmp_path):
+    mod = _spec_decode()
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(["hi", [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]]))
+    msgs, rec = mod.load_prompts_file(str(f))
+    assert msgs == [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "s"},
+                                                           {"role": "user", "content": "u"}]] and rec is None
+    f.write_text(json.dumps({"prompts": ["hi"], "prompt_token_ids": [[1, 2]]}))
+    assert mod.load_prompts_file(str(f)) == ([[{"role": "user", "content": "hi"}]], [[1, 2]])
+
+
+@pytest.mark.parametrize("bad", [[], {"prompts": 3}, [3], [[{"role": "user"}]],
+                                 {"prompts": ["a"], "prompt_token_ids": []}])
+def test_prompts_file_bad_input_exits_2(tmp_path, bad):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(bad))
+    with pytest.raises(SystemExit) as e:
+        _spec_decode().load_prompts_file(str(f))
+    assert e.value.code == 2
+
+
+def test_heldout_prompts_are_the_plans_last_samples(tmp_path, smollm2_target):
+    """The held-out split is the plan's last E samples; the plan visits the regenerated records in a
+    default_rng(seed) permutation, so the prompts are the selected ones at permutation[-E:] (not the file's
+    last E). Checked against build_plan on a regenerated-style file of the same prompts."""
+    import lzma
+
+    from artcache.bench.heldout_prompts import main as heldout_main
+    from artcache.plan import PlanSpec, build_plan
+    from artcache.target import load_tokenizer
+
+    tok = load_tokenizer(smollm2_target)
+    recs = []
+    for i in range(14):
+        conv = [{"from": "human", "value": f"question {i}?"}, {"from": "gpt", "value": f"answer {i}."}]
+        if i % 5 == 2:
+            conv = conv[1:]  # no user before the assistant: skipped
+        recs.append({"id": f"r{i}", "conversations": conv})
+    src = tmp_path / "sharegpt.jsonl.xz"
+    with lzma.open(src, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    n_lines, kept = 12, [r for r in recs[:12] if r["conversations"][0]["from"] == "human"]
+    summary = tmp_path / "regenerate.jsonl"
+    prompt_tokens = sum(len(tok(tok.apply_chat_template([{"role": "user", "content": r["conversations"][0]["value"]}],
+                                                        tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)["input_ids"]) for r in kept)
+    summary.write_text(json.dumps({"samples": len(kept), "visited": n_lines,
+                                   "skipped": {"no_user_before_assistant": n_lines - len(kept)},
+                                   "prompt_tokens": prompt_tokens}) + "\n")
+    out = tmp_path / "held.json"
+    args = ["--sharegpt", str(src), "--shard-lines", str(n_lines), "--target", smollm2_target.path,
+            "--regenerate-summary", str(summary), "--plan-len", str(len(kept)), "--eval-samples", "3",
+            "--out", str(out)]
+    assert heldout_main(args) == 0
+    held = json.loads(out.read_text())
+    # the plan of the regenerated file (same records, answers kept), its last 3 samples
+    regen = tmp_path / "regen.jsonl"
+    regen.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    plan = build_plan(PlanSpec(dataset=str(regen), max_length=256, max_samples=1000), tok,
+                      target_vocab_size=len(tok))
+    for i, p in zip(range(len(kept) - 3, len(kept)), held["prompt_token_ids"], strict=True):
+        sample = plan.sample(i)
+        assert sample.input_ids[:len(p)].tolist() == p and not bool(sample.loss_mask[:len(p)].any())
+        assert bool(sample.loss_mask[len(p)])  # the answer starts right after the rendered prompt
+    order = np.random.default_rng(0).permutation(len(kept))
+    assert held["record_ids"] == [kept[i]["id"] for i in order[-3:]]
+    assert held["record_ids"] != [r["id"] for r in kept[-3:]]  # plan order, not file order
+    # a summary that does not match: exit 1, nothing written
+    summary.write_text(json.dumps({"samples": len(kept) + 1, "visited": n_lines, "skipped": {},
+                                   "prompt_tokens": 0}) + "\n")
+    out.unlink()
+    assert heldout_main(args) == 1 and not out.exists()
