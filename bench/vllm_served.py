@@ -66,6 +66,25 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "baseline_tokens": sum(len(x) for x in b)}
 
 
+def hardware() -> dict:
+    """This machine: CPU model, logical CPUs, the bf16 matrix extensions vLLM-CPU uses (from /proc/cpuinfo)."""
+    import os
+    import platform
+
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": model, "logical_cpus": os.cpu_count(),
+            "bf16_extensions": sorted(flags & {"avx512_bf16", "amx_bf16"}),
+            "shared": "2 cores shared with other jobs (load not controlled)"}
+
+
 def pairs(items: list[str], flag: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for it in items:
@@ -93,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     base = runs["base"]
     base_tps = base["output_tokens"] / base["seconds"]
     drop = ("texts", "prompt_token_ids", "output_token_ids")
-    out: dict = json.loads(a.meta.read_text()) if a.meta else {}
+    from artcache.bench.provenance import source_commit
+
+    commit, dirty = source_commit()
+    out: dict = {"commit": commit, "dirty": dirty, "hardware": hardware()}
+    out.update(json.loads(a.meta.read_text()) if a.meta else {})
     out["baseline"] = {**{k: v for k, v in base.items() if k not in drop}, "output_tokens_per_s": base_tps,
                        "per_prompt_output_tokens": [len(x) for x in base["output_token_ids"]]}
     out["drafts"] = {}
