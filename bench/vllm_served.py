@@ -12,8 +12,10 @@ Per draft: vLLM ``mean_acceptance_length`` (1 + accepted / drafts, **incl. the +
 ``accepted_per_pos`` (drafts whose first k+1 proposals were all accepted), the per-position conditional
 acceptance ``accepted_per_pos[k] / accepted_per_pos[k-1]``, output tokens, seconds, output tokens/s and its
 ratio to the baseline's (both measured in this session, one after the other), how many generations equal
-the baseline's token for token; offline ``replay_tau`` (greedy replay, **incl. +1 bonus**) and the other
-``eval/*`` figures at the export's checkpoint step; the export's sha256 per file and ``export.json``.
+the baseline's token for token; with ``--replay``, bench/replay_served.py's figures on the baseline's text
+(``offline_on_vllm_text``: position-mean ``replay_tau`` and serving-walk ``walk_tau``); the consumer's offline
+held-out ``replay_tau`` (greedy replay, **incl. +1 bonus**) and other ``eval/*`` figures at the export's step;
+the export's sha256 per file and ``export.json``.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", action="append", required=True, help="NAME=stdout of tests/vllm_spec_decode.py")
     ap.add_argument("--export", action="append", default=[], help="NAME=served export directory")
     ap.add_argument("--metrics", action="append", default=[], help="NAME=metrics.csv (repeatable)")
+    ap.add_argument("--replay", type=Path, default=None,
+                    help="bench/replay_served.py output: offline replay on the baseline's text, per draft")
     ap.add_argument("--meta", type=Path, default=None, help="JSON object merged into the output's top level")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
@@ -120,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     out["baseline"] = {**{k: v for k, v in base.items() if k not in drop}, "output_tokens_per_s": base_tps,
                        "per_prompt_output_tokens": [len(x) for x in base["output_token_ids"]]}
     out["drafts"] = {}
+    replay = json.loads(a.replay.read_text()) if a.replay else None
+    if replay:
+        out["replay_on_vllm_text"] = {k: v for k, v in replay.items() if k != "drafts"}
     for name, r in runs.items():
         if name == "base":
             continue
@@ -143,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             if name in metrics:
                 off = eval_at(metrics[name], int(info["step"]))
                 d["offline_heldout"] = {"step": int(info["step"]), **off}
+        if replay and name in replay["drafts"]:
+            d["offline_on_vllm_text"] = replay["drafts"][name]
         out["drafts"][name] = d
         off = d.get("offline_heldout", {})
         print(f"{name}: vLLM mean acceptance length {r['mean_acceptance_length']:.3f} (incl. +1 bonus, k {r['k']}, "
