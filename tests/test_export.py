@@ -40,9 +40,13 @@ DFLASH_KEYS_PER_LAYER = (
 @pytest.fixture
 def target_dir(tmp_path) -> Path:
     """A target config directory (config.json only: export needs no target weights)."""
+    return make_target_dir(tmp_path / "target")
+
+
+def make_target_dir(d: Path) -> Path:
+    """Write the tiny target's config.json (a Llama of vocab V, hidden H, L layers) into ``d``."""
     from transformers import LlamaConfig
 
-    d = tmp_path / "target"
     LlamaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=48, bos_token_id=1, eos_token_id=2, max_position_embeddings=256,
                 rope_theta=50000.0, architectures=["LlamaForCausalLM"]).save_pretrained(str(d))
