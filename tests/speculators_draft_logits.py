@@ -1,4 +1,4 @@
-"""Load an exported EAGLE-3 draft with vllm-project/speculators' own loader and print its logits.
+"""Load an exported EAGLE-3 or DFlash draft with vllm-project/speculators' own loader and write its logits.
 
 Standalone (imports only speculators, torch and safetensors): run it with a Python that has speculators,
 e.g. ``/tmp/spec-venv/bin/python tests/speculators_draft_logits.py --draft DIR --inputs IN.safetensors
@@ -23,8 +23,13 @@ the one whose hidden state sits at t); optional ``position_ids`` int64 [1, T] (s
 ``1 + arange(T)``). With speculators' default attention (``simple_flex_attention``) T must be a multiple
 of 128 (its block mask is built in blocks of 128); ``--attn-implementation eager`` takes any T.
 
-Output (``--out``, safetensors): ``logits`` float32 [steps, 1, T, V_d] (draft vocabulary, one per TTT
-step) and ``draft_tokens`` int64 [steps, 1, T]; plus one stdout line ``SPECULATORS_RESULT <json>`` with the
+Output (``--out``, safetensors): EAGLE-3: ``logits`` float32 [steps, 1, T, V_d] (draft vocabulary, one
+per TTT step) and ``draft_tokens`` int64 [steps, 1, T]. DFlash (``DFlashDraftModel``, whose forward is
+its training step: it draws anchors at random among the positions ``loss_mask`` marks, the last
+``block_size`` excluded; optional input ``loss_mask`` int [1, T], default all ones): every such position
+is made an anchor (``max_anchors`` = their count, so the draw is all of them, sorted), ``anchors`` int64
+[N] and ``logits`` float32 [N, block_size, V_d] (block n = ``[input_ids[p], MASK x (B-1)]`` at
+positions p..p+B-1). Plus one stdout line ``SPECULATORS_RESULT <json>`` with the
 loaded class, the export's keys the model lacks (``unexpected``), the model's keys the export lacks
 (``missing``), the parameters still NaN after loading (speculators initialises embed_tokens / lm_head to
 NaN so that an unloaded one shows), and the speculators version.
@@ -59,6 +64,7 @@ def main() -> int:
     import torch
     from safetensors import safe_open
     from speculators import SpeculatorModel, SpeculatorModelConfig
+    from speculators.losses import resolve_loss_config
 
     draft = Path(args.draft)
     if not (draft / "config.json").is_file() or not (draft / "model.safetensors").is_file():
@@ -88,22 +94,40 @@ def main() -> int:
 
     logits: list = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out.detach().float()))
-    steps = args.ttt_steps or config.speculators_config.proposal_methods[0].speculative_tokens
     hidden = inputs["hidden_states"].float()
     ids = inputs["input_ids"].long()
     kwargs = {"position_ids": inputs["position_ids"].long()} if "position_ids" in inputs else {}
-    with torch.no_grad():
-        tokens = model(hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=steps,
-                       **kwargs)
+    extra: dict = {}
+    if config.speculators_model_type == "dflash":
+        # every valid anchor is drawn (speculators samples max_anchors of them at random, then sorts them):
+        # max_anchors = their count makes the draw the sorted list of all of them. The forward also computes
+        # its training loss (against zero verifier states; unused): the eager CE needs no Triton
+        loss_mask = inputs["loss_mask"].long() if "loss_mask" in inputs else torch.ones_like(ids)
+        valid = loss_mask.bool().clone()
+        valid[:, -config.block_size:] = False
+        anchors = valid[0].nonzero().squeeze(-1)
+        steps = config.block_size
+        with torch.no_grad():
+            model(hidden_states=hidden, input_ids=ids, loss_mask=loss_mask, document_ids=torch.zeros_like(ids),
+                  verifier_last_hidden_states=torch.zeros(1, ids.shape[1], config.transformer_layer_config.hidden_size),
+                  max_anchors=int(anchors.numel()), loss_config=resolve_loss_config("ce", "eager"), **kwargs)
+        out = {"logits": logits[-1].reshape(int(anchors.numel()), config.block_size, -1).contiguous(),
+               "anchors": anchors.long().contiguous()}
+        extra["mask_token_id"] = config.mask_token_id
+    else:
+        steps = args.ttt_steps or config.speculators_config.proposal_methods[0].speculative_tokens
+        with torch.no_grad():
+            tokens = model(hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=steps,
+                           **kwargs)
+        out = {"logits": torch.stack(logits).contiguous(), "draft_tokens": torch.stack(tokens).long().contiguous()}
     hook.remove()
-    safetensors.torch.save_file({"logits": torch.stack(logits).contiguous(),
-                                 "draft_tokens": torch.stack(tokens).long().contiguous()}, args.out)
+    safetensors.torch.save_file(out, args.out)
     print(RESULT_PREFIX + json.dumps({
         "model_class": type(model).__name__, "unexpected": sorted(file_keys - model_keys),
         "missing": sorted(model_keys - file_keys), "nan_parameters": nan, "steps": steps,
         "attn_implementation": model.config.transformer_layer_config._attn_implementation,
         "verifier": model.config.speculators_config.verifier.name_or_path,
-        "speculators_version": version("speculators")}), flush=True)
+        "speculators_version": version("speculators"), **extra}), flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""artcache's speculators-format EAGLE-3 export loaded by vllm-project/speculators' own loader (the
+"""artcache's speculators-format EAGLE-3 and DFlash exports loaded by vllm-project/speculators' own loader (the
 ``speculators`` lane: ``.ci/speculators-lane``, or ``ARTCACHE_SPECULATORS_PYTHON=... pytest -m speculators``).
 
 Each test builds an EAGLE-3 draft (random weights, every tensor perturbed so a misnamed or misplaced one
@@ -128,3 +128,46 @@ def test_speculators_refuses_an_unresolvable_verifier_name(tmp_path, speculators
                            "--out", str(tmp_path / "o.safetensors")], capture_output=True, text=True, timeout=900,
                           env=env, cwd=out)  # not tmp_path: it holds a directory named like the target
     assert proc.returncode == 1 and "speculators refused" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_speculators_loads_dflash_export_with_equal_logits(tmp_path, speculators_python):
+    """The DFlash speculators export loads in speculators' DFlashDraftModel (its embedding and full-vocab
+    lm_head rebuilt from the verifier, as speculators does for DFlash) and gives artcache's block logits.
+
+    speculators' DFlash forward is its training step: it draws anchors among the ``loss_mask`` positions
+    (the last block_size excluded); the script makes every such position an anchor (deterministic), and
+    artcache's draft is run on the same anchors. Block n = ``[x_p, MASK x (B-1)]`` at positions p..p+B-1,
+    seeing the context before p, in both. Eager attention (speculators' flex path compiles its block mask).
+    """
+    from test_export import dflash_checkpoint
+
+    model, cfg, _ids, _path = dflash_checkpoint(tmp_path / "run")
+    emb, head = model.embed_weight, model.lm_head_weight
+    target = with_weights(make_target_dir(tmp_path / "target"), emb, torch.ones(H), head)
+    out = tmp_path / "draft"
+    export_checkpoint(tmp_path / "run", out, "speculators", target=str(target), dtype="float32")
+    T = 20
+    g = torch.Generator().manual_seed(5)
+    ctx = torch.randn(1, T, cfg.num_context_layers, H, generator=g)
+    ids = torch.randint(0, V - 1, (1, T), generator=g)
+    inputs = tmp_path / "inputs.safetensors"
+    safetensors.torch.save_file({"hidden_states": ctx.reshape(1, T, -1).contiguous(), "input_ids": ids}, str(inputs))
+    got_path = tmp_path / "logits.safetensors"
+    info = run_speculators(speculators_python, out, inputs, got_path, "--verifier", str(target),
+                           "--attn-implementation", "eager")
+
+    assert info["model_class"] == "DFlashDraftModel" and info["mask_token_id"] == cfg.mask_token_id
+    assert info["unexpected"] == [], info
+    # DFlash checkpoints omit what speculators rebuilds from the verifier (a full-vocabulary draft's lm_head too)
+    assert set(info["missing"]) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                                    "verifier_norm.weight"}, info
+    assert info["nan_parameters"] == [], info
+    got = safetensors.torch.load_file(str(got_path))
+    anchors = got["anchors"]
+    assert anchors.tolist() == list(range(T - cfg.block_size))
+    with torch.no_grad():
+        want = model.logits(model(ctx, ids, anchors[None], torch.ones(1, anchors.numel(), dtype=torch.bool)))[0]
+    diff = (got["logits"] - want.float()).abs().max().item()
+    print(f"\n[dflash/speculators float32, attn eager, T={T}, B={cfg.block_size}] max |logit diff| {diff:.3g} "
+          f"(logits up to {want.abs().max().item():.3g})")
+    torch.testing.assert_close(got["logits"], want.float(), atol=ATOL, rtol=RTOL)
