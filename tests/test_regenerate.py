@@ -203,6 +203,7 @@ def test_refuses_to_overwrite_without_force(tiny_target, data, tmp_path):
     (("--temperature", "nan"), ("--temperature nan",)),
     (("--backend", "tgi"), ("--backend 'tgi'", "hf, vllm")),
     (("--dtype", "int8"), ("--dtype 'int8'",)),
+    (("--cache", "paged"), ("--cache 'paged'", "auto, dynamic, static")),
     (("--device", "tpu"), ("--device 'tpu'",)),
     (("--chat-template-option", "oops"), ("'oops'", "NAME=VALUE")),
 ])
@@ -332,3 +333,16 @@ def test_regression_unwritable_out_is_refused_before_generating(tiny_target, dat
     with pytest.raises(R.NotWritable, match="could not be written"):
         R.write_atomic(tmp_path / "o.jsonl", b"{}\n", force=False)
     assert leftovers(tmp_path) == []
+
+
+def test_static_cache_gives_the_dynamic_answers(tiny_target, data, tmp_path):
+    """``--cache static`` (one padded shape for every batch, a short last batch filled with copies) writes the
+    same greedy answers as the dynamic cache (float32 on the CPU): the padding rows' answers are dropped and
+    the longer left padding changes nothing a real token sees."""
+    dyn = ok_summary(invoke(*regen_args(tiny_target, data, tmp_path / "dyn.jsonl", "--cache", "dynamic")))
+    sta = ok_summary(invoke(*regen_args(tiny_target, data, tmp_path / "sta.jsonl", "--cache", "static")))
+    assert (dyn["cache"], sta["cache"]) == ("dynamic", "static")
+    assert dyn["samples"] == len(USABLE) and len(USABLE) % 3  # --batch-size 3: the last batch is padded
+    assert (tmp_path / "sta.jsonl").read_bytes() == (tmp_path / "dyn.jsonl").read_bytes()
+    auto = ok_summary(invoke(*regen_args(tiny_target, data, tmp_path / "auto.jsonl")))
+    assert auto["cache"] == "dynamic"  # auto on the CPU

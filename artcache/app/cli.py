@@ -617,11 +617,14 @@ def calibrate(checkpoint):
 @click.option("--chat-template-option", "template_options", multiple=True, metavar="NAME=VALUE",
               help="Chat template option, e.g. enable_thinking=false (repeatable; give the producer the same).")
 @click.option("--threads", default=0, type=int, help="CPU threads (0: the default): torch's (hf), vLLM's bound CPUs.")
+@click.option("--cache", default="auto",
+              help="hf KV cache: auto (static on CUDA, dynamic on CPU), dynamic, or static (one padded shape, "
+                   "the decode step compiled once on CUDA).")
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @_errors
 def regenerate(out, target, dataset, max_samples, max_new_tokens, max_prompt_tokens, backend, batch_size,
-               temperature, seed, device, dtype, template_options, threads, force, progress):
+               temperature, seed, device, dtype, template_options, threads, cache, force, progress):
     """Write a ShareGPT JSONL whose first assistant answers the target generated (docs/regenerate.md).
 
     Plan and capture it with `artcache producer --data OUT`. Prints a JSON summary on stdout."""
@@ -632,7 +635,7 @@ def regenerate(out, target, dataset, max_samples, max_new_tokens, max_prompt_tok
                            max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, backend=backend,
                            batch_size=batch_size, temperature=temperature, seed=seed, device=device, dtype=dtype,
                            force=force, threads=threads, template_options=parse_template_options(template_options),
-                           progress=progress)
+                           progress=progress, cache=cache)
     cfg.validate()
     _check_device(device)
     click.echo(json.dumps(run_regenerate(cfg).summary))

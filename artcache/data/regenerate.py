@@ -44,6 +44,10 @@ from artcache.ranges import Count, NonNegative, NonNegativeFloat, check_ranges
 
 BACKENDS = ("hf", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: ``--cache`` (hf backend): ``dynamic`` grows the KV cache per step (transformers' default); ``static``
+#: preallocates it and pads every batch to one shape, so transformers compiles the decode step on CUDA
+#: (``torch.compile``, CUDA graphs) once for the whole run; ``auto``: static on CUDA, dynamic on the CPU
+CACHES = ("auto", "dynamic", "static")
 #: the assistant roles of :data:`artcache.data.sharegpt.ROLE_MAP` end the prompt
 _ASSISTANT = "assistant"
 #: characters ``str.splitlines`` treats as line ends that ``json.dumps(ensure_ascii=False)`` leaves raw:
@@ -75,6 +79,7 @@ class RegenerateConfig(msgspec.Struct, frozen=True):
     threads: NonNegative = 0
     template_options: dict[str, Any] = msgspec.field(default_factory=dict)
     progress: bool = True
+    cache: str = "auto"
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value (by its flag, ``--max-new-tokens``) and what is accepted:
@@ -84,6 +89,8 @@ class RegenerateConfig(msgspec.Struct, frozen=True):
             raise ConfigError(f"--backend {self.backend!r} is not accepted: use one of {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not accepted: use one of {', '.join(DTYPES)}")
+        if self.cache not in CACHES:
+            raise ConfigError(f"--cache {self.cache!r} is not accepted: use one of {', '.join(CACHES)}")
         if not self.out:
             raise ConfigError("--out FILE is required")
 
@@ -123,6 +130,13 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
     return "float32" if device == "cpu" else "bfloat16"
+
+
+def resolve_cache(cache: str, device: str) -> str:
+    """``auto`` → ``static`` on CUDA (one compiled decode step), ``dynamic`` elsewhere; anything else unchanged."""
+    if cache != "auto":
+        return cache
+    return "static" if device.startswith("cuda") else "dynamic"
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -190,8 +204,13 @@ def _progress(total: int, enabled: bool):
 
 def generate(prompt_ids: list[list[int]], *, backend: str, target_path: str, tokenizer, stop_ids: list[int],
              max_new_tokens: int, temperature: float, seed: int, batch_size: int, device: str, dtype: str,
-             max_model_len: int, threads: int = 0, progress: bool = False) -> tuple[list[Generation], dict[str, float]]:
+             max_model_len: int, threads: int = 0, progress: bool = False,
+             cache: str = "dynamic") -> tuple[list[Generation], dict[str, float]]:
     """Generate an answer for every prompt (token ids) with ``backend`` ``hf`` or ``vllm``, in order.
+
+    ``cache`` (hf only; :data:`CACHES`, resolved): ``static`` left-pads every batch to the longest prompt
+    of the whole call and fills a short last batch with copies of its first prompt (their answers are
+    dropped), so all ``generate`` calls share one shape and transformers' compiled decode step is built once.
 
     Returns the generations and the seconds spent loading the model / starting the engine (``load_s``)
     and generating (``generate_s``, prefill of the prompts included).
@@ -199,7 +218,8 @@ def generate(prompt_ids: list[list[int]], *, backend: str, target_path: str, tok
     if backend == "hf":
         return _generate_hf(prompt_ids, target_path=target_path, tokenizer=tokenizer, stop_ids=stop_ids,
                             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                            batch_size=batch_size, device=device, dtype=dtype, threads=threads, progress=progress)
+                            batch_size=batch_size, device=device, dtype=dtype, threads=threads, progress=progress,
+                            cache=cache)
     if backend == "vllm":
         return _generate_vllm(prompt_ids, target_path=target_path, stop_ids=stop_ids,
                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device,
@@ -217,7 +237,7 @@ def _cut(ids: list[int], stop_ids: list[int], max_new_tokens: int) -> Generation
 
 
 def _generate_hf(prompt_ids, *, target_path, tokenizer, stop_ids, max_new_tokens, temperature, seed, batch_size,
-                 device, dtype, threads, progress) -> tuple[list[Generation], dict[str, float]]:
+                 device, dtype, threads, progress, cache) -> tuple[list[Generation], dict[str, float]]:
     """transformers ``generate``: batches of ``batch_size`` prompts of similar length, left-padded."""
     import torch
 
@@ -227,13 +247,13 @@ def _generate_hf(prompt_ids, *, target_path, tokenizer, stop_ids, max_new_tokens
     try:
         return _run_hf(prompt_ids, target_path=target_path, tokenizer=tokenizer, stop_ids=stop_ids,
                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, batch_size=batch_size,
-                       device=device, dtype=dtype, progress=progress)
+                       device=device, dtype=dtype, progress=progress, cache=cache)
     finally:
         torch.set_num_threads(before)  # leave the caller's setting as it was
 
 
 def _run_hf(prompt_ids, *, target_path, tokenizer, stop_ids, max_new_tokens, temperature, seed, batch_size,
-            device, dtype, progress) -> tuple[list[Generation], dict[str, float]]:
+            device, dtype, progress, cache) -> tuple[list[Generation], dict[str, float]]:
     import torch
     from transformers import GenerationConfig
 
@@ -246,18 +266,22 @@ def _run_hf(prompt_ids, *, target_path, tokenizer, stop_ids, max_new_tokens, tem
     sampling = temperature > 0
     gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sampling, eos_token_id=list(stop_ids),
                                pad_token_id=pad, num_beams=1,
+                               **({"cache_implementation": "static"} if cache == "static" else {}),
                                **({"temperature": float(temperature), "top_k": 0, "top_p": 1.0} if sampling else {}))
     order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))  # less padding per batch
     out: list[Generation | None] = [None] * len(prompt_ids)
+    static = cache == "static"
+    longest = max(len(p) for p in prompt_ids)
     if sampling:
         torch.manual_seed(seed)
     with _progress(len(prompt_ids), progress) as bar:
         for start in range(0, len(order), batch_size):
             batch = order[start:start + batch_size]
-            width = max(len(prompt_ids[i]) for i in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):
+            width = longest if static else max(len(prompt_ids[i]) for i in batch)
+            rows = batch + [batch[0]] * (batch_size - len(batch)) if static else batch  # one shape for all calls
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for row, i in enumerate(rows):
                 p = prompt_ids[i]
                 ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
                 mask[row, width - len(p):] = 1
@@ -439,11 +463,12 @@ def regenerate(cfg: RegenerateConfig) -> RegenerateResult:
                         f"{cfg.max_prompt_tokens} tokens (skipped: {dict(sorted(skipped.items()))})")
     stop_ids = stop_token_ids(tokenizer)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
+    cache = resolve_cache(cfg.cache, cfg.device) if cfg.backend == "hf" else "vllm"
     gens, timing = generate([p.ids for p in prompts], backend=cfg.backend, target_path=info.path, tokenizer=tokenizer,
                     stop_ids=stop_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                     seed=cfg.seed, batch_size=cfg.batch_size, device=cfg.device, dtype=dtype,
                     max_model_len=max(len(p.ids) for p in prompts) + cfg.max_new_tokens, threads=cfg.threads,
-                    progress=cfg.progress)
+                    progress=cfg.progress, cache=cache)
     wall = timing["generate_s"]
 
     lines: list[str] = []
@@ -482,11 +507,11 @@ def regenerate(cfg: RegenerateConfig) -> RegenerateResult:
         "roundtrip_exact": exact, "roundtrip_mismatch": n - exact, "roundtrip_mismatch_ids": mismatched[:20],
         "target": info.name, "weights_digest": info.weights_digest, "backend": cfg.backend, "dtype": dtype,
         "device": cfg.device, "max_new_tokens": cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
-        "temperature": float(cfg.temperature), "seed": cfg.seed, "batch_size": cfg.batch_size, "threads": cfg.threads,
+        "temperature": float(cfg.temperature), "seed": cfg.seed, "batch_size": cfg.batch_size, "threads": cfg.threads, "cache": cache,
         "dataset": str(dataset_path),
     }
     return RegenerateResult(summary, [p.ids for p in prompts], [g.ids for g in gens])
 
 
-__all__ = ["BACKENDS", "Generation", "Prompt", "RegenerateConfig", "RegenerateResult", "generate", "regenerate",
+__all__ = ["BACKENDS", "CACHES", "Generation", "Prompt", "RegenerateConfig", "RegenerateResult", "generate", "regenerate",
            "roundtrip_exact", "select_prompts", "stop_token_ids", "write_atomic"]
