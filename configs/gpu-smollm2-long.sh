@@ -3,7 +3,8 @@
 # real SmolLM2 target: DFlash, EAGLE-3 and DSpark, 10,000 steps each from one shared capture.
 # Piece 1 first regenerates the data (`artcache regenerate --device cuda`: the target's own greedy answers to
 # the staged ShareGPT prompts, in shards of $REGEN_SHARD records, new shards started while the last one's
-# time still fits in $REGEN_S seconds), then starts the run fresh; every later piece resumes each experiment
+# time still fits in $REGEN_S seconds; `--cache $REGEN_CACHE`, default auto = static on CUDA, each shard
+# retried once with the dynamic cache if it fails), then starts the run fresh; every later piece resumes each experiment
 # from its own checkpoint under `out` (which must still be there: the machine keeps /tmp only while warm).
 # Here, in the project root, once:
 #   bash ../shared/gpu/stage-smollm2.sh             # 6,000 conversations
@@ -47,9 +48,13 @@ if (( piece == 1 )) && [ ! -s "$regen" ]; then
     k=${f##*/in-}; now=$(( $(date +%s) - t0 ))
     (( now + last <= ${REGEN_S:-150} )) || { echo "regenerate: $now s used, next shard would pass ${REGEN_S:-150} s"; break; }
     s0=$(date +%s)
-    python3 -m artcache regenerate --out "$shards/out-$k.jsonl" --target "${REGEN_TARGET:-smollm2-135m-instruct}" --data "$f" \
-      --max-samples "$shard" --max-new-tokens "${REGEN_NEW:-256}" --max-prompt-tokens 768 \
-      --batch-size "${REGEN_BATCH:-256}" --device "${REGEN_DEVICE:-cuda}" --no-progress >> "$res/regenerate.jsonl" \
+    regen_shard() {  # $1: --cache (auto = static on CUDA: one compiled decode step for every batch)
+      python3 -m artcache regenerate --out "$shards/out-$k.jsonl" --target "${REGEN_TARGET:-smollm2-135m-instruct}" \
+        --data "$f" --max-samples "$shard" --max-new-tokens "${REGEN_NEW:-256}" --max-prompt-tokens 768 \
+        --batch-size "${REGEN_BATCH:-256}" --device "${REGEN_DEVICE:-cuda}" --cache "$1" --force --no-progress \
+        >> "$res/regenerate.jsonl"
+    }
+    regen_shard "${REGEN_CACHE:-auto}" || { echo "regenerate of shard $k failed with --cache ${REGEN_CACHE:-auto}; once more with --cache dynamic" >&2; regen_shard dynamic; } \
       || { echo "regenerate of shard $k failed" >&2; exit 1; }
     last=$(( $(date +%s) - s0 ))
   done

@@ -205,12 +205,14 @@ def _progress(total: int, enabled: bool):
 def generate(prompt_ids: list[list[int]], *, backend: str, target_path: str, tokenizer, stop_ids: list[int],
              max_new_tokens: int, temperature: float, seed: int, batch_size: int, device: str, dtype: str,
              max_model_len: int, threads: int = 0, progress: bool = False,
-             cache: str = "dynamic") -> tuple[list[Generation], dict[str, float]]:
+             cache: str = "dynamic", static_width: int = 0) -> tuple[list[Generation], dict[str, float]]:
     """Generate an answer for every prompt (token ids) with ``backend`` ``hf`` or ``vllm``, in order.
 
-    ``cache`` (hf only; :data:`CACHES`, resolved): ``static`` left-pads every batch to the longest prompt
-    of the whole call and fills a short last batch with copies of its first prompt (their answers are
-    dropped), so all ``generate`` calls share one shape and transformers' compiled decode step is built once.
+    ``cache`` (hf only; :data:`CACHES`, resolved): ``static`` left-pads every batch to ``static_width``
+    tokens (at least the longest prompt; the CLI passes ``--max-prompt-tokens``, so every run of the same
+    flags has the same shape and reuses torch's compile cache) and fills a short last batch with copies of its
+    first prompt (their answers are dropped), so all ``generate`` calls share one shape and transformers'
+    compiled decode step is built once.
 
     Returns the generations and the seconds spent loading the model / starting the engine (``load_s``)
     and generating (``generate_s``, prefill of the prompts included).
@@ -219,7 +221,7 @@ def generate(prompt_ids: list[list[int]], *, backend: str, target_path: str, tok
         return _generate_hf(prompt_ids, target_path=target_path, tokenizer=tokenizer, stop_ids=stop_ids,
                             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                             batch_size=batch_size, device=device, dtype=dtype, threads=threads, progress=progress,
-                            cache=cache)
+                            cache=cache, static_width=static_width)
     if backend == "vllm":
         return _generate_vllm(prompt_ids, target_path=target_path, stop_ids=stop_ids,
                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, device=device,
@@ -237,7 +239,7 @@ def _cut(ids: list[int], stop_ids: list[int], max_new_tokens: int) -> Generation
 
 
 def _generate_hf(prompt_ids, *, target_path, tokenizer, stop_ids, max_new_tokens, temperature, seed, batch_size,
-                 device, dtype, threads, progress, cache) -> tuple[list[Generation], dict[str, float]]:
+                 device, dtype, threads, progress, cache, static_width) -> tuple[list[Generation], dict[str, float]]:
     """transformers ``generate``: batches of ``batch_size`` prompts of similar length, left-padded."""
     import torch
 
@@ -247,13 +249,13 @@ def _generate_hf(prompt_ids, *, target_path, tokenizer, stop_ids, max_new_tokens
     try:
         return _run_hf(prompt_ids, target_path=target_path, tokenizer=tokenizer, stop_ids=stop_ids,
                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, batch_size=batch_size,
-                       device=device, dtype=dtype, progress=progress, cache=cache)
+                       device=device, dtype=dtype, progress=progress, cache=cache, static_width=static_width)
     finally:
         torch.set_num_threads(before)  # leave the caller's setting as it was
 
 
 def _run_hf(prompt_ids, *, target_path, tokenizer, stop_ids, max_new_tokens, temperature, seed, batch_size,
-            device, dtype, progress, cache) -> tuple[list[Generation], dict[str, float]]:
+            device, dtype, progress, cache, static_width) -> tuple[list[Generation], dict[str, float]]:
     import torch
     from transformers import GenerationConfig
 
@@ -271,7 +273,7 @@ def _run_hf(prompt_ids, *, target_path, tokenizer, stop_ids, max_new_tokens, tem
     order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))  # less padding per batch
     out: list[Generation | None] = [None] * len(prompt_ids)
     static = cache == "static"
-    longest = max(len(p) for p in prompt_ids)
+    longest = max(static_width, *(len(p) for p in prompt_ids))
     if sampling:
         torch.manual_seed(seed)
     with _progress(len(prompt_ids), progress) as bar:
@@ -468,7 +470,7 @@ def regenerate(cfg: RegenerateConfig) -> RegenerateResult:
                     stop_ids=stop_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                     seed=cfg.seed, batch_size=cfg.batch_size, device=cfg.device, dtype=dtype,
                     max_model_len=max(len(p.ids) for p in prompts) + cfg.max_new_tokens, threads=cfg.threads,
-                    progress=cfg.progress, cache=cache)
+                    progress=cfg.progress, cache=cache, static_width=cfg.max_prompt_tokens)
     wall = timing["generate_s"]
 
     lines: list[str] = []
@@ -507,11 +509,11 @@ def regenerate(cfg: RegenerateConfig) -> RegenerateResult:
         "roundtrip_exact": exact, "roundtrip_mismatch": n - exact, "roundtrip_mismatch_ids": mismatched[:20],
         "target": info.name, "weights_digest": info.weights_digest, "backend": cfg.backend, "dtype": dtype,
         "device": cfg.device, "max_new_tokens": cfg.max_new_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
-        "temperature": float(cfg.temperature), "seed": cfg.seed, "batch_size": cfg.batch_size, "threads": cfg.threads, "cache": cache,
-        "dataset": str(dataset_path),
+        "temperature": float(cfg.temperature), "seed": cfg.seed, "batch_size": cfg.batch_size, "threads": cfg.threads,
+        "cache": cache, "dataset": str(dataset_path),
     }
     return RegenerateResult(summary, [p.ids for p in prompts], [g.ids for g in gens])
 
 
-__all__ = ["BACKENDS", "CACHES", "Generation", "Prompt", "RegenerateConfig", "RegenerateResult", "generate", "regenerate",
-           "roundtrip_exact", "select_prompts", "stop_token_ids", "write_atomic"]
+__all__ = ["BACKENDS", "CACHES", "Generation", "Prompt", "RegenerateConfig", "RegenerateResult", "generate",
+           "regenerate", "roundtrip_exact", "select_prompts", "stop_token_ids", "write_atomic"]
