@@ -3,7 +3,8 @@
 - :func:`cpu_figures` trains each draft two steps on fixed inputs through its adapter (the consumer's
   code path) on the CPU and returns the losses, metric sums and gradient norms as exact float hex strings.
   :data:`GOLDEN` holds what it returned on main before this work (commit f0f6163, torch 2.13.0 CPU, one
-  thread: ``python tests/test_fast_consumer.py`` prints it); the test asserts equality to the last bit.
+  thread: ``python tests/test_fast_consumer.py`` prints it); :data:`DSPARK_GOLDEN` the DSpark entry on main at
+  ec10ecb, before DSpark took the same path. The test asserts equality to the last bit.
 - The chunked bf16 lm_head loss, its compiled body, the static-row DFlash loss and the sync-free EAGLE-3
   loss agree with the reference within bf16 / float rounding on fresh random inputs (CPU).
 - :class:`~artcache.trainers.draft.PendingSums` resolves to exactly the MetricSums of the host path.
@@ -22,6 +23,8 @@ from artcache.trainers.consumer.config import ConsumerConfig
 from artcache.trainers.dflash import DFlashConfig, DFlashDraft, dflash_loss, sample_anchors
 from artcache.trainers.dflash.adapter import DFlashAdapter
 from artcache.trainers.draft import DraftBatch
+from artcache.trainers.dspark import DSparkConfig, DSparkDraft
+from artcache.trainers.dspark.adapter import DSparkAdapter
 from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
 from artcache.trainers.eagle3.adapter import Eagle3Adapter
 from artcache.trainers.eagle3.loss import eagle3_loss
@@ -100,6 +103,31 @@ def _eagle3(seed: int = 0, **speed) -> Eagle3Adapter:
     return Eagle3Adapter(model, cfg, [1, 2, 3, 4], **speed)
 
 
+def _dspark(seed: int = 0, **speed) -> DSparkAdapter:
+    """A DSpark draft reading M - 1 context layers and the last layer (view order: context, then L - 1)."""
+    torch.manual_seed(seed)
+    cfg = DSparkConfig(
+        hidden_size=H,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=V,
+        num_context_layers=M - 1,
+        mask_token_id=V - 1,
+        block_size=4,
+        num_anchors=5,
+        logit_chunk=16,
+        markov_rank=6,
+    )
+    emb = (torch.randn(V, H) * 0.5).to(torch.bfloat16)
+    head = (torch.randn(V, H) * 0.3).to(torch.bfloat16)
+    norm_w = 1 + 0.1 * torch.randn(H)
+    model = DSparkDraft(cfg, emb, head, norm_w)
+    return DSparkAdapter(model, cfg, list(range(M)), torch.Generator().manual_seed(seed), **speed)
+
+
 def _train(draft, batches: list[DraftBatch]) -> list[dict]:
     """Two AdamW steps through ``draft.loss`` (as the consumer's step does); exact figures per step."""
     params = [p for p in draft.model.parameters() if p.requires_grad]
@@ -130,6 +158,11 @@ def cpu_figures() -> dict:
         "dflash": _train(_dflash(), [_batch(3, 24, M, 1), _batch(3, 20, M, 2)]),
         "eagle3": _train(_eagle3(), [_batch(3, 18, 4, 3), _batch(3, 16, 4, 4)]),
     }
+
+
+def dspark_cpu_figures() -> list[dict]:
+    """DSpark's two-step figures on the CPU (as :func:`cpu_figures`; :data:`DSPARK_GOLDEN`'s source)."""
+    return _train(_dspark(), [_batch(3, 24, M, 11), _batch(3, 20, M, 12)])
 
 
 #: :func:`cpu_figures` on main at f0f6163 (before the GPU speed work), torch 2.13.0+cpu, one thread.
@@ -217,10 +250,170 @@ GOLDEN: dict = {
 }
 
 
+#: :func:`dspark_cpu_figures` on main at ec10ecb (before DSpark read SpeedOptions), torch 2.13.0+cpu,
+#: one thread.
+DSPARK_GOLDEN: list = [
+    {
+        "loss": "0x1.4733a80000000p+1",
+        "grad_norm": "0x1.aa72900000000p-1",
+        "num": {
+            "acc_0": "0x0.0p+0",
+            "acc_1": "0x0.0p+0",
+            "acc_2": "0x1.0000000000000p+0",
+            "acc_3": "0x0.0p+0",
+            "accept_rate@0": "0x1.e7abc88000000p+1",
+            "accept_rate@1": "0x1.4f904d8000000p+1",
+            "accept_rate@2": "0x1.2bb36a8000000p+1",
+            "accept_rate@3": "0x1.d4d9930000000p+0",
+            "ce_loss": "0x1.5384420000000p+7",
+            "conf_bias": "0x1.521ce7a36a932p+3",
+            "conf_loss": "0x1.694b4c0000000p+4",
+            "conf_mae": "0x1.521ce7a36a932p+3",
+            "cum_bias": "0x1.c579525adc45ap+2",
+            "cum_mae": "0x1.c579525adc45ap+2",
+            "ece@0.n4": "0x1.c000000000000p+2",
+            "ece@0.n5": "0x1.0000000000000p+3",
+            "ece@0.p4": "0x1.acb45c96a9f9ap+1",
+            "ece@0.p5": "0x1.0a1413a8c3aa5p+2",
+            "ece@0.t4": "0x1.bd32bf0000000p+0",
+            "ece@0.t5": "0x1.0912690000000p+1",
+            "ece@1.n4": "0x1.6000000000000p+3",
+            "ece@1.p4": "0x1.577848e83b6ddp+2",
+            "ece@1.t4": "0x1.4f904d8000000p+1",
+            "ece@2.n4": "0x1.4000000000000p+3",
+            "ece@2.p4": "0x1.3850447ab04ebp+2",
+            "ece@2.t4": "0x1.2bb36a8000000p+1",
+            "ece@3.n4": "0x1.c000000000000p+2",
+            "ece@3.p4": "0x1.b56249dfa1850p+1",
+            "ece@3.t4": "0x1.d4d9930000000p+0",
+            "ece_cum@0.n4": "0x1.c000000000000p+2",
+            "ece_cum@0.n5": "0x1.0000000000000p+3",
+            "ece_cum@0.p4": "0x1.acb45c96a9f9ap+1",
+            "ece_cum@0.p5": "0x1.0a1413a8c3aa5p+2",
+            "ece_cum@0.t4": "0x1.bd32bf0000000p+0",
+            "ece_cum@0.t5": "0x1.0912690000000p+1",
+            "ece_cum@1.n2": "0x1.6000000000000p+3",
+            "ece_cum@1.p2": "0x1.56d372b048dc4p+1",
+            "ece_cum@1.t2": "0x1.6853298753e20p-1",
+            "ece_cum@2.n1": "0x1.4000000000000p+3",
+            "ece_cum@2.p1": "0x1.2f38c463cd956p+0",
+            "ece_cum@2.t1": "0x1.37a7882598445p-3",
+            "ece_cum@3.n0": "0x1.c000000000000p+2",
+            "ece_cum@3.p0": "0x1.a0ae67707b937p-2",
+            "ece_cum@3.t0": "0x1.9a3acf44afc14p-6",
+            "l1_loss": "0x1.8cd42e0000000p+5",
+            "loss": "0x1.50ccc1b333334p+6",
+            "tau": "0x1.3b0df02056fb8p+4"
+        },
+        "den": {
+            "acc_0": "0x1.e000000000000p+3",
+            "acc_1": "0x1.6000000000000p+3",
+            "acc_2": "0x1.4000000000000p+3",
+            "acc_3": "0x1.c000000000000p+2",
+            "accept_rate@0": "0x1.e000000000000p+3",
+            "accept_rate@1": "0x1.6000000000000p+3",
+            "accept_rate@2": "0x1.4000000000000p+3",
+            "accept_rate@3": "0x1.c000000000000p+2",
+            "ce_loss": "0x1.07826c0000000p+5",
+            "conf_bias": "0x1.5800000000000p+5",
+            "conf_loss": "0x1.07826c0000000p+5",
+            "conf_mae": "0x1.5800000000000p+5",
+            "cum_bias": "0x1.5800000000000p+5",
+            "cum_mae": "0x1.5800000000000p+5",
+            "l1_loss": "0x1.07826c0000000p+5",
+            "loss": "0x1.07826c0000000p+5",
+            "tau": "0x1.e000000000000p+3"
+        }
+    },
+    {
+        "loss": "0x1.4ed5540000000p+1",
+        "grad_norm": "0x1.1d4a000000000p-1",
+        "num": {
+            "acc_0": "0x0.0p+0",
+            "acc_1": "0x0.0p+0",
+            "acc_2": "0x0.0p+0",
+            "acc_3": "0x0.0p+0",
+            "accept_rate@0": "0x1.f4c7008000000p+1",
+            "accept_rate@1": "0x1.e326168000000p+1",
+            "accept_rate@2": "0x1.20f8298000000p+1",
+            "accept_rate@3": "0x1.0fbef60000000p+1",
+            "ce_loss": "0x1.bddde40000000p+7",
+            "conf_bias": "0x1.ef7bd44527754p+2",
+            "conf_loss": "0x1.6587a60000000p+4",
+            "conf_mae": "0x1.f3c0b66f0618ep+2",
+            "cum_bias": "0x1.7ab1bb41d7c2ap+2",
+            "cum_mae": "0x1.7ab1bb41d7c2ap+2",
+            "ece@0.n4": "0x1.0000000000000p+3",
+            "ece@0.n5": "0x1.c000000000000p+2",
+            "ece@0.p4": "0x1.d655f0406f038p+1",
+            "ece@0.p5": "0x1.d011e1fa9bb6fp+1",
+            "ece@0.t4": "0x1.c1983c0000000p+0",
+            "ece@0.t5": "0x1.13fae28000000p+1",
+            "ece@1.n4": "0x1.a000000000000p+3",
+            "ece@1.p4": "0x1.5b2cd675c99bep+2",
+            "ece@1.t4": "0x1.e326168000000p+1",
+            "ece@2.n4": "0x1.2000000000000p+3",
+            "ece@2.p4": "0x1.e031c162b2c47p+1",
+            "ece@2.t4": "0x1.20f8298000000p+1",
+            "ece@3.n4": "0x1.0000000000000p+3",
+            "ece@3.p4": "0x1.aaa89e80fe33fp+1",
+            "ece@3.t4": "0x1.0fbef60000000p+1",
+            "ece_cum@0.n4": "0x1.0000000000000p+3",
+            "ece_cum@0.n5": "0x1.c000000000000p+2",
+            "ece_cum@0.p4": "0x1.d655f0406f038p+1",
+            "ece_cum@0.p5": "0x1.d011e1fa9bb6fp+1",
+            "ece_cum@0.t4": "0x1.c1983c0000000p+0",
+            "ece_cum@0.t5": "0x1.13fae28000000p+1",
+            "ece_cum@1.n1": "0x1.c000000000000p+2",
+            "ece_cum@1.n2": "0x1.8000000000000p+2",
+            "ece_cum@1.p1": "0x1.5530bbf8dd631p+0",
+            "ece_cum@1.p2": "0x1.45a8846ca97eap+0",
+            "ece_cum@1.t1": "0x1.b056676fc0200p-2",
+            "ece_cum@1.t2": "0x1.011fafa9caf60p-1",
+            "ece_cum@2.n0": "0x1.2000000000000p+3",
+            "ece_cum@2.p0": "0x1.87dc3b1bbcf58p-1",
+            "ece_cum@2.t0": "0x1.4e63021c0cb8ep-3",
+            "ece_cum@3.n0": "0x1.0000000000000p+3",
+            "ece_cum@3.p0": "0x1.238e601420315p-2",
+            "ece_cum@3.t0": "0x1.367b4e5997266p-5",
+            "l1_loss": "0x1.9235440000000p+5",
+            "loss": "0x1.678ca8e666666p+6",
+            "tau": "0x1.409b3ad6723d3p+4"
+        },
+        "den": {
+            "acc_0": "0x1.e000000000000p+3",
+            "acc_1": "0x1.a000000000000p+3",
+            "acc_2": "0x1.2000000000000p+3",
+            "acc_3": "0x1.0000000000000p+3",
+            "accept_rate@0": "0x1.e000000000000p+3",
+            "accept_rate@1": "0x1.a000000000000p+3",
+            "accept_rate@2": "0x1.2000000000000p+3",
+            "accept_rate@3": "0x1.0000000000000p+3",
+            "ce_loss": "0x1.12e59e0000000p+5",
+            "conf_bias": "0x1.6800000000000p+5",
+            "conf_loss": "0x1.12e59e0000000p+5",
+            "conf_mae": "0x1.6800000000000p+5",
+            "cum_bias": "0x1.6800000000000p+5",
+            "cum_mae": "0x1.6800000000000p+5",
+            "l1_loss": "0x1.12e59e0000000p+5",
+            "loss": "0x1.12e59e0000000p+5",
+            "tau": "0x1.e000000000000p+3"
+        }
+    },
+]
+
+
 def test_cpu_losses_unchanged_to_the_last_bit():
     """Regression (issue 20): the CPU path of both drafts computes what it computed before the GPU work."""
     got = cpu_figures()
     assert got == GOLDEN, json.dumps(got, indent=1)
+
+
+def test_dspark_cpu_figures_unchanged_to_the_last_bit():
+    """Regression (issue 20): DSpark's CPU path (loss, gradient norm, every metric sum) computes what it
+    computed before it took the sync-free path."""
+    got = dspark_cpu_figures()
+    assert got == DSPARK_GOLDEN, json.dumps(got, indent=1)
 
 
 # ---- the fast paths compute the same function (CPU) ---------------------------------------------------
@@ -332,7 +525,7 @@ def test_pending_sums_resolve_to_the_host_sums():
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps(cpu_figures(), indent=1))
+    print(json.dumps({**cpu_figures(), "dspark": dspark_cpu_figures()}, indent=1))
 
 
 @pytest.mark.parametrize(("device", "steps", "want"), [
