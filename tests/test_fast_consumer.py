@@ -5,9 +5,10 @@
   :data:`GOLDEN` holds what it returned on main before this work (commit f0f6163, torch 2.13.0 CPU, one
   thread: ``python tests/test_fast_consumer.py`` prints it); :data:`DSPARK_GOLDEN` the DSpark entry on main at
   ec10ecb, before DSpark took the same path. The test asserts equality to the last bit.
-- The chunked bf16 lm_head loss, its compiled body, the static-row DFlash loss and the sync-free EAGLE-3
-  loss agree with the reference within bf16 / float rounding on fresh random inputs (CPU).
-- :class:`~artcache.trainers.draft.PendingSums` resolves to exactly the MetricSums of the host path.
+- The chunked bf16 lm_head loss, its compiled body, the static-row DFlash and DSpark losses and the sync-free
+  EAGLE-3 loss agree with the reference within bf16 / float rounding on fresh random inputs (CPU).
+- :class:`~artcache.trainers.draft.PendingSums` resolves to exactly the MetricSums of the host path (DSpark:
+  plus zero-count ECE bins); the sync-free DSpark step reads nothing back to the host (:class:`_NoHostSync`).
 """
 
 from __future__ import annotations
@@ -504,6 +505,150 @@ def test_sync_free_eagle3_loss_matches_reference():
     for name in ("kept", "correct", "total"):
         assert torch.equal(getattr(got_stats, name), getattr(ref_stats, name)), name
     assert torch.allclose(got_stats.loss_sum, ref_stats.loss_sum, rtol=1e-5)
+
+
+def _dspark_inputs(draft: DSparkAdapter, seed: int):
+    batch = _batch(3, 24, M, seed)
+    anchors, avalid = sample_anchors(batch.supervised_on_host(), 5, torch.Generator().manual_seed(seed))
+    ctx, last = batch.hidden[:, :, : M - 1], batch.hidden[:, :, M - 1]
+    out = draft.model(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid)
+    return batch, anchors, avalid, last, out
+
+
+@pytest.mark.parametrize("mode", ["fused", "chunked"])
+def test_static_rows_dspark_loss_matches_reference(mode):
+    """The sync-free DSpark loss (every slot scored, Σ w divided on the device; ``chunked``: bf16 lm_head
+    matmuls) gives the reference's loss, gradients and per-slot outputs on the same inputs and anchors."""
+    from artcache.trainers.dspark import dspark_loss
+
+    draft = _dspark()
+    batch, anchors, avalid, last, out = _dspark_inputs(draft, 5)
+    params = [p for p in draft.model.parameters() if p.requires_grad]
+    args = (draft.model, out, last, batch.input_ids, batch.loss_mask, anchors, avalid)
+    ref, ref_o = dspark_loss(*args, context_valid=batch.valid)
+    ref_g = torch.autograd.grad(ref, params, retain_graph=True)
+    got, got_o = dspark_loss(*args, context_valid=batch.valid, mode=mode, static_rows=True)
+    got_g = torch.autograd.grad(got, params)
+    tol = 1e-5 if mode == "fused" else 2e-2  # float summation order / bf16 matmuls
+    got, ref = float(got.detach()), float(ref.detach())
+    assert abs(got - ref) <= tol * abs(ref)
+    # the bf16 lm_head's gradient rows are bf16 products in both paths, scaled by 1 / Σ w before (reference) or
+    # after (static rows) their rounding: a bf16 ulp apart
+    assert max(_rel(a, b) for a, b in zip(got_g, ref_g, strict=True)) < (1e-2 if mode == "fused" else 3e-2)
+    assert torch.equal(got_o.supervised, ref_o.supervised) and torch.equal(got_o.valid, ref_o.valid)
+    assert float(got_o.weight_sum) == pytest.approx(float(ref_o.weight_sum), rel=1e-6)  # float32 sums, any order
+    if mode == "fused":
+        assert torch.equal(got_o.correct, ref_o.correct)
+    for name in ("alpha", "conf_logit", "ce_sum", "l1_sum", "conf_sum"):
+        a, b = getattr(got_o, name), getattr(ref_o, name)
+        assert torch.allclose(a, b, rtol=tol, atol=tol), name
+        if a.dim():
+            assert torch.equal(a[~ref_o.supervised], torch.zeros_like(a[~ref_o.supervised])), name
+
+
+def test_dspark_pending_sums_resolve_to_the_host_sums():
+    """The sync-free DSpark step's PendingSums resolve to the host step's MetricSums (same anchors: the same
+    generator seed), plus zero-count ECE bins the host leaves out, and summarize to the same figures."""
+    from artcache.trainers.dspark.metrics import summarize
+
+    batch = _batch(3, 24, M, 8)
+    host, dev = _dspark(), _dspark(speed=SpeedOptions(sync_free=True))
+    _, hs = host.loss(batch)
+    _, ds = dev.loss(batch)
+    resolved = ds.resolve()
+    assert set(hs.num) <= set(resolved.num) and set(hs.den) == set(resolved.den)
+    extra = set(resolved.num) - set(hs.num)
+    assert extra and all(".n" in k or ".p" in k or ".t" in k for k in extra)
+    assert all(resolved.num[k] == 0.0 for k in extra)
+    for k in hs.den:  # counts exact; sums within float rounding (the static rows sum zero-weighted terms)
+        assert resolved.den[k] == pytest.approx(hs.den[k], rel=1e-6), k
+    for k in hs.num:
+        assert resolved.num[k] == pytest.approx(hs.num[k], rel=1e-5, abs=1e-9), k
+    a, b = summarize(resolved, 4), summarize(hs, 4)
+    assert a.keys() == b.keys()
+    for k in b:
+        if isinstance(b[k], float):
+            assert a[k] == pytest.approx(b[k], rel=1e-5), k
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op of a forward that reads tensor data back to the host (``.item()``, ``float()``,
+    ``bool()``: ``aten._local_scalar_dense``; ``nonzero``; boolean-mask indexing), and ``Tensor.tolist``
+    (not an op): on CUDA each would be a synchronisation."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SYNCING:
+            self.seen.append(name)
+        if name in ("index", "index_put", "index_put_") and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (args[1] or ())
+        ):
+            self.seen.append(f"{name}[bool]")
+        return func(*args, **(kwargs or {}))
+
+
+def _host_syncs(step, monkeypatch) -> list[str]:
+    mode = _NoHostSync()
+    tolist = torch.Tensor.tolist
+
+    def recorded_tolist(t):
+        mode.seen.append("tolist")
+        return tolist(t)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.Tensor, "tolist", recorded_tolist)
+        with mode:
+            step()
+    return mode.seen
+
+
+@pytest.mark.parametrize("ce_impl", ["reference", "chunked"])
+def test_sync_free_dspark_step_reads_nothing_back(ce_impl, monkeypatch):
+    """The sync-free DSpark training step (forward, loss, metric sums, backward) reads no tensor back to the
+    host; the reference step does (``nonzero`` row selection, the ``.tolist()`` of its sums): the check works."""
+    batch = _batch(3, 24, M, 9)
+    for speed, want_none in ((SpeedOptions(sync_free=True, ce_impl=ce_impl), True), (SpeedOptions(), False)):
+        draft = _dspark(speed=speed)
+
+        def step(draft=draft):
+            loss, sums = draft.loss(batch)
+            loss.backward()
+
+        seen = _host_syncs(step, monkeypatch)
+        assert (seen == []) == want_none, seen
+
+
+def test_dspark_refuses_liger():
+    """``--loss-impl liger`` has no DSpark form (Liger computes CE only, DSpark also needs the L1 term): a
+    ConfigError naming the alternative, not a silent fallback."""
+    from artcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="liger does not apply to DSpark.*--loss-impl chunked"):
+        _dspark(speed=SpeedOptions(sync_free=True, ce_impl="liger"))
+
+
+@pytest.mark.slow
+def test_compiled_dspark_step_runs_and_matches_eager():
+    """``--compile on`` for DSpark (the forward and the chunked loss body ``torch.compile``-d) runs on the CPU
+    and gives the eager sync-free step's loss and gradients."""
+    batch = _batch(3, 24, M, 10)
+    results = []
+    for compile_mode in ("off", "on"):
+        draft = _dspark(speed=SpeedOptions(sync_free=True, ce_impl="chunked", compile=compile_mode))
+        loss, sums = draft.loss(batch)
+        loss.backward()
+        grads = [p.grad.clone() for p in draft.model.parameters() if p.requires_grad]
+        results.append((float(loss), grads, sums.resolve()))
+    (l0, g0, s0), (l1, g1, s1) = results
+    assert math.isfinite(l1) and l1 == pytest.approx(l0, rel=1e-4)
+    assert max(_rel(a, b) for a, b in zip(g1, g0, strict=True)) < 1e-3
+    assert s1.den == s0.den
 
 
 def test_pending_sums_resolve_to_the_host_sums():
