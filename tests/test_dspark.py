@@ -188,6 +188,46 @@ def test_fused_equals_plain_gradients(head):
     assert torch.equal(of.correct, op.correct) and torch.allclose(of.alpha, op.alpha)
 
 
+@pytest.mark.parametrize("mode", ["fused", "chunked"])
+@pytest.mark.parametrize("heads", [{"markov_head_type": "vanilla"}, {"markov_head_type": "gated"},
+                                   {"markov_rank": 0, "confidence_head_with_markov": False},
+                                   {"enable_confidence_head": False, "confidence_weight": 0.0}])
+def test_static_rows_equal_plain_gradients_in_float64(mode, heads):
+    """The sync-free objective (static rows, Σ w divided on the device; ``chunked``: the functional per-chunk
+    body, which keeps float64 matmuls for a float64 model) is the reference's, to float64 rounding, with
+    each head configuration; unsupervised slots stay 0 in the outputs."""
+    m = model_of(**heads)
+    ctx, last, ids, lm, a, v = _setup(m)
+    v[1, -1] = False  # an invalid block
+    res = {}
+    for static in (False, True):
+        m.zero_grad()
+        loss, out = dspark_loss(m, m(ctx, ids, a, v), last, ids, lm, a, v, chunk_rows=5,
+                                mode=mode if static else "plain", static_rows=static)
+        loss.backward()
+        res[static] = (loss.item(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, out)
+    (lp, gp, op), (ls, gs, os_) = res[False], res[True]
+    assert math.isclose(ls, lp, rel_tol=1e-12)
+    assert set(gs) == set(gp)
+    for k in gp:
+        assert torch.allclose(gs[k], gp[k], atol=1e-12), k
+    assert torch.equal(os_.correct, op.correct) and torch.allclose(os_.alpha, op.alpha, atol=1e-12)
+    assert (op.conf_logit is None) == (os_.conf_logit is None)
+    if op.conf_logit is not None:
+        assert torch.allclose(os_.conf_logit, op.conf_logit, atol=1e-12)
+    for name in ("ce_sum", "l1_sum", "conf_sum", "weight_sum"):
+        assert math.isclose(float(getattr(os_, name)), float(getattr(op, name)), rel_tol=1e-12, abs_tol=1e-15), name
+
+
+def test_static_rows_with_nothing_supervised_give_a_zero_loss_with_a_graph():
+    m = model_of()
+    ctx, last, ids, _, a, v = _setup(m)
+    lm = torch.zeros_like(ids, dtype=torch.bool)
+    loss, out = dspark_loss(m, m(ctx, ids, a, v), last, ids, lm, a, v, mode="chunked", static_rows=True)
+    loss.backward()
+    assert loss.item() == 0.0 and float(out.weight_sum) == 0.0 and m.fc.weight.grad.abs().sum() == 0
+
+
 def test_no_supervised_row_gives_a_zero_loss_with_a_graph():
     m = model_of()
     ctx, last, ids, _, a, v = _setup(m)

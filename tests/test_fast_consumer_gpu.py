@@ -2,9 +2,10 @@
 
 - :class:`~artcache.trainers.consumer.reader.DeviceCollator` builds the batch :func:`collate` builds
   (element for element; the layer view selected on the device), with no host synchronisation;
-- the sync-free DFlash and EAGLE-3 steps on CUDA agree with the CPU reference on the same inputs
+- the sync-free DFlash, EAGLE-3 and DSpark steps on CUDA agree with the CPU reference on the same inputs
   within bf16 tolerance, and Liger's fused linear CE agrees with the reference CE;
-- ``--compile on`` runs both drafts' steps and gives the uncompiled step's loss.
+- ``--compile on`` runs every draft's step and gives the uncompiled step's loss;
+- the sync-free DSpark step runs under ``torch.cuda.set_sync_debug_mode("error")`` (no synchronisation).
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ def test_liger_matches_reference():
 def test_sync_free_steps_match_cpu(compile_mode):
     from artcache.trainers.draft import DraftBatch
     from artcache.trainers.speed import SpeedOptions
-    from tests.test_fast_consumer import _batch, _dflash, _eagle3
+    from tests.test_fast_consumer import _batch, _dflash, _dspark, _eagle3
 
     speed = SpeedOptions(sync_free=True, ce_impl="chunked", compile=compile_mode)
-    for make, b in ((_dflash, _batch(3, 24, 4, 1)), (_eagle3, _batch(3, 18, 4, 2))):
+    for make, b in ((_dflash, _batch(3, 24, 4, 1)), (_eagle3, _batch(3, 18, 4, 2)), (_dspark, _batch(3, 24, 4, 3))):
         cpu_loss, _ = make().loss(b)
         d = make(speed=speed)
         d.model.cuda()
@@ -101,3 +102,26 @@ def test_sync_free_steps_match_cpu(compile_mode):
         loss.backward()
         assert abs(float(loss) - float(cpu_loss)) / abs(float(cpu_loss)) < 3e-2
         assert sums.resolve().den
+
+
+def test_sync_free_dspark_step_does_not_synchronise():
+    """The DSpark step of the CUDA path (anchors drawn on the host, forward, loss, PendingSums, backward) raises
+    no synchronisation error under ``set_sync_debug_mode("error")`` once its pinned inputs are staged."""
+    from artcache.trainers.draft import DraftBatch
+    from artcache.trainers.speed import SpeedOptions
+    from tests.test_fast_consumer import _batch, _dspark
+
+    b = _batch(3, 24, 4, 4)
+    d = _dspark(speed=SpeedOptions(sync_free=True, ce_impl="chunked"))
+    d.model.cuda()
+    gb = DraftBatch(b.hidden.cuda(), b.input_ids.cuda(), b.loss_mask.cuda(), b.valid.cuda(),
+                    supervised_host=b.loss_mask & b.valid)
+    d.loss(gb)[0].backward()  # warm-up: lazy CUDA initialisation may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, sums = d.loss(gb)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sums.resolve().den["tau"] > 0

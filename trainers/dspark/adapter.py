@@ -19,13 +19,14 @@ from artcache.errors import ConfigError
 from artcache.layer_ids import LAST_LAYER_STATE, dspark_layer_ids, layer_view
 from artcache.trainers.dflash.adapter import evenly_spaced
 from artcache.trainers.dflash.anchors import eligible_anchors, sample_anchors
-from artcache.trainers.draft import Draft, DraftBatch, ExportedDraft, MetricSums, check_target
+from artcache.trainers.draft import Draft, DraftBatch, ExportedDraft, MetricSums, PendingSums, check_target
 from artcache.trainers.export import decode_draft_config
+from artcache.trainers.speed import SpeedOptions, to_device
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
 from .export import SERVING_NAMES, TARGET_TENSORS, read_published
 from .loss import BlockOutputs, dspark_loss
-from .metrics import block_sums, replay, summarize
+from .metrics import block_pending, block_sums, replay, summarize
 
 __all__ = ["CALIBRATION_KEY", "HELDOUT_PREFIX", "DSparkAdapter", "dspark_default_layers", "weights_check"]
 
@@ -53,6 +54,10 @@ class DSparkAdapter(Draft):
         model: a :class:`~artcache.trainers.dspark.DSparkDraft`. cfg: its config.
         needed_layer_ids: context ids then ``L - 1`` (output-of-layer).
         anchor_generator: CPU generator for anchors (checkpointed). eval_anchors: as DFlash.
+        speed: the GPU speed options (:class:`~artcache.trainers.speed.SpeedOptions`), used as DFlash uses
+            them: a sync-free training step (static rows, metric sums left on the device as
+            :class:`~artcache.trainers.draft.PendingSums`), the ``chunked`` bf16 lm_head matmuls and the
+            compiled forward. ``liger`` is refused (Liger's kernel has no L1 term).
 
     Held-out evaluation also records, per held-out block, the confidence logits, α and the supervised
     prefix (``extra_tensors`` -> the checkpoint's extra.safetensors), which ``artcache calibrate`` fits
@@ -73,7 +78,13 @@ class DSparkAdapter(Draft):
                    "confidence_head_with_markov")
 
     def __init__(self, model, cfg: DSparkConfig, needed_layer_ids: Sequence[int], anchor_generator: torch.Generator,
-                 eval_anchors: int = 0) -> None:
+                 eval_anchors: int = 0, speed: SpeedOptions | None = None) -> None:
+        self.speed = speed or SpeedOptions()
+        if self.speed.ce_impl == "liger":
+            raise ConfigError("--loss-impl liger does not apply to DSpark: its objective also needs the target's "
+                              "softmax (the L1 term), which Liger's fused cross-entropy does not compute; use "
+                              "--loss-impl chunked")
+        self._forward_fn = self.speed.compiled(model)
         self.model = model
         self.cfg = cfg
         self.needed_layer_ids = tuple(int(i) for i in needed_layer_ids)
@@ -126,21 +137,33 @@ class DSparkAdapter(Draft):
         c = self.cfg
         return (c.ce_weight, c.l1_weight, c.confidence_weight)
 
-    def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor) -> tuple[Tensor, Tensor, BlockOutputs]:
+    def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor, *, train: bool = False
+                 ) -> tuple[Tensor, Tensor, BlockOutputs]:
         m = self.cfg.num_context_layers
         dev = batch.hidden.device
-        anchors, avalid = anchors.to(dev), avalid.to(dev)
+        fast = train and self.speed.sync_free
+        anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
         ctx, last = batch.hidden[:, :, :m], batch.hidden[:, :, m]
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            hidden = self.model(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid)
+            forward = self._forward_fn if fast else self.model
+            hidden = forward(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid, check_anchors=not fast)
             loss, out = dspark_loss(self.model, hidden, last, batch.input_ids, batch.loss_mask, anchors, avalid,
-                                    context_valid=batch.valid)
+                                    context_valid=batch.valid, mode=self._loss_mode() if train else "fused",
+                                    static_rows=fast, compile=fast and self.speed.compile != "off")
         return hidden, loss, out
 
-    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums]:
-        anchors, avalid = sample_anchors((batch.loss_mask & batch.valid).cpu(), self.cfg.num_anchors, self.generator)
-        _, loss, out = self._forward(batch, anchors, avalid)
+    def _loss_mode(self) -> str:
+        return "fused" if self.speed.ce_impl == "reference" else self.speed.ce_impl
+
+    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
+        # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
+        # from the host copy of the batch's masks (no device read-back)
+        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator)
+        self.speed.step_begin()
+        _, loss, out = self._forward(batch, anchors, avalid, train=True)
         self._weights_seen += 1
+        if self.speed.sync_free:
+            return loss, block_pending(out, self._loss_weights)
         return loss, block_sums(out, self._loss_weights)
 
     @torch.no_grad()
@@ -287,6 +310,7 @@ def _build(cls, cfg, settings, plan, device: torch.device, info=None) -> DSparkA
 
     torch.manual_seed(cfg.seed)
     model = DSparkDraft(dcfg, embed.to(device), lm_head.to(device), norm.to(device))
-    draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors or 0)
+    draft = cls(model, dcfg, need, torch.Generator().manual_seed(cfg.seed), eval_anchors=cfg.eval_anchors or 0,
+                speed=SpeedOptions.for_device(cfg, device))
     draft.target_info, draft.target_lm_head = info, model.lm_head_weight
     return draft

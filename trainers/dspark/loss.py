@@ -19,11 +19,15 @@ For the block anchored at p (B slots, 0-based k):
 The [rows, V] logits of the draft and the target are computed ``logit_chunk`` rows at a time (151,936
 vocabulary × 512 anchors × 7 slots would be 2.2 GB per fp32 tensor): in the default ``fused`` mode the
 gradients of CE and L1 w.r.t. the backbone rows, the Markov r-vectors and ``markov_w2`` are formed chunk
-by chunk in the forward pass and only those (no [rows, V] tensor) are kept for backward.
+by chunk in the forward pass and only those (no [rows, V] tensor) are kept for backward. The GPU path
+(:class:`~artcache.trainers.speed.SpeedOptions`, as DFlash's) uses ``mode="chunked"`` (the same algorithm with
+bf16 lm_head matmuls and an fp32 per-chunk body, optionally ``torch.compile``-d) and ``static_rows`` (every slot
+reaches the heads, weight 0 where unsupervised: no ``nonzero``, no host read-back, fixed shapes).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -32,11 +36,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from artcache.errors import ConfigError
+from artcache.trainers.lm_head_ce import _matmul_dtype, compute_weight
 
 if TYPE_CHECKING:
     from .model import DSparkDraft
 
-__all__ = ["BlockLayout", "BlockOutputs", "block_layout", "dspark_loss", "slot_weights"]
+__all__ = ["LOSS_MODES", "BlockLayout", "BlockOutputs", "block_layout", "dspark_loss", "slot_weights"]
+
+#: ``mode`` values of :func:`dspark_loss`.
+LOSS_MODES = ("fused", "chunked", "plain")
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ class _FusedDSparkTerms(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, m, w2, weight, tn, labels, w, c_ce: float, c_l1: float, chunk: int,  # noqa: D102
-                need_grad: bool, acc_dtype: torch.dtype):
+                need_grad: bool, acc_dtype: torch.dtype, impl: str = "reference", compile: bool = False):
         rows = h.shape[0]
         dev = h.device
         loss = torch.zeros((), dtype=acc_dtype, device=dev)
@@ -144,8 +152,18 @@ class _FusedDSparkTerms(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_grad else None
         grad_m = torch.empty_like(m) if (need_grad and m is not None) else None
         grad_w2 = torch.zeros(w2.shape, dtype=acc_dtype, device=dev) if (need_grad and w2 is not None) else None
+        if impl == "chunked":
+            wmat = compute_weight(weight, _matmul_dtype(h, weight))
         for s in range(0, rows, chunk):
             e = min(rows, s + chunk)
+            if impl == "chunked":
+                part = _chunked_chunk(h[s:e], None if m is None else m[s:e], w2, wmat, tn[s:e], labels[s:e],
+                                      w[s:e], c_ce, c_l1, need_grad, acc_dtype, compile,
+                                      (ce_rows[s:e], l1_rows[s:e], preds[s:e]),
+                                      None if grad_h is None else grad_h[s:e],
+                                      None if grad_m is None else grad_m[s:e], grad_w2)
+                loss = loss + part
+                continue
             z = F.linear(h[s:e].to(weight.dtype), weight).to(acc_dtype)
             if m is not None:
                 z = z + F.linear(m[s:e].to(acc_dtype), w2.to(acc_dtype))
@@ -183,7 +201,67 @@ class _FusedDSparkTerms(torch.autograd.Function):
         gh = None if grad_h is None else grad_h * g_loss.to(grad_h.dtype)
         gm = None if grad_m is None else grad_m * g_loss.to(grad_m.dtype)
         gw = None if grad_w2 is None else (grad_w2 * g_loss.to(grad_w2.dtype)).to(ctx.w2_dtype)
-        return gh, gm, gw, None, None, None, None, None, None, None, None, None
+        return gh, gm, gw, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _chunked_body(z: Tensor, bias: Tensor | None, t: Tensor, y: Tensor, wc: Tensor, c_ce: float, c_l1: float,
+                  need_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One chunk of :class:`_FusedDSparkTerms` in ``chunked`` mode, functional (so ``torch.compile`` fuses it).
+
+    Args:
+        z: [c, V] the backbone's lm_head logits (bf16). bias: [c, V] float32 Markov logits or None.
+        t: [c, V] the target's lm_head logits (bf16). y: [c] long labels. wc: [c] float32 row weights.
+
+    Returns:
+        (CE [c], L1 [c], argmax [c] long, the weighted gradient w.r.t. the draft logits [c, V], or an empty
+        tensor without ``need_grad``); log-sum-exp, both softmaxes and the outputs in float32 (float64 for a
+        float64 model).
+    """
+    acc = torch.promote_types(z.dtype, torch.float32)
+    z = z.to(acc) if bias is None else z.to(acc) + bias
+    lse = torch.logsumexp(z, dim=-1)
+    ce = lse - z.gather(1, y[:, None]).squeeze(1)
+    preds = z.argmax(dim=-1)
+    p = torch.exp(z - lse[:, None])
+    d = p - torch.softmax(t.to(acc), dim=-1)
+    l1 = d.abs().sum(dim=-1)
+    if not need_grad:
+        return ce, l1, preds, z.new_empty(0)
+    sgn = d.sign()
+    g = (sgn - (sgn * p).sum(dim=-1, keepdim=True)) * p * c_l1 + p * c_ce
+    g = g.scatter_add(1, y[:, None], torch.full_like(ce[:, None], -c_ce))
+    return ce, l1, preds, g * wc.to(acc)[:, None]
+
+
+@functools.cache
+def _compiled_body():
+    return torch.compile(_chunked_body, dynamic=False, fullgraph=True)
+
+
+def _chunked_chunk(h, m, w2, wmat, tn, y, wc, c_ce, c_l1, need_grad, acc_dtype, compile, outs, grad_h, grad_m,
+                   grad_w2) -> Tensor:
+    """Rows ``h`` [c, H] of :class:`_FusedDSparkTerms` in ``chunked`` mode: bf16 lm_head matmuls (``wmat``, the
+    frozen head cast once, :func:`~artcache.trainers.lm_head_ce.compute_weight`), the Markov logits and its
+    gradients in float32; writes CE, L1 and argmax into ``outs`` and the gradients into ``grad_h`` /
+    ``grad_m`` (row views) and ``grad_w2`` (summed). Returns the chunk's ``c_ce·Σ w·CE + c_l1·Σ w·L1``."""
+    z = F.linear(h.to(wmat.dtype), wmat)
+    t = F.linear(tn.to(wmat.dtype), wmat)
+    bias = None if m is None else F.linear(m.to(acc_dtype), w2.to(acc_dtype))
+    body = _compiled_body() if compile else _chunked_body
+    ce, l1, preds, g = body(z, bias, t, y, wc, c_ce, c_l1, need_grad)
+    ce_out, l1_out, pred_out = outs
+    ce_out.copy_(ce)
+    l1_out.copy_(l1)
+    pred_out.copy_(preds)
+    wa = wc.to(acc_dtype)
+    part = c_ce * (wa * ce.to(acc_dtype)).sum() + c_l1 * (wa * l1.to(acc_dtype)).sum()
+    if need_grad:
+        grad_h.copy_(g.to(wmat.dtype) @ wmat)
+        if m is not None:
+            g = g.to(acc_dtype)
+            grad_m.copy_(g @ w2.to(acc_dtype))
+            grad_w2 += g.t() @ m.to(acc_dtype)
+    return part
 
 
 def _plain_terms(model: DSparkDraft, h, m, tn, labels, w, c_ce, c_l1, chunk, acc_dtype):
@@ -219,7 +297,9 @@ def dspark_loss(
     *,
     context_valid: Tensor | None = None,
     chunk_rows: int | None = None,
-    mode: Literal["fused", "plain"] = "fused",
+    mode: Literal["fused", "chunked", "plain"] = "fused",
+    static_rows: bool = False,
+    compile: bool = False,
 ) -> tuple[Tensor, BlockOutputs]:
     """The DSpark objective (module docstring) and its per-slot measurements.
 
@@ -231,8 +311,15 @@ def dspark_loss(
         input_ids: [b, T] long. loss_mask: [b, T] bool. anchors: [b, N] long. valid: [b, N] bool.
         context_valid: optional [b, T] bool (False = padding, never a label).
         chunk_rows: rows per [rows, V] chunk (default ``model.cfg.logit_chunk``).
-        mode: ``"fused"`` (default; gradients formed chunk by chunk, see :class:`_FusedDSparkTerms`) or
-            ``"plain"`` (autograd reference). Both give the same loss, gradients and outputs.
+        mode: ``"fused"`` (default; gradients formed chunk by chunk, see :class:`_FusedDSparkTerms`),
+            ``"chunked"`` (the same with bf16 lm_head matmuls and an fp32 per-chunk body; the GPU path) or
+            ``"plain"`` (autograd reference). All give the same loss, gradients and outputs up to float
+            rounding (bf16 for ``chunked``).
+        static_rows: every slot of every block reaches the heads (weight 0 where unsupervised) instead of
+            the supervised rows found by ``nonzero``, and the loss is divided by ``Σ w`` on the device: no
+            host synchronisation and fixed shapes (``torch.compile`` / CUDA graphs), at the cost of the
+            unsupervised rows' matmuls. Same loss and outputs up to float rounding.
+        compile: ``"chunked"`` only: ``torch.compile`` the per-chunk body.
 
     Returns:
         (loss: float32 scalar (float64 for a float64 model); 0 with a zero-gradient graph when nothing is
@@ -242,58 +329,66 @@ def dspark_loss(
         ConfigError: shapes disagree, or bad ``chunk_rows`` / ``mode``.
     """
     cfg = model.cfg
-    if hidden.dim() != 4:
-        raise ConfigError(f"hidden must be [b, N, B, H], got shape {tuple(hidden.shape)}")
+    _check_loss_args(cfg, hidden, last_hidden, input_ids, mode)
     b, N, B, H = hidden.shape
-    if cfg.block_size != B:
-        raise ConfigError(f"hidden has {B} slots per block, the draft's block_size is {cfg.block_size}")
-    if last_hidden.dim() != 3 or tuple(last_hidden.shape) != (b, input_ids.shape[1], H):
-        raise ConfigError(f"last_hidden must be [b, T, H] = {(b, input_ids.shape[1], H)}, got "
-                          f"{tuple(last_hidden.shape)}")
     chunk = cfg.logit_chunk if chunk_rows is None else chunk_rows
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ConfigError(f"chunk_rows must be an int >= 1, got {chunk!r}")
-    if mode not in ("fused", "plain"):
-        raise ConfigError(f"mode must be 'fused' or 'plain', got {mode!r}")
     dev = hidden.device
     lay = block_layout(input_ids.to(dev), loss_mask.to(dev), anchors.to(dev), valid.to(dev), B,
                        None if context_valid is None else context_valid.to(dev))
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = slot_weights(B, float(cfg.gamma), dev, acc_dtype) * lay.supervised  # [b, N, B]
-    rows = lay.supervised.reshape(-1).nonzero().squeeze(1)
-    wr = w.reshape(-1).index_select(0, rows)
-    weight_sum = wr.sum()
-    denom = float(weight_sum) if rows.numel() else 1.0
-    c_ce, c_l1, c_conf = cfg.ce_weight / denom, cfg.l1_weight / denom, cfg.confidence_weight / denom
-
-    h = hidden.reshape(-1, H).index_select(0, rows)
-    y = lay.labels.reshape(-1).index_select(0, rows)
-    prev = lay.prev.reshape(-1).index_select(0, rows)
+    if static_rows:  # every slot: fixed shapes, no nonzero, the division by Σ w on the device
+        rows = None
+        wr = w.reshape(-1)
+        weight_sum = wr.sum()
+        c_ce, c_l1, c_conf = cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight
+        h, y, prev = hidden.reshape(-1, H), lay.labels.reshape(-1), lay.prev.reshape(-1)
+    else:
+        rows = lay.supervised.reshape(-1).nonzero().squeeze(1)
+        wr = w.reshape(-1).index_select(0, rows)
+        weight_sum = wr.sum()
+        denom = float(weight_sum) if rows.numel() else 1.0
+        c_ce, c_l1, c_conf = cfg.ce_weight / denom, cfg.l1_weight / denom, cfg.confidence_weight / denom
+        h = hidden.reshape(-1, H).index_select(0, rows)
+        y = lay.labels.reshape(-1).index_select(0, rows)
+        prev = lay.prev.reshape(-1).index_select(0, rows)
     tpos = lay.target_pos.reshape(b, N * B)
     with torch.no_grad():
         lastg = last_hidden.to(dev).gather(1, tpos[:, :, None].expand(b, N * B, H)).reshape(-1, H)
-        tn = model.target_hidden(lastg.index_select(0, rows))  # final norm, applied once
+        tn = model.target_hidden(lastg if static_rows else lastg.index_select(0, rows))  # final norm, applied once
     emb, bias_in = model.markov_inputs(prev, h)
     loss = hidden.sum().to(acc_dtype) * 0.0  # a (zero) graph even when nothing is supervised
-    if mode == "fused":
+    if mode in ("fused", "chunked"):
         w2 = model.markov_head.markov_w2.weight if bias_in is not None else None
         need_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (h, bias_in, w2))
-        part, ce_r, l1_r, preds = _FusedDSparkTerms.apply(h, bias_in, w2, model.lm_head_weight, tn, y, wr, c_ce,
-                                                          c_l1, chunk, need_grad, acc_dtype)
+        part, ce_r, l1_r, preds = _FusedDSparkTerms.apply(
+            h, bias_in, w2, model.lm_head_weight, tn, y, wr, c_ce, c_l1, chunk, need_grad, acc_dtype,
+            "chunked" if mode == "chunked" else "reference", compile and mode == "chunked")
     else:
         part, ce_r, l1_r, preds = _plain_terms(model, h, bias_in, tn, y, wr, c_ce, c_l1, chunk, acc_dtype)
-    loss = loss + part
+    terms = [part]
     alpha_r = (1.0 - 0.5 * l1_r).clamp(0.0, 1.0).detach()
     conf_r = model.confidence_logits(h, emb)
     conf_sum = torch.zeros((), dtype=torch.float64, device=dev)
     if conf_r is not None:
         bce = F.binary_cross_entropy_with_logits(conf_r.to(acc_dtype), alpha_r.to(acc_dtype), reduction="none")
-        loss = loss + c_conf * (bce * wr).sum()
+        terms.append(c_conf * (bce * wr).sum())
         conf_sum = (bce.detach() * wr).sum().double()
+    if static_rows:  # the coefficients were not divided by Σ w: divide once here
+        loss = loss + sum(terms[1:], terms[0]) / weight_sum.clamp_min(torch.finfo(acc_dtype).tiny)
+    else:
+        for t in terms:
+            loss = loss + t
 
     with torch.no_grad():
+        sup_flat = lay.supervised.reshape(-1)
+
         def scatter(vals: Tensor, dtype: torch.dtype) -> Tensor:
+            if rows is None:  # static rows: every slot scored; zero where unsupervised
+                return (vals.to(dtype) * sup_flat).to(dtype).reshape(b, N, B)
             out = torch.zeros(b * N * B, dtype=dtype, device=dev)
             out[rows] = vals.to(dtype)
             return out.reshape(b, N, B)
@@ -305,3 +400,17 @@ def dspark_loss(
             valid=valid.to(dev).bool(), ce_sum=(ce_r * wr).sum().double(), l1_sum=(l1_r * wr).sum().double(),
             conf_sum=conf_sum, weight_sum=weight_sum.detach().double())
     return loss, outputs
+
+
+def _check_loss_args(cfg, hidden: Tensor, last_hidden: Tensor, input_ids: Tensor, mode: str) -> None:
+    """:func:`dspark_loss`'s shape and mode checks (ConfigError naming the bad value)."""
+    if hidden.dim() != 4:
+        raise ConfigError(f"hidden must be [b, N, B, H], got shape {tuple(hidden.shape)}")
+    b, N, B, H = hidden.shape
+    if cfg.block_size != B:
+        raise ConfigError(f"hidden has {B} slots per block, the draft's block_size is {cfg.block_size}")
+    if last_hidden.dim() != 3 or tuple(last_hidden.shape) != (b, input_ids.shape[1], H):
+        raise ConfigError(f"last_hidden must be [b, T, H] = {(b, input_ids.shape[1], H)}, got "
+                          f"{tuple(last_hidden.shape)}")
+    if mode not in LOSS_MODES:
+        raise ConfigError(f"mode must be one of {', '.join(repr(m) for m in LOSS_MODES)}, got {mode!r}")

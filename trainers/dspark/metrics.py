@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from artcache.trainers.draft import MetricSums, replay_sums
+from artcache.trainers.draft import MetricSums, PendingSums, replay_sums
 
 from .loss import BlockOutputs
 
 if TYPE_CHECKING:
     from .model import DSparkDraft
 
-__all__ = ["ECE_BINS", "block_sums", "ece_from_arrays", "greedy_proposals", "replay", "summarize"]
+__all__ = ["ECE_BINS", "block_pending", "block_sums", "ece_from_arrays", "greedy_proposals", "replay", "summarize"]
 
 #: Bins of every expected-calibration-error figure.
 ECE_BINS = 10
@@ -65,18 +65,77 @@ def ece_from_arrays(pred: Tensor, target: Tensor, mask: Tensor, bins: int = ECE_
     return out
 
 
-def _slot_bin_sums(pred: Tensor, target: Tensor, sup: Tensor, bins: int = ECE_BINS) -> Tensor:
+def _slot_bin_sums(pred: Tensor, target: Tensor, sup: Tensor, bins: int = ECE_BINS, masked: bool = False) -> Tensor:
     """[3, B, bins] float64: count, Σ pred, Σ target per slot and bin over the supervised entries of the
-    [..., B] ``pred`` / ``target`` (one scatter for every slot)."""
+    [..., B] ``pred`` / ``target`` (one scatter for every slot). ``masked``: every entry is scattered with
+    weight ``sup`` (``pred`` / ``target`` must be 0 where unsupervised) instead of selecting the supervised
+    ones: no ``nonzero``, no host synchronisation; the same sums up to summation order."""
     B = sup.shape[-1]
-    slot = torch.arange(B, device=sup.device).expand_as(sup)[sup]
-    p, t = pred[sup].double(), target[sup].double()
+    if masked:
+        slot = torch.arange(B, device=sup.device).expand_as(sup).reshape(-1)
+        p, t, ones = pred.double().reshape(-1), target.double().reshape(-1), sup.double().reshape(-1)
+    else:
+        slot = torch.arange(B, device=sup.device).expand_as(sup)[sup]
+        p, t = pred[sup].double(), target[sup].double()
+        ones = torch.ones_like(p)
     idx = slot * bins + (p * bins).long().clamp_(0, bins - 1)
     out = torch.zeros(3, B * bins, dtype=torch.float64, device=sup.device)
-    out[0].index_add_(0, idx, torch.ones_like(p))
+    out[0].index_add_(0, idx, ones)
     out[1].index_add_(0, idx, p)
     out[2].index_add_(0, idx, t)
     return out.reshape(3, B, bins)
+
+
+def _block_values(out: BlockOutputs, masked: bool) -> list[Tensor]:
+    """The figures of :func:`block_sums` as float64 device tensors, in its order: ``[ce, l1, conf, Σ w, Σ τ,
+    blocks]``, Σ α [B], correct [B], supervised [B], and with the confidence head ``[mae, bias, cum mae, cum
+    bias]`` and the ECE bin sums of c and of Π c (each [3 · B · ECE_BINS]). ``masked``: no boolean selection
+    (no host synchronisation); unsupervised entries are 0 in every summand, so the sums are the same."""
+    sup = out.supervised
+    alpha = out.alpha.double() * sup
+    cum_alpha = alpha.cumprod(dim=-1)
+    blocks = out.valid & sup.any(dim=-1)
+    head = [out.ce_sum, out.l1_sum, out.conf_sum, out.weight_sum,
+            ((1.0 + cum_alpha.sum(dim=-1)) * blocks).sum(), blocks.sum()]
+    per_slot = [alpha.sum(dim=(0, 1)), out.correct.sum(dim=(0, 1)), sup.sum(dim=(0, 1))]
+    parts = [torch.stack([x.double() for x in head]), *[x.double() for x in per_slot]]
+    if out.conf_logit is not None:
+        c = torch.sigmoid(out.conf_logit.double()) * sup
+        cum_c = c.cumprod(dim=-1)
+        if masked:  # c, α and their cumulative products are 0 off the supervised prefix
+            err, cerr = (c - alpha).reshape(-1), (cum_c - cum_alpha).reshape(-1)
+        else:
+            err, cerr = (c - alpha)[sup], (cum_c - cum_alpha)[sup]
+        parts.append(torch.stack([err.abs().sum(), err.sum(), cerr.abs().sum(), cerr.sum()]))
+        parts.append(_slot_bin_sums(c, alpha, sup, masked=masked).reshape(-1))
+        parts.append(_slot_bin_sums(cum_c, cum_alpha, sup, masked=masked).reshape(-1))
+    return parts
+
+
+def block_pending(out: BlockOutputs, loss_weights: tuple[float, float, float]) -> PendingSums:
+    """:func:`block_sums` left on the device (the sync-free training step): nothing is read back. Every ECE
+    bin is named (an empty bin resolves to a zero count, which :func:`summarize` skips as it skips an absent
+    one), so the resolved sums are :func:`block_sums`' plus those zero entries."""
+    parts = _block_values(out, masked=True)
+    B = out.supervised.shape[-1]
+    ce, l1, cf, ws, tau, nblocks = parts[0].unbind()
+    a_sum, correct, n_k = parts[1:4]
+    ce_w, l1_w, cf_w = loss_weights
+    names = [("loss", True), ("ce_loss", True), ("l1_loss", True)]
+    vals = [torch.stack([ce_w * ce + l1_w * l1 + cf_w * cf, ws, ce, ws, l1, ws])]
+    names += [(f"{m}{k}", True) for k in range(B) for m in ("accept_rate@", "acc_")]
+    vals.append(torch.stack([a_sum, n_k, correct, n_k], dim=1).reshape(-1))
+    names.append(("tau", True))
+    vals.append(torch.stack([tau, nblocks]))
+    if out.conf_logit is not None:
+        n_sup = n_k.sum()
+        mae, bias, cmae, cbias = parts[4].unbind()
+        names += [(n, True) for n in ("conf_loss", "conf_mae", "conf_bias", "cum_mae", "cum_bias")]
+        vals.append(torch.stack([cf, ws, mae, n_sup, bias, n_sup, cmae, n_sup, cbias, n_sup]))
+        for tag, flat in (("ece", parts[5]), ("ece_cum", parts[6])):
+            names += [(f"{tag}@{k}.{x}{i}", False) for k in range(B) for i in range(ECE_BINS) for x in "npt"]
+            vals.append(flat.reshape(3, B, ECE_BINS).permute(1, 2, 0).reshape(-1))
+    return PendingSums(tuple(names), torch.cat(vals))
 
 
 def block_sums(out: BlockOutputs, loss_weights: tuple[float, float, float]) -> MetricSums:
@@ -86,25 +145,10 @@ def block_sums(out: BlockOutputs, loss_weights: tuple[float, float, float]) -> M
     Args:
         loss_weights: (ce, l1, confidence) weights of the objective (``loss`` = their weighted sum).
     """
-    sup = out.supervised
-    B = sup.shape[-1]
-    alpha = out.alpha.double() * sup
-    cum_alpha = alpha.cumprod(dim=-1)
-    blocks = out.valid & sup.any(dim=-1)
+    B = out.supervised.shape[-1]
     ce_w, l1_w, cf_w = loss_weights
-    head = [out.ce_sum, out.l1_sum, out.conf_sum, out.weight_sum,
-            ((1.0 + cum_alpha.sum(dim=-1)) * blocks).sum(), blocks.sum()]
-    per_slot = [alpha.sum(dim=(0, 1)), out.correct.sum(dim=(0, 1)), sup.sum(dim=(0, 1))]
-    parts = [torch.stack([x.double() for x in head]), *[x.double() for x in per_slot]]
     conf = out.conf_logit is not None
-    if conf:
-        c = torch.sigmoid(out.conf_logit.double()) * sup
-        cum_c = c.cumprod(dim=-1)
-        err, cerr = (c - alpha)[sup], (cum_c - cum_alpha)[sup]
-        parts.append(torch.stack([err.abs().sum(), err.sum(), cerr.abs().sum(), cerr.sum()]))
-        parts.append(_slot_bin_sums(c, alpha, sup).reshape(-1))
-        parts.append(_slot_bin_sums(cum_c, cum_alpha, sup).reshape(-1))
-    vals = torch.cat(parts).tolist()
+    vals = torch.cat(_block_values(out, masked=False)).tolist()
     (ce, l1, cf, ws, tau, nblocks), vals = vals[:6], vals[6:]
     a_sum, correct, n_k, vals = vals[:B], vals[B:2 * B], vals[2 * B:3 * B], vals[3 * B:]
     s = MetricSums()
