@@ -4,7 +4,8 @@
   code path) on the CPU and returns the losses, metric sums and gradient norms as exact float hex strings.
   :data:`GOLDEN` holds what it returned on main before this work (commit f0f6163, torch 2.13.0 CPU, one
   thread: ``python tests/test_fast_consumer.py`` prints it); :data:`DSPARK_GOLDEN` the DSpark entry on main at
-  ec10ecb, before DSpark took the same path. The test asserts equality to the last bit.
+  ec10ecb, before DSpark took the same path. The tests assert every figure within 1e-6 relative
+  (float32 rounding; the kernels' reduction order is the machine's, see :func:`_same_figures`).
 - The chunked bf16 lm_head loss, its compiled body, the static-row DFlash and DSpark losses and the sync-free
   EAGLE-3 loss agree with the reference within bf16 / float rounding on fresh random inputs (CPU).
 - :class:`~artcache.trainers.draft.PendingSums` resolves to exactly the MetricSums of the host path (DSpark:
@@ -404,17 +405,48 @@ DSPARK_GOLDEN: list = [
 ]
 
 
+def _same_figures(got, golden, rel: float = 1e-6) -> bool:
+    """The same structure and every figure within ``rel`` relative of the golden (float32 rounding: 2^-23 is
+    1.2e-7). Not bit-exact: the CPU kernels' reduction order follows the machine and the process (on an AMD
+    EPYC under pytest EAGLE-3's step-1 gradient norm came out 1 ulp apart, and standalone its step-2 loss),
+    while any change to the arithmetic moves these figures by far more than 1e-6."""
+    if isinstance(golden, dict):
+        return isinstance(got, dict) and got.keys() == golden.keys() and all(
+            _same_figures(got[k], golden[k], rel) for k in golden)
+    if isinstance(golden, list):
+        return isinstance(got, list) and len(got) == len(golden) and all(
+            _same_figures(x, y, rel) for x, y in zip(got, golden, strict=True))
+    x, y = float.fromhex(got), float.fromhex(golden)
+    return abs(x - y) <= rel * abs(y)
+
+
 def test_cpu_losses_unchanged_to_the_last_bit():
     """Regression (issue 20): the CPU path of both drafts computes what it computed before the GPU work."""
     got = cpu_figures()
-    assert got == GOLDEN, json.dumps(got, indent=1)
+    assert _same_figures(got, GOLDEN), json.dumps(got, indent=1)
+
+
+def test_regression_cpu_figures_compared_within_float32_rounding():
+    """Session 5: the last-bit comparison failed on an AMD EPYC (CI passed elsewhere) by 1 ulp of float32 in
+    EAGLE-3's figures; a 1e-6 relative bound passes that and still fails a change of 1e-5 anywhere."""
+    moved = json.loads(json.dumps(GOLDEN))
+    moved["eagle3"][0]["grad_norm"] = "0x1.a2398a0000000p+0"
+    moved["eagle3"][1]["loss"] = "0x1.20b3600000000p+3"
+    assert _same_figures(moved, GOLDEN)
+    for draft, key in (("eagle3", "grad_norm"), ("dflash", "loss")):
+        bad = json.loads(json.dumps(GOLDEN))
+        bad[draft][0][key] = float(1.00001 * float.fromhex(GOLDEN[draft][0][key])).hex()
+        assert not _same_figures(bad, GOLDEN), (draft, key)
+    bad = json.loads(json.dumps(GOLDEN))
+    bad["dflash"][1]["num"]["acc_2"] = "0x1.0000000000000p+0"  # a count that was 0
+    assert not _same_figures(bad, GOLDEN)
 
 
 def test_dspark_cpu_figures_unchanged_to_the_last_bit():
     """Regression (issue 20): DSpark's CPU path (loss, gradient norm, every metric sum) computes what it
     computed before it took the sync-free path."""
     got = dspark_cpu_figures()
-    assert got == DSPARK_GOLDEN, json.dumps(got, indent=1)
+    assert _same_figures(got, DSPARK_GOLDEN), json.dumps(got, indent=1)
 
 
 # ---- the fast paths compute the same function (CPU) ---------------------------------------------------
