@@ -17,23 +17,28 @@ from pathlib import Path
 
 import pytest
 
+import artcache
 from artcache import store
 from artcache.layout import CacheLayout
 from artcache.settings import load_settings
 
 REPO = Path(__file__).resolve().parent.parent
+#: the directory the test process imported ``artcache`` from (REPO for a checkout or an editable install; on
+#: the GPU machine a link tree that adds the ``artcache.trainers`` / ``artcache.bench`` subpackages): children
+#: put it first on PYTHONPATH so they import the same artcache as the test
+PACKAGE_ROOT = Path(artcache.__file__).parent.parent  # not resolved: the link tree's own directory
 #: characters of a process's log shown when it fails
 LOG_TAIL = 4000
 
 
 def child_env(crash_at: str | None = None, single_thread: bool = True, **extra: str) -> dict[str, str]:
     """The environment of a CLI child: unbuffered output, no tokenizer threads, one OpenMP thread (unless
-    ``single_thread`` is false), this repository first on PYTHONPATH, ``ARTCACHE_CRASH_AT`` only when
+    ``single_thread`` is false), :data:`PACKAGE_ROOT` first on PYTHONPATH, ``ARTCACHE_CRASH_AT`` only when
     ``crash_at`` is given (an inherited one is dropped), then ``extra``."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     if single_thread:
         env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.pop("ARTCACHE_CRASH_AT", None)
     if crash_at:
         env["ARTCACHE_CRASH_AT"] = crash_at

@@ -81,10 +81,11 @@ def test_liger_matches_reference():
 
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
-def test_sync_free_steps_match_cpu(compile_mode):
+def test_sync_free_steps_match_the_host_reference(compile_mode):
+    from test_fast_consumer import _batch, _dflash, _dspark, _eagle3
+
     from artcache.trainers.draft import DraftBatch
     from artcache.trainers.speed import SpeedOptions
-    from tests.test_fast_consumer import _batch, _dflash, _dspark, _eagle3
 
     speed = SpeedOptions(sync_free=True, ce_impl="chunked", compile=compile_mode)
     for make, b in ((_dflash, _batch(3, 24, 4, 1)), (_eagle3, _batch(3, 18, 4, 2)), (_dspark, _batch(3, 24, 4, 3))):
@@ -107,9 +108,10 @@ def test_sync_free_steps_match_cpu(compile_mode):
 def test_sync_free_dspark_step_does_not_synchronise():
     """The DSpark step of the CUDA path (anchors drawn on the host, forward, loss, PendingSums, backward) raises
     no synchronisation error under ``set_sync_debug_mode("error")`` once its pinned inputs are staged."""
+    from test_fast_consumer import _batch, _dspark
+
     from artcache.trainers.draft import DraftBatch
     from artcache.trainers.speed import SpeedOptions
-    from tests.test_fast_consumer import _batch, _dspark
 
     b = _batch(3, 24, 4, 4)
     d = _dspark(speed=SpeedOptions(sync_free=True, ce_impl="chunked"))
