@@ -21,10 +21,13 @@ Failure semantics: a capture ends in exactly one ``publish`` or ``capture_failur
 the producer is killed, in neither: "lost in a crash"). Transient write errors are retried with backoff
 over seconds within one capture (:data:`PUBLISH_BACKOFF_S`); a capture that still fails counts as one
 failed attempt, and after :data:`MAX_ATTEMPTS` the producer gives up on the fingerprint
-(``failed/<fp>.json``). A give-up on a full disk (ENOSPC, EDQUOT) is withdrawn by the same producer once the
+(``failed/<fp>.json``); on a full disk (ENOSPC, EDQUOT) at once, not after 3 tries against the same full disk.
+A give-up on a full disk is withdrawn by the same producer once the
 filesystem has room again (:meth:`Producer.retry_space_bound`, looked at every :data:`SPACE_RETRY_S`), so a
-consumer restarted after space was freed is served without restarting the producer. Any other error in
-the publisher thread stops the producer (exit 1, the error on stderr); signals stop it at any point.
+consumer restarted after space was freed is served without restarting the producer (and a waiting one keeps
+waiting). A full disk stops nothing else either: a dead consumer's fence that cannot be written is retried
+every pass, journal lines are held in memory (artcache.journal). Any other error in the publisher thread
+stops the producer (exit 1, the error on stderr); signals stop it at any point.
 """
 
 from __future__ import annotations
