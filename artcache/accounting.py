@@ -78,6 +78,11 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     #: gone, and the holder process is dead (this host). Its holder (release) or the producer/fsck
     #: (expiry) was killed between unlinking the file and journaling it: outside the lease invariant
     leases_removal_unjournaled: int = 0
+    #: leases whose release line its live holder holds in memory for a full filesystem (its journal is
+    #: :func:`artcache.journal.holding_events`): released, journaled once space is back
+    leases_release_held: int = 0
+    #: journals whose live writer holds events in memory for a full filesystem (lines that will follow)
+    journals_holding: int = 0
     captures_lost_in_crash: int = 0
     #: captures of a producer that has not stopped and may be alive (same host: its pid lives; another
     #: host: cannot be checked), not yet published or failed: work in flight, not a crash
@@ -94,9 +99,11 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     max_retained_artifacts: int = 0
     max_retained_bytes: int = 0
     window_bound_artifacts: int = 0
-    #: the disk budget of the latest producer (0: none recorded) and its retention rule
+    #: the disk budget of the latest producer and its retention rule; ``budget_recorded``: that producer
+    #: recorded one (its ``producer_start`` names a rule: 0 is then a budget of 0 bytes, not "none")
     budget_bytes: int = 0
     retention: str = ""
+    budget_recorded: bool = False
     #: a decision evicted something needed or left a capture out because of the budget
     budget_binding: bool = False
     #: the live windows alone held more than the budget at some point (the guarantee won)
@@ -198,6 +205,7 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
             c.evictions_by_reason[why] = c.evictions_by_reason.get(why, 0) + 1
         elif isinstance(ev, J.ProducerStart):
             c.budget_bytes, c.retention = ev.budget_bytes, ev.policy or "windows"
+            c.budget_recorded = bool(ev.policy) and ev.policy == "need"
         elif isinstance(ev, J.Coalesced):
             c.coalesced += ev.requesters
         elif isinstance(ev, J.Retained):
@@ -249,7 +257,10 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
     c.window_bound_artifacts = sum(windows.values())
     objects = store.list_objects(layout)
     c.retained_artifacts, c.retained_bytes = len(objects), sum(objects.values())
-    _count_leases(c, acquired, settled, on_disk, files, later, layout)
+    holding = [f for f in files if J.holding_events(f.path)]
+    c.journals_holding = len(holding)
+    held_by = {w[2].token() for f in holding if (w := _writer(f.path)) is not None and w[2] is not None}
+    _count_leases(c, acquired, settled, on_disk, files, later, layout, held_by)
     now = None
     if retention_now:
         from artcache.errors import ArtcacheError
@@ -269,13 +280,15 @@ RELEASE_SETTLE_S = 2.0
 
 
 def _count_leases(c: CacheCounts, acquired: set[str], settled: set[str], on_disk: dict, files, later,
-                  layout: CacheLayout | None = None) -> None:
+                  layout: CacheLayout | None = None, held_by: set[str] = frozenset()) -> None:
     """Lease counts of the snapshot: ``acquired``/``settled`` lease names from the journals read first,
     ``on_disk`` the lease files scanned next, ``later`` the journal lines written since the first read.
     A lease acquired, unsettled and gone whose removal is not explained by a kill (a live holder, or one
     whose journal ended cleanly) is waited for up to :data:`RELEASE_SETTLE_S`, re-reading the journals'
     new lines (``layout``; None: not waited for): a live holder between its unlink and its release line
-    settles it, one that never journals it stays a violation."""
+    settles it, one that never journals it stays a violation. ``held_by``: identity tokens of writers
+    holding journal events in memory for a full filesystem; a gone lease of one of them is
+    ``leases_release_held`` (its release line follows once space is back)."""
     unsettled = acquired - settled
 
     def settled_in(lines) -> set[str]:
@@ -284,6 +297,10 @@ def _count_leases(c: CacheCounts, acquired: set[str], settled: set[str], on_disk
     settled_since = settled_in(later)
     ended = _cleanly_ended_consumers(files, later)
     gone = unsettled - on_disk.keys()
+    release_held = {n for n in gone if (info := leases_mod.parse(n)) is not None and info.holder is not None
+                    and info.holder.token() in held_by}
+    gone -= release_held
+    c.leases_release_held = len(release_held)
     deadline = time.monotonic() + RELEASE_SETTLE_S
     while layout is not None and any(not removal_unjournaled(n, ended) for n in gone - settled_since) \
             and time.monotonic() < deadline:
@@ -326,7 +343,7 @@ def current_retention(layout: CacheLayout, events: list, c: CacheCounts, objects
     live_ids = {r.consumer_id for r in live}
     leased = [index_of[info.fp] for infos in leases_mod.scan(layout).values() for info in infos
               if info.fp in index_of and info.consumer in live_ids]
-    budget = c.budget_bytes if c.retention == "need" and c.budget_bytes else math.inf
+    budget = c.budget_bytes if c.retention == "need" and (c.budget_bytes or c.budget_recorded) else math.inf
     est = int(sizes[sizes > 0].mean()) if (sizes > 0).any() else 1
     d = decide(readers, sizes=sizes, budget=budget, est_size=est, leased=leased, canon=canon,
                policy="windows" if c.retention == "windows" else "need", explain=True)
@@ -457,10 +474,11 @@ def check_invariants(c: CacheCounts, consumers: list[ConsumerCounts]) -> list[st
         out.append(f"captures {c.captures} != publications {c.publications} + failures {publish_failures} + lost "
                    f"in a producer crash {c.captures_lost_in_crash} + in flight {c.captures_in_flight}")
     if c.leases_acquired != (c.leases_released + c.leases_expired + c.leases_held
-                             + c.leases_removal_unjournaled):
+                             + c.leases_removal_unjournaled + c.leases_release_held):
         out.append(f"leases acquired {c.leases_acquired} != released {c.leases_released} + expired "
                    f"{c.leases_expired} + held {c.leases_held} + removed unjournaled by a killed process "
-                   f"{c.leases_removal_unjournaled}")
+                   f"{c.leases_removal_unjournaled} + released with the line held in memory (full disk) "
+                   f"{c.leases_release_held}")
     if c.logical_requests != c.hits + c.misses:
         out.append(f"logical requests {c.logical_requests} != hits {c.hits} + misses {c.misses}")
     if c.retention in ("", "windows") and c.window_bound_artifacts \

@@ -144,6 +144,7 @@ class CacheClient:
         next_note = WAIT_NOTE_S
         delay = 0.002
         read_errors = 0
+        space_wait = False  # the producer gave up on fp for a full disk (noted once; waited for)
         try:
             # a fenced consumer's workers cannot acquire: checked after the lease exists, so a fence
             # that lands later finds (and expires) this lease
@@ -167,12 +168,12 @@ class CacheClient:
                         self.journal.emit(J.Quarantined(consumer=self.consumer_id, fp=fp, reason=reason))
                         log.warning("quarantined %s so that it is recaptured: %s", fp, reason)
                         read_errors = 0
-                self._raise_if_given_up(fp, key)
+                waited = time.monotonic() - t0
+                space_wait = self._raise_if_given_up(fp, key, waited, space_wait)
                 if not waiting:
                     waiting = True
                     self.journal.emit(J.DemandWait(consumer=self.consumer_id, position=position, fp=fp))
                     self._set_demand(key, True, held_out)
-                waited = time.monotonic() - t0
                 if waited >= next_note:  # a silent wait reads like a hang: say what we wait for, and on whom
                     log.warning("[%s] waited %.0fs for %s %d (fingerprint %s; gives up after %.0fs): is "
                                 "`artcache producer` running on %s?", self.consumer_id, waited,
@@ -202,21 +203,33 @@ class CacheClient:
                                     epoch=self.order.epoch(position) if position >= 0 else 0))
         return Leased(position, art, lease)
 
-    def _raise_if_given_up(self, fp: str, position: int) -> None:
+    def _raise_if_given_up(self, fp: str, position: int, waited: float = 0.0, noted: bool = False) -> bool:
         """Raise CaptureFailed if the producer gave up on ``fp`` (``failed/<fp>.json``). A marker whose
         producer is provably gone (same host id, pid gone) is superseded: the next producer retries the
-        fingerprint, so it is not an answer (issue 17, item 7)."""
+        fingerprint, so it is not an answer (issue 17, item 7). A give-up for a full disk (the marker's
+        ``space``) is withdrawn by its producer once space is back: it is waited for while ``waited``
+        (seconds of this acquire) is within the demand timeout, logged once (``noted``: already logged), and
+        raised after that. Returns whether such a give-up is being waited for."""
         try:
             record = json.loads(self.layout.failure_path(fp).read_bytes())
         except (FileNotFoundError, ValueError):
-            return
+            return False
         if not isinstance(record, dict):
-            return
+            return False
         writer = from_token(str(record.get("producer", "")))
         if writer is not None and writer.comparable() and dead_reason(writer) is not None:
-            return
+            return False
+        space = record.get("space") is True
+        if space and waited <= self.demand_timeout_s:
+            if not noted:
+                log.warning("[%s] the producer gave up capturing position %d (fingerprint %s) for a full disk (%s); "
+                            "waiting up to %.0fs (--demand-timeout) for it to retry once space is freed on %s",
+                            self.consumer_id, position, fp, record.get("error"), self.demand_timeout_s,
+                            self.layout.root)
+            return True
+        waited_note = f"waited {waited:.0f}s (--demand-timeout) for free space, then: " if space else ""
         raise CaptureFailed(
-            f"the producer gave up capturing position {position} (fingerprint {fp}) after "
+            f"{waited_note}the producer gave up capturing position {position} (fingerprint {fp}) after "
             f"{record.get('attempts')} attempt(s): {record.get('error')}; fix that, then restart this consumer "
             "(--resume when it recorded a checkpoint): a full disk once space is freed (the running producer "
             "withdraws that give-up within seconds), any other error after you restart `artcache producer` on "

@@ -39,6 +39,9 @@ log = logging.getLogger("artcache.fsio")
 #: NFS file handle gone stale; the path names the current file again). A read failing so is a miss that
 #: recaptures (artcache.client), an eviction failing so is retried on the next pass (artcache.eviction).
 RETRYABLE_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE})
+#: errno values of a full disk or quota: not retryable at once, but the same write succeeds once space is
+#: freed (a producer withdraws such give-ups, a journal holds such events, a registration write waits)
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: delays (seconds) between the tries of a directory fsync after a rename
 DIR_FSYNC_BACKOFF = (0.05, 0.25, 1.0)
 
@@ -98,6 +101,12 @@ def describe_errno(code: int | None, exc: BaseException) -> str:
 def is_retryable(exc: BaseException) -> bool:
     """Whether ``exc`` is an OSError whose errno is in :data:`RETRYABLE_ERRNOS`."""
     return isinstance(exc, OSError) and exc.errno in RETRYABLE_ERRNOS
+
+
+def is_space_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is an OSError (a PublishError, JournalError, ...) for a full disk or quota
+    (:data:`SPACE_ERRNOS`)."""
+    return isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS
 
 
 _umask_lock = threading.Lock()

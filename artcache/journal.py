@@ -10,6 +10,9 @@ snapshot and then read only what was appended since (``artcache inspect`` does).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
 import math
 import os
 import threading
@@ -20,8 +23,10 @@ from pathlib import Path
 import msgspec
 
 from artcache.errors import JournalError
-from artcache.fsio import group_shared, is_retryable, share_mode
+from artcache.fsio import group_shared, is_retryable, is_space_error, share_mode
 from artcache.layout import open_nofollow
+
+log = logging.getLogger("artcache.journal")
 
 
 class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
@@ -237,11 +242,26 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyEvent)
 
 
+#: the most bytes of events one writer holds in memory while its filesystem is full (ENOSPC, EDQUOT); an
+#: event past it raises JournalError (the process fails clearly instead of growing without bound)
+HOLD_MAX_BYTES = 16 << 20
+#: seconds between tries to write held events (an ``emit`` or :meth:`JournalWriter.flush_held` in between
+#: only queues)
+HOLD_RETRY_S = 1.0
+
+
 class JournalWriter:
     """Append events to one file. Thread-safe; each event is one ``write`` of one line.
 
     Writes are flushed per event (``os.write`` on an O_APPEND fd), fsync-ed on :meth:`close`.
-    A failed write raises :class:`JournalError` (an OSError); lines already written stay readable.
+    A write failing for space (ENOSPC, EDQUOT: :func:`artcache.fsio.is_space_error`) does not raise: the
+    event is *held* in memory, in order, with every later one, and written (one ``write``, the lines in
+    emit order, their original ``t``) by the first try after space is back (every :data:`HOLD_RETRY_S` on
+    ``emit`` or :meth:`flush_held`), at most :data:`HOLD_MAX_BYTES` of them (past it ``emit`` raises
+    JournalError). While it holds events the writer keeps an exclusive ``flock`` on its file, so a reader
+    can tell a gap of held lines from a lost one (:func:`holding_events`; the kernel drops the lock when
+    the process dies). Events still held at :meth:`close` are lost (logged), as a kill would lose them.
+    Any other failed write raises :class:`JournalError` (an OSError); lines already written stay readable.
     """
 
     def __init__(self, path: Path) -> None:
@@ -254,15 +274,27 @@ class JournalWriter:
                 os.fchmod(self._fd, share_mode(path.parent))
         self._lock = threading.Lock()
         self._torn = False  # a failed write left a fragment without its newline at the end
+        self._held: list[bytes] = []  # lines not written for space, in emit order
+        self._held_bytes = 0
+        self._next_try = 0.0  # time.monotonic() of the next try to write them
 
-    def emit(self, event: Event) -> None:
-        """Append one event as one line.
+    @property
+    def held(self) -> int:
+        """Events held in memory for a full filesystem (0: every event emitted is in the file)."""
+        return len(self._held)
+
+    def emit(self, event: Event, *, hold: bool = True) -> None:
+        """Append one event as one line (or hold it, in order, while the filesystem is full).
+
+        Args:
+            hold: False: a write failing for space raises JournalError too (a process's first line: a
+                process that cannot journal its start does not start).
 
         Raises:
-            JournalError: the write failed (``retryable`` per errno). The file stays readable: a
-                partial line is truncated away, or (if that fails too) terminated by the next
-                successful write so readers skip it as one torn line instead of merging it with
-                the next event.
+            JournalError: the write failed for another reason than space (``retryable`` per errno), or
+                more than :data:`HOLD_MAX_BYTES` are held. The file stays readable: a partial line is
+                truncated away, or (if that fails too) terminated by the next successful write so readers
+                skip it as one torn line instead of merging it with the next event.
         """
         if not event.t:
             event.t = time.time()
@@ -270,33 +302,95 @@ class JournalWriter:
         with self._lock:
             if self._fd < 0:
                 return
-            data = (b"\n" + line) if self._torn else line
-            view = memoryview(data)
-            start = None
+            if self._held:  # after the held lines, never before them
+                if self._held_bytes + len(line) > HOLD_MAX_BYTES:
+                    raise JournalError(
+                        f"journal {self.path.name}: {len(self._held)} events ({self._held_bytes} B) are held in "
+                        f"memory since the filesystem filled up, no room for a {type(event).__name__} event: "
+                        "free space on the cache root's filesystem", retryable=False, errno_=errno.ENOSPC)
+                self._held.append(line)
+                self._held_bytes += len(line)
+                if time.monotonic() >= self._next_try:
+                    self._write_held()
+                return
             try:
-                start = os.fstat(self._fd).st_size
-                while view:  # a short write (e.g. the disk filled up) must not leave half a line
-                    view = view[os.write(self._fd, view):]
-                self._torn = False
+                self._write(line)
             except OSError as exc:
-                if start is not None:  # else nothing was written (fstat failed first)
-                    # part of the line may have reached the file (a short write, then the error):
-                    # cut it back; if that fails, the next write terminates the fragment first
-                    was_torn, self._torn = self._torn, True
-                    with contextlib.suppress(OSError):
-                        if os.fstat(self._fd).st_size != start:
-                            os.ftruncate(self._fd, start)
-                        if os.fstat(self._fd).st_size == start:  # as before this call
-                            self._torn = was_torn
-                raise JournalError(f"journal {self.path.name}: writing a {type(event).__name__} event "
-                                   f"failed: {exc.strerror or exc}", retryable=is_retryable(exc),
-                                   errno_=exc.errno) from exc
+                if not (hold and is_space_error(exc)):
+                    raise JournalError(f"journal {self.path.name}: writing a {type(event).__name__} event "
+                                       f"failed: {exc.strerror or exc}", retryable=is_retryable(exc),
+                                       errno_=exc.errno) from exc
+                self._held, self._held_bytes = [line], len(line)
+                self._next_try = time.monotonic() + HOLD_RETRY_S
+                with contextlib.suppress(OSError):  # readers: these lines are held, not lost
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                log.warning("journal %s: %s; holding events in memory (at most %d MiB) and writing them once "
+                            "space is back", self.path.name, exc.strerror or exc, HOLD_MAX_BYTES >> 20)
+
+    def flush_held(self) -> bool:
+        """Try to write the held events now (no more often than every :data:`HOLD_RETRY_S`); True when none
+        is held any more. Cheap when none is: callers call it on every pass of their loop.
+
+        Raises:
+            JournalError: writing them failed for another reason than space (they stay held)."""
+        with self._lock:
+            if not self._held or self._fd < 0:
+                return not self._held
+            if time.monotonic() < self._next_try:
+                return False
+            return self._write_held()
+
+    def _write_held(self) -> bool:
+        """Under the lock: write every held line in one write; True if written (False: still no space)."""
+        try:
+            self._write(b"".join(self._held))
+        except OSError as exc:
+            self._next_try = time.monotonic() + HOLD_RETRY_S
+            if is_space_error(exc):
+                return False
+            raise JournalError(f"journal {self.path.name}: writing {len(self._held)} held events failed: "
+                               f"{exc.strerror or exc}", retryable=is_retryable(exc), errno_=exc.errno) from exc
+        log.info("journal %s: space is back, wrote the %d event(s) held in memory", self.path.name, len(self._held))
+        self._held, self._held_bytes = [], 0
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return True
+
+    def _write(self, line: bytes) -> None:
+        """Under the lock: append ``line`` (whole lines) or raise OSError with the file as before the call
+        (a partial write cut back; if that fails, the fragment is terminated by the next write)."""
+        data = (b"\n" + line) if self._torn else line
+        view = memoryview(data)
+        start = None
+        try:
+            start = os.fstat(self._fd).st_size
+            while view:  # a short write (e.g. the disk filled up) must not leave half a line
+                view = view[os.write(self._fd, view):]
+            self._torn = False
+        except OSError:
+            if start is not None:  # else nothing was written (fstat failed first)
+                # part of the line may have reached the file (a short write, then the error):
+                # cut it back; if that fails, the next write terminates the fragment first
+                was_torn, self._torn = self._torn, True
+                with contextlib.suppress(OSError):
+                    if os.fstat(self._fd).st_size != start:
+                        os.ftruncate(self._fd, start)
+                    if os.fstat(self._fd).st_size == start:  # as before this call
+                        self._torn = was_torn
+            raise
 
     def close(self, *, remove_if_empty: bool = False) -> None:
-        """fsync and close. ``remove_if_empty``: also unlink the file if nothing was ever written to it (a
-        refused start must not leave an empty journal behind)."""
+        """Write what is held (one last try), fsync and close. ``remove_if_empty``: also unlink the file if
+        nothing was ever written to it (a refused start must not leave an empty journal behind)."""
         with self._lock:
             if self._fd >= 0:
+                if self._held:
+                    with contextlib.suppress(JournalError):
+                        self._write_held()
+                    if self._held:
+                        log.error("journal %s: %d event(s) held in memory for a full filesystem are lost (no "
+                                  "space for them at exit); `artcache inspect` counts this process as killed",
+                                  self.path.name, len(self._held))
                 empty = False
                 with contextlib.suppress(OSError):
                     empty = os.fstat(self._fd).st_size == 0
@@ -313,6 +407,24 @@ class JournalWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def holding_events(path: Path) -> bool:
+    """Whether a live writer holds events of journal ``path`` in memory for a full filesystem (its exclusive
+    ``flock``, :class:`JournalWriter`): the file then lacks lines that will follow, not lost ones."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops our shared lock too
+    return False
 
 
 class JournalReadResult(msgspec.Struct):

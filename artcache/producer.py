@@ -21,16 +21,18 @@ Failure semantics: a capture ends in exactly one ``publish`` or ``capture_failur
 the producer is killed, in neither: "lost in a crash"). Transient write errors are retried with backoff
 over seconds within one capture (:data:`PUBLISH_BACKOFF_S`); a capture that still fails counts as one
 failed attempt, and after :data:`MAX_ATTEMPTS` the producer gives up on the fingerprint
-(``failed/<fp>.json``). A give-up on a full disk (ENOSPC, EDQUOT) is withdrawn by the same producer once the
+(``failed/<fp>.json``); on a full disk (ENOSPC, EDQUOT) at once, not after 3 tries against the same full disk.
+A give-up on a full disk is withdrawn by the same producer once the
 filesystem has room again (:meth:`Producer.retry_space_bound`, looked at every :data:`SPACE_RETRY_S`), so a
-consumer restarted after space was freed is served without restarting the producer. Any other error in
-the publisher thread stops the producer (exit 1, the error on stderr); signals stop it at any point.
+consumer restarted after space was freed is served without restarting the producer (and a waiting one keeps
+waiting). A full disk stops nothing else either: a dead consumer's fence that cannot be written is retried
+every pass, journal lines are held in memory (artcache.journal). Any other error in the publisher thread
+stops the producer (exit 1, the error on stderr); signals stop it at any point.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -69,7 +71,7 @@ from artcache.eviction import (
     expire_leases,
 )
 from artcache.fingerprint import PlanFingerprints
-from artcache.fsio import atomic_write, free_space, space_reserve
+from artcache.fsio import atomic_write, free_space, is_space_error, space_reserve
 from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
@@ -93,8 +95,6 @@ ORPHAN_PASS_S = 30.0
 EXPECT_NOTE_S = 30.0
 #: seconds between the producer's looks at free space while it holds give-ups caused by a full disk
 SPACE_RETRY_S = 10.0
-#: errnos of a full disk or quota: a give-up for one is withdrawn once the space is back
-SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: seconds the producer waits for a dead consumer's registration lock before retrying the fence next pass
 #: (a SIGSTOPped consumer may hold it; waiting the default 30 s killed the producer with LockTimeout)
 FENCE_LOCK_TIMEOUT_S = 1.0
@@ -203,21 +203,22 @@ def flag_of(field: str) -> str:
     return FLAGS.get(field) or "--" + field.rpartition(".")[2].removesuffix("_s").replace("_", "-")
 
 
-#: the default disk budget: this share of the free space beyond :data:`BUDGET_RESERVE` ...
+#: the default disk budget: this share of the free space beyond the filesystem's reserve
+#: (:func:`artcache.fsio.space_reserve`, the one publication keeps free)
 BUDGET_FREE_FRACTION = 0.9
-#: ... bytes left free for everything else on the filesystem
-BUDGET_RESERVE = 1 << 30
 
 
 def default_budget(layout: CacheLayout, retained: int) -> tuple[int, str]:
-    """(budget bytes, how it was derived): what the root holds now plus
-    :data:`BUDGET_FREE_FRACTION` of the filesystem's free space beyond :data:`BUDGET_RESERVE`."""
+    """(budget bytes, how it was derived): what the root holds now plus :data:`BUDGET_FREE_FRACTION` of the
+    filesystem's free space beyond its reserve (:func:`artcache.fsio.space_reserve`: 64 MiB or 5 %, the
+    bytes publication never fills; a separate 1 GiB reserve here made the default 0 on filesystems below
+    ~1.1 GiB)."""
     usage = shutil.disk_usage(layout.objects)
-    free = max(0, usage.free - BUDGET_RESERVE)
+    reserve = space_reserve(usage.total)
+    free = max(0, usage.free - reserve)
     budget = retained + int(BUDGET_FREE_FRACTION * free)
     return budget, (f"default: {retained / 2**30:.2f} GiB retained + {BUDGET_FREE_FRACTION:.0%} of the "
-                    f"{usage.free / 2**30:.2f} GiB free on {layout.objects} beyond a {BUDGET_RESERVE / 2**30:.0f} "
-                    "GiB reserve")
+                    f"{usage.free / 2**30:.2f} GiB free on {layout.objects} beyond a {reserve} B reserve")
 
 
 class SizeModel:
@@ -436,7 +437,8 @@ class Producer:
         self.stats = ProducerStats()
         self._published: dict[str, int] = store.list_objects(layout)
         self._seen_consumers: set[str] = set()
-        self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts
+        self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts (at once for space)
+        self._attempts: dict[str, int] = {}  # fp -> capture attempts that failed (what a give-up marker says)
         self._space_bound: dict[str, int] = {}  # fp given up on a full disk -> its estimated bytes
         self._next_space_look = 0.0
         self._state = threading.Lock()  # guards _published, _inflight, _failed and stats
@@ -447,6 +449,7 @@ class Producer:
         self._started = time.monotonic()
         self._next_nobody_note = self._started
         self._lock_held_seen: set[str] = set()
+        self._fence_space_noted: set[str] = set()  # dead consumers whose fence failed for space (logged once)
         self._any_live = False
         self._registered: set[str] = set()  # ids with a registration on the root (any state)
         self._beats = HeartbeatWatch(cfg.heartbeat_timeout_s)  # consumers' heartbeat progress
@@ -489,8 +492,9 @@ class Producer:
         """Tokens of plan sample ``sample``."""
         return int(self._lengths[sample])
 
-    def _emit(self, ev) -> None:
-        self.journal.emit(ev)
+    def _emit(self, ev, hold: bool = True) -> None:
+        """Journal ``ev``; on a full disk it is held in memory in order (:class:`artcache.journal.JournalWriter`)."""
+        self.journal.emit(ev, hold=hold)
 
     # -- liveness --------------------------------------------------------------------------
     def live_registrations(self) -> list[registry.Registration]:
@@ -515,6 +519,16 @@ class Producer:
                                 "next pass", reg.consumer_id, reason)
                     live.append(reg)
                     continue
+                except OSError as exc:  # a full disk: retry next pass; dead, so its window protects nothing
+                    if not is_space_error(exc):
+                        raise
+                    if reg.consumer_id not in self._fence_space_noted:
+                        self._fence_space_noted.add(reg.consumer_id)
+                        log.warning("cannot fence consumer %s yet (%s): writing its registration failed (%s); "
+                                    "retrying every pass, and its window no longer keeps artifacts, so eviction "
+                                    "can free space", reg.consumer_id, reason, exc)
+                    continue
+                self._fence_space_noted.discard(reg.consumer_id)
                 if fenced:
                     self._emit(J.Fence(producer=self.pid, consumer=reg.consumer_id,
                                        generation=reg.generation + 1, state=state, reason=reason))
@@ -629,6 +643,7 @@ class Producer:
             ProducerFailed: the publisher thread failed (see :meth:`_publisher`).
         """
         self._raise_if_publisher_failed()
+        self.journal.flush_held()  # events held while the disk was full: written once space is back
         live = self.live_registrations()
         decision = self.evict(live)
         if time.monotonic() >= self._next_orphan_pass:
@@ -842,25 +857,34 @@ class Producer:
         journaled; ``publish``: a journaled capture was not published after ``tries`` writes). After
         :data:`MAX_ATTEMPTS` attempts the producer gives up on ``fp``: ``failed/<fp>.json`` names this
         producer incarnation, so a later one supersedes it (:func:`supersede_failure_markers`)."""
+        space = is_space_error(exc)
         with self._state:
             self.stats.failures += 1
-            self._failed[fp] = self._failed.get(fp, 0) + 1
+            attempts = self._attempts[fp] = self._attempts.get(fp, 0) + 1
+            # a full disk gives up at once (until space is back: retry_space_bound), instead of burning the
+            # attempts back-to-back in the same millisecond against the same full disk
+            self._failed[fp] = max(self._failed.get(fp, 0) + 1, MAX_ATTEMPTS if space else 0)
             total = self._failed[fp]
         retryable = bool(getattr(exc, "retryable", False))
         error = f"{type(exc).__name__}: {exc}"
         self._last_failure = error
         self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=tries, retryable=retryable, error=error,
                                     stage=stage))
-        log.error("capture of %s failed (%s, attempt %d of %d, retryable=%s): %s", fp, stage, total, MAX_ATTEMPTS,
-                  retryable, exc)
+        if space:
+            log.error("capture of %s failed (%s, attempt %d): %s; given up until the filesystem has room again "
+                      "(looked at every %gs)", fp, stage, attempts, exc, SPACE_RETRY_S)
+        else:
+            log.error("capture of %s failed (%s, attempt %d of %d, retryable=%s): %s", fp, stage, total,
+                      MAX_ATTEMPTS, retryable, exc)
         if total >= MAX_ATTEMPTS:  # give up: tell consumers waiting on it instead of letting them hang
             me = this_process()
-            record = {"fingerprint": fp, "attempts": total, "retryable": retryable, "error": error,
-                      "producer": me.token(), "hostname": me.hostname}
+            # "space": withdrawn once space is back, so a waiting consumer keeps waiting (artcache.client)
+            record = {"fingerprint": fp, "attempts": attempts, "retryable": retryable, "error": error,
+                      "producer": me.token(), "hostname": me.hostname, "space": space}
             with contextlib.suppress(OSError):
                 atomic_write(self.layout.failure_path(fp), [json.dumps(record).encode()], self.layout.tmp,
                              durable=False)
-            if getattr(exc, "errno", None) in SPACE_ERRNOS:
+            if space:
                 index = self._index_of.get(fp)
                 est = int(self.sizes(self._lengths[index])) if index is not None else 0
                 with self._state:
@@ -889,6 +913,7 @@ class Producer:
             self._space_bound.clear()
             for fp in fps:
                 self._failed.pop(fp, None)
+                self._attempts.pop(fp, None)
         for fp in fps:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.layout.failure_path(fp))
@@ -928,7 +953,8 @@ class Producer:
         """
         self._emit(J.ProducerStart(producer=self.pid, pid=os.getpid(), contract_id=self.contract.contract_id,
                                    plan_id=self.settings.plan_id, budget_bytes=self.budget,
-                                   policy=self.cfg.retention, fill=self.cfg.fill))
+                                   policy=self.cfg.retention, fill=self.cfg.fill),
+                           hold=False)  # a producer that cannot journal its start does not start
         reason = "stopped"
         try:
             while not self.stop_event.is_set():
@@ -1046,7 +1072,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         producer.run()
     finally:
         shutdown.restore()
-        journal.close()
+        journal.close(remove_if_empty=True)  # a start refused on a full disk leaves no empty journal behind
         backend.close()
         if presence is not None:
             presence.release()

@@ -26,7 +26,7 @@ from typing import Literal
 import msgspec
 
 from artcache.errors import CacheRootError, ConfigError, ConsumerFenced, UnsafePath
-from artcache.fsio import atomic_write
+from artcache.fsio import atomic_write, is_space_error
 from artcache.layout import CacheLayout, open_nofollow
 from artcache.liveness import HeartbeatWatch, ProcessIdentity, dead_reason, local_identity, this_process
 from artcache.locking import cache_lock
@@ -272,14 +272,41 @@ def _watch_previous(layout: CacheLayout, consumer_id: str, me: ProcessIdentity, 
     return token
 
 
-class ConsumerHandle:
-    """A consumer's own view of its registration; every write checks the fence first."""
+#: seconds between a consumer's tries of a registration write that failed for space
+SPACE_RETRY_S = 0.5
 
-    def __init__(self, layout: CacheLayout, reg: Registration) -> None:
+
+class ConsumerHandle:
+    """A consumer's own view of its registration; every write checks the fence first.
+
+    ``space_wait_s``: a write failing for space (ENOSPC, EDQUOT: :func:`artcache.fsio.is_space_error`) is
+    tried again every :data:`SPACE_RETRY_S` for up to this many seconds (logged once) before its
+    PublishError is raised: a momentarily full disk does not end a training run. Pass the root's heartbeat
+    timeout: a consumer silent for longer is fenced as expired anyway, so waiting longer gains nothing."""
+
+    def __init__(self, layout: CacheLayout, reg: Registration, space_wait_s: float = 30.0) -> None:
         self.layout = layout
         self.consumer_id = reg.consumer_id
         self.generation = reg.generation
         self.current = reg
+        self.space_wait_s = space_wait_s
+
+    def _update(self, fn: Callable[[Registration | None], Registration | None]) -> Registration | None:
+        """:func:`update`, waiting out a full disk for up to ``space_wait_s`` (see the class docstring)."""
+        deadline = time.monotonic() + self.space_wait_s
+        noted = False
+        while True:
+            try:
+                return update(self.layout, self.consumer_id, fn)
+            except OSError as exc:
+                if not is_space_error(exc) or time.monotonic() + SPACE_RETRY_S > deadline:
+                    raise
+                if not noted:
+                    noted = True
+                    log.warning("consumer %s: writing its registration failed (%s); trying again every %gs for up "
+                                "to %.0fs (free space on %s)", self.consumer_id, exc, SPACE_RETRY_S,
+                                self.space_wait_s, self.layout.root)
+                time.sleep(SPACE_RETRY_S)
 
     def _modify(self, check: Callable[[Registration], None] | None = None, **changes) -> Registration:
         def fn(old: Registration | None) -> Registration:
@@ -293,7 +320,7 @@ class ConsumerHandle:
                 check(old)
             return msgspec.structs.replace(old, heartbeat=time.time(), beat=old.beat + 1, **changes)
 
-        self.current = update(self.layout, self.consumer_id, fn)
+        self.current = self._update(fn)
         return self.current
 
     def heartbeat(self) -> Registration:
@@ -360,7 +387,7 @@ class ConsumerHandle:
                                                checkpoint_cursor=cursor)
             return msgspec.structs.replace(old, cursor=cursor, checkpoint_cursor=cursor)
 
-        self.current = update(self.layout, self.consumer_id, fn)
+        self.current = self._update(fn)
         return self.current
 
     def set_demand(self, positions: list[int], pinned: list[int] | None = None) -> Registration:
@@ -380,7 +407,7 @@ class ConsumerHandle:
                                            pinned_demand=[], reason=reason, heartbeat=time.time(),
                                            beat=old.beat + 1, fenced_from=old.generation)
 
-        return update(self.layout, self.consumer_id, fn)
+        return self._update(fn)
 
 
 def fence(layout: CacheLayout, consumer_id: str, state: State, reason: str,

@@ -388,3 +388,59 @@ def test_regression_resumed_consumer_is_running_not_failed(layout):
     (e,) = account(layout).consumers
     assert (e.state, e.error, e.steps, e.cursor) == ("running", "", 3, 6)
     assert account(layout).cache.fences == 1
+
+
+def test_regression_a_lease_release_held_in_memory_for_a_full_disk_is_no_violation(layout, monkeypatch):
+    """Break test item 1: a journal line that cannot be written for space is held in memory by its live writer
+    (artcache.journal). A consumer that released a lease meanwhile has its lease file gone and its release line
+    held: inspect counts it as ``leases_release_held`` (the writer's flock says its lines follow), not as a
+    violation; once space is back the line is written and the lease is plainly released."""
+    import errno
+
+    from artcache.liveness import this_process
+
+    j = consistent(layout)
+    write_all(layout, j)
+    name = f"{fp(1)}~a~{this_process().token()}~0e"
+    w = J.JournalWriter(layout.journal_path("consumer", "a"))
+    w.emit(J.LeaseAcquire(consumer="a", fp=fp(1), lease=name))
+    real_write, full = os.write, [True]
+
+    def write(fd, data):
+        if fd == w._fd and full[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    w.emit(J.LeaseRelease(consumer="a", fp=fp(1), lease=name))  # held: the disk is full
+    try:
+        acc = account(layout)
+        assert acc.violations == [], acc.violations
+        assert acc.cache.leases_release_held == 1 and acc.cache.journals_holding == 1
+    finally:
+        full[0] = False
+        w.close()  # space is back: written
+    acc = account(layout)
+    assert acc.violations == [] and acc.cache.leases_release_held == 0 and acc.cache.journals_holding == 0
+
+
+def test_regression_inspect_prints_one_budget_in_both_tables(layout):
+    """Break test item 3: a producer whose (default) budget was 0 B made inspect print 'disk budget (bytes) -'
+    and 'budget binding yes' in one table and 'budget (bytes) none' / 'budget binding now no' in the other. A
+    recorded budget of 0 is a budget of 0 in both (the retention-now decision is taken under it too)."""
+    from artcache.report import format_accounting
+
+    write(layout, "producer-p-1", [J.ProducerStart(producer="p", pid=1, contract_id="c", plan_id="p", budget_bytes=0,
+                                                   policy="need")])
+    import msgspec
+
+    from artcache.accounting import RetentionNow
+
+    acc = account(layout)
+    assert acc.cache.budget_recorded and acc.cache.budget_bytes == 0
+    now = RetentionNow(policy="need", budget_bytes=0, retained_bytes=0, retained_artifacts=0, live_consumers=0,
+                       kept={}, would_evict={}, binding=False, windows_exceed_budget=False, rates={})
+    text = format_accounting(msgspec.structs.replace(acc, retention_now=now))
+    budget_lines = [line for line in text.splitlines() if "disk budget (bytes)" in line]
+    assert len(budget_lines) == 2 and all(line.split()[-1] == "0" for line in budget_lines), budget_lines
+    assert "none" not in text and "budget binding (some producer pass so far)" in text

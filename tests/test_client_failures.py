@@ -101,3 +101,58 @@ def test_regression_capture_failed_says_how_to_recover(tmp_path, fake_plan, smal
     msg = str(info.value)
     assert "not enough free space" in msg and "restart `artcache producer`" in msg and str(layout.root) in msg
     journal.close()
+
+
+def _space_marker(layout, fp) -> None:
+    """A give-up marker for a full disk, as the running producer writes it (``space``: it withdraws it once
+    space is back)."""
+    layout.failure_path(fp).write_text(json.dumps({
+        "fingerprint": fp, "attempts": 1, "retryable": False, "space": True,
+        "error": "PublishError: not enough free space in tmp: 147456 B free, need 41704 B plus a 1048576 B reserve"}))
+
+
+def test_regression_a_full_disk_give_up_is_waited_for_within_the_demand_timeout(tmp_path, fake_plan, small_contract,
+                                                                                caplog):
+    """Break test item 2: a capture's ENOSPC ended every waiting consumer within milliseconds (CaptureFailed),
+    although the producer withdraws a full-disk give-up once space is back (every 10 s). A consumer now waits
+    for that within its --demand-timeout (logged once); when the marker goes and the artifact is published, it
+    reads it."""
+    import threading
+
+    from artcache import store
+
+    layout, client, journal = make_client(tmp_path, fake_plan, small_contract, demand_timeout_s=30)
+    fp = client.fp_of(1)
+    _space_marker(layout, fp)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(client.acquire(1)))
+    reader.start()
+    time.sleep(1.0)
+    assert reader.is_alive() and not got, "the consumer did not wait for a full-disk give-up"
+    layout.failure_path(fp).unlink()  # the producer withdrew it: space is back; it captures again
+    import torch
+
+    sample = fake_plan.sample(client.order.sample(1))
+    store.publish(layout, fp, small_contract, {"hidden_states": torch.randn(len(sample.input_ids), 1, 16).to(
+        torch.bfloat16), "input_ids": sample.input_ids, "loss_mask": sample.loss_mask})
+    reader.join(10)
+    assert got and got[0].artifact.fingerprint == fp
+    assert caplog.text.count("for a full disk") == 1
+    client.release(got[0])
+    journal.close()
+
+
+def test_regression_a_full_disk_give_up_fails_after_the_demand_timeout_with_its_message(tmp_path, fake_plan,
+                                                                                       small_contract):
+    """Break test item 2: when space does not come back within --demand-timeout the consumer fails with the
+    producer's give-up message (CaptureFailed, not a bare CaptureTimeout), saying how long it waited."""
+    layout, client, journal = make_client(tmp_path, fake_plan, small_contract, demand_timeout_s=1)
+    fp = client.fp_of(1)
+    _space_marker(layout, fp)
+    t0 = time.monotonic()
+    with pytest.raises(CaptureFailed, match="not enough free space") as info:
+        client.acquire(1)
+    assert 1 <= time.monotonic() - t0 < 10
+    assert "waited 1s (--demand-timeout) for free space" in str(info.value) and info.value.fingerprint == fp
+    assert os.listdir(layout.leases) == []
+    journal.close()

@@ -59,8 +59,8 @@ def test_journal_enospc_mid_line_is_cut_back_and_typed(tmp_path, monkeypatch):
     w.emit(_ev(1))
     before = path.read_bytes()
     _FailingWrite(monkeypatch, w._fd, errno.ENOSPC, partial=10)
-    with pytest.raises(JournalError) as info:
-        w.emit(_ev(2))
+    with pytest.raises(JournalError) as info:  # hold=False: a start line (else a full disk holds it in memory)
+        w.emit(_ev(2), hold=False)
     exc = info.value
     assert isinstance(exc, OSError) and isinstance(exc, ArtcacheError)
     assert exc.errno == errno.ENOSPC and exc.retryable is False and "Publish" in str(exc)
@@ -92,8 +92,8 @@ def test_journal_error_before_any_byte_changes_nothing(tmp_path, monkeypatch):
     w = J.JournalWriter(path)
     w.emit(_ev(1))
     _FailingWrite(monkeypatch, w._fd, errno.ENOSPC, partial=0)
-    with pytest.raises(JournalError):
-        w.emit(_ev(2))
+    with pytest.raises(JournalError):  # hold=False: a start line (else a full disk holds it in memory)
+        w.emit(_ev(2), hold=False)
     w.emit(_ev(3))
     w.close()
     res = _read(path)

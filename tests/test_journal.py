@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from artcache import journal as J
+from artcache.errors import JournalError
 
 FP = "ab" * 20
 
@@ -174,18 +175,88 @@ def test_writer_appends_to_existing_file(tmp_path):
 
 
 def test_write_error_propagates(tmp_path, monkeypatch):
+    """A write error other than space (EIO) raises JournalError; so does space with ``hold=False``."""
     import errno
 
     w = J.JournalWriter(tmp_path / "j.jsonl")
 
-    def boom(fd, data):
-        raise OSError(errno.ENOSPC, "full")
+    def boom(code):
+        def write(fd, data):
+            raise OSError(code, os.strerror(code))
+        return write
 
-    monkeypatch.setattr(os, "write", boom)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(os, "write", boom(errno.EIO))
+    with pytest.raises(JournalError) as info:
         w.emit(J.ProducerStop(producer="p", reason="x"))
+    assert info.value.errno == errno.EIO and w.held == 0
+    monkeypatch.setattr(os, "write", boom(errno.ENOSPC))
+    with pytest.raises(JournalError) as info:
+        w.emit(J.ProducerStart(producer="p", pid=1, contract_id="c", plan_id="p"), hold=False)
+    assert info.value.errno == errno.ENOSPC and w.held == 0
     monkeypatch.undo()
+    w.close(remove_if_empty=True)
+    assert not (tmp_path / "j.jsonl").exists(), "a start refused on a full disk left an empty journal"
+
+
+class _FullDisk:
+    """os.write raising ENOSPC (or EDQUOT) on the journal's fd while ``full``; a short first write (half a
+    line reaches the file) when ``partial``."""
+
+    def __init__(self, monkeypatch, fd, code, partial=False):
+        self.full, self.fd, self.code, self.partial, self.real = True, fd, code, partial, os.write
+        monkeypatch.setattr(os, "write", self)
+
+    def __call__(self, fd, data):
+        if fd != self.fd or not self.full:
+            return self.real(fd, data)
+        if self.partial:
+            self.partial = False
+            return self.real(fd, bytes(data)[:7])
+        raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+def test_regression_journal_holds_events_in_order_while_the_disk_is_full(tmp_path, monkeypatch, code):
+    """Break test item 1: a journal append failing for space raised JournalError, which killed the producer
+    (and a consumer) on a full disk. Now the events are held in memory in emit order, the file carries an
+    exclusive flock meanwhile (a reader tells held lines from lost ones), and the first try after space is
+    back writes them all, with their original times, after the lines written before."""
+    import errno
+
+    monkeypatch.setattr(J, "HOLD_RETRY_S", 0.0)
+    path = tmp_path / "producer-p-1.jsonl"
+    w = J.JournalWriter(path)
+    w.emit(J.Publish(producer="p", fp="a" * 40, nbytes=1))
+    disk = _FullDisk(monkeypatch, w._fd, getattr(errno, code), partial=True)
+    for n in (2, 3, 4):
+        w.emit(J.Publish(t=float(n), producer="p", fp="b" * 40, nbytes=n))  # no raise: held
+    assert w.held == 3 and not w.flush_held()
+    assert [e.nbytes for e in J.read_events(tmp_path).events] == [1]
+    assert J.holding_events(path), "a writer holding events must say so to readers"
+    disk.full = False
+    assert w.flush_held() and w.held == 0 and not J.holding_events(path)
+    w.emit(J.Publish(producer="p", fp="c" * 40, nbytes=5))
     w.close()
+    lines = list(J.iter_file(path))  # file order (read_events sorts by time)
+    assert None not in lines, "a torn line"
+    assert [e.nbytes for e in lines] == [1, 2, 3, 4, 5]
+    assert [e.t for e in lines][1:4] == [2.0, 3.0, 4.0]
+
+
+def test_regression_journal_hold_is_bounded_and_lost_events_are_logged(tmp_path, monkeypatch, caplog):
+    """The held events are bounded (HOLD_MAX_BYTES): past it emit fails clearly (JournalError, ENOSPC) instead
+    of growing without bound; events still held at close are lost (as a kill loses them) and logged."""
+    import errno
+
+    monkeypatch.setattr(J, "HOLD_MAX_BYTES", 400)
+    w = J.JournalWriter(tmp_path / "j.jsonl")
+    _FullDisk(monkeypatch, w._fd, errno.ENOSPC)
+    with pytest.raises(JournalError) as info:
+        for _ in range(10):
+            w.emit(J.ProducerStop(producer="p", reason="x" * 60))
+    assert info.value.errno == errno.ENOSPC and "held in memory" in str(info.value) and 1 < w.held < 10
+    w.close()
+    assert "lost" in caplog.text and (tmp_path / "j.jsonl").stat().st_size == 0
 
 
 def test_regression_short_write_completes_the_line(tmp_path, monkeypatch):

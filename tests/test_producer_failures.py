@@ -233,7 +233,7 @@ def test_regression_a_full_disk_give_up_is_withdrawn_once_space_is_back(tmp_path
         journal.close()
     assert fp in store.list_objects(layout)  # captured again by the same producer and published
     events = J.read_events(layout.journal).events
-    assert sum(isinstance(e, J.CaptureFailure) for e in events) == MAX_ATTEMPTS
+    assert sum(isinstance(e, J.CaptureFailure) for e in events) == 1  # a full disk gives up at once
     assert any(isinstance(e, J.Publish) and e.fp == fp for e in events)
 
 
@@ -256,3 +256,132 @@ def test_a_give_up_that_is_not_a_full_disk_stays(tmp_path, fake_plan, small_cont
     finally:
         producer.drain()
         journal.close()
+
+
+def _full_disk_producer(tmp_path, fake_plan, small_contract, monkeypatch):
+    """A producer whose every publication fails with ENOSPC (free space 0), consumer ``c`` reading position 0."""
+    import errno
+
+    from artcache import producer as P
+    from artcache.errors import PublishError
+
+    layout = CacheLayout(tmp_path)
+    layout.create()
+    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
+    registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", lookahead=0, end=1,
+                                                    pid=os.getpid()))
+
+    def publish(*a, **k):
+        raise PublishError("not enough free space in tmp: 0 B free", retryable=False, errno_=errno.ENOSPC)
+
+    monkeypatch.setattr(P.store, "publish", publish)
+    monkeypatch.setattr(P, "free_space", lambda path: (0, 1 << 40, path))
+    journal = J.JournalWriter(layout.journal_path("producer", "p"))
+    backend = _GoodBackend()
+    backend.calls = 0
+    real = backend.capture
+
+    def capture(samples):
+        backend.calls += 1
+        return real(samples)
+
+    backend.capture = capture
+    producer = Producer(layout, settings, fake_plan, backend, ProducerConfig(cache=str(tmp_path)), journal)
+    return layout, producer, backend, journal
+
+
+def test_regression_a_full_disk_does_not_burn_the_attempts_back_to_back(tmp_path, fake_plan, small_contract,
+                                                                        monkeypatch):
+    """Break test item 2: a capture's ENOSPC burned its 3 attempts in the same millisecond (three passes
+    against the same full disk), so waiting consumers died at once. A space error now gives up at once, with
+    a marker saying ``space`` (waiting consumers wait for its withdrawal: artcache.client), and the fingerprint
+    is tried again only once space is back (retry_space_bound)."""
+    layout, producer, backend, journal = _full_disk_producer(tmp_path, fake_plan, small_contract, monkeypatch)
+    fp = producer.fp_of(0)
+    try:
+        for _ in range(MAX_ATTEMPTS + 2):
+            producer.tick()
+            _settle(producer)
+    finally:
+        producer.drain()
+        journal.close()
+    assert backend.calls == 1, "the full disk was retried back-to-back"
+    record = json.loads(layout.failure_path(fp).read_text())
+    assert record["space"] is True and record["attempts"] == 1 and "free space" in record["error"]
+    fails = [e for e in J.read_events(layout.journal).events if isinstance(e, J.CaptureFailure)]
+    assert len(fails) == 1
+
+
+def test_regression_a_fence_failing_for_space_does_not_kill_the_producer(tmp_path, fake_plan, small_contract,
+                                                                          monkeypatch, caplog):
+    """Break test item 1 (HIGH): with 0 bytes free a dead consumer's fence (a registration rewrite) raised
+    PublishError ENOSPC out of live_registrations(), which caught only LockTimeout: the producer died. Now a
+    fence failing for space is logged once and retried on every pass; the dead consumer does not count as live
+    (its window stops protecting artifacts, so eviction can free space). Once space is back the fence lands and
+    is journaled. Another error (EIO) still raises."""
+    import errno
+
+    import pytest
+    from procs import dead_pid
+
+    from artcache.errors import PublishError
+
+    layout = CacheLayout(tmp_path)
+    layout.create()
+    settings = RootSettings(plan_id="0" * 40, contract=small_contract, target_path="/nowhere")
+    registry.register(layout, registry.Registration(consumer_id="dead", draft="dflash", lookahead=0, end=1,
+                                                    pid=dead_pid()))
+    real_write, code = registry._write, [errno.ENOSPC]
+
+    def write(layout_, reg):
+        if code[0]:
+            raise PublishError(f"writing {reg.consumer_id}.json failed: {os.strerror(code[0])}",
+                               retryable=False, errno_=code[0])
+        return real_write(layout_, reg)
+
+    monkeypatch.setattr(registry, "_write", write)
+    journal = J.JournalWriter(layout.journal_path("producer", "p"))
+    producer = Producer(layout, settings, fake_plan, _GoodBackend(), ProducerConfig(cache=str(tmp_path)), journal)
+    try:
+        for _ in range(3):
+            assert producer.live_registrations() == []  # dead: not live, though its fence could not be written
+        assert registry.read(layout, "dead").state == "running"
+        assert caplog.text.count("cannot fence consumer dead yet") == 1
+        code[0] = errno.EIO
+        with pytest.raises(PublishError):
+            producer.live_registrations()
+        code[0] = 0  # space is back
+        assert producer.live_registrations() == []
+        assert registry.read(layout, "dead").state == "failed"
+    finally:
+        producer.drain()
+        journal.close()
+    fences = [e for e in J.read_events(layout.journal).events if isinstance(e, J.Fence)]
+    assert [e.consumer for e in fences] == ["dead"]
+
+
+def test_regression_a_producer_started_on_a_full_disk_leaves_no_empty_journal(tmp_path, monkeypatch):
+    """Break test item 1: restarting the producer while the disk was still full failed with one line
+    (JournalError writing its ProducerStart) but left a 0-byte journal file behind. It still fails so (a
+    producer that cannot journal its start does not start), and removes the empty file."""
+    import errno
+
+    import pytest
+
+    from artcache.errors import JournalError
+    from artcache.producer import prepare_root, run_producer
+
+    cfg = _tiny_root_cfg(tmp_path / "root")
+    prepare_root(cfg)
+    real_write = os.write
+
+    def write(fd, data):
+        if "/journal/" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(JournalError, match="ProducerStart event failed: No space left"):
+        run_producer(cfg)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "root" / "journal") == [], "a refused start left a journal file"

@@ -18,8 +18,9 @@ from artcache import journal as J
 from artcache import registry, store
 from artcache.accounting import account
 from artcache.contract import CaptureContract
+from artcache.fsio import space_reserve
 from artcache.layout import CacheLayout
-from artcache.producer import BUDGET_FREE_FRACTION, BUDGET_RESERVE, Producer, ProducerConfig, default_budget
+from artcache.producer import BUDGET_FREE_FRACTION, Producer, ProducerConfig, default_budget
 from artcache.scheduler import SchedulerLimits
 from artcache.settings import RootSettings, init_settings
 
@@ -174,12 +175,23 @@ def test_final_pass_keeps_what_fits_and_a_later_run_captures_nothing(root):
 def test_default_budget_comes_from_the_free_space(root):
     producer, _, journal = make(root, 4)
     journal.close()
-    free = shutil.disk_usage(root.objects).free
-    expect = int(BUDGET_FREE_FRACTION * max(0, free - BUDGET_RESERVE))
+    usage = shutil.disk_usage(root.objects)
+    expect = int(BUDGET_FREE_FRACTION * max(0, usage.free - space_reserve(usage.total)))
     assert abs(producer.budget - expect) < 64 << 20  # the free space moves a little meanwhile
     assert "default" in producer.budget_note and "GiB free" in producer.budget_note
     budget, how = default_budget(root, retained=3 << 30)
     assert abs(budget - (3 << 30) - expect) < 64 << 20 and "3.00 GiB retained" in how
+
+
+def test_regression_default_budget_uses_the_publication_reserve_on_a_small_filesystem(root, monkeypatch):
+    """Break test item 3: the default budget kept a 1 GiB reserve free while publication keeps
+    ``space_reserve`` (min(64 MiB, 5 %)), so on a 20 MiB filesystem the default budget was silently 0 and
+    ``--retention need`` degraded to windows-only. Now both use the one reserve."""
+    usage = shutil._ntuple_diskusage(total=20 << 20, used=1 << 20, free=19 << 20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    budget, how = default_budget(root, retained=0)
+    assert budget == int(BUDGET_FREE_FRACTION * ((19 << 20) - space_reserve(20 << 20))) > 16 << 20
+    assert f"{space_reserve(20 << 20)} B reserve" in how
 
 
 def test_fill_captures_the_plan_once_in_plan_order_and_exits(root):

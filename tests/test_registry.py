@@ -409,3 +409,60 @@ def test_regression_read_of_a_garbage_registration_names_it(layout):
     with pytest.raises(CacheRootError, match="fsck"):
         registry.read(layout, "g")
     assert [r.consumer_id for r in registry.read_all(layout)] == []
+
+
+def _failing_writes(monkeypatch, code: int, times: int) -> list[int]:
+    """registry._write raises PublishError(code) for its next ``times`` calls (-1: always); the count of
+    failures so far is returned (a list of one)."""
+    import errno as _errno
+
+    from artcache.errors import PublishError
+
+    real, failed = registry._write, [0]
+
+    def write(layout, reg):
+        if times < 0 or failed[0] < times:
+            failed[0] += 1
+            raise PublishError(f"writing {reg.consumer_id}.json failed: {os.strerror(code)}",
+                               retryable=code not in (_errno.ENOSPC, _errno.EDQUOT), errno_=code)
+        return real(layout, reg)
+
+    monkeypatch.setattr(registry, "_write", write)
+    return failed
+
+
+def test_regression_a_heartbeat_on_a_full_disk_is_retried_not_fatal(layout, monkeypatch, caplog):
+    """Break test item 1: with 0 bytes free a consumer died on its first registration rewrite (PublishError
+    ENOSPC) while the disk was only momentarily full. A write failing for space is now tried again for up to
+    ``space_wait_s`` (the root's heartbeat timeout), logged once; it succeeds once space is back."""
+    import errno
+
+    monkeypatch.setattr(registry, "SPACE_RETRY_S", 0.05)
+    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="d", pid=os.getpid()))
+    handle = registry.ConsumerHandle(layout, reg, space_wait_s=5.0)
+    failed = _failing_writes(monkeypatch, errno.ENOSPC, 3)
+    assert handle.commit_cursor(2).cursor == 2 and failed[0] == 3
+    assert registry.read(layout, "c").cursor == 2
+    assert caplog.text.count("writing its registration failed") == 1
+
+
+def test_regression_a_full_disk_fails_the_heartbeat_after_space_wait_s(layout, monkeypatch):
+    """... and past ``space_wait_s`` the write fails with the existing error (PublishError, ENOSPC); any
+    other error (EIO) is raised at once."""
+    import errno
+
+    from artcache.errors import PublishError
+
+    monkeypatch.setattr(registry, "SPACE_RETRY_S", 0.05)
+    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="d", pid=os.getpid()))
+    handle = registry.ConsumerHandle(layout, reg, space_wait_s=0.5)
+    _failing_writes(monkeypatch, errno.ENOSPC, -1)
+    t0 = time.monotonic()
+    with pytest.raises(PublishError, match="No space left") as info:
+        handle.heartbeat()
+    assert info.value.errno == errno.ENOSPC and 0.3 <= time.monotonic() - t0 < 3
+    failed = _failing_writes(monkeypatch, errno.EIO, -1)
+    t0 = time.monotonic()
+    with pytest.raises(PublishError):
+        handle.heartbeat()
+    assert failed[0] == 1 and time.monotonic() - t0 < 0.3

@@ -201,7 +201,8 @@ def main(verbose: bool) -> None:
               help="Capture backend: hf (transformers) or vllm (needs the artcache[vllm] extra; docs/vllm.md).")
 @click.option("--disk-budget", default="0", metavar="BYTES",
               help="Bytes the retained artifacts may take (suffixes K, M, G, T: powers of 1024; 0: 90% of the "
-              "filesystem's free space beyond 1 GiB, reported at start). Live windows are kept whatever it is.")
+              "filesystem's free space beyond its reserve, min(64 MiB, 5%), reported at start). Live windows are "
+              "kept whatever it is.")
 @click.option("--retention", default="need", type=click.Choice(["need", "windows"]),
               help="need: keep what live consumers will read again while it fits the budget (Belady); windows: "
               "keep only the live windows (the rule before, for comparisons).")

@@ -296,7 +296,9 @@ class Session:
         except BaseException:
             self.journal.close(remove_if_empty=True)  # a refused start leaves no empty journal behind
             raise
-        self.handle = registry.ConsumerHandle(layout, reg)
+        # a registration write failing for space is retried for up to the heartbeat timeout (then the producer
+        # fences a silent consumer anyway) before it ends the run
+        self.handle = registry.ConsumerHandle(layout, reg, space_wait_s=self.settings.heartbeat_timeout_s)
         try:  # after registering: a refused resume must not touch the run's metrics
             self._drop_unrecorded()
             resuming = self.resumed is not None or cfg.resume
@@ -362,6 +364,7 @@ class Session:
         while not self.beat_stop.wait(self.cfg.heartbeat_s):
             try:
                 self.handle.heartbeat()
+                self.journal.flush_held()  # events held while the disk was full: written once space is back
             except ConsumerFenced as exc:
                 log.error("%s", exc)
                 self.fenced.set()
