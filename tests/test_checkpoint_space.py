@@ -191,3 +191,23 @@ def test_weights_only_and_a_failed_write_end_to_end(tmp_path, monkeypatch):
         assert (summary["resumed_from_step"], summary["steps"]) == (2, 4)
     finally:
         prod.kill()
+
+
+def test_regression_planned_saves_is_constant_time_and_exact():
+    """Break test (session 5): `consume --steps 1000000000000` hung silently before step 1, counting planned
+    checkpoints with a Python loop over every step. The count is inclusion-exclusion over the multiples now:
+    equal to the loop on small cases, instant on huge ones."""
+    from artcache.trainers.checkpoint import planned_saves
+
+    def loop(start, steps, a, b):
+        if steps <= start:
+            return 0
+        every = [e for e in (a, b) if e > 0]
+        return sum(1 for s in range(start + 1, steps) if any(s % e == 0 for e in every)) + 1
+
+    for start in (0, 3, 7, 12):
+        for steps in (0, 1, 5, 12, 13, 40, 97):
+            for a in (0, 1, 4, 6):
+                for b in (0, 3, 4, 10):
+                    assert planned_saves(start, steps, a, b) == loop(start, steps, a, b), (start, steps, a, b)
+    assert planned_saves(0, 10 ** 12, 500, 1000) == (10 ** 12 - 1) // 500 + 1  # the loop: hours

@@ -48,6 +48,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -578,8 +579,12 @@ def planned_saves(start_step: int, steps: int, save_every: int, best_every: int 
     (an evaluation that beats the best so far checkpoints its step; at most every one does)."""
     if steps <= start_step:
         return 0
+    def multiples(e: int) -> int:  # of e in (start_step, steps), in constant time (--steps may be huge)
+        return (steps - 1) // e - start_step // e
+
     every = [e for e in (save_every, best_every) if e > 0]
-    return sum(1 for s in range(start_step + 1, steps) if any(s % e == 0 for e in every)) + 1
+    both = math.lcm(*every) if len(every) == 2 else 0
+    return sum(multiples(e) for e in every) - (multiples(both) if both else 0) + 1
 
 
 def peak_checkpoints(keep: int, saves: int, existing: int = 0, best: bool = False) -> int:

@@ -304,7 +304,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--tensorboard/--no-tensorboard", default=True,
               help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")
 @click.option("--compile", "compile_mode", default="auto", type=click.Choice(COMPILE_MODES),
-              help="torch.compile the draft: auto (= off for now), off, on, graphs (with CUDA graphs; CUDA only).")
+              help="torch.compile the draft: auto (on on CUDA for runs of >= 2,000 steps, else off), off, on, graphs "
+                   "(with CUDA graphs; CUDA only).")
 @click.option("--loss-impl", default="auto", type=click.Choice(LOSS_IMPLS),
               help="lm_head cross-entropy: auto (chunked bf16 on CUDA, reference on a CPU), reference, chunked, "
               "liger (CUDA; pip install 'artcache[liger]').")
