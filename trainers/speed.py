@@ -1,6 +1,6 @@
 """How a draft trains fast on a GPU: the options every draft's adapter reads (:class:`SpeedOptions`).
 
-On a CPU nothing changes (the reference arithmetic, tests pin the losses bit for bit). On CUDA the
+On a CPU nothing changes (the reference arithmetic; tests pin the losses within float32 rounding). On CUDA the
 training step is **sync-free**: nothing in it reads device memory back to the host (no ``.item()``,
 ``.tolist()``, ``nonzero`` or ``bool(tensor)``), so the host enqueues step k+1 while the GPU runs step
 k; metric sums stay on the device (:class:`~artcache.trainers.draft.PendingSums`) and the consumer
