@@ -158,7 +158,9 @@ def test_registration_fault(tmp_path, monkeypatch, call, ename):
     code = ERRNOS[ename]
     layout = _layout(tmp_path)
     reg = registry.register(layout, registry.Registration(consumer_id="c", draft="d", pid=os.getpid()))
-    h = registry.ConsumerHandle(layout, reg)
+    # space_wait_s=0: the first failure is raised (a space error is otherwise tried again for up to the
+    # heartbeat timeout: see test_regression_registration_rides_out_a_momentary_full_disk below)
+    h = registry.ConsumerHandle(layout, reg, space_wait_s=0.0)
     h.commit_cursor(4)
     before = layout.consumer_path("c").read_bytes()
     # the calls of the registration's atomic rewrite (its temp file in tmp/), not those of its lock
@@ -172,3 +174,21 @@ def test_registration_fault(tmp_path, monkeypatch, call, ename):
     assert h.commit_cursor(6).cursor == 6  # a retry succeeds
     record("faults", f"{ename} (registration rewrite)", injected=1, typed_errors=1,
            retryable=int(info.value.retryable), partial_artifacts=0, retried_ok=1)
+
+
+@pytest.mark.parametrize("call", ["open", "write", "rename"])
+@pytest.mark.parametrize("ename", [e for e in ERRNOS if ERRNOS[e] in SPACE_ERRNOS])
+def test_regression_registration_rides_out_a_momentary_full_disk(tmp_path, monkeypatch, call, ename):
+    """Regression (CI, session 5): a registration rewrite failing once for space is tried again within
+    ``space_wait_s`` and succeeds; the matrix above had expected the first failure to be raised."""
+    layout = _layout(tmp_path)
+    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="d", pid=os.getpid()))
+    h = registry.ConsumerHandle(layout, reg, space_wait_s=5.0)
+    h.commit_cursor(4)
+    fault = Fault(monkeypatch, {"rename": "replace"}.get(call, call), 1, ERRNOS[ename],
+                  under=layout.tmp if call != "write" else None)
+    assert h.commit_cursor(6).cursor == 6
+    monkeypatch.undo()
+    assert fault.fired == 1
+    assert registry.read(layout, "c").cursor == 6
+    assert list(layout.tmp.iterdir()) == []
