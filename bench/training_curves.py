@@ -12,29 +12,41 @@ leaving out gaps longer than ``--gap-s`` (the time between two pieces of a chain
 so each process's first interval (start-up, compile warm-up, the first capture) is not counted; where
 several experiments share one GPU they are that experiment's seconds on the shared device. The steady rate
 is the median over intervals of steps / seconds between two such writes.
+
+A torn last line (cut mid-row by a killed process) is skipped and counted (``torn_lines_skipped``, and a line
+on stderr); a file damaged anywhere else is refused with one line naming it and the line (exit 2, nothing
+written). An experiment without held-out evaluations (or without ``replay_tau`` among them) has
+``best_replay_tau`` null, and stderr says so: never a 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from artcache.bench.provenance import source_commit
+from artcache.errors import DataError
+from artcache.trainers.tracking import read_metrics_file
 
 __all__ = ["curves", "main", "read_metrics", "steady_rate", "training_seconds"]
 
 
-def read_metrics(path: str | Path) -> dict[str, list[tuple[int, float, float]]]:
-    """``{tag: [(step, value, wall_time), ...]}`` sorted by step (a step logged twice, e.g. replayed after a
-    resume, keeps its last row)."""
+def read_metrics(path: str | Path) -> tuple[dict[str, list[tuple[int, float, float]]], int | None]:
+    """``({tag: [(step, value, wall_time), ...]}, torn_line)``: rows sorted by step (a step logged twice,
+    e.g. replayed after a resume, keeps its last row); ``torn_line`` is the line number of a torn last line
+    that was skipped, else None (:func:`artcache.trainers.tracking.read_metrics_file`).
+
+    Raises:
+        DataError: a line other than a torn last one is not a metrics row (names the file and the line).
+    """
+    f = read_metrics_file(path)
     by_tag: dict[str, dict[int, tuple[float, float]]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            by_tag.setdefault(row["tag"], {})[int(row["step"])] = (float(row["value"]), float(row["wall_time"]))
-    return {t: [(s, v, w) for s, (v, w) in sorted(rows.items())] for t, rows in by_tag.items()}
+    for step, tag, value, wall in f.rows:
+        by_tag.setdefault(tag, {})[step] = (value, wall)
+    return {t: [(s, v, w) for s, (v, w) in sorted(rows.items())] for t, rows in by_tag.items()}, f.torn_line
 
 
 def training_seconds(rows: list[tuple[int, float, float]], gap_s: float) -> dict[int, float]:
@@ -70,10 +82,15 @@ def _at(seconds: dict[int, float], step: int) -> float:
 
 def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> dict:
     """Per experiment: every held-out evaluation (step, training seconds, held-out figures, the median train
-    loss over the ``window`` steps before it) and the median train steps/s."""
+    loss over the ``window`` steps before it), the median train steps/s, ``best_replay_tau`` (the highest
+    held-out ``replay_tau``; None when no evaluation reported one) and ``torn_lines_skipped`` (0 or 1).
+
+    Raises:
+        DataError: a file is damaged other than by a torn last line (:func:`read_metrics`).
+    """
     out = {}
     for name, path in metrics.items():
-        m = read_metrics(path)
+        m, torn = read_metrics(path)
         train = m.get("train/loss", [])
         secs = training_seconds(train, gap_s)
         evals = sorted({s for t, rows in m.items() if t.startswith("eval/") for s, _, _ in rows})
@@ -88,9 +105,19 @@ def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> 
             recent = [v for s, v, _ in train if step - window < s <= step]
             row["train_loss_median"] = statistics.median(recent) if recent else None
             table.append(row)
+        taus = [e["replay_tau"] for e in table if "replay_tau" in e]
         out[name] = {"metrics_csv": str(path), "last_step": train[-1][0] if train else 0,
                      "train_seconds": round(secs[train[-1][0]], 1) if train else 0.0,
-                     "steady_steps_per_s_median": steady_rate(train, gap_s), "evals": table}
+                     "steady_steps_per_s_median": steady_rate(train, gap_s), "evals": table,
+                     "best_replay_tau": max(taus) if taus else None, "torn_lines_skipped": int(torn is not None)}
+        if torn is not None:
+            print(f"{name}: {path}: skipped its torn last line (line {torn}, cut mid-row as a killed writer leaves it)",
+                  file=sys.stderr)
+        if not taus:
+            held = sorted({k for e in table for k in e if k not in ("step", "train_seconds", "train_loss_median")})
+            print(f"{name}: no held-out evaluation in {path}: best_replay_tau null" if not table else
+                  f"{name}: no held-out replay_tau in {path} (its evaluations report {', '.join(held) or 'nothing'}): "
+                  "best_replay_tau null", file=sys.stderr)
     return out
 
 
@@ -139,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not name or not Path(p).is_file():
             ap.error(f"--metrics {spec!r}: accepted NAME=CSV with an existing metrics.csv file")
         metrics[name] = Path(p)
-    figures = curves(metrics, a.gap_s)
+    try:
+        figures = curves(metrics, a.gap_s)
+    except DataError as exc:
+        print(f"training_curves: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     commit, dirty = source_commit()
     a.json.write_text(json.dumps({"command": ["python", "-m", "artcache.bench.training_curves", *(argv or [])],
                                   "commit": commit, "dirty": dirty, "note": a.note, "experiments": figures},
@@ -147,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(figures, a.png, a.title)
     print(json.dumps({n: {"last_step": f["last_step"], "train_seconds": f["train_seconds"],
                           "steady_steps_per_s": f["steady_steps_per_s_median"],
-                          "best_replay_tau": max((e.get("replay_tau", 0) for e in f["evals"]), default=None)}
+                          "best_replay_tau": f["best_replay_tau"]}
                       for n, f in figures.items()}))
     return 0
 

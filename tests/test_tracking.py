@@ -73,3 +73,44 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     p.close()
     out = tty.getvalue()
     assert "5/10" in out and "steps/s=2.50" in out and "tau=1.75" in out and "wait=3.2s" in out
+
+
+def test_regression_read_metrics_skips_a_torn_last_line_and_refuses_damage_elsewhere(tmp_path):
+    """Regression: a torn last line (killed mid-row) broke the readers with a traceback; a damaged line before
+    the last must be refused, naming the file and the line."""
+    from artcache.errors import DataError
+    from artcache.trainers.tracking import read_metrics_file
+
+    t = RunTracker(tmp_path, tensorboard=False)
+    for step in (1, 2):
+        t.scalar(step, "train/loss", 3.0 - step)
+    t.close()
+    path = tmp_path / "metrics.csv"
+    with open(path, "a") as f:
+        f.write("3,train/loss,0.")
+    got = read_metrics_file(path)
+    assert [r[:3] for r in got.rows] == [(1, "train/loss", 2.0), (2, "train/loss", 1.0)] and got.torn_line == 4
+    assert read_metrics_file(tmp_path / "metrics.csv").rows[0][3] > 0  # wall time, seconds
+    path.write_text("step,tag,value,wall_time\n1,train/loss,2.0\n2,train/loss,1.0,5.0\n")
+    with pytest.raises(DataError, match=r"metrics\.csv'?: line 2 '1,train/loss,2\.0' is not a metrics row"):
+        read_metrics(path)
+    path.write_text("step,tag,value\n")
+    with pytest.raises(DataError, match="line 1 .* is not the header step,tag,value,wall_time"):
+        read_metrics(path)
+
+
+@pytest.mark.parametrize("resume_step", [None, 2])
+def test_regression_a_writer_reopening_a_torn_file_cuts_the_torn_line_off(tmp_path, resume_step):
+    """Regression: a row appended after a torn last line joined it (``2,eval/replay_ta3,train/loss,...``),
+    damage in the middle of the file; reopening cuts the torn line off first (resume or not)."""
+    t = RunTracker(tmp_path, tensorboard=False)
+    for step in (1, 2):
+        t.scalar(step, "train/loss", 3.0 - step)
+    t.close()
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("2,eval/replay_ta")  # killed mid-row, at a step the resume keeps
+    t = RunTracker(tmp_path, tensorboard=False, resume_step=resume_step)
+    t.scalar(3, "train/loss", 0.5)
+    t.close()
+    assert read_metrics(tmp_path / "metrics.csv") == [(1, "train/loss", 2.0), (2, "train/loss", 1.0),
+                                                       (3, "train/loss", 0.5)]

@@ -53,3 +53,61 @@ def test_cli_writes_png_and_json_and_refuses_a_missing_csv(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         tc.main(["--metrics", f"d={tmp_path / 'none.csv'}", "--png", str(png), "--json", str(js)])
     assert exc.value.code == 2 and "accepted NAME=CSV" in capsys.readouterr().err
+
+
+def _cli(tmp_path, csv_path):
+    png, js = tmp_path / "c.png", tmp_path / "c.json"
+    return tc.main(["--metrics", f"d={csv_path}", "--png", str(png), "--json", str(js)]), png, js
+
+
+def test_regression_a_torn_last_line_is_skipped_counted_and_said(tmp_path, capsys):
+    """Regression: a metrics.csv whose last line a killed process cut mid-row gave a TypeError traceback."""
+    _run(tmp_path / "m.csv")
+    whole = tc.curves({"d": tmp_path / "m.csv"})["d"]
+    with open(tmp_path / "m.csv", "a") as f:
+        f.write("41,train/lo")  # no line end: the writer was killed mid-row
+    code, _png, js = _cli(tmp_path, tmp_path / "m.csv")
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "skipped its torn last line (line 48" in err and str(tmp_path / "m.csv") in err
+    got = json.loads(js.read_text())["experiments"]["d"]
+    assert got["torn_lines_skipped"] == 1 and got["last_step"] == 40
+    assert got["evals"] == whole["evals"] and whole["torn_lines_skipped"] == 0
+
+
+@pytest.mark.parametrize("bad", ["20,train/loss\r\n", "20,train/loss,1.0,5.0,extra\r\n", "x,train/loss,1.0,5.0\r\n",
+                                 "20,train/loss,one,5.0\r\n"])
+def test_regression_a_row_damaged_before_the_last_line_is_refused_naming_file_and_line(tmp_path, capsys, bad):
+    """Regression: a row with the wrong number of fields (or a non-number) gave a traceback; it is refused with
+    one line naming the file and the line, exit 2, nothing written."""
+    _run(tmp_path / "m.csv")
+    lines = (tmp_path / "m.csv").read_bytes().decode().splitlines(keepends=True)
+    lines.insert(5, bad)  # line 6
+    (tmp_path / "m.csv").write_bytes("".join(lines).encode())
+    code, png, js = _cli(tmp_path, tmp_path / "m.csv")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert str(tmp_path / "m.csv") in err[0] and "line 6 " in err[0] and "step,tag,value,wall_time" in err[0]
+    assert not png.exists() and not js.exists()
+
+
+@pytest.mark.parametrize("evals", ["none", "loss only"])
+def test_regression_no_held_out_replay_tau_is_null_never_zero(tmp_path, capsys, evals):
+    """Regression: with no ``eval/replay_tau`` rows the summary printed best τ 0 (a made-up figure)."""
+    rows = [(s, "train/loss", 5.0 - s / 10, 1000.0 + s) for s in range(1, 11)]
+    if evals == "loss only":
+        rows.append((10, "eval/loss", 3.0, 1011.0))
+    _write(tmp_path / "m.csv", rows)
+    code, _png, js = _cli(tmp_path, tmp_path / "m.csv")
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert json.loads(out)["d"]["best_replay_tau"] is None
+    assert json.loads(js.read_text())["experiments"]["d"]["best_replay_tau"] is None
+    expected = "no held-out evaluation in " if evals == "none" else "no held-out replay_tau in "
+    assert f"{expected}{tmp_path / 'm.csv'}" in err, err
+
+
+def test_best_replay_tau_is_the_highest_held_out_value(tmp_path, capsys):
+    _run(tmp_path / "m.csv")
+    code, _png, _js = _cli(tmp_path, tmp_path / "m.csv")
+    assert code == 0 and json.loads(capsys.readouterr().out)["d"]["best_replay_tau"] == 1.5

@@ -14,6 +14,11 @@ Every ratio is computed once from summed numerators and denominators (artcache.t
 On ``--resume`` from step S, rows with step > S (written by the run that died after its last
 checkpoint) are dropped from ``metrics.csv`` and TensorBoard is told to purge them
 (``purge_step = S + 1``), so the curve continues without duplicates.
+
+A process killed mid-write leaves a *torn* last line (no line end). Readers
+(:func:`read_metrics_file`) skip it and say so; a writer reopening the file cuts it off first, so the
+next row never joins it. Any other line that is not a row is damage: readers refuse the file, naming it
+and the line.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
+from artcache.errors import DataError
 from artcache.fsio import atomic_write
 
 log = logging.getLogger("artcache.consumer")
@@ -58,6 +66,8 @@ class RunTracker:
         self.csv_path = self.run_dir / "metrics.csv"
         if resume_step is not None and self.csv_path.is_file():
             _truncate_csv(self.csv_path, resume_step)
+        elif self.csv_path.is_file():
+            _cut_torn_tail(self.csv_path)
         new = not self.csv_path.is_file() or self.csv_path.stat().st_size == 0
         self._fh = open(self.csv_path, "a", newline="")  # noqa: SIM115 - open for the run, closed in close()
         self._csv = csv.writer(self._fh)
@@ -106,9 +116,22 @@ class RunTracker:
             self.tb.close()
 
 
+def _complete_part(data: bytes) -> bytes:
+    """``data`` up to and including its last line end (a torn last line, with none, left out)."""
+    return data[:data.rfind(b"\n") + 1]
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Rewrite ``path`` atomically without a torn last line (one with no line end), if it has one."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        atomic_write(path, [_complete_part(data)], path.parent)
+
+
 def _truncate_csv(path: Path, keep_through_step: int) -> None:
-    """Rewrite ``path`` atomically without the rows whose step is > ``keep_through_step``."""
-    text = path.read_text()
+    """Rewrite ``path`` atomically without the rows whose step is > ``keep_through_step`` (and without a
+    torn last line)."""
+    text = _complete_part(path.read_bytes()).decode(errors="replace")
     out = io.StringIO()
     w = csv.writer(out)
     rows = list(csv.reader(io.StringIO(text)))
@@ -126,11 +149,63 @@ def _truncate_csv(path: Path, keep_through_step: int) -> None:
     atomic_write(path, [out.getvalue().encode()], path.parent)  # fsynced, like every atomic write
 
 
-def read_metrics(path: Path) -> list[tuple[int, str, float]]:
-    """Rows of a ``metrics.csv`` as (step, tag, value)."""
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    return [(int(r[0]), r[1], float(r[2])) for r in rows[1:] if r]
+class MetricsFile(msgspec.Struct, frozen=True, kw_only=True):
+    """One ``metrics.csv`` as read by :func:`read_metrics_file`.
+
+    Attributes:
+        rows: ``(step, tag, value, wall_time)`` in file order; value as written (``nan`` for a figure with
+            a zero denominator), wall_time in seconds since the epoch.
+        torn_line: the 1-based line number of a torn last line that was skipped (cut mid-row: no line
+            end, as a process killed while writing leaves it), else None.
+    """
+
+    rows: list[tuple[int, str, float, float]]
+    torn_line: int | None = None
+
+
+def read_metrics_file(path: str | Path) -> MetricsFile:
+    """Every row of a ``metrics.csv`` (``step,tag,value,wall_time``), skipping blank lines and a torn last line.
+
+    Raises:
+        DataError: the header is not ``step,tag,value,wall_time``, or a line before the last is not a row
+            (another number of fields, a step that is not an integer, a value or wall time that is not a
+            number, bytes that are not UTF-8): one line naming the file and the line.
+        OSError: the file cannot be read.
+    """
+    data = Path(path).read_bytes()
+    complete = _complete_part(data)
+    lines = complete.split(b"\n")[:-1]
+    torn = len(lines) + 1 if len(complete) < len(data) else None
+    rows: list[tuple[int, str, float, float]] = []
+    accepted = "accepted rows of step,tag,value,wall_time (an integer, a tag, two numbers); only a torn last line " \
+               "(no line end, as a killed writer leaves it) is skipped"
+    for n, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode().rstrip("\r")
+        except UnicodeDecodeError:
+            raise DataError(f"metrics file {str(path)!r}: line {n} is not UTF-8 text; {accepted}") from None
+        if not line:
+            continue
+        fields = next(csv.reader([line]))
+        if n == 1:
+            if tuple(fields) != CSV_HEADER:
+                raise DataError(f"metrics file {str(path)!r}: line 1 {line[:80]!r} is not the header "
+                                f"{','.join(CSV_HEADER)}")
+            continue
+        try:
+            if len(fields) != len(CSV_HEADER):
+                raise ValueError
+            rows.append((int(fields[0]), fields[1], float(fields[2]), float(fields[3])))
+        except ValueError:
+            raise DataError(f"metrics file {str(path)!r}: line {n} {line[:80]!r} is not a metrics row; "
+                            f"{accepted}") from None
+    return MetricsFile(rows=rows, torn_line=torn)
+
+
+def read_metrics(path: str | Path) -> list[tuple[int, str, float]]:
+    """Rows of a ``metrics.csv`` as ``(step, tag, value)`` (:func:`read_metrics_file`: a torn last line is
+    skipped; DataError for a damaged line elsewhere)."""
+    return [(s, t, v) for s, t, v, _ in read_metrics_file(path).rows]
 
 
 class Progress:
