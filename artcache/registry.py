@@ -34,7 +34,10 @@ from artcache.locking import cache_lock
 log = logging.getLogger("artcache.registry")
 
 State = Literal["running", "completed", "cancelled", "failed", "expired"]
-TERMINAL = frozenset({"completed", "cancelled", "failed", "expired"})
+#: The one spelling of "ran to its stop": a consumer's final state (registration and ``consumer_end``), and
+#: what ``artcache run`` and ``artcache report`` call an experiment whose checkpoint is at its final step.
+COMPLETED: State = "completed"
+TERMINAL = frozenset({COMPLETED, "cancelled", "failed", "expired"})
 
 
 class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

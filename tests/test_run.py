@@ -442,7 +442,7 @@ def test_full_experiment_list_resumes_skips_the_complete_one_and_extends_by_step
     r2 = report_of(out)
     by = {x["name"]: x for x in r2["experiments"]}
     assert set(by) == {"a", "b", "c"} and len(r2["runs"]) == 2
-    assert by["a"]["state"] == "complete" and by["a"]["skipped"] and by["a"]["steps_run"] == 4  # its last run's
+    assert by["a"]["state"] == registry.COMPLETED and by["a"]["skipped"] and by["a"]["steps_run"] == 4  # its last run's
     # a SIGKILL loses the steps since the last checkpoint (docs/training.md): killed after committing steps 2
     # and 4, before checkpointing them, ``b`` and ``c`` resume from their step-1 and step-3 checkpoints
     assert (by["b"]["start_step"], by["c"]["start_step"]) == (1, 3)
@@ -605,3 +605,102 @@ def test_run_second_signal_forces(tiny_target, tmp_path):
     assert code == 1, text[-4000:]
     assert "interrupted" in report["problems"], report["problems"]
     assert all(_gone(pid) for pid in pids)
+
+
+# ---- artcache report RUN_DIR on sound and damaged run directories (no process started) -----------------
+
+def _run_dir(tmp_path: Path, steps: dict[str, int], planned: int = 4) -> Path:
+    """A run directory as ``artcache run`` leaves it, written with its own writers: the resolved config.toml,
+    each experiment's own config.toml, a weights-only checkpoint at ``steps[name]`` (``latest`` and ``best``)
+    and a metrics.csv with a held-out evaluation at that step."""
+    import msgspec
+
+    from artcache.app.config import save_config
+    from artcache.app.experiments import resolve
+    from artcache.trainers.checkpoint import point_best, point_latest, save_checkpoint
+    from artcache.trainers.tracking import RunTracker
+
+    out = tmp_path / "out"
+    body = "".join(f'[[experiments]]\nname = "{n}"\ndraft = "dflash"\nsteps = {planned}\n' for n in steps)
+    cfg = resolve(load_run_config(write(tmp_path / "run.toml", f'out = "{out}"\n[target]\nname = "random:tiny-llama"\n'
+                                        f'[data]\ndataset = "synthetic"\n{body}')))
+    save_config(cfg, out / "config.toml")
+    for e in cfg.experiments:
+        save_config(msgspec.structs.replace(cfg, experiments=[e]), Path(e.out) / "config.toml")
+        step = steps[e.name]
+        ckpt = save_checkpoint(Path(e.out), step=step, cursor=2 * step, weights={"w": torch.zeros(2)}, optimizer=None,
+                               generators={}, extra_tensors={}, state={"eval": {"replay_tau": 1.25}})
+        point_latest(Path(e.out), ckpt)
+        point_best(Path(e.out), ckpt)
+        t = RunTracker(Path(e.out), tensorboard=False)
+        t.scalar(step, "train/loss", 2.0)
+        t.scalars(step, "eval", {"replay_tau": 1.25, "loss": 3.0})
+        t.close()
+    return out
+
+
+def _row(output: str, name: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith(name + " "))
+
+
+def test_regression_report_uses_the_writers_completed_and_skips_a_torn_metrics_line(tmp_path):
+    """Regression: ``artcache report`` called a finished experiment ``complete`` while the consumer, the
+    registry and the run report write ``completed``; a torn last metrics.csv line (a consumer killed or
+    writing now) is no damage."""
+    out = _run_dir(tmp_path, {"a": 4, "b": 2})
+    with open(out / "experiments" / "b" / "metrics.csv", "a") as f:
+        f.write("3,train/lo")
+    res = CliRunner().invoke(main, ["report", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    by = {x["name"]: x for x in json.loads(res.output)["experiments"]}
+    assert by["a"]["state"] == registry.COMPLETED == "completed" and by["a"]["damage"] == []
+    assert by["b"]["state"] == "not started" and by["b"]["last_eval"] == {"step": 2, "replay_tau": 1.25, "loss": 3.0}
+    assert by["a"]["best"] == {"checkpoint": "step-00000004", "replay_tau": 1.25}
+    assert json.loads(res.output)["damaged"] == []
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("empty config.toml", "experiments/b/config.toml is empty or damaged: it names no experiment"),
+    ("state.json", "state.json is unreadable or not a checkpoint state"),
+    ("metrics.csv", "metrics.csv': line 2 '4,train/loss' is not a metrics row"),
+    ("registration", "of consumer 'b' is unreadable"),
+])
+def test_regression_report_names_a_damaged_experiment_reports_the_rest_and_exits_1(tmp_path, damage, needle):
+    """Regression: an empty experiment config.toml was not noticed (exit 0), and one bad state.json failed the
+    whole report. Now the damaged experiment is shown as ``damaged`` with the reason, its sibling as usual,
+    and the exit status is 1 (text and --json)."""
+    out = _run_dir(tmp_path, {"a": 4, "b": 4})
+    b = out / "experiments" / "b"
+    if damage == "empty config.toml":
+        (b / "config.toml").write_text("")
+    elif damage == "state.json":
+        (b / "checkpoints" / "step-00000004" / "state.json").write_text('{"step": 4, "cur')
+    elif damage == "metrics.csv":
+        (b / "metrics.csv").write_text("step,tag,value,wall_time\n4,train/loss\n4,eval/replay_tau,1.25,9.0\n")
+    else:
+        layout = CacheLayout(out / "cache")
+        layout.consumer_path("b").parent.mkdir(parents=True)
+        layout.consumer_path("b").write_text("{not json")
+    text = CliRunner().invoke(main, ["report", str(out)])
+    assert text.exit_code == 1, text.output
+    assert "completed" in _row(text.output, "a") and "4/4" in _row(text.output, "a")
+    assert "damaged" in _row(text.output, "b")
+    reasons = text.output[text.output.index("DAMAGED"):]
+    assert needle in reasons and "\n  b: " in reasons and "\n  a: " not in reasons, reasons
+    assert "experiment(s) b damaged" in text.output  # the one line on stderr (CliRunner mixes the streams)
+    as_json = CliRunner().invoke(main, ["report", str(out), "--json"])
+    assert as_json.exit_code == 1
+    r = json.loads(as_json.output[:as_json.output.rindex("}") + 1])
+    by = {x["name"]: x for x in r["experiments"]}
+    assert by["a"]["state"] == "completed" and by["b"]["state"] == "damaged" and needle in by["b"]["damage"][0]
+    assert len(r["damaged"]) == 1 and r["damaged"][0].startswith("b: ")
+
+
+def test_regression_report_refuses_an_empty_run_config(tmp_path):
+    """Regression: an empty RUN_DIR/config.toml read as the defaults (no experiment, another cache root) and
+    the report exited 0 with nothing in it."""
+    out = _run_dir(tmp_path, {"a": 4})
+    (out / "config.toml").write_text("")
+    res = CliRunner().invoke(main, ["report", str(out)])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "config.toml' names no experiment (empty or damaged)" in res.output

@@ -479,11 +479,19 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
 @_errors
 def report(run_dir, as_json):
     """Each experiment of an `artcache run` directory: state, steps, last evaluation, checkpoints, and the
-    shared production (captures, counted once) apart from each experiment's committed work."""
+    shared production (captures, counted once) apart from each experiment's committed work.
+
+    An experiment with damaged files (its config.toml, a checkpoint's state.json, its metrics.csv) is
+    reported as damaged with the reason, the others as usual, and the exit status is 1."""
     from artcache.app.experiments import format_run_dir_report, run_dir_report
 
     r = run_dir_report(run_dir)
     click.echo(json.dumps(r, indent=2) if as_json else format_run_dir_report(r))
+    if r["damaged"]:
+        names = sorted({x["name"] for x in r["experiments"] if x["damage"]})
+        click.echo(f"artcache: error: run directory {r['out']}: experiment(s) {', '.join(names)} damaged "
+                   f"({len(r['damaged'])} problem(s), listed in the report)", err=True)
+        sys.exit(1)
 
 
 @main.command("payload-holder")

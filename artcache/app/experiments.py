@@ -39,8 +39,9 @@ from artcache.app.config import (
     save_config,
 )
 from artcache.contract import stored_dtype
-from artcache.errors import ConfigError, ContractMismatch
+from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
+from artcache.registry import COMPLETED
 from artcache.shutdown import GracefulShutdown
 from artcache.store import artifact_bytes_bound
 
@@ -502,7 +503,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             for c in consumers.values():
                 if c.code is not None and not c.announced:
                     c.announced = True
-                    state = "completed" if c.code == 0 else f"FAILED (exit {c.code}); its siblings go on"
+                    state = COMPLETED if c.code == 0 else f"FAILED (exit {c.code}); its siblings go on"
                     print(f"experiment {c.name} {state}", flush=True)
             if producer is not None and producer.poll() not in (None, 0) and not forwarded:
                 # (exit 0 is --exit-when-done: every registration is terminal, the rest are exiting)
@@ -516,7 +517,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             time.sleep(poll_s)
         for c in consumers.values():
             if not c.announced:
-                print(f"experiment {c.name} {'completed' if c.code == 0 else f'FAILED (exit {c.code})'}", flush=True)
+                print(f"experiment {c.name} {COMPLETED if c.code == 0 else f'FAILED (exit {c.code})'}", flush=True)
         if producer is not None:
             if stop.is_set():
                 cancel_signalled = cancel_producer(layout, producer)
@@ -673,8 +674,8 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
         role = consumers.get(x.name)
         work = committed_work(_events(layout.journal_of("consumer", x.name, role.popen.pid))) if role else \
             committed_work([])
-        if x.skip:
-            work["state"] = "complete"
+        if x.skip:  # not started: its checkpoint is at its final step
+            work["state"] = COMPLETED
         reg = registry.read(layout, x.name) if layout.consumers.is_dir() else None
         summary = _summary_line(role.log) if role else {}
         experiments.append({
@@ -698,7 +699,7 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
     acc = account(layout) if layout.settings.is_file() else None
     ran = [x for x in experiments if not x.get("skipped")]
     checks = {
-        "every_experiment_completed": all(x["exit_code"] == 0 and x["state"] == "completed" for x in ran),
+        "every_experiment_completed": all(x["exit_code"] == 0 and x["state"] == COMPLETED for x in ran),
         "failed_experiments_fenced": all(x["registration"] != "running" for x in experiments),
         "producer_exit_ok": (producer_exit_ok(prod["exit_code"], prod["stop_reason"], cancel_signalled)
                              or (producer is None and not consumers)),
@@ -816,17 +817,58 @@ def format_report(r: dict) -> str:
 # ---- artcache report RUN_DIR ---------------------------------------------------------------------------
 
 def _last_eval(metrics_csv: Path) -> dict:
-    """The last held-out evaluation in a ``metrics.csv`` (``eval/*`` rows of its highest step), or {}."""
+    """The last held-out evaluation in a ``metrics.csv`` (``eval/*`` rows of its highest step), or {} (no file,
+    no evaluation yet). A torn last line (a consumer writing now, or killed mid-row) is skipped.
+
+    Raises:
+        DataError: the file is damaged elsewhere, or cannot be read (names the file and the line).
+    """
     from artcache.trainers.tracking import read_metrics
 
     try:
         rows = [r for r in read_metrics(metrics_csv) if r[1].startswith("eval/")]
-    except (OSError, ValueError, IndexError):
+    except FileNotFoundError:
         return {}
+    except OSError as exc:
+        raise DataError(f"metrics file {str(metrics_csv)!r} cannot be read: {exc.strerror or exc}") from None
     if not rows:
         return {}
     step = max(r[0] for r in rows)
     return {"step": step, **{tag[len("eval/"):]: v for st, tag, v in rows if st == step}}
+
+
+def _experiment_config_damage(e: Experiment) -> str | None:
+    """What is wrong with experiment ``e``'s own ``config.toml`` (``artcache run`` writes one in its directory
+    before anything starts: the run's config with ``e`` as its only experiment), or None (sound, or no
+    directory: nothing of ``e`` on disk)."""
+    path = Path(e.out) / "config.toml"
+    if not Path(e.out).is_dir():
+        return None
+    if not path.is_file():
+        return f"{path} is missing (artcache run writes one into every experiment's directory)"
+    try:
+        own = load_run_config(path)
+    except (ConfigError, msgspec.ValidationError) as exc:
+        return str(exc)
+    names = [x.name for x in own.experiments]
+    if names != [e.name]:
+        return (f"{path} is empty or damaged: it names {f'the experiments {names}' if names else 'no experiment'}; "
+                f"accepted: the config artcache run writes, naming {e.name!r} alone")
+    return None
+
+
+def _checkpoint_state(path: Path | None, damage: list[str]):
+    """``read_state(path)``, or None (no checkpoint, or an unreadable state.json: its reason appended to
+    ``damage``)."""
+    from artcache.trainers.checkpoint import read_state
+
+    if path is None:
+        return None
+    try:
+        return read_state(path)
+    except ConfigError as exc:
+        damage.append(str(exc))
+        return None
 
 
 def run_dir_report(out: str | Path) -> dict:
@@ -834,18 +876,29 @@ def run_dir_report(out: str | Path) -> dict:
     last evaluation, checkpoints (``latest``, ``best``) and the committed work of each of its consumer
     processes, apart from the shared production of every producer of the cache root (counted once).
 
+    An experiment whose files are damaged (its own ``config.toml``, a checkpoint's ``state.json``, its
+    ``metrics.csv`` other than a torn last line, its registration) is reported with state ``damaged`` and
+    each reason in ``damage``; what could be read of it is reported too, and so are the other experiments.
+    ``damaged`` lists ``"NAME: reason"`` for every such reason (empty when the directory is sound).
+
     Raises:
-        ConfigError: ``out`` is not a run directory (no ``config.toml`` written by ``artcache run``).
+        ConfigError: ``out`` is not a run directory (no ``config.toml`` written by ``artcache run``), or its
+            ``config.toml`` cannot be read or names no experiment (empty or damaged).
     """
     from artcache import registry
     from artcache.layout import CacheLayout
-    from artcache.trainers.checkpoint import best_checkpoint, find_checkpoint, list_checkpoints, read_state
+    from artcache.trainers.checkpoint import best_checkpoint, find_checkpoint, list_checkpoints
 
     out = Path(out).expanduser().absolute()
     if not (out / "config.toml").is_file():
         raise ConfigError(f"{str(out)!r} is not a run directory of artcache run (no config.toml); accepted: the out "
                           "directory of an artcache run (for a cache root use artcache inspect --cache)")
-    cfg = resolve(load_run_config(out / "config.toml"))
+    cfg = load_run_config(out / "config.toml")
+    if not cfg.experiments:
+        raise ConfigError(f"{str(out / 'config.toml')!r} names no experiment (empty or damaged); accepted: the "
+                          "config.toml artcache run writes (each experiment's own copy is in "
+                          "experiments/<name>/config.toml)")
+    cfg = resolve(cfg)
     layout = CacheLayout(Path(cfg.cache.root))
     jdir = layout.journal
     prod_events = [ev for f in sorted(jdir.glob("producer-*.jsonl")) for ev in _events(f)] if jdir.is_dir() else []
@@ -857,24 +910,36 @@ def run_dir_report(out: str | Path) -> dict:
                  if jdir.is_dir() else [])
         processes = [committed_work(_events(f)) for f in files]
         ranges.extend((w["cursor_start"], w["cursor_end"]) for w in processes)
-        reg = registry.read(layout, e.name) if layout.consumers.is_dir() else None
+        damage = [d] if (d := _experiment_config_damage(e)) else []
+        try:
+            reg = registry.read(layout, e.name) if layout.consumers.is_dir() else None
+        except (CacheRootError, UnsafePath) as exc:
+            reg = None
+            damage.append(str(exc))
         run_dir = Path(e.out)
         latest, best = find_checkpoint(run_dir), best_checkpoint(run_dir)
-        st = read_state(latest) if latest is not None else None
-        best_st = read_state(best) if best is not None else None
+        st = _checkpoint_state(latest, damage)
+        best_st = _checkpoint_state(best, damage) if best != latest else st
+        try:
+            last_eval = _last_eval(run_dir / "metrics.csv")
+        except DataError as exc:
+            last_eval = {}
+            damage.append(str(exc))
         step = st.step if st else 0
-        state = "complete" if st is not None and step >= e.steps else (reg.state if reg else "not started")
+        state = ("damaged" if damage else COMPLETED if st is not None and step >= e.steps
+                 else (reg.state if reg else "not started"))
         experiments.append({
-            "name": e.name, "draft": e.draft, "state": state, "error": reg.reason if reg else "",
+            "name": e.name, "draft": e.draft, "state": state, "damage": damage, "error": reg.reason if reg else "",
             "steps": step, "steps_planned": e.steps, "cursor": st.cursor if st else 0,
-            "last_eval": _last_eval(run_dir / "metrics.csv"),
+            "last_eval": last_eval,
             "checkpoints": [s for s, _ in list_checkpoints(run_dir)],
             "latest": latest.name if latest else None,
             "best": {"checkpoint": best.name, **({k: v for k, v in (best_st.eval or {}).items()
                                                   if isinstance(v, (int, float))})} if best and best_st else None,
             "processes": processes, "out_dir": str(run_dir)})
     shared["distinct_positions_consumed"] = _union_length(ranges)
-    return {"out": str(out), "cache_root": str(layout.root), "shared_production": shared, "experiments": experiments}
+    return {"out": str(out), "cache_root": str(layout.root), "shared_production": shared, "experiments": experiments,
+            "damaged": [f"{x['name']}: {d}" for x in experiments for d in x["damage"]]}
 
 
 def format_run_dir_report(r: dict) -> str:
@@ -910,6 +975,8 @@ def format_run_dir_report(r: dict) -> str:
                          + (f"; {w['error']}" if w["error"] else ""))
         if not x["processes"]:
             lines.append(f"  {x['name']}: no consumer process yet")
+    if r["damaged"]:
+        lines += ["", "DAMAGED (what could be read is shown above):", *(f"  {d}" for d in r["damaged"])]
     return "\n".join(lines)
 
 

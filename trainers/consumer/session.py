@@ -403,7 +403,7 @@ class Session:
             if evaluating and self.last_eval.get("step") != self.steps_done:
                 self.evaluate(self.steps_done)
             self._check_finite()
-            self.state = "completed"
+            self.state = registry.COMPLETED
         except TrainingDiverged as exc:
             self.diverged = True
             self.error = f"{type(exc).__name__}: {exc}"
@@ -708,7 +708,7 @@ class Session:
             except Exception as exc:  # never mask the error in flight; a completed run without it failed
                 self.save_error = exc
                 log.error("[%s] the final checkpoint failed: %s: %s", cfg.consumer_id, type(exc).__name__, exc)
-                if self.state == "completed":
+                if self.state == registry.COMPLETED:
                     self.state, self.error = "failed", f"checkpoint: {type(exc).__name__}: {exc}"
         self.handle.finish(self.state, self.error)
         self.journal.emit(J.ConsumerEnd(consumer=cfg.consumer_id, state=self.state, steps=self.steps_done,
