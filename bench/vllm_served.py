@@ -21,7 +21,6 @@ the export's sha256 per file and ``export.json``.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import sys
@@ -39,13 +38,19 @@ def read_result(path: Path) -> dict:
 
 
 def eval_at(csvs: list[Path], step: int) -> dict[str, float]:
-    """``eval/*`` figures of ``step`` from metrics.csv files (``step,tag,value,wall_time``; later files win)."""
+    """``eval/*`` figures of ``step`` from metrics.csv files (``step,tag,value,wall_time``; later files win; a
+    torn last line is skipped).
+
+    Raises:
+        DataError: a file is damaged other than by a torn last line (names the file and the line).
+    """
+    from artcache.trainers.tracking import read_metrics
+
     out: dict[str, float] = {}
     for p in csvs:
-        with p.open() as f:
-            for row in csv.DictReader(f):
-                if int(row["step"]) == step and row["tag"].startswith("eval/"):
-                    out[row["tag"].removeprefix("eval/")] = float(row["value"])
+        for s, tag, value in read_metrics(p):
+            if s == step and tag.startswith("eval/"):
+                out[tag.removeprefix("eval/")] = value
     return out
 
 

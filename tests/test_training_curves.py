@@ -1,5 +1,6 @@
 """bench/training_curves.py: training seconds and steady rates from metrics.csv rows written per log interval
-(a chained run's gap left out), the held-out table, and the CLI's PNG + JSON."""
+(a chained run's gap left out), the held-out table, and the CLI's PNG + JSON; torn and damaged
+metrics.csv files (also as bench/vllm_served.py reads them)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,14 @@ def test_best_replay_tau_is_the_highest_held_out_value(tmp_path, capsys):
     _run(tmp_path / "m.csv")
     code, _png, _js = _cli(tmp_path, tmp_path / "m.csv")
     assert code == 0 and json.loads(capsys.readouterr().out)["d"]["best_replay_tau"] == 1.5
+
+
+def test_regression_vllm_served_eval_at_skips_a_torn_last_line(tmp_path):
+    """Regression: bench/vllm_served.py read metrics.csv with its own csv.DictReader (a torn last line: a
+    traceback); it reads through the one reader now."""
+    from artcache.bench.vllm_served import eval_at
+
+    _run(tmp_path / "m.csv")
+    with open(tmp_path / "m.csv", "a") as f:
+        f.write("40,eval/replay_t")
+    assert eval_at([tmp_path / "m.csv"], 40) == {"replay_tau": 1.4, "loss": 2.0}
