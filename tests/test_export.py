@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from artcache.app.cli import main
 from artcache.errors import ConfigError
 from artcache.layer_ids import dflash_layer_ids
-from artcache.trainers.checkpoint import point_latest, save_checkpoint
+from artcache.trainers.checkpoint import point_latest, save_checkpoint, write_state
 from artcache.trainers.dflash import DFlashConfig, DFlashDraft, sample_anchors
 from artcache.trainers.dflash.export import (
     dflash_config_from_export,
@@ -321,7 +321,7 @@ def test_mismatched_checkpoint_weights_are_refused(tmp_path, target_dir):
     # a checkpoint of an unknown draft kind, and an unreadable state.json
     ck = tmp_path / "run" / "checkpoints" / "latest"
     state = json.loads((ck / "state.json").read_text())
-    (ck / "state.json").write_text(json.dumps({**state, "draft": "medusa"}))
+    write_state(ck, {**state, "draft": "medusa"})
     with pytest.raises(ConfigError, match="medusa"):
         export_checkpoint(ck, tmp_path / "d", target=str(target_dir))
     (ck / "state.json").write_text("{not json")
@@ -509,7 +509,7 @@ def _record_target(ckpt: Path, name: str | None, digest: str | None) -> None:
         state["target_name"] = name
     if digest is not None:
         state["target_weights_digest"] = digest
-    (ckpt / "state.json").write_text(json.dumps(state))
+    write_state(ckpt, state)
 
 
 def test_regression_target_defaults_to_the_checkpoint_record(tmp_path, target_dir, weighted_targets):
@@ -551,7 +551,7 @@ def test_regression_target_defaults_to_the_checkpoint_record(tmp_path, target_di
     # path finds it again, so --target is not needed (it used to be)
     state = json.loads((step / "state.json").read_text())
     state["target_name"], state["target_path"] = good.name, str(good)
-    (step / "state.json").write_text(json.dumps(state))
+    write_state(step, state)
     r = runner.invoke(main, [*base, "--out", str(tmp_path / "h")])
     assert r.exit_code == 0, r.output
     prov = json.loads((tmp_path / "h" / "export.json").read_text())  # the name, never the local path
