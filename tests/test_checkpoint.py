@@ -412,9 +412,11 @@ def test_regression_a_flipped_byte_in_any_checkpoint_file_is_refused_before_use(
         assert f"expected xxh3_128 {rec.digest} ({rec.size:,} B), actual {digest_file(path / kind)} ({rec.size:,} B)" \
             in msg
     if kind in ("model.safetensors", "extra.safetensors", "state.json"):  # what export and --init-from read
+        ck.point_best(tmp_path, path)  # checkpoints/best is the same checkpoint, checked the same way
         for read in (ck.read_weights, lambda p: read_seed(p, 4)):
-            with pytest.raises(CheckpointCorrupt, match=re.escape(str(path / kind))):
-                read(path)
+            for given in (path, tmp_path / "checkpoints" / "best"):
+                with pytest.raises(CheckpointCorrupt, match=re.escape(str(path / kind))):
+                    read(ck.find_checkpoint(given))
     else:  # export and --init-from do not read the optimizer or RNG state: their weights are intact
         assert ck.read_weights(path)[0].step == 2 and read_seed(path, 4).state.step == 2
 
