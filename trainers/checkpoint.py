@@ -320,13 +320,14 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
         extra_tensors: non-trained draft tensors (EAGLE-3 vocab map); may be empty.
         state: JSON-serialisable metadata (draft config, run settings, ids, schedule): the fields of
             :class:`CheckpointState` (extra keys are kept in the file); ``step``, ``cursor``, ``format``,
-            ``resumable`` and the optimizer's param groups are added.
+            ``resumable``, the optimizer's param groups and ``digests`` are added.
 
     Digests (``state.json``'s ``digests``, :class:`Digests`): safetensors writes each tensor file itself, so
     its bytes cannot be hashed on their way out; each is read back once instead, in 8 MiB pieces (from the
     page cache: it was just written), and hashed with xxh3_128 before the fsyncs. The cost is one extra read
-    of the checkpoint's tensor bytes at memory speed (GB/s; small beside the fsync that writes them to the
-    device) and one piece of memory, never a whole file. ``state.json`` grows by about 100 bytes per file,
+    of the checkpoint's tensor bytes at memory speed (GB/s: 0.06 s for a 256 MiB model file beside its 0.9 s
+    save on a 2-core CPU box; small beside the fsync that writes the bytes to the device) and one piece of
+    memory, never a whole file. ``state.json`` grows by about 100 bytes per file,
     well within :data:`STATE_JSON_BOUND` (what :func:`checkpoint_size` predicts is unchanged).
 
     Raises:
@@ -643,7 +644,6 @@ def read_document(checkpoint: str | Path) -> tuple[dict, CheckpointState]:
 def _mismatch(path: Path, expected: str, actual: str) -> str:
     recorded = "the digest it records" if path.name == "state.json" else "the digest its state.json recorded"
     return f"checkpoint file {path} does not match {recorded}: expected {DIGEST_ALGORITHM} {expected}, actual {actual}"
-
 
 
 _CORRUPT_HINT = ("; the file is corrupt or truncated and nothing was loaded from it: restore it from a copy, or "
