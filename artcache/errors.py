@@ -100,6 +100,17 @@ class IntegrityError(ArtcacheError, ValueError):
     retryable = True
 
 
+class CheckpointCorrupt(IntegrityError):
+    """A consumer checkpoint's file does not match the content digest its ``state.json`` recorded when it
+    was written (bytes flipped on disk, a truncated or replaced file), a file the record names is missing,
+    or a tensor file is present that the record does not name. Raised before anything is loaded from the
+    checkpoint (``--resume``, ``--init-from``, ``artcache export``, ``artcache calibrate``); the message
+    names the file and the expected and actual digests. Not retryable (nothing is quarantined: the bytes
+    stay wrong until the file is restored); an operational failure (exit 1), as for any IntegrityError."""
+
+    retryable = False
+
+
 class PublishError(_OSErrorMessage):
     """Writing or renaming an artifact failed; the temp file was removed and nothing was published.
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import hypothesis
 import msgspec
 import pytest
 import safetensors.torch
 import torch
+from ckpt_damage import flip_byte, truncate
 from hypothesis import strategies as st
 
-from artcache.errors import CheckpointWriteError, ConfigError, InsufficientSpace
+from artcache.errors import CheckpointCorrupt, CheckpointWriteError, ConfigError, InsufficientSpace, IntegrityError
 from artcache.trainers import checkpoint as ck
 from artcache.trainers.consumer import lr_at
 from artcache.trainers.consumer.restore import load_weights_strict
@@ -335,6 +337,170 @@ def test_weights_only_checkpoint_is_seeded_from_never_resumed(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "state.json").write_text(json.dumps({"step": 1, "cursor": 2}))
     assert ck.read_state(tmp_path / "old").resumable is True
+
+
+# ---- content digests ---------------------------------------------------------------------------------------
+
+KINDS = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors", "state.json")
+
+
+def full(run_dir):
+    """A full checkpoint holding every file kind (extra included) after two training steps."""
+    model, opt = make()
+    gen = torch.Generator().manual_seed(1)
+    train(model, opt, gen, range(2))
+    return ck.save_checkpoint(run_dir, step=2, cursor=4, weights=model.trainable_state_dict(), optimizer=opt,
+                              generators={"anchors": gen}, extra_tensors={"d2t": torch.arange(3)},
+                              state={"consumer_id": "c", "draft": "dflash"})
+
+
+def test_a_good_checkpoint_records_every_file_and_round_trips(tmp_path, caplog):
+    from artcache.hashing import digest_file
+    from artcache.trainers.seed import read_seed
+
+    path = full(tmp_path)
+    state = ck.read_state(path)
+    assert state.digests is not None and state.digests.algorithm == "xxh3_128" and state.digests.replacing == {}
+    assert sorted(state.digests.files) == sorted(k for k in KINDS if k != "state.json")
+    for name, rec in state.digests.files.items():
+        assert (rec.size, rec.digest) == ((path / name).stat().st_size, digest_file(path / name)), name
+    with caplog.at_level("WARNING", logger="artcache.consumer"):
+        assert ck.verify_checkpoint(path, state) is True
+        loaded = ck.load_checkpoint(path)
+        st, weights, extra = ck.read_weights(path)
+        read_seed(path, 4)
+    assert not caplog.records  # verified: nothing to warn about
+    assert (loaded.state.step, loaded.state.cursor, st.step) == (2, 4, 2) and extra["d2t"].tolist() == [0, 1, 2]
+    assert set(weights) == set(loaded.weights) and all(torch.equal(weights[k], loaded.weights[k]) for k in weights)
+    # state.json is rewritten only with its digest recomputed: an edit through write_state reads back
+    doc, _ = ck.read_document(path)
+    ck.write_state(path, {**doc, "draft": "eagle3", "custom": {"kept": [1, 2]}})
+    doc2, st2 = ck.read_document(path)
+    assert st2.draft == "eagle3" and doc2["custom"] == {"kept": [1, 2]} and ck.load_checkpoint(path).state.step == 2
+    assert st2.digests.files == state.digests.files and st2.digests.state != state.digests.state
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_regression_a_flipped_byte_in_any_checkpoint_file_is_refused_before_use(tmp_path, kind):
+    """Break test: a byte flipped on disk inside a tensor's data loads without complaint (safetensors checks
+    only the header) and --resume / --init-from / export used the garbage. Every file kind is now checked
+    against the digest recorded when it was written, and a mismatch is refused naming the file and both
+    digests, before anything is loaded. Export and --init-from read only the weight files and state.json."""
+    from artcache.hashing import digest_file
+    from artcache.trainers.seed import read_seed
+
+    path = full(tmp_path)
+    state = ck.read_state(path)
+    before = ({k: v.clone() for k, v in safetensors.torch.load_file(path / kind).items()}
+              if kind.endswith(".safetensors") else None)
+    flip_byte(path / kind)
+    if before is not None:  # the damage is silent to safetensors: it loads, with a changed tensor
+        after = safetensors.torch.load_file(path / kind)
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(CheckpointCorrupt) as info:
+        ck.load_checkpoint(path)  # --resume
+    msg = str(info.value)
+    assert isinstance(info.value, IntegrityError) and info.value.exit_code == 1 and not info.value.retryable
+    assert str(path / kind) in msg and "\n" not in msg
+    if kind == "state.json":
+        assert f"expected xxh3_128 {state.digests.state}, actual " in msg
+        assert "cursor" not in msg  # refused before a field (here: step) is trusted
+        with pytest.raises(CheckpointCorrupt):
+            ck.find_checkpoint(tmp_path, cursor=4)  # --resume's lookup by the recorded cursor
+    else:
+        rec = state.digests.files[kind]
+        assert f"expected xxh3_128 {rec.digest} ({rec.size:,} B), actual {digest_file(path / kind)} ({rec.size:,} B)" \
+            in msg
+    if kind in ("model.safetensors", "extra.safetensors", "state.json"):  # what export and --init-from read
+        ck.point_best(tmp_path, path)  # checkpoints/best is the same checkpoint, checked the same way
+        for read in (ck.read_weights, lambda p: read_seed(p, 4)):
+            for given in (path, tmp_path / "checkpoints" / "best"):
+                with pytest.raises(CheckpointCorrupt, match=re.escape(str(path / kind))):
+                    read(ck.find_checkpoint(given))
+    else:  # export and --init-from do not read the optimizer or RNG state: their weights are intact
+        assert ck.read_weights(path)[0].step == 2 and read_seed(path, 4).state.step == 2
+
+
+@pytest.mark.parametrize("kind", ["model.safetensors", "optimizer.safetensors"])
+def test_regression_a_truncated_checkpoint_file_is_refused(tmp_path, kind):
+
+    path = full(tmp_path)
+    rec = ck.read_state(path).digests.files[kind]
+    truncate(path / kind, 4)
+    with pytest.raises(CheckpointCorrupt, match=rf"{re.escape(str(path / kind))} does not match .*expected xxh3_128 "
+                                                rf"{rec.digest} \({rec.size:,} B\), actual [0-9a-f]{{32}} "
+                                                rf"\({rec.size - 4:,} B\)"):
+        ck.load_checkpoint(path)
+
+
+def test_a_missing_recorded_file_or_an_unrecorded_tensor_file_is_refused(tmp_path):
+    path = full(tmp_path)
+    (path / "rng.safetensors").unlink()
+    with pytest.raises(CheckpointCorrupt, match=r"rng.safetensors is missing: its state.json records it"):
+        ck.load_checkpoint(path)
+    model, opt = make()
+    bare = save(tmp_path / "bare", 1, model, opt, torch.Generator())  # no extra.safetensors recorded
+    safetensors.torch.save_file({"d2t": torch.arange(3)}, str(bare / "extra.safetensors"))
+    for read in (ck.load_checkpoint, ck.read_weights):
+        with pytest.raises(CheckpointCorrupt, match=r"extra.safetensors is not among the files its state.json "
+                                                    r"records \(model.safetensors, optimizer.safetensors"):
+            read(bare)
+
+
+def test_regression_a_checkpoint_without_digests_still_loads_with_one_warning(tmp_path, caplog):
+    """Checkpoints written before digests were recorded have none: they load (resume, seed, export) as before,
+    with one warning per checkpoint that their files are unverified."""
+    from artcache.trainers.seed import read_seed
+
+    path = full(tmp_path)
+    doc = json.loads((path / "state.json").read_text())
+    del doc["digests"]
+    (path / "state.json").write_text(json.dumps(doc, indent=1))  # as an older artcache wrote it
+    with caplog.at_level("WARNING", logger="artcache.consumer"):
+        assert ck.read_state(path).digests is None
+        assert ck.verify_checkpoint(path, ck.read_state(path)) is False
+        assert ck.load_checkpoint(path).state.step == 2
+        assert ck.read_weights(path)[2]["d2t"].tolist() == [0, 1, 2]
+        assert read_seed(path, 4).state.step == 2
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"checkpoint {path} records no content digests (written before artcache recorded them): its "
+                      "files are used unverified"]
+    ck.write_state(path, {**doc, "draft": "eagle3"})  # a rewrite does not invent digests for unverified files
+    assert ck.read_state(path).digests is None and ck.read_state(path).draft == "eagle3"
+
+
+def test_replace_file_keeps_the_record_true_when_interrupted(tmp_path, monkeypatch):
+    """calibrate replaces extra.safetensors in place: state.json first records the new content (the old one
+    under ``replacing``), then the file, then state.json without ``replacing`` — a crash between any two
+    leaves a checkpoint that verifies."""
+    from artcache.errors import PublishError
+
+    path = full(tmp_path)
+    old = (path / "extra.safetensors").read_bytes()
+    new = safetensors.torch.save({"d2t": torch.arange(5)})
+    real, calls = ck.atomic_write, []
+
+    def crash_at_the_file(dest, *a, **k):
+        calls.append(dest.name)
+        if dest.name == "extra.safetensors":
+            raise PublishError("injected crash before the file was replaced")
+        return real(dest, *a, **k)
+
+    monkeypatch.setattr(ck, "atomic_write", crash_at_the_file)
+    with pytest.raises(PublishError):
+        ck.replace_file(path, "extra.safetensors", new)
+    monkeypatch.setattr(ck, "atomic_write", real)
+    assert calls == ["state.json", "extra.safetensors"]
+    st = ck.read_state(path)
+    assert set(st.digests.replacing) == {"extra.safetensors"} and (path / "extra.safetensors").read_bytes() == old
+    assert ck.load_checkpoint(path).extra["d2t"].tolist() == [0, 1, 2]  # the old content still verifies
+    ck.replace_file(path, "extra.safetensors", new)
+    st = ck.read_state(path)
+    assert st.digests.replacing == {} and st.digests.files["extra.safetensors"].size == len(new)
+    assert ck.load_checkpoint(path).extra["d2t"].tolist() == [0, 1, 2, 3, 4]
+    (path / "extra.safetensors").write_bytes(old)  # once complete, the old content is no longer accepted
+    with pytest.raises(CheckpointCorrupt, match="extra.safetensors does not match"):
+        ck.load_checkpoint(path)
 
 
 # ---- sizes and the free-space preflight ------------------------------------------------------------------

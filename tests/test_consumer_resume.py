@@ -234,3 +234,61 @@ def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tm
     rows = [r for r in read_metrics(run / "metrics.csv") if r[1] == "train/loss"]
     assert [r[0] for r in rows] == list(range(1, steps + 1))
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000004"]
+
+
+def test_regression_resume_refuses_a_checkpoint_file_that_does_not_match_its_digest(tmp_path, tiny_target):
+    """Break test: a checkpoint file corrupted on disk (a byte flipped inside a tensor's data, which safetensors
+    loads without complaint) was resumed from, and the run trained on from garbage. ``--resume`` now checks every
+    file of the checkpoint against the digests recorded when it was written, before registering: one line naming
+    the file and the expected and actual digest, exit 1, the registration untouched. A checkpoint that records no
+    digests (written before they were) still resumes, with one warning that it is unverified."""
+    from ckpt_damage import flip_byte, truncate
+
+    from artcache.hashing import digest_file
+
+    cache = tmp_path / "cache"
+    layout = CacheLayout(cache)
+    prod = start_producer(cache, tmp_path, tiny_target)
+    procs = [prod]
+    main = __import__("artcache.app.cli", fromlist=["main"]).main
+    try:
+        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
+        c = Proc("c", consume_args(cache, tmp_path, "c", 2, "--lr-total-steps", "4"), tmp_path)
+        procs.append(c)
+        c.expect(0)
+        reg = registry.read(layout, "c")
+        step = tmp_path / "runs" / "c" / "checkpoints" / "step-00000002"
+        rec = read_state(step).digests
+        resume = consume_args(cache, tmp_path, "c", 4, "--lr-total-steps", "4", "--resume")
+        for kind, damage in (("model.safetensors", flip_byte), ("optimizer.safetensors", flip_byte),
+                             ("rng.safetensors", flip_byte), ("state.json", flip_byte),
+                             ("model.safetensors", truncate)):
+            good = (step / kind).read_bytes()
+            damage(step / kind)
+            bad = CliRunner().invoke(main, resume)
+            errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("artcache: error:")]
+            assert bad.exit_code == 1 and len(errors) == 1, (kind, bad.output)
+            assert f"CheckpointCorrupt: checkpoint file {step / kind} does not match" in errors[0], errors
+            if kind == "state.json":
+                assert f"expected xxh3_128 {rec.state}, actual " in errors[0]
+            else:
+                want, size = rec.files[kind], (step / kind).stat().st_size
+                assert f"expected xxh3_128 {want.digest} ({want.size:,} B), actual {digest_file(step / kind)} " \
+                    f"({size:,} B)" in errors[0], errors
+            assert registry.read(layout, "c") == reg  # refused before registering
+            (step / kind).write_bytes(good)
+        # an older checkpoint (no digests recorded) resumes, said once to be unverified
+        doc = json.loads((step / "state.json").read_text())
+        del doc["digests"]
+        (step / "state.json").write_text(json.dumps(doc, indent=1))
+        old = Proc("c-resumed", resume, tmp_path)
+        procs.append(old)
+        old.expect(0)
+        assert old.text().count("records no content digests") == 1 and "used unverified" in old.text()
+        prod.terminate_ready_producer()
+    finally:
+        for p in procs:
+            p.kill()
+    reg = registry.read(layout, "c")
+    assert (reg.state, reg.cursor, reg.checkpoint_cursor) == ("completed", 4 * BATCH, 4 * BATCH)
+    assert read_state(tmp_path / "runs" / "c" / "checkpoints" / "step-00000004").digests is not None

@@ -377,6 +377,7 @@ def test_export_round_trip(tmp_path, fmt):
 
 
 def test_export_refuses_a_gated_head_as_speculators_and_mismatched_weights(tmp_path):
+    from artcache.trainers.checkpoint import write_state
     from artcache.trainers.export import export_checkpoint
 
     m = model_of(dtype=torch.float32, markov_head_type="gated")
@@ -389,7 +390,7 @@ def test_export_refuses_a_gated_head_as_speculators_and_mismatched_weights(tmp_p
     ck2 = _checkpoint(tmp_path / "x", m3, [1, 3, 5])
     st2 = json.loads((ck2 / "state.json").read_text())
     st2["draft_config"]["markov_rank"] = 5
-    (ck2 / "state.json").write_text(json.dumps(st2))
+    write_state(ck2, st2)
     with pytest.raises(ConfigError, match="does not match its draft config"):
         export_checkpoint(ck2, tmp_path / "o3", "hf", target=_target_cfg())
     assert st["draft"] == "dspark" and not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()

@@ -14,12 +14,13 @@ import msgspec
 import pytest
 import safetensors.torch
 import torch
+from ckpt_damage import flip_byte, truncate
 from click.testing import CliRunner
 
 from artcache.app.cli import main
 from artcache.errors import ConfigError
 from artcache.layer_ids import dflash_layer_ids
-from artcache.trainers.checkpoint import point_latest, save_checkpoint
+from artcache.trainers.checkpoint import point_latest, save_checkpoint, write_state
 from artcache.trainers.dflash import DFlashConfig, DFlashDraft, sample_anchors
 from artcache.trainers.dflash.export import (
     dflash_config_from_export,
@@ -66,11 +67,11 @@ def _frozen(seed: int = 0):
     return torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.3
 
 
-def _save(run_dir: Path, model, state: dict, weights=None) -> Path:
+def _save(run_dir: Path, model, state: dict, weights=None, extra=None) -> Path:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     path = save_checkpoint(run_dir, step=3, cursor=6, weights=weights if weights is not None
-                           else model.trainable_state_dict(), optimizer=opt, generators={}, extra_tensors={},
-                           state=state)
+                           else model.trainable_state_dict(), optimizer=opt, generators={},
+                           extra_tensors=extra or {}, state=state)
     point_latest(run_dir, path)
     return path
 
@@ -209,7 +210,9 @@ def test_dflash_export_rejects_wrong_target_and_ids():
 
 # ------------------------------------------------------------------------------------ EAGLE-3
 
-def eagle3_checkpoint(run_dir: Path):
+def eagle3_checkpoint(run_dir: Path, *, vocab_map_in_extra: bool = False):
+    """An EAGLE-3 checkpoint; ``vocab_map_in_extra``: its d2t / t2d in extra.safetensors (read the same way),
+    so the checkpoint holds every file kind."""
     from artcache.layer_ids import eagle3_capture_ids
     from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, vocab_map_from_used
 
@@ -227,7 +230,10 @@ def eagle3_checkpoint(run_dir: Path):
     state = {"consumer_id": "eagle3", "draft": "eagle3", "draft_config": {**msgspec.to_builtins(cfg),
                                                                           "layer_ids": ids},
              "layer_ids": ids, "plan_id": "plan", "contract_id": "contract"}
-    _save(run_dir, model, state)
+    weights, extra = model.trainable_state_dict(), {}
+    if vocab_map_in_extra:
+        extra = {k: weights.pop(k) for k in ("d2t", "t2d")}
+    _save(run_dir, model, state, weights, extra)
     return model, cfg, (emb, norm, head)
 
 
@@ -321,7 +327,7 @@ def test_mismatched_checkpoint_weights_are_refused(tmp_path, target_dir):
     # a checkpoint of an unknown draft kind, and an unreadable state.json
     ck = tmp_path / "run" / "checkpoints" / "latest"
     state = json.loads((ck / "state.json").read_text())
-    (ck / "state.json").write_text(json.dumps({**state, "draft": "medusa"}))
+    write_state(ck, {**state, "draft": "medusa"})
     with pytest.raises(ConfigError, match="medusa"):
         export_checkpoint(ck, tmp_path / "d", target=str(target_dir))
     (ck / "state.json").write_text("{not json")
@@ -379,8 +385,8 @@ def _training_run(run: Path) -> Path:
     return path
 
 
-def _one_line_error(r, *needles: str) -> str:
-    assert r.exit_code == 2, r.output
+def _one_line_error(r, *needles: str, code: int = 2) -> str:
+    assert r.exit_code == code, r.output
     assert isinstance(r.exception, SystemExit), r.exception  # no traceback
     lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("artcache: error:"), r.output
@@ -509,7 +515,7 @@ def _record_target(ckpt: Path, name: str | None, digest: str | None) -> None:
         state["target_name"] = name
     if digest is not None:
         state["target_weights_digest"] = digest
-    (ckpt / "state.json").write_text(json.dumps(state))
+    write_state(ckpt, state)
 
 
 def test_regression_target_defaults_to_the_checkpoint_record(tmp_path, target_dir, weighted_targets):
@@ -551,7 +557,7 @@ def test_regression_target_defaults_to_the_checkpoint_record(tmp_path, target_di
     # path finds it again, so --target is not needed (it used to be)
     state = json.loads((step / "state.json").read_text())
     state["target_name"], state["target_path"] = good.name, str(good)
-    (step / "state.json").write_text(json.dumps(state))
+    write_state(step, state)
     r = runner.invoke(main, [*base, "--out", str(tmp_path / "h")])
     assert r.exit_code == 0, r.output
     prov = json.loads((tmp_path / "h" / "export.json").read_text())  # the name, never the local path
@@ -588,3 +594,60 @@ def test_regression_exported_files_are_readable_by_others(tmp_path, target_dir, 
     for p in files:
         assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask, (p.name, oct(p.stat().st_mode))
     assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o777 & ~umask
+
+
+@pytest.mark.parametrize("kind,damage", [("model.safetensors", "flip"), ("extra.safetensors", "flip"),
+                                         ("state.json", "flip"), ("model.safetensors", "truncate"),
+                                         ("optimizer.safetensors", "flip"), ("rng.safetensors", "flip")])
+def test_regression_export_refuses_a_checkpoint_file_that_does_not_match_its_digest(tmp_path, target_dir, kind,
+                                                                                    damage):
+    """Break test: a checkpoint whose model.safetensors had a byte flipped on disk (inside a tensor's data, so
+    safetensors loads it) was exported with garbage weights and exit 0. Export now checks state.json and the
+    files it reads against the digests recorded at save: one line naming the file and the expected and actual
+    digest, exit 1, nothing written. The optimizer and RNG state are not exported: damage there leaves the
+    exported weights intact, and the export goes ahead."""
+    from artcache.hashing import digest_file
+    from artcache.trainers.checkpoint import find_checkpoint, read_state
+
+    model, _, frozen = eagle3_checkpoint(tmp_path / "run", vocab_map_in_extra=True)
+    step = find_checkpoint(tmp_path / "run")
+    assert sorted(p.name for p in step.iterdir()) == ["extra.safetensors", "model.safetensors",
+                                                     "optimizer.safetensors", "rng.safetensors", "state.json"]
+    rec = read_state(step).digests
+    (flip_byte if damage == "flip" else truncate)(step / kind)
+    out = tmp_path / "exports" / "d"
+    args = ["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out), "--dtype", "float32",
+            "--target", str(with_weights(target_dir, *frozen))]
+    r = CliRunner().invoke(main, args)
+    if kind in ("optimizer.safetensors", "rng.safetensors"):
+        assert r.exit_code == 0, r.output
+        got = safetensors.torch.load_file(out / "model.safetensors")
+        assert torch.equal(got["fc.weight"], model.trainable_state_dict()["fc.weight"])
+        return
+    line = _one_line_error(r, f"CheckpointCorrupt: checkpoint file {step / kind} does not match", code=1)
+    if kind == "state.json":
+        assert f"expected xxh3_128 {rec.state}, actual " in line
+    else:
+        want = rec.files[kind]
+        size = (step / kind).stat().st_size
+        assert f"expected xxh3_128 {want.digest} ({want.size:,} B), actual {digest_file(step / kind)} ({size:,} B)" \
+            in line
+    assert not out.exists() and not out.parent.exists()
+    _no_leftovers(tmp_path)
+
+
+def test_regression_export_of_a_checkpoint_without_digests_warns_that_it_is_unverified(tmp_path, target_dir,
+                                                                                       caplog):
+    """A checkpoint written before digests were recorded is still exported (exit 0), with one warning."""
+    dflash_checkpoint(tmp_path / "run")
+    step = tmp_path / "run" / "checkpoints" / "latest"
+    doc = json.loads((step / "state.json").read_text())
+    del doc["digests"]
+    (step / "state.json").write_text(json.dumps(doc))
+    with caplog.at_level("WARNING", logger="artcache.consumer"):
+        r = CliRunner().invoke(main, ["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "d"),
+                                      "--target", str(target_dir)])
+    assert r.exit_code == 0, r.output
+    warned = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert warned == [f"checkpoint {step.resolve()} records no content digests (written before artcache recorded "
+                      "them): its files are used unverified"]

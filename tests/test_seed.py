@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 
 from artcache.errors import ConfigError, ContractMismatch
-from artcache.trainers.checkpoint import point_latest, save_checkpoint
+from artcache.trainers.checkpoint import point_latest, replace_file, save_checkpoint, write_state
 from artcache.trainers.consumer import ConsumerConfig
 from artcache.trainers.consumer.restore import jsonable, load_weights_strict, plan_init
 from artcache.trainers.draft import build_draft
@@ -209,18 +209,18 @@ def test_regression_mask_token_block_size_and_target_are_compared(tmp_path, tiny
     assert any("block_size differs" in n for n in sp.notes)
     state = json.loads((ckpt / "state.json").read_text())
     state["draft_config"]["mask_token_id"] = 7
-    (ckpt / "state.json").write_text(json.dumps(state))
+    write_state(ckpt, state)
     with pytest.raises(ConfigError, match="mask_token_id differs: seed 7, this run"):
         seed_into(ckpt, cfg, settings, plan)
     seed_into(ckpt, cfg, settings, plan, init_overrides=["mask_token"])
     state["draft_config"]["mask_token_id"] = src.dcfg.mask_token_id
     state["target_weights_digest"] = "0" * 32
-    (ckpt / "state.json").write_text(json.dumps(state))
+    write_state(ckpt, state)
     with pytest.raises(ContractMismatch, match="weights digest 0000"):
         seed_into(ckpt, cfg, settings, plan)
     seed_into(ckpt, cfg, settings, plan, init_overrides=["target"])
     state["target_weights_digest"] = settings.contract.target_weights_digest
-    (ckpt / "state.json").write_text(json.dumps(state))
+    write_state(ckpt, state)
     # a published draft with no target identity at all (a z-lab directory): refused unless overridden
     export_checkpoint(tmp_path / "run", tmp_path / "hf", "hf", dtype="float32", target=settings.target_path)
     (tmp_path / "hf" / "export.json").unlink()
@@ -297,7 +297,7 @@ def test_regression_kept_vocab_map_coverage_is_measured(tmp_path, tiny_root, cap
             continue
         t = safetensors.torch.load_file(ckpt / f)
         t["d2t"], t["t2d"] = d2t, t2d
-        safetensors.torch.save_file(t, str(ckpt / f))
+        replace_file(ckpt, f, safetensors.torch.save(t))  # the recorded digest follows
     with pytest.raises(ConfigError, match=r"covers 0.0% of this plan's supervised training tokens, below "
                                           r"--min-vocab-coverage 0.5.*--keep-vocab-map"):
         seed_into(ckpt, cfg, settings, plan)

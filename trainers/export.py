@@ -74,7 +74,7 @@ from artcache.fsio import fsync_dir
 from artcache.layout import unique_suffix
 from artcache.target import resolve_target
 from artcache.trainers import DRAFT_NAMES
-from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_state
+from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_weights
 from artcache.trainers.draft import draft_class
 
 __all__ = [
@@ -118,14 +118,9 @@ class ExportResult:
 # ------------------------------------------------------------------------------------ checkpoint
 
 def _read_checkpoint(ckpt: Path) -> tuple[CheckpointState, dict[str, Tensor]]:
-    """(state.json, model tensors merged with extra.safetensors). Safetensors and JSON only."""
-    state = read_state(ckpt)
-    try:
-        weights = safetensors.torch.load_file(ckpt / "model.safetensors")
-        extra_path = ckpt / "extra.safetensors"
-        extra = safetensors.torch.load_file(extra_path) if extra_path.is_file() else {}
-    except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        raise ConfigError(f"checkpoint {ckpt} is unreadable: {exc}") from exc
+    """(state.json, model tensors merged with extra.safetensors), their digests checked first
+    (:func:`~artcache.trainers.checkpoint.read_weights`). Safetensors and JSON only."""
+    state, weights, extra = read_weights(ckpt)
     for k, v in extra.items():
         weights.setdefault(k, v)
     return state, weights
@@ -408,6 +403,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
             do not match the draft config, a target of other sizes or weights digest, an ``out`` that
             overlaps the checkpoint or its run, whose parent is not a writable directory, or that exists
             (without ``overwrite``, or not a previous export). Nothing is left at ``out`` when it fails.
+        CheckpointCorrupt: ``state.json``, ``model.safetensors`` or ``extra.safetensors`` does not match the
+            digest the checkpoint recorded (exit 1; nothing is written). A checkpoint that records none (written
+            before digests were) is exported with one warning that it is unverified.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not accepted: one of {', '.join(FORMATS)}")

@@ -44,7 +44,13 @@ from torch import Tensor
 
 from artcache.errors import ConfigError, ContractMismatch
 from artcache.trainers import DRAFT_NAMES
-from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_state
+from artcache.trainers.checkpoint import (
+    WEIGHT_FILES,
+    CheckpointState,
+    find_checkpoint,
+    read_state,
+    verify_checkpoint,
+)
 from artcache.trainers.draft import draft_class
 
 __all__ = ["SeedPlan", "SeedSource", "compare_configs", "load_seed", "map_back", "plan_seed", "read_seed",
@@ -152,15 +158,24 @@ def read_seed(path: str | Path, num_target_layers: int) -> SeedSource:
         num_target_layers: L of this run's target (an EAGLE-3 export lists its three auxiliary layers;
             the fourth id it reads is ``L - 1``).
 
+    An artcache checkpoint's ``state.json``, ``model.safetensors`` and ``extra.safetensors`` are checked
+    against the digests it recorded first (:func:`~artcache.trainers.checkpoint.verify_checkpoint`: one
+    streaming read of each, also in ``artcache run --dry-run``); one written before digests were is read
+    with a warning that it is unverified. A published draft records none (nothing to check).
+
     Raises:
         ConfigError: not a seed (see :func:`_locate`), unreadable files, a checkpoint that records no
             draft, a ``config.json`` no registered draft reads (or several do), a layout option this
             artcache does not compute.
+        CheckpointCorrupt: a checkpoint's file does not match its recorded digest.
     """
     d = _locate(path)
-    shapes, files = _headers(d)
-    if (d / "state.json").is_file():
+    st = None
+    if (d / "state.json").is_file():  # an artcache checkpoint: its weight files checked before a header is read
         st = read_state(d)
+        verify_checkpoint(d, st, WEIGHT_FILES)
+    shapes, files = _headers(d)
+    if st is not None:
         if st.draft not in DRAFT_NAMES:
             raise ConfigError(f"--init-from {d}: its state.json records draft {st.draft!r}; accepted: "
                               f"{', '.join(DRAFT_NAMES)}")

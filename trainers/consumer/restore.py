@@ -15,7 +15,7 @@ import msgspec
 import torch
 
 from artcache import registry
-from artcache.errors import ConfigError
+from artcache.errors import CheckpointCorrupt, ConfigError
 from artcache.layout import CacheLayout
 from artcache.trainers.checkpoint import (
     CheckpointState,
@@ -52,6 +52,7 @@ def resume_state(cfg: ConsumerConfig, layout: CacheLayout, plan_id: str, contrac
             unrecorded ones), no checkpoint of ``run_dir`` has the recorded cursor (those found are named), or
             the checkpoint belongs to another consumer id, cache root (plan / contract) or run settings (the
             differing flags are named).
+        CheckpointCorrupt: a ``state.json`` read does not match the digest it recorded.
     """
     old = registry.read(layout, cfg.consumer_id) if layout.consumers.is_dir() else None
     if old is None:
@@ -71,7 +72,7 @@ def resume_state(cfg: ConsumerConfig, layout: CacheLayout, plan_id: str, contrac
         for step, p in list_checkpoints(run_dir):
             try:
                 found.append(f"step {step} at cursor {read_state(p).cursor}")
-            except ConfigError:
+            except (ConfigError, CheckpointCorrupt):
                 continue
         raise ConfigError(
             f"--resume: the registry records consumer {cfg.consumer_id!r}'s last checkpoint at cursor "
@@ -106,7 +107,7 @@ def unrecorded_checkpoints(old: registry.Registration, run_dir: Path, plan_id: s
     for path in found:
         try:
             st = read_state(path)
-        except ConfigError:
+        except (ConfigError, CheckpointCorrupt):  # what cannot be read is never removed as unrecorded
             return []
         if (st.consumer_id, st.plan_id, st.contract_id) != (old.consumer_id, plan_id, contract_id) \
                 or st.generation is None or st.generation not in generations:
@@ -163,6 +164,8 @@ def find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Pat
 
     Raises:
         ConfigError: see :func:`resume_state`; an incomplete or unreadable checkpoint.
+        CheckpointCorrupt: a file of the checkpoint does not match the digest it recorded
+            (:func:`~artcache.trainers.checkpoint.load_checkpoint`).
     """
     found = resume_state(cfg, layout, settings.plan_id, settings.contract.contract_id, run_dir)
     return load_checkpoint(found[0]) if found is not None else None

@@ -11,7 +11,8 @@ includes 1 (no change), so a fitted slot never has a higher ECE than before on t
 The data: the held-out split's per-block confidence logits, α and supervised prefix, which a DSpark
 consumer records at every held-out evaluation and saves with its checkpoint (``heldout.*`` in
 extra.safetensors, tied to the weights by :func:`~.adapter.weights_check`). The temperatures go into the
-checkpoint's extra.safetensors (``calibration.temperatures``, the file replaced atomically) and the report
+checkpoint's extra.safetensors (``calibration.temperatures``, the file and its digest in state.json replaced
+atomically: :func:`~artcache.trainers.checkpoint.replace_file`) and the report
 into ``calibration.json`` beside it; ``artcache export`` writes the temperatures into the exported config
 (``confidence_temperatures``).
 
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from artcache.errors import ConfigError
 from artcache.fsio import atomic_write
-from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_state
+from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_state, read_weights, replace_file
 
 from .adapter import CALIBRATION_KEY, HELDOUT_PREFIX, weights_check
 from .metrics import ECE_BINS, _bin_sums
@@ -102,12 +103,7 @@ def _load_records(ckpt: Path) -> tuple[dict[str, Tensor], CheckpointState, dict[
     if state.draft != "dspark":
         raise ConfigError(f"--checkpoint {ckpt} holds a {state.draft!r} draft; calibrate fits DSpark's "
                           "confidence head only")
-    try:
-        extra_path = ckpt / "extra.safetensors"
-        extra = safetensors.torch.load_file(extra_path) if extra_path.is_file() else {}
-        weights = safetensors.torch.load_file(ckpt / "model.safetensors")
-    except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        raise ConfigError(f"checkpoint {ckpt} is unreadable: {exc}") from exc
+    state, weights, extra = read_weights(ckpt)  # the digests checked first
     rec = {k[len(HELDOUT_PREFIX):]: v for k, v in extra.items() if k.startswith(HELDOUT_PREFIX)}
     if not {"conf_logit", "alpha", "supervised", "position", "weights_check"} <= set(rec):
         raise ConfigError(f"checkpoint {ckpt} has no held-out confidence records: train with --eval-samples N "
@@ -134,6 +130,7 @@ def calibrate_checkpoint(checkpoint: str | Path, *, bins: int = ECE_BINS) -> dic
 
     Raises:
         ConfigError: not a DSpark checkpoint, no (or stale) held-out records, too few blocks.
+        CheckpointCorrupt: a file it reads does not match the digest the checkpoint recorded.
     """
     ckpt = find_checkpoint(checkpoint)
     if ckpt is None:
@@ -172,6 +169,6 @@ def calibrate_checkpoint(checkpoint: str | Path, *, bins: int = ECE_BINS) -> dic
         "ece_cum_pooled_after_crossval": err / n if n > 0 else math.nan, "written_at": time.time(),
     }
     extra = {**extra, CALIBRATION_KEY: temps.clone()}
-    atomic_write(ckpt / "extra.safetensors", [safetensors.torch.save(extra, metadata={"format": "pt"})], ckpt)
+    replace_file(ckpt, "extra.safetensors", safetensors.torch.save(extra, metadata={"format": "pt"}))
     atomic_write(ckpt / CALIBRATION_FILE, [json.dumps(report, indent=2, allow_nan=True).encode()], ckpt)
     return report
