@@ -662,6 +662,7 @@ def test_regression_report_uses_the_writers_completed_and_skips_a_torn_metrics_l
 @pytest.mark.parametrize("damage, needle", [
     ("empty config.toml", "experiments/b/config.toml is empty or damaged: it names no experiment"),
     ("state.json", "state.json is unreadable or not a checkpoint state"),
+    ("state.json digest", "state.json does not match the digest it records"),
     ("metrics.csv", "metrics.csv': line 2 '4,train/loss' is not a metrics row"),
     ("registration", "of consumer 'b' is unreadable"),
 ])
@@ -675,6 +676,9 @@ def test_regression_report_names_a_damaged_experiment_reports_the_rest_and_exits
         (b / "config.toml").write_text("")
     elif damage == "state.json":
         (b / "checkpoints" / "step-00000004" / "state.json").write_text('{"step": 4, "cur')
+    elif damage == "state.json digest":  # still a valid state, one value changed: its recorded digest catches it
+        st = b / "checkpoints" / "step-00000004" / "state.json"
+        st.write_text(st.read_text().replace('"cursor": 8', '"cursor": 9').replace('"cursor":8', '"cursor":9'))
     elif damage == "metrics.csv":
         (b / "metrics.csv").write_text("step,tag,value,wall_time\n4,train/loss\n4,eval/replay_tau,1.25,9.0\n")
     else:

@@ -39,7 +39,7 @@ from artcache.app.config import (
     save_config,
 )
 from artcache.contract import stored_dtype
-from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, UnsafePath
+from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
 from artcache.registry import COMPLETED
 from artcache.shutdown import GracefulShutdown
@@ -858,15 +858,15 @@ def _experiment_config_damage(e: Experiment) -> str | None:
 
 
 def _checkpoint_state(path: Path | None, damage: list[str]):
-    """``read_state(path)``, or None (no checkpoint, or an unreadable state.json: its reason appended to
-    ``damage``)."""
+    """``read_state(path)``, or None (no checkpoint, or an unreadable state.json or one that does not match
+    its recorded digest: its reason appended to ``damage``)."""
     from artcache.trainers.checkpoint import read_state
 
     if path is None:
         return None
     try:
         return read_state(path)
-    except ConfigError as exc:
+    except (ConfigError, IntegrityError) as exc:
         damage.append(str(exc))
         return None
 
