@@ -203,6 +203,13 @@ def flag_of(field: str) -> str:
     return FLAGS.get(field) or "--" + field.rpartition(".")[2].removesuffix("_s").replace("_", "-")
 
 
+def root_flag(setting: str) -> str:
+    """The flag a root mismatch names for a :class:`ProducerConfig` setting
+    (:func:`artcache.settings.check_compatible`): :func:`flag_of`; the captured layers as
+    ``--layer-ids/--draft-layers``."""
+    return "--layer-ids/--draft-layers" if setting == "layer_ids" else flag_of(setting)
+
+
 #: the default disk budget: this share of the free space beyond the filesystem's reserve
 #: (:func:`artcache.fsio.space_reserve`, the one publication keeps free)
 BUDGET_FREE_FRACTION = 0.9
@@ -330,7 +337,7 @@ def prepare_root(cfg: ProducerConfig):
     recorded = None
     if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
         current = load_settings(layout)
-        check_compatible(current, contract, plan_id_for(spec, tok), layout)
+        check_compatible(current, contract, plan_id_for(spec, tok), layout, spec=spec, name_of=root_flag)
         recorded = current.payload
         if cfg.payload and payload_url != (recorded.url if recorded else None):
             raise ConfigError(f"--payload {cfg.payload!r}: cache root {layout.root} keeps its payloads in "

@@ -328,15 +328,18 @@ def test_producer_other_contract_on_existing_root_writes_nothing(root, workdir, 
     before = snapshot(root)
     args = producer_args(root, tiny_target)
     args[args.index("--draft-layers"):args.index("--draft-layers") + 2] = ["--layer-ids", "0,1"]
-    assert_bad_input(invoke(*args), str(root), "layer_ids")
+    assert_bad_input(invoke(*args), str(root), "--layer-ids/--draft-layers [1, 2, 3] there, [0, 1] here")
     assert snapshot(root) == before
 
 
-def test_producer_other_plan_on_existing_root_writes_nothing(root, workdir, tiny_target):
+def test_regression_producer_other_plan_names_the_flag_and_writes_nothing(root, workdir, tiny_target):
+    """Regression (break test): the plan mismatch named the internal field ``plan_id``; it names the flag that
+    differs and both values."""
     before = snapshot(root)
     args = producer_args(root, tiny_target)
     args[args.index("--max-samples") + 1] = "7"
-    assert_bad_input(invoke(*args), str(root), "plan_id")
+    line = assert_bad_input(invoke(*args), str(root), "differs in: --max-samples 40 there, 7 here")
+    assert "plan_id" not in line
     assert snapshot(root) == before
 
 

@@ -27,6 +27,7 @@ import msgspec
 from artcache import journal as J
 from artcache.app.config import (
     CAPTURE_PATHS,
+    PRODUCER_FLAGS,
     Experiment,
     RunConfig,
     cache_root,
@@ -260,7 +261,8 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
     layout = CacheLayout(Path(resolved.cache.root))
     if layout.settings.is_file():
         try:
-            check_compatible(load_settings(layout), contract, plan_id, layout)
+            check_compatible(load_settings(layout), contract, plan_id, layout, spec=spec,
+                             name_of=lambda setting: PRODUCER_FLAGS.get(setting, setting))
         except ConfigError as exc:
             raise ContractMismatch(f"{exc} (the experiments' layers {captured} on target {info.name})") from None
     elif layout.root.exists() and any(layout.root.iterdir()):
