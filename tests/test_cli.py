@@ -704,3 +704,28 @@ def test_regression_click_usage_errors_are_one_line(workdir, args, needle):
     proc = run_script(*args, cwd=workdir)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("artcache: error: ")
     assert needle in proc.stderr and proc.stdout == "" and list(workdir.iterdir()) == []
+
+
+def test_regression_refused_duplicate_consumer_leaves_no_out_dir(tmp_path, workdir, tiny_target):
+    """Break test: a second `consume` with the id of a live consumer was refused but left its (empty) --out
+    directory, parents included. The run directory is now created only once the registration holds."""
+    import subprocess as sp
+
+    from artcache import registry
+    from artcache.layout import CacheLayout
+    from artcache.producer import ProducerConfig, prepare_root
+
+    cache = tmp_path / "cache"
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
+    holder = sp.Popen(["sleep", "60"])  # a live process holding the id (the first consumer)
+    try:
+        registry.register(CacheLayout(cache), registry.Registration(consumer_id="dup", draft="dflash", pid=holder.pid))
+        out = tmp_path / "runs" / "dup"
+        assert_bad_input(invoke("consume", "--cache", str(cache), "--id", "dup", "--steps", "1", "--out", str(out),
+                                "--no-progress"), "consumer id 'dup' is already running", "choose another --id")
+        assert not out.exists() and not out.parent.exists()
+        assert list(workdir.iterdir()) == []
+    finally:
+        holder.kill()
+        holder.wait()

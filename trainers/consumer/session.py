@@ -284,7 +284,8 @@ class Session:
 
     def register(self) -> None:
         cfg, layout = self.cfg, self.layout
-        _check_run_dir(self.run_dir)  # before registering or journaling: a bad --out leaves nothing in the root
+        # before registering or journaling: a bad --out leaves nothing in the root; created once registered
+        _check_run_dir(self.run_dir)
         self.journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
         try:
             reg = registry.register(layout, registry.Registration(
@@ -299,7 +300,8 @@ class Session:
         # a registration write failing for space is retried for up to the heartbeat timeout (then the producer
         # fences a silent consumer anyway) before it ends the run
         self.handle = registry.ConsumerHandle(layout, reg, space_wait_s=self.settings.heartbeat_timeout_s)
-        try:  # after registering: a refused resume must not touch the run's metrics
+        try:  # after registering: a refused start creates no run directory, a refused resume touches no metrics
+            _make_run_dir(self.run_dir)
             self._drop_unrecorded()
             resuming = self.resumed is not None or cfg.resume
             self.tracker = RunTracker(self.run_dir, tensorboard=cfg.tensorboard,
@@ -763,10 +765,29 @@ def fmt(value, digits: int = 2) -> str:
 
 
 def _check_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` if missing; it must be a writable directory.
+    """``run_dir``, or where it would be created (its nearest existing ancestor), must be a writable directory.
+    Nothing is created: a start refused later (a duplicate consumer id, a bad resume) leaves no empty
+    ``--out`` behind; :func:`_make_run_dir` creates it once the registration holds.
 
     Raises:
         ConfigError: naming ``--out`` and why it cannot be the run directory.
+    """
+    at = run_dir
+    while not os.path.lexists(at) and at != at.parent:
+        at = at.parent
+    why = "Not a directory" if not at.is_dir() else "Permission denied" if not os.access(at, os.W_OK | os.X_OK) \
+        else None
+    if why is not None:
+        where = "" if at == run_dir else f": {at}"
+        raise ConfigError(f"--out {str(run_dir)!r} cannot be the run directory ({why}{where}); give a writable "
+                          "directory path (created if missing)")
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` (and missing parents) after :func:`_check_run_dir` and the registration.
+
+    Raises:
+        ConfigError: naming ``--out`` and the error (the path changed since the check).
     """
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
