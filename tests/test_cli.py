@@ -729,3 +729,12 @@ def test_regression_refused_duplicate_consumer_leaves_no_out_dir(tmp_path, workd
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_regression_run_without_experiments_names_the_config(tmp_path, workdir):
+    """Break test: `artcache run --config FILE` with no [[experiments]] lacked the `--config PATH:` prefix every
+    other config error has."""
+    path = write_json(tmp_path / "run.json", {"out": str(tmp_path / "o")})
+    assert_bad_input(invoke("run", "--config", str(path), "--dry-run"),
+                     f"--config {str(path)!r}: no experiments", "[[experiments]]")
+    assert not (tmp_path / "o").exists()

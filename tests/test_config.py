@@ -312,3 +312,29 @@ def test_regression_binary_config_is_one_line(tmp_path, suffix):
     path.write_bytes(b"\x00\xff\xfe[target]\n")
     assert_one_error_line(CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run"]), "is not UTF-8 text",
                           "TOML, YAML or JSON")
+
+
+@pytest.mark.parametrize("field, value, accepted", [
+    ("compile", "fast", "accepted: one of auto, graphs, off, on"),
+    ("loss_impl", "fused", "accepted: one of auto, chunked, liger, reference"),
+    ("markov_head", "gru", "accepted: one of gated, vanilla or none"),
+])
+def test_regression_consumer_setting_choices_list_the_accepted_values(field, value, accepted):
+    """Break test: `experiments.N.consumer.compile = "fast"` said only "Invalid enum value 'fast'"; the message
+    lists the accepted values, as the flags' click.Choice does (`consume --compile fast`)."""
+    cfg = C.convert({"experiments": [{"name": "a", "draft": "dspark", "consumer": {field: value}}]})
+    with pytest.raises(ConfigError) as info:
+        C.consumer_config(cfg, "a")
+    assert f"consumer setting {field}: Invalid enum value '{value}'; {accepted}" in str(info.value)
+
+
+@pytest.mark.parametrize("flag, value", [("--compile", "fast"), ("--loss-impl", "fused"), ("--markov-head", "gru")])
+def test_regression_choice_flags_list_the_accepted_values(tmp_path, flag, value):
+    """The flags of those settings are click.Choice: their one error line lists the accepted values."""
+    from artcache.trainers import COMPILE_MODES, LOSS_IMPLS
+
+    choices = {"--compile": COMPILE_MODES, "--loss-impl": LOSS_IMPLS, "--markov-head": ("vanilla", "gated")}[flag]
+    result = CliRunner().invoke(main, ["consume", "--cache", str(tmp_path / "c"), flag, value])
+    assert_one_error_line(result, f"Invalid value for '{flag}': '{value}' is not one of "
+                          + ", ".join(repr(c) for c in choices))
+    assert not (tmp_path / "c").exists()

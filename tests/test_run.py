@@ -306,7 +306,7 @@ def test_bad_experiments_are_rejected_before_start(tiny_target, tmp_path, overri
 
 
 def test_no_experiments_is_rejected(tiny_target, tmp_path):
-    with pytest.raises(ConfigError, match="no experiments"):
+    with pytest.raises(ConfigError, match="^config: no experiments"):
         plan_of(tiny_target, tmp_path)
 
 

@@ -458,7 +458,7 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
         raise ConfigError("--wait needs --submit (it waits for the submitted job)")
     flags = {"out": out, "target.name": target, "data.dataset": dataset, "target.device": device}
     plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}),
-                              local_devices=launcher == "local")
+                              local_devices=launcher == "local", source=f"--config {str(config_path)!r}")
     if launcher == "slurm":
         from artcache.app.slurm import launch
 

@@ -872,8 +872,11 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
     except msgspec.ValidationError as exc:
         where, problem = path_of(exc)
         field = where.split(".")[0]
-        raise ConfigError(f"experiment {name!r}: " + field_message(
-            ConsumerConfig, field, fields.get(field), problem, f"consumer setting {where or '?'}")) from None
+        message = field_message(ConsumerConfig, field, fields.get(field), problem, f"consumer setting {where or '?'}")
+        declared = next((f.type for f in mi.type_info(ConsumerConfig).fields if f.name == field), None)
+        if declared is not None and " is invalid: accepted " not in message:  # a type or choice: say what is accepted
+            message += f"; accepted: {_describe(declared, field.endswith('_s'))}"
+        raise ConfigError(f"experiment {name!r}: {message}") from None
     try:
         ccfg.validate()
     except ConfigError as exc:

@@ -205,11 +205,12 @@ def resolve(cfg: RunConfig, captured: list[int] | None = None) -> RunConfig:
                                    experiments=exps, capture=capture)
 
 
-def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, RunConfig]:
+def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "config") -> tuple[RunPlan, RunConfig]:
     """Resolve and check a run; nothing is written. Returns the plan and the resolved config.
 
     ``local_devices=False`` (a launcher that runs the roles elsewhere, e.g. Slurm) checks only that each
-    device names cpu or cuda[:i], not that this machine has it.
+    device names cpu or cuda[:i], not that this machine has it. ``source`` names the config in a message
+    about the file as a whole (``--config 'run.toml'``, as :func:`~artcache.app.config.load_run_config`).
 
     Raises:
         ConfigError: no experiment, a bad device, dtype, layer set, consumer setting or cache root.
@@ -225,7 +226,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
 
     if not cfg.experiments:
-        raise ConfigError("the config has no experiments: add at least one [[experiments]] table with a name")
+        raise ConfigError(f"{source}: no experiments: add at least one [[experiments]] table with a name")
     _check_device(cfg.target.device, "target.device", local_devices)
     for e in cfg.experiments:
         _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
