@@ -738,3 +738,31 @@ def test_regression_run_without_experiments_names_the_config(tmp_path, workdir):
     assert_bad_input(invoke("run", "--config", str(path), "--dry-run"),
                      f"--config {str(path)!r}: no experiments", "[[experiments]]")
     assert not (tmp_path / "o").exists()
+
+
+# ---- the cli-validate break tests ------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
+def test_regression_unknown_best_metric_refused_before_step_1(root, workdir, tmp_path, draft):
+    """Break test: `consume --best-metric replay_taux --eval-samples 2` trained, then only warned at the first
+    evaluation. It is refused before the root is read, naming the value and the draft's figures."""
+    from artcache.trainers.draft import draft_class
+
+    before = snapshot(root)
+    out = tmp_path / "run-best"
+    line = assert_bad_input(invoke("consume", "--cache", str(root), "--draft", draft, "--eval-samples", "2",
+                                   "--best-metric", "replay_taux", "--steps", "1", "--out", str(out)),
+                            "--best-metric 'replay_taux'", f"of the {draft} draft",
+                            "accepted: " + ", ".join(draft_class(draft).eval_figures))
+    assert "replay_tau," in line
+    assert snapshot(root) == before and not out.exists() and list(workdir.iterdir()) == []
+
+
+def test_regression_replay_figure_needs_the_last_layer(root, workdir, tmp_path):
+    """The replay_tau-needs-L-1 check covers every greedy-replay figure (this root lacks layer 5)."""
+    before = snapshot(root)
+    out = tmp_path / "run-replay"
+    assert_bad_input(invoke("consume", "--cache", str(root), "--eval-samples", "2", "--best-metric",
+                            "replay_truncated_frac", "--steps", "1", "--out", str(out), "--no-progress"),
+                     "--best-metric replay_truncated_frac needs the target's last layer 5", "--best-metric tau")
+    assert snapshot(root) == before and not out.exists()

@@ -298,8 +298,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="DFlash: evaluate at most N evenly spaced anchors per held-out sample (default 0: every eligible "
               "anchor; costly on a CPU).")
 @click.option("--best-metric", default=None,
-              help="Held-out figure checkpoints/best follows (default replay_tau when the root captures L-1, else "
-              "the draft's acceptance figure; a name with 'loss' is minimised).")
+              help="Held-out figure checkpoints/best follows, one the draft's evaluation gives (default replay_tau "
+              "when the root captures L-1, else the draft's acceptance figure; a name with 'loss' is minimised; "
+              "docs/training.md lists them).")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @click.option("--tensorboard/--no-tensorboard", default=True,
               help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")

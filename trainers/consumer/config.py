@@ -14,8 +14,8 @@ from artcache.layout import check_id
 from artcache.ranges import Count, NonNegative, Positive, check_ranges
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
-__all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_draft_options", "default_anchors",
-           "default_block_size", "draft_options", "flag_of", "lr_at", "parse_window", "run_settings"]
+__all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_best_metric", "check_draft_options",
+           "default_anchors", "default_block_size", "draft_options", "flag_of", "lr_at", "parse_window", "run_settings"]
 
 
 class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -77,6 +77,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         eval_interval: evaluate every this many steps (0: only at the end); needs ``eval_samples``.
         best_metric: the held-out figure ``checkpoints/best`` follows (None: ``replay_tau`` when the root
             captures layer ``L - 1``, else the draft's acceptance figure); a name with ``loss`` is minimised.
+            It must be one of the figures the draft's evaluation gives
+            (:meth:`~artcache.trainers.draft.Draft.held_out_figures`; :func:`check_best_metric`).
         progress: show a progress bar on stderr (only when it is a TTY).
         tensorboard: write TensorBoard scalars when the package is installed (metrics.csv always).
         compile: ``torch.compile`` the draft's forward (and the lm_head loss's per-chunk body): ``auto``
@@ -161,6 +163,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"--init-override {','.join(self.init_overrides)} needs --init-from")
         if self.best_metric is not None and not self.eval_samples:
             raise ConfigError(f"--best-metric {self.best_metric} needs a held-out split: pass --eval-samples N")
+        check_best_metric(self)
         if self.save_every and not self.checkpoints:
             raise ConfigError(f"--save-every {self.save_every} needs checkpoints, but this run writes none "
                               "(checkpoints = false); leave --save-every at 0 or turn checkpoints on")
@@ -273,6 +276,27 @@ def check_draft_options(cfg: ConsumerConfig) -> None:
             if field not in own and getattr(cfg, field) is not None:
                 raise ConfigError(f"{flag_of(field)} {getattr(cfg, field)!r} is an option of the {name} draft; the "
                                   f"{cfg.draft} draft does not use it: leave it out")
+
+
+def check_best_metric(cfg: ConsumerConfig) -> None:
+    """Refuse a ``--best-metric`` the draft's held-out evaluation never reports (a typo such as ``replay-tau``
+    trained the whole run, then only warned at the first evaluation): the name must be one of
+    :meth:`~artcache.trainers.draft.Draft.held_out_figures` of ``cfg.draft`` at its block size. Whether the
+    greedy-replay figures are measured (the root captures layer ``L - 1``) is the session's check.
+
+    Raises:
+        ConfigError: naming the value, the draft and the figures its evaluation gives.
+    """
+    if cfg.best_metric is None:
+        return
+    from artcache.trainers.draft import describe_figures, draft_class
+
+    cls = draft_class(cfg.draft)
+    block_size = cfg.block_size if cfg.block_size is not None else default_block_size(cfg.draft)
+    if cfg.best_metric not in cls.held_out_figures(block_size):
+        raise ConfigError(f"--best-metric {cfg.best_metric!r} is not a held-out figure of the {cfg.draft} draft; "
+                          f"accepted: {describe_figures(cls, block_size)} (a name with 'loss' is minimised, any "
+                          "other maximised)")
 
 
 def run_settings(cfg: ConsumerConfig) -> dict:

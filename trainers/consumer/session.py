@@ -69,7 +69,15 @@ from artcache.trainers.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums, build_draft, check_target
+from artcache.trainers.draft import (
+    REPLAY_FIGURES,
+    DraftBatch,
+    MetricSums,
+    PendingSums,
+    build_draft,
+    check_target,
+    figures_of,
+)
 from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, target_argmax_fn
 from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
 from artcache.trainers.tracking import Progress, RunTracker
@@ -273,10 +281,10 @@ class Session:
             return None
         if cfg.best_metric is None:
             return "replay_tau" if self.argmax_fn is not None else self.draft.progress_metric
-        if cfg.best_metric == "replay_tau" and self.argmax_fn is None:
+        if cfg.best_metric in REPLAY_FIGURES and self.argmax_fn is None:  # the name itself: cfg.validate()
             last = self.draft.target_info.num_layers - 1
-            raise ConfigError(f"--best-metric replay_tau needs the target's last layer {last} in the root (captured: "
-                              f"{list(self.settings.contract.layer_ids)}); choose --best-metric "
+            raise ConfigError(f"--best-metric {cfg.best_metric} needs the target's last layer {last} in the root "
+                              f"(captured: {list(self.settings.contract.layer_ids)}); choose --best-metric "
                               f"{self.draft.progress_metric} or loss")
         return cfg.best_metric
 
@@ -622,10 +630,9 @@ class Session:
         draft, is only the baseline)."""
         metric = self.best_metric
         value = self.last_eval.get(metric) if metric else None
-        if metric and metric not in self.last_eval and not self.unknown_best_noted:  # a typo: say so, once
+        if metric and metric not in self.last_eval and not self.unknown_best_noted:  # not measured: say so, once
             self.unknown_best_noted = True
-            figures = ", ".join(k for k, v in self.last_eval.items() if isinstance(v, (int, float))
-                                and not isinstance(v, bool) and k not in ("step", "samples", "blocks"))
+            figures = ", ".join(figures_of(self.last_eval))
             log.warning("[%s] --best-metric %s is not a figure of this evaluation (figures: %s): checkpoints/best "
                         "is not written until an evaluation reports it", self.cfg.consumer_id, metric, figures)
         if at_step == 0 or not isinstance(value, (int, float)) or not math.isfinite(value):
