@@ -76,7 +76,7 @@ from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
-from artcache.ranges import Count, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
+from artcache.ranges import Count, DiskBudget, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 from artcache.shutdown import GracefulShutdown
@@ -179,7 +179,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
     group_shared: bool = False
     backend: str = "hf"
-    disk_budget: NonNegative = 0
+    disk_budget: DiskBudget = 0  # bytes, at most 2**60
     retention: str = "need"
     fill: bool = False
     payload: str = ""

@@ -766,3 +766,75 @@ def test_regression_replay_figure_needs_the_last_layer(root, workdir, tmp_path):
                             "replay_truncated_frac", "--steps", "1", "--out", str(out), "--no-progress"),
                      "--best-metric replay_truncated_frac needs the target's last layer 5", "--best-metric tau")
     assert snapshot(root) == before and not out.exists()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--block-size", "100000000"], ["--block-size 100000000 is invalid", ">= 2 and <= 64"]),
+    (["--block-size", "65"], ["--block-size 65 is invalid", "<= 64"]),
+    (["--anchors", "100000000"], ["--anchors 100000000 is invalid", ">= 1 and <= 128", "--max-length"]),
+    (["--anchors", "129"], ["--anchors 129 is invalid", "<= 128"]),
+    (["--draft", "dspark", "--anchors", "100000000"], ["--anchors 100000000 is invalid", "<= 128"]),
+])
+def test_regression_huge_block_size_and_anchors_refused(root, workdir, tmp_path, args, needles):
+    """Break test: `consume --block-size 100000000` (or --anchors) died allocating 40 TB. B is at most 64 (the
+    recipes use 4 to 16), a given anchor count at most the root's tokens per sample (max_length 128 here)."""
+    before = snapshot(root)
+    out = tmp_path / "run-big"
+    assert_bad_input(invoke("consume", "--cache", str(root), "--steps", "1", "--out", str(out), "--demand-timeout", "5",
+                            "--no-progress", *args), *needles)
+    assert snapshot(root) == before and not out.exists() and list(workdir.iterdir()) == []
+
+
+def test_regression_largest_block_size_and_anchors_accepted():
+    """The bounds themselves are accepted: B 64 and anchors = max_length."""
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.consumer.config import check_anchors
+
+    ConsumerConfig(cache="-", block_size=64).validate()
+    check_anchors(128, 128)
+    check_anchors(None, 16)  # not given: the draft's default is never refused
+
+
+@pytest.mark.parametrize("window, needles", [
+    ("1:10000000000000", ["--window 1:10000000000000 is invalid", "<= 16777216 positions"]),
+    ("16777217:8", ["--window 16777217:8 is invalid", ">= 0 and <= 16777216"]),
+    ("0:0", ["lookahead 0 is smaller than one batch", "--window 0:2"]),
+    ("-4:8", ["--window '-4:8' is not LOOKBEHIND:LOOKAHEAD"]),
+])
+def test_regression_absurd_window_refused(root, workdir, window, needles):
+    """Break test: `--window 1:10000000000000` was accepted (every position of a live window stays on disk)."""
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--window", window), *needles)
+    assert snapshot(root) == before and list(workdir.iterdir()) == []
+
+
+def test_regression_window_bound_is_the_one_parser():
+    """One parser (artcache.ranges.parse_window) for the consumer, the run config and the bench; its bound is
+    accepted."""
+    from artcache.ranges import MAX_WINDOW, parse_window
+    from artcache.trainers.consumer import parse_window as consumer_parse_window
+
+    assert consumer_parse_window is parse_window
+    assert parse_window(f"{MAX_WINDOW}:{MAX_WINDOW}") == (MAX_WINDOW, MAX_WINDOW)
+
+
+@pytest.mark.parametrize("budget, needles", [
+    ("-5", ["--disk-budget '-5' is not accepted", "0 for the default"]),
+    ("1e5", ["--disk-budget '1e5' is not accepted"]),
+    ("0.5", ["--disk-budget 0.5 is invalid", "at least one byte"]),  # used to become 0: the default
+    ("99999999999T", ["--disk-budget 99999999999T is invalid", "<= 1152921504606846976 bytes (2**60"]),
+    (str(2**60 + 1), [f"--disk-budget {2**60 + 1} is invalid"]),
+])
+def test_regression_absurd_disk_budget_refused(tmp_path, workdir, tiny_target, budget, needles):
+    """Break test: `producer --disk-budget 99999999999T` was accepted, `0.5` silently meant the default; refused
+    before the root is created."""
+    cache = tmp_path / "new" / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, "--disk-budget", budget)), *needles)
+    assert not cache.parent.exists() and list(workdir.iterdir()) == []
+
+
+def test_regression_disk_budget_bounds_accepted():
+    from artcache.app.values import parse_bytes
+
+    assert parse_bytes("1024T", "disk-budget") == 1 << 50 and parse_bytes(str(2**60), "disk-budget") == 2**60
+    assert parse_bytes("1.1T", "disk-budget") == int(1.1 * 2**40) and parse_bytes("0", "disk-budget") == 0

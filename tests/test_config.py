@@ -314,6 +314,23 @@ def test_regression_binary_config_is_one_line(tmp_path, suffix):
                           "TOML, YAML or JSON")
 
 
+@pytest.mark.parametrize("text, overrides, needle", [
+    ("[[experiments]]\nname = 'a'\nblock_size = 100000000\n", (),
+     "experiments.0.block_size 100000000 is invalid: accepted an integer >= 2 and <= 64"),
+    ("[[experiments]]\nname = 'a'\nwindow = '1:10000000000000'\n", (),
+     "experiments.0.window 1:10000000000000 is invalid: accepted LOOKBEHIND:LOOKAHEAD, each side an integer >= 0 "
+     "and <= 16777216"),
+    ("[cache]\ndisk_budget = 2305843009213693952\n", (),
+     "cache.disk_budget 2305843009213693952 is invalid: accepted an integer >= 0 and <= 1152921504606846976"),
+    ("[[experiments]]\nname = 'a'\n", ("experiments.a.window=1:99999999999",), "experiments.0.window 1:99999999999"),
+])
+def test_regression_run_config_bounds(tmp_path, text, overrides, needle):
+    """Break test (block size, window, disk budget): the run config declares the same bounds as the flags
+    (msgspec.Meta on the fields, the one window parser), named by their config path."""
+    msg = rejected(tmp_path, text, *overrides)
+    assert msg.startswith(f"--config {str(tmp_path / 'run.toml')!r}: ") and needle in msg, msg
+
+
 @pytest.mark.parametrize("field, value, accepted", [
     ("compile", "fast", "accepted: one of auto, graphs, off, on"),
     ("loss_impl", "fused", "accepted: one of auto, chunked, liger, reference"),

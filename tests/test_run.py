@@ -310,6 +310,22 @@ def test_no_experiments_is_rejected(tiny_target, tmp_path):
         plan_of(tiny_target, tmp_path)
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["experiments.d.anchors=100000000"], "experiments.d.anchors 100000000 is invalid: accepted an integer >= 1 and "
+     "<= 128 (data.max_length"),
+    (["experiments.d.consumer.num_anchors=129"], "experiments.d.anchors 129 is invalid"),
+    (["experiments.d.consumer.eval_samples=2", "experiments.d.consumer.best_metric=replay_taux"],
+     "experiment 'd': --best-metric 'replay_taux' is not a held-out figure of the dflash draft"),
+])
+def test_regression_run_refuses_huge_anchors_and_unknown_best_metric(tiny_target, tmp_path, overrides, needle):
+    """Break tests: `artcache run` checks what the consumer will (anchors against data.max_length, the draft's
+    held-out figures) before anything starts."""
+    with pytest.raises(ConfigError) as info:
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=overrides)
+    assert needle in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
 # ---- real runs -----------------------------------------------------------------------------------------
 
 def artcache_run(config: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -335,6 +335,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     settings, the checkpoint it resumes or the seed it starts from (checked as the consumer will check
     them), its heartbeat against the root's timeout and its out directory. Returns its plan and the seed's
     notes. ``plan_obj()``: the run's plan, built or loaded once when a check needs its tokens."""
+    from artcache.trainers.consumer.config import check_anchors
     from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
     from artcache.trainers.draft import draft_class
     from artcache.trainers.seed import read_seed
@@ -342,7 +343,10 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     start_step = start_cursor = 0
     resume_from = skip = ""
     notes: list[str] = []
-    ccfg = consumer_config(resolved, e.name).resolved()
+    given = consumer_config(resolved, e.name)
+    check_anchors(given.num_anchors, resolved.data.max_length, f"experiments.{e.name}.anchors",
+                  "data.max_length, the tokens per sample")  # as the consumer will (artcache.trainers.consumer)
+    ccfg = given.resolved()
     found = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True) \
         if e.resume else None  # None on resume: only unrecorded checkpoints of a kill, it continues from step 0
     if found is not None:  # the consumer's own checks (registry record, run settings, draft), before it starts

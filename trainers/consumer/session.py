@@ -82,7 +82,7 @@ from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, tar
 from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
 from artcache.trainers.tracking import Progress, RunTracker
 
-from .config import ConsumerConfig, lr_at, run_settings
+from .config import ConsumerConfig, check_anchors, lr_at, run_settings
 from .reader import DeviceCollator, Fetched, Reader, Retired, collate, drain, group_cursor
 from .restore import (
     check_same_draft,
@@ -165,10 +165,12 @@ class Session:
 
     def setup(self) -> None:
         self.cfg.validate()
+        given_anchors = self.cfg.num_anchors  # None: the draft's default, not checked against the root
         cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
         self.layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
         self.settings = load_settings(self.layout)  # raises CacheRootError for a missing/uninitialised root
+        check_anchors(given_anchors, self.settings.contract.max_length)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
