@@ -76,7 +76,7 @@ from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
-from artcache.ranges import Count, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
+from artcache.ranges import Count, DiskBudget, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 from artcache.shutdown import GracefulShutdown
@@ -179,7 +179,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
     group_shared: bool = False
     backend: str = "hf"
-    disk_budget: NonNegative = 0
+    disk_budget: DiskBudget = 0  # bytes, at most 2**60
     retention: str = "need"
     fill: bool = False
     payload: str = ""
@@ -201,6 +201,13 @@ FLAGS = {"dataset": "--data", "producer_id": "--id", "template_options": "--chat
 def flag_of(field: str) -> str:
     """The ``artcache producer`` flag of a :class:`ProducerConfig` field (dotted path: ``limits.max_queue``)."""
     return FLAGS.get(field) or "--" + field.rpartition(".")[2].removesuffix("_s").replace("_", "-")
+
+
+def root_flag(setting: str) -> str:
+    """The flag a root mismatch names for a :class:`ProducerConfig` setting
+    (:func:`artcache.settings.check_compatible`): :func:`flag_of`; the captured layers as
+    ``--layer-ids/--draft-layers``."""
+    return "--layer-ids/--draft-layers" if setting == "layer_ids" else flag_of(setting)
 
 
 #: the default disk budget: this share of the free space beyond the filesystem's reserve
@@ -330,7 +337,7 @@ def prepare_root(cfg: ProducerConfig):
     recorded = None
     if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
         current = load_settings(layout)
-        check_compatible(current, contract, plan_id_for(spec, tok), layout)
+        check_compatible(current, contract, plan_id_for(spec, tok), layout, spec=spec, name_of=root_flag)
         recorded = current.payload
         if cfg.payload and payload_url != (recorded.url if recorded else None):
             raise ConfigError(f"--payload {cfg.payload!r}: cache root {layout.root} keeps its payloads in "

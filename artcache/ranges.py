@@ -34,8 +34,23 @@ Positive = Annotated[float, msgspec.Meta(gt=0, le=FINITE)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0, le=FINITE)]
 #: a plan's tokens per sample (:class:`artcache.plan.PlanSpec`; the producer's flag and ``[data]`` use it too)
 MaxLength = Annotated[int, msgspec.Meta(ge=16)]
+#: the largest block size B of a blocked draft (DFlash, DSpark): the published recipes use 4 to 16
+#: (../shared/ALGORITHMS.md); 64 leaves room to explore, while a draft's cost grows with anchors × B
+MAX_BLOCK_SIZE = 64
+#: a block size B: the anchor and at least one more slot, at most :data:`MAX_BLOCK_SIZE`
+BlockSize = Annotated[int, msgspec.Meta(ge=2, le=MAX_BLOCK_SIZE)]
+#: the largest lookbehind or lookahead of a consumer window, in positions (2**24: far past any plan's length;
+#: every position of a live window is kept on disk whatever the budget, so a larger window only fills the disk)
+MAX_WINDOW = 1 << 24
+#: one side of a window ``LOOKBEHIND:LOOKAHEAD`` (positions)
+WindowSide = Annotated[int, msgspec.Meta(ge=0, le=MAX_WINDOW)]
+#: the largest disk budget, in bytes (2**60 = 1 EiB, beyond any filesystem a cache root lives on)
+MAX_DISK_BUDGET = 1 << 60
+#: a disk budget in bytes (0: the producer's default, from the free space)
+DiskBudget = Annotated[int, msgspec.Meta(ge=0, le=MAX_DISK_BUDGET)]
 
 _AT = re.compile(r"\s*-\s*at\s*`\$(.*)`\s*$")
+_WINDOW = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*")
 
 
 def bounds(t: mi.Type) -> str:
@@ -105,6 +120,28 @@ def check_value(value: Any, declared: Any, name: str, seconds: bool = False) -> 
         raise ConfigError(value_message(mi.type_info(declared), value, problem, name, seconds)) from None
 
 
+def parse_window(text: str, name: str = "--window") -> tuple[int, int]:
+    """``"64:256"`` → (lookbehind 64, lookahead 256): the one parser of a window, for the consumer's flag, the
+    run config's ``experiments.N.window`` and the bench. Each side is a :data:`WindowSide` (0 … :data:`MAX_WINDOW`
+    positions); whether the lookahead holds one batch is the consumer's check (it knows the batch size).
+
+    Raises:
+        ConfigError: naming ``name``, the text and what is accepted (not two non-negative ASCII integers, or a
+            side beyond :data:`MAX_WINDOW`).
+    """
+    m = _WINDOW.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise ConfigError(f"{name} {text!r} is not LOOKBEHIND:LOOKAHEAD with two non-negative integers, e.g. 64:256")
+    sides = int(m.group(1)), int(m.group(2))
+    try:
+        msgspec.convert(list(sides), list[WindowSide])
+    except msgspec.ValidationError:
+        raise ConfigError(f"{name} {text.strip()} is invalid: accepted LOOKBEHIND:LOOKAHEAD, each side "
+                          f"{describe_number(mi.type_info(WindowSide))} positions (every position of a live window "
+                          "stays on disk)") from None
+    return sides
+
+
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
@@ -135,6 +172,7 @@ def _check_fields(obj: msgspec.Struct, name_of: Callable[[str], str], prefix: st
             check_value(value, hints[field], name_of(prefix + field), field.endswith("_s"))
 
 
-__all__ = ["FINITE", "Count", "MaxLength", "NonNegative", "NonNegativeFloat", "Positive", "bounds", "check_ranges",
-           "check_value", "describe_number", "field_message", "is_range_error", "path_of", "range_message",
+__all__ = ["FINITE", "MAX_BLOCK_SIZE", "MAX_DISK_BUDGET", "MAX_WINDOW", "BlockSize", "Count", "DiskBudget", "MaxLength",
+           "NonNegative", "NonNegativeFloat", "Positive", "WindowSide", "bounds", "check_ranges", "check_value",
+           "describe_number", "field_message", "is_range_error", "parse_window", "path_of", "range_message",
            "value_message"]

@@ -55,16 +55,77 @@ def load_settings(layout: CacheLayout) -> RootSettings:
     return settings
 
 
-def check_compatible(current: RootSettings, contract: CaptureContract, plan_id: str, layout: CacheLayout) -> None:
-    """Raise ConfigError naming the differing fields if the root holds another contract or plan."""
+#: the :class:`~artcache.producer.ProducerConfig` setting behind each capture-contract field (a mismatch names
+#: the user's flag or config path for it, through the caller's ``name_of``), and the words for a digest's change;
+#: a field no setting changes (``layer_convention``, ``format_version`` ...) is the artcache version's
+CONTRACT_SETTINGS: dict[str, tuple[str, str | None]] = {
+    "target_name": ("target", None), "target_revision": ("target", "another revision"),
+    "target_config_hash": ("target", "another model config"), "target_weights_digest": ("target", "other weights"),
+    "layer_ids": ("layer_ids", None), "dtype": ("dtype", None), "compute_dtype": ("compute_dtype", None),
+    "max_length": ("max_length", None), "tokenizer_digest": ("target", "another tokenizer"),
+    "template_digest": ("template_options", "another chat template"), "backend": ("backend", None)}
+#: the :class:`~artcache.producer.ProducerConfig` settings a plan is built from (the fields of
+#: :class:`artcache.plan.PlanSpec`; with the dataset file's contents and the target's tokenizer they make its id)
+PLAN_SETTINGS: tuple[str, ...] = ("dataset", "seed", "max_length", "max_samples", "template_options")
+
+
+def check_compatible(current: RootSettings, contract: CaptureContract, plan_id: str, layout: CacheLayout, *,
+                     spec=None, name_of=None) -> None:
+    """Raise ConfigError naming the settings that differ if the root holds another contract or plan.
+
+    Args:
+        spec: the :class:`~artcache.plan.PlanSpec` this caller would build its plan from: the differing plan
+            settings are named with the root's value and this one (read from the root's ``plan.json``); None
+            names every setting that decides a plan.
+        name_of: ProducerConfig setting (``max_samples``, ``layer_ids``, ``target`` ...) → the name the user
+            gave it: a flag (``--max-samples``) or a config path (``data.max_samples``). Default: the setting.
+
+    Raises:
+        ConfigError: ``cache root R was initialised with another capture contract or plan (differs in:
+            --max-samples 40 there, 30 here; ...)``.
+    """
     if current.contract == contract and current.plan_id == plan_id:
         return
-    diff = [f for f in CaptureContract.__struct_fields__ if getattr(current.contract, f) != getattr(contract, f)]
+    name_of = name_of or str
+    diffs: list[str] = []
+    for f in CaptureContract.__struct_fields__:
+        old, new = getattr(current.contract, f), getattr(contract, f)
+        if old == new:
+            continue
+        setting, change = CONTRACT_SETTINGS.get(f, (None, None))
+        if setting is None:
+            diffs.append(f"the artcache version that made it ({f} {_shown(old)} there, {_shown(new)} here)")
+        else:
+            diffs.append(f"{name_of(setting)} ({change})" if change else
+                         f"{name_of(setting)} {_shown(old)} there, {_shown(new)} here")
     if current.plan_id != plan_id:
-        diff.append("plan_id")
+        diffs.extend(_plan_differences(layout.plan_dir(current.plan_id) / "plan.json", spec, name_of))
+    diffs = list(dict.fromkeys(diffs))  # max_length is in the contract and the plan: named once
     raise ConfigError(
         f"cache root {layout.root} was initialised with another capture contract or plan "
-        f"(differs in: {', '.join(diff)}); use a fresh --cache directory or the original settings")
+        f"(differs in: {'; '.join(diffs)}); use a fresh --cache directory or the original settings")
+
+
+def _shown(value) -> str:
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def _plan_differences(plan_json, spec, name_of) -> list[str]:
+    """The plan settings that differ between the root's plan (its ``plan.json`` ``spec``) and ``spec``; when
+    none does (or either is unknown), the settings that decide a plan."""
+    names = ", ".join(name_of(s) for s in PLAN_SETTINGS)
+    try:
+        there = msgspec.json.decode(plan_json.read_bytes()).get("spec") or {}
+    except (OSError, msgspec.DecodeError, AttributeError):
+        there = None
+    if spec is None or not isinstance(there, dict):
+        return [f"the plan ({names}, the dataset's contents and the target's tokenizer decide it)"]
+    here = msgspec.to_builtins(spec)
+    out = [f"{name_of(s)} {_shown(there.get(s, {} if s == 'template_options' else None))} there, "
+           f"{_shown(here.get(s, {}))} here" for s in PLAN_SETTINGS
+           if there.get(s, {} if s == "template_options" else None) != here.get(s, {})]
+    return out or [f"the plan (the same {names}, but the dataset file's contents or the target's tokenizer "
+                   "changed)"]
 
 
 def init_settings(layout: CacheLayout, settings: RootSettings) -> RootSettings:

@@ -328,15 +328,18 @@ def test_producer_other_contract_on_existing_root_writes_nothing(root, workdir, 
     before = snapshot(root)
     args = producer_args(root, tiny_target)
     args[args.index("--draft-layers"):args.index("--draft-layers") + 2] = ["--layer-ids", "0,1"]
-    assert_bad_input(invoke(*args), str(root), "layer_ids")
+    assert_bad_input(invoke(*args), str(root), "--layer-ids/--draft-layers [1, 2, 3] there, [0, 1] here")
     assert snapshot(root) == before
 
 
-def test_producer_other_plan_on_existing_root_writes_nothing(root, workdir, tiny_target):
+def test_regression_producer_other_plan_names_the_flag_and_writes_nothing(root, workdir, tiny_target):
+    """Regression (break test): the plan mismatch named the internal field ``plan_id``; it names the flag that
+    differs and both values."""
     before = snapshot(root)
     args = producer_args(root, tiny_target)
     args[args.index("--max-samples") + 1] = "7"
-    assert_bad_input(invoke(*args), str(root), "plan_id")
+    line = assert_bad_input(invoke(*args), str(root), "differs in: --max-samples 40 there, 7 here")
+    assert "plan_id" not in line
     assert snapshot(root) == before
 
 
@@ -701,3 +704,137 @@ def test_regression_click_usage_errors_are_one_line(workdir, args, needle):
     proc = run_script(*args, cwd=workdir)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("artcache: error: ")
     assert needle in proc.stderr and proc.stdout == "" and list(workdir.iterdir()) == []
+
+
+def test_regression_refused_duplicate_consumer_leaves_no_out_dir(tmp_path, workdir, tiny_target):
+    """Break test: a second `consume` with the id of a live consumer was refused but left its (empty) --out
+    directory, parents included. The run directory is now created only once the registration holds."""
+    import subprocess as sp
+
+    from artcache import registry
+    from artcache.layout import CacheLayout
+    from artcache.producer import ProducerConfig, prepare_root
+
+    cache = tmp_path / "cache"
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
+    holder = sp.Popen(["sleep", "60"])  # a live process holding the id (the first consumer)
+    try:
+        registry.register(CacheLayout(cache), registry.Registration(consumer_id="dup", draft="dflash", pid=holder.pid))
+        out = tmp_path / "runs" / "dup"
+        assert_bad_input(invoke("consume", "--cache", str(cache), "--id", "dup", "--steps", "1", "--out", str(out),
+                                "--no-progress"), "consumer id 'dup' is already running", "choose another --id")
+        assert not out.exists() and not out.parent.exists()
+        assert list(workdir.iterdir()) == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_regression_run_without_experiments_names_the_config(tmp_path, workdir):
+    """Break test: `artcache run --config FILE` with no [[experiments]] lacked the `--config PATH:` prefix every
+    other config error has."""
+    path = write_json(tmp_path / "run.json", {"out": str(tmp_path / "o")})
+    assert_bad_input(invoke("run", "--config", str(path), "--dry-run"),
+                     f"--config {str(path)!r}: no experiments", "[[experiments]]")
+    assert not (tmp_path / "o").exists()
+
+
+# ---- the cli-validate break tests ------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
+def test_regression_unknown_best_metric_refused_before_step_1(root, workdir, tmp_path, draft):
+    """Break test: `consume --best-metric replay_taux --eval-samples 2` trained, then only warned at the first
+    evaluation. It is refused before the root is read, naming the value and the draft's figures."""
+    from artcache.trainers.draft import draft_class
+
+    before = snapshot(root)
+    out = tmp_path / "run-best"
+    line = assert_bad_input(invoke("consume", "--cache", str(root), "--draft", draft, "--eval-samples", "2",
+                                   "--best-metric", "replay_taux", "--steps", "1", "--out", str(out)),
+                            "--best-metric 'replay_taux'", f"of the {draft} draft",
+                            "accepted: " + ", ".join(draft_class(draft).eval_figures))
+    assert "replay_tau," in line
+    assert snapshot(root) == before and not out.exists() and list(workdir.iterdir()) == []
+
+
+def test_regression_replay_figure_needs_the_last_layer(root, workdir, tmp_path):
+    """The replay_tau-needs-L-1 check covers every greedy-replay figure (this root lacks layer 5)."""
+    before = snapshot(root)
+    out = tmp_path / "run-replay"
+    assert_bad_input(invoke("consume", "--cache", str(root), "--eval-samples", "2", "--best-metric",
+                            "replay_truncated_frac", "--steps", "1", "--out", str(out), "--no-progress"),
+                     "--best-metric replay_truncated_frac needs the target's last layer 5", "--best-metric tau")
+    assert snapshot(root) == before and not out.exists()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--block-size", "100000000"], ["--block-size 100000000 is invalid", ">= 2 and <= 64"]),
+    (["--block-size", "65"], ["--block-size 65 is invalid", "<= 64"]),
+    (["--anchors", "100000000"], ["--anchors 100000000 is invalid", ">= 1 and <= 128", "--max-length"]),
+    (["--anchors", "129"], ["--anchors 129 is invalid", "<= 128"]),
+    (["--draft", "dspark", "--anchors", "100000000"], ["--anchors 100000000 is invalid", "<= 128"]),
+])
+def test_regression_huge_block_size_and_anchors_refused(root, workdir, tmp_path, args, needles):
+    """Break test: `consume --block-size 100000000` (or --anchors) died allocating 40 TB. B is at most 64 (the
+    recipes use 4 to 16), a given anchor count at most the root's tokens per sample (max_length 128 here)."""
+    before = snapshot(root)
+    out = tmp_path / "run-big"
+    assert_bad_input(invoke("consume", "--cache", str(root), "--steps", "1", "--out", str(out), "--demand-timeout", "5",
+                            "--no-progress", *args), *needles)
+    assert snapshot(root) == before and not out.exists() and list(workdir.iterdir()) == []
+
+
+def test_regression_largest_block_size_and_anchors_accepted():
+    """The bounds themselves are accepted: B 64 and anchors = max_length."""
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.consumer.config import check_anchors
+
+    ConsumerConfig(cache="-", block_size=64).validate()
+    check_anchors(128, 128)
+    check_anchors(None, 16)  # not given: the draft's default is never refused
+
+
+@pytest.mark.parametrize("window, needles", [
+    ("1:10000000000000", ["--window 1:10000000000000 is invalid", "<= 16777216 positions"]),
+    ("16777217:8", ["--window 16777217:8 is invalid", ">= 0 and <= 16777216"]),
+    ("0:0", ["lookahead 0 is smaller than one batch", "--window 0:2"]),
+    ("-4:8", ["--window '-4:8' is not LOOKBEHIND:LOOKAHEAD"]),
+])
+def test_regression_absurd_window_refused(root, workdir, window, needles):
+    """Break test: `--window 1:10000000000000` was accepted (every position of a live window stays on disk)."""
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--window", window), *needles)
+    assert snapshot(root) == before and list(workdir.iterdir()) == []
+
+
+def test_regression_window_bound_is_the_one_parser():
+    """One parser (artcache.ranges.parse_window) for the consumer, the run config and the bench; its bound is
+    accepted."""
+    from artcache.ranges import MAX_WINDOW, parse_window
+    from artcache.trainers.consumer import parse_window as consumer_parse_window
+
+    assert consumer_parse_window is parse_window
+    assert parse_window(f"{MAX_WINDOW}:{MAX_WINDOW}") == (MAX_WINDOW, MAX_WINDOW)
+
+
+@pytest.mark.parametrize("budget, needles", [
+    ("-5", ["--disk-budget '-5' is not accepted", "0 for the default"]),
+    ("1e5", ["--disk-budget '1e5' is not accepted"]),
+    ("0.5", ["--disk-budget 0.5 is invalid", "at least one byte"]),  # used to become 0: the default
+    ("99999999999T", ["--disk-budget 99999999999T is invalid", "<= 1152921504606846976 bytes (2**60"]),
+    (str(2**60 + 1), [f"--disk-budget {2**60 + 1} is invalid"]),
+])
+def test_regression_absurd_disk_budget_refused(tmp_path, workdir, tiny_target, budget, needles):
+    """Break test: `producer --disk-budget 99999999999T` was accepted, `0.5` silently meant the default; refused
+    before the root is created."""
+    cache = tmp_path / "new" / "cache"
+    assert_bad_input(invoke(*producer_args(cache, tiny_target, "--disk-budget", budget)), *needles)
+    assert not cache.parent.exists() and list(workdir.iterdir()) == []
+
+
+def test_regression_disk_budget_bounds_accepted():
+    from artcache.app.values import parse_bytes
+
+    assert parse_bytes("1024T", "disk-budget") == 1 << 50 and parse_bytes(str(2**60), "disk-budget") == 2**60
+    assert parse_bytes("1.1T", "disk-budget") == int(1.1 * 2**40) and parse_bytes("0", "disk-budget") == 0

@@ -312,3 +312,46 @@ def test_regression_binary_config_is_one_line(tmp_path, suffix):
     path.write_bytes(b"\x00\xff\xfe[target]\n")
     assert_one_error_line(CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run"]), "is not UTF-8 text",
                           "TOML, YAML or JSON")
+
+
+@pytest.mark.parametrize("text, overrides, needle", [
+    ("[[experiments]]\nname = 'a'\nblock_size = 100000000\n", (),
+     "experiments.0.block_size 100000000 is invalid: accepted an integer >= 2 and <= 64"),
+    ("[[experiments]]\nname = 'a'\nwindow = '1:10000000000000'\n", (),
+     "experiments.0.window 1:10000000000000 is invalid: accepted LOOKBEHIND:LOOKAHEAD, each side an integer >= 0 "
+     "and <= 16777216"),
+    ("[cache]\ndisk_budget = 2305843009213693952\n", (),
+     "cache.disk_budget 2305843009213693952 is invalid: accepted an integer >= 0 and <= 1152921504606846976"),
+    ("[[experiments]]\nname = 'a'\n", ("experiments.a.window=1:99999999999",), "experiments.0.window 1:99999999999"),
+])
+def test_regression_run_config_bounds(tmp_path, text, overrides, needle):
+    """Break test (block size, window, disk budget): the run config declares the same bounds as the flags
+    (msgspec.Meta on the fields, the one window parser), named by their config path."""
+    msg = rejected(tmp_path, text, *overrides)
+    assert msg.startswith(f"--config {str(tmp_path / 'run.toml')!r}: ") and needle in msg, msg
+
+
+@pytest.mark.parametrize("field, value, accepted", [
+    ("compile", "fast", "accepted: one of auto, graphs, off, on"),
+    ("loss_impl", "fused", "accepted: one of auto, chunked, liger, reference"),
+    ("markov_head", "gru", "accepted: one of gated, vanilla or none"),
+])
+def test_regression_consumer_setting_choices_list_the_accepted_values(field, value, accepted):
+    """Break test: `experiments.N.consumer.compile = "fast"` said only "Invalid enum value 'fast'"; the message
+    lists the accepted values, as the flags' click.Choice does (`consume --compile fast`)."""
+    cfg = C.convert({"experiments": [{"name": "a", "draft": "dspark", "consumer": {field: value}}]})
+    with pytest.raises(ConfigError) as info:
+        C.consumer_config(cfg, "a")
+    assert f"consumer setting {field}: Invalid enum value '{value}'; {accepted}" in str(info.value)
+
+
+@pytest.mark.parametrize("flag, value", [("--compile", "fast"), ("--loss-impl", "fused"), ("--markov-head", "gru")])
+def test_regression_choice_flags_list_the_accepted_values(tmp_path, flag, value):
+    """The flags of those settings are click.Choice: their one error line lists the accepted values."""
+    from artcache.trainers import COMPILE_MODES, LOSS_IMPLS
+
+    choices = {"--compile": COMPILE_MODES, "--loss-impl": LOSS_IMPLS, "--markov-head": ("vanilla", "gated")}[flag]
+    result = CliRunner().invoke(main, ["consume", "--cache", str(tmp_path / "c"), flag, value])
+    assert_one_error_line(result, f"Invalid value for '{flag}': '{value}' is not one of "
+                          + ", ".join(repr(c) for c in choices))
+    assert not (tmp_path / "c").exists()

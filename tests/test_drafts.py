@@ -337,3 +337,72 @@ def test_regression_evaluation_stops_between_batches_on_a_signal():
         ev.run()
     assert client.acquired == [] and client.wanted == client.unwanted == [10, 11, 12, 13]
     assert draft.model.training  # train mode restored
+
+
+# ---- the held-out figures each draft declares (--best-metric) -------------------------------------
+
+
+class _SplitClient:
+    """The cache client an :class:`~artcache.trainers.evaluation.Evaluator` reads the split through (no root)."""
+
+    def want_samples(self, samples):
+        return list(samples)
+
+    def unwant(self, samples, held_out=False):
+        pass
+
+    def acquire_sample(self, p, stop=None):
+        return p
+
+    def release(self, item):
+        pass
+
+
+@pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
+def test_regression_declared_eval_figures_equal_a_real_evaluation(tiny_root, draft):
+    """Break test: an unknown ``--best-metric`` trained the whole run and was only warned at the first
+    evaluation. The check before step 1 takes the names from each draft's declared figures
+    (``Draft.eval_figures`` / ``eval_slot_figures``); this runs a real held-out evaluation of each draft on
+    the tiny target (with the target's argmax, and for DFlash and DSpark without it) and compares the
+    declared names with the figures of the summary the consumer's ``checkpoints/best`` reads."""
+    import threading
+
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.draft import REPLAY_FIGURES, build_draft, draft_class, figures_of
+    from artcache.trainers.evaluation import Evaluator, target_argmax_fn
+
+    settings, plan = tiny_root  # captures [1, 2, 3, 5]: L - 1 = 5 is there, so the replay is measured
+    opts = {"dflash": {"block_size": 4, "num_anchors": 8}, "eagle3": {"draft_vocab": 500, "ttt_steps": 3},
+            "dspark": {"block_size": 4, "num_anchors": 8, "markov_rank": 16}}[draft]
+    cfg = ConsumerConfig(cache="-", draft=draft, eval_samples=4, **opts).resolved()
+    d = build_draft(cfg, settings, plan, torch.device("cpu"))
+    batch = batch_for(plan, len(d.needed_layer_ids))
+    batch.last_layer = torch.randn(1, batch.input_ids.shape[1], 64, generator=torch.Generator().manual_seed(1))
+    declared = draft_class(draft).held_out_figures(cfg.block_size)
+    assert len(set(declared)) == len(declared)
+    argmax = target_argmax_fn(d.target_info, d.target_lm_head, torch.device("cpu"))
+    for target_argmax in (argmax, None):
+        ev = Evaluator(d, _SplitClient(), range(1), 1, collate=lambda items, last: batch,
+                       target_argmax=target_argmax, stop=threading.Event()).run()
+        replay = target_argmax is not None or draft == "eagle3"  # EAGLE-3 reads L-1 itself: always a replay
+        want = [f for f in declared if replay or f not in REPLAY_FIGURES]
+        assert sorted(figures_of(ev)) == sorted(want), (draft, replay)
+        if draft == "eagle3":
+            break
+
+
+def test_regression_best_metric_is_checked_against_the_drafts_figures():
+    """The config check behind ``--best-metric``: a declared figure (a DSpark slot figure up to B - 1) passes,
+    any other name is refused naming the draft's figures; EAGLE-3 has no ``tau``."""
+    from artcache.trainers.consumer import ConsumerConfig
+
+    ConsumerConfig(cache="-", draft="dspark", eval_samples=2, best_metric="ece_cum@6").validate()  # B 7: 0..6
+    ConsumerConfig(cache="-", draft="eagle3", eval_samples=2, best_metric="sim_acc_len").validate()
+    with pytest.raises(ConfigError, match=r"--best-metric 'ece_cum@7' is not a held-out figure of the dspark "
+                                          r"draft; accepted: loss, .*accept_rate@k, ece@k, ece_cum@k \(k = 0\.\.6\)"):
+        ConsumerConfig(cache="-", draft="dspark", eval_samples=2, best_metric="ece_cum@7").validate()
+    with pytest.raises(ConfigError, match=r"^--best-metric 'tau' is not a held-out figure of the eagle3 draft; "
+                                          r"accepted: loss, sim_acc_len, coverage, replay_tau, replay_truncated_frac"):
+        ConsumerConfig(cache="-", draft="eagle3", eval_samples=2, best_metric="tau").validate()
+    with pytest.raises(ConfigError, match="--best-metric 'replay-tau' is not a held-out figure of the dflash"):
+        ConsumerConfig(cache="-", eval_samples=2, best_metric="replay-tau").validate()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -279,7 +280,8 @@ def test_root_of_another_contract_is_rejected(tiny_target, tmp_path):
     root = tmp_path / "out" / "cache"
     prepare_root(ProducerConfig(cache=str(root), target=tiny_target.path, dataset=str(DATA), max_samples=40,
                                 max_length=128, draft_layers=2))
-    with pytest.raises(ContractMismatch, match="differs in: layer_ids"):
+    with pytest.raises(ContractMismatch,
+                       match=re.escape("differs in: capture.layer_ids [1, 3] there, [1, 2, 3, 5] here")):
         plan_of(tiny_target, tmp_path, exp("d"), exp("e", "eagle3"))
 
 
@@ -304,8 +306,24 @@ def test_bad_experiments_are_rejected_before_start(tiny_target, tmp_path, overri
 
 
 def test_no_experiments_is_rejected(tiny_target, tmp_path):
-    with pytest.raises(ConfigError, match="no experiments"):
+    with pytest.raises(ConfigError, match="^config: no experiments"):
         plan_of(tiny_target, tmp_path)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["experiments.d.anchors=100000000"], "experiments.d.anchors 100000000 is invalid: accepted an integer >= 1 and "
+     "<= 128 (data.max_length"),
+    (["experiments.d.consumer.num_anchors=129"], "experiments.d.anchors 129 is invalid"),
+    (["experiments.d.consumer.eval_samples=2", "experiments.d.consumer.best_metric=replay_taux"],
+     "experiment 'd': --best-metric 'replay_taux' is not a held-out figure of the dflash draft"),
+])
+def test_regression_run_refuses_huge_anchors_and_unknown_best_metric(tiny_target, tmp_path, overrides, needle):
+    """Break tests: `artcache run` checks what the consumer will (anchors against data.max_length, the draft's
+    held-out figures) before anything starts."""
+    with pytest.raises(ConfigError) as info:
+        plan_of(tiny_target, tmp_path, exp("d"), overrides=overrides)
+    assert needle in str(info.value)
+    assert not (tmp_path / "out").exists()
 
 
 # ---- real runs -----------------------------------------------------------------------------------------

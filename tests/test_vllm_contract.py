@@ -144,5 +144,5 @@ def test_backend_flows_into_the_root_contract(tmp_path, tiny_target, monkeypatch
     kw = dict(cache=str(tmp_path / "c"), target=tiny_target.path, max_samples=4, max_length=64, layer_ids=[1, 3])
     _layout, settings, _plan, _info, _tok = prepare_root(ProducerConfig(**kw, backend="vllm"))
     assert settings.contract.backend == "vllm"
-    with pytest.raises(ConfigError, match="differs in: backend"):
+    with pytest.raises(ConfigError, match="differs in: --backend vllm there, hf here"):
         prepare_root(ProducerConfig(**kw, backend="hf"))

@@ -36,6 +36,9 @@ target's hidden size, V its vocabulary):
   ``vocab_coverage``; ``options`` / ``run_options``: the consumer options only this draft uses.
 - ``export(...)``: classmethod, its ``config.json`` and serving tensors from a checkpoint.
 - ``progress_metric``: the summary key the progress bar shows.
+- ``eval_figures`` / ``eval_slot_figures`` (``held_out_figures(B)``): the names of the figures its
+  ``summary`` of a held-out evaluation gives (``--best-metric`` accepts exactly these; a test runs a real
+  evaluation of every draft and compares).
 
 A draft never decides which positions it reads; the consumer does.
 """
@@ -55,8 +58,9 @@ from artcache.target import TargetInfo, resolve_target
 from artcache.trainers import ADAPTERS, DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState
 
-__all__ = ["Draft", "DraftBatch", "ExportedDraft", "MetricSums", "PendingSums", "build_draft", "check_target",
-           "draft_class", "present", "replay_headline", "replay_sums", "replay_summary"]
+__all__ = ["COUNT_KEYS", "REPLAY_FIGURES", "Draft", "DraftBatch", "ExportedDraft", "MetricSums", "PendingSums",
+           "build_draft", "check_target", "describe_figures", "draft_class", "figures_of", "present",
+           "replay_headline", "replay_sums", "replay_summary"]
 
 
 @dataclass
@@ -230,6 +234,29 @@ def replay_sums(preds: Tensor, greedy: Tensor, ok: Tensor, on_data: Tensor) -> M
     return s
 
 
+#: the greedy-replay figures of :func:`replay_summary`: measured only against the target's argmax, so only when
+#: the root captures output-of-layer ``L - 1`` (EAGLE-3 always reads it; DFlash and DSpark need it captured)
+REPLAY_FIGURES: tuple[str, ...] = ("replay_tau", "replay_truncated_frac")
+#: numbers in an evaluation's summary that count what was evaluated, not how well: never a figure to follow
+COUNT_KEYS: tuple[str, ...] = ("blocks", "samples", "step")
+
+
+def figures_of(summary: dict[str, Any]) -> list[str]:
+    """The figures of an evaluation summary, in its order: the keys holding a number (not a bool, not a list),
+    :data:`COUNT_KEYS` aside. What ``checkpoints/best`` can follow (``--best-metric``)."""
+    return [k for k, v in summary.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in COUNT_KEYS]
+
+
+def describe_figures(cls: type[Draft], block_size: int | None) -> str:
+    """``cls``'s held-out figures in words: its :attr:`~Draft.eval_figures`, then per-slot ones as
+    ``name@k`` with the slots' range (``accept_rate@k, ece@k (k = 0..6)``)."""
+    text = ", ".join(cls.eval_figures)
+    if cls.eval_slot_figures and block_size:
+        text += f", {', '.join(f'{n}@k' for n in cls.eval_slot_figures)} (k = 0..{block_size - 1})"
+    return text
+
+
 def replay_summary(sums: MetricSums) -> dict[str, float]:
     """Greedy-replay figures (``replay_tau`` incl. +1 bonus, ``replay_truncated_frac``: share of blocks
     cut short) when an evaluation recorded them; ``{}`` otherwise."""
@@ -273,6 +300,12 @@ class Draft(abc.ABC):
     name: ClassVar[str] = ""
     #: the summary key the progress bar shows
     progress_metric: ClassVar[str] = "tau"
+    #: the figures its held-out evaluation reports: the keys of ``summary(evaluate(...))`` holding a number
+    #: (:func:`figures_of`), i.e. the names ``--best-metric`` accepts; :data:`REPLAY_FIGURES` among them are
+    #: measured only with the target's argmax. tests/test_drafts.py checks them against a real evaluation.
+    eval_figures: ClassVar[tuple[str, ...]] = ()
+    #: figures it reports once per block slot, as ``name@k`` for k = 0 … B-1 (DSpark), beside ``eval_figures``
+    eval_slot_figures: ClassVar[tuple[str, ...]] = ()
     #: the :class:`~artcache.trainers.consumer.ConsumerConfig` fields only this draft uses, with their
     #: defaults: another draft refuses them when given (they would be ignored silently)
     options: ClassVar[dict[str, Any]] = {}
@@ -291,6 +324,13 @@ class Draft(abc.ABC):
     #: the resolved target (:class:`artcache.target.TargetInfo`) and its frozen lm_head [V, H]
     target_info: TargetInfo | None = None
     target_lm_head: Tensor | None = None
+
+    @classmethod
+    def held_out_figures(cls, block_size: int | None = None) -> tuple[str, ...]:
+        """Every figure its held-out evaluation reports at block size ``block_size`` (None: a draft without
+        blocks): :attr:`eval_figures`, then ``name@k`` of each :attr:`eval_slot_figures` for k = 0 … B-1."""
+        slots = tuple(f"{n}@{k}" for n in cls.eval_slot_figures for k in range(block_size or 0))
+        return cls.eval_figures + slots
 
     @classmethod
     @abc.abstractmethod

@@ -200,9 +200,9 @@ def main(verbose: bool) -> None:
 @click.option("--backend", default="hf", type=click.Choice(["hf", "vllm"]),
               help="Capture backend: hf (transformers) or vllm (needs the artcache[vllm] extra; docs/vllm.md).")
 @click.option("--disk-budget", default="0", metavar="BYTES",
-              help="Bytes the retained artifacts may take (suffixes K, M, G, T: powers of 1024; 0: 90% of the "
-              "filesystem's free space beyond its reserve, min(64 MiB, 5%), reported at start). Live windows are "
-              "kept whatever it is.")
+              help="Bytes the retained artifacts may take, at most 2**60 (suffixes K, M, G, T: powers of 1024; 0: "
+              "90% of the filesystem's free space beyond its reserve, min(64 MiB, 5%), reported at start). Live "
+              "windows are kept whatever it is.")
 @click.option("--retention", default="need", type=click.Choice(["need", "windows"]),
               help="need: keep what live consumers will read again while it fits the budget (Belady); windows: "
               "keep only the live windows (the rule before, for comparisons).")
@@ -241,12 +241,13 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @main.command()
 @click.option("--cache", default=None, help="Cache root made by `artcache producer`; required without --config.")
 @click.option("--draft", default="dflash", help=f"Draft algorithm: {', '.join(DRAFT_NAMES)}.")
-@click.option("--window", default="64:256", help="LOOKBEHIND:LOOKAHEAD in positions.")
+@click.option("--window", default="64:256", help="LOOKBEHIND:LOOKAHEAD in positions (each 0 to 2**24).")
 @click.option("--id", "consumer_id", default=None,
               help="Consumer id (default: dflash-b<block size>, dspark-b<block size> or eagle3).")
-@click.option("--block-size", default=None, type=int, help="Block size B (default: DFlash 16, DSpark 7).")
+@click.option("--block-size", default=None, type=int, help="Block size B, 2 to 64 (default: DFlash 16, DSpark 7).")
 @click.option("--anchors", default=None, type=int,
-              help="Anchors (blocks) per sequence (default 64; DSpark: 512 on cuda, 64 on cpu).")
+              help="Anchors (blocks) per sequence, at most the root's --max-length (default 64; DSpark: 512 on "
+                   "cuda, 64 on cpu).")
 @click.option("--draft-layers", default=None, type=int, help="Draft layers (default: one per captured layer).")
 @click.option("--layer-ids", default=None, help="Explicit ordered view of captured output-of-layer ids, comma "
               "separated (default: the draft's formula; EAGLE-3: three auxiliary ids then L-1).")
@@ -298,8 +299,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="DFlash: evaluate at most N evenly spaced anchors per held-out sample (default 0: every eligible "
               "anchor; costly on a CPU).")
 @click.option("--best-metric", default=None,
-              help="Held-out figure checkpoints/best follows (default replay_tau when the root captures L-1, else "
-              "the draft's acceptance figure; a name with 'loss' is minimised).")
+              help="Held-out figure checkpoints/best follows, one the draft's evaluation gives (default replay_tau "
+              "when the root captures L-1, else the draft's acceptance figure; a name with 'loss' is minimised; "
+              "docs/training.md lists them).")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @click.option("--tensorboard/--no-tensorboard", default=True,
               help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")
@@ -458,7 +460,7 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
         raise ConfigError("--wait needs --submit (it waits for the submitted job)")
     flags = {"out": out, "target.name": target, "data.dataset": dataset, "target.device": device}
     plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}),
-                              local_devices=launcher == "local")
+                              local_devices=launcher == "local", source=f"--config {str(config_path)!r}")
     if launcher == "slurm":
         from artcache.app.slurm import launch
 

@@ -36,7 +36,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 import msgspec.inspect as mi
@@ -51,7 +51,9 @@ from artcache.errors import ConfigError
 from artcache.fsio import atomic_write
 from artcache.layout import check_id
 from artcache.ranges import (
+    BlockSize,
     Count,
+    DiskBudget,
     MaxLength,
     NonNegative,
     NonNegativeFloat,
@@ -59,6 +61,7 @@ from artcache.ranges import (
     describe_number,
     field_message,
     is_range_error,
+    parse_window,
     path_of,
     range_message,
 )
@@ -152,7 +155,7 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     done_grace_s: NonNegativeFloat = 5.0
     demand_timeout_s: Positive = 600.0
     group_shared: bool = False
-    disk_budget: Annotated[int, msgspec.Meta(ge=0)] = 0
+    disk_budget: DiskBudget = 0
     retention: Literal["need", "windows"] = "need"
     payload: str = ""
 
@@ -194,7 +197,7 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft_layers: Count | None = None
     layer_ids: list[int] | None = None
     dtype: DType | None = None
-    block_size: Annotated[int, msgspec.Meta(ge=2)] | None = None  # the anchor and at least one MASK slot
+    block_size: BlockSize | None = None  # the anchor and at least one MASK slot, at most 64
     anchors: Count | None = None
     batch_size: Count = 2
     steps: Count = 100
@@ -230,7 +233,7 @@ class BenchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_shared_gpu: bool = False
     timeout_s: float = 1800.0
     modes: str = ""
-    disk_budget: Annotated[int, msgspec.Meta(ge=0)] = 0
+    disk_budget: DiskBudget = 0
     budget_fraction: float = 0.25
     save: Literal["none", "weights", "full"] = "weights"
 
@@ -470,9 +473,7 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
         if e.name in seen:
             raise ConfigError(f"{source}: experiments.{i}.name {e.name!r} is used twice; names must be unique")
         seen.add(e.name)
-        if not re.fullmatch(r"[0-9]+:[0-9]+", e.window):
-            raise ConfigError(f"{source}: experiments.{i}.window {e.window!r} is not LOOKBEHIND:LOOKAHEAD with two "
-                              "non-negative integers, e.g. 64:256")
+        parse_window(e.window, f"{source}: experiments.{i}.window")
         if e.layer_ids is not None and not e.layer_ids:
             raise ConfigError(f"{source}: experiments.{i}.layer_ids is empty: give output-of-layer ids, or leave "
                               "it out for the draft's default view")
@@ -828,7 +829,7 @@ def experiment_dir(cfg: RunConfig, e: Experiment) -> str:
 
 def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = None) -> dict[str, Any]:
     """The :class:`artcache.trainers.consumer.ConsumerConfig` fields of experiment ``e`` (a plain dict)."""
-    lookbehind, lookahead = (int(x) for x in e.window.split(":"))
+    lookbehind, lookahead = parse_window(e.window, f"experiments.{e.name}.window")
     fields: dict[str, Any] = {
         "cache": cache_root(cfg), "consumer_id": consumer_id or e.name, "draft": e.draft,
         "lookbehind": lookbehind, "lookahead": lookahead,
@@ -872,8 +873,11 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
     except msgspec.ValidationError as exc:
         where, problem = path_of(exc)
         field = where.split(".")[0]
-        raise ConfigError(f"experiment {name!r}: " + field_message(
-            ConsumerConfig, field, fields.get(field), problem, f"consumer setting {where or '?'}")) from None
+        message = field_message(ConsumerConfig, field, fields.get(field), problem, f"consumer setting {where or '?'}")
+        declared = next((f.type for f in mi.type_info(ConsumerConfig).fields if f.name == field), None)
+        if declared is not None and " is invalid: accepted " not in message:  # a type or choice: say what is accepted
+            message += f"; accepted: {_describe(declared, field.endswith('_s'))}"
+        raise ConfigError(f"experiment {name!r}: {message}") from None
     try:
         ccfg.validate()
     except ConfigError as exc:

@@ -27,6 +27,7 @@ import msgspec
 from artcache import journal as J
 from artcache.app.config import (
     CAPTURE_PATHS,
+    PRODUCER_FLAGS,
     Experiment,
     RunConfig,
     cache_root,
@@ -205,11 +206,12 @@ def resolve(cfg: RunConfig, captured: list[int] | None = None) -> RunConfig:
                                    experiments=exps, capture=capture)
 
 
-def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, RunConfig]:
+def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "config") -> tuple[RunPlan, RunConfig]:
     """Resolve and check a run; nothing is written. Returns the plan and the resolved config.
 
     ``local_devices=False`` (a launcher that runs the roles elsewhere, e.g. Slurm) checks only that each
-    device names cpu or cuda[:i], not that this machine has it.
+    device names cpu or cuda[:i], not that this machine has it. ``source`` names the config in a message
+    about the file as a whole (``--config 'run.toml'``, as :func:`~artcache.app.config.load_run_config`).
 
     Raises:
         ConfigError: no experiment, a bad device, dtype, layer set, consumer setting or cache root.
@@ -225,7 +227,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
 
     if not cfg.experiments:
-        raise ConfigError("the config has no experiments: add at least one [[experiments]] table with a name")
+        raise ConfigError(f"{source}: no experiments: add at least one [[experiments]] table with a name")
     _check_device(cfg.target.device, "target.device", local_devices)
     for e in cfg.experiments:
         _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
@@ -261,7 +263,8 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True) -> tuple[RunPlan, Ru
     layout = CacheLayout(Path(resolved.cache.root))
     if layout.settings.is_file():
         try:
-            check_compatible(load_settings(layout), contract, plan_id, layout)
+            check_compatible(load_settings(layout), contract, plan_id, layout, spec=spec,
+                             name_of=lambda setting: PRODUCER_FLAGS.get(setting, setting))
         except ConfigError as exc:
             raise ContractMismatch(f"{exc} (the experiments' layers {captured} on target {info.name})") from None
     elif layout.root.exists() and any(layout.root.iterdir()):
@@ -333,6 +336,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     settings, the checkpoint it resumes or the seed it starts from (checked as the consumer will check
     them), its heartbeat against the root's timeout and its out directory. Returns its plan and the seed's
     notes. ``plan_obj()``: the run's plan, built or loaded once when a check needs its tokens."""
+    from artcache.trainers.consumer.config import check_anchors
     from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
     from artcache.trainers.draft import draft_class
     from artcache.trainers.seed import read_seed
@@ -340,7 +344,10 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     start_step = start_cursor = 0
     resume_from = skip = ""
     notes: list[str] = []
-    ccfg = consumer_config(resolved, e.name).resolved()
+    given = consumer_config(resolved, e.name)
+    check_anchors(given.num_anchors, resolved.data.max_length, f"experiments.{e.name}.anchors",
+                  "data.max_length, the tokens per sample")  # as the consumer will (artcache.trainers.consumer)
+    ccfg = given.resolved()
     found = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True) \
         if e.resume else None  # None on resume: only unrecorded checkpoints of a kill, it continues from step 0
     if found is not None:  # the consumer's own checks (registry record, run settings, draft), before it starts

@@ -9,9 +9,13 @@ what is accepted.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
+
+import msgspec
+import msgspec.inspect as mi
 
 from artcache.errors import ConfigError
-from artcache.ranges import NonNegative, check_value
+from artcache.ranges import DiskBudget, describe_number, range_message
 
 
 def parse_template_options(items) -> dict:
@@ -42,17 +46,31 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_bytes(text: str | int, flag: str) -> int:
-    """``--disk-budget`` text → bytes: an integer, optionally with K, M, G or T (powers of 1024; a trailing
-    ``B``/``iB`` is accepted). Raises ConfigError naming the value and what is accepted."""
-    if isinstance(text, int):
+    """``--disk-budget`` text → bytes: an integer or decimal, optionally with K, M, G or T (powers of 1024; a
+    trailing ``B``/``iB`` is accepted), rounded down to whole bytes; 0 means the default. The range is
+    :data:`~artcache.ranges.DiskBudget`'s (0 … 2**60 bytes).
+
+    Raises:
+        ConfigError: naming the value and what is accepted: not such a number, a nonzero value under one byte
+            (``0.5`` used to become 0, the default, silently), or more than 2**60 bytes.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
         if m is None:
-            raise ConfigError(f"--{flag} {text!r} is not accepted: bytes as an integer, optionally with K, M, G or T "
-                              "(powers of 1024), e.g. 500G; 0 for the default")
-        value = int(float(m.group(1)) * _UNITS[m.group(2)])
-    check_value(value, NonNegative, f"--{flag}")
+            raise ConfigError(f"--{flag} {text!r} is not accepted: bytes as an integer or decimal, optionally with K, "
+                              "M, G or T (powers of 1024), e.g. 500G or 1.5T; 0 for the default")
+        exact = Fraction(m.group(1)) * _UNITS[m.group(2)]
+        value = int(exact)  # whole bytes, rounded down (exact: no float rounding of 1.1T)
+        if exact and not value:
+            raise ConfigError(range_message(f"--{flag}", str(text).strip(), "0 (the default) or at least one byte"))
+    try:
+        msgspec.convert(value, DiskBudget)
+    except msgspec.ValidationError:
+        shown = value if isinstance(text, int) else str(text).strip()
+        raise ConfigError(range_message(f"--{flag}", shown, f"{describe_number(mi.type_info(DiskBudget))} bytes "
+                                        "(2**60; suffixes K, M, G, T: powers of 1024; 0: the default)")) from None
     return value
 
 

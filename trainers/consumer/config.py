@@ -4,18 +4,18 @@ the LR schedule, and the settings that define a run (``--resume`` refuses when o
 from __future__ import annotations
 
 import math
-import re
 from typing import Annotated, Literal
 
 import msgspec
 
 from artcache.errors import ConfigError
 from artcache.layout import check_id
-from artcache.ranges import Count, NonNegative, Positive, check_ranges
+from artcache.ranges import BlockSize, Count, NonNegative, Positive, WindowSide, check_ranges, parse_window
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
-__all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_draft_options", "default_anchors",
-           "default_block_size", "draft_options", "flag_of", "lr_at", "parse_window", "run_settings"]
+__all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_anchors", "check_best_metric",
+           "check_draft_options", "default_anchors", "default_block_size", "draft_options", "flag_of", "lr_at",
+           "parse_window", "run_settings"]
 
 
 class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -25,9 +25,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         cache: the cache root (made by ``artcache producer``). consumer_id: unique per root.
         draft: draft algorithm (a name in :data:`artcache.trainers.DRAFT_NAMES`: ``dflash``, ``eagle3``,
             ``dspark``), built by :func:`artcache.trainers.draft.build_draft`.
-        lookbehind, lookahead: window in positions; lookahead must be >= batch_size.
-        block_size (B), num_anchors (N per sequence), draft_layers (DFlash; default: the largest n
-            whose layer ids the root captures, one per captured layer on a DFlash-only root).
+        lookbehind, lookahead: window in positions, each 0 … :data:`~artcache.ranges.MAX_WINDOW`;
+            lookahead must be >= batch_size.
+        block_size (B, 2 … :data:`~artcache.ranges.MAX_BLOCK_SIZE`), num_anchors (N per sequence; a given N
+            at most the root's ``max_length``, :func:`check_anchors`), draft_layers (DFlash; default: the
+            largest n whose layer ids the root captures, one per captured layer on a DFlash-only root).
         batch_size: sequences (= positions) per optimizer step. steps: optimizer steps to run (the stop;
             raise it to extend a run); they may run past one pass over the plan: position ``p`` is epoch
             ``p // E`` over the training part of the plan (its first ``E`` samples, all but the held-out
@@ -77,6 +79,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         eval_interval: evaluate every this many steps (0: only at the end); needs ``eval_samples``.
         best_metric: the held-out figure ``checkpoints/best`` follows (None: ``replay_tau`` when the root
             captures layer ``L - 1``, else the draft's acceptance figure); a name with ``loss`` is minimised.
+            It must be one of the figures the draft's evaluation gives
+            (:meth:`~artcache.trainers.draft.Draft.held_out_figures`; :func:`check_best_metric`).
         progress: show a progress bar on stderr (only when it is a TTY).
         tensorboard: write TensorBoard scalars when the package is installed (metrics.csv always).
         compile: ``torch.compile`` the draft's forward (and the lm_head loss's per-chunk body): ``auto``
@@ -96,10 +100,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache: str
     consumer_id: str = "dflash-0"
     draft: Literal[DRAFT_NAMES] = "dflash"  # the registered drafts (artcache.trainers.ADAPTERS)
-    lookbehind: int = 64
-    lookahead: int = 256
+    lookbehind: WindowSide = 64
+    lookahead: WindowSide = 256
     # DFlash options: None = not given (the draft's default, Draft.options); B >= 2: the anchor and one MASK slot
-    block_size: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    block_size: BlockSize | None = None
     num_anchors: Count | None = None
     draft_layers: Count | None = None
     batch_size: Count = 2
@@ -161,6 +165,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"--init-override {','.join(self.init_overrides)} needs --init-from")
         if self.best_metric is not None and not self.eval_samples:
             raise ConfigError(f"--best-metric {self.best_metric} needs a held-out split: pass --eval-samples N")
+        check_best_metric(self)
         if self.save_every and not self.checkpoints:
             raise ConfigError(f"--save-every {self.save_every} needs checkpoints, but this run writes none "
                               "(checkpoints = false); leave --save-every at 0 or turn checkpoints on")
@@ -169,8 +174,6 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.resume and self.init_from:
             raise ConfigError("--resume and --init-from exclude each other: --resume continues a run with its "
                               "optimizer and cursor, --init-from starts a new run from another draft's weights")
-        if self.lookbehind < 0 or self.lookahead < 0:
-            raise ConfigError(f"window {self.lookbehind}:{self.lookahead}: both sides must be >= 0")
         if self.lookahead < self.batch_size:
             raise ConfigError(
                 f"lookahead {self.lookahead} is smaller than one batch ({self.batch_size} positions): the "
@@ -216,14 +219,6 @@ def default_anchors(draft: str, device: str) -> int | None:
     return draft_options(draft).get("num_anchors")
 
 
-def parse_window(text: str) -> tuple[int, int]:
-    """``"64:256"`` → (lookbehind 64, lookahead 256). Raises ConfigError naming the bad value."""
-    m = re.fullmatch(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*", text)
-    if m is None:
-        raise ConfigError(f"--window {text!r} is not LOOKBEHIND:LOOKAHEAD with two non-negative integers, e.g. 64:256")
-    return int(m.group(1)), int(m.group(2))
-
-
 def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: float) -> float:
     """Linear warmup over ceil(warmup_frac·total) steps, then cosine decay to min_frac·base."""
     warm = max(1, math.ceil(warmup_frac * total))
@@ -241,7 +236,7 @@ RUN_FIELDS = ("draft", "batch_size", "lr_total_steps", "lr", "warmup_frac", "min
 INIT_OVERRIDES = ("block_size", "mask_token", "target")
 #: CLI flags whose name is not the field's (``--x-y`` for ``x_y`` otherwise).
 FLAGS = {"num_anchors": "--anchors", "out_dir": "--out", "consumer_id": "--id", "demand_timeout_s": "--demand-timeout",
-         "init_overrides": "--init-override"}
+         "init_overrides": "--init-override", "lookbehind": "--window LOOKBEHIND", "lookahead": "--window LOOKAHEAD"}
 
 
 def flag_of(field: str) -> str:
@@ -273,6 +268,42 @@ def check_draft_options(cfg: ConsumerConfig) -> None:
             if field not in own and getattr(cfg, field) is not None:
                 raise ConfigError(f"{flag_of(field)} {getattr(cfg, field)!r} is an option of the {name} draft; the "
                                   f"{cfg.draft} draft does not use it: leave it out")
+
+
+def check_best_metric(cfg: ConsumerConfig) -> None:
+    """Refuse a ``--best-metric`` the draft's held-out evaluation never reports (a typo such as ``replay-tau``
+    trained the whole run, then only warned at the first evaluation): the name must be one of
+    :meth:`~artcache.trainers.draft.Draft.held_out_figures` of ``cfg.draft`` at its block size. Whether the
+    greedy-replay figures are measured (the root captures layer ``L - 1``) is the session's check.
+
+    Raises:
+        ConfigError: naming the value, the draft and the figures its evaluation gives.
+    """
+    if cfg.best_metric is None:
+        return
+    from artcache.trainers.draft import describe_figures, draft_class
+
+    cls = draft_class(cfg.draft)
+    block_size = cfg.block_size if cfg.block_size is not None else default_block_size(cfg.draft)
+    if cfg.best_metric not in cls.held_out_figures(block_size):
+        raise ConfigError(f"--best-metric {cfg.best_metric!r} is not a held-out figure of the {cfg.draft} draft; "
+                          f"accepted: {describe_figures(cls, block_size)} (a name with 'loss' is minimised, any "
+                          "other maximised)")
+
+
+def check_anchors(num_anchors: int | None, max_length: int, name: str = "--anchors",
+                  limit: str = "the root's tokens per sample, its producer's --max-length") -> None:
+    """A given anchor count must fit the plan's samples: an anchor is a position of one sample, so more anchors
+    per sequence than its ``max_length`` tokens are never drawn, only allocated (``--anchors 100000000`` died
+    allocating terabytes). None (not given: the draft's default) is not checked. ``limit`` says where
+    ``max_length`` comes from.
+
+    Raises:
+        ConfigError: ``<name> <value> is invalid: accepted an integer >= 1 and <= <max_length> (<limit>)``.
+    """
+    if num_anchors is not None and num_anchors > max_length:
+        raise ConfigError(f"{name} {num_anchors} is invalid: accepted an integer >= 1 and <= {max_length} ({limit}: "
+                          "more anchors than positions are never drawn)")
 
 
 def run_settings(cfg: ConsumerConfig) -> dict:

@@ -69,12 +69,20 @@ from artcache.trainers.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums, build_draft, check_target
+from artcache.trainers.draft import (
+    REPLAY_FIGURES,
+    DraftBatch,
+    MetricSums,
+    PendingSums,
+    build_draft,
+    check_target,
+    figures_of,
+)
 from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, target_argmax_fn
 from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
 from artcache.trainers.tracking import Progress, RunTracker
 
-from .config import ConsumerConfig, lr_at, run_settings
+from .config import ConsumerConfig, check_anchors, lr_at, run_settings
 from .reader import DeviceCollator, Fetched, Reader, Retired, collate, drain, group_cursor
 from .restore import (
     check_same_draft,
@@ -157,10 +165,12 @@ class Session:
 
     def setup(self) -> None:
         self.cfg.validate()
+        given_anchors = self.cfg.num_anchors  # None: the draft's default, not checked against the root
         cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
         self.layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
         self.settings = load_settings(self.layout)  # raises CacheRootError for a missing/uninitialised root
+        check_anchors(given_anchors, self.settings.contract.max_length)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
@@ -273,10 +283,10 @@ class Session:
             return None
         if cfg.best_metric is None:
             return "replay_tau" if self.argmax_fn is not None else self.draft.progress_metric
-        if cfg.best_metric == "replay_tau" and self.argmax_fn is None:
+        if cfg.best_metric in REPLAY_FIGURES and self.argmax_fn is None:  # the name itself: cfg.validate()
             last = self.draft.target_info.num_layers - 1
-            raise ConfigError(f"--best-metric replay_tau needs the target's last layer {last} in the root (captured: "
-                              f"{list(self.settings.contract.layer_ids)}); choose --best-metric "
+            raise ConfigError(f"--best-metric {cfg.best_metric} needs the target's last layer {last} in the root "
+                              f"(captured: {list(self.settings.contract.layer_ids)}); choose --best-metric "
                               f"{self.draft.progress_metric} or loss")
         return cfg.best_metric
 
@@ -284,7 +294,8 @@ class Session:
 
     def register(self) -> None:
         cfg, layout = self.cfg, self.layout
-        _check_run_dir(self.run_dir)  # before registering or journaling: a bad --out leaves nothing in the root
+        # before registering or journaling: a bad --out leaves nothing in the root; created once registered
+        _check_run_dir(self.run_dir)
         self.journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
         try:
             reg = registry.register(layout, registry.Registration(
@@ -299,7 +310,8 @@ class Session:
         # a registration write failing for space is retried for up to the heartbeat timeout (then the producer
         # fences a silent consumer anyway) before it ends the run
         self.handle = registry.ConsumerHandle(layout, reg, space_wait_s=self.settings.heartbeat_timeout_s)
-        try:  # after registering: a refused resume must not touch the run's metrics
+        try:  # after registering: a refused start creates no run directory, a refused resume touches no metrics
+            _make_run_dir(self.run_dir)
             self._drop_unrecorded()
             resuming = self.resumed is not None or cfg.resume
             self.tracker = RunTracker(self.run_dir, tensorboard=cfg.tensorboard,
@@ -620,10 +632,9 @@ class Session:
         draft, is only the baseline)."""
         metric = self.best_metric
         value = self.last_eval.get(metric) if metric else None
-        if metric and metric not in self.last_eval and not self.unknown_best_noted:  # a typo: say so, once
+        if metric and metric not in self.last_eval and not self.unknown_best_noted:  # not measured: say so, once
             self.unknown_best_noted = True
-            figures = ", ".join(k for k, v in self.last_eval.items() if isinstance(v, (int, float))
-                                and not isinstance(v, bool) and k not in ("step", "samples", "blocks"))
+            figures = ", ".join(figures_of(self.last_eval))
             log.warning("[%s] --best-metric %s is not a figure of this evaluation (figures: %s): checkpoints/best "
                         "is not written until an evaluation reports it", self.cfg.consumer_id, metric, figures)
         if at_step == 0 or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -763,10 +774,29 @@ def fmt(value, digits: int = 2) -> str:
 
 
 def _check_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` if missing; it must be a writable directory.
+    """``run_dir``, or where it would be created (its nearest existing ancestor), must be a writable directory.
+    Nothing is created: a start refused later (a duplicate consumer id, a bad resume) leaves no empty
+    ``--out`` behind; :func:`_make_run_dir` creates it once the registration holds.
 
     Raises:
         ConfigError: naming ``--out`` and why it cannot be the run directory.
+    """
+    at = run_dir
+    while not os.path.lexists(at) and at != at.parent:
+        at = at.parent
+    why = "Not a directory" if not at.is_dir() else "Permission denied" if not os.access(at, os.W_OK | os.X_OK) \
+        else None
+    if why is not None:
+        where = "" if at == run_dir else f": {at}"
+        raise ConfigError(f"--out {str(run_dir)!r} cannot be the run directory ({why}{where}); give a writable "
+                          "directory path (created if missing)")
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` (and missing parents) after :func:`_check_run_dir` and the registration.
+
+    Raises:
+        ConfigError: naming ``--out`` and the error (the path changed since the check).
     """
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,8 @@ class DFlashAdapter(Draft):
     """
 
     name = "dflash"
+    #: :meth:`summary`'s figures (``tau`` and ``replay_tau`` include the +1 bonus; replay with layer L-1 only)
+    eval_figures = ("loss", "tau", "replay_tau", "replay_truncated_frac")
     options = {"block_size": 16, "num_anchors": 64, "draft_layers": None, "eval_anchors": 0}
     run_options = ("block_size", "num_anchors")
     serving_names = SERVING_NAMES

@@ -66,6 +66,11 @@ class DSparkAdapter(Draft):
 
     name = "dspark"
     progress_metric = "tau"
+    #: :func:`~.metrics.summarize`'s figures (replay with layer L-1 only; ``ece*`` from the confidence head)
+    eval_figures = ("loss", "ce_loss", "l1_loss", "conf_loss", "tau", "conf_mae", "conf_bias", "cum_mae", "cum_bias",
+                    "replay_tau", "replay_truncated_frac", "ece", "ece_cum")
+    #: and per slot k = 0 … B-1, as ``name@k``
+    eval_slot_figures = ("accept_rate", "ece", "ece_cum")
     #: ``num_anchors`` None: its default depends on the device (ConsumerConfig.resolved, default_anchors)
     options = {"block_size": DEFAULT_BLOCK_SIZE, "num_anchors": None, "draft_layers": None, "eval_anchors": 0,
                "markov_rank": DEFAULT_MARKOV_RANK, "markov_head": "vanilla"}

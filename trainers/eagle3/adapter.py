@@ -51,6 +51,8 @@ class Eagle3Adapter(Draft):
 
     name = "eagle3"
     progress_metric = "sim_acc_len"
+    #: :meth:`summary`'s figures (``sim_acc_len`` without the bonus, ``replay_tau`` with it; always a replay)
+    eval_figures = ("loss", "sim_acc_len", "coverage", "replay_tau", "replay_truncated_frac")
     options = {"ttt_steps": 7, "draft_vocab": 32000, "min_vocab_coverage": 0.5, "keep_vocab_map": False}
     serving_names = SERVING_NAMES
     target_tensors = TARGET_TENSORS
