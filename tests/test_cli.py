@@ -838,3 +838,18 @@ def test_regression_disk_budget_bounds_accepted():
 
     assert parse_bytes("1024T", "disk-budget") == 1 << 50 and parse_bytes(str(2**60), "disk-budget") == 2**60
     assert parse_bytes("1.1T", "disk-budget") == int(1.1 * 2**40) and parse_bytes("0", "disk-budget") == 0
+
+
+def test_regression_lr_total_steps_below_steps_refused_before_training(root, workdir, tmp_path):
+    """Break test (session 6): a fresh `consume --steps 4 --lr-total-steps 1` trained its steps 3-4 at LR 0 and
+    exited 0 (the check existed only on --resume). Refused before anything is written; equal is accepted."""
+    from artcache.trainers.consumer import ConsumerConfig
+
+    before = snapshot(root)
+    out = tmp_path / "run-lr"
+    assert_bad_input(invoke("consume", "--cache", str(root), "--steps", "4", "--lr-total-steps", "1", "--out", str(out),
+                            "--demand-timeout", "5", "--no-progress"),
+                     "--lr-total-steps 1 is below --steps 4", "accepted: --lr-total-steps >= --steps")
+    assert snapshot(root) == before and not out.exists()
+    ConsumerConfig(cache="-", steps=4, lr_total_steps=4).validate()
+    ConsumerConfig(cache="-", steps=4, lr_total_steps=1, min_lr_frac=0.1).validate()  # a floor: LR never 0

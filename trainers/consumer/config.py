@@ -171,6 +171,12 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                               "(checkpoints = false); leave --save-every at 0 or turn checkpoints on")
         if self.eval_interval and not self.eval_samples:
             raise ConfigError(f"--eval-interval {self.eval_interval} needs a held-out split: pass --eval-samples N")
+        if (not self.resume and self.lr_total_steps is not None and self.steps > self.lr_total_steps
+                and self.min_lr_frac == 0):
+            raise ConfigError(f"--lr-total-steps {self.lr_total_steps} is below --steps {self.steps}: the LR schedule "
+                              f"ends at step {self.lr_total_steps} and the {self.steps - self.lr_total_steps} steps "
+                              "after it would train at LR 0; accepted: --lr-total-steps >= --steps (left out, "
+                              "the horizon is --steps)")
         if self.resume and self.init_from:
             raise ConfigError("--resume and --init-from exclude each other: --resume continues a run with its "
                               "optimizer and cursor, --init-from starts a new run from another draft's weights")
