@@ -626,3 +626,25 @@ def test_free_space_measures_the_nearest_existing_ancestor(tmp_path):
 
     free, total, at = free_space(tmp_path / "a" / "b")
     assert at == tmp_path and 0 < free <= total
+
+
+def test_regression_a_save_killed_mid_way_leaves_no_temp_directory_behind_the_next_start(tmp_path):
+    """Break test (session 6): kill -9 during save_checkpoint left checkpoints/.tmp-<writer>.<nonce> (a whole
+    checkpoint's bytes) for ever; nothing removed it and the free-space check did not count it. The next
+    start removes a dead writer's temp directory and leaves a live writer's and foreign names alone."""
+    import subprocess
+    import sys
+
+    from artcache.layout import unique_suffix
+    from artcache.trainers.checkpoint import remove_orphan_temps
+
+    dead = subprocess.run([sys.executable, "-c", "from artcache.layout import unique_suffix; print(unique_suffix())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ck = tmp_path / "checkpoints"
+    orphan, live, foreign = ck / f".tmp-{dead}", ck / f".tmp-{unique_suffix()}", ck / ".tmp-not-ours"
+    for d in (orphan, live, foreign):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * 1000)
+    assert remove_orphan_temps(tmp_path) == (1, 1000)
+    assert not orphan.exists() and live.is_dir() and foreign.is_dir()
+    assert remove_orphan_temps(tmp_path) == (0, 0) and remove_orphan_temps(tmp_path / "none") == (0, 0)

@@ -95,7 +95,8 @@ from artcache.fsio import (
     space_reserve,
 )
 from artcache.hashing import canonical_json, digest_bytes, digest_file
-from artcache.layout import unique_suffix
+from artcache.layout import parse_temp_name, unique_suffix
+from artcache.liveness import dead_reason
 from artcache.report import format_bytes
 
 log = logging.getLogger("artcache.consumer")
@@ -499,6 +500,36 @@ def best_checkpoint(run_dir: Path) -> Path | None:
         return None
     target = link.resolve()
     return target if (target / "state.json").is_file() else None
+
+
+def remove_orphan_temps(run_dir: Path) -> tuple[int, int]:
+    """Remove the temp directories (``checkpoints/.tmp-<writer>.<nonce>``) that :func:`save_checkpoint`
+    left when its process died mid-save (kill -9, power loss: nothing else removes them, and each holds up
+    to a whole checkpoint's bytes). Only those whose writer is a dead process on this host are removed; a
+    live writer's, another host's and a name artcache does not make are left alone, so it is safe before
+    the run directory is this consumer's. The consumer calls it before sizing its checkpoints' free space.
+
+    Returns:
+        (directories removed, bytes they held).
+    """
+    parent = Path(run_dir) / "checkpoints"
+    removed = nbytes = 0
+    try:
+        entries = list(os.scandir(parent))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0, 0
+    for entry in entries:
+        if not entry.name.startswith(".tmp-") or not entry.is_dir(follow_symlinks=False):
+            continue
+        writer = parse_temp_name(entry.name[len(".tmp-"):])
+        ident = writer.identity if writer is not None else None
+        if ident is None or not ident.comparable() or dead_reason(ident) is None:
+            continue
+        size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.lexists(entry.path):
+            removed, nbytes = removed + 1, nbytes + size
+    return removed, nbytes
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

@@ -65,6 +65,7 @@ from artcache.trainers.checkpoint import (
     point_latest,
     prune,
     read_state,
+    remove_orphan_temps,
     restore_optimizer,
     restore_rng,
     save_checkpoint,
@@ -224,6 +225,10 @@ class Session:
         cfg = self.cfg
         if not cfg.checkpoints:
             return
+        gone, freed = remove_orphan_temps(self.run_dir)  # a save killed mid-way left them (no one else will)
+        if gone:
+            log.warning("[%s] removed %d checkpoint temp director%s of a dead earlier process (%s) under %s",
+                        cfg.consumer_id, gone, "y" if gone == 1 else "ies", format_bytes(freed), self.run_dir)
         params = [p for p in self.model.parameters() if p.requires_grad]  # the optimizer's, in its order
         opt = adamw_state_specs(params) if cfg.checkpoint_optimizer else None
         size = checkpoint_size(self.model.trainable_state_dict(), self.draft.extra_tensors(), opt,
