@@ -651,3 +651,28 @@ def test_regression_export_of_a_checkpoint_without_digests_warns_that_it_is_unve
     warned = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
     assert warned == [f"checkpoint {step.resolve()} records no content digests (written before artcache recorded "
                       "them): its files are used unverified"]
+
+
+def test_regression_export_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, target_dir, monkeypatch):
+    """Break test (session 6): `artcache export` onto a full tmpfs printed safetensors' raw traceback
+    (`SafetensorError: ... No space left on device (os error 28)`). Now one line naming the errno, exit 1, no
+    temp directory and no --out left."""
+    import artcache.trainers.export as export_mod
+
+    _, _, frozen = eagle3_checkpoint(tmp_path / "run")
+    real = export_mod.safetensors.torch.save_file
+
+    def full(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
+        if ".d.tmp-" not in str(path):  # only the export's own writes (not the test's target fixture)
+            return
+        raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                          "message: \"No space left on device\" }) (os error 28)")
+
+    monkeypatch.setattr(export_mod.safetensors.torch, "save_file", full)
+    out = tmp_path / "exports" / "d"
+    r = CliRunner().invoke(main, ["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out), "--dtype",
+                                  "float32", "--target", str(with_weights(target_dir, *frozen))])
+    _one_line_error(r, f"export to {out} could not be written", "No space left on device",
+                    "free space on that filesystem", code=1)
+    assert not out.exists() and not (tmp_path / "exports").exists()

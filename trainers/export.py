@@ -69,8 +69,8 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from artcache.errors import ConfigError
-from artcache.fsio import fsync_dir
+from artcache.errors import ArtcacheError, ConfigError, PublishError
+from artcache.fsio import RETRYABLE_ERRNOS, SPACE_ERRNOS, describe_errno, errno_of, fsync_dir
 from artcache.layout import unique_suffix
 from artcache.target import resolve_target
 from artcache.trainers import DRAFT_NAMES
@@ -360,7 +360,7 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
         os.rename(tmp, out)
         made_tmp = False
         fsync_dir(out.parent)
-    except BaseException:
+    except BaseException as exc:
         if made_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not os.path.lexists(out):
@@ -371,6 +371,13 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
                 d.rmdir()
             except OSError:
                 break
+        if isinstance(exc, (OSError, safetensors.SafetensorError)) and not isinstance(exc, ArtcacheError):
+            code = errno_of(exc)  # also safetensors' "os error N" (a full disk: ENOSPC)
+            raise PublishError(f"export to {out} could not be written ({describe_errno(code, exc)}); nothing was "
+                               "left there and an earlier export at that path is unchanged"
+                               + ("; free space on that filesystem and export again"
+                                  if code in SPACE_ERRNOS else ""), errno_=code,
+                               retryable=code in RETRYABLE_ERRNOS) from exc
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
