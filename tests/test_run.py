@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -683,6 +684,7 @@ def test_regression_report_uses_the_writers_completed_and_skips_a_torn_metrics_l
     ("state.json digest", "state.json does not match the digest it records"),
     ("metrics.csv", "metrics.csv': line 2 '4,train/loss' is not a metrics row"),
     ("registration", "of consumer 'b' is unreadable"),
+    ("checkpoints removed", "its registration records a durable checkpoint at cursor 8, but"),
 ])
 def test_regression_report_names_a_damaged_experiment_reports_the_rest_and_exits_1(tmp_path, damage, needle):
     """Regression: an empty experiment config.toml was not noticed (exit 0), and one bad state.json failed the
@@ -699,6 +701,15 @@ def test_regression_report_names_a_damaged_experiment_reports_the_rest_and_exits
         st.write_text(st.read_text().replace('"cursor": 8', '"cursor": 9').replace('"cursor":8', '"cursor":9'))
     elif damage == "metrics.csv":
         (b / "metrics.csv").write_text("step,tag,value,wall_time\n4,train/loss\n4,eval/replay_tau,1.25,9.0\n")
+    elif damage == "checkpoints removed":  # break test (session 6): reported 'completed 0/4', exit 0
+        layout = CacheLayout(out / "cache")
+        layout.create()
+        reg = registry.register(layout, registry.Registration(consumer_id="b", draft="dflash", pid=os.getpid()))
+        h = registry.ConsumerHandle(layout, reg)
+        h.commit_cursor(8)
+        h.record_checkpoint(8)
+        h.finish(registry.COMPLETED)
+        shutil.rmtree(b / "checkpoints")
     else:
         layout = CacheLayout(out / "cache")
         layout.consumer_path("b").parent.mkdir(parents=True)

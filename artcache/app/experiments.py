@@ -927,6 +927,11 @@ def run_dir_report(out: str | Path) -> dict:
         latest, best = find_checkpoint(run_dir), best_checkpoint(run_dir)
         st = _checkpoint_state(latest, damage)
         best_st = _checkpoint_state(best, damage) if best != latest else st
+        if reg is not None and reg.checkpoint_cursor >= 0 and not damage and (st is None
+                                                                             or st.cursor < reg.checkpoint_cursor):
+            have = "no checkpoint" if st is None else f"its latest at cursor {st.cursor} (step {st.step})"
+            damage.append(f"its registration records a durable checkpoint at cursor {reg.checkpoint_cursor}, but "
+                          f"{run_dir / 'checkpoints'} holds {have}: checkpoints were removed or lost")
         try:
             last_eval = _last_eval(run_dir / "metrics.csv")
         except DataError as exc:
