@@ -406,3 +406,24 @@ def test_regression_best_metric_is_checked_against_the_drafts_figures():
         ConsumerConfig(cache="-", draft="eagle3", eval_samples=2, best_metric="tau").validate()
     with pytest.raises(ConfigError, match="--best-metric 'replay-tau' is not a held-out figure of the dflash"):
         ConsumerConfig(cache="-", eval_samples=2, best_metric="replay-tau").validate()
+
+
+def test_regression_best_metric_direction_minimises_errors_not_only_losses():
+    """Helper report (session 6): checkpoints/best minimised only names with 'loss', so `--best-metric ece`
+    (or conf_mae, replay_truncated_frac) followed the worst checkpoint. figure_rank is the one order."""
+    from artcache.trainers.draft import draft_class, figure_rank
+
+    def best(metric, values):
+        return min(values, key=lambda v: figure_rank(metric, v))
+
+    assert best("replay_tau", [1.2, 2.4, 1.9]) == 2.4 and best("accept_rate@3", [0.1, 0.6]) == 0.6
+    assert best("loss", [3.0, 1.5]) == 1.5 and best("ce_loss", [2.0, 0.5]) == 0.5
+    for m in ("ece", "ece_cum", "ece@2", "conf_mae", "cum_mae", "replay_truncated_frac"):
+        assert best(m, [0.30, 0.05, 0.20]) == 0.05, m
+    assert best("conf_bias", [0.4, -0.1, 0.2]) == -0.1  # signed: closest to 0
+    # every figure a draft declares has a direction that reads right: errors down, acceptance up
+    for name in ("dflash", "eagle3", "dspark"):
+        for fig in draft_class(name).held_out_figures(4):
+            base = fig.split("@")[0]
+            up = base in ("tau", "replay_tau", "sim_acc_len", "coverage", "accept_rate")
+            assert (figure_rank(fig, 2.0) < figure_rank(fig, 1.0)) is up, fig

@@ -248,6 +248,31 @@ def figures_of(summary: dict[str, Any]) -> list[str]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in COUNT_KEYS]
 
 
+#: held-out figures where lower is better (base names, before any ``@k``): losses, calibration errors
+#: (ECE, Guo et al. 2017), mean absolute errors and the fraction of replays cut short; a ``*_bias`` figure is
+#: signed and is better the closer it is to 0; every other figure (τ, acceptance rates, coverage) is
+#: better higher
+LOWER_IS_BETTER = frozenset({"ece", "ece_cum", "conf_mae", "cum_mae", "replay_truncated_frac"})
+
+
+def figure_rank(metric: str, value: float) -> float:
+    """``value`` of the held-out figure ``metric`` as a rank where lower is better: the one rule
+    ``checkpoints/best`` follows (``--best-metric``). Names with ``loss`` and :data:`LOWER_IS_BETTER` rank as
+    they are, ``*_bias`` figures by their magnitude, every other figure negated."""
+    base = metric.split("@", 1)[0]
+    if "loss" in base or base in LOWER_IS_BETTER:
+        return value
+    if base.endswith("_bias"):
+        return abs(value)
+    return -value
+
+
+def describe_direction() -> str:
+    """How :func:`figure_rank` orders figures, in words (for messages and help)."""
+    return ("a loss, " + ", ".join(sorted(LOWER_IS_BETTER)) + " are minimised, a *_bias figure's magnitude is "
+            "minimised, any other figure is maximised")
+
+
 def describe_figures(cls: type[Draft], block_size: int | None) -> str:
     """``cls``'s held-out figures in words: its :attr:`~Draft.eval_figures`, then per-slot ones as
     ``name@k`` with the slots' range (``accept_rate@k, ece@k (k = 0..6)``)."""

@@ -300,7 +300,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               "anchor; costly on a CPU).")
 @click.option("--best-metric", default=None,
               help="Held-out figure checkpoints/best follows, one the draft's evaluation gives (default replay_tau "
-              "when the root captures L-1, else the draft's acceptance figure; a name with 'loss' is minimised; "
+              "when the root captures L-1, else the draft's acceptance figure; losses, ece, *_mae and "
+              "replay_truncated_frac are minimised, a *_bias figure's magnitude too, any other maximised; "
               "docs/training.md lists them).")
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @click.option("--tensorboard/--no-tensorboard", default=True,

@@ -78,7 +78,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             never trained on, however many epochs the run walks. 0: off.
         eval_interval: evaluate every this many steps (0: only at the end); needs ``eval_samples``.
         best_metric: the held-out figure ``checkpoints/best`` follows (None: ``replay_tau`` when the root
-            captures layer ``L - 1``, else the draft's acceptance figure); a name with ``loss`` is minimised.
+            captures layer ``L - 1``, else the draft's acceptance figure), in
+            :func:`~artcache.trainers.draft.figure_rank`'s order (losses and errors minimised).
             It must be one of the figures the draft's evaluation gives
             (:meth:`~artcache.trainers.draft.Draft.held_out_figures`; :func:`check_best_metric`).
         progress: show a progress bar on stderr (only when it is a TTY).
@@ -287,14 +288,13 @@ def check_best_metric(cfg: ConsumerConfig) -> None:
     """
     if cfg.best_metric is None:
         return
-    from artcache.trainers.draft import describe_figures, draft_class
+    from artcache.trainers.draft import describe_direction, describe_figures, draft_class
 
     cls = draft_class(cfg.draft)
     block_size = cfg.block_size if cfg.block_size is not None else default_block_size(cfg.draft)
     if cfg.best_metric not in cls.held_out_figures(block_size):
         raise ConfigError(f"--best-metric {cfg.best_metric!r} is not a held-out figure of the {cfg.draft} draft; "
-                          f"accepted: {describe_figures(cls, block_size)} (a name with 'loss' is minimised, any "
-                          "other maximised)")
+                          f"accepted: {describe_figures(cls, block_size)} ({describe_direction()})")
 
 
 def check_anchors(num_anchors: int | None, max_length: int, name: str = "--anchors",

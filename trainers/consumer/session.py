@@ -77,6 +77,7 @@ from artcache.trainers.draft import (
     PendingSums,
     build_draft,
     check_target,
+    figure_rank,
     figures_of,
 )
 from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, target_argmax_fn
@@ -633,8 +634,8 @@ class Session:
 
     def _maybe_best(self, at_step: int) -> None:
         """Point ``checkpoints/best`` at this step's checkpoint when its ``best_metric`` beats the best so far
-        (a name with ``loss`` is minimised, every other figure maximised; step 0, the untrained or seeded
-        draft, is only the baseline)."""
+        (in :func:`~artcache.trainers.draft.figure_rank`'s order: losses and errors minimised, τ and rates
+        maximised; step 0, the untrained or seeded draft, is only the baseline)."""
         metric = self.best_metric
         value = self.last_eval.get(metric) if metric else None
         if metric and metric not in self.last_eval and not self.unknown_best_noted:  # not measured: say so, once
@@ -644,8 +645,7 @@ class Session:
                         "is not written until an evaluation reports it", self.cfg.consumer_id, metric, figures)
         if at_step == 0 or not isinstance(value, (int, float)) or not math.isfinite(value):
             return
-        lower = "loss" in metric
-        if self.best is not None and not (value < self.best[1] if lower else value > self.best[1]):
+        if self.best is not None and not figure_rank(metric, value) < figure_rank(metric, self.best[1]):
             return
         path = self.ckpt if self.saved_step == at_step and self.ckpt is not None else self.checkpoint()
         point_best(self.run_dir, path)
