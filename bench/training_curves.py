@@ -29,6 +29,7 @@ from pathlib import Path
 
 from artcache.bench.provenance import source_commit
 from artcache.errors import DataError
+from artcache.fsio import atomic_write
 from artcache.trainers.tracking import read_metrics_file
 
 __all__ = ["curves", "main", "read_metrics", "steady_rate", "training_seconds"]
@@ -159,23 +160,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--title", default="held-out greedy-replay τ")
     ap.add_argument("--gap-s", type=float, default=60.0)
     ap.add_argument("--note", default="", help="free text recorded in the JSON (hardware, where it ran)")
-    a = ap.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)  # recorded in the JSON as given
+    a = ap.parse_args(args)
     metrics = {}
     for spec in a.metrics:
         name, sep, p = spec.partition("=")
         if not sep or not name or not Path(p).is_file():
             ap.error(f"--metrics {spec!r}: accepted NAME=CSV with an existing metrics.csv file")
+        if name in metrics:
+            ap.error(f"--metrics {spec!r}: the name {name!r} is given twice; accepted: one NAME per curve")
         metrics[name] = Path(p)
+    for flag, out in (("--png", a.png), ("--json", a.json)):
+        if not out.parent.is_dir():
+            ap.error(f"{flag} {str(out)!r}: its directory {str(out.parent)!r} does not exist; accepted: a file "
+                     "path in an existing directory")
     try:
         figures = curves(metrics, a.gap_s)
     except DataError as exc:
         print(f"training_curves: error: {exc}", file=sys.stderr)
         return exc.exit_code
     commit, dirty = source_commit()
-    a.json.write_text(json.dumps({"command": ["python", "-m", "artcache.bench.training_curves", *(argv or [])],
-                                  "commit": commit, "dirty": dirty, "note": a.note, "experiments": figures},
-                                 indent=1) + "\n")
-    plot(figures, a.png, a.title)
+    plot(figures, a.png, a.title)  # first: a plot that fails leaves no JSON claiming it
+    doc = json.dumps({"command": ["python", "-m", "artcache.bench.training_curves", *args], "commit": commit,
+                      "dirty": dirty, "note": a.note, "experiments": figures}, indent=1) + "\n"
+    atomic_write(a.json, [doc.encode()], a.json.parent, durable=False)
     print(json.dumps({n: {"last_step": f["last_step"], "train_seconds": f["train_seconds"],
                           "steady_steps_per_s": f["steady_steps_per_s_median"],
                           "best_replay_tau": f["best_replay_tau"]}

@@ -123,3 +123,31 @@ def test_regression_vllm_served_eval_at_skips_a_torn_last_line(tmp_path):
     with open(tmp_path / "m.csv", "a") as f:
         f.write("40,eval/replay_t")
     assert eval_at([tmp_path / "m.csv"], 40) == {"replay_tau": 1.4, "loss": 2.0}
+
+
+def test_regression_outputs_in_a_missing_directory_and_repeated_names_are_one_line(tmp_path, capsys):
+    """Break test (session 6): --png/--json in a missing directory gave a matplotlib traceback after the JSON
+    was written; `--metrics x=a.csv --metrics x=b.csv` silently dropped a.csv. Both are one line, exit 2,
+    nothing written."""
+    _run(tmp_path / "m.csv")
+    m = f"d={tmp_path / 'm.csv'}"
+    ok_png, ok_js = tmp_path / "c.png", tmp_path / "c.json"
+    for args, needle in (
+            (["--metrics", m, "--png", str(tmp_path / "no" / "c.png"), "--json", str(ok_js)], "--png"),
+            (["--metrics", m, "--png", str(ok_png), "--json", str(tmp_path / "no" / "c.json")], "--json"),
+            (["--metrics", m, "--metrics", m, "--png", str(ok_png), "--json", str(ok_js)], "is given twice")):
+        with pytest.raises(SystemExit) as exc:
+            tc.main(args)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and needle in err and "Traceback" not in err, err
+        assert not ok_png.exists() and not ok_js.exists()
+
+
+def test_regression_json_records_the_arguments_it_ran_with(tmp_path, monkeypatch):
+    """Break test (session 6): run as `python -m`, the JSON's command had no arguments (argv None)."""
+    _run(tmp_path / "m.csv")
+    png, js = tmp_path / "c.png", tmp_path / "c.json"
+    args = ["--metrics", f"d={tmp_path / 'm.csv'}", "--png", str(png), "--json", str(js)]
+    monkeypatch.setattr(tc.sys, "argv", ["training_curves.py", *args])
+    assert tc.main() == 0
+    assert json.loads(js.read_text())["command"] == ["python", "-m", "artcache.bench.training_curves", *args]
