@@ -214,6 +214,11 @@ class Session:
         # greedy replay against the target's argmax needs output-of-layer L-1 (un-normed) in the root
         last_id = self.draft.target_info.num_layers - 1
         self.last_index = captured.index(last_id) if (cfg.eval_samples and last_id in captured) else None
+        # a save killed mid-way left its temp directory (nothing else removes it): gone before the space check
+        gone, freed = remove_orphan_temps(self.run_dir)
+        if gone:
+            log.warning("[%s] removed %d checkpoint temp director%s of a dead earlier process (%s) under %s",
+                        cfg.consumer_id, gone, "y" if gone == 1 else "ies", format_bytes(freed), self.run_dir)
         self._check_checkpoint_space()
 
     def _check_checkpoint_space(self) -> None:
@@ -226,10 +231,6 @@ class Session:
         cfg = self.cfg
         if not cfg.checkpoints:
             return
-        gone, freed = remove_orphan_temps(self.run_dir)  # a save killed mid-way left them (no one else will)
-        if gone:
-            log.warning("[%s] removed %d checkpoint temp director%s of a dead earlier process (%s) under %s",
-                        cfg.consumer_id, gone, "y" if gone == 1 else "ies", format_bytes(freed), self.run_dir)
         params = [p for p in self.model.parameters() if p.requires_grad]  # the optimizer's, in its order
         opt = adamw_state_specs(params) if cfg.checkpoint_optimizer else None
         size = checkpoint_size(self.model.trainable_state_dict(), self.draft.extra_tensors(), opt,
