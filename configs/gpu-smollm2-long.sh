@@ -22,7 +22,7 @@ set -uo pipefail
 piece=${1:?usage: gpu-smollm2-long.sh PIECE (1, 2, ...)}
 [[ $piece =~ ^[1-9][0-9]*$ ]] || { echo "PIECE must be a positive integer, got $piece" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
-cfg=$root/configs/gpu-smollm2-long.toml
+cfg=${LONG_CONFIG:-$root/configs/gpu-smollm2-long.toml}   # LONG_CONFIG: another run config (e.g. configs/gpu-smollm2-dflash.toml)
 run=${LONG_OUT:-/tmp/artcache-long}                 # the run directory (the config's out)
 regen=${REGEN_OUT:-/tmp/regen.jsonl}                # the config's data.dataset
 res=/tmp/artcache-long-results/piece-$piece
@@ -43,25 +43,41 @@ fi
 if (( piece == 1 )) && [ ! -s "$regen" ]; then
   src=${REGEN_SOURCE:-/tmp/sharegpt.jsonl}; shards=/tmp/regen-shards; shard=${REGEN_SHARD:-512}
   rm -rf "$shards" && mkdir -p "$shards" && split -d -a 3 -l "$shard" "$src" "$shards/in-" || exit 1
-  t0=$(date +%s); last=0
-  for f in "$shards"/in-*; do
-    k=${f##*/in-}; now=$(( $(date +%s) - t0 ))
-    (( now + last <= ${REGEN_S:-150} )) || { echo "regenerate: $now s used, next shard would pass ${REGEN_S:-150} s"; break; }
-    s0=$(date +%s)
-    regen_shard() {  # $1: --cache (auto = static on CUDA: one compiled decode step for every batch)
-      python3 -m artcache regenerate --out "$shards/out-$k.jsonl" --target "${REGEN_TARGET:-smollm2-135m-instruct}" \
-        --data "$f" --max-samples "$shard" --max-new-tokens "${REGEN_NEW:-256}" --max-prompt-tokens 768 \
-        --batch-size "${REGEN_BATCH:-256}" --device "${REGEN_DEVICE:-cuda}" --cache "$1" --force --no-progress \
-        >> "$res/regenerate.jsonl"
-    }
-    regen_shard "${REGEN_CACHE:-auto}" || { echo "regenerate of shard $k failed with --cache ${REGEN_CACHE:-auto}; once more with --cache dynamic" >&2; regen_shard dynamic; } \
-      || { echo "regenerate of shard $k failed" >&2; exit 1; }
-    last=$(( $(date +%s) - s0 ))
-  done
-  cat "$shards"/out-*.jsonl > "$regen.tmp" && mv "$regen.tmp" "$regen" || exit 1
+  t0=$(date +%s); workers=${REGEN_WORKERS:-1}
+  [[ $workers =~ ^[1-9][0-9]*$ ]] || { echo "REGEN_WORKERS must be a positive integer, got $workers" >&2; exit 2; }
+  regen_shard() {  # $1: shard number, $2: --cache (auto = static on CUDA: one compiled decode step for every batch)
+    python3 -m artcache regenerate --out "$shards/out-$1.jsonl" --target "${REGEN_TARGET:-smollm2-135m-instruct}" \
+      --data "$shards/in-$1" --max-samples "$shard" --max-new-tokens "${REGEN_NEW:-256}" --max-prompt-tokens 768 \
+      --batch-size "${REGEN_BATCH:-256}" --device "${REGEN_DEVICE:-cuda}" --cache "$2" --force --no-progress \
+      > "$shards/summary-$1.jsonl"
+  }
+  regen_worker() {  # $1: worker index: shards w, w + workers, ... one after the other, each started while it fits
+    local i=0 last=0 k s0 now
+    for f in "$shards"/in-*; do
+      k=${f##*/in-}
+      (( i++ % workers == $1 )) || continue
+      now=$(( $(date +%s) - t0 ))
+      (( now + last <= ${REGEN_S:-150} )) || { echo "regenerate worker $1: $now s used, shard $k would pass ${REGEN_S:-150} s"; break; }
+      s0=$(date +%s)
+      regen_shard "$k" "${REGEN_CACHE:-auto}" || { echo "regenerate of shard $k failed with --cache ${REGEN_CACHE:-auto}; once more with --cache dynamic" >&2; regen_shard "$k" dynamic; } \
+        || { echo "regenerate of shard $k failed twice: left out" >&2; rm -f "$shards/out-$k.jsonl"; }
+      last=$(( $(date +%s) - s0 ))
+    done
+  }
+  # REGEN_WORKERS processes at once (the 135M target leaves the GPU mostly idle: one process is host-bound)
+  pids=(); for (( w = 0; w < workers; w++ )); do regen_worker "$w" & pids+=($!); done
+  for p in "${pids[@]}"; do wait "$p"; done
+  compgen -G "$shards/out-*.jsonl" > /dev/null || { echo "regenerate: no shard finished" >&2; exit 1; }
+  cat "$shards"/summary-*.jsonl >> "$res/regenerate.jsonl" 2>/dev/null
+  mkdir -p "$(dirname "$regen")" && cat "$shards"/out-*.jsonl > "$regen.tmp" && mv "$regen.tmp" "$regen" || exit 1
   echo "regenerated $(wc -l < "$regen") records in $(( $(date +%s) - t0 )) s"
 fi
 t0=$(date +%s)
+# PIECE_END (epoch seconds): the run's bound is what is left until then (a call that regenerates first)
+if [ -n "${PIECE_END:-}" ]; then
+  PIECE_S=$(( PIECE_END - t0 ))
+  (( PIECE_S >= 90 )) || { echo "piece $piece: ${PIECE_S} s left before PIECE_END, too little to start the run"; exit 3; }
+fi
 # LONG_EXTRA: further SECTION.FIELD=VALUE overrides (the CPU check of this script uses a tiny target)
 # shellcheck disable=SC2086
 timeout -s TERM -k 45 "${PIECE_S:-300}" python3 -m artcache run --config "$cfg" out="$run" data.dataset="$regen" \
