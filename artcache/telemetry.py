@@ -88,23 +88,38 @@ class NvmlSampler(NullSampler):
                 "driver": _s(nv.nvmlSystemGetDriverVersion()), "devices": self.devices}
 
     def summary(self, roles: dict[int, str], t0: float | None = None, t1: float | None = None) -> dict:
-        """Per device (labelled with its role): median/mean utilisation, max memory, median power and
-        SM clock, over [t0, t1] when given."""
-        out = {}
-        for d in self.devices:
-            s = [x for x in self.samples if x.device == d and (t0 is None or x.t >= t0)
-                 and (t1 is None or x.t <= t1)]
-            if not s:
-                continue
-            out[f"cuda:{d}"] = {
-                "role": roles.get(d, "idle"), "samples": len(s),
-                "util_median_pct": median(x.util_pct for x in s),
-                "util_mean_pct": sum(x.util_pct for x in s) / len(s),
-                "mem_max_bytes": max(x.mem_used_bytes for x in s),
-                "power_median_w": median(x.power_w for x in s),
-                "sm_clock_median_mhz": median(x.sm_clock_mhz for x in s),
-            }
-        return out
+        """See :func:`summarize` (over this sampler's devices and samples)."""
+        return summarize(self.samples, self.devices, roles, t0, t1)
+
+
+def summarize(samples: list[GpuSample], devices: list[int], roles: dict[int, str], t0: float | None = None,
+              t1: float | None = None) -> dict:
+    """Per device (labelled with its role): median/mean utilisation (%), max memory (bytes), median power (W)
+    and SM clock (MHz), over the samples in [t0, t1] (s since epoch) when given.
+
+    ``over`` says which samples: ``"interval"`` (those in [t0, t1], or all when no bound is given) or
+    ``"run"``: every sample of the device, when [t0, t1] held none (an interval shorter than the sampling
+    period, or empty: a short run's common post-warm-up interval; regression: the report then had no
+    telemetry at all). A device with no sample at all is left out.
+    """
+    out = {}
+    for d in devices:
+        every = [x for x in samples if x.device == d]
+        s = [x for x in every if (t0 is None or x.t >= t0) and (t1 is None or x.t <= t1)]
+        over = "interval"
+        if not s:
+            s, over = every, "run"
+        if not s:
+            continue
+        out[f"cuda:{d}"] = {
+            "role": roles.get(d, "idle"), "samples": len(s), "over": over,
+            "util_median_pct": median(x.util_pct for x in s),
+            "util_mean_pct": sum(x.util_pct for x in s) / len(s),
+            "mem_max_bytes": max(x.mem_used_bytes for x in s),
+            "power_median_w": median(x.power_w for x in s),
+            "sm_clock_median_mhz": median(x.sm_clock_mhz for x in s),
+        }
+    return out
 
 
 def _s(v) -> str:
