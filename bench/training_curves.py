@@ -16,7 +16,10 @@ is the median over intervals of steps / seconds between two such writes.
 A torn last line (cut mid-row by a killed process) is skipped and counted (``torn_lines_skipped``, and a line
 on stderr); a file damaged anywhere else is refused with one line naming it and the line (exit 2, nothing
 written). An experiment without held-out evaluations (or without ``replay_tau`` among them) has
-``best_replay_tau`` null, and stderr says so: never a 0.
+``best_replay_tau`` null, and stderr says so: never a 0. Where an experiment's evaluations have no
+``replay_tau`` (the root did not capture the target's last layer) but a τ on the held-out data tokens
+(DFlash / DSpark ``tau``, incl. the +1 bonus), that τ is plotted instead, labelled "τ on data tokens",
+and ``best_data_tau`` holds its highest value; the JSON's ``tau_figure`` says which one each plot shows.
 """
 
 from __future__ import annotations
@@ -84,7 +87,9 @@ def _at(seconds: dict[int, float], step: int) -> float:
 def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> dict:
     """Per experiment: every held-out evaluation (step, training seconds, held-out figures, the median train
     loss over the ``window`` steps before it), the median train steps/s, ``best_replay_tau`` (the highest
-    held-out ``replay_tau``; None when no evaluation reported one) and ``torn_lines_skipped`` (0 or 1).
+    held-out ``replay_tau``; None when no evaluation reported one), ``best_data_tau`` (the highest held-out
+    ``tau`` on data tokens, incl. the +1 bonus; None without one), ``tau_figure`` (``"replay_tau"``, else
+    ``"tau"``, else None: what :func:`plot` draws) and ``torn_lines_skipped`` (0 or 1).
 
     Raises:
         DataError: a file is damaged other than by a torn last line (:func:`read_metrics`).
@@ -107,10 +112,14 @@ def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> 
             row["train_loss_median"] = statistics.median(recent) if recent else None
             table.append(row)
         taus = [e["replay_tau"] for e in table if "replay_tau" in e]
+        data_taus = [e["tau"] for e in table if "tau" in e]
         out[name] = {"metrics_csv": str(path), "last_step": train[-1][0] if train else 0,
                      "train_seconds": round(secs[train[-1][0]], 1) if train else 0.0,
                      "steady_steps_per_s_median": steady_rate(train, gap_s), "evals": table,
-                     "best_replay_tau": max(taus) if taus else None, "torn_lines_skipped": int(torn is not None)}
+                     "best_replay_tau": max(taus) if taus else None,
+                     "best_data_tau": max(data_taus) if data_taus else None,
+                     "tau_figure": "replay_tau" if taus else "tau" if data_taus else None,
+                     "torn_lines_skipped": int(torn is not None)}
         if torn is not None:
             print(f"{name}: {path}: skipped its torn last line (line {torn}, cut mid-row as a killed writer leaves it)",
                   file=sys.stderr)
@@ -123,8 +132,9 @@ def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> 
 
 
 def plot(figures: dict, path: Path, title: str) -> Path:
-    """Three panels: held-out replay τ against steps, held-out and train loss against steps, held-out τ
-    against training seconds."""
+    """Three panels: held-out τ (each experiment's ``tau_figure``: greedy replay, else τ on the data tokens,
+    said in its label) against steps, held-out and train loss against steps, held-out τ against training
+    seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,16 +142,18 @@ def plot(figures: dict, path: Path, title: str) -> Path:
 
     fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=110)
     for i, (name, f) in enumerate(figures.items()):
-        ev = [e for e in f["evals"] if "replay_tau" in e]
-        c = f"C{i}"
-        ax.plot([e["step"] for e in ev], [e["replay_tau"] for e in ev], "o-", color=c, label=name)
-        cx.plot([e["train_seconds"] for e in ev], [e["replay_tau"] for e in ev], "o-", color=c, label=name)
-        bx.plot([e["step"] for e in ev], [e.get("loss") for e in ev], "o-", color=c, label=f"{name} held-out")
+        key, c = f.get("tau_figure"), f"C{i}"
+        label = name if key == "replay_tau" else f"{name} (τ on data tokens)"
+        ev = [e for e in f["evals"] if key in e] if key else []
+        ax.plot([e["step"] for e in ev], [e[key] for e in ev], "o-", color=c, label=label)
+        cx.plot([e["train_seconds"] for e in ev], [e[key] for e in ev], "o-", color=c, label=label)
+        held = [e for e in f["evals"] if "loss" in e]
+        bx.plot([e["step"] for e in held], [e["loss"] for e in held], "o-", color=c, label=f"{name} held-out")
         tr = [e for e in f["evals"] if e.get("train_loss_median") is not None]
         bx.plot([e["step"] for e in tr], [e["train_loss_median"] for e in tr], ":", color=c, label=f"{name} train")
-    ax.set(xlabel="optimizer step", ylabel="held-out greedy-replay τ (incl. +1 bonus)", title=title)
+    ax.set(xlabel="optimizer step", ylabel="held-out τ, greedy replay unless labelled (incl. +1 bonus)", title=title)
     bx.set(xlabel="optimizer step", ylabel="loss", yscale="log", title="held-out (solid) vs train (dotted) loss")
-    cx.set(xlabel="training seconds (shared GPU)", ylabel="held-out greedy-replay τ (incl. +1 bonus)",
+    cx.set(xlabel="training seconds (shared GPU)", ylabel="held-out τ, greedy replay unless labelled (incl. +1 bonus)",
            title="τ against training time")
     for a in (ax, bx, cx):
         a.grid(alpha=0.3)
@@ -186,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write(a.json, [doc.encode()], a.json.parent, durable=False)
     print(json.dumps({n: {"last_step": f["last_step"], "train_seconds": f["train_seconds"],
                           "steady_steps_per_s": f["steady_steps_per_s_median"],
-                          "best_replay_tau": f["best_replay_tau"]}
+                          "best_replay_tau": f["best_replay_tau"], "best_data_tau": f["best_data_tau"]}
                       for n, f in figures.items()}))
     return 0
 

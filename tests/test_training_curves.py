@@ -151,3 +151,30 @@ def test_regression_json_records_the_arguments_it_ran_with(tmp_path, monkeypatch
     monkeypatch.setattr(tc.sys, "argv", ["training_curves.py", *args])
     assert tc.main() == 0
     assert json.loads(js.read_text())["command"] == ["python", "-m", "artcache.bench.training_curves", *args]
+
+
+def test_regression_evaluations_without_replay_plot_the_data_tau_and_the_held_out_loss(tmp_path, capsys, monkeypatch):
+    """Regression: a DFlash-only run whose root lacked the target's last layer (no ``eval/replay_tau``) gave a
+    PNG with empty τ panels and no held-out loss line; now its data-token τ is drawn, labelled so."""
+    rows = [(s, "train/loss", 5.0 - s / 10, 1000.0 + s) for s in range(1, 21)]
+    rows += [(10, "eval/tau", 1.8, 0.0), (10, "eval/loss", 3.0, 0.0), (20, "eval/tau", 2.4, 0.0),
+             (20, "eval/loss", 2.5, 0.0)]
+    _write(tmp_path / "m.csv", rows)
+    drawn = []
+
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.plot
+
+    def spy(self, x, y, *a, **k):
+        drawn.append((k.get("label"), list(x), list(y)))
+        return real(self, x, y, *a, **k)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    code, png, js = _cli(tmp_path, tmp_path / "m.csv")
+    assert code == 0 and png.exists()
+    d = json.loads(js.read_text())["experiments"]["d"]
+    assert d["best_replay_tau"] is None and d["best_data_tau"] == 2.4 and d["tau_figure"] == "tau"
+    assert ("d (τ on data tokens)", [10, 20], [1.8, 2.4]) in drawn
+    assert ("d held-out", [10, 20], [3.0, 2.5]) in drawn
+    assert json.loads(capsys.readouterr().out)["d"]["best_data_tau"] == 2.4
