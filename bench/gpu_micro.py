@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from artcache.bench.provenance import hardware
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -88,50 +90,6 @@ def _git_commit() -> str:
 
     commit, dirty = source_commit()
     return commit + ("+dirty" if dirty else "")
-
-
-def _mount_of(path: Path) -> dict:
-    """Filesystem type, device and mount options of the mount holding ``path`` (from /proc/mounts)."""
-    best: dict = {}
-    target = str(path.resolve())
-    try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return best
-    for line in lines:
-        dev, mnt, fstype, opts = line.split()[:4]
-        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best.get("mount", "")):
-            best = {"mount": mnt, "device": dev, "fstype": fstype, "options": opts}
-    return best
-
-
-def hardware(device: torch.device, roots: list[Path]) -> dict:
-    """What the figures were measured on: CPU model and count, memory, GPU and driver, each root's mount."""
-    import platform
-
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = 0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
-    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_bytes": mem, "kernel": platform.release(),
-           "python": platform.python_version(), "torch": str(torch.__version__),
-           "roots": {str(r): _mount_of(r.parent if not r.exists() else r) for r in roots}}
-    with contextlib.suppress(OSError, ValueError):
-        out["load_average"] = list(os.getloadavg())
-    if device.type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(device)
-        out["cuda"] = torch.version.cuda
-        with contextlib.suppress(Exception):
-            import subprocess
-
-            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=30).stdout.strip()
-    return out
 
 
 def synthetic_capture(seq: int, layers: int, hidden: int, seed: int = 0, pin: bool = False,

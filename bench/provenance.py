@@ -6,11 +6,12 @@ files beside it, so a commit named by the caller in ``$ARTCACHE_COMMIT`` wins ov
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["source_commit"]
+__all__ = ["hardware", "source_commit"]
 
 
 def _git(*args: str) -> str | None:
@@ -38,3 +39,53 @@ def source_commit() -> tuple[str, bool | None]:
         return commit, None
     status = _git("status", "--porcelain", "--untracked-files=no")
     return commit, None if status is None else bool(status)
+
+
+def _mount_of(path: Path) -> dict:
+    """Filesystem type, device and mount options of the mount holding ``path`` (from /proc/mounts)."""
+    best: dict = {}
+    target = str(path.resolve())
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        dev, mnt, fstype, opts = line.split()[:4]
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best.get("mount", "")):
+            best = {"mount": mnt, "device": dev, "fstype": fstype, "options": opts}
+    return best
+
+
+def hardware(device=None, roots: list[Path] = ()) -> dict:
+    """What the figures were measured on: CPU model and count, memory (bytes), kernel, Python and torch, the
+    load average, each of ``roots``' mount (/proc/mounts) and, for a CUDA ``device`` (``torch.device`` or
+    str), the GPU name, CUDA version and driver (nvidia-smi). Fields that cannot be read are left out."""
+    import platform
+
+    import torch
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_bytes": mem, "kernel": platform.release(),
+           "python": platform.python_version(), "torch": str(torch.__version__),
+           "roots": {str(r): _mount_of(r.parent if not r.exists() else r) for r in roots}}
+    with contextlib.suppress(OSError, ValueError):
+        out["load_average"] = list(os.getloadavg())
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        out["cuda"] = torch.version.cuda
+        with contextlib.suppress(Exception):
+            import subprocess
+
+            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+    return out

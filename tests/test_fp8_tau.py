@@ -66,3 +66,32 @@ def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys):
         fp8_tau.main(["--out", str(tmp_path / "o"), "--seeds", ""])
     assert exc.value.code == 2 and "--seeds" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_regression_the_report_records_commit_and_hardware(tmp_path, monkeypatch, capsys):
+    """Regression: the H200 run's fp8_tau.json had the command but no commit or hardware (the brief's rule for
+    every committed result); the two ``artcache run`` processes are stood in for by ones that write a report."""
+    import json as _json
+    import types
+
+    import tomllib
+
+    class FakeRun:
+        def __init__(self, cmd, env=None):
+            cfg = tomllib.loads(Path(cmd[cmd.index("--config") + 1]).read_text())
+            run = Path(cfg["out"])
+            run.mkdir(parents=True)
+            exps = [{"name": e["name"], "registration": "completed",
+                     "consumer_summary": {"steps": 4, "eval": {"step": 4, "samples": 4, "replay_tau": 1.5}}}
+                    for e in cfg["experiments"]]
+            (run / "report.json").write_text(_json.dumps({"experiments": exps,
+                                                          "shared_production": {"published_bytes": 10}}))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(fp8_tau, "subprocess", types.SimpleNamespace(Popen=FakeRun))
+    monkeypatch.setenv("ARTCACHE_COMMIT", "c0ffee")
+    assert fp8_tau.main(["--out", str(tmp_path / "o"), "--steps", "4"]) == 0
+    doc = _json.loads((tmp_path / "o" / "fp8_tau.json").read_text())
+    assert doc["commit"] == "c0ffee" and doc["hardware"]["cpu_count"] >= 1 and doc["command"][-2:] == ["--steps", "4"]
