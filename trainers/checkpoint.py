@@ -545,6 +545,17 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def stateless_checkpoints(run_dir: Path) -> list[Path]:
+    """``step-N`` directories of a run that :func:`list_checkpoints` leaves out because they hold no
+    ``state.json`` (written partly, or damaged by hand), ascending by step: what a lookup that found nothing
+    names so the user is not told the run holds no checkpoint."""
+    parent = Path(run_dir) / "checkpoints"
+    if not parent.is_dir():
+        return []
+    return sorted((p for p in parent.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+                   and not (p / "state.json").is_file()), key=lambda p: p.name)
+
+
 def prune(run_dir: Path, keep: int, *protect: Path) -> list[Path]:
     """Remove all but the newest ``keep`` checkpoints (0: keep all); never one of ``protect`` (``latest``,
     ``best``). Returns the removed."""

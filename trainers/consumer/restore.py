@@ -25,6 +25,7 @@ from artcache.trainers.checkpoint import (
     load_checkpoint,
     read_state,
     require_resumable,
+    stateless_checkpoints,
 )
 from artcache.trainers.seed import SeedPlan, SeedSource, map_back, plan_seed, seed_vocab_map
 
@@ -68,16 +69,23 @@ def resume_state(cfg: ConsumerConfig, layout: CacheLayout, plan_id: str, contrac
                               "with another --out" if held else "start it again without --resume"))
     path = find_checkpoint(run_dir, cursor=old.checkpoint_cursor)
     if path is None:
-        found = []
+        found, damaged = [], [f"{p.name} (no state.json)" for p in stateless_checkpoints(run_dir)]
         for step, p in list_checkpoints(run_dir):
             try:
                 found.append(f"step {step} at cursor {read_state(p).cursor}")
-            except (ConfigError, CheckpointCorrupt):
-                continue
+            except (ConfigError, CheckpointCorrupt) as exc:
+                damaged.append(f"{p.name} ({exc})")
+        held = ', '.join(found) if found else 'no readable checkpoint'
+        if damaged:  # regression: a damaged recorded checkpoint read as "holds no checkpoint; pass the --out"
+            raise ConfigError(
+                f"--resume: the registry records consumer {cfg.consumer_id!r}'s last checkpoint at cursor "
+                f"{old.checkpoint_cursor}; {run_dir / 'checkpoints'} holds {held}, and {len(damaged)} it cannot "
+                f"read: {'; '.join(damaged)}. The recorded checkpoint is probably among those, damaged, so this "
+                "run cannot be resumed: start a new run (--init-from an intact checkpoint keeps its weights)")
         raise ConfigError(
             f"--resume: the registry records consumer {cfg.consumer_id!r}'s last checkpoint at cursor "
-            f"{old.checkpoint_cursor}, but {run_dir / 'checkpoints'} holds "
-            f"{', '.join(found) if found else 'no checkpoint'}; pass the --out directory of that run")
+            f"{old.checkpoint_cursor}, but {run_dir / 'checkpoints'} holds {held}; pass the --out directory of "
+            "that run")
     st = read_state(path)
     if st.consumer_id != cfg.consumer_id:
         raise ConfigError(f"--resume: checkpoint {path} belongs to consumer {st.consumer_id!r}, "
