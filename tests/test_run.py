@@ -737,3 +737,15 @@ def test_regression_report_refuses_an_empty_run_config(tmp_path):
     res = CliRunner().invoke(main, ["report", str(out)])
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
     assert "config.toml' names no experiment (empty or damaged)" in res.output
+
+
+@pytest.mark.parametrize("verb", ["report", "inspect"])
+def test_regression_a_damaged_saved_config_is_named_by_its_path_not_as_config(tmp_path, verb):
+    """Regression: ``artcache report RUN_DIR`` (and ``inspect --cache RUN_DIR``) on a run whose saved
+    config.toml is damaged said ``--config '.../config.toml' is not valid TOML``: a flag neither command has."""
+    (tmp_path / "config.toml").write_text("x = [")
+    args = ["report", str(tmp_path)] if verb == "report" else ["inspect", "--cache", str(tmp_path)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2, res.output
+    assert f"the saved run config '{tmp_path / 'config.toml'}' is not valid TOML" in res.output
+    assert "--config" not in res.output

@@ -12,7 +12,7 @@ import msgspec
 from click.core import ParameterSource
 
 from artcache.app import config as C
-from artcache.app.config import load_run_config
+from artcache.app.config import load_run_config, saved_config_source
 from artcache.app.values import parse_bytes, parse_layer_ids, parse_template_options
 from artcache.errors import ArtcacheError, ConfigError
 from artcache.logs import setup_logging
@@ -370,7 +370,8 @@ def inspect(cache, as_json):
         # an `artcache run` directory: its cache root (regression: inspect refused a run directory)
         from artcache.app.experiments import resolve
 
-        path = Path(resolve(load_run_config(path / "config.toml")).cache.root)
+        saved = path / "config.toml"
+        path = Path(resolve(load_run_config(saved, source=saved_config_source(saved))).cache.root)
     layout = CacheLayout(path)
     load_settings(layout)  # an unreadable artcache.json is named (exit 2), as fsck does, never reported "ok"
     acc = account(layout, retention_now=True)

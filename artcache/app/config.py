@@ -321,17 +321,19 @@ def _yaml_loader():
     return Loader
 
 
-def read_file(path: str | Path) -> dict:
-    """The raw table of a config file (TOML, YAML or JSON by suffix). Raises ConfigError."""
+def read_file(path: str | Path, source: str | None = None) -> dict:
+    """The raw table of a config file (TOML, YAML or JSON by suffix). Raises ConfigError, naming the file as
+    ``source`` (default ``--config 'PATH'``: a saved config read back, e.g. by ``artcache report``, names itself)."""
     p = Path(path).expanduser()
+    source = source or f"--config {str(path)!r}"
     if p.suffix.lower() not in SUFFIXES:
-        raise ConfigError(f"--config {str(path)!r}: unknown file type {p.suffix!r}; accepted: {', '.join(SUFFIXES)}")
+        raise ConfigError(f"{source}: unknown file type {p.suffix!r}; accepted: {', '.join(SUFFIXES)}")
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"--config {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+        raise ConfigError(f"{source} cannot be read: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"--config {str(path)!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); accepted: a "
+        raise ConfigError(f"{source} is not UTF-8 text (byte {exc.start}: {exc.reason}); accepted: a "
                           f"TOML, YAML or JSON file") from None
     try:
         if p.suffix.lower() == ".toml":
@@ -343,12 +345,12 @@ def read_file(path: str | Path) -> dict:
 
             raw = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
     except Exception as exc:  # tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError
-        raise ConfigError(f"--config {str(path)!r} is not valid {p.suffix.lstrip('.').upper()}: "
+        raise ConfigError(f"{source} is not valid {p.suffix.lstrip('.').upper()}: "
                           f"{str(exc).splitlines()[0]}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"--config {str(path)!r}: the top level must be a table of sections, "
+        raise ConfigError(f"{source}: the top level must be a table of sections, "
                           f"got {type(raw).__name__}")
     return raw
 
@@ -608,12 +610,19 @@ def apply_override(raw: dict, path: list[str], value: Any, *, text: bool = True)
             raise ConfigError(f"override {where}: {_section_name(here)} is a single value, it has no field {seg!r}")
 
 
+def saved_config_source(path: str | Path) -> str:
+    """How errors name a config ``artcache run`` saved (a run's or an experiment's ``config.toml``, read back
+    by ``report`` and ``inspect``): by its path, not as ``--config``, which that command has not."""
+    return f"the saved run config {str(path)!r}"
+
+
 def load_run_config(path: str | Path | None = None, overrides: tuple[str, ...] | list[str] = (),
-                    flags: dict[str, Any] | None = None) -> RunConfig:
+                    flags: dict[str, Any] | None = None, source: str | None = None) -> RunConfig:
     """Read ``path`` (or start from the defaults), apply ``overrides`` then ``flags`` (dotted path → a CLI
-    flag's value: typed, or text parsed by the field's type) and validate. Raises ConfigError."""
-    raw = read_file(path) if path else {}
-    source = f"--config {str(path)!r}" if path else "config"
+    flag's value: typed, or text parsed by the field's type) and validate. Raises ConfigError, naming the
+    file as ``source`` (default ``--config 'PATH'``; see :func:`read_file`)."""
+    source = source or (f"--config {str(path)!r}" if path else "config")
+    raw = read_file(path, source) if path else {}
     check_unknown(raw, source=source)
     for text in overrides:
         dotted, value = parse_override(text)
@@ -907,4 +916,5 @@ def bench_config(cfg: RunConfig):
 
 __all__ = ["CAPTURE_PATHS", "BenchSection", "CacheSection", "CaptureSection", "DataSection", "Experiment", "RunConfig",
            "SlurmSection", "TargetSection", "apply_override", "bench_config", "consumer_config", "convert",
-           "dump_toml", "load_run_config", "parse_override", "producer_config", "read_file", "save_config"]
+           "dump_toml", "load_run_config", "parse_override", "producer_config", "read_file", "save_config",
+           "saved_config_source"]

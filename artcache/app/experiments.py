@@ -38,6 +38,7 @@ from artcache.app.config import (
     load_run_config,
     producer_config,
     save_config,
+    saved_config_source,
 )
 from artcache.contract import stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
@@ -854,7 +855,7 @@ def _experiment_config_damage(e: Experiment) -> str | None:
     if not path.is_file():
         return f"{path} is missing (artcache run writes one into every experiment's directory)"
     try:
-        own = load_run_config(path)
+        own = load_run_config(path, source=saved_config_source(path))
     except (ConfigError, msgspec.ValidationError) as exc:
         return str(exc)
     names = [x.name for x in own.experiments]
@@ -900,7 +901,7 @@ def run_dir_report(out: str | Path) -> dict:
     if not (out / "config.toml").is_file():
         raise ConfigError(f"{str(out)!r} is not a run directory of artcache run (no config.toml); accepted: the out "
                           "directory of an artcache run (for a cache root use artcache inspect --cache)")
-    cfg = load_run_config(out / "config.toml")
+    cfg = load_run_config(out / "config.toml", source=saved_config_source(out / "config.toml"))
     if not cfg.experiments:
         raise ConfigError(f"{str(out / 'config.toml')!r} names no experiment (empty or damaged); accepted: the "
                           "config.toml artcache run writes (each experiment's own copy is in "
