@@ -18,7 +18,8 @@ draft, each run's final held-out figures: greedy-replay τ (``replay_tau``, **+1
 fp8 − bf16 at the same seed, plus the bytes each root published.
 
 Layers: the producer captures the union of the drafts' views (DFlash ``--dflash-layers`` formula,
-EAGLE-3 low/mid/high plus the last layer, which also gives DFlash's greedy replay its target argmax).
+EAGLE-3 low/mid/high plus the last layer, which also gives DFlash's greedy replay its target argmax;
+``artcache run`` would add the last layer for the held-out split anyway: ``capture.replay_layer``).
 """
 
 from __future__ import annotations

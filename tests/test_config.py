@@ -99,6 +99,16 @@ def test_unknown_field_in_section_names_accepted_fields(tmp_path):
     assert "'data.max_len'" in msg and "dataset, seed, max_length, max_samples" in msg
 
 
+def test_capture_replay_layer_is_a_typed_field(tmp_path):
+    assert C.load_run_config(None).capture.replay_layer is True
+    assert C.load_run_config(write(tmp_path, "[capture]\nreplay_layer = false\n")).capture.replay_layer is False
+    assert C.load_run_config(None, ["capture.replay_layer=false"]).capture.replay_layer is False
+    msg = rejected(tmp_path, "[capture]\nreplay_layers = false\n")
+    assert "'capture.replay_layers'" in msg and "replay_layer" in msg
+    msg = rejected(tmp_path, "[capture]\nreplay_layer = 'no'\n")
+    assert "capture.replay_layer" in msg
+
+
 def test_unknown_field_in_an_experiment(tmp_path):
     msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\nlearning_rate = 1.0\n")
     assert "'experiments.0.learning_rate'" in msg and "lr" in msg and "block_size" in msg

@@ -138,3 +138,36 @@ def test_regression_unknown_best_metric_is_not_silent(caplog):
     notes = [r.getMessage() for r in caplog.records if "--best-metric replay-tau" in r.getMessage()]
     assert len(notes) == 1 and "figures: loss, tau, replay_tau" in notes[0], notes
     assert s.best is None
+
+
+def test_consumer_without_the_last_layer_warns_once_at_start(tmp_path, caplog):
+    """A standalone `artcache consume --eval-samples N` on a root that lacks the target's last layer (here a
+    DFlash-only root of the 8-layer random target: [1, 3, 5], no 7) runs (no failure) but says at setup, once,
+    that layer 7 is missing and replay_tau will be absent; a root with layer 7, or no held-out split, says
+    nothing."""
+    import logging
+
+    from artcache.producer import ProducerConfig, prepare_root
+    from artcache.trainers.consumer import ConsumerConfig, Session
+
+    def setup_log(layers: list[int], eval_samples: int) -> list[str]:
+        cache = tmp_path / f"cache-{'-'.join(map(str, layers))}-{eval_samples}"
+        prepare_root(ProducerConfig(cache=str(cache), target="random:tiny-llama", dataset="synthetic", max_length=64,
+                                    max_samples=16, layer_ids=layers, threads=1))
+        cfg = ConsumerConfig(cache=str(cache), consumer_id="d", draft="dflash", draft_layers=3, block_size=4,
+                             num_anchors=4, batch_size=1, lookahead=4, steps=2, threads=1, eval_samples=eval_samples,
+                             out_dir=str(cache.parent / f"run-{cache.name}"))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="artcache.consumer"):
+            s = Session(cfg)
+            s.setup()
+        assert (s.last_index is None) == (7 not in layers or not eval_samples)
+        return [r.getMessage() for r in caplog.records if "last layer" in r.getMessage()]
+
+    notes = setup_log([1, 3, 5], 2)
+    assert len(notes) == 1, notes
+    for needle in ("[d] --eval-samples 2", "does not capture the target's last layer 7 (captured: [1, 3, 5])",
+                   "no replay_tau", "capture.replay_layer"):
+        assert needle in notes[0], (needle, notes[0])
+    assert setup_log([1, 3, 5, 7], 2) == []
+    assert setup_log([1, 3, 5], 0) == []

@@ -199,6 +199,75 @@ def test_producer_started_by_hand_from_a_run_config_captures_the_union(tiny_targ
     assert producer_config(load_run_config(None, ["capture.draft_layers=2"])).layer_ids is None  # DFlash ids
 
 
+@pytest.mark.parametrize("experiments, overrides, captured, served", [
+    ((exp("d", eval_samples=4),), [], [1, 2, 3, 5], ["d"]),  # DFlash alone, evaluating: + L-1 = 5
+    ((exp("d"),), [], [1, 2, 3], []),  # no held-out split: the views only
+    ((exp("d", eval_samples=4),), ["capture.replay_layer=false"], [1, 2, 3], []),  # opted out
+    ((exp("d", eval_samples=4), exp("e", "eagle3")), [], [1, 2, 3, 5], []),  # EAGLE-3's view already reads 5
+    ((exp("d"), exp("d2", eval_samples=4)), [], [1, 2, 3, 5], ["d2"]),
+])
+def test_plan_adds_the_last_layer_for_a_held_out_replay(tiny_target, tmp_path, experiments, overrides, captured,
+                                                        served):
+    """With capture.layer_ids left out, an experiment with eval_samples > 0 makes the union hold the target's
+    last layer L-1 (the greedy replay's target argmax) unless capture.replay_layer = false; the producer started
+    by hand from the same config captures the same layers, and the plan names the layer and its bytes."""
+    from artcache.app.config import producer_config
+    from artcache.contract import stored_bytes_per_token
+
+    plan, resolved = plan_of(tiny_target, tmp_path, *experiments, overrides=overrides)
+    assert plan.captured_layer_ids == captured == resolved.capture.layer_ids
+    cfg = load_run_config(tmp_path / "run.toml", overrides)
+    assert producer_config(cfg).layer_ids == captured
+    assert plan.replay_layer_for == served
+    if served:
+        h = tiny_target.hidden_size
+        assert plan.replay_layer == 5
+        assert plan.replay_layer_bytes == 128 * (stored_bytes_per_token("bfloat16", 4, h)
+                                                 - stored_bytes_per_token("bfloat16", 3, h)) == 128 * h * 2
+    else:
+        assert plan.replay_layer is None and plan.replay_layer_bytes == 0
+
+
+def test_regression_dflash_only_eval_captures_the_last_layer(tiny_target, tmp_path):
+    """H200 session 7: configs/gpu-smollm2-dflash.toml (one DFlash experiment, eval_samples 64) captured only
+    DFlash's view [1, 8, 14, 20, 27], so the held-out evaluation had no target last layer and reported no
+    replay_tau (earlier runs had EAGLE-3 beside it, whose view holds L-1). Now the plan, the root it prepares
+    and the dry run hold L-1 and say why; a given capture.layer_ids without it is noted, not changed."""
+    from artcache.app.config import producer_config
+    from artcache.producer import prepare_root
+
+    plan, resolved = plan_of(tiny_target, tmp_path, exp("d", eval_samples=4))
+    assert plan.captured_layer_ids == [1, 2, 3, 5] and plan.experiments[0].view == [0, 1, 2]
+    _layout, settings, *_ = prepare_root(producer_config(resolved))
+    assert list(settings.contract.layer_ids) == [1, 2, 3, 5]
+    result = CliRunner().invoke(main, ["run", "--config", str(tmp_path / "run.toml"), "--dry-run", "--out",
+                                       str(tmp_path / "o2")])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "capture layers [1, 2, 3, 5] (union of the experiments' views + layer 5)" in text, text
+    assert "layer 5, the target's last, is added for the held-out greedy replay (replay_tau) of d: " in text
+    assert f"{128 * tiny_target.hidden_size * 2 / 2**20:.1f} MiB per artifact at most" in text
+    assert "capture.replay_layer = false leaves it out" in text
+    (tmp_path / "x").mkdir()
+    plan2, _ = plan_of(tiny_target, tmp_path / "x", exp("d", eval_samples=4), overrides=["capture.layer_ids=1,2,3"])
+    assert plan2.captured_layer_ids == [1, 2, 3] and plan2.replay_layer is None
+    assert any("lacks the target's last layer 5: the held-out evaluation of d reports data-token figures only, no "
+               "replay_tau" in n for n in plan2.notes), plan2.notes
+
+
+def test_root_without_the_replay_layer_names_the_opt_out(tiny_target, tmp_path):
+    """A root an earlier DFlash-only run prepared without L-1: the evaluating config is refused (another
+    contract), the message naming capture.replay_layer = false, which then plans on that root."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    prepare_root(ProducerConfig(cache=str(tmp_path / "out" / "cache"), target=tiny_target.path, dataset=str(DATA),
+                                max_samples=40, max_length=128, layer_ids=[1, 2, 3]))
+    with pytest.raises(ContractMismatch, match=re.escape("capture.replay_layer = false captures without it")):
+        plan_of(tiny_target, tmp_path, exp("d", eval_samples=4))
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=4), overrides=["capture.replay_layer=false"])
+    assert plan.captured_layer_ids == [1, 2, 3]
+
+
 def test_dry_run_prints_every_experiment_and_starts_nothing(tiny_target, tmp_path):
     path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d"), exp("e", "eagle3")))
     result = CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run", "experiments.d.lr=1e-3"])

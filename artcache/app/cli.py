@@ -449,7 +449,8 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
 @_errors
 def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, launcher="local", submit=False,
         wait_job=False):
-    """One producer (capturing the union of the experiments' layers) and one consumer per experiment.
+    """One producer (capturing the union of the experiments' layers, plus the target's last layer for a held-out
+    replay: capture.replay_layer) and one consumer per experiment.
 
     OVERRIDES are SECTION.FIELD=VALUE, e.g. data.max_length=256 experiments.0.lr=1e-3 (an experiment by
     index or name). Exits nonzero if any experiment failed; its siblings run to the end.

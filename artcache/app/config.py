@@ -8,7 +8,8 @@ A file (all sections optional; every field has a default except an experiment's 
     name = "smollm2-135m-instruct"
     [data]                            # the plan
     max_length = 256
-    [capture]                         # layers and capture batching (layer_ids: default = union of views)
+    [capture]                         # layers and capture batching (layer_ids: default = union of views,
+                                      # + the last layer for a held-out replay: replay_layer)
     batch_samples = 4
     [cache]                           # cache root, liveness, where the tensors go (payload)
     heartbeat_timeout_s = 30.0
@@ -118,6 +119,11 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         layer_ids: output-of-layer ids to capture, in artifact order. ``None``: the sorted union of
             the experiments' views (or the DFlash ids for ``draft_layers`` with no experiment). When
             given with experiments it must contain every experiment's view.
+        replay_layer: with ``layer_ids`` left out, also capture the target's last layer ``L - 1``
+            (output-of-layer, before the final norm) when an experiment evaluates on a held-out split
+            (``consumer.eval_samples`` > 0) and no view reads it: the held-out greedy replay
+            (``replay_tau``) needs the target's own argmax. ``false``: the union of the views only (that
+            evaluation then reports data-token figures only). See :func:`capture_layers`.
         draft_layers: DFlash draft layers of an experiment that does not say, and of the producer
             or bench alone (captured ids follow :func:`artcache.layer_ids.dflash_layer_ids`).
         batch_samples, batch_tokens, max_queue: scheduler limits (samples and padded tokens per
@@ -126,6 +132,7 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     layer_ids: list[int] | None = None
+    replay_layer: bool = True
     draft_layers: int = 5
     batch_samples: Count = 8
     batch_tokens: Count = 8192
@@ -793,6 +800,33 @@ def layer_union(views: list[list[int]]) -> list[int]:
     return sorted({i for v in views for i in v})
 
 
+def evaluates(e: Experiment) -> bool:
+    """Whether experiment ``e`` has a held-out evaluation (``consumer.eval_samples`` an int > 0; a bad
+    value is the consumer config's to refuse)."""
+    n = e.consumer.get("eval_samples", 0)
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
+def capture_layers(cfg: RunConfig, num_layers: int) -> tuple[list[int], list[str]]:
+    """The layers a run captures when ``capture.layer_ids`` is left out, ascending: the union of the
+    experiments' views (:func:`layer_union`), plus the target's last layer ``L - 1`` when an experiment
+    evaluates (:func:`evaluates`), no view reads ``L - 1`` and ``capture.replay_layer`` is true (the
+    held-out greedy replay, ``replay_tau``, needs ``argmax(lm_head(final_norm(h_{L-1})))``).
+
+    Returns:
+        (the output-of-layer ids, the names of the evaluating experiments the added ``L - 1`` serves; ``[]``
+        when nothing was added).
+
+    Raises:
+        ConfigError: as :func:`draft_view` (ids the target lacks).
+    """
+    union = layer_union([draft_view(e, num_layers, cfg.capture.draft_layers) for e in cfg.experiments])
+    last = num_layers - 1
+    served = [e.name for e in cfg.experiments if evaluates(e)] if cfg.capture.replay_layer and last not in union \
+        else []
+    return (sorted([*union, last]) if served else union), served
+
+
 def cache_root(cfg: RunConfig) -> str:
     """The cache root path: ``cache.root`` or ``<out>/cache``."""
     return cfg.cache.root or str(Path(cfg.out) / "cache")
@@ -814,11 +848,10 @@ def producer_config(cfg: RunConfig, **process: Any):
         if name in extra:
             extra[f"{name}_s"] = extra.pop(name)
     layer_ids = list(cfg.capture.layer_ids) if cfg.capture.layer_ids else None
-    if layer_ids is None and cfg.experiments:  # a producer started by hand for a run config: the union
+    if layer_ids is None and cfg.experiments:  # a producer started by hand for a run config: what `run` captures
         from artcache.target import resolve_target
 
-        n = resolve_target(cfg.target.name).num_layers
-        layer_ids = layer_union([draft_view(e, n, cfg.capture.draft_layers) for e in cfg.experiments])
+        layer_ids, _ = capture_layers(cfg, resolve_target(cfg.target.name).num_layers)
     return ProducerConfig(
         cache=cache_root(cfg), target=cfg.target.name, dataset=cfg.data.dataset, seed=cfg.data.seed,
         max_length=cfg.data.max_length, max_samples=cfg.data.max_samples, draft_layers=cfg.capture.draft_layers,
@@ -915,6 +948,6 @@ def bench_config(cfg: RunConfig):
 
 
 __all__ = ["CAPTURE_PATHS", "BenchSection", "CacheSection", "CaptureSection", "DataSection", "Experiment", "RunConfig",
-           "SlurmSection", "TargetSection", "apply_override", "bench_config", "consumer_config", "convert",
-           "dump_toml", "load_run_config", "parse_override", "producer_config", "read_file", "save_config",
-           "saved_config_source"]
+           "SlurmSection", "TargetSection", "apply_override", "bench_config", "capture_layers", "consumer_config",
+           "convert", "dump_toml", "evaluates", "load_run_config", "parse_override", "producer_config", "read_file",
+           "save_config", "saved_config_source"]

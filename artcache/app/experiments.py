@@ -31,8 +31,10 @@ from artcache.app.config import (
     Experiment,
     RunConfig,
     cache_root,
+    capture_layers,
     consumer_config,
     draft_view,
+    evaluates,
     experiment_dir,
     layer_union,
     load_run_config,
@@ -40,7 +42,7 @@ from artcache.app.config import (
     save_config,
     saved_config_source,
 )
-from artcache.contract import stored_dtype
+from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
 from artcache.registry import COMPLETED
@@ -114,6 +116,13 @@ class RunPlan(msgspec.Struct, kw_only=True):
     disk_bound_bytes: int
     experiments: list[ExperimentPlan]
     notes: list[str] = []
+    #: the target's last layer L-1 when the plan added it to the union for a held-out greedy replay
+    #: (``capture.replay_layer``; :func:`~artcache.app.config.capture_layers`), the evaluating experiments it
+    #: serves, and the bytes it adds to one artifact at most (``replay_layer_bytes`` x ``window_bound_artifacts``
+    #: of the disk bound)
+    replay_layer: int | None = None
+    replay_layer_for: list[str] = []
+    replay_layer_bytes: int = 0
 
 
 def _check_device(device: str, what: str, local: bool = True) -> None:
@@ -236,17 +245,24 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     _check_dtypes(cfg, compute)
     info = resolve_target(cfg.target.name)
     views = {e.name: draft_view(e, info.num_layers, cfg.capture.draft_layers) for e in cfg.experiments}
-    union = layer_union(list(views.values()))
+    last = info.num_layers - 1
+    replay_for: list[str] = []  # the evaluating experiments the added last layer serves
+    notes: list[str] = []
     if cfg.capture.layer_ids:
         captured = list(cfg.capture.layer_ids)
         missing = {n: [i for i in v if i not in captured] for n, v in views.items()}
         missing = {n: m for n, m in missing.items() if m}
         if missing:
+            union, _ = capture_layers(cfg, info.num_layers)
             raise ConfigError(f"capture.layer_ids {captured} lacks layers the experiments read: "
                               + "; ".join(f"{n} needs {m}" for n, m in missing.items())
-                              + f" (leave capture.layer_ids out to capture the union {union})")
+                              + f" (leave capture.layer_ids out to capture {union})")
+        blind = [e.name for e in cfg.experiments if evaluates(e)] if last not in captured else []
+        if blind:
+            notes.append(f"capture.layer_ids {captured} lacks the target's last layer {last}: the held-out "
+                         f"evaluation of {', '.join(blind)} reports data-token figures only, no replay_tau")
     else:
-        captured = union
+        captured, replay_for = capture_layers(cfg, info.num_layers)
     check_layer_ids(captured, info.num_layers, info.name)
     resolved = resolve(cfg, captured)
     # capture batching vs max_length, named by the config's capture.* paths
@@ -267,13 +283,19 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
             check_compatible(load_settings(layout), contract, plan_id, layout, spec=spec,
                              name_of=lambda setting: PRODUCER_FLAGS.get(setting, setting))
         except ConfigError as exc:
-            raise ContractMismatch(f"{exc} (the experiments' layers {captured} on target {info.name})") from None
+            hint = "" if not replay_for or "layer_ids" not in str(exc) else \
+                (f"; the last layer {last} is added for the held-out replay of {', '.join(replay_for)}: "
+                 "capture.replay_layer = false captures without it")
+            raise ContractMismatch(f"{exc} (the experiments' layers {captured} on target {info.name}{hint})") \
+                from None
     elif layout.root.exists() and any(layout.root.iterdir()):
         raise ConfigError(f"cache.root {str(layout.root)!r} exists, is not empty and is not a cache root; choose "
                           "another cache.root or out")
     per_artifact = artifact_bytes_bound(contract, info.hidden_size)
+    replay_bytes = spec.max_length * (stored_bytes_per_token(contract.dtype, len(captured), info.hidden_size)
+                                      - stored_bytes_per_token(contract.dtype, len(captured) - 1, info.hidden_size)) \
+        if replay_for else 0
     exps = []
-    notes: list[str] = []
     plan_cache: list = []  # the plan, built (in memory) or loaded once, when a check needs its tokens
 
     def plan_obj():
@@ -310,7 +332,8 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         dtype=stored_dtype(resolved.target.dtype), compute_dtype=compute, captured_layer_ids=captured, plan_id=plan_id,
         contract_id=contract.contract_id,
         data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
-        disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes)
+        disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes,
+        replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes)
     return plan, resolved
 
 
@@ -419,7 +442,12 @@ def format_plan(plan: RunPlan) -> str:
         f"{plan.compute_dtype}, storing {plan.dtype}",
         f"data {plan.data['dataset']} seed {plan.data['seed']} max_length {plan.data['max_length']} "
         f"max_samples {plan.data['max_samples']} (plan {plan.plan_id[:16]})",
-        f"capture layers {plan.captured_layer_ids} (union of the experiments' views) into {plan.cache_root}",
+        f"capture layers {plan.captured_layer_ids} (union of the experiments' views"
+        + (f" + layer {plan.replay_layer}" if plan.replay_layer is not None else "") + f") into {plan.cache_root}",
+        *([f"  layer {plan.replay_layer}, the target's last, is added for the held-out greedy replay (replay_tau) of "
+           f"{', '.join(plan.replay_layer_for)}: {_mib(plan.replay_layer_bytes)} per artifact at most, "
+           f"{_mib(plan.replay_layer_bytes * plan.window_bound_artifacts)} of the disk bound "
+           "(capture.replay_layer = false leaves it out)"] if plan.replay_layer is not None else []),
         f"disk bound {_mib(plan.disk_bound_bytes)} = {plan.window_bound_artifacts} artifacts (sum of windows, at "
         f"most the plan) x {_mib(plan.bytes_per_artifact_max)} per artifact at most",
         "",

@@ -214,6 +214,12 @@ class Session:
         # greedy replay against the target's argmax needs output-of-layer L-1 (un-normed) in the root
         last_id = self.draft.target_info.num_layers - 1
         self.last_index = captured.index(last_id) if (cfg.eval_samples and last_id in captured) else None
+        if cfg.eval_samples and self.last_index is None:
+            log.warning("[%s] --eval-samples %d: the root does not capture the target's last layer %d (captured: "
+                        "%s), so the held-out evaluation has no greedy replay against the target's argmax: no "
+                        "replay_tau, its acceptance figures use the data tokens (a run config captures %d for a "
+                        "held-out split: capture.replay_layer)", cfg.consumer_id, cfg.eval_samples, last_id,
+                        captured, last_id)
         # a save killed mid-way left its temp directory (nothing else removes it): gone before the space check
         gone, freed = remove_orphan_temps(self.run_dir)
         if gone:
