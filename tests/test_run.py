@@ -818,3 +818,14 @@ def test_regression_a_damaged_saved_config_is_named_by_its_path_not_as_config(tm
     assert res.exit_code == 2, res.output
     assert f"the saved run config '{tmp_path / 'config.toml'}' is not valid TOML" in res.output
     assert "--config" not in res.output
+
+
+def test_regression_the_disk_bound_counts_the_held_out_split(tiny_target, tmp_path):
+    """Regression: the plan's disk bound was Σ windows, while the producer retains Σ (window + held-out split)
+    (``scheduler.window_bound``: a consumer's held-out samples are pinned), so an evaluating run's printed bound
+    was E artifacts per evaluating experiment too low."""
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d"), exp("e", "eagle3"),
+                      overrides=["experiments.d.consumer.eval_samples=4"])
+    d, e = plan.experiments
+    assert d.window_artifacts == 11 + 4 and e.window_artifacts == 11 and plan.window_bound_artifacts == 26
+    assert plan.disk_bound_bytes == 26 * plan.bytes_per_artifact_max

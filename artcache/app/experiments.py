@@ -73,8 +73,9 @@ def view_index(captured: list[int] | tuple[int, ...], view: list[int]) -> list[i
 
 class ExperimentPlan(msgspec.Struct, kw_only=True):
     """One experiment, resolved. ``positions``: plan positions it reads this run (steps × batch size
-    from its start cursor); ``window_artifacts``: lookbehind + lookahead + 1. ``skip``: why it is not
-    started (a complete experiment: its checkpoint is at its final step), else empty."""
+    from its start cursor); ``window_artifacts``: lookbehind + lookahead + 1 + its held-out split's samples
+    (``eval_samples``: pinned, so counted in the producer's window bound, :func:`artcache.scheduler.window_bound`).
+    ``skip``: why it is not started (a complete experiment: its checkpoint is at its final step), else empty."""
 
     name: str
     draft: str
@@ -410,7 +411,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
         device=ccfg.device, window=f"{lb}:{la}", steps=ccfg.steps, batch_size=ccfg.batch_size, lr=ccfg.lr,
         seed=ccfg.seed, start_step=start_step, start_cursor=start_cursor,
         positions=0 if skip else (ccfg.steps - start_step) * ccfg.batch_size,
-        window_artifacts=0 if skip else lb + la + 1,
+        window_artifacts=0 if skip else lb + la + 1 + ccfg.eval_samples,  # the held-out split is pinned too
         out_dir=e.out, resume_from=resume_from, init_from=e.init_from, skip=skip,
         consumer=msgspec.to_builtins(ccfg), env=dict(e.env)), notes
 
@@ -448,8 +449,8 @@ def format_plan(plan: RunPlan) -> str:
            f"{', '.join(plan.replay_layer_for)}: {_mib(plan.replay_layer_bytes)} per artifact at most, "
            f"{_mib(plan.replay_layer_bytes * plan.window_bound_artifacts)} of the disk bound "
            "(capture.replay_layer = false leaves it out)"] if plan.replay_layer is not None else []),
-        f"disk bound {_mib(plan.disk_bound_bytes)} = {plan.window_bound_artifacts} artifacts (sum of windows, at "
-        f"most the plan) x {_mib(plan.bytes_per_artifact_max)} per artifact at most",
+        f"disk bound {_mib(plan.disk_bound_bytes)} = {plan.window_bound_artifacts} artifacts (sum of windows and "
+        f"held-out splits, at most the plan) x {_mib(plan.bytes_per_artifact_max)} per artifact at most",
         "",
         table(["experiment", "draft", "layers (view)", "index in capture", "device", "window", "steps", "batch",
                "positions", "lr", "seed", "start", "out"],
