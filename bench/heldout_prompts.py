@@ -14,7 +14,10 @@ The chain it reproduces (configs/gpu-smollm2-long.sh, piece 1):
 So the held-out prompts are the selected prompts at ``permutation[-E:]``, in plan order. (Not the file's
 last E records: the plan shuffles.) The selection counts are checked against the regenerate summary line
 (``--regenerate-summary``: its ``samples``, ``visited``, ``skipped`` and ``prompt_tokens``); a mismatch exits
-1 and writes nothing.
+1 and writes nothing. A run regenerated in consecutive shards of the file (configs/gpu-smollm2-long.sh's
+``split -l``, outputs concatenated in shard order) gives one summary line per shard: they are summed and
+checked against one selection over all the shards' lines (``--shard-lines`` = their total, ``--max-samples``
+at least the summed samples), which is exact when every shard was read to its end (:func:`read_summary`).
 
 Output (``--out``, JSON): ``{"prompts": [[{"role", "content"}, ...], ...]`` (the chat messages before the
 first assistant turn, as regenerate rendered them), ``"prompt_token_ids"`` (what regenerate fed the target:
@@ -51,6 +54,39 @@ def shard_lines(path: Path, n: int) -> bytes:
     return b"".join(out)
 
 
+def read_summary(path: Path) -> dict | str:
+    """The regenerate summary to check the selection against: the file's only JSON line, or, for a run
+    regenerated in consecutive shards (one line per shard, in shard order), their sums of ``samples``,
+    ``visited``, ``prompt_tokens`` and every ``skipped`` reason.
+
+    Summing is exact because :func:`artcache.data.regenerate.select_prompts` judges each record alone; the
+    one thing that couples records is its ``max_samples`` stop, so with several lines every shard must have
+    been read to its end (``visited == records``): then the shards' selections, concatenated, are one selection
+    over all their lines. Returns a one-line reason (a str) instead when that does not hold or a line lacks
+    a field.
+    """
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        return f"--regenerate-summary {str(path)!r}: no summary line"
+    rows = [json.loads(ln) for ln in lines]
+    if len(rows) == 1:
+        return rows[0]
+    total: dict = {"samples": 0, "visited": 0, "skipped": {}, "prompt_tokens": 0}
+    for n, row in enumerate(rows, 1):
+        missing = [k for k in ("samples", "visited", "records", "skipped", "prompt_tokens") if k not in row]
+        if missing:
+            return f"--regenerate-summary {str(path)!r} line {n}: no {', '.join(missing)} (needed to sum shards)"
+        if row["visited"] != row["records"]:
+            return (f"--regenerate-summary {str(path)!r} line {n}: the shard stopped at --max-samples "
+                    f"(visited {row['visited']} of {row['records']} records), so the shards' selections are not "
+                    "one selection over all their lines")
+        for k in ("samples", "visited", "prompt_tokens"):
+            total[k] += row[k]
+        for reason, count in row["skipped"].items():
+            total["skipped"][reason] = total["skipped"].get(reason, 0) + count
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     from artcache.data.regenerate import select_prompts
     from artcache.data.sharegpt import read_sharegpt
@@ -63,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-samples", type=int, default=512, help="regenerate's --max-samples")
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--regenerate-summary", type=Path, required=True,
-                    help="regenerate's JSON summary (the first line is used)")
+                    help="regenerate's JSON summary: one line, or one line per consecutive shard (summed)")
     ap.add_argument("--plan-seed", type=int, default=0, help="the plan's shuffle seed (data.seed)")
     ap.add_argument("--plan-len", type=int, required=True, help="the plan's length (epoch_len + eval_samples)")
     ap.add_argument("--eval-samples", type=int, default=64)
@@ -80,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         records = read_sharegpt(tmp.name).records
     prompts, skipped, visited = select_prompts(records, tok, max_samples=a.max_samples,
                                                max_prompt_tokens=a.max_prompt_tokens)
-    summary = json.loads(a.regenerate_summary.read_text().splitlines()[0])
+    summary = read_summary(a.regenerate_summary)
+    if isinstance(summary, str):
+        print(f"heldout_prompts: {summary}", file=sys.stderr)
+        return 1
     got = {"samples": len(prompts), "visited": visited, "skipped": dict(sorted(skipped.items())),
            "prompt_tokens": sum(len(p.ids) for p in prompts)}
     want = {"samples": summary["samples"], "visited": summary["visited"],

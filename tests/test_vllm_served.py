@@ -171,3 +171,58 @@ def test_heldout_prompts_are_the_plans_last_samples(tmp_path, smollm2_target):
                                    "prompt_tokens": 0}) + "\n")
     out.unlink()
     assert heldout_main(args) == 1 and not out.exists()
+
+
+def test_heldout_prompts_sums_shard_summaries(tmp_path, smollm2_target):
+    """A run regenerated in consecutive shards has one summary line per shard: the lines are summed and
+    checked against one selection over all the shards' lines (the same held-out prompts as one summary line
+    of the same totals); a shard that stopped at --max-samples (visited < records) exits 1, nothing written."""
+    import lzma
+
+    from artcache.bench.heldout_prompts import main as heldout_main
+    from artcache.target import load_tokenizer
+
+    tok = load_tokenizer(smollm2_target)
+    recs = []
+    for i in range(12):
+        conv = [{"from": "human", "value": f"question {i}?"}, {"from": "gpt", "value": f"answer {i}."}]
+        if i % 5 == 2:
+            conv = conv[1:]  # no user before the assistant: skipped
+        recs.append({"id": f"r{i}", "conversations": conv})
+    src = tmp_path / "sharegpt.jsonl.xz"
+    with lzma.open(src, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+
+    def shard_summary(shard: list[dict], visited: int | None = None) -> dict:
+        kept = [r for r in shard if r["conversations"][0]["from"] == "human"]
+        tokens = sum(len(tok(tok.apply_chat_template([{"role": "user", "content": r["conversations"][0]["value"]}],
+                                                     tokenize=False, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"]) for r in kept)
+        return {"samples": len(kept), "records": len(shard), "visited": len(shard) if visited is None else visited,
+                "skipped": {"no_user_before_assistant": len(shard) - len(kept)}, "prompt_tokens": tokens}
+
+    shards = [shard_summary(recs[:6]), shard_summary(recs[6:])]
+    plan_len = shards[0]["samples"] + shards[1]["samples"]
+    summary = tmp_path / "regenerate.jsonl"
+    out = tmp_path / "held.json"
+    args = ["--sharegpt", str(src), "--shard-lines", "12", "--max-samples", "12", "--target", smollm2_target.path,
+            "--regenerate-summary", str(summary), "--plan-len", str(plan_len), "--eval-samples", "3",
+            "--out", str(out)]
+    one = shard_summary(recs)
+    summary.write_text(json.dumps(one) + "\n")
+    assert heldout_main(args) == 0
+    single = json.loads(out.read_text())
+    out.unlink()
+    summary.write_text("".join(json.dumps(s) + "\n" for s in shards))
+    assert heldout_main(args) == 0
+    summed = json.loads(out.read_text())
+    assert summed["record_ids"] == single["record_ids"] and summed["prompt_token_ids"] == single["prompt_token_ids"]
+    assert summed["provenance"]["selection"] == {k: one[k] for k in ("samples", "visited", "skipped",
+                                                                     "prompt_tokens")}
+    # wrong per-shard counts still fail the check
+    summary.write_text("".join(json.dumps(s) + "\n" for s in [shards[0], {**shards[1], "samples": 1}]))
+    out.unlink()
+    assert heldout_main(args) == 1 and not out.exists()
+    # a shard cut by its --max-samples: its selection is not the whole-file selection's, exit 1
+    summary.write_text("".join(json.dumps(s) + "\n" for s in [{**shards[0], "visited": 5}, shards[1]]))
+    assert heldout_main(args) == 1 and not out.exists()
