@@ -54,6 +54,18 @@ def eval_at(csvs: list[Path], step: int) -> dict[str, float]:
     return out
 
 
+def offline_line(off: dict | None) -> str:
+    """The offline held-out figure printed beside vLLM's: the greedy replay τ, else the τ on the held-out
+    data tokens (a root without the target's last layer evaluates no replay), each incl. the +1 bonus, at
+    the exported step; says so when the metrics hold neither (regression: printed "replay tau nan")."""
+    if not off:
+        return "no offline held-out figure (no --metrics for this draft)"
+    for key, what in (("replay_tau", "replay tau"), ("tau", "tau on the data tokens (no replay evaluated)")):
+        if key in off:
+            return f"offline held-out {what} {off[key]:.3f} (incl. +1 bonus, step {off.get('step')})"
+    return f"no offline held-out tau at step {off.get('step')} in its metrics"
+
+
 def sha256_file(p: Path) -> str:
     h = hashlib.sha256()
     with p.open("rb") as f:
@@ -158,10 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         if replay and name in replay["drafts"]:
             d["offline_on_vllm_text"] = replay["drafts"][name]
         out["drafts"][name] = d
-        off = d.get("offline_heldout", {})
         print(f"{name}: vLLM mean acceptance length {r['mean_acceptance_length']:.3f} (incl. +1 bonus, k {r['k']}, "
-              f"{r['drafts']} drafts); offline held-out replay tau {off.get('replay_tau', float('nan')):.3f} "
-              f"(incl. +1 bonus, step {off.get('step')}); {tps:.1f} tok/s = {tps / base_tps:.2f}x the target alone")
+              f"{r['drafts']} drafts); {offline_line(d.get('offline_heldout'))}; {tps:.1f} tok/s = "
+              f"{tps / base_tps:.2f}x the target alone")
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

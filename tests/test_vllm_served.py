@@ -226,3 +226,16 @@ def test_heldout_prompts_sums_shard_summaries(tmp_path, smollm2_target):
     # a shard cut by its --max-samples: its selection is not the whole-file selection's, exit 1
     summary.write_text("".join(json.dumps(s) + "\n" for s in [{**shards[0], "visited": 5}, shards[1]]))
     assert heldout_main(args) == 1 and not out.exists()
+
+
+def test_regression_the_printed_offline_figure_names_what_the_metrics_hold():
+    """Regression: a draft evaluated without the target's last layer (no ``replay_tau``) was printed as
+    "offline held-out replay tau nan"; its data-token τ is printed, named as such."""
+    from artcache.bench.vllm_served import offline_line
+
+    assert offline_line({"step": 10, "replay_tau": 2.5, "tau": 2.6}) == \
+        "offline held-out replay tau 2.500 (incl. +1 bonus, step 10)"
+    line = offline_line({"step": 10000, "tau": 3.7238, "loss": 3.1})
+    assert "tau on the data tokens (no replay evaluated) 3.724" in line and "nan" not in line
+    assert "no offline held-out tau at step 7" in offline_line({"step": 7, "loss": 1.0})
+    assert "no --metrics" in offline_line(None)
