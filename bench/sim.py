@@ -142,7 +142,7 @@ class ConsumerResult:
         return self.positions / (self.finish_s - self.start_s)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PinLog:
     """What the guarantee pinned at each read of a run: ``sample[k]`` was published and inside some live
     window (or leased), so the producer could not evict it, at every read ``start[k] <= j < end[k]``
@@ -156,6 +156,14 @@ class PinLog:
 
     def __len__(self) -> int:
         return len(self.sample)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PinLog):
+            return NotImplemented
+        return all(np.array_equal(a, b) for a, b in
+                   ((self.start, other.start), (self.end, other.end), (self.sample, other.sample)))
+
+    __hash__ = None  # type: ignore[assignment]  # holds arrays
 
     def at(self, j: int) -> set[int]:
         """The samples pinned at read ``j`` (for tests and debugging: O(len))."""
