@@ -28,7 +28,8 @@ exceed it, which the decision reports); at every eviction, that no evicted artif
 live window or is leased; after every pass that found a blocked consumer, that the batch starts with
 the demanded position. Every read is logged (``trace``), so :func:`offline_optimum` can compute what
 Belady's MIN — the whole trace known in advance, any artifact evictable at any time — needs for the
-same reads and budget.
+same reads and budget; and with it what the guarantee pinned at each read (``pins``: published and in a
+live window, or leased), so that it can compute Belady under the same window pins, the fair bound.
 
 Reproduce the figures of ``docs/scheduler.md``::
 
@@ -46,7 +47,7 @@ import heapq
 import math
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -141,6 +142,35 @@ class ConsumerResult:
         return self.positions / (self.finish_s - self.start_s)
 
 
+@dataclass(frozen=True, eq=False)
+class PinLog:
+    """What the guarantee pinned at each read of a run: ``sample[k]`` was published and inside some live
+    window (or leased), so the producer could not evict it, at every read ``start[k] <= j < end[k]``
+    (indices into :attr:`SimResult.trace`, ``start < end``). Equal-length int64 arrays; one sample may have
+    several rows (it leaves the windows, or is evicted, and comes back). Taken from the run's own state at
+    each read: the windows where its consumers' cursors were then, the artifacts its policy had published."""
+
+    start: np.ndarray
+    end: np.ndarray
+    sample: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.sample)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PinLog):
+            return NotImplemented
+        return all(np.array_equal(a, b) for a, b in
+                   ((self.start, other.start), (self.end, other.end), (self.sample, other.sample)))
+
+    __hash__ = None  # type: ignore[assignment]  # holds arrays
+
+    def at(self, j: int) -> set[int]:
+        """The samples pinned at read ``j`` (for tests and debugging: O(len))."""
+        sel = (self.start <= j) & (j < self.end)
+        return set(self.sample[sel].tolist())
+
+
 @dataclass
 class SimResult:
     consumers: dict[str, ConsumerResult]
@@ -171,6 +201,7 @@ class SimResult:
     retained_log: list[tuple[float, int, int]]  # per pass, after eviction: (t, retained, union size)
     leases_expired: int  # leases of fenced consumers, released by the producer
     trace: list[int] = field(default_factory=list, repr=False)  # sample of every read, in time order
+    pins: PinLog | None = field(default=None, repr=False)  # what the guarantee pinned at each read of trace
 
     @property
     def captures_per_position(self) -> float:
@@ -271,6 +302,11 @@ class Simulation:
         self.retained_log: list[tuple[float, int, int]] = []
         self.leases_expired = 0
         self.trace: list[int] = []
+        # what the guarantee pins (published and in a live window, or leased), logged per read of the trace
+        self._pinned = np.zeros(self.plan_len, dtype=bool)
+        self._pin_open = np.zeros(self.plan_len, dtype=np.int64)  # read index where each open pin began
+        self._pin_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pins_stale = True  # an event may have moved a window or published / evicted since
         # as the producer: what it could not capture in time if it waited (its poll and two batches)
         self.urgent_s = producer.poll_s + 2 * (producer.fixed_s
                                                + producer.per_sample_s * producer.limits.max_batch_samples)
@@ -309,6 +345,35 @@ class Simulation:
             self.leases_expired += expired
         c.held = []
 
+    def _window_mask(self, live: Sequence[_Consumer], readers: Sequence[Reader] | None = None) -> np.ndarray:
+        """The union of the live windows, as a bool mask over plan samples."""
+        mask = np.zeros(self.plan_len, dtype=bool)
+        for i, c in enumerate(live):
+            lo, hi = (readers[i] if readers is not None else c.reader(0.0)).window()
+            if hi >= lo:
+                mask[c.order.samples(lo, hi + 1)] = True
+        return mask
+
+    def _log_pins(self, final: bool = False) -> None:
+        """Bring the pin log up to the next read: what is published and inside a live window or leased now
+        (``final``: close every open pin at the end of the trace)."""
+        j = len(self.trace)
+        if final:
+            now = np.zeros(self.plan_len, dtype=bool)
+        else:
+            now = self._window_mask(self.live())
+            if self.leases:
+                now[np.fromiter(self.leases, dtype=np.int64, count=len(self.leases))] = True
+            now &= self.sizes > 0
+        self._pin_open[now & ~self._pinned] = j
+        closed = np.flatnonzero(self._pinned & ~now)
+        begun = self._pin_open[closed]
+        keep = begun < j  # pinned and unpinned between two reads: pinned at no read
+        if keep.any():
+            self._pin_rows.append((begun[keep], np.full(int(keep.sum()), j, dtype=np.int64), closed[keep]))
+        self._pinned = now
+        self._pins_stale = False
+
     def _pass(self) -> None:
         self.dirty = False
         self._fence_expired()
@@ -318,11 +383,7 @@ class Simulation:
         for c in live:
             self.rates.observe(c.spec.name, 0, c.cursor, self.now)
         readers = [c.reader(self.rates.rate(c.spec.name)) for c in live]
-        in_window = np.zeros(self.plan_len, dtype=bool)  # the union of the live windows
-        for r, c in zip(readers, live, strict=True):
-            lo, hi = r.window()
-            if hi >= lo:
-                in_window[c.order.samples(lo, hi + 1)] = True
+        in_window = self._window_mask(live, readers)
         dec = decide(readers, sizes=self.sizes, budget=prod.budget_bytes, est_size=prod.artifact_bytes,
                      leased=np.fromiter(self.leases, dtype=np.int64, count=len(self.leases)),
                      max_queue=prod.limits.max_queue, policy=prod.policy, urgent_s=self.urgent_s)
@@ -397,6 +458,8 @@ class Simulation:
                     c.demand = [c.next_pos]
                     c.demand_since = self.now
                 return
+            if self._pins_stale:
+                self._log_pins()
             self.leases[s] += 1
             c.held.append(s)
             self.trace.append(s)
@@ -453,6 +516,7 @@ class Simulation:
             if events > self.max_events:
                 raise RuntimeError(f"more than {self.max_events} events")
             self.now, _, kind, obj = heapq.heappop(self._events)
+            self._pins_stale = True
             captured = kind == "captured"
             if kind == "poll":
                 self.poll_pending = False
@@ -490,6 +554,9 @@ class Simulation:
                 f"{[c.cursor for c in self.cons if not c.done]}, demand "
                 f"{[c.demand for c in self.cons if not c.done]}")
         prod = self.producer
+        self._log_pins(final=True)
+        rows = self._pin_rows or [(np.zeros(0, np.int64),) * 3]
+        pins = PinLog(*(np.concatenate([r[k] for r in rows]) for k in range(3)))
         return SimResult(
             consumers={c.spec.name: ConsumerResult(
                 c.spec.name, c.spec.start_s, c.finish_s, c.cursor if c.killed else c.end, c.steps, c.wait_s,
@@ -506,7 +573,8 @@ class Simulation:
             window_violations=self.window_violations, demand_passes=self.demand_passes,
             demand_with_prefetch_pending=self.demand_with_prefetch, demand_not_first=self.demand_not_first,
             final_retained=self.retained, max_union=self.max_union, retained_log=self.retained_log,
-            leases_expired=self.leases_expired, trace=self.trace if keep_trace else [])
+            leases_expired=self.leases_expired, trace=self.trace if keep_trace else [],
+            pins=pins if keep_trace else None)
 
 
 def simulate(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = None, positions: int = 10_000,
@@ -515,45 +583,95 @@ def simulate(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = 
     return Simulation(consumers, producer or ProducerSpec(), positions, plan_len, check).run()
 
 
-def offline_optimum(trace: Sequence[int], capacity: int) -> int:
-    """Captures Belady's MIN needs for ``trace`` (the samples read, in order) with room for ``capacity``
-    artifacts: every first read and every read of an evicted sample is a capture; a captured sample is
-    published before it is read (it takes room, as every artifact a consumer reads is on disk), and a
-    capture into a full cache evicts the sample whose next read is furthest away (never read again
-    first). With every artifact the same size this is the fewest captures any demand-fetching policy
-    can make for these reads (Belady 1966; Mattson et al. 1970), and prefetching cannot need fewer
-    (it only moves captures earlier); it knows the future and keeps no window, so it is a lower
-    bound for the producer on the same reads.
+def offline_optimum(trace: Sequence[Hashable], capacity: int, pins: PinLog | None = None) -> int:
+    """Captures an offline optimum needs for ``trace`` (the samples read, in order) with room for
+    ``capacity`` artifacts (every artifact the same size).
 
-    Raises:
-        ValueError: ``capacity < 1``.
+    ``pins=None``: **Belady's MIN**. Every first read and every read of an evicted sample is a capture; a
+    captured sample is published before it is read (it takes room, as every artifact a consumer reads is
+    on disk), and a capture into a full cache evicts the sample whose next read is furthest away (never
+    read again first). This is the fewest captures any demand-fetching policy can make for these reads
+    (Belady 1966; Mattson et al. 1970), and prefetching cannot need fewer (it only moves captures
+    earlier); it knows the future and keeps no window, so it is a lower bound for the producer on the
+    same reads.
+
+    ``pins`` (a :class:`PinLog`, :attr:`SimResult.pins`): **Belady under the same window pins**. At read
+    ``j`` every sample pinned at ``j`` must be on disk as well as the one read: pins count in the capacity,
+    a pinned sample that is not on disk is captured (a capture, as for a read), and a capture into a full
+    cache evicts, among the samples not pinned at that read, the one whose next need (its next read or
+    the start of its next pin, whichever is first) is furthest away. This is the same rule with each read
+    widened to a set of samples that must be present at once, and Belady's exchange argument does not use
+    that a request is one sample (swap the victim for the furthest-needed one; the swapped schedule
+    mimics the other until one of the two is needed, and pays no more), so with unit sizes it is the
+    fewest captures of any schedule that holds every pin at every read; ``tests/test_retention_sim.py``
+    checks it against an exhaustive search on small traces. It is a lower bound for the run that logged
+    the pins with ``capacity`` = that run's budget in artifacts: that run's own disk satisfied every pin
+    at every read within the budget. It is not a policy-independent bound: the pins are where that run's
+    cursors were at each read (its producer's timing moved them) and what of the windows it had
+    published then (its prefetch), i.e. the same trace and the same windows the policy had; it is never
+    below MIN for the same capacity (pins only add requirements).
+
+    Returns the number of captures (int). Raises:
+        ValueError: ``capacity < 1``; a pin row outside ``0 <= start < end <= len(trace)``; more samples
+        pinned at one read than ``capacity``.
     """
     if capacity < 1:
         raise ValueError(f"capacity {capacity} must be >= 1")
     n = len(trace)
-    nxt = [math.inf] * n
-    last: dict[int, int] = {}
-    for i in range(n - 1, -1, -1):
-        s = trace[i]
-        nxt[i] = last.get(s, math.inf)
-        last[s] = i
-    cache: dict[int, float] = {}  # sample -> its next read
-    heap: list[tuple[float, int]] = []  # (-next read, sample), lazily stale
-    misses = 0
-    for i, s in enumerate(trace):
-        if s in cache:
-            cache[s] = nxt[i]
-            heapq.heappush(heap, (-nxt[i], s))
-            continue
-        misses += 1
-        if len(cache) >= capacity:
+    spans: dict[Hashable, list[tuple[int, int]]] = {}  # sample -> the reads at which it must be on disk
+    for j, s in enumerate(trace):
+        spans.setdefault(s, []).append((j, j + 1))
+    if pins is not None and len(pins):
+        st, en = pins.start.tolist(), pins.end.tolist()
+        bad = [(a, b) for a, b in zip(st, en, strict=True) if not 0 <= a < b <= n]
+        if bad:
+            raise ValueError(f"pin reads [{bad[0][0]}, {bad[0][1]}) outside the trace of {n} reads "
+                             f"(accepted: 0 <= start < end <= {n})")
+        for a, b, s in zip(st, en, pins.sample.tolist(), strict=True):
+            spans.setdefault(s, []).append((a, b))
+    # merge each sample's spans (overlapping or adjacent: held throughout), then list (start, end, sample,
+    # next need after the end)
+    rows: list[tuple[int, int, Hashable, float]] = []
+    for s, iv in spans.items():
+        iv.sort()
+        merged = [list(iv[0])]
+        for a, b in iv[1:]:
+            if a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for k, (a, b) in enumerate(merged):
+            rows.append((a, b, s, merged[k + 1][0] if k + 1 < len(merged) else math.inf))
+    by_start = sorted(range(len(rows)), key=lambda q: rows[q][0])
+    by_end = sorted(range(len(rows)), key=lambda q: rows[q][1])
+    pinned = -1.0  # cache value of a sample pinned now (next needs are >= 0)
+    cache: dict[Hashable, float] = {}  # sample on disk -> its next need, or `pinned`
+    heap: list[tuple[float, int, Hashable]] = []  # (-next need, tie, sample) of unpinned samples, lazily stale
+    misses = e = i = tie = 0
+    while i < len(by_start):
+        j = rows[by_start[i]][0]
+        while e < len(by_end) and rows[by_end[e]][1] <= j:  # pins over before read j: evictable from now
+            _, _, s, nxt = rows[by_end[e]]
+            cache[s] = nxt
+            tie += 1
+            heapq.heappush(heap, (-nxt, tie, s))
+            e += 1
+        group = []
+        while i < len(by_start) and rows[by_start[i]][0] == j:
+            group.append(rows[by_start[i]][2])
+            i += 1
+        missing = [s for s in group if s not in cache]
+        for s in group:
+            cache[s] = pinned
+        misses += len(missing)
+        for _ in range(len(cache) - capacity):  # one eviction per capture that does not fit
             while True:
-                neg, victim = heapq.heappop(heap)
+                if not heap:
+                    raise ValueError(f"more than capacity {capacity} samples pinned at read {j}")
+                neg, _, victim = heapq.heappop(heap)
                 if cache.get(victim) == -neg:
                     break
             del cache[victim]
-        cache[s] = nxt[i]
-        heapq.heappush(heap, (-nxt[i], s))
     return misses
 
 
@@ -695,7 +813,7 @@ def parse_consumer(text: str) -> ConsumerSpec:
 
 
 def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[str, float] | None = None,
-                 opt: int | None = None, artifact_bytes: int = 1 << 20) -> str:
+                 opt: int | None = None, artifact_bytes: int = 1 << 20, pinned_opt: int | None = None) -> str:
     lines = ["| consumer | batch | window | start s | positions | compute-bound pos/s | rate pos/s"
              + (" | solo pos/s | rate / solo" if solo else "") + " | waited s | demand waits | longest wait s |",
              "|---|---|---|---|---|---|---" + ("|---|---" if solo else "") + "|---|---|---|"]
@@ -719,6 +837,9 @@ def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[s
     if opt is not None:
         lines.append(f"| offline optimum (Belady, trace known) per position | {opt / res.positions:.4f} "
                      f"({opt} captures) |")
+    if pinned_opt is not None:
+        lines.append(f"| offline optimum under the same window pins per position | "
+                     f"{pinned_opt / res.positions:.4f} ({pinned_opt} captures) |")
     lines += [
         f"| recaptures | {res.recaptures} |",
         f"| evictions (by reason) | {res.evictions} ({reasons}) |",
@@ -764,7 +885,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policy", choices=POLICIES, default="need",
                     help="need (retention by future need) or windows (the rule before: windows only)")
     ap.add_argument("--solo", action="store_true", help="also simulate each consumer alone")
-    ap.add_argument("--opt", action="store_true", help="also compute the offline optimum for the same reads")
+    ap.add_argument("--opt", action="store_true",
+                    help="also compute the offline optima for the same reads and budget: Belady's MIN, and Belady "
+                         "under the same window pins (it must hold what the run's live windows held at each read)")
     args = ap.parse_args(argv)
     consumers, base = SCENARIOS[args.scenario](args.positions) if args.scenario else ([], default_producer())
     consumers = [*consumers, *args.consumer]
@@ -795,15 +918,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     solo = solo_rates(consumers, producer, args.positions, args.plan_len) if args.solo else None
-    opt = None
+    opt = pinned_opt = None
     if args.opt:
         cap = res.budget_bytes / producer.artifact_bytes
-        opt = offline_optimum(res.trace, int(cap) if math.isfinite(cap) else len(res.trace) + 1)
+        cap = int(cap) if math.isfinite(cap) else len(res.trace) + 1
+        opt = offline_optimum(res.trace, cap)
+        if not res.windows_exceed_budget_passes:  # else the pins may not fit the budget
+            pinned_opt = offline_optimum(res.trace, cap, pins=res.pins)
     print(f"producer: {producer.fixed_s:g} s + {producer.per_sample_s:g} s/sample, batch ≤ "
           f"{producer.limits.max_batch_samples}: "
           f"capacity {producer.capacity:.1f} samples/s; {args.positions} positions"
           + (f", plan of {args.plan_len}" if args.plan_len else "") + f"; policy {producer.policy}")
-    print(format_table(res, consumers, solo, opt, producer.artifact_bytes))
+    print(format_table(res, consumers, solo, opt, producer.artifact_bytes, pinned_opt))
     return 0
 
 
