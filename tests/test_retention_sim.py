@@ -201,7 +201,7 @@ def streams(draw):
 @settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_property_budget_window_and_offline_optimum_over_100k_positions(stream):
-    cons, prod, budget, _, plan_len = stream
+    cons, prod, budget, reserve, plan_len = stream
     res = simulate(cons, prod, 100_000, plan_len=plan_len)
     # checked by the simulator after every event / at every eviction
     assert res.budget_violations == [] and res.window_violations == []
@@ -214,6 +214,12 @@ def test_property_budget_window_and_offline_optimum_over_100k_positions(stream):
     fair = offline_optimum(res.trace, budget, pins=res.pins)
     assert lower <= fair <= res.captures
     assert res.captures_per_position <= fair / res.positions + 0.02
+    # away from the floor the windows pin little, and the policy stays within 0.02 of MIN itself (with the budget
+    # less what the protocol holds that MIN need not: the windows' lookbehind and one capture batch), the bound
+    # this property held before the pinned optimum existed (it failed only at the floor, docs/scheduler.md)
+    floor = sum(c.lookahead + c.lookbehind + 1 for c in cons) + reserve
+    if budget >= 2 * floor:
+        assert res.captures_per_position <= offline_optimum(res.trace, budget - reserve) / res.positions + 0.02
 
 
 def test_cli_budget_policy_and_optimum(capsys):
@@ -235,7 +241,6 @@ def test_property_over_100k_positions_more_examples(stream):
     test_property_budget_window_and_offline_optimum_over_100k_positions.hypothesis.inner_test(stream)
 
 
-@pytest.mark.reliability
 def _floor_stream(rates):
     """Reliability-lane floor-budget stream: consumers at ``rates`` positions/s with batches 32 / 48 / 96,
     lookbehind 0, lookahead 1024, all starting at 0, none stopping, a 25,000-sample plan, and the budget 3139 =
