@@ -44,5 +44,5 @@ def test_regression_a_damaged_recorded_checkpoint_is_named_not_reported_missing(
 def test_an_empty_run_directory_still_says_pass_the_out_directory(tmp_path):
     layout = _recorded(tmp_path)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="holds no readable checkpoint; pass the --out directory of that run"):
+    with pytest.raises(ConfigError, match="holds no checkpoint; pass the --out directory of that run"):
         resume_state(types.SimpleNamespace(consumer_id="b"), layout, "plan", "contract", tmp_path / "run")

@@ -75,7 +75,7 @@ def resume_state(cfg: ConsumerConfig, layout: CacheLayout, plan_id: str, contrac
                 found.append(f"step {step} at cursor {read_state(p).cursor}")
             except (ConfigError, CheckpointCorrupt) as exc:
                 damaged.append(f"{p.name} ({exc})")
-        held = ', '.join(found) if found else 'no readable checkpoint'
+        held = ', '.join(found) if found else 'no readable checkpoint' if damaged else 'no checkpoint'
         if damaged:  # regression: a damaged recorded checkpoint read as "holds no checkpoint; pass the --out"
             raise ConfigError(
                 f"--resume: the registry records consumer {cfg.consumer_id!r}'s last checkpoint at cursor "
