@@ -120,19 +120,13 @@ def test_prompts_file_bad_input_exits_2(tmp_path, bad):
     assert e.value.code == 2
 
 
-def test_heldout_prompts_are_the_plans_last_samples(tmp_path, smollm2_target):
-    """The held-out split is the plan's last E samples; the plan visits the regenerated records in a
-    default_rng(seed) permutation, so the prompts are the selected ones at permutation[-E:] (not the file's
-    last E). Checked against build_plan on a regenerated-style file of the same prompts."""
+def _sharegpt_xz(tmp_path, n: int) -> tuple[Path, list[dict]]:
+    """``n`` one-turn ShareGPT records as an xz JSONL file; every 5th from the 3rd has no user turn before
+    the assistant's (regenerate skips it)."""
     import lzma
 
-    from artcache.bench.heldout_prompts import main as heldout_main
-    from artcache.plan import PlanSpec, build_plan
-    from artcache.target import load_tokenizer
-
-    tok = load_tokenizer(smollm2_target)
     recs = []
-    for i in range(14):
+    for i in range(n):
         conv = [{"from": "human", "value": f"question {i}?"}, {"from": "gpt", "value": f"answer {i}."}]
         if i % 5 == 2:
             conv = conv[1:]  # no user before the assistant: skipped
@@ -140,6 +134,20 @@ def test_heldout_prompts_are_the_plans_last_samples(tmp_path, smollm2_target):
     src = tmp_path / "sharegpt.jsonl.xz"
     with lzma.open(src, "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in recs)
+    return src, recs
+
+
+def test_heldout_prompts_are_the_plans_last_samples(tmp_path, smollm2_target):
+    """The held-out split is the plan's last E samples; the plan visits the regenerated records in a
+    default_rng(seed) permutation, so the prompts are the selected ones at permutation[-E:] (not the file's
+    last E). Checked against build_plan on a regenerated-style file of the same prompts."""
+
+    from artcache.bench.heldout_prompts import main as heldout_main
+    from artcache.plan import PlanSpec, build_plan
+    from artcache.target import load_tokenizer
+
+    tok = load_tokenizer(smollm2_target)
+    src, recs = _sharegpt_xz(tmp_path, 14)
     n_lines, kept = 12, [r for r in recs[:12] if r["conversations"][0]["from"] == "human"]
     summary = tmp_path / "regenerate.jsonl"
     prompt_tokens = sum(len(tok(tok.apply_chat_template([{"role": "user", "content": r["conversations"][0]["value"]}],
@@ -177,21 +185,12 @@ def test_heldout_prompts_sums_shard_summaries(tmp_path, smollm2_target):
     """A run regenerated in consecutive shards has one summary line per shard: the lines are summed and
     checked against one selection over all the shards' lines (the same held-out prompts as one summary line
     of the same totals); a shard that stopped at --max-samples (visited < records) exits 1, nothing written."""
-    import lzma
 
     from artcache.bench.heldout_prompts import main as heldout_main
     from artcache.target import load_tokenizer
 
     tok = load_tokenizer(smollm2_target)
-    recs = []
-    for i in range(12):
-        conv = [{"from": "human", "value": f"question {i}?"}, {"from": "gpt", "value": f"answer {i}."}]
-        if i % 5 == 2:
-            conv = conv[1:]  # no user before the assistant: skipped
-        recs.append({"id": f"r{i}", "conversations": conv})
-    src = tmp_path / "sharegpt.jsonl.xz"
-    with lzma.open(src, "wt") as f:
-        f.writelines(json.dumps(r) + "\n" for r in recs)
+    src, recs = _sharegpt_xz(tmp_path, 12)
 
     def shard_summary(shard: list[dict], visited: int | None = None) -> dict:
         kept = [r for r in shard if r["conversations"][0]["from"] == "human"]
