@@ -166,7 +166,7 @@ def main(verbose: bool) -> None:
 @click.option("--draft-layers", default=5, type=int,
               help="DFlash draft layers; captured ids follow the DFlash formula.")
 @click.option("--layer-ids", default=None,
-              help="Explicit output-of-layer ids, comma separated (overrides --draft-layers).")
+              help="Explicit output-of-layer ids, comma separated, each once (overrides --draft-layers).")
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
 @click.option("--dtype", default="bfloat16",
               type=click.Choice(["bfloat16", "float16", "float32", "fp8", "float8_e4m3fn"]),
