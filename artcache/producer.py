@@ -72,7 +72,7 @@ from artcache.eviction import (
 )
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import atomic_write, free_space, is_space_error, space_reserve
-from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
+from artcache.layout import SUBDIRS, CacheLayout, check_id, temp_writer
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
@@ -1135,12 +1135,11 @@ def cleanup_orphans(layout: CacheLayout, watch: HeartbeatWatch | None = None) ->
         return 0
     seen = []
     for entry in entries:
-        writer = parse_temp_name(entry.name)
-        if writer is None:
+        verdict = temp_writer(entry.name)
+        if verdict.state == "foreign":
             continue  # not an artcache temp name: never touched
-        ident = writer.identity
-        if ident is not None and ident.comparable():
-            orphan = dead_reason(ident) is not None
+        if verdict.state != "unknown":
+            orphan = verdict.orphan
         elif watch is not None:
             try:
                 st = entry.stat(follow_symlinks=False)
