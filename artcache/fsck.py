@@ -77,7 +77,7 @@ from artcache.errors import (
     PayloadUnavailable,
     UnsafePath,
 )
-from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, parse_temp_name, unique_suffix
+from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, temp_writer, unique_suffix
 from artcache.liveness import dead_reason, from_token, in_initial_pid_namespace, pid_exists
 from artcache.payload import remote_for
 
@@ -213,24 +213,18 @@ class _Fsck:
                              None)
 
     def check_tmp(self) -> None:
-        live = other = stray = 0
+        seen = {"live": 0, "unknown": 0, "foreign": 0}
         entries = list(os.scandir(self.layout.tmp)) if self.real_dir(self.layout.tmp) else []
         self.checked["temp_files"] = len(entries)
         for entry in entries:
-            writer = parse_temp_name(entry.name)
-            if writer is None:
-                stray += 1
+            verdict = temp_writer(entry.name)
+            if not verdict.orphan:
+                seen[verdict.state] += 1
                 continue
-            ident = writer.identity
-            if ident is None or not ident.comparable():
-                other += 1
-                continue
-            why = dead_reason(ident)
-            if why is None:
-                live += 1
-                continue
-            self.problem("orphan-temp", entry.path, f"temp file of pid {ident.pid} (this host): {why}",
+            self.problem("orphan-temp", entry.path,
+                         f"temp file of pid {verdict.writer.identity.pid} (this host): {verdict.reason}",
                          "remove it", lambda p=entry.path: _unlink_missing_ok(p))
+        live, other, stray = seen["live"], seen["unknown"], seen["foreign"]
         if live:
             self.notes.append(f"{live} temp file(s) in tmp/ belong to live writers on this host (left alone)")
         if other:
@@ -242,14 +236,11 @@ class _Fsck:
         # plan.save's temp directories
         for entry in list(os.scandir(self.layout.plans)) if self.real_dir(self.layout.plans) else []:
             m = _PLAN_TMP.fullmatch(entry.name)
-            writer = parse_temp_name(m["rest"]) if m is not None else None
-            ident = writer.identity if writer is not None else None
-            if ident is None or not ident.comparable():
+            verdict = temp_writer(m["rest"]) if m is not None else None
+            if verdict is None or not verdict.orphan:
                 continue
-            why = dead_reason(ident)
-            if why is None:
-                continue
-            self.problem("orphan-temp", entry.path, f"plan temp directory of pid {ident.pid} (this host): {why}",
+            self.problem("orphan-temp", entry.path,
+                         f"plan temp directory of pid {verdict.writer.identity.pid} (this host): {verdict.reason}",
                          "remove it", lambda p=entry.path: shutil.rmtree(p))
 
     def check_objects(self, contract) -> set[str]:

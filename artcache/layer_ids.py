@@ -173,20 +173,40 @@ def dspark_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
     return [*dflash_layer_ids(num_target_layers, num_draft_layers), num_target_layers - 1]
 
 
-def check_layer_ids(ids: Sequence[int], num_layers: int, what: str) -> list[int]:
+def check_layer_ids(ids: Sequence[int], num_layers: int, what: str, *, target: str = "",
+                    unique: bool = False) -> list[int]:
     """``ids`` as ints if every one is an output-of-layer id of a ``num_layers``-layer target.
 
+    The one range check for layer ids (the producer, ``artcache run``, the capture backend and the drafts
+    call it). ``unique=True`` for a capture set (a root's ``contract.layer_ids``: a repeated id would be
+    stored twice); a draft's view may repeat an id (EAGLE-3 on a 6-layer target reads ``[1, 2, 2, 5]``).
+
+    Args:
+        ids: output-of-layer ids (0-based).
+        num_layers: the target's decoder layers ``L``.
+        what: how the ids are named in a message, e.g. ``"--layer-ids 1,40"``.
+        target: the target's name, added to the message when given.
+        unique: refuse a repeated id.
+
     Raises:
-        ConfigError: an empty list, a non-integer, or an id outside ``0..num_layers - 1``; the message
-            starts with ``what`` (e.g. ``"--layer-ids 1,40"``) and names the accepted range.
+        ConfigError: an empty list, a non-integer, an id outside ``0..num_layers - 1``, or (``unique``) an id
+            given more than once; one line starting with ``what``, naming the bad ids and what is accepted.
     """
+    of = f"a {num_layers}-layer target" + (f" ({target!r})" if target else "")
+    accepted = f"accepted: output-of-layer ids 0..{num_layers - 1}"
     if not ids:
-        raise ConfigError(f"{what}: no layer id given (accepted: output-of-layer ids 0..{num_layers - 1})")
-    out = [_check_int("layer id", i) for i in ids]
+        raise ConfigError(f"{what}: no layer id given ({accepted})")
+    notint = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)]
+    if notint:
+        raise ConfigError(f"{what}: {notint!r} are not integers ({accepted})")
+    out = list(ids)
     bad = [i for i in out if not 0 <= i < num_layers]
     if bad:
-        raise ConfigError(f"{what}: {bad} are not output-of-layer ids of a {num_layers}-layer target "
-                          f"(accepted: 0..{num_layers - 1})")
+        raise ConfigError(f"{what}: {bad} are not output-of-layer ids of {of} (accepted: 0..{num_layers - 1})")
+    dup = sorted({i for i in out if out.count(i) > 1})
+    if unique and dup:
+        raise ConfigError(f"{what} captures layer(s) {dup} more than once; list each captured id once "
+                          "(a consumer's --layer-ids view may repeat captured ids)")
     return out
 
 

@@ -41,9 +41,10 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from artcache.errors import CacheRootError, ConfigError, UnsafePath
-from artcache.liveness import ProcessIdentity, from_token, this_process
+from artcache.liveness import ProcessIdentity, dead_reason, from_token, this_process
 
 _HEX = re.compile(r"^[0-9a-f]{16,128}$")
 _ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -139,6 +140,46 @@ def parse_temp_name(name: str) -> WriterName | None:
     if m is not None:
         return WriterName(None, m["host"], int(m["pid"]))
     return None
+
+
+@dataclass(frozen=True)
+class TempWriter:
+    """What :func:`temp_writer` found out about the writer of a temp name.
+
+    ``state``: ``"foreign"`` (not a name artcache makes: never touched), ``"unknown"`` (another host or pid
+    namespace, or a legacy name: its pid cannot be checked from here), ``"live"`` (a process of this host
+    that may still be writing it) or ``"dead"`` (its writer on this host is provably gone: an orphan).
+    ``writer``: the parsed name (None when foreign); ``reason``: why the writer is gone (``"dead"`` only).
+    """
+
+    state: Literal["foreign", "unknown", "live", "dead"]
+    writer: WriterName | None = None
+    reason: str = ""
+
+    @property
+    def orphan(self) -> bool:
+        """Whether the temp is a dead writer's, safe for anyone to remove."""
+        return self.state == "dead"
+
+
+def temp_writer(name: str) -> TempWriter:
+    """The one test whether a temp file or directory name made from :func:`unique_suffix` (the part after
+    any fixed prefix, as :func:`parse_temp_name` takes it) is an orphan of a dead writer.
+
+    A dead writer is only ever one of this host and pid namespace whose pid is gone or reused
+    (:func:`artcache.liveness.dead_reason`); a live writer's temp is never an orphan. Used by the producer's
+    ``tmp/`` sweep (``cleanup_orphans``, which judges ``"unknown"`` ones by a heartbeat watch), ``fsck``
+    (``tmp/`` files and plan temp directories) and the consumer's checkpoint temp sweep
+    (``trainers.checkpoint.remove_orphan_temps``).
+    """
+    writer = parse_temp_name(name)
+    if writer is None:
+        return TempWriter("foreign")
+    ident = writer.identity
+    if ident is None or not ident.comparable():
+        return TempWriter("unknown", writer)
+    why = dead_reason(ident)
+    return TempWriter("live", writer) if why is None else TempWriter("dead", writer, why)
 
 
 def parse_journal_name(name: str) -> tuple[str, str, WriterName] | None:

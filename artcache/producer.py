@@ -72,7 +72,7 @@ from artcache.eviction import (
 )
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import atomic_write, free_space, is_space_error, space_reserve
-from artcache.layout import SUBDIRS, CacheLayout, check_id, parse_temp_name
+from artcache.layout import SUBDIRS, CacheLayout, check_id, temp_writer
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
@@ -283,7 +283,7 @@ def prepare_root(cfg: ProducerConfig):
         ConfigError: bad settings, or the root holds another contract/plan.
         DataError: the dataset yields no usable sample.
     """
-    from artcache.layer_ids import dflash_layer_ids
+    from artcache.layer_ids import check_layer_ids, dflash_layer_ids
     from artcache.plan import PlanSpec, ensure_plan, plan_id_for
     from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
 
@@ -308,13 +308,10 @@ def prepare_root(cfg: ProducerConfig):
             raise ConfigError(f"--target {cfg.target!r} is a random-weight benchmark target (stored embeddings "
                               "only) that vLLM cannot load; use --backend hf, or a full HF checkpoint")
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else dflash_layer_ids(info.num_layers, cfg.draft_layers)
-    from artcache.backends.hf import check_layer_ids
-
-    check_layer_ids(layer_ids, info.num_layers, info.name)
-    dup = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
-    if cfg.layer_ids and dup:  # a new root's capture set (the backend itself accepts any ordered view)
-        raise ConfigError(f"--layer-ids {','.join(map(str, layer_ids))} captures layer(s) {dup} more than once; "
-                          "list each captured id once (a consumer's --layer-ids view may repeat captured ids)")
+    # an explicit --layer-ids is a new root's capture set: each id once (the formula's ids are left as they are)
+    check_layer_ids(layer_ids, info.num_layers, f"--layer-ids {','.join(map(str, layer_ids))}" if cfg.layer_ids
+                    else f"layer ids {layer_ids} (dflash_layer_ids of --draft-layers {cfg.draft_layers})",
+                    target=info.name, unique=bool(cfg.layer_ids))
     payload_url = parse_payload_url(cfg.payload) if cfg.payload else None
     spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples,
                     template_options=dict(cfg.template_options))
@@ -1138,12 +1135,11 @@ def cleanup_orphans(layout: CacheLayout, watch: HeartbeatWatch | None = None) ->
         return 0
     seen = []
     for entry in entries:
-        writer = parse_temp_name(entry.name)
-        if writer is None:
+        verdict = temp_writer(entry.name)
+        if verdict.state == "foreign":
             continue  # not an artcache temp name: never touched
-        ident = writer.identity
-        if ident is not None and ident.comparable():
-            orphan = dead_reason(ident) is not None
+        if verdict.state != "unknown":
+            orphan = verdict.orphan
         elif watch is not None:
             try:
                 st = entry.stat(follow_symlinks=False)

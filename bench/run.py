@@ -67,6 +67,7 @@ from artcache.errors import ConfigError, InsufficientSpace
 from artcache.fsio import free_space, space_reserve
 from artcache.launch import Role, cli_argv, kill_all, module_argv, role_env, wait_for_file
 from artcache.layout import CacheLayout
+from artcache.ranges import DiskBudget, check_value
 from artcache.report import format_bytes, table
 from artcache.store import artifact_bytes_bound
 from artcache.telemetry import make_sampler
@@ -999,8 +1000,9 @@ def run_bench(cfg: BenchConfig) -> bool:
     reports = []
     if not 0 < cfg.budget_fraction < 1:
         raise ConfigError(f"--budget-fraction {cfg.budget_fraction} is not accepted: a number in (0, 1)")
-    if cfg.disk_budget < 0:
-        raise ConfigError(f"--disk-budget {cfg.disk_budget} is not accepted: bytes >= 0 (0: the scenario's)")
+    # the CLI (parse_bytes) and a config file (bench.disk_budget: DiskBudget) refuse a bad budget already; this is
+    # the check of a BenchConfig built in Python (run_bench is public), with the declared range and its message
+    check_value(cfg.disk_budget, DiskBudget, "--disk-budget")
     if cfg.save not in SAVE_POLICIES:
         raise ConfigError(f"--save {cfg.save!r} is not accepted: use one of {', '.join(SAVE_POLICIES)}")
     if cfg.steps is not None and cfg.steps < 1:  # 0 measured steps "passed" every check with 0 steps/s

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from artcache.errors import ConfigError, ContractMismatch
-from artcache.layer_ids import layer_view, select_layers, view_slice
+from artcache.layer_ids import check_layer_ids, layer_view, select_layers, view_slice
 from artcache.trainers.dflash.adapter import greedy_replay
 from artcache.trainers.draft import DraftBatch, MetricSums, replay_sums
 from artcache.trainers.evaluation import epoch_steps, eval_split
@@ -31,6 +31,33 @@ def test_layer_view_missing_layer_names_the_producer_flag():
         layer_view([1, 3], [1, 2, 3, 5], draft="an EAGLE-3 draft", flag_hint="")
     msg = str(err.value)
     assert "missing [2, 5]" in msg and "captures [1, 3]" in msg and "--layer-ids 1,2,3,5" in msg
+
+
+@pytest.mark.parametrize("ids, unique, needles", [
+    ([], False, ["--layer-ids x: no layer id given", "0..5"]),
+    ([1, "2"], False, ["['2'] are not integers", "0..5"]),
+    ([1, True], False, ["[True] are not integers"]),
+    ([1, 6, -1], False, ["[6, -1] are not output-of-layer ids of a 6-layer target ('t')", "accepted: 0..5"]),
+    ([1, 1, 3, 3], True, ["--layer-ids x captures layer(s) [1, 3] more than once", "list each captured id once"]),
+])
+def test_check_layer_ids_refuses_in_one_line(ids, unique, needles):
+    with pytest.raises(ConfigError) as err:
+        check_layer_ids(ids, 6, "--layer-ids x", target="t", unique=unique)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("--layer-ids x")
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_check_layer_ids_a_view_may_repeat_an_id():
+    assert check_layer_ids((1, 2, 2, 5), 6, "view") == [1, 2, 2, 5]  # EAGLE-3 on a 6-layer target
+
+
+def test_regression_one_home_for_the_layer_id_check():
+    """The capture backend kept its own copy of the range check (another message, no int check)."""
+    import artcache.backends.hf as hf
+
+    assert hf.check_layer_ids is check_layer_ids
 
 
 def test_view_slice_is_a_view_when_contiguous_and_a_copy_otherwise():

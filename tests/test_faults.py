@@ -148,6 +148,48 @@ def test_crash_point_kills_on_nth_arrival(count, killed):
 
 # ---- orphaned temp files ------------------------------------------------------------------------------
 
+def test_temp_writer_is_the_one_orphan_predicate():
+    """A temp name's writer: only a provably dead writer of this host makes an orphan; a live writer's temp
+    (this process's, another live process's) never is, nor one whose pid cannot be checked from here."""
+    import msgspec
+
+    from artcache.layout import temp_writer, unique_suffix
+    from artcache.liveness import this_process
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        cases = {f"{unique_suffix()}.part": "live", f"{token(live.pid)}.aaaa.part": "live",
+                 f"{token(dead.pid)}.bbbb.evict": "dead", f"{foreign_token(dead.pid)}.cccc.part": "unknown",
+                 f"{os.uname().nodename}.{dead.pid}.dddd.part": "unknown", "not-a-temp-file": "foreign"}
+        me = this_process()
+        if me.start:  # this process's pid with another start time: the pid was reused, the writer is gone
+            cases[f"{msgspec.structs.replace(me, start=me.start + 1).token()}.eeee.part"] = "dead"
+        for name, state in cases.items():
+            verdict = temp_writer(name)
+            assert verdict.state == state, (name, verdict)
+            assert verdict.orphan == (state == "dead")
+            assert bool(verdict.reason) == (state == "dead") and (verdict.writer is None) == (state == "foreign")
+        assert "is gone" in temp_writer(f"{token(dead.pid)}.bbbb.evict").reason
+    finally:
+        live.kill()
+        live.wait()
+    assert temp_writer(f"{token(live.pid)}.aaaa.part").orphan  # its writer is gone now
+
+
+def test_regression_one_home_for_the_orphan_temp_predicate():
+    """The producer's tmp/ sweep, fsck and the checkpoint temp sweep each kept their own copy of the test."""
+    import artcache.fsck
+    import artcache.layout
+    import artcache.producer
+    import artcache.trainers.checkpoint
+
+    for mod in (artcache.producer, artcache.fsck, artcache.trainers.checkpoint):
+        assert mod.temp_writer is artcache.layout.temp_writer, mod.__name__
+        assert not hasattr(mod, "parse_temp_name"), mod.__name__
+
+
 def test_cleanup_orphans_spares_live_writers(tmp_path):
     layout = CacheLayout(tmp_path / "root")
     layout.create()

@@ -119,3 +119,15 @@ def test_regression_disk_budget_range_is_declared_not_hand_checked():
     with pytest.raises(ConfigError, match=r"^--disk-budget -5 is invalid: " + accepted + " bytes"):
         parse_bytes(-5, "disk-budget")
     assert parse_bytes("2K", "disk-budget") == 2048 and parse_bytes(0, "disk-budget") == 0
+
+
+@pytest.mark.parametrize("budget", [-1, 2**60 + 1])
+def test_regression_bench_disk_budget_is_the_declared_range(tmp_path, budget):
+    """``run_bench`` kept its own ``disk_budget < 0`` check in another style (and let 2**60 + 1 through); a
+    BenchConfig built in Python now gets the declared range's message, before anything is written."""
+    from artcache.bench.run import BenchConfig, run_bench
+
+    out = tmp_path / "bench"
+    with pytest.raises(ConfigError, match=rf"^--disk-budget {budget} is invalid: accepted an integer >= 0 and <= "):
+        run_bench(BenchConfig(out_dir=str(out), disk_budget=budget))
+    assert not out.exists()

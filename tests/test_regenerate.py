@@ -201,9 +201,9 @@ def test_refuses_to_overwrite_without_force(tiny_target, data, tmp_path):
     (("--max-samples", "0"), ("--max-samples 0",)),
     (("--temperature", "-1"), ("--temperature -1",)),
     (("--temperature", "nan"), ("--temperature nan",)),
-    (("--backend", "tgi"), ("--backend 'tgi'", "hf, vllm")),
-    (("--dtype", "int8"), ("--dtype 'int8'",)),
-    (("--cache", "paged"), ("--cache 'paged'", "auto, dynamic, static")),
+    (("--backend", "tgi"), ("'--backend': 'tgi' is not one of 'hf', 'vllm'",)),
+    (("--dtype", "int8"), ("'--dtype': 'int8' is not one of 'auto', 'float32', 'bfloat16', 'float16'",)),
+    (("--cache", "paged"), ("'--cache': 'paged' is not one of 'auto', 'dynamic', 'static'",)),
     (("--device", "tpu"), ("--device 'tpu'",)),
     (("--chat-template-option", "oops"), ("'oops'", "NAME=VALUE")),
 ])
@@ -211,6 +211,20 @@ def test_bad_values_exit_2_and_write_nothing(tiny_target, data, tmp_path, args, 
     out = tmp_path / "o.jsonl"
     assert_bad(invoke(*regen_args(tiny_target, data, out, *args)), *needles)
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_regression_regenerate_backend_dtype_cache_are_choices():
+    """--backend/--dtype/--cache were free text checked only by RegenerateConfig.validate: --help did not list
+    the accepted values. They are click Choices of the module's own tuples (one list each)."""
+    import click
+
+    from artcache.data.regenerate import BACKENDS, CACHES, DTYPES
+
+    params = {p.name: p for p in main.commands["regenerate"].params}
+    for name, accepted in (("backend", BACKENDS), ("dtype", DTYPES), ("cache", CACHES)):
+        assert isinstance(params[name].type, click.Choice) and tuple(params[name].type.choices) == accepted, name
+    help_text = CliRunner().invoke(main, ["regenerate", "--help"], terminal_width=200).output
+    assert "[hf|vllm]" in help_text and "[auto|dynamic|static]" in help_text
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -362,6 +362,9 @@ def test_root_of_another_contract_is_rejected(tiny_target, tmp_path):
     (["experiments.d.consumer.heartbeat_s=60"], ConfigError, "not below cache.heartbeat_timeout_s"),
     (["experiments.d.window=2:1"], ConfigError, "lookahead 1 is smaller than one batch"),
     (["experiments.d.layer_ids=1,9"], ConfigError, "0..5"),
+    # regression: a repeated capture id was recorded twice in the contract (the producer's --layer-ids refused it)
+    (["capture.layer_ids=1,2,2,3"], ConfigError,
+     "capture.layer_ids [1, 2, 2, 3] captures layer(s) [2] more than once"),
     # issue 19's one range message, named by the config path (the plan's and the capture limits' declared ranges)
     (["data.max_samples=0"], ConfigError, "data.max_samples 0 is invalid: accepted an integer >= 1"),
     (["capture.batch_samples=0"], ConfigError, "capture.batch_samples 0 is invalid: accepted an integer >= 1"),

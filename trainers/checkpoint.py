@@ -95,8 +95,7 @@ from artcache.fsio import (
     space_reserve,
 )
 from artcache.hashing import canonical_json, digest_bytes, digest_file
-from artcache.layout import parse_temp_name, unique_suffix
-from artcache.liveness import dead_reason
+from artcache.layout import temp_writer, unique_suffix
 from artcache.report import format_bytes
 
 log = logging.getLogger("artcache.consumer")
@@ -521,9 +520,7 @@ def remove_orphan_temps(run_dir: Path) -> tuple[int, int]:
     for entry in entries:
         if not entry.name.startswith(".tmp-") or not entry.is_dir(follow_symlinks=False):
             continue
-        writer = parse_temp_name(entry.name[len(".tmp-"):])
-        ident = writer.identity if writer is not None else None
-        if ident is None or not ident.comparable() or dead_reason(ident) is None:
+        if not temp_writer(entry.name[len(".tmp-"):]).orphan:
             continue
         size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(entry.path, ignore_errors=True)

@@ -14,6 +14,9 @@ from click.core import ParameterSource
 from artcache.app import config as C
 from artcache.app.config import load_run_config, saved_config_source
 from artcache.app.values import parse_bytes, parse_layer_ids, parse_template_options
+from artcache.data.regenerate import BACKENDS as REGEN_BACKENDS
+from artcache.data.regenerate import CACHES as REGEN_CACHES
+from artcache.data.regenerate import DTYPES as REGEN_DTYPES
 from artcache.errors import ArtcacheError, ConfigError
 from artcache.logs import setup_logging
 from artcache.ranges import NonNegativeFloat, check_value
@@ -166,7 +169,7 @@ def main(verbose: bool) -> None:
 @click.option("--draft-layers", default=5, type=int,
               help="DFlash draft layers; captured ids follow the DFlash formula.")
 @click.option("--layer-ids", default=None,
-              help="Explicit output-of-layer ids, comma separated (overrides --draft-layers).")
+              help="Explicit output-of-layer ids, comma separated, each once (overrides --draft-layers).")
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
 @click.option("--dtype", default="bfloat16",
               type=click.Choice(["bfloat16", "float16", "float32", "fp8", "float8_e4m3fn"]),
@@ -623,16 +626,18 @@ def calibrate(checkpoint):
 @click.option("--max-new-tokens", default=256, type=int, help="Generated tokens per answer at most.")
 @click.option("--max-prompt-tokens", default=1024, type=int,
               help="Records whose rendered prompt is longer are skipped (counted), never truncated.")
-@click.option("--backend", default="hf", help="hf (transformers generate) or vllm (needs the artcache[vllm] extra).")
+@click.option("--backend", default="hf", type=click.Choice(REGEN_BACKENDS),
+              help="hf (transformers generate) or vllm (needs the artcache[vllm] extra).")
 @click.option("--batch-size", default=8, type=int, help="Prompts per generate call (hf; vllm schedules itself).")
 @click.option("--temperature", default=0.0, type=float, help="0: greedy; > 0: sampling with --seed.")
 @click.option("--seed", default=0, type=int, help="Sampling seed (with --temperature > 0).")
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
-@click.option("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")
+@click.option("--dtype", default="auto", type=click.Choice(REGEN_DTYPES),
+              help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")
 @click.option("--chat-template-option", "template_options", multiple=True, metavar="NAME=VALUE",
               help="Chat template option, e.g. enable_thinking=false (repeatable; give the producer the same).")
 @click.option("--threads", default=0, type=int, help="CPU threads (0: the default): torch's (hf), vLLM's bound CPUs.")
-@click.option("--cache", default="auto",
+@click.option("--cache", default="auto", type=click.Choice(REGEN_CACHES),
               help="hf KV cache: auto (static on CUDA, dynamic on CPU), dynamic, or static (one padded shape, "
                    "the decode step compiled once on CUDA).")
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")

@@ -118,7 +118,8 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     Attributes:
         layer_ids: output-of-layer ids to capture, in artifact order. ``None``: the sorted union of
             the experiments' views (or the DFlash ids for ``draft_layers`` with no experiment). When
-            given with experiments it must contain every experiment's view.
+            given with experiments it must contain every experiment's view; each id once (a view may
+            repeat an id, a capture set may not: :func:`artcache.layer_ids.check_layer_ids`).
         replay_layer: with ``layer_ids`` left out, also capture the target's last layer ``L - 1``
             (output-of-layer, before the final norm) when an experiment evaluates on a held-out split
             (``consumer.eval_samples`` > 0) and no view reads it: the held-out greedy replay
@@ -778,7 +779,7 @@ def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) ->
     without building the draft.
     """
     # imported here: artcache.layer_ids imports torch, which `artcache --help` and the light verbs never need
-    from artcache.layer_ids import dflash_layer_ids, dspark_layer_ids, eagle3_capture_ids
+    from artcache.layer_ids import check_layer_ids, dflash_layer_ids, dspark_layer_ids, eagle3_capture_ids
 
     if e.layer_ids is not None:
         ids = list(e.layer_ids)
@@ -788,10 +789,7 @@ def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) ->
         ids = dspark_layer_ids(num_layers, e.draft_layers or default_draft_layers)
     else:
         ids = list(eagle3_capture_ids(num_layers))
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad or not ids:
-        raise ConfigError(f"experiment {e.name!r}: layer ids {ids} are not output-of-layer ids of a "
-                          f"{num_layers}-layer target (accepted: 0..{num_layers - 1})")
+    check_layer_ids(ids, num_layers, f"experiment {e.name!r}: layer ids {ids}")
     return ids  # an id may repeat (EAGLE-3 on a 6-layer target: [1, 2, 2, 5]); the view reads it twice
 
 

@@ -229,8 +229,8 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         ContractMismatch: a checkpoint of another target, dtype, normalisation, draft or plan; a cache
             root initialised with another contract or plan.
     """
-    from artcache.backends.hf import check_layer_ids
     from artcache.contract import CaptureContract
+    from artcache.layer_ids import check_layer_ids
     from artcache.layout import CacheLayout
     from artcache.plan import PlanSpec, plan_id_for
     from artcache.producer import resolve_compute_dtype
@@ -264,7 +264,9 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
                          f"evaluation of {', '.join(blind)} reports data-token figures only, no replay_tau")
     else:
         captured, replay_for = capture_layers(cfg, info.num_layers)
-    check_layer_ids(captured, info.num_layers, info.name)
+    # an explicit capture.layer_ids is the root's capture set: each id once (the union is a set already)
+    check_layer_ids(captured, info.num_layers, f"capture.layer_ids {captured}" if cfg.capture.layer_ids
+                    else f"the experiments' layer union {captured}", target=info.name, unique=True)
     resolved = resolve(cfg, captured)
     # capture batching vs max_length, named by the config's capture.* paths
     producer_config(resolved).limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])

@@ -21,6 +21,7 @@ import torch
 from artcache.contract import CaptureContract
 from artcache.errors import ConfigError
 from artcache.fp8 import SCALES, stored_hidden
+from artcache.layer_ids import check_layer_ids
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "float8_e4m3fn": torch.float8_e4m3fn}
@@ -37,15 +38,6 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     if layers is None:
         raise ConfigError(f"cannot find decoder layers on {type(model).__name__}: expected .model.layers")
     return layers
-
-
-def check_layer_ids(layer_ids, num_layers: int, target_name: str) -> None:
-    """Raise ConfigError unless every id is a valid output-of-layer index of the target."""
-    bad = [i for i in layer_ids if not 0 <= i < num_layers]
-    if bad or not layer_ids:
-        raise ConfigError(
-            f"target {target_name!r} has {num_layers} decoder layers (valid output-of-layer ids "
-            f"0..{num_layers - 1}); requested layer ids {list(layer_ids)} do not fit")
 
 
 class CapturedBatch(list):
@@ -85,7 +77,8 @@ class HFCaptureBackend:
         self.contract = contract
         self.device = torch.device(device)
         self.layers = decoder_layers(model)
-        check_layer_ids(contract.layer_ids, len(self.layers), contract.target_name)
+        check_layer_ids(contract.layer_ids, len(self.layers), f"contract layer_ids {list(contract.layer_ids)}",
+                        target=contract.target_name)
         self.dtype = _DTYPES[contract.dtype]
         self._captured: dict[int, torch.Tensor] = {}
         self._last = max(contract.layer_ids)
