@@ -832,3 +832,11 @@ def test_regression_the_disk_bound_counts_the_held_out_split(tiny_target, tmp_pa
     d, e = plan.experiments
     assert d.window_artifacts == 11 + 4 and e.window_artifacts == 11 and plan.window_bound_artifacts == 26
     assert plan.disk_bound_bytes == 26 * plan.bytes_per_artifact_max
+
+
+def test_shared_gpus_names_each_cuda_device_given_twice():
+    from artcache.app.experiments import shared_gpus
+
+    assert shared_gpus(["cuda", "cuda", "cpu", "cuda:1"]) == ["cuda"]
+    assert shared_gpus(["cpu", "cpu", "cuda:0", "cuda:1"]) == []
+    assert shared_gpus(["cuda:1", "cuda:0", "cuda:1", "cuda:0"]) == ["cuda:0", "cuda:1"]

@@ -217,6 +217,12 @@ def resolve(cfg: RunConfig, captured: list[int] | None = None) -> RunConfig:
                                    experiments=exps, capture=capture)
 
 
+def shared_gpus(devices: list[str]) -> list[str]:
+    """The CUDA devices that more than one of ``devices`` (the producer's and each consumer's) names, sorted."""
+    gpus = [d for d in devices if d.startswith("cuda")]
+    return sorted({d for d in gpus if gpus.count(d) > 1})
+
+
 def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "config") -> tuple[RunPlan, RunConfig]:
     """Resolve and check a run; nothing is written. Returns the plan and the resolved config.
 
@@ -321,9 +327,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     free = shutil.disk_usage(free_at).free
     if bound * per_artifact > free:
         notes.append(f"disk bound {_mib(bound * per_artifact)} exceeds the {_mib(free)} free at {free_at}")
-    gpus = [x.device for x in exps if x.device.startswith("cuda")] + \
-        ([resolved.target.device] if resolved.target.device.startswith("cuda") else [])
-    shared = sorted({d for d in gpus if gpus.count(d) > 1})
+    shared = shared_gpus([resolved.target.device, *(x.device for x in exps)])
     if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
         notes.append(f"several roles share {', '.join(shared)}")
     plan = RunPlan(
