@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -111,8 +112,9 @@ def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> 
             recent = [v for s, v, _ in train if step - window < s <= step]
             row["train_loss_median"] = statistics.median(recent) if recent else None
             table.append(row)
-        taus = [e["replay_tau"] for e in table if "replay_tau" in e]
-        data_taus = [e["tau"] for e in table if "tau" in e]
+        # a NaN or inf evaluation is no figure (regression: max() with a NaN first gave best NaN, invalid JSON)
+        taus = [e["replay_tau"] for e in table if math.isfinite(e.get("replay_tau", math.nan))]
+        data_taus = [e["tau"] for e in table if math.isfinite(e.get("tau", math.nan))]
         out[name] = {"metrics_csv": str(path), "last_step": train[-1][0] if train else 0,
                      "train_seconds": round(secs[train[-1][0]], 1) if train else 0.0,
                      "steady_steps_per_s_median": steady_rate(train, gap_s), "evals": table,
@@ -143,7 +145,7 @@ def plot(figures: dict, path: Path, title: str) -> Path:
     fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=110)
     for i, (name, f) in enumerate(figures.items()):
         key, c = f.get("tau_figure"), f"C{i}"
-        label = name if key == "replay_tau" else f"{name} (τ on data tokens)"
+        label = {"replay_tau": name, "tau": f"{name} (τ on data tokens)"}.get(key, f"{name} (no held-out τ)")
         ev = [e for e in f["evals"] if key in e] if key else []
         ax.plot([e["step"] for e in ev], [e[key] for e in ev], "o-", color=c, label=label)
         cx.plot([e["train_seconds"] for e in ev], [e[key] for e in ev], "o-", color=c, label=label)

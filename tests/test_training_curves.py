@@ -178,3 +178,16 @@ def test_regression_evaluations_without_replay_plot_the_data_tau_and_the_held_ou
     assert ("d (τ on data tokens)", [10, 20], [1.8, 2.4]) in drawn
     assert ("d held-out", [10, 20], [3.0, 2.5]) in drawn
     assert json.loads(capsys.readouterr().out)["d"]["best_data_tau"] == 2.4
+
+
+def test_regression_a_nan_or_inf_evaluation_is_no_best_figure(tmp_path, capsys):
+    """Regression (break test): a NaN held-out τ before a real one gave ``best_replay_tau`` NaN (``max`` with a NaN
+    first) and an inf one ``Infinity``: both invalid in strict JSON."""
+    rows = [(s, "train/loss", 5.0 - s / 10, 1000.0 + s) for s in range(1, 41)]
+    rows += [(20, "eval/replay_tau", float("nan"), 0.0), (40, "eval/replay_tau", 1.9, 0.0),
+             (20, "eval/tau", float("inf"), 0.0), (40, "eval/tau", 2.1, 0.0)]
+    _write(tmp_path / "m.csv", rows)
+    code, _png, js = _cli(tmp_path, tmp_path / "m.csv")
+    assert code == 0
+    d = json.loads(js.read_text())["experiments"]["d"]
+    assert d["best_replay_tau"] == 1.9 and d["best_data_tau"] == 2.1
