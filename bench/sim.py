@@ -13,7 +13,8 @@ real :class:`~artcache.plan.EpochOrder` position orders:
 * a **capture** takes ``fixed_s + per_sample_s * len(batch)`` of virtual time (one batch in flight)
   and then publishes the batch at once (``artifact_bytes`` each); a capture of a sample published
   before and evicted since is a **recapture**;
-* a **consumer** registers at ``start_s``, then repeatedly reads its next batch of consecutive
+* a **consumer** registers at ``start_s`` (with ``load_s``, it reads from ``start_s + load_s``: loading its
+  draft meanwhile, registered at cursor 0 with its window live), then repeatedly reads its next batch of consecutive
   positions ``[cursor, cursor + batch_size)`` in order (as the consumer's reader), leasing each
   position it reads; on an unpublished position it records it in its demand and waits; with the
   whole batch read it trains for ``step_s``, commits the cursor, releases the batch's leases; at
@@ -68,7 +69,10 @@ class ConsumerSpec:
     Attributes:
         name: consumer id. step_s: compute time of one optimizer step (virtual seconds).
         batch_size: positions per step. lookbehind, lookahead: its window.
-        start_s: when it registers. end: exclusive last position (None: the run's ``positions``).
+        start_s: when it registers. load_s: seconds from registering to its first read (loading its draft):
+            registered at cursor 0 meanwhile, its window live and its rate the others' median (as a registered
+            consumer that commits nothing is to :class:`~artcache.eviction.RateEstimator`).
+        end: exclusive last position (None: the run's ``positions``).
         killed_s: when its process dies (None: never). heartbeat_s: its heartbeat period.
         epoch_len: training samples per epoch (None: the whole plan).
     """
@@ -83,6 +87,7 @@ class ConsumerSpec:
     killed_s: float | None = None
     heartbeat_s: float = 2.0
     epoch_len: int | None = None
+    load_s: float = 0.0
 
     @property
     def compute_rate(self) -> float:
@@ -202,6 +207,9 @@ class SimResult:
     leases_expired: int  # leases of fenced consumers, released by the producer
     trace: list[int] = field(default_factory=list, repr=False)  # sample of every read, in time order
     pins: PinLog | None = field(default=None, repr=False)  # what the guarantee pinned at each read of trace
+    # int64 [len(trace)]: artifacts of the batch in capture at each read (the room the run's decision had made
+    # for them, so its published artifacts fitted budget - in_flight then); offline_optimum(reserved=)
+    in_flight: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
 
     @property
     def captures_per_position(self) -> float:
@@ -223,7 +231,8 @@ class _Consumer:
         self.order = order
         self.cursor = 0
         self.demand: list[int] = []
-        self.started = False
+        self.started = False  # registered (live until done)
+        self.ready = False  # reads (after its load_s)
         self.done = False
         self.training = False
         self.next_pos = 0  # next position of the current batch to read
@@ -307,6 +316,8 @@ class Simulation:
         self._pin_open = np.zeros(self.plan_len, dtype=np.int64)  # read index where each open pin began
         self._pin_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._pins_stale = True  # an event may have moved a window or published / evicted since
+        self.in_flight = 0  # artifacts of the batch being captured (room the decision made for them)
+        self._in_flight_log: list[int] = []  # in_flight at each read of the trace
         # as the producer: what it could not capture in time if it waited (its poll and two batches)
         self.urgent_s = producer.poll_s + 2 * (producer.fixed_s
                                                + producer.per_sample_s * producer.limits.max_batch_samples)
@@ -425,6 +436,7 @@ class Simulation:
                 self.demand_not_first.append(f"t={self.now:.3f} demanded {sorted(want)} batch "
                                              f"{[w.sample for w in batch]}")
         self.busy = True
+        self.in_flight = len(batch)
         dt = prod.fixed_s + prod.per_sample_s * len(batch)
         self.busy_s += dt
         self.batches += 1
@@ -432,6 +444,7 @@ class Simulation:
 
     def _captured(self, batch) -> None:
         self.busy = False
+        self.in_flight = 0
         for w in batch:
             s = w.sample
             self.captures += 1
@@ -444,7 +457,7 @@ class Simulation:
     # -- consumers -----------------------------------------------------------------------------
     def _advance(self, c: _Consumer) -> None:
         """Read the current batch as far as published; block with demand, or start the step."""
-        if not c.started or c.done or c.training or c.killed:
+        if not c.ready or c.done or c.training or c.killed:
             return
         stop = c.batch_stop()
         while c.next_pos < stop:
@@ -463,6 +476,7 @@ class Simulation:
             self.leases[s] += 1
             c.held.append(s)
             self.trace.append(s)
+            self._in_flight_log.append(self.in_flight)
             c.next_pos += 1
         if c.blocked_since is not None:
             c.wait_s += self.now - c.blocked_since
@@ -524,6 +538,11 @@ class Simulation:
                 self.dirty = True
             if kind == "start":
                 obj.started = True
+                obj.ready = not obj.spec.load_s
+                if obj.spec.load_s:
+                    self._push(self.now + obj.spec.load_s, "ready", obj)
+            elif kind == "ready":
+                obj.ready = True
             elif kind == "step":
                 if obj.killed:  # died mid-step: nothing is committed
                     continue
@@ -574,7 +593,8 @@ class Simulation:
             demand_with_prefetch_pending=self.demand_with_prefetch, demand_not_first=self.demand_not_first,
             final_retained=self.retained, max_union=self.max_union, retained_log=self.retained_log,
             leases_expired=self.leases_expired, trace=self.trace if keep_trace else [],
-            pins=pins if keep_trace else None)
+            pins=pins if keep_trace else None,
+            in_flight=np.array(self._in_flight_log if keep_trace else [], dtype=np.int64))
 
 
 def simulate(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = None, positions: int = 10_000,
@@ -583,7 +603,8 @@ def simulate(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = 
     return Simulation(consumers, producer or ProducerSpec(), positions, plan_len, check).run()
 
 
-def offline_optimum(trace: Sequence[Hashable], capacity: int, pins: PinLog | None = None) -> int:
+def offline_optimum(trace: Sequence[Hashable], capacity: int, pins: PinLog | None = None,
+                    reserved: Sequence[int] | np.ndarray | None = None) -> int:
     """Captures an offline optimum needs for ``trace`` (the samples read, in order) with room for
     ``capacity`` artifacts (every artifact the same size).
 
@@ -611,13 +632,27 @@ def offline_optimum(trace: Sequence[Hashable], capacity: int, pins: PinLog | Non
     published then (its prefetch), i.e. the same trace and the same windows the policy had; it is never
     below MIN for the same capacity (pins only add requirements).
 
+    ``reserved`` (ints, one per read; :attr:`SimResult.in_flight`): room the schedule may not use at each
+    read, so the capacity at read ``j`` is ``capacity - reserved[j]``. The run's producer captures a batch
+    at a time and its decision makes room for the whole batch before the capture starts, so while a batch
+    is in capture its published artifacts fit the budget less the batch; with ``reserved=res.in_flight``
+    the optimum has, at every read, the room the run's published artifacts had — the same trace, pins and
+    room. The exchange argument above holds read by read (the swapped schedule holds as many samples as the
+    other at every read), so a capacity that varies per read leaves it optimal; the exhaustive search of the
+    tests covers it.
+
     Returns the number of captures (int). Raises:
         ValueError: ``capacity < 1``; a pin row outside ``0 <= start < end <= len(trace)``; more samples
-        pinned at one read than ``capacity``.
+        pinned at one read than the capacity there; ``reserved`` not one int per read.
     """
     if capacity < 1:
         raise ValueError(f"capacity {capacity} must be >= 1")
     n = len(trace)
+    room = None
+    if reserved is not None:
+        room = capacity - np.asarray(reserved, dtype=np.int64)
+        if room.shape != (n,):
+            raise ValueError(f"reserved has shape {room.shape}: accepted one int per read, ({n},)")
     spans: dict[Hashable, list[tuple[int, int]]] = {}  # sample -> the reads at which it must be on disk
     for j, s in enumerate(trace):
         spans.setdefault(s, []).append((j, j + 1))
@@ -648,8 +683,10 @@ def offline_optimum(trace: Sequence[Hashable], capacity: int, pins: PinLog | Non
     cache: dict[Hashable, float] = {}  # sample on disk -> its next need, or `pinned`
     heap: list[tuple[float, int, Hashable]] = []  # (-next need, tie, sample) of unpinned samples, lazily stale
     misses = e = i = tie = 0
-    while i < len(by_start):
-        j = rows[by_start[i]][0]
+    # the reads where the rule acts: where a sample must be on disk from (a read or a pin begins), and with
+    # ``reserved`` every read (the room may shrink at a read where nothing begins)
+    points = range(n) if room is not None else sorted({r[0] for r in rows})
+    for j in points:
         while e < len(by_end) and rows[by_end[e]][1] <= j:  # pins over before read j: evictable from now
             _, _, s, nxt = rows[by_end[e]]
             cache[s] = nxt
@@ -664,10 +701,11 @@ def offline_optimum(trace: Sequence[Hashable], capacity: int, pins: PinLog | Non
         for s in group:
             cache[s] = pinned
         misses += len(missing)
-        for _ in range(len(cache) - capacity):  # one eviction per capture that does not fit
+        cap = capacity if room is None else int(room[j])
+        for _ in range(len(cache) - cap):  # one eviction per capture that does not fit (or room taken)
             while True:
                 if not heap:
-                    raise ValueError(f"more than capacity {capacity} samples pinned at read {j}")
+                    raise ValueError(f"more than capacity {cap} samples pinned at read {j}")
                 neg, _, victim = heapq.heappop(heap)
                 if cache.get(victim) == -neg:
                     break
