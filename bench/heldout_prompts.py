@@ -19,6 +19,12 @@ last E records: the plan shuffles.) The selection counts are checked against the
 checked against one selection over all the shards' lines (``--shard-lines`` = their total, ``--max-samples``
 at least the summed samples), which is exact when every shard was read to its end (:func:`read_summary`).
 
+Bad input is refused with one line naming the value and what is accepted, exit 2, nothing written: a flag
+outside its declared range (:data:`RANGES`), ``--eval-samples`` that leaves the plan no training sample, a
+missing ``--sharegpt`` or ``--regenerate-summary`` file, an unknown ``--target``, a summary line that is not
+regenerate's JSON (or lacks one of its fields, or visited more records than it has), a shard that stopped at
+its ``--max-samples``, an ``--out`` in a directory that does not exist. ``--out`` is written atomically.
+
 Output (``--out``, JSON): ``{"prompts": [[{"role", "content"}, ...], ...]`` (the chat messages before the
 first assistant turn, as regenerate rendered them), ``"prompt_token_ids"`` (what regenerate fed the target:
 the chat template with ``add_generation_prompt=True``, tokenized without special tokens), ``"record_ids"``,
@@ -39,22 +45,50 @@ import sys
 import tempfile
 from pathlib import Path
 
+import msgspec
 import numpy as np
+
+from artcache.errors import ArtcacheError, ConfigError, DataError
+from artcache.fsio import atomic_write
+from artcache.ranges import Count, NonNegative, check_value, path_of
+
+#: the flags with a declared range (checked by :func:`check_args` before anything is read)
+RANGES = {"--shard-lines": Count, "--max-samples": Count, "--max-prompt-tokens": Count, "--plan-seed": NonNegative,
+          "--plan-len": Count, "--eval-samples": Count}
+
+
+class SummaryLine(msgspec.Struct):
+    """The fields of one ``artcache regenerate`` summary line this script checks (the others are ignored).
+    ``records`` is needed only to sum several lines (:func:`read_summary`)."""
+
+    samples: NonNegative
+    visited: NonNegative
+    skipped: dict[str, NonNegative]
+    prompt_tokens: NonNegative
+    records: NonNegative | None = None
 
 
 def shard_lines(path: Path, n: int) -> bytes:
-    """The first ``n`` lines of ``path`` (``.xz`` decompressed with lzma), as bytes."""
+    """The first ``n`` lines of ``path`` (``.xz`` decompressed with lzma), as bytes.
+
+    Raises:
+        DataError: the file cannot be read or is not valid xz (names ``--sharegpt`` and the file).
+    """
     opener = lzma.open if path.suffix == ".xz" else open
     out = []
-    with opener(path, "rb") as f:
-        for line in f:
-            out.append(line)
-            if len(out) >= n:
-                break
+    try:
+        with opener(path, "rb") as f:
+            for line in f:
+                out.append(line)
+                if len(out) >= n:
+                    break
+    except (OSError, lzma.LZMAError, EOFError) as exc:  # a cut .xz file raises EOFError
+        raise DataError(f"--sharegpt {str(path)!r}: cannot read its first {n} lines ({exc}); accepted: a readable "
+                        "ShareGPT JSONL file, .xz-compressed when its name ends .xz") from None
     return b"".join(out)
 
 
-def read_summary(path: Path) -> dict | str:
+def read_summary(path: Path) -> dict:
     """The regenerate summary to check the selection against: the file's only JSON line, or, for a run
     regenerated in consecutive shards (one line per shard, in shard order), their sums of ``samples``,
     ``visited``, ``prompt_tokens`` and every ``skipped`` reason.
@@ -62,40 +96,112 @@ def read_summary(path: Path) -> dict | str:
     Summing is exact because :func:`artcache.data.regenerate.select_prompts` judges each record alone; the
     one thing that couples records is its ``max_samples`` stop, so with several lines every shard must have
     been read to its end (``visited == records``): then the shards' selections, concatenated, are one selection
-    over all their lines. Returns a one-line reason (a str) instead when that does not hold or a line lacks
-    a field.
+    over all their lines.
+
+    Raises:
+        DataError: one line naming the file and the line: the file cannot be read or has no line, a line is not
+            a JSON object with regenerate's ``samples``, ``visited``, ``skipped`` and ``prompt_tokens``
+            (non-negative integers; ``records`` too with several lines), it visited more records than it has,
+            or a shard stopped at its ``--max-samples``.
     """
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    name = f"--regenerate-summary {str(path)!r}"
+    accepted = ("accepted: the JSON summary lines artcache regenerate prints, one per shard, each with samples, "
+                "visited, skipped and prompt_tokens (non-negative integers; records too, to sum shards)")
+    try:
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise DataError(f"{name}: cannot read it ({why}); {accepted}") from None
     if not lines:
-        return f"--regenerate-summary {str(path)!r}: no summary line"
-    rows = [json.loads(ln) for ln in lines]
+        raise DataError(f"{name}: no summary line; {accepted}")
+    rows = []
+    for n, ln in enumerate(lines, 1):
+        try:
+            row = msgspec.json.decode(ln, type=SummaryLine)
+        except msgspec.DecodeError as exc:  # not JSON, or a field missing, mistyped or negative
+            where, problem = path_of(exc) if isinstance(exc, msgspec.ValidationError) else ("", str(exc))
+            raise DataError(f"{name} line {n}: {problem}{f' (at {where})' if where else ''}; {accepted}") from None
+        if row.records is not None and row.visited > row.records:
+            raise DataError(f"{name} line {n}: visited {row.visited} is more than its {row.records} records "
+                            "(regenerate visits each record at most once): not a summary regenerate wrote; "
+                            f"{accepted}")
+        rows.append(row)
     if len(rows) == 1:
-        return rows[0]
+        return msgspec.structs.asdict(rows[0])
     total: dict = {"samples": 0, "visited": 0, "skipped": {}, "prompt_tokens": 0}
     for n, row in enumerate(rows, 1):
-        missing = [k for k in ("samples", "visited", "records", "skipped", "prompt_tokens") if k not in row]
-        if missing:
-            return f"--regenerate-summary {str(path)!r} line {n}: no {', '.join(missing)} (needed to sum shards)"
-        if row["visited"] != row["records"]:
-            return (f"--regenerate-summary {str(path)!r} line {n}: the shard stopped at --max-samples "
-                    f"(visited {row['visited']} of {row['records']} records), so the shards' selections are not "
-                    "one selection over all their lines")
+        if row.records is None:
+            raise DataError(f"{name} line {n}: no records (needed to sum shards); {accepted}")
+        if row.visited != row.records:
+            raise DataError(f"{name} line {n}: the shard stopped at --max-samples (visited {row.visited} of "
+                            f"{row.records} records), so the shards' selections are not one selection over all "
+                            "their lines; accepted: several lines only when every shard was read to its end")
         for k in ("samples", "visited", "prompt_tokens"):
-            total[k] += row[k]
-        for reason, count in row["skipped"].items():
+            total[k] += getattr(row, k)
+        for reason, count in row.skipped.items():
             total["skipped"][reason] = total["skipped"].get(reason, 0) + count
     return total
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_args(a: argparse.Namespace) -> None:
+    """Refuse bad flags before anything is read: a value outside its declared range (:data:`RANGES`),
+    ``--eval-samples`` that leaves the plan no training sample, a missing ``--sharegpt`` file, an ``--out``
+    that is a directory or lies in a directory that does not exist.
+
+    Raises:
+        ConfigError: one line naming the flag, its value and what is accepted.
+    """
+    from artcache.trainers.evaluation import eval_split
+
+    for flag, declared in RANGES.items():
+        check_value(getattr(a, flag[2:].replace("-", "_")), declared, flag)
+    eval_split(a.plan_len, a.eval_samples)  # ConfigError: leaves no training sample
+    if not a.sharegpt.is_file():
+        raise ConfigError(f"--sharegpt {str(a.sharegpt)!r}: no such file; accepted: an existing ShareGPT JSONL file "
+                          "(.xz allowed)")
+    if not a.out.parent.is_dir() or a.out.is_dir():
+        raise ConfigError(f"--out {str(a.out)!r}: " + ("is a directory" if a.out.is_dir() else
+                          f"its directory {str(a.out.parent)!r} does not exist") +
+                          "; accepted: a file path in an existing directory")
+
+
+def select(a: argparse.Namespace) -> tuple[bytes, list, dict, int]:
+    """``(shard bytes, prompts, skipped, visited)``: regenerate's selection over the shard, with the target's
+    tokenizer resolved as regenerate resolves ``--target``.
+
+    Raises:
+        ConfigError: ``--target`` is not a target with a tokenizer.
+        DataError: the shard cannot be read or holds no ShareGPT record (names ``--sharegpt``).
+    """
     from artcache.data.regenerate import select_prompts
     from artcache.data.sharegpt import read_sharegpt
+    from artcache.target import load_tokenizer, resolve_target
+
+    tok = load_tokenizer(resolve_target(a.target))
+    if tok is None:
+        raise ConfigError(f"--target {a.target!r} has no tokenizer (a random benchmark target); accepted: the "
+                          "target regenerate ran with, a name or an HF directory with its tokenizer")
+    data = shard_lines(a.sharegpt, a.shard_lines)
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as tmp:
+        tmp.write(data)
+        tmp.flush()
+        try:
+            records = read_sharegpt(tmp.name).records
+        except DataError as exc:  # named by the temp file: name the shard instead
+            raise DataError(str(exc).replace(f"dataset {tmp.name!r}", f"--sharegpt {str(a.sharegpt)!r} (its "
+                                                                       f"first {a.shard_lines} lines)")) from None
+    prompts, skipped, visited = select_prompts(records, tok, max_samples=a.max_samples,
+                                               max_prompt_tokens=a.max_prompt_tokens)
+    return data, prompts, skipped, visited
+
+
+def main(argv: list[str] | None = None) -> int:
     from artcache.trainers.evaluation import eval_split
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sharegpt", required=True, type=Path, help="ShareGPT JSONL (.xz allowed)")
     ap.add_argument("--shard-lines", type=int, default=512)
-    ap.add_argument("--target", required=True, help="target directory with the tokenizer")
+    ap.add_argument("--target", required=True, help="the target regenerate ran with (a name or an HF directory)")
     ap.add_argument("--max-samples", type=int, default=512, help="regenerate's --max-samples")
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--regenerate-summary", type=Path, required=True,
@@ -105,21 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(a.target)
-    data = shard_lines(a.sharegpt, a.shard_lines)
-    with tempfile.NamedTemporaryFile(suffix=".jsonl") as tmp:
-        tmp.write(data)
-        tmp.flush()
-        records = read_sharegpt(tmp.name).records
-    prompts, skipped, visited = select_prompts(records, tok, max_samples=a.max_samples,
-                                               max_prompt_tokens=a.max_prompt_tokens)
-    summary = read_summary(a.regenerate_summary)
-    if isinstance(summary, str):
-        print(f"heldout_prompts: {summary}", file=sys.stderr)
-        return 1
+    try:
+        check_args(a)
+        summary = read_summary(a.regenerate_summary)
+        data, prompts, skipped, visited = select(a)
+    except ArtcacheError as exc:
+        print(f"heldout_prompts: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     got = {"samples": len(prompts), "visited": visited, "skipped": dict(sorted(skipped.items())),
            "prompt_tokens": sum(len(p.ids) for p in prompts)}
     want = {"samples": summary["samples"], "visited": summary["visited"],
@@ -147,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                        "eval_samples": a.eval_samples, "target": a.target,
                        "add_generation_prompt": True, "template_options": {}},
     }
-    a.out.write_text(json.dumps(out, indent=1))
+    atomic_write(a.out, [json.dumps(out, indent=1).encode()], a.out.parent, durable=False)
     print(json.dumps({"out": str(a.out), "held_out": len(held), **got,
                       "held_out_prompt_tokens": sum(len(p) for p in out["prompt_token_ids"])}))
     return 0

@@ -14,9 +14,11 @@ several experiments share one GPU they are that experiment's seconds on the shar
 is the median over intervals of steps / seconds between two such writes.
 
 A torn last line (cut mid-row by a killed process) is skipped and counted (``torn_lines_skipped``, and a line
-on stderr); a file damaged anywhere else is refused with one line naming it and the line (exit 2, nothing
-written). An experiment without held-out evaluations (or without ``replay_tau`` among them) has
-``best_replay_tau`` null, and stderr says so: never a 0. Where an experiment's evaluations have no
+on stderr); a file damaged anywhere else, or empty (0 bytes), is refused with one line naming it and the line
+(exit 2, nothing written). A NaN or inf held-out figure (a zero denominator) is no figure: it is left out of its
+evaluation's row in the JSON (which has no NaN) and never a best figure. An experiment without held-out
+evaluations (or without ``replay_tau`` among them) has ``best_replay_tau`` null, and stderr says so: never a 0.
+Where an experiment's evaluations have no
 ``replay_tau`` (the root did not capture the target's last layer) but a τ on the held-out data tokens
 (DFlash / DSpark ``tau``, incl. the +1 bonus), that τ is plotted instead, labelled "τ on data tokens",
 and ``best_data_tau`` holds its highest value; the JSON's ``tau_figure`` says which one each plot shows.
@@ -34,7 +36,7 @@ from pathlib import Path
 from artcache.bench.provenance import source_commit
 from artcache.errors import DataError
 from artcache.fsio import atomic_write
-from artcache.trainers.tracking import read_metrics_file
+from artcache.trainers.tracking import CSV_HEADER, read_metrics_file
 
 __all__ = ["curves", "main", "read_metrics", "steady_rate", "training_seconds"]
 
@@ -45,8 +47,12 @@ def read_metrics(path: str | Path) -> tuple[dict[str, list[tuple[int, float, flo
     that was skipped, else None (:func:`artcache.trainers.tracking.read_metrics_file`).
 
     Raises:
-        DataError: a line other than a torn last one is not a metrics row (names the file and the line).
+        DataError: the file is empty (0 bytes: not even the header), or a line other than a torn last one is not
+            a metrics row (names the file and the line).
     """
+    if Path(path).stat().st_size == 0:  # regression: a 0-byte file was read as a run with no rows, silently
+        raise DataError(f"metrics file {str(path)!r} is empty (0 bytes, not even its header); accepted: a "
+                        f"metrics.csv with the header {','.join(CSV_HEADER)} and its rows")
     f = read_metrics_file(path)
     by_tag: dict[str, dict[int, tuple[float, float]]] = {}
     for step, tag, value, wall in f.rows:
@@ -107,14 +113,15 @@ def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> 
             for t, rows in m.items():
                 if t.startswith("eval/") and "_per_step" not in t and not t.startswith("eval/acc_"):
                     v = next((v for s, v, _ in rows if s == step), None)
-                    if v is not None:
+                    if v is not None and math.isfinite(v):  # NaN / inf: no figure, left out (JSON has neither)
                         row[t[5:]] = v
-            recent = [v for s, v, _ in train if step - window < s <= step]
+            recent = [v for s, v, _ in train if step - window < s <= step and math.isfinite(v)]
             row["train_loss_median"] = statistics.median(recent) if recent else None
             table.append(row)
-        # a NaN or inf evaluation is no figure (regression: max() with a NaN first gave best NaN, invalid JSON)
-        taus = [e["replay_tau"] for e in table if math.isfinite(e.get("replay_tau", math.nan))]
-        data_taus = [e["tau"] for e in table if math.isfinite(e.get("tau", math.nan))]
+        # a NaN or inf evaluation is no figure, left out of the table above (regression: max() with a NaN first
+        # gave best NaN; the table itself carried NaN: both invalid JSON)
+        taus = [e["replay_tau"] for e in table if "replay_tau" in e]
+        data_taus = [e["tau"] for e in table if "tau" in e]
         out[name] = {"metrics_csv": str(path), "last_step": train[-1][0] if train else 0,
                      "train_seconds": round(secs[train[-1][0]], 1) if train else 0.0,
                      "steady_steps_per_s_median": steady_rate(train, gap_s), "evals": table,
@@ -194,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training_curves: error: {exc}", file=sys.stderr)
         return exc.exit_code
     commit, dirty = source_commit()
-    plot(figures, a.png, a.title)  # first: a plot that fails leaves no JSON claiming it
     doc = json.dumps({"command": ["python", "-m", "artcache.bench.training_curves", *args], "commit": commit,
-                      "dirty": dirty, "note": a.note, "experiments": figures}, indent=1) + "\n"
+                      "dirty": dirty, "note": a.note, "experiments": figures}, indent=1, allow_nan=False) + "\n"
+    plot(figures, a.png, a.title)  # before the JSON: a plot that fails leaves no JSON claiming it
     atomic_write(a.json, [doc.encode()], a.json.parent, durable=False)
     print(json.dumps({n: {"last_step": f["last_step"], "train_seconds": f["train_seconds"],
                           "steady_steps_per_s": f["steady_steps_per_s_median"],

@@ -191,3 +191,41 @@ def test_regression_a_nan_or_inf_evaluation_is_no_best_figure(tmp_path, capsys):
     assert code == 0
     d = json.loads(js.read_text())["experiments"]["d"]
     assert d["best_replay_tau"] == 1.9 and d["best_data_tau"] == 2.1
+
+
+def _strict(text: str):
+    """json.loads that refuses NaN, Infinity and -Infinity (not JSON: Python's reader accepts them)."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_regression_a_nan_or_inf_evaluation_is_left_out_of_the_evals_table(tmp_path, capsys):
+    """Regression (break test): a NaN held-out figure (a zero denominator) reached the JSON's evals table as
+    ``NaN`` (not JSON; strict readers refuse the file), an inf one as ``Infinity``, and a NaN train loss made the
+    row's train_loss_median NaN. A non-finite figure is no figure: left out of its row, as it is no best figure."""
+    rows = [(s, "train/loss", 5.0 - s / 10, 1000.0 + s) for s in range(1, 41)]
+    rows[29] = (30, "train/loss", float("nan"), 1030.0)
+    rows += [(20, "eval/replay_tau", float("nan"), 0.0), (20, "eval/loss", float("inf"), 0.0),
+             (40, "eval/replay_tau", 1.9, 0.0), (40, "eval/loss", 2.0, 0.0), (40, "eval/tau", float("-inf"), 0.0)]
+    _write(tmp_path / "m.csv", rows)
+    code, png, js = _cli(tmp_path, tmp_path / "m.csv")
+    assert code == 0 and png.exists()
+    d = _strict(js.read_text())["experiments"]["d"]
+    assert d["evals"][0] == {"step": 20, "train_seconds": d["evals"][0]["train_seconds"], "train_loss_median": 3.95}
+    assert d["evals"][1]["replay_tau"] == 1.9 and d["evals"][1]["loss"] == 2.0 and "tau" not in d["evals"][1]
+    assert d["evals"][1]["train_loss_median"] == pytest.approx(3.0)  # steps 1..40 but the NaN at 30: step 20's
+    assert d["best_replay_tau"] == 1.9 and d["best_data_tau"] is None
+    _strict(capsys.readouterr().out)
+
+
+def test_regression_a_0_byte_metrics_csv_is_refused_with_one_line(tmp_path, capsys):
+    """Regression (break test): a 0-byte metrics.csv (not even its header) was read as a run with no rows and
+    plotted silently; it is refused with one line naming it, exit 2, nothing written."""
+    (tmp_path / "m.csv").write_bytes(b"")
+    code, png, js = _cli(tmp_path, tmp_path / "m.csv")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"training_curves: error: metrics file {str(tmp_path / 'm.csv')!r} is empty (0 bytes, not even "
+                      "its header); accepted: a metrics.csv with the header step,tag,value,wall_time and its rows")
+    assert not png.exists() and not js.exists()

@@ -184,7 +184,7 @@ def test_heldout_prompts_are_the_plans_last_samples(tmp_path, smollm2_target):
 def test_heldout_prompts_sums_shard_summaries(tmp_path, smollm2_target):
     """A run regenerated in consecutive shards has one summary line per shard: the lines are summed and
     checked against one selection over all the shards' lines (the same held-out prompts as one summary line
-    of the same totals); a shard that stopped at --max-samples (visited < records) exits 1, nothing written."""
+    of the same totals); a shard that stopped at --max-samples (visited < records) exits 2, nothing written."""
 
     from artcache.bench.heldout_prompts import main as heldout_main
     from artcache.target import load_tokenizer
@@ -222,9 +222,95 @@ def test_heldout_prompts_sums_shard_summaries(tmp_path, smollm2_target):
     summary.write_text("".join(json.dumps(s) + "\n" for s in [shards[0], {**shards[1], "samples": 1}]))
     out.unlink()
     assert heldout_main(args) == 1 and not out.exists()
-    # a shard cut by its --max-samples: its selection is not the whole-file selection's, exit 1
+    # a shard cut by its --max-samples: its selection is not the whole-file selection's, unusable input (exit 2)
     summary.write_text("".join(json.dumps(s) + "\n" for s in [{**shards[0], "visited": 5}, shards[1]]))
-    assert heldout_main(args) == 1 and not out.exists()
+    assert heldout_main(args) == 2 and not out.exists()
+
+
+_SUMMARY_LINE = {"samples": 6, "records": 6, "visited": 6, "skipped": {}, "prompt_tokens": 60}
+
+
+def _heldout_bad(tmp_path, capsys, summary: str | None = None, **flags) -> tuple[int, str]:
+    """heldout_prompts over a 12-record shard with ``flags`` overriding (``shard_lines`` -> ``--shard-lines``) and
+    ``summary`` as the summary file's text: (exit status, stderr); asserts nothing was written to ``--out``. The
+    target defaults to a path that does not exist: what is refused before it is loaded needs none."""
+    from artcache.bench.heldout_prompts import main as heldout_main
+
+    src, _recs = _sharegpt_xz(tmp_path, 12)
+    (tmp_path / "summary.jsonl").write_text(json.dumps(_SUMMARY_LINE) + "\n" if summary is None else summary)
+    args = {"sharegpt": str(src), "shard_lines": "12", "target": "/unused/target", "regenerate_summary":
+            str(tmp_path / "summary.jsonl"), "plan_len": "12", "eval_samples": "3", "out": str(tmp_path / "held.json")}
+    args.update(flags)
+    code = heldout_main([x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", v)])
+    assert not Path(args["out"]).exists() and not (tmp_path / "held.json").exists()
+    return code, capsys.readouterr().err
+
+
+_BAD_INPUT = [
+    ("summary line not JSON", "{not json\n", {}, ["--regenerate-summary", "line 1: JSON is malformed", "accepted:"]),
+    ("summary missing a field", json.dumps({"samples": 6}) + "\n", {},
+     ["line 1: Object missing required field `visited`", "accepted:"]),
+    ("summary negative count", json.dumps({**_SUMMARY_LINE, "samples": -1}) + "\n", {}, ["line 1:", ">= 0"]),
+    ("shard summaries without records", "".join(json.dumps({k: v for k, v in _SUMMARY_LINE.items() if k != "records"})
+                                                 + "\n" for _ in range(2)), {},
+     ["line 1: no records (needed to sum shards)"]),
+    ("missing summary file", None, {"regenerate_summary": "no-such-summary.jsonl"},
+     ["--regenerate-summary 'no-such-summary.jsonl': cannot read it (No such file"]),
+    ("missing sharegpt file", None, {"sharegpt": "no-such.jsonl.xz"}, ["--sharegpt 'no-such.jsonl.xz': no such file"]),
+    ("corrupt xz", None, {"sharegpt": "CORRUPT"}, ["--sharegpt", "cannot read its first 12 lines"]),
+    ("missing target", None, {"target": "/no/such/target"}, ["unknown target '/no/such/target'", "accepted"]),
+    ("out in a missing directory", None, {"out": "/no/such/dir/held.json"},
+     ["--out '/no/such/dir/held.json': its directory '/no/such/dir' does not exist", "accepted"]),
+    ("eval samples = plan length", None, {"eval_samples": "12"},
+     ["--eval-samples 12 leaves no training sample", "accepted: 1 .. 11"]),
+    ("eval samples > plan length", None, {"eval_samples": "13"}, ["--eval-samples 13", "accepted: 1 .. 11"]),
+]
+
+
+@pytest.mark.parametrize(("case", "summary", "flags", "needles"), _BAD_INPUT, ids=[c[0] for c in _BAD_INPUT])
+def test_regression_heldout_prompts_bad_input_is_one_line_exit_2(tmp_path, smollm2_target, capsys, case, summary,
+                                                                 flags, needles):
+    """Break test: a summary line that is not JSON or lacks a field, a missing input file, --out in a missing
+    directory, --eval-samples >= --plan-len each gave a Python traceback (exit 1), some after the tokenizer had
+    loaded. Each is one line naming the value and what is accepted, exit 2, nothing written."""
+    if flags.get("sharegpt") == "CORRUPT":
+        (tmp_path / "bad.jsonl.xz").write_bytes(b"\xfd7zXZ\x00not xz at all")
+        flags = {**flags, "sharegpt": str(tmp_path / "bad.jsonl.xz")}
+    code, err = _heldout_bad(tmp_path, capsys, summary, **{"target": smollm2_target.path, **flags})
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("heldout_prompts: error: "), (case, err)
+    assert all(n in lines[0] for n in needles), (case, lines[0])
+
+
+@pytest.mark.parametrize(("flag", "value", "accepted"), [
+    ("shard_lines", "0", "an integer >= 1"), ("shard_lines", "-3", "an integer >= 1"),
+    ("max_samples", "0", "an integer >= 1"), ("max_prompt_tokens", "0", "an integer >= 1"),
+    ("plan_len", "0", "an integer >= 1"), ("eval_samples", "0", "an integer >= 1"),
+    ("plan_seed", "-1", "an integer >= 0")])
+def test_regression_heldout_prompts_refuses_flags_outside_their_declared_range(tmp_path, capsys, flag, value,
+                                                                               accepted):
+    """Break test: --shard-lines 0 was accepted (an empty shard); --plan-seed -1 gave numpy's traceback. Every
+    count flag is declared (heldout_prompts.RANGES) and refused with the range's one line, before the target
+    is loaded (no target needed here)."""
+    code, err = _heldout_bad(tmp_path, capsys, **{flag: value})
+    name = f"--{flag.replace('_', '-')}"
+    assert code == 2 and err.strip() == f"heldout_prompts: error: {name} {value} is invalid: accepted {accepted}" \
+        + (" (0 or a positive integer)" if accepted.endswith(">= 0") else ""), err
+
+
+def test_regression_heldout_prompts_visited_more_than_records_is_not_called_a_max_samples_stop(tmp_path, capsys):
+    """Break test: a summary line with visited > records was reported as "the shard stopped at --max-samples
+    (visited 7 of 6 records)": a stop visits fewer records, never more. It is a summary regenerate cannot have
+    written, and the line says so (one line or several); a real stop (visited < records) keeps its message."""
+    over = json.dumps({**_SUMMARY_LINE, "visited": 7}) + "\n"
+    for text in (over, over + json.dumps(_SUMMARY_LINE) + "\n"):
+        code, err = _heldout_bad(tmp_path, capsys, text)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "line 1: visited 7 is more than its 6 records" in err and "not a summary regenerate wrote" in err
+        assert "stopped at --max-samples" not in err
+    stop = json.dumps({**_SUMMARY_LINE, "visited": 5}) + "\n" + json.dumps(_SUMMARY_LINE) + "\n"
+    code, err = _heldout_bad(tmp_path, capsys, stop)
+    assert code == 2 and "line 1: the shard stopped at --max-samples (visited 5 of 6 records)" in err, err
 
 
 def test_regression_the_printed_offline_figure_names_what_the_metrics_hold():
