@@ -246,13 +246,59 @@ def test_regression_dflash_only_eval_captures_the_last_layer(tiny_target, tmp_pa
     text = result.stdout
     assert "capture layers [1, 2, 3, 5] (union of the experiments' views + layer 5)" in text, text
     assert "layer 5, the target's last, is added for the held-out greedy replay (replay_tau) of d: " in text
-    assert f"{128 * tiny_target.hidden_size * 2 / 2**20:.1f} MiB per artifact at most" in text
+    assert f"{128 * tiny_target.hidden_size * 2 / 2**10:.1f} KiB per artifact at most" in text  # 16 KiB
     assert "capture.replay_layer = false leaves it out" in text
     (tmp_path / "x").mkdir()
     plan2, _ = plan_of(tiny_target, tmp_path / "x", exp("d", eval_samples=4), overrides=["capture.layer_ids=1,2,3"])
     assert plan2.captured_layer_ids == [1, 2, 3] and plan2.replay_layer is None
     assert any("lacks the target's last layer 5: the held-out evaluation of d reports data-token figures only, no "
                "replay_tau" in n for n in plan2.notes), plan2.notes
+
+
+def dry_run(path: Path, *args: str):
+    return CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run", *args])
+
+
+def test_regression_dry_run_labels_explicit_layer_ids_as_such(tiny_target, tmp_path):
+    """Break test: with an explicit capture.layer_ids the dry run still said "(union of the experiments'
+    views)" (the config's own ids, not a union the plan derived); the plan and plan.json say which."""
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d")))
+    result = dry_run(path, "capture.layer_ids=1,2,3,4")
+    assert result.exit_code == 0, result.output
+    assert "capture layers [1, 2, 3, 4] (capture.layer_ids, explicit in the config) into " in result.stdout
+    assert "union" not in result.stdout.splitlines()[3], result.stdout
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d"), overrides=["capture.layer_ids=1,2,3,4"])
+    assert plan.explicit_layer_ids
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d"))
+    assert not plan.explicit_layer_ids
+
+
+def test_regression_dry_run_prints_small_replay_bytes_in_a_unit_that_shows_them(tiny_target, tmp_path):
+    """Break test: on a tiny target the replay layer's bytes printed as "0.0 MiB" (16 KiB per artifact); the
+    dry run now prints every size with artcache.report.format_bytes (KiB, or B, under 1 MiB)."""
+    from artcache.report import format_bytes
+
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=4)))
+    result = dry_run(path)
+    assert result.exit_code == 0, result.output
+    assert "0.0 MiB" not in result.stdout, result.stdout
+    per = 128 * tiny_target.hidden_size * 2
+    assert f": {format_bytes(per)} per artifact at most, " in result.stdout and format_bytes(per) == "16.0 KiB"
+
+
+def test_regression_no_missing_last_layer_note_when_replay_layer_is_off(tiny_target, tmp_path):
+    """Break test: an explicit capture.layer_ids without the target's last layer noted that the held-out
+    evaluation has no replay_tau even under capture.replay_layer = false, the setting that turns it off."""
+    explicit = ["capture.layer_ids=1,2,3"]
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=4), overrides=explicit)
+    assert any("lacks the target's last layer 5" in n for n in plan.notes), plan.notes  # still noted when on
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=4),
+                      overrides=[*explicit, "capture.replay_layer=false"])
+    assert not any("last layer" in n for n in plan.notes), plan.notes
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=4)))
+    result = dry_run(path, *explicit, "capture.replay_layer=false")
+    assert result.exit_code == 0, result.output
+    assert "last layer" not in result.stdout and "replay_tau" not in result.stdout, result.stdout
 
 
 def test_root_without_the_replay_layer_names_the_opt_out(tiny_target, tmp_path):
