@@ -301,6 +301,21 @@ def test_regression_no_missing_last_layer_note_when_replay_layer_is_off(tiny_tar
     assert "last layer" not in result.stdout and "replay_tau" not in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("eval_samples", [40, 41, 1000])
+def test_regression_dry_run_refuses_eval_samples_leaving_no_training_sample(tiny_target, tmp_path, eval_samples):
+    """Break test: eval_samples >= data.max_samples passed the dry run (the consumer refused it only once
+    started: the held-out split leaves no sample to train on). One line naming both values and the range."""
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=eval_samples)))
+    result = dry_run(path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert (f"experiments.d.consumer.eval_samples {eval_samples} leaves no training sample: data.max_samples is 40"
+            in result.output), result.output
+    assert "accepted: 0 (no held-out split) .. 39" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=39))  # the largest accepted
+    assert plan.experiments[0].window_artifacts == 11 + 39
+
+
 def test_root_without_the_replay_layer_names_the_opt_out(tiny_target, tmp_path):
     """A root an earlier DFlash-only run prepared without L-1: the evaluating config is refused (another
     contract), the message naming capture.replay_layer = false, which then plans on that root."""

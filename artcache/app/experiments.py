@@ -385,6 +385,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     from artcache.trainers.consumer.config import check_anchors
     from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
     from artcache.trainers.draft import draft_class
+    from artcache.trainers.evaluation import eval_split
     from artcache.trainers.seed import read_seed
 
     start_step = start_cursor = 0
@@ -394,6 +395,9 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     check_anchors(given.num_anchors, resolved.data.max_length, f"experiments.{e.name}.anchors",
                   "data.max_length, the tokens per sample")  # as the consumer will (artcache.trainers.consumer)
     ccfg = given.resolved()
+    max_samples = resolved.data.max_samples  # the plan holds at most that many: the split must leave one to train
+    eval_split(max_samples, ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples",
+               f"data.max_samples is {max_samples}, the most samples the plan holds")
     found = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True) \
         if e.resume else None  # None on resume: only unrecorded checkpoints of a kill, it continues from step 0
     if found is not None:  # the consumer's own checks (registry record, run settings, draft), before it starts
