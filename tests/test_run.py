@@ -884,6 +884,21 @@ def test_regression_a_damaged_saved_config_is_named_by_its_path_not_as_config(tm
     assert "--config" not in res.output
 
 
+@pytest.mark.parametrize("text", ["", "# nothing\n", "[data]\nseed = 3\n"])
+def test_regression_inspect_names_a_saved_config_without_a_cache_root(tmp_path, layout, text):
+    """Break test: ``artcache inspect --cache RUN_DIR`` on an empty RUN_DIR/config.toml read the defaults
+    and pointed at a default root (``cache root './runs/run/cache' does not exist; start artcache producer``);
+    now one line naming the saved run config and that it names no cache root."""
+    (tmp_path / "config.toml").write_text(text)
+    res = CliRunner().invoke(main, ["inspect", "--cache", str(tmp_path)])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert f"the saved run config '{tmp_path / 'config.toml'}' names no cache root (empty or damaged" in res.output
+    assert "runs/run/cache" not in res.output and "artcache producer" not in res.output, res.output
+    (tmp_path / "config.toml").write_text(f"{text}\n[cache]\nroot = {json.dumps(str(layout.root))}\n")
+    res = CliRunner().invoke(main, ["inspect", "--cache", str(tmp_path)])  # with its cache root: inspected
+    assert res.exit_code == 0, res.output
+
+
 def test_regression_the_disk_bound_counts_the_held_out_split(tiny_target, tmp_path):
     """Regression: the plan's disk bound was Σ windows, while the producer retains Σ (window + held-out split)
     (``scheduler.window_bound``: a consumer's held-out samples are pinned), so an evaluating run's printed bound
