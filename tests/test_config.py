@@ -202,6 +202,24 @@ def test_bad_overrides_name_the_path_and_accepted(tmp_path, override, needles):
         assert n in msg, (n, msg)
 
 
+@pytest.mark.parametrize("override, none", [("capture.replay_layer=maybe", False),
+                                            ("experiments.0.resume=maybe", True)])
+def test_regression_bad_bool_override_lists_the_accepted_spellings(tmp_path, override, none):
+    """Break test: a bad bool override said only "expected true or false" while the parser also takes
+    yes/on/1 and no/off/0 (any case); the message lists exactly the spellings it takes (and none's, when
+    the field is optional), each of which is then accepted."""
+    msg = rejected(tmp_path, TWO, override)
+    assert "(accepted, any case: true, yes, on, 1 or false, no, off, 0" in msg, msg
+    assert ("none, null, ~ for none" in msg) == none, msg
+    key = override.split("=")[0]
+    spellings = {True: ["true", "yes", "on", "1", "TRUE", "Yes"], False: ["false", "no", "off", "0", "OFF"]}
+    for want, texts in spellings.items():
+        for text in texts:
+            cfg = C.load_run_config(write(tmp_path, TWO), [f"{key}={text}"])
+            got = cfg.capture.replay_layer if key.startswith("capture") else cfg.experiments[0].resume
+            assert got is want, (text, got)
+
+
 def test_override_into_empty_experiments(tmp_path):
     assert "experiments is empty" in rejected(tmp_path, "", "experiments.0.lr=1")
 

@@ -246,13 +246,74 @@ def test_regression_dflash_only_eval_captures_the_last_layer(tiny_target, tmp_pa
     text = result.stdout
     assert "capture layers [1, 2, 3, 5] (union of the experiments' views + layer 5)" in text, text
     assert "layer 5, the target's last, is added for the held-out greedy replay (replay_tau) of d: " in text
-    assert f"{128 * tiny_target.hidden_size * 2 / 2**20:.1f} MiB per artifact at most" in text
+    assert f"{128 * tiny_target.hidden_size * 2 / 2**10:.1f} KiB per artifact at most" in text  # 16 KiB
     assert "capture.replay_layer = false leaves it out" in text
     (tmp_path / "x").mkdir()
     plan2, _ = plan_of(tiny_target, tmp_path / "x", exp("d", eval_samples=4), overrides=["capture.layer_ids=1,2,3"])
     assert plan2.captured_layer_ids == [1, 2, 3] and plan2.replay_layer is None
     assert any("lacks the target's last layer 5: the held-out evaluation of d reports data-token figures only, no "
                "replay_tau" in n for n in plan2.notes), plan2.notes
+
+
+def dry_run(path: Path, *args: str):
+    return CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run", *args])
+
+
+def test_regression_dry_run_labels_explicit_layer_ids_as_such(tiny_target, tmp_path):
+    """Break test: with an explicit capture.layer_ids the dry run still said "(union of the experiments'
+    views)" (the config's own ids, not a union the plan derived); the plan and plan.json say which."""
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d")))
+    result = dry_run(path, "capture.layer_ids=1,2,3,4")
+    assert result.exit_code == 0, result.output
+    assert "capture layers [1, 2, 3, 4] (capture.layer_ids, explicit in the config) into " in result.stdout
+    assert "union" not in result.stdout.splitlines()[3], result.stdout
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d"), overrides=["capture.layer_ids=1,2,3,4"])
+    assert plan.explicit_layer_ids
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d"))
+    assert not plan.explicit_layer_ids
+
+
+def test_regression_dry_run_prints_small_replay_bytes_in_a_unit_that_shows_them(tiny_target, tmp_path):
+    """Break test: on a tiny target the replay layer's bytes printed as "0.0 MiB" (16 KiB per artifact); the
+    dry run now prints every size with artcache.report.format_bytes (KiB, or B, under 1 MiB)."""
+    from artcache.report import format_bytes
+
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=4)))
+    result = dry_run(path)
+    assert result.exit_code == 0, result.output
+    assert "0.0 MiB" not in result.stdout, result.stdout
+    per = 128 * tiny_target.hidden_size * 2
+    assert f": {format_bytes(per)} per artifact at most, " in result.stdout and format_bytes(per) == "16.0 KiB"
+
+
+def test_regression_no_missing_last_layer_note_when_replay_layer_is_off(tiny_target, tmp_path):
+    """Break test: an explicit capture.layer_ids without the target's last layer noted that the held-out
+    evaluation has no replay_tau even under capture.replay_layer = false, the setting that turns it off."""
+    explicit = ["capture.layer_ids=1,2,3"]
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=4), overrides=explicit)
+    assert any("lacks the target's last layer 5" in n for n in plan.notes), plan.notes  # still noted when on
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=4),
+                      overrides=[*explicit, "capture.replay_layer=false"])
+    assert not any("last layer" in n for n in plan.notes), plan.notes
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=4)))
+    result = dry_run(path, *explicit, "capture.replay_layer=false")
+    assert result.exit_code == 0, result.output
+    assert "last layer" not in result.stdout and "replay_tau" not in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("eval_samples", [40, 41, 1000])
+def test_regression_dry_run_refuses_eval_samples_leaving_no_training_sample(tiny_target, tmp_path, eval_samples):
+    """Break test: eval_samples >= data.max_samples passed the dry run (the consumer refused it only once
+    started: the held-out split leaves no sample to train on). One line naming both values and the range."""
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=eval_samples)))
+    result = dry_run(path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert (f"experiments.d.consumer.eval_samples {eval_samples} leaves no training sample: data.max_samples is 40"
+            in result.output), result.output
+    assert "accepted: 0 (no held-out split) .. 39" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=39))  # the largest accepted
+    assert plan.experiments[0].window_artifacts == 11 + 39
 
 
 def test_root_without_the_replay_layer_names_the_opt_out(tiny_target, tmp_path):
@@ -821,6 +882,21 @@ def test_regression_a_damaged_saved_config_is_named_by_its_path_not_as_config(tm
     assert res.exit_code == 2, res.output
     assert f"the saved run config '{tmp_path / 'config.toml'}' is not valid TOML" in res.output
     assert "--config" not in res.output
+
+
+@pytest.mark.parametrize("text", ["", "# nothing\n", "[data]\nseed = 3\n"])
+def test_regression_inspect_names_a_saved_config_without_a_cache_root(tmp_path, layout, text):
+    """Break test: ``artcache inspect --cache RUN_DIR`` on an empty RUN_DIR/config.toml read the defaults
+    and pointed at a default root (``cache root './runs/run/cache' does not exist; start artcache producer``);
+    now one line naming the saved run config and that it names no cache root."""
+    (tmp_path / "config.toml").write_text(text)
+    res = CliRunner().invoke(main, ["inspect", "--cache", str(tmp_path)])
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert f"the saved run config '{tmp_path / 'config.toml'}' names no cache root (empty or damaged" in res.output
+    assert "runs/run/cache" not in res.output and "artcache producer" not in res.output, res.output
+    (tmp_path / "config.toml").write_text(f"{text}\n[cache]\nroot = {json.dumps(str(layout.root))}\n")
+    res = CliRunner().invoke(main, ["inspect", "--cache", str(tmp_path)])  # with its cache root: inspected
+    assert res.exit_code == 0, res.output
 
 
 def test_regression_the_disk_bound_counts_the_held_out_split(tiny_target, tmp_path):

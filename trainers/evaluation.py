@@ -37,9 +37,12 @@ from artcache.trainers.draft import MetricSums
 log = logging.getLogger("artcache.consumer")
 
 
-def eval_split(plan_len: int, eval_samples: int) -> tuple[int, int]:
+def eval_split(plan_len: int, eval_samples: int, name: str = "--eval-samples",
+               limit: str = "") -> tuple[int, int]:
     """The held-out sample indices ``[lo, hi)`` (``(0, 0)`` when ``eval_samples`` is 0); training walks the
-    plan's first ``lo`` samples (``epoch_len``; all of it without a split).
+    plan's first ``lo`` samples (``epoch_len``; all of it without a split). ``name`` names the setting and
+    ``limit`` where ``plan_len`` comes from (default: the plan's length), in the message (a run's dry run
+    checks a config's ``eval_samples`` against its ``data.max_samples``).
 
     Raises:
         ConfigError: ``eval_samples`` leaves no training sample.
@@ -47,8 +50,9 @@ def eval_split(plan_len: int, eval_samples: int) -> tuple[int, int]:
     if eval_samples <= 0:
         return (0, 0)
     if eval_samples >= plan_len:
-        raise ConfigError(f"--eval-samples {eval_samples} leaves no training sample: the plan has {plan_len} "
-                          f"samples; accepted: 1 .. {plan_len - 1}")
+        raise ConfigError(f"{name} {eval_samples} leaves no training sample: "
+                          f"{limit or f'the plan has {plan_len} samples'}; accepted: 0 (no held-out split) .. "
+                          f"{plan_len - 1}")
     return (plan_len - eval_samples, plan_len)
 
 

@@ -374,7 +374,12 @@ def inspect(cache, as_json):
         from artcache.app.experiments import resolve
 
         saved = path / "config.toml"
-        path = Path(resolve(load_run_config(saved, source=saved_config_source(saved))).cache.root)
+        cfg = load_run_config(saved, source=saved_config_source(saved))
+        if not cfg.cache.root:  # artcache run saves it resolved; without it the root would be a default one
+            raise ConfigError(f"{saved_config_source(saved)} names no cache root (empty or damaged: no "
+                              "cache.root); accepted: the config.toml artcache run writes, or --cache the cache "
+                              "root itself (the directory holding artcache.json)")
+        path = Path(resolve(cfg).cache.root)
     layout = CacheLayout(path)
     load_settings(layout)  # an unreadable artcache.json is named (exit 2), as fsck does, never reported "ok"
     acc = account(layout, retention_now=True)

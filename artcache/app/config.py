@@ -528,8 +528,10 @@ def parse_value(text: str, t: mi.Type, where: str) -> Any:
     if isinstance(inner, mi.StrType):
         return text
     if isinstance(inner, mi.BoolType):
-        if text.lower() not in _BOOL:
-            raise bad()
+        if text.lower() not in _BOOL:  # the spellings this parser takes, not only TOML's true and false
+            spell = [", ".join(k for k, v in _BOOL.items() if v is flag) for flag in (True, False)]
+            raise bad(f" (accepted, any case: {spell[0]} or {spell[1]}"
+                      + (f"; {', '.join(_NONE)} for none" if optional else "") + ")")
         return _BOOL[text.lower()]
     if isinstance(inner, mi.IntType):
         try:

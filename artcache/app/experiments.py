@@ -46,6 +46,7 @@ from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
 from artcache.registry import COMPLETED
+from artcache.report import format_bytes
 from artcache.shutdown import GracefulShutdown
 from artcache.store import artifact_bytes_bound
 
@@ -124,6 +125,8 @@ class RunPlan(msgspec.Struct, kw_only=True):
     replay_layer: int | None = None
     replay_layer_for: list[str] = []
     replay_layer_bytes: int = 0
+    #: ``captured_layer_ids`` is the config's own ``capture.layer_ids`` (not the union the plan derived)
+    explicit_layer_ids: bool = False
 
 
 def _check_device(device: str, what: str, local: bool = True) -> None:
@@ -223,6 +226,27 @@ def shared_gpus(devices: list[str]) -> list[str]:
     return sorted({d for d in gpus if gpus.count(d) > 1})
 
 
+def _explicit_capture(cfg: RunConfig, views: dict[str, list[int]], num_layers: int, notes: list[str]) -> list[int]:
+    """The config's own ``capture.layer_ids`` (:func:`plan_run`): ConfigError unless it holds every layer the
+    experiments' ``views`` read; a note in ``notes`` when an evaluating experiment then has no target last layer
+    (no ``replay_tau``), unless ``capture.replay_layer = false`` turned that replay off."""
+    captured = list(cfg.capture.layer_ids or [])
+    missing = {n: [i for i in v if i not in captured] for n, v in views.items()}
+    missing = {n: m for n, m in missing.items() if m}
+    if missing:
+        union, _ = capture_layers(cfg, num_layers)
+        raise ConfigError(f"capture.layer_ids {captured} lacks layers the experiments read: "
+                          + "; ".join(f"{n} needs {m}" for n, m in missing.items())
+                          + f" (leave capture.layer_ids out to capture {union})")
+    last = num_layers - 1
+    blind = [e.name for e in cfg.experiments if evaluates(e)] \
+        if last not in captured and cfg.capture.replay_layer else []
+    if blind:
+        notes.append(f"capture.layer_ids {captured} lacks the target's last layer {last}: the held-out "
+                     f"evaluation of {', '.join(blind)} reports data-token figures only, no replay_tau")
+    return captured
+
+
 def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "config") -> tuple[RunPlan, RunConfig]:
     """Resolve and check a run; nothing is written. Returns the plan and the resolved config.
 
@@ -256,18 +280,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     replay_for: list[str] = []  # the evaluating experiments the added last layer serves
     notes: list[str] = []
     if cfg.capture.layer_ids:
-        captured = list(cfg.capture.layer_ids)
-        missing = {n: [i for i in v if i not in captured] for n, v in views.items()}
-        missing = {n: m for n, m in missing.items() if m}
-        if missing:
-            union, _ = capture_layers(cfg, info.num_layers)
-            raise ConfigError(f"capture.layer_ids {captured} lacks layers the experiments read: "
-                              + "; ".join(f"{n} needs {m}" for n, m in missing.items())
-                              + f" (leave capture.layer_ids out to capture {union})")
-        blind = [e.name for e in cfg.experiments if evaluates(e)] if last not in captured else []
-        if blind:
-            notes.append(f"capture.layer_ids {captured} lacks the target's last layer {last}: the held-out "
-                         f"evaluation of {', '.join(blind)} reports data-token figures only, no replay_tau")
+        captured = _explicit_capture(cfg, views, info.num_layers, notes)
     else:
         captured, replay_for = capture_layers(cfg, info.num_layers)
     # an explicit capture.layer_ids is the root's capture set: each id once (the union is a set already)
@@ -326,7 +339,8 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     free_at = next((p for p in [layout.root, *layout.root.parents] if p.exists()), Path("/"))
     free = shutil.disk_usage(free_at).free
     if bound * per_artifact > free:
-        notes.append(f"disk bound {_mib(bound * per_artifact)} exceeds the {_mib(free)} free at {free_at}")
+        notes.append(f"disk bound {format_bytes(bound * per_artifact)} exceeds the {format_bytes(free)} free at "
+                     f"{free_at}")
     shared = shared_gpus([resolved.target.device, *(x.device for x in exps)])
     if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
         notes.append(f"several roles share {', '.join(shared)}")
@@ -340,7 +354,8 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         contract_id=contract.contract_id,
         data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
         disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes,
-        replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes)
+        replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes,
+        explicit_layer_ids=bool(cfg.capture.layer_ids))
     return plan, resolved
 
 
@@ -370,6 +385,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     from artcache.trainers.consumer.config import check_anchors
     from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
     from artcache.trainers.draft import draft_class
+    from artcache.trainers.evaluation import eval_split
     from artcache.trainers.seed import read_seed
 
     start_step = start_cursor = 0
@@ -379,6 +395,9 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     check_anchors(given.num_anchors, resolved.data.max_length, f"experiments.{e.name}.anchors",
                   "data.max_length, the tokens per sample")  # as the consumer will (artcache.trainers.consumer)
     ccfg = given.resolved()
+    max_samples = resolved.data.max_samples  # the plan holds at most that many: the split must leave one to train
+    eval_split(max_samples, ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples",
+               f"data.max_samples is {max_samples}, the most samples the plan holds")
     found = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True) \
         if e.resume else None  # None on resume: only unrecorded checkpoints of a kill, it continues from step 0
     if found is not None:  # the consumer's own checks (registry record, run settings, draft), before it starts
@@ -433,10 +452,6 @@ def _load_or_build_plan(layout, plan_id: str, spec, tok, info):
     return build_plan(spec, tok, target_vocab_size=info.vocab_size)
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
-
-
 def format_plan(plan: RunPlan) -> str:
     """The dry-run text: the shared capture, then every experiment's resolved plan and requirements."""
     from artcache.report import table
@@ -449,14 +464,15 @@ def format_plan(plan: RunPlan) -> str:
         f"{plan.compute_dtype}, storing {plan.dtype}",
         f"data {plan.data['dataset']} seed {plan.data['seed']} max_length {plan.data['max_length']} "
         f"max_samples {plan.data['max_samples']} (plan {plan.plan_id[:16]})",
-        f"capture layers {plan.captured_layer_ids} (union of the experiments' views"
-        + (f" + layer {plan.replay_layer}" if plan.replay_layer is not None else "") + f") into {plan.cache_root}",
+        f"capture layers {plan.captured_layer_ids} ("
+        + ("capture.layer_ids, explicit in the config" if plan.explicit_layer_ids else "union of the experiments' views"
+           + (f" + layer {plan.replay_layer}" if plan.replay_layer is not None else "")) + f") into {plan.cache_root}",
         *([f"  layer {plan.replay_layer}, the target's last, is added for the held-out greedy replay (replay_tau) of "
-           f"{', '.join(plan.replay_layer_for)}: {_mib(plan.replay_layer_bytes)} per artifact at most, "
-           f"{_mib(plan.replay_layer_bytes * plan.window_bound_artifacts)} of the disk bound "
+           f"{', '.join(plan.replay_layer_for)}: {format_bytes(plan.replay_layer_bytes)} per artifact at most, "
+           f"{format_bytes(plan.replay_layer_bytes * plan.window_bound_artifacts)} of the disk bound "
            "(capture.replay_layer = false leaves it out)"] if plan.replay_layer is not None else []),
-        f"disk bound {_mib(plan.disk_bound_bytes)} = {plan.window_bound_artifacts} artifacts (sum of windows and "
-        f"held-out splits, at most the plan) x {_mib(plan.bytes_per_artifact_max)} per artifact at most",
+        f"disk bound {format_bytes(plan.disk_bound_bytes)} = {plan.window_bound_artifacts} artifacts (sum of windows "
+        f"and held-out splits, at most the plan) x {format_bytes(plan.bytes_per_artifact_max)} per artifact at most",
         "",
         table(["experiment", "draft", "layers (view)", "index in capture", "device", "window", "steps", "batch",
                "positions", "lr", "seed", "start", "out"],
@@ -838,9 +854,10 @@ def format_report(r: dict) -> str:
         "Shared production (this run's producer, counted once):",
         f"  captures {p['captures']} ({p['recaptures']} recaptures) for {p['distinct_positions_consumed']} distinct "
         f"positions consumed ({p['captures_per_distinct_position']:.3f} per position); publications "
-        f"{p['publications']} ({_mib(p['published_bytes'])}); failures {p['failures']}; evictions {p['evictions']}; "
-        f"max retained {p['max_retained_artifacts']} artifacts ({_mib(p['max_retained_bytes'])}) against a window "
-        f"bound of {p['window_bound_artifacts']}; producer exit {p['exit_code']}", "",
+        f"{p['publications']} ({format_bytes(p['published_bytes'])}); failures {p['failures']}; evictions "
+        f"{p['evictions']}; max retained {p['max_retained_artifacts']} artifacts "
+        f"({format_bytes(p['max_retained_bytes'])}) against a window bound of {p['window_bound_artifacts']}; "
+        f"producer exit {p['exit_code']}", "",
         "Per experiment (each one's own committed work; requests are not production and are never summed into it):",
         "```",
         table(["experiment", "draft", "layers", "device", "state", "exit", "steps", "step range", "cursor",
@@ -1010,7 +1027,7 @@ def format_run_dir_report(r: dict) -> str:
     lines = [f"## run directory {r['out']}", "", f"cache root {r['cache_root']}", "",
              f"Shared production ({p['producer_processes']} producer process(es) of this root, counted once): "
              f"captures {p['captures']} ({p['recaptures']} recaptures) for {p['distinct_positions_consumed']} distinct "
-             f"positions consumed; publications {p['publications']} ({_mib(p['published_bytes'])}); failures "
+             f"positions consumed; publications {p['publications']} ({format_bytes(p['published_bytes'])}); failures "
              f"{p['failures']}; evictions {p['evictions']}", "",
              "Experiments:", "```",
              table(["experiment", "draft", "state", "steps", "last eval", "checkpoints", "latest", "best"], rows),
