@@ -529,28 +529,30 @@ def remove_orphan_temps(run_dir: Path) -> tuple[int, int]:
     return removed, nbytes
 
 
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoint directories of a run, (step, path), ascending by step."""
+def _step_dirs(run_dir: Path) -> list[tuple[int, Path, bool]]:
+    """The one walk of a run's ``checkpoints/``: every ``step-N`` directory (no symlink), (step, path, whether
+    it holds ``state.json``), ascending by step."""
     parent = Path(run_dir) / "checkpoints"
     if not parent.is_dir():
         return []
     out = []
     for p in parent.iterdir():
         m = _STEP_DIR.fullmatch(p.name)
-        if m and p.is_dir() and not p.is_symlink() and (p / "state.json").is_file():
-            out.append((int(m.group(1)), p))
+        if m and p.is_dir() and not p.is_symlink():
+            out.append((int(m.group(1)), p, (p / "state.json").is_file()))
     return sorted(out)
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoint directories of a run, (step, path), ascending by step."""
+    return [(step, p) for step, p, has_state in _step_dirs(run_dir) if has_state]
 
 
 def stateless_checkpoints(run_dir: Path) -> list[Path]:
     """``step-N`` directories of a run that :func:`list_checkpoints` leaves out because they hold no
     ``state.json`` (written partly, or damaged by hand), ascending by step: what a lookup that found nothing
     names so the user is not told the run holds no checkpoint."""
-    parent = Path(run_dir) / "checkpoints"
-    if not parent.is_dir():
-        return []
-    return sorted((p for p in parent.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
-                   and not (p / "state.json").is_file()), key=lambda p: p.name)
+    return [p for _, p, has_state in _step_dirs(run_dir) if not has_state]
 
 
 def prune(run_dir: Path, keep: int, *protect: Path) -> list[Path]:
