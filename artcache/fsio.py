@@ -196,7 +196,8 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[in
 
     Raises:
         PublishError: on any OSError before the rename; the temp file has been removed and ``dest`` is
-            untouched. ``retryable`` says whether the same call may succeed later.
+            untouched. ``retryable`` says whether the same call may succeed later. The message names ``dest``'s
+            full path (on a full disk: which filesystem to free space on; the temp file is on the same one).
     """
     tmp = tmp_dir / f"{unique_suffix()}.part"
     written = 0
@@ -229,7 +230,7 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[in
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise PublishError(
-            f"writing {dest.name} failed: {exc.strerror or exc}", fingerprint=fingerprint,
+            f"writing {dest.absolute()} failed: {exc.strerror or exc}", fingerprint=fingerprint,
             retryable=is_retryable(exc), errno_=exc.errno) from exc
     # published: from here on nothing withdraws it
     if fingerprint is not None:

@@ -68,8 +68,7 @@ def check_deadlock(limits: SchedulerLimits, batch_size: int, lookahead: int, max
         raise ConfigError(
             f"lookahead {lookahead} is smaller than the batch size {batch_size}: positions of a batch past "
             f"cursor + lookahead are never captured, so the consumer could wait forever; raise the lookahead "
-            f"to >= {batch_size} (--window LOOKBEHIND:{batch_size} or larger) or lower the batch size to "
-            f"<= {lookahead}")
+            f"to >= {batch_size} or lower the batch size to <= {lookahead}")
 
 
 @dataclass

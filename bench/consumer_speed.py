@@ -33,10 +33,8 @@ gpu_micro's shape (one 3072-token sequence, 256 anchors).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import sys
 import time
 import traceback
@@ -45,7 +43,7 @@ from pathlib import Path
 import torch
 
 from artcache.bench.gpu_micro import dflash_step_flops, matmul_peak
-from artcache.bench.provenance import source_commit
+from artcache.bench.provenance import hardware, source_commit
 
 SMOL_UNION = [1, 8, 14, 20, 26, 27, 29]
 DFLASH_VIEW = [1, 8, 14, 20, 27]
@@ -83,30 +81,11 @@ def parse_plan(plan: str) -> list[tuple[str, str]]:
     return out
 
 
-def provenance(device) -> dict:
+def provenance(device, roots: list[Path] = ()) -> dict:
     """The command, the commit of this code and whether it is dirty
-    (:func:`artcache.bench.provenance.source_commit`), and the hardware."""
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        )
-    hw = {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    if device.type == "cuda":
-        prop = torch.cuda.get_device_properties(device)
-        hw.update(
-            gpu=prop.name,
-            gpu_count=torch.cuda.device_count(),
-            gpu_memory_bytes=prop.total_memory,
-            cuda=torch.version.cuda,
-        )
+    (:func:`artcache.bench.provenance.source_commit`), and the hardware
+    (:func:`artcache.bench.provenance.hardware`: the one record of every bench JSON, ``roots``' mounts included)."""
+    hw = hardware(device, roots)
     commit, dirty = source_commit()
     return {
         "command": [sys.executable, "-m", "artcache.bench.consumer_speed", *sys.argv[1:]],
@@ -513,8 +492,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     t_start = time.time()
-    report = {**provenance(device), "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "rows": []}
+    report = {**provenance(device, [Path(args.root)]), "device": torch.cuda.get_device_name(device),
+              "torch": torch.__version__, "rows": []}
     report["matmul_peak_flops"] = peak = matmul_peak(device)
     print(f"matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     smol = _arch_config("smollm2-135m")

@@ -59,7 +59,8 @@ def _mount_of(path: Path) -> dict:
 def hardware(device=None, roots: list[Path] = ()) -> dict:
     """What the figures were measured on: CPU model and count, memory (bytes), kernel, Python and torch, the
     load average, each of ``roots``' mount (/proc/mounts) and, for a CUDA ``device`` (``torch.device`` or
-    str), the GPU name, CUDA version and driver (nvidia-smi). Fields that cannot be read are left out."""
+    str), the GPU name, count and memory (bytes), CUDA version and driver (nvidia-smi). Fields that cannot be
+    read are left out."""
     import platform
 
     import torch
@@ -82,6 +83,8 @@ def hardware(device=None, roots: list[Path] = ()) -> dict:
         out["load_average"] = list(os.getloadavg())
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
+        out["gpu_count"] = torch.cuda.device_count()
+        out["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
         out["cuda"] = torch.version.cuda
         with contextlib.suppress(Exception):
             import subprocess

@@ -1,7 +1,8 @@
 """Run bench scenarios: fresh cache root, one producer process, N consumer processes, a report.
 
 Each scenario gets ``<out>/<scenario>/`` holding ``cache/`` (a fresh root), ``logs/``, ``runs/``
-(consumer checkpoints), ``report.json``, ``report.md`` and ``progress.png``.
+(consumer checkpoints), ``report.json``, ``report.md`` and ``progress.png``. ``<out>/report.json`` is the run's
+own (:func:`write_run_report`): each scenario's status, checks and the path of its report.
 
 Modes (``--modes``), run one after the other in the same invocation, each on fresh roots and with
 the same consumers, settings and step counts:
@@ -64,7 +65,7 @@ from artcache.bench.metrics import scenario_figures
 from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
 from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 from artcache.errors import ConfigError, InsufficientSpace
-from artcache.fsio import free_space, space_reserve
+from artcache.fsio import atomic_write, free_space, space_reserve
 from artcache.launch import Role, cli_argv, kill_all, module_argv, role_env, wait_for_file
 from artcache.layout import CacheLayout
 from artcache.ranges import DiskBudget, check_value
@@ -992,8 +993,31 @@ def format_modes(r: dict) -> str:
     ])
 
 
+def write_run_report(out: Path, name: str, scenarios: list[Scenario], reports: list[dict]) -> dict:
+    """Write ``out/report.json``, the run's own report beside its scenarios' directories, atomically
+    (:func:`artcache.fsio.atomic_write`): once the disk preflight passed and after every scenario, so it always
+    lists what finished (and never a previous run's verdict). ``{"scenario":
+    the --scenario given (``all``, ``1p3c`` ...), "passed": every scenario ran and passed every check,
+    "scenarios": [{"scenario", "status": "passed" | "failed" | "not run", "checks": {name: bool},
+    "failed_checks": [name, ...], "report": its own report.json, relative to ``out``}, ...]}`` in run order.
+    Returns the document."""
+    done = {r["scenario"]: r for r in reports}
+    rows = []
+    for sc in scenarios:
+        r = done.get(sc.name)
+        checks = dict(r["checks"]) if r is not None else {}
+        rows.append({"scenario": sc.name,
+                     "status": "not run" if r is None else "passed" if all(checks.values()) else "failed",
+                     "checks": checks, "failed_checks": [k for k, v in checks.items() if not v],
+                     "report": f"{sc.name}/report.json"})
+    doc = {"scenario": name, "passed": all(row["status"] == "passed" for row in rows), "scenarios": rows}
+    atomic_write(out / "report.json", [json.dumps(doc, indent=2).encode()], out)
+    return doc
+
+
 def run_bench(cfg: BenchConfig) -> bool:
-    """Run the scenarios serially; print each report; True when every check passed."""
+    """Run the scenarios serially; print each report; write the run's ``report.json`` (:func:`write_run_report`)
+    under ``--out``; True when every check passed."""
     from artcache.trainers.consumer import parse_window
 
     ok = True
@@ -1022,7 +1046,9 @@ def run_bench(cfg: BenchConfig) -> bool:
           f"under {Path(cfg.out_dir).absolute()}; checkpoints over the run "
           f"{format_bytes(plan['checkpoint_bytes_total'])}"
           f" (--save {cfg.save})", flush=True)
-    for sc in resolve(cfg.scenario):
+    scenarios = resolve(cfg.scenario)
+    write_run_report(out, cfg.scenario, scenarios, reports)  # none run yet: no previous run's verdict stays
+    for sc in scenarios:
         rc = resolved(cfg, sc)
         print(f"== scenario {sc.name}: {len(sc.consumers)} consumer(s), {cfg.device}, {rc.warmup}+{rc.steps} "
               f"steps each, window {rc.window}, modes {','.join(parse_modes(cfg.modes, sc))} ...", flush=True)
@@ -1031,5 +1057,6 @@ def run_bench(cfg: BenchConfig) -> bool:
         print(format_report(r), flush=True)
         print(f"report: {Path(cfg.out_dir).absolute() / sc.name / 'report.json'}", flush=True)
         ok &= all(r["checks"].values())
+        write_run_report(Path(cfg.out_dir), cfg.scenario, scenarios, reports)
     (Path(cfg.out_dir) / "summary.json").write_text(msgspec.json.format(msgspec.json.encode(reports)).decode())
     return ok

@@ -53,8 +53,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from artcache.errors import ConfigError
 from artcache.eviction import POLICIES, RateEstimator, Reader, decide
 from artcache.plan import EpochOrder
+from artcache.ranges import Count, check_value
 from artcache.scheduler import SchedulerLimits, check_deadlock, next_batch
 
 
@@ -927,6 +929,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also compute the offline optima for the same reads and budget: Belady's MIN, and Belady "
                          "under the same window pins (it must hold what the run's live windows held at each read)")
     args = ap.parse_args(argv)
+    try:  # before the scenarios (hetero's consumers derive from it) and the consumers' window checks
+        check_value(args.positions, Count, "--positions")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     consumers, base = SCENARIOS[args.scenario](args.positions) if args.scenario else ([], default_producer())
     consumers = [*consumers, *args.consumer]
     if not consumers:

@@ -340,3 +340,47 @@ def test_group_cursor_is_the_min_over_running_members(tmp_path):
     assert group_cursor(layout, members) == 2
     handles["c"].finish("failed", "boom")  # a member that stopped no longer holds the others back
     assert group_cursor(layout, members) == 4
+
+
+def test_regression_bench_all_writes_the_runs_own_report(tmp_path, monkeypatch):
+    """Regression: ``artcache bench --scenario all`` wrote each scenario's report.json and none of its own. The
+    run's ``<out>/report.json`` lists every scenario's status, checks and report path, written atomically
+    (artcache.fsio.atomic_write) before the first scenario and after each: a run that stops part-way lists what
+    finished and what did not run, never a previous run's verdict. (Scenarios and preflight stubbed: this is
+    the report, not the bench.)"""
+    from artcache.bench import run as R
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text('{"passed": true}')  # a previous run's
+    checks = {"1p1c": {"a": True, "b": True}, "1p3c": {"a": True, "b": False}}
+    seen = []
+
+    def run_scenario(cfg, sc, plan):
+        seen.append(json.loads((out / "report.json").read_text()))
+        if sc.name not in checks:
+            raise RuntimeError("stopped")
+        (out / sc.name).mkdir(exist_ok=True)
+        return {"scenario": sc.name, "checks": checks[sc.name]}
+
+    writes = []
+    real_write = R.atomic_write
+    monkeypatch.setattr(R, "atomic_write", lambda dest, *a, **k: (writes.append(dest), real_write(dest, *a, **k)))
+    monkeypatch.setattr(R, "run_scenario", run_scenario)
+    monkeypatch.setattr(R, "format_report", lambda r: "")
+    monkeypatch.setattr(R, "preflight_disk", lambda cfg, scs: {"peak_bytes": 0, "peak_mode": "", "free_bytes": 0,
+                                                                "checkpoint_bytes_total": 0})
+    assert R.run_bench(_preflight_cfg(out)) is False
+    doc = json.loads((out / "report.json").read_text())
+    assert doc == {"scenario": "all", "passed": False, "scenarios": [
+        {"scenario": "1p1c", "status": "passed", "checks": {"a": True, "b": True}, "failed_checks": [],
+         "report": "1p1c/report.json"},
+        {"scenario": "1p3c", "status": "failed", "checks": {"a": True, "b": False}, "failed_checks": ["b"],
+         "report": "1p3c/report.json"}]}
+    assert [s["status"] for s in seen[0]["scenarios"]] == ["not run", "not run"] and seen[0]["passed"] is False
+    assert [s["status"] for s in seen[1]["scenarios"]] == ["passed", "not run"]
+    assert writes == [out / "report.json"] * 3 and not list(out.glob("*.part"))
+    del checks["1p3c"]  # a run that stops in its second scenario
+    with pytest.raises(RuntimeError):
+        R.run_bench(_preflight_cfg(out))
+    assert [s["status"] for s in json.loads((out / "report.json").read_text())["scenarios"]] == ["passed", "not run"]

@@ -648,3 +648,51 @@ def test_regression_a_save_killed_mid_way_leaves_no_temp_directory_behind_the_ne
     assert remove_orphan_temps(tmp_path) == (1, 1000)
     assert not orphan.exists() and live.is_dir() and foreign.is_dir()
     assert remove_orphan_temps(tmp_path) == (0, 0) and remove_orphan_temps(tmp_path / "none") == (0, 0)
+
+
+def test_regression_one_walk_of_the_step_directories(tmp_path, monkeypatch):
+    """Regression: stateless_checkpoints repeated list_checkpoints' walk of checkpoints/. Both are now views of
+    one walk (ck._step_dirs): together they hold every step-N directory once, each ascending by step."""
+    parent = tmp_path / "checkpoints"
+    for step, complete in ((12, True), (3, False), (7, True), (1, False)):
+        d = parent / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        if complete:
+            (d / "state.json").write_text("{}")
+    (parent / "step-1").mkdir()  # not a step-N name
+    (parent / "step-00000099").symlink_to(parent / "step-00000012")  # a link is no checkpoint
+    assert ck.list_checkpoints(tmp_path) == [(7, parent / "step-00000007"), (12, parent / "step-00000012")]
+    assert ck.stateless_checkpoints(tmp_path) == [parent / "step-00000001", parent / "step-00000003"]
+    assert ck.list_checkpoints(tmp_path / "nothing") == [] and ck.stateless_checkpoints(tmp_path / "nothing") == []
+    fake = [(5, parent / "x", True), (6, parent / "y", False)]
+    monkeypatch.setattr(ck, "_step_dirs", lambda run_dir: fake)
+    assert ck.list_checkpoints(tmp_path) == [(5, parent / "x")] and ck.stateless_checkpoints(tmp_path) == [parent / "y"]
+
+
+@pytest.mark.parametrize("damage, message", [
+    ((b'"digests":', b'"digezts":'), r"records its content digests under the key 'digezts', not 'digests'"),
+    ((b'"digests":', b'"Digests":'), r"under the key 'Digests', not 'digests'"),
+    ("null", r"its 'digests' record is not an object but null"),
+    ("no state", r"its 'digests' record lacks 'state'"),
+])
+def test_regression_a_damaged_digests_record_is_corrupt_not_an_old_checkpoint(tmp_path, caplog, damage, message):
+    """Regression: a damaged ``digests`` key name in state.json read as a checkpoint written before digests were
+    recorded, so every file was used unverified (one warning). Only a checkpoint with no record at all is one."""
+    from artcache.trainers.seed import read_seed
+
+    path = full(tmp_path)
+    raw = (path / "state.json").read_bytes()
+    if isinstance(damage, tuple):  # the key's bytes changed on disk, the rest intact
+        assert raw.count(damage[0]) == 1
+        raw = raw.replace(*damage)
+    else:
+        doc = json.loads(raw)
+        doc["digests"] = None if damage == "null" else {k: v for k, v in doc["digests"].items() if k != "state"}
+        raw = json.dumps(doc, indent=1).encode()
+    (path / "state.json").write_bytes(raw)
+    with caplog.at_level("WARNING", logger="artcache.consumer"):
+        for read in (ck.read_state, ck.load_checkpoint, ck.read_weights, lambda p: read_seed(p, 4)):
+            with pytest.raises(CheckpointCorrupt, match=message) as info:
+                read(path)
+            assert str(path / "state.json") in str(info.value) and "restore it from a copy" in str(info.value)
+    assert not [r for r in caplog.records if "unverified" in r.getMessage()]

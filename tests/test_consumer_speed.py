@@ -122,3 +122,15 @@ def test_from_cache_run(tmp_path):
     assert r["steps"] == 3 and math.isfinite(r["final_loss"])
     r = cs.from_cache(tmp_path / "cache", "eagle3", "syncfree", 3, torch.device("cpu"), view=[1, 3, 4, 7])
     assert r["steps"] == 3 and math.isfinite(r["final_loss"])
+
+
+def test_regression_provenance_is_the_one_hardware_record(tmp_path):
+    """Regression: consumer_speed built its own hardware dict (no memory, kernel, load or root mount beside
+    gpu_micro's and fp8_tau's). It is now artcache.bench.provenance.hardware's, the --root's mount included."""
+    from artcache.bench.provenance import hardware
+
+    p = cs.provenance(torch.device("cpu"), [tmp_path])
+    want = hardware(torch.device("cpu"), [tmp_path])
+    assert set(p["hardware"]) == set(want) and p["hardware"]["roots"] == want["roots"]
+    assert {"memory_bytes", "kernel", "cpu", "cpu_count", "torch"} <= set(p["hardware"])
+    assert p["hardware"]["roots"][str(tmp_path)]["mount"]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -466,3 +467,27 @@ def test_regression_a_full_disk_fails_the_heartbeat_after_space_wait_s(layout, m
     with pytest.raises(PublishError):
         handle.heartbeat()
     assert failed[0] == 1 and time.monotonic() - t0 < 0.3
+
+
+def test_regression_a_registration_on_a_full_disk_names_the_full_path(tmp_path, monkeypatch):
+    """Regression: a registration that failed for space said ``writing c.json failed: No space left on device``,
+    a basename that does not say which filesystem is full. The message names the file's full path (also for a
+    cache root given as a relative path)."""
+    import errno
+
+    from artcache import fsio
+    from artcache.errors import PublishError
+
+    monkeypatch.chdir(tmp_path)
+    lay = CacheLayout(Path("root"))
+    lay.create()
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fsio.os, "write", full)
+    with pytest.raises(PublishError) as info:
+        registry.register(lay, Registration(consumer_id="c", draft="d", pid=os.getpid()))
+    monkeypatch.undo()
+    assert str(info.value) == f"writing {tmp_path / 'root' / 'consumers' / 'c.json'} failed: No space left on device"
+    assert info.value.errno == errno.ENOSPC and list((tmp_path / "root" / "tmp").iterdir()) == []

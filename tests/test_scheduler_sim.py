@@ -216,3 +216,23 @@ def test_cli_prints_table(capsys):
     assert "| fast |" in out and "captures per position" in out and "rate / solo" in out
     assert main(["--consumer", "x:0.1:8:0:4", "--positions", "50"]) == 2
     assert "lookahead 4 is smaller" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--scenario", "overlap", "--positions", "0"],
+    ["--scenario", "hetero", "--positions", "-3"],
+    ["--consumer", "x:0.1:8:0:4", "--positions", "0"],  # the positions error, not the consumer's window advice
+])
+def test_regression_sim_positions_below_one(argv, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    value = argv[argv.index("--positions") + 1]
+    assert captured.err == f"error: --positions {value} is invalid: accepted an integer >= 1\n"
+    assert captured.out == ""
+
+
+def test_regression_sim_window_advice_names_no_missing_flag(capsys):
+    assert main(["--consumer", "x:0.1:8:0:4", "--positions", "50"]) == 2
+    err = capsys.readouterr().err
+    assert "lookahead 4 is smaller than the batch size 8" in err and "--window" not in err
+    assert len(err.splitlines()) == 1

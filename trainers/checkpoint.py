@@ -39,11 +39,12 @@ a digest of its own content. Every reader checks them before it uses anything: :
 (``artcache export``, ``artcache calibrate``) and :func:`artcache.trainers.seed.read_seed` (``--init-from``)
 the weight files (``model`` and ``extra``) they read; a mismatch, a missing recorded file or an unrecorded
 tensor file raises :class:`~artcache.errors.CheckpointCorrupt` naming the file and both digests
-(:func:`verify_checkpoint`). A checkpoint written before digests were recorded still loads, with one warning
-per checkpoint and process that it is unverified. Writing costs one read pass over the tensor bytes just
-written (see :func:`save_checkpoint`); reading costs one streaming read of each file checked before it is
-loaded. A file of an existing checkpoint is replaced only through :func:`replace_file` (``artcache
-calibrate``), which keeps the record true at every instant.
+(:func:`verify_checkpoint`). A checkpoint written before digests were recorded (no ``digests`` key) still loads,
+with one warning per checkpoint and process that it is unverified; a damaged record (its key name, its type, a key
+it lacks) is :class:`~artcache.errors.CheckpointCorrupt` (:func:`_check_digest_record`). Writing costs one read
+pass over the tensor bytes just written (see :func:`save_checkpoint`); reading costs one streaming read of each
+file checked before it is loaded. A file of an existing checkpoint is replaced only through :func:`replace_file`
+(``artcache calibrate``), which keeps the record true at every instant.
 
 Atomicity: the directory is written under a unique temp name beside it (every file fsynced), renamed
 into place and the parent directory fsynced, so a crash leaves either no ``step-<N>`` or a complete
@@ -529,28 +530,30 @@ def remove_orphan_temps(run_dir: Path) -> tuple[int, int]:
     return removed, nbytes
 
 
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoint directories of a run, (step, path), ascending by step."""
+def _step_dirs(run_dir: Path) -> list[tuple[int, Path, bool]]:
+    """The one walk of a run's ``checkpoints/``: every ``step-N`` directory (no symlink), (step, path, whether
+    it holds ``state.json``), ascending by step."""
     parent = Path(run_dir) / "checkpoints"
     if not parent.is_dir():
         return []
     out = []
     for p in parent.iterdir():
         m = _STEP_DIR.fullmatch(p.name)
-        if m and p.is_dir() and not p.is_symlink() and (p / "state.json").is_file():
-            out.append((int(m.group(1)), p))
+        if m and p.is_dir() and not p.is_symlink():
+            out.append((int(m.group(1)), p, (p / "state.json").is_file()))
     return sorted(out)
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoint directories of a run, (step, path), ascending by step."""
+    return [(step, p) for step, p, has_state in _step_dirs(run_dir) if has_state]
 
 
 def stateless_checkpoints(run_dir: Path) -> list[Path]:
     """``step-N`` directories of a run that :func:`list_checkpoints` leaves out because they hold no
     ``state.json`` (written partly, or damaged by hand), ascending by step: what a lookup that found nothing
     names so the user is not told the run holds no checkpoint."""
-    parent = Path(run_dir) / "checkpoints"
-    if not parent.is_dir():
-        return []
-    return sorted((p for p in parent.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
-                   and not (p / "state.json").is_file()), key=lambda p: p.name)
+    return [p for _, p, has_state in _step_dirs(run_dir) if not has_state]
 
 
 def prune(run_dir: Path, keep: int, *protect: Path) -> list[Path]:
@@ -656,7 +659,9 @@ def read_state(checkpoint: str | Path) -> CheckpointState:
     Raises:
         ConfigError: the file is missing, not JSON, or not a checkpoint state (the message names the
             checkpoint and the field at fault).
-        CheckpointCorrupt: its content does not match its recorded digest.
+        CheckpointCorrupt: its content does not match its recorded digest, or its ``digests`` record is damaged
+            (under a damaged key name, not an object, lacking a key: :func:`_check_digest_record`), which is
+            never read as a checkpoint written before digests were.
     """
     return read_document(checkpoint)[1]
 
@@ -669,7 +674,9 @@ def read_document(checkpoint: str | Path) -> tuple[dict, CheckpointState]:
     try:
         doc = msgspec.json.decode(path.read_bytes())
         digests = doc.get("digests") if isinstance(doc, dict) else None
-        if isinstance(digests, dict) and "state" in digests:  # checked before a field is trusted
+        if isinstance(doc, dict):
+            _check_digest_record(path, doc)
+        if isinstance(digests, dict):  # checked before a field is trusted
             actual = _state_digest(doc)
             if actual != digests["state"]:
                 raise CheckpointCorrupt(_mismatch(path, f"{digests['state']}", actual) + " (of its decoded content, "
@@ -678,6 +685,41 @@ def read_document(checkpoint: str | Path) -> tuple[dict, CheckpointState]:
     except (OSError, msgspec.DecodeError) as exc:  # ValidationError is a DecodeError
         raise ConfigError(f"checkpoint {ckpt}: state.json is unreadable or not a checkpoint state "
                           f"({exc})") from exc
+
+
+#: the keys every ``digests`` record holds (what :func:`save_checkpoint` and :func:`write_state` write)
+_DIGEST_KEYS = ("algorithm", "files", "state")
+
+
+def _check_digest_record(path: Path, doc: dict) -> None:
+    """Refuse a ``state.json`` whose ``digests`` record is damaged rather than absent. Only a checkpoint
+    written before digests were recorded may be read unverified, and such a one has no ``digests`` key and
+    nothing like it (every artcache since writes the record with all of :data:`_DIGEST_KEYS`). A record
+    under another key (its name damaged: ``digezts``), a ``digests`` that is not an object (``null``), or
+    one that lacks a key of the record would otherwise read as such an old checkpoint, or skip the check of
+    ``state.json`` itself.
+
+    Raises:
+        CheckpointCorrupt: naming the file and what is wrong with the record.
+    """
+    if "digests" not in doc:
+        known = set(CheckpointState.__struct_fields__)
+        for key, value in doc.items():
+            if key not in known and isinstance(value, dict) and {"algorithm", "files"} <= set(value):
+                raise CheckpointCorrupt(
+                    f"checkpoint file {path} records its content digests under the key {key!r}, not 'digests' "
+                    f"(the key name is damaged, so nothing can be verified){_CORRUPT_HINT}")
+        return
+    digests = doc["digests"]
+    json_type = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+                 list: "an array"}
+    problem = (f"is not an object but {json_type.get(type(digests), type(digests).__name__)}"
+               if not isinstance(digests, dict) else
+               "lacks " + ", ".join(repr(k) for k in _DIGEST_KEYS if k not in digests)
+               if not set(_DIGEST_KEYS) <= set(digests) else "")
+    if problem:
+        raise CheckpointCorrupt(f"checkpoint file {path}: its 'digests' record {problem}, so nothing can be "
+                                f"verified{_CORRUPT_HINT}")
 
 
 def _mismatch(path: Path, expected: str, actual: str) -> str:
