@@ -155,7 +155,7 @@ def check_args(a: argparse.Namespace) -> None:
 
     for flag, declared in RANGES.items():
         check_value(getattr(a, flag[2:].replace("-", "_")), declared, flag)
-    eval_split(a.plan_len, a.eval_samples)  # ConfigError: leaves no training sample
+    eval_split(a.plan_len, a.eval_samples, need_split=True)  # ConfigError: leaves no training sample
     if not a.sharegpt.is_file():
         raise ConfigError(f"--sharegpt {str(a.sharegpt)!r}: no such file; accepted: an existing ShareGPT JSONL file "
                           "(.xz allowed)")
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"heldout_prompts: --plan-len {a.plan_len} != {len(prompts)} regenerated records: the plan skipped "
               "records, so its order cannot be rebuilt from the prompts alone", file=sys.stderr)
         return 1
-    lo, hi = eval_split(a.plan_len, a.eval_samples)
+    lo, hi = eval_split(a.plan_len, a.eval_samples, need_split=True)
     order = np.random.default_rng(a.plan_seed).permutation(len(prompts))  # artcache.plan.build_plan's order
     held = [int(i) for i in order[lo:hi]]
     out = {

@@ -209,9 +209,9 @@ class SimResult:
     leases_expired: int  # leases of fenced consumers, released by the producer
     trace: list[int] = field(default_factory=list, repr=False)  # sample of every read, in time order
     pins: PinLog | None = field(default=None, repr=False)  # what the guarantee pinned at each read of trace
-    # int64 [len(trace)]: artifacts of the batch in capture at each read (the room the run's decision had made
+    # one int per read of trace: artifacts of the batch in capture then (the room the run's decision had made
     # for them, so its published artifacts fitted budget - in_flight then); offline_optimum(reserved=)
-    in_flight: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), repr=False)
+    in_flight: list[int] = field(default_factory=list, repr=False)
 
     @property
     def captures_per_position(self) -> float:
@@ -596,7 +596,7 @@ class Simulation:
             final_retained=self.retained, max_union=self.max_union, retained_log=self.retained_log,
             leases_expired=self.leases_expired, trace=self.trace if keep_trace else [],
             pins=pins if keep_trace else None,
-            in_flight=np.array(self._in_flight_log if keep_trace else [], dtype=np.int64))
+            in_flight=self._in_flight_log if keep_trace else [])
 
 
 def simulate(consumers: Sequence[ConsumerSpec], producer: ProducerSpec | None = None, positions: int = 10_000,

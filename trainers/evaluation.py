@@ -38,11 +38,12 @@ log = logging.getLogger("artcache.consumer")
 
 
 def eval_split(plan_len: int, eval_samples: int, name: str = "--eval-samples",
-               limit: str = "") -> tuple[int, int]:
+               limit: str = "", need_split: bool = False) -> tuple[int, int]:
     """The held-out sample indices ``[lo, hi)`` (``(0, 0)`` when ``eval_samples`` is 0); training walks the
     plan's first ``lo`` samples (``epoch_len``; all of it without a split). ``name`` names the setting and
     ``limit`` where ``plan_len`` comes from (default: the plan's length), in the message (a run's dry run
-    checks a config's ``eval_samples`` against its ``data.max_samples``).
+    checks a config's ``eval_samples`` against its ``data.max_samples``); ``need_split``: the caller refuses
+    0 itself (a script that exists for the split), so the accepted range starts at 1.
 
     Raises:
         ConfigError: ``eval_samples`` leaves no training sample.
@@ -51,8 +52,8 @@ def eval_split(plan_len: int, eval_samples: int, name: str = "--eval-samples",
         return (0, 0)
     if eval_samples >= plan_len:
         raise ConfigError(f"{name} {eval_samples} leaves no training sample: "
-                          f"{limit or f'the plan has {plan_len} samples'}; accepted: 0 (no held-out split) .. "
-                          f"{plan_len - 1}")
+                          f"{limit or f'the plan has {plan_len} samples'}; accepted: "
+                          f"{'1' if need_split else '0 (no held-out split)'} .. {plan_len - 1}")
     return (plan_len - eval_samples, plan_len)
 
 
