@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                 sys.argv[1:]),
                "commit": commit, "dirty": dirty, "hardware": hardware(), "family": a.family, "seed": a.seed,
                "positions": POSITIONS, "summary": summary, "streams": rows}
-        atomic_write(a.out, json.dumps(doc, indent=1).encode())
+        atomic_write(a.out, [json.dumps(doc, indent=1).encode()], a.out.parent, durable=False)
     return 0
 
 
