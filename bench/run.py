@@ -1047,6 +1047,7 @@ def run_bench(cfg: BenchConfig) -> bool:
           f"{format_bytes(plan['checkpoint_bytes_total'])}"
           f" (--save {cfg.save})", flush=True)
     scenarios = resolve(cfg.scenario)
+    out.mkdir(parents=True, exist_ok=True)  # --out is created if missing (its report is the first thing in it)
     write_run_report(out, cfg.scenario, scenarios, reports)  # none run yet: no previous run's verdict stays
     for sc in scenarios:
         rc = resolved(cfg, sc)
@@ -1057,6 +1058,6 @@ def run_bench(cfg: BenchConfig) -> bool:
         print(format_report(r), flush=True)
         print(f"report: {Path(cfg.out_dir).absolute() / sc.name / 'report.json'}", flush=True)
         ok &= all(r["checks"].values())
-        write_run_report(Path(cfg.out_dir), cfg.scenario, scenarios, reports)
-    (Path(cfg.out_dir) / "summary.json").write_text(msgspec.json.format(msgspec.json.encode(reports)).decode())
+        write_run_report(out, cfg.scenario, scenarios, reports)
+    (out / "summary.json").write_text(msgspec.json.format(msgspec.json.encode(reports)).decode())
     return ok

@@ -384,3 +384,18 @@ def test_regression_bench_all_writes_the_runs_own_report(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         R.run_bench(_preflight_cfg(out))
     assert [s["status"] for s in json.loads((out / "report.json").read_text())["scenarios"]] == ["passed", "not run"]
+
+
+def test_regression_the_run_report_creates_a_missing_out(tmp_path, monkeypatch):
+    """Regression (merge of 2026-12-02): the run's report.json was written before the first scenario into an
+    ``--out`` that did not exist yet (the scenarios created it), so every bench run into a new directory failed
+    at once; ``--out`` is created if missing, as documented."""
+    from artcache.bench import run as R
+
+    out = tmp_path / "new" / "out"
+    monkeypatch.setattr(R, "run_scenario", lambda cfg, sc, plan: {"scenario": sc.name, "checks": {"a": True}})
+    monkeypatch.setattr(R, "format_report", lambda r: "")
+    monkeypatch.setattr(R, "preflight_disk", lambda cfg, scs: {"peak_bytes": 0, "peak_mode": "", "free_bytes": 0,
+                                                                "checkpoint_bytes_total": 0})
+    assert R.run_bench(_preflight_cfg(out)) is True
+    assert json.loads((out / "report.json").read_text())["passed"] is True
