@@ -1059,5 +1059,6 @@ def run_bench(cfg: BenchConfig) -> bool:
         print(f"report: {Path(cfg.out_dir).absolute() / sc.name / 'report.json'}", flush=True)
         ok &= all(r["checks"].values())
         write_run_report(out, cfg.scenario, scenarios, reports)
-    (out / "summary.json").write_text(msgspec.json.format(msgspec.json.encode(reports)).decode())
+    # every scenario's whole report in one file (the run's report.json lists their verdicts and paths)
+    atomic_write(out / "summary.json", [msgspec.json.format(msgspec.json.encode(reports))], out)
     return ok

@@ -40,6 +40,11 @@ def test_bench_all_passes_and_writes_every_report(bench_all):
         assert report["telemetry"] == {} and report["environment"]["nvml"] is False  # null sampler on CPU
         assert f"## {scenario} on cpu" in (base / "report.md").read_text()
     assert "captures" in proc.stdout and "checks:" in proc.stdout  # the table is printed
+    run = json.loads((out / "report.json").read_text())  # the run's own report: every scenario's verdict
+    assert run["passed"] is True and [s["scenario"] for s in run["scenarios"]] == ["1p1c", "1p3c"]
+    assert all(s["status"] == "passed" and (out / s["report"]).is_file() for s in run["scenarios"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["scenario"] for r in summary] == ["1p1c", "1p3c"] and not list(out.glob("*.part"))
 
 
 def test_1p1c_runs_artcache_alone_by_default(bench_all):
