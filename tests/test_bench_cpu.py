@@ -384,7 +384,7 @@ def test_regression_bench_all_writes_the_runs_own_report(tmp_path, monkeypatch):
          "report": "1p3c/report.json"}]}
     assert [s["status"] for s in seen[0]["scenarios"]] == ["not run", "not run"] and seen[0]["passed"] is False
     assert [s["status"] for s in seen[1]["scenarios"]] == ["passed", "not run"]
-    assert writes == [out / "report.json"] * 3 and not list(out.glob("*.part"))
+    assert writes == [out / "report.json"] * 3 + [out / "summary.json"] and not list(out.glob("*.part"))
     del checks["1p3c"]  # a run that stops in its second scenario
     with pytest.raises(RuntimeError):
         R.run_bench(_preflight_cfg(out))
