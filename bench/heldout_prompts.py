@@ -23,7 +23,8 @@ Bad input is refused with one line naming the value and what is accepted, exit 2
 outside its declared range (:data:`RANGES`), ``--eval-samples`` that leaves the plan no training sample, a
 missing ``--sharegpt`` or ``--regenerate-summary`` file, an unknown ``--target``, a summary line that is not
 regenerate's JSON (or lacks one of its fields, or visited more records than it has), a shard that stopped at
-its ``--max-samples``, an ``--out`` in a directory that does not exist. ``--out`` is written atomically.
+its ``--max-samples``, an ``--out`` in a directory that does not exist. ``--out`` is written atomically: one that
+cannot be written (a full or read-only filesystem) is one line, exit 1, nothing written.
 
 Output (``--out``, JSON): ``{"prompts": [[{"role", "content"}, ...], ...]`` (the chat messages before the
 first assistant turn, as regenerate rendered them), ``"prompt_token_ids"`` (what regenerate fed the target:
@@ -48,7 +49,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from artcache.errors import ArtcacheError, ConfigError, DataError
+from artcache.errors import ArtcacheError, ConfigError, DataError, PublishError
 from artcache.fsio import atomic_write
 from artcache.ranges import Count, NonNegative, check_value, path_of
 
@@ -245,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                        "eval_samples": a.eval_samples, "target": a.target,
                        "add_generation_prompt": True, "template_options": {}},
     }
-    atomic_write(a.out, [json.dumps(out, indent=1).encode()], a.out.parent, durable=False)
+    try:
+        atomic_write(a.out, [json.dumps(out, indent=1).encode()], a.out.parent, durable=False)
+    except PublishError as exc:  # a full or read-only --out filesystem: nothing written (atomic_write cleaned up)
+        print(f"heldout_prompts: error: --out {str(a.out)!r}: {exc}", file=sys.stderr)
+        return exc.exit_code
     print(json.dumps({"out": str(a.out), "held_out": len(held), **got,
                       "held_out_prompt_tokens": sum(len(p) for p in out["prompt_token_ids"])}))
     return 0
