@@ -20,7 +20,9 @@ consumed position for both and the gap (policy - optimum). Families:
 Stream ``k`` is drawn from ``random.Random(seed * 1_000_003 + k)``, so a family's streams are the same on
 every machine (``near-floor`` and ``near-floor-load`` share theirs). The JSON (``--out``) holds every
 stream's figures, the summary (n, max, median, streams over 0.02) and the command, commit and hardware;
-docs/scheduler.md ("Staggered starts") quotes it. Bad arguments: one line on stderr, exit 2.
+docs/scheduler.md ("Staggered starts") quotes it. Bad arguments (incl. an ``--out`` that is a directory): one line on
+stderr, exit 2, before any stream runs; an ``--out`` that cannot be written (a full disk): one line, exit 1, nothing
+written.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 
 from artcache.bench.provenance import hardware, source_commit
 from artcache.bench.sim import ConsumerSpec, ProducerSpec, offline_optimum, simulate
+from artcache.errors import PublishError
 from artcache.fsio import atomic_write
 from artcache.scheduler import SchedulerLimits
 
@@ -107,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
            f"--streams {a.streams}: accepted an integer >= 1" if a.streams < 1 else
            f"--workers {a.workers}: accepted an integer >= 1" if a.workers < 1 else
            f"--seed {a.seed}: accepted an integer >= 0" if a.seed < 0 else
-           f"--out {a.out}: its directory does not exist" if a.out and not a.out.parent.is_dir() else None)
+           f"--out {a.out}: its directory does not exist" if a.out and not a.out.parent.is_dir() else
+           f"--out {a.out}: is a directory; accepted: a file path in an existing directory" if a.out and a.out.is_dir()
+           else None)
     if bad:
         print(f"retention_gap: error: {bad}", file=sys.stderr)
         return 2
@@ -128,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                                 sys.argv[1:]),
                "commit": commit, "dirty": dirty, "hardware": hardware(), "family": a.family, "seed": a.seed,
                "positions": POSITIONS, "summary": summary, "streams": rows}
-        atomic_write(a.out, [json.dumps(doc, indent=1).encode()], a.out.parent, durable=False)
+        try:
+            atomic_write(a.out, [json.dumps(doc, indent=1).encode()], a.out.parent, durable=False)
+        except PublishError as exc:  # a full or read-only filesystem: nothing written (atomic_write cleaned up)
+            print(f"retention_gap: error: --out {a.out}: {exc}", file=sys.stderr)
+            return exc.exit_code
     return 0
 
 
