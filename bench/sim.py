@@ -51,12 +51,13 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec.inspect as mi
 import numpy as np
 
 from artcache.errors import ConfigError
 from artcache.eviction import POLICIES, RateEstimator, Reader, decide
 from artcache.plan import EpochOrder
-from artcache.ranges import Count, check_value
+from artcache.ranges import Count, NonNegativeFloat, Positive, WindowSide, check_value, describe_number
 from artcache.scheduler import SchedulerLimits, check_deadlock, next_batch
 
 
@@ -838,18 +839,34 @@ SCENARIOS = {
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------
+#: the fields of ``--consumer NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]]`` after NAME: (name, parse, range)
+CONSUMER_FIELDS = (("STEP_S", float, Positive), ("BATCH", int, Count), ("LOOKBEHIND", int, WindowSide),
+                   ("LOOKAHEAD", int, WindowSide), ("START_S", float, NonNegativeFloat), ("END", int, Count))
+#: the flags with a declared range (None: the scenario's or the default), checked before the scenarios
+RANGES = {"--positions": Count, "--plan-len": Count | None, "--fixed-s": NonNegativeFloat | None,
+          "--per-sample-s": NonNegativeFloat | None, "--sample-tokens": Count | None, "--budget-lead": Positive | None}
+
+
 def parse_consumer(text: str) -> ConsumerSpec:
-    """``NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]]``."""
+    """``NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]]``, each field in its range (:data:`CONSUMER_FIELDS`).
+
+    Raises:
+        ConfigError: one line naming the spec, the field, its value and what is accepted.
+    """
+    form = "NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]]"
     parts = text.split(":")
-    if not 5 <= len(parts) <= 7:
-        raise argparse.ArgumentTypeError(
-            f"--consumer {text!r}: expected NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]]")
-    try:
-        return ConsumerSpec(parts[0], float(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]),
-                            float(parts[5]) if len(parts) > 5 else 0.0,
-                            int(parts[6]) if len(parts) > 6 else None)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--consumer {text!r}: {exc}") from None
+    if not 5 <= len(parts) <= 7 or not parts[0].strip():
+        raise ConfigError(f"--consumer {text!r}: expected {form} (a non-empty NAME)")
+    values = []
+    for (name, parse, declared), part in zip(CONSUMER_FIELDS, parts[1:], strict=False):
+        try:
+            value = parse(part)
+        except ValueError:
+            raise ConfigError(f"--consumer {text!r}: {name} {part!r} is not {describe_number(mi.type_info(declared))}"
+                              f"; expected {form}") from None
+        check_value(value, declared, f"--consumer {text!r}: {name}", seconds=name.endswith("_S"))
+        values.append(value)
+    return ConsumerSpec(parts[0], *values[:4], *values[4:5], *values[5:6])
 
 
 def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[str, float] | None = None,
@@ -908,7 +925,7 @@ def format_table(res: SimResult, consumers: Sequence[ConsumerSpec], solo: dict[s
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m artcache.bench.sim", description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", choices=sorted(SCENARIOS), help="a preset set of consumers")
-    ap.add_argument("--consumer", action="append", type=parse_consumer, default=[],
+    ap.add_argument("--consumer", action="append", default=[],
                     help="NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]] (repeatable)")
     ap.add_argument("--positions", type=int, default=10_000, help="run length in positions")
     ap.add_argument("--plan-len", type=int, default=None, help="plan length (later epochs reshuffled)")
@@ -930,12 +947,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "under the same window pins (it must hold what the run's live windows held at each read)")
     args = ap.parse_args(argv)
     try:  # before the scenarios (hetero's consumers derive from it) and the consumers' window checks
-        check_value(args.positions, Count, "--positions")
+        for flag, declared in RANGES.items():
+            check_value(getattr(args, flag[2:].replace("-", "_")), declared, flag, seconds=flag.endswith("-s"))
+        extra = [parse_consumer(text) for text in args.consumer]
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     consumers, base = SCENARIOS[args.scenario](args.positions) if args.scenario else ([], default_producer())
-    consumers = [*consumers, *args.consumer]
+    consumers = [*consumers, *extra]
     if not consumers:
         ap.error("give --scenario or at least one --consumer")
 

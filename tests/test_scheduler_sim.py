@@ -236,3 +236,39 @@ def test_regression_sim_window_advice_names_no_missing_flag(capsys):
     err = capsys.readouterr().err
     assert "lookahead 4 is smaller than the batch size 8" in err and "--window" not in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("spec", "line"), [
+    ("x:0:8:0:64", "STEP_S 0.0 is invalid: accepted finite seconds > 0"),  # was ZeroDivisionError
+    ("x:inf:8:0:64", "STEP_S inf is invalid: accepted finite seconds > 0"),  # was OverflowError
+    ("x:-1:8:0:64", "STEP_S -1.0 is invalid: accepted finite seconds > 0"),  # was simulated
+    ("x:0.1:8:-1:64", "LOOKBEHIND -1 is invalid: accepted an integer >= 0 and <= 16777216"),  # was a deadlock
+    ("x:0.1:8:0:64:-3", "START_S -3.0 is invalid: accepted finite seconds >= 0"),
+    ("x:0.1:8:0:64:0:0", "END 0 is invalid: accepted an integer >= 1"),  # was a consumer reading nothing
+    ("x:0.1:8:0:64:nan", "START_S nan is invalid: accepted finite seconds >= 0"),  # was 'cannot convert ... NaN'
+    ("x:0.1:8:0:64:0:1.5", "END '1.5' is not an integer >= 1; expected NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD"),
+    (":0.1:8:0:64", "expected NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]] (a non-empty NAME)"),
+    ("x:0.1", "expected NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]]"),  # was argparse's usage too
+])
+def test_regression_sim_consumer_fields_outside_their_range(spec, line, capsys):
+    """Break test: a --consumer's fields were not range-checked: STEP_S 0 or inf gave a Python traceback,
+    a negative STEP_S or START_S, an END of 0 and an empty NAME were simulated, a negative LOOKBEHIND was
+    reported as a deadlock. Each is one line naming the spec, the field, its value and what is accepted
+    (bench.sim.CONSUMER_FIELDS), exit 2, nothing printed on stdout."""
+    assert main(["--consumer", spec, "--positions", "50"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: --consumer {spec!r}: ") and line in captured.err, captured.err
+    assert len(captured.err.splitlines()) == 1 and captured.out == ""
+
+
+@pytest.mark.parametrize(("flag", "value", "shown", "accepted"), [
+    ("--plan-len", "-5", "-5", "an integer >= 1"),  # was "epoch_len -5 must be in [1, -5]"
+    ("--plan-len", "0", "0", "an integer >= 1"),  # was the run's length, silently
+    ("--fixed-s", "-1", "-1.0", "finite seconds >= 0"), ("--per-sample-s", "nan", "nan", "finite seconds >= 0"),
+    ("--sample-tokens", "0", "0", "an integer >= 1"), ("--budget-lead", "-1", "-1.0", "a finite number > 0"),
+])
+def test_regression_sim_flags_outside_their_range(flag, value, shown, accepted, capsys):
+    """Break test: --plan-len -5 said "epoch_len -5 must be in [1, -5]" (the message --positions had before its
+    fix), a negative latency was simulated. Each flag's range is declared (bench.sim.RANGES): one line."""
+    assert main(["--consumer", "x:0.1:8:0:64", "--positions", "50", flag, value]) == 2
+    assert capsys.readouterr().err == f"error: {flag} {shown} is invalid: accepted {accepted}\n"
