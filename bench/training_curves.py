@@ -15,10 +15,13 @@ is the median over intervals of steps / seconds between two such writes.
 
 A torn last line (cut mid-row by a killed process) is skipped and counted (``torn_lines_skipped``, and a line
 on stderr); a file damaged anywhere else, or empty (0 bytes), is refused with one line naming it and the line
-(exit 2, nothing written). A NaN or inf held-out figure (a zero denominator) is no figure: it is left out of its
-evaluation's row in the JSON (which has no NaN) and never a best figure. An experiment without held-out
-evaluations (or without ``replay_tau`` among them) has ``best_replay_tau`` null, and stderr says so: never a 0.
-Where an experiment's evaluations have no
+(exit 2, nothing written). So is, before any file is read, a ``--gap-s`` that is not finite seconds > 0, a ``--png``
+whose suffix names no format matplotlib writes (``png`` when it has none; written at that exact path), a ``--title``
+whose ``$...$`` math matplotlib cannot parse, or a ``--png``/``--json`` that is a directory; both are written
+atomically (a full disk: one line, exit 1, no partial file). A NaN or inf held-out figure (a zero denominator) is
+no figure: it is left out of its evaluation's row in the JSON (which has no NaN) and never a best figure. An
+experiment without held-out evaluations (or without ``replay_tau`` among them) has ``best_replay_tau`` null, and
+stderr says so: never a 0. Where an experiment's evaluations have no
 ``replay_tau`` (the root did not capture the target's last layer) but a τ on the held-out data tokens
 (DFlash / DSpark ``tau``, incl. the +1 bonus), that τ is plotted instead, labelled "τ on data tokens",
 and ``best_data_tau`` holds its highest value; the JSON's ``tau_figure`` says which one each plot shows.
@@ -34,8 +37,9 @@ import sys
 from pathlib import Path
 
 from artcache.bench.provenance import source_commit
-from artcache.errors import DataError
+from artcache.errors import ConfigError, DataError, PublishError
 from artcache.fsio import atomic_write
+from artcache.ranges import Positive, check_value
 from artcache.trainers.tracking import CSV_HEADER, read_metrics_file
 
 __all__ = ["curves", "main", "read_metrics", "steady_rate", "training_seconds"]
@@ -140,10 +144,41 @@ def curves(metrics: dict[str, Path], gap_s: float = 60.0, window: int = 100) -> 
     return out
 
 
-def plot(figures: dict, path: Path, title: str) -> Path:
+def check_plot_args(png: Path, title: str) -> str:
+    """The image format of ``--png`` (its suffix; ``png`` when it has none), refusing what :func:`plot` cannot
+    write before anything is read: a format matplotlib does not write, or a ``--title`` it cannot draw (a
+    ``$...$`` math span mathtext does not parse).
+
+    Raises:
+        ConfigError: one line naming the flag, its value and what is accepted.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    formats = sorted(FigureCanvasAgg(fig).get_supported_filetypes())
+    fmt = png.suffix[1:].lower() or "png"
+    if fmt not in formats:
+        raise ConfigError(f"--png {str(png)!r}: matplotlib writes no {fmt!r} image; accepted: a file name ending "
+                          f"{', '.join('.' + f for f in formats)} (or none: png)")
+    fig.text(0, 0, title)
+    try:
+        fig.canvas.draw()
+    except ValueError:  # mathtext's parse error, many lines
+        raise ConfigError(f"--title {title!r}: matplotlib cannot parse its $...$ math; accepted: plain text, "
+                          r"math mathtext parses between two $, or \$ for a dollar sign") from None
+    return fmt
+
+
+def plot(figures: dict, title: str, fmt: str = "png") -> bytes:
     """Three panels: held-out τ (each experiment's ``tau_figure``: greedy replay, else τ on the data tokens,
     said in its label) against steps, held-out and train loss against steps, held-out τ against training
-    seconds."""
+    seconds. Returns the image in format ``fmt`` (the caller writes it)."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,9 +203,10 @@ def plot(figures: dict, path: Path, title: str) -> Path:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt)
     plt.close(fig)
-    return path
+    return buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,19 +228,27 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--metrics {spec!r}: the name {name!r} is given twice; accepted: one NAME per curve")
         metrics[name] = Path(p)
     for flag, out in (("--png", a.png), ("--json", a.json)):
-        if not out.parent.is_dir():
-            ap.error(f"{flag} {str(out)!r}: its directory {str(out.parent)!r} does not exist; accepted: a file "
-                     "path in an existing directory")
+        if not out.parent.is_dir() or out.is_dir():
+            ap.error(f"{flag} {str(out)!r}: " + ("is a directory" if out.is_dir() else
+                     f"its directory {str(out.parent)!r} does not exist") + "; accepted: a file path in an existing "
+                     "directory")
     try:
+        check_value(a.gap_s, Positive, "--gap-s", seconds=True)
+        fmt = check_plot_args(a.png, a.title)
         figures = curves(metrics, a.gap_s)
-    except DataError as exc:
+    except (ConfigError, DataError) as exc:
         print(f"training_curves: error: {exc}", file=sys.stderr)
         return exc.exit_code
     commit, dirty = source_commit()
     doc = json.dumps({"command": ["python", "-m", "artcache.bench.training_curves", *args], "commit": commit,
                       "dirty": dirty, "note": a.note, "experiments": figures}, indent=1, allow_nan=False) + "\n"
-    plot(figures, a.png, a.title)  # before the JSON: a plot that fails leaves no JSON claiming it
-    atomic_write(a.json, [doc.encode()], a.json.parent, durable=False)
+    image = plot(figures, a.title, fmt)  # drawn before anything is written
+    try:  # the PNG before the JSON: a plot that fails leaves no JSON claiming it
+        atomic_write(a.png, [image], a.png.parent, durable=False)
+        atomic_write(a.json, [doc.encode()], a.json.parent, durable=False)
+    except PublishError as exc:  # a full or read-only filesystem (atomic_write left no temp file)
+        print(f"training_curves: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     print(json.dumps({n: {"last_step": f["last_step"], "train_seconds": f["train_seconds"],
                           "steady_steps_per_s": f["steady_steps_per_s_median"],
                           "best_replay_tau": f["best_replay_tau"], "best_data_tau": f["best_data_tau"]}

@@ -229,3 +229,62 @@ def test_regression_a_0_byte_metrics_csv_is_refused_with_one_line(tmp_path, caps
     assert err[0] == (f"training_curves: error: metrics file {str(tmp_path / 'm.csv')!r} is empty (0 bytes, not even "
                       "its header); accepted: a metrics.csv with the header step,tag,value,wall_time and its rows")
     assert not png.exists() and not js.exists()
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--png", "c.pngg"], "--png '{d}/c.pngg': matplotlib writes no 'pngg' image; accepted: a file name ending .avif"),
+    (["--title", "cost $a_$"], "--title 'cost $a_$': matplotlib cannot parse its $...$ math; accepted: plain text"),
+    (["--gap-s", "-5"], "--gap-s -5.0 is invalid: accepted finite seconds > 0"),
+    (["--gap-s", "nan"], "--gap-s nan is invalid: accepted finite seconds > 0"),
+])
+def test_regression_plot_flags_matplotlib_refuses_are_one_line_before_anything(tmp_path, capsys, flags, line):
+    """Break test: a --png suffix matplotlib does not write (c.pngg) and a --title whose $...$ math mathtext
+    cannot parse gave matplotlib's traceback (dozens of lines for the title); a negative or NaN --gap-s was
+    taken, every interval left out (train_seconds 0.0, steady rate null). Each is one line, exit 2, before any
+    file is read, nothing written."""
+    _run(tmp_path / "m.csv")
+    png, js = tmp_path / "c.png", tmp_path / "c.json"
+    args = ["--metrics", f"d={tmp_path / 'm.csv'}", "--png", str(png), "--json", str(js), *flags]
+    args = [a.replace("c.pngg", str(tmp_path / "c.pngg")) for a in args]
+    assert tc.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("training_curves: error: " + line.format(d=tmp_path)) and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv"]
+
+
+def test_regression_outputs_are_written_at_their_path_atomically_and_a_full_disk_is_one_line(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """Break test: --png/--json naming a directory, or on a full disk, gave a traceback (the JSON's after the PNG
+    was written); --png without a suffix was written to PATH.png, not PATH. A directory is refused (exit 2),
+    a full disk is one line (exit 1) with no file or temp file left, a suffix-less --png is a PNG at its path."""
+    import errno
+    import os
+
+    from artcache import fsio
+
+    _run(tmp_path / "m.csv")
+    m = f"d={tmp_path / 'm.csv'}"
+    (tmp_path / "adir").mkdir()
+    for flag in ("--png", "--json"):
+        paths = {"--png": str(tmp_path / "c.png"), "--json": str(tmp_path / "c.json"), flag: str(tmp_path / "adir")}
+        with pytest.raises(SystemExit) as exc:
+            tc.main(["--metrics", m, *(x for k, v in paths.items() for x in (k, v))])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"{flag} '{tmp_path / 'adir'}': is a directory; accepted" in err, err
+    assert tc.main(["--metrics", m, "--png", str(tmp_path / "plot"), "--json", str(tmp_path / "c.json")]) == 0
+    assert (tmp_path / "plot").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plot.png").exists()
+    capsys.readouterr()
+    real_write = fsio.os.write
+
+    def full(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(fsio.os, "write", full)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert tc.main(["--metrics", m, "--png", str(out / "c.png"), "--json", str(out / "c.json")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"training_curves: error: writing {out / 'c.png'} failed: No space left on device\n", err
+    assert list(out.iterdir()) == []
