@@ -220,6 +220,22 @@ def test_regression_bad_bool_override_lists_the_accepted_spellings(tmp_path, ove
             assert got is want, (text, got)
 
 
+def test_regression_consumer_bool_override_takes_the_same_spellings(tmp_path):
+    """Break test: `experiments.0.consumer.progress=yes` (or `=1`, `=OFF`) was refused with "Expected `bool`, got
+    `str`; accepted: true or false" while `capture.replay_layer=yes` is taken: the free-form consumer table
+    parsed the text as TOML. A ConsumerConfig bool takes the typed fields' spellings, and a bad one lists them."""
+    spellings = {True: ["true", "yes", "on", "1", "TRUE"], False: ["false", "no", "off", "0", "OFF"]}
+    for want, texts in spellings.items():
+        for text in texts:
+            cfg = C.load_run_config(write(tmp_path, TWO), [f"experiments.a.consumer.progress={text}"])
+            assert cfg.experiments[0].consumer["progress"] is want, text
+            assert C.consumer_config(cfg, "a").progress is want, text
+    msg = rejected(tmp_path, TWO, "experiments.a.consumer.tensorboard=nah")
+    assert "experiments.a.consumer.tensorboard='nah': expected true or false (accepted, any case: true, yes" in msg
+    cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.consumer.save_every=2"])  # not a bool: as before
+    assert cfg.experiments[0].consumer["save_every"] == 2
+
+
 def test_override_into_empty_experiments(tmp_path):
     assert "experiments is empty" in rejected(tmp_path, "", "experiments.0.lr=1")
 

@@ -559,6 +559,16 @@ def parse_value(text: str, t: mi.Type, where: str) -> Any:
     return _loose(text)
 
 
+def _consumer_bool(name: str) -> mi.Type | None:
+    """The declared type of ConsumerConfig field ``name`` when it is a bool (optional or not), else None: an
+    ``experiments.N.consumer.NAME=VALUE`` override of a bool takes the spellings a typed bool field does
+    (``yes``, ``on``, ``1`` ...; regression: the free-form table's TOML parse refused all but true and false)."""
+    from artcache.trainers.consumer.config import ConsumerConfig
+
+    t = next((f.type for f in mi.type_info(ConsumerConfig).fields if f.name == name), None)
+    return t if t is not None and isinstance(_strip_none(t)[0], mi.BoolType) else None
+
+
 def apply_override(raw: dict, path: list[str], value: Any, *, text: bool = True) -> None:
     """Set ``path`` in the raw table (creating absent section tables). ``text``: ``value`` is override
     text to parse by the field's type; otherwise an already typed value (a CLI flag's).
@@ -614,7 +624,8 @@ def apply_override(raw: dict, path: list[str], value: Any, *, text: bool = True)
                 node = nxt
                 t = t.value_type
                 continue
-            node[seg] = parse_value(value, t.value_type, where) if text and isinstance(value, str) else value
+            vt = _consumer_bool(seg) if here[-1:] == ["consumer"] else None
+            node[seg] = parse_value(value, vt or t.value_type, where) if text and isinstance(value, str) else value
             return
         else:
             raise ConfigError(f"override {where}: {_section_name(here)} is a single value, it has no field {seg!r}")
