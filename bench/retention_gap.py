@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     bad = (f"--family {a.family!r}: accepted {', '.join(FAMILIES)}" if a.family not in FAMILIES else
            f"--streams {a.streams}: accepted an integer >= 1" if a.streams < 1 else
-           f"--workers {a.workers}: accepted an integer >= 1" if a.workers < 1 else
+           f"--workers {a.workers}: accepted 1 .. {os.cpu_count() or 1} (this machine's CPUs)"
+           if not 1 <= a.workers <= (os.cpu_count() or 1) else
            f"--seed {a.seed}: accepted an integer >= 0" if a.seed < 0 else
            f"--out {a.out}: its directory does not exist" if a.out and not a.out.parent.is_dir() else
            f"--out {a.out}: is a directory; accepted: a file path in an existing directory" if a.out and a.out.is_dir()

@@ -1007,10 +1007,12 @@ def write_run_report(out: Path, name: str, scenarios: list[Scenario], reports: l
         r = done.get(sc.name)
         checks = dict(r["checks"]) if r is not None else {}
         rows.append({"scenario": sc.name,
-                     "status": "not run" if r is None else "passed" if all(checks.values()) else "failed",
+                     "status": "not run" if r is None else "passed" if checks and all(checks.values()) else "failed",
                      "checks": checks, "failed_checks": [k for k, v in checks.items() if not v],
                      "report": f"{sc.name}/report.json"})
-    doc = {"scenario": name, "passed": all(row["status"] == "passed" for row in rows), "scenarios": rows}
+    # a scenario that checked nothing, or a run of none, passed nothing
+    doc = {"scenario": name, "passed": bool(rows) and all(row["status"] == "passed" for row in rows),
+           "scenarios": rows}
     atomic_write(out / "report.json", [json.dumps(doc, indent=2).encode()], out)
     return doc
 

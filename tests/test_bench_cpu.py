@@ -404,3 +404,15 @@ def test_regression_the_run_report_creates_a_missing_out(tmp_path, monkeypatch):
                                                                 "checkpoint_bytes_total": 0})
     assert R.run_bench(_preflight_cfg(out)) is True
     assert json.loads((out / "report.json").read_text())["passed"] is True
+
+
+def test_regression_a_scenario_with_no_checks_is_not_passed(tmp_path):
+    """Break-test 2026-12-02: write_run_report called a scenario whose checks were empty passed (all({}) is
+    True), and a run of no scenario passed."""
+    from artcache.bench import run as R
+    from artcache.bench.scenarios import resolve
+
+    sc = resolve("1p1c")
+    doc = R.write_run_report(tmp_path, "1p1c", sc, [{"scenario": "1p1c", "checks": {}}])
+    assert doc["scenarios"][0]["status"] == "failed" and doc["passed"] is False
+    assert R.write_run_report(tmp_path, "none", [], [])["passed"] is False
