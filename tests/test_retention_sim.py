@@ -229,11 +229,11 @@ def streams(draw):
 
 
 #: how far over the pinned optimum the policy may be: 0.02 (the issue's figure) when every consumer starts at
-#: once (measured at most 0.0053 over 20 of this strategy's draws with starts within 0.5 s); 0.06 when the
-#: starts are staggered, where the policy ranks a newcomer's needs by a guessed rate (the others' median until
-#: its own is measured) while the optimum knows every read in advance: measured up to 0.035 over 51 of this
-#: strategy's staggered draws and up to 0.056 over 80 staggered streams near the floor budget
-#: (docs/scheduler.md, "Staggered starts"), 0.0234 in the CI stream of 2026-12-02 (the regression test below)
+#: once (measured at most 0.0054 over 20 such streams of this distribution, bench/retention_gap.py --family
+#: together); 0.06 when the starts are staggered, where the policy ranks a newcomer's needs by a guessed rate
+#: (the others' median until its own is measured) while the optimum knows every read and arrival in advance:
+#: measured up to 0.030 over 50 staggered streams of this distribution and up to 0.055 over 80 near the floor
+#: budget (docs/scheduler.md, "Staggered starts"), 0.0234 in the CI stream of 2026-12-02 (regression test below)
 TOL_TOGETHER, TOL_STAGGERED = 0.02, 0.06
 
 
