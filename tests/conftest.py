@@ -49,6 +49,25 @@ def tiny_target(tmp_path_factory, smollm2_target) -> TargetInfo:
 
 
 @pytest.fixture()
+def full_temp_writes(monkeypatch):
+    """A full disk for :func:`artcache.fsio.atomic_write`, from when the test calls the returned function: every
+    ``os.write`` to a ``.part`` temp file raises ENOSPC (other writes go through)."""
+    import errno
+    import os
+
+    from artcache import fsio
+
+    real_write = fsio.os.write
+
+    def full(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    return lambda: monkeypatch.setattr(fsio.os, "write", full)
+
+
+@pytest.fixture()
 def layout(tmp_path):
     """A fresh cache root initialised with crash_child's fake settings (``tmp_path/root``). Modules that
     want a bare root, or more in it, define their own ``layout``."""

@@ -50,24 +50,14 @@ def test_bad_arguments_are_one_line_exit_2(args, msg, capsys):
     assert msg in err and len(err.splitlines()) == 1
 
 
-def test_regression_retention_gap_out_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+def test_regression_retention_gap_out_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys, full_temp_writes):
     """Break test: an --out that is a directory ran every stream and then gave atomic_write's PublishError as
     a traceback (refused before the run now, above); one on a full disk still fails at the write: one line
     naming --out and the path, exit 1, nothing written."""
-    import errno
-    import os
 
-    from artcache import fsio
 
     monkeypatch.setattr(rg, "POSITIONS", 2000)
-    real_write = fsio.os.write
-
-    def full(fd, data):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(fd, data)
-
-    monkeypatch.setattr(fsio.os, "write", full)
+    full_temp_writes()
     out = tmp_path / "g.json"
     assert rg.main(["--family", "together", "--streams", "1", "--workers", "1", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip()

@@ -102,17 +102,23 @@ def test_offline_optimum_under_pins_by_hand():
         offline_optimum(list("ab"), 2, pins=_pins((1, 3, "x")))
 
 
+def _random_case(rng, capacities, max_pins):
+    """A tiny random case: ``(trace, capacity, pin rows, PinLog)``, 1-7 reads of 5 samples, a capacity drawn
+    from ``capacities`` (inclusive), up to ``max_pins`` pin rows (a sample outside the trace among them)."""
+    n, capacity = rng.randint(1, 7), rng.randint(*capacities)
+    trace = [rng.choice("abcde") for _ in range(n)]
+    rows = []
+    for _ in range(rng.randint(0, max_pins)):
+        a = rng.randrange(n)
+        rows.append((a, rng.randint(a + 1, n), rng.choice("abcdef")))
+    return trace, capacity, rows, _pins(*rows)
+
+
 def test_offline_optimum_under_pins_matches_an_exhaustive_search():
     rng = random.Random(21)
     forced = 0
     for _ in range(300):
-        n, capacity = rng.randint(1, 7), rng.randint(1, 3)
-        trace = [rng.choice("abcde") for _ in range(n)]
-        rows = []
-        for _ in range(rng.randint(0, 3)):
-            a = rng.randrange(n)
-            rows.append((a, rng.randint(a + 1, n), rng.choice("abcdef")))
-        pins = _pins(*rows)
+        trace, capacity, rows, pins = _random_case(rng, (1, 3), 3)
         if max(len(pins.at(j) | {s}) for j, s in enumerate(trace)) > capacity:
             continue
         best = _exhaustive(trace, capacity, pins)
@@ -128,13 +134,8 @@ def test_offline_optimum_with_room_reserved_per_read_matches_an_exhaustive_searc
     rng = random.Random(2112)
     costlier = 0
     for _ in range(300):
-        n, capacity = rng.randint(1, 7), rng.randint(2, 4)
-        trace = [rng.choice("abcde") for _ in range(n)]
-        rows = []
-        for _ in range(rng.randint(0, 2)):
-            a = rng.randrange(n)
-            rows.append((a, rng.randint(a + 1, n), rng.choice("abcdef")))
-        pins = _pins(*rows)
+        trace, capacity, rows, pins = _random_case(rng, (2, 4), 2)
+        n = len(trace)
         reserved = [rng.choice((0, 0, 1, 2)) for _ in range(n)]
         if any(len(pins.at(j) | {s}) > capacity - reserved[j] for j, s in enumerate(trace)):
             continue

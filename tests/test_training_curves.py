@@ -252,15 +252,12 @@ def test_regression_plot_flags_matplotlib_refuses_are_one_line_before_anything(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv"]
 
 
-def test_regression_outputs_are_written_at_their_path_atomically_and_a_full_disk_is_one_line(tmp_path, capsys,
-                                                                                            monkeypatch):
+def test_regression_outputs_are_written_at_their_path_atomically_and_a_full_disk_is_one_line(
+        tmp_path, capsys, monkeypatch, full_temp_writes):
     """Break test: --png/--json naming a directory, or on a full disk, gave a traceback (the JSON's after the PNG
     was written); --png without a suffix was written to PATH.png, not PATH. A directory is refused (exit 2),
     a full disk is one line (exit 1) with no file or temp file left, a suffix-less --png is a PNG at its path."""
-    import errno
-    import os
 
-    from artcache import fsio
 
     _run(tmp_path / "m.csv")
     m = f"d={tmp_path / 'm.csv'}"
@@ -274,14 +271,7 @@ def test_regression_outputs_are_written_at_their_path_atomically_and_a_full_disk
     assert tc.main(["--metrics", m, "--png", str(tmp_path / "plot"), "--json", str(tmp_path / "c.json")]) == 0
     assert (tmp_path / "plot").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plot.png").exists()
     capsys.readouterr()
-    real_write = fsio.os.write
-
-    def full(fd, data):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(fd, data)
-
-    monkeypatch.setattr(fsio.os, "write", full)
+    full_temp_writes()
     out = tmp_path / "out"
     out.mkdir()
     assert tc.main(["--metrics", m, "--png", str(out / "c.png"), "--json", str(out / "c.json")]) == 1

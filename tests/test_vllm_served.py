@@ -313,21 +313,12 @@ def test_regression_heldout_prompts_visited_more_than_records_is_not_called_a_ma
     assert code == 2 and "line 1: the shard stopped at --max-samples (visited 5 of 6 records)" in err, err
 
 
-def test_regression_heldout_prompts_out_on_a_full_disk_is_one_line(tmp_path, smollm2_target, capsys, monkeypatch):
+def test_regression_heldout_prompts_out_on_a_full_disk_is_one_line(tmp_path, smollm2_target, capsys, monkeypatch,
+                                                                   full_temp_writes):
     """Break test: an --out on a full filesystem gave atomic_write's PublishError as a traceback, after the
     selection had been made. It is one line naming --out and the full path, exit 1, nothing written (no temp
     file left beside it either)."""
-    import errno
-    import os
 
-    from artcache import fsio
-
-    real_write = fsio.os.write
-
-    def full(fd, data):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".part"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(fd, data)
 
     from artcache.target import load_tokenizer
 
@@ -339,7 +330,7 @@ def test_regression_heldout_prompts_out_on_a_full_disk_is_one_line(tmp_path, smo
                          add_special_tokens=False)["input_ids"]) for r in kept)
     summary = json.dumps({"samples": len(kept), "visited": 12, "skipped": {"no_user_before_assistant": 12 - len(kept)},
                           "prompt_tokens": tokens}) + "\n"
-    monkeypatch.setattr(fsio.os, "write", full)
+    full_temp_writes()
     code, err = _heldout_bad(tmp_path, capsys, summary, target=smollm2_target.path, plan_len=str(len(kept)))
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1, err
