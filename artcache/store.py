@@ -61,7 +61,10 @@ class IOSettings:
             in the CPU cache when the hash and the copy touch it); writes end on file offsets that are
             multiples of it, so use a multiple of the page size.
         hash_thread: hash on a helper thread beside the write or read (xxhash releases the GIL), for
-            artifacts of at least two chunks; else inline, chunk by chunk.
+            artifacts of at least two chunks (a read: two ``tail_bytes`` pieces); else inline, chunk by chunk.
+        tail_bytes: a read takes its last ``chunk_bytes`` in pieces of this size, so the hash of the final
+            piece, which no read can overlap (the verdict needs the whole digest), is short (1 MiB: ~0.2 ms
+            of xxh3 instead of ~1.3 ms for 8 MiB; docs/benchmarks.md, "The same micro on 76fd591").
         writeback: start the device write of each chunk as soon as it is in the page cache
             (:func:`artcache.fsio.start_writeback`), so the closing fsync waits only for the tail.
         fallocate: reserve the file's blocks before writing (``posix_fallocate``).
@@ -72,6 +75,7 @@ class IOSettings:
     """
 
     chunk_bytes: int = 8 << 20
+    tail_bytes: int = 1 << 20
     hash_thread: bool = True
     writeback: bool = True
     fallocate: bool = False
@@ -492,12 +496,13 @@ def _read_file(path: Path, pin: bool, io: IOSettings | None = None):
             buf = bytearray(size)
         view = memoryview(buf)
         step = max(1, io.chunk_bytes) if io.stream else max(1, size)
+        tail = max(1, min(io.tail_bytes, step)) if io.stream else step
         got = 0
         start = None
         with contextlib.ExitStack() as stack:
             digest = None
             while got < size:
-                n = f.readinto(view[got:min(size, got + step)])
+                n = f.readinto(view[got:min(size, got + (step if size - got > step else tail))])
                 if not n:
                     break
                 if start is None and io.stream and got + n >= 8:
@@ -505,7 +510,7 @@ def _read_file(path: Path, pin: bool, io: IOSettings | None = None):
                     start = 8 + hlen if hlen <= min(size - 8, _MAX_HEADER) else -1
                     if start >= 0:
                         digest = stack.enter_context(
-                            StreamDigest(background=io.hash_thread and size - start >= 2 * step))
+                            StreamDigest(background=io.hash_thread and size - start >= 2 * tail))
                 if digest is not None and got + n > start:
                     digest.update(view[max(start, got):got + n])
                 got += n

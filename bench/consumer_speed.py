@@ -69,14 +69,20 @@ PARTS = ("dflash", "eagle3", "qwen3", "cache-dflash", "cache-eagle3")
 
 
 def parse_plan(plan: str) -> list[tuple[str, str]]:
-    """``PART:VARIANT,...`` as pairs; raises ValueError naming a bad part or variant and what is accepted."""
+    """``PART:VARIANT[@N],...`` as pairs (``@N``: a from-cache row read by N read workers, ``--read-workers N``;
+    without it the consumer's auto choice); raises ValueError naming a bad part, variant or N and what is
+    accepted."""
     out = []
     for entry in plan.split(","):
         part, _, variant = entry.strip().partition(":")
         if part not in PARTS:
             raise ValueError(f"plan entry {entry!r}: part {part!r} is not one of {', '.join(PARTS)}")
-        if variant not in VARIANTS:
-            raise ValueError(f"plan entry {entry!r}: variant {variant!r} is not one of {', '.join(VARIANTS)}")
+        base, at, workers = variant.partition("@")
+        if base not in VARIANTS:
+            raise ValueError(f"plan entry {entry!r}: variant {base!r} is not one of {', '.join(VARIANTS)}")
+        if at and (not part.startswith("cache-") or not workers.isdigit() or not 1 <= int(workers) <= 64):
+            raise ValueError(f"plan entry {entry!r}: '@{workers}' is accepted on cache-* parts only, as @N with "
+                             "N in 1 .. 64 read workers")
         out.append((part, variant))
     return out
 
@@ -388,14 +394,16 @@ def from_cache(
     """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences; steps/s from its journal's Step
     end times past the first steps (compilation, warm-up)."""
     from artcache.trainers.consumer import ConsumerConfig, run_consumer
+    from artcache.trainers.consumer.config import read_workers
 
-    _, impl, comp = VARIANTS[variant]
+    base, _, workers = variant.partition("@")
+    _, impl, comp = VARIANTS[base]
     kw = (
         dict(draft="dflash", block_size=16, num_anchors=64, layer_ids=view or DFLASH_VIEW)
         if draft == "dflash"
         else dict(draft="eagle3", ttt_steps=7, draft_vocab=8192, layer_ids=view or EAGLE3_VIEW)
     )
-    cid = f"{draft}-{variant.replace('+', '-')}"
+    cid = f"{draft}-{variant.replace('+', '-').replace('@', '-rw')}"
     cfg = ConsumerConfig(
         cache=str(root),
         consumer_id=cid,
@@ -411,6 +419,7 @@ def from_cache(
         demand_timeout_s=120,
         compile=comp,
         loss_impl=impl,
+        read_workers=int(workers or 0),
         **kw,
     )
     s = run_consumer(cfg)
@@ -430,6 +439,7 @@ def from_cache(
         "steps_per_s": rate,
         "wait_s": s["wait_s"],
         "final_loss": s["final_loss"],
+        "read_workers": read_workers(cfg),
     }
 
 

@@ -223,7 +223,8 @@ IO_VARIANTS = {
     "legacy": {"stream": False, "reuse_buffers": False},
     "stream": {"hash_thread": False, "writeback": False},
     "stream+hash-thread": {"writeback": False},
-    "default": {},  # stream + hash thread + writeback (store.IOSettings defaults)
+    "no-tail": {"tail_bytes": 8 << 20},  # the default before reads took their last chunk in 1 MiB pieces
+    "default": {},  # stream + hash thread + writeback + 1 MiB read tail (store.IOSettings defaults)
     "default+fallocate": {"fallocate": True},
 }
 

@@ -23,6 +23,10 @@ def test_plan_parsing_names_bad_entries():
         cs.parse_plan("cache:main")
     with pytest.raises(ValueError, match="'fast'.*syncfree"):
         cs.parse_plan("eagle3:fast")
+    assert cs.parse_plan("cache-dflash:syncfree+compile@1") == [("cache-dflash", "syncfree+compile@1")]
+    for bad in ("dflash:syncfree@4", "cache-dflash:syncfree@0", "cache-dflash:syncfree@x"):
+        with pytest.raises(ValueError, match="cache-\\* parts only"):
+            cs.parse_plan(bad)
 
 
 def test_rates_and_ratio_to_main():
@@ -114,14 +118,16 @@ def test_from_cache_run(tmp_path):
         8 * 3,
         torch.device("cpu"),
         target="random:tiny-llama",
-        seq=48,
+        seq=96,  # at least DFlash's 64 anchors (regression: 48 tokens refused --anchors 64 since check_anchors)
         union=[1, 2, 3, 4, 5, 7],
     )
-    assert info["artifact_bytes"] > 48 * 6 * 64 * 2 and info["read_verify_Bps"] > 0
+    assert info["artifact_bytes"] > 96 * 6 * 64 * 2 and info["read_verify_Bps"] > 0
     r = cs.from_cache(tmp_path / "cache", "dflash", "main", 3, torch.device("cpu"), view=[1, 2, 3, 4, 5])
     assert r["steps"] == 3 and math.isfinite(r["final_loss"])
     r = cs.from_cache(tmp_path / "cache", "eagle3", "syncfree", 3, torch.device("cpu"), view=[1, 3, 4, 7])
-    assert r["steps"] == 3 and math.isfinite(r["final_loss"])
+    assert r["steps"] == 3 and math.isfinite(r["final_loss"]) and r["read_workers"] == 1
+    r = cs.from_cache(tmp_path / "cache", "dflash", "main@3", 3, torch.device("cpu"), view=[1, 2, 3, 4, 5])
+    assert r["steps"] == 3 and r["read_workers"] == 3
 
 
 def test_regression_provenance_is_the_one_hardware_record(tmp_path):

@@ -23,6 +23,8 @@ C = CaptureContract(target_name="tiny-target", target_revision="rev-0001", targe
                     tokenizer_digest="tok01", template_digest="tpl01")
 #: small chunks so a test artifact spans many: every chunk boundary, the hash thread, the header-last write
 SMALL = {"chunk_bytes": 1000}
+#: chunks larger than the artifact's last stretch, read in small tail pieces (each hashed as it lands)
+TAIL = {"chunk_bytes": 16000, "tail_bytes": 700}
 
 
 def tensors(t: int = 300, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -63,8 +65,10 @@ def test_stream_digest_hands_the_threads_error_to_hexdigest():
 
 
 @pytest.mark.parametrize("variant", [{}, SMALL, {**SMALL, "hash_thread": False}, {**SMALL, "writeback": False},
-                                     {**SMALL, "fallocate": True}, {"stream": False}],
-                         ids=["default", "small-chunks", "inline-hash", "no-writeback", "fallocate", "legacy"])
+                                     {**SMALL, "fallocate": True}, {"stream": False}, TAIL,
+                                     {**TAIL, "hash_thread": False}],
+                         ids=["default", "small-chunks", "inline-hash", "no-writeback", "fallocate", "legacy", "tail",
+                              "tail-inline"])
 def test_every_io_variant_writes_the_bytes_of_encode_and_reads_them_back(layout, variant):
     ts = tensors()
     fp = fp_for(ts)
@@ -79,7 +83,8 @@ def test_every_io_variant_writes_the_bytes_of_encode_and_reads_them_back(layout,
     assert list(layout.tmp.iterdir()) == []
 
 
-@pytest.mark.parametrize("variant", [{}, SMALL, {**SMALL, "hash_thread": False}], ids=["default", "small", "inline"])
+@pytest.mark.parametrize("variant", [{}, SMALL, {**SMALL, "hash_thread": False}, TAIL],
+                         ids=["default", "small", "inline", "tail"])
 def test_a_flipped_byte_in_any_chunk_fails_the_streamed_hash(layout, variant):
     ts = tensors()
     fp = fp_for(ts)
@@ -234,3 +239,39 @@ def test_producer_publishes_after_ready_and_fails_the_batch_when_ready_raises(tm
     else:
         assert len(pubs) == 2 and not fails and len(store.list_objects(layout)) == 2
     assert not producer._inflight  # the locks and in-flight marks were released either way
+
+
+def test_a_read_takes_its_last_chunk_in_tail_pieces(layout, monkeypatch):
+    """The final chunk is read ``tail_bytes`` at a time, so only the last small piece's hash is left after
+    the read (issue 14: read + verify 0.86 of the page-cache read on a local disk, the gap that tail)."""
+    ts = tensors(t=500)
+    fp = fp_for(ts)
+    store.publish(layout, fp, C, ts)
+    size = layout.object_path(fp).stat().st_size
+    sizes: list[int] = []
+    real_fdopen = os.fdopen
+
+    class Recording:
+        def __init__(self, f):
+            self.f = f
+
+        def readinto(self, view):
+            sizes.append(len(view))
+            return self.f.readinto(view)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: Recording(real_fdopen(*a, **k)))
+    with store.io_settings(chunk_bytes=32768, tail_bytes=4096):
+        art = store.read(layout, fp, C, verify_tokens=True)
+    assert torch.equal(art.hidden_states, ts["hidden_states"])
+    full = -(-size // 32768) - 1  # the chunks before the last
+    assert full >= 2 and sizes[:full] == [32768] * full
+    assert max(sizes[full:]) <= 4096 and sum(sizes) == size  # the last chunk in tail pieces

@@ -317,13 +317,15 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               "liger (CUDA; pip install 'artcache[liger]').")
 @click.option("--length-bucket", default=64, type=int,
               help="With --compile on|graphs on CUDA: pad batch lengths to a multiple of N positions; 0: none.")
+@click.option("--read-workers", default=0, type=int,
+              help="Artifacts of one batch read at once (0 .. 64; 0: auto, 4 on CUDA and 1 on a CPU).")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps,
             lr_total_steps, lr, seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab,
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
-            best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, epochs=0):
+            best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, epochs=0):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
@@ -350,7 +352,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         min_vocab_coverage=min_vocab_coverage, keep_vocab_map=keep_vocab_map or None,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
         progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
-        length_bucket=length_bucket)
+        length_bucket=length_bucket, read_workers=read_workers)
     cfg.validate()
     summary = run_consumer(cfg)
     click.echo(json.dumps(summary), err=False)

@@ -16,6 +16,7 @@ import collections
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -81,19 +82,21 @@ class Retired:
 class Reader(threading.Thread):
     """Leases and reads batches of consecutive positions, never beyond ``cursor + lookahead``.
 
-    It cannot move the window: the trainer commits the cursor and calls :meth:`authorize`.
+    It cannot move the window: the trainer commits the cursor and calls :meth:`authorize`. ``workers``
+    (>= 1) positions of a batch are leased and read at once (``--read-workers``; 1: one after another).
     Results (a :class:`Fetched` per batch, collated by ``collate`` when given, or the exception that
     stopped it) go to ``out``, at most ``depth`` waiting.
     """
 
     def __init__(self, client: CacheClient, start_pos: int, batch: int, lookahead: int, depth: int,
                  end: int, group_cursor: Callable[[], int] | None = None,
-                 collate: Callable[[list[Leased]], Fetched] | None = None) -> None:
+                 collate: Callable[[list[Leased]], Fetched] | None = None, workers: int = 1) -> None:
         super().__init__(daemon=True, name="artcache-reader")
         self.collate = collate
         self.client, self.next_pos, self.batch, self.lookahead = client, start_pos, batch, lookahead
         self.end = end  # exclusive: the consumer never reads at or past its announced end
         self.group_cursor = group_cursor  # lockstep: the group's min committed cursor (registry poll)
+        self.workers = max(1, int(workers))  # positions of one batch leased and read at once
         self.out: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self._cond = threading.Condition()
@@ -111,25 +114,62 @@ class Reader(threading.Thread):
             return False
         return self.group_cursor is None or p < self.group_cursor() + self.batch
 
+    def _wait_authorized(self, p: int) -> bool:
+        """Block until ``p`` is authorized; False when stopped first."""
+        with self._cond:
+            while not self._authorized(p) and not self.stop.is_set():
+                self._cond.wait(0.05 if self.group_cursor else 0.1)
+        return not self.stop.is_set()
+
+    def _lease_batch(self, pool: ThreadPoolExecutor | None) -> list[Leased] | None:
+        """Lease and read positions ``next_pos .. next_pos + batch - 1`` in position order; None when stopped.
+
+        Each position is requested as soon as it is authorized (so demand reaches the producer in cursor
+        order); with a pool, up to ``workers`` of them are read at once (read + verify of one artifact
+        is mostly system calls and xxh3, both outside the GIL). On any failure every lease the batch
+        holds is released and the first failure (in position order) is raised.
+        """
+        positions = range(self.next_pos, self.next_pos + self.batch)
+        if pool is None:
+            items: list[Leased] = []
+            try:
+                for p in positions:
+                    if not self._wait_authorized(p):
+                        break
+                    items.append(self.client.acquire(p, self.stop))
+            except BaseException:  # the partial batch's leases (regression: leaked on CaptureTimeout)
+                for it in items:
+                    self.client.release(it)
+                raise
+            got: list = items
+        else:
+            futures: list[Future] = []
+            for p in positions:
+                if not self._wait_authorized(p):
+                    break
+                futures.append(pool.submit(self.client.acquire, p, self.stop))
+            got, failure = [], None
+            for f in futures:  # every future is awaited, so no lease is taken after this returns
+                try:
+                    got.append(f.result())
+                except BaseException as exc:
+                    failure = failure or exc
+            if failure is not None:
+                for it in got:
+                    self.client.release(it)
+                raise failure
+        if self.stop.is_set() or len(got) < self.batch:
+            for it in got:
+                self.client.release(it)
+            return None
+        return got
+
     def run(self) -> None:
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="artcache-read") if self.workers > 1 else None
         try:
             while not self.stop.is_set() and self.next_pos + self.batch <= self.end:
-                items = []
-                for p in range(self.next_pos, self.next_pos + self.batch):
-                    with self._cond:
-                        while not self._authorized(p) and not self.stop.is_set():
-                            self._cond.wait(0.05 if self.group_cursor else 0.1)
-                    if self.stop.is_set():
-                        break
-                    try:
-                        items.append(self.client.acquire(p, self.stop))
-                    except BaseException:  # the partial batch's leases (regression: leaked on CaptureTimeout)
-                        for it in items:
-                            self.client.release(it)
-                        raise
-                if self.stop.is_set():
-                    for it in items:
-                        self.client.release(it)
+                items = self._lease_batch(pool)
+                if items is None:
                     return
                 self.next_pos += self.batch
                 try:
@@ -152,6 +192,9 @@ class Reader(threading.Thread):
             return
         except BaseException as exc:  # handed to the trainer, which re-raises it
             self.out.put(exc)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 def collate(items: list[Leased], device: torch.device, layers: slice | torch.Tensor | None = None,

@@ -84,7 +84,7 @@ from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, tar
 from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
 from artcache.trainers.tracking import Progress, RunTracker
 
-from .config import ConsumerConfig, check_anchors, lr_at, run_settings
+from .config import ConsumerConfig, check_anchors, lr_at, read_workers, run_settings
 from .reader import DeviceCollator, Fetched, Reader, Retired, collate, drain, group_cursor
 from .restore import (
     check_same_draft,
@@ -346,7 +346,7 @@ class Session:
         group = [m for m in cfg.lockstep_group.split(",") if m]
         self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
                              end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
-                             collate=self._collator())
+                             collate=self._collator(), workers=read_workers(cfg))
         # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled", leases
         # released, journal closed (in the main thread only; the previous handlers come back in close())
         self.shutdown.install()

@@ -1,0 +1,156 @@
+"""The consumer's reader with a pool of read workers (``--read-workers``): one batch's positions are leased and
+read at once, yet batches come out whole and in position order, the window bound holds, and a failure or a
+stop leaves no lease behind. A fake client stands in for the cache (the real protocol is covered by the
+consumer's process tests; ``test_a_consumer_with_read_workers_trains_as_one_without`` runs it for real)."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_consumer_resume import DATA, consume_args
+
+from artcache.errors import CaptureTimeout
+from artcache.trainers.consumer.config import AUTO_READ_WORKERS_CUDA, ConsumerConfig, read_workers
+from artcache.trainers.consumer.reader import Fetched, Reader
+
+
+class FakeClient:
+    """Leases are ints; ``acquire`` sleeps ``delay`` s (as a read would) and records concurrency."""
+
+    def __init__(self, delay: float = 0.02, fail_at: int | None = None) -> None:
+        self.delay, self.fail_at = delay, fail_at
+        self.lock = threading.Lock()
+        self.held: set[int] = set()
+        self.started: list[int] = []
+        self.active = self.max_active = 0
+
+    def acquire(self, p: int, stop: threading.Event | None = None):
+        with self.lock:
+            self.started.append(p)
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            if stop is not None and stop.wait(self.delay):
+                raise InterruptedError("stopped")
+            if p == self.fail_at:
+                raise CaptureTimeout(f"position {p} was not published")
+            with self.lock:
+                self.held.add(p)
+            return p
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def release(self, item) -> None:
+        with self.lock:
+            self.held.remove(item)
+
+
+def _next(reader: Reader, timeout: float = 10.0):
+    return reader.out.get(timeout=timeout)
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_batches_come_whole_and_in_order_and_reads_overlap_with_workers(workers):
+    client = FakeClient(delay=0.05)
+    reader = Reader(client, 0, batch=4, lookahead=100, depth=2, end=16, workers=workers)
+    reader.start()
+    got = [_next(reader) for _ in range(4)]
+    reader.join(10)
+    assert [f.items for f in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert all(isinstance(f, Fetched) for f in got)
+    assert client.max_active == (workers if workers > 1 else 1)
+    for f in got:
+        for it in f.items:
+            client.release(it)
+    assert client.held == set()
+
+
+def test_workers_never_read_past_the_window():
+    client = FakeClient(delay=0.0)
+    reader = Reader(client, 0, batch=4, lookahead=5, depth=4, end=40, workers=4)
+    reader.start()
+    first = _next(reader)
+    time.sleep(0.3)  # the reader may lease up to cursor + lookahead = 5, never 6 or beyond
+    assert first.items == [0, 1, 2, 3]
+    assert max(client.started) == 5
+    reader.authorize(4)  # the trainer committed batch [0, 4): the window is now [4, 9]
+    second = _next(reader)
+    time.sleep(0.3)
+    assert second.items == [4, 5, 6, 7] and max(client.started) == 9
+    reader.stop.set()
+    reader.join(10)
+    for f in (first, second):
+        for it in f.items:
+            client.release(it)
+    assert client.held == set(), "the partial batch's leases were not released on stop"
+
+
+def test_regression_a_failed_read_in_a_pooled_batch_releases_every_lease_of_it():
+    client = FakeClient(delay=0.02, fail_at=6)
+    reader = Reader(client, 0, batch=4, lookahead=100, depth=4, end=40, workers=4)
+    reader.start()
+    first = _next(reader)
+    err = _next(reader)
+    reader.join(10)
+    assert first.items == [0, 1, 2, 3]
+    assert isinstance(err, CaptureTimeout) and "position 6" in str(err)
+    for it in first.items:
+        client.release(it)
+    assert client.held == set(), f"leases of the failed batch left: {sorted(client.held)}"
+    assert not reader.is_alive()
+
+
+def test_stop_while_reads_are_in_flight_leaves_no_lease():
+    client = FakeClient(delay=0.5)
+    reader = Reader(client, 0, batch=8, lookahead=100, depth=1, end=80, workers=4)
+    reader.start()
+    time.sleep(0.1)  # four reads in flight
+    reader.stop.set()
+    reader.join(10)
+    assert not reader.is_alive()
+    with pytest.raises(queue.Empty):
+        reader.out.get_nowait()
+    assert client.held == set()
+
+
+def test_read_workers_auto_is_four_on_cuda_one_on_a_cpu_and_at_most_the_batch():
+    cfg = ConsumerConfig(cache="/x", batch_size=8)
+    assert read_workers(cfg) == 1
+    assert read_workers(ConsumerConfig(cache="/x", batch_size=8, device="cuda")) == AUTO_READ_WORKERS_CUDA
+    assert read_workers(ConsumerConfig(cache="/x", batch_size=2, device="cuda:1")) == 2
+    assert read_workers(ConsumerConfig(cache="/x", batch_size=8, read_workers=3)) == 3
+
+
+def test_read_workers_out_of_range_is_one_line(tmp_path):
+    got = subprocess.run([sys.executable, "-m", "artcache", "consume", "--cache", str(tmp_path / "none"),
+                          "--read-workers", "65"], capture_output=True, text=True, timeout=120)
+    assert got.returncode != 0
+    assert "--read-workers" in got.stderr and "65" in got.stderr and "Traceback" not in got.stderr
+
+
+def test_a_consumer_with_read_workers_trains_as_one_without(tmp_path, tiny_target):
+    """Real processes: a producer fills a root; one consumer reads with 1 worker, another with 3; their losses
+    are the same step for step (the same batches, in the same order)."""
+    from test_consumer_resume import Proc, file_events, steps_of
+
+    cache = tmp_path / "cache"
+    fill = subprocess.run([sys.executable, "-m", "artcache", "producer", "--cache", str(cache), "--target",
+                           tiny_target.path, "--data", str(DATA), "--max-samples", "24", "--max-length", "128",
+                           "--draft-layers", "3", "--threads", "1", "--fill"], capture_output=True, text=True,
+                          timeout=600)
+    assert fill.returncode == 0, fill.stderr[-2000:]
+    losses = {}
+    for cid, workers in (("one", "1"), ("three", "3")):
+        args = consume_args(cache, tmp_path, cid, 5, "--read-workers", workers)
+        args[args.index("--batch-size") + 1] = "4"
+        Proc(cid, args, tmp_path).expect(0)
+        (evs,) = file_events(cache, cid)
+        losses[cid] = [(s.step, s.cursor, s.loss) for s in steps_of(evs)]
+    assert len(losses["one"]) == 5
+    assert losses["three"] == losses["one"]
