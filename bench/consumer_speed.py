@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -70,7 +71,7 @@ PARTS = ("dflash", "eagle3", "qwen3", "cache-dflash", "cache-eagle3")
 
 def parse_plan(plan: str) -> list[tuple[str, str]]:
     """``PART:VARIANT[@N],...`` as pairs (``@N``: a from-cache row read by N read workers, ``--read-workers N``;
-    without it the consumer's auto choice); raises ValueError naming a bad part, variant or N and what is
+    without it 1); raises ValueError naming a bad part, variant or N and what is
     accepted."""
     out = []
     for entry in plan.split(","):
@@ -419,7 +420,7 @@ def from_cache(
         demand_timeout_s=120,
         compile=comp,
         loss_impl=impl,
-        read_workers=int(workers or 0),
+        read_workers=int(workers or 1),
         **kw,
     )
     s = run_consumer(cfg)
@@ -461,7 +462,8 @@ def _arg_parser() -> argparse.ArgumentParser:
         default=float(os.environ.get("BUDGET_S", "1e9")),
         help="stop starting new measurements after this many seconds",
     )
-    ap.add_argument("--root", default="/tmp/artcache-consumer-speed")
+    ap.add_argument("--root", default="/tmp/artcache-consumer-speed",
+                    help="scratch directory: its cache/ and runs/ of an earlier run are removed at start")
     return ap
 
 
@@ -488,6 +490,26 @@ def _print_table(report: dict) -> None:
 
 
 
+#: what this benchmark writes under ``--root`` (the root of published artifacts, the consumers' run directories)
+SCRATCH = ("cache", "runs")
+
+
+def clear_scratch(root: Path) -> None:
+    """Empty ``--root`` of an earlier run's ``cache`` and ``runs`` (regression: a second run on the same H200
+    found the first's run directories and every from-cache row failed with "already holds checkpoints of an
+    earlier run"). ValueError when ``root`` holds anything else (not this benchmark's: nothing is removed)."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise ValueError(f"--root {root} is not a directory: give a scratch directory (created if missing)")
+    other = sorted(p.name for p in root.iterdir() if p.name not in SCRATCH)
+    if other:
+        raise ValueError(f"--root {root} holds {', '.join(other[:3])}, which this benchmark did not write: give an "
+                         f"empty or missing directory (it writes and replaces only {', '.join(SCRATCH)} there)")
+    for name in SCRATCH:
+        shutil.rmtree(root / name, ignore_errors=True)
+
+
 def main() -> None:
     ap = _arg_parser()
     args = ap.parse_args()
@@ -495,6 +517,10 @@ def main() -> None:
         plan = parse_plan(args.plan)
     except ValueError as exc:
         ap.error(str(exc))  # exit 2
+    try:
+        clear_scratch(Path(args.root))
+    except ValueError as exc:
+        ap.error(str(exc))
     if not torch.cuda.is_available():
         print("consumer_speed measures a CUDA device; none is available", file=sys.stderr)
         raise SystemExit(1)

@@ -22,8 +22,10 @@ Retention modes (the ``hetero`` scenario runs them by default):
 
 * ``windows``: as ``artcache`` but the producer keeps only the live windows (``--retention windows``, the rule
   before retention by need): the before of the before/after.
-* ``tight``: as ``artcache`` with a disk budget ``--budget-fraction`` of the one that covers the run: too small
-  for the fast consumer's lead, so the budget binds (recaptures rise; the report says it binds).
+* ``tight``: as ``artcache`` with a disk budget of the live windows' floor (:func:`window_floor`, which the
+  retention guarantee holds whatever the budget) plus ``--budget-fraction`` of the room between it and the
+  budget that covers the run: too small for the fast consumer's lead, so the budget binds (recaptures rise; the
+  report says it binds), yet above what the guarantee pins, so it can be kept.
 * ``solo``: the scenario's fast consumer alone on its own root: its rate alone, against its rate in ``artcache``.
 
 ``artcache`` and ``solo`` get a budget that covers the run (every position any consumer reads, at the longest
@@ -112,7 +114,7 @@ class BenchConfig:
     timeout_s: float = 1800.0
     modes: str = ""  # comma-separated subset of MODES; "" = parse_modes' default for the scenario
     disk_budget: int = 0  # bytes for the artcache/solo producers (0: the run's covering budget for hetero)
-    budget_fraction: float = 0.25  # the tight mode's budget, as a fraction of the covering budget
+    budget_fraction: float = 0.25  # the tight mode's budget: window floor + this share of (covering - floor)
     save: str = "weights"  # one of SAVE_POLICIES
 
 
@@ -215,26 +217,60 @@ def capture_layers(cfg: BenchConfig, sc: Scenario) -> list[int] | None:
     return sorted(ids)
 
 
-def covering_budget(cfg: BenchConfig, sc: Scenario) -> int:
-    """Bytes that hold every position of the run at the longest sample's size: a budget that covers any lead
-    (``(warmup + steps) × batch size`` artifacts of ``max_length`` tokens, the captured layers in bfloat16,
-    plus 16 KiB of header each)."""
+def _sample_bytes(cfg: BenchConfig, sc: Scenario) -> int:
+    """Bytes of one artifact of ``max_length`` tokens: the captured layers in bfloat16 plus 16 KiB of header."""
     from artcache.layer_ids import dflash_layer_ids
     from artcache.target import resolve_target
 
     info = resolve_target(cfg.target)
     layers = capture_layers(cfg, sc) or dflash_layer_ids(info.num_layers, cfg.draft_layers)
-    per_sample = (16 << 10) + cfg.max_length * (len(layers) * info.hidden_size * 2 + 5)
-    return (cfg.warmup + cfg.steps) * cfg.batch_size * per_sample
+    return (16 << 10) + cfg.max_length * (len(layers) * info.hidden_size * 2 + 5)
+
+
+def covering_budget(cfg: BenchConfig, sc: Scenario) -> int:
+    """Bytes that hold every position of the run at the longest sample's size: a budget that covers any lead
+    (``(warmup + steps) × batch size`` artifacts of ``max_length`` tokens, the captured layers in bfloat16,
+    plus 16 KiB of header each)."""
+    return (cfg.warmup + cfg.steps) * cfg.batch_size * _sample_bytes(cfg, sc)
+
+
+def window_floor(cfg: BenchConfig, sc: Scenario) -> int:
+    """Bytes the retention guarantee holds whatever the budget: every consumer's live window (``lookbehind +
+    lookahead + 1`` positions, at most the run's) plus one capture batch per consumer (demand in flight), at
+    the longest sample's size. A budget below it cannot be kept (docs/scheduler.md: the guarantee wins)."""
+    from artcache.trainers.consumer import parse_window
+
+    lookbehind, lookahead = parse_window(cfg.window)
+    run = (cfg.warmup + cfg.steps) * cfg.batch_size
+    per_consumer = min(lookbehind + lookahead + 1, run) + cfg.batch_size
+    return len(sc.consumers) * per_consumer * _sample_bytes(cfg, sc)
 
 
 def mode_budget(cfg: BenchConfig, sc: Scenario, mode: str) -> int:
-    """The ``--disk-budget`` of ``mode``'s producer (0: the producer's default)."""
+    """The ``--disk-budget`` of ``mode``'s producer (0: the producer's default). ``tight``: the window floor
+    plus ``budget_fraction`` of the room between it and the covering budget, so it is too small for the
+    lead yet keepable (regression: 0.25 × the covering budget fell below the live windows of ``--window
+    64:512`` on the H200 and was exceeded by design, failing ``tight_budget_binds_and_is_kept``)."""
+    covering = cfg.disk_budget or covering_budget(cfg, sc)
     if mode == "tight":
-        return int(cfg.budget_fraction * (cfg.disk_budget or covering_budget(cfg, sc)))
+        floor = window_floor(cfg, sc)
+        return int(floor + cfg.budget_fraction * max(0, covering - floor))
     if mode in ("artcache", "solo", "windows") and (cfg.disk_budget or sc.modes):
-        return cfg.disk_budget or covering_budget(cfg, sc)
+        return covering
     return 0
+
+
+def check_tight_budget(cfg: BenchConfig, sc: Scenario, modes: list[str]) -> None:
+    """ConfigError when ``tight`` is run but no budget between the window floor and the covering budget
+    exists: the live windows already hold the whole run, so no budget can bind and be kept."""
+    if "tight" not in modes:
+        return
+    floor, covering = window_floor(cfg, sc), cfg.disk_budget or covering_budget(cfg, sc)
+    if floor >= covering:
+        raise ConfigError(
+            f"--modes tight: the live windows (--window {cfg.window}, {len(sc.consumers)} consumers: "
+            f"{format_bytes(floor)}) hold the whole run ({format_bytes(covering)}), so no budget binds and is "
+            "kept; use a smaller --window, more --steps, or leave tight out of --modes")
 
 
 def mode_retention(mode: str) -> str:
@@ -1041,7 +1077,7 @@ def run_bench(cfg: BenchConfig) -> bool:
                           "if missing)")
     for sc in resolve(cfg.scenario):  # bad input fails here, before anything is written
         parse_window(resolved(cfg, sc).window)
-        parse_modes(cfg.modes, sc)
+        check_tight_budget(resolved(cfg, sc), sc, list(parse_modes(cfg.modes, sc)))
     plan = preflight_disk(cfg, resolve(cfg.scenario))  # refuses (exit 2) before any mode starts
     print(f"disk plan: at most {format_bytes(plan['peak_bytes'])} at once ({plan['peak_mode']}; each mode's "
           f"checkpoints and artifacts are removed before the next) of {format_bytes(plan['free_bytes'])} free "

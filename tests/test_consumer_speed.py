@@ -140,3 +140,19 @@ def test_regression_provenance_is_the_one_hardware_record(tmp_path):
     assert set(p["hardware"]) == set(want) and p["hardware"]["roots"] == want["roots"]
     assert {"memory_bytes", "kernel", "cpu", "cpu_count", "torch"} <= set(p["hardware"])
     assert p["hardware"]["roots"][str(tmp_path)]["mount"]
+
+
+def test_regression_a_second_run_on_the_same_root_starts_clean(tmp_path):
+    """The H200 call of 2026-12-02 (session 9) ran consumer_speed twice on the default --root: the second found
+    the first's run directories, and its from-cache rows failed with "already holds checkpoints"."""
+    root = tmp_path / "scratch"
+    (root / "runs" / "dflash-main").mkdir(parents=True)
+    (root / "cache" / "objects").mkdir(parents=True)
+    cs.clear_scratch(root)
+    assert list(root.iterdir()) == []
+    cs.clear_scratch(tmp_path / "missing")  # nothing to clear
+    (root / "mine.txt").write_text("x")
+    (root / "runs").mkdir()
+    with pytest.raises(ValueError, match="mine.txt"):
+        cs.clear_scratch(root)
+    assert (root / "runs").is_dir() and (root / "mine.txt").is_file()  # nothing removed

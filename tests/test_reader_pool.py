@@ -15,7 +15,7 @@ import pytest
 from test_consumer_resume import DATA, consume_args
 
 from artcache.errors import CaptureTimeout
-from artcache.trainers.consumer.config import AUTO_READ_WORKERS_CUDA, ConsumerConfig, read_workers
+from artcache.trainers.consumer.config import ConsumerConfig, read_workers
 from artcache.trainers.consumer.reader import Fetched, Reader
 
 
@@ -119,19 +119,17 @@ def test_stop_while_reads_are_in_flight_leaves_no_lease():
     assert client.held == set()
 
 
-def test_read_workers_auto_is_four_on_cuda_one_on_a_cpu_and_at_most_the_batch():
-    cfg = ConsumerConfig(cache="/x", batch_size=8)
-    assert read_workers(cfg) == 1
-    assert read_workers(ConsumerConfig(cache="/x", batch_size=8, device="cuda")) == AUTO_READ_WORKERS_CUDA
-    assert read_workers(ConsumerConfig(cache="/x", batch_size=2, device="cuda:1")) == 2
+def test_read_workers_default_to_one_and_never_exceed_the_batch():
+    assert read_workers(ConsumerConfig(cache="/x", batch_size=8, device="cuda")) == 1
+    assert read_workers(ConsumerConfig(cache="/x", batch_size=2, read_workers=4)) == 2
     assert read_workers(ConsumerConfig(cache="/x", batch_size=8, read_workers=3)) == 3
 
 
 def test_read_workers_out_of_range_is_one_line(tmp_path):
     got = subprocess.run([sys.executable, "-m", "artcache", "consume", "--cache", str(tmp_path / "none"),
-                          "--read-workers", "65"], capture_output=True, text=True, timeout=120)
+                          "--read-workers", "0"], capture_output=True, text=True, timeout=120)
     assert got.returncode != 0
-    assert "--read-workers" in got.stderr and "65" in got.stderr and "Traceback" not in got.stderr
+    assert "--read-workers" in got.stderr and "0" in got.stderr and "Traceback" not in got.stderr
 
 
 def test_a_consumer_with_read_workers_trains_as_one_without(tmp_path, tiny_target):

@@ -317,8 +317,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               "liger (CUDA; pip install 'artcache[liger]').")
 @click.option("--length-bucket", default=64, type=int,
               help="With --compile on|graphs on CUDA: pad batch lengths to a multiple of N positions; 0: none.")
-@click.option("--read-workers", default=0, type=int,
-              help="Artifacts of one batch read at once (0 .. 64; 0: auto, 4 on CUDA and 1 on a CPU).")
+@click.option("--read-workers", default=1, type=int,
+              help="Artifacts of one batch read at once (1 .. 64; more hide per-file latency on a slow or network "
+                   "filesystem).")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps,
@@ -417,7 +418,8 @@ def inspect(cache, as_json):
               help="Disk budget of the artcache (and solo) producer (default: hetero: one that holds the whole run; "
               "1p1c/1p3c: the producer's default).")
 @click.option("--budget-fraction", default=0.25, type=float,
-              help="tight mode: its budget as a fraction of the artcache one (too small for the fast consumer's lead).")
+              help="tight mode: its budget is the live windows' floor plus this share of the room between it and the "
+                   "artcache one (too small for the fast consumer's lead, yet keepable).")
 @click.option("--save", default="weights", type=click.Choice(["none", "weights", "full"]),
               help="Each consumer's final checkpoint: weights only, with optimizer state (full) or none. Every "
               "mode's checkpoints and leftover artifacts are removed once its report figures are read.")

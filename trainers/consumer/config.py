@@ -45,9 +45,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         demand_timeout_s: give up waiting for one position after this long.
         heartbeat_s: heartbeat period. prefetch_batches: batches read ahead (inside the lookahead).
         read_workers: positions of one batch leased and read at once by the reader thread's pool
-            (``--read-workers``); 0 = auto: :data:`AUTO_READ_WORKERS_CUDA` on CUDA (a compiled step is
-            shorter than reading its batch one artifact after another, docs/training.md "GPU speed"), 1
-            on a CPU (whose cores the step needs).
+            (``--read-workers``, default 1: one after another). More hide per-file latency on a slow or network
+            filesystem; on a local, page-cached root the H200 measured no gain from 4 (docs/training.md, "GPU
+            speed").
         log_every: print a metrics line every this many steps.
         lockstep_group: comma-separated consumer ids (this one included) that share one cursor: a
             position is read only once every running member committed the batches before it (the
@@ -127,7 +127,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     demand_timeout_s: Positive = 600.0
     heartbeat_s: float = 2.0
     prefetch_batches: Count = 2
-    read_workers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    read_workers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     log_every: Count = 10
     lockstep_group: str = ""
     layer_ids: list[int] | None = None
@@ -244,15 +244,10 @@ def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: floa
 #: ``steps`` is not one (a run is extended by raising it); the LR horizon ``lr_total_steps`` is.
 RUN_FIELDS = ("draft", "batch_size", "lr_total_steps", "lr", "warmup_frac", "min_lr_frac", "weight_decay",
               "grad_clip", "seed", "eval_samples")
-#: ``--read-workers 0`` (auto) on CUDA: artifacts of one batch read at once (docs/training.md, "GPU speed").
-AUTO_READ_WORKERS_CUDA = 4
-
-
 def read_workers(cfg: ConsumerConfig) -> int:
-    """The reader's pool size: ``cfg.read_workers``, or for 0 :data:`AUTO_READ_WORKERS_CUDA` on CUDA and 1
-    on a CPU; never more than the batch (a batch's positions are what it reads at once)."""
-    n = cfg.read_workers or (AUTO_READ_WORKERS_CUDA if cfg.device.startswith("cuda") else 1)
-    return max(1, min(n, cfg.batch_size))
+    """The reader's pool size: ``cfg.read_workers``, never more than the batch (a batch's positions are what it
+    reads at once)."""
+    return max(1, min(cfg.read_workers, cfg.batch_size))
 
 
 #: The accepted ``--init-override`` values (see :mod:`artcache.trainers.seed`).
