@@ -510,41 +510,13 @@ def clear_scratch(root: Path) -> None:
         shutil.rmtree(root / name, ignore_errors=True)
 
 
-def main() -> None:
-    ap = _arg_parser()
-    args = ap.parse_args()
-    try:
-        plan = parse_plan(args.plan)
-    except ValueError as exc:
-        ap.error(str(exc))  # exit 2
-    try:
-        clear_scratch(Path(args.root))
-    except ValueError as exc:
-        ap.error(str(exc))
-    if not torch.cuda.is_available():
-        print("consumer_speed measures a CUDA device; none is available", file=sys.stderr)
-        raise SystemExit(1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda")
-    t_start = time.time()
-    report = {**provenance(device, [Path(args.root)]), "device": torch.cuda.get_device_name(device),
-              "torch": torch.__version__, "rows": []}
-    report["matmul_peak_flops"] = peak = matmul_peak(device)
-    print(f"matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+def _shapes() -> dict:
+    """Part -> (row name, draft, arch, ``device_batches`` args (batch, seq, target layers, hidden, vocab),
+    FLOPs of one sequence as a function of the draft config, ``build`` keywords)."""
     smol = _arch_config("smollm2-135m")
-
-    def save() -> None:
-        compare(report["rows"])
-        (out / "consumer_speed.json").write_text(json.dumps(report, indent=1))
-
-    def over() -> bool:
-        return time.time() - t_start > args.budget_s
-
     sup = 1024 - 1024 // 8
     q = _arch_config("qwen3-8b")
-    # part -> (row name, draft, arch, device_batches args (b, seq, m, h, vocab), flops of one sequence, build kw)
-    shapes = {
+    return {
         "dflash": (
             "dflash-smollm2",
             "dflash",
@@ -570,6 +542,39 @@ def main() -> None:
             {"layers": 5, "anchors": 256},
         ),
     }
+
+
+def main() -> None:
+    ap = _arg_parser()
+    args = ap.parse_args()
+    try:
+        plan = parse_plan(args.plan)
+    except ValueError as exc:
+        ap.error(str(exc))  # exit 2
+    try:
+        clear_scratch(Path(args.root))
+    except ValueError as exc:
+        ap.error(str(exc))
+    if not torch.cuda.is_available():
+        print("consumer_speed measures a CUDA device; none is available", file=sys.stderr)
+        raise SystemExit(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    t_start = time.time()
+    report = {**provenance(device, [Path(args.root)]), "device": torch.cuda.get_device_name(device),
+              "torch": torch.__version__, "rows": []}
+    report["matmul_peak_flops"] = peak = matmul_peak(device)
+    print(f"matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+
+    def save() -> None:
+        compare(report["rows"])
+        (out / "consumer_speed.json").write_text(json.dumps(report, indent=1))
+
+    def over() -> bool:
+        return time.time() - t_start > args.budget_s
+
+    shapes = _shapes()
 
     def in_memory(part: str, variant: str) -> dict:
         name, draft, arch, bargs, flops_fn, kw = shapes[part]
