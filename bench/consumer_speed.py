@@ -45,6 +45,7 @@ import torch
 
 from artcache.bench.gpu_micro import dflash_step_flops, matmul_peak
 from artcache.bench.provenance import hardware, source_commit
+from artcache.telemetry import make_sampler
 
 SMOL_UNION = [1, 8, 14, 20, 26, 27, 29]
 DFLASH_VIEW = [1, 8, 14, 20, 27]
@@ -393,7 +394,10 @@ def from_cache(
     root: Path, draft: str, variant: str, steps: int, device, view: list[int] | None = None
 ) -> dict:
     """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences; steps/s from its journal's Step
-    end times past the first steps (compilation, warm-up)."""
+    end times past the first steps (compilation, warm-up); ``host_ms_per_step`` (the trainer thread's median
+    ms per phase: :func:`artcache.trainers.consumer.session.host_ms_per_step`) and the device's NVML
+    utilisation over the run (``gpu_util``: :func:`artcache.telemetry.summarize`), which together say
+    whether the device or the host's bookkeeping binds."""
     from artcache.trainers.consumer import ConsumerConfig, run_consumer
     from artcache.trainers.consumer.config import read_workers
 
@@ -423,7 +427,13 @@ def from_cache(
         read_workers=int(workers or 1),
         **kw,
     )
-    s = run_consumer(cfg)
+    sampler = make_sampler([device.index or 0], period_s=0.1)
+    sampler.start()
+    try:
+        s = run_consumer(cfg)
+    finally:
+        sampler.stop()
+    util = sampler.summary({device.index or 0: "consumer"}).get(f"cuda:{device.index or 0}", {})
     # the run's own clock, past its first steps (compilation and warm-up): Step events' end times
     from artcache import journal as J
     from artcache.layout import CacheLayout
@@ -441,6 +451,8 @@ def from_cache(
         "wait_s": s["wait_s"],
         "final_loss": s["final_loss"],
         "read_workers": read_workers(cfg),
+        "host_ms_per_step": s["host_ms_per_step"],
+        "gpu_util_median_pct": util.get("util_median_pct"),
     }
 
 
@@ -483,11 +495,13 @@ def _print_table(report: dict) -> None:
             f"{r.get('binding', '')} busy {r.get('gpu_busy_ms_per_step', float('nan')):.1f} ms "
             f"launch {r.get('launches_per_step', float('nan')):.0f} sync {r.get('syncs_per_step', float('nan')):.0f}"
         )
+        if r.get("host_ms_per_step"):  # a from-cache row: the trainer thread's median ms per phase, NVML util
+            phases = " ".join(f"{k} {v:.1f}" for k, v in r["host_ms_per_step"].items())
+            print(f"{'':<20} host ms/step: {phases}; GPU util {r.get('gpu_util_median_pct')} %")
     print(
         f"commit {report['commit']}{' (dirty)' if report['dirty'] else ''}, total {report['seconds']:.0f}s",
         flush=True,
     )
-
 
 
 #: what this benchmark writes under ``--root`` (the root of published artifacts, the consumers' run directories)

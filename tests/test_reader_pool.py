@@ -5,6 +5,7 @@ consumer's process tests; ``test_a_consumer_with_read_workers_trains_as_one_with
 
 from __future__ import annotations
 
+import json
 import queue
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from test_consumer_resume import DATA, consume_args
 from artcache.errors import CaptureTimeout
 from artcache.trainers.consumer.config import ConsumerConfig, read_workers
 from artcache.trainers.consumer.reader import Fetched, Reader
+from artcache.trainers.consumer.session import HOST_PHASES, host_ms_per_step
 
 
 class FakeClient:
@@ -132,6 +134,15 @@ def test_read_workers_out_of_range_is_one_line(tmp_path):
     assert "--read-workers" in got.stderr and "0" in got.stderr and "Traceback" not in got.stderr
 
 
+def test_host_ms_per_step_takes_medians_so_a_compiling_first_step_does_not_count():
+    host = {"wait": [0.001, 0.001, 0.001], "launch": [30.0, 0.004, 0.006], "leases": [0.0, 0.001, 0.001],
+            "commit": [0.002, 0.002, 0.002], "record": [0.001, 0.0, 0.002]}
+    got = host_ms_per_step(host)
+    assert got == pytest.approx({"wait": 1.0, "launch": 6.0, "leases": 1.0, "commit": 2.0, "record": 1.0,
+                                 "total": 12.0})  # per-step totals 30.004, 0.008, 0.012 s: median 12 ms
+    assert host_ms_per_step({phase: [] for phase in HOST_PHASES}) is None
+
+
 def test_a_consumer_with_read_workers_trains_as_one_without(tmp_path, tiny_target):
     """Real processes: a producer fills a root; one consumer reads with 1 worker, another with 3; their losses
     are the same step for step (the same batches, in the same order)."""
@@ -147,8 +158,13 @@ def test_a_consumer_with_read_workers_trains_as_one_without(tmp_path, tiny_targe
     for cid, workers in (("one", "1"), ("three", "3")):
         args = consume_args(cache, tmp_path, cid, 5, "--read-workers", workers)
         args[args.index("--batch-size") + 1] = "4"
-        Proc(cid, args, tmp_path).expect(0)
+        proc = Proc(cid, args, tmp_path)
+        proc.expect(0)
         (evs,) = file_events(cache, cid)
         losses[cid] = [(s.step, s.cursor, s.loss) for s in steps_of(evs)]
+        (line,) = [ln for ln in proc.text().splitlines() if ln.startswith('{"consumer_id"')]
+        host = json.loads(line)["host_ms_per_step"]  # the summary on stdout says where the step's time went
+        assert set(host) == {*HOST_PHASES, "total"} and min(host.values()) >= 0
+        assert host["launch"] > 0 and host["total"] >= host["launch"]
     assert len(losses["one"]) == 5
     assert losses["three"] == losses["one"]

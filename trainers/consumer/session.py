@@ -32,8 +32,11 @@ import math
 import os
 import queue
 import shutil
+import statistics
 import threading
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +105,28 @@ __all__ = ["Session", "run_consumer"]
 log = logging.getLogger("artcache.consumer")
 
 
+HOST_PHASES = ("wait", "launch", "leases", "commit", "record")
+"""The phases of :meth:`Session.step` on the trainer thread: ``wait`` for the reader's next batch, ``launch``
+the step's compute (forward, backward, optimizer: on CUDA the host time to enqueue it, which includes
+blocking once the device's queue is full, i.e. GPU-bound time), ``leases`` their release (one unlink each)
+and the retired buffers' check, ``commit`` the cursor (flock + registration rewrite), ``record`` the
+reader's authorization and the step's metrics (journal, log, progress)."""
+
+
+def host_ms_per_step(host_s: dict[str, Sequence[float]]) -> dict[str, float] | None:
+    """The median milliseconds per step of each of :data:`HOST_PHASES` and of their per-step ``total``
+    (host wall clock, ``time.monotonic``), from ``host_s`` (phase -> seconds, one entry per step; medians,
+    so a compiling first step does not count); None when no step was trained. On CUDA a step whose
+    ``launch`` is most of ``total`` is bound by the device; one whose other phases add up to a large share
+    is bound by the host's bookkeeping."""
+    per_step = list(zip(*(host_s[phase] for phase in HOST_PHASES), strict=True))
+    if not per_step:
+        return None
+    out = {phase: 1e3 * statistics.median(host_s[phase]) for phase in HOST_PHASES}
+    out["total"] = 1e3 * statistics.median(sum(step) for step in per_step)
+    return out
+
+
 def run_consumer(cfg: ConsumerConfig) -> dict:
     """Train one draft on the cache root; returns a summary dict. Raises on failure (after fencing).
 
@@ -110,6 +135,7 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
     ``resumed_from_step`` (None for a
     fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last up to 5 steps
     this process trained; None when it trained none), ``tau``, ``checkpoint``, ``run_dir``, ``wait_s``,
+    ``host_ms_per_step`` (:func:`host_ms_per_step`: where the trainer thread's time went, per phase),
     and ``sim_acc_len`` (EAGLE-3) / ``eval`` (the last evaluation) when there are such figures.
 
     Raises:
@@ -143,6 +169,8 @@ class Session:
         self.first_losses: list[float] = []
         self.last_losses: list[float] = []
         self.wait_total = 0.0
+        # host seconds of each phase of :meth:`step` (HOST_PHASES), one entry per step of this process
+        self.host_s = {phase: array("d") for phase in HOST_PHASES}
         self.last_eval: dict = {}
         self.save_error: Exception | None = None
         self.failure: BaseException | None = None  # what stopped the loop (None: it ran to the end)
@@ -459,12 +487,14 @@ class Session:
         batch = fetched.wait()
         self.consistent = False  # from the anchor draw on, until the cursor commit
         sums, lr = self.train_step(batch, step_index)
+        t_launched = time.monotonic()
         self.cursor = got[-1].position + 1
         # the step no longer needs the batch's bytes: release its leases while its positions are
         # still inside the window, then commit (a crash in between leaves nothing outside it)
         for it in got:
             self.client.release(it)
         self.retired.retire(fetched)  # its host buffers live until its copies completed
+        t_released = time.monotonic()
         crash_point("cursor.before-commit")
         try:
             self.handle.commit_cursor(self.cursor)  # only after the step that consumed the positions
@@ -473,10 +503,15 @@ class Session:
             self.fenced.set()
             raise
         crash_point("cursor.after-commit")
+        t_committed = time.monotonic()
         self.steps_done = step_index + 1
         self.consistent = True
         self.reader.authorize(self.cursor)
         self._record(step_index, sums, lr, wait_s, time.monotonic() - t0)
+        t_end = time.monotonic()
+        for phase, dt in zip(HOST_PHASES, (wait_s, t_launched - t0 - wait_s, t_released - t_launched,
+                                           t_committed - t_released, t_end - t_committed), strict=True):
+            self.host_s[phase].append(dt)
         if self.device.type != "cuda":  # reading the flag costs nothing off the GPU: caught at its own step
             self._check_finite()
 
@@ -755,6 +790,7 @@ class Session:
                "best": {"metric": self.best[0], "value": self.best[1], "step": self.best[2]} if self.best else None,
                "vocab_coverage": self.init.coverage if self.init is not None else None,
                "run_dir": str(self.run_dir), "wait_s": self.wait_total,
+               "host_ms_per_step": host_ms_per_step(self.host_s),
                # the epoch of the last position trained on (0-based) and the training samples per epoch
                "epoch": self.order.epoch(self.cursor - 1) if self.cursor else 0, "epoch_len": self.epoch_len}
         if "sim_acc_len" in summary:
