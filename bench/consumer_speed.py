@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from artcache.bench.gpu_micro import dflash_step_flops, matmul_peak
-from artcache.bench.provenance import hardware, source_commit
+from artcache.bench.provenance import record
 from artcache.telemetry import make_sampler
 
 SMOL_UNION = [1, 8, 14, 20, 26, 27, 29]
@@ -87,20 +87,6 @@ def parse_plan(plan: str) -> list[tuple[str, str]]:
                              "N in 1 .. 64 read workers")
         out.append((part, variant))
     return out
-
-
-def provenance(device, roots: list[Path] = ()) -> dict:
-    """The command, the commit of this code and whether it is dirty
-    (:func:`artcache.bench.provenance.source_commit`), and the hardware
-    (:func:`artcache.bench.provenance.hardware`: the one record of every bench JSON, ``roots``' mounts included)."""
-    hw = hardware(device, roots)
-    commit, dirty = source_commit()
-    return {
-        "command": [sys.executable, "-m", "artcache.bench.consumer_speed", *sys.argv[1:]],
-        "commit": commit,
-        "dirty": dirty,
-        "hardware": hw,
-    }
 
 
 def rates(row: dict, batch: int, seq: int) -> dict:
@@ -576,7 +562,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     t_start = time.time()
-    report = {**provenance(device, [Path(args.root)]), "device": torch.cuda.get_device_name(device),
+    report = {**record("artcache.bench.consumer_speed", device=device, roots=[Path(args.root)]),
+              "device": torch.cuda.get_device_name(device),
               "torch": torch.__version__, "rows": []}
     report["matmul_peak_flops"] = peak = matmul_peak(device)
     print(f"matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)

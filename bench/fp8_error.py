@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from artcache.bench.provenance import record
+
 
 def measure(target: str, data: str, samples: int, max_length: int, layer_ids: list[int] | None,
             device: str, batch: int = 4) -> dict:
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--layer-ids {args.layer_ids!r}: expected comma-separated integers")
     res = measure(args.target, args.data, args.samples, args.max_length, ids, args.device)
-    res["command"] = [sys.executable, "-m", "artcache.bench.fp8_error", *(argv if argv is not None else sys.argv[1:])]
+    res.update(record("artcache.bench.fp8_error", argv, args.device))
     print(f"{res['target']}, {res['samples']} samples of {res['dataset']} ({res['tokens']} tokens), float32 capture")
     print(f"{'layer':>5} {'fp8 rel. error':>15} {'bf16 rel. error':>16} {'fp8 mean cos':>13} "
           f"{'fp8 max err/absmax':>19}")

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from artcache.bench.provenance import hardware, source_commit
+from artcache.bench.provenance import record
 
 #: the figures compared, in the report's order: (key in the consumer's eval summary, label)
 METRICS = (("replay_tau", "greedy-replay τ (+1 bonus)"), ("tau", "DFlash τ on data (+1 bonus)"),
@@ -195,11 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(failed), file=sys.stderr)
         return 1
     rows = compare(runs, seeds)
-    commit, dirty = source_commit()
-    meta = {"command": [sys.executable, "-m", "artcache.bench.fp8_tau", *(argv if argv is not None else sys.argv[1:])],
-            "commit": commit, "dirty": dirty, "hardware": hardware(args.device), "args": vars(args), "bytes": nbytes,
+    meta = {**record("artcache.bench.fp8_tau", argv, args.device), "args": vars(args), "bytes": nbytes,
             "bytes_ratio": nbytes["fp8"] / nbytes["bfloat16"] if nbytes["bfloat16"] else float("nan"),
-            "wall_s": wall, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "wall_s": wall}
     (out / "fp8_tau.json").write_text(json.dumps({**meta, "runs": runs, "rows": rows}, indent=1))
     text = markdown(rows, seeds, meta)
     (out / "fp8_tau.md").write_text(text + "\n")

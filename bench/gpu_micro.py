@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from artcache.bench.provenance import hardware
+from artcache.bench.provenance import record
 
 
 def _sync(device: torch.device) -> None:
@@ -81,15 +81,6 @@ def disk_bandwidth(root: Path, size: int = 2 << 30, chunk: int = 64 << 20) -> di
     read = size / (time.perf_counter() - t0)
     path.unlink()
     return {"write_fsync_Bps": write, "read_pagecache_Bps": read, "bytes": size}
-
-
-def _git_commit() -> str:
-    """The commit of this code (:func:`artcache.bench.provenance.source_commit`), ``+dirty`` when it has local
-    changes."""
-    from artcache.bench.provenance import source_commit
-
-    commit, dirty = source_commit()
-    return commit + ("+dirty" if dirty else "")
 
 
 def synthetic_capture(seq: int, layers: int, hidden: int, seed: int = 0, pin: bool = False,
@@ -639,7 +630,6 @@ PARTS = ("matmul", "io", "producer", "consumer")
 
 
 def main(argv: list[str] | None = None) -> None:
-    import sys
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="directory for micro.json (unless --json names the file)")
@@ -686,10 +676,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     roots = [Path(r) for r in args.roots.split(",") if r]
-    report = {"command": [sys.executable, "-m", "artcache.bench.gpu_micro", *(argv if argv is not None else
-                                                                            sys.argv[1:])],
-              "commit": _git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "hardware": hardware(device, roots),
+    report = {**record("artcache.bench.gpu_micro", argv, device, roots),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": str(torch.__version__), "random_weights": True, "parts": parts}
     dest = Path(args.json) if args.json else out / "micro.json"

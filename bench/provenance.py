@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
-__all__ = ["hardware", "source_commit"]
+__all__ = ["hardware", "record", "source_commit"]
 
 
 def _git(*args: str) -> str | None:
@@ -92,3 +94,17 @@ def hardware(device=None, roots: list[Path] = ()) -> dict:
             out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                            capture_output=True, text=True, timeout=30).stdout.strip()
     return out
+
+
+def record(module: str | None, argv: list[str] | None = None, device=None, roots: list[Path] = ()) -> dict:
+    """The provenance every bench JSON starts with: ``command`` (``[python, "-m", module, *argv]``; for
+    ``module=None`` this process's command line, ``artcache`` standing for the CLI's entry point; ``argv``
+    defaults to ``sys.argv[1:]``), ``commit`` and ``dirty`` (:func:`source_commit`), ``date`` (local ISO 8601)
+    and ``hardware`` (:func:`hardware` of ``device`` and ``roots``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    commit, dirty = source_commit()
+    prog = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
+    prog_name = "artcache" if prog.name == "artcache" or prog.parts[-2:] == ("artcache", "__main__.py") else str(prog)
+    return {"command": [prog_name, *args] if module is None else [sys.executable, "-m", module, *args],
+            "commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "hardware": hardware(device, roots)}

@@ -38,7 +38,7 @@ from dataclasses import replace
 from multiprocessing import Pool
 from pathlib import Path
 
-from artcache.bench.provenance import hardware, source_commit
+from artcache.bench.provenance import record
 from artcache.bench.sim import ConsumerSpec, ProducerSpec, offline_optimum, simulate
 from artcache.errors import PublishError
 from artcache.fsio import atomic_write
@@ -130,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['median_gap']:+.4f}, {summary['over_0.02']} over 0.02, {summary['violations']} violations "
           f"({time.time() - t0:.0f} s)")
     if a.out:
-        commit, dirty = source_commit()
-        doc = {"command": "python -m artcache.bench.retention_gap " + " ".join(argv if argv is not None else
-                                                                                sys.argv[1:]),
-               "commit": commit, "dirty": dirty, "hardware": hardware(), "family": a.family, "seed": a.seed,
+        doc = {**record("artcache.bench.retention_gap", argv), "family": a.family, "seed": a.seed,
                "positions": POSITIONS, "summary": summary, "streams": rows}
         try:
             atomic_write(a.out, [json.dumps(doc, indent=1).encode()], a.out.parent, durable=False)

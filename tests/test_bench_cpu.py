@@ -38,6 +38,9 @@ def test_bench_all_passes_and_writes_every_report(bench_all):
         assert report["scenario"] == scenario and len(report["consumers"]) == n
         assert all(report["checks"].values()), report["checks"]
         assert report["telemetry"] == {} and report["environment"]["nvml"] is False  # null sampler on CPU
+        # regression (the H200 hetero report of session 9 named no command or commit): the figures' provenance
+        assert report["command"][:3] == ["artcache", "bench", "--scenario"] and len(report["commit"]) == 40
+        assert report["hardware"]["cpu_count"] >= 1
         assert f"## {scenario} on cpu" in (base / "report.md").read_text()
     assert "captures" in proc.stdout and "checks:" in proc.stdout  # the table is printed
     run = json.loads((out / "report.json").read_text())  # the run's own report: every scenario's verdict

@@ -48,7 +48,9 @@ def test_rates_and_ratio_to_main():
 
 
 def test_provenance_names_commit_and_hardware():
-    p = cs.provenance(torch.device("cpu"))
+    from artcache.bench.provenance import record
+
+    p = record("artcache.bench.consumer_speed", device=torch.device("cpu"))
     assert p["command"][1:3] == ["-m", "artcache.bench.consumer_speed"]
     assert len(p["commit"]) == 40 and int(p["commit"], 16) >= 0  # the tests run in a git checkout
     assert p["hardware"]["cpu_count"] >= 1 and p["hardware"]["torch"] == torch.__version__
@@ -62,9 +64,9 @@ def test_provenance_outside_a_checkout_takes_the_named_commit(monkeypatch):
 
     monkeypatch.setattr(provenance.subprocess, "run", no_git)
     monkeypatch.delenv("ARTCACHE_COMMIT", raising=False)
-    assert cs.provenance(torch.device("cpu"))["commit"] == "unknown"
+    assert provenance.record("artcache.bench.consumer_speed")["commit"] == "unknown"
     monkeypatch.setenv("ARTCACHE_COMMIT", "abc123")
-    p = cs.provenance(torch.device("cpu"))
+    p = provenance.record("artcache.bench.consumer_speed", device=torch.device("cpu"))
     assert p["commit"] == "abc123" and p["dirty"] is False
 
 
@@ -133,9 +135,9 @@ def test_from_cache_run(tmp_path):
 def test_regression_provenance_is_the_one_hardware_record(tmp_path):
     """Regression: consumer_speed built its own hardware dict (no memory, kernel, load or root mount beside
     gpu_micro's and fp8_tau's). It is now artcache.bench.provenance.hardware's, the --root's mount included."""
-    from artcache.bench.provenance import hardware
+    from artcache.bench.provenance import hardware, record
 
-    p = cs.provenance(torch.device("cpu"), [tmp_path])
+    p = record("artcache.bench.consumer_speed", device=torch.device("cpu"), roots=[tmp_path])
     want = hardware(torch.device("cpu"), [tmp_path])
     assert set(p["hardware"]) == set(want) and p["hardware"]["roots"] == want["roots"]
     assert {"memory_bytes", "kernel", "cpu", "cpu_count", "torch"} <= set(p["hardware"])
