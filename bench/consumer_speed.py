@@ -382,8 +382,8 @@ def from_cache(
     """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences; steps/s from its journal's Step
     end times past the first steps (compilation, warm-up); ``host_ms_per_step`` (the trainer thread's median
     ms per phase: :func:`artcache.trainers.consumer.session.host_ms_per_step`) and the device's NVML
-    utilisation over the run (``gpu_util``: :func:`artcache.telemetry.summarize`), which together say
-    whether the device or the host's bookkeeping binds."""
+    utilisation over the measured steps (``gpu_util_median_pct``: :func:`measured_rate_and_util`), which
+    together say whether the device or the host's bookkeeping binds."""
     from artcache.trainers.consumer import ConsumerConfig, run_consumer
     from artcache.trainers.consumer.config import read_workers
 
@@ -419,7 +419,6 @@ def from_cache(
         s = run_consumer(cfg)
     finally:
         sampler.stop()
-    util = sampler.summary({device.index or 0: "consumer"}).get(f"cuda:{device.index or 0}", {})
     # the run's own clock, past its first steps (compilation and warm-up): Step events' end times
     from artcache import journal as J
     from artcache.layout import CacheLayout
@@ -427,9 +426,7 @@ def from_cache(
     events = [
         e for e in J.iter_file(CacheLayout(root).journal_path("consumer", cid)) if isinstance(e, J.Step)
     ]
-    ts = sorted(e.t for e in events)
-    skip = min(10, len(ts) // 3)
-    rate = (len(ts) - 1 - skip) / (ts[-1] - ts[skip]) if len(ts) > skip + 1 else float("nan")
+    rate, util = measured_rate_and_util([e.t for e in events], sampler, device.index or 0)
     return {
         "steps": s["steps"],
         "seconds": s["seconds"],
@@ -438,8 +435,22 @@ def from_cache(
         "final_loss": s["final_loss"],
         "read_workers": read_workers(cfg),
         "host_ms_per_step": s["host_ms_per_step"],
-        "gpu_util_median_pct": util.get("util_median_pct"),
+        "gpu_util_median_pct": util,
     }
+
+
+def measured_rate_and_util(step_ends: list[float], sampler, index: int = 0) -> tuple[float, float | None]:
+    """Steps/s between the end of step ``skip`` and the last (``skip`` = min(10, a third): compilation and
+    warm-up left out) from the steps' end times (epoch s), and the device's median NVML utilisation (%) over
+    that same interval (None without samples there: no NVML). Regression: the utilisation was the median over
+    the whole run, and the compile's idle GPU made it 0 % on the H200 (session 10)."""
+    ts = sorted(step_ends)
+    skip = min(10, len(ts) // 3)
+    if len(ts) <= skip + 1:
+        return float("nan"), None
+    rate = (len(ts) - 1 - skip) / (ts[-1] - ts[skip])
+    got = sampler.summary({index: "consumer"}, ts[skip], ts[-1]).get(f"cuda:{index}", {})
+    return rate, got.get("util_median_pct") if got.get("over") == "interval" else None
 
 
 def _arg_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from artcache.bench import consumer_speed as cs
+from artcache.telemetry import summarize
 
 
 def test_plan_parsing_names_bad_entries():
@@ -158,3 +159,18 @@ def test_regression_a_second_run_on_the_same_root_starts_clean(tmp_path):
     with pytest.raises(ValueError, match="mine.txt"):
         cs.clear_scratch(root)
     assert (root / "runs").is_dir() and (root / "mine.txt").is_file()  # nothing removed
+
+
+def test_regression_gpu_util_is_taken_over_the_measured_steps_not_the_compile():
+    """Session 10's H200 row said 0 % utilisation: the median covered the 28 s compile (GPU idle) too."""
+    from artcache.telemetry import GpuSample, NullSampler
+
+    sampler = NullSampler(reason="")
+    sampler.summary = lambda roles, t0=None, t1=None: summarize(sampler.samples, [0], roles, t0, t1)
+    # compiling (idle) from t=0 to 28 s, then 40 steps of 0.1 s with the GPU busy
+    sampler.samples = [GpuSample(t / 10, 0, 0.0 if t < 280 else 90.0, 0, 0.0, 0.0) for t in range(0, 320)]
+    ends = [28.0 + 0.1 * k for k in range(1, 41)]
+    rate, util = cs.measured_rate_and_util(ends, sampler)
+    assert rate == pytest.approx(10.0) and util == 90.0
+    assert cs.measured_rate_and_util(ends[:1], sampler) == (pytest.approx(float("nan"), nan_ok=True), None)
+    assert cs.measured_rate_and_util(ends, NullSampler())[1] is None  # no NVML: no figure
