@@ -301,6 +301,20 @@ def test_regression_no_missing_last_layer_note_when_replay_layer_is_off(tiny_tar
     assert "last layer" not in result.stdout and "replay_tau" not in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("dry", [True, False])
+def test_regression_negative_capture_layer_id_names_the_id_and_the_range(tiny_target, tmp_path, dry):
+    """Break test: ``capture.layer_ids=[-1,5]`` was refused as "lacks layers the experiments read" (naming the
+    experiments' views, not the bad id -1 nor what is accepted). The dry run and the real run now range-check
+    the config's own ids first: one line naming -1 and 0..L-1, exit 2, nothing written."""
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d")))
+    args = ["run", "--config", str(path), *(["--dry-run"] if dry else []), "capture.layer_ids=[-1,5]"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "capture.layer_ids [-1, 5]: [-1] are not output-of-layer ids of a 6-layer target" in result.output
+    assert "(accepted: 0..5)" in result.output and "lacks layers" not in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("eval_samples", [40, 41, 1000])
 def test_regression_dry_run_refuses_eval_samples_leaving_no_training_sample(tiny_target, tmp_path, eval_samples):
     """Break test: eval_samples >= data.max_samples passed the dry run (the consumer refused it only once

@@ -280,6 +280,9 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     replay_for: list[str] = []  # the evaluating experiments the added last layer serves
     notes: list[str] = []
     if cfg.capture.layer_ids:
+        # the range first: an id the target lacks (-1) is named as such, not as a layer the experiments lack
+        check_layer_ids(list(cfg.capture.layer_ids), info.num_layers, f"capture.layer_ids {cfg.capture.layer_ids}",
+                        target=info.name)
         captured = _explicit_capture(cfg, views, info.num_layers, notes)
     else:
         captured, replay_for = capture_layers(cfg, info.num_layers)
