@@ -598,3 +598,19 @@ def test_regression_kill_mid_report_write_leaves_no_part_litter(tmp_path):
     assert (out / part).exists()
     assert fsio.remove_orphan_parts(out) == 1 and {p.name for p in out.glob("*.part")} == kept
 
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_atomic_write_without_replace_never_clobbers(tmp_path, monkeypatch, hard_links):
+    """``replace=False`` (regenerate's --out without --force): an existing destination is refused with EEXIST and
+    kept, on a filesystem with or without hard links; no temp file is left either way."""
+    if not hard_links:
+        def no_link(src, dst, *a, **k):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        monkeypatch.setattr(os, "link", no_link)
+    dest = tmp_path / "o.jsonl"
+    fsio.atomic_write(dest, [b"one\n"], tmp_path, replace=False)
+    with pytest.raises(PublishError) as info:
+        fsio.atomic_write(dest, [b"two\n"], tmp_path, replace=False)
+    assert info.value.errno == errno.EEXIST and str(dest) in str(info.value)
+    assert dest.read_bytes() == b"one\n" and sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
