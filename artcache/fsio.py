@@ -31,7 +31,7 @@ from pathlib import Path
 
 from artcache.crashpoints import crash_point
 from artcache.errors import PublishError
-from artcache.layout import open_nofollow, unique_suffix
+from artcache.layout import open_nofollow, temp_writer, unique_suffix
 
 log = logging.getLogger("artcache.fsio")
 
@@ -181,8 +181,39 @@ def check_free_space(directory: Path, nbytes: int, reserve: int | None = None) -
             f"{reserve} B reserve", retryable=False, errno_=errno.ENOSPC)
 
 
+#: the suffix of :func:`atomic_write`'s temp files (``<writer token>.<nonce>.part``)
+PART_SUFFIX = ".part"
+
+
+def remove_orphan_parts(directory: Path) -> int:
+    """Remove the temp files :func:`atomic_write` left in ``directory`` when its process died mid-write (kill -9,
+    power loss: nothing else removes them); returns how many were removed.
+
+    Only regular files named ``<writer token>.<nonce>.part`` whose writer is provably dead
+    (:func:`artcache.layout.temp_writer`: a process of this host and pid namespace that is gone) are removed; a
+    live writer's, another host's, a legacy name and any other file are left alone. Best effort: an unreadable
+    ``directory`` or a file that cannot be removed is skipped, never raised."""
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.endswith(PART_SUFFIX) or not temp_writer(entry.name).orphan:
+            continue
+        try:
+            if entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d temp file(s) of dead writers in %s", removed, directory)
+    return removed
+
+
 def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[int], int], tmp_dir: Path, *,
-                 durable: bool = True, fingerprint: str | None = None) -> int:
+                 durable: bool = True, fingerprint: str | None = None, replace: bool = True) -> int:
     """Write ``chunks`` to ``dest`` atomically; return the number of bytes written.
 
     ``chunks`` is an iterable of byte chunks written in order, or a writer ``f(fd) -> bytes written``
@@ -194,12 +225,23 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[in
     and fsyncs ``dest``'s directory (when ``durable``). After the rename nothing raises: a failing
     directory fsync is retried (:data:`DIR_FSYNC_BACKOFF`) and then logged, never undone.
 
+    A temp file beside its destination (``tmp_dir`` is ``dest``'s directory: a report, config or checkpoint
+    file in the user's directory) is one a kill -9 would leave among the user's files, so such a write first
+    removes the ones dead writers left there (:func:`remove_orphan_parts`). A cache root's ``tmp/`` is swept
+    by the producer and ``fsck`` instead.
+
+    ``replace=False`` never replaces an existing ``dest`` (a no-clobber ``os.link`` of the temp file; on a
+    filesystem without hard links, a check then the rename): an existing one raises PublishError with
+    ``errno == EEXIST``.
+
     Raises:
         PublishError: on any OSError before the rename; the temp file has been removed and ``dest`` is
             untouched. ``retryable`` says whether the same call may succeed later. The message names ``dest``'s
             full path (on a full disk: which filesystem to free space on; the temp file is on the same one).
     """
-    tmp = tmp_dir / f"{unique_suffix()}.part"
+    if Path(tmp_dir).absolute() == Path(dest).absolute().parent:
+        remove_orphan_parts(tmp_dir)
+    tmp = tmp_dir / f"{unique_suffix()}{PART_SUFFIX}"
     written = 0
     try:
         # O_EXCL: never an existing name (nor a planted link: O_EXCL does not follow); O_NOFOLLOW besides
@@ -225,7 +267,10 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[in
         if fingerprint is not None:
             crash_point("publish.after-fsync")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, dest)
+        if replace:
+            os.replace(tmp, dest)
+        else:
+            _link_no_clobber(tmp, dest)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -238,6 +283,22 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[in
     if durable:
         fsync_dir_after_rename(dest)
     return written
+
+
+def _link_no_clobber(tmp: Path, dest: Path) -> None:
+    """Publish ``tmp`` as ``dest`` unless ``dest`` exists (FileExistsError): a hard link, then ``tmp`` unlinked; on
+    a filesystem without hard links, a check then ``os.replace`` (the check and the rename are not one step)."""
+    try:
+        os.link(tmp, dest)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (EPERM, ENOTSUP, EMLINK ...)
+        if os.path.lexists(dest):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dest)) from None
+        os.replace(tmp, dest)
+        return
+    with contextlib.suppress(OSError):  # published: a temp name left over is never an error
+        os.unlink(tmp)
 
 
 def fsync_dir_after_rename(dest: Path) -> bool:

@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from artcache.errors import ConfigError
+from artcache.fsio import atomic_write
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.locking import cache_lock
 
@@ -251,13 +252,10 @@ def _weights_digest(target_dir: Path) -> str:
         digest = per_file["model.safetensors"]
     else:
         digest = strong_digest(canonical_json(per_file))
-    tmp = target_dir / f"{_SIDECAR}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    try:  # best effort: the directory may be read-only
-        tmp.write_text(json.dumps({"stats": stats, "digest": digest, "files": per_file}))
-        os.replace(tmp, sidecar)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    # best effort: the directory may be read-only (atomic_write leaves no temp file when it fails)
+    with contextlib.suppress(OSError):
+        atomic_write(sidecar, [json.dumps({"stats": stats, "digest": digest, "files": per_file}).encode()],
+                     target_dir, durable=False)
     return digest
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from artcache.bench.provenance import record
+from artcache.fsio import atomic_write
 
 
 def _sync(device: torch.device) -> None:
@@ -688,9 +689,7 @@ def main(argv: list[str] | None = None) -> None:
             report["parts_done"] = report.get("parts_done", []) + [done]
             report.setdefault("part_wall_s", {})[done] = now - t_start - sum(report.get("part_wall_s", {}).values())
         report["wall_s"] = now - t_start
-        tmp = dest.with_name(dest.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        os.replace(tmp, dest)
+        atomic_write(dest, [json.dumps(report, indent=1).encode()], dest.parent, durable=False)
 
     t_start = time.monotonic()
     peak = float("nan")

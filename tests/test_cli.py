@@ -650,6 +650,21 @@ def test_regression_garbage_registration_is_one_line(tmp_path, tiny_target, work
     assert bad.read_text() == "{garbage"
 
 
+def test_regression_inspect_names_the_saved_config_of_a_missing_root(tmp_path, workdir):
+    """Break test: ``artcache inspect --cache RUN_DIR`` whose saved config.toml names a cache root that no longer
+    exists said only "cache root ... does not exist", not which file named that path. One line naming both the
+    missing root and the saved config, exit 2, nothing created; a missing --cache root itself is named as before."""
+    run_dir, gone = tmp_path / "run", tmp_path / "gone-root"
+    run_dir.mkdir()
+    saved = run_dir / "config.toml"
+    saved.write_text(f'out = "{run_dir}"\n[cache]\nroot = "{gone}"\n')
+    line = assert_bad_input(invoke("inspect", "--cache", str(run_dir)), f"the saved run config {str(saved)!r}",
+                            f"names cache.root {str(gone)!r}", "does not exist")
+    assert not gone.exists() and sorted(p.name for p in run_dir.iterdir()) == ["config.toml"], line
+    line = assert_bad_input(invoke("inspect", "--cache", str(gone)), f"cache root {str(gone)!r} does not exist")
+    assert "saved run config" not in line
+
+
 def test_regression_inspect_names_an_unreadable_artcache_json(tmp_path, tiny_target, workdir):
     """Breakfix report: with `artcache.json` overwritten by garbage, `artcache inspect` printed its tables and
     "invariants: ok" (exit 0) while fsck, producer and consume all refused the root. Now inspect names the file

@@ -301,19 +301,81 @@ def test_regression_no_missing_last_layer_note_when_replay_layer_is_off(tiny_tar
     assert "last layer" not in result.stdout and "replay_tau" not in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("dry", [True, False])
+def test_regression_negative_capture_layer_id_names_the_id_and_the_range(tiny_target, tmp_path, dry):
+    """Break test: ``capture.layer_ids=[-1,5]`` was refused as "lacks layers the experiments read" (naming the
+    experiments' views, not the bad id -1 nor what is accepted). The dry run and the real run now range-check
+    the config's own ids first: one line naming -1 and 0..L-1, exit 2, nothing written."""
+    path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d")))
+    args = ["run", "--config", str(path), *(["--dry-run"] if dry else []), "capture.layer_ids=[-1,5]"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "capture.layer_ids [-1, 5]: [-1] are not output-of-layer ids of a 6-layer target" in result.output
+    assert "(accepted: 0..5)" in result.output and "lacks layers" not in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def _plan_len(tiny_target, tmp_path) -> int:
+    """The length of base_toml's plan (tiny_sharegpt.json at max_length 128: fewer than its max_samples 40)."""
+    from artcache.plan import PlanSpec, build_plan
+    from artcache.target import load_tokenizer
+
+    spec = PlanSpec(dataset=str(DATA), seed=0, max_length=128, max_samples=40)
+    return len(build_plan(spec, load_tokenizer(tiny_target), target_vocab_size=tiny_target.vocab_size))
+
+
 @pytest.mark.parametrize("eval_samples", [40, 41, 1000])
 def test_regression_dry_run_refuses_eval_samples_leaving_no_training_sample(tiny_target, tmp_path, eval_samples):
     """Break test: eval_samples >= data.max_samples passed the dry run (the consumer refused it only once
-    started: the held-out split leaves no sample to train on). One line naming both values and the range."""
+    started: the held-out split leaves no sample to train on). One line naming the values and the range."""
+    n = _plan_len(tiny_target, tmp_path)
     path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=eval_samples)))
     result = dry_run(path)
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
-    assert (f"experiments.d.consumer.eval_samples {eval_samples} leaves no training sample: data.max_samples is 40"
-            in result.output), result.output
-    assert "accepted: 0 (no held-out split) .. 39" in result.output
+    assert (f"experiments.d.consumer.eval_samples {eval_samples} leaves no training sample: the plan has {n} samples "
+            "(data.max_samples 40 is the most it holds)" in result.output), result.output
+    assert f"accepted: 0 (no held-out split) .. {n - 1}" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
-    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=39))  # the largest accepted
-    assert plan.experiments[0].window_artifacts == 11 + 39
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=n - 1))  # the largest accepted
+    assert plan.experiments[0].window_artifacts == 11 + n - 1
+
+
+def test_regression_dry_run_checks_eval_samples_against_the_plan_as_the_consumer_does(tiny_target, tmp_path):
+    """Break test: the dry run checked eval_samples against data.max_samples, the consumer against the plan's
+    length, which can be shorter (tiny_sharegpt.json has fewer usable samples than max_samples 40): an
+    eval_samples between the two passed the dry run and the consumer refused it once the run had started.
+    Both directions: for every eval_samples around the plan's length and max_samples, the dry run refuses it
+    iff the consumer's own setup (on the root the run's producer prepares) refuses it for that reason."""
+    import msgspec
+
+    from artcache.app.config import consumer_config, producer_config
+    from artcache.producer import prepare_root
+    from artcache.trainers.consumer.session import Session
+
+    n = _plan_len(tiny_target, tmp_path)
+    assert n < 40  # the case the defect needs: a plan shorter than data.max_samples
+    cases = sorted({n - 1, n, n + 1, 39, 40})
+    dry: dict[int, bool] = {}  # eval_samples -> the dry run refused it
+    for k in cases:  # before any root exists: the dry run builds the plan in memory
+        path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=k)))
+        result = dry_run(path)
+        assert result.exit_code in (0, 2) and "Traceback" not in result.output, result.output
+        dry[k] = result.exit_code == 2
+        assert dry[k] == ("leaves no training sample" in result.output), result.output
+    assert dry == {k: k >= n for k in cases}  # refused from the plan's length on, not from max_samples
+    _, resolved = plan_of(tiny_target, tmp_path, exp("d"))  # no split: planned, so every k below reaches the consumer
+    prepare_root(producer_config(resolved))  # the root the real run's producer prepares, with its plan
+    e = resolved.experiments[0]
+    for k in cases:
+        with_k = msgspec.structs.replace(resolved, experiments=[msgspec.structs.replace(
+            e, consumer={**e.consumer, "eval_samples": k})])
+        try:
+            Session(consumer_config(with_k, "d")).setup()  # what the started consumer checks first
+            refused = False
+        except ConfigError as exc:
+            assert "leaves no training sample" in str(exc), exc  # no other refusal
+            refused = True
+        assert refused == dry[k], (k, n)
 
 
 def test_root_without_the_replay_layer_names_the_opt_out(tiny_target, tmp_path):

@@ -538,3 +538,79 @@ def test_free_space_reserve_scales_down_on_small_filesystems(monkeypatch, tmp_pa
     fsio.check_free_space(tmp_path, 3 << 20)  # 3 MiB fits beside a 5 % (410 KiB) reserve
     with pytest.raises(PublishError):
         fsio.check_free_space(tmp_path, 6 << 20)
+
+
+_KILLED_MID_WRITE = """
+import os, signal, sys
+from pathlib import Path
+import artcache.fsio as fsio
+from artcache.bench.run import write_run_report
+fsio.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # the report's bytes are in its .part: kill -9
+write_run_report(Path(sys.argv[1]), "1p1c", [], [])
+"""
+
+
+def test_regression_kill_mid_report_write_leaves_no_part_litter(tmp_path):
+    """Break test: ``artcache bench``'s run report (``--out``/report.json, written by fsio.atomic_write with its
+    temp file beside it) killed -9 mid-write left ``<writer>.<nonce>.part`` in the user's --out for good; nothing
+    ever removed it. Now every atomic write whose temp lies beside its destination first removes the ``.part``
+    files of dead writers there (the bench report, a run's config.toml, regenerate's --out ...), and only those:
+    a live writer's, another host's and a file artcache does not name are kept. A cache root's tmp/ (temp
+    directory apart from the destination) is left to the producer's and fsck's sweeps, as before."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from procs import child_env, foreign_token
+
+    from artcache.app.config import load_run_config, save_config
+    from artcache.bench.run import write_run_report
+    from artcache.data.regenerate import write_atomic
+    from artcache.layout import unique_suffix
+
+    out = tmp_path / "bench-out"
+    out.mkdir()
+
+    def killed_mid_write() -> str:
+        proc = subprocess.run([sys.executable, "-c", _KILLED_MID_WRITE, str(out)], env=child_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        (part,) = [p.name for p in out.glob("*.part") if p.name not in kept]
+        return part
+
+    kept = {f"{unique_suffix()}.part", f"{foreign_token(4242)}.aaaa.part", "notes.part"}  # live, other host, user's
+    for name in kept:
+        (out / name).write_bytes(b"x")
+    next_runs = [lambda: write_run_report(out, "1p1c", [], []),
+                 lambda: save_config(load_run_config(), out / "config.toml"),
+                 lambda: write_atomic(out / "regen.jsonl", b"{}\n", force=True)]
+    for next_run in next_runs:
+        part = killed_mid_write()
+        assert not (out / "report.json").exists() or json.loads((out / "report.json").read_text())  # never torn
+        next_run()
+        assert not (out / part).exists(), part
+        assert {p.name for p in out.glob("*.part")} == kept
+    assert {p.name for p in out.iterdir()} == kept | {"report.json", "config.toml", "regen.jsonl"}
+    # a temp directory apart from the destination (a cache root's tmp/) is not swept by a write
+    part = killed_mid_write()
+    fsio.atomic_write(tmp_path / "elsewhere" / "f", [b"1"], out)
+    assert (out / part).exists()
+    assert fsio.remove_orphan_parts(out) == 1 and {p.name for p in out.glob("*.part")} == kept
+
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_atomic_write_without_replace_never_clobbers(tmp_path, monkeypatch, hard_links):
+    """``replace=False`` (regenerate's --out without --force): an existing destination is refused with EEXIST and
+    kept, on a filesystem with or without hard links; no temp file is left either way."""
+    if not hard_links:
+        def no_link(src, dst, *a, **k):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        monkeypatch.setattr(os, "link", no_link)
+    dest = tmp_path / "o.jsonl"
+    fsio.atomic_write(dest, [b"one\n"], tmp_path, replace=False)
+    with pytest.raises(PublishError) as info:
+        fsio.atomic_write(dest, [b"two\n"], tmp_path, replace=False)
+    assert info.value.errno == errno.EEXIST and str(dest) in str(info.value)
+    assert dest.read_bytes() == b"one\n" and sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]

@@ -42,8 +42,9 @@ def eval_split(plan_len: int, eval_samples: int, name: str = "--eval-samples",
     """The held-out sample indices ``[lo, hi)`` (``(0, 0)`` when ``eval_samples`` is 0); training walks the
     plan's first ``lo`` samples (``epoch_len``; all of it without a split). ``name`` names the setting and
     ``limit`` where ``plan_len`` comes from (default: the plan's length), in the message (a run's dry run
-    checks a config's ``eval_samples`` against its ``data.max_samples``); ``need_split``: the caller refuses
-    0 itself (a script that exists for the split), so the accepted range starts at 1.
+    checks a config's ``eval_samples`` against the same plan's length, naming ``data.max_samples`` too);
+    ``need_split``: the caller refuses 0 itself (a script that exists for the split), so the accepted range
+    starts at 1.
 
     Raises:
         ConfigError: ``eval_samples`` leaves no training sample.

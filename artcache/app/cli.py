@@ -17,7 +17,7 @@ from artcache.app.values import parse_bytes, parse_layer_ids, parse_template_opt
 from artcache.data.regenerate import BACKENDS as REGEN_BACKENDS
 from artcache.data.regenerate import CACHES as REGEN_CACHES
 from artcache.data.regenerate import DTYPES as REGEN_DTYPES
-from artcache.errors import ArtcacheError, ConfigError
+from artcache.errors import ArtcacheError, CacheRootError, ConfigError
 from artcache.logs import setup_logging
 from artcache.ranges import NonNegativeFloat, check_value
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
@@ -372,6 +372,7 @@ def inspect(cache, as_json):
     from artcache.settings import load_settings
 
     path = Path(cache).expanduser().absolute()
+    saved = None  # the saved run config the root comes from, when --cache is a run directory
     if not (path / "artcache.json").is_file() and (path / "config.toml").is_file():
         # an `artcache run` directory: its cache root (regression: inspect refused a run directory)
         from artcache.app.experiments import resolve
@@ -384,7 +385,13 @@ def inspect(cache, as_json):
                               "root itself (the directory holding artcache.json)")
         path = Path(resolve(cfg).cache.root)
     layout = CacheLayout(path)
-    load_settings(layout)  # an unreadable artcache.json is named (exit 2), as fsck does, never reported "ok"
+    try:
+        load_settings(layout)  # an unreadable artcache.json is named (exit 2), as fsck does, never reported "ok"
+    except CacheRootError as exc:
+        if saved is None:
+            raise
+        # the root came from a file the user did not name: say which, so they know where the path came from
+        raise CacheRootError(f"{saved_config_source(saved)} names cache.root {str(path)!r}: {exc}") from None
     acc = account(layout, retention_now=True)
     if as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(acc)).decode())

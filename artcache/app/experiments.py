@@ -280,6 +280,9 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     replay_for: list[str] = []  # the evaluating experiments the added last layer serves
     notes: list[str] = []
     if cfg.capture.layer_ids:
+        # the range first: an id the target lacks (-1) is named as such, not as a layer the experiments lack
+        check_layer_ids(list(cfg.capture.layer_ids), info.num_layers, f"capture.layer_ids {cfg.capture.layer_ids}",
+                        target=info.name)
         captured = _explicit_capture(cfg, views, info.num_layers, notes)
     else:
         captured, replay_for = capture_layers(cfg, info.num_layers)
@@ -395,9 +398,11 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     check_anchors(given.num_anchors, resolved.data.max_length, f"experiments.{e.name}.anchors",
                   "data.max_length, the tokens per sample")  # as the consumer will (artcache.trainers.consumer)
     ccfg = given.resolved()
-    max_samples = resolved.data.max_samples  # the plan holds at most that many: the split must leave one to train
-    eval_split(max_samples, ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples",
-               f"data.max_samples is {max_samples}, the most samples the plan holds")
+    if ccfg.eval_samples > 0:  # the consumer's own check: the split against the plan's length, which
+        # data.max_samples only bounds (a dataset with fewer usable samples gives a shorter plan)
+        n, max_samples = len(plan_obj()), resolved.data.max_samples
+        eval_split(n, ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples",
+                   f"the plan has {n} samples (data.max_samples {max_samples} is the most it holds)")
     found = resume_state(ccfg, layout, plan_id, contract.contract_id, Path(e.out), allow_complete=True) \
         if e.resume else None  # None on resume: only unrecorded checkpoints of a kill, it continues from step 0
     if found is not None:  # the consumer's own checks (registry record, run settings, draft), before it starts

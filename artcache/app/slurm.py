@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shlex
 import shutil
 import subprocess
@@ -34,6 +33,7 @@ import msgspec
 from artcache.app.config import RunConfig
 from artcache.app.experiments import RunPlan, _write_configs, format_plan
 from artcache.errors import ConfigError, LaunchError
+from artcache.fsio import atomic_write
 
 #: filesystems that several nodes can mount at once (for the dry-run's note about the cache root)
 SHARED_FS = ("nfs", "nfs4", "lustre", "gpfs", "ceph", "cephfs", "beegfs", "wekafs", "glusterfs", "fuse.glusterfs",
@@ -275,10 +275,8 @@ def launch(plan: RunPlan, cfg: RunConfig, *, dry_run: bool = False, submit: bool
     for d in ("logs", "status", "slurm"):
         (out / d).mkdir(parents=True, exist_ok=True)
     path = out / "slurm" / "run.sbatch"
-    tmp = path.with_name(f".run.sbatch.{os.getpid()}")
-    tmp.write_text(script)
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
+    atomic_write(path, [script.encode()], path.parent)
+    path.chmod(0o755)
     print(format_plan(plan))
     if note:
         print(f"note: {note}")

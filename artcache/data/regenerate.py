@@ -27,6 +27,7 @@ decoded text can drift; mismatches are counted (``roundtrip_exact`` in the summa
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -39,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from artcache.errors import ArtcacheError, ConfigError, DataError, NotWritable
+from artcache.errors import ConfigError, DataError, NotWritable, PublishError
 from artcache.ranges import Count, NonNegative, NonNegativeFloat, check_ranges
 
 BACKENDS = ("hf", "vllm")
@@ -390,42 +391,25 @@ def check_out(out: Path, force: bool) -> None:
 
 
 def write_atomic(out: Path, data: bytes, *, force: bool) -> None:
-    """Write ``data`` to ``out``: a unique temp file in its directory, fsync, then ``os.replace`` (with
-    ``force``) or a no-clobber ``os.link`` (without: an ``out`` created meanwhile is never replaced), and an
-    fsync of the directory. Nothing is left behind on failure."""
-    from artcache.fsio import fsync_dir
-    from artcache.layout import unique_suffix
+    """Write ``data`` to ``out`` with :func:`artcache.fsio.atomic_write` (a unique temp file in its directory,
+    fsync, then ``os.replace`` with ``force``, or without it a no-clobber ``os.link``: an ``out`` created meanwhile
+    is never replaced; then an fsync of the directory). Nothing is left behind on failure.
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{unique_suffix()}.tmp"
+    Raises:
+        ConfigError: ``out`` exists and ``force`` is not set.
+        NotWritable: any other OSError (naming ``out`` and the error); nothing was written.
+    """
+    from artcache.fsio import atomic_write
+
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if force:
-            os.replace(tmp, out)
-        else:
-            try:
-                os.link(tmp, out)
-            except FileExistsError:
-                raise ConfigError(f"--out {str(out)!r} exists; pass --force to replace it") from None
-            except OSError:  # a filesystem without hard links: check, then rename
-                check_out(out, force=False)
-                os.replace(tmp, out)
-        fsync_dir(out.parent)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, [data], out.parent, replace=force)
     except OSError as exc:
-        if isinstance(exc, ArtcacheError):
-            raise
-        raise NotWritable(f"--out {str(out)!r} could not be written ({exc.strerror or exc}); nothing was written",
+        if isinstance(exc, PublishError) and exc.errno == errno.EEXIST and not force:
+            raise ConfigError(f"--out {str(out)!r} exists; pass --force to replace it") from None
+        cause = exc.__cause__ if isinstance(exc, PublishError) and isinstance(exc.__cause__, OSError) else exc
+        raise NotWritable(f"--out {str(out)!r} could not be written ({cause.strerror or cause}); nothing was written",
                           errno_=exc.errno) from exc
-    finally:
-        with contextlib.suppress(OSError):  # absent, or on a filesystem that refused to create it
-            os.unlink(tmp)
 
 
 def regenerate(cfg: RegenerateConfig) -> RegenerateResult:
