@@ -170,7 +170,7 @@ class Reader(threading.Thread):
             for p in positions:
                 if not self._wait_authorized(p, stop):
                     break
-                futures.append(f := pool.submit(self.client.acquire, p, stop))
+                futures.append(f := pool.submit(self._acquire_pooled, p, stop))
                 f.add_done_callback(stop.note)
             got, failures = [], []
             for f in futures:  # every future is awaited, so no lease is taken after this returns
@@ -192,6 +192,13 @@ class Reader(threading.Thread):
                 self.client.release(it)
             return None
         return got
+
+    def _acquire_pooled(self, p: int, stop: _BatchStop) -> Leased:
+        """A pool worker's acquire; none once the batch failed (a worker freed by a failure takes the next queued
+        position before the reader can cancel it)."""
+        if stop.is_set():
+            raise InterruptedError(f"position {p}: the batch failed or the reader stopped before its read began")
+        return self.client.acquire(p, stop)
 
     def run(self) -> None:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="artcache-read") if self.workers > 1 else None
