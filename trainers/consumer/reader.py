@@ -147,7 +147,9 @@ class Reader(threading.Thread):
         Each position is requested as soon as it is authorized (so demand reaches the producer in cursor
         order); with a pool, up to ``workers`` of them are read at once (read + verify of one artifact
         is mostly system calls and xxh3, both outside the GIL). On any failure every lease the batch
-        holds is released and the first failure (in position order) is raised.
+        holds is released and the first failure (in position order) is raised; with a pool a failure also
+        ends the batch's other acquires (demand waits interrupted, queued positions never started), so the
+        batch fails within one ``--demand-timeout``, and what they raise for it is not what is handed on.
         """
         positions = range(self.next_pos, self.next_pos + self.batch)
         if pool is None:
