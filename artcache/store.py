@@ -539,7 +539,10 @@ def _verify(buf, fp: str, contract: CaptureContract, verify_tokens: bool,
     tensors = _tensors_from_buffer(buf, header, start, fp)
     # values were checked for NaN/Inf before publication; the content hash proves these are
     # the same bytes, so a read re-checks structure only (verify, offline, re-checks values too)
-    validate_capture(contract, tensors, check_values=check_values)
+    try:
+        validate_capture(contract, tensors, check_values=check_values)
+    except IntegrityError as exc:  # it names the tensor; the header (not hashed) may be what lost it
+        raise IntegrityError(f"artifact {fp}: {exc}") from exc
     if verify_tokens:
         check_tokens(fp, contract, tensors["input_ids"], tensors["loss_mask"])
     return tensors

@@ -261,16 +261,28 @@ def mode_budget(cfg: BenchConfig, sc: Scenario, mode: str) -> int:
 
 
 def check_tight_budget(cfg: BenchConfig, sc: Scenario, modes: list[str]) -> None:
-    """ConfigError when ``tight`` is run but no budget between the window floor and the covering budget
-    exists: the live windows already hold the whole run, so no budget can bind and be kept."""
+    """ConfigError when ``tight`` is run but its budget cannot bind and be kept: the live windows already reach
+    the budget it lies under (the covering one, or ``--disk-budget``), or it holds the whole run itself (a
+    ``--disk-budget`` above the covering one; regression: it never bound and the run failed at its end)."""
     if "tight" not in modes:
         return
-    floor, covering = window_floor(cfg, sc), cfg.disk_budget or covering_budget(cfg, sc)
-    if floor >= covering:
+    run = covering_budget(cfg, sc)
+    floor, ceiling = window_floor(cfg, sc), cfg.disk_budget or run
+    windows = f"the live windows (--window {cfg.window}, {len(sc.consumers)} consumers: {format_bytes(floor)})"
+    if floor >= ceiling:
+        if cfg.disk_budget:
+            raise ConfigError(
+                f"--modes tight: {windows} reach --disk-budget {format_bytes(ceiling)}, so no budget under it is "
+                "kept; use a larger --disk-budget (or none), a smaller --window, or leave tight out of --modes")
         raise ConfigError(
-            f"--modes tight: the live windows (--window {cfg.window}, {len(sc.consumers)} consumers: "
-            f"{format_bytes(floor)}) hold the whole run ({format_bytes(covering)}), so no budget binds and is "
+            f"--modes tight: {windows} hold the whole run ({format_bytes(run)}), so no budget binds and is "
             "kept; use a smaller --window, more --steps, or leave tight out of --modes")
+    tight = mode_budget(cfg, sc, "tight")
+    if tight >= run:
+        raise ConfigError(
+            f"--modes tight: its budget ({format_bytes(tight)}: {windows} + --budget-fraction {cfg.budget_fraction} "
+            f"of the room up to --disk-budget {format_bytes(ceiling)}) holds the whole run ({format_bytes(run)}), so "
+            "it never binds; use a smaller --disk-budget (or none) or --budget-fraction, or leave tight out of --modes")
 
 
 def mode_retention(mode: str) -> str:

@@ -4,6 +4,8 @@ runs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from artcache.bench.run import BenchConfig, check_tight_budget, covering_budget, mode_budget, resolved, window_floor
@@ -46,3 +48,25 @@ def test_a_tight_mode_that_cannot_bind_is_refused_naming_the_window():
         check_tight_budget(cfg, HETERO, ["artcache", "tight"])
     check_tight_budget(cfg, HETERO, ["artcache", "windows"])  # without tight nothing is refused
     check_tight_budget(h200_config(), HETERO, ["tight"])
+
+
+def test_regression_a_disk_budget_that_holds_the_run_refuses_tight():
+    """--disk-budget 10G on a tiny hetero run (--window 2:2, 1 + 20 steps, 32 tokens): the tight budget (the floor
+    + 0.25 of the room up to 10 GiB: 2.5 GiB) held the whole run (under 1 MiB), so it never bound; the bench ran
+    both modes and failed tight_budget_binds_and_is_kept. Now refused before anything starts, naming the budgets."""
+    cfg = resolved(BenchConfig(scenario="hetero", target="random:tiny-llama", dataset="synthetic", max_length=32,
+                               window="2:2", warmup=1, steps=20, disk_budget=10 << 30), HETERO)
+    assert mode_budget(cfg, HETERO, "tight") >= covering_budget(cfg, HETERO)
+    with pytest.raises(ConfigError, match=r"--modes tight: .*--disk-budget 10\.00 GiB.*holds the whole run"):
+        check_tight_budget(cfg, HETERO, ["artcache", "tight"])
+    check_tight_budget(replace(cfg, disk_budget=0), HETERO, ["artcache", "tight"])  # the covering default: kept
+
+
+def test_regression_a_disk_budget_under_the_windows_is_named_as_the_budget_not_the_run():
+    """--disk-budget 1K with tight was refused as 'the live windows (...) hold the whole run (1.0 KiB)': 1 KiB was
+    the --disk-budget, not the run."""
+    cfg = resolved(BenchConfig(scenario="hetero", target="random:tiny-llama", dataset="synthetic", max_length=32,
+                               window="2:2", warmup=1, steps=20, disk_budget=1024), HETERO)
+    with pytest.raises(ConfigError) as err:
+        check_tight_budget(cfg, HETERO, ["tight"])
+    assert "--disk-budget 1.0 KiB" in str(err.value) and "whole run (1.0 KiB)" not in str(err.value)

@@ -168,3 +168,55 @@ def test_a_consumer_with_read_workers_trains_as_one_without(tmp_path, tiny_targe
         assert host["launch"] > 0 and host["total"] >= host["launch"]
     assert len(losses["one"]) == 5
     assert losses["three"] == losses["one"]
+
+
+class DemandClient(FakeClient):
+    """Positions in ``fail`` raise their exception at once; every other one waits on demand (``stop``) as a
+    missing artifact would, up to ``wait_s``, then raises CaptureTimeout, like a demand timeout."""
+
+    def __init__(self, fail: dict[int, BaseException], wait_s: float = 30.0) -> None:
+        super().__init__(delay=0.0)
+        self.fail, self.wait_s = fail, wait_s
+        self.timed_out: list[int] = []
+
+    def acquire(self, p: int, stop: threading.Event | None = None):
+        with self.lock:
+            self.started.append(p)
+        if p in self.fail:
+            raise self.fail[p]
+        if stop.wait(self.wait_s):
+            raise InterruptedError("stopped while waiting for a demand miss")
+        with self.lock:
+            self.timed_out.append(p)
+        raise CaptureTimeout(f"position {p} was not published within {self.wait_s:.0f}s")
+
+
+def test_regression_a_failed_position_ends_the_pooled_batch_instead_of_one_demand_timeout_per_round():
+    """Position 0 times out: the batch's other positions (waiting on demand, or queued behind the pool's workers)
+    give up at once. Was: every queued round waited out its own demand timeout (batch 12, 3 workers, producer
+    killed, --demand-timeout 5: the CaptureTimeout 'within 5s' came after 21 s)."""
+    client = DemandClient({0: CaptureTimeout("position 0 was not published within 5s")})
+    reader = Reader(client, 0, batch=8, lookahead=100, depth=2, end=80, workers=2)
+    reader.start()
+    err = _next(reader, timeout=20)
+    reader.join(10)
+    assert isinstance(err, CaptureTimeout) and "position 0" in str(err)
+    assert client.timed_out == [], f"positions that waited out their own timeout after 0 failed: {client.timed_out}"
+    # at most the first round (0 failed before or after 1 was handed to the pool): none of the queued ones
+    assert 0 in client.started and set(client.started) <= {0, 1}, f"started after 0 failed: {client.started}"
+    assert client.held == set() and not reader.is_alive()
+
+
+def test_regression_a_later_position_failing_is_raised_not_the_interrupted_wait_before_it():
+    """Position 2 fails while 0 and 1 wait on demand: the reader hands over position 2's error (the waits it
+    interrupted are no stop of the reader, which would leave the trainer waiting for a batch that never comes)."""
+    from artcache.errors import CaptureFailed
+
+    client = DemandClient({2: CaptureFailed("the producer gave up capturing position 2", fingerprint="ab" * 8,
+                                           attempts=3, retryable=False)})
+    reader = Reader(client, 0, batch=4, lookahead=100, depth=2, end=40, workers=4)
+    reader.start()
+    err = _next(reader, timeout=20)
+    reader.join(10)
+    assert isinstance(err, CaptureFailed) and "position 2" in str(err)
+    assert client.timed_out == [] and client.held == set() and not reader.is_alive()

@@ -79,6 +79,25 @@ class Retired:
             self._q.popleft().ready.synchronize()
 
 
+class _BatchStop:
+    """The ``stop`` of one pooled batch's acquires (:meth:`CacheClient.acquire` polls ``wait``): set once the
+    reader is stopped or any position of the batch failed (:meth:`note`, a future's done callback)."""
+
+    def __init__(self, reader_stop: threading.Event) -> None:
+        self.reader_stop, self.failed = reader_stop, threading.Event()
+
+    def note(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.failed.set()
+
+    def is_set(self) -> bool:
+        return self.failed.is_set() or self.reader_stop.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Like ``Event.wait``; the reader's stop is seen at the end of ``timeout`` (acquire polls <= 0.05 s)."""
+        return self.failed.wait(timeout) or self.reader_stop.is_set()
+
+
 class Reader(threading.Thread):
     """Leases and reads batches of consecutive positions, never beyond ``cursor + lookahead``.
 
@@ -114,12 +133,13 @@ class Reader(threading.Thread):
             return False
         return self.group_cursor is None or p < self.group_cursor() + self.batch
 
-    def _wait_authorized(self, p: int) -> bool:
-        """Block until ``p`` is authorized; False when stopped first."""
+    def _wait_authorized(self, p: int, stop: threading.Event | _BatchStop | None = None) -> bool:
+        """Block until ``p`` is authorized; False when ``stop`` (default: the reader's) is set first."""
+        stop = stop or self.stop
         with self._cond:
-            while not self._authorized(p) and not self.stop.is_set():
+            while not self._authorized(p) and not stop.is_set():
                 self._cond.wait(0.05 if self.group_cursor else 0.1)
-        return not self.stop.is_set()
+        return not stop.is_set()
 
     def _lease_batch(self, pool: ThreadPoolExecutor | None) -> list[Leased] | None:
         """Lease and read positions ``next_pos .. next_pos + batch - 1`` in position order; None when stopped.
@@ -127,7 +147,9 @@ class Reader(threading.Thread):
         Each position is requested as soon as it is authorized (so demand reaches the producer in cursor
         order); with a pool, up to ``workers`` of them are read at once (read + verify of one artifact
         is mostly system calls and xxh3, both outside the GIL). On any failure every lease the batch
-        holds is released and the first failure (in position order) is raised.
+        holds is released and the first failure (in position order) is raised; with a pool a failure also
+        ends the batch's other acquires (demand waits interrupted, queued positions never started), so the
+        batch fails within one ``--demand-timeout``, and what they raise for it is not what is handed on.
         """
         positions = range(self.next_pos, self.next_pos + self.batch)
         if pool is None:
@@ -143,26 +165,42 @@ class Reader(threading.Thread):
                 raise
             got: list = items
         else:
+            # a failed position ends the batch: the positions still waiting on demand give up at once and the
+            # queued ones never start (regression: each round of ``workers`` waited out its own demand timeout)
+            stop = _BatchStop(self.stop)
             futures: list[Future] = []
             for p in positions:
-                if not self._wait_authorized(p):
+                if not self._wait_authorized(p, stop):
                     break
-                futures.append(pool.submit(self.client.acquire, p, self.stop))
-            got, failure = [], None
+                futures.append(f := pool.submit(self._acquire_pooled, p, stop))
+                f.add_done_callback(stop.note)
+            got, failures = [], []
             for f in futures:  # every future is awaited, so no lease is taken after this returns
+                if stop.failed.is_set():
+                    f.cancel()  # not started yet: never leases
+                if f.cancelled():
+                    continue
                 try:
                     got.append(f.result())
                 except BaseException as exc:
-                    failure = failure or exc
-            if failure is not None:
+                    failures.append(exc)
+            if failures:
                 for it in got:
                     self.client.release(it)
-                raise failure
+                # the cause, not a wait it interrupted (an InterruptedError would read as the reader's stop)
+                raise next((e for e in failures if not isinstance(e, InterruptedError)), failures[0])
         if self.stop.is_set() or len(got) < self.batch:
             for it in got:
                 self.client.release(it)
             return None
         return got
+
+    def _acquire_pooled(self, p: int, stop: _BatchStop) -> Leased:
+        """A pool worker's acquire; none once the batch failed (a worker freed by a failure takes the next queued
+        position before the reader can cancel it)."""
+        if stop.is_set():
+            raise InterruptedError(f"position {p}: the batch failed or the reader stopped before its read began")
+        return self.client.acquire(p, stop)
 
     def run(self) -> None:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="artcache-read") if self.workers > 1 else None
