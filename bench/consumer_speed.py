@@ -33,6 +33,7 @@ gpu_micro's shape (one 3072-token sequence, 256 anchors).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -270,14 +271,24 @@ def profile_steps(draft, batches, steps: int = 6) -> dict:
         for i in range(steps):
             step(batches[i % len(batches)])
         _sync()
+    return profile_figures(prof, steps)
+
+
+def profile_figures(prof, steps: int) -> dict:
+    """Per-step figures of ``steps`` profiled steps (``torch.profiler.profile``): device busy time (kernels and
+    copies, ms), host-to-device copy time (ms), kernel launches, host syncs and ``cudaMemcpyAsync`` calls, and
+    the tables by self CUDA and self CPU time."""
     ka = prof.key_averages()
     count = {e.key: e.count for e in ka}
     # kernels and copies only (device-side rows): an operator row repeats its kernels' time
-    gpu_us = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
+    device_rows = [e for e in ka if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in device_rows)
+    htod_us = sum(e.self_device_time_total for e in device_rows if "HtoD" in e.key)
     table = ka.table(sort_by="self_cuda_time_total", row_limit=25)
     table_cpu = ka.table(sort_by="self_cpu_time_total", row_limit=20)
     return {
         "gpu_busy_ms_per_step": gpu_us / steps / 1e3,
+        "htod_ms_per_step": htod_us / steps / 1e3,
         "launches_per_step": (
             count.get("cudaLaunchKernel", 0)
             + count.get("cuLaunchKernelEx", 0)
@@ -290,6 +301,11 @@ def profile_steps(draft, batches, steps: int = 6) -> dict:
         "table": table,
         "table_cpu": table_cpu,
     }
+
+
+#: a profiled from-cache row (``--profile``): the profiler records the last PROFILE_WARMUP + PROFILE_ACTIVE steps;
+#: the row's steps/s and utilisation come from the steps before them
+PROFILE_WARMUP, PROFILE_ACTIVE = 5, 20
 
 
 def limits(row: dict, flops: float, peak: float, bytes_per_step: float, read_bps: float | None) -> dict:
@@ -377,13 +393,19 @@ def make_root(
 
 
 def from_cache(
-    root: Path, draft: str, variant: str, steps: int, device, view: list[int] | None = None
+    root: Path, draft: str, variant: str, steps: int, device, view: list[int] | None = None,
+    profile_out: Path | None = None,
 ) -> dict:
     """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences; steps/s from its journal's Step
     end times past the first steps (compilation, warm-up); ``host_ms_per_step`` (the trainer thread's median
     ms per phase: :func:`artcache.trainers.consumer.session.host_ms_per_step`) and the device's NVML
     utilisation over the measured steps (``gpu_util_median_pct``: :func:`measured_rate_and_util`), which
-    together say whether the device or the host's bookkeeping binds."""
+    together say whether the device or the host's bookkeeping binds. With ``profile_out`` (a file) the last
+    :data:`PROFILE_WARMUP` + :data:`PROFILE_ACTIVE` steps run under ``torch.profiler`` (its tables go there,
+    :func:`profile_figures` into the row) and the rate is that of the steps before them.
+
+    Raises:
+        ValueError: ``profile_out`` with too few ``steps`` to measure a rate before the profiled window."""
     from artcache.trainers.consumer import ConsumerConfig, run_consumer
     from artcache.trainers.consumer.config import read_workers
 
@@ -413,10 +435,23 @@ def from_cache(
         read_workers=int(workers or 1),
         **kw,
     )
+    prof, hook, measured = None, None, steps
+    if profile_out is not None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        measured = steps - PROFILE_WARMUP - PROFILE_ACTIVE
+        if measured < 15:
+            raise ValueError(f"a profiled from-cache row needs >= {15 + PROFILE_WARMUP + PROFILE_ACTIVE} steps "
+                             f"(--cache-steps), got {steps}")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        prof = profile(activities=activities,
+                       schedule=schedule(wait=measured, warmup=PROFILE_WARMUP, active=PROFILE_ACTIVE, repeat=1))
+        hook = lambda _step: prof.step()  # noqa: E731 - the profiler's clock is the consumer's step
     sampler = make_sampler([device.index or 0], period_s=0.1)
     sampler.start()
     try:
-        s = run_consumer(cfg)
+        with prof if prof is not None else contextlib.nullcontext():
+            s = run_consumer(cfg, hook)
     finally:
         sampler.stop()
     # the run's own clock, past its first steps (compilation and warm-up): Step events' end times
@@ -426,8 +461,12 @@ def from_cache(
     events = [
         e for e in J.iter_file(CacheLayout(root).journal_path("consumer", cid)) if isinstance(e, J.Step)
     ]
-    rate, util = measured_rate_and_util([e.t for e in events], sampler, device.index or 0)
-    return {
+    rate, util = measured_rate_and_util(sorted(e.t for e in events)[:measured], sampler, device.index or 0)
+    figures = {}
+    if prof is not None:
+        figures = profile_figures(prof, PROFILE_ACTIVE)
+        profile_out.write_text(figures.pop("table") + "\n\n" + figures.pop("table_cpu"))
+    return {**figures,
         "steps": s["steps"],
         "seconds": s["seconds"],
         "steps_per_s": rate,
@@ -494,7 +533,8 @@ def _print_table(report: dict) -> None:
         )
         if r.get("host_ms_per_step"):  # a from-cache row: the trainer thread's median ms per phase, NVML util
             phases = " ".join(f"{k} {v:.1f}" for k, v in r["host_ms_per_step"].items())
-            print(f"{'':<20} host ms/step: {phases}; GPU util {r.get('gpu_util_median_pct')} %")
+            print(f"{'':<20} host ms/step: {phases}; GPU util {r.get('gpu_util_median_pct')} %; host-to-device "
+                  f"{r.get('htod_ms_per_step', float('nan')):.1f} ms/step")
     print(
         f"commit {report['commit']}{' (dirty)' if report['dirty'] else ''}, total {report['seconds']:.0f}s",
         flush=True,
@@ -617,7 +657,9 @@ def main() -> None:
         if root_info is None:
             root_info = report["root"] = make_root(Path(args.root) / "cache", 8 * args.cache_steps, device)
             print(json.dumps(root_info), flush=True)
-        row.update(from_cache(Path(args.root) / "cache", draft, variant, args.cache_steps, device))
+        prof_out = out / f"profile-{name}-from-cache-{variant}.txt" if args.profile else None
+        row.update(from_cache(Path(args.root) / "cache", draft, variant, args.cache_steps, device,
+                              profile_out=prof_out))
         cfg = build(draft, arch, "main", device, **kw)[1]
         row.update(rates(row, 8, 1024))
         row.update(

@@ -131,6 +131,15 @@ def test_from_cache_run(tmp_path):
     assert r["steps"] == 3 and math.isfinite(r["final_loss"]) and r["read_workers"] == 1
     r = cs.from_cache(tmp_path / "cache", "dflash", "main@3", 3, torch.device("cpu"), view=[1, 2, 3, 4, 5])
     assert r["steps"] == 3 and r["read_workers"] == 3
+    assert set(r["host_ms_per_step"]) == {"wait", "launch", "leases", "commit", "record", "total"}
+    # a profiled row: the profiler's window is the last 25 steps (epochs past the 24-sample plan), the rate the rest
+    prof = tmp_path / "prof.txt"
+    r = cs.from_cache(tmp_path / "cache", "dflash", "syncfree", 40, torch.device("cpu"), view=[1, 2, 3, 4, 5],
+                      profile_out=prof)
+    assert r["steps"] == 40 and math.isfinite(r["steps_per_s"]) and r["launches_per_step"] == 0  # no CUDA here
+    assert "Self CPU" in prof.read_text()
+    with pytest.raises(ValueError, match="needs >= 40 steps"):
+        cs.from_cache(tmp_path / "cache", "dflash", "main", 30, torch.device("cpu"), profile_out=prof)
 
 
 def test_regression_provenance_is_the_one_hardware_record(tmp_path):

@@ -36,7 +36,7 @@ import statistics
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,8 +127,11 @@ def host_ms_per_step(host_s: dict[str, Sequence[float]]) -> dict[str, float] | N
     return out
 
 
-def run_consumer(cfg: ConsumerConfig) -> dict:
+def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = None) -> dict:
     """Train one draft on the cache root; returns a summary dict. Raises on failure (after fencing).
+
+    ``step_hook``, when given, is called on the trainer thread after every step with the step's 0-based index
+    (a profiler's ``step()``: ``artcache.bench.consumer_speed`` profiles a window of the from-cache steps so).
 
     Summary keys: ``consumer_id``, ``draft``, ``batch_size`` (samples per step), ``steps``, ``cursor``,
     ``epoch`` (of the last position trained on, 0-based) and ``epoch_len`` (training samples per epoch),
@@ -142,7 +145,7 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
         ConfigError / ContractMismatch: bad settings, layers the root does not capture, a resume or
             init source that does not fit (all before registering). Training errors after fencing.
     """
-    session = Session(cfg)
+    session = Session(cfg, step_hook)
     session.setup()
     session.resume()
     session.register()
@@ -152,8 +155,9 @@ def run_consumer(cfg: ConsumerConfig) -> dict:
 class Session:
     """One consumer run; :func:`run_consumer` calls its phases in order (see the module docstring)."""
 
-    def __init__(self, cfg: ConsumerConfig) -> None:
+    def __init__(self, cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = None) -> None:
         self.cfg = cfg
+        self.step_hook = step_hook  # run_consumer's: called after every step with its index
         self.resumed: Loaded | None = None  # --resume: the checkpoint continued
         self.unrecorded: list[Path] = []  # --resume from step 0: the killed run's unrecorded checkpoints
         self.unknown_best_noted = False  # the warning that --best-metric names no figure of the evaluation
@@ -512,6 +516,8 @@ class Session:
         for phase, dt in zip(HOST_PHASES, (wait_s, t_launched - t0 - wait_s, t_released - t_launched,
                                            t_committed - t_released, t_end - t_committed), strict=True):
             self.host_s[phase].append(dt)
+        if self.step_hook is not None:
+            self.step_hook(step_index)
         if self.device.type != "cuda":  # reading the flag costs nothing off the GPU: caught at its own step
             self._check_finite()
 
