@@ -91,39 +91,46 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
-def measured(ends: list[tuple[float, float]], warmup: int) -> dict:
-    """The steady figures of one arm from ``ends[i]`` = (``time.perf_counter()``, ``time.process_time()``)
-    at the end of ``Session.train_step`` of step i+1, as :class:`TimedSession` records them in both arms.
+def measured(steps: list[tuple[float, float, float]], warmup: int) -> dict:
+    """The steady figures of one arm from ``steps[i]`` = (``time.perf_counter()`` at the start and at the end
+    of ``Session.train_step`` of step i+1, ``time.process_time()`` at its end), as :func:`_timed_session`
+    records them in both arms.
 
     The window runs from the end of step ``max(warmup, 1)`` to the end of the last step, so the steps
-    measured are ``max(warmup, 1) + 1 .. len(ends)`` (1-based; returned as ``measured_steps`` [first, last]).
+    measured are ``max(warmup, 1) + 1 .. len(steps)`` (1-based; returned as ``measured_steps`` [first, last]).
     Returns {steps, measured_steps, steps_per_s, cpu_s_per_step (the process's CPU seconds over the window per
-    step: all its threads, the root arm's reader included), threads (``torch.get_num_threads()``)}; the rates
-    are 0.0 when the window holds no step."""
+    step: all its threads, the root arm's reader included), train_step_share (of the window's wall time, the
+    part inside ``train_step``: 1 in memory; in the root arm the rest is the loop's own work between two
+    steps, measured on the same steps under the same load), threads (``torch.get_num_threads()``)}; the
+    figures are 0.0 when the window holds no step."""
     import torch
 
     first = max(warmup, 1) - 1  # index of the window's start: the end of step first + 1
-    counted = len(ends) - 1 - first
-    wall = ends[-1][0] - ends[first][0] if counted > 0 else 0.0
-    cpu = ends[-1][1] - ends[first][1] if counted > 0 else 0.0
-    return {"steps": len(ends), "measured_steps": [first + 2, len(ends)],
+    counted = len(steps) - 1 - first
+    wall = steps[-1][1] - steps[first][1] if counted > 0 else 0.0
+    cpu = steps[-1][2] - steps[first][2] if counted > 0 else 0.0
+    inside = sum(end - start for start, end, _ in steps[first + 1:])
+    return {"steps": len(steps), "measured_steps": [first + 2, len(steps)],
             "steps_per_s": counted / wall if wall > 0 else 0.0,
-            "cpu_s_per_step": cpu / counted if counted > 0 else 0.0, "threads": torch.get_num_threads()}
+            "cpu_s_per_step": cpu / counted if counted > 0 else 0.0,
+            "train_step_share": inside / wall if wall > 0 else 0.0, "threads": torch.get_num_threads()}
 
 
 def _timed_session(cfg):
-    """A :class:`~artcache.trainers.consumer.session.Session` whose ``train_step`` records its end
-    (``perf_counter``, ``process_time``) in ``.ends``: the one clock and the one point of both arms."""
+    """A :class:`~artcache.trainers.consumer.session.Session` whose ``train_step`` records its start and end
+    (``perf_counter``) and its end's ``process_time`` in ``.timed``: the one clock and the one point of both
+    arms."""
     from artcache.trainers.consumer.session import Session
 
     class TimedSession(Session):
         def __init__(self, cfg) -> None:
             super().__init__(cfg)
-            self.ends: list[tuple[float, float]] = []
+            self.timed: list[tuple[float, float, float]] = []
 
         def train_step(self, batch, step_index):
+            t0 = time.perf_counter()
             out = super().train_step(batch, step_index)
-            self.ends.append((time.perf_counter(), time.process_time()))
+            self.timed.append((t0, time.perf_counter(), time.process_time()))
             return out
 
     return TimedSession(cfg)
@@ -192,7 +199,7 @@ def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: floa
     else:
         for i, batch in enumerate(batches):
             s.train_step(batch, i)
-    return {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup, **measured(s.ends, warmup)}
+    return {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup, **measured(s.timed, warmup)}
 
 
 def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]:
@@ -252,8 +259,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def summarize(args, rounds: dict[str, list[dict[int, dict]]]) -> dict:
     """The report's figures from every round's worker figures: steps/s and CPU ms per step per round, the
-    root/memory ratios (median over rounds; ``cpu_root_over_memory``: of steps per CPU second), the
-    threads and measured steps of both arms (they must match)."""
+    root/memory ratios (median over rounds; ``cpu_root_over_memory``: of steps per CPU second), the root
+    arm's ``train_step`` share of its window (median over rounds: its rate over a loop that would do
+    nothing else, from the same steps), the threads and measured steps of both arms (they must match)."""
     pairs = list(zip(rounds["root"], rounds["memory"], strict=True))
     med = statistics.median
 
@@ -269,6 +277,7 @@ def summarize(args, rounds: dict[str, list[dict[int, dict]]]) -> dict:
                              for b in args.blocks},
         "cpu_root_over_memory": {f"B{b}": med(m[b]["cpu_s_per_step"] / r[b]["cpu_s_per_step"] for r, m in pairs)
                                  for b in args.blocks},
+        "root_train_step_share": {f"B{b}": med(r[b]["train_step_share"] for r in rounds["root"]) for b in args.blocks},
         "threads": seen("threads"), "measured_steps": seen("measured_steps"),
     }
 
@@ -316,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                    "accounting_invariants": not acc.violations},
     })
     atomic_write(out / "report.json", [json.dumps(report, indent=2).encode()], out, durable=False)
-    shown = ("fill", "refill", "root_over_memory", "cpu_root_over_memory", "threads", "measured_steps",
-             "captures_while_consumers_ran", "checks")
+    shown = ("fill", "refill", "root_over_memory", "cpu_root_over_memory", "root_train_step_share", "threads",
+             "measured_steps", "captures_while_consumers_ran", "checks")
     print(json.dumps({k: report[k] for k in shown}, indent=2))
     return 0 if all(report["checks"].values()) else 1
 

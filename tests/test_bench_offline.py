@@ -43,14 +43,16 @@ def test_regression_both_arms_start_the_same_process_with_the_same_warmup(tmp_pa
 
 
 def test_measured_window_by_hand():
-    ends = [(float(i), 0.5 * i) for i in range(1, 8)]  # step i+1 ends at i+1 s, 0.5 CPU s a step
+    # step i+1's train_step runs from i + 0.25 s to i + 1 s (0.75 of each 1 s step), 0.5 CPU s a step
+    ends = [(i - 0.75, float(i), 0.5 * i) for i in range(1, 8)]
     m = offline.measured(ends, 3)
     assert m["measured_steps"] == [4, 7] and m["steps_per_s"] == pytest.approx(1.0)
     assert m["cpu_s_per_step"] == pytest.approx(0.5) and m["steps"] == 7
+    assert m["train_step_share"] == pytest.approx(0.75)
     # no warm-up: the window still needs a start, the end of step 1
     assert offline.measured(ends, 0)["measured_steps"] == offline.measured(ends, 1)["measured_steps"] == [2, 7]
     empty = offline.measured(ends[:3], 3)
-    assert empty["steps_per_s"] == 0.0 == empty["cpu_s_per_step"]
+    assert empty["steps_per_s"] == 0.0 == empty["cpu_s_per_step"] == empty["train_step_share"]
 
 
 def test_release_round_names_a_consumer_that_exited_before_it_was_ready(tmp_path):
@@ -95,3 +97,5 @@ def test_regression_both_arms_time_the_same_steps_with_the_same_threads(tmp_path
     assert r["measured_steps"] == m["measured_steps"] == [3, 5] and r["steps"] == m["steps"] == 5
     assert r["warmup"] == m["warmup"] == 2
     assert r["steps_per_s"] > 0 and m["steps_per_s"] > 0 and r["cpu_s_per_step"] > 0 and m["cpu_s_per_step"] > 0
+    # a share of the window, never past it (no timing asserted: the root arm's loop does work between steps)
+    assert 0 < m["train_step_share"] <= 1.0 and 0 < r["train_step_share"] < 1.0
