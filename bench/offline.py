@@ -180,11 +180,30 @@ def release_round(barrier: Path, procs: dict, timeout_s: float) -> None:
     (barrier / "go").touch()
 
 
+def machine_busy_s() -> float | None:
+    """The whole machine's busy CPU seconds since boot (``/proc/stat``: user, nice, system, irq, softirq of
+    every CPU; None where it cannot be read)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        return sum(int(fields[i]) for i in (1, 2, 3, 6, 7)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def other_cores(busy0: float | None, busy1: float | None, own_cpu_s: float, seconds: float) -> float | None:
+    """The cores the machine's other processes kept busy over ``seconds``: the machine's busy CPU seconds
+    between two :func:`machine_busy_s` readings less ``own_cpu_s`` (the bench's own processes), per second."""
+    if busy0 is None or busy1 is None or seconds <= 0:
+        return None
+    return max(0.0, busy1 - busy0 - own_cpu_s) / seconds
+
+
 def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: float) -> dict:
     """One consumer of one arm: build it (and, for ``memory``, read and collate its batches), wait for the
     round's go, then train — ``root``: the consumer's own loop on the root (register, reader thread,
     leases, cursor commits, journal); ``memory``: ``Session.train_step`` alone on the held batches.
-    Returns {consumer_id, mode, warmup, **measured(...)}: the same figures, from the same clock, both arms."""
+    Returns {consumer_id, mode, warmup, cpu_s_after_go (this process's CPU seconds from the go to the end),
+    **measured(...)}: the same figures, from the same clock, both arms."""
     from artcache.trainers.consumer import ConsumerConfig
 
     cfg = msgspec.json.decode(cfg_json, type=ConsumerConfig)
@@ -193,18 +212,21 @@ def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: floa
     s.resume()
     batches = held_batches(s) if mode == "memory" else None
     wait_for_go(barrier, cfg.consumer_id, timeout_s)
+    cpu0 = time.process_time()
     if batches is None:
         s.register()
         s.run()
     else:
         for i, batch in enumerate(batches):
             s.train_step(batch, i)
-    return {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup, **measured(s.timed, warmup)}
+    return {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup,
+            "cpu_s_after_go": time.process_time() - cpu0, **measured(s.timed, warmup)}
 
 
 def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]:
     """One round of ``mode`` (``root`` or ``memory``): three processes at once, started together
-    (:func:`release_round`); block → its :func:`worker`'s figures."""
+    (:func:`release_round`); block → its :func:`worker`'s figures, each with the round's ``other_cores``
+    (:func:`other_cores` from the go until the three exited: the machine's other load on this round)."""
     procs = {}
     logs = out / "logs"
     barrier = out / "barriers" / f"{mode}-{k}"
@@ -218,6 +240,7 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]
                         log)
     try:
         release_round(barrier, procs, args.timeout_s)
+        busy0, t0, self0 = machine_busy_s(), time.monotonic(), time.process_time()
     except BaseException:
         for _, p, _ in procs.values():  # the processes this round started, waiting for a go that never comes
             if p.poll() is None:
@@ -225,6 +248,7 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]
         raise
     finally:
         codes = {block: p.wait(timeout=args.timeout_s) for block, (_, p, _) in procs.items()}
+        busy1, t1 = machine_busy_s(), time.monotonic()
         for _, _, log in procs.values():
             log.close()
     got = {}
@@ -233,6 +257,10 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]
         if codes[block] != 0:
             raise RuntimeError(f"{cid} exited {codes[block]}: {text[-2000:]}")
         got[block] = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+    own = sum(g["cpu_s_after_go"] for g in got.values()) + time.process_time() - self0
+    other = other_cores(busy0, busy1, own, t1 - t0)
+    for g in got.values():
+        g["other_cores"] = other
     return got
 
 
@@ -261,7 +289,8 @@ def summarize(args, rounds: dict[str, list[dict[int, dict]]]) -> dict:
     """The report's figures from every round's worker figures: steps/s and CPU ms per step per round, the
     root/memory ratios (median over rounds; ``cpu_root_over_memory``: of steps per CPU second), the root
     arm's ``train_step`` share of its window (median over rounds: its rate over a loop that would do
-    nothing else, from the same steps), the threads and measured steps of both arms (they must match)."""
+    nothing else, from the same steps), the machine's other load in each round (``other_cores``), the
+    threads and measured steps of both arms (they must match)."""
     pairs = list(zip(rounds["root"], rounds["memory"], strict=True))
     med = statistics.median
 
@@ -278,6 +307,7 @@ def summarize(args, rounds: dict[str, list[dict[int, dict]]]) -> dict:
         "cpu_root_over_memory": {f"B{b}": med(m[b]["cpu_s_per_step"] / r[b]["cpu_s_per_step"] for r, m in pairs)
                                  for b in args.blocks},
         "root_train_step_share": {f"B{b}": med(r[b]["train_step_share"] for r in rounds["root"]) for b in args.blocks},
+        "other_cores": {mode: [next(iter(r.values()))["other_cores"] for r in rs] for mode, rs in rounds.items()},
         "threads": seen("threads"), "measured_steps": seen("measured_steps"),
     }
 
@@ -306,9 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.rounds):
         for mode in MODES if k % 2 == 0 else MODES[::-1]:
             rounds[mode].append(run_round(args, root, out, mode, k))
+            last = rounds[mode][-1]
             got = ", ".join(f"B{b} {r['steps_per_s']:.3f} steps/s ({1000 * r['cpu_s_per_step']:.0f} CPU ms/step)"
-                            for b, r in rounds[mode][-1].items())
-            print(f"round {k} {mode}: {got}", flush=True)
+                            for b, r in last.items())
+            other = next(iter(last.values()))["other_cores"]
+            print(f"round {k} {mode}: {got}; other processes {'-' if other is None else f'{other:.2f}'} cores",
+                  flush=True)
     acc = account(CacheLayout(root))
     report.update(summarize(args, rounds))
     ratios = report["root_over_memory"]
@@ -325,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                    "accounting_invariants": not acc.violations},
     })
     atomic_write(out / "report.json", [json.dumps(report, indent=2).encode()], out, durable=False)
-    shown = ("fill", "refill", "root_over_memory", "cpu_root_over_memory", "root_train_step_share", "threads",
-             "measured_steps", "captures_while_consumers_ran", "checks")
+    shown = ("fill", "refill", "root_over_memory", "cpu_root_over_memory", "root_train_step_share", "other_cores",
+             "threads", "measured_steps", "captures_while_consumers_ran", "checks")
     print(json.dumps({k: report[k] for k in shown}, indent=2))
     return 0 if all(report["checks"].values()) else 1
 
