@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -198,11 +199,17 @@ def other_cores(busy0: float | None, busy1: float | None, own_cpu_s: float, seco
     return max(0.0, busy1 - busy0 - own_cpu_s) / seconds
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children reaped so far (user + system)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: float) -> dict:
     """One consumer of one arm: build it (and, for ``memory``, read and collate its batches), wait for the
     round's go, then train — ``root``: the consumer's own loop on the root (register, reader thread,
     leases, cursor commits, journal); ``memory``: ``Session.train_step`` alone on the held batches.
-    Returns {consumer_id, mode, warmup, cpu_s_after_go (this process's CPU seconds from the go to the end),
+    Returns {consumer_id, mode, warmup, cpu_s_at_go (this process's CPU seconds before the go: its start-up),
     **measured(...)}: the same figures, from the same clock, both arms."""
     from artcache.trainers.consumer import ConsumerConfig
 
@@ -212,7 +219,7 @@ def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: floa
     s.resume()
     batches = held_batches(s) if mode == "memory" else None
     wait_for_go(barrier, cfg.consumer_id, timeout_s)
-    cpu0 = time.process_time()
+    cpu_at_go = time.process_time()
     if batches is None:
         s.register()
         s.run()
@@ -220,13 +227,14 @@ def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: floa
         for i, batch in enumerate(batches):
             s.train_step(batch, i)
     return {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup,
-            "cpu_s_after_go": time.process_time() - cpu0, **measured(s.timed, warmup)}
+            "cpu_s_at_go": cpu_at_go, **measured(s.timed, warmup)}
 
 
 def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]:
     """One round of ``mode`` (``root`` or ``memory``): three processes at once, started together
     (:func:`release_round`); block → its :func:`worker`'s figures, each with the round's ``other_cores``
-    (:func:`other_cores` from the go until the three exited: the machine's other load on this round)."""
+    (:func:`other_cores` from the go until the three exited, less their CPU after the go and the bench's:
+    the machine's other load on this round)."""
     procs = {}
     logs = out / "logs"
     barrier = out / "barriers" / f"{mode}-{k}"
@@ -240,7 +248,7 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]
                         log)
     try:
         release_round(barrier, procs, args.timeout_s)
-        busy0, t0, self0 = machine_busy_s(), time.monotonic(), time.process_time()
+        busy0, t0, cpu0 = machine_busy_s(), time.monotonic(), _cpu_s()
     except BaseException:
         for _, p, _ in procs.values():  # the processes this round started, waiting for a go that never comes
             if p.poll() is None:
@@ -257,7 +265,8 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]
         if codes[block] != 0:
             raise RuntimeError(f"{cid} exited {codes[block]}: {text[-2000:]}")
         got[block] = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
-    own = sum(g["cpu_s_after_go"] for g in got.values()) + time.process_time() - self0
+    # the three workers' CPU after the go (their whole lives, reaped above, less their start-ups) and the bench's
+    own = _cpu_s() - cpu0 - sum(g["cpu_s_at_go"] for g in got.values())
     other = other_cores(busy0, busy1, own, t1 - t0)
     for g in got.values():
         g["other_cores"] = other

@@ -95,7 +95,7 @@ def test_regression_both_arms_time_the_same_steps_with_the_same_threads(tmp_path
     r, m = got["root"], got["memory"]
     assert r["threads"] == m["threads"] == 2
     assert r["measured_steps"] == m["measured_steps"] == [3, 5] and r["steps"] == m["steps"] == 5
-    assert r["warmup"] == m["warmup"] == 2 and r["cpu_s_after_go"] > 0 and m["cpu_s_after_go"] > 0
+    assert r["warmup"] == m["warmup"] == 2 and r["cpu_s_at_go"] > 0 and m["cpu_s_at_go"] > 0
     assert r["steps_per_s"] > 0 and m["steps_per_s"] > 0 and r["cpu_s_per_step"] > 0 and m["cpu_s_per_step"] > 0
     # a share of the window, never past it (no timing asserted: the root arm's loop does work between steps)
     assert 0 < m["train_step_share"] <= 1.0 and 0 < r["train_step_share"] < 1.0
