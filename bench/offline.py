@@ -315,6 +315,8 @@ def summarize(args, rounds: dict[str, list[dict[int, dict]]]) -> dict:
                              for b in args.blocks},
         "cpu_root_over_memory": {f"B{b}": med(m[b]["cpu_s_per_step"] / r[b]["cpu_s_per_step"] for r, m in pairs)
                                  for b in args.blocks},
+        "train_step_share": {mode: [{f"B{b}": v["train_step_share"] for b, v in r.items()} for r in rs]
+                             for mode, rs in rounds.items()},
         "root_train_step_share": {f"B{b}": med(r[b]["train_step_share"] for r in rounds["root"]) for b in args.blocks},
         "other_cores": {mode: [next(iter(r.values()))["other_cores"] for r in rs] for mode, rs in rounds.items()},
         "threads": seen("threads"), "measured_steps": seen("measured_steps"),
