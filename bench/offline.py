@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -165,6 +166,15 @@ def wait_for_go(barrier: Path, cid: str, timeout_s: float) -> None:
         time.sleep(0.01)
 
 
+def fresh_barrier(out: Path, mode: str, k: int) -> Path:
+    """The empty barrier directory of round ``k`` of ``mode`` under ``out`` (a previous run's ``go`` and
+    ready marks removed: they would start this round before its consumers are built)."""
+    barrier = out / "barriers" / f"{mode}-{k}"
+    shutil.rmtree(barrier, ignore_errors=True)
+    barrier.mkdir(parents=True)
+    return barrier
+
+
 def release_round(barrier: Path, procs: dict, timeout_s: float) -> None:
     """Once every process of ``procs`` ({block: (cid, Popen, log)}) is ready, write ``go``: the three
     consumers of a round begin their steps together in both arms, whatever their start-up took.
@@ -237,8 +247,7 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]
     the machine's other load on this round)."""
     procs = {}
     logs = out / "logs"
-    barrier = out / "barriers" / f"{mode}-{k}"
-    barrier.mkdir(parents=True, exist_ok=True)
+    barrier = fresh_barrier(out, mode, k)
     for block in args.blocks:
         cid = f"dflash-b{block}-{mode}-{k}"
         cfg = consumer_config(args, root, block, out / "runs" / cid, cid)

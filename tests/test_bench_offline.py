@@ -105,3 +105,11 @@ def test_other_cores_by_hand():
     assert offline.other_cores(100.0, 112.0, 4.0, 4.0) == pytest.approx(2.0)  # 12 busy s, 4 ours, over 4 s
     assert offline.other_cores(100.0, 101.0, 3.0, 1.0) == 0.0  # rounding of the readings: never negative
     assert offline.other_cores(None, 112.0, 4.0, 4.0) is None and offline.other_cores(1.0, 2.0, 0.0, 0.0) is None
+
+
+def test_a_second_run_on_the_same_out_does_not_find_the_last_go(tmp_path):
+    first = offline.fresh_barrier(tmp_path, "root", 0)
+    (first / "go").touch()
+    (first / "dflash-b4-root-0.ready").touch()
+    again = offline.fresh_barrier(tmp_path, "root", 0)
+    assert again == first and list(again.iterdir()) == []
