@@ -5,13 +5,21 @@
 1. ``artcache producer --fill`` captures the whole plan into ``DIR/cache`` and exits (timed); a second
    ``--fill`` on the same root captures nothing and exits (same contract and plan).
 2. Rounds, alternated so that the machine's other load hits both alike: three DFlash consumers
-   (block sizes ``--blocks``) train ``S`` steps each, at the same time, **from the root with no producer
-   running**; then the same three train the same steps from batches **held in memory** (each process reads
-   and collates its positions first, then times only ``Session.train_step``, the consumer's own compute).
-3. ``report.json``: the fill, each consumer's steady steps/s in each mode and round (after ``--warmup`` steps,
-   from the journal's step times / the in-memory loop's), the root/memory ratio per consumer (median over
-   rounds), the captures made while the consumers ran (0: the root served everything), and the check that
-   every ratio is >= 0.95.
+   (block sizes ``--blocks``) train ``--warmup`` + ``S`` steps each, at the same time, **from the root with no
+   producer running**; then the same three train the same steps from batches **held in memory** (read and
+   collated before the loop; the loop is ``Session.train_step`` alone, the consumer's own compute).
+   Both arms are the same process (:func:`worker_command`: one module, one flag set, ``--warmup`` included,
+   the same environment, ``cfg.threads`` torch threads), built the same way, and the three of a round begin
+   their steps together once all three are built (:func:`release_round`), so start-up never overlaps
+   another's measured steps in one arm and not in the other. Both arms are timed by the same clock at
+   the same point, the end of ``Session.train_step`` (:func:`_timed_session`), over the same steps
+   (:func:`measured`): the root arm's window also holds everything its loop does between two steps
+   (the wait for the reader's batch, lease release, cursor commit, journal).
+3. ``report.json``: the fill, each consumer's steady steps/s and process CPU ms per step in each mode and
+   round, the root/memory ratio per consumer (median over rounds; also of steps per CPU second, less
+   sensitive to the machine's other load), the torch threads and measured steps of each arm (checked
+   equal), the captures made while the consumers ran (0: the root served everything), and the check
+   that every ratio is >= 0.95.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,11 +37,13 @@ from pathlib import Path
 
 import msgspec
 
-from artcache import journal as J
 from artcache.accounting import account
+from artcache.fsio import atomic_write
 from artcache.layout import CacheLayout
 
 GOAL = 0.95
+#: the two arms, in round 0's order (alternated every round)
+MODES = ("root", "memory")
 
 
 def _cli(*args: str) -> list[str]:
@@ -61,69 +73,216 @@ def consumer_config(args, root: Path, block: int, run_dir: Path, cid: str):
                           tensorboard=False, log_every=10)
 
 
-def steady(times: list[float], warmup: int) -> float:
-    """Steps per second from the end of step ``warmup`` to the last step (``times[i]``: end of step i+1)."""
-    span = times[-1] - times[warmup - 1] if warmup else times[-1] - times[0]
-    return (len(times) - warmup - (0 if warmup else 1)) / span if span > 0 else 0.0
+def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float) -> list[str]:
+    """The argv of one timed consumer process. Both arms start the same module with the same flags (the
+    warm-up included) and differ only in ``mode`` (``root`` or ``memory``), so they share the process
+    model, the thread setting (``cfg.threads``, set by ``Session.setup``), the clock and the steps skipped."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not accepted: one of {', '.join(MODES)}")
+    return [sys.executable, "-m", "artcache.bench.offline", "--worker", mode, "--warmup", str(warmup),
+            "--barrier", str(barrier), "--timeout-s", str(timeout_s), msgspec.json.encode(cfg).decode()]
 
 
-def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, float]:
-    """One round of ``mode`` (``root`` or ``memory``): three processes at once; block → steady steps/s."""
+def worker_env(threads: int) -> dict[str, str]:
+    """The environment of every timed process (both arms): unbuffered output, OpenMP / MKL pools of
+    ``threads`` (the consumer's ``--threads``) in every thread, not only the one ``Session.setup`` sets."""
+    n = str(threads) if threads else os.environ.get("OMP_NUM_THREADS", "")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if n:
+        env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
+    return env
+
+
+def measured(steps: list[tuple[float, float, float]], warmup: int) -> dict:
+    """The steady figures of one arm from ``steps[i]`` = (``time.perf_counter()`` at the start and at the end
+    of ``Session.train_step`` of step i+1, ``time.process_time()`` at its end), as :func:`_timed_session`
+    records them in both arms.
+
+    The window runs from the end of step ``max(warmup, 1)`` to the end of the last step, so the steps
+    measured are ``max(warmup, 1) + 1 .. len(steps)`` (1-based; returned as ``measured_steps`` [first, last]).
+    Returns {steps, measured_steps, steps_per_s, cpu_s_per_step (the process's CPU seconds over the window per
+    step: all its threads, the root arm's reader included), train_step_share (of the window's wall time, the
+    part inside ``train_step``: 1 in memory; in the root arm the rest is the loop's own work between two
+    steps, measured on the same steps under the same load), threads (``torch.get_num_threads()``)}; the
+    figures are 0.0 when the window holds no step."""
+    import torch
+
+    first = max(warmup, 1) - 1  # index of the window's start: the end of step first + 1
+    counted = len(steps) - 1 - first
+    wall = steps[-1][1] - steps[first][1] if counted > 0 else 0.0
+    cpu = steps[-1][2] - steps[first][2] if counted > 0 else 0.0
+    inside = sum(end - start for start, end, _ in steps[first + 1:])
+    return {"steps": len(steps), "measured_steps": [first + 2, len(steps)],
+            "steps_per_s": counted / wall if wall > 0 else 0.0,
+            "cpu_s_per_step": cpu / counted if counted > 0 else 0.0,
+            "train_step_share": inside / wall if wall > 0 else 0.0, "threads": torch.get_num_threads()}
+
+
+def _timed_session(cfg):
+    """A :class:`~artcache.trainers.consumer.session.Session` whose ``train_step`` records its start and end
+    (``perf_counter``) and its end's ``process_time`` in ``.timed``: the one clock and the one point of both
+    arms."""
+    from artcache.trainers.consumer.session import Session
+
+    class TimedSession(Session):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            self.timed: list[tuple[float, float, float]] = []
+
+        def train_step(self, batch, step_index):
+            t0 = time.perf_counter()
+            out = super().train_step(batch, step_index)
+            self.timed.append((t0, time.perf_counter(), time.process_time()))
+            return out
+
+    return TimedSession(cfg)
+
+
+def held_batches(s) -> list:
+    """Every batch of ``s``'s run, read from its root and collated now (positions 0 .. steps × batch - 1,
+    in the consumer's order): what the in-memory arm trains on, outside the timed loop."""
+    from artcache import store
+    from artcache.client import Leased
+    from artcache.fingerprint import PlanFingerprints
+    from artcache.trainers.consumer.reader import collate
+
+    fps = PlanFingerprints(s.settings.contract, s.plan)
+    n, b = s.cfg.steps * s.cfg.batch_size, s.cfg.batch_size
+    items = [Leased(p, store.read(s.layout, fps.of_sample(s.order.sample(p)), s.settings.contract), "")
+             for p in range(n)]
+    return [collate(items[i:i + b], s.device, s.layers) for i in range(0, n, b)]
+
+
+def wait_for_go(barrier: Path, cid: str, timeout_s: float) -> None:
+    """Mark ``cid`` ready under ``barrier`` and wait for the round's ``go`` (:func:`release_round`).
+
+    Raises:
+        TimeoutError: no ``go`` within ``timeout_s``."""
+    (barrier / f"{cid}.ready").touch()
+    deadline = time.monotonic() + timeout_s
+    while not (barrier / "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{cid}: no go under {barrier} within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
+def fresh_barrier(out: Path, mode: str, k: int) -> Path:
+    """The empty barrier directory of round ``k`` of ``mode`` under ``out`` (a previous run's ``go`` and
+    ready marks removed: they would start this round before its consumers are built)."""
+    barrier = out / "barriers" / f"{mode}-{k}"
+    shutil.rmtree(barrier, ignore_errors=True)
+    barrier.mkdir(parents=True)
+    return barrier
+
+
+def release_round(barrier: Path, procs: dict, timeout_s: float) -> None:
+    """Once every process of ``procs`` ({block: (cid, Popen, log)}) is ready, write ``go``: the three
+    consumers of a round begin their steps together in both arms, whatever their start-up took.
+
+    Raises:
+        RuntimeError: a process exited before it was ready, or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not all((barrier / f"{cid}.ready").exists() for cid, _, _ in procs.values()):
+        dead = [cid for cid, p, _ in procs.values() if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(dead) or 'a consumer'} was not ready under {barrier}: "
+                               f"{'exited' if dead else f'{timeout_s:g} s passed'}")
+        time.sleep(0.05)
+    (barrier / "go").touch()
+
+
+def machine_busy_s() -> float | None:
+    """The whole machine's busy CPU seconds since boot (``/proc/stat``: user, nice, system, irq, softirq of
+    every CPU; None where it cannot be read)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        return sum(int(fields[i]) for i in (1, 2, 3, 6, 7)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def other_cores(busy0: float | None, busy1: float | None, own_cpu_s: float, seconds: float) -> float | None:
+    """The cores the machine's other processes kept busy over ``seconds``: the machine's busy CPU seconds
+    between two :func:`machine_busy_s` readings less ``own_cpu_s`` (the bench's own processes), per second."""
+    if busy0 is None or busy1 is None or seconds <= 0:
+        return None
+    return max(0.0, busy1 - busy0 - own_cpu_s) / seconds
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children reaped so far (user + system)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: float) -> dict:
+    """One consumer of one arm: build it (and, for ``memory``, read and collate its batches), wait for the
+    round's go, then train — ``root``: the consumer's own loop on the root (register, reader thread,
+    leases, cursor commits, journal); ``memory``: ``Session.train_step`` alone on the held batches.
+    Returns {consumer_id, mode, warmup, cpu_s_at_go (this process's CPU seconds before the go: its start-up),
+    **measured(...)}: the same figures, from the same clock, both arms."""
+    from artcache.trainers.consumer import ConsumerConfig
+
+    cfg = msgspec.json.decode(cfg_json, type=ConsumerConfig)
+    s = _timed_session(cfg)
+    s.setup()  # reads the root, builds the draft, sets cfg.threads; registers nothing
+    s.resume()
+    batches = held_batches(s) if mode == "memory" else None
+    wait_for_go(barrier, cfg.consumer_id, timeout_s)
+    cpu_at_go = time.process_time()
+    if batches is None:
+        s.register()
+        s.run()
+    else:
+        for i, batch in enumerate(batches):
+            s.train_step(batch, i)
+    return {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup,
+            "cpu_s_at_go": cpu_at_go, **measured(s.timed, warmup)}
+
+
+def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]:
+    """One round of ``mode`` (``root`` or ``memory``): three processes at once, started together
+    (:func:`release_round`); block → its :func:`worker`'s figures, each with the round's ``other_cores``
+    (:func:`other_cores` from the go until the three exited, less their CPU after the go and the bench's:
+    the machine's other load on this round)."""
     procs = {}
     logs = out / "logs"
+    barrier = fresh_barrier(out, mode, k)
     for block in args.blocks:
         cid = f"dflash-b{block}-{mode}-{k}"
         cfg = consumer_config(args, root, block, out / "runs" / cid, cid)
-        module = "artcache.bench.consume" if mode == "root" else "artcache.bench.offline"
-        cmd = [sys.executable, "-m", module, *([] if mode == "root" else ["--memory"]),
-               msgspec.json.encode(cfg).decode()]
         log = open(logs / f"{cid}.log", "wb")  # noqa: SIM115 (closed below, after the process)
-        procs[block] = (cid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env=dict(os.environ, PYTHONUNBUFFERED="1")), log)
-    rates = {}
-    for block, (cid, p, log) in procs.items():
-        code = p.wait(timeout=args.timeout_s)
-        log.close()
-        if code != 0:
-            raise RuntimeError(f"{cid} exited {code}: {(logs / f'{cid}.log').read_text()[-2000:]}")
-        if mode == "root":
-            steps = sorted((e for e in J.read_events(CacheLayout(root).journal).events
-                            if isinstance(e, J.Step) and e.consumer == cid), key=lambda e: e.step)
-            rates[block] = steady([e.t for e in steps], args.warmup)
-        else:
-            text = (logs / f"{cid}.log").read_text().splitlines()
-            rates[block] = json.loads([ln for ln in text if ln.startswith("{")][-1])["steps_per_s"]
-    return rates
+        procs[block] = (cid, subprocess.Popen(worker_command(mode, cfg, args.warmup, barrier, args.timeout_s),
+                                              stdout=log, stderr=subprocess.STDOUT, env=worker_env(cfg.threads)),
+                        log)
+    try:
+        release_round(barrier, procs, args.timeout_s)
+        busy0, t0, cpu0 = machine_busy_s(), time.monotonic(), _cpu_s()
+    except BaseException:
+        for _, p, _ in procs.values():  # the processes this round started, waiting for a go that never comes
+            if p.poll() is None:
+                p.kill()
+        raise
+    finally:
+        codes = {block: p.wait(timeout=args.timeout_s) for block, (_, p, _) in procs.items()}
+        busy1, t1 = machine_busy_s(), time.monotonic()
+        for _, _, log in procs.values():
+            log.close()
+    got = {}
+    for block, (cid, _, _) in procs.items():
+        text = (logs / f"{cid}.log").read_text()
+        if codes[block] != 0:
+            raise RuntimeError(f"{cid} exited {codes[block]}: {text[-2000:]}")
+        got[block] = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+    # the three workers' CPU after the go (their whole lives, reaped above, less their start-ups) and the bench's
+    own = _cpu_s() - cpu0 - sum(g["cpu_s_at_go"] for g in got.values())
+    other = other_cores(busy0, busy1, own, t1 - t0)
+    for g in got.values():
+        g["other_cores"] = other
+    return got
 
 
-def memory_worker(cfg_json: str, warmup: int) -> dict:
-    """Train ``cfg``'s steps from batches read and collated beforehand: the consumer's rate without the
-    cache. Returns {consumer_id, steps, steps_per_s} (steady, after ``warmup`` steps)."""
-    from artcache import store
-    from artcache.client import Leased
-    from artcache.trainers.consumer import ConsumerConfig
-    from artcache.trainers.consumer.reader import collate
-    from artcache.trainers.consumer.session import Session
-
-    cfg = msgspec.json.decode(cfg_json, type=ConsumerConfig)
-    s = Session(cfg)
-    s.setup()  # reads the root and builds the draft; registers nothing
-    s.resume()
-    from artcache.fingerprint import PlanFingerprints
-
-    fps = PlanFingerprints(s.settings.contract, s.plan)
-    n = cfg.steps * cfg.batch_size
-    items = [Leased(p, store.read(s.layout, fps.of_sample(s.order.sample(p)), s.settings.contract), "")
-             for p in range(n)]
-    batches = [collate(items[i:i + cfg.batch_size], s.device, s.layers) for i in range(0, n, cfg.batch_size)]
-    times = []
-    for i, batch in enumerate(batches):
-        s.train_step(batch, i)
-        times.append(time.time())
-    return {"consumer_id": cfg.consumer_id, "steps": len(times), "steps_per_s": steady(times, warmup)}
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m artcache.bench.offline", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench-out/offline")
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -137,13 +296,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="root / memory rounds, alternated")
     ap.add_argument("--threads", type=int, default=1, help="the producer's torch threads")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
-    ap.add_argument("--memory", metavar="CONFIG_JSON", help=argparse.SUPPRESS)  # one in-memory worker
-    args = ap.parse_args(argv)
-    if args.memory:
-        import torch
+    # one timed consumer process (worker_command): its arm, the round's barrier directory, its ConsumerConfig
+    ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--barrier", help=argparse.SUPPRESS)
+    ap.add_argument("config", nargs="?", help=argparse.SUPPRESS)
+    return ap
 
-        torch.set_num_threads(1)
-        print(json.dumps(memory_worker(args.memory, args.warmup if args.warmup else 0)))
+
+def summarize(args, rounds: dict[str, list[dict[int, dict]]]) -> dict:
+    """The report's figures from every round's worker figures: steps/s and CPU ms per step per round, the
+    root/memory ratios (median over rounds; ``cpu_root_over_memory``: of steps per CPU second), the root
+    arm's ``train_step`` share of its window (median over rounds: its rate over a loop that would do
+    nothing else, from the same steps), the machine's other load in each round (``other_cores``), the
+    threads and measured steps of both arms (they must match)."""
+    pairs = list(zip(rounds["root"], rounds["memory"], strict=True))
+    med = statistics.median
+
+    def seen(key: str) -> dict[str, list]:
+        return {mode: sorted({json.dumps(r[b][key]) for r in rs for b in r}) for mode, rs in rounds.items()}
+
+    return {
+        "rounds": {mode: [{f"B{b}": v["steps_per_s"] for b, v in r.items()} for r in rs]
+                   for mode, rs in rounds.items()},
+        "cpu_ms_per_step": {mode: [{f"B{b}": 1000 * v["cpu_s_per_step"] for b, v in r.items()} for r in rs]
+                            for mode, rs in rounds.items()},
+        "root_over_memory": {f"B{b}": med(r[b]["steps_per_s"] / m[b]["steps_per_s"] for r, m in pairs)
+                             for b in args.blocks},
+        "cpu_root_over_memory": {f"B{b}": med(m[b]["cpu_s_per_step"] / r[b]["cpu_s_per_step"] for r, m in pairs)
+                                 for b in args.blocks},
+        "train_step_share": {mode: [{f"B{b}": v["train_step_share"] for b, v in r.items()} for r in rs]
+                             for mode, rs in rounds.items()},
+        "root_train_step_share": {f"B{b}": med(r[b]["train_step_share"] for r in rounds["root"]) for b in args.blocks},
+        "other_cores": {mode: [next(iter(r.values()))["other_cores"] for r in rs] for mode, rs in rounds.items()},
+        "threads": seen("threads"), "measured_steps": seen("measured_steps"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        from artcache.logs import setup_logging
+
+        setup_logging(False)
+        print(json.dumps(worker(args.worker, args.config, args.warmup, Path(args.barrier), args.timeout_s)))
         return 0
     args.blocks = [int(b) for b in args.blocks.split(",")]
     if args.warmup + args.steps > args.max_samples:
@@ -153,33 +348,38 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).absolute()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     root = out / "cache"
-    report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "memory"}}
+    report: dict = {"settings": {k: v for k, v in vars(args).items() if k not in ("worker", "barrier", "config")}}
     report["fill"] = fill(args, root, out / "logs", "fill")
     report["refill"] = fill(args, root, out / "logs", "refill")
     captures_before = account(CacheLayout(root)).cache.captures
-    rounds: dict[str, list[dict[int, float]]] = {"root": [], "memory": []}
+    rounds: dict[str, list[dict[int, dict]]] = {"root": [], "memory": []}
     for k in range(args.rounds):
-        for mode in ("root", "memory") if k % 2 == 0 else ("memory", "root"):
+        for mode in MODES if k % 2 == 0 else MODES[::-1]:
             rounds[mode].append(run_round(args, root, out, mode, k))
-            got = ", ".join(f"B{b} {r:.3f} steps/s" for b, r in rounds[mode][-1].items())
-            print(f"round {k} {mode}: {got}", flush=True)
+            last = rounds[mode][-1]
+            got = ", ".join(f"B{b} {r['steps_per_s']:.3f} steps/s ({1000 * r['cpu_s_per_step']:.0f} CPU ms/step)"
+                            for b, r in last.items())
+            other = next(iter(last.values()))["other_cores"]
+            print(f"round {k} {mode}: {got}; other processes {'-' if other is None else f'{other:.2f}'} cores",
+                  flush=True)
     acc = account(CacheLayout(root))
-    pairs = list(zip(rounds["root"], rounds["memory"], strict=True))
-    ratios = {f"B{b}": statistics.median(r[b] / m[b] for r, m in pairs) for b in args.blocks}
+    report.update(summarize(args, rounds))
+    ratios = report["root_over_memory"]
     report.update({
-        "rounds": {mode: [{f"B{b}": v for b, v in r.items()} for r in rs] for mode, rs in rounds.items()},
-        "root_over_memory": ratios,
         "captures_while_consumers_ran": acc.cache.captures - captures_before,
         "producer_running": False,
         "accounting_violations": acc.violations,
         "checks": {"fill_exit_0": report["fill"]["exit_code"] == 0 and report["refill"]["exit_code"] == 0,
                    "refill_captures_nothing": report["refill"]["captures"] == 0,
                    "no_capture_while_consumers_ran": acc.cache.captures == captures_before,
+                   "same_threads_and_steps_in_both_arms": report["threads"]["root"] == report["threads"]["memory"]
+                   and report["measured_steps"]["root"] == report["measured_steps"]["memory"],
                    f"every_consumer_ge_{GOAL}_of_in_memory": all(v >= GOAL for v in ratios.values()),
                    "accounting_invariants": not acc.violations},
     })
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    shown = ("fill", "refill", "root_over_memory", "captures_while_consumers_ran", "checks")
+    atomic_write(out / "report.json", [json.dumps(report, indent=2).encode()], out, durable=False)
+    shown = ("fill", "refill", "root_over_memory", "cpu_root_over_memory", "root_train_step_share", "other_cores",
+             "threads", "measured_steps", "captures_while_consumers_ran", "checks")
     print(json.dumps({k: report[k] for k in shown}, indent=2))
     return 0 if all(report["checks"].values()) else 1
 
