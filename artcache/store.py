@@ -171,9 +171,12 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
 
 
 def _tensors_from_buffer(buf, header: dict, data_start: int, fp: str) -> dict[str, torch.Tensor]:
-    """Zero-copy tensors over ``buf`` from a parsed safetensors header (offsets bounds-checked)."""
+    """Zero-copy tensors over ``buf`` from a parsed safetensors header (offsets bounds-checked, and checked to
+    be :func:`_data_views`' layout: the header is not under the content hash, so a header whose entries were
+    changed consistently, e.g. two tensors' offsets swapped, must not describe the hashed bytes otherwise)."""
     out = {}
     size = len(buf) - data_start
+    layout: list[tuple[int, str, int, int]] = []  # (item size, name, begin, end)
     for name, spec in header.items():
         if name == "__metadata__":
             continue
@@ -189,10 +192,20 @@ def _tensors_from_buffer(buf, header: dict, data_start: int, fp: str) -> dict[st
         itemsize = torch.empty((), dtype=dtype).element_size()
         if not 0 <= begin <= end <= size or end - begin != count * itemsize or min(shape, default=1) < 0:
             raise IntegrityError(f"artifact {fp}: tensor {name!r} does not fit its data offsets")
+        layout.append((itemsize, name, begin, end))
         if count == 0:
             out[name] = torch.empty(shape, dtype=dtype)
             continue
         out[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=data_start + begin).view(shape)
+    offset = 0
+    for _, name, begin, end in sorted(layout, key=lambda e: (-e[0], e[1])):
+        if begin != offset:
+            raise IntegrityError(f"artifact {fp}: tensor {name!r} begins at data offset {begin}, not {offset} as "
+                                 "the writer lays tensors out (by item size, then name): the header is damaged")
+        offset = end
+    if offset != size:
+        raise IntegrityError(f"artifact {fp}: its tensors end at data offset {offset} of {size}: the header is "
+                             "damaged")
     return out
 
 

@@ -296,3 +296,25 @@ def test_regression_a_header_that_loses_a_tensor_names_the_artifact(layout, name
     with pytest.raises(IntegrityError, match=fp):
         store.read(layout, fp, C, verify_tokens=True)
     assert not store.exists(layout, fp)  # quarantined: the next request is a demand miss
+
+
+def test_regression_a_consistent_header_edit_is_refused_as_off_the_writers_layout():
+    """Break test (session 10): the content hash covers the data section, not the header that carries it, so a
+    header whose entries were changed consistently (two same-sized tensors' offsets swapped: an fp8 capture of one
+    layer has float32 scales [T, 1] and int32 input_ids [T], 4T bytes each) read as valid, each tensor over the
+    other's bytes. The offsets must now be the writer's layout (by item size, then name, back to back)."""
+    t = 8
+    data = bytes(range(256))[: 4 * t * 2 + t]  # scales, then input_ids, then loss_mask
+    good = {"hidden_scales": {"dtype": "F32", "shape": [t, 1], "data_offsets": [0, 4 * t]},
+            "input_ids": {"dtype": "I32", "shape": [t], "data_offsets": [4 * t, 8 * t]},
+            "loss_mask": {"dtype": "U8", "shape": [t], "data_offsets": [8 * t, 9 * t]}}
+    buf = bytearray(data)
+    got = store._tensors_from_buffer(buf, good, 0, "fp-x")
+    assert got["input_ids"].shape == (t,) and bytes(got["loss_mask"].numpy()) == data[8 * t:]
+    swapped = {**good, "hidden_scales": {**good["hidden_scales"], "data_offsets": [4 * t, 8 * t]},
+               "input_ids": {**good["input_ids"], "data_offsets": [0, 4 * t]}}
+    with pytest.raises(IntegrityError, match="fp-x.*'hidden_scales' begins at data offset 32, not 0"):
+        store._tensors_from_buffer(buf, swapped, 0, "fp-x")
+    short = {k: v for k, v in good.items() if k != "loss_mask"}  # a tensor dropped: bytes left undescribed
+    with pytest.raises(IntegrityError, match="end at data offset 64 of 72"):
+        store._tensors_from_buffer(buf, short, 0, "fp-x")
