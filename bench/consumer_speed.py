@@ -52,13 +52,15 @@ SMOL_UNION = [1, 8, 14, 20, 26, 27, 29]
 DFLASH_VIEW = [1, 8, 14, 20, 27]
 EAGLE3_VIEW = [1, 14, 26, 29]
 
-#: variant -> (sync_free, ce_impl, compile)
+#: variant -> (sync_free, ce_impl, compile, attn_impl); ``+flex``: DFlash / DSpark block attention by FlexAttention
 VARIANTS = {
-    "main": (False, "reference", "off"),
-    "syncfree": (True, "chunked", "off"),
-    "syncfree+compile": (True, "chunked", "on"),
-    "syncfree+graphs": (True, "chunked", "graphs"),
-    "liger": (True, "liger", "off"),
+    "main": (False, "reference", "off", "sdpa"),
+    "syncfree": (True, "chunked", "off", "sdpa"),
+    "syncfree+compile": (True, "chunked", "on", "sdpa"),
+    "syncfree+graphs": (True, "chunked", "graphs", "sdpa"),
+    "syncfree+compile+flex": (True, "chunked", "on", "flex"),
+    "syncfree+graphs+flex": (True, "chunked", "graphs", "flex"),
+    "liger": (True, "liger", "off", "sdpa"),
 }
 
 
@@ -68,7 +70,7 @@ DEFAULT_PLAN = (
     "cache-eagle3:main,cache-eagle3:syncfree,dflash:syncfree+compile,eagle3:syncfree+compile,"
     "qwen3:main,qwen3:syncfree,cache-dflash:syncfree+compile,dflash:liger,dflash:syncfree+graphs"
 )
-PARTS = ("dflash", "eagle3", "qwen3", "cache-dflash", "cache-eagle3")
+PARTS = ("dflash", "eagle3", "dspark", "qwen3", "cache-dflash", "cache-eagle3")
 
 
 def parse_plan(plan: str) -> list[tuple[str, str]]:
@@ -134,6 +136,20 @@ def eagle3_step_flops(cfg, seq: int, steps: int) -> float:
     return 3 * (steps * per + attn + fc) + 2 * seq * h * cfg.vocab_size
 
 
+def dspark_step_flops(cfg, seq: int, supervised_tokens: int) -> float:
+    """Model FLOPs of one DSpark training step on one sequence (forward + backward): DFlash's
+    (:func:`~artcache.bench.gpu_micro.dflash_step_flops`, dense attention as executed) with every one of the B
+    slots at the frozen lm_head (DFlash: B - 1; 2x, no weight grad), the target's head once more for the
+    target distribution q_k of every slot (no gradient), and the Markov head (3x). Rows: anchors x B, capped
+    by the supervised tokens x B."""
+    n, b, h, v = cfg.num_anchors, cfg.block_size, cfg.hidden_size, cfg.vocab_size
+    rows = min(n * b, supervised_tokens * b)
+    extra_head = 2 * 2 * (rows - min(n * (b - 1), supervised_tokens * (b - 1))) * h * v
+    target_head = 2 * rows * h * v
+    markov = 3 * 2 * rows * cfg.markov_rank * v if cfg.markov_rank else 0
+    return dflash_step_flops(cfg, seq, supervised_tokens) + extra_head + target_head + markov
+
+
 def _arch_config(arch: str):
     from transformers import AutoConfig
 
@@ -166,8 +182,8 @@ def build(
     """A draft adapter of ``arch``'s shape on ``device`` with the variant's speed options."""
     from artcache.trainers.speed import SpeedOptions
 
-    sync_free, impl, comp = VARIANTS[variant]
-    speed = SpeedOptions(sync_free=sync_free, ce_impl=impl, compile=comp)
+    sync_free, impl, comp, attn = VARIANTS[variant]
+    speed = SpeedOptions(sync_free=sync_free, ce_impl=impl, compile=comp, attn=attn)
     hf = _arch_config(arch)
     emb, head = _frozen(hf.vocab_size, hf.hidden_size, device)
     torch.manual_seed(0)
@@ -187,6 +203,14 @@ def build(
         return DFlashAdapter(
             model, cfg, list(range(layers)), torch.Generator().manual_seed(0), speed=speed
         ), cfg
+    if draft == "dspark":
+        from artcache.trainers.dspark import DSparkConfig, DSparkDraft
+        from artcache.trainers.dspark.adapter import DSparkAdapter
+
+        cfg = DSparkConfig.from_target(hf, num_layers=5, block_size=block, num_anchors=anchors,
+                                       mask_token_id=hf.vocab_size - 1, num_context_layers=layers)
+        model = DSparkDraft(cfg, emb, head, torch.ones(hf.hidden_size, device=device))
+        return DSparkAdapter(model, cfg, list(range(layers + 1)), torch.Generator().manual_seed(0), speed=speed), cfg
     from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
     from artcache.trainers.eagle3.adapter import Eagle3Adapter
     from artcache.trainers.eagle3.vocab import build_vocab_map
@@ -410,7 +434,7 @@ def from_cache(
     from artcache.trainers.consumer.config import read_workers
 
     base, _, workers = variant.partition("@")
-    _, impl, comp = VARIANTS[base]
+    _, impl, comp, attn = VARIANTS[base]
     kw = (
         dict(draft="dflash", block_size=16, num_anchors=64, layer_ids=view or DFLASH_VIEW)
         if draft == "dflash"
@@ -432,6 +456,7 @@ def from_cache(
         demand_timeout_s=120,
         compile=comp,
         loss_impl=impl,
+        attn_impl=attn,
         read_workers=int(workers or 1),
         **kw,
     )
@@ -584,6 +609,14 @@ def _shapes() -> dict:
             lambda c: eagle3_step_flops(c, 1024, 7),
             {"layers": 4},
         ),
+        "dspark": (  # DSpark's GPU defaults (DeepSpec's recipe): B 7, 512 anchors, 5 layers, Markov rank 256
+            "dspark-smollm2",
+            "dspark",
+            "smollm2-135m",
+            (8, 1024, 6, smol.hidden_size, smol.vocab_size),  # 5 context layers and L - 1
+            lambda c: dspark_step_flops(c, 1024, sup),
+            {"layers": 5, "anchors": 512, "block": 7},
+        ),
         "qwen3": (
             "dflash-qwen3-8b-B16",
             "dflash",
@@ -636,7 +669,7 @@ def main() -> None:
         if variant == "main":  # as before issue 20: the anchors' mask is read back from the device
             for b in batches:
                 b.supervised_host = None
-        row.update(time_in_memory(d, batches, args.steps, warmup=3 if "compile" not in variant else 4))
+        row.update(time_in_memory(d, batches, args.steps, warmup=3 if VARIANTS[variant][2] == "off" else 4))
         if args.profile and part != "qwen3":
             prof = profile_steps(d, batches)
             (out / f"profile-{name}-{variant}.txt").write_text(

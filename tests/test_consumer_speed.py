@@ -183,3 +183,28 @@ def test_regression_gpu_util_is_taken_over_the_measured_steps_not_the_compile():
     assert rate == pytest.approx(10.0) and util == 90.0
     assert cs.measured_rate_and_util(ends[:1], sampler) == (pytest.approx(float("nan"), nan_ok=True), None)
     assert cs.measured_rate_and_util(ends, NullSampler())[1] is None  # no NVML: no figure
+
+
+def test_dspark_in_memory_row_on_cpu():
+    """The ``dspark`` part builds DSpark's adapter (5 context layers + L - 1) and times its step; its FLOPs count
+    every one of the B slots at the head and the target's head once more (more than DFlash's at equal sizes)."""
+    d, cfg = cs.build("dspark", "tiny-llama", "syncfree", torch.device("cpu"), layers=3, anchors=4, block=4)
+    assert d.name == "dspark" and len(d.needed_layer_ids) == 4
+    batches = cs.device_batches(2, 32, 4, cfg.hidden_size, cfg.vocab_size, torch.device("cpu"), n=1)
+    row = cs.time_in_memory(d, batches, steps=1, warmup=1)
+    assert row["steps_per_s"] > 0 and math.isfinite(row["last_loss"])
+    assert cs.dspark_step_flops(cfg, 32, 28) > cs.dflash_step_flops(cfg, 32, 28)
+
+
+def test_flex_variant_needs_cuda_and_a_block_draft():
+    from artcache.errors import ConfigError
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.speed import SpeedOptions
+
+    cfg = ConsumerConfig(cache="/tmp/x", draft="dflash", attn_impl="flex")
+    with pytest.raises(ConfigError, match="--attn-impl flex needs a CUDA device"):
+        SpeedOptions.for_device(cfg, torch.device("cpu"))
+    assert SpeedOptions.for_device(ConsumerConfig(cache="/tmp/x", draft="dflash"), torch.device("cpu")).attn == "sdpa"
+    with pytest.raises(ConfigError, match="EAGLE-3 accepts --attn-impl auto or sdpa"):
+        cs.build("eagle3", "tiny-llama", "syncfree+compile+flex", torch.device("cpu"), layers=4, draft_vocab=512)
+    assert cs.parse_plan("dspark:syncfree+graphs+flex") == [("dspark", "syncfree+graphs+flex")]

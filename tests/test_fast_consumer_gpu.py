@@ -4,7 +4,8 @@
   (element for element; the layer view selected on the device), with no host synchronisation;
 - the sync-free DFlash, EAGLE-3 and DSpark steps on CUDA agree with the CPU reference on the same inputs
   within bf16 tolerance, and Liger's fused linear CE agrees with the reference CE;
-- ``--compile on`` runs every draft's step and gives the uncompiled step's loss;
+- ``--compile on`` and ``graphs`` run every draft's step and give the uncompiled step's loss, and so does
+  ``--attn-impl flex`` (DFlash, DSpark);
 - the sync-free DSpark step runs under ``torch.cuda.set_sync_debug_mode("error")`` (no synchronisation).
 """
 
@@ -80,8 +81,10 @@ def test_liger_matches_reference():
     assert float((gg - gr).norm() / gr.norm()) < 3e-2
 
 
-@pytest.mark.parametrize("compile_mode", ["off", "on"])
+@pytest.mark.parametrize("compile_mode", ["off", "on", "graphs"])
 def test_sync_free_steps_match_the_host_reference(compile_mode):
+    """Every draft's CUDA step (``--compile off|on|graphs``) gives the CPU reference's loss on the same inputs
+    within bf16 rounding."""
     from test_fast_consumer import _batch, _dflash, _dspark, _eagle3
 
     from artcache.trainers.draft import DraftBatch
@@ -99,10 +102,38 @@ def test_sync_free_steps_match_the_host_reference(compile_mode):
             b.valid.cuda(),
             supervised_host=b.loss_mask & b.valid,
         )
+        speed.step_begin()
         loss, sums = d.loss(gb)
         loss.backward()
         assert abs(float(loss) - float(cpu_loss)) / abs(float(cpu_loss)) < 3e-2
         assert sums.resolve().den
+        assert all(p.grad is not None and bool(torch.isfinite(p.grad).all())
+                   for p in d.model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("draft", ["dflash", "dspark"])
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_flex_attention_step_equals_sdpa(draft, compile_mode):
+    """``--attn-impl flex`` (FlexAttention with the block mask) computes the dense-SDPA step's loss and gradients
+    (SmolLM2-135M shapes, head_dim 64; 2 sequences of 384 tokens, 24 anchors) within bf16 rounding."""
+    from artcache.bench import consumer_speed as cs
+
+    layers, block = (5, 16) if draft == "dflash" else (5, 7)
+    out = {}
+    for attn in ("sdpa", "flex"):
+        d, _ = cs.build(draft, "smollm2-135m", "syncfree+compile" + ("+flex" if attn == "flex" else ""),
+                        torch.device("cuda"), layers=layers, anchors=24, block=block)
+        if compile_mode == "off":
+            d._forward_fn = d.model  # the variant table has no eager rows with flex: the same step, uncompiled
+        assert d.model.attn_impl == attn
+        (b,) = cs.device_batches(2, 384, layers + (draft == "dspark"), 576, 49152, torch.device("cuda"), n=1)
+        loss, _ = d.loss(b)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten().float() for p in d.model.parameters() if p.requires_grad])
+        out[attn] = (float(loss), grads)
+    (l0, g0), (l1, g1) = out["sdpa"], out["flex"]
+    assert abs(l1 - l0) / abs(l0) < 1e-2
+    assert float((g1 - g0).norm() / g0.norm()) < 5e-2
 
 
 def test_sync_free_dspark_step_does_not_synchronise():

@@ -81,6 +81,7 @@ class DFlashAdapter(Draft):
         self.generator = anchor_generator
         self.eval_anchors = int(eval_anchors)
         self.speed = speed or SpeedOptions()
+        self.model.attn_impl = self.speed.attn
         self._forward_fn = self.speed.compiled(self.model)
 
     @classmethod

@@ -89,6 +89,7 @@ class DSparkAdapter(Draft):
             raise ConfigError("--loss-impl liger does not apply to DSpark: its objective also needs the target's "
                               "softmax (the L1 term), which Liger's fused cross-entropy does not compute; use "
                               "--loss-impl chunked")
+        model.attn_impl = self.speed.attn
         self._forward_fn = self.speed.compiled(model)
         self.model = model
         self.cfg = cfg
