@@ -378,7 +378,6 @@ def test_regression_run_config_bounds(tmp_path, text, overrides, needle):
 @pytest.mark.parametrize("field, value, accepted", [
     ("compile", "fast", "accepted: one of auto, graphs, off, on"),
     ("loss_impl", "fused", "accepted: one of auto, chunked, liger, reference"),
-    ("attn_impl", "flash", "accepted: one of auto, flex, sdpa"),
     ("markov_head", "gru", "accepted: one of gated, vanilla or none"),
 ])
 def test_regression_consumer_setting_choices_list_the_accepted_values(field, value, accepted):
@@ -390,14 +389,12 @@ def test_regression_consumer_setting_choices_list_the_accepted_values(field, val
     assert f"consumer setting {field}: Invalid enum value '{value}'; {accepted}" in str(info.value)
 
 
-@pytest.mark.parametrize("flag, value", [("--compile", "fast"), ("--loss-impl", "fused"), ("--markov-head", "gru"),
-                                         ("--attn-impl", "flash")])
+@pytest.mark.parametrize("flag, value", [("--compile", "fast"), ("--loss-impl", "fused"), ("--markov-head", "gru")])
 def test_regression_choice_flags_list_the_accepted_values(tmp_path, flag, value):
     """The flags of those settings are click.Choice: their one error line lists the accepted values."""
-    from artcache.trainers import ATTN_IMPLS, COMPILE_MODES, LOSS_IMPLS
+    from artcache.trainers import COMPILE_MODES, LOSS_IMPLS
 
-    choices = {"--compile": COMPILE_MODES, "--loss-impl": LOSS_IMPLS, "--markov-head": ("vanilla", "gated"),
-               "--attn-impl": ATTN_IMPLS}[flag]
+    choices = {"--compile": COMPILE_MODES, "--loss-impl": LOSS_IMPLS, "--markov-head": ("vanilla", "gated")}[flag]
     result = CliRunner().invoke(main, ["consume", "--cache", str(tmp_path / "c"), flag, value])
     assert_one_error_line(result, f"Invalid value for '{flag}': '{value}' is not one of "
                           + ", ".join(repr(c) for c in choices))

@@ -196,15 +196,35 @@ def test_dspark_in_memory_row_on_cpu():
     assert cs.dspark_step_flops(cfg, 32, 28) > cs.dflash_step_flops(cfg, 32, 28)
 
 
-def test_flex_variant_needs_cuda_and_a_block_draft():
+def test_flex_variants_are_in_memory_rows_of_block_drafts(tmp_path):
     from artcache.errors import ConfigError
-    from artcache.trainers.consumer import ConsumerConfig
-    from artcache.trainers.speed import SpeedOptions
 
-    cfg = ConsumerConfig(cache="/tmp/x", draft="dflash", attn_impl="flex")
-    with pytest.raises(ConfigError, match="--attn-impl flex needs a CUDA device"):
-        SpeedOptions.for_device(cfg, torch.device("cpu"))
-    assert SpeedOptions.for_device(ConsumerConfig(cache="/tmp/x", draft="dflash"), torch.device("cpu")).attn == "sdpa"
-    with pytest.raises(ConfigError, match="EAGLE-3 accepts --attn-impl auto or sdpa"):
+    with pytest.raises(ConfigError, match="EAGLE-3 runs sdpa only"):
         cs.build("eagle3", "tiny-llama", "syncfree+compile+flex", torch.device("cpu"), layers=4, draft_vocab=512)
+    d, _ = cs.build("dflash", "tiny-llama", "syncfree+compile+flex", torch.device("cpu"), layers=5, anchors=8)
+    assert d.model.attn_impl == "flex"
     assert cs.parse_plan("dspark:syncfree+graphs+flex") == [("dspark", "syncfree+graphs+flex")]
+    with pytest.raises(ValueError, match="in memory only"):
+        cs.from_cache(tmp_path, "dflash", "syncfree+compile+flex", 40, torch.device("cpu"))
+
+
+def test_regression_profile_busy_time_leaves_out_the_profiler_step_range():
+    """A scheduled profile (a from-cache row) has a "ProfilerStep*" row on the device whose time spans its kernels';
+    summing it with them made the H200's 11.3 ms of kernels a step read 45.7 ms."""
+    from types import SimpleNamespace as NS
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    class Averages(list):
+        def table(self, **_):
+            return ""
+
+    rows = Averages([NS(key="ProfilerStep*", device_type=cuda, self_device_time_total=30_000.0, count=2),
+                     NS(key="sm90_gemm", device_type=cuda, self_device_time_total=8_000.0, count=4),
+                     NS(key="Memcpy HtoD (Pinned -> Device)", device_type=cuda, self_device_time_total=2_000.0,
+                        count=2),
+                     NS(key="cudaLaunchKernel", device_type=torch.autograd.DeviceType.CPU,
+                        self_device_time_total=0.0, count=6)])
+    fig = cs.profile_figures(NS(key_averages=lambda: rows), steps=2)
+    assert fig["gpu_busy_ms_per_step"] == pytest.approx(5.0) and fig["htod_ms_per_step"] == pytest.approx(1.0)
+    assert fig["launches_per_step"] == 3

@@ -25,8 +25,4 @@ CE_IMPLS: tuple[str, ...] = ("reference", "chunked", "liger")
 #: ``--loss-impl`` values: ``auto`` = ``chunked`` on CUDA, ``reference`` on a CPU.
 LOSS_IMPLS: tuple[str, ...] = ("auto", *CE_IMPLS)
 
-#: ``--attn-impl`` values (DFlash / DSpark block attention, :class:`~artcache.trainers.dflash.DFlashDraft`):
-#: ``auto`` = ``sdpa``; ``flex`` (FlexAttention with the block mask: skips the masked key blocks; CUDA only).
-ATTN_IMPLS: tuple[str, ...] = ("auto", "sdpa", "flex")
-
-__all__ = ["ADAPTERS", "ATTN_IMPLS", "CE_IMPLS", "COMPILE_MODES", "DRAFT_NAMES", "LOSS_IMPLS"]
+__all__ = ["ADAPTERS", "CE_IMPLS", "COMPILE_MODES", "DRAFT_NAMES", "LOSS_IMPLS"]

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ConfigError
-from artcache.trainers import ATTN_IMPLS, COMPILE_MODES, LOSS_IMPLS
+from artcache.trainers import COMPILE_MODES, LOSS_IMPLS
 from artcache.trainers.lm_head_ce import liger_available
 
 __all__ = ["AUTO_COMPILE_MIN_STEPS", "SpeedOptions", "to_device"]
@@ -41,7 +41,9 @@ class SpeedOptions:
         ce_impl: the lm_head loss implementation (:data:`artcache.trainers.lm_head_ce.CE_IMPLS`).
         compile: ``off``, ``on`` (``torch.compile``) or ``graphs`` (``torch.compile`` with CUDA graphs).
         attn: the block attention of DFlash / DSpark, ``sdpa`` or ``flex``
-            (:attr:`~artcache.trainers.dflash.DFlashDraft.attn_impl`).
+            (:attr:`~artcache.trainers.dflash.DFlashDraft.attn_impl`). The consumer always uses ``sdpa``:
+            FlexAttention measured slower on an H200 (docs/training.md, session 11); ``bench.consumer_speed``'s
+            ``+flex`` variants set it.
     """
 
     sync_free: bool = False
@@ -51,12 +53,10 @@ class SpeedOptions:
 
     @classmethod
     def for_device(cls, cfg, device: torch.device) -> SpeedOptions:
-        """From a consumer config's ``loss_impl`` / ``compile`` / ``attn_impl`` on ``device`` (``auto`` resolved
-        there).
+        """From a consumer config's ``loss_impl`` / ``compile`` on ``device`` (``auto`` resolved there).
 
         Raises:
-            ConfigError: ``liger`` off CUDA or without the package; ``graphs`` or ``flex`` off CUDA; unknown
-                values.
+            ConfigError: ``liger`` off CUDA or without the package; ``graphs`` off CUDA; unknown values.
         """
         cuda = device.type == "cuda"
         impl = getattr(cfg, "loss_impl", "auto")
@@ -74,14 +74,7 @@ class SpeedOptions:
             mode = "on" if cuda and getattr(cfg, "steps", 0) >= AUTO_COMPILE_MIN_STEPS else "off"
         if mode == "graphs" and not cuda:
             raise ConfigError("--compile graphs needs a CUDA device (CUDA graphs); use --compile on or off")
-        attn = getattr(cfg, "attn_impl", "auto")
-        if attn not in ATTN_IMPLS:
-            raise ConfigError(f"--attn-impl {attn!r} is not accepted: one of {', '.join(ATTN_IMPLS)}")
-        attn = "sdpa" if attn == "auto" else attn
-        if attn == "flex" and not cuda:  # torch's CPU FlexAttention has no backward (torch 2.13)
-            raise ConfigError("--attn-impl flex needs a CUDA device (FlexAttention has no CPU backward); use "
-                              "--attn-impl sdpa")
-        return cls(sync_free=cuda, ce_impl=impl, compile=mode, attn=attn)
+        return cls(sync_free=cuda, ce_impl=impl, compile=mode)
 
     def compiled(self, module: torch.nn.Module):
         """``module`` itself (``off``), or its ``torch.compile``-d callable (shapes: automatic dynamic,

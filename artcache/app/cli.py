@@ -20,7 +20,7 @@ from artcache.data.regenerate import DTYPES as REGEN_DTYPES
 from artcache.errors import ArtcacheError, CacheRootError, ConfigError
 from artcache.logs import setup_logging
 from artcache.ranges import NonNegativeFloat, check_value
-from artcache.trainers import ATTN_IMPLS, COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
+from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 
 def _errors(fn):
@@ -315,9 +315,6 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--loss-impl", default="auto", type=click.Choice(LOSS_IMPLS),
               help="lm_head cross-entropy: auto (chunked bf16 on CUDA, reference on a CPU), reference, chunked, "
               "liger (CUDA; pip install 'artcache[liger]').")
-@click.option("--attn-impl", default="auto", type=click.Choice(ATTN_IMPLS),
-              help="DFlash / DSpark block attention: auto (= sdpa), sdpa (dense, boolean mask), flex (FlexAttention "
-                   "with the block mask: skips masked key blocks; CUDA only).")
 @click.option("--length-bucket", default=64, type=int,
               help="With --compile on|graphs on CUDA: pad batch lengths to a multiple of N positions; 0: none.")
 @click.option("--read-workers", default=1, type=int,
@@ -329,8 +326,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             lr_total_steps, lr, seed, device, threads, out_dir, demand_timeout, log_every, ttt_steps, draft_vocab,
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
-            best_metric, progress, tensorboard, compile_mode, loss_impl, attn_impl, length_bucket, read_workers,
-            epochs=0):
+            best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, epochs=0):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
@@ -357,7 +353,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         min_vocab_coverage=min_vocab_coverage, keep_vocab_map=keep_vocab_map or None,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
         progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
-        attn_impl=attn_impl, length_bucket=length_bucket, read_workers=read_workers)
+        length_bucket=length_bucket, read_workers=read_workers)
     cfg.validate()
     summary = run_consumer(cfg)
     click.echo(json.dumps(summary), err=False)

@@ -11,7 +11,7 @@ import msgspec
 from artcache.errors import ConfigError
 from artcache.layout import check_id
 from artcache.ranges import BlockSize, Count, NonNegative, Positive, WindowSide, check_ranges, parse_window
-from artcache.trainers import ATTN_IMPLS, COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
+from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 __all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_anchors", "check_best_metric",
            "check_draft_options", "default_anchors", "default_block_size", "draft_options", "flag_of", "lr_at",
@@ -93,10 +93,6 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``off``), ``off``, ``on``, ``graphs`` (with CUDA graphs; CUDA only).
         loss_impl: the lm_head cross-entropy (:mod:`artcache.trainers.lm_head_ce`): ``auto``
             (``chunked`` bf16 on CUDA, ``reference`` on a CPU), ``reference``, ``chunked``, ``liger``.
-        attn_impl: the block attention of DFlash and DSpark (:data:`~artcache.trainers.ATTN_IMPLS`): ``auto``
-            (= ``sdpa``: dense SDPA over every key with a boolean mask), ``sdpa``, ``flex`` (FlexAttention with
-            the block mask, which skips key blocks no query of a block sees; CUDA only, the same function).
-            EAGLE-3 accepts ``auto`` and ``sdpa`` only.
         length_bucket: with ``--compile on|graphs`` on CUDA, pad each batch's length T up to a multiple
             of this many positions so the compiled draft sees few distinct shapes (padding is never
             supervised); 0 = the batch's longest sample. Ignored otherwise (batches stay exactly as long
@@ -156,7 +152,6 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tensorboard: bool = True
     compile: Literal[COMPILE_MODES] = "auto"
     loss_impl: Literal[LOSS_IMPLS] = "auto"
-    attn_impl: Literal[ATTN_IMPLS] = "auto"
     length_bucket: NonNegative = 64
 
     def validate(self) -> None:

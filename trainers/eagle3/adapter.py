@@ -65,8 +65,8 @@ class Eagle3Adapter(Draft):
         self.needed_layer_ids = tuple(int(i) for i in needed_layer_ids)
         self.speed = speed or SpeedOptions()
         if self.speed.attn != "sdpa":
-            raise ConfigError(f"--attn-impl {self.speed.attn} applies to DFlash and DSpark's block attention; EAGLE-3 "
-                              "accepts --attn-impl auto or sdpa")
+            raise ConfigError(f"attention {self.speed.attn!r} is DFlash and DSpark's block attention; EAGLE-3 runs "
+                              "sdpa only")
         self._forward_fn = self.speed.compiled(self.model)
 
     @classmethod
