@@ -38,6 +38,7 @@ from pathlib import Path
 import msgspec
 
 from artcache.accounting import account
+from artcache.bench.provenance import record
 from artcache.fsio import atomic_write
 from artcache.layout import CacheLayout
 
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).absolute()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     root = out / "cache"
-    report: dict = {"settings": {k: v for k, v in vars(args).items() if k not in ("worker", "barrier", "config")}}
+    report: dict = {**record("artcache.bench.offline", argv, roots=[out]),
+                    "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "barrier", "config")}}
     report["fill"] = fill(args, root, out / "logs", "fill")
     report["refill"] = fill(args, root, out / "logs", "refill")
     captures_before = account(CacheLayout(root)).cache.captures

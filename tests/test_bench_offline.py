@@ -113,3 +113,23 @@ def test_a_second_run_on_the_same_out_does_not_find_the_last_go(tmp_path):
     (first / "dflash-b4-root-0.ready").touch()
     again = offline.fresh_barrier(tmp_path, "root", 0)
     assert again == first and list(again.iterdir()) == []
+
+
+@pytest.mark.reliability
+def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path):
+    """End to end on the tiny random target (one round): ``--fill`` captures every position, the refill and the
+    consumers capture nothing, and report.json starts with the provenance every bench JSON carries (regression: the
+    H200 reports of session 11 named no command, commit or hardware). The ≥ 0.95 check is load-bound, not asserted."""
+    import json
+
+    out = tmp_path / "offline"
+    subprocess.run([sys.executable, "-m", "artcache.bench.offline", "--out", str(out), "--target", "random:tiny-llama",
+                    "--data", "synthetic", "--max-samples", "8", "--max-length", "64", "--steps", "4", "--warmup", "1",
+                    "--rounds", "1", "--anchors", "4", "--timeout-s", "600"], check=False, timeout=900,
+                   capture_output=True)
+    report = json.loads((out / "report.json").read_text())
+    assert report["command"][1:3] == ["-m", "artcache.bench.offline"] and "commit" in report
+    assert report["hardware"]["cpu_count"] >= 1
+    checks = report["checks"]
+    assert checks["fill_exit_0"] and checks["refill_captures_nothing"] and checks["no_capture_while_consumers_ran"]
+    assert report["fill"]["captures"] == 8 and report["refill"]["captures"] == 0
