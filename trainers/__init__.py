@@ -18,7 +18,8 @@ ADAPTERS: dict[str, str] = {
 #: The accepted ``--draft`` values, in registration order.
 DRAFT_NAMES: tuple[str, ...] = tuple(ADAPTERS)
 
-#: ``--compile`` values (:mod:`artcache.trainers.speed`): ``auto`` = ``off`` (not yet measured on a GPU).
+#: ``--compile`` values (:mod:`artcache.trainers.speed`): ``auto`` = ``on`` on CUDA for runs of at least
+#: ``AUTO_COMPILE_MIN_STEPS`` steps, else ``off`` (and on every CPU run).
 COMPILE_MODES: tuple[str, ...] = ("auto", "off", "on", "graphs")
 #: lm_head cross-entropy implementations (:mod:`artcache.trainers.lm_head_ce`).
 CE_IMPLS: tuple[str, ...] = ("reference", "chunked", "liger")
