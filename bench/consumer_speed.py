@@ -88,6 +88,9 @@ def parse_plan(plan: str) -> list[tuple[str, str]]:
         if at and (not part.startswith("cache-") or not workers.isdigit() or not 1 <= int(workers) <= 64):
             raise ValueError(f"plan entry {entry!r}: '@{workers}' is accepted on cache-* parts only, as @N with "
                              "N in 1 .. 64 read workers")
+        if VARIANTS[base][3] != "sdpa" and part not in ("dflash", "dspark", "qwen3"):
+            raise ValueError(f"plan entry {entry!r}: +flex variants are in-memory rows of the block drafts (dflash, "
+                             "dspark, qwen3): the consumer and EAGLE-3 run sdpa attention")
         out.append((part, variant))
     return out
 

@@ -204,6 +204,9 @@ def test_flex_variants_are_in_memory_rows_of_block_drafts(tmp_path):
     d, _ = cs.build("dflash", "tiny-llama", "syncfree+compile+flex", torch.device("cpu"), layers=5, anchors=8)
     assert d.model.attn_impl == "flex"
     assert cs.parse_plan("dspark:syncfree+graphs+flex") == [("dspark", "syncfree+graphs+flex")]
+    for entry in ("cache-dflash:syncfree+graphs+flex@2", "eagle3:syncfree+compile+flex"):
+        with pytest.raises(ValueError, match="in-memory rows of the block drafts"):
+            cs.parse_plan(entry)
     with pytest.raises(ValueError, match="in memory only"):
         cs.from_cache(tmp_path, "dflash", "syncfree+compile+flex", 40, torch.device("cpu"))
 
