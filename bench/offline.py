@@ -14,7 +14,10 @@
    another's measured steps in one arm and not in the other. Both arms are timed by the same clock at
    the same point, the end of ``Session.train_step`` (:func:`_timed_session`), over the same steps
    (:func:`measured`): the root arm's window also holds everything its loop does between two steps
-   (the wait for the reader's batch, lease release, cursor commit, journal).
+   (the wait for the reader's batch, lease release, cursor commit, journal). ``--pairing process`` instead
+   runs both arms in each consumer's one process, one after the other (the three change arm together; the
+   order alternated per round), for machines where a process's own speed varies from one process to the next
+   (measured on the idle H200 machine: the same consumer's CPU time per step 23-38 ms across rounds).
 3. ``report.json``: the fill, each consumer's steady steps/s and process CPU ms per step in each mode and
    round, the root/memory ratio per consumer (median over rounds; also of steps per CPU second, less
    sensitive to the machine's other load), the torch threads and measured steps of each arm (checked
@@ -45,6 +48,8 @@ from artcache.layout import CacheLayout
 GOAL = 0.95
 #: the two arms, in round 0's order (alternated every round)
 MODES = ("root", "memory")
+#: ``--pairing process``: one process runs both arms, one after the other (in round 0's order, alternated)
+PAIRED = ("root+memory", "memory+root")
 
 
 def _cli(*args: str) -> list[str]:
@@ -78,8 +83,8 @@ def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float)
     """The argv of one timed consumer process. Both arms start the same module with the same flags (the
     warm-up included) and differ only in ``mode`` (``root`` or ``memory``), so they share the process
     model, the thread setting (``cfg.threads``, set by ``Session.setup``), the clock and the steps skipped."""
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r} is not accepted: one of {', '.join(MODES)}")
+    if mode not in MODES + PAIRED:
+        raise ValueError(f"mode {mode!r} is not accepted: one of {', '.join(MODES + PAIRED)}")
     return [sys.executable, "-m", "artcache.bench.offline", "--worker", mode, "--warmup", str(warmup),
             "--barrier", str(barrier), "--timeout-s", str(timeout_s), msgspec.json.encode(cfg).decode()]
 
@@ -154,16 +159,18 @@ def held_batches(s) -> list:
     return [collate(items[i:i + b], s.device, s.layers) for i in range(0, n, b)]
 
 
-def wait_for_go(barrier: Path, cid: str, timeout_s: float) -> None:
-    """Mark ``cid`` ready under ``barrier`` and wait for the round's ``go`` (:func:`release_round`).
+def wait_for_go(barrier: Path, cid: str, timeout_s: float, phase: int = 0) -> None:
+    """Mark ``cid`` ready under ``barrier`` and wait for the round's ``go`` (:func:`release_round`; ``phase`` 1:
+    the second arm of a paired round, ``go1``).
 
     Raises:
         TimeoutError: no ``go`` within ``timeout_s``."""
-    (barrier / f"{cid}.ready").touch()
+    suffix = str(phase) if phase else ""
+    (barrier / f"{cid}.ready{suffix}").touch()
     deadline = time.monotonic() + timeout_s
-    while not (barrier / "go").exists():
+    while not (barrier / f"go{suffix}").exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{cid}: no go under {barrier} within {timeout_s:g} s")
+            raise TimeoutError(f"{cid}: no go{suffix} under {barrier} within {timeout_s:g} s")
         time.sleep(0.01)
 
 
@@ -176,20 +183,22 @@ def fresh_barrier(out: Path, mode: str, k: int) -> Path:
     return barrier
 
 
-def release_round(barrier: Path, procs: dict, timeout_s: float) -> None:
+def release_round(barrier: Path, procs: dict, timeout_s: float, phase: int = 0) -> None:
     """Once every process of ``procs`` ({block: (cid, Popen, log)}) is ready, write ``go``: the three
-    consumers of a round begin their steps together in both arms, whatever their start-up took.
+    consumers of a round begin their steps together in both arms, whatever their start-up took (``phase`` 1:
+    ``go1``, the second arm of a paired round, once all three finished the first).
 
     Raises:
         RuntimeError: a process exited before it was ready, or ``timeout_s`` passed."""
+    suffix = str(phase) if phase else ""
     deadline = time.monotonic() + timeout_s
-    while not all((barrier / f"{cid}.ready").exists() for cid, _, _ in procs.values()):
+    while not all((barrier / f"{cid}.ready{suffix}").exists() for cid, _, _ in procs.values()):
         dead = [cid for cid, p, _ in procs.values() if p.poll() is not None]
         if dead or time.monotonic() > deadline:
             raise RuntimeError(f"{', '.join(dead) or 'a consumer'} was not ready under {barrier}: "
                                f"{'exited' if dead else f'{timeout_s:g} s passed'}")
         time.sleep(0.05)
-    (barrier / "go").touch()
+    (barrier / f"go{suffix}").touch()
 
 
 def machine_busy_s() -> float | None:
@@ -217,40 +226,51 @@ def _cpu_s() -> float:
 
 
 def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: float) -> dict:
-    """One consumer of one arm: build it (and, for ``memory``, read and collate its batches), wait for the
-    round's go, then train — ``root``: the consumer's own loop on the root (register, reader thread,
-    leases, cursor commits, journal); ``memory``: ``Session.train_step`` alone on the held batches.
-    Returns {consumer_id, mode, warmup, cpu_s_at_go (this process's CPU seconds before the go: its start-up),
-    **measured(...)}: the same figures, from the same clock, both arms."""
+    """One consumer of one arm, or of both (``root+memory``, ``memory+root``: :data:`PAIRED`): build it (and, for
+    ``memory``, read and collate its batches), wait for the round's go, then train — ``root``: the consumer's own
+    loop on the root (register, reader thread, leases, cursor commits, journal); ``memory``: ``Session.train_step``
+    alone on the held batches. A paired worker waits for ``go1`` between its two arms (the round's three consumers
+    change arm together) and trains the second on the state the first left (the cost of a step does not depend
+    on the weights). Returns {consumer_id, mode, warmup, cpu_s_at_go (this process's CPU seconds before the go:
+    its start-up), **measured(...)}: the same figures, from the same clock, both arms; a paired worker the same
+    with each arm's figures under ``arms``."""
     from artcache.trainers.consumer import ConsumerConfig
 
     cfg = msgspec.json.decode(cfg_json, type=ConsumerConfig)
     s = _timed_session(cfg)
     s.setup()  # reads the root, builds the draft, sets cfg.threads; registers nothing
     s.resume()
-    batches = held_batches(s) if mode == "memory" else None
+    arms = mode.split("+")
+    batches = held_batches(s) if "memory" in arms else None
     wait_for_go(barrier, cfg.consumer_id, timeout_s)
     cpu_at_go = time.process_time()
-    if batches is None:
-        s.register()
-        s.run()
-    else:
-        for i, batch in enumerate(batches):
-            s.train_step(batch, i)
-    return {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup,
-            "cpu_s_at_go": cpu_at_go, **measured(s.timed, warmup)}
+    figures = {}
+    for phase, arm in enumerate(arms):
+        if phase:
+            wait_for_go(barrier, cfg.consumer_id, timeout_s, phase)
+        s.timed = []
+        if arm == "root":
+            s.register()
+            s.run()
+        else:
+            for i, batch in enumerate(batches):
+                s.train_step(batch, i)
+        figures[arm] = measured(s.timed, warmup)
+    head = {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup, "cpu_s_at_go": cpu_at_go}
+    return {**head, **figures[mode]} if mode in MODES else {**head, "arms": figures}
 
 
-def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]:
-    """One round of ``mode`` (``root`` or ``memory``): three processes at once, started together
-    (:func:`release_round`); block → its :func:`worker`'s figures, each with the round's ``other_cores``
+def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[str, dict[int, dict]]:
+    """One round of ``mode`` (``root``, ``memory``, or both arms in each process: :data:`PAIRED`): three processes
+    at once, started together (:func:`release_round`; a paired round's second arm released once all three
+    finished the first); arm → block → its :func:`worker`'s figures, each with the round's ``other_cores``
     (:func:`other_cores` from the go until the three exited, less their CPU after the go and the bench's:
-    the machine's other load on this round)."""
+    the machine's other load on this round; a paired round's value covers both its arms)."""
     procs = {}
     logs = out / "logs"
     barrier = fresh_barrier(out, mode, k)
     for block in args.blocks:
-        cid = f"dflash-b{block}-{mode}-{k}"
+        cid = f"dflash-b{block}-{mode.replace('+', '-')}-{k}"  # ids allow no "+"
         cfg = consumer_config(args, root, block, out / "runs" / cid, cid)
         log = open(logs / f"{cid}.log", "wb")  # noqa: SIM115 (closed below, after the process)
         procs[block] = (cid, subprocess.Popen(worker_command(mode, cfg, args.warmup, barrier, args.timeout_s),
@@ -259,6 +279,8 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]
     try:
         release_round(barrier, procs, args.timeout_s)
         busy0, t0, cpu0 = machine_busy_s(), time.monotonic(), _cpu_s()
+        if mode in PAIRED:
+            release_round(barrier, procs, args.timeout_s, phase=1)
     except BaseException:
         for _, p, _ in procs.values():  # the processes this round started, waiting for a go that never comes
             if p.poll() is None:
@@ -278,9 +300,11 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[int, dict]
     # the three workers' CPU after the go (their whole lives, reaped above, less their start-ups) and the bench's
     own = _cpu_s() - cpu0 - sum(g["cpu_s_at_go"] for g in got.values())
     other = other_cores(busy0, busy1, own, t1 - t0)
-    for g in got.values():
-        g["other_cores"] = other
-    return got
+    arms = {}
+    for block, g in got.items():
+        for arm, figures in (g.pop("arms") if mode in PAIRED else {mode: {}}).items():
+            arms.setdefault(arm, {})[block] = {**g, **figures, "mode": arm, "other_cores": other}
+    return arms
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -295,10 +319,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--blocks", default="4,8,16", help="DFlash block sizes, one consumer each")
     ap.add_argument("--rounds", type=int, default=2, help="root / memory rounds, alternated")
+    ap.add_argument("--pairing", choices=("round", "process"), default="round",
+                    help="round: each arm in processes of its own, rounds alternated; process: one process per "
+                         "consumer runs both arms one after the other (order alternated per round), so the "
+                         "process's own speed, which varies from one process to the next, cancels in the ratio")
     ap.add_argument("--threads", type=int, default=1, help="the producer's torch threads")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     # one timed consumer process (worker_command): its arm, the round's barrier directory, its ConsumerConfig
-    ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=MODES + PAIRED, help=argparse.SUPPRESS)
     ap.add_argument("--barrier", help=argparse.SUPPRESS)
     ap.add_argument("config", nargs="?", help=argparse.SUPPRESS)
     return ap
@@ -356,14 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     captures_before = account(CacheLayout(root)).cache.captures
     rounds: dict[str, list[dict[int, dict]]] = {"root": [], "memory": []}
     for k in range(args.rounds):
-        for mode in MODES if k % 2 == 0 else MODES[::-1]:
-            rounds[mode].append(run_round(args, root, out, mode, k))
-            last = rounds[mode][-1]
-            got = ", ".join(f"B{b} {r['steps_per_s']:.3f} steps/s ({1000 * r['cpu_s_per_step']:.0f} CPU ms/step)"
-                            for b, r in last.items())
-            other = next(iter(last.values()))["other_cores"]
-            print(f"round {k} {mode}: {got}; other processes {'-' if other is None else f'{other:.2f}'} cores",
-                  flush=True)
+        order = MODES if k % 2 == 0 else MODES[::-1]
+        for mode in order if args.pairing == "round" else ["+".join(order)]:
+            for arm, last in run_round(args, root, out, mode, k).items():
+                rounds[arm].append(last)
+                got = ", ".join(f"B{b} {r['steps_per_s']:.3f} steps/s ({1000 * r['cpu_s_per_step']:.0f} CPU ms/step)"
+                                for b, r in last.items())
+                other = next(iter(last.values()))["other_cores"]
+                print(f"round {k} {arm}: {got}; other processes {'-' if other is None else f'{other:.2f}'} cores",
+                      flush=True)
     acc = account(CacheLayout(root))
     report.update(summarize(args, rounds))
     ratios = report["root_over_memory"]

@@ -116,18 +116,26 @@ def test_a_second_run_on_the_same_out_does_not_find_the_last_go(tmp_path):
 
 
 @pytest.mark.reliability
-def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path):
+@pytest.mark.parametrize("pairing", ["round", "process"])
+def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path, pairing):
     """End to end on the tiny random target (one round): ``--fill`` captures every position, the refill and the
     consumers capture nothing, and report.json starts with the provenance every bench JSON carries (regression: the
-    H200 reports of session 11 named no command, commit or hardware). The ≥ 0.95 check is load-bound, not asserted."""
+    H200 reports of session 11 named no command, commit or hardware). ``--pairing process``: each consumer's process
+    runs both arms, so both have their figures from the same three processes. The ≥ 0.95 check is load-bound, not
+    asserted."""
     import json
 
     out = tmp_path / "offline"
     subprocess.run([sys.executable, "-m", "artcache.bench.offline", "--out", str(out), "--target", "random:tiny-llama",
                     "--data", "synthetic", "--max-samples", "8", "--max-length", "64", "--steps", "4", "--warmup", "1",
-                    "--rounds", "1", "--anchors", "4", "--timeout-s", "600"], check=False, timeout=900,
-                   capture_output=True)
+                    "--rounds", "1", "--anchors", "4", "--timeout-s", "600", "--pairing", pairing], check=False,
+                   timeout=900, capture_output=True)
     report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["pairing"] == pairing and set(report["rounds"]) == {"root", "memory"}
+    assert all(len(r) == 1 and set(r[0]) == {"B4", "B8", "B16"} and min(r[0].values()) > 0
+               for r in report["rounds"].values())
+    logs = sorted(p.name for p in (out / "logs").glob("dflash-*.log"))
+    assert len(logs) == (3 if pairing == "process" else 6), logs
     assert report["command"][1:3] == ["-m", "artcache.bench.offline"] and "commit" in report
     assert report["hardware"]["cpu_count"] >= 1
     checks = report["checks"]
