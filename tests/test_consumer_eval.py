@@ -49,7 +49,7 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
                                for c in ("d", "e")), "both consumers to register", procs)
         prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
                                  "--max-samples", "40", "--max-length", "128", "--layer-ids", "1,2,3,5",
-                                 "--threads", "1", "--exit-when-done"], tmp_path)
+                                 "--threads", "1", "--exit-when-done", "--done-grace", "1"], tmp_path)
         procs.append(prod)
         for p in cons:
             p.expect(0)

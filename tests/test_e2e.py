@@ -124,7 +124,7 @@ def shared_run(tmp_path_factory, tiny_target):
             consumer(cache, cwd, "b", block_size=8, window=WINDOWS["b"], steps=STEPS)]
     try:
         wait_until(registered(cache, "a", "b"), "both consumers to register", cons)
-        prod = producer(cache, tiny_target, cwd, "--exit-when-done")
+        prod = producer(cache, tiny_target, cwd, "--exit-when-done", "--done-grace", "1")
         for p in cons:
             p.expect(0)
         prod.expect(0)
@@ -193,7 +193,7 @@ def test_shared_run_registrations_final(shared_run):
 
 def test_sigkilled_consumer_is_fenced_and_sibling_completes(tmp_path, tiny_target):
     cache = tmp_path / "cache"
-    prod = producer(cache, tiny_target, tmp_path, "--exit-when-done", "--heartbeat-timeout", "8")
+    prod = producer(cache, tiny_target, tmp_path, "--exit-when-done", "--done-grace", "1", "--heartbeat-timeout", "8")
     victim = sibling = None
     try:
         wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod])
