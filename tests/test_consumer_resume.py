@@ -203,7 +203,9 @@ def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tm
         wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
         k = Proc("k", consume_args(cache, tmp_path, "k", steps, "--save-every", "2"), tmp_path,
                  crash_at="checkpoint.before-record:1")
-        procs.append(k)
+        # another id's run directory, for the refusal below: an independent consumer, run beside k
+        other = Proc("other", consume_args(cache, tmp_path, "other", 1), tmp_path)
+        procs += [k, other]
         assert k.wait() == -signal.SIGKILL, k.text()[-3000:]
         run = tmp_path / "runs" / "k"
         assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000002"]
@@ -214,8 +216,6 @@ def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tm
         bad = runner.invoke(main, consume_args(cache, tmp_path, "k", steps, "--save-every", "2"))
         assert bad.exit_code == 2 and "pass --resume" in bad.stderr, bad.output
         # a run directory holding another id's checkpoints is still refused, naming another --out
-        other = Proc("other", consume_args(cache, tmp_path, "other", 1), tmp_path)
-        procs.append(other)
         other.expect(0)
         bad = runner.invoke(main, consume_args(cache, tmp_path, "k", steps, "--resume", "--out",
                                                str(tmp_path / "runs" / "other")))
