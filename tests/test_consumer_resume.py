@@ -13,16 +13,13 @@ Deadlines only bound a hung run; nothing here asserts how fast anything is.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from procs import Proc as BaseProc
-from procs import wait_until
+from procs import inspect_json, wait_until
 
 from artcache import journal as J
 from artcache import registry
@@ -30,7 +27,6 @@ from artcache.layout import CacheLayout
 from artcache.trainers.checkpoint import read_state
 from artcache.trainers.tracking import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
 DEADLINE_S = 300.0
 BATCH = 2
@@ -178,11 +174,7 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
     assert rs.state == "cancelled" and ck.step == sib_steps[-1].step
     assert ck.cursor == rs.cursor == rs.checkpoint_cursor == sib_steps[-1].cursor
 
-    proc = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
-                                                                                       os.environ.get("PYTHONPATH")]))))
-    acc = json.loads(proc.stdout)
+    acc = inspect_json(cache)
     assert acc["violations"] == [], acc["violations"]
     ks = {k["consumer"]: k for k in acc["consumers"]}
     assert (ks["a"]["state"], ks["a"]["steps"], ks["a"]["cursor"]) == ("completed", STEPS, STEPS * BATCH)
