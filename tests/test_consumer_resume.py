@@ -38,7 +38,13 @@ class Proc(BaseProc):
 
 
 def start_producer(cache: Path, cwd: Path, tiny_target) -> Proc:
-    """The producer of this file's runs: the tiny target on the test data, 40 samples of 128 tokens."""
+    """The producer of this file's runs: the tiny target on the test data, 40 samples of 128 tokens. The root is
+    initialised here first, as the producer would (``prepare_root``, with the same settings), so the consumers can
+    start beside the producer instead of after its interpreter start and target load."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
     return Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
                              "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1"],
                 cwd)
@@ -97,7 +103,6 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
     prod = start_producer(cache, tmp_path, tiny_target)
     procs = [prod]
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
         sib = Proc("sib", consume_args(cache, tmp_path, "sib", 100_000), tmp_path)
         a = Proc("a", consume_args(cache, tmp_path, "a", STEPS, "--save-every", "3"), tmp_path,
                  crash_at="cursor.after-commit:6")
@@ -192,7 +197,6 @@ def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tm
     procs = [prod]
     steps = 4
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
         k = Proc("k", consume_args(cache, tmp_path, "k", steps, "--save-every", "2"), tmp_path,
                  crash_at="checkpoint.before-record:1")
         # another id's run directory, for the refusal below: an independent consumer, run beside k
@@ -244,7 +248,6 @@ def test_regression_resume_refuses_a_checkpoint_file_that_does_not_match_its_dig
     procs = [prod]
     main = __import__("artcache.app.cli", fromlist=["main"]).main
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
         c = Proc("c", consume_args(cache, tmp_path, "c", 2, "--lr-total-steps", "4"), tmp_path)
         procs.append(c)
         c.expect(0)
