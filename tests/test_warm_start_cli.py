@@ -19,12 +19,12 @@ from pathlib import Path
 import safetensors.torch
 from click.testing import CliRunner
 from procs import Proc as BaseProc
-from procs import wait_until
 
 from artcache import registry
 from artcache.app.cli import main
 from artcache.layer_ids import dflash_layer_ids, eagle3_capture_ids
 from artcache.layout import CacheLayout
+from artcache.producer import ProducerConfig, prepare_root
 from artcache.trainers.checkpoint import read_state
 
 L = 8  # random:tiny-llama
@@ -53,13 +53,16 @@ def finite(ckpt: Path) -> bool:
 
 def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
     root = tmp_path / "root"
-    union = ",".join(map(str, sorted(set(DFLASH) | set(EAGLE3))))
+    union = sorted(set(DFLASH) | set(EAGLE3))
+    # the root, as the producer makes it: the first consumers start beside the producer, not after its start
+    prepare_root(ProducerConfig(cache=str(root), target="random:tiny-llama", dataset="synthetic", max_samples=24,
+                                max_length=32, layer_ids=union))
     prod = Proc("producer", ["producer", "--cache", str(root), "--target", "random:tiny-llama", "--data", "synthetic",
-                             "--max-samples", "24", "--max-length", "32", "--layer-ids", union, "--threads", "1"],
+                             "--max-samples", "24", "--max-length", "32", "--layer-ids", ",".join(map(str, union)),
+                             "--threads", "1"],
                 tmp_path)
     procs: list[Proc] = []
     try:
-        wait_until(lambda: (root / "artcache.json").is_file(), "the producer to initialise the root", [prod])
         # sources: an evaluated DFlash run (checkpoints/best) and an EAGLE-3 run
         d = Proc("d", consume(root, tmp_path, "d", *DF, "--steps", "4", "--save-every", "1", "--keep-checkpoints",
                               "1", "--eval-samples", "4", "--eval-interval", "2", "--eval-anchors", "4"), tmp_path)
