@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import inspect_json
 
 DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
 
@@ -75,9 +76,7 @@ def test_1p3c_runs_both_baselines_in_the_same_invocation(bench_all):
     assert modes["naive"]["producers"] == 3 and modes["naive"]["consumers_per_root"] == [1, 1, 1]
     assert modes["naive"]["captures"] >= 3 * 8
     for cid in ids:
-        inspect = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--json", "--cache",
-                                  str(base / "naive" / f"cache-{cid}")], capture_output=True, text=True, timeout=120)
-        assert [k["consumer"] for k in json.loads(inspect.stdout)["consumers"]] == [cid]
+        assert [k["consumer"] for k in inspect_json(base / "naive" / f"cache-{cid}")["consumers"]] == [cid]
     # artcache and lockstep: one producer shared by the three consumers
     for m in ("artcache", "lockstep"):
         assert modes[m]["producers"] == 1 and modes[m]["captures_per_consumed_position"] <= 1.1, m
@@ -290,11 +289,15 @@ def test_preflight_counts_the_previous_output_it_replaces(tmp_path, monkeypatch)
 
 
 def test_bad_modes_exit_2_and_write_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from artcache.app.cli import main
+
     out = tmp_path / "bench-out"
     for modes, msg in (("artcache,bogus", "unknown mode(s) bogus"), ("naive,lockstep", "must include artcache")):
-        proc = subprocess.run([sys.executable, "-m", "artcache", "bench", "--modes", modes, "--out", str(out)],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
+        res = CliRunner().invoke(main, ["bench", "--modes", modes, "--out", str(out)])
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("artcache: error:")]
+        assert res.exit_code == 2 and len(errors) == 1 and msg in errors[0], res.output
         assert not out.exists()
 
 
@@ -302,10 +305,9 @@ def test_inspect_shows_the_reports_counts(bench_all):
     _, out = bench_all
     for scenario in ("1p1c", "1p3c"):
         report = json.loads((out / scenario / "report.json").read_text())
-        got = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(out / scenario / "cache"),
-                              "--json"], capture_output=True, text=True, timeout=120)
-        assert got.returncode == 0, got.stderr
-        cache = json.loads(got.stdout)["cache"]
+        acc = inspect_json(out / scenario / "cache")
+        assert acc["violations"] == [], acc["violations"]
+        cache = acc["cache"]
         for key, value in report["cache"].items():
             assert cache[key] == pytest.approx(value), key
 

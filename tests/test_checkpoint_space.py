@@ -17,7 +17,6 @@ import safetensors
 import safetensors.torch
 from click.testing import CliRunner
 from procs import Proc as BaseProc
-from procs import wait_until
 
 from artcache import registry
 from artcache.app.cli import main
@@ -141,11 +140,13 @@ def test_save_every_without_checkpoints_is_refused():
 def test_weights_only_and_a_failed_write_end_to_end(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     layout = CacheLayout(cache)
+    # the root, as the producer makes it: the consumers start beside the producer, not after its start
+    prepare_root(ProducerConfig(cache=str(cache), target=TARGET, dataset="synthetic", max_length=64, max_samples=32,
+                                draft_layers=3))
     prod = Proc("producer", ["producer", "--cache", str(cache), "--target", TARGET, "--data", "synthetic",
                              "--max-length", "64", "--max-samples", "32", "--draft-layers", "3", "--threads", "1"],
                 tmp_path)
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod])
         runs = tmp_path / "runs"
 
         # a weights-only run: model + state only, resumable false; --resume refuses it, --init-from seeds from it

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from procs import wait_until
+from procs import inspect_json, wait_until
 from test_consumer_resume import Proc, consume_args
 
 from artcache import journal as J
@@ -49,7 +49,7 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
                                for c in ("d", "e")), "both consumers to register", procs)
         prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
                                  "--max-samples", "40", "--max-length", "128", "--layer-ids", "1,2,3,5",
-                                 "--threads", "1", "--exit-when-done"], tmp_path)
+                                 "--threads", "1", "--exit-when-done", "--done-grace", "1"], tmp_path)
         procs.append(prod)
         for p in cons:
             p.expect(0)
@@ -102,13 +102,7 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
         assert ("train/tau" if cid == "d" else "train/sim_acc_len") in tags
         assert (run / "tensorboard").is_dir() == tensorboard_available()
 
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
-                         capture_output=True, text=True, timeout=120, cwd=str(__import__("pathlib").Path(__file__)
-                                                                              .resolve().parent.parent))
-    acc = json.loads(out.stdout)
+    acc = inspect_json(cache)
     assert acc["violations"] == []
     c = acc["cache"]
     # the bound counts each consumer's pinned split: Σ (lookbehind + lookahead + 1 + EVAL)

@@ -68,11 +68,15 @@ def test_regression_capture_timeout_checkpoints_and_releases_leases(tmp_path, ti
 
 
 def test_regression_metrics_cover_every_checkpointed_step_after_sigkill(tmp_path, tiny_target):
+    from artcache.producer import ProducerConfig, prepare_root
+
     cache = tmp_path / "cache"
+    # the root initialised here, as the producer would: the consumer starts beside the producer, not after it
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
     prod = producer(cache, tiny_target, tmp_path, "producer")
     procs = [prod]
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
         args = consume_args(cache, tmp_path, "m", STEPS, "--save-every", "2")
         args[args.index("--log-every") + 1] = "100"  # no log-driven flush before the kill
         m = Proc("m", args, tmp_path, crash_at="cursor.after-commit:5")

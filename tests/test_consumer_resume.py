@@ -13,16 +13,13 @@ Deadlines only bound a hung run; nothing here asserts how fast anything is.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from procs import Proc as BaseProc
-from procs import wait_until
+from procs import inspect_json, wait_until
 
 from artcache import journal as J
 from artcache import registry
@@ -30,7 +27,6 @@ from artcache.layout import CacheLayout
 from artcache.trainers.checkpoint import read_state
 from artcache.trainers.tracking import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
 DEADLINE_S = 300.0
 BATCH = 2
@@ -42,7 +38,13 @@ class Proc(BaseProc):
 
 
 def start_producer(cache: Path, cwd: Path, tiny_target) -> Proc:
-    """The producer of this file's runs: the tiny target on the test data, 40 samples of 128 tokens."""
+    """The producer of this file's runs: the tiny target on the test data, 40 samples of 128 tokens. The root is
+    initialised here first, as the producer would (``prepare_root``, with the same settings), so the consumers can
+    start beside the producer instead of after its interpreter start and target load."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
     return Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
                              "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1"],
                 cwd)
@@ -101,7 +103,6 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
     prod = start_producer(cache, tmp_path, tiny_target)
     procs = [prod]
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
         sib = Proc("sib", consume_args(cache, tmp_path, "sib", 100_000), tmp_path)
         a = Proc("a", consume_args(cache, tmp_path, "a", STEPS, "--save-every", "3"), tmp_path,
                  crash_at="cursor.after-commit:6")
@@ -178,11 +179,7 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
     assert rs.state == "cancelled" and ck.step == sib_steps[-1].step
     assert ck.cursor == rs.cursor == rs.checkpoint_cursor == sib_steps[-1].cursor
 
-    proc = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(cache), "--json"],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
-                                                                                       os.environ.get("PYTHONPATH")]))))
-    acc = json.loads(proc.stdout)
+    acc = inspect_json(cache)
     assert acc["violations"] == [], acc["violations"]
     ks = {k["consumer"]: k for k in acc["consumers"]}
     assert (ks["a"]["state"], ks["a"]["steps"], ks["a"]["cursor"]) == ("completed", STEPS, STEPS * BATCH)
@@ -200,10 +197,11 @@ def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tm
     procs = [prod]
     steps = 4
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
         k = Proc("k", consume_args(cache, tmp_path, "k", steps, "--save-every", "2"), tmp_path,
                  crash_at="checkpoint.before-record:1")
-        procs.append(k)
+        # another id's run directory, for the refusal below: an independent consumer, run beside k
+        other = Proc("other", consume_args(cache, tmp_path, "other", 1), tmp_path)
+        procs += [k, other]
         assert k.wait() == -signal.SIGKILL, k.text()[-3000:]
         run = tmp_path / "runs" / "k"
         assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000002"]
@@ -214,8 +212,6 @@ def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tm
         bad = runner.invoke(main, consume_args(cache, tmp_path, "k", steps, "--save-every", "2"))
         assert bad.exit_code == 2 and "pass --resume" in bad.stderr, bad.output
         # a run directory holding another id's checkpoints is still refused, naming another --out
-        other = Proc("other", consume_args(cache, tmp_path, "other", 1), tmp_path)
-        procs.append(other)
         other.expect(0)
         bad = runner.invoke(main, consume_args(cache, tmp_path, "k", steps, "--resume", "--out",
                                                str(tmp_path / "runs" / "other")))
@@ -252,7 +248,6 @@ def test_regression_resume_refuses_a_checkpoint_file_that_does_not_match_its_dig
     procs = [prod]
     main = __import__("artcache.app.cli", fromlist=["main"]).main
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", procs)
         c = Proc("c", consume_args(cache, tmp_path, "c", 2, "--lr-total-steps", "4"), tmp_path)
         procs.append(c)
         c.expect(0)

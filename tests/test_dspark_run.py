@@ -1,13 +1,15 @@
 """DSpark end to end on the tiny target (real processes): ``artcache run`` puts DFlash, EAGLE-3 and DSpark on one
 capture (the union of their views), the DSpark loss falls and its summary has τ and the calibration figures;
 ``artcache calibrate`` fits its held-out confidences; the export (both formats) loads back; a new run starts
-from that export with ``init_from`` (strict keys). Deadlines only bound a hung run.
+from that export with ``init_from`` (strict keys; the reliability lane: the seed loader's DSpark mapping is
+tests/test_dspark.py's, a seeded run's processes tests/test_warm_start_cli.py's). Deadlines only bound a hung run.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from test_run import artcache_run, base_toml, exp, report_of, write
 
@@ -22,14 +24,39 @@ def dspark_exp(name: str, steps: int, **consumer) -> str:
     return body.replace("anchors = 4", "anchors = 8").replace("batch_size = 2", "batch_size = 2\nlr = 3e-3")
 
 
-def test_three_drafts_on_one_capture_and_dspark_calibrates_and_exports(tiny_target, tmp_path):
-    from artcache.app.config import Experiment
-
-    assert draft_view(Experiment(name="s", draft="dspark", draft_layers=3), 6) == [1, 2, 3, 5]
+@pytest.fixture(scope="module")
+def dspark_run(tiny_target, tmp_path_factory):
+    """One ``artcache run`` of DFlash, EAGLE-3 and a 12-step DSpark on one root; the process and its run dir."""
+    tmp_path = tmp_path_factory.mktemp("dspark-run")
     out = tmp_path / "out"
     cfg = write(tmp_path / "run.toml", base_toml(
         tiny_target, out, exp("d", eval_samples=4), exp("e", "eagle3", eval_samples=4), dspark_exp("s", 12)))
-    proc = artcache_run(cfg)
+    return artcache_run(cfg), out
+
+
+@pytest.fixture(scope="module")
+def dspark_exports(dspark_run, tmp_path_factory):
+    """The DSpark experiment calibrated (``artcache calibrate``) and exported in both formats: (calibrate's
+    report, {format: export dir})."""
+    proc, out = dspark_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_dir = out / "experiments" / "s"
+    res = CliRunner().invoke(main, ["calibrate", "--checkpoint", str(run_dir)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    base = tmp_path_factory.mktemp("dspark-exports")
+    dirs = {fmt: base / f"x-{fmt}" for fmt in ("speculators", "hf")}
+    for fmt, path in dirs.items():
+        res = CliRunner().invoke(main, ["export", "--checkpoint", str(run_dir), "--format", fmt, "--out", str(path)])
+        assert res.exit_code == 0, res.output
+    return rep, dirs
+
+
+def test_three_drafts_on_one_capture_and_dspark_calibrates_and_exports(dspark_run, dspark_exports):
+    from artcache.app.config import Experiment
+
+    assert draft_view(Experiment(name="s", draft="dspark", draft_layers=3), 6) == [1, 2, 3, 5]
+    proc, out = dspark_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     r = report_of(out)
     assert r["checks"]["every_experiment_completed"] and r["checks"]["accounting_invariants"]
@@ -55,26 +82,23 @@ def test_three_drafts_on_one_capture_and_dspark_calibrates_and_exports(tiny_targ
     assert {"eval/tau", "eval/replay_tau", "eval/conf_mae", "eval/cum_bias", "eval/ece_cum", "eval/accept_rate@0",
             "train/tau", "train/l1_loss"} <= tags, sorted(tags)
 
-    res = CliRunner().invoke(main, ["calibrate", "--checkpoint", str(run_dir)])
-    assert res.exit_code == 0, res.output
-    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    rep, dirs = dspark_exports
     assert len(rep["temperatures"]) == 4 and rep["blocks"] > 0
     assert rep["ece_cum_pooled_after"] <= rep["ece_cum_pooled_before"]
     assert json.loads((ckpt / "calibration.json").read_text())["temperatures"] == rep["temperatures"]
-
     for fmt in ("speculators", "hf"):
-        res = CliRunner().invoke(main, ["export", "--checkpoint", str(run_dir), "--format", fmt,
-                                        "--out", str(tmp_path / f"x-{fmt}")])
-        assert res.exit_code == 0, res.output
-        c = json.loads((tmp_path / f"x-{fmt}" / "config.json").read_text())
+        c = json.loads((dirs[fmt] / "config.json").read_text())
         assert c["confidence_temperatures"] == rep["temperatures"] and c["block_size"] == 4
-    assert json.loads((tmp_path / "x-speculators" / "config.json").read_text())["aux_hidden_state_layer_ids"] == \
-        [2, 3, 4]
+    assert json.loads((dirs["speculators"] / "config.json").read_text())["aux_hidden_state_layer_ids"] == [2, 3, 4]
 
-    # a new run starts from the export (its names mapped back; strict keys) on a fresh root
+
+@pytest.mark.reliability  # a second `artcache run` (~20 s on 2 cores)
+def test_a_run_starts_from_the_dspark_export(tiny_target, dspark_exports, tmp_path):
+    """A new run starts from the export (its names mapped back; strict keys) on a fresh root."""
+    _, dirs = dspark_exports
     out2 = tmp_path / "out2"
-    seeded = dspark_exp("s2", 2).replace('window = "2:8"',
-                                         f'window = "2:8"\ninit_from = "{tmp_path / "x-speculators"}"')
+    seed = dirs["speculators"]
+    seeded = dspark_exp("s2", 2).replace('window = "2:8"', f'window = "2:8"\ninit_from = "{seed}"')
     proc = artcache_run(write(tmp_path / "run2.toml", base_toml(tiny_target, out2, seeded)))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert report_of(out2)["checks"]["every_experiment_completed"]

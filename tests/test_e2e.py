@@ -33,6 +33,15 @@ class Proc(BaseProc):
     deadline = DEADLINE_S
 
 
+def init_root(cache: Path, tiny_target) -> None:
+    """Initialise the root as :func:`producer`'s process would (``prepare_root``, the same settings): consumers can
+    then start before, or beside, the producer."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
+                                max_length=128, draft_layers=3))
+
+
 def producer(cache: Path, tiny_target, cwd: Path, *extra: str) -> Proc:
     return Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
                              "--max-samples", "40", "--max-length", "128", "--draft-layers", "3", "--threads", "1",
@@ -114,17 +123,14 @@ WINDOWS = {"a": "2:12", "b": "5:16"}  # lookaheads cover the whole run: nothing 
 def shared_run(tmp_path_factory, tiny_target):
     """Root initialised first (as a producer would), both consumers registered and waiting on their first
     demand miss, then the producer started with --exit-when-done: every capture can serve both."""
-    from artcache.producer import ProducerConfig, prepare_root
-
     cwd = tmp_path_factory.mktemp("e2e-shared")
     cache = cwd / "cache"
-    prepare_root(ProducerConfig(cache=str(cache), target=tiny_target.path, dataset=str(DATA), max_samples=40,
-                                max_length=128, draft_layers=3))
+    init_root(cache, tiny_target)
     cons = [consumer(cache, cwd, "a", block_size=4, window=WINDOWS["a"], steps=STEPS),
             consumer(cache, cwd, "b", block_size=8, window=WINDOWS["b"], steps=STEPS)]
     try:
         wait_until(registered(cache, "a", "b"), "both consumers to register", cons)
-        prod = producer(cache, tiny_target, cwd, "--exit-when-done")
+        prod = producer(cache, tiny_target, cwd, "--exit-when-done", "--done-grace", "1")
         for p in cons:
             p.expect(0)
         prod.expect(0)
@@ -193,10 +199,10 @@ def test_shared_run_registrations_final(shared_run):
 
 def test_sigkilled_consumer_is_fenced_and_sibling_completes(tmp_path, tiny_target):
     cache = tmp_path / "cache"
-    prod = producer(cache, tiny_target, tmp_path, "--exit-when-done", "--heartbeat-timeout", "8")
+    init_root(cache, tiny_target)  # the victim starts beside the producer
+    prod = producer(cache, tiny_target, tmp_path, "--exit-when-done", "--done-grace", "1", "--heartbeat-timeout", "8")
     victim = sibling = None
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod])
         victim = consumer(cache, tmp_path, "victim", block_size=4, window="0:4", steps=10_000)
         # the long-running victim registers first, so the short sibling cannot finish (and, with
         # --exit-when-done, let the producer leave) before the victim is known (regression: under load the
@@ -257,12 +263,12 @@ def test_lagging_consumer_forces_recaptures(tmp_path, tiny_target):
     window passes, so the lagging consumer is served by recapture (test_producer_retention.py has the
     budget's version of this)."""
     cache = tmp_path / "cache"
+    init_root(cache, tiny_target)  # the fast consumer starts beside the producer
     # no --exit-when-done: it must outlive the fast consumer
     prod = producer(cache, tiny_target, tmp_path, "--retention", "windows")
     fast = lagging = None
     fast_steps, lag_steps = STEPS, 4
     try:
-        wait_until(lambda: (cache / "artcache.json").is_file(), "the producer to initialise the root", [prod])
         fast = consumer(cache, tmp_path, "fast", block_size=4, window="0:2", steps=fast_steps)
         fast.expect(0)
         # the fast consumer's window is gone: the producer evicts everything it had published

@@ -97,7 +97,7 @@ def test_regression_held_out_split_is_never_trained_on_across_epochs(tmp_path, t
                    "the consumer to register", procs)
         prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
                                  "--max-samples", "16", "--max-length", "64", "--layer-ids", "1,2,3", "--threads", "1",
-                                 "--exit-when-done"], tmp_path)
+                                 "--exit-when-done", "--done-grace", "1"], tmp_path)
         procs.append(prod)
         cons.expect(0)
         prod.expect(0)

@@ -154,18 +154,23 @@ def test_a_consumer_with_read_workers_trains_as_one_without(tmp_path, tiny_targe
                            "--draft-layers", "3", "--threads", "1", "--fill"], capture_output=True, text=True,
                           timeout=600)
     assert fill.returncode == 0, fill.stderr[-2000:]
-    losses = {}
-    for cid, workers in (("one", "1"), ("three", "3")):
+    losses, procs = {}, {}
+    for cid, workers in (("one", "1"), ("three", "3")):  # two readers of the filled root: started together
         args = consume_args(cache, tmp_path, cid, 5, "--read-workers", workers)
         args[args.index("--batch-size") + 1] = "4"
-        proc = Proc(cid, args, tmp_path)
-        proc.expect(0)
-        (evs,) = file_events(cache, cid)
-        losses[cid] = [(s.step, s.cursor, s.loss) for s in steps_of(evs)]
-        (line,) = [ln for ln in proc.text().splitlines() if ln.startswith('{"consumer_id"')]
-        host = json.loads(line)["host_ms_per_step"]  # the summary on stdout says where the step's time went
-        assert set(host) == {*HOST_PHASES, "total"} and min(host.values()) >= 0
-        assert host["launch"] > 0 and host["total"] >= host["launch"]
+        procs[cid] = Proc(cid, args, tmp_path)
+    try:
+        for cid, proc in procs.items():
+            proc.expect(0)
+            (evs,) = file_events(cache, cid)
+            losses[cid] = [(s.step, s.cursor, s.loss) for s in steps_of(evs)]
+            (line,) = [ln for ln in proc.text().splitlines() if ln.startswith('{"consumer_id"')]
+            host = json.loads(line)["host_ms_per_step"]  # the summary on stdout says where the step's time went
+            assert set(host) == {*HOST_PHASES, "total"} and min(host.values()) >= 0
+            assert host["launch"] > 0 and host["total"] >= host["launch"]
+    finally:
+        for proc in procs.values():
+            proc.kill()
     assert len(losses["one"]) == 5
     assert losses["three"] == losses["one"]
 

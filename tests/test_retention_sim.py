@@ -238,7 +238,10 @@ def streams(draw):
 TOL_TOGETHER, TOL_STAGGERED = 0.02, 0.06
 
 
-@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+#: the default lane's one stream (~16 s on 2 cores): hypothesis's first, simplest draw, the floor budget with every
+#: consumer starting at once, where the policy is tightest; staggered starts and budgets well above the floor are
+#: the hetero tests' here and the 20 random streams' of the reliability lane below
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_property_budget_window_and_offline_optimum_over_100k_positions(stream):
     cons, prod, budget, reserve, plan_len = stream

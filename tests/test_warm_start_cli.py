@@ -1,5 +1,6 @@
 """Issue 16 from the command line, on the tiny random target (``--target random:tiny-llama --data
-synthetic``), real ``artcache producer`` / ``consume`` / ``export`` processes sharing one root:
+synthetic``), real ``artcache producer`` / ``consume`` processes sharing one root (``artcache export`` through the
+CLI in this process: the same command without another interpreter's start):
 
 - an evaluated run keeps ``checkpoints/best`` beside ``latest``;
 - every export of DFlash and EAGLE-3 seeds a new run (``--init-from``);
@@ -16,12 +17,14 @@ import re
 from pathlib import Path
 
 import safetensors.torch
+from click.testing import CliRunner
 from procs import Proc as BaseProc
-from procs import wait_until
 
 from artcache import registry
+from artcache.app.cli import main
 from artcache.layer_ids import dflash_layer_ids, eagle3_capture_ids
 from artcache.layout import CacheLayout
+from artcache.producer import ProducerConfig, prepare_root
 from artcache.trainers.checkpoint import read_state
 
 L = 8  # random:tiny-llama
@@ -50,16 +53,21 @@ def finite(ckpt: Path) -> bool:
 
 def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
     root = tmp_path / "root"
-    union = ",".join(map(str, sorted(set(DFLASH) | set(EAGLE3))))
+    union = sorted(set(DFLASH) | set(EAGLE3))
+    # the root, as the producer makes it: the first consumers start beside the producer, not after its start
+    prepare_root(ProducerConfig(cache=str(root), target="random:tiny-llama", dataset="synthetic", max_samples=24,
+                                max_length=32, layer_ids=union))
     prod = Proc("producer", ["producer", "--cache", str(root), "--target", "random:tiny-llama", "--data", "synthetic",
-                             "--max-samples", "24", "--max-length", "32", "--layer-ids", union, "--threads", "1"],
+                             "--max-samples", "24", "--max-length", "32", "--layer-ids", ",".join(map(str, union)),
+                             "--threads", "1"],
                 tmp_path)
+    procs: list[Proc] = []
     try:
-        wait_until(lambda: (root / "artcache.json").is_file(), "the producer to initialise the root", [prod])
         # sources: an evaluated DFlash run (checkpoints/best) and an EAGLE-3 run
         d = Proc("d", consume(root, tmp_path, "d", *DF, "--steps", "4", "--save-every", "1", "--keep-checkpoints",
                               "1", "--eval-samples", "4", "--eval-interval", "2", "--eval-anchors", "4"), tmp_path)
         e = Proc("e", consume(root, tmp_path, "e", *E3, "--steps", "2"), tmp_path)
+        procs += [d, e]
         d.expect(0)
         e.expect(0)
         best = tmp_path / "runs" / "d" / "checkpoints" / "best"
@@ -70,28 +78,34 @@ def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
         # every export of both drafts seeds a new run. The EAGLE-3 seed keeps its own 256-token map, which
         # covers ~40 % of this random-token plan's supervised tokens (below the 0.5 default): it is refused
         # without --keep-vocab-map (tests/test_seed.py) and trains with it, logging the figure.
-        for src, flags in (("d", DF), ("e", (*E3, "--keep-vocab-map"))):
+        runs = (("d", DF), ("e", (*E3, "--keep-vocab-map")))
+        for src, _ in runs:
             for fmt in ("hf", "speculators"):
-                out = tmp_path / f"{src}-{fmt}"
-                x = Proc(f"export-{src}-{fmt}", ["export", "--checkpoint", str(tmp_path / "runs" / src), "--format",
-                                                 fmt, "--out", str(out), "--dtype", "float32"], tmp_path)
-                x.expect(0)
-                s = Proc(f"seed-{src}-{fmt}", consume(root, tmp_path, f"{src}-{fmt}", *flags, "--steps", "1",
-                                                      "--init-from", str(out)), tmp_path)
-                s.expect(0)
-                assert "weights seeded from" in s.text() and f"artcache export ({fmt})" in s.text()
-                if src == "e":
-                    assert re.search(r"vocab map \(256 tokens\) covers \d+\.\d% of this plan's supervised training "
-                                     r"tokens \(below --min-vocab-coverage 0.5, kept by --keep-vocab-map\)", s.text())
+                res = CliRunner().invoke(main, ["export", "--checkpoint", str(tmp_path / "runs" / src), "--format",
+                                                fmt, "--out", str(tmp_path / f"{src}-{fmt}"), "--dtype", "float32"])
+                assert res.exit_code == 0, res.output
+        # the seeded runs, the refused layer mismatch and the divergent run are independent consumers of the
+        # root: started together, then checked one by one
+        seeds = {(src, fmt): Proc(f"seed-{src}-{fmt}", consume(root, tmp_path, f"{src}-{fmt}", *flags, "--steps", "1",
+                                                               "--init-from", str(tmp_path / f"{src}-{fmt}")),
+                                  tmp_path)
+                 for src, flags in runs for fmt in ("hf", "speculators")}
         # a layer-id mismatch is refused before registering, naming both layer lists
         bad = Proc("bad", consume(root, tmp_path, "bad", *DF, "--layer-ids", f"{DFLASH[1]},{DFLASH[0]}", "--steps", "1",
                                   "--init-from", str(tmp_path / "runs" / "d")), tmp_path)
-        bad.expect(2)
-        assert f"trained on layers {DFLASH}, this run reads {[DFLASH[1], DFLASH[0]]}" in bad.text()
-        assert registry.read(CacheLayout(root), "bad") is None
         # --lr 1e38 diverges: nonzero exit naming the step, no checkpoint after it, registration failed
         div = Proc("div", consume(root, tmp_path, "div", *DF, "--steps", "6", "--save-every", "1", "--lr", "1e38"),
                    tmp_path)
+        procs += [*seeds.values(), bad, div]
+        for (src, fmt), s in seeds.items():
+            s.expect(0)
+            assert "weights seeded from" in s.text() and f"artcache export ({fmt})" in s.text()
+            if src == "e":
+                assert re.search(r"vocab map \(256 tokens\) covers \d+\.\d% of this plan's supervised training "
+                                 r"tokens \(below --min-vocab-coverage 0.5, kept by --keep-vocab-map\)", s.text())
+        bad.expect(2)
+        assert f"trained on layers {DFLASH}, this run reads {[DFLASH[1], DFLASH[0]]}" in bad.text()
+        assert registry.read(CacheLayout(root), "bad") is None
         div.expect(1)
         text = div.text()
         assert "TrainingDiverged" in text and "non-finite" in text, text[-3000:]
@@ -104,5 +118,7 @@ def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
         reg = registry.read(CacheLayout(root), "div")
         assert reg.state == "failed" and "TrainingDiverged" in reg.reason
     finally:
+        for p in procs:
+            p.kill()
         prod.popen.terminate()
         prod.wait()
