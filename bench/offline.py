@@ -369,7 +369,19 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(False)
         print(json.dumps(worker(args.worker, args.config, args.warmup, Path(args.barrier), args.timeout_s)))
         return 0
-    args.blocks = [int(b) for b in args.blocks.split(",")]
+    try:
+        args.blocks = [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        print(f"error: --blocks {args.blocks!r} is not accepted: comma-separated block sizes (4,8,16)", file=sys.stderr)
+        return 2
+    bad = [f"--{k} {getattr(args, k)}" for k in ("rounds", "steps") if getattr(args, k) < 1]
+    bad += [f"--blocks {b}" for b in args.blocks if b < 1] + ([f"--warmup {args.warmup}"] if args.warmup < 0 else [])
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        bad.append(f"--out {args.out} (a file, not a directory)")
+    if bad:
+        print(f"error: {', '.join(bad)} is not accepted: --rounds, --steps and block sizes at least 1, --warmup at "
+              f"least 0, --out a directory", file=sys.stderr)
+        return 2
     if args.warmup + args.steps > args.max_samples:
         print(f"error: --warmup + --steps ({args.warmup + args.steps}) is not accepted: at most "
               f"--max-samples {args.max_samples} (each consumer reads one pass)", file=sys.stderr)

@@ -141,3 +141,17 @@ def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path
     checks = report["checks"]
     assert checks["fill_exit_0"] and checks["refill_captures_nothing"] and checks["no_capture_while_consumers_ran"]
     assert report["fill"]["captures"] == 8 and report["refill"]["captures"] == 0
+
+
+@pytest.mark.parametrize("flags, says", [(["--blocks", "junk"], "--blocks 'junk'"), (["--rounds", "0"], "--rounds 0"),
+                                         (["--steps", "0"], "--steps 0"), (["--blocks", "4,0"], "--blocks 0"),
+                                         (["--out", "FILE"], "a file, not a directory")])
+def test_regression_bad_flags_are_refused_in_one_line_before_the_fill(tmp_path, capsys, flags, says):
+    """Regression: ``--blocks junk`` and ``--out`` naming a file failed by a traceback, ``--rounds 0`` after the
+    fill (an empty median), ``--steps 0`` as a consumer 'not ready'. All are refused at once, exit 2, one line."""
+    (tmp_path / "FILE").touch()
+    flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
+    argv = ["--out", str(tmp_path / "out"), "--max-samples", "12", "--steps", "6", "--warmup", "1", *flags]
+    assert offline.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
