@@ -542,9 +542,29 @@ def _arg_parser() -> argparse.ArgumentParser:
         default=float(os.environ.get("BUDGET_S", "1e9")),
         help="stop starting new measurements after this many seconds",
     )
+    ap.add_argument(
+        "--switch-intervals-ms",
+        type=_intervals,
+        default=None,
+        help="comma list of the interpreter's GIL switch intervals (sys.setswitchinterval, ms, > 0): the whole "
+        "plan is run once per value, in order, each row recording its switch_interval_ms (default: once, at the "
+        "interpreter's own 5 ms)",
+    )
     ap.add_argument("--root", default="/tmp/artcache-consumer-speed",
                     help="scratch directory: its cache/ and runs/ of an earlier run are removed at start")
     return ap
+
+
+def _intervals(text: str) -> list[float]:
+    """``--switch-intervals-ms`` parsed: positive milliseconds. argparse.ArgumentTypeError (a one-line usage
+    error, exit 2) for anything else."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= 1000 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of milliseconds in (0, 1000], e.g. 5,0.5")
+    return values
 
 
 def _print_table(report: dict) -> None:
@@ -562,6 +582,7 @@ def _print_table(report: dict) -> None:
             f"{r.get('x_main', float('nan')):7.2f} {r['mfu']:5.3f} {r.get('bytes_per_s', 0) / 1e9:9.2f}  "
             f"{r.get('binding', '')} busy {r.get('gpu_busy_ms_per_step', float('nan')):.1f} ms "
             f"launch {r.get('launches_per_step', float('nan')):.0f} sync {r.get('syncs_per_step', float('nan')):.0f}"
+            f" GIL switch {r.get('switch_interval_ms', 5.0):g} ms"
         )
         if r.get("host_ms_per_step"):  # a from-cache row: the trainer thread's median ms per phase, NVML util
             phases = " ".join(f"{k} {v:.1f}" for k, v in r["host_ms_per_step"].items())
@@ -709,7 +730,9 @@ def main() -> None:
         )
         return row
 
-    for part, variant in plan:
+    intervals = args.switch_intervals_ms or [sys.getswitchinterval() * 1e3]
+    for interval_ms, (part, variant) in ((i, pv) for i in intervals for pv in plan):
+        sys.setswitchinterval(interval_ms / 1e3)
         if over():
             print(f"skip {part}:{variant}: past --budget-s", flush=True)
             continue
@@ -723,6 +746,7 @@ def main() -> None:
                 "error": f"{type(exc).__name__}: {exc}",
             }
             traceback.print_exc()
+        row["switch_interval_ms"] = interval_ms
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
         save()

@@ -231,3 +231,12 @@ def test_regression_profile_busy_time_leaves_out_the_profiler_step_range():
     fig = cs.profile_figures(NS(key_averages=lambda: rows), steps=2)
     assert fig["gpu_busy_ms_per_step"] == pytest.approx(5.0) and fig["htod_ms_per_step"] == pytest.approx(1.0)
     assert fig["launches_per_step"] == 3
+
+
+def test_switch_intervals_parse_as_positive_milliseconds():
+    ap = cs._arg_parser()
+    assert ap.parse_args(["--out", "x", "--switch-intervals-ms", "5,0.5"]).switch_intervals_ms == [5.0, 0.5]
+    assert ap.parse_args(["--out", "x"]).switch_intervals_ms is None
+    for bad in ("0", "-1", "junk", "5,", "2000"):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--out", "x", "--switch-intervals-ms", bad])

@@ -1,0 +1,21 @@
+# session 12 (2026-12-03), one call on a cold machine, carry [".gpu"] (.gpu/whl: msgspec, filelock, gguf wheels from
+# ../shared/gpu/stage-smollm2.sh's .stage-b/whl; .gpu/COMMIT): no staged target is needed (random targets).
+#   bash configs/h200/s12-call1.sh
+# consumer_speed from the cache at several GIL switch intervals (issue 20: the trainer thread's Python competes with
+# the reader threads' Python): every row of the plan once per interval, the intervals in ABBA-like order.
+set -uo pipefail
+t0=$(date +%s)
+mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .gpu/whl/*.whl || exit 8
+source configs/h200/env.sh || exit 9
+R=/tmp/gpu-res
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; uptime
+timeout -k 10 ${CSPEED_S:-400} python3 -m artcache.bench.consumer_speed --out /tmp/cspeed --cache-steps 200 \
+  --plan "${CSPEED_PLAN:-cache-dflash:syncfree+graphs@2,cache-dflash:syncfree+graphs@1,cache-dflash:syncfree+compile@1,cache-eagle3:syncfree+compile@1}" \
+  --switch-intervals-ms "${INTERVALS:-5,0.5,0.1,0.5,5}" --budget-s $(( ${CSPEED_S:-400} - 40 )) > $R/cspeed.log 2>&1
+echo "consumer_speed exit $? after $(( $(date +%s) - t0 )) s" | tee -a $R/cspeed.log
+cp /tmp/cspeed/consumer_speed.json $OUT/ 2>/dev/null
+(cd /tmp/cspeed && tar cJf $OUT/profiles.tar.xz profile-*.txt 2>/dev/null)
+grep -vE "^\{" $R/cspeed.log | tail -40
+cp $R/cspeed.log $OUT/
+echo "call done at $(( $(date +%s) - t0 )) s"
