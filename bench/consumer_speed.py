@@ -424,10 +424,11 @@ def make_root(
 
 def from_cache(
     root: Path, draft: str, variant: str, steps: int, device, view: list[int] | None = None,
-    profile_out: Path | None = None,
+    profile_out: Path | None = None, run: int = 0,
 ) -> dict:
-    """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences; steps/s from its journal's Step
-    end times past the first steps (compilation, warm-up); ``host_ms_per_step`` (the trainer thread's median
+    """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences (``run``: this row's index among the
+    rows of the same draft and variant, so a repeated row is a consumer of its own with its own run directory);
+    steps/s from its journal's Step end times past the first steps (compilation, warm-up); ``host_ms_per_step`` (the trainer thread's median
     ms per phase: :func:`artcache.trainers.consumer.session.host_ms_per_step`) and the device's NVML
     utilisation over the measured steps (``gpu_util_median_pct``: :func:`measured_rate_and_util`), which
     together say whether the device or the host's bookkeeping binds. With ``profile_out`` (a file) the last
@@ -448,7 +449,7 @@ def from_cache(
         if draft == "dflash"
         else dict(draft="eagle3", ttt_steps=7, draft_vocab=8192, layer_ids=view or EAGLE3_VIEW)
     )
-    cid = f"{draft}-{variant.replace('+', '-').replace('@', '-rw')}"
+    cid = f"{draft}-{variant.replace('+', '-').replace('@', '-rw')}" + (f"-{run}" if run else "")
     cfg = ConsumerConfig(
         cache=str(root),
         consumer_id=cid,
@@ -719,8 +720,11 @@ def main() -> None:
             root_info = report["root"] = make_root(Path(args.root) / "cache", 8 * args.cache_steps, device)
             print(json.dumps(root_info), flush=True)
         prof_out = out / f"profile-{name}-from-cache-{variant}.txt" if args.profile else None
+        run = sum(r["name"] == name and r["variant"] == variant for r in report["rows"])  # a repeated row
+        if prof_out is not None and run:
+            prof_out = prof_out.with_name(f"{prof_out.stem}-{run}{prof_out.suffix}")
         row.update(from_cache(Path(args.root) / "cache", draft, variant, args.cache_steps, device,
-                              profile_out=prof_out))
+                              profile_out=prof_out, run=run))
         cfg = build(draft, arch, "main", device, **kw)[1]
         row.update(rates(row, 8, 1024))
         row.update(

@@ -240,3 +240,15 @@ def test_switch_intervals_parse_as_positive_milliseconds():
     for bad in ("0", "-1", "junk", "5,", "2000"):
         with pytest.raises(SystemExit):
             ap.parse_args(["--out", "x", "--switch-intervals-ms", bad])
+
+
+def test_regression_a_repeated_row_runs_as_its_own_consumer(tmp_path):
+    """H200, session 12: the second pass of --switch-intervals-ms (the same plan again) reused the first row's
+    consumer id and run directory, and every repeated from-cache row failed with "already holds checkpoints of
+    an earlier run"."""
+    cs.make_root(tmp_path / "cache", 8 * 2, torch.device("cpu"), target="random:tiny-llama", seq=96,
+                 union=[1, 2, 3, 4, 5, 7])
+    for run in (0, 1):
+        r = cs.from_cache(tmp_path / "cache", "dflash", "main", 2, torch.device("cpu"), view=[1, 2, 3, 4, 5], run=run)
+        assert r["steps"] == 2
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dflash-main", "dflash-main-1"]
