@@ -428,10 +428,10 @@ def from_cache(
 ) -> dict:
     """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences (``run``: this row's index among the
     rows of the same draft and variant, so a repeated row is a consumer of its own with its own run directory);
-    steps/s from its journal's Step end times past the first steps (compilation, warm-up); ``host_ms_per_step`` (the trainer thread's median
-    ms per phase: :func:`artcache.trainers.consumer.session.host_ms_per_step`) and the device's NVML
-    utilisation over the measured steps (``gpu_util_median_pct``: :func:`measured_rate_and_util`), which
-    together say whether the device or the host's bookkeeping binds. With ``profile_out`` (a file) the last
+    steps/s from its journal's Step end times past the first steps (compilation, warm-up); ``host_ms_per_step``
+    (the trainer thread's median ms per phase: :func:`artcache.trainers.consumer.session.host_ms_per_step`) and
+    the device's NVML utilisation over the measured steps (``gpu_util_median_pct``: :func:`measured_rate_and_util`),
+    which together say whether the device or the host's bookkeeping binds. With ``profile_out`` (a file) the last
     :data:`PROFILE_WARMUP` + :data:`PROFILE_ACTIVE` steps run under ``torch.profiler`` (its tables go there,
     :func:`profile_figures` into the row) and the rate is that of the steps before them.
 
