@@ -1,12 +1,12 @@
 # session 12 (2026-12-03), one call on a cold machine, carry [".gpu"] (.gpu/whl: msgspec, filelock, gguf wheels from
 # ../shared/gpu/stage-smollm2.sh's .stage-b/whl; .gpu/COMMIT): no staged target is needed (random targets).
-#   bash configs/h200/s12-call1.sh
+#   bash configs/h200/s12-call1.sh   (WHL: another folder of those wheels, e.g. .stage-a/whl in a staging call 1)
 # consumer_speed from the cache at several GIL switch intervals (issue 20: the trainer thread's Python competes with
 # the reader threads' Python): every row of the plan once per interval, the intervals in ABBA-like order.
 set -uo pipefail
 t0=$(date +%s)
 mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .gpu/whl/*.whl || exit 8
+  --target /tmp/site ${WHL:-.gpu/whl}/*.whl || exit 8
 source configs/h200/env.sh || exit 9
 R=/tmp/gpu-res
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; uptime
