@@ -249,6 +249,12 @@ class ProducerFailed(ArtcacheError, RuntimeError):
     no consumer registered within ``--expect-timeout``. ``artcache producer`` exits 1 with this message."""
 
 
+class WorkerFailed(ArtcacheError, RuntimeError):
+    """A worker process a harness started and waits for (a bench's timed consumer) exited nonzero, exited before
+    it was ready, or did not finish in time. The harness has stopped its other workers (SIGTERM, then SIGKILL)
+    before raising; the message names the worker, its exit status and its log file (exit 1)."""
+
+
 class NotWritable(_OSErrorMessage, PermissionError):
     """A cache root file or directory artcache must write cannot be written (EACCES, EPERM, EROFS: a
     read-only lock file, directory or mount). The message names the path; ``errno`` is the cause's."""

@@ -23,6 +23,11 @@
    sensitive to the machine's other load), the torch threads and measured steps of each arm (checked
    equal), the captures made while the consumers ran (0: the root served everything), and the check
    that every ratio is >= 0.95.
+
+``--out`` must be new, or hold nothing of an earlier run (:func:`check_out`: a second run is refused before the
+fill; the earlier report and logs are results, never removed here). Bad flags exit 2 in one line before anything
+is written. A worker that fails, is killed or runs past ``--timeout-s`` stops the round: its other workers are
+stopped (SIGTERM, then SIGKILL) and the bench exits 1 in one line naming the worker, its exit status and its log.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ import msgspec
 
 from artcache.accounting import account
 from artcache.bench.provenance import record
+from artcache.errors import ArtcacheError, ConfigError, WorkerFailed
 from artcache.fsio import atomic_write
+from artcache.launch import Role, stop_all
 from artcache.layout import CacheLayout
 
 GOAL = 0.95
@@ -50,6 +57,12 @@ GOAL = 0.95
 MODES = ("root", "memory")
 #: ``--pairing process``: one process runs both arms, one after the other (in round 0's order, alternated)
 PAIRED = ("root+memory", "memory+root")
+#: what a run writes under ``--out``; a second run on an ``--out`` holding any of them is refused (:func:`check_out`)
+WRITTEN = ("cache", "runs", "logs", "barriers", "report.json")
+#: the fewest steps an arm must measure (:func:`measured`: its ratios divide by the rate of the window)
+MIN_MEASURED = 1
+#: seconds a stopped worker gets between SIGTERM and SIGKILL (:func:`artcache.launch.Role.terminate`)
+GRACE_S = 10.0
 
 
 def _cli(*args: str) -> list[str]:
@@ -99,6 +112,18 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
+def window_start(warmup: int) -> int:
+    """The step (1-based) whose end starts :func:`measured`'s window: ``max(warmup, 1)`` (a window needs a start,
+    so with no warm-up the first step is still left out)."""
+    return max(warmup, 1)
+
+
+def measured_steps(warmup: int, steps: int) -> int:
+    """How many steps :func:`measured` times in a run of ``warmup`` + ``steps`` steps (``steps`` with a warm-up,
+    ``steps - 1`` without)."""
+    return warmup + steps - window_start(warmup)
+
+
 def measured(steps: list[tuple[float, float, float]], warmup: int) -> dict:
     """The steady figures of one arm from ``steps[i]`` = (``time.perf_counter()`` at the start and at the end
     of ``Session.train_step`` of step i+1, ``time.process_time()`` at its end), as :func:`_timed_session`
@@ -113,7 +138,7 @@ def measured(steps: list[tuple[float, float, float]], warmup: int) -> dict:
     figures are 0.0 when the window holds no step."""
     import torch
 
-    first = max(warmup, 1) - 1  # index of the window's start: the end of step first + 1
+    first = window_start(warmup) - 1  # index of the window's start: the end of step first + 1
     counted = len(steps) - 1 - first
     wall = steps[-1][1] - steps[first][1] if counted > 0 else 0.0
     cpu = steps[-1][2] - steps[first][2] if counted > 0 else 0.0
@@ -183,22 +208,67 @@ def fresh_barrier(out: Path, mode: str, k: int) -> Path:
     return barrier
 
 
-def release_round(barrier: Path, procs: dict, timeout_s: float, phase: int = 0) -> None:
-    """Once every process of ``procs`` ({block: (cid, Popen, log)}) is ready, write ``go``: the three
+def _stop_for(roles: dict, failed: Role | None, why: str) -> WorkerFailed:
+    """Stop every worker of ``roles`` still running (SIGTERM, then SIGKILL after :data:`GRACE_S`) and the one-line
+    :class:`WorkerFailed` to raise: ``failed`` (its exit status and log) or ``why`` (a timeout), then the workers
+    stopped."""
+    running = [r for r in roles.values() if r.poll() is None]
+    stop_all(running, GRACE_S)
+    stopped = f"; stopped {', '.join(r.name for r in running)}" if running else ""
+    if failed is None:
+        return WorkerFailed(f"{why}{stopped}")
+    return WorkerFailed(f"worker {failed.name} exited {failed.code}{why} (log {failed.log}){stopped}")
+
+
+def release_round(barrier: Path, roles: dict, timeout_s: float, phase: int = 0) -> None:
+    """Once every worker of ``roles`` ({block: :class:`~artcache.launch.Role`}) is ready, write ``go``: the three
     consumers of a round begin their steps together in both arms, whatever their start-up took (``phase`` 1:
     ``go1``, the second arm of a paired round, once all three finished the first).
 
     Raises:
-        RuntimeError: a process exited before it was ready, or ``timeout_s`` passed."""
+        WorkerFailed: a worker exited before it was ready, or ``timeout_s`` passed; the others are stopped first
+            and no ``go`` is written."""
     suffix = str(phase) if phase else ""
     deadline = time.monotonic() + timeout_s
-    while not all((barrier / f"{cid}.ready{suffix}").exists() for cid, _, _ in procs.values()):
-        dead = [cid for cid, p, _ in procs.values() if p.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            raise RuntimeError(f"{', '.join(dead) or 'a consumer'} was not ready under {barrier}: "
-                               f"{'exited' if dead else f'{timeout_s:g} s passed'}")
+    while not all((barrier / f"{r.name}.ready{suffix}").exists() for r in roles.values()):
+        dead = next((r for r in roles.values() if r.poll() is not None), None)
+        if dead is not None:
+            raise _stop_for(roles, dead, f" before it was ready under {barrier}")
+        if time.monotonic() > deadline:
+            raise _stop_for(roles, None, f"not every worker was ready under {barrier} within --timeout-s {timeout_s:g}")
         time.sleep(0.05)
     (barrier / f"go{suffix}").touch()
+
+
+def wait_round(roles: dict, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Wait until every worker of ``roles`` ({block: :class:`~artcache.launch.Role`}) has exited 0.
+
+    Raises:
+        WorkerFailed: one exited nonzero (a failure, or killed: a negative status is the signal), or ``timeout_s``
+            passed; every other worker still running is stopped (SIGTERM, then SIGKILL) before it is raised, so
+            none trains on alone or outlives the bench."""
+    deadline = time.monotonic() + timeout_s
+    while any(r.poll() is None for r in roles.values()):
+        failed = next((r for r in roles.values() if r.poll() not in (None, 0)), None)
+        if failed is not None:
+            raise _stop_for(roles, failed, "")
+        if time.monotonic() > deadline:
+            raise _stop_for(roles, None, f"the workers did not finish within --timeout-s {timeout_s:g}")
+        time.sleep(poll_s)
+    failed = next((r for r in roles.values() if r.code != 0), None)
+    if failed is not None:
+        raise _stop_for(roles, failed, "")
+
+
+def figures_of(role: Role) -> dict:
+    """The figures a worker that exited 0 printed: the last JSON line of its log (:func:`main`'s worker path).
+
+    Raises:
+        WorkerFailed: its log holds no such line."""
+    lines = [ln for ln in role.log.read_text(errors="replace").splitlines() if ln.startswith("{")]
+    if not lines:
+        raise WorkerFailed(f"worker {role.name} exited 0 but printed no figures (log {role.log})")
+    return json.loads(lines[-1])
 
 
 def machine_busy_s() -> float | None:
@@ -265,38 +335,30 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[str, dict[
     at once, started together (:func:`release_round`; a paired round's second arm released once all three
     finished the first); arm → block → its :func:`worker`'s figures, each with the round's ``other_cores``
     (:func:`other_cores` from the go until the three exited, less their CPU after the go and the bench's:
-    the machine's other load on this round; a paired round's value covers both its arms)."""
-    procs = {}
+    the machine's other load on this round; a paired round's value covers both its arms).
+
+    Raises:
+        WorkerFailed: a worker exited before its go, exited nonzero, or the round ran past ``--timeout-s``; no
+            worker of the round is left running (also on any other error or Ctrl-C)."""
+    roles: dict[int, Role] = {}
     logs = out / "logs"
     barrier = fresh_barrier(out, mode, k)
-    for block in args.blocks:
-        cid = f"dflash-b{block}-{mode.replace('+', '-')}-{k}"  # ids allow no "+"
-        cfg = consumer_config(args, root, block, out / "runs" / cid, cid)
-        log = open(logs / f"{cid}.log", "wb")  # noqa: SIM115 (closed below, after the process)
-        procs[block] = (cid, subprocess.Popen(worker_command(mode, cfg, args.warmup, barrier, args.timeout_s),
-                                              stdout=log, stderr=subprocess.STDOUT, env=worker_env(cfg.threads)),
-                        log)
     try:
-        release_round(barrier, procs, args.timeout_s)
+        for block in args.blocks:
+            cid = f"dflash-b{block}-{mode.replace('+', '-')}-{k}"  # ids allow no "+"
+            cfg = consumer_config(args, root, block, out / "runs" / cid, cid)
+            # the bench's process group (a terminal's Ctrl-C reaches them too), as before
+            roles[block] = Role(cid, worker_command(mode, cfg, args.warmup, barrier, args.timeout_s),
+                                logs / f"{cid}.log", worker_env(cfg.threads), new_session=False)
+        release_round(barrier, roles, args.timeout_s)
         busy0, t0, cpu0 = machine_busy_s(), time.monotonic(), _cpu_s()
         if mode in PAIRED:
-            release_round(barrier, procs, args.timeout_s, phase=1)
-    except BaseException:
-        for _, p, _ in procs.values():  # the processes this round started, waiting for a go that never comes
-            if p.poll() is None:
-                p.kill()
-        raise
-    finally:
-        codes = {block: p.wait(timeout=args.timeout_s) for block, (_, p, _) in procs.items()}
+            release_round(barrier, roles, args.timeout_s, phase=1)
+        wait_round(roles, args.timeout_s)
         busy1, t1 = machine_busy_s(), time.monotonic()
-        for _, _, log in procs.values():
-            log.close()
-    got = {}
-    for block, (cid, _, _) in procs.items():
-        text = (logs / f"{cid}.log").read_text()
-        if codes[block] != 0:
-            raise RuntimeError(f"{cid} exited {codes[block]}: {text[-2000:]}")
-        got[block] = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
+    finally:  # whatever happened (an error, Ctrl-C): no worker of this round outlives it
+        stop_all(roles.values(), GRACE_S)
+    got = {block: figures_of(r) for block, r in roles.items()}
     # the three workers' CPU after the go (their whole lives, reaped above, less their start-ups) and the bench's
     own = _cpu_s() - cpu0 - sum(g["cpu_s_at_go"] for g in got.values())
     other = other_cores(busy0, busy1, own, t1 - t0)
@@ -361,6 +423,45 @@ def summarize(args, rounds: dict[str, list[dict[int, dict]]]) -> dict:
     }
 
 
+def check_out(out: Path) -> None:
+    """``--out`` must be a directory to be made, or one holding nothing of an earlier run (:data:`WRITTEN`): its
+    ``runs/`` hold the earlier consumers' checkpoints, which a new consumer refuses to train over, and its report
+    and logs are results to keep, so they are never removed here.
+
+    Raises:
+        ConfigError: ``out`` is a file, or holds an earlier run's files."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is not accepted: a file, not a directory")
+    earlier = [name for name in WRITTEN if (out / name).exists()]
+    if earlier:
+        raise ConfigError(f"--out {out} is not accepted: it holds an earlier run ({', '.join(earlier)}); give another "
+                          f"--out, or remove {out} first")
+
+
+def check_args(args) -> None:
+    """Refuse bad flags before anything is written (``args.blocks`` parsed into a list of ints here).
+
+    Raises:
+        ConfigError: one line naming the bad values and what is accepted."""
+    try:
+        args.blocks = [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        raise ConfigError(f"--blocks {args.blocks!r} is not accepted: comma-separated block sizes (4,8,16)") from None
+    bad = [f"--{k} {getattr(args, k)}" for k in ("rounds", "steps") if getattr(args, k) < 1]
+    bad += [f"--blocks {b}" for b in args.blocks if b < 1] + ([f"--warmup {args.warmup}"] if args.warmup < 0 else [])
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} is not accepted: --rounds, --steps and block sizes at least 1, --warmup "
+                          "at least 0")
+    if measured_steps(args.warmup, args.steps) < MIN_MEASURED:
+        raise ConfigError(f"--warmup {args.warmup} --steps {args.steps} is not accepted: it measures "
+                          f"{measured_steps(args.warmup, args.steps)} steps (the end of step max(--warmup, 1) starts "
+                          f"the window); at least {MIN_MEASURED}: with --warmup 0, --steps at least {MIN_MEASURED + 1}")
+    if args.warmup + args.steps > args.max_samples:
+        raise ConfigError(f"--warmup + --steps ({args.warmup + args.steps}) is not accepted: at most --max-samples "
+                          f"{args.max_samples} (each consumer reads one pass)")
+    check_out(Path(args.out).absolute())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
@@ -370,22 +471,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.worker, args.config, args.warmup, Path(args.barrier), args.timeout_s)))
         return 0
     try:
-        args.blocks = [int(b) for b in args.blocks.split(",")]
-    except ValueError:
-        print(f"error: --blocks {args.blocks!r} is not accepted: comma-separated block sizes (4,8,16)", file=sys.stderr)
-        return 2
-    bad = [f"--{k} {getattr(args, k)}" for k in ("rounds", "steps") if getattr(args, k) < 1]
-    bad += [f"--blocks {b}" for b in args.blocks if b < 1] + ([f"--warmup {args.warmup}"] if args.warmup < 0 else [])
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        bad.append(f"--out {args.out} (a file, not a directory)")
-    if bad:
-        print(f"error: {', '.join(bad)} is not accepted: --rounds, --steps and block sizes at least 1, --warmup at "
-              f"least 0, --out a directory", file=sys.stderr)
-        return 2
-    if args.warmup + args.steps > args.max_samples:
-        print(f"error: --warmup + --steps ({args.warmup + args.steps}) is not accepted: at most "
-              f"--max-samples {args.max_samples} (each consumer reads one pass)", file=sys.stderr)
-        return 2
+        check_args(args)
+        return run(args, argv)
+    except ArtcacheError as exc:  # bad input (exit 2) or a failed worker (exit 1): one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def run(args, argv: list[str] | None) -> int:
+    """The whole bench on checked ``args`` (:func:`check_args`): the fill, the refill, the rounds, ``report.json``;
+    0 when every check passed, 1 otherwise.
+
+    Raises:
+        WorkerFailed: a worker of a round failed, was killed or timed out (the others stopped)."""
     out = Path(args.out).absolute()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     root = out / "cache"

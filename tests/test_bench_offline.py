@@ -15,6 +15,8 @@ import torch
 
 from artcache.bench import consumer_speed as cs
 from artcache.bench import offline
+from artcache.errors import WorkerFailed
+from artcache.launch import Role
 
 
 def _args(tmp_path, **kw):
@@ -55,15 +57,63 @@ def test_measured_window_by_hand():
     assert empty["steps_per_s"] == 0.0 == empty["cpu_s_per_step"] == empty["train_step_share"]
 
 
+def _role(tmp_path, name: str, code: str) -> Role:
+    """A real worker process running ``code`` (its log under ``tmp_path``), in this test's process group."""
+    return Role(name, [sys.executable, "-c", code], tmp_path / f"{name}.log", new_session=False)
+
+
+SLEEP = "import time; time.sleep(120)"
+
+
 def test_release_round_names_a_consumer_that_exited_before_it_was_ready(tmp_path):
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    with pytest.raises(RuntimeError, match="dflash-b4-root-0 was not ready.*exited"):
-        offline.release_round(tmp_path, {4: ("dflash-b4-root-0", gone, None)}, 30.0)
+    gone = _role(tmp_path, "dflash-b4-root-0", "raise SystemExit(3)")
+    gone.wait(30)
+    with pytest.raises(WorkerFailed, match=r"dflash-b4-root-0 exited 3 before it was ready.*dflash-b4-root-0\.log"):
+        offline.release_round(tmp_path, {4: gone}, 30.0)
     assert not (tmp_path / "go").exists()
     (tmp_path / "dflash-b4-root-0.ready").touch()
-    offline.release_round(tmp_path, {4: ("dflash-b4-root-0", gone, None)}, 30.0)
+    offline.release_round(tmp_path, {4: gone}, 30.0)
     assert (tmp_path / "go").exists()
+
+
+def test_regression_a_dead_worker_stops_the_others_and_is_named_in_one_line(tmp_path):
+    """Regression: a worker killed after the go left the other two training to their end (the parent waited on each
+    in turn), then the parent raised a traceback holding the dead one's log tail. Now the parent stops the others
+    (SIGTERM, then SIGKILL) as soon as one dies and raises one line: the worker, its exit status, its log."""
+    roles = {b: _role(tmp_path, f"dflash-b{b}-root-0", SLEEP) for b in (4, 8, 16)}
+    try:
+        roles[8].popen.kill()  # SIGKILL, as an OOM killer would
+        with pytest.raises(WorkerFailed) as got:
+            offline.wait_round(roles, 120.0)
+        msg = str(got.value)
+        assert "\n" not in msg and msg.startswith(f"worker dflash-b8-root-0 exited -9 (log {roles[8].log})")
+        assert "stopped dflash-b4-root-0, dflash-b16-root-0" in msg and got.value.exit_code == 1
+        assert all(r.popen.poll() is not None for r in roles.values())  # none left running
+    finally:
+        for r in roles.values():
+            r.kill()
+
+
+def test_regression_a_round_past_its_timeout_stops_every_worker(tmp_path):
+    """Regression: ``p.wait(timeout)`` raised TimeoutExpired at the first worker past the timeout and left it and
+    the ones after it running. Now every worker is stopped and the error is one line."""
+    roles = {b: _role(tmp_path, f"dflash-b{b}-memory-0", SLEEP) for b in (4, 8)}
+    try:
+        with pytest.raises(WorkerFailed, match=r"^the workers did not finish within --timeout-s 0.3; stopped "
+                                               r"dflash-b4-memory-0, dflash-b8-memory-0$"):
+            offline.wait_round(roles, 0.3)
+        assert all(r.popen.poll() is not None for r in roles.values())
+    finally:
+        for r in roles.values():
+            r.kill()
+
+
+def test_wait_round_returns_when_every_worker_exited_0(tmp_path):
+    roles = {b: _role(tmp_path, f"w{b}", "print('{\"steps\": 1}')") for b in (4, 8)}
+    offline.wait_round(roles, 60.0)
+    assert [offline.figures_of(r) for r in roles.values()] == [{"steps": 1}, {"steps": 1}]
+    with pytest.raises(WorkerFailed, match="w9 exited 0 but printed no figures"):
+        offline.figures_of(_role(tmp_path, "w9", "pass"))
 
 
 @pytest.fixture()
@@ -155,3 +205,99 @@ def test_regression_bad_flags_are_refused_in_one_line_before_the_fill(tmp_path, 
     assert offline.main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_regression_a_second_run_on_the_same_out_is_refused_before_the_fill(tmp_path, capsys):
+    """Regression: a second run on the same ``--out`` filled, then failed late: its consumers found the first run's
+    checkpoints in ``runs/`` and the parent read only "not ready: exited" (the reason was in a worker log). ``--out``
+    holds the first run's report and logs, results to keep, so the run is refused at once (exit 2, one line naming
+    the directory and what to do) and nothing there is touched."""
+    out = tmp_path / "out"
+    (out / "runs" / "dflash-b4-root-0" / "checkpoints").mkdir(parents=True)
+    (out / "report.json").write_text("{}")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    argv = ["--out", str(out), "--target", "random:tiny-llama", "--data", "synthetic", "--max-samples", "4",
+            "--max-length", "32", "--steps", "2", "--warmup", "1", "--rounds", "1", "--blocks", "4"]
+    assert offline.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {out} is not accepted: it holds an earlier run (runs, report.json)" in err
+    assert "give another --out, or remove" in err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and (out / "report.json").read_text() == "{}"
+    (tmp_path / "empty").mkdir()
+    offline.check_out(tmp_path / "missing")  # a directory to be made, or an empty one: accepted
+    offline.check_out(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("warmup, steps, measured", [(0, 1, 0), (0, 2, 1), (1, 1, 1), (3, 20, 20)])
+def test_regression_a_run_that_measures_no_step_is_refused_at_parse_time(tmp_path, capsys, warmup, steps, measured):
+    """Regression: ``--warmup 0 --steps 1`` ran the fill and every round, then divided by zero in ``summarize``: the
+    window starts at the end of step max(warmup, 1), so no step was measured. Refused at parse time (exit 2, one
+    line, nothing written); the fewest steps :func:`offline.measured` counts decide what is accepted."""
+    ends = [(i - 0.5, float(i), 0.1 * i) for i in range(1, warmup + steps + 1)]
+    assert offline.measured_steps(warmup, steps) == measured  # the count measured() itself times:
+    assert offline.measured(ends, warmup)["measured_steps"] == [window_start := max(warmup, 1) + 1, warmup + steps]
+    assert warmup + steps - window_start + 1 == measured
+    assert (offline.measured(ends, warmup)["steps_per_s"] > 0) == (measured >= offline.MIN_MEASURED)
+    args = offline._parser().parse_args(["--out", str(tmp_path / "out"), "--warmup", str(warmup),
+                                         "--steps", str(steps), "--max-samples", "40"])
+    if measured >= offline.MIN_MEASURED:
+        offline.check_args(args)
+        return
+    argv = ["--out", str(tmp_path / "out"), "--warmup", str(warmup), "--steps", str(steps), "--max-samples", "40"]
+    assert offline.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--warmup 0 --steps 1 is not accepted: it measures 0 steps" in err
+    assert "--steps at least 2" in err and not (tmp_path / "out").exists()
+
+
+def _worker_pid(barrier, cid: str, timeout_s: float) -> int:
+    """The pid of the bench worker ``cid`` of the round whose barrier directory is ``barrier`` (from /proc: the
+    worker's command line names both), once that round's go is written."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout_s
+    while not (barrier / "go").exists():
+        assert time.monotonic() < deadline, f"no go under {barrier} within {timeout_s} s"
+        time.sleep(0.02)
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(barrier).encode() in argv and any(f'"consumer_id":"{cid}"'.encode() in a for a in argv):
+            return int(proc.name)
+    raise AssertionError(f"no process of {cid} under /proc")
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(300)
+def test_regression_a_worker_killed_after_the_go_ends_the_bench_in_one_line(tmp_path):
+    """End to end with the bench's own workers (tiny random target, 24-40 s on 2 cores, hence the reliability lane):
+    SIGKILL one consumer right after its round's go. Regression: the other two trained to their end, then the
+    parent ended in a traceback. Now the parent stops the other two at once and exits 1 with one line naming the
+    worker, its exit status and its log; no worker outlives it and the stopped ones printed no figures."""
+    import os
+    import signal
+
+    out = tmp_path / "offline"
+    argv = ["--out", str(out), "--target", "random:tiny-llama", "--data", "synthetic", "--max-samples", "64",
+            "--max-length", "32", "--steps", "60", "--warmup", "1", "--rounds", "1", "--anchors", "4",
+            "--timeout-s", "120"]
+    bench = subprocess.Popen([sys.executable, "-m", "artcache.bench.offline", *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        barrier = out / "barriers" / "root-0"
+        os.kill(_worker_pid(barrier, "dflash-b16-root-0", 200), signal.SIGKILL)
+        _, err = bench.communicate(timeout=120)
+    finally:
+        bench.kill()
+    logs = out / "logs"
+    assert bench.returncode == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: worker dflash-b16-root-0 exited -9 (log {logs / 'dflash-b16-root-0.log'}); "
+                          "stopped dflash-b4-root-0, dflash-b8-root-0"), err
+    for cid in ("dflash-b4-root-0", "dflash-b8-root-0"):  # stopped before their end: no figures printed
+        assert not any(ln.startswith("{") for ln in (logs / f"{cid}.log").read_text().splitlines())
+    with pytest.raises(AssertionError, match="no process"):
+        _worker_pid(barrier, "dflash-b4-root-0", 1)
+    assert not (out / "report.json").exists()
