@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import stat
 import sys
 import threading
@@ -32,6 +33,7 @@ from pathlib import Path
 from artcache.crashpoints import crash_point
 from artcache.errors import PublishError
 from artcache.layout import open_nofollow, temp_writer, unique_suffix
+from artcache.liveness import HeartbeatWatch
 
 log = logging.getLogger("artcache.fsio")
 
@@ -185,30 +187,54 @@ def check_free_space(directory: Path, nbytes: int, reserve: int | None = None) -
 PART_SUFFIX = ".part"
 
 
-def remove_orphan_parts(directory: Path) -> int:
-    """Remove the temp files :func:`atomic_write` left in ``directory`` when its process died mid-write (kill -9,
-    power loss: nothing else removes them); returns how many were removed.
+def remove_orphan_parts(directory: Path, *, prefix: str = "", suffix: str = PART_SUFFIX,
+                        watch: HeartbeatWatch | None = None, dirs: bool = False) -> int:
+    """The one sweep of temps dead writers left in ``directory`` (kill -9, power loss: nothing else removes
+    them); returns how many were removed.
 
-    Only regular files named ``<writer token>.<nonce>.part`` whose writer is provably dead
-    (:func:`artcache.layout.temp_writer`: a process of this host and pid namespace that is gone) are removed; a
-    live writer's, another host's, a legacy name and any other file are left alone. Best effort: an unreadable
-    ``directory`` or a file that cannot be removed is skipped, never raised."""
+    By default: the temp files :func:`atomic_write` leaves (``<writer token>.<nonce>.part``). A temp is an entry
+    named ``<prefix><name>`` where ``<name>`` ends with ``suffix`` and is one :func:`artcache.layout.temp_writer`
+    parses; it is removed only when its writer is provably dead (a process of this host and pid namespace that is
+    gone). A live writer's is never removed. Another host's or pid namespace's, or a legacy name (``"unknown"``:
+    its pid cannot be checked from here) is removed only with a ``watch`` (the producer's ``tmp/`` sweep), once
+    the watch has seen it unchanged (inode, size, mtime) for its timeout; every name not observed in this pass
+    is then pruned from the watch. Regular files are unlinked; a directory (``dirs=True``: an export's temp
+    directory) is removed whole; a symbolic link or any other name is left alone.
+
+    Best effort: an unreadable ``directory`` or an entry that cannot be removed is skipped, never raised."""
     removed = 0
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return 0
+    seen = []
     for entry in entries:
-        if not entry.name.endswith(PART_SUFFIX) or not temp_writer(entry.name).orphan:
+        name = entry.name
+        if not name.startswith(prefix) or not name.endswith(suffix):
             continue
+        verdict = temp_writer(name[len(prefix):])
         try:
-            if entry.is_file(follow_symlinks=False):
+            if entry.is_symlink() or not (entry.is_file() or (dirs and entry.is_dir())):
+                continue
+            if verdict.state == "unknown" and watch is not None:
+                st = entry.stat(follow_symlinks=False)
+                seen.append(name)
+                orphan = watch.observe(name, (st.st_ino, st.st_size, st.st_mtime_ns)).silent
+            else:
+                orphan = verdict.orphan
+            if not orphan:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
                 os.unlink(entry.path)
-                removed += 1
+            removed += 1
         except OSError:
             continue
+    if watch is not None:
+        watch.prune(seen)
     if removed:
-        log.info("removed %d temp file(s) of dead writers in %s", removed, directory)
+        log.info("removed %d temp(s) of dead writers in %s", removed, directory)
     return removed
 
 

@@ -71,8 +71,8 @@ from artcache.eviction import (
     expire_leases,
 )
 from artcache.fingerprint import PlanFingerprints
-from artcache.fsio import atomic_write, free_space, is_space_error, space_reserve
-from artcache.layout import SUBDIRS, CacheLayout, check_id, temp_writer
+from artcache.fsio import atomic_write, free_space, is_space_error, remove_orphan_parts, space_reserve
+from artcache.layout import SUBDIRS, CacheLayout, check_id
 from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
@@ -1127,37 +1127,9 @@ def cleanup_orphans(layout: CacheLayout, watch: HeartbeatWatch | None = None) ->
 
     Same host id: the writer's pid is gone (or reused). Another host or pid namespace, or a legacy name:
     only with a ``watch`` (the producer's), once the file was seen unchanged (inode, size, mtime) for the
-    watch's timeout on this process's monotonic clock. Never a live writer's file."""
-    removed = 0
-    try:
-        entries = list(os.scandir(layout.tmp))
-    except FileNotFoundError:
-        return 0
-    seen = []
-    for entry in entries:
-        verdict = temp_writer(entry.name)
-        if verdict.state == "foreign":
-            continue  # not an artcache temp name: never touched
-        if verdict.state != "unknown":
-            orphan = verdict.orphan
-        elif watch is not None:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            seen.append(entry.name)
-            orphan = watch.observe(entry.name, (st.st_ino, st.st_size, st.st_mtime_ns)).silent
-        else:
-            orphan = False
-        if orphan:
-            try:
-                os.unlink(entry.path)
-                removed += 1
-            except FileNotFoundError:
-                pass
-    if watch is not None:
-        watch.prune(seen)
-    return removed
+    watch's timeout on this process's monotonic clock. Never a live writer's file. The sweep itself is
+    :func:`artcache.fsio.remove_orphan_parts` over every temp suffix ``tmp/`` holds (``.part``, ``.evict``, ...)."""
+    return remove_orphan_parts(layout.tmp, suffix="", watch=watch)
 
 
 def supersede_failure_markers(layout: CacheLayout) -> int:

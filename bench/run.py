@@ -197,6 +197,26 @@ def _producers(base: Path, mode: str, sc: Scenario) -> list[tuple[str, Path, tup
     return [("producer", (base if mode == "artcache" else base / mode) / "cache", sc.consumers)]
 
 
+#: ``--done-grace`` of a producer whose ``--expect-consumers`` does not count every consumer it serves (several
+#: consumers with staggered starts): how long it waits for a sibling that has not registered yet
+STAGGERED_DONE_GRACE_S = 5.0
+
+
+def producer_exit_flags(served: tuple[ConsumerSpec, ...], staggered: bool) -> list[str]:
+    """A bench producer's exit flags: ``--exit-when-done``, ``--expect-consumers`` and ``--done-grace``.
+
+    ``--exit-when-done`` exits once at least ``--expect-consumers`` consumers registered (any state) and none has
+    been live for ``--done-grace`` seconds; the grace only waits for a consumer that has not registered yet. When
+    ``--expect-consumers`` counts every consumer the producer serves (consumers started together, or one served
+    alone), "done" cannot hold before each of them registered, so the grace is 0 and the producer leaves on its
+    first idle pass after the last one ended (5 s in every mode used to idle 20 s of the CPU bench's
+    ``--scenario all``). Several staggered consumers get a start line of 1 (capture for the first at once), so a
+    later one is waited for by :data:`STAGGERED_DONE_GRACE_S` only, as before."""
+    expect = 1 if staggered else len(served)
+    grace = 0.0 if expect >= len(served) else STAGGERED_DONE_GRACE_S
+    return ["--exit-when-done", "--done-grace", f"{grace:g}", "--expect-consumers", str(expect)]
+
+
 def fast_consumer(sc: Scenario) -> ConsumerSpec:
     """The consumer marked ``fast`` (else the first), started at once when it runs alone."""
     fast = next((c for c in sc.consumers if c.fast), sc.consumers[0])
@@ -345,9 +365,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                 "producer", "--cache", str(root), "--id", pid, "--target", cfg.target, "--data", cfg.dataset,
                 "--max-length", str(cfg.max_length),
                 "--max-samples", str(cfg.max_samples), *capture,
-                "--device", dev(i), "--exit-when-done", "--done-grace", "5",
-                # staggered starts: capture for the first consumer at once (a start line would wait)
-                "--expect-consumers", str(1 if staggered else len(served)), *retention, *threads),
+                "--device", dev(i), *producer_exit_flags(served, staggered), *retention, *threads),
                 logs / f"{pid}.log", env, new_session=False)
         for pid, root, _ in producers:
             wait_for_file(root / "artcache.json", procs[pid], cfg.timeout_s)  # the producer initialised the root

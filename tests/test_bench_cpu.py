@@ -421,3 +421,26 @@ def test_regression_a_scenario_with_no_checks_is_not_passed(tmp_path):
     doc = R.write_run_report(tmp_path, "1p1c", sc, [{"scenario": "1p1c", "checks": {}}])
     assert doc["scenarios"][0]["status"] == "failed" and doc["passed"] is False
     assert R.write_run_report(tmp_path, "none", [], [])["passed"] is False
+
+
+def test_regression_bench_producers_wait_no_grace_when_every_consumer_is_expected():
+    """Tidy item 3: every bench producer got ``--done-grace 5`` (5 s idle per mode, 20 s of ``--scenario all`` on
+    CPU). A producer whose ``--expect-consumers`` counts every consumer it serves waits no grace (its "done" needs
+    all of them registered: test_regression_exit_when_done_counts_every_expected_consumer_before_the_grace);
+    several staggered consumers keep a start line of 1 and the 5 s grace."""
+    from artcache.bench import run as R
+    from artcache.bench.scenarios import SCENARIOS
+
+    def flags(name: str, mode: str) -> list[list[str]]:
+        sc = SCENARIOS[name]
+        staggered = any(c.start_s > 0 for c in sc.consumers)
+        return [R.producer_exit_flags(served, staggered) for _, _, served in R._producers(Path("b"), mode, sc)]
+
+    def expect(n: int, grace: str) -> list[str]:
+        return ["--exit-when-done", "--done-grace", grace, "--expect-consumers", str(n)]
+
+    assert flags("1p3c", "artcache") == flags("1p3c", "lockstep") == [expect(3, "0")]
+    assert flags("1p1c", "artcache") == [expect(1, "0")]
+    assert flags("1p3c", "naive") == flags("hetero", "naive") == [expect(1, "0")] * 3
+    assert flags("hetero", "solo") == [expect(1, "0")]
+    assert flags("hetero", "artcache") == [expect(1, "5")]  # staggered: a later consumer may register after

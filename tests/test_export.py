@@ -676,3 +676,55 @@ def test_regression_export_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_pat
     _one_line_error(r, f"export to {out} could not be written", "No space left on device",
                     "free space on that filesystem", code=1)
     assert not out.exists() and not (tmp_path / "exports").exists()
+
+
+_KILLED_EXPORT = """
+import os, signal, sys
+import artcache.trainers.export as ex
+how, ckpt, out, target = sys.argv[1:]
+if how == "mid-write":  # SIGKILL while model.safetensors is half written in the temp directory
+    real = ex.safetensors.torch.save_file
+    def dying(tensors, path, metadata=None):
+        real({k: tensors[k] for k in list(tensors)[:1]}, path, metadata=metadata)
+        os.kill(os.getpid(), signal.SIGKILL)
+    ex.safetensors.torch.save_file = dying
+else:  # SIGKILL after the new export is in place, before the one renamed aside is removed
+    ex.shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+ex.export_checkpoint(ckpt, out, target=target, overwrite=how != "mid-write")
+"""
+
+
+def test_regression_export_killed_mid_write_leaves_no_temp_behind_the_next_export(tmp_path, target_dir):
+    """Tidy item 2: `artcache export` killed with SIGKILL mid-write left `.<out>.tmp-<writer>.<nonce>/` (up to a
+    whole draft's bytes) beside --out for ever, and one killed before removing the export it replaced left
+    `.<out>.old-<writer>.<nonce>/`. The next export to that --out removes a dead writer's, and leaves a live
+    writer's and a name artcache does not make alone."""
+    import subprocess
+    import sys
+
+    from artcache.layout import unique_suffix
+
+    dflash_checkpoint(tmp_path / "run")
+    out = tmp_path / "d"
+
+    def killed(how: str) -> set[str]:
+        before = {p.name for p in tmp_path.iterdir()}
+        proc = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, how, str(tmp_path / "run"), str(out),
+                               str(target_dir)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -9, proc.stderr
+        return {p.name for p in tmp_path.iterdir()} - before
+
+    left = killed("mid-write")
+    assert len(left) == 1 and next(iter(left)).startswith(".d.tmp-") and not out.exists(), left
+    assert any(f.stat().st_size for f in (tmp_path / next(iter(left))).iterdir())  # the killed writer's bytes
+    live, foreign = tmp_path / f".d.tmp-{unique_suffix()}", tmp_path / ".d.tmp-not-ours"  # this (live) process's
+    live.mkdir()
+    foreign.write_bytes(b"x")
+    export_checkpoint(tmp_path / "run", out, target=str(target_dir))
+    keep = {live.name, foreign.name}
+    assert {p.name for p in tmp_path.iterdir() if p.name.startswith(".")} == keep
+    left = killed("after-swap")
+    assert len(left) == 1 and next(iter(left)).startswith(".d.old-") and (out / "export.json").is_file(), left
+    export_checkpoint(tmp_path / "run", out, "speculators", target=str(target_dir), overwrite=True)
+    assert {p.name for p in tmp_path.iterdir() if p.name.startswith(".")} == keep
+    assert "speculators_model_type" in (out / "config.json").read_text()

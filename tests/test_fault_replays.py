@@ -166,6 +166,31 @@ def test_regression_exit_when_done_without_a_live_consumer(tmp_path, cache, how)
     figure("no live consumer", f"--exit-when-done ({how})", 1)
 
 
+def test_regression_exit_when_done_counts_every_expected_consumer_before_the_grace(layout):
+    """Tidy item 3: the bench gave every producer ``--done-grace 5`` (20 s idle in the CPU bench) although its
+    ``--expect-consumers`` already counts every consumer it serves. What makes ``--done-grace 0`` safe there:
+    "done" (no consumer can come) never holds while fewer than ``--expect-consumers`` have registered, even when
+    every one registered so far has ended; it holds once the last expected one registered and ended."""
+    import crash_child as K
+
+    from artcache.producer import Producer, ProducerConfig
+
+    journal = J.JournalWriter(layout.journal_path("producer", "p"))
+    cfg = ProducerConfig(cache=str(layout.root), exit_when_done=True, done_grace_s=0.0, expect_consumers=2)
+    p = Producer(layout, K.settings(), K.FakePlan(), K.FakeBackend(), cfg, journal)
+    try:
+        first = hold_window(layout.root, "a")
+        p.live_registrations()
+        assert not p.done()  # "a" is live
+        first.finish("completed")
+        assert p.live_registrations() == [] and not p.done()  # "b" has not registered yet
+        hold_window(layout.root, "b").finish("completed")
+        assert p.live_registrations() == [] and p.done()
+    finally:
+        p.drain()
+        journal.close()
+
+
 @pytest.mark.reliability
 def test_regression_exit_when_done_with_no_consumer_at_all(tmp_path, cache):
     """Issue 17 item 4, the case left open: a root no consumer ever registers on kept ``--exit-when-done``

@@ -181,11 +181,12 @@ def test_temp_writer_is_the_one_orphan_predicate():
 def test_regression_one_home_for_the_orphan_temp_predicate():
     """The producer's tmp/ sweep, fsck and the checkpoint temp sweep each kept their own copy of the test."""
     import artcache.fsck
+    import artcache.fsio
     import artcache.layout
-    import artcache.producer
     import artcache.trainers.checkpoint
 
-    for mod in (artcache.producer, artcache.fsck, artcache.trainers.checkpoint):
+    # the producer's tmp/ sweep is fsio's (test_regression_one_sweep_of_dead_writers_temps)
+    for mod in (artcache.fsio, artcache.fsck, artcache.trainers.checkpoint):
         assert mod.temp_writer is artcache.layout.temp_writer, mod.__name__
         assert not hasattr(mod, "parse_temp_name"), mod.__name__
 
@@ -211,6 +212,31 @@ def test_cleanup_orphans_spares_live_writers(tmp_path):
         live.wait()
     assert cleanup_orphans(layout) == 1  # its writer is gone now
     assert not (layout.tmp / names["live"]).exists()
+
+
+
+def test_regression_one_sweep_of_dead_writers_temps(tmp_path, monkeypatch):
+    """Tidy (one concept, one home): the producer's ``cleanup_orphans`` and ``fsio.remove_orphan_parts`` each
+    kept their own sweep of dead writers' temps. The producer's is now fsio's sweep over ``tmp/`` with every temp
+    suffix (``.part``, ``.evict``, ...) and the producer's watch; a dead writer's directory there is left alone
+    (the old copy's unlink raised IsADirectoryError out of the producer's pass)."""
+    import artcache.producer
+    from artcache import fsio
+    from artcache.liveness import HeartbeatWatch
+
+    calls = []
+    real = fsio.remove_orphan_parts
+    monkeypatch.setattr(artcache.producer, "remove_orphan_parts", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    layout = CacheLayout(tmp_path / "root")
+    layout.create()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (layout.tmp / f"{token(dead.pid)}.aaaa.evict").write_bytes(b"x")
+    (layout.tmp / f"{token(dead.pid)}.bbbb.part").mkdir()
+    watch = HeartbeatWatch(600.0)
+    assert cleanup_orphans(layout, watch) == 1
+    assert calls == [((layout.tmp,), {"suffix": "", "watch": watch})]
+    assert [p.name for p in layout.tmp.iterdir()] == [f"{token(dead.pid)}.bbbb.part"]
 
 
 # ---- verify-fs ----------------------------------------------------------------------------------------

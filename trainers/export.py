@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ArtcacheError, ConfigError, PublishError
-from artcache.fsio import RETRYABLE_ERRNOS, SPACE_ERRNOS, describe_errno, errno_of, fsync_dir
+from artcache.fsio import RETRYABLE_ERRNOS, SPACE_ERRNOS, describe_errno, errno_of, fsync_dir, remove_orphan_parts
 from artcache.layout import unique_suffix
 from artcache.target import resolve_target
 from artcache.trainers import DRAFT_NAMES
@@ -319,13 +319,29 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
+def remove_dead_export_temps(out: Path) -> int:
+    """Remove what an export to ``out`` killed mid-write (kill -9, power loss) left beside it: its temp directory
+    ``.<out name>.tmp-<writer>.<nonce>`` and, once ``out`` exists again (the swap finished, or a later export
+    made it), a previous export it had renamed aside, ``.<out name>.old-<writer>.<nonce>``. Only entries whose
+    writer is provably dead are removed (:func:`artcache.fsio.remove_orphan_parts`, the one sweep of dead
+    writers' temps): never a live export's, another host's or a name artcache does not make. An ``old``
+    directory while ``out`` is missing (a kill between the two renames) is the only copy of the previous
+    export, so it is left for the user. Best effort; returns how many entries were removed."""
+    removed = remove_orphan_parts(out.parent, prefix=f".{out.name}.tmp-", suffix="", dirs=True)
+    if os.path.lexists(out):
+        removed += remove_orphan_parts(out.parent, prefix=f".{out.name}.old-", suffix="", dirs=True)
+    return removed
+
+
 def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite: bool) -> None:
     """Write ``files`` (name -> JSON bytes, or a tensor dict saved as safetensors) into a temp
     directory beside ``out``, each file ``0o666 & ~umask``, fsync everything, then rename it to
     ``out`` (an existing ``out`` is replaced only with ``overwrite`` and only when it is a previous
     export; it is renamed aside first and restored if the swap fails). Parent directories created
-    here are removed again on failure."""
+    here are removed again on failure. Temps of earlier exports to ``out`` killed mid-write are removed
+    first (:func:`remove_dead_export_temps`)."""
     _check_out_parent(out)
+    remove_dead_export_temps(out)
     created: list[Path] = []
     anc = out.parent
     while not os.path.lexists(anc):
