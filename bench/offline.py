@@ -37,6 +37,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,8 @@ GOAL = 0.95
 MODES = ("root", "memory")
 #: ``--pairing process``: one process runs both arms, one after the other (in round 0's order, alternated)
 PAIRED = ("root+memory", "memory+root")
+#: logical CPUs a pinned consumer process gets (``--pin auto``): its trainer thread and its reader thread
+CPUS_PER_WORKER = 2
 #: what a run writes under ``--out``; a second run on an ``--out`` holding any of them is refused (:func:`check_out`)
 WRITTEN = ("cache", "runs", "logs", "barriers", "report.json")
 #: the fewest steps an arm must measure (:func:`measured`: its ratios divide by the rate of the window)
@@ -92,14 +95,46 @@ def consumer_config(args, root: Path, block: int, run_dir: Path, cid: str):
                           tensorboard=False, log_every=10)
 
 
-def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float) -> list[str]:
+def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float,
+                   cpus: list[int] | None = None) -> list[str]:
     """The argv of one timed consumer process. Both arms start the same module with the same flags (the
     warm-up included) and differ only in ``mode`` (``root`` or ``memory``), so they share the process
-    model, the thread setting (``cfg.threads``, set by ``Session.setup``), the clock and the steps skipped."""
+    model, the thread setting (``cfg.threads``, set by ``Session.setup``), the clock and the steps skipped;
+    ``cpus``: the logical CPUs the process is pinned to (:func:`cpu_sets`; None: not pinned)."""
     if mode not in MODES + PAIRED:
         raise ValueError(f"mode {mode!r} is not accepted: one of {', '.join(MODES + PAIRED)}")
+    pin = ["--cpus", ",".join(map(str, cpus))] if cpus else []
     return [sys.executable, "-m", "artcache.bench.offline", "--worker", mode, "--warmup", str(warmup),
-            "--barrier", str(barrier), "--timeout-s", str(timeout_s), msgspec.json.encode(cfg).decode()]
+            "--barrier", str(barrier), "--timeout-s", str(timeout_s), *pin, msgspec.json.encode(cfg).decode()]
+
+
+def physical_cores(allowed: set[int] | None = None,
+                   sysfs: Path = Path("/sys/devices/system/cpu")) -> list[list[int]]:
+    """The physical cores this process may run on, each as the sorted logical CPUs it holds (SMT siblings share a
+    ``(physical_package_id, core_id)`` in sysfs), in order of their first CPU; a CPU whose topology cannot be read
+    counts as a core of its own. ``allowed``: the CPUs to consider (default ``os.sched_getaffinity(0)``)."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
+    cores: dict[tuple, list[int]] = {}
+    for cpu in sorted(allowed):
+        try:
+            top = sysfs / f"cpu{cpu}" / "topology"
+            key = (int((top / "physical_package_id").read_text()), int((top / "core_id").read_text()))
+        except (OSError, ValueError):
+            key = ("cpu", cpu)
+        cores.setdefault(key, []).append(cpu)
+    return sorted(cores.values())
+
+
+def cpu_sets(workers: int, per_worker: int, cores: list[list[int]]) -> list[list[int]] | None:
+    """One set of ``per_worker`` logical CPUs per worker, each CPU the first of a physical core no other worker (nor
+    the SMT sibling of another CPU of the bench) uses, so two trainers never share a core; the first core is left to
+    the bench and the system when there are enough. None when the machine has fewer than ``workers × per_worker``
+    physical cores (the workers are then left to the scheduler, as the report says)."""
+    need = workers * per_worker
+    if len(cores) < need:
+        return None
+    pool = [c[0] for c in (cores[1:] if len(cores) > need else cores)]
+    return [pool[i * per_worker:(i + 1) * per_worker] for i in range(workers)]
 
 
 def worker_env(threads: int) -> dict[str, str]:
@@ -295,7 +330,8 @@ def _cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: float) -> dict:
+def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: float,
+           cpus: list[int] | None = None) -> dict:
     """One consumer of one arm, or of both (``root+memory``, ``memory+root``: :data:`PAIRED`): build it (and, for
     ``memory``, read and collate its batches), wait for the round's go, then train — ``root``: the consumer's own
     loop on the root (register, reader thread, leases, cursor commits, journal); ``memory``: ``Session.train_step``
@@ -306,6 +342,8 @@ def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: floa
     with each arm's figures under ``arms``."""
     from artcache.trainers.consumer import ConsumerConfig
 
+    if cpus:  # before torch starts its thread pools, which inherit the affinity
+        os.sched_setaffinity(0, cpus)
     cfg = msgspec.json.decode(cfg_json, type=ConsumerConfig)
     s = _timed_session(cfg)
     s.setup()  # reads the root, builds the draft, sets cfg.threads; registers nothing
@@ -326,7 +364,8 @@ def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: floa
             for i, batch in enumerate(batches):
                 s.train_step(batch, i)
         figures[arm] = measured(s.timed, warmup)
-    head = {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup, "cpu_s_at_go": cpu_at_go}
+    head = {"consumer_id": cfg.consumer_id, "mode": mode, "warmup": warmup, "cpu_s_at_go": cpu_at_go,
+            "cpus": sorted(os.sched_getaffinity(0)) if cpus else None}
     return {**head, **figures[mode]} if mode in MODES else {**head, "arms": figures}
 
 
@@ -343,12 +382,13 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[str, dict[
     roles: dict[int, Role] = {}
     logs = out / "logs"
     barrier = fresh_barrier(out, mode, k)
+    sets = getattr(args, "cpu_sets", None) or [None] * len(args.blocks)
     try:
-        for block in args.blocks:
+        for block, cpus in zip(args.blocks, sets, strict=True):  # a consumer's CPUs are the same in every round
             cid = f"dflash-b{block}-{mode.replace('+', '-')}-{k}"  # ids allow no "+"
             cfg = consumer_config(args, root, block, out / "runs" / cid, cid)
             # the bench's process group (a terminal's Ctrl-C reaches them too), as before
-            roles[block] = Role(cid, worker_command(mode, cfg, args.warmup, barrier, args.timeout_s),
+            roles[block] = Role(cid, worker_command(mode, cfg, args.warmup, barrier, args.timeout_s, cpus),
                                 logs / f"{cid}.log", worker_env(cfg.threads), new_session=False)
         release_round(barrier, roles, args.timeout_s)
         busy0, t0, cpu0 = machine_busy_s(), time.monotonic(), _cpu_s()
@@ -385,11 +425,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="round: each arm in processes of its own, rounds alternated; process: one process per "
                          "consumer runs both arms one after the other (order alternated per round), so the "
                          "process's own speed, which varies from one process to the next, cancels in the ratio")
+    ap.add_argument("--pin", choices=("auto", "off"), default="auto",
+                    help="auto: pin each consumer process to CPUS_PER_WORKER logical CPUs of physical cores of its "
+                         "own (the same in every round and both arms) when the machine has enough; off: leave them "
+                         "to the scheduler")
     ap.add_argument("--threads", type=int, default=1, help="the producer's torch threads")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     # one timed consumer process (worker_command): its arm, the round's barrier directory, its ConsumerConfig
     ap.add_argument("--worker", choices=MODES + PAIRED, help=argparse.SUPPRESS)
     ap.add_argument("--barrier", help=argparse.SUPPRESS)
+    ap.add_argument("--cpus", help=argparse.SUPPRESS)
     ap.add_argument("config", nargs="?", help=argparse.SUPPRESS)
     return ap
 
@@ -468,14 +513,23 @@ def main(argv: list[str] | None = None) -> int:
         from artcache.logs import setup_logging
 
         setup_logging(False)
-        print(json.dumps(worker(args.worker, args.config, args.warmup, Path(args.barrier), args.timeout_s)))
+        cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
+        print(json.dumps(worker(args.worker, args.config, args.warmup, Path(args.barrier), args.timeout_s, cpus)))
         return 0
     try:
         check_args(args)
-        return run(args, argv)
+        # SIGTERM as Ctrl-C: the round's finally stops its workers (SIGTERM, then SIGKILL) before the bench exits
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            return run(args, argv)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except ArtcacheError as exc:  # bad input (exit 2) or a failed worker (exit 1): one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: stopped by a signal; the round's workers were stopped, no report written", file=sys.stderr)
+        return 130
 
 
 def run(args, argv: list[str] | None) -> int:
@@ -487,10 +541,21 @@ def run(args, argv: list[str] | None) -> int:
     out = Path(args.out).absolute()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     root = out / "cache"
+    cores = physical_cores()
+    args.cpu_sets = cpu_sets(len(args.blocks), CPUS_PER_WORKER, cores) if args.pin == "auto" else None
     report: dict = {**record("artcache.bench.offline", argv, roots=[out]),
-                    "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "barrier", "config")}}
-    report["fill"] = fill(args, root, out / "logs", "fill")
-    report["refill"] = fill(args, root, out / "logs", "refill")
+                    "settings": {k: v for k, v in vars(args).items()
+                                 if k not in ("worker", "barrier", "config", "cpus", "cpu_sets")}}
+    report["pinning"] = {"logical_cpus": sum(map(len, cores)), "physical_cores": len(cores),
+                         "cpu_sets": {f"B{b}": c for b, c in zip(args.blocks, args.cpu_sets, strict=True)}
+                         if args.cpu_sets else None,
+                         "why_not": None if args.cpu_sets else "--pin off" if args.pin == "off" else
+                         f"{len(cores)} physical cores, fewer than {len(args.blocks)} consumers x {CPUS_PER_WORKER}"}
+    for name in ("fill", "refill"):
+        report[name] = fill(args, root, out / "logs", name)
+        if report[name]["exit_code"] != 0:  # no round can run on a root the fill did not complete
+            raise WorkerFailed(f"artcache producer --fill ({name}) exited {report[name]['exit_code']}; its log: "
+                               f"{out / 'logs' / f'{name}.log'}")
     captures_before = account(CacheLayout(root)).cache.captures
     rounds: dict[str, list[dict[int, dict]]] = {"root": [], "memory": []}
     for k in range(args.rounds):
@@ -519,8 +584,8 @@ def run(args, argv: list[str] | None) -> int:
                    "accounting_invariants": not acc.violations},
     })
     atomic_write(out / "report.json", [json.dumps(report, indent=2).encode()], out, durable=False)
-    shown = ("fill", "refill", "root_over_memory", "cpu_root_over_memory", "root_train_step_share", "other_cores",
-             "threads", "measured_steps", "captures_while_consumers_ran", "checks")
+    shown = ("fill", "refill", "pinning", "root_over_memory", "cpu_root_over_memory", "root_train_step_share",
+             "other_cores", "threads", "measured_steps", "captures_while_consumers_ran", "checks")
     print(json.dumps({k: report[k] for k in shown}, indent=2))
     return 0 if all(report["checks"].values()) else 1
 

@@ -301,3 +301,72 @@ def test_regression_a_worker_killed_after_the_go_ends_the_bench_in_one_line(tmp_
     with pytest.raises(AssertionError, match="no process"):
         _worker_pid(barrier, "dflash-b4-root-0", 1)
     assert not (out / "report.json").exists()
+
+
+def _fake_sysfs(root, cores: dict[int, tuple[int, int]]):
+    for cpu, (package, core) in cores.items():
+        top = root / f"cpu{cpu}" / "topology"
+        top.mkdir(parents=True)
+        (top / "physical_package_id").write_text(f"{package}\n")
+        (top / "core_id").write_text(f"{core}\n")
+    return root
+
+
+def test_physical_cores_group_smt_siblings_and_pinned_workers_never_share_one(tmp_path):
+    """8 logical CPUs, 4 cores of 2 SMT siblings (CPU i and i+4, as Linux numbers them); a CPU without topology is a
+    core of its own. Each of 3 workers gets 2 CPUs of cores no other worker uses (the first core left over); with too
+    few cores, none are pinned."""
+    sysfs = _fake_sysfs(tmp_path, {i: (0, i % 4) for i in range(8)})
+    cores = offline.physical_cores(set(range(8)) | {9}, sysfs)
+    assert cores == [[0, 4], [1, 5], [2, 6], [3, 7], [9]]
+    sets = offline.cpu_sets(2, 2, cores)
+    assert sets == [[1, 2], [3, 9]]
+    used = [c for s in sets for c in s]
+    assert len({next(i for i, core in enumerate(cores) if c in core) for c in used}) == len(used)
+    assert offline.cpu_sets(3, 2, cores) is None  # 5 cores for 6 CPUs
+    assert offline.cpu_sets(1, 2, cores[:2]) == [[0, 1]]  # exactly enough: the first core is used too
+
+
+def test_regression_a_failed_fill_ends_the_bench_before_any_round(tmp_path, capsys):
+    """Regression: a --fill that failed (here: a target that does not exist) was recorded and the rounds ran on the
+    unfilled root, failing later in a worker. The bench now stops after the fill, exit 1, one line naming its log."""
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--target", str(tmp_path / "no-such-target"), "--data", "synthetic",
+            "--max-samples", "4", "--max-length", "32", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+    assert offline.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "artcache producer --fill (fill) exited 2" in err, err
+    assert str(out / "logs" / "fill.log") in err and not (out / "runs").exists() and not (out / "barriers").exists()
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(300)
+def test_regression_sigterm_to_the_bench_stops_its_workers(tmp_path):
+    """Regression: SIGTERM to the bench's own process killed it at once and left the round's three workers running
+    to their end. Now it stops them (SIGTERM, then SIGKILL) and exits 130 with one line; no worker outlives it."""
+    import os
+    import signal
+
+    out = tmp_path / "offline"
+    argv = ["--out", str(out), "--target", "random:tiny-llama", "--data", "synthetic", "--max-samples", "64",
+            "--max-length", "32", "--steps", "60", "--warmup", "1", "--rounds", "1", "--anchors", "4",
+            "--timeout-s", "120"]
+    bench = subprocess.Popen([sys.executable, "-m", "artcache.bench.offline", *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        barrier = out / "barriers" / "root-0"
+        pids = [_worker_pid(barrier, f"dflash-b{b}-root-0", 200) for b in (4, 8, 16)]
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        bench.kill()
+    assert bench.returncode == 130 and err.count("\n") == 1 and "stopped by a signal" in err, err
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        from pathlib import Path
+
+        status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        assert status == "Z", f"worker {pid} outlived the bench (state {status})"

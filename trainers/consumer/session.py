@@ -12,17 +12,17 @@ Read it top to bottom, like nanoGPT's ``train.py``: :func:`run_consumer` runs th
    signal handlers (the first SIGTERM / Ctrl-C stops at the next step boundary, a second at once; the
    previous handlers come back in :meth:`close`).
 4. :meth:`Session.run`: the loop — :meth:`step` (wait for a batch, forward, backward, optimizer step,
-   release the batch's leases, commit the cursor), with :meth:`checkpoint` every ``--save-every`` and
+   release the batch's leases, commit the cursor when due), with :meth:`checkpoint` every ``--save-every`` and
    :meth:`evaluate` every ``--eval-interval`` steps — then :meth:`close` whatever happened: threads
    stopped, unused leases released, a final checkpoint when the state is a consistent step, the
    registration finished, the journal closed.
 
-The cursor is committed only after the optimizer step that consumed its positions; leases are released
-once the batch is no longer used. Checkpoints (:mod:`artcache.trainers.checkpoint`), held-out evaluation
-(:mod:`artcache.trainers.evaluation`) and tracking (:mod:`artcache.trainers.tracking`) hang off the loop;
-see docs/training.md. Crash points (``ARTCACHE_CRASH_AT``, docs/protocol.md): ``cursor.before-commit``,
-``cursor.after-commit`` in :meth:`step`; ``checkpoint.before-record``, ``checkpoint.after-record`` in
-:meth:`checkpoint`.
+The cursor is committed only after the optimizer step that consumed its positions, when due
+(``--commit-interval``, :meth:`Session._commit_due`); leases are released once the batch is no longer used.
+Checkpoints (:mod:`artcache.trainers.checkpoint`), held-out evaluation (:mod:`artcache.trainers.evaluation`)
+and tracking (:mod:`artcache.trainers.tracking`) hang off the loop; see docs/training.md. Crash points
+(``ARTCACHE_CRASH_AT``, docs/protocol.md): ``cursor.before-commit``, ``cursor.after-commit`` in
+:meth:`Session._commit`; ``checkpoint.before-record``, ``checkpoint.after-record`` in :meth:`checkpoint`.
 """
 
 from __future__ import annotations
@@ -165,6 +165,8 @@ class Session:
         self.start_step = self.start_cursor = 0
         self.steps_done = 0  # optimizer steps done (the checkpoint's step)
         self.cursor = 0  # one past the last position trained on
+        self.committed = 0  # the cursor the registration holds (<= cursor; :meth:`_commit`)
+        self.t_committed = 0.0  # time.monotonic() of the last commit
         self.state, self.error = "failed", ""  # the registration's final state
         self.saved_step = -1  # the step of the newest checkpoint of this run (-1: none)
         self.ckpt: Path | None = None
@@ -385,6 +387,7 @@ class Session:
         self.evaluator = Evaluator(self.draft, self.client, range(*self.pinned), cfg.batch_size, self._collate_eval,
                                    self.argmax_fn, self.stop_req) if cfg.eval_samples else None
         self.cursor, self.steps_done = reg.cursor, self.start_step
+        self.committed, self.t_committed = reg.cursor, time.monotonic()
         self.progress = Progress(cfg.steps, self.start_step, cfg.progress, cfg.consumer_id)
         self.t_start, self.t_loop = time.time(), time.monotonic()
         threading.Thread(target=self._heartbeat, daemon=True, name="artcache-heartbeat").start()
@@ -477,40 +480,32 @@ class Session:
             raise self.save_error
         return self.summary()
 
-    # ---- step: one batch, one optimizer step, one cursor commit ------------------------------------------
+    # ---- step: one batch, one optimizer step, a cursor commit when due ----------------------------------
 
     def step(self, step_index: int) -> None:
-        """One batch, one optimizer step, one cursor commit. On CUDA nothing here reads device memory
-        back: the batch arrives collated on the device (the reader thread's :class:`DeviceCollator`),
-        the metric sums stay on the device until :meth:`_flush_metrics`."""
+        """One batch, one optimizer step, a cursor commit when due (:meth:`_commit_due`). On CUDA nothing here
+        reads device memory back: the batch arrives collated on the device (the reader thread's
+        :class:`DeviceCollator`), the metric sums stay on the device until :meth:`_flush_metrics`."""
         t0 = time.monotonic()
         fetched = self._next_batch()
         got = fetched.items
         wait_s = time.monotonic() - t0
         self.wait_total += wait_s
         batch = fetched.wait()
-        self.consistent = False  # from the anchor draw on, until the cursor commit
+        self.consistent = False  # from the anchor draw on, until the step's cursor is set
         sums, lr = self.train_step(batch, step_index)
         t_launched = time.monotonic()
         self.cursor = got[-1].position + 1
         # the step no longer needs the batch's bytes: release its leases while its positions are
-        # still inside the window, then commit (a crash in between leaves nothing outside it)
+        # still inside the window (it counts from the committed cursor, <= this one), then commit when due
         for it in got:
             self.client.release(it)
         self.retired.retire(fetched)  # its host buffers live until its copies completed
+        self.steps_done, self.consistent = step_index + 1, True
         t_released = time.monotonic()
-        crash_point("cursor.before-commit")
-        try:
-            self.handle.commit_cursor(self.cursor)  # only after the step that consumed the positions
-        except ConsumerFenced:  # fenced during the step: the state is that of this step, uncommitted
-            self.steps_done, self.consistent = step_index + 1, True
-            self.fenced.set()
-            raise
-        crash_point("cursor.after-commit")
+        if self._commit_due():
+            self._commit()
         t_committed = time.monotonic()
-        self.steps_done = step_index + 1
-        self.consistent = True
-        self.reader.authorize(self.cursor)
         self._record(step_index, sums, lr, wait_s, time.monotonic() - t0)
         t_end = time.monotonic()
         for phase, dt in zip(HOST_PHASES, (wait_s, t_launched - t0 - wait_s, t_released - t_launched,
@@ -520,6 +515,43 @@ class Session:
             self.step_hook(step_index)
         if self.device.type != "cuda":  # reading the flag costs nothing off the GPU: caught at its own step
             self._check_finite()
+
+    def _commit_due(self) -> bool:
+        """Whether :meth:`step` commits now (``cfg.commit_interval_s``): after every step with an interval of 0, in a
+        lockstep group (the members read by the group's committed cursors) and after the last step; once the
+        interval passed since the last commit; and at once when the committed window would hold the reader back.
+        The reader keeps up to ``prefetch_batches`` batches queued and reads one more, so it wants positions up to
+        ``cursor + (prefetch_batches + 1) × batch_size - 1``, and may read only up to ``committed + lookahead``."""
+        cfg = self.cfg
+        if cfg.commit_interval_s == 0 or cfg.lockstep_group or self.steps_done >= cfg.steps:
+            return True
+        if time.monotonic() - self.t_committed >= cfg.commit_interval_s:
+            return True
+        wanted = min(cfg.lookahead, (cfg.prefetch_batches + 1) * cfg.batch_size - 1)
+        return self.committed + cfg.lookahead < self.cursor + wanted
+
+    def _commit(self) -> None:
+        """Commit ``self.cursor`` (every position before it was trained on) to the registration and let the reader
+        read on inside the moved window; nothing when it is committed already. Crash points ``cursor.before-commit``
+        and ``cursor.after-commit`` (the n-th arrival is the n-th commit, not the n-th step).
+
+        Raises:
+            ConsumerFenced: the registration is no longer this incarnation's (``fenced`` is set; the state is that of
+                the last step, consistent and uncommitted).
+            OSError: the registration could not be written (after the full-disk retries of
+                :class:`~artcache.registry.ConsumerHandle`).
+        """
+        if self.cursor == self.committed:
+            return
+        crash_point("cursor.before-commit")
+        try:
+            self.handle.commit_cursor(self.cursor)  # only after the step that consumed the positions
+        except ConsumerFenced:
+            self.fenced.set()
+            raise
+        crash_point("cursor.after-commit")
+        self.committed, self.t_committed = self.cursor, time.monotonic()
+        self.reader.authorize(self.cursor)
 
     # ---- divergence: a non-finite loss or gradient stops the run, no checkpoint after it ------------------
 
@@ -665,6 +697,7 @@ class Session:
         moves ``checkpoints/best`` to a checkpoint of this step (written now when there is none)."""
         self._check_finite()
         self._flush_metrics()
+        self._commit()  # the registration is current while the evaluation runs (it may take a while)
         t0 = time.monotonic()
         try:
             self.last_eval = self.evaluator.run()
@@ -717,8 +750,14 @@ class Session:
                                state=self._checkpoint_state())
         self.tracker.flush()  # metrics.csv holds every step the checkpoint covers (a SIGKILL later loses none)
         crash_point("checkpoint.before-record")
-        # the resume point moves only once the directory is complete
-        (self.handle.record_final_checkpoint if final else self.handle.record_checkpoint)(self.cursor)
+        # the resume point moves only once the directory is complete; it may not pass the committed cursor (a
+        # final checkpoint commits its cursor with it)
+        if final:
+            self.handle.record_final_checkpoint(self.cursor)
+            self.committed = self.cursor
+        else:
+            self._commit()
+            self.handle.record_checkpoint(self.cursor)
         crash_point("checkpoint.after-record")
         point_latest(self.run_dir, path)
         best = best_checkpoint(self.run_dir)
@@ -774,6 +813,11 @@ class Session:
                 log.error("[%s] the final checkpoint failed: %s: %s", cfg.consumer_id, type(exc).__name__, exc)
                 if self.state == registry.COMPLETED:
                     self.state, self.error = "failed", f"checkpoint: {type(exc).__name__}: {exc}"
+        if self.consistent and self.committed < self.cursor and not self.fenced.is_set():
+            try:  # no final checkpoint committed it (checkpoints off, or it failed): the last step's cursor
+                self._commit()
+            except Exception as exc:  # never mask the error in flight
+                log.error("[%s] the last cursor commit failed: %s: %s", cfg.consumer_id, type(exc).__name__, exc)
         self.handle.finish(self.state, self.error)
         self.journal.emit(J.ConsumerEnd(consumer=cfg.consumer_id, state=self.state, steps=self.steps_done,
                                         cursor=self.cursor, error=self.error))
