@@ -424,10 +424,11 @@ def make_root(
 
 def from_cache(
     root: Path, draft: str, variant: str, steps: int, device, view: list[int] | None = None,
-    profile_out: Path | None = None, run: int = 0,
+    profile_out: Path | None = None, run: int = 0, commit_interval_s: float | None = None,
 ) -> dict:
     """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences (``run``: this row's index among the
-    rows of the same draft and variant, so a repeated row is a consumer of its own with its own run directory);
+    rows of the same draft and variant, so a repeated row is a consumer of its own with its own run directory;
+    ``commit_interval_s``: the consumer's ``--commit-interval``, None: its default);
     steps/s from its journal's Step end times past the first steps (compilation, warm-up); ``host_ms_per_step``
     (the trainer thread's median ms per phase: :func:`artcache.trainers.consumer.session.host_ms_per_step`) and
     the device's NVML utilisation over the measured steps (``gpu_util_median_pct``: :func:`measured_rate_and_util`),
@@ -466,6 +467,7 @@ def from_cache(
         compile=comp,
         loss_impl=impl,
         read_workers=int(workers or 1),
+        **({} if commit_interval_s is None else {"commit_interval_s": commit_interval_s}),
         **kw,
     )
     prof, hook, measured = None, None, steps
@@ -506,6 +508,7 @@ def from_cache(
         "wait_s": s["wait_s"],
         "final_loss": s["final_loss"],
         "read_workers": read_workers(cfg),
+        "commit_interval_s": cfg.commit_interval_s,
         "host_ms_per_step": s["host_ms_per_step"],
         "gpu_util_median_pct": util,
     }
@@ -551,9 +554,30 @@ def _arg_parser() -> argparse.ArgumentParser:
         "plan is run once per value, in order, each row recording its switch_interval_ms (default: once, at the "
         "interpreter's own 5 ms)",
     )
+    ap.add_argument(
+        "--commit-intervals",
+        type=_commit_intervals,
+        default=None,
+        help="comma list of the consumer's --commit-interval values (seconds, 0 .. 60): each from-cache row of the "
+        "plan is run once per value, in order (e.g. 0,0.25,0,0.25 alternates them), each recording its "
+        "commit_interval_s; in-memory rows run once (default: the consumer's own default)",
+    )
     ap.add_argument("--root", default="/tmp/artcache-consumer-speed",
                     help="scratch directory: its cache/ and runs/ of an earlier run are removed at start")
     return ap
+
+
+def _commit_intervals(text: str) -> list[float]:
+    """``--commit-intervals`` parsed: seconds in 0 .. 60 (the consumer's ``--commit-interval`` range).
+    argparse.ArgumentTypeError (a one-line usage error, exit 2) names a bad value."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not accepted: comma-separated seconds, e.g. 0,0.25") from None
+    bad = [v for v in values if not 0 <= v <= 60]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]:g} is not accepted: seconds in 0 .. 60")
+    return values
 
 
 def _intervals(text: str) -> list[float]:
@@ -711,7 +735,7 @@ def main() -> None:
 
     root_info = None
 
-    def cached(part: str, variant: str) -> dict:
+    def cached(part: str, variant: str, commit_s: float | None) -> dict:
         nonlocal root_info
         draft = part.removeprefix("cache-")
         name, _, arch, bargs, flops_fn, kw = shapes[draft]
@@ -720,11 +744,12 @@ def main() -> None:
             root_info = report["root"] = make_root(Path(args.root) / "cache", 8 * args.cache_steps, device)
             print(json.dumps(root_info), flush=True)
         prof_out = out / f"profile-{name}-from-cache-{variant}.txt" if args.profile else None
-        run = sum(r["name"] == name and r["variant"] == variant for r in report["rows"])  # a repeated row
+        run = sum(r["name"] == name and r["variant"] == variant and r.get("data") == "from-cache"
+                  for r in report["rows"])  # a repeated row
         if prof_out is not None and run:
             prof_out = prof_out.with_name(f"{prof_out.stem}-{run}{prof_out.suffix}")
         row.update(from_cache(Path(args.root) / "cache", draft, variant, args.cache_steps, device,
-                              profile_out=prof_out, run=run))
+                              profile_out=prof_out, run=run, commit_interval_s=commit_s))
         cfg = build(draft, arch, "main", device, **kw)[1]
         row.update(rates(row, 8, 1024))
         row.update(
@@ -735,13 +760,16 @@ def main() -> None:
         return row
 
     intervals = args.switch_intervals_ms or [sys.getswitchinterval() * 1e3]
-    for interval_ms, (part, variant) in ((i, pv) for i in intervals for pv in plan):
+    commits = args.commit_intervals or [None]
+    runs = ((i, c, pv) for i in intervals for k, c in enumerate(commits) for pv in plan
+            if k == 0 or pv[0].startswith("cache-"))  # in-memory rows commit nothing: once
+    for interval_ms, commit_s, (part, variant) in runs:
         sys.setswitchinterval(interval_ms / 1e3)
         if over():
             print(f"skip {part}:{variant}: past --budget-s", flush=True)
             continue
         try:
-            row = cached(part, variant) if part.startswith("cache-") else in_memory(part, variant)
+            row = cached(part, variant, commit_s) if part.startswith("cache-") else in_memory(part, variant)
         except Exception as exc:  # one failing variant must not lose the others' figures
             row = {
                 "name": part,

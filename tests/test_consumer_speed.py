@@ -248,7 +248,18 @@ def test_regression_a_repeated_row_runs_as_its_own_consumer(tmp_path):
     an earlier run"."""
     cs.make_root(tmp_path / "cache", 8 * 2, torch.device("cpu"), target="random:tiny-llama", seq=96,
                  union=[1, 2, 3, 4, 5, 7])
-    for run in (0, 1):
-        r = cs.from_cache(tmp_path / "cache", "dflash", "main", 2, torch.device("cpu"), view=[1, 2, 3, 4, 5], run=run)
-        assert r["steps"] == 2
+    for run, commit_s in ((0, 0.0), (1, None)):  # each row records its consumer's --commit-interval
+        r = cs.from_cache(tmp_path / "cache", "dflash", "main", 2, torch.device("cpu"), view=[1, 2, 3, 4, 5], run=run,
+                          commit_interval_s=commit_s)
+        assert r["steps"] == 2 and r["commit_interval_s"] == (0.25 if commit_s is None else commit_s)
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dflash-main", "dflash-main-1"]
+
+
+
+def test_commit_intervals_parse_as_seconds_in_the_consumers_range():
+    ap = cs._arg_parser()
+    assert ap.parse_args(["--out", "x", "--commit-intervals", "0,0.25"]).commit_intervals == [0.0, 0.25]
+    assert ap.parse_args(["--out", "x"]).commit_intervals is None
+    for bad in ("-1", "junk", "61", "0,"):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--out", "x", "--commit-intervals", bad])
