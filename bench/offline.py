@@ -89,10 +89,11 @@ def fill(args, root: Path, logs: Path, name: str) -> dict:
 def consumer_config(args, root: Path, block: int, run_dir: Path, cid: str):
     from artcache.trainers.consumer import ConsumerConfig
 
+    commit = getattr(args, "commit_interval", None)  # None: the consumer's default
     return ConsumerConfig(cache=str(root), consumer_id=cid, draft="dflash", block_size=block,
                           num_anchors=args.anchors, batch_size=1, steps=args.warmup + args.steps,
                           lookbehind=0, lookahead=8, threads=1, out_dir=str(run_dir), progress=False,
-                          tensorboard=False, log_every=10)
+                          tensorboard=False, log_every=10, **({} if commit is None else {"commit_interval_s": commit}))
 
 
 def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float,
@@ -429,6 +430,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="auto: pin each consumer process to CPUS_PER_WORKER logical CPUs of physical cores of its "
                          "own (the same in every round and both arms) when the machine has enough; off: leave them "
                          "to the scheduler")
+    ap.add_argument("--commit-interval", type=float, default=None,
+                    help="the consumers' --commit-interval in seconds (0: a cursor commit after every step; default: "
+                         "the consumer's own)")
     ap.add_argument("--threads", type=int, default=1, help="the producer's torch threads")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     # one timed consumer process (worker_command): its arm, the round's barrier directory, its ConsumerConfig
@@ -497,6 +501,8 @@ def check_args(args) -> None:
     if bad:
         raise ConfigError(f"{', '.join(bad)} is not accepted: --rounds, --steps and block sizes at least 1, --warmup "
                           "at least 0")
+    if args.commit_interval is not None and not 0 <= args.commit_interval <= 60:
+        raise ConfigError(f"--commit-interval {args.commit_interval:g} is not accepted: seconds in 0 .. 60")
     if measured_steps(args.warmup, args.steps) < MIN_MEASURED:
         raise ConfigError(f"--warmup {args.warmup} --steps {args.steps} is not accepted: it measures "
                           f"{measured_steps(args.warmup, args.steps)} steps (the end of step max(--warmup, 1) starts "

@@ -195,7 +195,8 @@ def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path
 
 @pytest.mark.parametrize("flags, says", [(["--blocks", "junk"], "--blocks 'junk'"), (["--rounds", "0"], "--rounds 0"),
                                          (["--steps", "0"], "--steps 0"), (["--blocks", "4,0"], "--blocks 0"),
-                                         (["--out", "FILE"], "a file, not a directory")])
+                                         (["--out", "FILE"], "a file, not a directory"),
+                                         (["--commit-interval", "-1"], "--commit-interval -1 is not accepted")])
 def test_regression_bad_flags_are_refused_in_one_line_before_the_fill(tmp_path, capsys, flags, says):
     """Regression: ``--blocks junk`` and ``--out`` naming a file failed by a traceback, ``--rounds 0`` after the
     fill (an empty median), ``--steps 0`` as a consumer 'not ready'. All are refused at once, exit 2, one line."""
