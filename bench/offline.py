@@ -18,6 +18,10 @@
    runs both arms in each consumer's one process, one after the other (the three change arm together; the
    order alternated per round), for machines where a process's own speed varies from one process to the next
    (measured on the idle H200 machine: the same consumer's CPU time per step 23-38 ms across rounds).
+   ``--pairing steps`` alternates the two arms inside each consumer's one process every ``--chunk`` steps
+   (:func:`_interleave`; the steps right after a switch not counted, :func:`interleaved`), for machines whose
+   speed changes within seconds (session 13 on the lent H200 VM: the same pinned process's CPU time per step
+   21-37 ms from one arm to the next).
 3. ``report.json``: the fill, each consumer's steady steps/s and process CPU ms per step in each mode and
    round, the root/memory ratio per consumer (median over rounds; also of steps per CPU second, less
    sensitive to the machine's other load), the torch threads and measured steps of each arm (checked
@@ -58,6 +62,10 @@ GOAL = 0.95
 MODES = ("root", "memory")
 #: ``--pairing process``: one process runs both arms, one after the other (in round 0's order, alternated)
 PAIRED = ("root+memory", "memory+root")
+#: ``--pairing steps``: one process alternates the arms every ``--chunk`` steps (round 0's order first, alternated)
+INTERLEAVED = ("root~memory", "memory~root")
+#: the shortest ``--chunk``: the consumer's default handover (``prefetch_batches + 1`` = 3 steps) and 2 counted
+MIN_CHUNK = 5
 #: logical CPUs a pinned consumer process gets (``--pin auto``): its trainer thread and its reader thread
 CPUS_PER_WORKER = 2
 #: what a run writes under ``--out``; a second run on an ``--out`` holding any of them is refused (:func:`check_out`)
@@ -97,16 +105,19 @@ def consumer_config(args, root: Path, block: int, run_dir: Path, cid: str):
 
 
 def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float,
-                   cpus: list[int] | None = None) -> list[str]:
+                   cpus: list[int] | None = None, chunk: int = 0) -> list[str]:
     """The argv of one timed consumer process. Both arms start the same module with the same flags (the
     warm-up included) and differ only in ``mode`` (``root`` or ``memory``), so they share the process
     model, the thread setting (``cfg.threads``, set by ``Session.setup``), the clock and the steps skipped;
-    ``cpus``: the logical CPUs the process is pinned to (:func:`cpu_sets`; None: not pinned)."""
-    if mode not in MODES + PAIRED:
-        raise ValueError(f"mode {mode!r} is not accepted: one of {', '.join(MODES + PAIRED)}")
+    ``cpus``: the logical CPUs the process is pinned to (:func:`cpu_sets`; None: not pinned); ``chunk``: the steps of
+    one arm between two switches of an interleaved worker (:data:`INTERLEAVED`)."""
+    if mode not in MODES + PAIRED + INTERLEAVED:
+        raise ValueError(f"mode {mode!r} is not accepted: one of {', '.join(MODES + PAIRED + INTERLEAVED)}")
     pin = ["--cpus", ",".join(map(str, cpus))] if cpus else []
+    chunked = ["--chunk", str(chunk)] if mode in INTERLEAVED else []
     return [sys.executable, "-m", "artcache.bench.offline", "--worker", mode, "--warmup", str(warmup),
-            "--barrier", str(barrier), "--timeout-s", str(timeout_s), *pin, msgspec.json.encode(cfg).decode()]
+            "--barrier", str(barrier), "--timeout-s", str(timeout_s), *pin, *chunked,
+            msgspec.json.encode(cfg).decode()]
 
 
 def physical_cores(allowed: set[int] | None = None,
@@ -172,17 +183,37 @@ def measured(steps: list[tuple[float, float, float]], warmup: int) -> dict:
     part inside ``train_step``: 1 in memory; in the root arm the rest is the loop's own work between two
     steps, measured on the same steps under the same load), threads (``torch.get_num_threads()``)}; the
     figures are 0.0 when the window holds no step."""
+    first = window_start(warmup) - 1  # index of the window's start: the end of step first + 1
+    return {"steps": len(steps), "measured_steps": [first + 2, len(steps)], **_figures([_window(steps, warmup)])}
+
+
+def _window(steps: list[tuple[float, float, float]], warmup: int) -> tuple[int, float, float, float]:
+    """(steps counted, wall s, CPU s, wall s inside ``train_step``) of :func:`measured`'s window over ``steps``."""
+    first = window_start(warmup) - 1
+    counted = len(steps) - 1 - first
+    if counted <= 0:
+        return 0, 0.0, 0.0, 0.0
+    return (counted, steps[-1][1] - steps[first][1], steps[-1][2] - steps[first][2],
+            sum(end - start for start, end, _ in steps[first + 1:]))
+
+
+def _figures(windows: list[tuple[int, float, float, float]]) -> dict:
+    """:func:`measured`'s rates over one or more :func:`_window` sums (pooled: total steps over total time)."""
     import torch
 
-    first = window_start(warmup) - 1  # index of the window's start: the end of step first + 1
-    counted = len(steps) - 1 - first
-    wall = steps[-1][1] - steps[first][1] if counted > 0 else 0.0
-    cpu = steps[-1][2] - steps[first][2] if counted > 0 else 0.0
-    inside = sum(end - start for start, end, _ in steps[first + 1:])
-    return {"steps": len(steps), "measured_steps": [first + 2, len(steps)],
-            "steps_per_s": counted / wall if wall > 0 else 0.0,
-            "cpu_s_per_step": cpu / counted if counted > 0 else 0.0,
+    counted, wall, cpu, inside = (sum(w[i] for w in windows) for i in range(4))
+    return {"steps_per_s": counted / wall if wall > 0 else 0.0, "cpu_s_per_step": cpu / counted if counted > 0 else 0.0,
             "train_step_share": inside / wall if wall > 0 else 0.0, "threads": torch.get_num_threads()}
+
+
+def interleaved(chunks: list[list[tuple[float, float, float]]], warmup: int, handover: int) -> dict:
+    """The figures of one arm of an interleaved worker from its chunks (each as :func:`measured` takes it): every
+    chunk's window starts at the end of its step ``handover`` (the first chunk's at step ``max(warmup, handover)``),
+    so the steps right after a switch, whose batches the reader read during the other arm's chunk, are not counted,
+    and the rates pool the windows (total steps over total time). ``measured_steps``: [steps counted, chunks]."""
+    windows = [_window(c, max(warmup, handover) if i == 0 else handover) for i, c in enumerate(chunks)]
+    return {"steps": sum(map(len, chunks)), "measured_steps": [sum(w[0] for w in windows), len(chunks)],
+            **_figures(windows)}
 
 
 def _timed_session(cfg):
@@ -331,8 +362,36 @@ def _cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _interleave(s, arms: list[str], batches: list, warmup: int, chunk: int) -> dict[str, dict]:
+    """Both arms in one process, alternated every ``chunk`` steps (``arms[0]`` first): the root arm is the consumer's
+    own loop (:meth:`Session.step` after :meth:`Session.register`: reader thread, leases, cursor commits, journal),
+    the memory arm ``Session.train_step`` on the held batches, on the one model. Slow spells of the machine (seconds
+    long on the lent VMs) then fall on both arms alike. Each arm's figures: :func:`interleaved` (its first
+    ``prefetch_batches + 1`` steps after a switch not counted)."""
+    from artcache import registry
+
+    n, done = s.cfg.steps, {"root": 0, "memory": 0}
+    chunks: dict[str, list] = {"root": [], "memory": []}
+    s.register()
+    try:
+        while min(done.values()) < n:
+            for arm in arms:
+                s.timed = []
+                for _ in range(min(chunk, n - done[arm])):
+                    i = done[arm]
+                    s.step(i) if arm == "root" else s.train_step(batches[i], i)
+                    done[arm] += 1
+                if s.timed:
+                    chunks[arm].append(s.timed)
+        s.state = registry.COMPLETED
+    finally:
+        s.close()
+    handover = s.cfg.prefetch_batches + 1
+    return {arm: interleaved(chunks[arm], warmup, handover) for arm in arms}
+
+
 def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: float,
-           cpus: list[int] | None = None) -> dict:
+           cpus: list[int] | None = None, chunk: int = 0) -> dict:
     """One consumer of one arm, or of both (``root+memory``, ``memory+root``: :data:`PAIRED`): build it (and, for
     ``memory``, read and collate its batches), wait for the round's go, then train — ``root``: the consumer's own
     loop on the root (register, reader thread, leases, cursor commits, journal); ``memory``: ``Session.train_step``
@@ -349,12 +408,14 @@ def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: floa
     s = _timed_session(cfg)
     s.setup()  # reads the root, builds the draft, sets cfg.threads; registers nothing
     s.resume()
-    arms = mode.split("+")
+    arms = mode.replace("~", "+").split("+")
     batches = held_batches(s) if "memory" in arms else None
     wait_for_go(barrier, cfg.consumer_id, timeout_s)
     cpu_at_go = time.process_time()
     figures = {}
-    for phase, arm in enumerate(arms):
+    if mode in INTERLEAVED:
+        figures = _interleave(s, arms, batches, warmup, chunk)
+    for phase, arm in enumerate(arms if mode not in INTERLEAVED else []):
         if phase:
             wait_for_go(barrier, cfg.consumer_id, timeout_s, phase)
         s.timed = []
@@ -386,10 +447,11 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[str, dict[
     sets = getattr(args, "cpu_sets", None) or [None] * len(args.blocks)
     try:
         for block, cpus in zip(args.blocks, sets, strict=True):  # a consumer's CPUs are the same in every round
-            cid = f"dflash-b{block}-{mode.replace('+', '-')}-{k}"  # ids allow no "+"
+            cid = f"dflash-b{block}-{mode.replace('+', '-').replace('~', '-')}-{k}"  # ids allow no "+" or "~"
             cfg = consumer_config(args, root, block, out / "runs" / cid, cid)
             # the bench's process group (a terminal's Ctrl-C reaches them too), as before
-            roles[block] = Role(cid, worker_command(mode, cfg, args.warmup, barrier, args.timeout_s, cpus),
+            roles[block] = Role(cid, worker_command(mode, cfg, args.warmup, barrier, args.timeout_s, cpus,
+                                                    getattr(args, "chunk", 0)),
                                 logs / f"{cid}.log", worker_env(cfg.threads), new_session=False)
         release_round(barrier, roles, args.timeout_s)
         busy0, t0, cpu0 = machine_busy_s(), time.monotonic(), _cpu_s()
@@ -405,7 +467,7 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[str, dict[
     other = other_cores(busy0, busy1, own, t1 - t0)
     arms = {}
     for block, g in got.items():
-        for arm, figures in (g.pop("arms") if mode in PAIRED else {mode: {}}).items():
+        for arm, figures in (g.pop("arms") if mode in PAIRED + INTERLEAVED else {mode: {}}).items():
             arms.setdefault(arm, {})[block] = {**g, **figures, "mode": arm, "other_cores": other}
     return arms
 
@@ -422,10 +484,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--blocks", default="4,8,16", help="DFlash block sizes, one consumer each")
     ap.add_argument("--rounds", type=int, default=2, help="root / memory rounds, alternated")
-    ap.add_argument("--pairing", choices=("round", "process"), default="round",
+    ap.add_argument("--pairing", choices=("round", "process", "steps"), default="round",
                     help="round: each arm in processes of its own, rounds alternated; process: one process per "
                          "consumer runs both arms one after the other (order alternated per round), so the "
-                         "process's own speed, which varies from one process to the next, cancels in the ratio")
+                         "process's own speed, which varies from one process to the next, cancels in the ratio; "
+                         "steps: one process per consumer alternates the arms every --chunk steps, so the "
+                         "machine's slow spells fall on both")
+    ap.add_argument("--chunk", type=int, default=12,
+                    help="--pairing steps: steps of one arm between two switches (its first 3 after a switch are "
+                         "not counted)")
     ap.add_argument("--pin", choices=("auto", "off"), default="auto",
                     help="auto: pin each consumer process to CPUS_PER_WORKER logical CPUs of physical cores of its "
                          "own (the same in every round and both arms) when the machine has enough; off: leave them "
@@ -436,7 +503,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="the producer's torch threads")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     # one timed consumer process (worker_command): its arm, the round's barrier directory, its ConsumerConfig
-    ap.add_argument("--worker", choices=MODES + PAIRED, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=MODES + PAIRED + INTERLEAVED, help=argparse.SUPPRESS)
     ap.add_argument("--barrier", help=argparse.SUPPRESS)
     ap.add_argument("--cpus", help=argparse.SUPPRESS)
     ap.add_argument("config", nargs="?", help=argparse.SUPPRESS)
@@ -501,6 +568,9 @@ def check_args(args) -> None:
     if bad:
         raise ConfigError(f"{', '.join(bad)} is not accepted: --rounds, --steps and block sizes at least 1, --warmup "
                           "at least 0")
+    if args.pairing == "steps" and args.chunk < MIN_CHUNK:
+        raise ConfigError(f"--chunk {args.chunk} is not accepted: with --pairing steps at least {MIN_CHUNK} (the first "
+                          "3 steps after a switch are not counted)")
     if args.commit_interval is not None and not 0 <= args.commit_interval <= 60:
         raise ConfigError(f"--commit-interval {args.commit_interval:g} is not accepted: seconds in 0 .. 60")
     if measured_steps(args.warmup, args.steps) < MIN_MEASURED:
@@ -520,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
 
         setup_logging(False)
         cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
-        print(json.dumps(worker(args.worker, args.config, args.warmup, Path(args.barrier), args.timeout_s, cpus)))
+        print(json.dumps(worker(args.worker, args.config, args.warmup, Path(args.barrier), args.timeout_s, cpus,
+                                args.chunk)))
         return 0
     try:
         check_args(args)
@@ -566,7 +637,8 @@ def run(args, argv: list[str] | None) -> int:
     rounds: dict[str, list[dict[int, dict]]] = {"root": [], "memory": []}
     for k in range(args.rounds):
         order = MODES if k % 2 == 0 else MODES[::-1]
-        for mode in order if args.pairing == "round" else ["+".join(order)]:
+        for mode in order if args.pairing == "round" else ["~".join(order) if args.pairing == "steps" else
+                                                            "+".join(order)]:
             for arm, last in run_round(args, root, out, mode, k).items():
                 rounds[arm].append(last)
                 got = ", ".join(f"B{b} {r['steps_per_s']:.3f} steps/s ({1000 * r['cpu_s_per_step']:.0f} CPU ms/step)"

@@ -166,7 +166,7 @@ def test_a_second_run_on_the_same_out_does_not_find_the_last_go(tmp_path):
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("pairing", ["round", "process"])
+@pytest.mark.parametrize("pairing", ["round", "process", "steps"])
 def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path, pairing):
     """End to end on the tiny random target (one round): ``--fill`` captures every position, the refill and the
     consumers capture nothing, and report.json starts with the provenance every bench JSON carries (regression: the
@@ -178,14 +178,15 @@ def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path
     out = tmp_path / "offline"
     subprocess.run([sys.executable, "-m", "artcache.bench.offline", "--out", str(out), "--target", "random:tiny-llama",
                     "--data", "synthetic", "--max-samples", "8", "--max-length", "64", "--steps", "4", "--warmup", "1",
-                    "--rounds", "1", "--anchors", "4", "--timeout-s", "600", "--pairing", pairing], check=False,
+                    "--rounds", "1", "--anchors", "4", "--timeout-s", "600", "--pairing", pairing, "--chunk", "5"],
+                   check=False,
                    timeout=900, capture_output=True)
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["pairing"] == pairing and set(report["rounds"]) == {"root", "memory"}
     assert all(len(r) == 1 and set(r[0]) == {"B4", "B8", "B16"} and min(r[0].values()) > 0
                for r in report["rounds"].values())
     logs = sorted(p.name for p in (out / "logs").glob("dflash-*.log"))
-    assert len(logs) == (3 if pairing == "process" else 6), logs
+    assert len(logs) == (6 if pairing == "round" else 3), logs
     assert report["command"][1:3] == ["-m", "artcache.bench.offline"] and "commit" in report
     assert report["hardware"]["cpu_count"] >= 1
     checks = report["checks"]
@@ -196,7 +197,8 @@ def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path
 @pytest.mark.parametrize("flags, says", [(["--blocks", "junk"], "--blocks 'junk'"), (["--rounds", "0"], "--rounds 0"),
                                          (["--steps", "0"], "--steps 0"), (["--blocks", "4,0"], "--blocks 0"),
                                          (["--out", "FILE"], "a file, not a directory"),
-                                         (["--commit-interval", "-1"], "--commit-interval -1 is not accepted")])
+                                         (["--commit-interval", "-1"], "--commit-interval -1 is not accepted"),
+                                         (["--pairing", "steps", "--chunk", "4"], "--chunk 4 is not accepted")])
 def test_regression_bad_flags_are_refused_in_one_line_before_the_fill(tmp_path, capsys, flags, says):
     """Regression: ``--blocks junk`` and ``--out`` naming a file failed by a traceback, ``--rounds 0`` after the
     fill (an empty median), ``--steps 0`` as a consumer 'not ready'. All are refused at once, exit 2, one line."""
@@ -371,3 +373,18 @@ def test_regression_sigterm_to_the_bench_stops_its_workers(tmp_path):
 
         status = Path(f"/proc/{pid}/stat").read_text().split()[2]
         assert status == "Z", f"worker {pid} outlived the bench (state {status})"
+
+
+def test_interleaved_windows_leave_out_each_switch_and_pool_the_rest():
+    """Chunks of one arm, each step 1 s of wall time (0.9 s inside train_step) and 2 CPU s: the first chunk's window
+    starts after max(warmup, handover) steps, every later chunk's after ``handover``; the rates pool the windows."""
+    def chunk(t0: float, n: int) -> list[tuple[float, float, float]]:
+        return [(t0 + i + 0.1, t0 + i + 1.0, 2.0 * (t0 + i + 1.0)) for i in range(n)]
+
+    got = offline.interleaved([chunk(0, 8), chunk(100, 8), chunk(200, 2)], warmup=4, handover=3)
+    # counted: 8 - 4, 8 - 3, and none of a chunk no longer than the handover
+    assert got["measured_steps"] == [9, 3] and got["steps"] == 18
+    assert got["steps_per_s"] == pytest.approx(1.0) and got["cpu_s_per_step"] == pytest.approx(2.0)
+    assert got["train_step_share"] == pytest.approx(0.9)
+    slow = offline.interleaved([chunk(0, 8), [(100 + 2 * i + 0.1, 100 + 2 * i + 2.0, 0.0) for i in range(8)]], 3, 3)
+    assert slow["steps_per_s"] == pytest.approx(10 / (5 + 10))  # 5 steps in 5 s, then 5 in 10 s
