@@ -41,7 +41,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from artcache.errors import ArtcacheError, ConfigError, WorkerFailed
 from artcache.fsio import atomic_write
 from artcache.launch import Role, stop_all
 from artcache.layout import CacheLayout
+from artcache.shutdown import GracefulShutdown
 
 GOAL = 0.95
 #: the two arms, in round 0's order (alternated every round)
@@ -595,18 +595,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         check_args(args)
-        # SIGTERM as Ctrl-C: the round's finally stops its workers (SIGTERM, then SIGKILL) before the bench exits
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
+        # the first SIGTERM / Ctrl-C interrupts the bench: the round's finally stops its workers (SIGTERM, then
+        # SIGKILL) before it exits
+        with GracefulShutdown("bench.offline", asked="stopping the round's workers", on_request=_interrupt):
             return run(args, argv)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
     except ArtcacheError as exc:  # bad input (exit 2) or a failed worker (exit 1): one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("error: stopped by a signal; the round's workers were stopped, no report written", file=sys.stderr)
         return 130
+
+
+def _interrupt(signum: int) -> None:
+    """:class:`GracefulShutdown`'s ``on_request`` of the bench: unwind at once (the workers are stopped by the
+    round's ``finally``; a measurement cannot finish early)."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run(args, argv: list[str] | None) -> int:

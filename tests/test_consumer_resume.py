@@ -104,8 +104,9 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
     procs = [prod]
     try:
         sib = Proc("sib", consume_args(cache, tmp_path, "sib", 100_000), tmp_path)
-        a = Proc("a", consume_args(cache, tmp_path, "a", STEPS, "--save-every", "3"), tmp_path,
-                 crash_at="cursor.after-commit:6")
+        # --commit-interval 0: a's n-th cursor commit is its n-th step (the default commits when due)
+        a = Proc("a", consume_args(cache, tmp_path, "a", STEPS, "--save-every", "3", "--commit-interval", "0"),
+                 tmp_path, crash_at="cursor.after-commit:6")
         b = Proc("b", consume_args(cache, tmp_path, "b", STEPS, "--save-every", "2"), tmp_path,
                  crash_at="checkpoint.after-record:2")
         procs += [sib, a, b]
