@@ -597,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         # the first SIGTERM / Ctrl-C interrupts the bench: the round's finally stops its workers (SIGTERM, then
         # SIGKILL) before it exits
-        with GracefulShutdown("bench.offline", asked="stopping the round's workers", on_request=_interrupt):
+        with GracefulShutdown("bench.offline", asked="stopping the round's workers now",
+                              on_request=_interrupt):
             return run(args, argv)
     except ArtcacheError as exc:  # bad input (exit 2) or a failed worker (exit 1): one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
