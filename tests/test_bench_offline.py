@@ -273,6 +273,15 @@ def _worker_pid(barrier, cid: str, timeout_s: float) -> int:
     raise AssertionError(f"no process of {cid} under /proc")
 
 
+def _start_bench(out):
+    """The whole bench as a child process (tiny random target, one round of 60 steps: long enough to signal)."""
+    argv = ["--out", str(out), "--target", "random:tiny-llama", "--data", "synthetic", "--max-samples", "64",
+            "--max-length", "32", "--steps", "60", "--warmup", "1", "--rounds", "1", "--anchors", "4",
+            "--timeout-s", "120"]
+    return subprocess.Popen([sys.executable, "-m", "artcache.bench.offline", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.reliability
 @pytest.mark.timeout(300)
 def test_regression_a_worker_killed_after_the_go_ends_the_bench_in_one_line(tmp_path):
@@ -284,11 +293,7 @@ def test_regression_a_worker_killed_after_the_go_ends_the_bench_in_one_line(tmp_
     import signal
 
     out = tmp_path / "offline"
-    argv = ["--out", str(out), "--target", "random:tiny-llama", "--data", "synthetic", "--max-samples", "64",
-            "--max-length", "32", "--steps", "60", "--warmup", "1", "--rounds", "1", "--anchors", "4",
-            "--timeout-s", "120"]
-    bench = subprocess.Popen([sys.executable, "-m", "artcache.bench.offline", *argv], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    bench = _start_bench(out)
     try:
         barrier = out / "barriers" / "root-0"
         os.kill(_worker_pid(barrier, "dflash-b16-root-0", 200), signal.SIGKILL)
@@ -351,11 +356,7 @@ def test_regression_sigterm_to_the_bench_stops_its_workers(tmp_path):
     import signal
 
     out = tmp_path / "offline"
-    argv = ["--out", str(out), "--target", "random:tiny-llama", "--data", "synthetic", "--max-samples", "64",
-            "--max-length", "32", "--steps", "60", "--warmup", "1", "--rounds", "1", "--anchors", "4",
-            "--timeout-s", "120"]
-    bench = subprocess.Popen([sys.executable, "-m", "artcache.bench.offline", *argv], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    bench = _start_bench(out)
     try:
         barrier = out / "barriers" / "root-0"
         pids = [_worker_pid(barrier, f"dflash-b{b}-root-0", 200) for b in (4, 8, 16)]
