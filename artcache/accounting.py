@@ -36,6 +36,8 @@ class ConsumerCounts(msgspec.Struct, kw_only=True):
     state: str = "running"
     error: str = ""
     steps: int = 0
+    # one past the last position trained on: the journal's last Step (or ConsumerEnd) cursor. The registration's
+    # committed cursor may lag it by up to the consumer's --commit-interval (docs/protocol.md)
     cursor: int = 0
     logical_requests: int = 0
     hits: int = 0

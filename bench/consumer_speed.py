@@ -558,7 +558,7 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--commit-intervals",
         type=_commit_intervals,
         default=None,
-        help="comma list of the consumer's --commit-interval values (seconds, 0 .. 60): each from-cache row of the "
+        help="comma list of the consumer's --commit-interval values (seconds, 0 .. 10): each from-cache row of the "
         "plan is run once per value, in order (e.g. 0,0.25,0,0.25 alternates them), each recording its "
         "commit_interval_s; in-memory rows run once (default: the consumer's own default)",
     )
@@ -568,15 +568,17 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 
 def _commit_intervals(text: str) -> list[float]:
-    """``--commit-intervals`` parsed: seconds in 0 .. 60 (the consumer's ``--commit-interval`` range).
+    """``--commit-intervals`` parsed: seconds in 0 .. MAX_COMMIT_INTERVAL_S (the consumer's ``--commit-interval``).
     argparse.ArgumentTypeError (a one-line usage error, exit 2) names a bad value."""
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not accepted: comma-separated seconds, e.g. 0,0.25") from None
-    bad = [v for v in values if not 0 <= v <= 60]
+    from artcache.trainers.consumer.config import MAX_COMMIT_INTERVAL_S
+
+    bad = [v for v in values if not 0 <= v <= MAX_COMMIT_INTERVAL_S]
     if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]:g} is not accepted: seconds in 0 .. 60")
+        raise argparse.ArgumentTypeError(f"{bad[0]:g} is not accepted: seconds in 0 .. {MAX_COMMIT_INTERVAL_S:g}")
     return values
 
 

@@ -66,6 +66,8 @@ PAIRED = ("root+memory", "memory+root")
 INTERLEAVED = ("root~memory", "memory~root")
 #: the shortest ``--chunk``: the consumer's default handover (``prefetch_batches + 1`` = 3 steps) and 2 counted
 MIN_CHUNK = 5
+#: ``--chunk`` when ``--pairing steps`` is given without it
+DEFAULT_CHUNK = 12
 #: logical CPUs a pinned consumer process gets (``--pin auto``): its trainer thread and its reader thread
 CPUS_PER_WORKER = 2
 #: what a run writes under ``--out``; a second run on an ``--out`` holding any of them is refused (:func:`check_out`)
@@ -204,6 +206,16 @@ def _figures(windows: list[tuple[int, float, float, float]]) -> dict:
     counted, wall, cpu, inside = (sum(w[i] for w in windows) for i in range(4))
     return {"steps_per_s": counted / wall if wall > 0 else 0.0, "cpu_s_per_step": cpu / counted if counted > 0 else 0.0,
             "train_step_share": inside / wall if wall > 0 else 0.0, "threads": torch.get_num_threads()}
+
+
+def interleaved_steps(warmup: int, steps: int, chunk: int, handover: int) -> int:
+    """How many steps :func:`interleaved` counts per arm of a run of ``warmup + steps`` steps alternated every
+    ``chunk`` (the first chunk's first ``max(warmup, handover)`` steps and every later chunk's first ``handover`` left
+    out)."""
+    n = warmup + steps
+    sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    skips = [max(warmup, handover, 1)] + [max(handover, 1)] * (len(sizes) - 1)
+    return sum(max(0, size - skip) for size, skip in zip(sizes, skips, strict=True))
 
 
 def interleaved(chunks: list[list[tuple[float, float, float]]], warmup: int, handover: int) -> dict:
@@ -490,9 +502,9 @@ def _parser() -> argparse.ArgumentParser:
                          "process's own speed, which varies from one process to the next, cancels in the ratio; "
                          "steps: one process per consumer alternates the arms every --chunk steps, so the "
                          "machine's slow spells fall on both")
-    ap.add_argument("--chunk", type=int, default=12,
-                    help="--pairing steps: steps of one arm between two switches (its first 3 after a switch are "
-                         "not counted)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help=f"--pairing steps only: steps of one arm between two switches (default {DEFAULT_CHUNK}; its "
+                         "first 3 after a switch are not counted)")
     ap.add_argument("--pin", choices=("auto", "off"), default="auto",
                     help="auto: pin each consumer process to CPUS_PER_WORKER logical CPUs of physical cores of its "
                          "own (the same in every round and both arms) when the machine has enough; off: leave them "
@@ -568,11 +580,28 @@ def check_args(args) -> None:
     if bad:
         raise ConfigError(f"{', '.join(bad)} is not accepted: --rounds, --steps and block sizes at least 1, --warmup "
                           "at least 0")
-    if args.pairing == "steps" and args.chunk < MIN_CHUNK:
-        raise ConfigError(f"--chunk {args.chunk} is not accepted: with --pairing steps at least {MIN_CHUNK} (the first "
-                          "3 steps after a switch are not counted)")
-    if args.commit_interval is not None and not 0 <= args.commit_interval <= 60:
-        raise ConfigError(f"--commit-interval {args.commit_interval:g} is not accepted: seconds in 0 .. 60")
+    if args.chunk is not None and args.pairing != "steps":
+        raise ConfigError(f"--chunk {args.chunk} is not accepted with --pairing {args.pairing}: it goes with --pairing "
+                          "steps")
+    if args.pairing == "steps":
+        from artcache.trainers.consumer import ConsumerConfig
+
+        args.chunk = DEFAULT_CHUNK if args.chunk is None else args.chunk
+        if args.chunk < MIN_CHUNK:
+            raise ConfigError(f"--chunk {args.chunk} is not accepted: with --pairing steps at least {MIN_CHUNK} (the "
+                              "first 3 steps after a switch are not counted)")
+        handover = ConsumerConfig(cache="-").prefetch_batches + 1  # the bench's consumers keep the default
+        counted = interleaved_steps(args.warmup, args.steps, args.chunk, handover)
+        if counted < MIN_MEASURED:
+            raise ConfigError(f"--warmup {args.warmup} --steps {args.steps} --chunk {args.chunk} is not accepted with "
+                              f"--pairing steps: it measures {counted} steps per arm (the first max(--warmup, "
+                              f"{handover}) steps of the first chunk and {handover} of every later one are not "
+                              f"counted); at least {MIN_MEASURED}: raise --steps")
+    from artcache.trainers.consumer.config import MAX_COMMIT_INTERVAL_S
+
+    if args.commit_interval is not None and not 0 <= args.commit_interval <= MAX_COMMIT_INTERVAL_S:
+        raise ConfigError(f"--commit-interval {args.commit_interval:g} is not accepted: seconds in 0 .. "
+                          f"{MAX_COMMIT_INTERVAL_S:g}")
     if measured_steps(args.warmup, args.steps) < MIN_MEASURED:
         raise ConfigError(f"--warmup {args.warmup} --steps {args.steps} is not accepted: it measures "
                           f"{measured_steps(args.warmup, args.steps)} steps (the end of step max(--warmup, 1) starts "

@@ -198,7 +198,10 @@ def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path
                                          (["--steps", "0"], "--steps 0"), (["--blocks", "4,0"], "--blocks 0"),
                                          (["--out", "FILE"], "a file, not a directory"),
                                          (["--commit-interval", "-1"], "--commit-interval -1 is not accepted"),
-                                         (["--pairing", "steps", "--chunk", "4"], "--chunk 4 is not accepted")])
+                                         (["--pairing", "steps", "--chunk", "4"], "--chunk 4 is not accepted"),
+                                         (["--chunk", "6"], "--chunk 6 is not accepted with --pairing round"),
+                                         (["--pairing", "steps", "--chunk", "5", "--steps", "1", "--warmup", "2"],
+                                          "it measures 0 steps per arm")])
 def test_regression_bad_flags_are_refused_in_one_line_before_the_fill(tmp_path, capsys, flags, says):
     """Regression: ``--blocks junk`` and ``--out`` naming a file failed by a traceback, ``--rounds 0`` after the
     fill (an empty median), ``--steps 0`` as a consumer 'not ready'. All are refused at once, exit 2, one line."""
@@ -391,3 +394,17 @@ def test_interleaved_windows_leave_out_each_switch_and_pool_the_rest():
     assert got["train_step_share"] == pytest.approx(0.9)
     slow = offline.interleaved([chunk(0, 8), [(100 + 2 * i + 0.1, 100 + 2 * i + 2.0, 0.0) for i in range(8)]], 3, 3)
     assert slow["steps_per_s"] == pytest.approx(10 / (5 + 10))  # 5 steps in 5 s, then 5 in 10 s
+
+
+def test_regression_interleaved_steps_counts_what_interleaved_measures():
+    """Regression (break test): ``--pairing steps --steps 1 --warmup 2 --chunk 5`` passed the checks, counted 0 steps
+    per arm and ended in a ZeroDivisionError after the rounds. The count the check uses is the one :func:`interleaved`
+    measures, for every split of a run into chunks."""
+    def chunk(n: int) -> list[tuple[float, float, float]]:
+        return [(i + 0.5, i + 1.0, 0.0) for i in range(n)]
+
+    for warmup, steps, k in [(2, 1, 5), (3, 20, 5), (3, 150, 12), (0, 7, 5), (5, 30, 6)]:
+        n = warmup + steps
+        sizes = [k] * (n // k) + ([n % k] if n % k else [])
+        got = offline.interleaved([chunk(m) for m in sizes], warmup, 3)["measured_steps"][0]
+        assert offline.interleaved_steps(warmup, steps, k, 3) == got, (warmup, steps, k)

@@ -55,7 +55,7 @@ def test_interval_0_commits_after_every_step(filled, tmp_path):
 def test_a_pending_commit_waits_for_the_interval_then_the_last_step_commits(filled, tmp_path):
     """A wide window and a long interval: nothing is committed until the last step, whose commit holds every
     position; the steps train on the same batches as with a commit after every step."""
-    seen, summary = _run(filled, tmp_path, "lazy", (0, 64), 60.0, checkpoints=False)
+    seen, summary = _run(filled, tmp_path, "lazy", (0, 64), 10.0, checkpoints=False)
     assert seen == [0] * (STEPS - 1) + [STEPS * BATCH]
     reg = registry.read(CacheLayout(filled), "lazy")
     assert (reg.cursor, reg.state) == (STEPS * BATCH, "completed")
@@ -67,7 +67,7 @@ def test_the_commit_comes_once_the_committed_window_would_hold_the_reader_back(f
     """Lookahead 12, batch 2, 2 batches prefetched: the reader wants positions up to ``cursor + 5`` and may read up
     to ``committed + 12``, so a commit falls due once 8 positions are pending (every 4th step), however long the
     interval; between commits the reader was never held back."""
-    seen, _ = _run(filled, tmp_path, "window", (0, 12), 60.0, checkpoints=False)
+    seen, _ = _run(filled, tmp_path, "window", (0, 12), 10.0, checkpoints=False)
     assert seen == [0, 0, 0, 8, 8, 8, 8, 16]
     for i, committed in enumerate(seen):
         assert committed + 12 >= BATCH * (i + 1) + 5
@@ -76,7 +76,7 @@ def test_the_commit_comes_once_the_committed_window_would_hold_the_reader_back(f
 def test_a_checkpoint_commits_its_cursor_before_recording_it(filled, tmp_path):
     """``--save-every 3`` with a long interval: each checkpoint (after steps 3 and 6) commits first, since the
     registry refuses a checkpoint cursor past the committed one; the final checkpoint commits with its record."""
-    seen, summary = _run(filled, tmp_path, "ckpt", (0, 64), 60.0, save_every=3)
+    seen, summary = _run(filled, tmp_path, "ckpt", (0, 64), 10.0, save_every=3)
     assert seen == [0, 0, 0, 6, 6, 6, 12, 16]
     reg = registry.read(CacheLayout(filled), "ckpt")
     assert (reg.cursor, reg.checkpoint_cursor, summary["steps"]) == (16, 16, STEPS)

@@ -321,7 +321,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="Artifacts of one batch read at once (1 .. 64; more hide per-file latency on a slow or network "
                    "filesystem).")
 @click.option("--commit-interval", default=0.25, type=float,
-              help="Commit the cursor at most every S seconds (0 .. 60; 0: after every step); also at once when the "
+              help="Commit the cursor at most every S seconds (0 .. 10; 0: after every step); also at once when the "
                    "committed window would hold the reader back, before checkpoints and evaluations, at the end.")
 @_errors
 @_with_config("consume")

@@ -18,6 +18,11 @@ __all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_anc
            "parse_window", "run_settings"]
 
 
+#: the longest ``--commit-interval`` (seconds): a third of the producer's rate window
+#: (:class:`artcache.eviction.RateEstimator`, 30 s), so a consumer between two commits never reads as stopped there
+MAX_COMMIT_INTERVAL_S = 10.0
+
+
 class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One consumer's settings (CLI flags map onto these fields).
 
@@ -48,9 +53,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (``--read-workers``, default 1: one after another). More hide per-file latency on a slow or network
             filesystem; on a local, page-cached root the H200 measured no gain from 4 (docs/training.md, "GPU
             speed").
-        commit_interval_s: commit the cursor at most this often (seconds; 0: after every step). A commit is a
-            locked read and atomic rewrite of the consumer's registration (about 1.1 ms of the trainer thread's
-            time on a CPU core; docs/training.md, "Cursor commits"), 4 % of a 25 ms step when paid every step. The
+        commit_interval_s: commit the cursor at most this often (seconds, 0 … :data:`MAX_COMMIT_INTERVAL_S`; 0: after
+            every step). A commit is a locked read and atomic rewrite of the consumer's registration (about 1.1 ms
+            of the trainer thread's time on a CPU core; docs/training.md, "Cursor commits"), 4 % of a 25 ms step
+            when paid every step. The
             cursor is also committed at once whenever the committed window would hold the reader back (it reads
             only inside ``[committed cursor, committed cursor + lookahead]``), before every checkpoint and
             evaluation, after the last step, and after every step in a lockstep group. Trained positions not yet
@@ -138,7 +144,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_s: float = 2.0
     prefetch_batches: Count = 2
     read_workers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
-    commit_interval_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.25
+    commit_interval_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_COMMIT_INTERVAL_S)] = 0.25
     log_every: Count = 10
     lockstep_group: str = ""
     layer_ids: list[int] | None = None
