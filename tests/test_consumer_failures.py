@@ -77,7 +77,8 @@ def test_regression_metrics_cover_every_checkpointed_step_after_sigkill(tmp_path
     prod = producer(cache, tiny_target, tmp_path, "producer")
     procs = [prod]
     try:
-        args = consume_args(cache, tmp_path, "m", STEPS, "--save-every", "2")
+        # --commit-interval 0: the 5th cursor commit is the 5th step (the default commits when due)
+        args = consume_args(cache, tmp_path, "m", STEPS, "--save-every", "2", "--commit-interval", "0")
         args[args.index("--log-every") + 1] = "100"  # no log-driven flush before the kill
         m = Proc("m", args, tmp_path, crash_at="cursor.after-commit:5")
         procs.append(m)
