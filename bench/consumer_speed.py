@@ -424,7 +424,7 @@ def make_root(
 
 def from_cache(
     root: Path, draft: str, variant: str, steps: int, device, view: list[int] | None = None,
-    profile_out: Path | None = None, run: int = 0, commit_interval_s: float | None = None,
+    profile_out: Path | None = None, run: int = 0, commit_interval_s: float | None = None, reader: str = "thread",
 ) -> dict:
     """``run_consumer`` on ``root`` for ``steps`` steps of 8 sequences (``run``: this row's index among the
     rows of the same draft and variant, so a repeated row is a consumer of its own with its own run directory;
@@ -467,6 +467,7 @@ def from_cache(
         compile=comp,
         loss_impl=impl,
         read_workers=int(workers or 1),
+        reader=reader,
         **({} if commit_interval_s is None else {"commit_interval_s": commit_interval_s}),
         **kw,
     )
@@ -509,6 +510,7 @@ def from_cache(
         "final_loss": s["final_loss"],
         "read_workers": read_workers(cfg),
         "commit_interval_s": cfg.commit_interval_s,
+        "reader": cfg.reader,
         "host_ms_per_step": s["host_ms_per_step"],
         "gpu_util_median_pct": util,
     }
@@ -562,6 +564,13 @@ def _arg_parser() -> argparse.ArgumentParser:
         "plan is run once per value, in order (e.g. 0,0.25,0,0.25 alternates them), each recording its "
         "commit_interval_s; in-memory rows run once (default: the consumer's own default)",
     )
+    ap.add_argument(
+        "--readers",
+        type=_readers,
+        default=None,
+        help="comma list of the consumer's --reader values (thread, process): each from-cache row of the plan is run "
+        "once per value (and per --commit-intervals value), in order, each recording its reader (default: thread)",
+    )
     ap.add_argument("--root", default="/tmp/artcache-consumer-speed",
                     help="scratch directory: its cache/ and runs/ of an earlier run are removed at start")
     return ap
@@ -579,6 +588,18 @@ def _commit_intervals(text: str) -> list[float]:
     bad = [v for v in values if not 0 <= v <= MAX_COMMIT_INTERVAL_S]
     if bad:
         raise argparse.ArgumentTypeError(f"{bad[0]:g} is not accepted: seconds in 0 .. {MAX_COMMIT_INTERVAL_S:g}")
+    return values
+
+
+def _readers(text: str) -> list[str]:
+    """``--readers`` parsed: each ``thread`` or ``process`` (the consumer's ``--reader``); argparse.ArgumentTypeError
+    names a bad value."""
+    from artcache.trainers.consumer.reader_process import READERS
+
+    values = [v.strip() for v in text.split(",")]
+    bad = [v for v in values if v not in READERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not accepted: comma-separated {' or '.join(READERS)}")
     return values
 
 
@@ -737,7 +758,7 @@ def main() -> None:
 
     root_info = None
 
-    def cached(part: str, variant: str, commit_s: float | None) -> dict:
+    def cached(part: str, variant: str, commit_s: float | None, reader: str) -> dict:
         nonlocal root_info
         draft = part.removeprefix("cache-")
         name, _, arch, bargs, flops_fn, kw = shapes[draft]
@@ -751,7 +772,7 @@ def main() -> None:
         if prof_out is not None and run:
             prof_out = prof_out.with_name(f"{prof_out.stem}-{run}{prof_out.suffix}")
         row.update(from_cache(Path(args.root) / "cache", draft, variant, args.cache_steps, device,
-                              profile_out=prof_out, run=run, commit_interval_s=commit_s))
+                              profile_out=prof_out, run=run, commit_interval_s=commit_s, reader=reader))
         cfg = build(draft, arch, "main", device, **kw)[1]
         row.update(rates(row, 8, 1024))
         row.update(
@@ -762,16 +783,16 @@ def main() -> None:
         return row
 
     intervals = args.switch_intervals_ms or [sys.getswitchinterval() * 1e3]
-    commits = args.commit_intervals or [None]
-    runs = ((i, c, pv) for i in intervals for k, c in enumerate(commits) for pv in plan
-            if k == 0 or pv[0].startswith("cache-"))  # in-memory rows commit nothing: once
-    for interval_ms, commit_s, (part, variant) in runs:
+    consumers = [(c, r) for c in args.commit_intervals or [None] for r in args.readers or ["thread"]]
+    runs = ((i, c, r, pv) for i in intervals for k, (c, r) in enumerate(consumers) for pv in plan
+            if k == 0 or pv[0].startswith("cache-"))  # in-memory rows have no consumer settings: once
+    for interval_ms, commit_s, reader, (part, variant) in runs:
         sys.setswitchinterval(interval_ms / 1e3)
         if over():
             print(f"skip {part}:{variant}: past --budget-s", flush=True)
             continue
         try:
-            row = cached(part, variant, commit_s) if part.startswith("cache-") else in_memory(part, variant)
+            row = cached(part, variant, commit_s, reader) if part.startswith("cache-") else in_memory(part, variant)
         except Exception as exc:  # one failing variant must not lose the others' figures
             row = {
                 "name": part,

@@ -103,7 +103,8 @@ def consumer_config(args, root: Path, block: int, run_dir: Path, cid: str):
     return ConsumerConfig(cache=str(root), consumer_id=cid, draft="dflash", block_size=block,
                           num_anchors=args.anchors, batch_size=1, steps=args.warmup + args.steps,
                           lookbehind=0, lookahead=8, threads=1, out_dir=str(run_dir), progress=False,
-                          tensorboard=False, log_every=10, **({} if commit is None else {"commit_interval_s": commit}))
+                          tensorboard=False, log_every=10, reader=getattr(args, "reader", "thread"),
+                          **({} if commit is None else {"commit_interval_s": commit}))
 
 
 def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float,
@@ -512,6 +513,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--commit-interval", type=float, default=None,
                     help="the consumers' --commit-interval in seconds (0: a cursor commit after every step; default: "
                          "the consumer's own)")
+    ap.add_argument("--reader", choices=("thread", "process"), default="thread",
+                    help="the root arm's reader: a thread beside the trainer, or a process of its own "
+                         "(consume --reader)")
     ap.add_argument("--threads", type=int, default=1, help="the producer's torch threads")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     # one timed consumer process (worker_command): its arm, the round's barrier directory, its ConsumerConfig

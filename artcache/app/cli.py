@@ -323,6 +323,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--commit-interval", default=0.25, type=float,
               help="Commit the cursor at most every S seconds (0 .. 10; 0: after every step); also at once when the "
                    "committed window would hold the reader back, before checkpoints and evaluations, at the end.")
+@click.option("--reader", default="thread", type=click.Choice(("thread", "process")),
+              help="Where the reader runs: thread (beside the trainer) or process (a child process of its own that "
+                   "reads into shared memory: its Python never holds the trainer's GIL; Linux).")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps,
@@ -330,7 +333,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            epochs=0):
+            reader="thread", epochs=0):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
@@ -357,7 +360,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         min_vocab_coverage=min_vocab_coverage, keep_vocab_map=keep_vocab_map or None,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
         progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
-        length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval)
+        length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
+        reader=reader)
     cfg.validate()
     summary = run_consumer(cfg)
     click.echo(json.dumps(summary), err=False)

@@ -4,6 +4,7 @@ the LR schedule, and the settings that define a run (``--resume`` refuses when o
 from __future__ import annotations
 
 import math
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -53,6 +54,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (``--read-workers``, default 1: one after another). More hide per-file latency on a slow or network
             filesystem; on a local, page-cached root the H200 measured no gain from 4 (docs/training.md, "GPU
             speed").
+        reader: where the reader runs (``--reader``): ``thread`` (default), beside the trainer in its interpreter;
+            ``process``, a child process of its own that leases, reads, verifies and collates into a shared-memory
+            ring the trainer steps on without a copy (:mod:`.reader_process`; Linux), so the reader's Python never
+            holds the trainer's GIL (docs/training.md, "The reader in a process of its own").
         commit_interval_s: commit the cursor at most this often (seconds, 0 … :data:`MAX_COMMIT_INTERVAL_S`; 0: after
             every step). A commit is a locked read and atomic rewrite of the consumer's registration (about 1.1 ms
             of the trainer thread's time on a CPU core; docs/training.md, "Cursor commits"), 4 % of a 25 ms step
@@ -145,6 +150,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefetch_batches: Count = 2
     read_workers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     commit_interval_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_COMMIT_INTERVAL_S)] = 0.25
+    reader: Literal["thread", "process"] = "thread"
     log_every: Count = 10
     lockstep_group: str = ""
     layer_ids: list[int] | None = None
@@ -189,6 +195,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.best_metric is not None and not self.eval_samples:
             raise ConfigError(f"--best-metric {self.best_metric} needs a held-out split: pass --eval-samples N")
         check_best_metric(self)
+        if self.reader == "process" and not hasattr(os, "memfd_create"):
+            raise ConfigError("--reader process needs Linux (memfd_create); use --reader thread here")
         if self.save_every and not self.checkpoints:
             raise ConfigError(f"--save-every {self.save_every} needs checkpoints, but this run writes none "
                               "(checkpoints = false); leave --save-every at 0 or turn checkpoints on")

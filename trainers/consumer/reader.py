@@ -47,6 +47,11 @@ class Fetched:
     batch: DraftBatch | None = None
     ready: object | None = None
 
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """The batch's run positions, in order (a reader process hands over no leases: its batch's)."""
+        return tuple(it.position for it in self.items) if self.items else self.batch.positions
+
     def wait(self) -> DraftBatch:
         """The batch, usable on the current CUDA stream (which waits on ``ready``; no host wait)."""
         if self.ready is not None:
@@ -118,8 +123,21 @@ class Reader(threading.Thread):
         self.workers = max(1, int(workers))  # positions of one batch leased and read at once
         self.out: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
+        self.retired = Retired()
         self._cond = threading.Condition()
         self._cursor = start_pos
+
+    def done(self, fetched: Fetched) -> None:
+        """The trainer stepped on ``fetched``: release its leases (its positions are still inside the window) and keep
+        its host buffers until its copies completed (:class:`Retired`)."""
+        for it in fetched.items:
+            self.client.release(it)
+        self.retired.retire(fetched)
+
+    def drain(self) -> None:
+        """After :meth:`join`: release the leases of batches read but never stepped on, and wait for every copy."""
+        drain(self, self.client)
+        self.retired.clear()
 
     def authorize(self, cursor: int) -> None:
         with self._cond:

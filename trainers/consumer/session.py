@@ -88,7 +88,8 @@ from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_ma
 from artcache.trainers.tracking import Progress, RunTracker
 
 from .config import ConsumerConfig, check_anchors, lr_at, read_workers, run_settings
-from .reader import DeviceCollator, Fetched, Reader, Retired, collate, drain, group_cursor
+from .reader import DeviceCollator, Fetched, Reader, collate, group_cursor
+from .reader_process import ProcessReader, Start, slot_bytes
 from .restore import (
     check_same_draft,
     find_resume,
@@ -191,7 +192,6 @@ class Session:
                                          asked="stopping after the current step")
         self.pending: list[_StepRecord] = []  # steps whose figures are not written yet (_flush_metrics)
         self.last_progress: float | None = None
-        self.retired = Retired()
         self.bad_step: torch.Tensor | None = None  # device flag: first step with a non-finite loss/grad (-1: none)
         self.bad_what: torch.Tensor | None = None  # 1: loss, 2: gradient norm, 3: both
         self.diverged = False
@@ -378,9 +378,12 @@ class Session:
         self.client = CacheClient(layout, self.settings, self.plan, self.handle, self.journal, cfg.demand_timeout_s,
                                   pin=self.device.type == "cuda", epoch_len=self.epoch_len)
         group = [m for m in cfg.lockstep_group.split(",") if m]
-        self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
-                             end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
-                             collate=self._collator(), workers=read_workers(cfg))
+        if cfg.reader == "process":
+            self.reader = self._reader_process(reg, group)
+        else:
+            self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
+                                 end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
+                                 collate=self._collator(), workers=read_workers(cfg))
         # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled", leases
         # released, journal closed (in the main thread only; the previous handlers come back in close())
         self.shutdown.install()
@@ -436,11 +439,34 @@ class Session:
     def _collator(self):
         """The reader thread's collate: on the device without host copies (CUDA), else :func:`collate`."""
         if self.device.type == "cuda":  # length buckets only help a compiled draft (few shapes)
-            speed = getattr(self.draft, "speed", None)
-            bucket = self.cfg.length_bucket if speed is not None and speed.compile != "off" else 0
-            return DeviceCollator(self.device, self.layers, bucket)
+            return DeviceCollator(self.device, self.layers, self._length_bucket())
         device, layers = self.device, self.layers
         return lambda items: Fetched(items, collate(items, device, layers))
+
+    def _length_bucket(self) -> int:
+        """Pad batch lengths to a multiple of this on CUDA when the draft is compiled (few shapes); else 0."""
+        speed = getattr(self.draft, "speed", None)
+        compiled = self.device.type == "cuda" and speed is not None and speed.compile != "off"
+        return self.cfg.length_bucket if compiled else 0
+
+    def _reader_process(self, reg: registry.Registration, group: list[str]) -> ProcessReader:
+        """``--reader process``: the reader in a child process (:mod:`.reader_process`), its ring of
+        ``prefetch_batches + 3`` slots sized for a full batch at the root's max length."""
+        cfg, contract = self.cfg, self.settings.contract
+        layers = (None if self.layers is None else list(range(self.layers.start, self.layers.stop))
+                  if isinstance(self.layers, slice) else [int(i) for i in self.layers])
+        m = len(contract.layer_ids) if layers is None else len(layers)
+        bucket = self._length_bucket()
+        tokens = contract.max_length if bucket <= 1 else -(-contract.max_length // bucket) * bucket
+        start = Start(root=str(self.layout.root), consumer_id=cfg.consumer_id, generation=reg.generation,
+                      start_pos=reg.cursor, batch=cfg.batch_size, lookahead=cfg.lookahead, depth=cfg.prefetch_batches,
+                      end=self.end, workers=read_workers(cfg), demand_timeout_s=cfg.demand_timeout_s,
+                      epoch_len=self.epoch_len, layers=layers,
+                      hidden_dtype="bfloat16" if self.device.type == "cuda" else None,
+                      slots=cfg.prefetch_batches + 3,
+                      slot_bytes=slot_bytes(cfg.batch_size, tokens, m, self.draft.target_info.hidden_size),
+                      group=group, length_bucket=bucket, log_level=logging.getLogger("artcache").getEffectiveLevel())
+        return ProcessReader(start, self.device)
 
     def _collate_eval(self, items: list[Leased], with_last: bool) -> DraftBatch:
         return collate(items, self.device, self.layers, self.last_index if with_last else None)
@@ -488,19 +514,17 @@ class Session:
         :class:`DeviceCollator`), the metric sums stay on the device until :meth:`_flush_metrics`."""
         t0 = time.monotonic()
         fetched = self._next_batch()
-        got = fetched.items
         wait_s = time.monotonic() - t0
         self.wait_total += wait_s
         batch = fetched.wait()
         self.consistent = False  # from the anchor draw on, until the step's cursor is set
         sums, lr = self.train_step(batch, step_index)
         t_launched = time.monotonic()
-        self.cursor = got[-1].position + 1
-        # the step no longer needs the batch's bytes: release its leases while its positions are
-        # still inside the window (it counts from the committed cursor, <= this one), then commit when due
-        for it in got:
-            self.client.release(it)
-        self.retired.retire(fetched)  # its host buffers live until its copies completed
+        self.cursor = fetched.positions[-1] + 1
+        # the step no longer needs the batch's bytes: release its leases while its positions are still inside the
+        # window (it counts from the committed cursor, <= this one), keep its host buffers until its copies
+        # completed (a reader process: hand its slot back), then commit when due
+        self.reader.done(fetched)
         self.steps_done, self.consistent = step_index + 1, True
         t_released = time.monotonic()
         if self._commit_due():
@@ -792,8 +816,7 @@ class Session:
         self.reader.stop.set()
         self.beat_stop.set()
         self.reader.join(timeout=5)
-        drain(self.reader, self.client)
-        self.retired.clear()
+        self.reader.drain()
         try:
             self._flush_metrics()  # the steps trained since the last read-back (before the final checkpoint)
         except Exception as exc:  # the device failed: the figures are lost, the run's error is in flight
