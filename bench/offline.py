@@ -182,8 +182,8 @@ def measured(steps: list[tuple[float, float, float]], warmup: int) -> dict:
     The window runs from the end of step ``max(warmup, 1)`` to the end of the last step, so the steps
     measured are ``max(warmup, 1) + 1 .. len(steps)`` (1-based; returned as ``measured_steps`` [first, last]).
     Returns {steps, measured_steps, steps_per_s, cpu_s_per_step (the process's CPU seconds over the window per
-    step: all its threads, the root arm's reader included), train_step_share (of the window's wall time, the
-    part inside ``train_step``: 1 in memory; in the root arm the rest is the loop's own work between two
+    step: all its threads, the root arm's reader included; a reader process's too, :func:`_reader_cpu_s`),
+    train_step_share (of the window's wall time, the part inside ``train_step``: 1 in memory; in the root arm the rest is the loop's own work between two
     steps, measured on the same steps under the same load), threads (``torch.get_num_threads()``)}; the
     figures are 0.0 when the window holds no step."""
     first = window_start(warmup) - 1  # index of the window's start: the end of step first + 1
@@ -243,10 +243,18 @@ def _timed_session(cfg):
         def train_step(self, batch, step_index):
             t0 = time.perf_counter()
             out = super().train_step(batch, step_index)
-            self.timed.append((t0, time.perf_counter(), time.process_time()))
+            t1 = time.perf_counter()
+            self.timed.append((t0, t1, time.process_time() + _reader_cpu_s(self)))
             return out
 
     return TimedSession(cfg)
+
+
+def _reader_cpu_s(s) -> float:
+    """CPU seconds of ``s``'s reader process so far (``--reader process``; 0.0 without one): the CPU figures count the
+    reading in both readers (a thread's is the process's own)."""
+    cpu_s = getattr(getattr(s, "reader", None), "cpu_s", None)
+    return cpu_s() if cpu_s is not None else 0.0
 
 
 def held_batches(s) -> list:

@@ -224,6 +224,25 @@ def test_checkpoint_and_resume_on_the_device(served):
     assert loaded.optimizer and all(t.device.type == "cpu" for t in loaded.optimizer.values())  # saved on the host
 
 
+def test_the_reader_process_trains_as_the_reader_thread_on_the_device(served):
+    """``--reader process`` on the device: the child collates into the page-locked ring and the trainer copies each
+    batch to the device without blocking; two consumers of the served root, one per reader, train the same losses
+    step for step (the same batches in the same order), and the child's journal holds the reads."""
+    steps, rel = 6, (1e-6 if served.device == "cpu" else 2e-3)
+    procs = {r: Proc(f"reader-{r}", consume_args(served, f"reader-{r}", steps, "--reader", r), served.work)
+             for r in ("thread", "process")}
+    for proc in procs.values():
+        assert proc.wait() == 0, proc.tail()
+    [thread] = step_losses(served.cache, "reader-thread")
+    [process] = step_losses(served.cache, "reader-process")
+    assert sorted(thread) == list(range(1, steps + 1)) and sorted(process) == sorted(thread)
+    for s in thread:
+        assert process[s] == pytest.approx(thread[s], rel=rel), (s, process[s], thread[s])
+    reads = [e for p in CacheLayout(served.cache).journal.glob("reader-reader-process-*.jsonl")
+             for e in J.iter_file(p) if isinstance(e, J.Request)]
+    assert len(reads) == steps * BATCH
+
+
 # ---- the bench, short ------------------------------------------------------------------------------------
 
 #: on synthetic data (uniform random ids) no loss can fall below ln(vocab - 64), and the tiny draft starts

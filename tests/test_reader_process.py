@@ -1,4 +1,4 @@
-"""``artcache consume --reader process``: the reader in a child process of its own (trainers/consumer/reader_process.py).
+"""``artcache consume --reader process``: the reader in a child process (trainers/consumer/reader_process.py).
 
 Unit tests for the pieces (messages, errors across the pipe, the slot layout) and real processes on a real root for
 the protocol: the same losses as the reader thread, the accounting balanced, a killed child or a killed trainer
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,6 @@ from artcache.trainers.consumer.reader_process import (
     slot_bytes,
 )
 from artcache.trainers.draft import DraftBatch
-
 
 # ---- units -----------------------------------------------------------------------------------------------------
 
@@ -142,11 +142,15 @@ def _reader_events(cache, cid: str) -> list:
     return [e for p in paths for e in J.iter_file(p) if e is not None]
 
 
-def _no_children_of(pid: int) -> bool:
+def _children(pid: int) -> list[int]:
     try:
-        return not open(f"/proc/{pid}/task/{pid}/children").read().split()
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except FileNotFoundError:
-        return True
+        return []
+
+
+def _no_children_of(pid: int) -> bool:
+    return not _children(pid)
 
 
 def test_the_reader_process_trains_as_the_reader_thread_and_keeps_the_accounting(filled, tmp_path):
@@ -186,12 +190,9 @@ def test_the_reader_process_trains_as_the_reader_thread_and_keeps_the_accounting
 def _child_of(pid: int, deadline_s: float = 60.0) -> int:
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
-        try:
-            kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
-        except FileNotFoundError:
-            kids = []
+        kids = _children(pid)
         if kids:
-            return int(kids[0])
+            return kids[0]
         time.sleep(0.05)
     raise AssertionError(f"process {pid} started no reader process within {deadline_s:.0f}s")
 
@@ -200,7 +201,7 @@ def _wait_gone(pid: int, deadline_s: float = 30.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
         try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except FileNotFoundError:
             return
         if state == "Z":

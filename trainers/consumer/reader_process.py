@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
 import logging
 import mmap
 import os
 import queue
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -51,6 +49,7 @@ import msgspec
 import torch
 
 from artcache import errors as E
+from artcache.shutdown import follow_parent
 from artcache.trainers.draft import DraftBatch
 
 from .reader import Fetched
@@ -331,6 +330,15 @@ class ProcessReader:
             self.proc.wait()
         self._close_fds()
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the reader process has used so far, from ``/proc`` (0.0 once it is gone):
+        what a benchmark adds to the trainer's own CPU time to count the reading."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
     # internals ---------------------------------------------------------------------------------------------------
 
     def _tell(self, msg) -> None:
@@ -439,15 +447,6 @@ class _Slots:
                     raise InterruptedError("the reader stopped while waiting for a free slot") from None
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the trainer) dies (``PR_SET_PDEATHSIG``)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
-
-
 def _into_slot(mm: mmap.mmap, start: Start, slot: int, batch: DraftBatch) -> list[Field]:
     """Copy ``batch``'s tensors into ``slot`` back to back (aligned); their layout."""
     base, offset, fields = slot * start.slot_bytes, 0, []
@@ -470,11 +469,8 @@ def child_main(fd_in: int, fd_out: int, fd_mem: int) -> int:
     """The reader process: read :class:`Start`, then lease/read/collate into slots and send :class:`Batch` messages
     until the plan's end, a :class:`Stop`, the end of the command pipe (the trainer is gone) or a failure (sent as
     :class:`Failed`)."""
-    _die_with_parent()
-    if os.getppid() == 1:  # the trainer died before the request took effect
+    if not follow_parent() and os.getppid() == 1:  # the trainer died before we could follow it
         return 1
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the group is the trainer's to handle: it stops us
-        signal.signal(sig, signal.SIG_IGN)
     start = _recv(fd_in, _to_child)
     if not isinstance(start, Start):
         return 2
