@@ -184,8 +184,8 @@ def measured(steps: list[tuple[float, float, float]], warmup: int) -> dict:
     Returns {steps, measured_steps, steps_per_s, cpu_s_per_step (the process's CPU seconds over the window per
     step: all its threads, the root arm's reader included; a reader process's too, :func:`_reader_cpu_s`),
     train_step_share (of the window's wall time, the part inside ``train_step``: 1 in memory; in the root arm the
-    rest is the loop's own work between two steps, measured on the same steps under the same load), threads (``torch.get_num_threads()``)}; the
-    figures are 0.0 when the window holds no step."""
+    rest is the loop's own work between two steps, measured on the same steps under the same load), threads
+    (``torch.get_num_threads()``)}; the figures are 0.0 when the window holds no step."""
     first = window_start(warmup) - 1  # index of the window's start: the end of step first + 1
     return {"steps": len(steps), "measured_steps": [first + 2, len(steps)], **_figures([_window(steps, warmup)])}
 
