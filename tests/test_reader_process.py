@@ -280,3 +280,18 @@ def test_sigterm_stops_the_consumer_cleanly_with_its_reader_process(filled, tmp_
     assert not any(info.consumer == "stopped" for infos in leases_mod.scan(CacheLayout(filled)).values()
                    for info in infos)
     assert account(CacheLayout(filled)).violations == []
+
+
+def test_a_run_config_sets_the_reader_per_experiment_and_names_a_bad_one(tmp_path):
+    """``experiments.X.consumer.reader`` (or ``--reader`` with ``consume --experiment X``) reaches the consumer; a
+    value other than thread/process is one ConfigError naming the experiment, the value and both accepted ones."""
+    from artcache.app import config as C
+
+    run = tmp_path / "run.toml"
+    run.write_text("[cache]\nroot = 'c'\n\n[[experiments]]\nname = 'a'\n\n[[experiments]]\nname = 'b'\n")
+    cfg = C.load_run_config(run, ["experiments.a.consumer.reader=process"],
+                            C.flag_paths("consume", {"reader": "process"}, "b"))
+    assert C.consumer_config(cfg, "a").reader == "process" and C.consumer_config(cfg, "b").reader == "process"
+    bad = C.load_run_config(run, ["experiments.a.consumer.reader=fork"])
+    with pytest.raises(E.ConfigError, match="experiment 'a'.*fork.*(thread.*process|process.*thread)"):
+        C.consumer_config(bad, "a")

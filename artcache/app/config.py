@@ -738,7 +738,7 @@ CONSUME_FLAGS = {
     "anchors": "E.anchors", "draft_layers": "E.draft_layers", "batch_size": "E.batch_size", "steps": "E.steps",
     "lr": "E.lr", "seed": "E.seed", "device": "E.device", "threads": "E.threads", "out_dir": "E.out",
     "demand_timeout": "cache.demand_timeout_s", "log_every": "E.log_every", "compile_mode": "E.consumer.compile",
-    "commit_interval": "E.consumer.commit_interval_s",
+    "commit_interval": "E.consumer.commit_interval_s", "reader": "E.consumer.reader",
 }
 
 #: ``artcache bench`` flag → config path.
