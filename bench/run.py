@@ -474,6 +474,7 @@ def run_scenario(cfg: BenchConfig, sc: Scenario, plan: dict | None = None) -> di
     if any(m in modes for m in ("windows", "tight", "solo")):
         report["retention"] = retention_summary(sc, report)
         report["checks"].update(report["retention"]["checks"])
+        report["not_checked"].update(report["retention"].get("not_checked", {}))
     if plan is not None:
         report["disk_plan"] = {k: v for k, v in plan.items() if k != "sizes"}
     _write(base, report, figures, sampler, roles)
@@ -739,6 +740,9 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
         "accounting_invariants": not acc.violations,
         "producer_exit_ok": codes.get("producer") == 0,
     }
+    not_checked = {}
+    if cfg.dataset == SYNTHETIC:  # nothing to learn: the figure is reported, never a verdict
+        not_checked["every_loss_went_down"] = {"value": checks.pop("every_loss_went_down"), "why": SYNTHETIC_LOSS}
     import torch
 
     from artcache.bench.provenance import record
@@ -770,6 +774,7 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
                   "leases_expired": c.leases_expired},
         "accounting_violations": acc.violations,
         "checks": checks,
+        "not_checked": not_checked,
         "telemetry": sampler.summary(roles, t0, t1),
         "environment": {"python": platform.python_version(), "torch": str(torch.__version__),
                         "platform": platform.platform(), "cpus": os.cpu_count(), **sampler.environment(),
@@ -834,6 +839,27 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
     }
 
 
+#: ``--data synthetic``: uniformly random token ids
+SYNTHETIC = "synthetic"
+#: why a loss on synthetic data is no check (tests/test_gpu.py measured it: B4 10.815 -> 10.819 in 8 steps)
+SYNTHETIC_LOSS = ("synthetic data (uniform random token ids) has nothing to learn: no draft's loss falls below "
+                  "ln(vocab - 64), and the tiny drafts start within ~0.015 nats of it")
+
+
+def cpu_shared(report: dict, art: dict) -> str | None:
+    """Why the fast consumer's rate against its rate alone measures the CPU, not the cache, or None when it is
+    measurable: on ``--device cpu`` with fewer CPU cores than the ``artcache`` mode's single-thread processes (its
+    producers and consumers), the consumers share cores in that mode and not alone (``solo``: one producer, one
+    consumer), so the ratio is the share of a core each got (the 2-core CI box: 4 processes, 0.33 of solo)."""
+    cpus = report.get("environment", {}).get("cpus") or os.cpu_count() or 1
+    processes = art.get("producers", 1) + len(art.get("consumers", []))
+    if report.get("device") != "cpu" or cpus >= processes:
+        return None
+    return (f"--device cpu: the artcache mode ran {processes} single-thread processes on {cpus} CPU cores, so its "
+            "consumers shared cores that the fast one had to itself alone: the ratio measures the CPU sharing, not "
+            "the cache; measure it with a core (or a GPU) per role")
+
+
 def retention_summary(sc: Scenario, report: dict) -> dict:
     """The retention figures of a scenario run with the retention modes (issue 21): the speed ratio of its
     consumers, captures per consumed position under retention by need (``artcache``) and under the windows
@@ -865,7 +891,12 @@ def retention_summary(sc: Scenario, report: dict) -> dict:
         solo = next((c["steps_per_s"] for c in modes["solo"]["consumers"] if c["id"] == fast), 0.0)
         out["fast_consumer"] = {"id": fast, "steps_per_s": rates.get(fast, 0.0), "solo_steps_per_s": solo,
                                 "ratio": rates.get(fast, 0.0) / solo if solo else 0.0}
-        checks["fast_consumer_ge_0.95_of_solo"] = out["fast_consumer"]["ratio"] >= HETERO_GOALS["fast_vs_solo"]
+        met = out["fast_consumer"]["ratio"] >= HETERO_GOALS["fast_vs_solo"]
+        shared = cpu_shared(report, art)
+        if shared is None:
+            checks["fast_consumer_ge_0.95_of_solo"] = met
+        else:
+            out["not_checked"] = {"fast_consumer_ge_0.95_of_solo": {"value": met, "why": shared}}
     if "tight" in modes:
         t = modes["tight"]
         out["tight"] = {"budget_bytes": t["budget_bytes"], "captures_per_consumed_position":
@@ -977,6 +1008,8 @@ def format_report(r: dict) -> str:
         f"logical requests {cache['logical_requests']} = hits {cache['hits']} + misses {cache['misses']}.", "",
         "tau(+1) = mean acceptance length per block over the last 10 steps, including the +1 bonus token.", "",
         "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in r["checks"].items()), "",
+        *[f"not checked: {k} ({'met' if v['value'] else 'not met'}): {v['why']}"
+          for k, v in r.get("not_checked", {}).items()],
     ]
     if len(r.get("modes", {})) > 1:
         lines += [format_modes(r), ""]
@@ -1009,6 +1042,8 @@ def format_retention(t: dict) -> str:
         lines.append(f"- fast consumer {f['id']}: {f['steps_per_s']:.3f} steps/s, alone {f['solo_steps_per_s']:.3f} "
                      f"({f['ratio']:.3f} of solo)")
     lines.append("goals: " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in t["checks"].items()))
+    lines += [f"not checked: {k} ({'met' if v['value'] else 'not met'}): {v['why']}"
+              for k, v in t.get("not_checked", {}).items()]
     return "\n".join(lines)
 
 
@@ -1068,7 +1103,9 @@ def write_run_report(out: Path, name: str, scenarios: list[Scenario], reports: l
     lists what finished (and never a previous run's verdict). ``{"scenario":
     the --scenario given (``all``, ``1p3c`` ...), "passed": every scenario ran and passed every check,
     "scenarios": [{"scenario", "status": "passed" | "failed" | "not run", "checks": {name: bool},
-    "failed_checks": [name, ...], "report": its own report.json, relative to ``out``}, ...]}`` in run order.
+    "failed_checks": [name, ...], "not_checked": [name, ...] (figures reported but not measurable as a verdict on
+    this run: the scenario report's ``not_checked`` says why), "report": its own report.json, relative to
+    ``out``}, ...]}`` in run order.
     Returns the document."""
     done = {r["scenario"]: r for r in reports}
     rows = []
@@ -1078,6 +1115,7 @@ def write_run_report(out: Path, name: str, scenarios: list[Scenario], reports: l
         rows.append({"scenario": sc.name,
                      "status": "not run" if r is None else "passed" if checks and all(checks.values()) else "failed",
                      "checks": checks, "failed_checks": [k for k, v in checks.items() if not v],
+                     "not_checked": sorted((r or {}).get("not_checked", {})),
                      "report": f"{sc.name}/report.json"})
     # a scenario that checked nothing, or a run of none, passed nothing
     doc = {"scenario": name, "passed": bool(rows) and all(row["status"] == "passed" for row in rows),

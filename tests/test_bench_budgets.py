@@ -70,3 +70,31 @@ def test_regression_a_disk_budget_under_the_windows_is_named_as_the_budget_not_t
     with pytest.raises(ConfigError) as err:
         check_tight_budget(cfg, HETERO, ["tight"])
     assert "--disk-budget 1.0 KiB" in str(err.value) and "whole run (1.0 KiB)" not in str(err.value)
+
+
+def _hetero_report(device: str, cpus: int, ratio_fast: float) -> dict:
+    """A hetero report as :func:`bench.run._report` and ``mode_summary`` shape it, with the figures the
+    retention summary reads (fast consumer dflash-b4 at ``ratio_fast`` of its solo rate 10)."""
+    art = {"captures_per_consumed_position": 1.0, "recaptures": 0, "budget_bytes": 100, "max_retained_bytes": 90,
+           "budget_binding": False, "producers": 1,
+           "consumers": [{"id": "eagle3-ttt7", "steps_per_s": 1.0}, {"id": "dflash-b16", "steps_per_s": 2.0},
+                         {"id": "dflash-b4", "steps_per_s": 10 * ratio_fast}]}
+    solo = {"consumers": [{"id": "dflash-b4", "steps_per_s": 10.0}]}
+    return {"device": device, "environment": {"cpus": cpus}, "modes": {"artcache": art, "solo": solo}}
+
+
+def test_fast_vs_solo_is_a_check_only_where_every_role_has_a_core_or_a_gpu():
+    """On ``--device cpu`` with fewer cores than the artcache mode's processes (1 producer + 3 consumers), the fast
+    consumer's rate against its rate alone measures CPU sharing: reported under ``not_checked`` with the reason,
+    with whether it was met; with 4 cores, or on CUDA, it is a check that decides the exit status."""
+    from artcache.bench.run import retention_summary
+    from artcache.bench.scenarios import HETERO
+
+    shared = retention_summary(HETERO, _hetero_report("cpu", 2, 0.33))
+    assert "fast_consumer_ge_0.95_of_solo" not in shared["checks"]
+    why = shared["not_checked"]["fast_consumer_ge_0.95_of_solo"]
+    assert why["value"] is False and "4 single-thread processes on 2 CPU cores" in why["why"]
+    assert shared["fast_consumer"]["ratio"] == pytest.approx(0.33)  # the figure itself is still reported
+    for device, cpus in (("cpu", 4), ("cuda", 2)):
+        own = retention_summary(HETERO, _hetero_report(device, cpus, 0.5))
+        assert own["checks"]["fast_consumer_ge_0.95_of_solo"] is False and "not_checked" not in own
