@@ -295,3 +295,13 @@ def test_a_run_config_sets_the_reader_per_experiment_and_names_a_bad_one(tmp_pat
     bad = C.load_run_config(run, ["experiments.a.consumer.reader=fork"])
     with pytest.raises(E.ConfigError, match="experiment 'a'.*fork.*(thread.*process|process.*thread)"):
         C.consumer_config(bad, "a")
+
+
+def test_a_slot_holds_the_collated_dtype_of_the_stored_one():
+    """The ring is sized by the dtype a batch arrives in: bf16 / fp16 stored 2 bytes, fp32 4; fp8 is dequantised into
+    fp32 on a CPU, bf16 on CUDA (so a CUDA ring, whose pages the registration pins, is half an fp32 one)."""
+    from artcache.trainers.consumer.reader_process import batch_itemsize
+
+    assert [batch_itemsize(d, "cpu") for d in ("bfloat16", "float16", "float32", "float8_e4m3fn")] == [2, 2, 4, 4]
+    assert batch_itemsize("float8_e4m3fn", "cuda") == 2 and batch_itemsize("float32", "cuda") == 4
+    assert slot_bytes(8, 1024, 5, 576, 2) == 8 * 1024 * 5 * 576 * 2 + 8 * 1024 * 8 + 3 * 8 * 1024

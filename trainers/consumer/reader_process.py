@@ -56,7 +56,7 @@ from .reader import Fetched
 
 log = logging.getLogger("artcache.reader")
 
-__all__ = ["ProcessReader", "READERS", "slot_bytes"]
+__all__ = ["ProcessReader", "READERS", "batch_itemsize", "slot_bytes"]
 
 #: ``--reader`` values: the reader thread beside the trainer, or a reader process of its own
 READERS = ("thread", "process")
@@ -211,13 +211,22 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def slot_bytes(batch: int, tokens: int, layers: int, hidden: int) -> int:
+def slot_bytes(batch: int, tokens: int, layers: int, hidden: int, itemsize: int = 4) -> int:
     """Bytes of one slot: the largest batch the child can collate (``batch`` rows of ``tokens`` positions,
-    ``layers`` × ``hidden`` values of at most 4 bytes each, ``input_ids`` int64, three bool masks), aligned.
+    ``layers`` × ``hidden`` values of ``itemsize`` bytes, ``input_ids`` int64, three bool masks), aligned.
     The ring is a sparse ``memfd``: pages a batch never touches cost no memory (except on CUDA, where the
     registration pins them)."""
     rows = batch * tokens
-    return _aligned(rows * layers * hidden * 4) + _aligned(rows * 8) + 3 * _aligned(rows)
+    return _aligned(rows * layers * hidden * itemsize) + _aligned(rows * 8) + 3 * _aligned(rows)
+
+
+def batch_itemsize(stored: str, device_type: str) -> int:
+    """Bytes of one hidden-state value of a collated batch: the stored dtype's (``bfloat16`` 2, ``float32`` 4),
+    or for fp8 artifacts the dtype they are dequantised into (float32 on a CPU, bfloat16 on CUDA:
+    :func:`.reader.collate`)."""
+    if stored == "float8_e4m3fn":
+        return 2 if device_type == "cuda" else 4
+    return torch.empty((), dtype=_dtype(stored)).element_size()
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -548,6 +557,8 @@ def child_main(fd_in: int, fd_out: int, fd_mem: int) -> int:
                 if not reader.is_alive() and reader.out.empty():
                     break
                 continue
+            if stop.is_set():  # the trainer stops reading the pipe: send nothing more
+                break
             if isinstance(got, BaseException):
                 if not isinstance(got, InterruptedError) or not stop.is_set():
                     _send(fd_out, failure_of(got), send_lock)

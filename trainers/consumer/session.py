@@ -89,7 +89,7 @@ from artcache.trainers.tracking import Progress, RunTracker
 
 from .config import ConsumerConfig, check_anchors, lr_at, read_workers, run_settings
 from .reader import DeviceCollator, Fetched, Reader, collate, group_cursor
-from .reader_process import ProcessReader, Start, slot_bytes
+from .reader_process import ProcessReader, Start, batch_itemsize, slot_bytes
 from .restore import (
     check_same_draft,
     find_resume,
@@ -464,7 +464,8 @@ class Session:
                       epoch_len=self.epoch_len, layers=layers,
                       hidden_dtype="bfloat16" if self.device.type == "cuda" else None,
                       slots=cfg.prefetch_batches + 3,
-                      slot_bytes=slot_bytes(cfg.batch_size, tokens, m, self.draft.target_info.hidden_size),
+                      slot_bytes=slot_bytes(cfg.batch_size, tokens, m, self.draft.target_info.hidden_size,
+                                            batch_itemsize(contract.dtype, self.device.type)),
                       group=group, length_bucket=bucket, log_level=logging.getLogger("artcache").getEffectiveLevel())
         return ProcessReader(start, self.device)
 
