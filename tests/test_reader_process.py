@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import wait_until
 from test_consumer_resume import DATA, Proc, consume_args, file_events, steps_of
 
 from artcache import errors as E
@@ -188,11 +189,16 @@ def test_the_reader_process_trains_as_the_reader_thread_and_keeps_the_accounting
 
 
 def _child_of(pid: int, deadline_s: float = 60.0) -> int:
+    """The pid of ``pid``'s reader process (by its command line: a start-up may run other short children, e.g.
+    ``ldconfig`` for ctypes), once it started."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
-        kids = _children(pid)
-        if kids:
-            return kids[0]
+        for kid in _children(pid):
+            try:
+                if b"reader_process" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                    return kid
+            except FileNotFoundError:
+                continue
         time.sleep(0.05)
     raise AssertionError(f"process {pid} started no reader process within {deadline_s:.0f}s")
 
@@ -210,65 +216,72 @@ def _wait_gone(pid: int, deadline_s: float = 30.0) -> None:
     raise AssertionError(f"process {pid} still runs {deadline_s:.0f}s later")
 
 
+def _long_run(cache, cwd, cid: str, steps: int, *extra: str) -> tuple[Proc, int]:
+    """A consumer of ``steps`` batches of 1 with ``--reader process``, and its child's pid once it started."""
+    args = consume_args(cache, cwd, cid, steps, "--reader", "process", *extra)
+    args[args.index("--batch-size") + 1] = "1"
+    args[args.index("--window") + 1] = "0:8"
+    proc = Proc(cid, args, cwd)
+    return proc, _child_of(proc.popen.pid)
+
+
+def _leases_block(cache, cid: str) -> list[str]:
+    """Lease files of ``cid`` whose holder lives: what would keep an artifact from eviction."""
+    return [info.name for infos in leases_mod.scan(CacheLayout(cache)).values() for info in infos
+            if info.consumer == cid and dead_reason(info.holder) is None]
+
+
 @pytest.mark.reliability
 def test_a_killed_reader_process_fails_the_consumer_in_one_line_and_its_leases_expire(filled, tmp_path):
     """SIGKILL to the child mid-run: the trainer stops with WorkerFailed naming the reader process (exit 1, no
     traceback), its registration says failed, and whatever lease the child held is holder-dead (nothing blocks
     eviction); inspect's invariants hold."""
-    args = consume_args(filled, tmp_path, "victim", 200, "--reader", "process", "--commit-interval", "0")
-    args[args.index("--batch-size") + 1] = "1"
-    args[args.index("--window") + 1] = "0:8"
-    proc = Proc("victim", args, tmp_path)
+    proc, child = _long_run(filled, tmp_path, "victim", 200, "--commit-interval", "0")
     try:
-        child = _child_of(proc.popen.pid)
-        time.sleep(3.0)
+        wait_until(lambda: "step 3/" in proc.text(), "three steps", [proc])
         os.kill(child, signal.SIGKILL)
         code = proc.popen.wait(timeout=120)
     finally:
         proc.kill()
     text = proc.text()
-    assert code == 1, text[-3000:]
-    assert "reader process" in text and "Traceback" not in text
+    assert code == 1 and "reader process" in text and "Traceback" not in text, (code, text[-3000:])
     reg = json.loads((CacheLayout(filled).consumers / "victim.json").read_bytes())
-    assert reg["state"] == "failed"
-    for infos in leases_mod.scan(CacheLayout(filled)).values():
-        for info in infos:
-            assert info.consumer != "victim" or dead_reason(info.holder) is not None
-    assert account(CacheLayout(filled)).violations == []
+    assert reg["state"] == "failed", (reg, text[-3000:])
+    assert _leases_block(filled, "victim") == []
+    violations = account(CacheLayout(filled)).violations
+    assert violations == [], (violations, text[-3000:])
 
 
 @pytest.mark.reliability
 def test_a_killed_trainer_takes_its_reader_process_with_it(filled, tmp_path):
     """SIGKILL to the trainer: the child dies too (PR_SET_PDEATHSIG), so no reader is left holding leases or
-    reading; a resumed consumer of the same id starts a fresh child."""
-    args = consume_args(filled, tmp_path, "orphan", 300, "--reader", "process")
-    args[args.index("--batch-size") + 1] = "1"
-    args[args.index("--window") + 1] = "0:8"
-    proc = Proc("orphan", args, tmp_path)
+    reading; ``--resume`` then continues from its last checkpoint with a fresh child and completes."""
+    proc, child = _long_run(filled, tmp_path, "orphan", 400, "--save-every", "5")
     try:
-        child = _child_of(proc.popen.pid)
-        time.sleep(2.0)
+        wait_until(lambda: (tmp_path / "runs" / "orphan" / "checkpoints" / "latest").exists(), "a checkpoint",
+                   [proc])
         proc.popen.send_signal(signal.SIGKILL)
         proc.popen.wait(timeout=30)
         _wait_gone(child)
     finally:
         proc.kill()
-    for infos in leases_mod.scan(CacheLayout(filled)).values():
-        for info in infos:
-            assert info.consumer != "orphan" or dead_reason(info.holder) is not None
+    assert _leases_block(filled, "orphan") == []
+    again, second = _long_run(filled, tmp_path, "orphan", 400, "--save-every", "5", "--resume")
+    try:
+        assert again.popen.wait(timeout=300) == 0, again.tail()
+    finally:
+        again.kill()
+    assert second != child
+    assert json.loads((CacheLayout(filled).consumers / "orphan.json").read_bytes())["state"] == "completed"
 
 
 @pytest.mark.reliability
 def test_sigterm_stops_the_consumer_cleanly_with_its_reader_process(filled, tmp_path):
     """SIGTERM to the trainer (a scheduler's stop): the child ignores the group's signal and is stopped by the
     trainer, which checkpoints and ends as cancelled; no lease is left."""
-    args = consume_args(filled, tmp_path, "stopped", 400, "--reader", "process")
-    args[args.index("--batch-size") + 1] = "1"
-    args[args.index("--window") + 1] = "0:8"
-    proc = Proc("stopped", args, tmp_path)
+    proc, child = _long_run(filled, tmp_path, "stopped", 400)
     try:
-        child = _child_of(proc.popen.pid)
-        time.sleep(3.0)
+        wait_until(lambda: "step 3/" in proc.text(), "three steps", [proc])
         proc.popen.send_signal(signal.SIGTERM)
         proc.popen.wait(timeout=120)
         _wait_gone(child)
