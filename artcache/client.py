@@ -84,7 +84,16 @@ class CacheClient:
         with self._demand_lock:
             target = self._held_out if held_out else self._demand
             (target.add if on else target.discard)(key)
-            self.handle.set_demand(sorted(self._demand), sorted(self._held_out))
+            self._write_demand(held_out)
+
+    def _write_demand(self, held_out: bool) -> None:
+        """Write the one demand list this change touched (with ``_demand_lock`` held): a consumer with a reader process
+        has two clients, the trainer's (held-out evaluation) and the reader's (training positions), and neither may
+        overwrite the other's list (regression: the reader's ``want`` wiped the evaluation's held-out demand)."""
+        if held_out:
+            self.handle.set_demand(None, sorted(self._held_out))
+        else:
+            self.handle.set_demand(sorted(self._demand))
 
     def want(self, positions: Iterable[int]) -> list[int]:
         """Announce positions this consumer will read next as demand, in one registration update.
@@ -108,7 +117,7 @@ class CacheClient:
         if missing:
             with self._demand_lock:
                 (self._held_out if held_out else self._demand).update(missing)
-                self.handle.set_demand(sorted(self._demand), sorted(self._held_out))
+                self._write_demand(held_out)
         return missing
 
     def unwant(self, positions: Iterable[int], held_out: bool = False) -> None:
@@ -118,7 +127,7 @@ class CacheClient:
             before = len(target)
             target.difference_update(positions)
             if len(target) != before:
-                self.handle.set_demand(sorted(self._demand), sorted(self._held_out))
+                self._write_demand(held_out)
 
     def acquire(self, position: int, stop: threading.Event | None = None) -> Leased:
         """Lease and read training position ``position`` (its sample in its epoch); wait on a demand miss.

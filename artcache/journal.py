@@ -150,7 +150,9 @@ class Fence(Event, tag="fence"):
 class ConsumerStart(Event, tag="consumer_start"):
     """A consumer (re)started at ``cursor`` (``step`` optimizer steps already done: > 0 on --resume).
     ``pinned``: positions of its held-out evaluation split, retained besides its window.
-    ``epoch_len``: training samples per epoch (0: the whole plan; :class:`artcache.plan.EpochOrder`)."""
+    ``epoch_len``: training samples per epoch (0: the whole plan; :class:`artcache.plan.EpochOrder`).
+    ``reader``: the identity token of its reader process (``--reader process``), whose journal
+    ``reader-<consumer>-<reader>.jsonl`` holds its requests and leases; empty: a reader thread (this journal)."""
 
     consumer: str
     pid: int
@@ -163,6 +165,7 @@ class ConsumerStart(Event, tag="consumer_start"):
     step: int = 0
     pinned: int = 0
     epoch_len: int = 0
+    reader: str = ""
 
 
 class Request(Event, tag="request"):

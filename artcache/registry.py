@@ -393,9 +393,11 @@ class ConsumerHandle:
         self.current = self._update(fn)
         return self.current
 
-    def set_demand(self, positions: list[int], pinned: list[int] | None = None) -> Registration:
-        """Replace the demand lists: training ``positions`` and (when given) held-out sample indices."""
-        changes = {"demand": sorted(set(positions))}
+    def set_demand(self, positions: list[int] | None, pinned: list[int] | None = None) -> Registration:
+        """Replace the demand lists given: training ``positions`` and held-out sample indices ``pinned`` (None: that
+        list is left as the registration has it, so two processes of one consumer — the trainer's evaluation and a
+        reader process — each write only their own)."""
+        changes = {} if positions is None else {"demand": sorted(set(positions))}
         if pinned is not None:
             changes["pinned_demand"] = sorted(set(pinned))
         return self._modify(**changes)

@@ -91,10 +91,10 @@ def follow_parent() -> bool:
     """For a helper process its parent stops (a consumer's ``--reader process``): ignore the stop signals (a signal
     to the process group is the parent's to handle: it stops the helper through its own channel), and ask Linux to
     SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``; from the main thread, before any other thread
-    starts). Returns False when the parent is already gone (this process was re-parented) or the request is not
-    available (not Linux): the helper must then also stop at the end of its parent's pipe, which it does anyway."""
+    starts). Returns False when the request is not available (not Linux): the helper must then also stop at the end
+    of its parent's pipe, which it does anyway. The parent may have died before the request took effect: the caller
+    compares ``os.getppid()`` with the parent's pid it was given (not with 1: a container's entry point is pid 1)."""
     import ctypes
-    import os
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -103,7 +103,7 @@ def follow_parent() -> bool:
         ok = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         ok = False
-    return ok and os.getppid() != 1
+    return ok
 
 
 __all__ = ["STOP_SIGNALS", "GracefulShutdown", "follow_parent"]

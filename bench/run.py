@@ -850,8 +850,9 @@ def cpu_shared(report: dict, art: dict) -> str | None:
     """Why the fast consumer's rate against its rate alone measures the CPU, not the cache, or None when it is
     measurable: on ``--device cpu`` with fewer CPU cores than the ``artcache`` mode's single-thread processes (its
     producers and consumers), the consumers share cores in that mode and not alone (``solo``: one producer, one
-    consumer), so the ratio is the share of a core each got (the 2-core CI box: 4 processes, 0.33 of solo)."""
-    cpus = report.get("environment", {}).get("cpus") or os.cpu_count() or 1
+    consumer), so the ratio is the share of a core each got (the 2-core CI box: 4 processes, 0.33 of solo). The cores
+    are this process's affinity (a cgroup's CPU quota is not seen)."""
+    cpus = len(os.sched_getaffinity(0))  # the cores this bench and its roles may run on (taskset, cpusets)
     processes = art.get("producers", 1) + len(art.get("consumers", []))
     if report.get("device") != "cpu" or cpus >= processes:
         return None

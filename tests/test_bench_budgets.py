@@ -83,18 +83,21 @@ def _hetero_report(device: str, cpus: int, ratio_fast: float) -> dict:
     return {"device": device, "environment": {"cpus": cpus}, "modes": {"artcache": art, "solo": solo}}
 
 
-def test_fast_vs_solo_is_a_check_only_where_every_role_has_a_core_or_a_gpu():
+def test_fast_vs_solo_is_a_check_only_where_every_role_has_a_core_or_a_gpu(monkeypatch):
     """On ``--device cpu`` with fewer cores than the artcache mode's processes (1 producer + 3 consumers), the fast
     consumer's rate against its rate alone measures CPU sharing: reported under ``not_checked`` with the reason,
     with whether it was met; with 4 cores, or on CUDA, it is a check that decides the exit status."""
     from artcache.bench.run import retention_summary
     from artcache.bench.scenarios import HETERO
 
+    cores = {"n": 2}
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores["n"])))  # the cores the bench may use
     shared = retention_summary(HETERO, _hetero_report("cpu", 2, 0.33))
     assert "fast_consumer_ge_0.95_of_solo" not in shared["checks"]
     why = shared["not_checked"]["fast_consumer_ge_0.95_of_solo"]
     assert why["value"] is False and "4 single-thread processes on 2 CPU cores" in why["why"]
     assert shared["fast_consumer"]["ratio"] == pytest.approx(0.33)  # the figure itself is still reported
     for device, cpus in (("cpu", 4), ("cuda", 2)):
+        cores["n"] = cpus
         own = retention_summary(HETERO, _hetero_report(device, cpus, 0.5))
         assert own["checks"]["fast_consumer_ge_0.95_of_solo"] is False and "not_checked" not in own

@@ -384,9 +384,9 @@ def test_regression_bench_all_writes_the_runs_own_report(tmp_path, monkeypatch):
     doc = json.loads((out / "report.json").read_text())
     assert doc == {"scenario": "all", "passed": False, "scenarios": [
         {"scenario": "1p1c", "status": "passed", "checks": {"a": True, "b": True}, "failed_checks": [],
-         "report": "1p1c/report.json"},
+         "not_checked": [], "report": "1p1c/report.json"},
         {"scenario": "1p3c", "status": "failed", "checks": {"a": True, "b": False}, "failed_checks": ["b"],
-         "report": "1p3c/report.json"}]}
+         "not_checked": [], "report": "1p3c/report.json"}]}
     assert [s["status"] for s in seen[0]["scenarios"]] == ["not run", "not run"] and seen[0]["passed"] is False
     assert [s["status"] for s in seen[1]["scenarios"]] == ["passed", "not run"]
     assert writes == [out / "report.json"] * 3 + [out / "summary.json"] and not list(out.glob("*.part"))

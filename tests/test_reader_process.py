@@ -58,6 +58,46 @@ def test_an_artcache_error_crosses_the_pipe_with_its_class_message_keywords_and_
     assert got._keywords() == exc._keywords()
 
 
+def test_regression_an_os_error_keeps_its_message_and_file_once():
+    """Break test: a PermissionError from the child read ``[Errno 1] [Errno 1] Operation not permitted`` (its message
+    passed as strerror) and lost the file name."""
+    exc = PermissionError(1, "Operation not permitted", "/root/journal/reader-x.jsonl")
+    got = rebuild(_to_parent.decode(_enc.encode(failure_of(exc))))
+    assert type(got) is PermissionError and str(got) == str(exc) and got.filename == exc.filename
+
+
+def test_regression_two_clients_of_one_consumer_keep_each_others_demand(monkeypatch, tmp_path):
+    """Break test: with a reader process a consumer has two clients — the trainer's (held-out evaluation) and the
+    reader's (training positions) — and each wrote both demand lists from its own sets, so the reader's ``want``
+    wiped the evaluation's held-out demand. Each writes only the list it changed."""
+    from artcache import registry
+    from artcache.client import CacheClient
+
+    layout = CacheLayout(tmp_path / "root")
+    for sub in ("consumers", "locks", "tmp"):
+        (layout.root / sub).mkdir(parents=True)
+    reg = registry.register(layout, registry.Registration(consumer_id="c", draft="dflash", pid=os.getpid(),
+                                                          pinned=[190, 200]))
+    monkeypatch.setattr("artcache.client.store.exists", lambda _layout, _fp: False)  # nothing published yet
+
+    def client() -> CacheClient:
+        c = CacheClient.__new__(CacheClient)  # the demand bookkeeping only: no plan or journal needed
+        c.handle, c._demand, c._held_out = registry.ConsumerHandle(layout, reg), set(), set()
+        c._demand_lock, c.fp_of, c.fps, c.layout = __import__("threading").Lock(), str, None, layout
+        return c
+
+    trainer, reader = client(), client()
+    trainer.fps = type("F", (), {"of_sample": staticmethod(str)})()
+    assert trainer.want_samples([190, 191]) == [190, 191]
+    assert reader.want([4, 5]) == [4, 5]
+    now = registry.read(layout, "c")
+    assert (now.demand, now.pinned_demand) == ([4, 5], [190, 191])
+    reader.unwant([4])
+    trainer.unwant([190], held_out=True)
+    now = registry.read(layout, "c")
+    assert (now.demand, now.pinned_demand) == ([5], [191])
+
+
 def test_a_builtin_error_keeps_its_errno_and_anything_else_is_a_worker_failure_naming_it():
     got = rebuild(failure_of(FileNotFoundError(2, "objects/ab is gone")))
     assert isinstance(got, FileNotFoundError) and got.errno == 2
@@ -186,6 +226,12 @@ def test_the_reader_process_trains_as_the_reader_thread_and_keeps_the_accounting
     assert per["process"].state == "completed" and per["process"].cursor == 20
     assert acc.cache.captures == 24  # the fill's, nothing since
     assert leases_mod.scan(CacheLayout(filled)) == {}
+    # artcache run / report read a process's requests through its consumer_start (regression: they showed 0)
+    from artcache.app.experiments import committed_work, consumer_events
+
+    (path,) = CacheLayout(filled).journal.glob("consumer-process-*.jsonl")
+    work = committed_work(consumer_events(path))
+    assert (work["requests"], work["steps_run"], work["positions_committed"]) == (20, 5, 20)
 
 
 def _child_of(pid: int, deadline_s: float = 60.0) -> int:
@@ -318,3 +364,23 @@ def test_a_slot_holds_the_collated_dtype_of_the_stored_one():
     assert [batch_itemsize(d, "cpu") for d in ("bfloat16", "float16", "float32", "float8_e4m3fn")] == [2, 2, 4, 4]
     assert batch_itemsize("float8_e4m3fn", "cuda") == 2 and batch_itemsize("float32", "cuda") == 4
     assert slot_bytes(8, 1024, 5, 576, 2) == 8 * 1024 * 5 * 576 * 2 + 8 * 1024 * 8 + 3 * 8 * 1024
+
+
+@pytest.mark.reliability
+def test_regression_a_trainer_that_is_pid_1_keeps_its_reader_process(filled, tmp_path):
+    """Break test: in a container the trainer is often pid 1 (Docker without --init, a Kubernetes entry point), and
+    the child took a parent pid of 1 for a dead trainer and exited at once (WorkerFailed). It now checks for the
+    trainer's own pid. Run in a pid namespace of its own (``unshare``, as root)."""
+    import shutil
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root for a pid namespace")
+    from procs import child_env
+
+    args = consume_args(filled, tmp_path, "pid1", 4, "--reader", "process")
+    got = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "artcache", *args],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=child_env())
+    if got.returncode != 0 and "unshare" in got.stderr and "Operation not permitted" in got.stderr:
+        pytest.skip(f"no pid namespace here: {got.stderr.strip()}")
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert json.loads(got.stdout.strip().splitlines()[-1])["steps"] == 4

@@ -610,6 +610,17 @@ def _events(path: Path | None) -> list:
     return list(J.iter_file(path)) if path is not None and path.is_file() else []
 
 
+def consumer_events(path: Path | None) -> list:
+    """One consumer process's journal events (``path``) and those of its reader process, when it ran one (its
+    ``consumer_start`` names it: ``reader-<consumer>-<token>.jsonl`` beside it holds the requests and leases).
+    Regression: ``artcache run`` and ``report`` showed 0 requests for a ``--reader process`` experiment."""
+    events = _events(path)
+    start = next((ev for ev in events if isinstance(ev, J.ConsumerStart)), None)
+    if start is not None and start.reader:
+        events += _events(path.parent / f"reader-{start.consumer}-{start.reader}.jsonl")
+    return events
+
+
 def production(events: list) -> dict:
     """What one producer process did, counted once (captures, publications, bytes, evictions)."""
     out = {"captures": 0, "recaptures": 0, "publications": 0, "published_bytes": 0, "failures": 0,
@@ -736,7 +747,7 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
     experiments = []
     for x in plan.experiments:
         role = consumers.get(x.name)
-        work = committed_work(_events(layout.journal_of("consumer", x.name, role.popen.pid))) if role else \
+        work = committed_work(consumer_events(layout.journal_of("consumer", x.name, role.popen.pid))) if role else \
             committed_work([])
         if x.skip:  # not started: its checkpoint is at its final step
             work["state"] = COMPLETED
@@ -973,7 +984,7 @@ def run_dir_report(out: str | Path) -> dict:
     for e in cfg.experiments:
         files = (sorted(jdir.glob(f"consumer-{e.name}-*.jsonl"), key=lambda f: f.stat().st_mtime)
                  if jdir.is_dir() else [])
-        processes = [committed_work(_events(f)) for f in files]
+        processes = [committed_work(consumer_events(f)) for f in files]
         ranges.extend((w["cursor_start"], w["cursor_end"]) for w in processes)
         damage = [d] if (d := _experiment_config_damage(e)) else []
         try:

@@ -7,7 +7,7 @@ that costs more than the reader's own time (issue 21, session 13: DFlash B4 from
 of its in-memory rate on the H200 machine's idle CPU, 5.4 % of it ``train_step`` itself running slower beside the
 reader thread). ``--reader process`` moves all of that into a child process:
 
-- the **child** (``python -m artcache.trainers.consumer.reader_process``) runs the unchanged :class:`.reader.Reader`
+- the **child** (:data:`CHILD`, ``python -c``) runs the unchanged :class:`.reader.Reader`
   with a :class:`~artcache.client.CacheClient` of its own: it leases, reads, verifies, journals (its own journal
   file ``journal/reader-<consumer id>-<writer>.jsonl``: one writer per file; its events name the consumer, so
   ``inspect`` counts them as the consumer's), announces demand and checks the fence through
@@ -49,6 +49,7 @@ import msgspec
 import torch
 
 from artcache import errors as E
+from artcache.liveness import local_identity
 from artcache.shutdown import follow_parent
 from artcache.trainers.draft import DraftBatch
 
@@ -69,6 +70,8 @@ START_TIMEOUT_S = 300.0
 #: seconds a stopped child gets to exit before it is killed
 STOP_GRACE_S = 5.0
 _LEN = struct.Struct("<I")
+#: the child's program (``python -c``; its arguments: command pipe, reply pipe, ring memfd, the trainer's pid)
+CHILD = "import sys; from artcache.trainers.consumer.reader_process import main; sys.exit(main(sys.argv[1:]))"
 
 
 # ---- messages ----------------------------------------------------------------------------------------------------
@@ -124,12 +127,15 @@ class Batch(msgspec.Struct, tag="batch"):
 
 
 class Failed(msgspec.Struct, tag="failed"):
-    """What stopped the child's reader: the exception's class, its message and the keywords that rebuild it."""
+    """What stopped the child's reader: the exception's class, its message and the keywords that rebuild it (an
+    ``OSError``: its errno, strerror and file name)."""
 
     cls: str
     message: str
     keywords: dict = {}
     errno: int | None = None
+    strerror: str | None = None
+    filename: str | None = None
 
 
 class Ended(msgspec.Struct, tag="ended"):
@@ -184,7 +190,10 @@ def _recv(fd: int, decoder):
 def failure_of(exc: BaseException) -> Failed:
     """The message that rebuilds ``exc`` on the other side (:func:`rebuild`)."""
     keywords = exc._keywords() if isinstance(exc, E.ArtcacheError) else {}
-    return Failed(type(exc).__name__, str(exc), keywords, getattr(exc, "errno", None))
+    os_error = isinstance(exc, OSError) and not isinstance(exc, E.ArtcacheError)
+    return Failed(type(exc).__name__, str(exc), keywords, getattr(exc, "errno", None),
+                  exc.strerror if os_error else None,
+                  str(exc.filename) if os_error and exc.filename is not None else None)
 
 
 def rebuild(msg: Failed) -> BaseException:
@@ -199,7 +208,8 @@ def rebuild(msg: Failed) -> BaseException:
             pass
     builtin = getattr(builtins, msg.cls, None)
     if isinstance(builtin, type) and issubclass(builtin, OSError) and msg.errno:
-        return builtin(msg.errno, msg.message)
+        # regression: the message was passed as strerror, so str() said "[Errno 1] [Errno 1] ..." and lost the file
+        return builtin(msg.errno, msg.strerror or msg.message, *([msg.filename] if msg.filename else []))
     if builtin is InterruptedError:
         return InterruptedError(msg.message)
     return E.WorkerFailed(f"the consumer's reader process failed: {msg.cls}: {msg.message}")
@@ -282,17 +292,20 @@ class ProcessReader:
             self._registered = True
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
-        cmd = [sys.executable, "-m", "artcache.trainers.consumer.reader_process", str(to_child_r),
-               str(from_child_w), str(self._memfd)]
+        # -c, not -m: the package imports this module first, and runpy would run a second copy of it as __main__
+        cmd = [sys.executable, "-c", CHILD, str(to_child_r), str(from_child_w), str(self._memfd), str(os.getpid())]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w, self._memfd),
                                      env=env)
         for fd in (to_child_r, from_child_w, self._memfd):  # the child holds its ends; the mapping stays
             os.close(fd)
-        _send(self._to_child, start, self._lock)
+        #: the child's identity token: its journal is ``journal/reader-<consumer id>-<token>.jsonl``
+        self.token = local_identity(self.proc.pid).token()
 
     # the Reader surface -----------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Let the child begin (it waits for its settings, importing meanwhile) and start receiving its batches."""
+        _send(self._to_child, self.settings, self._lock)
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -474,11 +487,12 @@ def _into_slot(mm: mmap.mmap, start: Start, slot: int, batch: DraftBatch) -> lis
     return fields
 
 
-def child_main(fd_in: int, fd_out: int, fd_mem: int) -> int:
+def child_main(fd_in: int, fd_out: int, fd_mem: int, parent: int) -> int:
     """The reader process: read :class:`Start`, then lease/read/collate into slots and send :class:`Batch` messages
     until the plan's end, a :class:`Stop`, the end of the command pipe (the trainer is gone) or a failure (sent as
     :class:`Failed`)."""
-    if not follow_parent() and os.getppid() == 1:  # the trainer died before we could follow it
+    follow_parent()
+    if os.getppid() != parent:  # the trainer died before the request took effect (it may itself be pid 1)
         return 1
     start = _recv(fd_in, _to_child)
     if not isinstance(start, Start):
@@ -596,8 +610,8 @@ def _pad(batch: DraftBatch, bucket: int) -> DraftBatch:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    fd_in, fd_out, fd_mem = (int(a) for a in argv)
-    return child_main(fd_in, fd_out, fd_mem)
+    fd_in, fd_out, fd_mem, parent = (int(a) for a in argv)
+    return child_main(fd_in, fd_out, fd_mem, parent)
 
 
 if __name__ == "__main__":

@@ -370,11 +370,6 @@ class Session:
         if self.resumed is not None:
             log.info("[%s] resumed from %s: step %d, cursor %d", cfg.consumer_id, self.resumed.path, self.start_step,
                      self.start_cursor)
-        self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
-                                          block_size=cfg.block_size or 0, batch_size=cfg.batch_size,
-                                          lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
-                                          step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
-                                          epoch_len=self.epoch_len))
         self.client = CacheClient(layout, self.settings, self.plan, self.handle, self.journal, cfg.demand_timeout_s,
                                   pin=self.device.type == "cuda", epoch_len=self.epoch_len)
         group = [m for m in cfg.lockstep_group.split(",") if m]
@@ -384,6 +379,11 @@ class Session:
             self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
                                  end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
                                  collate=self._collator(), workers=read_workers(cfg))
+        self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
+                                          block_size=cfg.block_size or 0, batch_size=cfg.batch_size,
+                                          lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
+                                          step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
+                                          epoch_len=self.epoch_len, reader=getattr(self.reader, "token", "")))
         # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled", leases
         # released, journal closed (in the main thread only; the previous handlers come back in close())
         self.shutdown.install()
@@ -846,7 +846,11 @@ class Session:
         self.journal.emit(J.ConsumerEnd(consumer=cfg.consumer_id, state=self.state, steps=self.steps_done,
                                         cursor=self.cursor, error=self.error))
         self.journal.close()
-        self.tracker.close()
+        try:
+            self.tracker.close()
+        except OSError as exc:  # a full --out: one line, never a traceback over the run's own error (break test)
+            log.error("[%s] the run's last metrics could not be written to %s: %s", cfg.consumer_id, self.run_dir,
+                      exc)
 
     def summary(self) -> dict:
         """What :func:`run_consumer` returns (keys in its docstring)."""
