@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,7 +28,7 @@ from artcache.layer_ids import select_layers
 from artcache.layout import CacheLayout
 from artcache.trainers.draft import DraftBatch
 
-__all__ = ["DeviceCollator", "Fetched", "Reader", "collate", "drain", "group_cursor"]
+__all__ = ["DeviceCollator", "Fetched", "Reader", "collate", "group_cursor", "queued"]
 
 
 @dataclass
@@ -136,7 +136,10 @@ class Reader(threading.Thread):
 
     def drain(self) -> None:
         """After :meth:`join`: release the leases of batches read but never stepped on, and wait for every copy."""
-        drain(self, self.client)
+        for got in queued(self.out):
+            _settle(got)
+            for it in got.items:
+                self.client.release(it)
         self.retired.clear()
 
     def authorize(self, cursor: int) -> None:
@@ -388,17 +391,16 @@ def group_cursor(layout: CacheLayout, members: list[str]) -> int:
     return min(cursors, default=0)
 
 
-def drain(reader: Reader, client: CacheClient) -> None:
-    """Release leases of batches the reader fetched but the trainer never used."""
+def queued(out: queue.Queue) -> Iterator[Fetched]:
+    """The batches left in a reader's ``out`` queue, taken without waiting (an exception there is dropped: the
+    reader is stopping)."""
     while True:
         try:
-            got = reader.out.get_nowait()
+            got = out.get_nowait()
         except queue.Empty:
             return
         if isinstance(got, Fetched):
-            _settle(got)
-            for it in got.items:
-                client.release(it)
+            yield got
 
 
 def _settle(fetched: Fetched) -> None:

@@ -53,7 +53,7 @@ from artcache.liveness import local_identity
 from artcache.shutdown import follow_parent
 from artcache.trainers.draft import DraftBatch
 
-from .reader import Fetched
+from .reader import Fetched, queued
 
 log = logging.getLogger("artcache.reader")
 
@@ -308,9 +308,6 @@ class ProcessReader:
         _send(self._to_child, self.settings, self._lock)
         self._thread.start()
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def authorize(self, cursor: int) -> None:
         """The trainer committed ``cursor``: the child may read up to ``cursor + lookahead``."""
         self._tell(Authorize(cursor))
@@ -326,13 +323,7 @@ class ProcessReader:
 
     def drain(self) -> None:
         """Hand back every slot: batches queued but never stepped on, and those whose copies were in flight."""
-        while True:
-            try:
-                got = self.out.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(got, Fetched):
-                self._pending.append(got)
+        self._pending.extend(queued(self.out))
         for fetched in self._pending:
             if fetched.ready is not None:
                 fetched.ready.synchronize()
