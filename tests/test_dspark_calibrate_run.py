@@ -61,13 +61,13 @@ def test_regression_calibrate_fits_every_held_out_samples_blocks(dspark_eval_run
     its cross-validated figure was nan. Records are now kept per plan sample: all 8 samples' blocks are fitted,
     and the 2-fold cross-validated ECE is a number."""
     _, run, _, summary = dspark_eval_run
+    rep, err = _calibrate(run)
+    assert rep["samples"] == EVAL and f"of {EVAL} samples" in err, err
+    assert rep["blocks"] == summary["eval"]["blocks"]  # every block the final evaluation measured
+    assert math.isfinite(rep["ece_cum_pooled_after_crossval"]), rep
     rec = _records(run)
     assert sorted(torch.unique(rec["sample"]).tolist()) == list(range(20 - EVAL, 20))  # the plan's last 8
     assert rec["sample"].shape[0] == rec["conf_logit"].shape[0]
-    rep, err = _calibrate(run, "--against", "alpha")
-    assert rep["samples"] == EVAL and f"of {EVAL} samples" in err
-    assert rep["blocks"] == summary["eval"]["blocks"]  # every block the final evaluation measured
-    assert math.isfinite(rep["ece_cum_pooled_after_crossval"]), rep
 
 
 def test_regression_calibrate_defaults_to_observed_replay_acceptance(dspark_eval_run):
