@@ -405,13 +405,14 @@ def test_export_round_trip(tmp_path, fmt):
     assert "before the final norm" in c["dspark_target_state"]
 
 
-def test_regression_dspark_hf_export_carries_the_targets_embedding_and_lm_head(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_regression_dspark_hf_export_carries_the_targets_embedding_and_lm_head(tmp_path, tied):
     """The DSpark hf export had no embed_tokens / lm_head: DeepSpec's evaluator loads a draft with transformers'
     from_pretrained alone, which initialises absent tensors at random, so its proposals were made with a random
     embedding and head. The export now writes the target's (default): a model with DeepSpec's top-level names,
     loaded by transformers' own from_pretrained from the export directory, has them equal to the target's and
-    reports neither missing; a config-only target is refused in one message naming --no-target-tensors; with
-    target_tensors=False they are left out."""
+    reports neither missing (a target with tied embeddings too: both written, as two tensors); a config-only
+    target is refused in one message naming --no-target-tensors; with target_tensors=False they are left out."""
     from torch import nn
     from transformers import LlamaForCausalLM, Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
@@ -429,7 +430,9 @@ def test_regression_dspark_hf_export_carries_the_targets_embedding_and_lm_head(t
             self.post_init()
 
     torch.manual_seed(1)
-    target = LlamaForCausalLM(_target_cfg())
+    cfg = _target_cfg()
+    cfg.tie_word_embeddings = tied
+    target = LlamaForCausalLM(cfg)
     target.save_pretrained(str(tmp_path / "target"))
     m = model_of(dtype=torch.float32)
     ckpt = _checkpoint(tmp_path, m, [1, 3, 5])

@@ -194,6 +194,9 @@ def export_dspark(state, weights: dict[str, Tensor], target_cfg: Any, fmt: str, 
                 raise ConfigError(f"{what}: the target's {TARGET_TENSORS[name]} is {tuple(t.shape)}, the draft needs "
                                   f"{(cfg.vocab_size, cfg.hidden_size)}")
             tensors[name] = t.detach().to("cpu", dtype).contiguous()
+        embed, head = (tensors[k] for k in TARGET_TENSORS)
+        if head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr():  # a tied target: one tensor
+            tensors["lm_head.weight"] = head.clone()  # safetensors stores no shared memory; the loader needs both
     return ExportedDraft(config, tensors, ids)
 
 
