@@ -35,7 +35,8 @@ target's hidden size, V its vocabulary):
   published layouts' ``config.json``), ``serving_names``, ``target_tensors``, ``seed_fields``,
   ``vocab_coverage``; ``options`` / ``run_options``: the consumer options only this draft uses.
 - ``export(...)``: classmethod, its ``config.json`` and serving tensors from a checkpoint.
-- ``progress_metric``: the summary key the progress bar shows.
+- ``progress_metric``: the summary key the progress bar shows; ``acc_label``: what the log line calls the
+  summary's ``acc`` list.
 - ``eval_figures`` / ``eval_slot_figures`` (``held_out_figures(B)``): the names of the figures its
   ``summary`` of a held-out evaluation gives (``--best-metric`` accepts exactly these; a test runs a real
   evaluation of every draft and compares).
