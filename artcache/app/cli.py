@@ -417,7 +417,8 @@ def inspect(cache, as_json):
 @click.option("--out", "out_dir", default="bench-out", help="Output directory (one subdirectory per scenario).")
 @click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 3 cpu, 30 cuda).")
 @click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 15 cpu, 150 cuda).")
-@click.option("--target", default="smollm2-135m-instruct", help="Target name, HF directory or Hugging Face hub id (ORG/NAME).")
+@click.option("--target", default="smollm2-135m-instruct",
+              help="Target name, HF directory or Hugging Face hub id (ORG/NAME).")
 @click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a ShareGPT-format file.")
 @click.option("--max-length", default=0, type=int, help="Tokens per sample (default: 512; hetero on cpu 128).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
