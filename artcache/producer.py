@@ -936,8 +936,8 @@ class Producer:
 
     def _raise_if_nobody_came(self) -> None:
         """``--exit-when-done`` with no registration on the root: log the wait every :data:`EXPECT_NOTE_S`
-        seconds, and raise :class:`ProducerFailed` once ``expect_timeout_s`` has passed (
-        before, a producer that never saw a consumer waited forever)."""
+        seconds, and raise :class:`ProducerFailed` once ``expect_timeout_s`` has passed (without it, a
+        producer that never saw a consumer would wait forever)."""
         waited = time.monotonic() - self._started
         if waited >= self.cfg.expect_timeout_s:
             raise ProducerFailed(f"--exit-when-done: no consumer registered on {self.cfg.cache} in "
