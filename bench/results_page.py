@@ -52,12 +52,12 @@ def get(d: Any, path: str, default: Any = None) -> Any:
     return d
 
 
-def pick(rows: list[dict], **match: Any) -> dict:
-    """The first row whose fields equal ``match``. Raises ResultsError when none does."""
-    for row in rows:
-        if all(row.get(k) == v for k, v in match.items()):
-            return row
-    raise ResultsError(f"no row with {match}")
+def pick(rows: list[dict], nth: int = 0, **match: Any) -> dict:
+    """The ``nth`` (from 0) row whose fields equal ``match``. Raises ResultsError when there is none."""
+    found = [row for row in rows if all(row.get(k) == v for k, v in match.items())]
+    if len(found) <= nth:
+        raise ResultsError(f"no row {nth} with {match}")
+    return found[nth]
 
 
 def hardware(d: Any) -> str:
@@ -157,11 +157,11 @@ def _mode_row(mode: str) -> Callable[[Any], list[str]]:
     return cells
 
 
-def _speed_row(label: str, **match: Any) -> Callable[[Any], list[str]]:
+def _speed_row(label: str, nth: int = 0, **match: Any) -> Callable[[Any], list[str]]:
     def cells(d: Any) -> list[str]:
-        r = pick(d["rows"], **match)
+        r = pick(d["rows"], nth, **match)
         host = r.get("host_ms_per_step") or {}
-        launch = f"{host['launch']:.1f} / {host['total']:.1f}" if "launch" in host else "–"
+        launch = (f"{host['launch']:.1f} / {host['commit']:.1f} / {host['total']:.1f}" if "launch" in host else "–")
         return [label, r["data"], r["variant"], f2(r["steps_per_s"]), f3(r.get("mfu")), launch]
     return cells
 
@@ -224,7 +224,7 @@ def _offline_row(label: str) -> Callable[[Any], list[str]]:
     def cells(d: Any) -> list[str]:
         ratio, cpu = d["root_over_memory"], d["cpu_root_over_memory"]
         blocks = sorted(ratio, key=lambda b: int(b.lstrip("B")))
-        return [label, d["settings"]["reader"], ", ".join(f"{b} {ratio[b]:.3f}" for b in blocks),
+        return [label, d["settings"].get("reader", NOT_RECORDED), ", ".join(f"{b} {ratio[b]:.3f}" for b in blocks),
                 ", ".join(f"{b} {cpu[b]:.3f}" for b in blocks)]
     return cells
 
@@ -260,6 +260,17 @@ def _served_row(draft: str) -> Callable[[Any], list[str]]:
     return cells
 
 
+def _regen_row(label: str, path: str) -> Callable[[Any], list[str]]:
+    def cells(d: Any) -> list[str]:
+        r = get(d, path)
+        if r is None:
+            raise ResultsError(f"no regeneration summary at {path}")
+        rate = r.get("aggregate_tokens_per_s", r.get("generated_tokens_per_s"))
+        return [label, r.get("cache", NOT_RECORDED), str(r.get("max_new_tokens", NOT_RECORDED)),
+                str(r.get("processes_at_once", 1)), f"{rate:,.0f}"]
+    return cells
+
+
 def _gap_row(family: str) -> Callable[[Any], list[str]]:
     def cells(d: Any) -> list[str]:
         s = d["summary"]
@@ -286,9 +297,9 @@ SECTIONS: list[Section] = [
     Section("Consumer speed on one GPU",
             "`python -m artcache.bench.consumer_speed`: SmolLM2-135M shapes, 1,024-token samples, batch 8 (the Qwen3 "
             "row: Qwen3-8B's shape, 3,072 tokens); `in-memory` = the step on batches already on the GPU, `from-cache` "
-            "= the consumer itself reading a root; `@N` = N read workers. Trainer ms/step: the trainer thread's launch "
-            "and total per step (docs/training.md, \"GPU speed\").",
-            ["draft", "data", "variant", "steps/s", "MFU", "trainer ms/step: launch / total"],
+            "= the consumer itself reading a root; `@N` = N read workers. Trainer ms/step: the trainer thread's "
+            "launch, cursor commit and total per step (docs/training.md, \"GPU speed\").",
+            ["draft", "data", "variant", "steps/s", "MFU", "trainer ms/step: launch / commit / total"],
             [Row(f"{_CS}-39cc30f.json", _speed_row("DFlash B16", data="in-memory", variant="syncfree+graphs")),
              Row(f"{_CS}-ade87d8.json", _speed_row("DFlash B16", data="in-memory", variant="syncfree+compile",
                                                    name="dflash-smollm2")),
@@ -301,7 +312,10 @@ SECTIONS: list[Section] = [
              Row(f"{_CS}-f922080.json", _speed_row("DFlash B16", name="dflash-smollm2", variant="syncfree+compile@1")),
              Row(f"{_CS}-69a0313.json", _speed_row("DFlash B16", variant="syncfree+compile@1", switch_interval_ms=5.0)),
              Row(f"{_CS}-f922080.json", _speed_row("EAGLE-3 7 TTT", name="eagle3-smollm2",
-                                                   variant="syncfree+compile@1"))]),
+                                                   variant="syncfree+compile@1"))]
+            + [Row("2026-12-04-h200-consumer-speed-commit-869fe45.json",
+                   _speed_row(f"DFlash B16, --commit-interval {c:g}", nth, commit_interval_s=c))
+               for nth in (0, 1) for c in (0.0, 0.25)]),
     Section("Parts against the hardware's limits",
             "`python -m artcache.bench.gpu_micro`: a Qwen3-8B-shaped target with random weights, 3,072 tokens × 5 "
             "layers, bf16 artifacts of 125.8 MB; the store's publish and read + verify against the raw device on the "
@@ -339,8 +353,9 @@ SECTIONS: list[Section] = [
             [Row(f"2026-12-02-cpu-retention-gap-{f}.json", _gap_row(f))
              for f in ("together", "staggered", "near-floor", "near-floor-load")]),
     Section("A pre-filled root used offline",
-            "`python -m artcache.bench.offline --pairing steps`: DFlash consumers reading a `--fill`ed root with no "
-            "producer running, against the same consumers on batches already in memory, interleaved every 12 steps; "
+            "`python -m artcache.bench.offline`: DFlash consumers reading a `--fill`ed root with no producer running, "
+            "against the same consumers on batches already in memory, the two arms interleaved every 12 steps "
+            "(`--pairing steps`) unless the run says process pairing; "
             "root / memory of steps/s and of steps per CPU second (docs/benchmarks.md).",
             ["run", "reader", "root / memory", "per CPU second"],
             [Row(f"2026-12-04-cpu-offline-steps-reader-{n}.json", _offline_row(label)) for n, label in (
@@ -348,7 +363,22 @@ SECTIONS: list[Section] = [
                 ("process-2-e9f1af1", "3 consumers, 2"), ("thread-2-e9f1af1", "3 consumers, 2"),
                 ("b4-process-1-e9f1af1", "B4 alone, 1"), ("b4-thread-1-8b25960", "B4 alone, 1"),
                 ("b4-process-2-2f3e6e7", "B4 alone, 2"), ("b4-thread-2-2f3e6e7", "B4 alone, 2"),
-                ("b4-process-3-2f3e6e7", "B4 alone, 3"), ("b4-thread-3-2f3e6e7", "B4 alone, 3"))]),
+                ("b4-process-3-2f3e6e7", "B4 alone, 3"), ("b4-thread-3-2f3e6e7", "B4 alone, 3"))]
+            + [Row(f"2026-12-04-h200-offline-{n}.json", _offline_row(label)) for n, label in (
+                ("steps-11fbbcf", "16-core CPU, commit when due"),
+                ("steps-commit0-11fbbcf", "16-core CPU, commit every step"),
+                ("process-869fe45", "16-core CPU, process pairing, commit when due"),
+                ("process-commit0-869fe45", "16-core CPU, process pairing, commit every step"))]),
+    Section("Regeneration on one GPU",
+            "`artcache regenerate --device cuda`: SmolLM2-135M-Instruct answering ShareGPT prompts of at most 768 "
+            "tokens, greedy, bf16, batch 256 (docs/regenerate.md).",
+            ["run", "cache", "new tokens at most", "processes", "generated tokens/s"],
+            [Row("2026-12-01-h200-smollm2-dflash.json", _regen_row("one shard", "data.regenerate_summary")),
+             Row("2026-12-02-h200-regenerate-cache.json", _regen_row("A/B", "ab_64_new_tokens.dynamic")),
+             Row("2026-12-02-h200-regenerate-cache.json", _regen_row("A/B", "ab_64_new_tokens.static")),
+             Row("2026-12-02-h200-regenerate-cache.json", _regen_row("one shard", "long_run_shards.0")),
+             Row("2026-12-02-h200-smollm2-dflash-76fd591.json", _regen_row("four shards at once",
+                                                                           "data.regenerate"))]),
     Section("Training on one GPU",
             "The real SmolLM2-135M-Instruct target, data regenerated by the target, 10,000 planned steps of batch 8; "
             "the best held-out figure (τ including the +1 bonus; `replay_tau` = greedy replay against the target's "
