@@ -13,10 +13,11 @@ from click.core import ParameterSource
 
 from artcache.app import config as C
 from artcache.app.config import load_run_config, saved_config_source
-from artcache.app.values import parse_bytes, parse_layer_ids, parse_template_options
+from artcache.app.values import data_flags, parse_bytes, parse_layer_ids, parse_template_options
 from artcache.data.regenerate import BACKENDS as REGEN_BACKENDS
 from artcache.data.regenerate import CACHES as REGEN_CACHES
 from artcache.data.regenerate import DTYPES as REGEN_DTYPES
+from artcache.data.sources import DataSource
 from artcache.errors import ArtcacheError, CacheRootError, ConfigError
 from artcache.logs import setup_logging
 from artcache.ranges import NonNegativeFloat, check_value
@@ -160,9 +161,14 @@ def main(verbose: bool) -> None:
 @main.command()
 @click.option("--cache", default=None, help="Cache root directory (created if absent); required without --config.")
 @TARGET_OPTION
-@click.option("--data", "dataset", default="sharegpt",
+@click.option("--data", "dataset", multiple=True, default=("sharegpt",), metavar="PATH[:WEIGHT]",
               help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a "
-              "ShareGPT-format JSON/JSONL file.")
+              "ShareGPT-format JSON/JSONL file. Repeat it (or add :WEIGHT) to mix data sources by weight: dataset "
+              "folders (save_to_disk) and parquet/arrow/JSON/JSONL files, OpenAI messages or ShareGPT schema "
+              "(docs/data.md).")
+@click.option("--eval-data", default=None, metavar="PATH",
+              help="A separate evaluation source: its samples end the plan as the held-out split every consumer "
+              "evaluates on (docs/data.md).")
 @click.option("--seed", default=0, type=int, help="Plan shuffle seed.")
 @click.option("--max-length", default=512, type=int, help="Tokens per sample (truncated).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan (positions wrap around).")
@@ -220,15 +226,19 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention="need",
-             fill=False, payload=""):
+             fill=False, payload="", eval_data=None):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
     _check_device(device)
     ids = parse_layer_ids(layer_ids)
+    data = data_flags(dataset, eval_data)
     cfg = ProducerConfig(
-        cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
+        cache=cache, target=target, dataset=data.get("data.dataset", "sharegpt"),
+        sources=[msgspec.convert(x, DataSource) for x in data.get("data.sources", [])],
+        eval=msgspec.convert(data["data.eval"], DataSource) if "data.eval" in data else None, seed=seed,
+        max_length=max_length, max_samples=max_samples,
         draft_layers=draft_layers, layer_ids=ids, device=device, dtype=dtype, compute_dtype=compute_dtype,
         limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens),
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
@@ -466,7 +476,10 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
 @click.option("--out", default=None, help="Shortcut for out=DIR (the run directory).")
 @click.option("--target", default=None, help="Shortcut for target.name=NAME_OR_DIR.")
-@click.option("--data", "dataset", default=None, help="Shortcut for data.dataset=NAME_OR_FILE.")
+@click.option("--data", "dataset", multiple=True, metavar="PATH[:WEIGHT]",
+              help="Shortcut for data.dataset=NAME_OR_FILE; repeated (or with :WEIGHT), for [[data.sources]] "
+              "(docs/data.md).")
+@click.option("--eval-data", default=None, metavar="PATH", help="Shortcut for data.eval.path=PATH.")
 @click.option("--device", default=None, help="Shortcut for target.device=DEV (experiments without a device follow).")
 @click.option("--launcher", default="local", type=click.Choice(["local", "slurm"]),
               help="local: start the processes here; slurm: write an sbatch script of job steps ([slurm] section, "
@@ -476,7 +489,7 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
               "status and the root's inspect summary (exit 1 if any failed).")
 @_errors
 def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, launcher="local", submit=False,
-        wait_job=False):
+        wait_job=False, eval_data=None):
     """One producer (capturing the union of the experiments' layers, plus the target's last layer for a held-out
     replay: capture.replay_layer) and one consumer per experiment.
 
@@ -489,7 +502,7 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
         raise ConfigError("--submit and --wait need --launcher slurm")
     if wait_job and not submit:
         raise ConfigError("--wait needs --submit (it waits for the submitted job)")
-    flags = {"out": out, "target.name": target, "data.dataset": dataset, "target.device": device}
+    flags = {"out": out, "target.name": target, "target.device": device, **data_flags(dataset, eval_data)}
     plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}),
                               local_devices=launcher == "local", source=f"--config {str(config_path)!r}")
     if launcher == "slurm":

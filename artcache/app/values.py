@@ -88,3 +88,25 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 
 
 __all__ = ["parse_bytes", "parse_layer_ids", "parse_template_options"]
+
+
+def data_flags(data, eval_data: str | None = None) -> dict:
+    """The repeatable ``--data PATH[:WEIGHT]`` and ``--eval-data PATH`` → run config paths.
+
+    One ``--data`` without a weight keeps its meaning: ``data.dataset`` (``sharegpt``, ``synthetic`` or a
+    ShareGPT-format file). Several, or one with ``:WEIGHT``, are ``data.sources`` (each a
+    :class:`artcache.data.sources.DataSource`: a dataset folder or a parquet / arrow / JSON / JSONL file, its
+    weight after the last colon, default 1). ``--eval-data`` is ``data.eval``. Nothing given: ``{}``.
+
+    Raises ConfigError for a weight <= 0 or an empty path."""
+    from artcache.data.sources import parse_data_arg
+
+    out: dict = {}
+    items = [data] if isinstance(data, str) else list(data or ())
+    if len(items) == 1 and parse_data_arg(items[0]).path == items[0]:
+        out["data.dataset"] = items[0]
+    elif items:
+        out["data.sources"] = [{"path": s.path, "weight": s.weight} for s in map(parse_data_arg, items)]
+    if eval_data:
+        out["data.eval"] = {"path": eval_data}
+    return out

@@ -83,7 +83,7 @@ from artcache.trainers.draft import (
     figure_rank,
     figures_of,
 )
-from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, target_argmax_fn
+from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, heldout_samples, target_argmax_fn
 from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
 from artcache.trainers.tracking import Progress, RunTracker
 
@@ -211,6 +211,9 @@ class Session:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
         self.plan = Plan.load(self.layout.plan_dir(self.settings.plan_id))
+        held = heldout_samples(self.plan, cfg.eval_samples)  # a plan's data.eval split is every consumer's
+        if held != cfg.eval_samples:
+            cfg = self.cfg = msgspec.structs.replace(cfg, eval_samples=held)
         self.pinned = eval_split(len(self.plan), cfg.eval_samples)
         # training walks the plan's first epoch_len samples epoch after epoch; the held-out split never
         self.epoch_len = self.pinned[0] or len(self.plan)
