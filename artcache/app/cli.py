@@ -319,6 +319,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @click.option("--tensorboard/--no-tensorboard", default=True,
               help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")
+@click.option("--tracker", "trackers", multiple=True, type=click.Choice(("wandb", "mlflow")),
+              help="Also send the scalars to W&B or MLflow (repeatable; the extras of those names): one run per "
+              "consumer, named by its id; their settings from WANDB_* / MLFLOW_TRACKING_URI.")
+@click.option("--tracker-project", default="artcache", help="The W&B project / MLflow experiment of --tracker runs.")
 @click.option("--compile", "compile_mode", default="auto", type=click.Choice(COMPILE_MODES),
               help="torch.compile the draft: auto (on on CUDA for runs of >= 2,000 steps, else off), off, on, graphs "
                    "(with CUDA graphs; CUDA only).")
@@ -343,7 +347,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            reader="thread", epochs=0):
+            reader="thread", epochs=0, trackers=(), tracker_project="artcache"):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
@@ -369,7 +373,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         init_overrides=[x for item in init_overrides for x in item.split(",") if x],
         min_vocab_coverage=min_vocab_coverage, keep_vocab_map=keep_vocab_map or None,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
-        progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
+        progress=progress, tensorboard=tensorboard, trackers=list(trackers), tracker_project=tracker_project,
+        compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
         reader=reader)
     cfg.validate()

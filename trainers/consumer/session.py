@@ -365,7 +365,8 @@ class Session:
             self._drop_unrecorded()
             resuming = self.resumed is not None or cfg.resume
             self.tracker = RunTracker(self.run_dir, tensorboard=cfg.tensorboard,
-                                      resume_step=self.start_step if resuming else None)
+                                      resume_step=self.start_step if resuming else None, trackers=cfg.trackers,
+                                      run_name=cfg.consumer_id, project=cfg.tracker_project)
         except BaseException as exc:
             self.handle.finish("failed", f"{type(exc).__name__}: {exc}")
             self.journal.close()
