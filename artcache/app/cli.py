@@ -485,6 +485,12 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
               help="Shortcut for data.dataset=NAME_OR_FILE; repeated (or with :WEIGHT), for [[data.sources]] "
               "(docs/data.md).")
 @click.option("--eval-data", default=None, metavar="PATH", help="Shortcut for data.eval.path=PATH.")
+@click.option("--capture-rate", default=None, type=float, metavar="SAMPLES_PER_S",
+              help="With --dry-run: the producer's capture rate for the capacity estimate (default: measured from the "
+              "cache root's journal when a run used it, else assumed; docs/training.md, \"Capacity estimate\").")
+@click.option("--step-rate", "step_rates", multiple=True, metavar="[NAME=]STEPS_PER_S",
+              help="With --dry-run: an experiment's optimizer steps per second for the estimate (repeatable; without "
+              "NAME=, every experiment's).")
 @click.option("--device", default=None, help="Shortcut for target.device=DEV (experiments without a device follow).")
 @click.option("--launcher", default="local", type=click.Choice(["local", "slurm"]),
               help="local: start the processes here; slurm: write an sbatch script of job steps ([slurm] section, "
@@ -494,7 +500,7 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
               "status and the root's inspect summary (exit 1 if any failed).")
 @_errors
 def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, launcher="local", submit=False,
-        wait_job=False, eval_data=None):
+        wait_job=False, eval_data=None, capture_rate=None, step_rates=()):
     """One producer (capturing the union of the experiments' layers, plus the target's last layer for a held-out
     replay: capture.replay_layer) and one consumer per experiment.
 
@@ -518,7 +524,15 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
                               "script")
         sys.exit(launch(plan, resolved, dry_run=dry_run, submit=submit, wait=wait_job))
     if dry_run:
-        click.echo(msgspec.json.format(msgspec.json.encode(plan)).decode() if as_json else format_plan(plan))
+        from artcache.app.estimate import estimate, format_estimate, parse_step_rates, plan_length
+
+        est = estimate(plan, resolved, plan_length(plan, resolved), capture_rate=capture_rate,
+                       step_rates=parse_step_rates(step_rates))
+        if as_json:
+            click.echo(msgspec.json.format(msgspec.json.encode(
+                {**msgspec.to_builtins(plan), "estimate": msgspec.to_builtins(est)})).decode())
+        else:
+            click.echo(format_plan(plan) + ("\n\n" + format_estimate(est) if est is not None else ""))
         return
     click.echo(format_plan(plan))
     sys.exit(run_experiments(plan, resolved))
