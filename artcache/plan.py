@@ -139,8 +139,9 @@ def compute_plan_id(spec: PlanSpec, dataset_digest: str, tok_digest: str, tmpl_d
     if spec.sources or spec.eval is not None:
         if source_digests is None:
             raise ValueError("a mixed plan's id needs its sources' digests (mix_digests)")
-        for entry, digest in zip(spec_inputs.get("sources", []), source_digests["sources"], strict=True):
-            entry["path"] = digest
+        if spec.sources:  # else the one training source is spec.dataset, in by its digest as dataset_digest
+            for entry, digest in zip(spec_inputs["sources"], source_digests["sources"], strict=True):
+                entry["path"] = digest
         if "eval" in spec_inputs:
             spec_inputs["eval"]["path"] = source_digests["eval"]
     if spec.dataset not in DATASETS:

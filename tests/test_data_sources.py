@@ -374,3 +374,45 @@ def test_dump_toml_keeps_lists_of_tables(tmp_path):
                                                       {"path": "b.jsonl", "weight": 0.3}]})
     (tmp_path / "c.toml").write_text(dump_toml(cfg))
     assert load_run_config(tmp_path / "c.toml").data.sources == cfg.data.sources
+
+
+def test_a_root_planned_from_one_mix_names_the_changed_weights(tmp_path, smollm2_tokenizer):
+    """A cache root made from one mix refuses another, naming data.sources with both values."""
+    from artcache.settings import _plan_differences
+
+    parquet, jsonl, _ = mixed_files(tmp_path / "d")
+    spec = PlanSpec(max_samples=10, max_length=128, sources=(DataSource(path=str(parquet), weight=0.7),
+                                                             DataSource(path=str(jsonl), weight=0.3)))
+    plan = build_plan(spec, smollm2_tokenizer, target_vocab_size=VOCAB)
+    saved = plan.save(tmp_path / "plans")
+    other = PlanSpec(max_samples=10, max_length=128, sources=(DataSource(path=str(parquet), weight=0.5),
+                                                              DataSource(path=str(jsonl), weight=0.5)))
+    diffs = _plan_differences(saved / "plan.json", other, str)
+    assert len(diffs) == 1 and diffs[0].startswith("sources [") and "'weight': 0.7" in diffs[0]
+    assert "'weight': 0.5" in diffs[0].split(" there, ")[1]
+
+
+def test_bad_source_in_a_run_config_is_one_line_and_nothing_is_written(tiny_target, tmp_path):
+    parquet, jsonl, ev = mixed_files(tmp_path / "d")
+    (tmp_path / "d" / "beta.jsonl").write_text(jsonl.read_text() + '{"conversations": [{"from": "alien", '
+                                                                   '"value": "x"}]}\n')
+    path = tmp_path / "run.toml"
+    out = tmp_path / "out"
+    path.write_text(run_toml(tiny_target, out, parquet, jsonl, ev).replace("max_samples = 20", "max_samples = 100"))
+    res = CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run"])
+    assert res.exit_code == 2
+    err = res.output.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"data source file '{jsonl}' line 61: turn 0 from 'alien' is not accepted; accepted: human" in err
+    assert not out.exists()
+
+
+def test_a_dataset_file_with_a_separate_eval_source(tmp_path, smollm2_tokenizer):
+    """``data.dataset`` (one file) with ``data.eval``: the file's samples, then the eval source's as the tail."""
+    _, jsonl, ev = mixed_files(tmp_path / "d")
+    spec = PlanSpec(dataset=str(jsonl), max_samples=12, max_length=128, eval=DataSource(path=str(ev)))
+    plan = build_plan(spec, smollm2_tokenizer, target_vocab_size=VOCAB)
+    assert len(plan) == 22 and plan.heldout == 10
+    assert tags(plan, smollm2_tokenizer, 0, 22) == ["beta"] * 12 + ["gamma"] * 10
+    assert plan_id_for(spec, smollm2_tokenizer) == plan.plan_id
+    assert plan_id_for(PlanSpec(dataset=str(jsonl), max_samples=12, max_length=128), smollm2_tokenizer) != plan.plan_id
