@@ -91,3 +91,9 @@ def test_rates_measured_from_the_roots_journal_and_assumed_without(tmp_path):
     for bad in ("a=0", "x=fast", "-1"):
         with pytest.raises(ConfigError, match=r"--step-rate .* is invalid: accepted NAME=STEPS_PER_S"):
             parse_step_rates([bad])
+
+
+def test_too_many_positions_skip_the_estimate_and_say_so(tmp_path):
+    res = _dry_run(tmp_path, "experiments.0.steps=60000")
+    assert res.exit_code == 0, res.output
+    assert "estimate: none (60,010 positions to simulate exceed the dry run's 50,000;" in res.stdout

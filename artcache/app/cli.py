@@ -524,15 +524,17 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
                               "script")
         sys.exit(launch(plan, resolved, dry_run=dry_run, submit=submit, wait=wait_job))
     if dry_run:
-        from artcache.app.estimate import estimate, format_estimate, parse_step_rates, plan_length
+        from artcache.app.estimate import estimate, format_estimate, parse_step_rates, plan_length, skipped
 
-        est = estimate(plan, resolved, plan_length(plan, resolved), capture_rate=capture_rate,
-                       step_rates=parse_step_rates(step_rates))
+        rates, why = parse_step_rates(step_rates), skipped(plan)
+        est = None if why else estimate(plan, resolved, plan_length(plan, resolved), capture_rate=capture_rate,
+                                        step_rates=rates)
         if as_json:
             click.echo(msgspec.json.format(msgspec.json.encode(
                 {**msgspec.to_builtins(plan), "estimate": msgspec.to_builtins(est)})).decode())
         else:
-            click.echo(format_plan(plan) + ("\n\n" + format_estimate(est) if est is not None else ""))
+            click.echo(format_plan(plan) + "\n\n" + (format_estimate(est) if est is not None else
+                                                     f"estimate: none ({why})"))
         return
     click.echo(format_plan(plan))
     sys.exit(run_experiments(plan, resolved))

@@ -34,8 +34,10 @@ import msgspec
 
 from artcache.errors import ConfigError
 
-#: the simulator's work grows with the positions; above this many (summed over experiments) the estimate is skipped
-MAX_SIM_POSITIONS = 2_000_000
+#: the simulator's work grows with the positions (4 s for 3 consumers x 8,000 positions on one CPU core; the dry run
+#: simulates the root and each experiment alone); above this many, summed over the experiments, the dry run skips
+#: the estimate and says so (bench/sim.py runs any size)
+MAX_SIM_POSITIONS = 50_000
 
 
 class Rates(msgspec.Struct, kw_only=True):
@@ -185,10 +187,20 @@ def _part(name: str, consumers, producer, positions: int, plan_samples: int, hel
                         wait_s=sum(r.wait_s for r in res.consumers.values()))
 
 
+def skipped(plan) -> str | None:
+    """Why the dry run gives no estimate for ``plan`` (None: it gives one)."""
+    total = sum(x.positions for x in plan.experiments)
+    if not total:
+        return "no experiment has positions left to train"
+    if total > MAX_SIM_POSITIONS:
+        return (f"{total:,} positions to simulate exceed the dry run's {MAX_SIM_POSITIONS:,}; the simulator "
+                "itself (python -m artcache.bench.sim --consumer ...) runs any size")
+    return None
+
+
 def estimate(plan, cfg, plan_samples: int, *, capture_rate: float | None = None,
              step_rates: dict[str, float] | None = None) -> CapacityEstimate | None:
-    """The capacity estimate of a planned run (module docstring); None when no experiment has positions left to
-    train or the positions exceed :data:`MAX_SIM_POSITIONS`.
+    """The capacity estimate of a planned run (module docstring); None when :func:`skipped` gives a reason.
 
     Args:
         plan: the :class:`~artcache.app.experiments.RunPlan`. cfg: its resolved run config. plan_samples: the
@@ -201,7 +213,7 @@ def estimate(plan, cfg, plan_samples: int, *, capture_rate: float | None = None,
     rates = resolve_rates(plan, capture_rate, step_rates or {})
     budget, budget_source = _budget(cfg, plan)
     consumers, producer, positions = sim_inputs(plan, cfg, rates, plan_samples, budget)
-    if not consumers or sum(c.end for c in consumers) > MAX_SIM_POSITIONS:
+    if skipped(plan) is not None:
         return None
     held_of = {x.name: int(x.consumer.get("eval_samples", 0) or 0) for x in plan.experiments}
     heldout = max((held_of[c.name] for c in consumers), default=0)
@@ -263,4 +275,4 @@ def format_estimate(est: CapacityEstimate) -> str:
 
 
 __all__ = ["MAX_SIM_POSITIONS", "CapacityEstimate", "PartEstimate", "Rates", "estimate", "format_estimate",
-           "measured_rates", "parse_step_rates", "plan_length", "resolve_rates", "sim_inputs"]
+           "measured_rates", "parse_step_rates", "plan_length", "resolve_rates", "sim_inputs", "skipped"]
