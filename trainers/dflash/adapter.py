@@ -168,7 +168,8 @@ class DFlashAdapter(Draft):
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
         # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
         # from the host copy of the batch's masks (no device read-back)
-        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.dcfg.num_anchors, self.generator)
+        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.dcfg.num_anchors, self.generator,
+                                        batch.positions, self.generator.initial_seed())
         self.speed.step_begin()
         _, loss, stats = self._forward(batch, anchors, avalid, train=True)
         return loss, (self._pending(stats) if self.speed.sync_free else self._sums(stats))

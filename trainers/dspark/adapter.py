@@ -164,7 +164,8 @@ class DSparkAdapter(Draft):
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
         # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
         # from the host copy of the batch's masks (no device read-back)
-        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator)
+        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator,
+                                        batch.positions, self.generator.initial_seed())
         self.speed.step_begin()
         _, loss, out = self._forward(batch, anchors, avalid, train=True)
         self._weights_seen += 1
