@@ -47,6 +47,7 @@ class ConsumerCounts(msgspec.Struct, kw_only=True):
     leases_released: int = 0
     quarantined: int = 0
     timeouts: int = 0
+    ranks: int = 1  # a torch.distributed group of this many ranks (one consumer to the cache)
 
 
 class CacheCounts(msgspec.Struct, kw_only=True):
@@ -229,6 +230,7 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
             k.draft, k.block_size = ev.draft, ev.block_size
             k.lookbehind, k.lookahead = ev.lookbehind, ev.lookahead
             k.epoch_len = ev.epoch_len
+            k.ranks = ev.ranks
             windows[ev.consumer] = ev.lookbehind + ev.lookahead + 1 + ev.pinned  # as Registration.retain_bound
         elif isinstance(ev, J.Step):
             k = cons(ev.consumer)

@@ -152,7 +152,10 @@ class ConsumerStart(Event, tag="consumer_start"):
     ``pinned``: positions of its held-out evaluation split, retained besides its window.
     ``epoch_len``: training samples per epoch (0: the whole plan; :class:`artcache.plan.EpochOrder`).
     ``reader``: the identity token of its reader process (``--reader process``), whose journal
-    ``reader-<consumer>-<reader>.jsonl`` holds its requests and leases; empty: a reader thread (this journal)."""
+    ``reader-<consumer>-<reader>.jsonl`` holds its requests and leases; empty: a reader thread (this journal).
+    ``ranks``: the consumer's world size (a torch.distributed group: rank 0 writes this event, each other rank
+    journals its own requests and leases as ``reader-<consumer>-<its token>.jsonl``); ``batch_size`` is then the
+    positions of one optimizer step over all ranks and micro-batches."""
 
     consumer: str
     pid: int
@@ -166,6 +169,7 @@ class ConsumerStart(Event, tag="consumer_start"):
     pinned: int = 0
     epoch_len: int = 0
     reader: str = ""
+    ranks: int = 1
 
 
 class Request(Event, tag="request"):

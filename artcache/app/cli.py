@@ -95,7 +95,9 @@ def _with_config(verb: str):
 
                 ccfg = C.consumer_config(cfg, experiment, kwargs.get("consumer_id"))
                 _check_device(ccfg.device)
-                click.echo(json.dumps(run_consumer(ccfg)))
+                summary = run_consumer(ccfg)
+                if summary is not None:  # None: a rank > 0 of a group
+                    click.echo(json.dumps(summary))
             else:
                 from artcache.bench.run import run_bench
 
@@ -326,6 +328,16 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--reader", default="thread", type=click.Choice(("thread", "process")),
               help="Where the reader runs: thread (beside the trainer) or process (a child process of its own that "
                    "reads into shared memory: its Python never holds the trainer's GIL; Linux).")
+@click.option("--nproc", default=1, type=int,
+              help="Ranks of this consumer: a torch.distributed group (gloo on a CPU, nccl on CUDA: rank r on "
+                   "cuda:r) that is one consumer to the cache; each optimizer step consumes --nproc x --grad-accum x "
+                   "--batch-size positions. Under torchrun the group is torchrun's (WORLD_SIZE).")
+@click.option("--grad-accum", default=1, type=int,
+              help="Micro-batches of --batch-size per optimizer step on each rank; the update equals one step over "
+                   "the whole batch; the LR schedule and --steps count optimizer steps.")
+@click.option("--group-timeout", default=60.0, type=float,
+              help="Seconds a rank of a group waits in a collective for the others before the group stops "
+                   "(init_process_group's timeout; 0 < S <= 3600).")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps,
@@ -333,7 +345,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            reader="thread", epochs=0):
+            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
@@ -361,10 +373,11 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
         progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
-        reader=reader)
+        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout)
     cfg.validate()
     summary = run_consumer(cfg)
-    click.echo(json.dumps(summary), err=False)
+    if summary is not None:  # None: a rank > 0 of a group (rank 0 prints the group's summary)
+        click.echo(json.dumps(summary), err=False)
 
 
 @main.command()

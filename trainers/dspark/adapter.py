@@ -151,7 +151,9 @@ class DSparkAdapter(Draft):
         anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
         ctx, last = batch.hidden[:, :, :m], batch.hidden[:, :, m]
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            forward = self._forward_fn if fast else self.model
+            # a consumer group's training forward runs through its DistributedDataParallel wrapper
+            forward = self.train_module if train and self.train_module is not None else \
+                self._forward_fn if fast else self.model
             hidden = forward(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid, check_anchors=not fast)
             loss, out = dspark_loss(self.model, hidden, last, batch.input_ids, batch.loss_mask, anchors, avalid,
                                     context_valid=batch.valid, mode=self._loss_mode() if train else "fused",
