@@ -353,12 +353,23 @@ class Draft(abc.ABC):
     #: ``DistributedDataParallel`` wrapper of it (None: ``model``, or its compiled forward)
     train_module: torch.nn.Module | None = None
 
+    #: its ``loss(batch, denominators=...)`` divides each term by a given denominator ([terms] float64: the global
+    #: batch's) instead of the batch's own; a consumer group or ``--grad-accum`` then finds them before the parts'
+    #: forward (:meth:`loss_denominators`). False: one term, whose parts' gradients are summed and scaled after
+    #: their backward (exact where the gradient's rounding does not depend on the normaliser: DFlash)
+    global_denominators: ClassVar[bool] = False
+
     def loss_terms(self) -> tuple[tuple[str, float], ...]:
         """The training loss as ``(name, c)`` pairs of its :class:`MetricSums`: ``loss = Σ c · num[name] /
         den[name]`` over one batch. A consumer group or ``--grad-accum`` normalises each term over the whole
         global batch (:meth:`artcache.trainers.consumer.Session.train_step`); a draft with more than one term
-        must accept ``loss(batch, denominators=...)`` ([terms] float64, the global ``den`` of each term)."""
+        sets :attr:`global_denominators`."""
         return (("loss", 1.0),)
+
+    def loss_denominators(self, batch: DraftBatch) -> Tensor | None:
+        """``den`` of each :meth:`loss_terms` entry over ``batch`` ([terms] float64) without a forward, or None
+        (the consumer then counts them with a forward without gradients)."""
+        return None
 
     @classmethod
     def held_out_figures(cls, block_size: int | None = None) -> tuple[str, ...]:

@@ -56,7 +56,7 @@ from artcache.errors import ConfigError, ConsumerFenced, GroupFailed
 from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums
 
 __all__ = ["Group", "GroupHandle", "agree", "env_world", "join", "launch", "leave", "micro_batches", "sums_from_vector",
-           "sums_vector"]
+           "sums_names", "sums_vector"]
 
 log = logging.getLogger("artcache.consumer")
 
@@ -231,14 +231,26 @@ def micro_batches(batch: DraftBatch, k: int) -> list[DraftBatch]:
     return out
 
 
-def sums_vector(sums: MetricSums | PendingSums, device: torch.device) -> tuple[Tensor, list[tuple[str, bool]]]:
-    """A step's metric sums as one float64 vector on ``device`` (numerators then denominators, by name) and the
-    layout :func:`sums_from_vector` reads it back with."""
+def sums_names(sums: MetricSums | PendingSums) -> list[str]:
+    """The figure names of a step's sums (a name with a denominator as ``name/``): what :func:`sums_vector` lays
+    out. Ranks all-gather these first, since a draft reports some figures only when measured (DSpark's
+    calibration bins)."""
     if isinstance(sums, PendingSums):
-        return sums.values.to(device=device, dtype=torch.float64), list(sums.names)
-    names = [(n, n in sums.den) for n in sorted(sums.num)]
-    flat = [x for n, has in names for x in ((sums.num[n], sums.den[n]) if has else (sums.num[n],))]
-    return torch.tensor(flat, dtype=torch.float64, device=device), names
+        return [n + "/" if has else n for n, has in sums.names]
+    return [n + "/" if n in sums.den else n for n in sums.num]
+
+
+def sums_vector(sums: MetricSums | PendingSums, device: torch.device,
+                names: list[str] | None = None) -> tuple[Tensor, list[tuple[str, bool]]]:
+    """A step's metric sums as one float64 vector on ``device``, laid out by ``names`` (:func:`sums_names` of every
+    rank, united; None: this one's), a figure this rank lacks as zeros; and the layout :func:`sums_from_vector`
+    reads it back with."""
+    if isinstance(sums, PendingSums):
+        sums = sums.resolve()
+    layout = [(n.rstrip("/"), n.endswith("/")) for n in (sorted(sums_names(sums)) if names is None else names)]
+    flat = [x for n, has in layout
+            for x in ((sums.num.get(n, 0.0), sums.den.get(n, 0.0)) if has else (sums.num.get(n, 0.0),))]
+    return torch.tensor(flat, dtype=torch.float64, device=device), layout
 
 
 def sums_from_vector(vec: Tensor, names: list[tuple[str, bool]]) -> MetricSums:
@@ -320,18 +332,20 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | N
     failed: tuple[int, int] | None = None
     deadline = None
     try:
-        while any(p.poll() is None for p in procs):
+        while None in [p.poll() for p in procs]:  # every rank polled (any() would stop at the first running one)
             if failed is None:
-                for r, p in enumerate(procs):
-                    if p.returncode not in (None, 0):
-                        failed = (r, p.returncode)
-                        log.error("rank %d (pid %d) ended with %s: stopping the other ranks", r, p.pid,
-                                  _describe(p.returncode))
-                        for q in procs:
-                            if q.poll() is None:
-                                q.send_signal(signal.SIGTERM)
-                        deadline = time.monotonic() + grace_s
-                        break
+                # the first failure; a rank killed by a signal before one that exited (its peers' collectives
+                # fail once it is gone, so both may be seen in one poll)
+                ended = sorted(((p.returncode >= 0, r) for r, p in enumerate(procs) if p.returncode not in (None, 0)))
+                if ended:
+                    r = ended[0][1]
+                    failed = (r, procs[r].returncode)
+                    log.error("rank %d (pid %d) ended with %s: stopping the other ranks", r, procs[r].pid,
+                              _describe(procs[r].returncode))
+                    for q in procs:
+                        if q.poll() is None:
+                            q.send_signal(signal.SIGTERM)
+                    deadline = time.monotonic() + grace_s
             elif deadline is not None and time.monotonic() > deadline:
                 for q in procs:
                     if q.poll() is None:
@@ -341,27 +355,46 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | N
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    if failed is None:
-        failed = next(((r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0), None)
+    if failed is None:  # every rank ended in the same poll
+        ended = sorted((p.returncode >= 0, r) for r, p in enumerate(procs) if p.returncode != 0)
+        failed = (ended[0][1], procs[ended[0][1]].returncode) if ended else None
     return failed
 
 
 def _fence_dead(cfg, procs: list[subprocess.Popen], rank: int, rc: int) -> str:
-    """Fence the consumer's registration as failed when it is still running under one of these (now dead) ranks'
-    pids (rank 0 was killed and could not finish it), so its leases are reclaimed at once. Returns a note for the
-    error message ('' when there was nothing to fence)."""
+    """After a failed group (every rank has exited): fence the consumer's registration as failed when it is still
+    running under one of these ranks' pids (rank 0 was killed and could not finish it), and reclaim the leases
+    the dead ranks still held (journaled as ``lease_expire``, reason ``holder-dead``, in the launcher's own
+    journal), so nothing they held waits for the producer's next pass. Returns a note for the error message."""
+    from artcache import journal as J
+    from artcache import leases
     from artcache.layout import CacheLayout
+    from artcache.liveness import dead_reason
 
     layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
+    note = ""
     try:
         reg = registry.read(layout, cfg.consumer_id)
-    except Exception:  # an unreadable root: the producer fences it on its heartbeat timeout
-        return ""
-    if reg is None or reg.state != "running" or reg.pid not in {p.pid for p in procs}:
-        return ""
-    reason = f"rank {rank} ended with {_describe(rc)}"
-    registry.fence(layout, cfg.consumer_id, "failed", reason, expect_generation=reg.generation)
-    return "; its registration was fenced as failed (--resume continues from its recorded checkpoint)"
+        if reg is not None and reg.state == "running" and reg.pid in {p.pid for p in procs}:
+            reason = f"rank {rank} ended with {_describe(rc)}"
+            registry.fence(layout, cfg.consumer_id, "failed", reason, expect_generation=reg.generation)
+            note = "; its registration was fenced as failed (--resume continues from its recorded checkpoint)"
+        dead = [info for infos in leases.scan(layout).values() for info in infos
+                if info.consumer == cfg.consumer_id and info.holder is not None and info.holder.comparable()
+                and info.holder.pid in {p.pid for p in procs} and dead_reason(info.holder) is not None]
+        if dead:
+            journal = J.JournalWriter(layout.journal_path("launcher", cfg.consumer_id))
+            try:
+                for info in dead:
+                    if leases.release(layout, info.name):
+                        journal.emit(J.LeaseExpire(producer="launcher", fp=info.fp, lease=info.name,
+                                                   reason="holder-dead"))
+            finally:
+                journal.close()
+            note += f"; {len(dead)} lease(s) its dead ranks held were reclaimed"
+    except Exception as exc:  # an unreadable root: the producer fences and reclaims on its own passes
+        log.warning("[%s] could not fence or reclaim after the group failed: %s", cfg.consumer_id, exc)
+    return note
 
 
 def child_main() -> None:

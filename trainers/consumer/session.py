@@ -100,6 +100,7 @@ from .group import (
     leave,
     micro_batches,
     sums_from_vector,
+    sums_names,
     sums_vector,
 )
 from .reader import DeviceCollator, Fetched, Reader, collate, group_cursor
@@ -373,10 +374,15 @@ class Session:
                                            fused=True)
         self.generators = draft.generators()
         if self.group is not None:  # gradients averaged over the ranks in backward (DDP's buckets)
+            import inspect
+
             from torch.nn.parallel import DistributedDataParallel
 
+            # the draft's buffers are the frozen target's tensors, the same on every rank: never re-sent per forward
+            known = inspect.signature(DistributedDataParallel).parameters
+            quiet = {"forward_sync_buffers": False} if "forward_sync_buffers" in known else {"broadcast_buffers": False}
             self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda"
-                                               else None, broadcast_buffers=False)
+                                               else None, **quiet)
             draft.train_module = self.ddp
         if self.resumed is not None:
             st = self.resumed.state
@@ -696,11 +702,13 @@ class Session:
         """All-reduce a step's metric sums over the group (after every rank's optimizer step: the collective also
         tells rank 0 that every rank finished it), with each rank's stop request: any rank asked to stop (SIGTERM,
         Ctrl-C), so all stop at this step boundary (:attr:`group_stop`)."""
-        vec, names = sums_vector(sums, self.device)
+        # a draft's sums may name figures only some ranks measured (DSpark's calibration bins): reduce the union
+        names = sorted({n for ns in self.group.all_gather(sums_names(sums)) for n in ns})
+        vec, layout = sums_vector(sums, self.device, names)
         vec = torch.cat((vec, torch.tensor([float(self.stop_req.is_set())], dtype=torch.float64, device=self.device)))
         torch.distributed.all_reduce(vec)
         self.group_stop = bool(vec[-1] > 0)
-        return sums_from_vector(vec[:-1], names)
+        return sums_from_vector(vec[:-1], layout)
 
     def _commit_group(self) -> None:
         """A group commits after every step: rank 0 commits the cursor every rank's optimizer step consumed (the
@@ -820,11 +828,13 @@ class Session:
         (:meth:`~artcache.trainers.draft.Draft.loss_terms`, ``Σ c · num / den``) are normalised by their
         denominators summed over the global batch, never averaged per micro-batch or per rank.
 
-        One term (DFlash, DSpark): each micro-batch's backward takes ``loss × den`` (its sum), then the gradients
-        are scaled by ``world / Σ den`` (DDP averaged them over the ``world`` ranks). Several terms (EAGLE-3: one
-        per TTT step): a forward without gradients first counts each term's denominators, which are summed over
-        the ranks, and the draft divides by them (``loss(batch, denominators=...)``). DDP all-reduces once, in
-        the last micro-batch's backward (``no_sync`` before it).
+        DFlash (one term): each micro-batch's backward takes ``loss × den`` (its sum), then the gradients are
+        scaled by ``world / Σ den`` (DDP averaged them over the ``world`` ranks). A draft with
+        :attr:`~artcache.trainers.draft.Draft.global_denominators` (DSpark: its fused loss rounds a gradient
+        scaled by 1 / Σ w; EAGLE-3: one denominator per TTT step): each term's denominators are found first
+        (:meth:`~artcache.trainers.draft.Draft.loss_denominators`, else a forward without gradients), summed over
+        the micro-batches and the ranks, and the draft divides by them (``loss(batch, denominators=...)``). DDP
+        all-reduces once, in the last micro-batch's backward (``no_sync`` before it).
 
         Returns (the mean loss of the last micro-batch, detached; this rank's metric sums over its micro-batches).
         """
@@ -835,15 +845,23 @@ class Session:
         def sync(k: int):
             return self.ddp.no_sync() if self.ddp is not None and k < last else nullcontext()
 
+        def every_param(loss: torch.Tensor) -> torch.Tensor:
+            """``loss`` plus 0 × one element of every trainable parameter: each gets a gradient in every backward
+            (DDP's buckets wait for all of them), also one the batch did not use (EAGLE-3's lm_head when no
+            position of a step was kept); the gradients' values are unchanged."""
+            if self.ddp is None:
+                return loss
+            return loss + sum(p.reshape(-1)[:1].sum() for p in self.params).to(loss.dtype) * 0.0
+
         total = None
-        if len(terms) == 1:
+        if not self.draft.global_denominators:
             name = terms[0][0]
             den = torch.zeros((), dtype=torch.float64, device=dev)
             for k, mb in enumerate(micro):
                 with sync(k):
                     loss, sums = self.draft.loss(mb)
                     d = denominator(sums, name, dev)
-                    (loss * d.to(loss.dtype)).backward()
+                    every_param(loss * d.to(loss.dtype)).backward()
                 den = den + d
                 total = sums if total is None else _add_sums(total, sums)
             if self.group is not None:
@@ -854,15 +872,21 @@ class Session:
                     p.grad.mul_(scale.to(p.grad.dtype))
         else:
             names = [n for n, _ in terms]
-            with torch.no_grad():
-                counted = [self.draft.loss(mb)[1] for mb in micro]
-            den = torch.stack([torch.stack([denominator(s, n, dev) for n in names]) for s in counted]).sum(0)
+            parts = []
+            for mb in micro:
+                got = self.draft.loss_denominators(mb)
+                if got is None:  # counted by a forward without gradients
+                    with torch.no_grad():
+                        sums = self.draft.loss(mb)[1]
+                    got = torch.stack([denominator(sums, n, dev) for n in names])
+                parts.append(got.to(device=dev, dtype=torch.float64))
+            den = torch.stack(parts).sum(0)
             if self.group is not None:
                 torch.distributed.all_reduce(den)
             for k, mb in enumerate(micro):
                 with sync(k):
                     loss, sums = self.draft.loss(mb, denominators=den / world)
-                    loss.backward()
+                    every_param(loss).backward()
                 total = sums if total is None else _add_sums(total, sums)
         return loss.detach(), total
 

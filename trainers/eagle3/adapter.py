@@ -152,6 +152,9 @@ class Eagle3Adapter(Draft):
     def _split(self, batch: DraftBatch) -> tuple[Tensor, Tensor]:
         return batch.hidden[:, :, :3], batch.hidden[:, :, 3]
 
+    #: one denominator per TTT step (its kept positions): counted over a global batch before its parts' forward
+    global_denominators = True
+
     def loss_terms(self) -> tuple[tuple[str, float], ...]:
         """Step i's soft cross-entropy over its own kept positions, weighted ``loss_decay ** i``."""
         return tuple((f"loss_{i}", self.model.cfg.loss_decay ** i) for i in range(self.model.cfg.ttt_steps))
