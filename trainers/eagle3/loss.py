@@ -299,7 +299,8 @@ def eagle3_loss(
             step_sum = step_sum + ce.sum()
             correct = correct + (pred == arg_flat[lc]).sum()
         n_kept = q_rows.numel()
-        den = max(n_kept, 1) if denominators is None else denominators[i].to(acc_dtype).clamp_min(1)
+        # a given (global) denominator may be below 1 on one rank (den / world): only 0 is replaced
+        den = max(n_kept, 1) if denominators is None else _nonzero(denominators[i].to(acc_dtype))
         total_loss = total_loss + cfg.loss_decay ** i * step_sum / den
         loss_sums.append(step_sum.detach().double())
         kept_n.append(n_kept)
@@ -313,6 +314,11 @@ def eagle3_loss(
         loss_decay=float(cfg.loss_decay),
     )
     return total_loss, stats
+
+
+def _nonzero(den: Tensor) -> Tensor:
+    """``den``, or 1 where it is 0 (a step that kept no position anywhere: its sum is 0 too)."""
+    return torch.where(den > 0, den, torch.ones_like(den))
 
 
 def _sync_free_steps(model: Eagle3Draft, hiddens: list[Tensor], sup: list[Tensor], probs: Tensor, arg: Tensor,
@@ -341,8 +347,8 @@ def _sync_free_steps(model: Eagle3Draft, hiddens: list[Tensor], sup: list[Tensor
             step_sum = step_sum + (ce * kc).sum()
             correct = correct + ((pred == label_arg[s:s + chunk_rows]) & kc).sum()
         n_kept = keep.sum()
-        den = n_kept if denominators is None else denominators[i].to(dev)
-        total_loss = total_loss + cfg.loss_decay ** i * step_sum / den.clamp_min(1).to(acc_dtype)
+        den = n_kept.clamp_min(1) if denominators is None else _nonzero(denominators[i].to(dev))
+        total_loss = total_loss + cfg.loss_decay ** i * step_sum / den.to(acc_dtype)
         loss_sums.append(step_sum.detach().double())
         kept_n.append(n_kept)
         correct_n.append(correct)
