@@ -311,6 +311,29 @@ def test_ranks_that_disagree_refuse_to_start(root, tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
+def test_the_same_command_under_torchrun_is_one_consumer_with_two_ranks(root, tmp_path):
+    """``torchrun --nproc-per-node 2 -m artcache consume ...`` (no --nproc): the ranks read torchrun's environment;
+    rank 0 prints the summary, registers once and journals the steps; ``inspect`` shows one consumer of 2 ranks."""
+    cid = "torchrun"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(_port()), "-m", "artcache", "consume", "--cache", str(root), "--id", cid, "--draft",
+            "dflash", *DRAFT_FLAGS["dflash"], "--batch-size", "2", "--steps", "4", "--window", "0:16", "--threads",
+            "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard"]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (summary,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert summary["ranks"] == 2 and summary["cursor"] == 16
+    reg = registry.read(CacheLayout(root), cid)
+    assert reg.state == "completed" and reg.cursor == 16 and reg.batch_size == 4
+    (steps,) = losses(root, cid)
+    assert [s for s, _ in steps] == [1, 2, 3, 4]
+    out = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(root)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert f"{cid} (2 ranks)" in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 def test_resume_with_another_world_size_is_refused_in_one_line(root, tmp_path):
     consume(root, tmp_path, "sized", "dflash", 2, "--nproc", "2", steps=2)
     proc = consume(root, tmp_path, "sized", "dflash", 2, "--resume", steps=4, check=False)
