@@ -978,3 +978,51 @@ def test_shared_gpus_names_each_cuda_device_given_twice():
     assert shared_gpus(["cuda", "cuda", "cpu", "cuda:1"]) == ["cuda"]
     assert shared_gpus(["cpu", "cpu", "cuda:0", "cuda:1"]) == []
     assert shared_gpus(["cuda:1", "cuda:0", "cuda:1", "cuda:0"]) == ["cuda:0", "cuda:1"]
+
+
+# ---- one horizon: consumer.epochs turned into steps by the plan ------------------------------------------
+
+def _epochs_exp(name: str, epochs: int) -> str:
+    """An experiment that says how long to train by ``consumer.epochs`` alone (no ``steps``)."""
+    return exp(name, epochs=epochs).replace("steps = 6\n", "")
+
+
+def test_regression_run_config_epochs_is_one_horizon_in_the_plan_and_the_saved_config(tiny_target, tmp_path):
+    """``consumer.epochs`` bypassed the plan: with ``steps = 3`` and ``consumer.epochs = 1`` on a 12-sample plan the
+    dry run's table said 3 steps, the consumer ran 6 (its epochs replaced the steps it was given) and a rerun of
+    the same file was refused ("at step 6, --steps is 3"). Both together are now refused in one line; epochs alone
+    are turned into steps by the plan, which the saved config (what every process reads) holds."""
+    overrides = ["data.max_samples=12"]
+    with pytest.raises(ConfigError) as info:
+        plan_of(tiny_target, tmp_path, exp("d", steps=3), overrides=[*overrides, "experiments.0.consumer.epochs=1"])
+    assert "experiments.0 ('d') gives steps 3 and consumer.epochs 1" in str(info.value)
+    assert "\n" not in str(info.value)
+    plan, resolved = plan_of(tiny_target, tmp_path, _epochs_exp("d", 1), overrides=overrides)
+    assert plan.experiments[0].steps == 6 and plan.experiments[0].positions == 12  # 1 x 12 samples // batch 2
+    assert resolved.experiments[0].steps == 6 and "epochs" not in resolved.experiments[0].consumer
+    assert plan.experiments[0].consumer["steps"] == 6 and plan.experiments[0].consumer["epochs"] == 0
+    assert any("consumer.epochs 1 = 6 steps" in n for n in plan.notes), plan.notes
+    # a held-out split is not trained on: 2 epochs over the 12 - 4 training samples
+    plan, _ = plan_of(tiny_target, tmp_path, _epochs_exp("d", 2).replace("[experiments.consumer]\n",
+                                                                        "[experiments.consumer]\neval_samples = 4\n"),
+                      overrides=overrides)
+    assert plan.experiments[0].steps == 8
+    # the CLI's consume --config: a flag that gives the other one conflicts with the file
+    result = CliRunner().invoke(main, ["consume", "--config", str(tmp_path / "run.toml"), "--experiment", "d",
+                                       "--steps", "3", *overrides])
+    assert result.exit_code == 2 and "gives steps 3 and consumer.epochs 2" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_regression_run_epochs_run_and_rerun_walk_the_planned_steps(tiny_target, tmp_path):
+    """The consumer of an ``epochs`` experiment ran another number of steps than the plan said and its rerun was
+    refused; now the run walks the planned 6 steps and the same file's rerun finds it complete."""
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "run.toml", base_toml(tiny_target, out, _epochs_exp("d", 1)))
+    proc = artcache_run(cfg, "data.max_samples=12")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    x = report_of(out)["experiments"][0]
+    assert (x["steps_planned"], x["steps_run"], x["cursor_end"]) == (6, 6, 12), x
+    proc = artcache_run(cfg, "data.max_samples=12")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "experiment d complete: its checkpoint is at its final step 6; not started" in proc.stdout

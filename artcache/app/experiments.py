@@ -331,6 +331,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     final: list[Experiment] = []
     for e in resolved.experiments:
         e = msgspec.structs.replace(e, resume=_resume_or_fresh(e))
+        e = _steps_of_epochs(e, resolved, plan_obj, notes)
         final.append(e)
         resolved_e = msgspec.structs.replace(resolved, experiments=[*final, *resolved.experiments[len(final):]])
         x, seeded = _plan_experiment(e, resolved_e, layout=layout, plan_id=plan_id, contract=contract, info=info,
@@ -360,6 +361,35 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes,
         explicit_layer_ids=bool(cfg.capture.layer_ids))
     return plan, resolved
+
+
+def _steps_of_epochs(e: Experiment, resolved: RunConfig, plan_obj, notes: list[str]) -> Experiment:
+    """Experiment ``e`` with ``consumer.epochs`` (> 0) turned into ``steps``: ``epochs x epoch_len // batch_size``
+    over the plan's training part (all but its held-out split; :func:`~artcache.trainers.evaluation.epoch_steps`,
+    as the consumer computes it), ``epochs`` removed from its consumer table, and a note saying so in ``notes``.
+    The dry run, the run (every process reads the saved config, which holds the steps) and a rerun of the same
+    file then walk one horizon. ``e`` as it is without epochs (``steps`` and ``epochs`` together are refused by
+    :func:`~artcache.app.config.check_horizon`).
+
+    Raises:
+        ConfigError: a consumer setting is invalid, or the epochs are not one batch.
+    """
+    from artcache.trainers.evaluation import epoch_steps, eval_split
+
+    ccfg = consumer_config(msgspec.structs.replace(resolved, experiments=[e]), e.name)  # its settings checked
+    if not ccfg.epochs:
+        return e
+    n = len(plan_obj())
+    lo, _ = eval_split(n, ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples",
+                       f"the plan has {n} samples (data.max_samples {resolved.data.max_samples} is the most it holds)")
+    epoch_len = lo or n
+    try:
+        steps = epoch_steps(ccfg.epochs, epoch_len, ccfg.batch_size)
+    except ConfigError as exc:
+        raise ConfigError(f"experiment {e.name!r}: {exc}") from None
+    notes.append(f"{e.name}: consumer.epochs {ccfg.epochs} = {steps} steps ({ccfg.epochs} x {epoch_len} training "
+                 f"samples // batch {ccfg.batch_size})")
+    return msgspec.structs.replace(e, steps=steps, consumer={k: v for k, v in e.consumer.items() if k != "epochs"})
 
 
 def _resume_or_fresh(e: Experiment) -> bool:
