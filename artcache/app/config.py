@@ -182,8 +182,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         block_size (B; default DFlash 16, DSpark 7), anchors (per sequence; default 64, DSpark 512 on cuda,
             64 on cpu): a draft that does not use an option (EAGLE-3) refuses it. batch_size (positions per
             step). steps: the stop (raise it to extend a run); ``consumer.epochs`` instead (never both: refused,
-            :func:`check_horizon`) is turned into steps from the plan by ``artcache run``. lr_total_steps: the LR schedule horizon
-            (default: steps; on a resume, the checkpoint's).
+            :func:`check_horizon`) is turned into steps from the plan by ``artcache run``. lr_total_steps: the LR
+            schedule horizon (default: steps; on a resume, the checkpoint's).
         lr (peak), warmup_frac, seed, window (``LOOKBEHIND:LOOKAHEAD`` positions).
         device: ``""`` = ``target.device``. threads: torch CPU threads (0 = torch's default).
         out: run directory (checkpoints, config); ``""`` = ``<out>/experiments/<name>``.

@@ -443,7 +443,15 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
         start_step, start_cursor, resume_from = state.step, state.cursor, str(path)
         if state.step == ccfg.steps:
             skip = f"complete: its checkpoint is at its final step {state.step}"
-    elif e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
+    elif not e.resume and layout.consumers.is_dir():  # an earlier run of this id elsewhere: as the consumer will
+        from artcache import registry
+        from artcache.trainers.consumer.restore import refuse_reused_id
+
+        try:
+            refuse_reused_id(e.name, registry.read(layout, e.name), Path(e.out))
+        except ConfigError as exc:
+            raise ConfigError(f"experiment {e.name!r}: {exc}") from None
+    if found is None and e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
         src = read_seed(e.init_from, info.num_layers)
         if src.state is not None:
             check_checkpoint(e, src.path, info=info, contract=contract, plan_id=plan_id, resume=False, strict=False)
