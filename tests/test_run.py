@@ -1026,3 +1026,14 @@ def test_regression_run_epochs_run_and_rerun_walk_the_planned_steps(tiny_target,
     proc = artcache_run(cfg, "data.max_samples=12")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "experiment d complete: its checkpoint is at its final step 6; not started" in proc.stdout
+
+
+def test_regression_report_checkpoints_column_counts_and_names_the_steps(tmp_path):
+    """``artcache report``'s ``checkpoints`` column held the checkpoints' step numbers alone: one checkpoint at step
+    4 showed ``4``, which reads as four checkpoints. It now says how many and at which steps."""
+    out = _run_dir(tmp_path, {"a": 4})
+    text = CliRunner().invoke(main, ["report", str(out)])
+    assert text.exit_code == 0, text.output
+    assert "checkpoints (at steps)" in text.output
+    cells = [c.strip() for c in re.split(r"\s{2,}", _row(text.output, "a"))]
+    assert "1 (4)" in cells, cells

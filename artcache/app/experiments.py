@@ -1061,6 +1061,12 @@ def run_dir_report(out: str | Path) -> dict:
             "damaged": [f"{x['name']}: {d}" for x in experiments for d in x["damage"]]}
 
 
+def _checkpoint_cell(steps: list[int]) -> str:
+    """The report's checkpoints cell: how many, then the steps they are at (``3 (2, 4, 6)``); ``-`` for none. A
+    bare step list read like a count (a single checkpoint at step 6 showed ``6``)."""
+    return f"{len(steps)} ({', '.join(map(str, steps))})" if steps else "-"
+
+
 def format_run_dir_report(r: dict) -> str:
     """:func:`run_dir_report` as text: shared production (counted once), then each experiment, then each
     experiment's committed work per consumer process (never added into production)."""
@@ -1074,7 +1080,7 @@ def format_run_dir_report(r: dict) -> str:
         best = x["best"]
         rows.append([x["name"], x["draft"], x["state"], f"{x['steps']}/{x['steps_planned']}",
                      f"step {ev['step']}: {shown}" if ev else "-",
-                     ",".join(map(str, x["checkpoints"])) or "-", x["latest"] or "-",
+                     _checkpoint_cell(x["checkpoints"]), x["latest"] or "-",
                      f"{best['checkpoint']}" + (f" ({best.get('replay_tau', best.get('tau', best.get('loss'))):.3g})"
                                                 if any(k in best for k in ("replay_tau", "tau", "loss")) else "")
                      if best else "-"])
@@ -1084,7 +1090,8 @@ def format_run_dir_report(r: dict) -> str:
              f"positions consumed; publications {p['publications']} ({format_bytes(p['published_bytes'])}); failures "
              f"{p['failures']}; evictions {p['evictions']}", "",
              "Experiments:", "```",
-             table(["experiment", "draft", "state", "steps", "last eval", "checkpoints", "latest", "best"], rows),
+             table(["experiment", "draft", "state", "steps", "last eval", "checkpoints (at steps)", "latest", "best"],
+                   rows),
              "```", "", "Committed work per consumer process (each experiment's own; not production):"]
     for x in r["experiments"]:
         for i, w in enumerate(x["processes"], 1):
