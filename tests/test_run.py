@@ -597,6 +597,9 @@ def test_two_experiments_resume_from_unequal_checkpoints(tiny_target, tmp_path):
     assert r1["c"]["state"] == "completed" and r1["c"]["steps_run"] == 6
     assert r1["a"]["exit_code"] == -9 and r1["b"]["exit_code"] == -9
     assert r1["a"]["registration"] == "failed" and r1["b"]["registration"] == "failed"  # fenced by the producer
+    # no end record (SIGKILL): the fence settles their state, which stayed "running" before
+    assert r1["a"]["state"] == r1["b"]["state"] == "failed", (r1["a"]["error"], r1["b"]["error"])
+    assert "FAILED (killed by SIGKILL)" in proc.stdout
     fences = {ev.consumer for ev in J.read_events(out / "cache" / "journal").events if isinstance(ev, J.Fence)}
     assert {"a", "b"} <= fences
     run2 = write(tmp_path / "run2.toml", base_toml(tiny_target, out, exp("a", save_every=1), exp("b", save_every=1)))
@@ -725,12 +728,12 @@ def _gone(pid: int) -> bool:
 
 def test_run_first_signal_cancels_every_experiment(tiny_target, tmp_path):
     """artcache/shutdown.py's rule at the launcher: one SIGINT asks, so every experiment gets one SIGTERM and
-    ends cancelled with a checkpoint, the report is written; exit 1 (not every experiment completed), nothing
+    ends cancelled with a checkpoint, the report is written; exit 130 (128 + SIGINT: cancelled by a signal), nothing
     left running."""
     import signal
 
     code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGINT,))
-    assert code == 1, text[-4000:]
+    assert code == 130, text[-4000:]
     assert report["problems"] == [], report["problems"]
     assert {x["name"]: x["state"] for x in report["experiments"]} == {"a": "cancelled", "b": "cancelled"}
     assert all((Path(x["out_dir"]) / "checkpoints" / "latest").is_dir() for x in report["experiments"])
@@ -816,7 +819,7 @@ def test_run_second_signal_forces(tiny_target, tmp_path):
     import signal
 
     code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGINT, signal.SIGTERM))
-    assert code == 1, text[-4000:]
+    assert code == 130, text[-4000:]  # 128 + the first signal, SIGINT
     assert "interrupted" in report["problems"], report["problems"]
     assert all(_gone(pid) for pid in pids)
 
@@ -1037,3 +1040,79 @@ def test_regression_report_checkpoints_column_counts_and_names_the_steps(tmp_pat
     assert "checkpoints (at steps)" in text.output
     cells = [c.strip() for c in re.split(r"\s{2,}", _row(text.output, "a"))]
     assert "1 (4)" in cells, cells
+
+
+def _unended_process(out: Path, name: str, *, fence: str | None, reg_state: str | None = None) -> None:
+    """Consumer ``name``'s process as a SIGKILL leaves it: a journal with its start and two steps but no end record,
+    its registration (this process's identity); ``fence``: a producer fenced it with that reason (registration and
+    journal, as :meth:`artcache.producer.Producer.live_registrations` does); ``reg_state``: the registration was
+    set terminal otherwise (fsck)."""
+    import time
+
+    layout = CacheLayout(out / "cache")
+    layout.create()
+    reg = registry.register(layout, registry.Registration(consumer_id=name, draft="dflash", pid=os.getpid()))
+    j = J.JournalWriter(layout.journal_path("consumer", name))
+    j.emit(J.ConsumerStart(t=time.time(), consumer=name, pid=os.getpid(), draft="dflash", block_size=4, batch_size=2,
+                           lookbehind=2, lookahead=8, cursor=0))
+    for step in (1, 2):
+        j.emit(J.Step(t=time.time(), consumer=name, step=step, cursor=2 * step, loss=2.0, tau_sum=0.0, blocks=0,
+                      acc_correct=[], acc_total=[], wait_s=0.0, step_s=0.1, lr=1e-3))
+    j.close()
+    if fence is not None:
+        assert registry.fence(layout, name, "failed", fence, reg.generation)
+        p = J.JournalWriter(layout.journal_path("producer", "producer"))
+        p.emit(J.Fence(t=time.time(), producer="producer", consumer=name, generation=reg.generation + 1,
+                       state="failed", reason=fence))
+        p.close()
+    elif reg_state is not None:
+        assert registry.fence(layout, name, reg_state, "fsck: no heartbeat progress", reg.generation)
+
+
+@pytest.mark.parametrize("fence, reg_state, want", [
+    ("process 4242 is gone", None, "b #1: failed, steps 1-2 (2 run), cursor 0->4, requests 0 (0 hits, 0 misses); no "
+     "end record; fenced by the producer: process 4242 is gone"),
+    (None, "expired", "b #1: expired, steps 1-2 (2 run)"),
+    (None, None, "b #1: running, steps 1-2 (2 run)"),  # alive (this process), never fenced: running it is
+])
+def test_regression_report_settles_a_process_without_an_end_record(tmp_path, fence, reg_state, want):
+    """``artcache report`` took a consumer process's state from its own end record only, so one SIGKILLed and fenced
+    by the producer (no end record) stayed ``running`` in the per-process rows. The fence (producer journal) or the
+    registration now settle it."""
+    out = _run_dir(tmp_path, {"a": 4, "b": 2})
+    _unended_process(out, "b", fence=fence, reg_state=reg_state)
+    res = CliRunner().invoke(main, ["report", str(out)])
+    assert want in res.output, res.output
+    as_json = json.loads(CliRunner().invoke(main, ["report", str(out), "--json"]).output)
+    b = next(x for x in as_json["experiments"] if x["name"] == "b")
+    assert b["processes"][0]["state"] == want.split(": ")[1].split(",")[0] and b["processes"][0]["pid"] == os.getpid()
+
+
+def test_role_outcome_names_a_cancel_as_the_report_does():
+    """``artcache run`` printed a SIGTERM-cancelled experiment as ``FAILED (exit 1)`` while its report said
+    ``cancelled``: the consumer exits ``128 + signal`` now and the run names that ``cancelled``."""
+    import signal
+
+    from artcache.app.experiments import role_outcome
+
+    assert role_outcome(0) == "completed"
+    assert role_outcome(128 + signal.SIGTERM) == "cancelled (SIGTERM, exit 143)"
+    assert role_outcome(130) == "cancelled (SIGINT, exit 130)"
+    assert role_outcome(-signal.SIGKILL) == "FAILED (killed by SIGKILL)"
+    assert role_outcome(1) == "FAILED (exit 1)" and role_outcome(2) == "FAILED (exit 2)"
+
+
+def test_regression_run_cancelled_by_sigterm_says_cancelled_and_exits_143(tiny_target, tmp_path):
+    """A SIGTERM-cancelled run printed each experiment as ``FAILED (exit 1)`` (click's status for the consumer's
+    KeyboardInterrupt) while the report said ``cancelled``, and the run exited 1. Now each consumer exits 143, the
+    run prints ``cancelled (SIGTERM, exit 143)``, the report agrees and the run exits 143 (128 + SIGTERM)."""
+    import signal
+
+    code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGTERM,))
+    assert code == 128 + signal.SIGTERM, text[-4000:]
+    assert "experiment a cancelled (SIGTERM, exit 143)" in text and "experiment b cancelled (SIGTERM, exit 143)" in text
+    assert not re.search(r"experiment \w+ FAILED", text), text[-4000:]
+    assert {x["name"]: (x["state"], x["exit_code"]) for x in report["experiments"]} == {
+        "a": ("cancelled", 143), "b": ("cancelled", 143)}
+    assert report["exit_code"] == 143 and report["cancelled_by"] == "SIGTERM"
+    assert all(_gone(pid) for pid in pids)
