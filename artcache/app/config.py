@@ -47,8 +47,9 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from artcache.app.values import parse_bytes, parse_template_options
+from artcache.app.values import parse_bytes, parse_disk_budget, parse_template_options
 from artcache.errors import ConfigError
+from artcache.eviction import retention_rule
 from artcache.fsio import atomic_write
 from artcache.layout import check_id
 from artcache.ranges import (
@@ -150,9 +151,11 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         done_grace_s: ``artcache run``: the producer exits this long after the last experiment ended.
         demand_timeout_s: an experiment gives up waiting for one position after this long (seconds).
         group_shared: create the root group-shared (mode 2770, setgid) instead of private (0700).
-        disk_budget: bytes the retained artifacts may take (0: the producer's default from the
-            filesystem's free space); live windows and leases are kept whatever it is.
-        retention: ``need`` (keep by future need inside the budget) or ``windows`` (only live windows).
+        disk_budget: bytes the retained artifacts may take, or ``"auto"`` (from the filesystem's free space at
+            start); 0: none, the windows-only rule (only live windows, pinned ranges and leases are kept). A
+            budget means retention by future need (:func:`artcache.eviction.retention_rule`); live windows and
+            leases are kept whatever it is.
+        retention: ``""`` (follow ``disk_budget``), ``need`` or ``windows``: may only repeat what the budget says.
         payload: where the artifacts' tensors live: ``posix`` (files in the root) or ``mooncake://HOST:PORT``
             (Mooncake Store; the root keeps a manifest per artifact); ``""`` = what the root records
             (``posix`` for a new root). See docs/scale-out.md.
@@ -163,8 +166,8 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     done_grace_s: NonNegativeFloat = 5.0
     demand_timeout_s: Positive = 600.0
     group_shared: bool = False
-    disk_budget: DiskBudget = 0
-    retention: Literal["need", "windows"] = "need"
+    disk_budget: DiskBudget | Literal["auto"] = 0
+    retention: Literal["", "need", "windows"] = ""
     payload: str = ""
 
 
@@ -490,6 +493,11 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
     if cfg.capture.layer_ids is not None and not cfg.capture.layer_ids:
         raise ConfigError(f"{source}: capture.layer_ids is empty: give output-of-layer ids, or leave it out for "
                           "the union of the experiments' views")
+    try:  # cache.retention may only repeat what cache.disk_budget says
+        retention_rule(cfg.cache.disk_budget, cfg.cache.retention)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: cache: {str(exc).replace('--disk-budget', 'disk_budget').replace('--', '')}"
+                          ) from None
 
 
 # ---- overrides ---------------------------------------------------------------------------------------
@@ -774,7 +782,9 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
             path = f"experiments.{experiment}.{path[2:]}"
         if path == "data.template_options":
             value = parse_template_options(value)
-        elif path in ("cache.disk_budget", "bench.disk_budget"):
+        elif path == "cache.disk_budget":
+            value = parse_disk_budget(value)
+        elif path == "bench.disk_budget":
             value = parse_bytes(value, "disk-budget")
         out[path] = value
     return out
