@@ -469,6 +469,7 @@ class Producer:
         self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts (at once for space)
         self._attempts: dict[str, int] = {}  # fp -> capture attempts that failed (what a give-up marker says)
         self._space_bound: dict[str, int] = {}  # fp given up on a full disk -> its estimated bytes
+        self._last_error: dict[str, str] = {}  # fp whose last capture attempt failed -> the error (--fill's report)
         self._next_space_look = 0.0
         self._state = threading.Lock()  # guards _published, _inflight, _failed and stats
         self._inflight: dict[str, int] = {}  # captured, not yet published: fp -> estimated bytes
@@ -718,24 +719,24 @@ class Producer:
                     if fp not in self._published and self._failed.get(fp, 0) < MAX_ATTEMPTS]
 
     def fill_given_up(self) -> list[str]:
-        """Fingerprints of the plan not published that this producer gave up on (failed captures: a full disk,
-        a failing backend): a ``--fill`` that leaves any is incomplete (:meth:`fill_shortfall`)."""
+        """Fingerprints of the plan not published whose last capture failed (a full disk, a failing backend; also
+        once a full-disk give-up was withdrawn): a ``--fill`` that leaves any is incomplete (:meth:`fill_shortfall`)."""
         with self._state:
-            return [fp for fp in dict.fromkeys(self._fp_list)
-                    if fp not in self._published and self._failed.get(fp, 0) >= MAX_ATTEMPTS]
+            return [fp for fp in dict.fromkeys(self._fp_list) if fp not in self._published and fp in self._last_error]
 
     def fill_shortfall(self) -> str:
         """``--fill``: why the plan is not all published, in one phrase ("" when it is): how many samples are
         missing, how many of them captures failed for (with the last error) and how many the budget left out."""
-        failed, left = len(self.fill_given_up()), len(self.fill_missing())
+        failed = set(self.fill_given_up())
+        left = [fp for fp in self.fill_missing() if fp not in failed]
         if not failed and not left:
             return ""
         why = []
         if failed:
-            why.append(f"{failed} given up after failed captures (last: {self._last_failure})")
+            why.append(f"{len(failed)} given up after failed captures (last: {self._last_failure})")
         if left:
-            why.append(f"{left} do not fit the disk budget of {format_bytes(self.budget)}")
-        return f"{failed + left} of the plan's {len(self.plan)} samples are missing: {'; '.join(why)}"
+            why.append(f"{len(left)} do not fit the disk budget of {format_bytes(self.budget)}")
+        return f"{len(failed) + len(left)} of the plan's {len(self.plan)} samples are missing: {'; '.join(why)}"
 
     def fill_done(self) -> bool:
         """``--fill``: the last decision, taken with nothing in flight, left nothing to capture (every plan
@@ -913,6 +914,7 @@ class Producer:
                 self.stats.publications += 1
                 self.stats.ever_published.add(fp)
                 self._published[fp] = nbytes
+                self._last_error.pop(fp, None)
                 if tokens:
                     self.sizes.observe(tokens, nbytes)
                 if self._fresh is not None:
@@ -938,6 +940,8 @@ class Producer:
         retryable = bool(getattr(exc, "retryable", False))
         error = f"{type(exc).__name__}: {exc}"
         self._last_failure = error
+        with self._state:
+            self._last_error[fp] = error
         self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=tries, retryable=retryable, error=error,
                                     stage=stage))
         if space:
@@ -1036,8 +1040,8 @@ class Producer:
                 if self.cfg.fill and self.fill_done():
                     shortfall = self.fill_shortfall()
                     self.stats.fill_complete = not shortfall
-                    reason = ("plan filled" if not shortfall else "plan does not fit the budget"
-                              if not self.fill_given_up() else f"plan incomplete: {shortfall}")
+                    reason = ("plan filled" if not shortfall else f"plan incomplete: {shortfall}"
+                              if self.fill_given_up() else "plan does not fit the budget")
                     break
                 if self._any_live:  # as read by this pass's live_registrations()
                     self._idle_since = time.monotonic()
