@@ -61,7 +61,9 @@ class ProducerStop(Event, tag="producer_stop"):
 
 
 class CaptureBatch(Event, tag="capture_batch"):
-    """One forward pass. ``start``/``end`` bound the producer's busy time (seconds since epoch)."""
+    """One forward pass. ``start``/``end`` bound the producer's busy time (seconds since epoch): ``start`` from
+    the wall clock, ``end - start`` the pass's duration on the monotonic clock (a wall-clock step between them
+    does not change it)."""
 
     producer: str
     fps: list[str]

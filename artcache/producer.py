@@ -787,7 +787,9 @@ class Producer:
         if not todo:
             return False
         samples = [self.plan.sample(w.sample) for w in todo]
-        t0 = time.time()
+        # the duration from the monotonic clock, the wall clock only for the batch's timestamp: a wall-clock
+        # step must not make busy time negative (journal capture_batch: end = start + the measured duration)
+        t0, m0 = time.time(), time.perf_counter()
         try:
             outputs = self.backend.capture(samples)
         except Exception as exc:  # a failed forward: every fingerprint in it failed once more
@@ -796,10 +798,11 @@ class Producer:
             for w in todo:
                 self._fail(w.fp, exc, stage="forward")
             return False
-        t1 = time.time()
+        dt = time.perf_counter() - m0
+        t1 = t0 + dt
         crash_point("capture.after-forward")
-        self.stats.busy_s += t1 - t0
-        self._batch_s = (t1 - t0) if not self._batch_s else 0.8 * self._batch_s + 0.2 * (t1 - t0)
+        self.stats.busy_s += dt
+        self._batch_s = dt if not self._batch_s else 0.8 * self._batch_s + 0.2 * dt
         tokens = sum(int(s.input_ids.shape[0]) for s in samples)
         longest = max(int(s.input_ids.shape[0]) for s in samples)
         self._emit(J.CaptureBatch(producer=self.pid, fps=[w.fp for w in todo], samples=len(todo),

@@ -154,6 +154,11 @@ def _check_environment(cfg: BenchConfig, n_roles: int) -> list[int]:
     return [i % n for i in range(n_roles)]
 
 
+def _roles(cfg: BenchConfig, sc: Scenario) -> int:
+    """Processes one mode of ``sc`` runs at most (producers and consumers; naive: a producer per consumer)."""
+    return max((2 if m == "naive" else 1) * len(sc.consumers) + (m != "naive") for m in parse_modes(cfg.modes, sc))
+
+
 def _check_fresh(path: Path) -> None:
     """ConfigError unless ``path`` is absent, empty or a previous bench output (which the run replaces)."""
     if path.exists() and any(path.iterdir()) and not (path / "report.json").exists() \
@@ -361,7 +366,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     codes: dict[str, int | None] = {}
     if sampler is not None:
         sampler.start()
-    t_start = time.time()
+    t_start = time.monotonic()  # durations: the monotonic clock
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         for i, (pid, root, served) in enumerate(producers):
@@ -387,10 +392,10 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
             procs[ccfg.consumer_id] = Role(
                 ccfg.consumer_id, module_argv("artcache.bench.consume", msgspec.json.encode(ccfg).decode()),
                 logs / f"{ccfg.consumer_id}.log", env, new_session=False)
-        deadline = time.time() + cfg.timeout_s
+        deadline = time.monotonic() + cfg.timeout_s
         served_ids = [c.consumer_id for _, _, served in producers for c in served]
         for c in (c for c in sc.consumers if c.consumer_id in served_ids):
-            codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.time()))
+            codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.monotonic()))
         for pid, _, _ in producers:
             try:
                 codes[pid] = procs[pid].wait(timeout=60)
@@ -401,7 +406,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
         if sampler is not None:
             sampler.stop()
         kill_all(procs.values())
-    wall = time.time() - t_start
+    wall = time.monotonic() - t_start
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     roots = [root for _, root, _ in producers]
@@ -447,8 +452,7 @@ def run_scenario(cfg: BenchConfig, sc: Scenario, plan: dict | None = None) -> di
     ``plan``: the run's :func:`preflight_disk` (its checkpoint sizes are reused; the report's ``disk_plan``)."""
     cfg = resolved(cfg, sc)
     modes = parse_modes(cfg.modes, sc)
-    n_roles = max((2 if m == "naive" else 1) * len(sc.consumers) + (m != "naive") for m in modes)
-    gpus = _check_environment(cfg, n_roles)
+    gpus = _check_environment(cfg, _roles(cfg, sc))
     base = Path(cfg.out_dir).absolute() / sc.name
     _fresh_dir(base)
     sampler = make_sampler(sorted(set(gpus[:1 + len(sc.consumers)])))
@@ -1154,6 +1158,9 @@ def run_bench(cfg: BenchConfig) -> bool:
     for sc in resolve(cfg.scenario):  # bad input fails here, before anything is written
         parse_window(resolved(cfg, sc).window)
         check_tight_budget(resolved(cfg, sc), sc, list(parse_modes(cfg.modes, sc)))
+        # the device, before any data is loaded or checkpoint sized (--device cuda without a GPU failed after
+        # them and left a report saying "not run")
+        _check_environment(resolved(cfg, sc), _roles(cfg, sc))
     plan = preflight_disk(cfg, resolve(cfg.scenario))  # refuses (exit 2) before any mode starts
     print(f"disk plan: at most {format_bytes(plan['peak_bytes'])} at once ({plan['peak_mode']}; each mode's "
           f"checkpoints and artifacts are removed before the next) of {format_bytes(plan['free_bytes'])} free "

@@ -444,3 +444,29 @@ def test_regression_bench_producers_wait_no_grace_when_every_consumer_is_expecte
     assert flags("1p3c", "naive") == flags("hetero", "naive") == [expect(1, "0")] * 3
     assert flags("hetero", "solo") == [expect(1, "0")]
     assert flags("hetero", "artcache") == [expect(1, "5")]  # staggered: a later consumer may register after
+
+
+def test_regression_bench_on_cuda_without_a_gpu_fails_before_anything(tmp_path, monkeypatch):
+    """``artcache bench --device cuda`` on a machine without a GPU failed only after loading data and sizing
+    checkpoints (16 s) and left a report.json saying "not run" in --out. Now it fails first: one line, exit 2,
+    nothing written (the disk plan, which loads the data, is never reached)."""
+    import torch
+    from click.testing import CliRunner
+
+    from artcache.app.cli import main
+    from artcache.bench import run as R
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_plan(*a, **k):
+        raise AssertionError("the disk plan loads data: the device must be refused before it")
+
+    monkeypatch.setattr(R, "preflight_disk", no_plan)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "--scenario", "1p1c", "--device", "cuda", "--target",
+                                    "random:tiny-llama", "--data", "synthetic", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcache: error:") and "no CUDA device" in lines[0], lines
+    assert not out.exists()
