@@ -384,7 +384,9 @@ def _describe(t: mi.Type, seconds: bool = False, ranges: bool = True) -> str:
     """What a field of type ``t`` accepts, in words (``ranges``: with its declared range)."""
     t, optional = _strip_none(t)
     names = {mi.BoolType: "true or false", mi.StrType: "a string"}
-    if isinstance(t, mi.LiteralType):
+    if isinstance(t, mi.UnionType):  # e.g. cache.disk_budget: bytes or "auto"
+        text = " or ".join(_describe(x, seconds, ranges) for x in t.types if not isinstance(x, mi.NoneType))
+    elif isinstance(t, mi.LiteralType):
         text = "one of " + ", ".join(map(str, t.values))
     elif isinstance(t, mi.ListType):
         text = f"a list of {_describe(t.item_type).removeprefix('an ').removeprefix('a ')}s"
