@@ -402,3 +402,23 @@ def test_regression_fill_that_failed_captures_exits_nonzero(tmp_path, monkeypatc
     assert len(store.list_objects(CacheLayout(root))) == 2  # what was captured stays published
     stop = [e for e in J.read_events(CacheLayout(root).journal).events if isinstance(e, J.ProducerStop)]
     assert stop[-1].reason.startswith("plan incomplete: 4 of the plan's 6 samples are missing")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--retention", "need"], "--retention need keeps what consumers will read again inside a disk budget"),
+    (["--retention", "windows", "--disk-budget", "1G"], "--retention windows keeps only the live windows"),
+    (["--fill", "--evict-fill"], "--fill and --evict-fill contradict"),
+    (["--disk-budget", "lots"], "or auto"),
+])
+def test_contradicting_retention_flags_are_one_line_and_write_nothing(tmp_path, flags, needle):
+    from click.testing import CliRunner
+
+    from artcache.app.cli import main
+
+    root = tmp_path / "new" / "root"
+    res = CliRunner().invoke(main, ["producer", "--cache", str(root), "--target", "random:tiny-llama", "--data",
+                                    "synthetic", "--max-samples", "4", "--max-length", "32", *flags])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcache: error:") and needle in lines[0], lines
+    assert not (tmp_path / "new").exists()

@@ -435,7 +435,7 @@ def inspect(cache, as_json):
               "artcache,windows,tight,solo for hetero).")
 @click.option("--disk-budget", default="0", metavar="BYTES",
               help="Disk budget of the artcache (and solo) producer (default: hetero: one that holds the whole run; "
-              "1p1c/1p3c: the producer's default).")
+              "1p1c/1p3c: none, the producer's windows-only rule).")
 @click.option("--budget-fraction", default=0.25, type=float,
               help="tight mode: its budget is the live windows' floor plus this share of the room between it and the "
                    "artcache one (too small for the fast consumer's lead, yet keepable).")

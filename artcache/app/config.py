@@ -740,7 +740,7 @@ PRODUCER_FLAGS = {
     "disk_budget": "cache.disk_budget", "retention": "cache.retention", "payload": "cache.payload",
 }
 PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "expect_timeout", "idle_exit", "producer_id",
-                          "fill")
+                          "fill", "evict_fill")
 
 #: ``artcache consume --experiment NAME`` flag → field of that experiment (``E.`` prefix) or config path.
 CONSUME_FLAGS = {
