@@ -21,6 +21,7 @@ from artcache.contract import CaptureContract
 from artcache.fsio import space_reserve
 from artcache.layout import CacheLayout
 from artcache.producer import BUDGET_FREE_FRACTION, Producer, ProducerConfig, default_budget
+from artcache.report import format_accounting
 from artcache.scheduler import SchedulerLimits
 from artcache.settings import RootSettings, init_settings
 
@@ -337,6 +338,8 @@ def test_regression_a_filled_root_keeps_its_fill(root):
     assert left == [30, 30, 30]
     assert all("30 artifacts of a --fill" in n and "kept whatever the retention rule" in n for n in notes)
     assert "beyond the disk budget" in notes[-1]
+    acc = account(root)
+    assert acc.cache.kept_fill_artifacts == 30 and "kept beside the rule" in format_accounting(acc)
     producer, backend = _run_after_fill(root, 30, evict_fill=True)
     assert producer.evict_fill and "--evict-fill" in producer.fill_note and "may evict" in producer.fill_note
     assert store.list_objects(root) == {}  # the windows rule, released: the final pass keeps no window
