@@ -52,6 +52,7 @@ def format_accounting(acc: Accounting) -> str:
         ["max retained artifacts", c.max_retained_artifacts],
         ["window bound (artifacts)", c.window_bound_artifacts], ["max retained bytes", c.max_retained_bytes],
         ["disk budget (bytes)", _budget_text(c)], ["retention", c.retention or "-"],
+        ["filled root: artifacts kept beside the rule", c.kept_fill_artifacts or "-"],
         ["budget binding (some producer pass so far)", "yes" if c.budget_binding else "no"],
         ["evictions by reason", ", ".join(f"{k} {v}" for k, v in sorted(c.evictions_by_reason.items())) or "-"],
         ["leases acquired", c.leases_acquired], ["leases released", c.leases_released],
@@ -63,8 +64,10 @@ def format_accounting(acc: Accounting) -> str:
     if c.journals_holding:  # a full filesystem: their lines follow once space is back (docs/protocol.md)
         shared += [["journals holding events in memory (full disk)", c.journals_holding],
                    ["lease releases held in memory", c.leases_release_held]]
-    # B is DFlash's block size; other drafts have none (EAGLE-3 rows showed the unused default 16)
-    per = [[k.consumer, k.draft, k.block_size if k.draft == "dflash" else "-", f"{k.lookbehind}:{k.lookahead}",
+    # B: the block size of a draft with blocks (DFlash, DSpark), as its ConsumerStart recorded it; EAGLE-3 has
+    # none (journals of older consumers recorded an unused 16 for it)
+    per = [[k.consumer, k.draft, k.block_size if k.block_size and k.draft != "eagle3" else "-",
+            f"{k.lookbehind}:{k.lookahead}",
             k.state, k.steps, k.cursor, k.logical_requests, k.hits, k.misses, round(k.wait_s, 2),
             k.leases_acquired, k.leases_released, k.timeouts, k.quarantined] for k in acc.consumers]
     totals = ["total (consumer requests)", "", "", "", "", "", "", c.logical_requests, c.hits, c.misses, "",
@@ -93,6 +96,6 @@ def format_accounting(acc: Accounting) -> str:
         out.extend(f"  - {v}" for v in acc.violations)
     else:
         out.append("invariants: ok (captures = publications + failures + lost in a crash; leases balance; "
-                   "requests = hits + misses; retained bytes <= the disk budget, or <= the window bound under "
-                   "--retention windows)")
+                   "requests = hits + misses; retained bytes <= the disk budget, or <= the window bound (plus a "
+                   "kept fill) under the windows-only rule)")
     return "\n".join(out)

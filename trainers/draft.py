@@ -35,7 +35,8 @@ target's hidden size, V its vocabulary):
   published layouts' ``config.json``), ``serving_names``, ``target_tensors``, ``seed_fields``,
   ``vocab_coverage``; ``options`` / ``run_options``: the consumer options only this draft uses.
 - ``export(...)``: classmethod, its ``config.json`` and serving tensors from a checkpoint.
-- ``progress_metric``: the summary key the progress bar shows.
+- ``progress_metric``: the summary key the progress bar shows; ``acc_label``: what the log line calls the
+  summary's ``acc`` list.
 - ``eval_figures`` / ``eval_slot_figures`` (``held_out_figures(B)``): the names of the figures its
   ``summary`` of a held-out evaluation gives (``--best-metric`` accepts exactly these; a test runs a real
   evaluation of every draft and compares).
@@ -56,7 +57,7 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ConfigError, ContractMismatch, NotReadable
-from artcache.target import TargetInfo, is_builtin, resolve_target, unreadable
+from artcache.target import TargetInfo, by_name, resolve_target, unreadable
 from artcache.trainers import ADAPTERS, DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState
 
@@ -80,6 +81,8 @@ class DraftBatch:
             it and the caller asked for it (greedy replay against the target's argmax).
         supervised_host: optional [b, T] bool on the **host**: ``loss_mask & valid``, for draws that
             must not read device memory back (DFlash's anchors); None = derive it from the batch.
+        samples: the plan sample indices of the b rows when the caller knows them (the held-out
+            evaluation sets them: the identity of a held-out row, whose position is -1); empty otherwise.
     """
 
     hidden: Tensor
@@ -89,6 +92,7 @@ class DraftBatch:
     positions: tuple[int, ...] = ()
     last_layer: Tensor | None = None
     supervised_host: Tensor | None = None
+    samples: tuple[int, ...] = ()
 
     def supervised_on_host(self) -> Tensor:
         """``loss_mask & valid`` [b, T] bool on the host (no device read when the collator supplied it)."""
@@ -307,28 +311,35 @@ def replay_headline(summary: dict[str, Any], bonus_note: str = " (incl. +1 bonus
 def check_target(settings) -> TargetInfo:
     """The cache root's target, resolved, with the weights it was captured from: the directory the producer
     recorded (``settings.target_path``) when this process can read it; else, for a target every user resolves by
-    name (:func:`artcache.target.is_builtin`: ``random:<arch>``, the bundled GGUF target), the same target in this
-    user's own cache (``$ARTCACHE_HOME``), checked by its weights digest. A group-shared root's recorded path is
-    often under the producer's private home, which a teammate's consumer may not read.
+    name (:func:`artcache.target.by_name`: ``random:<arch>``, the bundled GGUF target, a hub id at its recorded
+    revision), the same target from this user's own caches (``$ARTCACHE_HOME``, the hub cache), checked by its
+    weights digest. A group-shared root's recorded path is often under the producer's private home, which a
+    teammate's consumer may not read.
 
     Raises:
         ContractMismatch: the target's weights digest differs from the root's contract.
-        NotReadable: the recorded directory cannot be read here and is no built-in name (one line: the path, its
-            mode and owner, this user's ids and how to share it).
+        NotReadable: the recorded directory cannot be read here and no name resolves to the same weights (one line:
+            the path, its mode and owner, this user's ids and how to share it).
         ConfigError: the target cannot be resolved.
     """
     expected = settings.contract.target_weights_digest
-    name = settings.contract.target_name
     why = unreadable(settings.target_path)
-    if why is not None and is_builtin(name):
-        info = resolve_target(name)  # this user's own cache
-        if info.weights_digest == expected:
-            log.info("the cache root's target %s cannot be read here (%s): using %s from this user's cache (same "
-                     "weights digest %s)", settings.target_path, why, info.path, expected)
-            return info
     if why is not None:
-        raise NotReadable(f"the cache root's target {settings.target_path} cannot be read by this user: {why}; a "
-                          "consumer loads the target's embedding, lm_head and tokenizer, so the group sharing the "
+        name = by_name(settings.contract.target_name, settings.contract.target_revision)
+        other = ""
+        if name is not None:
+            try:
+                info = resolve_target(name)  # this user's own caches
+            except ConfigError as exc:
+                other = f"; resolving {name!r} here failed too ({exc})"
+            else:
+                if info.weights_digest == expected:
+                    log.info("the cache root's target %s cannot be read here (%s): using %s from this user's cache "
+                             "(same weights digest %s)", settings.target_path, why, info.path, expected)
+                    return info
+                other = f"; {name!r} resolves here to weights digest {info.weights_digest}, not the root's {expected}"
+        raise NotReadable(f"the cache root's target {settings.target_path} cannot be read by this user: {why}{other}; "
+                          "a consumer loads the target's embedding, lm_head and tokenizer, so the group sharing the "
                           "root needs read access (chmod -R g+rX on the target and search permission on its "
                           "parents), or capture from a target directory every consumer can read",
                           errno_=errno.EACCES)
@@ -350,6 +361,9 @@ class Draft(abc.ABC):
     name: ClassVar[str] = ""
     #: the summary key the progress bar shows
     progress_metric: ClassVar[str] = "tau"
+    #: what the log line calls the summary's ``acc`` list (shown as ``<acc_label>1..n``): the draft says what
+    #: it counts when that is not obvious next to its acceptance figure
+    acc_label: ClassVar[str] = "acc_"
     #: the figures its held-out evaluation reports: the keys of ``summary(evaluate(...))`` holding a number
     #: (:func:`figures_of`), i.e. the names ``--best-metric`` accepts; :data:`REPLAY_FIGURES` among them are
     #: measured only with the target's argmax. tests/test_drafts.py checks them against a real evaluation.
@@ -401,7 +415,7 @@ class Draft(abc.ABC):
     @classmethod
     def export(cls, state: CheckpointState, weights: dict[str, Tensor], target_cfg: Any, fmt: str,
                dtype: torch.dtype, verifier: str, num_speculative_tokens: int | None, what: str,
-               target_info: TargetInfo | None = None) -> ExportedDraft:
+               target_info: TargetInfo | None = None, target_tensors: bool = True) -> ExportedDraft:
         """The serving ``config.json`` and tensors of a checkpoint of this draft.
 
         Args:
@@ -411,7 +425,9 @@ class Draft(abc.ABC):
                 (speculators' ``verifier.name_or_path``; never a local path). num_speculative_tokens: the
                 speculators proposal length (None: the draft's default). what: names the checkpoint in
                 error messages. target_info: the resolved target when its weights are at hand (a layout
-                that carries a target tensor reads it from there), else None.
+                that carries a target tensor reads it from there), else None. target_tensors: write the
+                target's frozen tensors into a layout whose reference loader expects them in the checkpoint
+                (DSpark ``hf``: ``embed_tokens`` and ``lm_head``); layouts without such tensors ignore it.
 
         Raises:
             ConfigError: the draft has no export, or the checkpoint does not fit its config.

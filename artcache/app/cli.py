@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from artcache.app import config as C
 from artcache.app.config import load_run_config, saved_config_source
-from artcache.app.values import parse_bytes, parse_layer_ids, parse_template_options
+from artcache.app.values import parse_bytes, parse_disk_budget, parse_layer_ids, parse_template_options
 from artcache.data.regenerate import BACKENDS as REGEN_BACKENDS
 from artcache.data.regenerate import CACHES as REGEN_CACHES
 from artcache.data.regenerate import DTYPES as REGEN_DTYPES
@@ -126,7 +126,7 @@ def _with_config(verb: str):
 
 #: the target flag of the commands that load one (producer, regenerate)
 TARGET_OPTION = click.option("--target", default="smollm2-135m-instruct",
-                             help="Target: the embedded name or an HF directory.")
+                             help="Target: the embedded name, an HF directory or a Hugging Face hub id (ORG/NAME).")
 
 
 class _OneLineUsageError(click.ClickException):
@@ -212,15 +212,19 @@ def main(verbose: bool) -> None:
               help="Create the cache root group-shared (mode 2770, setgid) instead of private (0700).")
 @click.option("--backend", default="hf", type=click.Choice(["hf", "vllm"]),
               help="Capture backend: hf (transformers) or vllm (needs the artcache[vllm] extra; docs/vllm.md).")
-@click.option("--disk-budget", default="0", metavar="BYTES",
-              help="Bytes the retained artifacts may take, at most 2**60 (suffixes K, M, G, T: powers of 1024; 0: "
-              "90% of the filesystem's free space beyond its reserve, min(64 MiB, 5%), reported at start). Live "
-              "windows are kept whatever it is.")
-@click.option("--retention", default="need", type=click.Choice(["need", "windows"]),
-              help="need: keep what live consumers will read again while it fits the budget (Belady); windows: "
-              "keep only the live windows (the rule before, for comparisons).")
+@click.option("--disk-budget", default="0", metavar="BYTES|auto",
+              help="Retain by future need: beyond the live windows, keep what live consumers will read again while the "
+              "retained artifacts fit BYTES (at most 2**60; suffixes K, M, G, T: powers of 1024), or auto (what the "
+              "root holds + 90% of the filesystem's free space beyond its reserve, min(64 MiB, 5%)). 0 or left out: "
+              "no budget, the windows-only rule (disk use bounded by the live windows). The rule is said at start.")
+@click.option("--retention", default=None, type=click.Choice(["need", "windows"]),
+              help="Only repeats what --disk-budget says (need: a budget was given; windows: none); a contradiction "
+              "is refused.")
 @click.option("--fill", is_flag=True, help="Capture the whole plan (after what live consumers need), then exit; "
-              "later runs on the root read it with no capture.")
+              "its budget is auto unless --disk-budget says otherwise. The root is recorded as filled: later runs "
+              "read it with no capture, and their producers keep it whatever their rule (see --evict-fill).")
+@click.option("--evict-fill", is_flag=True, help="On a filled root: let this producer's retention rule evict the "
+              "fill's artifacts like any others (said at start; the root is no longer filled).")
 @click.option("--payload", default="", help="Where the tensors go: posix (files in the cache root) or "
               "mooncake://HOST:PORT (Mooncake Store; manifests stay in the root; docs/scale-out.md). Default: what "
               "the root records, posix for a new root.")
@@ -229,8 +233,8 @@ def main(verbose: bool) -> None:
 def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers, layer_ids, device, dtype,
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
-             producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention="need",
-             fill=False, payload=""):
+             producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
+             fill=False, evict_fill=False, payload=""):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
@@ -244,8 +248,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
         expect_consumers=expect_consumers, expect_timeout_s=expect_timeout, idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
-        group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
-        retention=retention, fill=fill, payload=payload)
+        group_shared=group_shared, backend=backend, disk_budget=parse_disk_budget(disk_budget),
+        retention=retention or "", fill=fill, evict_fill=evict_fill, payload=payload)
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
@@ -427,7 +431,8 @@ def inspect(cache, as_json):
 @click.option("--out", "out_dir", default="bench-out", help="Output directory (one subdirectory per scenario).")
 @click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 3 cpu, 30 cuda).")
 @click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 15 cpu, 150 cuda).")
-@click.option("--target", default="smollm2-135m-instruct", help="Target name or HF directory.")
+@click.option("--target", default="smollm2-135m-instruct",
+              help="Target name, HF directory or Hugging Face hub id (ORG/NAME).")
 @click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a ShareGPT-format file.")
 @click.option("--max-length", default=0, type=int, help="Tokens per sample (default: 512; hetero on cpu 128).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
@@ -441,7 +446,7 @@ def inspect(cache, as_json):
               "artcache,windows,tight,solo for hetero).")
 @click.option("--disk-budget", default="0", metavar="BYTES",
               help="Disk budget of the artcache (and solo) producer (default: hetero: one that holds the whole run; "
-              "1p1c/1p3c: the producer's default).")
+              "1p1c/1p3c: none, the producer's windows-only rule).")
 @click.option("--budget-fraction", default=0.25, type=float,
               help="tight mode: its budget is the live windows' floor plus this share of the room between it and the "
                    "artcache one (too small for the fast consumer's lead, yet keepable).")
@@ -615,18 +620,24 @@ def fsck(cache, fix, as_json, observe):
 @click.option("--out", "out_dir", required=True,
               help="Draft directory to create (config.json, model.safetensors); never the checkpoint or its run.")
 @click.option("--target", default=None,
-              help="The target the draft was trained for (name or HF directory); supplies layer count and ids. "
+              help="The target the draft was trained for (name, HF directory or hub id); supplies layer count and ids. "
                    "Default: the target_name the checkpoint's state.json records (its weights digest must match).")
 @click.option("--dtype", default="bfloat16", type=click.Choice(["bfloat16", "float16", "float32"]),
               help="Dtype of the exported weights.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing --out that is a previous export (a directory holding export.json).")
+@click.option("--target-tensors/--no-target-tensors", default=True,
+              help="DSpark --format hf: write the target's embed_tokens and lm_head into the export (default: "
+                   "DeepSpec's from_pretrained reads them from the draft and leaves them random without them; "
+                   "needs a --target with weights). --no-target-tensors leaves them out (vLLM shares the target's). "
+                   "No other draft or format carries them.")
 @_errors
-def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
+def export(checkpoint, fmt, out_dir, target, dtype, overwrite, target_tensors):
     """Write a trained DFlash, EAGLE-3 or DSpark draft as a directory vLLM / speculators load (docs/export.md)."""
     from artcache.trainers.export import export_checkpoint
 
-    res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite)
+    res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite,
+                            target_tensors=target_tensors)
     click.echo(json.dumps(res.summary()))
 
 
@@ -634,20 +645,27 @@ def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
 @click.option("--checkpoint", required=True,
               help="A DSpark consumer checkpoint (checkpoints/step-N) or run directory (its checkpoints/latest) "
                    "trained with --eval-samples.")
+@click.option("--against", default="replay", type=click.Choice(["replay", "alpha"]),
+              help="What the cumulative confidence is calibrated against: replay (default; the observed "
+                   "greedy-replay acceptance of the first k+1 proposals, what a serving threshold decides on) or "
+                   "alpha (the teacher-forced cumulative alpha the head is trained on).")
 @_errors
-def calibrate(checkpoint):
+def calibrate(checkpoint, against):
     """Fit one temperature per slot to a DSpark draft's confidence head (STS, on the held-out split the run
     evaluated) and add them to the checkpoint (extra.safetensors; the report in calibration.json); `artcache
     export` then writes them into the exported config. Prints the cumulative-confidence ECE before and after
     (docs/training.md)."""
     from artcache.trainers.dspark.calibrate import calibrate_checkpoint
 
-    rep = calibrate_checkpoint(checkpoint)
-    click.echo(f"calibrated {rep['checkpoint']} on {rep['blocks']} held-out blocks of {rep['samples']} samples: "
-               f"cumulative-confidence ECE (pooled over slots) {rep['ece_cum_pooled_before']:.4f} -> "
-               f"{rep['ece_cum_pooled_after']:.4f} "
+    rep = calibrate_checkpoint(checkpoint, against=against)
+    click.echo(f"calibrated {rep['checkpoint']} against {rep['against']} on {rep['blocks']} held-out blocks of "
+               f"{rep['samples']} samples: cumulative-confidence ECE (pooled over slots) "
+               f"{rep['ece_cum_pooled_before']:.4f} -> {rep['ece_cum_pooled_after']:.4f} "
                f"(2-fold cross-validated {rep['ece_cum_pooled_after_crossval']:.4f}); "
                f"temperatures {', '.join(f'{t:.3g}' for t in rep['temperatures'])}", err=True)
+    for k in rep["at_grid_edge"]:
+        click.echo(f"warning: slot {k}'s temperature {rep['temperatures'][k]:.3g} is the edge of the grid "
+                   "[0.05, 20]: the fit would go further (its ECE may still be far from 0)", err=True)
     click.echo(json.dumps({k: v for k, v in rep.items() if k != "method"}))
 
 
