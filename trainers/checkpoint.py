@@ -95,7 +95,7 @@ from artcache.fsio import (
     fsync_dir,
     space_reserve,
 )
-from artcache.hashing import canonical_json, digest_bytes, digest_file
+from artcache.hashing import DIGEST_ALGORITHM, digest_bytes, digest_file, record_digest
 from artcache.layout import temp_writer, unique_suffix
 from artcache.report import format_bytes
 
@@ -105,8 +105,6 @@ log = logging.getLogger("artcache.consumer")
 #: an older artcache reads a checkpoint that has it, this one reads a checkpoint without it, unverified.)
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"step-([0-9]{8})")
-#: the hash of a checkpoint's content digests (:func:`artcache.hashing.digest_file`: 32 hex characters)
-DIGEST_ALGORITHM = "xxh3_128"
 #: the tensor files a checkpoint may hold (``extra`` optional; ``optimizer`` and ``rng`` not weights-only)
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors")
 #: the tensor files holding the draft's weights: what ``--init-from``, export and calibrate read
@@ -386,9 +384,8 @@ def _file_digest(path: Path) -> dict:
 
 def _state_digest(doc: dict) -> str:
     """:attr:`Digests.state` of a decoded ``state.json`` document: the digest of its canonical JSON with
-    ``digests.state`` left out."""
-    body = {**doc, "digests": {k: v for k, v in doc["digests"].items() if k != "state"}}
-    return digest_bytes(canonical_json(body))
+    ``digests.state`` left out (:func:`artcache.hashing.record_digest`, the record plans and roots carry too)."""
+    return record_digest(doc)
 
 
 def _state_text(doc: dict) -> str:
