@@ -466,7 +466,8 @@ class Session:
                       slots=cfg.prefetch_batches + 3,
                       slot_bytes=slot_bytes(cfg.batch_size, tokens, m, self.draft.target_info.hidden_size,
                                             batch_itemsize(contract.dtype, self.device.type)),
-                      group=group, length_bucket=bucket, log_level=logging.getLogger("artcache").getEffectiveLevel())
+                      group=group, length_bucket=bucket, log_level=logging.getLogger("artcache").getEffectiveLevel(),
+                      beat_s=cfg.heartbeat_s, progress_timeout_s=self.settings.heartbeat_timeout_s)
         return ProcessReader(start, self.device)
 
     def _collate_eval(self, items: list[Leased], with_last: bool) -> DraftBatch:
