@@ -290,7 +290,11 @@ class ProcessReader:
         env: the child's environment (default: this process's).
     """
 
-    def __init__(self, start: Start, device: torch.device, env: dict[str, str] | None = None) -> None:
+    def __init__(self, start: Start, device: torch.device, env: dict[str, str] | None = None,
+                 ring: SlotRing | None = None) -> None:
+        """``ring``: the slot ring, allocated beforehand (:class:`SlotRing`, sized ``start.slots`` ×
+        ``start.slot_bytes`` for ``device``; the consumer allocates it before it writes anything, so a ring that
+        cannot be allocated leaves nothing behind); None allocates it here. Raises as :class:`SlotRing`."""
         self.settings, self.device = start, device
         self.out: queue.Queue = queue.Queue(maxsize=max(1, start.depth))
         self.stop = threading.Event()
@@ -298,27 +302,19 @@ class ProcessReader:
         self._pending: list[Fetched] = []  # CUDA: handed back once their copies completed
         self._slot_of: dict[int, int] = {}  # id(Fetched) -> slot
         self._thread = threading.Thread(target=self._run, daemon=True, name="artcache-reader-pipe")
-        size = start.slots * start.slot_bytes
-        self._memfd = os.memfd_create("artcache-reader-slots", os.MFD_CLOEXEC)
-        os.ftruncate(self._memfd, size)
-        self.mm = mmap.mmap(self._memfd, size)
-        self._registered = False
-        self.stream = None
-        if device.type == "cuda":
-            self.stream = torch.cuda.Stream(device)
-            ptr = torch.frombuffer(self.mm, dtype=torch.uint8, count=1).data_ptr()
-            rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-            if int(rc) != 0:
-                raise E.WorkerFailed(f"cudaHostRegister of the reader's {size} B slot ring failed ({rc})")
-            self._registered = True
+        self.ring = ring if ring is not None else SlotRing(start.slots, start.slot_bytes, device)
+        self.mm = self.ring.mm
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
+        memfd = self.ring.memfd
         # -c, not -m: the package imports this module first, and runpy would run a second copy of it as __main__
-        cmd = [sys.executable, "-c", CHILD, str(to_child_r), str(from_child_w), str(self._memfd), str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w, self._memfd),
+        cmd = [sys.executable, "-c", CHILD, str(to_child_r), str(from_child_w), str(memfd), str(os.getpid())]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w, memfd),
                                      env=env)
-        for fd in (to_child_r, from_child_w, self._memfd):  # the child holds its ends; the mapping stays
+        for fd in (to_child_r, from_child_w):  # the child holds its ends
             os.close(fd)
+        self.ring.close_fd()  # the mapping stays
         #: the child's identity token: its journal is ``journal/reader-<consumer id>-<token>.jsonl``
         self.token = local_identity(self.proc.pid).token()
 
@@ -474,12 +470,65 @@ class ProcessReader:
         self._slot_of[id(fetched)] = msg.slot
         return fetched
 
-    def __del__(self) -> None:  # the ring's registration and descriptors, when the owner never joined
+
+class SlotRing:
+    """The shared-memory ring of a reader process: ``slots`` × ``slot_bytes`` bytes of a sparse ``memfd`` mapped
+    here (and, on CUDA, page-locked with ``cudaHostRegister``); the child maps the same memfd.
+
+    Raises:
+        ConfigError: the ring cannot be allocated (``memfd_create``, ``ftruncate`` or ``mmap`` failed: ENOMEM,
+            ENOSPC, EMFILE, ...; or ``cudaHostRegister`` refused it): one line naming its size, how it is sized
+            and the cause; nothing is left open.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, device: torch.device) -> None:
+        size = slots * slot_bytes
+        self.memfd, self.mm, self._registered = -1, None, False
+        what = (f"--reader process: its shared-memory ring of {size} B ({slots} slots of {slot_bytes} B: "
+                "--prefetch-batches + 3 batches of --batch-size rows at the root's max length)")
+        hint = "; use --reader thread, or a smaller --batch-size or --prefetch-batches"
         try:
-            if getattr(self, "_registered", False):
+            self.memfd = os.memfd_create("artcache-reader-slots", os.MFD_CLOEXEC)
+            os.ftruncate(self.memfd, size)
+            self.mm = mmap.mmap(self.memfd, size)
+        except OSError as exc:
+            self.close()
+            raise E.ConfigError(f"{what} could not be allocated ({exc.strerror or exc}){hint}") from exc
+        if device.type == "cuda":
+            ptr = torch.frombuffer(self.mm, dtype=torch.uint8, count=1).data_ptr()
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+            if int(rc) != 0:
+                self.close()
+                raise E.ConfigError(f"{what} could not be page-locked (cudaHostRegister: {rc}){hint}")
+            self._registered = True
+
+    def close_fd(self) -> None:
+        """Close the memfd (once the child has its own descriptor); the mapping stays."""
+        if self.memfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.memfd)
+            self.memfd = -1
+
+    def close(self) -> None:
+        """Unregister, unmap and close everything (a ring no reader took). Idempotent."""
+        self.close_fd()
+        if self._registered:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(self.mm, dtype=torch.uint8, count=1)
+                                                       .data_ptr())
+            self._registered = False
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with it
+                self.mm.close()
+            self.mm = None
+
+    def __del__(self) -> None:  # the registration and descriptor, when the owner never closed it
+        try:
+            if self._registered:
                 torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(self.mm, dtype=torch.uint8, count=1)
                                                        .data_ptr())
                 self._registered = False
+            self.close_fd()
         except Exception:
             pass
 
