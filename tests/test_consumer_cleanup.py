@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -127,3 +128,28 @@ def test_regression_a_consumer_on_a_read_only_root_is_one_line(filled, tmp_path)
         text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     assert _left_in_root(filled, "ro") == [] and not (tmp_path / "runs" / "ro").exists()
+
+
+@pytest.mark.reliability
+def test_regression_a_damaged_plan_stops_the_consumer_and_fsck_reports_it(filled, tmp_path):
+    """16 bytes flipped near the end of plans/<id>/plan.safetensors: fsck said clean and a consumer trained on
+    the damaged tokens, exit 0. Now fsck reports bad-plan (exit 1) and the consumer refuses in one line naming
+    the file and its recorded digest (exit 2), before it registers or writes anything."""
+    cache = tmp_path / "cache"
+    shutil.copytree(filled, cache, symlinks=True)
+    settings = json.loads((cache / "artcache.json").read_text())
+    path = cache / "plans" / settings["plan_id"] / "plan.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-20:-4] = bytes(b ^ 0xFF for b in raw[-20:-4])
+    path.write_bytes(bytes(raw))
+    fsck = subprocess.run([sys.executable, "-m", "artcache", "fsck", "--cache", str(cache)], capture_output=True,
+                          text=True, timeout=300)
+    assert fsck.returncode == 1 and "bad-plan" in fsck.stdout and "plan.safetensors does not match" in fsck.stdout, \
+        fsck.stdout + fsck.stderr
+    proc = Proc("damaged", consume_args(cache, tmp_path, "damaged", 2), tmp_path)
+    proc.expect(2)
+    text = proc.text()
+    lines = _error_lines(text)
+    assert len(lines) == 1 and "plan.safetensors does not match its recorded digest" in lines[0], text[-3000:]
+    assert "Traceback" not in text and "step 1/" not in text, text[-3000:]
+    assert _left_in_root(cache, "damaged") == [] and not (tmp_path / "runs" / "damaged").exists()
