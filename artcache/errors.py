@@ -269,6 +269,12 @@ class GroupFailed(ArtcacheError, RuntimeError):
         return {"rank": self.rank, "returncode": self.returncode}
 
 
+class NotReadable(_OSErrorMessage, PermissionError):
+    """A file or directory another process recorded for this one to read (a cache root's target, recorded by its
+    producer) cannot be read by this user (EACCES). The message names the path, its mode and owner, this
+    process's ids and how to share it."""
+
+
 class NotWritable(_OSErrorMessage, PermissionError):
     """A cache root file or directory artcache must write cannot be written (EACCES, EPERM, EROFS: a
     read-only lock file, directory or mount). The message names the path; ``errno`` is the cause's."""
