@@ -762,13 +762,14 @@ class Session:
         lockstep group (the members read by the group's committed cursors) and after the last step; once the
         interval passed since the last commit; and at once when the committed window would hold the reader back.
         The reader keeps up to ``prefetch_batches`` batches queued and reads one more, so it wants positions up to
-        ``cursor + (prefetch_batches + 1) × batch_size - 1``, and may read only up to ``committed + lookahead``."""
+        ``cursor + (prefetch_batches + 1) × global batch - 1`` (``--grad-accum`` micro-batches of ``--batch-size``), and
+        may read only up to ``committed + lookahead``."""
         cfg = self.cfg
         if cfg.commit_interval_s == 0 or cfg.lockstep_group or self.steps_done >= cfg.steps:
             return True
         if time.monotonic() - self.t_committed >= cfg.commit_interval_s:
             return True
-        wanted = min(cfg.lookahead, (cfg.prefetch_batches + 1) * cfg.batch_size - 1)
+        wanted = min(cfg.lookahead, (cfg.prefetch_batches + 1) * cfg.global_batch - 1)
         return self.committed + cfg.lookahead < self.cursor + wanted
 
     def _commit(self) -> None:
