@@ -112,7 +112,14 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         seed, max_length, max_samples: the plan (see :class:`artcache.plan.PlanSpec`).
         draft_layers: number of DFlash draft layers; captured ids follow :func:`artcache.layer_ids.dflash_layer_ids`.
         layer_ids: explicit output-of-layer ids (overrides ``draft_layers``).
-        device: ``cpu`` or ``cuda[:i]``. dtype: stored dtype of the hidden states (``fp8`` =
+        device: ``cpu`` or ``cuda[:i]``. devices: two or more devices (``cuda:0``, ``cuda:1``) to place the
+            target over with transformers' ``device_map`` (decoder layers in contiguous blocks,
+            :func:`artcache.target.layer_device_map`), instead of ``device``; the first takes the inputs and
+            gathers the captured layers. hf backend only. tensor_parallel_size: ranks of a torch.distributed
+            group the target is sharded over by its tensor-parallel plan (gloo on ``cpu``, NCCL on ``cuda``,
+            rank r on ``cuda:r``; :mod:`artcache.backends.tensor_parallel`); rank 0 is this producer. hf
+            backend, HF checkpoints only. Neither is part of the contract: the artifacts and their fingerprints
+            are those of a one-device producer. dtype: stored dtype of the hidden states (``fp8`` =
             ``float8_e4m3fn`` codes with one fp32 scale per token row per layer, :mod:`artcache.fp8`).
         compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU (bf16 matmuls are ~6x
             slower than fp32 on CPUs without AVX512-BF16/AMX), bfloat16 on CUDA.
@@ -172,6 +179,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft_layers: int = 5
     layer_ids: list[int] | None = None
     device: str = "cpu"
+    devices: list[str] = msgspec.field(default_factory=list)
+    tensor_parallel_size: Count = 1
     dtype: str = "bfloat16"
     compute_dtype: str = "auto"
     limits: SchedulerLimits = msgspec.field(default_factory=SchedulerLimits)
@@ -203,6 +212,20 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.fill and self.evict_fill:
             raise ConfigError("--fill and --evict-fill contradict each other (a fill keeps the whole plan): give one")
         retention_rule(self.disk_budget, self.retention, self.fill)
+        if self.devices and self.tensor_parallel_size > 1:
+            raise ConfigError(f"--devices {','.join(self.devices)} and --tensor-parallel-size "
+                              f"{self.tensor_parallel_size} are two placements: give one")
+        if len(set(self.devices)) != len(self.devices):
+            raise ConfigError(f"--devices {','.join(self.devices)} names a device twice; give each once")
+        if self.backend != "hf" and (len(self.devices) > 1 or self.tensor_parallel_size > 1):
+            flag = "--devices" if self.devices else "--tensor-parallel-size"
+            raise ConfigError(f"{flag} is not accepted with --backend {self.backend}: vLLM's tensor-parallel workers "
+                              "cannot hand their captures to artcache; use --backend hf (docs/scale-out.md)")
+
+    @property
+    def first_device(self) -> str:
+        """Where inputs go and captures are gathered: ``devices[0]`` when devices are given, else ``device``."""
+        return self.devices[0] if self.devices else self.device
 
 
 #: ``artcache producer`` flags not named ``--<field>`` (``_s`` dropped, ``_`` as ``-``); a scheduler limit by its
@@ -326,6 +349,13 @@ def prepare_root(cfg: ProducerConfig):
 
         require_vllm()  # before anything is written
     info = resolve_target(cfg.target)
+    if cfg.tensor_parallel_size > 1:
+        from artcache.target import is_random
+
+        if is_random(info):
+            raise ConfigError(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs an HF checkpoint; --target "
+                              f"{cfg.target!r} is a random-weight benchmark target (stored embeddings only): use "
+                              "--devices, or one device")
     if cfg.backend == "vllm":
         from artcache.target import is_random
 
@@ -353,7 +383,7 @@ def prepare_root(cfg: ProducerConfig):
     contract = CaptureContract(
         target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
         target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=dtype,
-        compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
+        compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.first_device),
         max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
         template_digest=template_digest(tok, spec.template_options), backend=cfg.backend)
     recorded = None
@@ -792,6 +822,10 @@ class Producer:
         t0, m0 = time.time(), time.perf_counter()
         try:
             outputs = self.backend.capture(samples)
+        except ProducerFailed:  # a failure the producer cannot retry (a tensor-parallel group out of step)
+            for lock in locks:
+                lock.release()
+            raise
         except Exception as exc:  # a failed forward: every fingerprint in it failed once more
             for lock in locks:
                 lock.release()
@@ -1121,6 +1155,13 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     quiet_transformers()
+    if cfg.tensor_parallel_size > 1:
+        from artcache.backends.tensor_parallel import follow, launched_rank
+
+        launched = launched_rank()
+        if launched is not None and launched[0] > 0:  # under torchrun: ranks > 0 only run the forward passes
+            follow(cfg.device)
+            return ProducerStats()
     layout, settings, plan, info, _tok = prepare_root(cfg)
     if cfg.fill and _plan_published(layout, settings, plan):  # a filled root: no target to load, nothing to do
         log.info("--fill: %s already holds every sample of plan %s (%d): nothing to capture", layout.root,
@@ -1134,10 +1175,26 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
 
         backend = VLLMCaptureBackend(info.path, settings.contract, device=cfg.device,
                                      max_num_batched_tokens=cfg.limits.max_batch_tokens)
+    elif cfg.tensor_parallel_size > 1:
+        from artcache.backends.tensor_parallel import TensorParallelGroup, load_tensor_parallel
+
+        group = TensorParallelGroup(cfg.tensor_parallel_size, cfg.device)
+        try:
+            group.share_spec({"path": str(info.path), "contract": msgspec.json.encode(settings.contract).decode(),
+                              "threads": cfg.threads})
+            model = load_tensor_parallel(str(info.path), getattr(torch, settings.contract.compute_dtype), group)
+        except BaseException:
+            group.close()
+            raise
+        log.info("target sharded over %d ranks (tensor parallel, %s)", group.size,
+                 torch.distributed.get_backend())
+        backend = HFCaptureBackend(model, settings.contract, device=group.device, group=group)
     else:
         dtype = getattr(torch, settings.contract.compute_dtype)
-        model = load_target_model(info, device=cfg.device, dtype=dtype)
-        backend = HFCaptureBackend(model, settings.contract, device=cfg.device)
+        model = load_target_model(info, device=cfg.device, dtype=dtype, devices=cfg.devices)
+        backend = HFCaptureBackend(model, settings.contract, device=cfg.first_device)
+        if len(cfg.devices) > 1:
+            log.info("target placed over %s (decoder layers in contiguous blocks)", ",".join(cfg.devices))
     journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
     producer = Producer(layout, settings, plan, backend, cfg, journal, hidden_size=info.hidden_size)
     # SIGINT/SIGTERM: the first sets stop_event (the loop finishes its batch and exits cleanly), a second stops
