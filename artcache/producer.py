@@ -117,7 +117,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             :func:`artcache.target.layer_device_map`), instead of ``device``; the first takes the inputs and
             gathers the captured layers. hf backend only. tensor_parallel_size: ranks of a torch.distributed
             group the target is sharded over by its tensor-parallel plan (gloo on ``cpu``, NCCL on ``cuda``,
-            rank r on ``cuda:r``; :mod:`artcache.backends.tensor_parallel`); rank 0 is this producer. hf
+            rank r on ``cuda:r``; on the CPU, ``threads`` 0 gives each rank cores / N threads;
+            :mod:`artcache.backends.tensor_parallel`); rank 0 is this producer. hf
             backend, HF checkpoints only. Neither is part of the contract: the artifacts and their fingerprints
             are those of a one-device producer. dtype: stored dtype of the hidden states (``fp8`` =
             ``float8_e4m3fn`` codes with one fp32 scale per token row per layer, :mod:`artcache.fp8`).
@@ -319,6 +320,7 @@ class ProducerStats:
     evictions_by_reason: dict[str, int] = field(default_factory=dict)
     fill_complete: bool = False
     ever_published: set[str] = field(default_factory=set)
+    follower: bool = False  # a tensor-parallel rank above 0 under torchrun: it ran forward passes only
 
 
 def prepare_root(cfg: ProducerConfig):
@@ -1161,7 +1163,7 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         launched = launched_rank()
         if launched is not None and launched[0] > 0:  # under torchrun: ranks > 0 only run the forward passes
             follow(cfg.device)
-            return ProducerStats()
+            return ProducerStats(follower=True)
     layout, settings, plan, info, _tok = prepare_root(cfg)
     if cfg.fill and _plan_published(layout, settings, plan):  # a filled root: no target to load, nothing to do
         log.info("--fill: %s already holds every sample of plan %s (%d): nothing to capture", layout.root,
@@ -1179,15 +1181,20 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         from artcache.backends.tensor_parallel import TensorParallelGroup, load_tensor_parallel
 
         group = TensorParallelGroup(cfg.tensor_parallel_size, cfg.device)
+        threads = cfg.threads
+        if not threads and group.device.type == "cpu":  # the ranks share this machine's cores
+            threads = max(1, (os.cpu_count() or 1) // group.size)
+            torch.set_num_threads(threads)
         try:
             group.share_spec({"path": str(info.path), "contract": msgspec.json.encode(settings.contract).decode(),
-                              "threads": cfg.threads})
+                              "threads": threads})
             model = load_tensor_parallel(str(info.path), getattr(torch, settings.contract.compute_dtype), group)
         except BaseException:
             group.close()
             raise
-        log.info("target sharded over %d ranks (tensor parallel, %s)", group.size,
-                 torch.distributed.get_backend())
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+        log.info("target sharded over %d ranks (tensor parallel, %s): rank 0 holds %d of its %d parameters",
+                 group.size, torch.distributed.get_backend(), local, sum(p.numel() for p in model.parameters()))
         backend = HFCaptureBackend(model, settings.contract, device=group.device, group=group)
     else:
         dtype = getattr(torch, settings.contract.compute_dtype)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,10 @@ def test_tensor_parallel_producer_publishes_what_one_device_does(tmp_path, tiny_
     assert one.returncode == 0, one.stderr[-3000:]
     two = fill(tmp_path / "two", tiny_target.path, "--tensor-parallel-size", "2")
     assert two.returncode == 0, two.stderr[-3000:]
-    assert "sharded over 2 ranks (tensor parallel, gloo)" in two.stderr
+    held = re.search(r"sharded over 2 ranks \(tensor parallel, gloo\): rank 0 holds (\d+) of its (\d+) parameters",
+                     two.stderr)
+    assert held, two.stderr[-3000:]
+    assert int(held[1]) < int(held[2])  # the decoder's projections are split, not replicated
     contracts = [load_settings(CacheLayout(tmp_path / name)).contract for name in ("one", "two")]
     assert contracts[0] == contracts[1]
     a, b = artifacts(tmp_path / "one"), artifacts(tmp_path / "two")
@@ -140,3 +144,43 @@ def test_bad_placements_are_refused_in_one_line(tmp_path, flags, message):
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], result.output
     assert not (cache / "artcache.json").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_a_killed_follower_rank_stops_the_producer(tmp_path, tiny_target):
+    """SIGKILL of rank 1 while rank 0 fills: rank 0's next broadcast fails, the producer exits 1 naming the
+    tensor-parallel group (no retry loop against a group out of step), and what it published stays valid."""
+    import os
+    import signal
+    import time
+
+    cache, log = tmp_path / "cache", tmp_path / "producer.log"
+    proc = subprocess.Popen([sys.executable, "-m", "artcache", "producer", "--cache", str(cache), "--target",
+                             tiny_target.path, "--data", "synthetic", "--max-samples", "400", "--max-length", "256",
+                             "--draft-layers", "3", "--dtype", "float32", "--threads", "1", "--batch-samples", "1",
+                             "--fill", "--tensor-parallel-size", "2"], stderr=log.open("w"))
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not list((cache / "objects").rglob("*.safetensors")):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1, children  # the one follower this producer started
+        os.kill(int(children[0]), signal.SIGKILL)
+        t0 = time.monotonic()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = log.read_text()
+    assert code == 1, err[-3000:]
+    # the broken connection shows in rank 0's next collective: the batch's broadcast or a layer's all-reduce
+    assert "ProducerFailed: tensor-parallel group of 2:" in err and "by peer" in err, err[-3000:]
+    print(f"producer exited {code} {took:.1f} s after its follower's SIGKILL")
+    layout = CacheLayout(cache)
+    contract = load_settings(layout).contract
+    published = store.list_objects(layout)
+    assert published and all(store.verify(layout, fp, contract) is None for fp in published)

@@ -97,7 +97,8 @@ def _with_config(verb: str):
                 for dev in pcfg.devices:
                     _check_device(dev, "--devices")
                 stats = run_producer(pcfg)
-                click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
+                if not stats.follower:
+                    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                            f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures",
                            err=True)
             elif verb == "consume":
@@ -260,8 +261,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         group_shared=group_shared, backend=backend, disk_budget=parse_disk_budget(disk_budget),
         retention=retention or "", fill=fill, evict_fill=evict_fill, payload=payload)
     stats = run_producer(cfg)
-    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
+    if not stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
+        click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
+                   f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
 
 
 @main.command()

@@ -185,8 +185,9 @@ class HFCaptureBackend:
             try:
                 stacked = self.forward(ids, attn_dev)
             except Exception as exc:  # noqa: BLE001 - any failure ends the group
-                raise ProducerFailed(f"tensor-parallel forward failed on rank 0 ({type(exc).__name__}: {exc}); "
-                                     "the follower ranks are out of step, the producer stops") from exc
+                raise ProducerFailed(f"tensor-parallel group of {self.group.size}: the forward pass failed on rank 0 "
+                                     f"({type(exc).__name__}: {exc}); a follower rank is gone or out of step, the "
+                                     "producer stops") from exc
         stored = stored_hidden(stacked, self.dtype)  # fp8: quantised here, on the device
         del stacked
         if self.device.type != "cpu":
