@@ -26,10 +26,10 @@ from artcache.settings import load_settings
 DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
 
 
-def fill(cache: Path, target: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "artcache", "producer", "--cache", str(cache), "--target", target,
-                           "--data", str(DATA), "--max-samples", "10", "--max-length", "96", "--draft-layers", "3",
-                           "--dtype", "float32", "--threads", "1", "--batch-samples", "4", "--fill", *extra],
+def fill(cache: Path, target: str, *extra: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *launcher, "-m", "artcache", "producer", "--cache", str(cache), "--target",
+                           target, "--data", str(DATA), "--max-samples", "10", "--max-length", "96", "--draft-layers",
+                           "3", "--dtype", "float32", "--threads", "1", "--batch-samples", "4", "--fill", *extra],
                           capture_output=True, text=True, timeout=900)
 
 
@@ -49,26 +49,35 @@ def artifacts(cache: Path) -> dict[str, dict[str, torch.Tensor]]:
 def test_tensor_parallel_producer_publishes_what_one_device_does(tmp_path, tiny_target):
     """Two ranks on gloo (the tiny Llama's 4 heads / 2 KV heads divide by 2) against one process: the same
     contract, the same fingerprints, captured layers within 1e-4 (fp32; the sharded matmuls add in another
-    order), token ids and loss masks identical."""
+    order), token ids and loss masks identical. Both launches: the producer starting its follower, and
+    torchrun starting both ranks."""
     one = fill(tmp_path / "one", tiny_target.path)
     assert one.returncode == 0, one.stderr[-3000:]
     two = fill(tmp_path / "two", tiny_target.path, "--tensor-parallel-size", "2")
     assert two.returncode == 0, two.stderr[-3000:]
+    run = fill(tmp_path / "torchrun", tiny_target.path, "--tensor-parallel-size", "2",
+               launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("producer done:") == 1  # rank 1 ran forward passes only
     held = re.search(r"sharded over 2 ranks \(tensor parallel, gloo\): rank 0 holds (\d+) of its (\d+) parameters",
                      two.stderr)
     assert held, two.stderr[-3000:]
     assert int(held[1]) < int(held[2])  # the decoder's projections are split, not replicated
-    contracts = [load_settings(CacheLayout(tmp_path / name)).contract for name in ("one", "two")]
-    assert contracts[0] == contracts[1]
-    a, b = artifacts(tmp_path / "one"), artifacts(tmp_path / "two")
-    assert len(a) == 10 and sorted(a) == sorted(b)
+    contracts = [load_settings(CacheLayout(tmp_path / name)).contract for name in ("one", "two", "torchrun")]
+    assert contracts[0] == contracts[1] == contracts[2]
+    a = artifacts(tmp_path / "one")
+    assert len(a) == 10
     worst = 0.0
-    for fp, ta in a.items():
-        tb = b[fp]
-        assert sorted(ta) == sorted(tb)
-        assert torch.equal(ta["input_ids"], tb["input_ids"]) and torch.equal(ta["loss_mask"], tb["loss_mask"])
-        assert ta["hidden_states"].dtype == torch.float32 and ta["hidden_states"].shape == tb["hidden_states"].shape
-        worst = max(worst, (ta["hidden_states"] - tb["hidden_states"]).abs().max().item())
+    for other in ("two", "torchrun"):
+        b = artifacts(tmp_path / other)
+        assert sorted(a) == sorted(b)
+        for fp, ta in a.items():
+            tb = b[fp]
+            assert sorted(ta) == sorted(tb)
+            assert torch.equal(ta["input_ids"], tb["input_ids"]) and torch.equal(ta["loss_mask"], tb["loss_mask"])
+            assert ta["hidden_states"].dtype == torch.float32
+            assert ta["hidden_states"].shape == tb["hidden_states"].shape
+            worst = max(worst, (ta["hidden_states"] - tb["hidden_states"]).abs().max().item())
     assert worst <= 1e-4, worst
     print(f"tensor parallel 2 vs one device: {len(a)} artifacts, max abs difference {worst:.3g}")
 

@@ -109,8 +109,8 @@ def _with_config(verb: str):
                 stats = run_producer(pcfg)
                 if not stats.follower:
                     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-                           f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures",
-                           err=True)
+                               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} "
+                               "failures", err=True)
             elif verb == "consume":
                 from artcache.trainers.consumer import run_consumer
 

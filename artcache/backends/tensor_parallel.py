@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import msgspec
@@ -100,13 +101,14 @@ class TensorParallelGroup:
             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
 
     def _start_followers(self, port: int, device: str) -> None:
-        from artcache.launch import module_argv, role_env
+        from artcache.launch import role_env
 
         for r in range(1, self.size):
             env = role_env({"RANK": str(r), "WORLD_SIZE": str(self.size), "LOCAL_RANK": str(r),
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                             "ARTCACHE_TP_DEVICE": device})
-            self.followers.append(subprocess.Popen(module_argv("artcache.backends.tensor_parallel"), env=env))
+            argv = [sys.executable, "-m", "artcache.backends.tensor_parallel"]
+            self.followers.append(subprocess.Popen(argv, env=env))
 
     # ---- the load spec: what every rank loads, decided by rank 0 -------------------------------------------
 
