@@ -140,6 +140,7 @@ def test_a_model_placed_over_two_gpus_is_captured_as_on_one(tiny_target, fake_pl
     (["--devices", "tpu:0"], "--devices 'tpu:0' is not accepted"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["--tensor-parallel-size", "2", "--target", "random:tiny-llama"], "needs an HF checkpoint"),
+    (["--tensor-parallel-size", "2", "--backend", "vllm"], "not accepted with --backend vllm"),
 ])
 def test_bad_placements_are_refused_in_one_line(tmp_path, flags, message):
     from click.testing import CliRunner
@@ -193,3 +194,36 @@ def test_a_killed_follower_rank_stops_the_producer(tmp_path, tiny_target):
     contract = load_settings(layout).contract
     published = store.list_objects(layout)
     assert published and all(store.verify(layout, fp, contract) is None for fp in published)
+
+
+def test_placement_is_not_part_of_the_contract(tmp_path, tiny_target):
+    """The same root settings with and without a placement: one contract (so one set of fingerprints), and the
+    ``auto`` compute dtype follows the first device of ``devices``."""
+    from artcache.producer import ProducerConfig, prepare_root, resolve_compute_dtype
+
+    base = {"cache": str(tmp_path / "cache"), "target": tiny_target.path, "dataset": str(DATA), "max_samples": 4,
+            "max_length": 64, "draft_layers": 3}
+    contract = prepare_root(ProducerConfig(**base))[1].contract
+    for placement in ({"tensor_parallel_size": 2}, {"devices": ["cpu"]}):
+        cfg = ProducerConfig(**base, **placement)
+        cfg.validate()
+        assert prepare_root(cfg)[1].contract == contract
+    gpus = ProducerConfig(cache="x", devices=["cuda:1", "cuda:0"])
+    assert gpus.first_device == "cuda:1" and resolve_compute_dtype("auto", gpus.first_device) == "bfloat16"
+
+
+def test_run_config_places_the_producers_target(tmp_path):
+    """``target.devices`` / ``target.tensor_parallel_size`` in a run config, by override and by the producer's
+    flags with ``--config``, reach the producer's settings."""
+    from artcache.app import config as C
+
+    path = tmp_path / "run.toml"
+    path.write_text(f'out = "{tmp_path / "out"}"\n[target]\nname = "random:tiny-llama"\n')
+    cfg = C.load_run_config(str(path), ["target.devices=cuda:0,cuda:1"], {})
+    assert C.producer_config(cfg).devices == ["cuda:0", "cuda:1"]
+    cfg = C.load_run_config(str(path), [], C.flag_paths("producer", {"devices": "cuda:2,cuda:3",
+                                                                     "tensor_parallel_size": 4}))
+    pcfg = C.producer_config(cfg)
+    assert (pcfg.devices, pcfg.tensor_parallel_size) == (["cuda:2", "cuda:3"], 4)
+    with pytest.raises(ConfigError, match="two placements"):
+        pcfg.validate()
