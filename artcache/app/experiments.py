@@ -270,9 +270,11 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     if not cfg.experiments:
         raise ConfigError(f"{source}: no experiments: add at least one [[experiments]] table with a name")
     _check_device(cfg.target.device, "target.device", local_devices)
+    for i, dev in enumerate(cfg.target.devices):
+        _check_device(dev, f"target.devices[{i}]", local_devices)
     for e in cfg.experiments:
         _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
-    compute = resolve_compute_dtype(cfg.target.compute_dtype, cfg.target.device)
+    compute = resolve_compute_dtype(cfg.target.compute_dtype, (cfg.target.devices or [cfg.target.device])[0])
     _check_dtypes(cfg, compute)
     info = resolve_target(cfg.target.name)
     views = {e.name: draft_view(e, info.num_layers, cfg.capture.draft_layers) for e in cfg.experiments}
@@ -345,7 +347,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     if bound * per_artifact > free:
         notes.append(f"disk bound {format_bytes(bound * per_artifact)} exceeds the {format_bytes(free)} free at "
                      f"{free_at}")
-    shared = shared_gpus([resolved.target.device, *(x.device for x in exps)])
+    shared = shared_gpus([*(resolved.target.devices or [resolved.target.device]), *(x.device for x in exps)])
     if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
         notes.append(f"several roles share {', '.join(shared)}")
     plan = RunPlan(
