@@ -39,7 +39,8 @@ class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
 class ProducerStart(Event, tag="producer_start"):
     """``budget_bytes``: the disk budget it keeps the retained artifacts under (0: not recorded, a
     producer older than retention by need); ``policy``: its retention rule (``need`` or ``windows``);
-    ``fill``: it captures the whole plan and exits."""
+    ``fill``: it captures the whole plan and exits; ``spec``: :func:`artcache.rolespec.spec_digest` of the
+    settings it ran on (its :class:`~artcache.producer.ProducerConfig`)."""
 
     producer: str
     pid: int
@@ -48,6 +49,7 @@ class ProducerStart(Event, tag="producer_start"):
     budget_bytes: int = 0
     policy: str = ""
     fill: bool = False
+    spec: str = ""
 
 
 class ProducerStop(Event, tag="producer_stop"):
@@ -152,7 +154,9 @@ class ConsumerStart(Event, tag="consumer_start"):
     ``pinned``: positions of its held-out evaluation split, retained besides its window.
     ``epoch_len``: training samples per epoch (0: the whole plan; :class:`artcache.plan.EpochOrder`).
     ``reader``: the identity token of its reader process (``--reader process``), whose journal
-    ``reader-<consumer>-<reader>.jsonl`` holds its requests and leases; empty: a reader thread (this journal)."""
+    ``reader-<consumer>-<reader>.jsonl`` holds its requests and leases; empty: a reader thread (this journal).
+    ``spec``: :func:`artcache.rolespec.spec_digest` of the settings it was started with (its
+    :class:`~artcache.trainers.consumer.ConsumerConfig` as given, before the draft's defaults are filled in)."""
 
     consumer: str
     pid: int
@@ -166,6 +170,7 @@ class ConsumerStart(Event, tag="consumer_start"):
     pinned: int = 0
     epoch_len: int = 0
     reader: str = ""
+    spec: str = ""
 
 
 class Request(Event, tag="request"):

@@ -978,3 +978,32 @@ def test_shared_gpus_names_each_cuda_device_given_twice():
     assert shared_gpus(["cuda", "cuda", "cpu", "cuda:1"]) == ["cuda"]
     assert shared_gpus(["cpu", "cpu", "cuda:0", "cuda:1"]) == []
     assert shared_gpus(["cuda:1", "cuda:0", "cuda:1", "cuda:0"]) == ["cuda:0", "cuda:1"]
+
+
+def test_each_role_runs_on_exactly_the_spec_the_launcher_built(tiny_target, tmp_path):
+    """``artcache run`` builds every role's settings once (the plan's ``producer`` and each experiment's ``spec``),
+    writes them as role spec files and starts each child with ``--spec``: the digest each child journals of the
+    settings it ran on (``producer_start.spec``, ``consumer_start.spec``) is the digest of the launcher's own struct,
+    and the two experiments' specs differ (a child given its sibling's spec would be seen)."""
+    from artcache.app.experiments import consumer_spec_path, producer_spec_path
+    from artcache.producer import ProducerConfig
+    from artcache.rolespec import read_spec, spec_digest
+    from artcache.trainers.consumer import ConsumerConfig
+
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "run.toml", base_toml(tiny_target, out, exp("hi", steps=3, lr=1e-3),
+                                                 exp("lo", steps=3, lr=1e-4)))
+    plan, _ = plan_run(load_run_config(cfg))  # what the launcher builds (nothing written)
+    proc = artcache_run(cfg)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    events = J.read_events(out / "cache" / "journal").events
+    starts = {ev.consumer: ev for ev in events if isinstance(ev, J.ConsumerStart)}
+    for x in plan.experiments:
+        spec = read_spec(consumer_spec_path(x), "consumer", ConsumerConfig)
+        assert spec == x.spec  # the file holds the struct the plan built, every field
+        assert starts[x.name].spec == spec_digest(x.spec)  # and the child ran on it
+    assert starts["hi"].spec != starts["lo"].spec
+    assert {x.name: x.spec.lr for x in plan.experiments} == {"hi": 1e-3, "lo": 1e-4}
+    producer = read_spec(producer_spec_path(plan), "producer", ProducerConfig)
+    assert producer == plan.producer and producer.exit_when_done and producer.layer_ids == [1, 2, 3]
+    assert [ev.spec for ev in events if isinstance(ev, J.ProducerStart)] == [spec_digest(plan.producer)]

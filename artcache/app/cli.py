@@ -68,7 +68,15 @@ def _with_config(verb: str):
 
     def deco(fn):
         @functools.wraps(fn)
-        def wrapper(*args, config=None, experiment=None, overrides=(), **kwargs):
+        def wrapper(*args, config=None, experiment=None, overrides=(), spec=None, **kwargs):
+            if spec:
+                ctx = click.get_current_context()
+                given = [k for k in kwargs if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
+                given += ["config"] * bool(config) + ["experiment"] * bool(experiment) + list(overrides)
+                if given:
+                    raise ConfigError(f"--spec {spec} holds every setting of this {verb}; leave out "
+                                      f"{', '.join(g if '=' in g else '--' + g.replace('_', '-') for g in given)}")
+                return _run_spec(verb, spec)
             if not config:
                 if overrides or experiment:
                     raise ConfigError(f"{' '.join(overrides) or '--experiment ' + str(experiment)}: overrides and "
@@ -86,10 +94,7 @@ def _with_config(verb: str):
 
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
                 _check_device(pcfg.device)
-                stats = run_producer(pcfg)
-                click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-                           f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures",
-                           err=True)
+                _producer_done(run_producer(pcfg))
             elif verb == "consume":
                 from artcache.trainers.consumer import run_consumer
 
@@ -104,6 +109,11 @@ def _with_config(verb: str):
                 sys.exit(0 if run_bench(bcfg) else 1)
 
         wrapper = click.argument("overrides", nargs=-1)(wrapper)
+        if verb in ("producer", "consume"):
+            wrapper = click.option("--spec", default=None, type=click.Path(dir_okay=False),
+                                   help=f"A {'consumer' if verb == 'consume' else 'producer'} spec file (what "
+                                   "artcache run, its Slurm job and the bench hand each role; artcache/rolespec.py): "
+                                   "every setting, no other flag.")(wrapper)
         if verb == "consume":
             wrapper = click.option("--experiment", default=None,
                                    help="With --config: the experiment (by name) this consumer runs.")(wrapper)
@@ -112,6 +122,31 @@ def _with_config(verb: str):
                                  "given on the command line override both.")(wrapper)
 
     return deco
+
+
+def _run_spec(verb: str, path: str) -> None:
+    """Run the producer or consumer a spec file describes (:func:`artcache.rolespec.read_spec`), as the flags
+    would: the same checks, the same summary."""
+    from artcache.rolespec import read_spec
+
+    if verb == "producer":
+        from artcache.producer import ProducerConfig, run_producer
+
+        pcfg = read_spec(path, "producer", ProducerConfig)
+        _check_device(pcfg.device)
+        _producer_done(run_producer(pcfg))
+    else:
+        from artcache.trainers.consumer import ConsumerConfig, run_consumer
+
+        ccfg = read_spec(path, "consumer", ConsumerConfig)
+        ccfg.validate()
+        _check_device(ccfg.device)
+        click.echo(json.dumps(run_consumer(ccfg)))
+
+
+def _producer_done(stats) -> None:
+    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
+               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
 
 
 #: the target flag of the commands that load one (producer, regenerate)
@@ -236,9 +271,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
         group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
         retention=retention, fill=fill, payload=payload)
-    stats = run_producer(cfg)
-    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
+    _producer_done(run_producer(cfg))
 
 
 @main.command()

@@ -52,6 +52,7 @@ from artcache.layer_ids import layer_view, view_slice
 from artcache.layout import CacheLayout, host_id
 from artcache.plan import Plan
 from artcache.report import format_bytes
+from artcache.rolespec import spec_digest
 from artcache.settings import load_settings
 from artcache.shutdown import GracefulShutdown
 from artcache.target import quiet_transformers
@@ -158,6 +159,7 @@ class Session:
 
     def __init__(self, cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = None) -> None:
         self.cfg = cfg
+        self.spec = spec_digest(cfg)  # the settings as given (consumer_start.spec; artcache.rolespec)
         self.step_hook = step_hook  # run_consumer's: called after every step with its index
         self.resumed: Loaded | None = None  # --resume: the checkpoint continued
         self.unrecorded: list[Path] = []  # --resume from step 0: the killed run's unrecorded checkpoints
@@ -383,7 +385,8 @@ class Session:
                                           block_size=cfg.block_size or 0, batch_size=cfg.batch_size,
                                           lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
                                           step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
-                                          epoch_len=self.epoch_len, reader=getattr(self.reader, "token", "")))
+                                          epoch_len=self.epoch_len, reader=getattr(self.reader, "token", ""),
+                                          spec=self.spec))
         # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled", leases
         # released, journal closed (in the main thread only; the previous handlers come back in close())
         self.shutdown.install()
