@@ -12,9 +12,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
-import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +19,7 @@ import msgspec
 import torch
 
 from artcache.errors import ConfigError
-from artcache.fsio import atomic_write
+from artcache.fsio import atomic_write, publish_dir
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.locking import cache_lock
 
@@ -144,9 +141,8 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
         if (final / _RANDOM_MARKER).is_file():
             return final
         cfg = dict(RANDOM_ARCHS[arch], torch_dtype="bfloat16")
-        tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        # a directory left without its marker (an older writer's) is replaced
+        with publish_dir(final, existing="replace", durable=False, tmp_name=f".tmp-{final.name}-") as tmp:
             gen = torch.Generator().manual_seed(seed)
             shape = (cfg["vocab_size"], cfg["hidden_size"])
             tensors = {"model.embed_tokens.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
@@ -155,12 +151,6 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
             save_file(tensors, str(tmp / "model.safetensors"))
             (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
             (tmp / _RANDOM_MARKER).write_text(json.dumps({"arch": arch, "seed": seed}))
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return final
 
 
@@ -199,17 +189,10 @@ def _ensure_converted(name: str, home: Path) -> tuple[Path, str]:
     with cache_lock(str(final) + ".lock"):
         if _is_complete(final):  # another process converted it while we waited
             return final, revision
-        tmp = targets / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
+        with publish_dir(final, existing="keep", complete=_is_complete, durable=False,
+                         tmp_name=f".tmp-{final.name}-") as tmp:
             _convert_gguf(gguf, tmp)
             _weights_digest(tmp)  # write the sidecar before publishing
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not _is_complete(final):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return final, revision
 
 
