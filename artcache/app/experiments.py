@@ -644,56 +644,43 @@ def consumer_events(path: Path | None) -> list:
 
 
 def production(events: list) -> dict:
-    """What one producer process did, counted once (captures, publications, bytes, evictions)."""
-    out = {"captures": 0, "recaptures": 0, "publications": 0, "published_bytes": 0, "failures": 0,
-           "evictions": 0, "evicted_bytes": 0, "batches": 0, "busy_s": 0.0, "max_retained_artifacts": 0,
-           "max_retained_bytes": 0, "distinct_fingerprints": 0, "stop_reason": ""}
-    fps = set()
-    for ev in events:
-        if isinstance(ev, J.Capture):
-            out["captures"] += 1
-            out["recaptures"] += ev.recapture
-            fps.add(ev.fp)
-        elif isinstance(ev, J.Publish):
-            out["publications"] += 1
-            out["published_bytes"] += ev.nbytes
-        elif isinstance(ev, J.CaptureFailure):
-            out["failures"] += 1
-        elif isinstance(ev, J.Evict):
-            out["evictions"] += 1
-            out["evicted_bytes"] += ev.nbytes
-        elif isinstance(ev, J.CaptureBatch):
-            out["batches"] += 1
-            out["busy_s"] += ev.end - ev.start
-        elif isinstance(ev, J.Retained):
-            out["max_retained_artifacts"] = max(out["max_retained_artifacts"], ev.artifacts)
-            out["max_retained_bytes"] = max(out["max_retained_bytes"], ev.nbytes)
-        elif isinstance(ev, J.ProducerStop):
-            out["stop_reason"] = ev.reason
-    out["distinct_fingerprints"] = len(fps)
-    return out
+    """What one producer process did, counted once (captures, publications, bytes, evictions): its journal's
+    :func:`artcache.accounting.fold`."""
+    from artcache.accounting import fold
+
+    f = fold(events)
+    c = f.cache
+    return {"captures": c.captures, "recaptures": c.recaptures, "publications": c.publications,
+            "published_bytes": c.published_bytes, "failures": c.failures, "evictions": c.evictions,
+            "evicted_bytes": c.evicted_bytes, "batches": c.capture_batches, "busy_s": c.producer_busy_s,
+            "max_retained_artifacts": c.max_retained_artifacts, "max_retained_bytes": c.max_retained_bytes,
+            "distinct_fingerprints": len(f.captured), "stop_reason": f.stop_reason}
 
 
 def committed_work(events: list) -> dict:
     """One experiment's own work in one consumer process: steps, cursor range, committed positions,
-    requests, losses. Never added across experiments into production."""
+    requests (its journal's :func:`artcache.accounting.fold`), losses. Never added across experiments into
+    production."""
+    from artcache.accounting import ConsumerCounts, fold
+
     steps = [ev for ev in events if isinstance(ev, J.Step)]
     start = next((ev for ev in events if isinstance(ev, J.ConsumerStart)), None)
     end = next((ev for ev in events if isinstance(ev, J.ConsumerEnd)), None)
-    reqs = [ev for ev in events if isinstance(ev, J.Request)]
+    counts = fold(events).consumers
+    k = counts[start.consumer] if start is not None and start.consumer in counts else ConsumerCounts(consumer="")
     cursor0 = start.cursor if start else 0
-    cursor1 = max([cursor0, *(s.cursor for s in steps), *([end.cursor] if end else [])])
+    cursor1 = max(cursor0, k.cursor)
     losses = [s.loss for s in steps if s.loss is not None]
-    k = max(1, min(5, len(losses) // 2))
+    n = max(1, min(5, len(losses) // 2))
     last = steps[-10:]
     blocks = sum(s.blocks for s in last)
     return {
         "state": end.state if end else ("running" if start else "not started"), "error": end.error if end else "",
         "steps_run": len(steps), "first_step": steps[0].step if steps else None,
         "last_step": steps[-1].step if steps else None, "cursor_start": cursor0, "cursor_end": cursor1,
-        "positions_committed": cursor1 - cursor0, "requests": len(reqs), "hits": sum(r.hit for r in reqs),
-        "misses": sum(not r.hit for r in reqs), "wait_s": sum(r.wait_s for r in reqs),
-        "first_loss": sum(losses[:k]) / k if losses else None, "final_loss": sum(losses[-k:]) / k if losses else None,
+        "positions_committed": cursor1 - cursor0, "requests": k.logical_requests, "hits": k.hits,
+        "misses": k.misses, "wait_s": k.wait_s,
+        "first_loss": sum(losses[:n]) / n if losses else None, "final_loss": sum(losses[-n:]) / n if losses else None,
         "tau": sum(s.tau_sum for s in last) / blocks if blocks else None, "tau_includes_bonus": True,
     }
 
