@@ -45,15 +45,13 @@ import torch
 
 from artcache import journal as J
 from artcache import registry
-from artcache.client import CacheClient, Leased
+from artcache.client import CacheClient, Leased, open_root
 from artcache.crashpoints import crash_point
 from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced, TrainingDiverged
 from artcache.layer_ids import layer_view, view_slice
-from artcache.layout import CacheLayout, host_id
-from artcache.plan import Plan
+from artcache.layout import host_id
 from artcache.report import format_bytes
 from artcache.rolespec import spec_digest
-from artcache.settings import load_settings
 from artcache.shutdown import GracefulShutdown
 from artcache.target import quiet_transformers
 from artcache.trainers.checkpoint import (
@@ -206,13 +204,12 @@ class Session:
         given_anchors = self.cfg.num_anchors  # None: the draft's default, not checked against the root
         cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
-        self.layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
-        self.settings = load_settings(self.layout)  # raises CacheRootError for a missing/uninitialised root
+        # raises CacheRootError for a missing/uninitialised root (its reader process opens it the same way)
+        self.layout, self.settings, self.plan = open_root(cfg.cache)
         check_anchors(given_anchors, self.settings.contract.max_length)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
-        self.plan = Plan.load(self.layout.plan_dir(self.settings.plan_id))
         self.pinned = eval_split(len(self.plan), cfg.eval_samples)
         # training walks the plan's first epoch_len samples epoch after epoch; the held-out split never
         self.epoch_len = self.pinned[0] or len(self.plan)
@@ -356,9 +353,12 @@ class Session:
         except BaseException:
             self.journal.close(remove_if_empty=True)  # a refused start leaves no empty journal behind
             raise
-        # a registration write failing for space is retried for up to the heartbeat timeout (then the producer
-        # fences a silent consumer anyway) before it ends the run
-        self.handle = registry.ConsumerHandle(layout, reg, space_wait_s=self.settings.heartbeat_timeout_s)
+        # the client stack its reader process builds the same way (CacheClient.for_consumer); a registration write
+        # failing for space is retried for up to the heartbeat timeout before it ends the run
+        self.client = CacheClient.for_consumer(layout, self.settings, self.plan, reg, self.journal,
+                                               cfg.demand_timeout_s, pin=self.device.type == "cuda",
+                                               epoch_len=self.epoch_len)
+        self.handle = self.client.handle
         try:  # after registering: a refused start creates no run directory, a refused resume touches no metrics
             _make_run_dir(self.run_dir)
             self._drop_unrecorded()
@@ -372,8 +372,6 @@ class Session:
         if self.resumed is not None:
             log.info("[%s] resumed from %s: step %d, cursor %d", cfg.consumer_id, self.resumed.path, self.start_step,
                      self.start_cursor)
-        self.client = CacheClient(layout, self.settings, self.plan, self.handle, self.journal, cfg.demand_timeout_s,
-                                  pin=self.device.type == "cuda", epoch_len=self.epoch_len)
         group = [m for m in cfg.lockstep_group.split(",") if m]
         if cfg.reader == "process":
             self.reader = self._reader_process(reg, group)
