@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from artcache.app import config as C
 from artcache.app.config import load_run_config, saved_config_source
-from artcache.app.values import parse_bytes, parse_layer_ids, parse_template_options
+from artcache.app.values import check_device, parse_bytes, parse_layer_ids, parse_template_options
 from artcache.data.regenerate import BACKENDS as REGEN_BACKENDS
 from artcache.data.regenerate import CACHES as REGEN_CACHES
 from artcache.data.regenerate import DTYPES as REGEN_DTYPES
@@ -41,24 +41,6 @@ def _errors(fn):
             sys.exit(exc.exit_code)
 
     return wrapper
-
-
-def _check_device(device: str) -> None:
-    """Reject a device torch cannot use before anything is loaded or written."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device!r} is not accepted: use cpu, cuda or cuda:<index>")
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ConfigError(f"--device {device!r}: no CUDA device is visible; use --device cpu")
-        if dev.index is not None and dev.index >= n:
-            raise ConfigError(f"--device {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
 
 
 def _with_config(verb: str):
@@ -93,13 +75,13 @@ def _with_config(verb: str):
                 from artcache.producer import run_producer
 
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
-                _check_device(pcfg.device)
+                check_device(pcfg.device)
                 _producer_done(run_producer(pcfg))
             elif verb == "consume":
                 from artcache.trainers.consumer import run_consumer
 
                 ccfg = C.consumer_config(cfg, experiment, kwargs.get("consumer_id"))
-                _check_device(ccfg.device)
+                check_device(ccfg.device)
                 click.echo(json.dumps(run_consumer(ccfg)))
             else:
                 from artcache.bench.run import run_bench
@@ -133,14 +115,14 @@ def _run_spec(verb: str, path: str) -> None:
         from artcache.producer import ProducerConfig, run_producer
 
         pcfg = read_spec(path, "producer", ProducerConfig)
-        _check_device(pcfg.device)
+        check_device(pcfg.device)
         _producer_done(run_producer(pcfg))
     else:
         from artcache.trainers.consumer import ConsumerConfig, run_consumer
 
         ccfg = read_spec(path, "consumer", ConsumerConfig)
         ccfg.validate()
-        _check_device(ccfg.device)
+        check_device(ccfg.device)
         click.echo(json.dumps(run_consumer(ccfg)))
 
 
@@ -260,7 +242,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
-    _check_device(device)
+    check_device(device)
     ids = parse_layer_ids(layer_ids)
     cfg = ProducerConfig(
         cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
@@ -377,7 +359,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
     lookbehind, lookahead = parse_window(window)
     view = parse_layer_ids(layer_ids)
-    _check_device(device)
+    check_device(device)
     cfg = ConsumerConfig(
         cache=cache, consumer_id=consumer_id or (
             draft if default_block_size(draft) is None else f"{draft}-b{block_size or default_block_size(draft)}"),
@@ -714,7 +696,7 @@ def regenerate(out, target, dataset, max_samples, max_new_tokens, max_prompt_tok
                            force=force, threads=threads, template_options=parse_template_options(template_options),
                            progress=progress, cache=cache)
     cfg.validate()
-    _check_device(device)
+    check_device(device)
     click.echo(json.dumps(run_regenerate(cfg).summary))
 
 

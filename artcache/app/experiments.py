@@ -42,6 +42,7 @@ from artcache.app.config import (
     save_config,
     saved_config_source,
 )
+from artcache.app.values import check_device
 from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
@@ -133,23 +134,6 @@ class RunPlan(msgspec.Struct, kw_only=True):
     #: the :class:`~artcache.producer.ProducerConfig` of the run's producer (``--exit-when-done``, id
     #: ``producer``), as built here once; written to :func:`producer_spec_path` (``producer --spec``)
     producer: Any = None
-
-
-def _check_device(device: str, what: str, local: bool = True) -> None:
-    """ConfigError unless ``device`` is cpu, cuda or cuda:<index> (and, ``local``, usable on this machine)."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"{what} {device!r} is not accepted: use cpu, cuda or cuda:<index>")
-    if dev.type == "cuda" and local:
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0 or (dev.index is not None and dev.index >= n):
-            raise ConfigError(f"{what} {device!r}: {n} CUDA device(s) visible; use cpu"
-                              + (f" or cuda:0..cuda:{n - 1}" if n else ""))
 
 
 def _check_dtypes(cfg: RunConfig, compute: str) -> None:
@@ -274,9 +258,9 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
 
     if not cfg.experiments:
         raise ConfigError(f"{source}: no experiments: add at least one [[experiments]] table with a name")
-    _check_device(cfg.target.device, "target.device", local_devices)
+    check_device(cfg.target.device, "target.device", local_devices)
     for e in cfg.experiments:
-        _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
+        check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
     compute = resolve_compute_dtype(cfg.target.compute_dtype, cfg.target.device)
     _check_dtypes(cfg, compute)
     info = resolve_target(cfg.target.name)
