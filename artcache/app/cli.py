@@ -133,7 +133,7 @@ def _producer_done(stats) -> None:
 
 #: the target flag of the commands that load one (producer, regenerate)
 TARGET_OPTION = click.option("--target", default="smollm2-135m-instruct",
-                             help="Target: the embedded name or an HF directory.")
+                             help="Target: the embedded name, an HF directory or a Hugging Face hub id (ORG/NAME).")
 
 
 class _OneLineUsageError(click.ClickException):
@@ -432,7 +432,8 @@ def inspect(cache, as_json):
 @click.option("--out", "out_dir", default="bench-out", help="Output directory (one subdirectory per scenario).")
 @click.option("--warmup", default=None, type=int, help="Warm-up steps per consumer (default: 3 cpu, 30 cuda).")
 @click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 15 cpu, 150 cuda).")
-@click.option("--target", default="smollm2-135m-instruct", help="Target name or HF directory.")
+@click.option("--target", default="smollm2-135m-instruct",
+              help="Target name, HF directory or Hugging Face hub id (ORG/NAME).")
 @click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a ShareGPT-format file.")
 @click.option("--max-length", default=0, type=int, help="Tokens per sample (default: 512; hetero on cpu 128).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
@@ -620,7 +621,7 @@ def fsck(cache, fix, as_json, observe):
 @click.option("--out", "out_dir", required=True,
               help="Draft directory to create (config.json, model.safetensors); never the checkpoint or its run.")
 @click.option("--target", default=None,
-              help="The target the draft was trained for (name or HF directory); supplies layer count and ids. "
+              help="The target the draft was trained for (name, HF directory or hub id); supplies layer count and ids. "
                    "Default: the target_name the checkpoint's state.json records (its weights digest must match).")
 @click.option("--dtype", default="bfloat16", type=click.Choice(["bfloat16", "float16", "float32"]),
               help="Dtype of the exported weights.")
