@@ -50,7 +50,9 @@ def _with_config(verb: str):
 
     def deco(fn):
         @functools.wraps(fn)
-        def wrapper(*args, config=None, experiment=None, overrides=(), spec=None, **kwargs):
+        def wrapper(*args, config=None, experiment=None, overrides=(), spec=None, write_spec=None, **kwargs):
+            if write_spec:
+                click.get_current_context().meta[_WRITE_SPEC] = write_spec
             if spec:
                 ctx = click.get_current_context()
                 given = [k for k in kwargs if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
@@ -72,17 +74,9 @@ def _with_config(verb: str):
                 raise ConfigError("consume --config FILE needs --experiment NAME (one of the file's experiments)")
             cfg = C.load_run_config(config, overrides, C.flag_paths(verb, explicit, experiment))
             if verb == "producer":
-                from artcache.producer import run_producer
-
-                pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
-                check_device(pcfg.device)
-                _producer_done(run_producer(pcfg))
+                _start("producer", C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS}))
             elif verb == "consume":
-                from artcache.trainers.consumer import run_consumer
-
-                ccfg = C.consumer_config(cfg, experiment, kwargs.get("consumer_id"))
-                check_device(ccfg.device)
-                click.echo(json.dumps(run_consumer(ccfg)))
+                _start("consumer", C.consumer_config(cfg, experiment, kwargs.get("consumer_id")))
             else:
                 from artcache.bench.run import run_bench
 
@@ -96,6 +90,10 @@ def _with_config(verb: str):
                                    help=f"A {'consumer' if verb == 'consume' else 'producer'} spec file (what "
                                    "artcache run, its Slurm job and the bench hand each role; artcache/rolespec.py): "
                                    "every setting, no other flag.")(wrapper)
+            wrapper = click.option("--write-spec", default=None, type=click.Path(dir_okay=False),
+                                   help="Write the spec file the other flags (or --config) build, then exit instead "
+                                   "of running; start it later with --spec FILE (e.g. from your own job "
+                                   "script).")(wrapper)
         if verb == "consume":
             wrapper = click.option("--experiment", default=None,
                                    help="With --config: the experiment (by name) this consumer runs.")(wrapper)
@@ -106,24 +104,45 @@ def _with_config(verb: str):
     return deco
 
 
+#: ``click`` context meta key: ``--write-spec FILE`` was given (:func:`_start` writes the spec instead of running)
+_WRITE_SPEC = "artcache.write_spec"
+
+
 def _run_spec(verb: str, path: str) -> None:
-    """Run the producer or consumer a spec file describes (:func:`artcache.rolespec.read_spec`), as the flags
-    would: the same checks, the same summary."""
+    """Run the producer or consumer a spec file describes (:func:`artcache.rolespec.read_spec`)."""
     from artcache.rolespec import read_spec
 
     if verb == "producer":
-        from artcache.producer import ProducerConfig, run_producer
+        from artcache.producer import ProducerConfig
 
-        pcfg = read_spec(path, "producer", ProducerConfig)
-        check_device(pcfg.device)
-        _producer_done(run_producer(pcfg))
+        _start("producer", read_spec(path, "producer", ProducerConfig))
     else:
-        from artcache.trainers.consumer import ConsumerConfig, run_consumer
+        from artcache.trainers.consumer import ConsumerConfig
 
-        ccfg = read_spec(path, "consumer", ConsumerConfig)
-        ccfg.validate()
-        check_device(ccfg.device)
-        click.echo(json.dumps(run_consumer(ccfg)))
+        _start("consumer", read_spec(path, "consumer", ConsumerConfig))
+
+
+def _start(role: str, cfg) -> None:
+    """The one place the CLI starts a producer or consumer, whichever way its settings came (flags, ``--config``,
+    ``--spec``): ``cfg`` (a :class:`~artcache.producer.ProducerConfig` / :class:`~artcache.trainers.consumer.
+    ConsumerConfig`) is checked, then run, or with ``--write-spec FILE`` written as the role's spec file (no device
+    check: the spec may be for another machine)."""
+    cfg.validate()
+    out = click.get_current_context().meta.get(_WRITE_SPEC)
+    if out:
+        from artcache.rolespec import write_spec
+
+        click.echo(f"{role} spec written: {write_spec(out, role, cfg)}", err=True)
+        return
+    check_device(cfg.device)
+    if role == "producer":
+        from artcache.producer import run_producer
+
+        _producer_done(run_producer(cfg))
+    else:
+        from artcache.trainers.consumer import run_consumer
+
+        click.echo(json.dumps(run_consumer(cfg)))
 
 
 def _producer_done(stats) -> None:
@@ -239,7 +258,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention="need",
              fill=False, payload=""):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
-    from artcache.producer import ProducerConfig, run_producer
+    from artcache.producer import ProducerConfig
     from artcache.scheduler import SchedulerLimits
 
     check_device(device)
@@ -253,7 +272,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
         group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
         retention=retention, fill=fill, payload=payload)
-    _producer_done(run_producer(cfg))
+    _start("producer", cfg)
 
 
 @main.command()
@@ -350,7 +369,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
             reader="thread", epochs=0):
     """Train one draft on the cache root at its own pace."""
-    from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
+    from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
     if epochs > 0 and click.get_current_context().get_parameter_source("steps") == ParameterSource.COMMANDLINE:
         raise ConfigError(f"--epochs {epochs} and --steps {steps} both say how long to train; give one of them")
@@ -377,9 +396,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
         reader=reader)
-    cfg.validate()
-    summary = run_consumer(cfg)
-    click.echo(json.dumps(summary), err=False)
+    _start("consumer", cfg)
 
 
 @main.command()
