@@ -187,6 +187,29 @@ def check_free_space(directory: Path, nbytes: int, reserve: int | None = None) -
 PART_SUFFIX = ".part"
 
 
+def scan_temps(directory: Path, *, prefix: str | re.Pattern = "", suffix: str = PART_SUFFIX) -> list[tuple]:
+    """The temps in ``directory``: each entry named ``<prefix><name>`` with ``<name>`` ending in ``suffix``, as
+    ``(os.DirEntry, artcache.layout.temp_writer(<name>))`` (the verdict on its writer: live, orphan, unknown,
+    foreign). ``prefix``: a string, or a compiled pattern matched at the name's start (a plan's temp directory,
+    ``.tmp-<plan id[:12]>-``). An unreadable ``directory`` has none. The one reading of temp names in a directory:
+    the sweep (:func:`remove_orphan_parts`) and ``artcache fsck``'s report use it."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        name = entry.name
+        if isinstance(prefix, str):
+            rest = name[len(prefix):] if name.startswith(prefix) else None
+        else:
+            m = prefix.match(name)
+            rest = name[m.end():] if m is not None else None
+        if rest is not None and name.endswith(suffix):
+            out.append((entry, temp_writer(rest)))
+    return out
+
+
 def remove_orphan_parts(directory: Path, *, prefix: str = "", suffix: str = PART_SUFFIX,
                         watch: HeartbeatWatch | None = None, dirs: bool = False,
                         freed: list[int] | None = None) -> int:
@@ -206,16 +229,9 @@ def remove_orphan_parts(directory: Path, *, prefix: str = "", suffix: str = PART
 
     Best effort: an unreadable ``directory`` or an entry that cannot be removed is skipped, never raised."""
     removed = 0
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
     seen = []
-    for entry in entries:
+    for entry, verdict in scan_temps(directory, prefix=prefix, suffix=suffix):
         name = entry.name
-        if not name.startswith(prefix) or not name.endswith(suffix):
-            continue
-        verdict = temp_writer(name[len(prefix):])
         try:
             if entry.is_symlink() or not (entry.is_file() or (dirs and entry.is_dir())):
                 continue
