@@ -39,8 +39,11 @@ class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
 class ProducerStart(Event, tag="producer_start"):
     """``budget_bytes``: the disk budget it keeps the retained artifacts under (0: not recorded, a
     producer older than retention by need); ``policy``: its retention rule (``need`` or ``windows``);
-    ``fill``: it captures the whole plan and exits; ``spec``: :func:`artcache.rolespec.spec_digest` of the
-    settings it ran on (its :class:`~artcache.producer.ProducerConfig`)."""
+    ``fill``: it captures the whole plan and exits (the root is *filled* from then on: later producers keep
+    what it published); ``evict_fill``: it released a filled root's artifacts to its retention rule
+    (``--evict-fill``; the root is no longer filled). See :func:`fill_recorded`. ``kept_fill``: artifacts of a
+    filled root it keeps whatever its rule (beyond the window bound). ``spec``: :func:`artcache.rolespec.spec_digest`
+    of the settings it ran on (its :class:`~artcache.producer.ProducerConfig`)."""
 
     producer: str
     pid: int
@@ -49,6 +52,8 @@ class ProducerStart(Event, tag="producer_start"):
     budget_bytes: int = 0
     policy: str = ""
     fill: bool = False
+    evict_fill: bool = False
+    kept_fill: int = 0
     spec: str = ""
 
 
@@ -58,7 +63,9 @@ class ProducerStop(Event, tag="producer_stop"):
 
 
 class CaptureBatch(Event, tag="capture_batch"):
-    """One forward pass. ``start``/``end`` bound the producer's busy time (seconds since epoch)."""
+    """One forward pass. ``start``/``end`` bound the producer's busy time (seconds since epoch): ``start`` from
+    the wall clock, ``end - start`` the pass's duration on the monotonic clock (a wall-clock step between them
+    does not change it)."""
 
     producer: str
     fps: list[str]
@@ -500,6 +507,18 @@ def read_files(journal_dir: Path, since: dict[str, int] | None = None) -> list[J
                 torn += 1
         out.append(JournalFile(path=path, events=events, torn_lines=torn, end=start + cut))
     return out
+
+
+def fill_recorded(events) -> bool:
+    """Whether a root whose journal events (in time order) are ``events`` is *filled*: the latest producer start
+    that either filled the root (``fill``) or released its fill (``evict_fill``) filled it. A producer on a
+    filled root keeps every artifact published when it starts, whatever its retention rule, unless
+    ``--evict-fill`` (:class:`artcache.producer.Producer`)."""
+    filled = False
+    for ev in events:
+        if isinstance(ev, ProducerStart) and (ev.fill or ev.evict_fill):
+            filled = ev.fill and not ev.evict_fill
+    return filled
 
 
 def read_events(journal_dir: Path) -> JournalReadResult:

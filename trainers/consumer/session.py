@@ -861,7 +861,7 @@ class Session:
         out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "batch_size": cfg.batch_size,
                "steps": self.steps_done, "cursor": self.cursor,
                "resumed_from_step": self.start_step if self.resumed is not None else None,
-               "seconds": time.time() - self.t_start,
+               "seconds": time.monotonic() - self.t_loop,  # a duration: the monotonic clock, never the wall
                # means over the first / last (up to) 5 steps this process trained; None when it trained none
                # (e.g. --resume of a run that had already completed)
                "first_loss": sum(first) / len(first) if first else None,
