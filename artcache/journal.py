@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-from artcache.errors import JournalError
-from artcache.fsio import group_shared, is_retryable, is_space_error, share_mode
+from artcache.errors import ArtcacheError, JournalError, NotWritable
+from artcache.fsio import NOT_WRITABLE_ERRNOS, group_shared, is_retryable, is_space_error, share_mode
 from artcache.layout import open_nofollow
 
 log = logging.getLogger("artcache.journal")
@@ -280,10 +280,24 @@ class JournalWriter:
     """
 
     def __init__(self, path: Path) -> None:
+        """Open (create) ``path`` for appending.
+
+        Raises:
+            NotWritable: the file, its directory or the mount is not writable (EACCES, EPERM, EROFS: a
+                read-only root); the message names the path. UnsafePath: ``path`` is a symbolic link.
+        """
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # O_NOFOLLOW: a link planted at this name is refused (UnsafePath), never appended through
-        self._fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # O_NOFOLLOW: a link planted at this name is refused (UnsafePath), never appended through
+            self._fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            if exc.errno in NOT_WRITABLE_ERRNOS and not isinstance(exc, ArtcacheError):
+                raise NotWritable(f"cannot open journal {path} for writing ({os.strerror(exc.errno)}): every "
+                                  "process using a cache root needs write access to its journal/ (a group-shared "
+                                  "root: the group's rw and umask 007); a read-only root can only be read with "
+                                  "`artcache inspect`", errno_=exc.errno) from exc
+            raise
         if group_shared(path.parent):  # readable by the group whatever the umask
             with contextlib.suppress(OSError):
                 os.fchmod(self._fd, share_mode(path.parent))
