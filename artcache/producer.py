@@ -80,6 +80,7 @@ from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
 from artcache.ranges import Count, DiskBudget, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
 from artcache.report import format_bytes
+from artcache.rolespec import spec_digest
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 from artcache.shutdown import GracefulShutdown
@@ -335,13 +336,7 @@ def prepare_root(cfg: ProducerConfig):
     """
     from artcache.layer_ids import check_layer_ids, dflash_layer_ids
     from artcache.plan import PlanSpec, ensure_plan, plan_id_for
-    from artcache.target import (
-        closed_to_group,
-        load_tokenizer,
-        resolve_target,
-        template_digest,
-        tokenizer_digest,
-    )
+    from artcache.target import closed_to_group, load_tokenizer, resolve_target
 
     try:
         dtype = stored_dtype(cfg.dtype)  # "fp8" is stored as float8_e4m3fn (artcache.fp8)
@@ -388,12 +383,9 @@ def prepare_root(cfg: ProducerConfig):
                               "outside any cache root")
     _check_cache_dir(layout, cfg.cache)
     tok = load_tokenizer(info)
-    contract = CaptureContract(
-        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-        target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=dtype,
-        compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.first_device),
-        max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
-        template_digest=template_digest(tok, spec.template_options), backend=cfg.backend)
+    contract = capture_contract(info, tok, layer_ids=layer_ids, dtype=dtype, compute_dtype=cfg.compute_dtype,
+                                device=cfg.first_device, max_length=cfg.max_length,
+                                template_options=spec.template_options, backend=cfg.backend)
     recorded = None
     if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
         current = load_settings(layout)
@@ -438,6 +430,32 @@ def prepare_root(cfg: ProducerConfig):
     return layout, settings, plan, info, tok
 
 
+def capture_contract(info, tokenizer, *, layer_ids, dtype: str, compute_dtype: str, device: str, max_length: int,
+                     template_options: dict, backend: str) -> CaptureContract:
+    """The capture contract of target ``info`` (:class:`artcache.target.TargetInfo`) with ``tokenizer``: the one
+    place it is built, by the producer (:func:`prepare_root`) and by ``artcache run``'s plan before anything starts
+    (so the two cannot differ).
+
+    Args:
+        layer_ids: the captured output-of-layer ids, in artifact order. dtype: the stored dtype (an alias such as
+            ``fp8`` is stored as its full name, :func:`artcache.contract.stored_dtype`). compute_dtype: the
+            target's (``auto``: :func:`resolve_compute_dtype` on ``device``). max_length: tokens per sample.
+        template_options: the chat template's keyword arguments (part of the template digest). backend: ``hf``
+            or ``vllm``.
+
+    Raises:
+        ValueError: ``dtype`` is not a stored dtype or an alias of one.
+    """
+    from artcache.target import template_digest, tokenizer_digest
+
+    return CaptureContract(
+        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
+        target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=stored_dtype(dtype),
+        compute_dtype=resolve_compute_dtype(compute_dtype, device), max_length=max_length,
+        tokenizer_digest=tokenizer_digest(tokenizer), template_digest=template_digest(tokenizer, template_options),
+        backend=backend)
+
+
 def _check_cache_dir(layout: CacheLayout, given: str) -> None:
     """For an existing directory that is not yet a root: refuse one holding files named like a root's
     subdirectories (a clear ConfigError instead of create()'s UnsafePath), and warn when it holds anything
@@ -476,6 +494,7 @@ class Producer:
                  journal: J.JournalWriter, hidden_size: int = 0) -> None:
         """``hidden_size``: the target's (sizes the first captures against the budget; 0: learned from
         the first publications)."""
+        self.spec = spec_digest(cfg)  # the settings as given (producer_start.spec; artcache.rolespec)
         policy = retention_rule(cfg.disk_budget, cfg.retention, cfg.fill)  # ConfigError on a contradiction
         remote = remote_for(layout) is not None
         if remote and cfg.fill and not cfg.disk_budget:
@@ -1079,7 +1098,7 @@ class Producer:
         self._emit(J.ProducerStart(producer=self.pid, pid=os.getpid(), contract_id=self.contract.contract_id,
                                    plan_id=self.settings.plan_id, budget_bytes=self.budget,
                                    policy=self.cfg.retention, fill=self.cfg.fill, evict_fill=self.evict_fill,
-                                   kept_fill=len(self.fill_kept)),
+                                   kept_fill=len(self.fill_kept), spec=self.spec),
                            hold=False)  # a producer that cannot journal its start does not start
         reason = "stopped"
         try:

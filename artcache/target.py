@@ -13,9 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
-import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,7 @@ import msgspec
 import torch
 
 from artcache.errors import ConfigError
-from artcache.fsio import apply_share_mode, atomic_write
+from artcache.fsio import apply_share_mode, atomic_write, publish_dir
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.locking import cache_lock
 
@@ -291,9 +288,8 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
         if (final / _RANDOM_MARKER).is_file():
             return final
         cfg = dict(RANDOM_ARCHS[arch], torch_dtype="bfloat16")
-        tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        # a directory left without its marker (an older writer's) is replaced
+        with publish_dir(final, existing="replace", durable=False, tmp_name=f".tmp-{final.name}-") as tmp:
             gen = torch.Generator().manual_seed(seed)
             shape = (cfg["vocab_size"], cfg["hidden_size"])
             tensors = {"model.embed_tokens.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
@@ -305,12 +301,6 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
             # safetensors writes 0600 whatever the umask: readable as every other file here (a teammate on a
             # shared ARTCACHE_HOME reads it; regression: a misleading FileNotFoundError there)
             apply_share_mode(*tmp.iterdir())
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return final
 
 
@@ -349,17 +339,10 @@ def _ensure_converted(name: str, home: Path) -> tuple[Path, str]:
     with cache_lock(str(final) + ".lock"):
         if _is_complete(final):  # another process converted it while we waited
             return final, revision
-        tmp = targets / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
+        with publish_dir(final, existing="keep", complete=_is_complete, durable=False,
+                         tmp_name=f".tmp-{final.name}-") as tmp:
             _convert_gguf(gguf, tmp)
             _weights_digest(tmp)  # write the sidecar before publishing
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not _is_complete(final):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return final, revision
 
 

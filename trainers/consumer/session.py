@@ -46,14 +46,13 @@ import torch
 
 from artcache import journal as J
 from artcache import registry
-from artcache.client import CacheClient, Leased
+from artcache.client import CacheClient, Leased, open_root
 from artcache.crashpoints import crash_point
 from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced, TrainingDiverged
 from artcache.layer_ids import layer_view, view_slice
-from artcache.layout import CacheLayout, host_id
-from artcache.plan import Plan
+from artcache.layout import host_id
 from artcache.report import format_bytes
-from artcache.settings import load_settings
+from artcache.rolespec import spec_digest
 from artcache.shutdown import GracefulShutdown
 from artcache.target import quiet_transformers
 from artcache.trainers.checkpoint import (
@@ -191,6 +190,7 @@ class Session:
 
     def __init__(self, cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = None) -> None:
         self.cfg = cfg
+        self.spec = spec_digest(cfg)  # the settings as given (consumer_start.spec; artcache.rolespec)
         self.step_hook = step_hook  # run_consumer's: called after every step with its index
         self.resumed: Loaded | None = None  # --resume: the checkpoint continued
         self.unrecorded: list[Path] = []  # --resume from step 0: the killed run's unrecorded checkpoints
@@ -252,15 +252,14 @@ class Session:
         given_anchors = self.cfg.num_anchors  # None: the draft's default, not checked against the root
         cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
-        self.layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
-        self.settings = load_settings(self.layout)  # raises CacheRootError for a missing/uninitialised root
+        # raises CacheRootError for a missing/uninitialised root (its reader process opens it the same way)
+        self.layout, self.settings, self.plan = open_root(cfg.cache)
         check_anchors(given_anchors, self.settings.contract.max_length)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
         if self.group is not None and self.device.type == "cuda":  # rank r of a node on its own device
             self.device = torch.device("cuda", self.group.local_rank)
-        self.plan = Plan.load(self.layout.plan_dir(self.settings.plan_id))
         self.pinned = eval_split(len(self.plan), cfg.eval_samples)
         # training walks the plan's first epoch_len samples epoch after epoch; the held-out split never
         self.epoch_len = self.pinned[0] or len(self.plan)
@@ -493,8 +492,10 @@ class Session:
         if self.resumed is not None:
             log.info("[%s] resumed from %s: step %d, cursor %d", cfg.consumer_id, self.resumed.path, self.start_step,
                      self.start_cursor)
-        self.client = CacheClient(layout, self.settings, self.plan, self.handle, self.journal, cfg.demand_timeout_s,
-                                  pin=self.device.type == "cuda", epoch_len=self.epoch_len)
+        # the client stack its reader process builds the same way (CacheClient.for_consumer), over this rank's handle
+        self.client = CacheClient.for_consumer(layout, self.settings, self.plan, reg, self.journal,
+                                               cfg.demand_timeout_s, pin=self.device.type == "cuda",
+                                               epoch_len=self.epoch_len, handle=self.handle)
         group = [m for m in cfg.lockstep_group.split(",") if m]
         # a rank reads its own slice of each global batch: grad_accum micro-batches of batch_size positions
         rank = 0 if self.group is None else self.group.rank
@@ -511,7 +512,7 @@ class Session:
                                               lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
                                               step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
                                               epoch_len=self.epoch_len, reader=getattr(self.reader, "token", ""),
-                                              ranks=self.world))
+                                              ranks=self.world, spec=self.spec))
         # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled", leases
         # released, journal closed (in the main thread only; the previous handlers come back in close())
         self.shutdown.install()
