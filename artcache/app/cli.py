@@ -438,11 +438,31 @@ def inspect(cache, as_json):
 @click.option("--save", default="weights", type=click.Choice(["none", "weights", "full"]),
               help="Each consumer's final checkpoint: weights only, with optimizer state (full) or none. Every "
               "mode's checkpoints and leftover artifacts are removed once its report figures are read.")
+@click.option("--suite", default=None, metavar="NAME",
+              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline "
+                   "(docs/benchmarks.md, 'Suites'). Its result: <dir>/<NAME>.json.")
+@click.option("--resume", "suite_resume", default=None, metavar="DIR",
+              help="--suite: the suite's directory; pieces finished there are skipped (created on the first call).")
+@click.option("--time-budget", "time_budget", default=None, type=float, metavar="S",
+              help="--suite: start no piece after S seconds; then exit 75 naming the pieces left.")
+@click.option("--scale", default="full", type=click.Choice(["full", "tiny"]),
+              help="--suite: full (the documented sizes; GPU pieces need CUDA) or tiny (toy sizes on any device).")
+@click.option("--pieces", default="", help="--suite: a comma list of its pieces (default: all).")
 @_errors
 @_with_config("bench")
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
-          draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25, save="weights"):
-    """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
+          draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25, save="weights",
+          suite=None, suite_resume=None, time_budget=None, scale="full", pieces=""):
+    """Run 1-producer/N-consumer scenarios on fresh cache roots and report, or a measurement suite (--suite) in
+    pieces that resume."""
+    if suite is not None or suite_resume or time_budget is not None or pieces:
+        from artcache.bench.suites import main_suite
+
+        if suite is None:
+            raise ConfigError("--resume, --time-budget and --pieces belong to --suite NAME; give the suite")
+        explicit = click.get_current_context().get_parameter_source("device") == ParameterSource.COMMANDLINE
+        sys.exit(main_suite(suite, out_dir=out_dir, resume=suite_resume, device=device if explicit else None,
+                            scale=scale, pieces=pieces, time_budget_s=time_budget))
     from artcache.bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,
