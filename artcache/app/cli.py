@@ -77,7 +77,8 @@ def _with_config(verb: str):
                     raise ConfigError("--cache DIR is required (or --config FILE, whose cache.root is used)")
                 return fn(*args, **kwargs)
             ctx = click.get_current_context()
-            explicit = {k: v for k, v in kwargs.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+            explicit = {k: v for k, v in kwargs.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE
+                        and k != "as_json"}  # how the summary is printed: no config field
             if verb == "consume" and not experiment:
                 raise ConfigError("consume --config FILE needs --experiment NAME (one of the file's experiments)")
             cfg = C.load_run_config(config, overrides, C.flag_paths(verb, explicit, experiment))
@@ -95,7 +96,7 @@ def _with_config(verb: str):
 
                 ccfg = C.consumer_config(cfg, experiment, kwargs.get("consumer_id"))
                 _check_device(ccfg.device)
-                click.echo(json.dumps(run_consumer(ccfg)))
+                _finish_consume(run_consumer, ccfg, kwargs.get("as_json", False))
             else:
                 from artcache.bench.run import run_bench
 
@@ -112,6 +113,35 @@ def _with_config(verb: str):
                                  "given on the command line override both.")(wrapper)
 
     return deco
+
+
+def _finish_consume(run_consumer, cfg, as_json: bool) -> None:
+    """Run the consumer and end the process as a person expects: a short summary on stdout (the summary's JSON
+    line with ``--json``); exit 0 when it finished, 128 + the signal's number when SIGINT (130) or SIGTERM (143)
+    stopped it after its checkpoint (never click's ``Aborted!``)."""
+    from artcache.report import format_consume_summary
+    from artcache.shutdown import Cancelled
+
+    try:
+        summary = run_consumer(cfg)
+    except Cancelled as exc:
+        name = signal_name(exc.signum)
+        if as_json and exc.summary is not None:
+            click.echo(json.dumps(exc.summary))
+        else:
+            click.echo(format_consume_summary(exc.summary, name))
+        sys.exit(exc.exit_status)
+    except KeyboardInterrupt:  # Ctrl-C before the consumer installed its handlers (loading, registering)
+        click.echo(format_consume_summary(None, "SIGINT"))
+        sys.exit(130)
+    click.echo(json.dumps(summary) if as_json else format_consume_summary(summary))
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``an interrupt`` for 0 (unknown)."""
+    import signal
+
+    return signal.Signals(signum).name if signum else "an interrupt"
 
 
 #: the target flag of the commands that load one (producer, regenerate)
@@ -326,6 +356,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--reader", default="thread", type=click.Choice(("thread", "process")),
               help="Where the reader runs: thread (beside the trainer) or process (a child process of its own that "
                    "reads into shared memory: its Python never holds the trainer's GIL; Linux).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the run's summary as one JSON line instead of lines for a person. Exit status: 0 "
+                   "finished, 130 stopped by SIGINT (Ctrl-C), 143 by SIGTERM (both after the final checkpoint).")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps,
@@ -333,7 +366,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            reader="thread", epochs=0):
+            reader="thread", epochs=0, as_json=False):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
 
@@ -363,8 +396,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
         reader=reader)
     cfg.validate()
-    summary = run_consumer(cfg)
-    click.echo(json.dumps(summary), err=False)
+    _finish_consume(run_consumer, cfg, as_json)
 
 
 @main.command()

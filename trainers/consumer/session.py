@@ -53,7 +53,7 @@ from artcache.layout import CacheLayout, host_id
 from artcache.plan import Plan
 from artcache.report import format_bytes
 from artcache.settings import load_settings
-from artcache.shutdown import GracefulShutdown
+from artcache.shutdown import Cancelled, GracefulShutdown
 from artcache.target import quiet_transformers
 from artcache.trainers.checkpoint import (
     CheckpointSize,
@@ -134,7 +134,8 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
     ``step_hook``, when given, is called on the trainer thread after every step with the step's 0-based index
     (a profiler's ``step()``: ``artcache.bench.consumer_speed`` profiles a window of the from-cache steps so).
 
-    Summary keys: ``consumer_id``, ``draft``, ``batch_size`` (samples per step), ``steps``, ``cursor``,
+    Summary keys: ``consumer_id``, ``draft``, ``batch_size`` (samples per step), ``state`` (the registration's
+    final state: ``completed``, ``cancelled``), ``steps_planned`` (``--steps``), ``steps`` (done), ``cursor``,
     ``epoch`` (of the last position trained on, 0-based) and ``epoch_len`` (training samples per epoch),
     ``resumed_from_step`` (None for a
     fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last up to 5 steps
@@ -145,12 +146,23 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
     Raises:
         ConfigError / ContractMismatch: bad settings, layers the root does not capture, a resume or
             init source that does not fit (all before registering). Training errors after fencing.
+        artcache.shutdown.Cancelled: SIGINT / SIGTERM stopped the run (after its final checkpoint and fence):
+            a KeyboardInterrupt carrying the signal and the summary (its ``state`` ``"cancelled"``).
     """
     session = Session(cfg, step_hook)
     session.setup()
     session.resume()
     session.register()
-    return session.run()
+    try:
+        return session.run()
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Cancelled):
+            raise
+        try:
+            summary = session.summary()
+        except Exception:  # the run stopped before it had figures (e.g. during the first evaluation's setup)
+            summary = None
+        raise Cancelled(session.shutdown.signum, summary) from exc
 
 
 class Session:
@@ -857,7 +869,7 @@ class Session:
         cfg, first, last = self.cfg, self.first_losses, self.last_losses
         summary = self.draft.summary(self.total) if self.total is not None else {}
         out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "batch_size": cfg.batch_size,
-               "steps": self.steps_done, "cursor": self.cursor,
+               "state": self.state, "steps_planned": cfg.steps, "steps": self.steps_done, "cursor": self.cursor,
                "resumed_from_step": self.start_step if self.resumed is not None else None,
                "seconds": time.time() - self.t_start,
                # means over the first / last (up to) 5 steps this process trained; None when it trained none
