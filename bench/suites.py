@@ -14,7 +14,8 @@ JSON-able dict. The runner (:func:`run_suite`) works in one directory (``--resum
 
 A rerun with ``--resume DIR`` skips the finished pieces. ``--time-budget S`` stops *starting* pieces once ``S``
 seconds have passed since the call began (a running piece is never cut: pick ``S`` below the machine's limit by
-the longest piece's time); the call then exits :data:`EXIT_PIECES_LEFT` and names the pieces left. Exit 0: every
+the longest piece's time; the first piece of a call always starts, so every call makes progress); the call then
+exits :data:`EXIT_PIECES_LEFT` and names the pieces left. Exit 0: every
 piece finished; 1: a piece failed (its error named; the finished ones stay); 2: bad input (an unknown suite or
 piece, settings that differ from ``DIR/suite.json``, pieces that need CUDA on a machine without one), before any
 piece runs.
@@ -67,12 +68,15 @@ class PieceContext:
 
 @dataclass(frozen=True)
 class Piece:
-    """One measurement: ``run(ctx) -> dict``. ``cuda``: at scale ``full`` it needs a CUDA device."""
+    """One measurement: ``run(ctx) -> dict``. ``cuda``: at scale ``full`` it needs a CUDA device. ``tiny_cpu``:
+    at scale ``tiny`` it runs on a CPU too (False: CUDA-only code such as CUDA graphs or liger, or minutes of
+    CPU compilation; left out of a tiny run on a CPU, and said so)."""
 
     name: str
     run: Callable[[PieceContext], dict]
     about: str
     cuda: bool = False
+    tiny_cpu: bool = True
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,12 @@ def run_suite(suite: Suite, suite_dir: Path, *, device: str, scale: str = "full"
     if not time_budget_s > 0:
         raise ConfigError(f"--time-budget {time_budget_s}: accepted seconds > 0")
     chosen = select(suite, pieces)
+    if device == "cpu" and scale == "tiny":
+        left_out = [p.name for p in chosen if not p.tiny_cpu]
+        if left_out:
+            echo(f"suite {suite.name}: not run on a CPU at --scale tiny (CUDA-only or compiled code): "
+                 f"{', '.join(left_out)}")
+            chosen = [p for p in chosen if p.tiny_cpu]
     if device == "cpu" and scale == "full":
         gpu = [p.name for p in chosen if p.cuda]
         if gpu:
@@ -182,7 +192,7 @@ def run_suite(suite: Suite, suite_dir: Path, *, device: str, scale: str = "full"
              f"({', '.join(p.name for p in chosen if p.name in done)}); skipped")
     for k, p in enumerate(todo):
         spent = time.monotonic() - t0
-        if spent >= time_budget_s:
+        if k and spent >= time_budget_s:  # the first piece always starts: every call makes progress
             left = [q.name for q in todo[k:]]
             echo(f"suite {suite.name}: --time-budget {time_budget_s:g} s reached after {spent:.0f} s; "
                  f"{len(left)} piece(s) left: {', '.join(left)}; run the same command with --resume {suite_dir}")
@@ -305,7 +315,8 @@ def _consumer_speed_pieces() -> tuple[Piece, ...]:
                                   peak=peak, tiny=ctx.tiny)
 
         where = "from the cache (run_consumer)" if part.startswith("cache-") else "in memory"
-        return Piece(f"{part}:{variant}", run, f"{part} {variant} step {where}", cuda=True)
+        return Piece(f"{part}:{variant}", run, f"{part} {variant} step {where}", cuda=True,
+                     tiny_cpu=not any(k in variant for k in ("liger", "graphs", "compile")))
 
     return (Piece("matmul", matmul, "bf16 matmul rate, the MFU ceiling", cuda=True),
             *(row(part, variant) for part, variant in cs.parse_plan(cs.DEFAULT_PLAN)))
