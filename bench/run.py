@@ -65,6 +65,7 @@ from artcache import journal as J
 from artcache.accounting import account
 from artcache.bench.metrics import scenario_figures
 from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
+from artcache.bench.progress import ModeProgress
 from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 from artcache.errors import ConfigError, InsufficientSpace
 from artcache.fsio import atomic_write, free_space, space_reserve
@@ -385,8 +386,20 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                 logs / f"{ccfg.consumer_id}.log", env, new_session=False)
         deadline = time.time() + cfg.timeout_s
         served_ids = [c.consumer_id for _, _, served in producers for c in served]
-        for c in (c for c in sc.consumers if c.consumer_id in served_ids):
-            codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.time()))
+        waiting = [c.consumer_id for c in sc.consumers if c.consumer_id in served_ids]
+        # the terminal says what happens: each consumer's steps and the captures, from the roots' journals
+        progress = ModeProgress(mode, [root for _, root, _ in producers], {c.consumer_id: c.steps for _, _, c in order})
+        try:
+            while any(procs[cid].poll() is None for cid in waiting):
+                progress.poll()
+                if time.time() > deadline:
+                    late = next(cid for cid in waiting if procs[cid].poll() is None)
+                    raise subprocess.TimeoutExpired(procs[late].popen.args, cfg.timeout_s)
+                time.sleep(0.5)
+        finally:
+            progress.close()
+        for cid in waiting:
+            codes[cid] = procs[cid].wait(timeout=60)
         for pid, _, _ in producers:
             try:
                 codes[pid] = procs[pid].wait(timeout=60)
