@@ -81,9 +81,17 @@ class Piece:
 
 @dataclass(frozen=True)
 class Suite:
+    """``pieces`` in order; ``tiny_pieces``: the pieces at ``--scale tiny`` when they differ (a run of fewer
+    pieces' worth of work)."""
+
     name: str
     about: str
     pieces: tuple[Piece, ...]
+    tiny_pieces: tuple[Piece, ...] | None = None
+
+    def at(self, scale: str) -> tuple[Piece, ...]:
+        """The pieces at ``scale``."""
+        return self.tiny_pieces if scale == "tiny" and self.tiny_pieces is not None else self.pieces
 
 
 class PieceFailed(ArtcacheError, RuntimeError):
@@ -99,9 +107,9 @@ def _write_json(path: Path, doc: dict) -> None:
     atomic_write(path, [json.dumps(doc, indent=1, allow_nan=True).encode()], path.parent, durable=True)
 
 
-def _read_done(suite_dir: Path, suite: Suite) -> dict[str, dict]:
+def _read_done(suite_dir: Path, pieces: list[Piece]) -> dict[str, dict]:
     done = {}
-    for p in suite.pieces:
+    for p in pieces:
         path = suite_dir / "pieces" / _file_name(p.name)
         if path.is_file():
             try:
@@ -113,18 +121,19 @@ def _read_done(suite_dir: Path, suite: Suite) -> dict[str, dict]:
     return done
 
 
-def select(suite: Suite, names: str) -> list[Piece]:
-    """The pieces named in ``names`` (comma list; empty: all), in the suite's order; ConfigError names an
-    unknown one and what is accepted."""
+def select(suite: Suite, names: str, scale: str = "full") -> list[Piece]:
+    """The pieces named in ``names`` (comma list; empty: all) of the suite at ``scale``, in the suite's order;
+    ConfigError names an unknown one and what is accepted."""
+    pieces = suite.at(scale)
     if not names:
-        return list(suite.pieces)
+        return list(pieces)
     wanted = [n.strip() for n in names.split(",") if n.strip()]
-    known = {p.name for p in suite.pieces}
+    known = {p.name for p in pieces}
     bad = [n for n in wanted if n not in known]
     if bad:
         raise ConfigError(f"--pieces {','.join(bad)}: not a piece of suite {suite.name}; accepted: "
-                          f"{', '.join(p.name for p in suite.pieces)}")
-    return [p for p in suite.pieces if p.name in wanted]
+                          f"{', '.join(p.name for p in pieces)}")
+    return [p for p in pieces if p.name in wanted]
 
 
 def _settings(suite: Suite, scale: str, device: str, pieces: list[Piece]) -> dict:
@@ -165,7 +174,7 @@ def run_suite(suite: Suite, suite_dir: Path, *, device: str, scale: str = "full"
         raise ConfigError(f"--scale {scale!r} is not accepted: use {' or '.join(SCALES)}")
     if not time_budget_s > 0:
         raise ConfigError(f"--time-budget {time_budget_s}: accepted seconds > 0")
-    chosen = select(suite, pieces)
+    chosen = select(suite, pieces, scale)
     if device == "cpu" and scale == "tiny":
         left_out = [p.name for p in chosen if not p.tiny_cpu]
         if left_out:
@@ -184,7 +193,7 @@ def run_suite(suite: Suite, suite_dir: Path, *, device: str, scale: str = "full"
     suite_dir.mkdir(parents=True, exist_ok=True)
     if not (suite_dir / "suite.json").is_file():
         _write_json(suite_dir / "suite.json", want)
-    done = _read_done(suite_dir, suite)
+    done = _read_done(suite_dir, chosen)
     t0 = time.monotonic()
     todo = [p for p in chosen if p.name not in done]
     if done:
@@ -342,6 +351,98 @@ def _offline_piece(name: str, about: str, extra: list[str]) -> Piece:
     return Piece(name, run, about)
 
 
+#: the training-curve recipe per scale: target, data, device, each experiment's draft and settings, the steps in
+#: all and per piece, the held-out split and interval
+CURVE_RECIPES = {
+    "full": {"target": "smollm2-135m-instruct", "dataset": "sharegpt", "max_length": 1024, "max_samples": 6000,
+             "draft_layers": 5, "batch_samples": 16, "steps": 10000, "chunk": 1000,
+             "eval_samples": 64, "eval_interval": 1000, "batch_size": 8, "window": "64:512", "threads": 0,
+             "experiments": {"dflash": {"draft": "dflash", "block_size": 16, "anchors": 64},
+                             "eagle3": {"draft": "eagle3"},
+                             "dspark": {"draft": "dspark", "block_size": 7, "anchors": 512}}},
+    "tiny": {"target": "random:tiny-llama", "dataset": "synthetic", "max_length": 64, "max_samples": 40,
+             "draft_layers": 3, "batch_samples": 4, "steps": 6, "chunk": 3, "eval_samples": 4,
+             "eval_interval": 3, "batch_size": 2, "window": "2:8", "threads": 1,
+             "experiments": {"dflash": {"draft": "dflash", "block_size": 4, "anchors": 4},
+                             "eagle3": {"draft": "eagle3", "ttt_steps": 2, "draft_vocab": 512}}},
+}
+
+
+def _toml_value(v) -> str:
+    return json.dumps(v)  # strings, numbers and booleans are written alike in TOML and JSON
+
+
+def curve_config(scale: str, device: str, out: Path) -> str:
+    """The ``artcache run`` config of the training-curve suite (:data:`CURVE_RECIPES`) as TOML text: one target,
+    one capture, an experiment per draft, each with ``lr_total_steps`` the whole run's steps (so a piece's
+    ``steps`` override is only the stop) and the held-out split evaluated every ``eval_interval`` steps."""
+    r = CURVE_RECIPES[scale]
+    lines = [f"out = {_toml_value(str(out))}", "", "[target]", f"name = {_toml_value(r['target'])}",
+             f"device = {_toml_value(device)}", *([f"threads = {r['threads']}"] if r["threads"] else []), "",
+             "[data]", f"dataset = {_toml_value(r['dataset'])}", f"max_length = {r['max_length']}",
+             f"max_samples = {r['max_samples']}", "", "[capture]", f"batch_samples = {r['batch_samples']}",
+             f"draft_layers = {r['draft_layers']}"]
+    for name, e in r["experiments"].items():
+        lines += ["", "[[experiments]]", f"name = {_toml_value(name)}", f"draft = {_toml_value(e['draft'])}"]
+        lines += [f"{k} = {_toml_value(e[k])}" for k in ("block_size", "anchors") if k in e]
+        lines += [f"batch_size = {r['batch_size']}", f"steps = {r['chunk']}", f"lr_total_steps = {r['steps']}",
+                  f"window = {_toml_value(r['window'])}", *([f"threads = {r['threads']}"] if r["threads"] else []),
+                  f"log_every = {max(1, r['chunk'] // 10)}", "[experiments.consumer]",
+                  *(f"{k} = {_toml_value(e[k])}" for k in ("ttt_steps", "draft_vocab") if k in e),
+                  f"eval_samples = {r['eval_samples']}", f"eval_interval = {r['eval_interval']}",
+                  f"save_every = {r['chunk']}", "progress = false"]
+    return "\n".join(lines) + "\n"
+
+
+def _curve_train_piece(k: int, pieces: int) -> Piece:
+    def run(ctx: PieceContext) -> dict:
+        import os
+        import subprocess
+        import sys
+
+        from artcache.launch import role_env
+
+        r = CURVE_RECIPES[ctx.scale]
+        cfg = ctx.suite_dir / "run.toml"
+        run_dir = ctx.suite_dir / "run"
+        if not cfg.is_file():  # the first piece writes it; later pieces (other calls) read the same file
+            atomic_write(cfg, [curve_config(ctx.scale, ctx.device, run_dir).encode()], cfg.parent)
+        stop = min(r["steps"], k * r["chunk"])
+        argv = [sys.executable, "-m", "artcache", "run", "--config", str(cfg),
+                *(f"experiments.{name}.steps={stop}" for name in r["experiments"])]
+        log = ctx.work / "run.log"
+        with open(log, "wb") as f:
+            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **role_env()},
+                                  cwd=ctx.suite_dir).returncode
+        if code != 0:
+            tail = log.read_text(errors="replace")[-1500:]
+            raise PieceFailed(f"artcache run (steps {stop}) exited {code}; the run's output ends:\n{tail}")
+        report = json.loads((run_dir / "report.json").read_text())
+        keep = ("name", "draft", "state", "steps_run", "first_step", "last_step", "exit_code")
+        return {"stop": stop, "wall_s": report.get("wall_s"),
+                "experiments": [{k2: x.get(k2) for k2 in keep} for x in report["experiments"]]}
+
+    return Piece(f"train-{k:02d}", run, f"artcache run to step {k}/{pieces} of the run's steps (resumed)",
+                 cuda=True)
+
+
+def _curve_pieces(scale: str) -> tuple[Piece, ...]:
+    n = -(-CURVE_RECIPES[scale]["steps"] // CURVE_RECIPES[scale]["chunk"])
+
+    def curves(ctx: PieceContext) -> dict:
+        from artcache.bench import training_curves as tc
+
+        r = CURVE_RECIPES[ctx.scale]
+        run_dir = ctx.suite_dir / "run"
+        figures = tc.curves({name: run_dir / "experiments" / name / "metrics.csv" for name in r["experiments"]})
+        png = ctx.suite_dir / "curves.png"
+        atomic_write(png, [tc.plot(figures, "held-out greedy-replay τ (incl. +1 bonus)")], png.parent)
+        return {"png": str(png), "experiments": figures}
+
+    return (*(_curve_train_piece(k, n) for k in range(1, n + 1)),
+            Piece("curves", curves, "held-out τ and loss against steps and training seconds (training_curves)"))
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("retention-gap", "captures per consumed position of the retention policy over Belady's under the same "
           "window pins, four seeded stream families (a simulation: CPU)",
@@ -358,6 +459,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
                           ["--pairing", "steps", "--chunk", "12", "--reader", "thread"]),
            _offline_piece("steps-process", "root vs memory, arms interleaved every 12 steps, reader process",
                           ["--pairing", "steps", "--chunk", "12", "--reader", "process"]))),
+    Suite("training-curve", "DFlash, EAGLE-3 and DSpark trained from one capture of SmolLM2-135M-Instruct on the "
+          "embedded ShareGPT (10,000 steps each, one artcache run resumed piece after piece), held-out greedy-replay "
+          "τ every 1,000 steps; curves.png and the figures of training_curves", _curve_pieces("full"),
+          _curve_pieces("tiny")),
 )}
 
 
@@ -396,7 +501,7 @@ def describe() -> str:
     lines = []
     for s in SUITES.values():
         lines.append(f"{s.name}: {s.about}")
-        lines += [f"  {p.name}{' (CUDA at --scale full)' if p.cuda else ''}: {p.about}" for p in s.pieces]
+        lines += [f"  {p.name}{' (CUDA at --scale full)' if p.cuda else ''}: {p.about}" for p in s.at("full")]
     return "\n".join(lines)
 
 

@@ -197,3 +197,21 @@ def test_consumer_speed_and_offline_suites_at_tiny_scale_on_a_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads((tmp_path / "off" / "offline.json").read_text())["pieces"]["steps-thread"]["result"]
     assert r["checks"]["refill_captures_nothing"] and set(r["root_over_memory"]) == {"B4", "B8"}
+
+
+@pytest.mark.slow  # four minutes on a loaded 2-core machine: two `artcache run` pieces and the curves
+def test_training_curve_suite_at_tiny_scale_resumes_the_run_piece_after_piece(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "training-curve", "--scale", "tiny",
+                          "--resume", str(tmp_path / "tc")], cwd=tmp_path, env=child_env(), capture_output=True,
+                         text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "tc" / "training-curve.json").read_text())
+    assert list(doc["pieces"]) == ["train-01", "train-02", "curves"]
+    first, second = (doc["pieces"][k]["result"] for k in ("train-01", "train-02"))
+    for x in first["experiments"]:
+        assert (x["state"], x["first_step"], x["last_step"]) == ("completed", 1, 3), x
+    for x in second["experiments"]:  # resumed from the first piece's checkpoint, not started over
+        assert (x["state"], x["first_step"], x["last_step"]) == ("completed", 4, 6), x
+    curves = doc["pieces"]["curves"]["result"]
+    assert set(curves["experiments"]) == {"dflash", "eagle3"} and Path(curves["png"]).stat().st_size > 0
+    assert [e["step"] for e in curves["experiments"]["dflash"]["evals"]] == [0, 3, 6]
