@@ -443,6 +443,33 @@ def _curve_pieces(scale: str) -> tuple[Piece, ...]:
             Piece("curves", curves, "held-out τ and loss against steps and training seconds (training_curves)"))
 
 
+def _fp8_pieces() -> tuple[Piece, ...]:
+    def error(ctx: PieceContext) -> dict:
+        from artcache.bench import fp8_error
+
+        if ctx.tiny:
+            return fp8_error.measure("random:tiny-llama", "synthetic", 4, 64, None, ctx.device)
+        return fp8_error.measure("smollm2-135m-instruct", "sharegpt", 32, 512, None, ctx.device)
+
+    def tau(ctx: PieceContext) -> dict:
+        from artcache.bench import fp8_tau
+
+        out = ctx.work / "out"
+        size = (["--target", "random:tiny-llama", "--data", "synthetic", "--max-length", "64", "--max-samples", "40",
+                 "--steps", "3", "--eval-samples", "4", "--dflash-anchors", "4", "--dflash-block", "4",
+                 "--dflash-eval-anchors", "4", "--eagle3-vocab", "512", "--eagle3-ttt", "2", "--window", "2:8",
+                 "--no-parallel"] if ctx.tiny else [])
+        code = fp8_tau.main(["--out", str(out), "--device", ctx.device, *size])
+        if code != 0:
+            raise PieceFailed(f"bench.fp8_tau exited {code}; its runs: {out}")
+        doc = json.loads((out / "fp8_tau.json").read_text())
+        return {k: v for k, v in doc.items() if k not in ("command", "commit", "dirty", "date", "hardware")}
+
+    return (Piece("error", error, "fp8 quantisation error per captured layer on a real capture (float32 reference)"),
+            Piece("tau", tau, "held-out τ of drafts trained from a bf16 and an fp8 root, two bf16 seeds beside them",
+                  cuda=True))
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("retention-gap", "captures per consumed position of the retention policy over Belady's under the same "
           "window pins, four seeded stream families (a simulation: CPU)",
@@ -459,6 +486,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
                           ["--pairing", "steps", "--chunk", "12", "--reader", "thread"]),
            _offline_piece("steps-process", "root vs memory, arms interleaved every 12 steps, reader process",
                           ["--pairing", "steps", "--chunk", "12", "--reader", "process"]))),
+    Suite("fp8", "what storing captures as fp8 (e4m3fn, one fp32 scale per token row) costs: the error per layer "
+          "and the held-out τ of drafts trained from it against bf16", _fp8_pieces()),
     Suite("training-curve", "DFlash, EAGLE-3 and DSpark trained from one capture of SmolLM2-135M-Instruct on the "
           "embedded ShareGPT (10,000 steps each, one artcache run resumed piece after piece), held-out greedy-replay "
           "τ every 1,000 steps; curves.png and the figures of training_curves", _curve_pieces("full"),

@@ -83,7 +83,8 @@ def place(plan: RunPlan, cfg: RunConfig) -> tuple[int, list[Role]]:
                         "--exit-when-done", "--expect-consumers", str(len(plan.experiments))])]
     for x, node in zip(plan.experiments, where[1:], strict=True):
         roles.append(Role(name=x.name, node=node, gpus=s.experiment_gpus,
-                          argv=[py, "-m", "artcache", "consume", "--config", plan.config_path, "--experiment", x.name]))
+                          argv=[py, "-m", "artcache", "consume", "--config", plan.config_path, "--experiment", x.name,
+                                "--json"]))
     return nodes, roles
 
 
