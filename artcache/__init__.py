@@ -1,6 +1,6 @@
 """artcache: capture a target model's hidden states once, serve them to many draft trainers.
 
-See docs/ for the on-disk format and the protocol; DESIGN.md terms are used throughout.
+See docs/ for the on-disk format and the protocol; the README's terms are used throughout.
 """
 
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 Shared production (what the producer captured and published once) is reported apart from what
 each consumer requested and committed; consumer counts are never summed into "unique production".
 
-One consistent snapshot, also beside a live run (issue 17, item 9): the journals are read once (each file
+One consistent snapshot, also beside a live run: the journals are read once (each file
 up to its last complete line), then ``leases/`` is listed, then only what the journals gained since is
 read, to settle leases released between the two reads. A live producer's captures not yet published are
 ``captures_in_flight``, not a crash; only a producer that is provably dead (same host id, pid gone) or

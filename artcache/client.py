@@ -8,7 +8,7 @@ passes. Every acquire is one *logical request* in the journal (``hit`` or miss w
 
 A read failing with a transient errno (ESTALE on NFS, EBUSY, EIO: :data:`artcache.fsio.RETRYABLE_ERRNOS`)
 is a miss, not a crash: the read is retried as the wait goes on, and after :data:`READ_ERRORS_BEFORE_QUARANTINE`
-failures in a row the file is moved to ``quarantine/`` so the producer recaptures it (issue 17, item 6).
+failures in a row the file is moved to ``quarantine/`` so the producer recaptures it.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ class CacheClient:
     def _raise_if_given_up(self, fp: str, position: int, waited: float = 0.0, noted: bool = False) -> bool:
         """Raise CaptureFailed if the producer gave up on ``fp`` (``failed/<fp>.json``). A marker whose
         producer is provably gone (same host id, pid gone) is superseded: the next producer retries the
-        fingerprint, so it is not an answer (issue 17, item 7). A give-up for a full disk (the marker's
+        fingerprint, so it is not an answer. A give-up for a full disk (the marker's
         ``space``) is withdrawn by its producer once space is back: it is waited for while ``waited``
         (seconds of this acquire) is within the demand timeout, logged once (``noted``: already logged), and
         raised after that. Returns whether such a give-up is being waited for."""

@@ -208,7 +208,7 @@ class _Rows:
 def _two_epochs_end(order: EpochOrder, start: int) -> int:
     """Last position of the epoch after ``start``'s: ``[start, this]`` holds every sample's first read at
     or after ``start`` (a whole epoch lies inside it), so a window wider than that adds no sample. Per-pass
-    work is bounded by the plan, not by the window width (issue 17, item 11: ``--window 0:2000000`` on a
+    work is bounded by the plan, not by the window width (``--window 0:2000000`` on a
     300-sample plan)."""
     return (start // order.epoch_len + 2) * order.epoch_len - 1
 
@@ -309,7 +309,7 @@ def decide(readers: Sequence[Reader], *, sizes: np.ndarray, budget: float,
         max_queue: longest capture queue returned. fill: queue every unpublished sample of the plan
             (after everything a consumer needs; ``artcache producer --fill``).
         policy: ``need`` (this retention) or ``windows`` (keep only windows, pinned ranges and leases,
-            no budget: the rule before issue 21, kept as the baseline the bench and simulator compare).
+            no budget: the windows-only rule, kept as the baseline the bench and simulator compare).
         urgent_s: a window position needed within this many seconds is *urgent* like a reader's next
             two batches (the producer passes its idle poll plus two capture batches: what it could
             not capture in time if it waited).

@@ -4,7 +4,7 @@ Each check reports :class:`Problem` records; with ``fix=True`` each fixable prob
 marked ``fixed``. Scope: only what artcache creates: ``artcache.json`` and the layout's subdirectories
 (:data:`artcache.layout.SUBDIRS`) and, inside them, only names artcache makes; anything else in the root
 (a user's own files, links and directories beside a cache in a non-empty ``--cache``) is counted in a
-note and never touched (issue 17, item 2).
+note and never touched.
 
 Nothing that may belong to a live process is touched (:mod:`artcache.liveness`): a temp file or lease is
 removed only when its writer/holder is provably gone (same host id, its pid no longer exists), a
@@ -169,7 +169,7 @@ class _Fsck:
     def check_symlinks(self) -> None:
         """Every symbolic link in artcache's part of the root: ``artcache.json``, a layout subdirectory, or
         anything inside one (never followed; the walk does not descend into links). Other entries of the
-        root are not artcache's: counted in a note, never looked into (issue 17, item 2)."""
+        root are not artcache's: counted in a note, never looked into."""
         n = 0
         ours = {SETTINGS_FILE, *SUBDIRS}
         foreign = 0

@@ -5,7 +5,7 @@ drafts compute the same ids (like SpecForge's algorithm contracts): DFlash's spr
 EAGLE-3's three auxiliary layers plus the last layer, a draft's ordered *view* of a root's captured
 layers, and the one range check for layer ids.
 
-Conventions (see ALGORITHMS.md, "Layer-id conventions"):
+Conventions (docs/export.md, "Layer ids: the one conversion"):
 
 - **output-of-layer i** (SpecForge, z-lab/dflash, DeepSpec): the residual stream leaving decoder
   layer ``i`` (0-based). artcache's native convention.

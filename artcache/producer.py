@@ -107,7 +107,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         cache: cache root directory. target: ``smollm2-135m-instruct`` or an HF directory.
         dataset: ``sharegpt`` or a path to a ShareGPT-format JSON/JSONL file.
         seed, max_length, max_samples: the plan (see :class:`artcache.plan.PlanSpec`).
-        draft_layers: number of DFlash draft layers; captured ids follow ALGORITHMS.md's formula.
+        draft_layers: number of DFlash draft layers; captured ids follow :func:`artcache.layer_ids.dflash_layer_ids`.
         layer_ids: explicit output-of-layer ids (overrides ``draft_layers``).
         device: ``cpu`` or ``cuda[:i]``. dtype: stored dtype of the hidden states (``fp8`` =
             ``float8_e4m3fn`` codes with one fp32 scale per token row per layer, :mod:`artcache.fp8`).
@@ -936,8 +936,8 @@ class Producer:
 
     def _raise_if_nobody_came(self) -> None:
         """``--exit-when-done`` with no registration on the root: log the wait every :data:`EXPECT_NOTE_S`
-        seconds, and raise :class:`ProducerFailed` once ``expect_timeout_s`` has passed (issue 17 item 4:
-        a producer that never saw a consumer waited forever)."""
+        seconds, and raise :class:`ProducerFailed` once ``expect_timeout_s`` has passed (without it, a
+        producer that never saw a consumer would wait forever)."""
         waited = time.monotonic() - self._started
         if waited >= self.cfg.expect_timeout_s:
             raise ProducerFailed(f"--exit-when-done: no consumer registered on {self.cfg.cache} in "
@@ -1135,7 +1135,7 @@ def cleanup_orphans(layout: CacheLayout, watch: HeartbeatWatch | None = None) ->
 def supersede_failure_markers(layout: CacheLayout) -> int:
     """Remove every give-up marker (``failed/<fp>.json``) that this process did not write: a starting
     producer tries every fingerprint again, so an earlier incarnation's "gave up" no longer holds
-    (issue 17, item 7). Returns how many were removed."""
+    Returns how many were removed."""
     d = layout.root / "failed"
     me = this_process()
     removed = 0

@@ -35,7 +35,7 @@ NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0, le=FINITE)]
 #: a plan's tokens per sample (:class:`artcache.plan.PlanSpec`; the producer's flag and ``[data]`` use it too)
 MaxLength = Annotated[int, msgspec.Meta(ge=16)]
 #: the largest block size B of a blocked draft (DFlash, DSpark): the published recipes use 4 to 16
-#: (../shared/ALGORITHMS.md); 64 leaves room to explore, while a draft's cost grows with anchors × B
+#: (DFlash arXiv:2602.06036, SpecForge); 64 leaves room to explore, while a draft's cost grows with anchors × B
 MAX_BLOCK_SIZE = 64
 #: a block size B: the anchor and at least one more slot, at most :data:`MAX_BLOCK_SIZE`
 BlockSize = Annotated[int, msgspec.Meta(ge=2, le=MAX_BLOCK_SIZE)]

@@ -123,7 +123,7 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
         With ``period`` (the plan's length: position p is plan sample p % period) the positions are
         returned modulo ``period``, and the work is bounded by it: a window wider than the plan is every
-        sample once, not a set of millions of positions (issue 17, item 11)."""
+        sample once, not a set of millions of positions."""
         lo, hi = self.window()
         pinned = self.pinned_range()
         if period is None:
@@ -364,7 +364,7 @@ class ConsumerHandle:
         """Record the checkpoint a consumer writes as it exits, also after it was fenced.
 
         A fenced incarnation (the producer fenced it for silence, e.g. a ``SIGSTOP``-ed or swapped-out
-        process; issue 17, item 1) still holds a consistent training state. As long as no other process
+        process) still holds a consistent training state. As long as no other process
         has registered the id since (the registration's ``fenced_from`` is this incarnation's generation),
         it may record its checkpoint, and commit its last optimizer step's cursor with it (positions it
         read and trained on before the fence), so ``--resume`` continues from there. The registration stays

@@ -64,7 +64,7 @@ class IOSettings:
             artifacts of at least two chunks (a read: two ``tail_bytes`` pieces); else inline, chunk by chunk.
         tail_bytes: a read takes its last ``chunk_bytes`` in pieces of this size, so the hash of the final
             piece, which no read can overlap (the verdict needs the whole digest), is short (1 MiB: ~0.2 ms
-            of xxh3 instead of ~1.3 ms for 8 MiB; docs/benchmarks.md, "The same micro on 76fd591").
+            of xxh3 instead of ~1.3 ms for 8 MiB; docs/benchmarks.md, "Parts against the hardware's limits").
         writeback: start the device write of each chunk as soon as it is in the page cache
             (:func:`artcache.fsio.start_writeback`), so the closing fsync waits only for the tail.
         fallocate: reserve the file's blocks before writing (``posix_fallocate``).

@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import uuid
@@ -98,8 +99,11 @@ def resolve_target(name_or_path: str, home: Path | None = None) -> TargetInfo:
     Names: ``smollm2-135m-instruct`` (converted once from the bundled GGUF into
     ``home/targets/<name>-<gguf digest[:12]>/``; first call ~20-30 s, later calls are cheap).
     Paths: an existing directory holding ``config.json`` and at least one ``*.safetensors`` file.
+    Hugging Face hub ids: ``ORG/NAME`` or ``ORG/NAME@REVISION`` that is not an existing directory, resolved
+    through huggingface_hub's cache (see :func:`_hub_snapshot`).
 
-    Raises ConfigError for unknown names, missing packages, or directories that are not HF checkpoints.
+    Raises ConfigError for unknown names, missing packages, directories that are not HF checkpoints, and hub
+    ids that are neither cached nor downloadable.
     """
     value = str(name_or_path)
     if value.startswith("random:"):
@@ -120,10 +124,80 @@ def resolve_target(name_or_path: str, home: Path | None = None) -> TargetInfo:
                 f"one of {list(ACCEPTED_NAMES)} or an HF directory with config.json and *.safetensors"
             )
         return _describe(path.resolve(), name=path.resolve().name, revision="local")
+    if _HUB_ID.fullmatch(value):
+        snapshot = _hub_snapshot(value)
+        return _describe(snapshot, name=value.split("@", 1)[0], revision=snapshot.name)
     raise ConfigError(
-        f"unknown target {value!r}: accepted are the names {list(ACCEPTED_NAMES)} or an existing HF "
-        f"directory with config.json and *.safetensors"
+        f"unknown target {value!r}: accepted are the names {list(ACCEPTED_NAMES)}, an existing HF "
+        f"directory with config.json and *.safetensors, or a Hugging Face hub id ORG/NAME[@REVISION]"
     )
+
+
+#: ``ORG/NAME`` or ``ORG/NAME@REVISION`` (the hub's repo-id characters: letters, digits, ``-``, ``_``, ``.``).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+#: The files a target needs from a hub repository (weights, config, tokenizer, chat template); ``*.bin``,
+#: ``original/`` and other formats are not fetched.
+_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+              "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "chat_template*", "added_tokens.json"]
+
+
+def _hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as set now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE")
+    if env is not None:
+        return env.strip().upper() in ("1", "ON", "YES", "TRUE")
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_cache() -> Path:
+    """The hub cache directory as set now: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else huggingface_hub's
+    default (``~/.cache/huggingface/hub``)."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _hub_snapshot(value: str) -> Path:
+    """The local snapshot directory of hub id ``value`` (``ORG/NAME[@REVISION]``, revision default ``main``).
+
+    The cache is read first, with no network (``local_files_only=True``); only when the snapshot is absent and
+    ``HF_HUB_OFFLINE`` is not set is it downloaded (``_HUB_FILES`` only) into the same cache. Raises ConfigError
+    (one line naming the id and the cache directory) when it is neither cached nor downloadable, or when the
+    snapshot lacks config.json or *.safetensors.
+    """
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = value.partition("@")
+    cache = _hub_cache()
+    offline = _hub_offline()
+    kwargs = dict(repo_id=repo_id, revision=revision or None, cache_dir=str(cache), allow_patterns=_HUB_FILES)
+    try:
+        folder = snapshot_download(**kwargs, local_files_only=True)
+    except Exception as cached_exc:  # noqa: BLE001 - any failure of the cache lookup means "not cached"
+        if offline:
+            raise ConfigError(
+                f"target {value!r}: not in the Hugging Face cache {str(cache)!r} and HF_HUB_OFFLINE is set; "
+                f"accepted: a hub id whose snapshot is cached there ({type(cached_exc).__name__})"
+            ) from None
+        try:
+            folder = snapshot_download(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - network, auth, missing repo: all end the same way
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise ConfigError(
+                f"target {value!r}: not in the Hugging Face cache {str(cache)!r} and the hub could not provide "
+                f"it ({type(exc).__name__}: {first})"
+            ) from None
+    snapshot = Path(folder)
+    if not (snapshot / "config.json").is_file() or not any(snapshot.glob("*.safetensors")):
+        raise ConfigError(f"target {value!r}: the cached snapshot {str(snapshot)!r} lacks config.json or "
+                          f"*.safetensors weights; accepted: a hub model with safetensors weights")
+    return snapshot
 
 
 def is_random(info: TargetInfo) -> bool:

@@ -4,7 +4,7 @@
 
 For each draft (DFlash, EAGLE-3) and variant, measured one after the other in one process on one GPU
 so that the rows compare side by side (the speed options of :mod:`artcache.trainers.speed`: ``main`` =
-the reference path with its host synchronisations, as before issue 20; ``syncfree`` = no read-back in
+the reference path with its host synchronisations, as the step once was; ``syncfree`` = no read-back in
 the step, bf16 chunked lm_head loss; ``+compile`` / ``+graphs`` / ``liger``):
 
 - **in memory**: the step of the consumer (``Draft.loss``, backward, clip, fused AdamW) on batches
@@ -520,7 +520,7 @@ def measured_rate_and_util(step_ends: list[float], sampler, index: int = 0) -> t
     """Steps/s between the end of step ``skip`` and the last (``skip`` = min(10, a third): compilation and
     warm-up left out) from the steps' end times (epoch s), and the device's median NVML utilisation (%) over
     that same interval (None without samples there: no NVML). Regression: the utilisation was the median over
-    the whole run, and the compile's idle GPU made it 0 % on the H200 (session 10)."""
+    the whole run, and the compile's idle GPU made it 0 % on the H200."""
     ts = sorted(step_ends)
     skip = min(10, len(ts) // 3)
     if len(ts) <= skip + 1:
@@ -748,7 +748,7 @@ def measure_row(part: str, variant: str, *, device, out: Path, root: Path, peak:
         row = {"name": name, "variant": variant, "data": "in-memory"}
         d, cfg = build(draft, arch, variant, device, **kw)
         batches = device_batches(*bargs, device=device)
-        if variant == "main":  # as before issue 20: the anchors' mask is read back from the device
+        if variant == "main":  # the step as it once was: the anchors' mask is read back from the device
             for b in batches:
                 b.supervised_host = None
         row.update(time_in_memory(d, batches, steps, warmup=1 if tiny else 3 if VARIANTS[variant][2] == "off" else 4))

@@ -1,4 +1,4 @@
-"""fp8 quantisation error per captured layer on a real capture (issue 14).
+"""fp8 quantisation error per captured layer on a real capture.
 
 ``python -m artcache.bench.fp8_error [--target smollm2-135m-instruct] [--data sharegpt] [--samples 32]
 [--max-length 512] [--layer-ids 1,8,14,20,26,27,29] [--device cpu] [--json FILE]``

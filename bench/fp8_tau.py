@@ -1,5 +1,5 @@
 """Held-out acceptance of drafts trained from a bf16 and from an fp8 cache root, with the run-to-run noise of
-two bf16 seeds beside it (issue 14).
+two bf16 seeds beside it.
 
 ``python -m artcache.bench.fp8_tau --out DIR [--device cpu|cuda] [--steps 300] [--target NAME] ...``
 

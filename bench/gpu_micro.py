@@ -209,7 +209,7 @@ def _odirect(root: Path, data: memoryview, reps: int) -> dict:
             "read_after_odirect_write": statistics.median(reads[1:])}
 
 
-#: store I/O versions measured side by side (``--io-variants``): ``legacy`` is the path before issue 14
+#: store I/O versions measured side by side (``--io-variants``): ``legacy`` is the path before the fp8 and I/O rework
 #: (hash the whole data section, then write; read the whole file into a fresh buffer, then hash)
 IO_VARIANTS = {
     "legacy": {"stream": False, "reuse_buffers": False},

@@ -1,4 +1,4 @@
-"""A pre-filled root used offline (issue 21, item 6): capture everything once, train many times.
+"""A pre-filled root used offline: capture everything once, train many times.
 
 ``python -m artcache.bench.offline --out DIR [--target NAME] [--data D] [--max-samples N] [--steps S] ...``
 
@@ -20,7 +20,7 @@
    (measured on the idle H200 machine: the same consumer's CPU time per step 23-38 ms across rounds).
    ``--pairing steps`` alternates the two arms inside each consumer's one process every ``--chunk`` steps
    (:func:`_interleave`; the steps right after a switch not counted, :func:`interleaved`), for machines whose
-   speed changes within seconds (session 13 on the lent H200 VM: the same pinned process's CPU time per step
+   speed changes within seconds (on an H200 VM: the same pinned process's CPU time per step
    21-37 ms from one arm to the next).
 3. ``report.json``: the fill, each consumer's steady steps/s and process CPU ms per step in each mode and
    round, the root/memory ratio per consumer (median over rounds; also of steps per CPU second, less
@@ -387,7 +387,7 @@ def _interleave(s, arms: list[str], batches: list, warmup: int, chunk: int) -> d
     """Both arms in one process, alternated every ``chunk`` steps (``arms[0]`` first): the root arm is the consumer's
     own loop (:meth:`Session.step` after :meth:`Session.register`: reader thread, leases, cursor commits, journal),
     the memory arm ``Session.train_step`` on the held batches, on the one model. Slow spells of the machine (seconds
-    long on the lent VMs) then fall on both arms alike. Each arm's figures: :func:`interleaved` (its first
+    long on shared VMs) then fall on both arms alike. Each arm's figures: :func:`interleaved` (its first
     ``prefetch_batches + 1`` steps after a switch not counted)."""
     from artcache import registry
 

@@ -78,7 +78,7 @@ from artcache.telemetry import make_sampler
 
 LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 MODES = ("artcache", "naive", "lockstep", "windows", "tight", "solo")
-#: goals of the hetero scenario (issue 21)
+#: goals of the hetero scenario
 HETERO_GOALS = {"captures_per_consumed_position": 1.05, "speed_ratio": 1.5, "fast_vs_solo": 0.95}
 #: ``--save``: what each consumer's final checkpoint holds (``none``: no checkpoint at all)
 SAVE_POLICIES = ("none", "weights", "full")
@@ -437,7 +437,7 @@ def consumer_configs(cfg: BenchConfig, sc: Scenario, work: Path, mode: str,
     out = []
     for start_s, role, root, c in sorted(starts, key=lambda x: (x[0], x[1])):
         extra = {"draft_layers": cfg.draft_layers} if layers and c.draft == "dflash" else {}
-        # each draft's own options only: a consumer refuses another draft's (issue 16)
+        # each draft's own options only: a consumer refuses another draft's
         opts = {"block_size": c.block_size, "num_anchors": c.anchors or cfg.anchors, "ttt_steps": c.ttt_steps,
                 "draft_vocab": c.draft_vocab}
         own = draft_options(c.draft)
@@ -876,7 +876,7 @@ def cpu_shared(report: dict, art: dict) -> str | None:
 
 
 def retention_summary(sc: Scenario, report: dict) -> dict:
-    """The retention figures of a scenario run with the retention modes (issue 21): the speed ratio of its
+    """The retention figures of a scenario run with the retention modes: the speed ratio of its
     consumers, captures per consumed position under retention by need (``artcache``) and under the windows
     rule (``windows``), the fast consumer's rate against its rate alone (``solo``), and a budget too small for
     the lead (``tight``); ``checks`` holds the goals of :data:`HETERO_GOALS`."""

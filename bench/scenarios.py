@@ -37,7 +37,7 @@ class Scenario:
     in_all: bool = True
 
 
-#: heterogeneous consumers (issue 21): speeds differ by >= 1.5x (a DFlash B4 with few anchors; a DFlash B16 with
+#: heterogeneous consumers: speeds differ by >= 1.5x (a DFlash B4 with few anchors; a DFlash B16 with
 #: more; an EAGLE-3 unrolling 7 TTT steps), started at different times (the slowest first, the fastest last, so
 #: it passes the others and leads them by most of the run); small windows, so that under the windows-only
 #: rule what the slower ones read again was evicted. CPU sizes (measured on the 2-core machine, tiny random

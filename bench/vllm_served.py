@@ -1,4 +1,4 @@
-"""Collect the "served by vLLM" measurement of issue 20 into one JSON: vLLM's figures for the target alone and
+"""Collect the "served by vLLM" measurement into one JSON: vLLM's figures for the target alone and
 for each exported draft (``tests/vllm_spec_decode.py`` outputs on the same prompts), beside the offline held-out
 figures the consumer recorded for the exported checkpoint (its ``metrics.csv`` rows ``eval/*`` at the
 export's step).
@@ -11,7 +11,7 @@ win). Writes ``--out`` (JSON) and prints one line per draft.
 Per draft: vLLM ``mean_acceptance_length`` (1 + accepted / drafts, **incl. the +1 bonus token**),
 ``accepted_per_pos`` (drafts whose first k+1 proposals were all accepted), the per-position conditional
 acceptance ``accepted_per_pos[k] / accepted_per_pos[k-1]``, output tokens, seconds, output tokens/s and its
-ratio to the baseline's (both measured in this session, one after the other), how many generations equal
+ratio to the baseline's (both measured in one run, one after the other), how many generations equal
 the baseline's token for token; with ``--replay``, bench/replay_served.py's figures on the baseline's text
 (``offline_on_vllm_text``: position-mean ``replay_tau`` and serving-walk ``walk_tau``); the consumer's offline
 held-out ``replay_tau`` (greedy replay, **incl. +1 bonus**) and other ``eval/*`` figures at the export's step;

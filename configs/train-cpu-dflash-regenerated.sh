@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DFlash on target-regenerated data (docs/training.md, "DFlash on regenerated answers"): SmolLM2-135M-Instruct
+# DFlash on target-regenerated data (docs/training.md, "DFlash on target-regenerated answers (CPU)"): SmolLM2-135M-Instruct
 # answers the first 640 usable ShareGPT prompts of <= 160 tokens itself (greedy, <= 224 new tokens, so every
 # sample fits in 384 tokens), one producer captures DFlash's 3 layers [1, 14, 27] plus the last layer 29 (for
 # the greedy replay against the target's argmax), and one DFlash consumer trains 300 steps x 2 samples with the

@@ -1,5 +1,5 @@
 """Other "hosts" on one machine for the ``multihost`` lane: each :class:`Host` is a process tree in its own
-UTS and PID namespace (``unshare --fork --pid --uts --mount-proc``, see ../shared/SCALE_OUT.md) over the same
+UTS and PID namespace (``unshare --fork --pid --uts --mount-proc``, see docs/scale-out.md) over the same
 directories, so its pids mean nothing to the test process and its host id differs (artcache.liveness).
 
 A host runs an *agent* (this file run as a script, pid 1 of its namespace) that has imported artcache,

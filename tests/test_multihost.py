@@ -1,5 +1,5 @@
-"""The protocol across "hosts" (lane ``-m multihost``, issue 18 items 1-2): producers and consumers in separate
-UTS+PID namespaces over one cache root (tests/hosts.py; ../shared/SCALE_OUT.md), where a pid means nothing
+"""The protocol across "hosts" (lane ``-m multihost``): producers and consumers in separate
+UTS+PID namespaces over one cache root (tests/hosts.py; docs/scale-out.md), where a pid means nothing
 outside its namespace and host names may be shared.
 
 - SIGKILL trials across hosts (a subset of tests/test_crash_trials.py): producer and consumer children on two

@@ -42,7 +42,7 @@ class SpeedOptions:
         compile: ``off``, ``on`` (``torch.compile``) or ``graphs`` (``torch.compile`` with CUDA graphs).
         attn: the block attention of DFlash / DSpark, ``sdpa`` or ``flex``
             (:attr:`~artcache.trainers.dflash.DFlashDraft.attn_impl`). The consumer always uses ``sdpa``:
-            FlexAttention measured slower on an H200 (docs/training.md, session 11); ``bench.consumer_speed``'s
+            FlexAttention measured slower on an H200 (docs/training.md, "GPU speed"); ``bench.consumer_speed``'s
             ``+flex`` variants set it.
     """
 

@@ -80,7 +80,8 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The frozen target (``[target]``).
 
     Attributes:
-        name: ``smollm2-135m-instruct``, ``random:<arch>`` or an HF directory (config.json + safetensors).
+        name: ``smollm2-135m-instruct``, ``random:<arch>``, an HF directory (config.json + safetensors) or a
+            Hugging Face hub id ``ORG/NAME[@REVISION]`` (from huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured).
         device: the producer's device, ``cpu`` or ``cuda[:i]``; experiments default to it.
         dtype: stored dtype of the captured hidden states (one per cache root); ``fp8`` (stored as
             ``float8_e4m3fn``): e4m3 codes with one fp32 scale per token row per layer (docs/format.md).

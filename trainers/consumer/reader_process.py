@@ -3,7 +3,7 @@
 With ``--reader thread`` (the default) the reader runs beside the trainer in one interpreter: every lease file,
 read, content hash, token fingerprint, journal line and collate of the reader holds the trainer's GIL for a
 while, and each of the draft's small torch ops that gives the GIL up can lose it to the reader. On a short step
-that costs more than the reader's own time (issue 21, session 13: DFlash B4 from a ``--fill``\\ ed root at 0.923
+that costs more than the reader's own time (DFlash B4 from a ``--fill``\\ ed root at 0.923
 of its in-memory rate on the H200 machine's idle CPU, 5.4 % of it ``train_step`` itself running slower beside the
 reader thread). ``--reader process`` moves all of that into a child process:
 
@@ -13,7 +13,7 @@ reader thread). ``--reader process`` moves all of that into a child process:
   ``inspect`` counts them as the consumer's), announces demand and checks the fence through
   the consumer's registration, exactly as the thread does; it collates each batch (:func:`.reader.collate`) into a
   **slot** of a shared-memory ring (``memfd``), releases the batch's leases once the bytes are in the slot (the
-  batch no longer references the artifacts' bytes: DESIGN.md's lease rule), and sends the slot's layout;
+  batch no longer references the artifacts' bytes: the lease rule of docs/protocol.md), and sends the slot's layout;
 - the **trainer** process keeps one thin thread (:class:`ProcessReader`) that receives those messages and wraps the
   slot in tensors without a copy (on CUDA: one non-blocking copy per field to the device on a side stream from the
   ring, which is page-locked with ``cudaHostRegister``, behind an event). The trainer hands a slot back

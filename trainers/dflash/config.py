@@ -24,7 +24,7 @@ def default_gamma(block_size: int) -> float:
 
     ``B = 16 -> 7``, ``B = 10 -> 5``, ``B = 8 -> 4`` are the published reference values (DFlash
     arXiv:2602.06036; SpecForge's DFlash training script recommends the same three pairs for its
-    ``--loss-decay-gamma``; collected in ../shared/ALGORITHMS.md). Other ``B`` (artcache's choice,
+    ``--loss-decay-gamma``). Other ``B`` (artcache's choice,
     not from a reference): **piecewise-linear interpolation** through the points (8, 4), (10, 5),
     (16, 7), extrapolated along the nearest end segment (slope 1/2 below 8, slope 1/3 above 16),
     floored at 1.0. So B=2 -> 1.0, B=4 -> 2.0,

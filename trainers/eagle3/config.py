@@ -2,9 +2,9 @@
 
 Sizes follow the target config; the draft-specific settings (three captured layers, a pruned draft
 vocabulary, the training-time-test unroll and its 0.8 loss decay) follow EAGLE-3 arXiv:2503.01840 and
-SpecForge's EAGLE-3 recipe (facts in ALGORITHMS.md, "EAGLE-3"; re-implemented here).
+SpecForge's EAGLE-3 recipe (EAGLE-3 arXiv:2503.01840; re-implemented here).
 
-Layer ids are in the **output-of-layer** convention (ALGORITHMS.md, "Layer-id conventions"): id ``i`` is
+Layer ids are in the **output-of-layer** convention (docs/export.md, "Layer ids: the one conversion"): id ``i`` is
 the un-normed residual stream leaving decoder layer ``i`` (0-based). Convert to vLLM's
 ``eagle_aux_hidden_state_layer_ids`` (input-of-layer) with
 :func:`artcache.layer_ids.output_of_layer_to_vllm_id` (``+1``).

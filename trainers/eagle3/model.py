@@ -41,7 +41,7 @@ def build_ttt_mask(seq_len: int, steps: int, key_valid: Tensor | None = None,
     Keys are laid out step by step: key column ``k·T + j`` is the key that step k computed at position
     j. A query of step i at position t sees the step-0 keys at positions ``j <= t`` (causal) and the
     key of every step ``k <= i`` at its own position ``t`` (the diagonal of each step's block); step i
-    uses the first ``(i + 1)·T`` columns. This is the mask of ALGORITHMS.md ("causal over step-0 keys
+    uses the first ``(i + 1)·T`` columns. This is the mask of EAGLE-3's training-time test ("causal over step-0 keys
     plus the same position's keys from earlier steps") and of speculators' ``create_combined_mask_mod``
     / ``extend_mask_for_draft_tokens``. (SpecForge's manual-attention path additionally hides the
     step-0 keys ``t-i+1 .. t`` at step i; artcache follows the definition above.)

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft vocabulary: which target token ids the pruned draft lm_head covers.
 
-Recipe (EAGLE-3 arXiv:2503.01840 / SpecForge ``generate_vocab_mapping``; ALGORITHMS.md "EAGLE-3"):
+Recipe (EAGLE-3 arXiv:2503.01840 / SpecForge ``generate_vocab_mapping``):
 count the loss-masked training tokens, keep the V_d most frequent (padded with the smallest unused ids
 when fewer than V_d distinct ids were seen), sort ascending. Two tensors describe the map, in the
 layout vLLM and speculators load:

@@ -1,1 +1,0 @@
-bash .stage-a/keep.sh && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv && python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" && df -h /tmp | tail -1 && nproc

@@ -1,0 +1,74 @@
+"""docs/results.md is generated from bench/results/ (``python -m artcache.bench.results_page``): the committed page
+must be what the generator writes from the files now, every row names a file that exists, and a figure changed in a
+file changes the page."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from artcache.bench import results_page as rp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_committed_results_page_is_what_the_generator_writes():
+    assert (ROOT / "docs" / "results.md").read_text(encoding="utf-8") == rp.render(), \
+        "regenerate it: python -m artcache.bench.results_page"
+
+
+def test_every_cited_result_file_exists_and_is_linked():
+    page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    for name in rp.cited_files():
+        assert (ROOT / "bench" / "results" / name).is_file(), name
+        assert f"(../bench/results/{name})" in page, name
+
+
+def test_a_figure_changed_in_a_file_changes_its_row(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "bench" / "results", results)
+    path = results / "2026-12-02-h200-fp8-tau.json"
+    data = json.loads(path.read_text())
+    data["rows"][0]["fp8_s0"] = 9.876
+    path.write_text(json.dumps(data))
+    page = rp.render(results)
+    assert "| 9.876 |" in page and page != rp.render()
+
+
+def test_a_field_the_file_lacks_is_not_recorded(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "bench" / "results", results)
+    path = results / "2026-12-02-h200-fp8-tau.json"
+    data = json.loads(path.read_text())
+    del data["hardware"], data["commit"], data["command"]
+    path.write_text(json.dumps(data))
+    row = next(line for line in rp.render(results).splitlines() if "greedy-replay τ (+1 bonus) | 1.071" in line)
+    assert row.endswith("| not recorded | not recorded | not recorded |"), row
+
+
+def test_a_missing_result_file_is_one_line_and_exit_2(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "bench" / "results", results)
+    (results / "2026-12-02-h200-fp8-tau.json").unlink()
+    with pytest.raises(rp.ResultsError, match="2026-12-02-h200-fp8-tau.json is missing"):
+        rp.render(results)
+    proc = subprocess.run([sys.executable, "-m", "artcache.bench.results_page", "--results", str(results), "--check",
+                           "--out", str(ROOT / "docs" / "results.md")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is missing" in proc.stderr
+
+
+def test_check_flags_a_stale_page(tmp_path):
+    page = tmp_path / "results.md"
+    page.write_text(rp.render().replace("| 1.071 |", "| 1.072 |", 1))
+    proc = subprocess.run([sys.executable, "-m", "artcache.bench.results_page", "--check", "--out", str(page)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "out of date" in proc.stderr
+    page.write_text(rp.render())
+    ok = subprocess.run([sys.executable, "-m", "artcache.bench.results_page", "--check", "--out", str(page)],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
