@@ -215,3 +215,19 @@ def test_training_curve_suite_at_tiny_scale_resumes_the_run_piece_after_piece(tm
     curves = doc["pieces"]["curves"]["result"]
     assert set(curves["experiments"]) == {"dflash", "eagle3"} and Path(curves["png"]).stat().st_size > 0
     assert [e["step"] for e in curves["experiments"]["dflash"]["evals"]] == [0, 3, 6]
+
+
+@pytest.mark.slow  # three minutes on a loaded 2-core machine: a capture, then two `artcache run`s
+def test_fp8_suite_at_tiny_scale_on_a_cpu(tmp_path):
+    """Both pieces give figures: the error per layer, and held-out rows of both drafts (the runs' reports carry each
+    consumer's summary, which the rows come from)."""
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "fp8", "--scale", "tiny",
+                          "--resume", str(tmp_path / "fp8")], cwd=tmp_path, env=child_env(), capture_output=True,
+                         text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    p = json.loads((tmp_path / "fp8" / "fp8.json").read_text())["pieces"]
+    layers = p["error"]["result"]["layers"]
+    assert layers and all(0 < r["fp8_rel_error"] < 0.1 and r["bf16_rel_error"] < r["fp8_rel_error"] for r in layers)
+    rows = p["tau"]["result"]["rows"]
+    assert {(r["draft"], r["metric"]) for r in rows} >= {("dflash", "replay_tau"), ("eagle3", "loss")}
+    assert all(r["fp8_s0"] is not None and r["bf16_s0"] is not None for r in rows)
