@@ -15,7 +15,8 @@ JSON-able dict. The runner (:func:`run_suite`) works in one directory (``--resum
 A rerun with ``--resume DIR`` skips the finished pieces. ``--time-budget S`` stops *starting* pieces once ``S``
 seconds have passed since the call began (a running piece is never cut: pick ``S`` below the machine's limit by
 the longest piece's time; the first piece of a call always starts, so every call makes progress); the call then
-exits :data:`EXIT_PIECES_LEFT` and names the pieces left. Exit 0: every
+exits :data:`EXIT_PIECES_LEFT` and names the pieces left. SIGTERM or Ctrl-C stop the running piece at once (it is not
+recorded and runs again on the next call) and exit 143 / 130. Exit 0: every
 piece finished; 1: a piece failed (its error named; the finished ones stay); 2: bad input (an unknown suite or
 piece, settings that differ from ``DIR/suite.json``, pieces that need CUDA on a machine without one), before any
 piece runs.
@@ -31,6 +32,7 @@ import json
 import math
 import re
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -214,6 +216,11 @@ def run_suite(suite: Suite, suite_dir: Path, *, device: str, scale: str = "full"
         t_piece = time.monotonic()
         try:
             result = p.run(ctx)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM under main_suite: the piece is not recorded
+            signum = getattr(exc, "signum", 0) or signal.SIGINT
+            echo(f"suite {suite.name}: stopped by {signal.Signals(signum).name} in piece {p.name} (not recorded: it "
+                 f"runs again); {len(done)} of {len(chosen)} pieces done; continue with --resume {suite_dir}")
+            return 128 + signum
         except ArtcacheError as exc:
             raise PieceFailed(f"suite {suite.name}, piece {p.name}: {type(exc).__name__}: {exc}") from exc
         except Exception as exc:
@@ -520,9 +527,15 @@ def main_suite(name: str, *, out_dir: str, resume: str | None, device: str | Non
     elif device == "cuda" and not cuda:
         raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
     suite_dir = Path(resume) if resume else Path(out_dir) / name
-    return run_suite(suite, suite_dir.absolute(), device=device, scale=scale, pieces=pieces,
-                     time_budget_s=math.inf if time_budget_s is None else time_budget_s, resume=bool(resume),
-                     argv=argv)
+    from artcache.shutdown import Cancelled, GracefulShutdown
+
+    def stop_now(signum: int) -> None:  # a measurement cannot finish early: unwind the piece at once
+        raise Cancelled(signum)
+
+    with GracefulShutdown(f"bench --suite {name}", asked="stopping the piece now", on_request=stop_now):
+        return run_suite(suite, suite_dir.absolute(), device=device, scale=scale, pieces=pieces,
+                         time_budget_s=math.inf if time_budget_s is None else time_budget_s, resume=bool(resume),
+                         argv=argv)
 
 
 def describe() -> str:

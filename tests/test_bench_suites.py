@@ -231,3 +231,34 @@ def test_fp8_suite_at_tiny_scale_on_a_cpu(tmp_path):
     rows = p["tau"]["result"]["rows"]
     assert {(r["draft"], r["metric"]) for r in rows} >= {("dflash", "replay_tau"), ("eagle3", "loss")}
     assert all(r["fp8_s0"] is not None and r["bf16_s0"] is not None for r in rows)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_running_piece_unrecorded_and_exits_128_plus_it(tmp_path, monkeypatch, capsys, sig):
+    """SIGTERM / Ctrl-C in a piece: the piece stops at once and is not recorded (it runs again on the next call), the
+    finished ones stay, the call says so and exits 143 / 130."""
+    import os
+
+    calls: list[str] = []
+    base = _suite(calls)
+
+    def signalled(ctx: S.PieceContext) -> dict:
+        calls.append("b")
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler raises before this ends
+        return {}
+
+    fake = S.Suite("fake", base.about, (base.pieces[0], S.Piece("b", signalled, "signalled"), base.pieces[2]))
+    monkeypatch.setitem(S.SUITES, "fake", fake)
+    d = tmp_path / "fake"
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    assert S.main_suite("fake", out_dir="", resume=str(d), device="cpu", scale="full", pieces="",
+                        time_budget_s=None) == 128 + sig
+    assert calls == ["a", "b"] and sorted(p.name for p in (d / "pieces").iterdir()) == ["a.json"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"stopped by {signal.Signals(sig).name} in piece b (not recorded: it runs again)" in last
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers put back
+    monkeypatch.setitem(S.SUITES, "fake", base)
+    assert S.main_suite("fake", out_dir="", resume=str(d), device="cpu", scale="full", pieces="",
+                        time_budget_s=None) == 0
+    assert calls == ["a", "b", "b", "c"]
