@@ -441,6 +441,10 @@ def inspect(cache, as_json):
         sys.exit(3)
 
 
+#: the bench flags a --suite run takes (the others are the scenarios')
+_SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "device", "out_dir")
+
+
 @main.command()
 @click.option("--scenario", default="1p3c", type=click.Choice(["1p1c", "1p3c", "hetero", "all"]),
               help="all = 1p1c and 1p3c; hetero: three consumers of different speeds started at different times, "
@@ -493,7 +497,13 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
 
         if suite is None:
             raise ConfigError("--resume, --time-budget and --pieces belong to --suite NAME; give the suite")
-        explicit = click.get_current_context().get_parameter_source("device") == ParameterSource.COMMANDLINE
+        ctx = click.get_current_context()
+        given = [f"--{k.replace('_', '-')}" for k in ctx.params if k not in _SUITE_FLAGS
+                 and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: scenario flag(s), not taken by --suite {suite}; a suite takes "
+                              "--scale, --pieces, --resume, --time-budget, --device and --out")
+        explicit = ctx.get_parameter_source("device") == ParameterSource.COMMANDLINE
         sys.exit(main_suite(suite, out_dir=out_dir, resume=suite_resume, device=device if explicit else None,
                             scale=scale, pieces=pieces, time_budget_s=time_budget))
     from artcache.bench.run import BenchConfig, run_bench
