@@ -111,7 +111,7 @@ def test_cuda_pieces_are_refused_on_a_cpu_at_full_scale(tmp_path):
     (["--suite", "nope"], ["--suite 'nope' is not a suite; accepted: retention-gap, gpu-micro"]),
     (["--resume", "x"], ["--resume, --time-budget and --pieces belong to --suite NAME"]),
     (["--suite", "retention-gap", "--steps", "3", "--scenario", "1p1c"],
-     ["--steps, --scenario: scenario flag(s), not taken by --suite retention-gap"]),
+     ["--scenario, --steps: scenario flag(s), not taken by --suite retention-gap"]),
 ])
 def test_suite_refusals_are_one_line_exit_2(tmp_path, args, needles):
     res = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "o"), *args])

@@ -498,8 +498,8 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
         if suite is None:
             raise ConfigError("--resume, --time-budget and --pieces belong to --suite NAME; give the suite")
         ctx = click.get_current_context()
-        given = [f"--{k.replace('_', '-')}" for k in ctx.params if k not in _SUITE_FLAGS
-                 and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
+        given = sorted(f"--{k.replace('_', '-')}" for k in ctx.params if k not in _SUITE_FLAGS
+                       and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
         if given:
             raise ConfigError(f"{', '.join(given)}: scenario flag(s), not taken by --suite {suite}; a suite takes "
                               "--scale, --pieces, --resume, --time-budget, --device and --out")
