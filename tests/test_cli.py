@@ -833,7 +833,7 @@ def test_regression_window_bound_is_the_one_parser():
 
 
 @pytest.mark.parametrize("budget, needles", [
-    ("-5", ["--disk-budget '-5' is not accepted", "0 for the default"]),
+    ("-5", ["--disk-budget '-5' is not accepted", "0 for none", "or auto"]),
     ("1e5", ["--disk-budget '1e5' is not accepted"]),
     ("0.5", ["--disk-budget 0.5 is invalid", "at least one byte"]),  # used to become 0: the default
     ("99999999999T", ["--disk-budget 99999999999T is invalid", "<= 1152921504606846976 bytes (2**60"]),

@@ -47,8 +47,9 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from artcache.app.values import parse_bytes, parse_template_options
+from artcache.app.values import parse_bytes, parse_disk_budget, parse_template_options
 from artcache.errors import ConfigError
+from artcache.eviction import retention_rule
 from artcache.fsio import atomic_write
 from artcache.layout import check_id
 from artcache.ranges import (
@@ -151,9 +152,11 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         done_grace_s: ``artcache run``: the producer exits this long after the last experiment ended.
         demand_timeout_s: an experiment gives up waiting for one position after this long (seconds).
         group_shared: create the root group-shared (mode 2770, setgid) instead of private (0700).
-        disk_budget: bytes the retained artifacts may take (0: the producer's default from the
-            filesystem's free space); live windows and leases are kept whatever it is.
-        retention: ``need`` (keep by future need inside the budget) or ``windows`` (only live windows).
+        disk_budget: bytes the retained artifacts may take, or ``"auto"`` (from the filesystem's free space at
+            start); 0: none, the windows-only rule (only live windows, pinned ranges and leases are kept). A
+            budget means retention by future need (:func:`artcache.eviction.retention_rule`); live windows and
+            leases are kept whatever it is.
+        retention: ``""`` (follow ``disk_budget``), ``need`` or ``windows``: may only repeat what the budget says.
         payload: where the artifacts' tensors live: ``posix`` (files in the root) or ``mooncake://HOST:PORT``
             (Mooncake Store; the root keeps a manifest per artifact); ``""`` = what the root records
             (``posix`` for a new root). See docs/scale-out.md.
@@ -164,8 +167,8 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     done_grace_s: NonNegativeFloat = 5.0
     demand_timeout_s: Positive = 600.0
     group_shared: bool = False
-    disk_budget: DiskBudget = 0
-    retention: Literal["need", "windows"] = "need"
+    disk_budget: DiskBudget | Literal["auto"] = 0
+    retention: Literal["", "need", "windows"] = ""
     payload: str = ""
 
 
@@ -382,7 +385,9 @@ def _describe(t: mi.Type, seconds: bool = False, ranges: bool = True) -> str:
     """What a field of type ``t`` accepts, in words (``ranges``: with its declared range)."""
     t, optional = _strip_none(t)
     names = {mi.BoolType: "true or false", mi.StrType: "a string"}
-    if isinstance(t, mi.LiteralType):
+    if isinstance(t, mi.UnionType):  # e.g. cache.disk_budget: bytes or "auto"
+        text = " or ".join(_describe(x, seconds, ranges) for x in t.types if not isinstance(x, mi.NoneType))
+    elif isinstance(t, mi.LiteralType):
         text = "one of " + ", ".join(map(str, t.values))
     elif isinstance(t, mi.ListType):
         text = f"a list of {_describe(t.item_type).removeprefix('an ').removeprefix('a ')}s"
@@ -491,6 +496,11 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
     if cfg.capture.layer_ids is not None and not cfg.capture.layer_ids:
         raise ConfigError(f"{source}: capture.layer_ids is empty: give output-of-layer ids, or leave it out for "
                           "the union of the experiments' views")
+    try:  # cache.retention may only repeat what cache.disk_budget says
+        retention_rule(cfg.cache.disk_budget, cfg.cache.retention)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: cache: {str(exc).replace('--disk-budget', 'disk_budget').replace('--', '')}"
+                          ) from None
 
 
 # ---- overrides ---------------------------------------------------------------------------------------
@@ -731,7 +741,7 @@ PRODUCER_FLAGS = {
     "disk_budget": "cache.disk_budget", "retention": "cache.retention", "payload": "cache.payload",
 }
 PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "expect_timeout", "idle_exit", "producer_id",
-                          "fill")
+                          "fill", "evict_fill")
 
 #: ``artcache consume --experiment NAME`` flag → field of that experiment (``E.`` prefix) or config path.
 CONSUME_FLAGS = {
@@ -775,7 +785,9 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
             path = f"experiments.{experiment}.{path[2:]}"
         if path == "data.template_options":
             value = parse_template_options(value)
-        elif path in ("cache.disk_budget", "bench.disk_budget"):
+        elif path == "cache.disk_budget":
+            value = parse_disk_budget(value)
+        elif path == "bench.disk_budget":
             value = parse_bytes(value, "disk-budget")
         out[path] = value
     return out

@@ -521,7 +521,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     shutdown = GracefulShutdown("artcache run", asked="stopping every experiment (one SIGTERM each)")
     shutdown.install()
     stop = shutdown.requested
-    t0 = time.time()
+    t0 = time.monotonic()  # the run's wall time is a duration: never from the wall clock
     producer: Role | None = None
     consumers: dict[str, Role] = {}
     problems: list[str] = []
@@ -596,7 +596,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     finally:
         stop_all([*consumers.values(), *([producer] if producer else [])], grace_s=30)
         shutdown.restore()
-    wall = time.time() - t0
+    wall = time.monotonic() - t0
     report = merge_earlier(run_report(plan, producer, consumers, wall, problems, cancel_signalled=cancel_signalled),
                            out / "report.json")
     write_report(plan, report)
