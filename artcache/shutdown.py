@@ -24,6 +24,16 @@ log = logging.getLogger("artcache.shutdown")
 #: the signals a run stops on by default
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+#: the first stop signal any :class:`GracefulShutdown` of this process received (0: none)
+_received = 0
+
+
+def stop_exit_status() -> int:
+    """The exit status of a process a stop signal cancelled: ``128 + signal`` (the shell's convention: 130 for
+    SIGINT, 143 for SIGTERM), from the first signal a :class:`GracefulShutdown` of this process handled; 130 when
+    none did (a plain Ctrl-C raises :class:`KeyboardInterrupt` without one)."""
+    return 128 + (_received or int(signal.SIGINT))
+
 
 class GracefulShutdown:
     """First signal: ask (``requested`` set, ``signum`` recorded, ``on_request`` called); second: force.
@@ -74,6 +84,8 @@ class GracefulShutdown:
             log.warning("%s: second signal (%s): stopping at once", self.what, name)
             raise KeyboardInterrupt(f"signal {signum} (second)")
         self.signum = signum
+        global _received
+        _received = _received or signum
         self.requested.set()
         log.warning("%s: %s: %s (send it again to stop at once)", self.what, name, self.asked)
         if self.on_request is not None:
@@ -93,7 +105,7 @@ class Cancelled(KeyboardInterrupt):
     the signal (``signum``; 0 when unknown) and what the run has to say (``summary``, or None).
 
     :attr:`exit_status` is the shell's convention for a process a signal ended: 128 + the signal's number (SIGINT:
-    130, SIGTERM: 143); 130 when the signal is unknown (a KeyboardInterrupt raised by Python's own SIGINT handler)."""
+    130, SIGTERM: 143); without ``signum``, :func:`stop_exit_status`'s."""
 
     def __init__(self, signum: int = 0, summary: dict | None = None) -> None:
         name = signal.Signals(signum).name if signum else "an interrupt"
@@ -102,7 +114,7 @@ class Cancelled(KeyboardInterrupt):
 
     @property
     def exit_status(self) -> int:
-        return 128 + (self.signum or signal.SIGINT)
+        return 128 + self.signum if self.signum else stop_exit_status()
 
     def __reduce__(self):
         return type(self), (self.signum, self.summary)
@@ -127,4 +139,4 @@ def follow_parent() -> bool:
     return ok
 
 
-__all__ = ["STOP_SIGNALS", "Cancelled", "GracefulShutdown", "follow_parent"]
+__all__ = ["STOP_SIGNALS", "Cancelled", "GracefulShutdown", "follow_parent", "stop_exit_status"]

@@ -26,12 +26,22 @@ from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 def _errors(fn):
     """Turn artcache errors into one clear line on stderr and the error class's exit status
     (``ArtcacheError.exit_code``: 2 = bad input, 1 = operational failure); a msgspec validation error of
-    a config file is bad input too."""
+    a config file is bad input too. A run a stop signal cancelled (its KeyboardInterrupt, after its own cleanup:
+    a consumer's checkpoint and ``cancelled`` registration) exits ``128 + signal`` (130 SIGINT, 143 SIGTERM;
+    :func:`artcache.shutdown.stop_exit_status`), not click's 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            import signal
+
+            from artcache.shutdown import stop_exit_status
+
+            code = stop_exit_status()
+            click.echo(f"artcache: cancelled by {signal.Signals(code - 128).name} (exit {code})", err=True)
+            sys.exit(code)
         except msgspec.ValidationError as exc:
             click.echo(f"artcache: error: {exc}", err=True)
             sys.exit(2)
@@ -43,7 +53,7 @@ def _errors(fn):
     return wrapper
 
 
-def _check_device(device: str) -> None:
+def _check_device(device: str, flag: str = "--device") -> None:
     """Reject a device torch cannot use before anything is loaded or written."""
     import torch
 
@@ -52,13 +62,21 @@ def _check_device(device: str) -> None:
     except (RuntimeError, ValueError):
         dev = None
     if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device!r} is not accepted: use cpu, cuda or cuda:<index>")
+        raise ConfigError(f"{flag} {device!r} is not accepted: use cpu, cuda or cuda:<index>")
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise ConfigError(f"--device {device!r}: no CUDA device is visible; use --device cpu")
+            raise ConfigError(f"{flag} {device!r}: no CUDA device is visible; use --device cpu")
         if dev.index is not None and dev.index >= n:
-            raise ConfigError(f"--device {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
+            raise ConfigError(f"{flag} {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
+
+
+def parse_devices(text: str) -> list[str]:
+    """``--devices cuda:0,cuda:1`` as a list, each checked by :func:`_check_device` (``""``: none)."""
+    devices = [d.strip() for d in text.split(",") if d.strip()] if text else []
+    for dev in devices:
+        _check_device(dev, "--devices")
+    return devices
 
 
 def _with_config(verb: str):
@@ -87,10 +105,13 @@ def _with_config(verb: str):
 
                 pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
                 _check_device(pcfg.device)
+                for dev in pcfg.devices:
+                    _check_device(dev, "--devices")
                 stats = run_producer(pcfg)
-                click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-                           f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures",
-                           err=True)
+                if not stats.follower:
+                    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
+                               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} "
+                               "failures", err=True)
             elif verb == "consume":
                 from artcache.trainers.consumer import run_consumer
 
@@ -131,9 +152,12 @@ def _finish_consume(run_consumer, cfg, as_json: bool) -> None:
         else:
             click.echo(format_consume_summary(exc.summary, name))
         sys.exit(exc.exit_status)
-    except KeyboardInterrupt:  # Ctrl-C before the consumer installed its handlers (loading, registering)
-        click.echo(format_consume_summary(None, "SIGINT"))
-        sys.exit(130)
+    except KeyboardInterrupt:  # a stop before the consumer installed its handlers (loading, registering)
+        from artcache.shutdown import stop_exit_status
+
+        code = stop_exit_status()
+        click.echo(format_consume_summary(None, signal_name(code - 128)))
+        sys.exit(code)
     click.echo(json.dumps(summary) if as_json else format_consume_summary(summary))
 
 
@@ -201,6 +225,13 @@ def main(verbose: bool) -> None:
 @click.option("--layer-ids", default=None,
               help="Explicit output-of-layer ids, comma separated, each once (overrides --draft-layers).")
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
+@click.option("--devices", default="", metavar="DEV,DEV,...",
+              help="Place the target over these devices (e.g. cuda:0,cuda:1) with transformers' device_map: decoder "
+              "layers in contiguous blocks, inputs and captures on the first (instead of --device; hf backend).")
+@click.option("--tensor-parallel-size", default=1, type=int,
+              help="Shard the target over N ranks of a torch.distributed group by its tensor-parallel plan (gloo on "
+              "--device cpu, NCCL on cuda: rank r on cuda:r); this process is rank 0 and starts the others (or run "
+              "under torchrun --nproc-per-node N). hf backend, HF checkpoints. Artifacts as from one device.")
 @click.option("--dtype", default="bfloat16",
               type=click.Choice(["bfloat16", "float16", "float32", "fp8", "float8_e4m3fn"]),
               help="Stored dtype of the captured hidden states. fp8 (= float8_e4m3fn): e4m3 codes with one fp32 "
@@ -254,16 +285,18 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
-             fill=False, evict_fill=False, payload=""):
+             fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
 
     _check_device(device)
+    device_list = parse_devices(devices)
     ids = parse_layer_ids(layer_ids)
     cfg = ProducerConfig(
         cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
-        draft_layers=draft_layers, layer_ids=ids, device=device, dtype=dtype, compute_dtype=compute_dtype,
+        draft_layers=draft_layers, layer_ids=ids, device=device, devices=device_list,
+        tensor_parallel_size=tensor_parallel_size, dtype=dtype, compute_dtype=compute_dtype,
         limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens),
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
         expect_consumers=expect_consumers, expect_timeout_s=expect_timeout, idle_exit_s=idle_exit,
@@ -271,8 +304,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         group_shared=group_shared, backend=backend, disk_budget=parse_disk_budget(disk_budget),
         retention=retention or "", fill=fill, evict_fill=evict_fill, payload=payload)
     stats = run_producer(cfg)
-    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
+    if not stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
+        click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
+                   f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
 
 
 @main.command()

@@ -84,6 +84,11 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         name: ``smollm2-135m-instruct``, ``random:<arch>``, an HF directory (config.json + safetensors) or a
             Hugging Face hub id ``ORG/NAME[@REVISION]`` (from huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured).
         device: the producer's device, ``cpu`` or ``cuda[:i]``; experiments default to it.
+        devices: two or more devices (``["cuda:0", "cuda:1"]``) the producer places the target over with
+            transformers' ``device_map`` (decoder layers in contiguous blocks) instead of ``device``; ``[]``: none.
+        tensor_parallel_size: ranks of a torch.distributed group the producer shards the target over by its
+            tensor-parallel plan (gloo on ``cpu``, NCCL on ``cuda``); 1: none. Neither placement changes an
+            artifact or its fingerprint (docs/scale-out.md).
         dtype: stored dtype of the captured hidden states (one per cache root); ``fp8`` (stored as
             ``float8_e4m3fn``): e4m3 codes with one fp32 scale per token row per layer (docs/format.md).
         compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU, bfloat16 on CUDA.
@@ -92,6 +97,8 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: str = "smollm2-135m-instruct"
     device: str = "cpu"
+    devices: list[str] = []
+    tensor_parallel_size: Count = 1
     dtype: DType = "bfloat16"
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     threads: NonNegative = 0
@@ -185,8 +192,9 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         dtype: hidden-state dtype this draft expects; must be ``target.dtype`` (``None``: any).
         block_size (B; default DFlash 16, DSpark 7), anchors (per sequence; default 64, DSpark 512 on cuda,
             64 on cpu): a draft that does not use an option (EAGLE-3) refuses it. batch_size (positions per
-            step). steps: the stop (raise it to extend a run). lr_total_steps: the LR schedule horizon
-            (default: steps; on a resume, the checkpoint's).
+            step). steps: the stop (raise it to extend a run); ``consumer.epochs`` instead (never both: refused,
+            :func:`check_horizon`) is turned into steps from the plan by ``artcache run``. lr_total_steps: the LR
+            schedule horizon (default: steps; on a resume, the checkpoint's).
         lr (peak), warmup_frac, seed, window (``LOOKBEHIND:LOOKAHEAD`` positions).
         device: ``""`` = ``target.device``. threads: torch CPU threads (0 = torch's default).
         out: run directory (checkpoints, config); ``""`` = ``<out>/experiments/<name>``.
@@ -474,7 +482,26 @@ def convert(raw: dict, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: {where or 'top level'}: {problem}"
                           + (f"; accepted: {accepted}" if accepted else "")) from None
     check_run_config(cfg, source)
+    check_horizon(raw, cfg, source)
     return cfg
+
+
+def check_horizon(raw: dict, cfg: RunConfig, source: str = "config") -> None:
+    """One horizon per experiment: ``steps`` and ``consumer.epochs`` (> 0) both given in the raw table (the
+    file, its overrides and the CLI flags) say twice how long to train, so they are refused; with ``epochs``
+    alone :func:`artcache.app.experiments.plan_run` turns it into ``steps`` from the plan (the dry run, the run
+    and a rerun then walk the same steps).
+
+    Raises:
+        ConfigError: naming both values and the two ways on.
+    """
+    items = raw.get("experiments") if isinstance(raw.get("experiments"), list) else []
+    for i, (item, e) in enumerate(zip(items, cfg.experiments, strict=False)):
+        epochs = e.consumer.get("epochs", 0)
+        if isinstance(item, dict) and "steps" in item and isinstance(epochs, int) and epochs > 0:
+            raise ConfigError(f"{source}: experiments.{i} ({e.name!r}) gives steps {e.steps} and consumer.epochs "
+                              f"{epochs}, which both say how long to train; give one of them (leave steps out to "
+                              "train by epochs)")
 
 
 def check_run_config(cfg: RunConfig, source: str = "config") -> None:
@@ -739,6 +766,7 @@ PRODUCER_FLAGS = {
     "heartbeat_timeout": "cache.heartbeat_timeout_s", "done_grace": "cache.done_grace_s", "threads": "target.threads",
     "template_options": "data.template_options", "group_shared": "cache.group_shared", "backend": "capture.backend",
     "disk_budget": "cache.disk_budget", "retention": "cache.retention", "payload": "cache.payload",
+    "devices": "target.devices", "tensor_parallel_size": "target.tensor_parallel_size",
 }
 PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "expect_timeout", "idle_exit", "producer_id",
                           "fill", "evict_fill")
@@ -787,6 +815,8 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
             value = parse_template_options(value)
         elif path == "cache.disk_budget":
             value = parse_disk_budget(value)
+        elif path == "target.devices":
+            value = [d.strip() for d in str(value).split(",") if d.strip()]
         elif path == "bench.disk_budget":
             value = parse_bytes(value, "disk-budget")
         out[path] = value
@@ -880,8 +910,9 @@ def producer_config(cfg: RunConfig, **process: Any):
     return ProducerConfig(
         cache=cache_root(cfg), target=cfg.target.name, dataset=cfg.data.dataset, seed=cfg.data.seed,
         max_length=cfg.data.max_length, max_samples=cfg.data.max_samples, draft_layers=cfg.capture.draft_layers,
-        layer_ids=layer_ids, device=cfg.target.device,
-        dtype=cfg.target.dtype, compute_dtype=cfg.target.compute_dtype,
+        layer_ids=layer_ids, device=cfg.target.device, devices=list(cfg.target.devices),
+        tensor_parallel_size=cfg.target.tensor_parallel_size, dtype=cfg.target.dtype,
+        compute_dtype=cfg.target.compute_dtype,
         limits=SchedulerLimits(max_queue=cfg.capture.max_queue, max_batch_samples=cfg.capture.batch_samples,
                                max_batch_tokens=cfg.capture.batch_tokens),
         heartbeat_timeout_s=cfg.cache.heartbeat_timeout_s, done_grace_s=cfg.cache.done_grace_s,
