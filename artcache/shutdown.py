@@ -130,6 +130,27 @@ class Forwarding:
             signal.signal(sig, handler)
 
 
+class Cancelled(KeyboardInterrupt):
+    """A run a stop signal ended, after its clean-up (a consumer: checkpointed, fenced as cancelled): a
+    :class:`KeyboardInterrupt`, so every ``except KeyboardInterrupt`` keeps treating it as one, that also carries
+    the signal (``signum``; 0 when unknown) and what the run has to say (``summary``, or None).
+
+    :attr:`exit_status` is the shell's convention for a process a signal ended: 128 + the signal's number (SIGINT:
+    130, SIGTERM: 143); without ``signum``, :func:`stop_exit_status`'s."""
+
+    def __init__(self, signum: int = 0, summary: dict | None = None) -> None:
+        name = signal.Signals(signum).name if signum else "an interrupt"
+        super().__init__(f"stopped by {name}")
+        self.signum, self.summary = signum, summary
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum if self.signum else stop_exit_status()
+
+    def __reduce__(self):
+        return type(self), (self.signum, self.summary)
+
+
 def follow_parent() -> bool:
     """For a helper process its parent stops (a consumer's ``--reader process``): ignore the stop signals (a signal
     to the process group is the parent's to handle: it stops the helper through its own channel), and ask Linux to
@@ -149,4 +170,4 @@ def follow_parent() -> bool:
     return ok
 
 
-__all__ = ["STOP_SIGNALS", "Forwarding", "GracefulShutdown", "follow_parent", "stop_exit_status"]
+__all__ = ["STOP_SIGNALS", "Cancelled", "Forwarding", "GracefulShutdown", "follow_parent", "stop_exit_status"]
