@@ -42,6 +42,10 @@ kind                     what                                          ``--fix``
 ``stale-lock``           a marker-file ("soft") lock left by a dead    remove it
                          process, or a lock path that is not a file
 ``bad-plan``             the root's plan does not load and verify      not fixable here (report only)
+                         (``plan.json``'s digests of itself and of
+                         ``plan.safetensors`` included)
+``bad-settings``         ``artcache.json`` does not match the digest   not fixable here (report only);
+                         of its content it records                     artifacts and plan left unchecked
 =======================  ===========================================  ==================================
 
 Notes (not problems): temp files of live writers or other hosts, entries artcache did not write, locks
@@ -77,14 +81,15 @@ from artcache.errors import (
     PayloadUnavailable,
     UnsafePath,
 )
-from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, temp_writer, unique_suffix
+from artcache.fsio import scan_temps
+from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, unique_suffix
 from artcache.liveness import dead_reason, from_token, in_initial_pid_namespace, pid_exists
 from artcache.payload import remote_for
 
 log = logging.getLogger("artcache.fsck")
 _FP = re.compile(r"[0-9a-f]{16,128}")
 #: plan.save's temp directory: .tmp-<plan id[:12]>-<writer token>.<nonce>
-_PLAN_TMP = re.compile(r"\.tmp-[0-9a-f]{12}-(?P<rest>.+)")
+_PLAN_TMP = re.compile(r"\.tmp-[0-9a-f]{12}-")
 #: seconds between fsck's looks at the registrations it watches for heartbeat progress
 OBSERVE_POLL_S = 0.25
 
@@ -214,10 +219,9 @@ class _Fsck:
 
     def check_tmp(self) -> None:
         seen = {"live": 0, "unknown": 0, "foreign": 0}
-        entries = list(os.scandir(self.layout.tmp)) if self.real_dir(self.layout.tmp) else []
+        entries = scan_temps(self.layout.tmp, suffix="") if self.real_dir(self.layout.tmp) else []
         self.checked["temp_files"] = len(entries)
-        for entry in entries:
-            verdict = temp_writer(entry.name)
+        for entry, verdict in entries:
             if not verdict.orphan:
                 seen[verdict.state] += 1
                 continue
@@ -234,10 +238,9 @@ class _Fsck:
         if stray:
             self.notes.append(f"{stray} file(s) in tmp/ do not have artcache's temp-file names (left alone)")
         # plan.save's temp directories
-        for entry in list(os.scandir(self.layout.plans)) if self.real_dir(self.layout.plans) else []:
-            m = _PLAN_TMP.fullmatch(entry.name)
-            verdict = temp_writer(m["rest"]) if m is not None else None
-            if verdict is None or not verdict.orphan:
+        for entry, verdict in scan_temps(self.layout.plans, prefix=_PLAN_TMP, suffix="") \
+                if self.real_dir(self.layout.plans) else []:
+            if not verdict.orphan or not entry.is_dir(follow_symlinks=False):
                 continue
             self.problem("orphan-temp", entry.path,
                          f"plan temp directory of pid {verdict.writer.identity.pid} (this host): {verdict.reason}",
@@ -493,10 +496,14 @@ class _Fsck:
         from artcache.plan import Plan
 
         try:
-            Plan.load(self.layout.plan_dir(plan_id))
+            plan = Plan.load(self.layout.plan_dir(plan_id))
         except DataError as exc:
             self.problem("bad-plan", self.layout.plan_dir(plan_id), str(exc), "not fixable by fsck: move the plan "
                          "directory away and restart the producer (it rebuilds the same plan)", None)
+            return
+        if not plan.verified:
+            self.notes.append(f"plan {plan_id[:12]} records no digests (saved before plans recorded them): its "
+                              "ids and offsets were checked, its token bytes not verified")
 
     def check_journal(self) -> None:
         if not self.real_dir(self.layout.journal):
@@ -525,26 +532,35 @@ def fsck(root: str | os.PathLike, *, fix: bool = False, lease_ttl_s: float = 600
     Raises:
         CacheRootError: ``root`` is not an initialised cache root (no ``artcache.json``).
     """
-    from artcache.settings import RootSettings
+    from artcache.settings import decode_settings
 
     layout = CacheLayout(Path(root).expanduser().absolute())
     if not layout.root.is_dir() or not layout.settings.is_file() or layout.settings.is_symlink():
         raise CacheRootError(f"{str(layout.root)!r} is not an initialised cache root (no {layout.settings.name})")
-    try:  # not load_settings: it refuses a root with a linked subdirectory, which fsck reports
-        settings = msgspec.json.decode(layout.settings.read_bytes(), type=RootSettings)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CacheRootError(f"{layout.settings} is invalid: {exc}") from exc
+    # not load_settings: it refuses a root with a linked subdirectory, which fsck reports
+    settings, damage = decode_settings(layout.settings.read_bytes(), layout.settings)
     run = _Fsck(layout, fix, lease_ttl_s, settings.heartbeat_timeout_s if observe_s is None else observe_s)
     try:
         run.check_symlinks()
         run.check_dirs()
         run.check_tmp()
-        published = run.check_objects(settings.contract)
+        if damage is None:
+            if settings.digests is None:
+                run.notes.append(f"{SETTINGS_FILE} records no digest (written before roots recorded one): not "
+                                 "verified")
+            published = run.check_objects(settings.contract)
+        else:  # its contract and plan id cannot be trusted: judging artifacts by them could quarantine all
+            run.problem("bad-settings", layout.settings, f"{SETTINGS_FILE} is damaged: {damage}", "not fixable by "
+                        "fsck: restore it or use a new cache root", None)
+            run.notes.append(f"artifacts and the plan were not checked: {SETTINGS_FILE} names their contract and "
+                             "plan")
+            published = set()
         run.check_failures(published)
         live = run.check_consumers(settings.heartbeat_timeout_s)
         run.check_leases(live)
         run.check_locks()
-        run.check_plan(settings.plan_id)
+        if damage is None:
+            run.check_plan(settings.plan_id)
         run.check_journal()
     finally:
         run.close()

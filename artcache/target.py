@@ -13,9 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
-import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,7 @@ import msgspec
 import torch
 
 from artcache.errors import ConfigError
-from artcache.fsio import atomic_write
+from artcache.fsio import apply_share_mode, atomic_write, publish_dir
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.locking import cache_lock
 
@@ -200,6 +197,79 @@ def _hub_snapshot(value: str) -> Path:
     return snapshot
 
 
+def by_name(name: str, revision: str = "") -> str | None:
+    """What a user resolves a recorded target from into their own caches (:func:`resolve_target`), or None for a
+    target only its directory path reaches: a built-in name (:data:`ACCEPTED_NAMES`: the bundled GGUF target,
+    ``random:<arch>``) as it is; a hub id ``ORG/NAME`` at its recorded ``revision`` (the snapshot's commit). The
+    result is checked by weights digest by its caller."""
+    if name in ACCEPTED_NAMES:
+        return name
+    if _HUB_ID.fullmatch(name) and "@" not in name:
+        return f"{name}@{revision}" if revision else name
+    return None
+
+
+def _can(path: Path, mode: int) -> bool:
+    """``os.access`` with this process's effective ids (a root without ``CAP_DAC_*`` is refused too)."""
+    if os.access in os.supports_effective_ids:
+        return os.access(path, mode, effective_ids=True)
+    return os.access(path, mode)
+
+
+def unreadable(target_dir: str | Path) -> str | None:
+    """Why this process cannot read the target directory ``target_dir`` (a consumer loads its config, weights and
+    tokenizer from it), or None (readable, or not there at all: that is :func:`resolve_target`'s to say): the
+    first path on the way it may not use (a parent it may not search, the directory it may not list, a file in it
+    it may not read), with its mode and owner and this process's ids.
+
+    Returns:
+        ``"<path> (drwx------ uid 1001 gid 1001) gives uid 1002 (groups [100]) no search permission"`` or None.
+    """
+    import stat as stat_
+
+    p = Path(target_dir).absolute()
+    checks = [(a, os.X_OK, "search") for a in reversed(p.parents)] + [(p, os.R_OK | os.X_OK, "read and search")]
+    try:
+        files = [f for f in p.iterdir() if not f.name.startswith(".") and f.is_file()] if _can(p, os.R_OK | os.X_OK) \
+            else []
+    except OSError:
+        files = []
+    checks += [(f, os.R_OK, "read") for f in sorted(files)]
+    for path, mode, what in checks:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            continue  # its parent's refusal is named first
+        if not _can(path, mode):
+            return (f"{path} ({stat_.filemode(st.st_mode)} uid {st.st_uid} gid {st.st_gid}) gives uid {os.geteuid()} "
+                    f"(groups {sorted(os.getgroups())}) no {what} permission")
+    return None
+
+
+def closed_to_group(target_dir: str | Path, gid: int) -> str | None:
+    """Why members of group ``gid`` (other than the owner) cannot read the target directory ``target_dir``, judged
+    by mode bits (the group's for a path of group ``gid``, others' otherwise), or None: the first parent they may
+    not search, the directory they may not list, or a file in it they may not read. What a producer of a
+    group-shared root warns about at start (a teammate's consumer would be refused: :func:`unreadable`)."""
+    import stat as stat_
+
+    p = Path(target_dir).absolute()
+    checks = [(a, 0o1, "search") for a in reversed(p.parents)] + [(p, 0o5, "read and search")]
+    with contextlib.suppress(OSError):
+        checks += [(f, 0o4, "read") for f in sorted(p.iterdir()) if not f.name.startswith(".") and f.is_file()]
+    for path, need, what in checks:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        bits = (st.st_mode >> 3) & 0o7 if st.st_gid == gid else st.st_mode & 0o7
+        if bits & need != need:
+            return f"{path} ({stat_.filemode(st.st_mode)} uid {st.st_uid} gid {st.st_gid}) gives group {gid} no {what}"
+    return None
+
+
 def is_random(info: TargetInfo) -> bool:
     """Whether the target's decoder body is randomly initialised at load time (benchmark targets)."""
     return (Path(info.path) / _RANDOM_MARKER).is_file()
@@ -218,9 +288,8 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
         if (final / _RANDOM_MARKER).is_file():
             return final
         cfg = dict(RANDOM_ARCHS[arch], torch_dtype="bfloat16")
-        tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        # a directory left without its marker (an older writer's) is replaced
+        with publish_dir(final, existing="replace", durable=False, tmp_name=f".tmp-{final.name}-") as tmp:
             gen = torch.Generator().manual_seed(seed)
             shape = (cfg["vocab_size"], cfg["hidden_size"])
             tensors = {"model.embed_tokens.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
@@ -229,12 +298,9 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
             save_file(tensors, str(tmp / "model.safetensors"))
             (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
             (tmp / _RANDOM_MARKER).write_text(json.dumps({"arch": arch, "seed": seed}))
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            # safetensors writes 0600 whatever the umask: readable as every other file here (a teammate on a
+            # shared ARTCACHE_HOME reads it; regression: a misleading FileNotFoundError there)
+            apply_share_mode(*tmp.iterdir())
     return final
 
 
@@ -273,17 +339,10 @@ def _ensure_converted(name: str, home: Path) -> tuple[Path, str]:
     with cache_lock(str(final) + ".lock"):
         if _is_complete(final):  # another process converted it while we waited
             return final, revision
-        tmp = targets / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
+        with publish_dir(final, existing="keep", complete=_is_complete, durable=False,
+                         tmp_name=f".tmp-{final.name}-") as tmp:
             _convert_gguf(gguf, tmp)
             _weights_digest(tmp)  # write the sidecar before publishing
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not _is_complete(final):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return final, revision
 
 
@@ -373,21 +432,69 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_target_model(info: TargetInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
-    """The target as a transformers causal LM on ``device`` in ``dtype``: eval mode, all requires_grad False."""
+def layer_device_map(info: TargetInfo, devices: list[str]) -> dict[str, str]:
+    """A transformers/accelerate ``device_map`` that places the target over ``devices``: the decoder layers in
+    contiguous blocks as even as the count allows (the first ``L mod n`` devices hold one layer more), every
+    other module (embedding, rotary embedding, final norm, lm_head: tied to the embedding) on ``devices[0]``.
+    Keys are module names of the model ``info`` loads as (``model.layers.3``). Raises ConfigError when there
+    are more devices than decoder layers."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if len(devices) > info.num_layers:
+        raise ConfigError(f"--devices {','.join(devices)}: {len(devices)} devices for a target of {info.num_layers} "
+                          "decoder layers; give at most one device per layer")
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(info.path))
+    layers_name = next((name for name, mod in empty.named_modules()
+                        if isinstance(mod, torch.nn.ModuleList) and len(mod) == info.num_layers), None)
+    if layers_name is None:
+        raise ConfigError(f"target {info.path!r}: no list of {info.num_layers} decoder layers to place over --devices")
+    device_map: dict[str, str] = {}
+    for name, _ in empty.named_children():
+        device_map[name] = devices[0]
+    base, _, _ = layers_name.rpartition(".")
+    if base:  # the base model's children one by one, its layers by block
+        del device_map[base.split(".")[0]]
+        owner = empty.get_submodule(base)
+        for name, _ in owner.named_children():
+            device_map[f"{base}.{name}"] = devices[0]
+    del device_map[layers_name]
+    per, extra = divmod(info.num_layers, len(devices))
+    i = 0
+    for d, dev in enumerate(devices):
+        for _ in range(per + (d < extra)):
+            device_map[f"{layers_name}.{i}"] = dev
+            i += 1
+    return device_map
+
+
+def load_target_model(info: TargetInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                      devices: list[str] | None = None):
+    """The target as a transformers causal LM on ``device`` in ``dtype``: eval mode, all requires_grad False.
+
+    ``devices`` (two or more): placed over them by transformers' ``device_map`` (:func:`layer_device_map`; the
+    same weights, each layer whole on one device) instead of on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device_map = layer_device_map(info, list(devices)) if devices and len(devices) > 1 else None
     if is_random(info):  # benchmark target: random body initialised on the device, stored embeddings
         config = AutoConfig.from_pretrained(info.path)
         torch.manual_seed(0)
-        with torch.device(device):
+        with torch.device(devices[0] if device_map else device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         embed, lm_head = load_embedding_and_lm_head(info)
         model.get_input_embeddings().weight.data.copy_(embed)
         model.get_output_embeddings().weight.data.copy_(lm_head)
+        if device_map:
+            from accelerate import dispatch_model
+
+            model = dispatch_model(model, device_map=device_map)
     else:
-        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
-    model = model.to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype, device_map=device_map)
+    if device_map is None:
+        model = model.to(device)
+    model = model.eval()
     model.requires_grad_(False)
     return model
 

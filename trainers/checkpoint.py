@@ -93,10 +93,12 @@ from artcache.fsio import (
     errno_of,
     free_space,
     fsync_dir,
+    publish_dir,
+    remove_orphan_parts,
     space_reserve,
 )
-from artcache.hashing import canonical_json, digest_bytes, digest_file
-from artcache.layout import temp_writer, unique_suffix
+from artcache.hashing import DIGEST_ALGORITHM, digest_bytes, digest_file, record_digest
+from artcache.layout import unique_suffix
 from artcache.report import format_bytes
 
 log = logging.getLogger("artcache.consumer")
@@ -105,8 +107,6 @@ log = logging.getLogger("artcache.consumer")
 #: an older artcache reads a checkpoint that has it, this one reads a checkpoint without it, unverified.)
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"step-([0-9]{8})")
-#: the hash of a checkpoint's content digests (:func:`artcache.hashing.digest_file`: 32 hex characters)
-DIGEST_ALGORITHM = "xxh3_128"
 #: the tensor files a checkpoint may hold (``extra`` optional; ``optimizer`` and ``rng`` not weights-only)
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors")
 #: the tensor files holding the draft's weights: what ``--init-from``, export and calibrate read
@@ -339,40 +339,31 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
             (nothing is written).
     """
     final = step_dir(run_dir, step)
-    tmp = final.parent / f".tmp-{unique_suffix()}"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
-                                    tmp / "model.safetensors")
-        names = ["model.safetensors", "state.json"]
-        groups: list[dict] = []
-        if optimizer is not None:
-            opt_tensors, groups = optimizer_tensors(optimizer)
-            safetensors.torch.save_file(opt_tensors, tmp / "optimizer.safetensors")
-            safetensors.torch.save_file(rng_tensors(generators), tmp / "rng.safetensors")
-            names += ["optimizer.safetensors", "rng.safetensors"]
-        if extra_tensors:
-            safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
-                                        tmp / "extra.safetensors")
-            names.append("extra.safetensors")
-        files = {name: _file_digest(tmp / name) for name in names if name != "state.json"}  # one read pass
-        doc = {**state, "format": CHECKPOINT_FORMAT, "step": step, "cursor": cursor, "param_groups": groups,
-               "resumable": optimizer is not None, "digests": {"algorithm": DIGEST_ALGORITHM, "files": files}}
-        text = _state_text(doc)
-        msgspec.json.decode(text, type=CheckpointState)  # what is written reads back (ValidationError if not)
-        (tmp / "state.json").write_text(text)
-        apply_share_mode(*(tmp / name for name in names))
-        for name in names:
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if final.exists():  # a previous run's directory of the same step (a fresh run in an old --out)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
+        # a previous run's directory of the same step (a fresh run in an old --out) is replaced
+        with publish_dir(final, existing="replace") as tmp:
+            safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
+                                        tmp / "model.safetensors")
+            names = ["model.safetensors", "state.json"]
+            groups: list[dict] = []
+            if optimizer is not None:
+                opt_tensors, groups = optimizer_tensors(optimizer)
+                safetensors.torch.save_file(opt_tensors, tmp / "optimizer.safetensors")
+                safetensors.torch.save_file(rng_tensors(generators), tmp / "rng.safetensors")
+                names += ["optimizer.safetensors", "rng.safetensors"]
+            if extra_tensors:
+                safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
+                                            tmp / "extra.safetensors")
+                names.append("extra.safetensors")
+            files = {name: _file_digest(tmp / name) for name in names if name != "state.json"}  # one read pass
+            doc = {**state, "format": CHECKPOINT_FORMAT, "step": step, "cursor": cursor, "param_groups": groups,
+                   "resumable": optimizer is not None, "digests": {"algorithm": DIGEST_ALGORITHM, "files": files}}
+            text = _state_text(doc)
+            msgspec.json.decode(text, type=CheckpointState)  # what is written reads back (ValidationError if not)
+            (tmp / "state.json").write_text(text)
+            apply_share_mode(*(tmp / name for name in names))
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, (OSError, safetensors.SafetensorError)) and not isinstance(exc, ArtcacheError):
             raise _write_error(run_dir, final, exc) from exc
         raise
@@ -386,9 +377,8 @@ def _file_digest(path: Path) -> dict:
 
 def _state_digest(doc: dict) -> str:
     """:attr:`Digests.state` of a decoded ``state.json`` document: the digest of its canonical JSON with
-    ``digests.state`` left out."""
-    body = {**doc, "digests": {k: v for k, v in doc["digests"].items() if k != "state"}}
-    return digest_bytes(canonical_json(body))
+    ``digests.state`` left out (:func:`artcache.hashing.record_digest`, the record plans and roots carry too)."""
+    return record_digest(doc)
 
 
 def _state_text(doc: dict) -> str:
@@ -474,23 +464,58 @@ def last_good_checkpoint(run_dir: Path) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
-def point_latest(run_dir: Path, ckpt: Path) -> None:
-    """Point ``run_dir/checkpoints/latest`` at ``ckpt`` (relative symlink, replaced atomically)."""
+def _point(run_dir: Path, name: str, ckpt: Path) -> None:
+    """Point ``run_dir/checkpoints/<name>`` at ``ckpt``: a relative symlink made under a temp name
+    (``.<name>-<writer>.<nonce>``) and renamed over the old one, then the directory fsynced.
+
+    Raises:
+        CheckpointWriteError: the link could not be made, renamed or made durable (ENOSPC, EROFS, EIO, ...):
+            ``ckpt`` itself is complete (``last_good``); the temp link is removed, ``<name>`` is unchanged
+            (or, when only the fsync failed, may point at ``ckpt`` already). The message names both.
+    """
     parent = Path(run_dir) / "checkpoints"
-    tmp_link = parent / f".latest-{unique_suffix()}"
-    os.symlink(Path(ckpt).name, tmp_link)
-    os.replace(tmp_link, parent / "latest")
-    fsync_dir(parent)
+    link = parent / name
+    before = os.readlink(link) if link.is_symlink() else None
+    tmp_link = parent / f".{name}-{unique_suffix()}"
+    try:
+        os.symlink(Path(ckpt).name, tmp_link)
+        os.replace(tmp_link, link)
+        fsync_dir(parent)
+    except OSError as exc:
+        if isinstance(exc, ArtcacheError):
+            raise
+        try:
+            os.unlink(tmp_link)
+        except FileNotFoundError:
+            pass
+        except OSError as gone:
+            log.warning("the temp link %s could not be removed: %s", tmp_link, gone)
+        code = errno_of(exc)
+        now = os.readlink(link) if link.is_symlink() else None
+        where = f"it points at {now}" if now is not None else "there is none"
+        raise CheckpointWriteError(
+            f"checkpoint {ckpt} is complete, but checkpoints/{name} could not be pointed at it "
+            f"({describe_errno(code, exc)}); {where}{' as before' if now == before else ''}. --resume finds "
+            f"{Path(ckpt).name} by the cursor the registry recorded; export or --init-from it by its path"
+            f"{'; free space on that filesystem' if code in (errno.ENOSPC, errno.EDQUOT) else ''}",
+            errno_=code, last_good=str(ckpt), retryable=code in RETRYABLE_ERRNOS) from exc
+
+
+def point_latest(run_dir: Path, ckpt: Path) -> None:
+    """Point ``run_dir/checkpoints/latest`` at ``ckpt`` (relative symlink, replaced atomically).
+
+    Raises:
+        CheckpointWriteError: the link could not be replaced (see :func:`_point`; nothing is left behind)."""
+    _point(run_dir, "latest", ckpt)
 
 
 def point_best(run_dir: Path, ckpt: Path) -> None:
     """Point ``run_dir/checkpoints/best`` at ``ckpt`` (relative symlink, replaced atomically): the checkpoint
-    whose held-out figure was best so far. :func:`prune` never removes it."""
-    parent = Path(run_dir) / "checkpoints"
-    tmp_link = parent / f".best-{unique_suffix()}"
-    os.symlink(Path(ckpt).name, tmp_link)
-    os.replace(tmp_link, parent / "best")
-    fsync_dir(parent)
+    whose held-out figure was best so far. :func:`prune` never removes it.
+
+    Raises:
+        CheckpointWriteError: the link could not be replaced (see :func:`_point`; nothing is left behind)."""
+    _point(run_dir, "best", ckpt)
 
 
 def best_checkpoint(run_dir: Path) -> Path | None:
@@ -512,22 +537,9 @@ def remove_orphan_temps(run_dir: Path) -> tuple[int, int]:
     Returns:
         (directories removed, bytes they held).
     """
-    parent = Path(run_dir) / "checkpoints"
-    removed = nbytes = 0
-    try:
-        entries = list(os.scandir(parent))
-    except (FileNotFoundError, NotADirectoryError):
-        return 0, 0
-    for entry in entries:
-        if not entry.name.startswith(".tmp-") or not entry.is_dir(follow_symlinks=False):
-            continue
-        if not temp_writer(entry.name[len(".tmp-"):]).orphan:
-            continue
-        size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file() and not f.is_symlink())
-        shutil.rmtree(entry.path, ignore_errors=True)
-        if not os.path.lexists(entry.path):
-            removed, nbytes = removed + 1, nbytes + size
-    return removed, nbytes
+    freed: list[int] = []
+    removed = remove_orphan_parts(Path(run_dir) / "checkpoints", prefix=".tmp-", suffix="", dirs=True, freed=freed)
+    return removed, sum(freed)
 
 
 def _step_dirs(run_dir: Path) -> list[tuple[int, Path, bool]]:

@@ -42,6 +42,7 @@ from artcache.app.config import (
     save_config,
     saved_config_source,
 )
+from artcache.app.values import check_device
 from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
@@ -98,6 +99,9 @@ class ExperimentPlan(msgspec.Struct, kw_only=True):
     skip: str = ""
     consumer: dict[str, Any]
     env: dict[str, str] = {}
+    #: the :class:`~artcache.trainers.consumer.ConsumerConfig` its consumer is started with, as built here once
+    #: (:func:`~artcache.app.config.consumer_config`); written to :func:`consumer_spec_path` (``consume --spec``)
+    spec: Any = None
 
 
 class RunPlan(msgspec.Struct, kw_only=True):
@@ -127,23 +131,9 @@ class RunPlan(msgspec.Struct, kw_only=True):
     replay_layer_bytes: int = 0
     #: ``captured_layer_ids`` is the config's own ``capture.layer_ids`` (not the union the plan derived)
     explicit_layer_ids: bool = False
-
-
-def _check_device(device: str, what: str, local: bool = True) -> None:
-    """ConfigError unless ``device`` is cpu, cuda or cuda:<index> (and, ``local``, usable on this machine)."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"{what} {device!r} is not accepted: use cpu, cuda or cuda:<index>")
-    if dev.type == "cuda" and local:
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0 or (dev.index is not None and dev.index >= n):
-            raise ConfigError(f"{what} {device!r}: {n} CUDA device(s) visible; use cpu"
-                              + (f" or cuda:0..cuda:{n - 1}" if n else ""))
+    #: the :class:`~artcache.producer.ProducerConfig` of the run's producer (``--exit-when-done``, id
+    #: ``producer``), as built here once; written to :func:`producer_spec_path` (``producer --spec``)
+    producer: Any = None
 
 
 def _check_dtypes(cfg: RunConfig, compute: str) -> None:
@@ -259,20 +249,21 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         ContractMismatch: a checkpoint of another target, dtype, normalisation, draft or plan; a cache
             root initialised with another contract or plan.
     """
-    from artcache.contract import CaptureContract
     from artcache.layer_ids import check_layer_ids
     from artcache.layout import CacheLayout
     from artcache.plan import PlanSpec, plan_id_for
-    from artcache.producer import resolve_compute_dtype
+    from artcache.producer import capture_contract, resolve_compute_dtype
     from artcache.settings import check_compatible, load_settings
-    from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
+    from artcache.target import load_tokenizer, resolve_target
 
     if not cfg.experiments:
         raise ConfigError(f"{source}: no experiments: add at least one [[experiments]] table with a name")
-    _check_device(cfg.target.device, "target.device", local_devices)
+    check_device(cfg.target.device, "target.device", local_devices)
+    for i, dev in enumerate(cfg.target.devices):
+        check_device(dev, f"target.devices[{i}]", local_devices)
     for e in cfg.experiments:
-        _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
-    compute = resolve_compute_dtype(cfg.target.compute_dtype, cfg.target.device)
+        check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
+    compute = resolve_compute_dtype(cfg.target.compute_dtype, (cfg.target.devices or [cfg.target.device])[0])
     _check_dtypes(cfg, compute)
     info = resolve_target(cfg.target.name)
     views = {e.name: draft_view(e, info.num_layers, cfg.capture.draft_layers) for e in cfg.experiments}
@@ -290,19 +281,18 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     check_layer_ids(captured, info.num_layers, f"capture.layer_ids {captured}" if cfg.capture.layer_ids
                     else f"the experiments' layer union {captured}", target=info.name, unique=True)
     resolved = resolve(cfg, captured)
-    # capture batching vs max_length, named by the config's capture.* paths
-    producer_config(resolved).limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
-    # the spec and contract exactly as artcache.producer.prepare_root builds them (a test pins the equality)
+    # the producer's spec; capture batching vs max_length, named by the config's capture.* paths
+    producer = producer_config(resolved, exit_when_done=True, producer_id="producer")
+    producer.limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
+    # the plan spec and the contract the producer will build (artcache.producer.capture_contract)
     spec = PlanSpec(dataset=resolved.data.dataset, sources=tuple(resolved.data.sources), eval=resolved.data.eval,
                     seed=resolved.data.seed, max_length=resolved.data.max_length,
                     max_samples=resolved.data.max_samples, template_options=dict(resolved.data.template_options))
     tok = load_tokenizer(info)
     plan_id = plan_id_for(spec, tok)
-    contract = CaptureContract(
-        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-        target_weights_digest=info.weights_digest, layer_ids=tuple(captured), dtype=stored_dtype(resolved.target.dtype),
-        compute_dtype=compute, max_length=spec.max_length, tokenizer_digest=tokenizer_digest(tok),
-        template_digest=template_digest(tok, spec.template_options), backend=resolved.capture.backend)
+    contract = capture_contract(info, tok, layer_ids=captured, dtype=resolved.target.dtype, compute_dtype=compute,
+                                device=resolved.target.device, max_length=spec.max_length,
+                                template_options=spec.template_options, backend=resolved.capture.backend)
     layout = CacheLayout(Path(resolved.cache.root))
     if layout.settings.is_file():
         try:
@@ -332,6 +322,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     final: list[Experiment] = []
     for e in resolved.experiments:
         e = msgspec.structs.replace(e, resume=_resume_or_fresh(e))
+        e = _steps_of_epochs(e, resolved, plan_obj, notes)
         final.append(e)
         resolved_e = msgspec.structs.replace(resolved, experiments=[*final, *resolved.experiments[len(final):]])
         x, seeded = _plan_experiment(e, resolved_e, layout=layout, plan_id=plan_id, contract=contract, info=info,
@@ -345,7 +336,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     if bound * per_artifact > free:
         notes.append(f"disk bound {format_bytes(bound * per_artifact)} exceeds the {format_bytes(free)} free at "
                      f"{free_at}")
-    shared = shared_gpus([resolved.target.device, *(x.device for x in exps)])
+    shared = shared_gpus([*(resolved.target.devices or [resolved.target.device]), *(x.device for x in exps)])
     if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
         notes.append(f"several roles share {', '.join(shared)}")
     plan = RunPlan(
@@ -359,8 +350,37 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
         disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes,
         replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes,
-        explicit_layer_ids=bool(cfg.capture.layer_ids))
+        explicit_layer_ids=bool(cfg.capture.layer_ids), producer=producer)
     return plan, resolved
+
+
+def _steps_of_epochs(e: Experiment, resolved: RunConfig, plan_obj, notes: list[str]) -> Experiment:
+    """Experiment ``e`` with ``consumer.epochs`` (> 0) turned into ``steps``: ``epochs x epoch_len // batch_size``
+    over the plan's training part (all but its held-out split; :func:`~artcache.trainers.evaluation.epoch_steps`,
+    as the consumer computes it), ``epochs`` removed from its consumer table, and a note saying so in ``notes``.
+    The dry run, the run (every process reads the saved config, which holds the steps) and a rerun of the same
+    file then walk one horizon. ``e`` as it is without epochs (``steps`` and ``epochs`` together are refused by
+    :func:`~artcache.app.config.check_horizon`).
+
+    Raises:
+        ConfigError: a consumer setting is invalid, or the epochs are not one batch.
+    """
+    from artcache.trainers.evaluation import epoch_steps, eval_split
+
+    ccfg = consumer_config(msgspec.structs.replace(resolved, experiments=[e]), e.name)  # its settings checked
+    if not ccfg.epochs:
+        return e
+    n = len(plan_obj())
+    lo, _ = eval_split(n, ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples",
+                       f"the plan has {n} samples (data.max_samples {resolved.data.max_samples} is the most it holds)")
+    epoch_len = lo or n
+    try:
+        steps = epoch_steps(ccfg.epochs, epoch_len, ccfg.batch_size)
+    except ConfigError as exc:
+        raise ConfigError(f"experiment {e.name!r}: {exc}") from None
+    notes.append(f"{e.name}: consumer.epochs {ccfg.epochs} = {steps} steps ({ccfg.epochs} x {epoch_len} training "
+                 f"samples // batch {ccfg.batch_size})")
+    return msgspec.structs.replace(e, steps=steps, consumer={k: v for k, v in e.consumer.items() if k != "epochs"})
 
 
 def _resume_or_fresh(e: Experiment) -> bool:
@@ -417,7 +437,15 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
         start_step, start_cursor, resume_from = state.step, state.cursor, str(path)
         if state.step == ccfg.steps:
             skip = f"complete: its checkpoint is at its final step {state.step}"
-    elif e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
+    elif not e.resume and layout.consumers.is_dir():  # an earlier run of this id elsewhere: as the consumer will
+        from artcache import registry
+        from artcache.trainers.consumer.restore import refuse_reused_id
+
+        try:
+            refuse_reused_id(e.name, registry.read(layout, e.name), Path(e.out))
+        except ConfigError as exc:
+            raise ConfigError(f"experiment {e.name!r}: {exc}") from None
+    if found is None and e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
         src = read_seed(e.init_from, info.num_layers)
         if src.state is not None:
             check_checkpoint(e, src.path, info=info, contract=contract, plan_id=plan_id, resume=False, strict=False)
@@ -447,7 +475,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
         positions=0 if skip else (ccfg.steps - start_step) * ccfg.batch_size,
         window_artifacts=0 if skip else lb + la + 1 + ccfg.eval_samples,  # the held-out split is pinned too
         out_dir=e.out, resume_from=resume_from, init_from=e.init_from, skip=skip,
-        consumer=msgspec.to_builtins(ccfg), env=dict(e.env)), notes
+        consumer=msgspec.to_builtins(ccfg), env=dict(e.env), spec=given), notes
 
 
 def _load_or_build_plan(layout, plan_id: str, spec, tok, info):
@@ -497,20 +525,39 @@ def format_plan(plan: RunPlan) -> str:
 
 # ---- running -----------------------------------------------------------------------------------------
 
-def _write_configs(plan: RunPlan, cfg: RunConfig) -> None:
+def producer_spec_path(plan: RunPlan) -> Path:
+    """The run's producer spec file (:mod:`artcache.rolespec`): ``<out>/producer.spec.json``."""
+    return Path(plan.out) / "producer.spec.json"
+
+
+def consumer_spec_path(x: ExperimentPlan) -> Path:
+    """Experiment ``x``'s consumer spec file (:mod:`artcache.rolespec`): ``<its out>/consumer.spec.json``."""
+    return Path(x.out_dir) / "consumer.spec.json"
+
+
+def _write_configs(plan: RunPlan, cfg: RunConfig, **producer: Any) -> None:
+    """The run's files before anything starts: the resolved config (the run's and each experiment's own), the
+    plan, and every role's spec file (the producer's with the launcher's ``producer`` process settings, e.g.
+    ``expect_consumers``)."""
+    from artcache.rolespec import write_spec
+
     out = Path(plan.out)
     save_config(cfg, out / "config.toml")
     (out / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(plan)))
     for e in cfg.experiments:
         save_config(msgspec.structs.replace(cfg, experiments=[e]), Path(e.out) / "config.toml")
+    write_spec(producer_spec_path(plan), "producer", msgspec.structs.replace(plan.producer, **producer))
+    for x in plan.experiments:
+        write_spec(consumer_spec_path(x), "consumer", x.spec)
 
 
 def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> int:
     """Initialise the cache root, start one consumer per experiment, start the producer once each has
     registered (or exited), wait for all of them and write the report (no step barrier anywhere).
 
-    Returns the exit status: 0 when every experiment completed and the producer exited cleanly, 1
-    otherwise. A failed experiment does not stop its siblings. The roles are :class:`artcache.launch.Role`
+    Returns the exit status: 0 when every experiment completed and the producer exited cleanly; ``128 +
+    signal`` when a stop signal cancelled the run (130 SIGINT, 143 SIGTERM: :func:`run_report`); 1 otherwise.
+    A failed experiment does not stop its siblings. The roles are :class:`artcache.launch.Role`
     processes; signals follow :mod:`artcache.shutdown`: the first SIGINT/SIGTERM is forwarded once to every
     experiment (they end as ``cancelled``), then to the producer; a second terminates every role still
     running (SIGTERM, SIGKILL after 30 s).
@@ -525,7 +572,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     shutdown = GracefulShutdown("artcache run", asked="stopping every experiment (one SIGTERM each)")
     shutdown.install()
     stop = shutdown.requested
-    t0 = time.time()
+    t0 = time.monotonic()  # the run's wall time is a duration: never from the wall clock
     producer: Role | None = None
     consumers: dict[str, Role] = {}
     problems: list[str] = []
@@ -544,7 +591,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             if x.skip:
                 print(f"experiment {x.name} {x.skip}; not started", flush=True)
                 continue
-            consumers[x.name] = Role(x.name, cli_argv("consume", "--config", plan.config_path, "--experiment", x.name),
+            consumers[x.name] = Role(x.name, cli_argv("consume", "--spec", str(consumer_spec_path(x)), "--json"),
                                      logs / f"{x.name}.log", {**env, **x.env})
             print(f"experiment {x.name} started (pid {consumers[x.name].popen.pid}, {x.draft}, layers "
                   f"{x.layer_ids}, {x.device}); log {consumers[x.name].log}", flush=True)
@@ -560,8 +607,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         if not consumers:
             print("every experiment is complete: nothing to run", flush=True)
         elif any(c.poll() is None for c in consumers.values()):
-            producer = Role("producer", cli_argv("producer", "--config", plan.config_path, "--exit-when-done",
-                                                 "--id", "producer"), logs / "producer.log", env)
+            producer = Role("producer", cli_argv("producer", "--spec", str(producer_spec_path(plan))),
+                            logs / "producer.log", env)
             print(f"producer started (pid {producer.popen.pid}); capturing layers {plan.captured_layer_ids}; "
                   f"log {producer.log}", flush=True)
         else:
@@ -571,8 +618,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             for c in consumers.values():
                 if c.code is not None and not c.announced:
                     c.announced = True
-                    state = COMPLETED if c.code == 0 else f"FAILED (exit {c.code}); its siblings go on"
-                    print(f"experiment {c.name} {state}", flush=True)
+                    state = role_outcome(c.code)
+                    print(f"experiment {c.name} {state}{'; its siblings go on' if c.code else ''}", flush=True)
             if producer is not None and producer.poll() not in (None, 0) and not forwarded:
                 # (exit 0 is --exit-when-done: every registration is terminal, the rest are exiting)
                 problems.append(f"the producer exited with {producer.code} while experiments were running")
@@ -585,7 +632,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             time.sleep(poll_s)
         for c in consumers.values():
             if not c.announced:
-                print(f"experiment {c.name} {COMPLETED if c.code == 0 else f'FAILED (exit {c.code})'}", flush=True)
+                print(f"experiment {c.name} {role_outcome(c.code)}", flush=True)
         if producer is not None:
             if stop.is_set():
                 cancel_signalled = cancel_producer(layout, producer)
@@ -599,9 +646,9 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     finally:
         stop_all([*consumers.values(), *([producer] if producer else [])], grace_s=30)
         shutdown.restore()
-    wall = time.time() - t0
-    report = merge_earlier(run_report(plan, producer, consumers, wall, problems, cancel_signalled=cancel_signalled),
-                           out / "report.json")
+    wall = time.monotonic() - t0
+    report = merge_earlier(run_report(plan, producer, consumers, wall, problems, cancel_signalled=cancel_signalled,
+                                      cancelled_by=shutdown.signum), out / "report.json")
     write_report(plan, report)
     print(format_report(report), flush=True)
     print(f"report: {out / 'report.json'}", flush=True)
@@ -626,56 +673,44 @@ def consumer_events(path: Path | None) -> list:
 
 
 def production(events: list) -> dict:
-    """What one producer process did, counted once (captures, publications, bytes, evictions)."""
-    out = {"captures": 0, "recaptures": 0, "publications": 0, "published_bytes": 0, "failures": 0,
-           "evictions": 0, "evicted_bytes": 0, "batches": 0, "busy_s": 0.0, "max_retained_artifacts": 0,
-           "max_retained_bytes": 0, "distinct_fingerprints": 0, "stop_reason": ""}
-    fps = set()
-    for ev in events:
-        if isinstance(ev, J.Capture):
-            out["captures"] += 1
-            out["recaptures"] += ev.recapture
-            fps.add(ev.fp)
-        elif isinstance(ev, J.Publish):
-            out["publications"] += 1
-            out["published_bytes"] += ev.nbytes
-        elif isinstance(ev, J.CaptureFailure):
-            out["failures"] += 1
-        elif isinstance(ev, J.Evict):
-            out["evictions"] += 1
-            out["evicted_bytes"] += ev.nbytes
-        elif isinstance(ev, J.CaptureBatch):
-            out["batches"] += 1
-            out["busy_s"] += ev.end - ev.start
-        elif isinstance(ev, J.Retained):
-            out["max_retained_artifacts"] = max(out["max_retained_artifacts"], ev.artifacts)
-            out["max_retained_bytes"] = max(out["max_retained_bytes"], ev.nbytes)
-        elif isinstance(ev, J.ProducerStop):
-            out["stop_reason"] = ev.reason
-    out["distinct_fingerprints"] = len(fps)
-    return out
+    """What one producer process did, counted once (captures, publications, bytes, evictions): its journal's
+    :func:`artcache.accounting.fold`."""
+    from artcache.accounting import fold
+
+    f = fold(events)
+    c = f.cache
+    return {"captures": c.captures, "recaptures": c.recaptures, "publications": c.publications,
+            "published_bytes": c.published_bytes, "failures": c.failures, "evictions": c.evictions,
+            "evicted_bytes": c.evicted_bytes, "batches": c.capture_batches, "busy_s": c.producer_busy_s,
+            "max_retained_artifacts": c.max_retained_artifacts, "max_retained_bytes": c.max_retained_bytes,
+            "distinct_fingerprints": len(f.captured), "stop_reason": f.stop_reason}
 
 
 def committed_work(events: list) -> dict:
     """One experiment's own work in one consumer process: steps, cursor range, committed positions,
-    requests, losses. Never added across experiments into production."""
+    requests (its journal's :func:`artcache.accounting.fold`), losses. Never added across experiments into
+    production."""
+    from artcache.accounting import ConsumerCounts, fold
+
     steps = [ev for ev in events if isinstance(ev, J.Step)]
     start = next((ev for ev in events if isinstance(ev, J.ConsumerStart)), None)
     end = next((ev for ev in events if isinstance(ev, J.ConsumerEnd)), None)
-    reqs = [ev for ev in events if isinstance(ev, J.Request)]
+    counts = fold(events).consumers
+    k = counts[start.consumer] if start is not None and start.consumer in counts else ConsumerCounts(consumer="")
     cursor0 = start.cursor if start else 0
-    cursor1 = max([cursor0, *(s.cursor for s in steps), *([end.cursor] if end else [])])
+    cursor1 = max(cursor0, k.cursor)
     losses = [s.loss for s in steps if s.loss is not None]
-    k = max(1, min(5, len(losses) // 2))
+    n = max(1, min(5, len(losses) // 2))
     last = steps[-10:]
     blocks = sum(s.blocks for s in last)
     return {
         "state": end.state if end else ("running" if start else "not started"), "error": end.error if end else "",
+        "pid": start.pid if start else None, "started": start.t if start else None,
         "steps_run": len(steps), "first_step": steps[0].step if steps else None,
         "last_step": steps[-1].step if steps else None, "cursor_start": cursor0, "cursor_end": cursor1,
-        "positions_committed": cursor1 - cursor0, "requests": len(reqs), "hits": sum(r.hit for r in reqs),
-        "misses": sum(not r.hit for r in reqs), "wait_s": sum(r.wait_s for r in reqs),
-        "first_loss": sum(losses[:k]) / k if losses else None, "final_loss": sum(losses[-k:]) / k if losses else None,
+        "positions_committed": cursor1 - cursor0, "requests": k.logical_requests, "hits": k.hits,
+        "misses": k.misses, "wait_s": k.wait_s,
+        "first_loss": sum(losses[:n]) / n if losses else None, "final_loss": sum(losses[-n:]) / n if losses else None,
         "tau": sum(s.tau_sum for s in last) / blocks if blocks else None, "tau_includes_bonus": True,
     }
 
@@ -693,7 +728,7 @@ def _union_length(ranges: list[tuple[int, int]]) -> int:
 
 
 def _summary_line(log_path: Path) -> dict:
-    """The JSON summary ``artcache consume`` prints when it finishes ({} if none)."""
+    """The JSON summary ``artcache consume --json`` prints when it ends ({} if none)."""
     try:
         lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.startswith("{")]
         return json.loads(lines[-1]) if lines else {}
@@ -735,11 +770,67 @@ def producer_exit_ok(code: int | None, stop_reason: str, cancel_signalled: bool)
             and not stop_reason.startswith("failed"))
 
 
+def role_outcome(code: int | None) -> str:
+    """How ``artcache run`` names an experiment's end from its consumer's exit status, as its report's state does:
+    ``completed`` (0); ``cancelled (SIGTERM, exit 143)`` (``128 + signal`` of a stop signal: the consumer ended at a
+    step boundary with a checkpoint, its state ``cancelled``); ``FAILED (killed by SIGKILL)`` (a negative status:
+    no end record; the producer fences it); ``FAILED (exit N)`` otherwise."""
+    if code == 0:
+        return COMPLETED
+    if code is None:
+        return "FAILED (still running)"
+    if code < 0:
+        return f"FAILED (killed by {_signal_name(-code)})"
+    if code - 128 in (signal.SIGINT, signal.SIGTERM):
+        return f"cancelled ({_signal_name(code - 128)}, exit {code})"
+    return f"FAILED (exit {code})"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def settle_state(name: str, work: dict, *, fences: list, reg, later_start: float | None = None,
+                 code: int | None = None) -> None:
+    """Settle the state of a consumer process with no end record (:func:`committed_work` says ``running``): a
+    process SIGKILLed, or dead on its own, writes none. In ``work`` (its ``pid`` and ``started``), from what
+    others recorded of it: a producer's fence of ``name`` in its lifetime (``fences``: the producers' ``fence``
+    events; ``later_start``: when the next process of ``name`` started, None for the last one) gives that fence's
+    state (``failed``, ``expired``); for the last process, a terminal registration ``reg`` of its pid gives the
+    registration's state; a later process of ``name`` (which may start only once this one is not running), its
+    exit status ``code``, or a registration whose process is gone says it ended (``failed``). Otherwise it is
+    ``running`` (alive, or on another host and not fenced yet)."""
+    from artcache.liveness import dead_reason
+
+    if work["state"] != "running":
+        return
+    start = work.get("started") or 0.0
+    mine = [f for f in fences if f.consumer == name and f.t >= start and (later_start is None or f.t < later_start)]
+    own_reg = reg if reg is not None and later_start is None and reg.pid == work.get("pid") else None
+    if mine:
+        state, error = mine[-1].state, f"no end record; fenced by the producer: {mine[-1].reason}"
+    elif own_reg is not None and own_reg.state != "running":
+        state, error = own_reg.state, f"no end record; its registration: {own_reg.reason or own_reg.state}"
+    elif later_start is not None:
+        state, error = "failed", "no end record (killed); a later process of the same id took over"
+    elif code is not None:
+        state, error = "failed", f"no end record; its process ended ({role_outcome(code)}), not fenced yet"
+    elif own_reg is not None and (gone := dead_reason(own_reg.identity)):
+        state, error = "failed", f"no end record; {gone}, not fenced yet (no producer ran since)"
+    else:
+        return
+    work["state"], work["error"] = state, error
+
+
 def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role], wall: float,
-               problems: list[str], *, cancel_signalled: bool = False) -> dict:
+               problems: list[str], *, cancel_signalled: bool = False, cancelled_by: int = 0) -> dict:
     """The run report: shared production (this run's producer, counted once) apart from each
     experiment's committed work (this run's consumer process), plus the root-wide invariants.
-    ``cancel_signalled``: the run sent the producer its cancel SIGTERM (:func:`producer_exit_ok`)."""
+    ``cancel_signalled``: the run sent the producer its cancel SIGTERM (:func:`producer_exit_ok`).
+    ``cancelled_by``: the stop signal that cancelled the run (0: none); the exit code is then ``128 +`` it."""
     from artcache import registry
     from artcache.accounting import account
     from artcache.layout import CacheLayout
@@ -748,6 +839,8 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
     prod = production(_events(layout.journal_of("producer", "producer", producer.popen.pid))) if producer \
         else production([])
     prod["exit_code"] = producer.code if producer else None
+    fences = [ev for ev in _events(layout.journal_of("producer", "producer", producer.popen.pid))
+              if isinstance(ev, J.Fence)] if producer else []
     experiments = []
     for x in plan.experiments:
         role = consumers.get(x.name)
@@ -756,6 +849,7 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
         if x.skip:  # not started: its checkpoint is at its final step
             work["state"] = COMPLETED
         reg = registry.read(layout, x.name) if layout.consumers.is_dir() else None
+        settle_state(x.name, work, fences=fences, reg=reg, code=role.code if role else None)
         summary = _summary_line(role.log) if role else {}
         experiments.append({
             "name": x.name, "draft": x.draft, "layer_ids": x.layer_ids, "view": x.view, "device": x.device,
@@ -784,9 +878,10 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
                              or (producer is None and not consumers)),
         "accounting_invariants": bool(acc) and not acc.violations,
     }
-    exit_code = 0 if all(checks.values()) and not problems else 1
+    exit_code = 128 + cancelled_by if cancelled_by else 0 if all(checks.values()) and not problems else 1
     return {
         "out": plan.out, "wall_s": wall, "exit_code": exit_code, "problems": problems, "checks": checks,
+        "cancelled_by": _signal_name(cancelled_by) if cancelled_by else "",
         "target": plan.target, "captured_layer_ids": plan.captured_layer_ids, "dtype": plan.dtype,
         "plan_id": plan.plan_id,
         "shared_production": {**prod, "distinct_positions_consumed": distinct,
@@ -868,7 +963,8 @@ def format_report(r: dict) -> str:
              round(x["acceptance"], 3) if x.get("acceptance") is not None else "-", x["registration"]]
             for x in r["experiments"]]
     lines = [
-        f"## run {r['out']} ({r['wall_s']:.1f} s)", "",
+        f"## run {r['out']} ({r['wall_s']:.1f} s)"
+        + (f"; cancelled by {r['cancelled_by']} (exit {r['exit_code']})" if r.get("cancelled_by") else ""), "",
         f"target {r['target']['name']}; captured layers {r['captured_layer_ids']} ({r['dtype']}), the union of "
         "the experiments' views", "",
         "Shared production (this run's producer, counted once):",
@@ -984,6 +1080,7 @@ def run_dir_report(out: str | Path) -> dict:
     prod_events = [ev for f in sorted(jdir.glob("producer-*.jsonl")) for ev in _events(f)] if jdir.is_dir() else []
     shared = production(prod_events)
     shared["producer_processes"] = len(list(jdir.glob("producer-*.jsonl"))) if jdir.is_dir() else 0
+    fences = [ev for ev in prod_events if isinstance(ev, J.Fence)]
     experiments, ranges = [], []
     for e in cfg.experiments:
         files = (sorted(jdir.glob(f"consumer-{e.name}-*.jsonl"), key=lambda f: f.stat().st_mtime)
@@ -996,6 +1093,10 @@ def run_dir_report(out: str | Path) -> dict:
         except (CacheRootError, UnsafePath) as exc:
             reg = None
             damage.append(str(exc))
+        processes.sort(key=lambda w: w["started"] or 0.0)
+        for i, w in enumerate(processes):  # a process with no end record: what the producer and registry say of it
+            later = processes[i + 1]["started"] if i + 1 < len(processes) else None
+            settle_state(e.name, w, fences=fences, reg=reg, later_start=later)
         run_dir = Path(e.out)
         latest, best = find_checkpoint(run_dir), best_checkpoint(run_dir)
         st = _checkpoint_state(latest, damage)
@@ -1027,6 +1128,12 @@ def run_dir_report(out: str | Path) -> dict:
             "damaged": [f"{x['name']}: {d}" for x in experiments for d in x["damage"]]}
 
 
+def _checkpoint_cell(steps: list[int]) -> str:
+    """The report's checkpoints cell: how many, then the steps they are at (``3 (2, 4, 6)``); ``-`` for none. A
+    bare step list read like a count (a single checkpoint at step 6 showed ``6``)."""
+    return f"{len(steps)} ({', '.join(map(str, steps))})" if steps else "-"
+
+
 def format_run_dir_report(r: dict) -> str:
     """:func:`run_dir_report` as text: shared production (counted once), then each experiment, then each
     experiment's committed work per consumer process (never added into production)."""
@@ -1040,7 +1147,7 @@ def format_run_dir_report(r: dict) -> str:
         best = x["best"]
         rows.append([x["name"], x["draft"], x["state"], f"{x['steps']}/{x['steps_planned']}",
                      f"step {ev['step']}: {shown}" if ev else "-",
-                     ",".join(map(str, x["checkpoints"])) or "-", x["latest"] or "-",
+                     _checkpoint_cell(x["checkpoints"]), x["latest"] or "-",
                      f"{best['checkpoint']}" + (f" ({best.get('replay_tau', best.get('tau', best.get('loss'))):.3g})"
                                                 if any(k in best for k in ("replay_tau", "tau", "loss")) else "")
                      if best else "-"])
@@ -1050,7 +1157,8 @@ def format_run_dir_report(r: dict) -> str:
              f"positions consumed; publications {p['publications']} ({format_bytes(p['published_bytes'])}); failures "
              f"{p['failures']}; evictions {p['evictions']}", "",
              "Experiments:", "```",
-             table(["experiment", "draft", "state", "steps", "last eval", "checkpoints", "latest", "best"], rows),
+             table(["experiment", "draft", "state", "steps", "last eval", "checkpoints (at steps)", "latest", "best"],
+                   rows),
              "```", "", "Committed work per consumer process (each experiment's own; not production):"]
     for x in r["experiments"]:
         for i, w in enumerate(x["processes"], 1):
@@ -1065,6 +1173,7 @@ def format_run_dir_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "draft_view", "format_plan",
+__all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "consumer_spec_path", "draft_view",
+           "format_plan", "producer_spec_path",
            "format_run_dir_report", "journaled_stop", "layer_union", "merge_earlier", "plan_run", "producer_exit_ok",
-           "resolve", "run_dir_report", "run_experiments", "view_index"]
+           "resolve", "role_outcome", "run_dir_report", "run_experiments", "settle_state", "view_index"]
