@@ -12,9 +12,9 @@ Inputs:
   experiment 1 step/s, the producer twice the fastest experiment's positions/s), and the times are then in those
   units only, which the text says.
 - **the run**: each experiment's positions, batch size, window and held-out split (:class:`RunPlan`), the
-  plan's length and mean sample length, the capture batching limits, ``cache.retention`` and ``cache.disk_budget``
-  (0: the producer's default, 90 % of the free space beyond the reserve where the root will be,
-  :func:`artcache.producer.default_budget`).
+  plan's length, the capture batching limits, and the producer's retention rule and budget from
+  ``cache.disk_budget`` / ``cache.retention`` (:func:`artcache.eviction.retention_rule`; ``auto``: 90 % of the
+  free space beyond the reserve where the root will be, as :func:`artcache.producer.default_budget` derives it).
 
 Model: every artifact is counted at the run's bound per artifact (``bytes_per_artifact_max``: ``max_length``
 tokens), so the disk figures are upper bounds; a capture of ``n`` samples takes ``n / capture_rate`` seconds;
@@ -138,20 +138,29 @@ def resolve_rates(plan, capture_rate: float | None, step_rates: dict[str, float]
     return Rates(capture=capture, capture_source=capture_source, steps=steps, step_sources=sources)
 
 
-def _budget(cfg, plan) -> tuple[float, str]:
-    if cfg.cache.disk_budget:
-        return float(cfg.cache.disk_budget), "cache.disk_budget"
+def _budget(cfg, plan) -> tuple[str, float, str]:
+    """(retention rule, budget bytes, where the budget comes from): the producer's rule
+    (:func:`artcache.eviction.retention_rule`); ``auto`` is 90 % of the free space beyond the reserve where the
+    root will be, as the producer derives it at start; no budget (the ``windows`` rule) is inf."""
+    from artcache.eviction import retention_rule
+
+    rule = retention_rule(cfg.cache.disk_budget, cfg.cache.retention)
+    if isinstance(cfg.cache.disk_budget, int) and cfg.cache.disk_budget:
+        return rule, float(cfg.cache.disk_budget), "cache.disk_budget"
+    if not cfg.cache.disk_budget:
+        return rule, math.inf, "no cache.disk_budget: live windows only"
     from artcache.fsio import space_reserve
     from artcache.producer import BUDGET_FREE_FRACTION
 
     where = next(p for p in [Path(plan.cache_root), *Path(plan.cache_root).parents] if p.exists())
     usage = shutil.disk_usage(where)
     free = max(0, usage.free - space_reserve(usage.total))
-    return float(int(BUDGET_FREE_FRACTION * free)), (f"default: {BUDGET_FREE_FRACTION:.0%} of the "
-                                                     f"{usage.free / 2**30:.2f} GiB free on {where}")
+    return rule, float(int(BUDGET_FREE_FRACTION * free)), (f"auto: {BUDGET_FREE_FRACTION:.0%} of the "
+                                                           f"{usage.free / 2**30:.2f} GiB free on {where}")
 
 
-def sim_inputs(plan, cfg, rates: Rates, plan_samples: int, budget_bytes: float) -> tuple[list, Any, int]:
+def sim_inputs(plan, cfg, rates: Rates, plan_samples: int, budget_bytes: float,
+               policy: str) -> tuple[list, Any, int]:
     """(:class:`~artcache.bench.sim.ConsumerSpec` per experiment, the :class:`~artcache.bench.sim.ProducerSpec`,
     positions): the simulator's view of the run (see the module docstring's model)."""
     from artcache.bench.sim import ConsumerSpec, ProducerSpec
@@ -170,8 +179,7 @@ def sim_inputs(plan, cfg, rates: Rates, plan_samples: int, budget_bytes: float) 
                              max_batch_tokens=cfg.capture.batch_tokens)
     producer = ProducerSpec(fixed_s=0.0, per_sample_s=1.0 / rates.capture, limits=limits,
                             sample_tokens=cfg.data.max_length, max_length=cfg.data.max_length,
-                            artifact_bytes=plan.bytes_per_artifact_max, budget_bytes=budget_bytes,
-                            policy=cfg.cache.retention)
+                            artifact_bytes=plan.bytes_per_artifact_max, budget_bytes=budget_bytes, policy=policy)
     return consumers, producer, max((c.end for c in consumers), default=0)
 
 
@@ -211,15 +219,15 @@ def estimate(plan, cfg, plan_samples: int, *, capture_rate: float | None = None,
         ConfigError: a stated rate <= 0.
     """
     rates = resolve_rates(plan, capture_rate, step_rates or {})
-    budget, budget_source = _budget(cfg, plan)
-    consumers, producer, positions = sim_inputs(plan, cfg, rates, plan_samples, budget)
+    policy, budget, budget_source = _budget(cfg, plan)
+    consumers, producer, positions = sim_inputs(plan, cfg, rates, plan_samples, budget, policy)
     if skipped(plan) is not None:
         return None
     held_of = {x.name: int(x.consumer.get("eval_samples", 0) or 0) for x in plan.experiments}
     heldout = max((held_of[c.name] for c in consumers), default=0)
     root = _part("root", consumers, producer, positions, plan_samples, heldout)
     parts = [_part(c.name, [c], producer, c.end, plan_samples, held_of[c.name]) for c in consumers]
-    return CapacityEstimate(retention=cfg.cache.retention, budget_bytes=budget, budget_source=budget_source,
+    return CapacityEstimate(retention=policy, budget_bytes=budget, budget_source=budget_source,
                             artifact_bytes=plan.bytes_per_artifact_max, plan_samples=plan_samples,
                             heldout_samples=heldout, rates=rates, root=root, experiments=parts)
 
