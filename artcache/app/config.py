@@ -389,7 +389,7 @@ def _describe(t: mi.Type, seconds: bool = False, ranges: bool = True) -> str:
     if isinstance(t, mi.UnionType):  # e.g. cache.disk_budget: bytes or "auto"
         text = " or ".join(_describe(x, seconds, ranges) for x in t.types if not isinstance(x, mi.NoneType))
     elif isinstance(t, mi.LiteralType):
-        text = "one of " + ", ".join(map(str, t.values))
+        text = "one of " + ", ".join('""' if v == "" else str(v) for v in t.values)  # "" visible, not a gap
     elif isinstance(t, mi.ListType):
         text = f"a list of {_describe(t.item_type).removeprefix('an ').removeprefix('a ')}s"
     elif isinstance(t, mi.StructType):
