@@ -66,14 +66,17 @@ from artcache import journal as J
 from artcache.accounting import account
 from artcache.bench.metrics import scenario_figures
 from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
+from artcache.bench.progress import ModeProgress
 from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 from artcache.errors import ConfigError, InsufficientSpace
 from artcache.eviction import retention_rule
 from artcache.fsio import atomic_write, free_space, space_reserve
-from artcache.launch import Role, cli_argv, kill_all, module_argv, role_env, wait_for_file
+from artcache.launch import Role, cli_argv, kill_all, role_env, wait_for_file
 from artcache.layout import CacheLayout
+from artcache.producer import ProducerConfig
 from artcache.ranges import DiskBudget, check_value
 from artcache.report import format_bytes, table
+from artcache.rolespec import write_spec
 from artcache.store import artifact_bytes_bound
 from artcache.telemetry import make_sampler
 
@@ -209,8 +212,9 @@ def _producers(base: Path, mode: str, sc: Scenario) -> list[tuple[str, Path, tup
 STAGGERED_DONE_GRACE_S = 5.0
 
 
-def producer_exit_flags(served: tuple[ConsumerSpec, ...], staggered: bool) -> list[str]:
-    """A bench producer's exit flags: ``--exit-when-done``, ``--expect-consumers`` and ``--done-grace``.
+def producer_exit(served: tuple[ConsumerSpec, ...], staggered: bool) -> dict:
+    """A bench producer's exit settings (:class:`~artcache.producer.ProducerConfig` fields): ``exit_when_done``,
+    ``expect_consumers`` and ``done_grace_s`` (``--exit-when-done``, ``--expect-consumers``, ``--done-grace``).
 
     ``--exit-when-done`` exits once at least ``--expect-consumers`` consumers registered (any state) and none has
     been live for ``--done-grace`` seconds; the grace only waits for a consumer that has not registered yet. When
@@ -221,7 +225,7 @@ def producer_exit_flags(served: tuple[ConsumerSpec, ...], staggered: bool) -> li
     later one is waited for by :data:`STAGGERED_DONE_GRACE_S` only, as before."""
     expect = 1 if staggered else len(served)
     grace = 0.0 if expect >= len(served) else STAGGERED_DONE_GRACE_S
-    return ["--exit-when-done", "--done-grace", f"{grace:g}", "--expect-consumers", str(expect)]
+    return {"exit_when_done": True, "done_grace_s": grace, "expect_consumers": expect}
 
 
 def fast_consumer(sc: Scenario) -> ConsumerSpec:
@@ -340,8 +344,10 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
              sizes: dict | None = None) -> ModeRun:
     """Start the producer(s) of ``mode``, then its consumers; wait for all of them; read the journals.
 
-    Every consumer is started by :mod:`artcache.bench.consume` from the same :class:`ConsumerConfig` in every
-    mode; only ``cache`` and ``lockstep_group`` differ. Roles get GPUs producers first, then consumers.
+    Every role is started as ``artcache producer --spec FILE`` / ``artcache consume --spec FILE`` from the
+    :class:`~artcache.producer.ProducerConfig` / :class:`ConsumerConfig` built here (spec files in ``<mode
+    dir>/specs``, :mod:`artcache.rolespec`), the consumers' the same in every mode but for ``cache`` and
+    ``lockstep_group``. Roles get GPUs producers first, then consumers.
     Before the consumers start, :func:`plan_disk` checks that the mode's checkpoints and artifacts fit
     (``sizes`` caches the consumers' checkpoint sizes across modes).
 
@@ -352,14 +358,12 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     logs = work / "logs"
     logs.mkdir(parents=True)
     producers = _producers(base, mode, sc)
+    specs = work / "specs"
     layers = capture_layers(cfg, sc)
-    capture = ["--layer-ids", ",".join(map(str, layers))] if layers else ["--draft-layers", str(cfg.draft_layers)]
     budget = mode_budget(cfg, sc, mode)
-    retention = ["--disk-budget", str(budget)] if budget else []  # none: the windows-only rule
     staggered = any(c.start_s > 0 for c in sc.consumers)
     env = role_env()
     cpu = cfg.device == "cpu"
-    threads = ["--threads", "1"] if cpu else []
     dev = (lambda i: "cpu") if cpu else (lambda i: f"cuda:{gpus[i]}")
     # the roles share the bench's process group (a terminal's Ctrl-C reaches them too), as they always did
     procs: dict[str, Role] = {}
@@ -370,12 +374,14 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         for i, (pid, root, served) in enumerate(producers):
-            procs[pid] = Role(pid, cli_argv(
-                "producer", "--cache", str(root), "--id", pid, "--target", cfg.target, "--data", cfg.dataset,
-                "--max-length", str(cfg.max_length),
-                "--max-samples", str(cfg.max_samples), *capture,
-                "--device", dev(i), *producer_exit_flags(served, staggered), *retention, *threads),
-                logs / f"{pid}.log", env, new_session=False)
+            spec = ProducerConfig(
+                cache=str(root), producer_id=pid, target=cfg.target, dataset=cfg.dataset, max_length=cfg.max_length,
+                max_samples=cfg.max_samples, layer_ids=layers, draft_layers=cfg.draft_layers, device=dev(i),
+                disk_budget=budget, threads=1 if cpu else 0,  # no budget: the windows-only rule
+                **producer_exit(served, staggered))
+            procs[pid] = Role(pid, cli_argv("producer", "--spec", str(write_spec(specs / f"{pid}.producer.json",
+                                                                                 "producer", spec))),
+                              logs / f"{pid}.log", env, new_session=False)
         for pid, root, _ in producers:
             wait_for_file(root / "artcache.json", procs[pid], cfg.timeout_s)  # the producer initialised the root
         n_served = sum(len(served) for _, _, served in producers)
@@ -389,13 +395,25 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
         t_first = time.monotonic()
         for start_s, _, ccfg in order:
             time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
-            procs[ccfg.consumer_id] = Role(
-                ccfg.consumer_id, module_argv("artcache.bench.consume", msgspec.json.encode(ccfg).decode()),
-                logs / f"{ccfg.consumer_id}.log", env, new_session=False)
+            spec = write_spec(specs / f"{ccfg.consumer_id}.consumer.json", "consumer", ccfg)
+            procs[ccfg.consumer_id] = Role(ccfg.consumer_id, cli_argv("consume", "--spec", str(spec)),
+                                           logs / f"{ccfg.consumer_id}.log", env, new_session=False)
         deadline = time.monotonic() + cfg.timeout_s
         served_ids = [c.consumer_id for _, _, served in producers for c in served]
-        for c in (c for c in sc.consumers if c.consumer_id in served_ids):
-            codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.monotonic()))
+        waiting = [c.consumer_id for c in sc.consumers if c.consumer_id in served_ids]
+        # the terminal says what happens: each consumer's steps and the captures, from the roots' journals
+        progress = ModeProgress(mode, [root for _, root, _ in producers], {c.consumer_id: c.steps for _, _, c in order})
+        try:
+            while any(procs[cid].poll() is None for cid in waiting):
+                progress.poll()
+                if time.monotonic() > deadline:
+                    late = next(cid for cid in waiting if procs[cid].poll() is None)
+                    raise subprocess.TimeoutExpired(procs[late].popen.args, cfg.timeout_s)
+                time.sleep(0.5)
+        finally:
+            progress.close()
+        for cid in waiting:
+            codes[cid] = procs[cid].wait(timeout=60)
         for pid, _, _ in producers:
             try:
                 codes[pid] = procs[pid].wait(timeout=60)
@@ -824,7 +842,8 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
     for spec in (c for c in sc.consumers if c.consumer_id in ids):
         f = figures["consumers"].get(spec.consumer_id, {})
         consumers.append({"id": spec.consumer_id, "block_size": spec.block_size, "steps": f.get("steps", 0),
-                          "steps_per_s": f.get("steps_per_s", 0.0), "wait_s": f.get("wait_s", 0.0),
+                          "steps_per_s": f.get("steps_per_s", 0.0), "rate_spread": f.get("rate_spread"),
+                          "wait_s": f.get("wait_s", 0.0),
                           "fetch_fraction": f.get("fetch_fraction", 0.0),
                           "exit_code": run.codes.get(spec.consumer_id)})
     return {
@@ -919,40 +938,61 @@ def retention_summary(sc: Scenario, report: dict) -> dict:
     return out
 
 
-#: a ratio below this is reported as inside the run-to-run noise of these machines (docs/benchmarks.md)
+#: the run-to-run noise of a consumer's steps/s on these machines (docs/benchmarks.md): two runs of the same
+#: settings differ by up to this ratio, so a smaller one is never called a win or a loss
 NOISE = 1.10
+
+
+def noise_of(*spreads: float | None) -> float:
+    """The relative noise a ratio is judged against: the largest of the run-to-run noise (:data:`NOISE` - 1) and the
+    within-run rate spreads given (:func:`artcache.bench.metrics.rate_spread`; None: not measured)."""
+    return max([NOISE - 1.0, *(s for s in spreads if s is not None)])
+
+
+def judge(better: bool, ratio: float, noise: float) -> tuple[str, bool]:
+    """``(words, within)`` for a ratio >= 1 of the better mode's figure over the other's (``better``: artcache's
+    is the better one): inside ``1 + noise`` it is "within noise", never a win or a loss."""
+    within = ratio <= 1.0 + noise
+    if within:
+        return f"within noise (±{noise:.0%}): neither wins", True
+    return ("artcache wins" if better else "artcache DOES NOT win"), False
 
 
 def compare(modes: dict) -> dict:
     """The verdict of artcache against the baselines that ran. Reported, never an exit criterion.
 
-    * captures: artcache wins when its producer captures per consumed position are below naive's.
+    * captures: artcache wins when its producer captures per consumed position are below naive's by more than the
+      run-to-run noise (:func:`noise_of`).
     * throughput: the *fast consumer* is the one with the highest steady steps/s under artcache;
-      artcache wins when that consumer's steps/s under artcache exceed its steps/s under lockstep.
+      artcache wins when that consumer's steps/s under artcache exceed its steps/s under lockstep by more than the
+      noise: the larger of the run-to-run noise and that consumer's measured rate spread in either mode.
+    A ratio inside the noise is reported as "within noise" (``within_noise`` true, ``artcache_wins`` false).
     """
     art = modes["artcache"]
     out: dict = {}
     lines = []
-
-    def word(win: bool, ratio: float) -> str:
-        noise = " (inside the ±10 % run-to-run noise)" if win and ratio < NOISE else ""
-        return ("artcache wins" if win else "artcache DOES NOT win") + noise
-
     if "naive" in modes:
         a, b = art["captures_per_consumed_position"], modes["naive"]["captures_per_consumed_position"]
         win, ratio = a < b, (b / a if a else float("inf"))
-        out["captures_vs_naive"] = {"artcache": a, "naive": b, "ratio": ratio, "artcache_wins": win}
-        lines.append(f"captures per consumed position: artcache {a:.2f} vs naive {b:.2f} "
-                     f"({ratio:.2f}x): {word(win, ratio)}")
+        noise = noise_of()
+        words, within = judge(win, max(ratio, 1 / ratio) if ratio else float("inf"), noise)
+        out["captures_vs_naive"] = {"artcache": a, "naive": b, "ratio": ratio, "noise": noise,
+                                    "within_noise": within, "artcache_wins": win and not within}
+        lines.append(f"captures per consumed position: artcache {a:.2f} vs naive {b:.2f} ({ratio:.2f}x): {words}")
     if "lockstep" in modes:
         rates = {c["id"]: c["steps_per_s"] for c in art["consumers"]}
         fast = max(rates, key=lambda k: rates[k])
-        lock = next(c["steps_per_s"] for c in modes["lockstep"]["consumers"] if c["id"] == fast)
+        lock_c = next(c for c in modes["lockstep"]["consumers"] if c["id"] == fast)
+        lock = lock_c["steps_per_s"]
+        art_c = next(c for c in art["consumers"] if c["id"] == fast)
         win, ratio = rates[fast] > lock, (rates[fast] / lock if lock else float("inf"))
+        noise = noise_of(art_c.get("rate_spread"), lock_c.get("rate_spread"))
+        words, within = judge(win, max(ratio, 1 / ratio) if ratio else float("inf"), noise)
         out["fast_consumer_vs_lockstep"] = {"consumer": fast, "artcache": rates[fast], "lockstep": lock,
-                                            "ratio": ratio, "artcache_wins": win}
+                                            "ratio": ratio, "noise": noise, "within_noise": within,
+                                            "artcache_wins": win and not within}
         lines.append(f"fast consumer {fast}: artcache {rates[fast]:.3f} vs lockstep {lock:.3f} steps/s "
-                     f"({ratio:.2f}x): {word(win, ratio)}")
+                     f"({ratio:.2f}x): {words}")
     out["artcache_wins"] = all(v["artcache_wins"] for v in out.values())
     out["verdict"] = "; ".join(lines)
     return out

@@ -51,6 +51,16 @@ def test_bench_all_passes_and_writes_every_report(bench_all):
     assert [r["scenario"] for r in summary] == ["1p1c", "1p3c"] and not list(out.glob("*.part"))
 
 
+def test_each_mode_says_what_it_does_while_it_runs(bench_all):
+    """Off a terminal every mode ends with a line of each consumer's journaled steps and the captures (and writes
+    one every 30 s meanwhile): the bench is never silent for a whole mode."""
+    proc, _ = bench_all
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("   mode ")]
+    for mode in ("artcache", "naive", "lockstep"):
+        ends = [ln for ln in lines if ln.startswith(f"   mode {mode}, ")]
+        assert ends and "dflash-b16 8/8 steps" in ends[-1] and " captures" in ends[-1], lines
+
+
 def test_1p1c_runs_artcache_alone_by_default(bench_all):
     _, out = bench_all
     report = json.loads((out / "1p1c" / "report.json").read_text())
@@ -434,16 +444,16 @@ def test_regression_bench_producers_wait_no_grace_when_every_consumer_is_expecte
     def flags(name: str, mode: str) -> list[list[str]]:
         sc = SCENARIOS[name]
         staggered = any(c.start_s > 0 for c in sc.consumers)
-        return [R.producer_exit_flags(served, staggered) for _, _, served in R._producers(Path("b"), mode, sc)]
+        return [R.producer_exit(served, staggered) for _, _, served in R._producers(Path("b"), mode, sc)]
 
-    def expect(n: int, grace: str) -> list[str]:
-        return ["--exit-when-done", "--done-grace", grace, "--expect-consumers", str(n)]
+    def expect(n: int, grace: float) -> dict:
+        return {"exit_when_done": True, "done_grace_s": grace, "expect_consumers": n}
 
-    assert flags("1p3c", "artcache") == flags("1p3c", "lockstep") == [expect(3, "0")]
-    assert flags("1p1c", "artcache") == [expect(1, "0")]
-    assert flags("1p3c", "naive") == flags("hetero", "naive") == [expect(1, "0")] * 3
-    assert flags("hetero", "solo") == [expect(1, "0")]
-    assert flags("hetero", "artcache") == [expect(1, "5")]  # staggered: a later consumer may register after
+    assert flags("1p3c", "artcache") == flags("1p3c", "lockstep") == [expect(3, 0.0)]
+    assert flags("1p1c", "artcache") == [expect(1, 0.0)]
+    assert flags("1p3c", "naive") == flags("hetero", "naive") == [expect(1, 0.0)] * 3
+    assert flags("hetero", "solo") == [expect(1, 0.0)]
+    assert flags("hetero", "artcache") == [expect(1, 5.0)]  # staggered: a later consumer may register after
 
 
 def test_regression_bench_on_cuda_without_a_gpu_fails_before_anything(tmp_path, monkeypatch):
