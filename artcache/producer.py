@@ -586,8 +586,8 @@ class Producer:
                 self.fill_note = (f"the root holds {what}: kept whatever the retention rule{over} (--evict-fill "
                                   "lets retention evict them)")
         elif cfg.evict_fill:  # asked for, but there is no fill to release: said, not silently ignored
-            self.fill_note = ("--evict-fill: this root holds no artifacts of a --fill, so it changes nothing (retention "
-                              "is as the rule says)")
+            self.fill_note = ("--evict-fill: this root holds no artifacts of a --fill, so it changes nothing "
+                              "(retention is as the rule says)")
         self.budget_note = describe_retention(policy, self.budget, how)
         self.evict_fill = bool(cfg.evict_fill and filled)
         self._decision = RetentionDecision(budget=self.budget)
