@@ -66,7 +66,8 @@ def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
 
 
 def build_attention_mask(
-    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None
+    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Tensor:
     """Boolean attention mask ``[b, 1, N·B, T + N·B]`` (True = may attend).
 
@@ -74,7 +75,9 @@ def build_attention_mask(
     ``j < p`` (strictly before its anchor; DFlash arXiv:2602.06036 §3) and ``context_valid[b, j]``,
     plus all B keys of its own block (bidirectional); never another block. Rows of invalid anchors
     see only their own block (never an empty row, so softmax never runs over all ``-inf``); their
-    outputs are zeroed by the model.
+    outputs are zeroed by the model. ``doc_ids`` [b, T] long (a packed batch,
+    :mod:`artcache.trainers.packing`): context key j is visible only if ``doc_ids[b, j] == doc_ids[b, p]``
+    (attention block-diagonal per document).
     """
     b, N = anchors.shape
     B = block_size
@@ -84,13 +87,17 @@ def build_attention_mask(
     ctx = ctx & anchor_valid.repeat_interleave(B, dim=1)[:, :, None]
     if context_valid is not None:
         ctx = ctx & context_valid.bool()[:, None, :]
+    if doc_ids is not None:
+        anchor_doc = doc_ids.gather(1, anchors.clamp(0, seq_len - 1)).repeat_interleave(B, dim=1)  # [b, N*B]
+        ctx = ctx & (doc_ids[:, None, :] == anchor_doc[:, :, None])
     blk_id = torch.arange(N * B, device=dev) // B
     own = (blk_id[:, None] == blk_id[None, :]).expand(b, N * B, N * B)
     return torch.cat((ctx, own), dim=2)[:, None]
 
 
 def dflash_mask_mod(
-    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None
+    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """The DFlash mask of :func:`build_attention_mask` as a FlexAttention ``mask_mod``.
 
@@ -103,13 +110,15 @@ def dflash_mask_mod(
 
     Args:
         anchors: [b, N] long. anchor_valid: [b, N] bool. seq_len: T. block_size: B.
-        context_valid: optional [b, T] bool.
+        context_valid: optional [b, T] bool. doc_ids: optional [b, T] long (a packed batch: context keys of
+            the anchor's own document only).
     """
     T, B = seq_len, block_size
     N = anchors.shape[1]
     anchors = anchors.long()
     valid = anchor_valid.bool()
     cv = context_valid.bool() if context_valid is not None else None
+    docs = doc_ids.long() if doc_ids is not None else None
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         n = (q_idx // B).clamp(0, max(N - 1, 0))
@@ -117,6 +126,9 @@ def dflash_mask_mod(
         ctx_ok = (kv_idx < anchors[b, n]) & valid[b, n]
         if cv is not None:
             ctx_ok = ctx_ok & cv[b, kv_idx.clamp(0, max(T - 1, 0))]
+        if docs is not None:
+            last = max(T - 1, 0)
+            ctx_ok = ctx_ok & (docs[b, kv_idx.clamp(0, last)] == docs[b, anchors[b, n].clamp(0, last)])
         own = torch.div(kv_idx - T, B, rounding_mode="floor") == n
         return torch.where(is_ctx, ctx_ok, own)
 
@@ -311,6 +323,8 @@ class DFlashDraft(nn.Module):
         anchor_valid: Tensor,
         context_valid: Tensor | None = None,
         check_anchors: bool = True,
+        doc_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """Draft hidden states for N blocks per sequence.
 
@@ -324,6 +338,10 @@ class DFlashDraft(nn.Module):
             check_anchors: raise DataError for a valid anchor outside [0, T) (reads one bool back to
                 the host: a device synchronisation on a GPU). False when the caller drew the anchors
                 itself (:func:`~artcache.trainers.dflash.anchors.sample_anchors` never draws such an anchor).
+            doc_ids: a packed batch (:mod:`artcache.trainers.packing`): [b, T] long, each position's
+                document (-1 padding); a block sees context of its anchor's document only.
+            position_ids: [b, T] long, RoPE positions of the context (restarting per document in a packed
+                batch); block slot k of anchor p sits at ``position_ids[p] + k``. None: ``arange(T)``.
 
         Returns:
             [b, N, B, H] final-normed hidden states; block n holds ``[x_p, MASK×(B-1)]`` at positions
@@ -364,16 +382,23 @@ class DFlashDraft(nn.Module):
         block_ids = torch.full((b, N, B), cfg.mask_token_id, dtype=torch.long, device=input_ids.device)
         block_ids[:, :, 0] = input_ids.gather(1, anchors)
         x = self.embed(block_ids).reshape(b, N * B, H)
-        q_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).reshape(b, N * B)
-        kv_pos = torch.cat((torch.arange(T, device=anchors.device).expand(b, T), q_pos), dim=1)
+        if position_ids is None:
+            ctx_pos = torch.arange(T, device=anchors.device).expand(b, T)
+            start = anchors
+        else:
+            ctx_pos = position_ids.to(anchors.device).long()
+            start = ctx_pos.gather(1, anchors)
+        q_pos = (start[:, :, None] + torch.arange(B, device=anchors.device)).reshape(b, N * B)
+        kv_pos = torch.cat((ctx_pos, q_pos), dim=1)
+        docs = None if doc_ids is None else doc_ids.to(anchors.device).long()
         impl = self.attn_impl
         if impl == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
 
-            mask = create_block_mask(dflash_mask_mod(anchors, valid, T, B, context_valid), b, None, N * B,
+            mask = create_block_mask(dflash_mask_mod(anchors, valid, T, B, context_valid, docs), b, None, N * B,
                                      T + N * B, device=x.device)
         else:
-            mask = build_attention_mask(anchors, valid, T, B, context_valid)
+            mask = build_attention_mask(anchors, valid, T, B, context_valid, docs)
 
         for layer in self.layers:
             x = layer(x, ctx, q_pos, kv_pos, mask, impl)

@@ -18,9 +18,10 @@ from torch import Tensor
 from artcache.errors import ConfigError
 from artcache.layer_ids import LAST_LAYER_STATE, dspark_layer_ids, layer_view
 from artcache.trainers.dflash.adapter import evenly_spaced
-from artcache.trainers.dflash.anchors import eligible_anchors, sample_anchors
+from artcache.trainers.dflash.anchors import eligible_anchors
 from artcache.trainers.draft import Draft, DraftBatch, ExportedDraft, MetricSums, PendingSums, check_target
 from artcache.trainers.export import decode_draft_config
+from artcache.trainers.packing import draw_anchors, packed_on
 from artcache.trainers.speed import SpeedOptions, to_device
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
@@ -152,10 +153,12 @@ class DSparkAdapter(Draft):
         ctx, last = batch.hidden[:, :, :m], batch.hidden[:, :, m]
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             forward = self._forward_fn if fast else self.model
-            hidden = forward(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid, check_anchors=not fast)
+            docs, pos = packed_on(batch, dev)
+            hidden = forward(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid, check_anchors=not fast,
+                             doc_ids=docs, position_ids=pos)
             loss, out = dspark_loss(self.model, hidden, last, batch.input_ids, batch.loss_mask, anchors, avalid,
                                     context_valid=batch.valid, mode=self._loss_mode() if train else "fused",
-                                    static_rows=fast, compile=fast and self.speed.compile != "off")
+                                    static_rows=fast, compile=fast and self.speed.compile != "off", doc_ids=docs)
         return hidden, loss, out
 
     def _loss_mode(self) -> str:
@@ -164,7 +167,7 @@ class DSparkAdapter(Draft):
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
         # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
         # from the host copy of the batch's masks (no device read-back)
-        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator)
+        anchors, avalid = draw_anchors(batch, self.cfg.num_anchors, self.generator)
         self.speed.step_begin()
         _, loss, out = self._forward(batch, anchors, avalid, train=True)
         self._weights_seen += 1
