@@ -33,8 +33,8 @@ from torch import Tensor
 
 from artcache.errors import ConfigError
 
-__all__ = ["Packer", "doc_eligible_anchors", "draw_anchors", "pack_rows", "packed_layout", "packed_on",
-           "sample_packed_anchors", "same_doc"]
+__all__ = ["Packer", "collate_packed", "doc_eligible_anchors", "draw_anchors", "pack_rows", "packed_layout",
+           "packed_on", "packer_of", "sample_packed_anchors", "same_doc"]
 
 
 def pack_rows(lengths: Sequence[int], rows: int, pack_tokens: int, max_positions: int) -> tuple[int, ...]:
@@ -134,13 +134,27 @@ class Packer:
             p += self.step_positions(p)
         return p
 
+    def epoch_steps(self, epochs: int, epoch_len: int) -> int:
+        """Packed steps of ``epochs`` passes over ``epoch_len`` training samples (a last partial step is not taken).
+
+        Raises:
+            ConfigError: not even one step.
+        """
+        steps = self.steps_within(epochs * epoch_len)
+        if steps < 1:
+            raise ConfigError(f"--epochs {epochs} over {epoch_len} training samples is not one packed step of "
+                              f"{self.rows} rows of {self.pack_tokens} tokens; raise --epochs or lower --batch-size")
+        return steps
+
     def steps_within(self, end: int) -> int:
         """Packed steps from position 0 whose positions all lie below ``end`` (``--epochs``: the last step that
         does not fit is not taken)."""
         p = steps = 0
         while True:
-            n = self.step_positions(p)
-            if p + n > end:
+            rows = self.step(p)
+            n = sum(rows)
+            # a step cut short by the end of the positions looked at is not a whole step
+            if p + n > end or not n:
                 return steps
             p, steps = p + n, steps + 1
 
@@ -248,3 +262,68 @@ def packed_on(batch, device: torch.device) -> tuple[Tensor | None, Tensor | None
     if batch.doc_ids is None:
         return None, None
     return batch.doc_ids.to(device, non_blocking=True), batch.position_ids.to(device, non_blocking=True)
+
+
+def collate_packed(items, device: torch.device, rows: int, pack_tokens: int,
+                   layers: slice | Tensor | None = None, hidden_dtype: torch.dtype | None = None):
+    """A packed :class:`~artcache.trainers.draft.DraftBatch` of one step's leased artifacts (in position order).
+
+    The rows are :func:`pack_rows` of the artifacts' lengths (the :class:`Packer`'s split of the plan's lengths:
+    the same, since an artifact holds its plan position's tokens). ``hidden`` [rows, T, m, H] (the draft's
+    ``layers`` view, zeros on padding; fp8 codes dequantised into ``hidden_dtype``, default float32 on a CPU and
+    bfloat16 on CUDA), ``input_ids`` [rows, T] long, ``loss_mask`` / ``valid`` [rows, T] bool, ``doc_ids`` and
+    ``position_ids`` [rows, T] long on the host (:func:`packed_layout`); T = the longest row (<= ``pack_tokens``).
+
+    Raises:
+        DataError: the artifacts do not fill whole rows of this step (the reader read another split).
+    """
+    from artcache.errors import DataError
+    from artcache.fp8 import dequantize_rows
+    from artcache.layer_ids import select_layers
+    from artcache.trainers.draft import DraftBatch
+
+    arts = [it.artifact for it in items]
+    lengths = [a.input_ids.shape[0] for a in arts]
+    sizes = pack_rows(lengths, rows, pack_tokens, len(items))
+    if sum(sizes) != len(items):
+        raise DataError(f"positions {items[0].position}..{items[-1].position} do not pack into {rows} rows of "
+                        f"{pack_tokens} tokens as the plan's lengths did (their artifacts hold {lengths} tokens)")
+    doc_ids, pos, place = packed_layout(lengths, sizes)
+    R, t = doc_ids.shape
+
+    def view(hs: Tensor) -> Tensor:
+        return hs if layers is None else select_layers(hs, layers)
+
+    gpu = device.type == "cuda"
+    fp8 = arts[0].hidden_scales is not None
+    first = view(arts[0].hidden_states)
+    dtype = (hidden_dtype or (torch.bfloat16 if gpu else torch.float32)) if fp8 else first.dtype
+    hidden = torch.zeros(R, t, first.shape[1], first.shape[2], dtype=dtype, pin_memory=gpu)
+    ids = torch.zeros(R, t, dtype=torch.long)
+    mask = torch.zeros(R, t, dtype=torch.bool)
+    for a, (r, off, n) in zip(arts, place, strict=True):
+        hs = view(a.hidden_states)
+        if fp8:
+            hs = dequantize_rows(hs, view(a.hidden_scales[..., None])[..., 0], dtype)
+        hidden[r, off:off + n] = hs
+        ids[r, off:off + n] = a.input_ids.long()
+        mask[r, off:off + n] = a.loss_mask.bool()
+    valid = doc_ids >= 0
+    return DraftBatch(hidden.to(device, non_blocking=gpu), ids.to(device), mask.to(device), valid.to(device),
+                      positions=tuple(it.position for it in items), supervised_host=mask & valid, doc_ids=doc_ids,
+                      position_ids=pos)
+
+
+def packer_of(cfg, plan, order, max_length: int) -> Packer | None:
+    """The :class:`Packer` of a consumer config (``pack_tokens``, ``batch_size`` rows, at most ``lookahead``
+    positions a step) on a root whose samples hold at most ``max_length`` tokens; None when packing is off.
+
+    Raises:
+        ConfigError: ``--pack-tokens`` below ``max_length`` (one line naming both).
+    """
+    if not cfg.pack_tokens:
+        return None
+    if cfg.pack_tokens < max_length:
+        raise ConfigError(f"--pack-tokens {cfg.pack_tokens} is below the root's max length {max_length}: a sample "
+                          f"is never truncated or split; accepted: 0 (off) or >= {max_length}")
+    return Packer.for_plan(plan, order, cfg.batch_size, cfg.pack_tokens, cfg.lookahead)

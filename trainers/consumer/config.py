@@ -118,6 +118,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             of this many positions so the compiled draft sees few distinct shapes (padding is never
             supervised); 0 = the batch's longest sample. Ignored otherwise (batches stay exactly as long
             as their longest sample).
+        pack_tokens: packing (:mod:`artcache.trainers.packing`): each of the step's ``batch_size`` rows holds
+            consecutive plan positions back to back, up to this many tokens; a step consumes as many positions as
+            its rows hold (at most ``lookahead``), decided from the plan alone. Must be at least the root's max
+            length (a sample is never truncated or split). 0 = off: one position per row, padded.
 
     On CUDA the training step reads nothing back to the host; its metrics are read back every
     ``log_every`` steps (docs/training.md, "GPU speed").
@@ -176,6 +180,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     compile: Literal[COMPILE_MODES] = "auto"
     loss_impl: Literal[LOSS_IMPLS] = "auto"
     length_bucket: NonNegative = 64
+    pack_tokens: NonNegative = 0
 
     def validate(self) -> None:
         """Check every setting; a draft option another draft owns is refused naming both drafts.
@@ -216,6 +221,12 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"lookahead {self.lookahead} is smaller than one batch ({self.batch_size} positions): the "
                 f"consumer could never read a whole batch; use --window {self.lookbehind}:{self.batch_size} "
                 "or larger, or a smaller --batch-size")
+        if self.pack_tokens and self.reader == "process":
+            raise ConfigError(f"--pack-tokens {self.pack_tokens} runs with --reader thread only (the reader process "
+                              "reads fixed batches of positions); use --reader thread or --pack-tokens 0")
+        if self.pack_tokens and self.lockstep_group:
+            raise ConfigError(f"--pack-tokens {self.pack_tokens} and a lockstep group exclude each other (members "
+                              "move by whole batches of positions); leave one of them out")
         if self.lockstep_group:
             for member in self.lockstep_group.split(","):
                 check_id(member, "lockstep group member")
@@ -358,5 +369,6 @@ def run_settings(cfg: ConsumerConfig) -> dict:
     out = {k: getattr(cfg, k) for k in RUN_FIELDS}
     out["lr_total_steps"] = cfg.horizon
     out["steps"] = cfg.steps  # recorded (the stop), never compared
+    out["pack_tokens"] = cfg.pack_tokens  # which positions share a step (a checkpoint without it: 0)
     out.update({k: getattr(cfg, k) for k in draft_class(cfg.draft).run_options})
     return out

@@ -152,6 +152,7 @@ def check_run_settings(cfg: ConsumerConfig, st: CheckpointState, path: Path, *, 
     cfg = with_horizon(cfg, st)
     saved = dict(st.run)
     saved["lr_total_steps"] = saved_horizon(st)
+    saved.setdefault("pack_tokens", 0)  # written before packing existed: unpacked
     diffs = [f"{flag_of(k)} {v!r} (checkpoint: {saved.get(k)!r})" for k, v in run_settings(cfg).items()
              if k != "steps" and saved.get(k) != v]
     if diffs:
