@@ -323,3 +323,28 @@ def test_eagle3_packed_ttt_never_reads_another_document():
     mine = doc_ids == 2
     for a, b in zip(outs, outs2, strict=True):
         assert torch.allclose(a[mine], b[mine], rtol=0, atol=1e-12)
+
+
+def test_dflash_flex_mask_carries_the_document_like_the_dense_mask():
+    """The FlexAttention ``mask_mod`` of a packed batch equals the dense SDPA mask element for element, and the
+    flex forward (eager on a CPU) gives the sdpa forward's blocks."""
+    from artcache.trainers.dflash.model import build_attention_mask, dflash_mask_mod
+
+    docs = documents(LENGTHS[:5], 2)
+    p_hid, p_ids, p_lm, p_valid, doc_ids, pos, _ = packed(docs, pack_tokens=40)
+    anchors, avalid = sample_packed_anchors(p_lm & p_valid, doc_ids, 3, torch.Generator().manual_seed(4))
+    R, T = doc_ids.shape
+    B, N = 4, anchors.shape[1]
+    dense = build_attention_mask(anchors, avalid, T, B, p_valid, doc_ids)[:, 0]
+    mod = dflash_mask_mod(anchors, avalid, T, B, p_valid, doc_ids)
+    q = torch.arange(N * B)[:, None].expand(N * B, T + N * B)
+    kv = torch.arange(T + N * B)[None].expand(N * B, T + N * B)
+    for r in range(R):
+        got = mod(torch.tensor(r), torch.tensor(0), q, kv)
+        assert torch.equal(got, dense[r])
+    model = dflash_model()
+    with torch.no_grad():
+        ref = model(p_hid, p_ids, anchors, avalid, context_valid=p_valid, doc_ids=doc_ids, position_ids=pos)
+        model.attn_impl = "flex"
+        flex = model(p_hid, p_ids, anchors, avalid, context_valid=p_valid, doc_ids=doc_ids, position_ids=pos)
+    assert torch.allclose(flex, ref, rtol=1e-6, atol=1e-9)

@@ -121,3 +121,23 @@ def test_a_packed_run_killed_and_resumed_trains_the_uninterrupted_losses(filled,
         assert got[w.step].cursor == w.cursor
         assert got[w.step].loss == pytest.approx(w.loss, rel=1e-6, abs=0), w.step
     assert registry.read(CacheLayout(filled), "killed").cursor == 24
+
+
+def test_resume_refuses_another_pack_tokens_and_reads_an_older_checkpoint_as_unpacked(tmp_path):
+    """``pack_tokens`` decides which positions each step consumes: a resumed run must keep it. A checkpoint whose
+    run settings predate packing (no ``pack_tokens`` key) resumes unpacked and refuses a packed resume."""
+    import types
+
+    from artcache.trainers.consumer.config import run_settings
+    from artcache.trainers.consumer.restore import check_run_settings
+
+    packed = _cfg(tmp_path, tmp_path, "r", pack_tokens=64, steps=10)
+    st = types.SimpleNamespace(run=run_settings(packed), schedule=None, step=2)
+    check_run_settings(packed, st, tmp_path)
+    with pytest.raises(ConfigError, match=r"--pack-tokens 0 \(checkpoint: 64\)"):
+        check_run_settings(_cfg(tmp_path, tmp_path, "r", steps=10), st, tmp_path)
+    old = {k: v for k, v in run_settings(_cfg(tmp_path, tmp_path, "r", steps=10)).items() if k != "pack_tokens"}
+    st_old = types.SimpleNamespace(run=old, schedule=None, step=2)
+    check_run_settings(_cfg(tmp_path, tmp_path, "r", steps=10), st_old, tmp_path)
+    with pytest.raises(ConfigError, match=r"--pack-tokens 64 \(checkpoint: 0\)"):
+        check_run_settings(packed, st_old, tmp_path)
