@@ -22,7 +22,7 @@ from artcache.errors import ConfigError, DataError
 
 from .config import DFlashConfig
 
-__all__ = ["ATTN_IMPLS", "DFlashDraft", "RMSNorm", "build_attention_mask", "dflash_mask_mod"]
+__all__ = ["ATTN_IMPLS", "DFlashDraft", "DocumentSegments", "RMSNorm", "build_attention_mask", "dflash_mask_mod"]
 
 #: Attention implementations of :class:`DFlashDraft` (all compute the same function; see ``attn_impl``).
 ATTN_IMPLS = ("sdpa", "flex", "dense")
@@ -173,6 +173,53 @@ def _dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, gqa: 
     return (torch.softmax(scores, dim=-1) @ v.to(acc)).to(q.dtype)
 
 
+class DocumentSegments:
+    """SDPA per document of a packed batch on a CPU: each document's blocks attend to the keys of that document's
+    context and of its own blocks only, one ``scaled_dot_product_attention`` per document, so a packed row costs what
+    its documents cost unpacked (one dense mask over the whole row would score every block against every other
+    document's keys and blocks: quadratic in the documents per row).
+
+    ``parts``: ``(row, q0, q1, c0, c1, mask)``: the row's query slots ``q0 .. q1 - 1`` (the document's blocks;
+    anchors are sorted, so a document's blocks are contiguous), its context positions ``c0 .. c1 - 1`` and the
+    :func:`build_attention_mask` of those blocks over ``[context ; blocks]`` ([1, 1, q1-q0, c1-c0 + q1-q0] bool).
+    Query slots of no document (invalid anchors) get zeros (the model zeroes their outputs anyway).
+    """
+
+    def __init__(self, parts: list[tuple[int, int, int, int, int, Tensor]]) -> None:
+        self.parts = parts
+
+    @classmethod
+    def build(cls, anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int) -> DocumentSegments:
+        """From anchors [b, N] (sorted per row, valid ones first), their validity and ``doc_ids`` [b, T] (host
+        tensors: this reads them)."""
+        B = block_size
+        parts = []
+        anchors, valid, doc_ids = anchors.cpu(), valid.cpu(), doc_ids.cpu()
+        for r in range(anchors.shape[0]):
+            a = anchors[r][valid[r]]
+            if not a.numel():
+                continue
+            docs = doc_ids[r, a]
+            cut = [0] + (torch.nonzero(docs[1:] != docs[:-1]).squeeze(1) + 1).tolist() + [a.numel()]
+            for i0, i1 in zip(cut[:-1], cut[1:], strict=True):
+                where = torch.nonzero(doc_ids[r] == docs[i0]).squeeze(1)
+                c0, c1 = int(where[0]), int(where[-1]) + 1
+                seg = (a[i0:i1] - c0)[None]
+                mask = build_attention_mask(seg, torch.ones_like(seg, dtype=torch.bool), c1 - c0, B)
+                parts.append((r, i0 * B, i1 * B, c0, c1, mask))
+        return cls(parts)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, T: int, gqa: bool) -> Tensor:
+        """q [b, h, S, d]; k, v [b, h_kv, T + S, d] (``[context ; blocks]``) -> [b, h, S, d]."""
+        out = q.new_zeros(q.shape)
+        for r, q0, q1, c0, c1, mask in self.parts:
+            kk = torch.cat((k[r:r + 1, :, c0:c1], k[r:r + 1, :, T + q0:T + q1]), dim=2)
+            vv = torch.cat((v[r:r + 1, :, c0:c1], v[r:r + 1, :, T + q0:T + q1]), dim=2)
+            out[r:r + 1, :, q0:q1] = F.scaled_dot_product_attention(q[r:r + 1, :, q0:q1], kk, vv,
+                                                                     attn_mask=mask.to(q.device), enable_gqa=gqa)
+        return out
+
+
 class _Attention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -198,7 +245,9 @@ class _Attention(nn.Module):
         q = _rope(q, q_pos, self.theta)
         k = _rope(k, kv_pos, self.theta)
         gqa = self.nh != self.nkv
-        if impl == "flex":
+        if isinstance(mask, DocumentSegments):
+            o = mask.attend(q, k, v, T, gqa)
+        elif impl == "flex":
             o = _flex(q, k, v, mask, gqa)
         elif impl == "dense":
             o = _dense_attention(q, k, v, mask, gqa)
@@ -397,6 +446,8 @@ class DFlashDraft(nn.Module):
 
             mask = create_block_mask(dflash_mask_mod(anchors, valid, T, B, context_valid, docs), b, None, N * B,
                                      T + N * B, device=x.device)
+        elif docs is not None and impl == "sdpa" and x.device.type == "cpu":  # per document: no quadratic waste
+            mask = DocumentSegments.build(anchors, valid, docs, B)
         else:
             mask = build_attention_mask(anchors, valid, T, B, context_valid, docs)
 
