@@ -257,14 +257,42 @@ def test_metrics_hand_checked():
     assert s["tau_includes_bonus"] is True and s["blocks"] == 1
     assert math.isclose(s["accept_rate@0"], 0.8, rel_tol=1e-6) and math.isclose(s["accept_rate@1"], 0.5, rel_tol=1e-6)
     assert "accept_rate@2" not in s and s["accept_rate"][2] is None  # no supervised row: omitted
-    assert math.isclose(s["conf_mae"], (0.3 + 0.0) / 2, rel_tol=1e-6)
-    assert math.isclose(s["conf_bias"], (-0.3 + 0.0) / 2, rel_tol=1e-6)
-    assert math.isclose(s["cum_mae"], (0.3 + 0.15) / 2, rel_tol=1e-6)  # Πc = (.5, .25), Πα = (.8, .4)
+    wsum, w1 = 1 + math.exp(-0.25), math.exp(-0.25)  # the slot decay weighs the confidence errors (DeepSpec)
+    assert math.isclose(s["conf_mae"], (0.3 + 0.0 * w1) / wsum, rel_tol=1e-6)
+    assert math.isclose(s["conf_bias"], (-0.3 + 0.0 * w1) / wsum, rel_tol=1e-6)
+    assert math.isclose(s["cum_mae"], (0.3 + 0.15 * w1) / wsum, rel_tol=1e-6)  # Πc = (.5, .25), Πα = (.8, .4)
     assert math.isclose(s["ece@0"], 0.3, rel_tol=1e-6) and math.isclose(s["ece_cum@1"], 0.15, rel_tol=1e-6)
     assert math.isclose(s["ece_cum"], (0.3 + 0.15) / 2, rel_tol=1e-6) and "ece@2" not in s
-    wsum = 1 + math.exp(-0.25)
     assert math.isclose(s["loss"], (0.1 * 1 + 0.9 * 2 + 3) / wsum, rel_tol=1e-9)
     assert s["acc"][:2] == [1.0, 0.0]
+
+
+def test_regression_confidence_errors_are_weighted_by_the_slot_decay():
+    """conf_mae, conf_bias, cum_mae and cum_bias were plain means over supervised slots while DeepSpec's figures of
+    the same names (deepspec/modeling/dspark/loss.py: confidence_abs_error, confidence_bias,
+    confidence_cumprod_bias) are Σ w_k·err / Σ w_k with the slot decay w_k = exp(-k/4): the same outputs gave
+    other numbers than DeepSpec's. Hand-computed here for one block of 3 supervised slots, on the host path
+    (block_sums) and the sync-free device path (block_pending) alike."""
+    from artcache.trainers.dspark.metrics import block_pending
+
+    # α = (0.9, 0.5, 0.2), c = sigmoid(z) with z = (0, ln 3, ln(1/4)): c = (0.5, 0.75, 0.2)
+    out = _outputs([[0.9, 0.5, 0.2]], [[True, True, True]], [[0.0, math.log(3.0), math.log(0.25)]])
+    w = [1.0, math.exp(-0.25), math.exp(-0.5)]  # 1, 0.778801, 0.606531
+    W = sum(w)  # 2.385332
+    err = [0.5 - 0.9, 0.75 - 0.5, 0.2 - 0.2]  # -0.4, 0.25, 0.0
+    cerr = [0.5 - 0.9, 0.375 - 0.45, 0.075 - 0.09]  # Πc = (.5, .375, .075), Πα = (.9, .45, .09)
+    want = {"conf_mae": (0.4 + 0.25 * w[1]) / W,  # 0.249315 (the plain mean: 0.216667)
+            "conf_bias": (-0.4 + 0.25 * w[1]) / W,  # -0.086067 (plain: -0.05)
+            "cum_mae": (0.4 + 0.075 * w[1] + 0.015 * w[2]) / W,  # 0.195978
+            "cum_bias": (-0.4 - 0.075 * w[1] - 0.015 * w[2]) / W}  # -0.195978 (plain: -0.163333)
+    assert math.isclose(want["conf_mae"], 0.249315, abs_tol=1e-6) and math.isclose(want["conf_bias"], -0.086067,
+                                                                                    abs_tol=1e-6)
+    assert math.isclose(sum(abs(e) for e in err) / 3, 0.216667, abs_tol=1e-6)  # what the plain mean gave
+    assert math.isclose(sum(cerr) / 3, -0.163333, abs_tol=1e-6)
+    for sums in (block_sums(out, (0.1, 0.9, 1.0)), block_pending(out, (0.1, 0.9, 1.0)).resolve()):
+        s = summarize(sums, 3)
+        for name, value in want.items():
+            assert math.isclose(s[name], value, rel_tol=1e-6), (name, s[name], value)
 
 
 def test_metric_sums_divide_once_across_batches():
@@ -354,7 +382,8 @@ def test_export_round_trip(tmp_path, fmt):
 
     m = model_of(dtype=torch.float32)
     ckpt = _checkpoint(tmp_path, m, [1, 3, 5], calib=[1.5, 1.0, 0.8, 2.0])
-    res = export_checkpoint(ckpt, tmp_path / "out", fmt, target=_target_cfg(), dtype="float32")
+    # a config-only target: the hf export without the target's tensors (test_regression_dspark_hf_export_... has them)
+    res = export_checkpoint(ckpt, tmp_path / "out", fmt, target=_target_cfg(), dtype="float32", target_tensors=False)
     c = res.config
     assert c["architectures"] == ["Qwen3DSparkModel"] and c["sample_from_anchor"] is True
     assert c["block_size"] == 4 and c["markov_rank"] == 6 and c["markov_head_type"] == "vanilla"
@@ -376,6 +405,59 @@ def test_export_round_trip(tmp_path, fmt):
     assert "before the final norm" in c["dspark_target_state"]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_regression_dspark_hf_export_carries_the_targets_embedding_and_lm_head(tmp_path, tied):
+    """The DSpark hf export had no embed_tokens / lm_head: DeepSpec's evaluator loads a draft with transformers'
+    from_pretrained alone, which initialises absent tensors at random, so its proposals were made with a random
+    embedding and head. The export now writes the target's (default): a model with DeepSpec's top-level names,
+    loaded by transformers' own from_pretrained from the export directory, has them equal to the target's and
+    reports neither missing (a target with tied embeddings too: both written, as two tensors); a config-only
+    target is refused in one message naming --no-target-tensors; with target_tensors=False they are left out."""
+    from torch import nn
+    from transformers import LlamaForCausalLM, Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
+
+    from artcache.trainers.dspark.export import load_dspark_export
+    from artcache.trainers.export import export_checkpoint
+
+    class DeepSpecNames(Qwen3PreTrainedModel):  # the frozen tensors DeepSpec's Qwen3DSparkModel owns, its names
+        config_class = Qwen3Config
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+    torch.manual_seed(1)
+    cfg = _target_cfg()
+    cfg.tie_word_embeddings = tied
+    target = LlamaForCausalLM(cfg)
+    target.save_pretrained(str(tmp_path / "target"))
+    m = model_of(dtype=torch.float32)
+    ckpt = _checkpoint(tmp_path, m, [1, 3, 5])
+    res = export_checkpoint(ckpt, tmp_path / "out", "hf", target=str(tmp_path / "target"), dtype="float32")
+    assert {"embed_tokens.weight", "lm_head.weight"} <= set(res.keys)
+    loaded, info = DeepSpecNames.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not [k for k in info["missing_keys"] if "embed_tokens" in k or "lm_head" in k], info["missing_keys"]
+    assert torch.equal(loaded.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert torch.equal(loaded.lm_head.weight, target.lm_head.weight)
+    # artcache's own loader reads them from the export too, and rebuilds the draft's trained tensors exactly
+    m2, _, _ = load_dspark_export(tmp_path / "out", None, None, m.target_norm_weight)
+    assert torch.equal(m2.embed_weight, target.model.embed_tokens.weight)
+    for k, v in m.trainable_state_dict().items():
+        assert torch.equal(v, m2.trainable_state_dict()[k]), k
+    (tmp_path / "config-only").mkdir()
+    target.config.save_pretrained(str(tmp_path / "config-only"))
+    with pytest.raises(ConfigError, match="no weights; .*--no-target-tensors"):
+        export_checkpoint(ckpt, tmp_path / "o2", "hf", target=str(tmp_path / "config-only"))
+    assert not (tmp_path / "o2").exists()
+    res = export_checkpoint(ckpt, tmp_path / "o3", "hf", target=str(tmp_path / "target"), target_tensors=False)
+    assert not {"embed_tokens.weight", "lm_head.weight"} & set(res.keys)
+    spec = export_checkpoint(ckpt, tmp_path / "o4", "speculators", target=str(tmp_path / "target"))
+    assert not {"embed_tokens.weight", "lm_head.weight"} & set(spec.keys)  # vLLM shares the target's
+
+
 def test_export_refuses_a_gated_head_as_speculators_and_mismatched_weights(tmp_path):
     from artcache.trainers.checkpoint import write_state
     from artcache.trainers.export import export_checkpoint
@@ -384,7 +466,7 @@ def test_export_refuses_a_gated_head_as_speculators_and_mismatched_weights(tmp_p
     ckpt = _checkpoint(tmp_path, m, [1, 3, 5])
     with pytest.raises(ConfigError, match="vanilla"):
         export_checkpoint(ckpt, tmp_path / "o1", "speculators", target=_target_cfg())
-    export_checkpoint(ckpt, tmp_path / "o2", "hf", target=_target_cfg())  # DeepSpec layout has gate_proj
+    export_checkpoint(ckpt, tmp_path / "o2", "hf", target=_target_cfg(), target_tensors=False)  # has gate_proj
     m3 = model_of(dtype=torch.float32)
     st = json.loads((ckpt / "state.json").read_text())
     ck2 = _checkpoint(tmp_path / "x", m3, [1, 3, 5])
@@ -408,7 +490,7 @@ def test_init_from_an_export_maps_names_back_and_checks_the_config(tmp_path, fmt
 
     m = model_of(dtype=torch.float32)
     export_checkpoint(_checkpoint(tmp_path, m, [1, 3, 5]), tmp_path / "out", fmt, target=_target_cfg(),
-                      dtype="float32")
+                      dtype="float32", target_tensors=False)
     own = {k: tuple(v.shape) for k, v in m.trainable_state_dict().items()}
     ours = {**msgspec.to_builtins(m.cfg), "layer_ids": [1, 3, 5]}
     assert DSparkAdapter.weight_shapes(ours) == own
@@ -508,7 +590,7 @@ def test_calibrate_checkpoint_writes_temperatures_and_refuses_stale_or_missing_r
     g = torch.Generator().manual_seed(0)
     z = torch.randn(400, 4, generator=g) * 2
     rec = {"conf_logit": z, "alpha": torch.sigmoid(z / 2), "supervised": torch.ones(400, 4, dtype=torch.bool),
-           "position": torch.arange(400) // 50, "weights_check": weights_check(m.trainable_state_dict())}
+           "sample": torch.arange(400) // 50, "weights_check": weights_check(m.trainable_state_dict())}
 
     def save(run, weights, extra):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -516,7 +598,10 @@ def test_calibrate_checkpoint_writes_temperatures_and_refuses_stale_or_missing_r
                                extra_tensors={HELDOUT_PREFIX + k: v for k, v in extra.items()},
                                state={"draft": "dspark", "draft_config": msgspec.to_builtins(m.cfg)})
 
-    rep = calibrate_checkpoint(save("ok", m.trainable_state_dict(), rec))
+    with pytest.raises(ConfigError, match="no greedy-replay outcomes .* --against alpha"):
+        calibrate_checkpoint(save("no-replay", m.trainable_state_dict(), rec))  # the default is --against replay
+    rep = calibrate_checkpoint(save("ok", m.trainable_state_dict(), rec), against="alpha")
+    assert rep["against"] == "alpha" and rep["at_grid_edge"] == []
     assert len(rep["temperatures"]) == 4 and all(1.8 < t < 2.2 for t in rep["temperatures"])
     assert rep["ece_cum_pooled_after"] < 0.3 * rep["ece_cum_pooled_before"]
     assert rep["ece_cum_pooled_after_crossval"] < rep["ece_cum_pooled_before"] and rep["samples"] == 8
@@ -526,7 +611,10 @@ def test_calibrate_checkpoint_writes_temperatures_and_refuses_stale_or_missing_r
     assert written[CALIBRATION_KEY].tolist() == rep["temperatures"] and HELDOUT_PREFIX + "alpha" in written
     stale = {k: v + 1e-3 if v.is_floating_point() else v for k, v in m.trainable_state_dict().items()}
     with pytest.raises(ConfigError, match="other weights"):
-        calibrate_checkpoint(save("stale", stale, rec))
+        calibrate_checkpoint(save("stale", stale, rec), against="alpha")
+    old = {**{k: v for k, v in rec.items() if k != "sample"}, "position": torch.full((400,), -1)}
+    with pytest.raises(ConfigError, match="keyed by run position"):  # an older artcache's one-sample records
+        calibrate_checkpoint(save("old", m.trainable_state_dict(), old), against="alpha")
     with pytest.raises(ConfigError, match="no held-out confidence records"):
         calibrate_checkpoint(save("none", m.trainable_state_dict(), {}))
 

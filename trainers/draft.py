@@ -35,7 +35,8 @@ target's hidden size, V its vocabulary):
   published layouts' ``config.json``), ``serving_names``, ``target_tensors``, ``seed_fields``,
   ``vocab_coverage``; ``options`` / ``run_options``: the consumer options only this draft uses.
 - ``export(...)``: classmethod, its ``config.json`` and serving tensors from a checkpoint.
-- ``progress_metric``: the summary key the progress bar shows.
+- ``progress_metric``: the summary key the progress bar shows; ``acc_label``: what the log line calls the
+  summary's ``acc`` list.
 - ``eval_figures`` / ``eval_slot_figures`` (``held_out_figures(B)``): the names of the figures its
   ``summary`` of a held-out evaluation gives (``--best-metric`` accepts exactly these; a test runs a real
   evaluation of every draft and compares).
@@ -81,6 +82,8 @@ class DraftBatch:
             unpacked (one document per row).
         position_ids: a packed batch: [b, T] long on the host, each token's position inside its document
             (restarting at 0 per document; 0 on padding); None = ``arange(T)``.
+        samples: the plan sample indices of the b rows when the caller knows them (the held-out
+            evaluation sets them: the identity of a held-out row, whose position is -1); empty otherwise.
     """
 
     hidden: Tensor
@@ -90,6 +93,7 @@ class DraftBatch:
     positions: tuple[int, ...] = ()
     last_layer: Tensor | None = None
     supervised_host: Tensor | None = None
+    samples: tuple[int, ...] = ()
     doc_ids: Tensor | None = None
     position_ids: Tensor | None = None
 
@@ -337,6 +341,9 @@ class Draft(abc.ABC):
     name: ClassVar[str] = ""
     #: the summary key the progress bar shows
     progress_metric: ClassVar[str] = "tau"
+    #: what the log line calls the summary's ``acc`` list (shown as ``<acc_label>1..n``): the draft says what
+    #: it counts when that is not obvious next to its acceptance figure
+    acc_label: ClassVar[str] = "acc_"
     #: the figures its held-out evaluation reports: the keys of ``summary(evaluate(...))`` holding a number
     #: (:func:`figures_of`), i.e. the names ``--best-metric`` accepts; :data:`REPLAY_FIGURES` among them are
     #: measured only with the target's argmax. tests/test_drafts.py checks them against a real evaluation.
@@ -388,7 +395,7 @@ class Draft(abc.ABC):
     @classmethod
     def export(cls, state: CheckpointState, weights: dict[str, Tensor], target_cfg: Any, fmt: str,
                dtype: torch.dtype, verifier: str, num_speculative_tokens: int | None, what: str,
-               target_info: TargetInfo | None = None) -> ExportedDraft:
+               target_info: TargetInfo | None = None, target_tensors: bool = True) -> ExportedDraft:
         """The serving ``config.json`` and tensors of a checkpoint of this draft.
 
         Args:
@@ -398,7 +405,9 @@ class Draft(abc.ABC):
                 (speculators' ``verifier.name_or_path``; never a local path). num_speculative_tokens: the
                 speculators proposal length (None: the draft's default). what: names the checkpoint in
                 error messages. target_info: the resolved target when its weights are at hand (a layout
-                that carries a target tensor reads it from there), else None.
+                that carries a target tensor reads it from there), else None. target_tensors: write the
+                target's frozen tensors into a layout whose reference loader expects them in the checkpoint
+                (DSpark ``hf``: ``embed_tokens`` and ``lm_head``); layouts without such tensors ignore it.
 
         Raises:
             ConfigError: the draft has no export, or the checkpoint does not fit its config.

@@ -140,6 +140,8 @@ class Evaluator:
                     for p in pos[s:s + self.batch_size]:
                         items.append(self.client.acquire_sample(p, self.stop))
                     batch = self.collate(items, self.target_argmax is not None)
+                    # a held-out row's run position is -1: the plan sample index is its identity
+                    batch.samples = tuple(pos[s:s + self.batch_size])
                     argmax = None
                     if self.target_argmax is not None and batch.last_layer is not None:
                         b, T, H = batch.last_layer.shape

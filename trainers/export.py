@@ -401,7 +401,8 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", *,
                       target: Any = None, dtype: str | torch.dtype = "bfloat16",
-                      overwrite: bool = False, num_speculative_tokens: int | None = None) -> ExportResult:
+                      overwrite: bool = False, num_speculative_tokens: int | None = None,
+                      target_tensors: bool = True) -> ExportResult:
     """Export a consumer checkpoint (DFlash, EAGLE-3 or DSpark, read from its state.json ``draft``) to ``out``.
     DSpark: :func:`artcache.trainers.dspark.export.export_dspark` (its calibration temperatures included).
 
@@ -420,6 +421,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
         num_speculative_tokens: the speculators proposal length (default: B-1 for DFlash, the TTT
             unroll for EAGLE-3, B for DSpark); the hf format does not record it (vLLM takes it from its
             ``speculative_config``).
+        target_tensors: DSpark ``hf``: write the target's ``embed_tokens.weight`` and ``lm_head.weight`` (default;
+            DeepSpec's ``from_pretrained`` reads them from the draft, and leaves them random when absent); needs
+            a ``target`` with weights. False leaves them out (vLLM shares the target's). No other layout carries
+            them (docs/export.md).
 
     Raises:
         ConfigError: a missing or unreadable checkpoint, an unknown draft kind or format, weights that
@@ -454,7 +459,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     tgt = _export_target(target, state, ckpt)
     what = f"checkpoint {ckpt}"
     exported = draft_class(state.draft).export(state, weights, tgt.config, fmt, dtype, tgt.name,
-                                               num_speculative_tokens, what, target_info=tgt.info)
+                                               num_speculative_tokens, what, target_info=tgt.info,
+                                               target_tensors=target_tensors)
     provenance = {
         "exported_by": _EXPORTED_BY, "format": fmt, "draft": state.draft, "checkpoint": str(ckpt),
         "step": state.step, "cursor": state.cursor, "consumer_id": state.consumer_id,

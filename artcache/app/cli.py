@@ -615,12 +615,18 @@ def fsck(cache, fix, as_json, observe):
               help="Dtype of the exported weights.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing --out that is a previous export (a directory holding export.json).")
+@click.option("--target-tensors/--no-target-tensors", default=True,
+              help="DSpark --format hf: write the target's embed_tokens and lm_head into the export (default: "
+                   "DeepSpec's from_pretrained reads them from the draft and leaves them random without them; "
+                   "needs a --target with weights). --no-target-tensors leaves them out (vLLM shares the target's). "
+                   "No other draft or format carries them.")
 @_errors
-def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
+def export(checkpoint, fmt, out_dir, target, dtype, overwrite, target_tensors):
     """Write a trained DFlash, EAGLE-3 or DSpark draft as a directory vLLM / speculators load (docs/export.md)."""
     from artcache.trainers.export import export_checkpoint
 
-    res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite)
+    res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite,
+                            target_tensors=target_tensors)
     click.echo(json.dumps(res.summary()))
 
 
@@ -628,20 +634,27 @@ def export(checkpoint, fmt, out_dir, target, dtype, overwrite):
 @click.option("--checkpoint", required=True,
               help="A DSpark consumer checkpoint (checkpoints/step-N) or run directory (its checkpoints/latest) "
                    "trained with --eval-samples.")
+@click.option("--against", default="replay", type=click.Choice(["replay", "alpha"]),
+              help="What the cumulative confidence is calibrated against: replay (default; the observed "
+                   "greedy-replay acceptance of the first k+1 proposals, what a serving threshold decides on) or "
+                   "alpha (the teacher-forced cumulative alpha the head is trained on).")
 @_errors
-def calibrate(checkpoint):
+def calibrate(checkpoint, against):
     """Fit one temperature per slot to a DSpark draft's confidence head (STS, on the held-out split the run
     evaluated) and add them to the checkpoint (extra.safetensors; the report in calibration.json); `artcache
     export` then writes them into the exported config. Prints the cumulative-confidence ECE before and after
     (docs/training.md)."""
     from artcache.trainers.dspark.calibrate import calibrate_checkpoint
 
-    rep = calibrate_checkpoint(checkpoint)
-    click.echo(f"calibrated {rep['checkpoint']} on {rep['blocks']} held-out blocks of {rep['samples']} samples: "
-               f"cumulative-confidence ECE (pooled over slots) {rep['ece_cum_pooled_before']:.4f} -> "
-               f"{rep['ece_cum_pooled_after']:.4f} "
+    rep = calibrate_checkpoint(checkpoint, against=against)
+    click.echo(f"calibrated {rep['checkpoint']} against {rep['against']} on {rep['blocks']} held-out blocks of "
+               f"{rep['samples']} samples: cumulative-confidence ECE (pooled over slots) "
+               f"{rep['ece_cum_pooled_before']:.4f} -> {rep['ece_cum_pooled_after']:.4f} "
                f"(2-fold cross-validated {rep['ece_cum_pooled_after_crossval']:.4f}); "
                f"temperatures {', '.join(f'{t:.3g}' for t in rep['temperatures'])}", err=True)
+    for k in rep["at_grid_edge"]:
+        click.echo(f"warning: slot {k}'s temperature {rep['temperatures'][k]:.3g} is the edge of the grid "
+                   "[0.05, 20]: the fit would go further (its ECE may still be far from 0)", err=True)
     click.echo(json.dumps({k: v for k, v in rep.items() if k != "method"}))
 
 

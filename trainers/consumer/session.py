@@ -723,9 +723,9 @@ class Session:
             if rec.step % cfg.log_every == 0 or rec.step == cfg.steps:
                 shown = s.get("acc", [])[:4]
                 acc = " ".join(fmt(a) for a in shown)
-                log.info("[%s] step %d/%d (epoch %d) loss %s %s acc_1..%d %s trainer wait for batch %.2fs",
-                         cfg.consumer_id, rec.step, cfg.steps, epoch, fmt(loss, 3), draft.headline(s), len(shown),
-                         acc, rec.wait_s)
+                log.info("[%s] step %d/%d (epoch %d) loss %s %s %s1..%d %s trainer wait for batch %.2fs",
+                         cfg.consumer_id, rec.step, cfg.steps, epoch, fmt(loss, 3), draft.headline(s),
+                         draft.acc_label, len(shown), acc, rec.wait_s)
                 self.tracker.flush()
 
     # ---- evaluate: one pass over the held-out split -------------------------------------------------------
@@ -746,9 +746,10 @@ class Session:
         self.tracker.scalars(at_step, "eval", {k: v for k, v in ev.items() if k not in ("step", "samples")})
         self.tracker.flush()
         shown = ev.get("acc", [])[:4]
-        log.info("[%s] eval step %d on %d held-out samples: loss %s %s acc_1..%d %s (labels: %s) %.1fs",
+        log.info("[%s] eval step %d on %d held-out samples: loss %s %s %s1..%d %s (labels: %s) %.1fs",
                  self.cfg.consumer_id, at_step, ev["samples"], fmt(ev.get("loss"), 3), self.draft.headline(ev),
-                 len(shown), " ".join(fmt(a) for a in shown), ev["labels"], time.monotonic() - t0)
+                 self.draft.acc_label, len(shown), " ".join(fmt(a) for a in shown), ev["labels"],
+                 time.monotonic() - t0)
         self._maybe_best(at_step)
 
     def _maybe_best(self, at_step: int) -> None:

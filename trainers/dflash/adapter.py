@@ -146,7 +146,10 @@ class DFlashAdapter(Draft):
         return read_published(config, num_target_layers)
 
     @classmethod
-    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what, target_info=None):
+    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what, target_info=None,
+               target_tensors=True):
+        """No target tensor in either layout (``target_tensors`` is ignored): z-lab's ``DFlashDraftModel`` has
+        no embedding or lm_head of its own (generation passes the target's), and vLLM shares the target's."""
         return export_checkpoint_files(state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens,
                                        what)
 

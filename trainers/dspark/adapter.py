@@ -19,7 +19,16 @@ from artcache.errors import ConfigError
 from artcache.layer_ids import LAST_LAYER_STATE, dspark_layer_ids, layer_view
 from artcache.trainers.dflash.adapter import evenly_spaced
 from artcache.trainers.dflash.anchors import eligible_anchors
-from artcache.trainers.draft import Draft, DraftBatch, ExportedDraft, MetricSums, PendingSums, check_target
+from artcache.trainers.draft import (
+    Draft,
+    DraftBatch,
+    ExportedDraft,
+    MetricSums,
+    PendingSums,
+    check_target,
+    replay_accepted,
+    replay_sums,
+)
 from artcache.trainers.export import decode_draft_config
 from artcache.trainers.packing import draw_anchors, packed_on
 from artcache.trainers.speed import SpeedOptions, to_device
@@ -27,7 +36,7 @@ from artcache.trainers.speed import SpeedOptions, to_device
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
 from .export import SERVING_NAMES, TARGET_TENSORS, read_published
 from .loss import BlockOutputs, dspark_loss
-from .metrics import block_pending, block_sums, replay, summarize
+from .metrics import block_pending, block_sums, replay_walk, summarize
 
 __all__ = ["CALIBRATION_KEY", "HELDOUT_PREFIX", "DSparkAdapter", "dspark_default_layers", "weights_check"]
 
@@ -60,13 +69,14 @@ class DSparkAdapter(Draft):
             :class:`~artcache.trainers.draft.PendingSums`), the ``chunked`` bf16 lm_head matmuls and the
             compiled forward. ``liger`` is refused (Liger's kernel has no L1 term).
 
-    Held-out evaluation also records, per held-out block, the confidence logits, α and the supervised
-    prefix (``extra_tensors`` -> the checkpoint's extra.safetensors), which ``artcache calibrate`` fits
-    its temperatures on.
+    Held-out evaluation also records, per held-out block, the confidence logits, α, the supervised prefix,
+    the greedy-replay outcome and the block's plan sample (``extra_tensors`` -> the checkpoint's
+    extra.safetensors), which ``artcache calibrate`` fits its temperatures on.
     """
 
     name = "dspark"
     progress_metric = "tau"
+    acc_label = "data-token top-1 acc (teacher-forced) slots "
     #: :func:`~.metrics.summarize`'s figures (replay with layer L-1 only; ``ece*`` from the confidence head)
     eval_figures = ("loss", "ce_loss", "l1_loss", "conf_loss", "tau", "conf_mae", "conf_bias", "cum_mae", "cum_bias",
                     "replay_tau", "replay_truncated_frac", "ece", "ece_cum")
@@ -98,7 +108,8 @@ class DSparkAdapter(Draft):
         self.generator = anchor_generator
         self.eval_anchors = int(eval_anchors)
         self._weights_seen = 0  # training steps so far (held-out records belong to one weight state)
-        self._heldout: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        # plan sample -> (conf_logit, alpha, supervised, accepted, truncated) of its blocks
+        self._heldout: dict[int, tuple[Tensor, ...]] = {}
         self._heldout_check: Tensor | None = None
         self._heldout_at = -1
 
@@ -129,12 +140,20 @@ class DSparkAdapter(Draft):
 
     @classmethod
     def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what,
-               target_info=None) -> ExportedDraft:
+               target_info=None, target_tensors=True) -> ExportedDraft:
         """:func:`artcache.trainers.dspark.export.export_dspark` (calibration temperatures included when
-        ``artcache calibrate`` added them)."""
+        ``artcache calibrate`` added them; ``hf`` with ``target_tensors``: the target's embedding and lm_head,
+        read from ``target_info``)."""
+        from artcache.target import load_embedding_and_lm_head
+
         from .export import export_dspark
 
-        return export_dspark(state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what)
+        frozen = None
+        if fmt == "hf" and target_tensors and target_info is not None:
+            frozen = load_embedding_and_lm_head(target_info)
+        return export_dspark(state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what,
+                             target_tensors=frozen if fmt == "hf" and target_tensors else None,
+                             need_target_tensors=fmt == "hf" and target_tensors)
 
     def generators(self) -> dict[str, torch.Generator]:
         return {"anchors": self.generator}
@@ -179,7 +198,11 @@ class DSparkAdapter(Draft):
     def evaluate(self, batch: DraftBatch, target_argmax: Tensor | None) -> MetricSums:
         """Held-out metrics over every eligible anchor (or ``eval_anchors`` evenly spaced ones per sample):
         the loss terms, α per slot, τ, calibration, and with ``target_argmax`` ([b, T] long) a greedy
-        acceptance replay (``replay_tau``, +1 bonus included; see :func:`~.metrics.replay`)."""
+        acceptance replay (``replay_tau``, +1 bonus included; see :func:`~.metrics.replay`).
+
+        Each row's blocks are recorded for ``artcache calibrate`` under the row's plan sample index
+        (``batch.samples``; the run position when the batch carries none and it is not -1; a row with neither
+        identity is not recorded), so every held-out sample keeps its own records."""
         if self._heldout_at != self._weights_seen:  # a new weight state: records of the old one are void
             self._heldout = {}
             self._heldout_check = weights_check(self.model.trainable_state_dict())
@@ -196,27 +219,39 @@ class DSparkAdapter(Draft):
                 anchors = pos[s:s + n][None]
                 hidden, _, out = self._forward(one, anchors, torch.ones_like(anchors, dtype=torch.bool))
                 sums = sums + block_sums(out, self._loss_weights)
-                if out.conf_logit is not None:
-                    recs.append((out.conf_logit[0].cpu(), out.alpha[0].cpu(), out.supervised[0].cpu()))
+                N = anchors.shape[1]
+                accepted = torch.full((N,), -1, dtype=torch.long)  # -1: no replay (no target argmax)
+                truncated = torch.zeros(N, dtype=torch.bool)
                 if target_argmax is not None:
-                    sums = sums + replay(self.model, hidden.float(), one.input_ids, one.loss_mask & one.valid,
-                                         anchors, target_argmax[row:row + 1])
-            if recs and row < len(batch.positions):
-                self._heldout[int(batch.positions[row])] = tuple(torch.cat(x) for x in zip(*recs, strict=True))
+                    walk = replay_walk(self.model, hidden.float(), one.input_ids, one.loss_mask & one.valid, anchors,
+                                       target_argmax[row:row + 1])
+                    sums = sums + replay_sums(*walk)
+                    accepted, truncated = (x.cpu() for x in replay_accepted(*walk))
+                if out.conf_logit is not None:
+                    recs.append((out.conf_logit[0].cpu(), out.alpha[0].cpu(), out.supervised[0].cpu(), accepted,
+                                 truncated))
+            key = _sample_of(batch, row)
+            if recs and key is not None:
+                self._heldout[key] = tuple(torch.cat(x) for x in zip(*recs, strict=True))
         return sums
 
     def extra_tensors(self) -> dict[str, Tensor]:
-        """The latest held-out confidence records (``heldout.conf_logit`` / ``alpha`` [n, B] float32,
-        ``heldout.supervised`` [n, B] bool, ``heldout.position`` [n] int64: the plan position of each
-        block, ``heldout.weights_check`` [2] float64, see :func:`weights_check`); empty before any."""
+        """The latest held-out confidence records, one row per held-out block, samples in plan order:
+        ``heldout.conf_logit`` / ``alpha`` [n, B] float32, ``heldout.supervised`` [n, B] bool,
+        ``heldout.accepted`` [n] int64 (greedy-replay proposals accepted, **no** bonus; -1 where no replay ran),
+        ``heldout.truncated`` [n] bool (the replay walk was cut by the target's greedy path leaving the data),
+        ``heldout.sample`` [n] int64 (the block's plan sample index), ``heldout.weights_check`` [2] float64
+        (see :func:`weights_check`); empty before any."""
         if not self._heldout or self._heldout_check is None:
             return {}
         order = sorted(self._heldout)
-        conf, alpha, sup = (torch.cat([self._heldout[p][i] for p in order]) for i in range(3))
-        pos = torch.cat([torch.full((self._heldout[p][0].shape[0],), p, dtype=torch.long) for p in order])
+        conf, alpha, sup, accepted, truncated = (torch.cat([self._heldout[p][i] for p in order]) for i in range(5))
+        sample = torch.cat([torch.full((self._heldout[p][0].shape[0],), p, dtype=torch.long) for p in order])
         return {f"{HELDOUT_PREFIX}conf_logit": conf.float().contiguous(),
                 f"{HELDOUT_PREFIX}alpha": alpha.float().contiguous(),
-                f"{HELDOUT_PREFIX}supervised": sup.bool().contiguous(), f"{HELDOUT_PREFIX}position": pos,
+                f"{HELDOUT_PREFIX}supervised": sup.bool().contiguous(),
+                f"{HELDOUT_PREFIX}accepted": accepted.long().contiguous(),
+                f"{HELDOUT_PREFIX}truncated": truncated.bool().contiguous(), f"{HELDOUT_PREFIX}sample": sample,
                 f"{HELDOUT_PREFIX}weights_check": self._heldout_check.clone()}
 
     def config_dict(self) -> dict[str, Any]:
@@ -228,11 +263,17 @@ class DSparkAdapter(Draft):
         return summarize(sums, self.cfg.block_size)
 
     def headline(self, summary: dict[str, Any]) -> str:
-        out = f"tau {summary['tau']:.2f} (incl. +1 bonus)" if "tau" in summary else "tau - (incl. +1 bonus)"
+        """Each figure says what it counts: ``tau`` is the expected acceptance length under speculative sampling
+        from the teacher-forced α (``1 + Σ_k Π α``; α compares the draft's and the target's distributions), the
+        greedy replay counts proposals equal to the target's argmax, both incl. the +1 bonus; the confidence's
+        cumulative ECE is against α. The ``acc`` list beside it (:attr:`acc_label`) is the teacher-forced top-1
+        accuracy against the data tokens, which can be 0 while α is high (e.g. a near-uniform target)."""
+        tau = f"{summary['tau']:.2f}" if "tau" in summary else "-"
+        out = f"tau(alpha) {tau} (expected length under speculative sampling, teacher-forced, incl. +1 bonus)"
         if "replay_tau" in summary:
-            out += f" greedy-replay tau {summary['replay_tau']:.2f}"
+            out += f" greedy-replay tau {summary['replay_tau']:.2f} (vs target argmax, incl. +1 bonus)"
         if "ece_cum" in summary:
-            out += f" conf cum-ECE {summary['ece_cum']:.3f}"
+            out += f" conf cum-ECE vs alpha {summary['ece_cum']:.3f}"
         return out
 
     def journal_fields(self, sums: MetricSums) -> dict[str, Any]:
@@ -242,6 +283,16 @@ class DSparkAdapter(Draft):
         return {"tau_sum": sums.num.get("tau", 0.0), "blocks": int(sums.den.get("tau", 0)),
                 "acc_correct": [int(sums.num.get(f"acc_{k}", 0)) for k in range(B)],
                 "acc_total": [int(sums.den.get(f"acc_{k}", 0)) for k in range(B)]}
+
+
+def _sample_of(batch: DraftBatch, row: int) -> int | None:
+    """The identity row ``row``'s held-out records are kept under: its plan sample index, else its run position
+    when it has one (not -1), else None."""
+    if row < len(batch.samples):
+        return int(batch.samples[row])
+    if row < len(batch.positions) and int(batch.positions[row]) >= 0:
+        return int(batch.positions[row])
+    return None
 
 
 def dspark_default_layers(num_target_layers: int, captured: Sequence[int], cap: int = 5) -> int:

