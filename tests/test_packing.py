@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from artcache.errors import ConfigError
+from artcache.errors import ConfigError, DataError
 from artcache.plan import EpochOrder
 from artcache.trainers.dflash import DFlashConfig, DFlashDraft
 from artcache.trainers.dflash.anchors import eligible_anchors
@@ -348,3 +348,51 @@ def test_dflash_flex_mask_carries_the_document_like_the_dense_mask():
         model.attn_impl = "flex"
         flex = model(p_hid, p_ids, anchors, avalid, context_valid=p_valid, doc_ids=doc_ids, position_ids=pos)
     assert torch.allclose(flex, ref, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_collate_packed_places_each_document_as_the_unpacked_collate_does(fp8):
+    """Each document's tokens in a packed batch are its row of the unpacked batch (the draft's layer view, fp8
+    dequantised alike), position ids restart per document, padding is invalid and of no document."""
+    import types
+
+    from artcache.fp8 import quantize_rows
+    from artcache.trainers.consumer.reader import collate
+    from artcache.trainers.packing import collate_packed
+
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for p, n in enumerate([9, 4, 12, 3, 7]):
+        hid = torch.randn(n, 4, 8, generator=g).to(torch.bfloat16)
+        art = types.SimpleNamespace(input_ids=torch.randint(0, V, (n,), generator=g, dtype=torch.int32),
+                                    loss_mask=(torch.rand(n, generator=g) > 0.3).to(torch.uint8),
+                                    hidden_states=hid, hidden_scales=None)
+        if fp8:
+            art.hidden_states, art.hidden_scales = quantize_rows(hid.float())
+        items.append(types.SimpleNamespace(position=10 + p, artifact=art))
+    layers = torch.tensor([3, 1])
+    cpu = torch.device("cpu")
+    with pytest.raises(DataError, match="do not pack into 2 rows of 16 tokens"):
+        collate_packed(items, cpu, rows=2, pack_tokens=16, layers=layers)  # the split the reader read is another
+    got = collate_packed(items, cpu, rows=3, pack_tokens=16, layers=layers)
+    ref = collate(items, cpu, layers)
+    assert got.positions == tuple(range(10, 15)) and got.hidden.shape[:2] == (3, 15)  # T: the longest row
+    place = _placements(got.doc_ids)
+    assert place == [(0, 0, 9), (0, 9, 4), (1, 0, 12), (1, 12, 3), (2, 0, 7)]
+    for d, (r, off, n) in enumerate(place):
+        assert torch.equal(got.hidden[r, off:off + n], ref.hidden[d, :n])
+        assert torch.equal(got.input_ids[r, off:off + n], ref.input_ids[d, :n])
+        assert torch.equal(got.loss_mask[r, off:off + n], ref.loss_mask[d, :n])
+        assert torch.equal(got.position_ids[r, off:off + n], torch.arange(n))
+    assert torch.equal(got.valid, got.doc_ids >= 0)
+    assert torch.equal(got.supervised_host, got.loss_mask & got.valid)
+    assert not got.loss_mask[~got.valid].any()
+
+
+def _placements(doc_ids):
+    """(row, offset, length) of each document of a packed batch, in document order."""
+    out = []
+    for d in range(int(doc_ids.max()) + 1):
+        r, cols = torch.nonzero(doc_ids == d, as_tuple=True)
+        out.append((int(r[0]), int(cols.min()), int(cols.numel())))
+    return out
