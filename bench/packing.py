@@ -16,7 +16,8 @@ Both arms walk the plan from position 0 with the same ``--rows`` rows per step (
   ``--pack-tokens``);
 - **packed**: ``--pack-tokens max_length`` rows (:class:`~artcache.trainers.packing.Packer`).
 
-Each step is the consumer's (``Draft.loss``, backward, clip 1.0, AdamW), timed after one warm-up step. Per arm:
+Each step is the consumer's (``Draft.loss``, backward, clip 1.0, AdamW), timed after one warm-up step; the two
+arms' steps alternate, so both see the same load on a shared machine (wall and process CPU seconds). Per arm:
 supervised tokens (``loss_mask`` of the step's documents) per step and per second, padding fraction (padded
 positions / ``rows × T`` of the collated batch), anchors per step and anchor coverage of supervised tokens (the
 share of the step's supervised tokens that some anchor's block trains: slot k >= 1 of a valid block, inside its
@@ -121,64 +122,85 @@ def anchor_coverage(batch, anchors: torch.Tensor, valid: torch.Tensor, block: in
     return int((covered & sup).sum()), int(sup.sum())
 
 
-def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, anchors: int, block: int,
-            packed: bool) -> dict:
-    """One arm: ``steps`` timed consumer steps (after one warm-up) from position 0; the figures of the module
-    docstring."""
-    from artcache.bench.consumer_speed import train_step_fn
-    from artcache.trainers.consumer.reader import collate
-    from artcache.trainers.packing import Packer, collate_packed, draw_anchors
+class _Arm:
+    """One arm (packed or unpacked): its own draft, optimizer and plan walk from position 0."""
 
-    draft, m = _draft(draft_name, anchors, block)
-    h = draft.model.cfg.hidden_size
-    step = train_step_fn(draft)
-    packer = Packer.for_plan(plan, plan.order(len(plan)), rows, max_length, 10 ** 9) if packed else None
-    cpu = torch.device("cpu")
-    pos = 0
-    fig = {"steps": 0, "positions": 0, "seconds": 0.0, "supervised": 0, "tokens": 0, "padded": 0, "anchors": 0,
-           "covered": 0}
-    for i in range(steps + 1):
-        n = packer.step_positions(pos) if packed else rows
-        if pos + n > len(plan):
-            raise SystemExit(f"--samples {len(plan)} is too few for {steps + 1} steps; raise --samples")
-        items = _items(plan, pos, pos + n, m, h)
-        batch = collate_packed(items, cpu, rows, max_length) if packed else collate(items, cpu)
-        if draft_name != "eagle3":
+    def __init__(self, draft_name: str, plan, rows: int, max_length: int, anchors: int, block: int,
+                 packed: bool) -> None:
+        from artcache.bench.consumer_speed import train_step_fn
+        from artcache.trainers.packing import Packer
+
+        self.draft, self.m = _draft(draft_name, anchors, block)
+        self.name, self.plan, self.rows, self.max_length, self.block = draft_name, plan, rows, max_length, block
+        self.train = train_step_fn(self.draft)
+        self.packer = Packer.for_plan(plan, plan.order(len(plan)), rows, max_length, 10 ** 9) if packed else None
+        self.pos = 0
+        self.fig = {"steps": 0, "positions": 0, "seconds": 0.0, "cpu_seconds": 0.0, "supervised": 0, "tokens": 0,
+                    "padded": 0, "anchors": 0, "covered": 0}
+
+    def step(self, timed: bool) -> None:
+        from artcache.trainers.consumer.reader import collate
+        from artcache.trainers.packing import collate_packed, draw_anchors
+
+        n = self.packer.step_positions(self.pos) if self.packer is not None else self.rows
+        if self.pos + n > len(self.plan):
+            raise SystemExit(f"--samples {len(self.plan)} is too few for the steps asked; raise --samples")
+        items = _items(self.plan, self.pos, self.pos + n, self.m, self.draft.model.cfg.hidden_size)
+        cpu = torch.device("cpu")
+        batch = (collate_packed(items, cpu, self.rows, self.max_length) if self.packer is not None
+                 else collate(items, cpu))
+        cov = n_anchors = 0
+        if self.name != "eagle3":
             gen = torch.Generator()
-            gen.set_state(draft.generator.get_state())
-            a, ok = draw_anchors(batch, draft.model.cfg.num_anchors, gen)  # the draws the step makes
-            cov, _ = anchor_coverage(batch, a, ok, block)
+            gen.set_state(self.draft.generator.get_state())
+            a, ok = draw_anchors(batch, self.draft.model.cfg.num_anchors, gen)  # the draws the step makes
+            cov, _ = anchor_coverage(batch, a, ok, self.block)
             n_anchors = int(ok.sum())
-        else:
-            cov = n_anchors = 0
-        t0 = time.perf_counter()
-        step(batch)
-        dt = time.perf_counter() - t0
-        pos += n
-        if i == 0:
-            continue  # warm-up
-        fig["steps"] += 1
-        fig["positions"] += n
-        fig["seconds"] += dt
-        fig["supervised"] += int((batch.loss_mask & batch.valid).sum())
-        fig["tokens"] += int(batch.valid.numel())
-        fig["padded"] += int((~batch.valid).sum())
-        fig["anchors"] += n_anchors
-        fig["covered"] += cov
-    s = fig["steps"]
-    out = dict(fig)
-    out.update({
-        "supervised_tokens_per_s": fig["supervised"] / fig["seconds"],
-        "supervised_tokens_per_step": fig["supervised"] / s,
-        "positions_per_step": fig["positions"] / s,
-        "seconds_per_step": fig["seconds"] / s,
-        "padding_fraction": fig["padded"] / fig["tokens"],
-        "anchors_per_step": fig["anchors"] / s,
-    })
-    if draft_name != "eagle3":
-        out["anchor_coverage"] = fig["covered"] / fig["supervised"]
-        out["covered_supervised_tokens_per_step"] = fig["covered"] / s
-    return out
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.train(batch)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        self.pos += n
+        if not timed:
+            return
+        f = self.fig
+        f["steps"] += 1
+        f["positions"] += n
+        f["seconds"] += dt
+        f["cpu_seconds"] += dc
+        f["supervised"] += int((batch.loss_mask & batch.valid).sum())
+        f["tokens"] += int(batch.valid.numel())
+        f["padded"] += int((~batch.valid).sum())
+        f["anchors"] += n_anchors
+        f["covered"] += cov
+
+    def figures(self) -> dict:
+        fig, s = self.fig, self.fig["steps"]
+        out = dict(fig)
+        out.update({
+            "supervised_tokens_per_s": fig["supervised"] / fig["seconds"],
+            "supervised_tokens_per_cpu_s": fig["supervised"] / fig["cpu_seconds"],
+            "supervised_tokens_per_step": fig["supervised"] / s,
+            "positions_per_step": fig["positions"] / s,
+            "seconds_per_step": fig["seconds"] / s,
+            "padding_fraction": fig["padded"] / fig["tokens"],
+            "anchors_per_step": fig["anchors"] / s,
+        })
+        if self.name != "eagle3":
+            out["anchor_coverage"] = fig["covered"] / fig["supervised"]
+            out["covered_supervised_tokens_per_step"] = fig["covered"] / s
+        return out
+
+
+def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, anchors: int, block: int) -> dict:
+    """Both arms, their steps interleaved (unpacked, packed, unpacked, ...) so that both see the same machine load:
+    one warm-up step each, then ``steps`` timed steps each. Returns ``{"unpacked": figures, "packed": figures}``
+    (the module docstring's figures, plus ``cpu_seconds``: this process's CPU time in the steps)."""
+    arms = {name: _Arm(draft_name, plan, rows, max_length, anchors, block, packed)
+            for name, packed in (("unpacked", False), ("packed", True))}
+    for i in range(steps + 1):
+        for arm in arms.values():
+            arm.step(timed=i > 0)
+    return {name: arm.figures() for name, arm in arms.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,14 +229,11 @@ def main(argv: list[str] | None = None) -> None:
               "threads": torch.get_num_threads(),
               "plan": {"samples": len(plan), "mean_tokens": float(np.mean(lengths)),
                        "median_tokens": float(np.median(lengths)), "max_tokens": int(lengths.max())}}
-    arms = {}
-    for name, packed in (("unpacked", False), ("packed", True)):
-        arms[name] = measure(args.draft, plan, args.rows, args.steps, args.max_length, args.anchors, args.block_size,
-                             packed)
-        print(name, json.dumps(arms[name]), file=sys.stderr, flush=True)
+    arms = measure(args.draft, plan, args.rows, args.steps, args.max_length, args.anchors, args.block_size)
+    print(json.dumps(arms), file=sys.stderr, flush=True)
     report["arms"] = arms
-    keys = ["supervised_tokens_per_s", "supervised_tokens_per_step", "seconds_per_step", "positions_per_step",
-            "anchors_per_step"]
+    keys = ["supervised_tokens_per_s", "supervised_tokens_per_cpu_s", "supervised_tokens_per_step",
+            "seconds_per_step", "positions_per_step", "anchors_per_step"]
     if args.draft != "eagle3":
         keys += ["anchor_coverage", "covered_supervised_tokens_per_step"]
     report["packed_over_unpacked"] = {k: arms["packed"][k] / arms["unpacked"][k] for k in keys if arms["unpacked"][k]}
