@@ -396,3 +396,20 @@ def _placements(doc_ids):
         r, cols = torch.nonzero(doc_ids == d, as_tuple=True)
         out.append((int(r[0]), int(cols.min()), int(cols.numel())))
     return out
+
+
+def test_bench_anchor_coverage_counts_supervised_tokens_a_block_trains_inside_its_document():
+    """Slots 1 … B-1 of a valid block, supervised and inside the anchor's document, each token once."""
+    import types
+
+    from artcache.bench.packing import anchor_coverage
+
+    lm = torch.tensor([[0, 1, 1, 1, 1, 0, 1, 1, 1, 0]], dtype=torch.bool)
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, -1]])
+    batch = types.SimpleNamespace(loss_mask=lm, valid=doc_ids >= 0, doc_ids=doc_ids)
+    anchors, valid = torch.tensor([[1, 2, 3, 6]]), torch.tensor([[True, True, True, False]])
+    # blocks of B=3 at 1, 2, 3 train 2, 3, 4 (3, 4 again; 5 is another document); the block at 6 is invalid
+    assert anchor_coverage(batch, anchors, valid, 3) == (3, 7)
+    batch.doc_ids = None  # unpacked: one document per row, padding invalid
+    batch.valid = torch.ones_like(lm)
+    assert anchor_coverage(batch, anchors, valid, 3) == (3, 7)
