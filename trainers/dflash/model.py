@@ -174,27 +174,29 @@ def _dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, gqa: 
 
 
 class DocumentSegments:
-    """SDPA per document of a packed batch on a CPU: each document's blocks attend to the keys of that document's
-    context and of its own blocks only, one ``scaled_dot_product_attention`` per document, so a packed row costs what
-    its documents cost unpacked (one dense mask over the whole row would score every block against every other
-    document's keys and blocks: quadratic in the documents per row).
+    """Per-document attention of a packed batch on a CPU (``attn_impl="sdpa"``): only the valid blocks are computed,
+    all rows' blocks flattened into one sequence of query slots, and each document's blocks attend, in one
+    ``scaled_dot_product_attention`` per document, to the keys of that document's context and of their own blocks.
+    A packed row then costs what its documents cost unpacked: neither a row-wide mask (quadratic in the documents
+    per row: every block scored against every other document's keys and blocks) nor the anchor slots a row leaves
+    unused (rows of one batch hold different numbers of anchors).
 
-    ``parts``: ``(row, q0, q1, c0, c1, mask)``: the row's query slots ``q0 .. q1 - 1`` (the document's blocks;
-    anchors are sorted, so a document's blocks are contiguous), its context positions ``c0 .. c1 - 1`` and the
-    :func:`build_attention_mask` of those blocks over ``[context ; blocks]`` ([1, 1, q1-q0, c1-c0 + q1-q0] bool).
-    Query slots of no document (invalid anchors) get zeros (the model zeroes their outputs anyway).
+    ``rows``, ``slots``: long [Nv], the (row, anchor slot) of each valid block, row-major (the flattened order).
+    ``parts``: ``(row, q0, q1, c0, c1, mask)``: flattened query slots ``q0 .. q1 - 1`` (one document's blocks;
+    anchors are sorted, so they are contiguous), the row's context positions ``c0 .. c1 - 1`` of that document,
+    and the :func:`build_attention_mask` of those blocks over ``[context ; blocks]`` ([1, 1, q1-q0, c1-c0 + q1-q0]).
     """
 
-    def __init__(self, parts: list[tuple[int, int, int, int, int, Tensor]]) -> None:
-        self.parts = parts
+    def __init__(self, rows: Tensor, slots: Tensor, parts: list[tuple[int, int, int, int, int, Tensor]]) -> None:
+        self.rows, self.slots, self.parts = rows, slots, parts
 
     @classmethod
     def build(cls, anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int) -> DocumentSegments:
-        """From anchors [b, N] (sorted per row, valid ones first), their validity and ``doc_ids`` [b, T] (host
-        tensors: this reads them)."""
+        """From anchors [b, N] (sorted per row), their validity [b, N] and ``doc_ids`` [b, T] (read on the host)."""
         B = block_size
-        parts = []
         anchors, valid, doc_ids = anchors.cpu(), valid.cpu(), doc_ids.cpu()
+        rows, slots = valid.nonzero(as_tuple=True)
+        parts, base = [], 0
         for r in range(anchors.shape[0]):
             a = anchors[r][valid[r]]
             if not a.numel():
@@ -206,17 +208,30 @@ class DocumentSegments:
                 c0, c1 = int(where[0]), int(where[-1]) + 1
                 seg = (a[i0:i1] - c0)[None]
                 mask = build_attention_mask(seg, torch.ones_like(seg, dtype=torch.bool), c1 - c0, B)
-                parts.append((r, i0 * B, i1 * B, c0, c1, mask))
-        return cls(parts)
+                parts.append((r, (base + i0) * B, (base + i1) * B, c0, c1, mask))
+            base += a.numel()
+        return cls(rows, slots, parts)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, T: int, gqa: bool) -> Tensor:
-        """q [b, h, S, d]; k, v [b, h_kv, T + S, d] (``[context ; blocks]``) -> [b, h, S, d]."""
+    def gather(self, blocks: Tensor) -> Tensor:
+        """[b, N, B, ...] -> the valid blocks flattened, [1, Nv·B, ...]."""
+        picked = blocks[self.rows.to(blocks.device), self.slots.to(blocks.device)]
+        return picked.reshape(1, -1, *blocks.shape[3:])
+
+    def scatter(self, flat: Tensor, b: int, N: int, B: int) -> Tensor:
+        """[1, Nv·B, H] -> [b, N, B, H], zeros at invalid anchors."""
+        H = flat.shape[-1]
+        out = flat.new_zeros(b, N, B, H)
+        return out.index_put((self.rows.to(flat.device), self.slots.to(flat.device)), flat.reshape(-1, B, H))
+
+    def attend(self, q: Tensor, kc: Tensor, vc: Tensor, kb: Tensor, vb: Tensor, gqa: bool) -> Tensor:
+        """q [1, h, S, d] (flattened blocks); kc, vc [b, h_kv, T, d] (each row's context); kb, vb [1, h_kv, S, d]
+        (the blocks' own keys) -> [1, h, S, d]."""
         out = q.new_zeros(q.shape)
         for r, q0, q1, c0, c1, mask in self.parts:
-            kk = torch.cat((k[r:r + 1, :, c0:c1], k[r:r + 1, :, T + q0:T + q1]), dim=2)
-            vv = torch.cat((v[r:r + 1, :, c0:c1], v[r:r + 1, :, T + q0:T + q1]), dim=2)
-            out[r:r + 1, :, q0:q1] = F.scaled_dot_product_attention(q[r:r + 1, :, q0:q1], kk, vv,
-                                                                     attn_mask=mask.to(q.device), enable_gqa=gqa)
+            kk = torch.cat((kc[r:r + 1, :, c0:c1], kb[:, :, q0:q1]), dim=2)
+            vv = torch.cat((vc[r:r + 1, :, c0:c1], vb[:, :, q0:q1]), dim=2)
+            out[:, :, q0:q1] = F.scaled_dot_product_attention(q[:, :, q0:q1], kk, vv, attn_mask=mask.to(q.device),
+                                                               enable_gqa=gqa)
         return out
 
 
@@ -239,15 +254,22 @@ class _Attention(nn.Module):
         b, S, _ = x.shape
         T = ctx.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, S, self.nh, self.hd)).transpose(1, 2)
+        if isinstance(mask, DocumentSegments):  # x: the flattened valid blocks [1, S]; ctx: every row [b', T]
+            bc = ctx.shape[0]
+            kc = self.k_norm(self.k_proj(ctx).view(bc, T, self.nkv, self.hd)).transpose(1, 2)
+            vc = self.v_proj(ctx).view(bc, T, self.nkv, self.hd).transpose(1, 2)
+            kb = self.k_norm(self.k_proj(x).view(b, S, self.nkv, self.hd)).transpose(1, 2)
+            vb = self.v_proj(x).view(b, S, self.nkv, self.hd).transpose(1, 2)
+            o = mask.attend(_rope(q, q_pos, self.theta), _rope(kc, kv_pos, self.theta), vc,
+                            _rope(kb, q_pos, self.theta), vb, self.nh != self.nkv)
+            return self.o_proj(o.transpose(1, 2).reshape(b, S, self.nh * self.hd))
         kv_in = torch.cat((ctx, x), dim=1)  # [context ; block]
         k = self.k_norm(self.k_proj(kv_in).view(b, T + S, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(kv_in).view(b, T + S, self.nkv, self.hd).transpose(1, 2)
         q = _rope(q, q_pos, self.theta)
         k = _rope(k, kv_pos, self.theta)
         gqa = self.nh != self.nkv
-        if isinstance(mask, DocumentSegments):
-            o = mask.attend(q, k, v, T, gqa)
-        elif impl == "flex":
+        if impl == "flex":
             o = _flex(q, k, v, mask, gqa)
         elif impl == "dense":
             o = _dense_attention(q, k, v, mask, gqa)
@@ -446,8 +468,14 @@ class DFlashDraft(nn.Module):
 
             mask = create_block_mask(dflash_mask_mod(anchors, valid, T, B, context_valid, docs), b, None, N * B,
                                      T + N * B, device=x.device)
-        elif docs is not None and impl == "sdpa" and x.device.type == "cpu":  # per document: no quadratic waste
-            mask = DocumentSegments.build(anchors, valid, docs, B)
+        elif docs is not None and impl == "sdpa" and x.device.type == "cpu" and bool(valid.any()):
+            # per document, valid blocks only: no quadratic waste, no unused anchor slots
+            seg = DocumentSegments.build(anchors, valid, docs, B)
+            x = seg.gather(x.reshape(b, N, B, H))
+            q_pos = seg.gather(q_pos.reshape(b, N, B, 1))[..., 0]
+            for layer in self.layers:
+                x = layer(x, ctx, q_pos, ctx_pos, seg, impl)
+            return seg.scatter(self.norm(x), b, N, B)
         else:
             mask = build_attention_mask(anchors, valid, T, B, context_valid, docs)
 
