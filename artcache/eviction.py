@@ -62,6 +62,43 @@ REASONS = (UNNEEDED, NEEDED_LATER, OUTSIDE_WINDOWS)
 
 Policy = Literal["need", "windows"]
 POLICIES = ("need", "windows")
+#: ``--disk-budget auto``: retention by need inside the budget the producer derives from the free space
+AUTO_BUDGET = "auto"
+
+
+def retention_rule(disk_budget: int | str = 0, retention: str = "", fill: bool = False) -> Policy:
+    """The retention rule a producer runs under, from its settings: the one place it is decided (the producer,
+    ``artcache run``'s producer and ``bench/sim.py``'s :meth:`ProducerSpec.of_settings` call it).
+
+    * no disk budget (``disk_budget`` 0) and no ``fill``: ``windows`` — only the live windows, pinned held-out
+      ranges and leases are kept, so disk use is bounded by the windows, not by the length of the run;
+    * a disk budget (bytes, or :data:`AUTO_BUDGET`: derived from the free space at start), or ``fill`` (its
+      budget is ``auto`` unless given): ``need`` — beyond the windows, what a live consumer will still read is
+      kept while it fits the budget.
+
+    ``retention`` (``--retention``, ``""``: follow the budget) may only repeat what the budget says.
+
+    Raises:
+        ConfigError: ``retention`` not one of :data:`POLICIES`; ``need`` without a budget; ``windows`` with a
+            budget or with ``fill`` (the windows rule keeps no fill).
+    """
+    from artcache.errors import ConfigError
+
+    if retention not in ("", *POLICIES):
+        raise ConfigError(f"--retention {retention!r} is not accepted: use one of {', '.join(POLICIES)} (or leave "
+                          "it out: the rule follows --disk-budget)")
+    budgeted = bool(disk_budget) or fill
+    if retention == "need" and not budgeted:
+        raise ConfigError("--retention need keeps what consumers will read again inside a disk budget: give "
+                          "--disk-budget BYTES (or auto: 90% of the free space); without one the producer keeps the "
+                          "live windows only")
+    if retention == "windows" and disk_budget:
+        raise ConfigError(f"--retention windows keeps only the live windows, so --disk-budget {disk_budget} would "
+                          "not be used: leave out one of them (a budget means retention by need)")
+    if retention == "windows" and fill:
+        raise ConfigError("--retention windows keeps only the live windows, so it cannot keep a --fill: leave out "
+                          "one of them")
+    return "need" if budgeted else "windows"
 
 # capture classes (Want.priority[0])
 DEMAND, WINDOW, PINNED, FILL = 0, 1, 2, 3
@@ -294,7 +331,7 @@ def decide(readers: Sequence[Reader], *, sizes: np.ndarray, budget: float,
            leased: Iterable[int] | np.ndarray | None = None, inflight: Iterable[int] | np.ndarray | None = None,
            blocked: Iterable[int] | np.ndarray | None = None, canon: np.ndarray | None = None,
            max_queue: int = 1024, fill: bool = False, policy: Policy = "need", urgent_s: float = 0.0,
-           explain: bool = False) -> RetentionDecision:
+           explain: bool = False, keep: Iterable[int] | np.ndarray | None = None) -> RetentionDecision:
     """The retain set, the evictions and the capture queue for one pass (see the module docstring).
 
     Args:
@@ -314,6 +351,8 @@ def decide(readers: Sequence[Reader], *, sizes: np.ndarray, budget: float,
             two batches (the producer passes its idle poll plus two capture batches: what it could
             not capture in time if it waited).
         explain: also count what is kept by reason (``RetentionDecision.kept``; inspect).
+        keep: samples kept whatever the policy and the budget, like leased ones: a filled root's
+            artifacts (``artcache producer --fill``; the producer passes them unless ``--evict-fill``).
 
     Returns:
         A :class:`RetentionDecision`. Cost: numpy over the live windows, plus over the published
@@ -325,6 +364,8 @@ def decide(readers: Sequence[Reader], *, sizes: np.ndarray, budget: float,
     guard, rows = _guarantee(readers, n, (lambda a: a) if canon is None else canon.__getitem__, urgent_s)
     leased_i, inflight_i, blocked_i = _as_index(leased), _as_index(inflight), _as_index(blocked)
     guard[leased_i] = True
+    keep_i = _as_index(keep)
+    guard[keep_i] = True
     skip = published.copy()
     skip[inflight_i] = True
     skip[blocked_i] = True
@@ -354,7 +395,7 @@ def decide(readers: Sequence[Reader], *, sizes: np.ndarray, budget: float,
                               budget - res.guaranteed_bytes - dem_bytes, max_queue, fill)
     res.retained_bytes = used - int(sizes[gone].sum())
     if explain:
-        res.kept = _explain(readers, sizes, guard, leased_i, gone)
+        res.kept = _explain(readers, sizes, guard, leased_i, gone, keep_i)
     return res
 
 
@@ -417,17 +458,23 @@ def _longest_fitting_prefix(keys: np.ndarray, ties: np.ndarray, nbytes: np.ndarr
     return taken
 
 
-def _explain(readers, sizes, guard, leased_i, gone) -> dict[str, int]:
+def _explain(readers, sizes, guard, leased_i, gone, keep_i) -> dict[str, int]:
     published = sizes > 0
     kept = published.copy()
     kept[gone] = False
     lease = np.zeros(len(sizes), dtype=bool)
     lease[leased_i] = True
-    window = guard & ~lease
+    filled = np.zeros(len(sizes), dtype=bool)
+    filled[keep_i] = True
+    filled &= ~lease
+    window = guard & ~lease & ~filled
     rest = np.flatnonzero(kept & ~guard)
     need = need_times(readers, rest)
-    return {"window": int((kept & window).sum()), "leased": int((kept & lease).sum()),
-            "needed": int(np.isfinite(need).sum()), "unneeded": int(np.isinf(need).sum())}
+    out = {"window": int((kept & window).sum()), "leased": int((kept & lease).sum()),
+           "needed": int(np.isfinite(need).sum()), "unneeded": int(np.isinf(need).sum())}
+    if len(keep_i):
+        out["filled"] = int((kept & filled).sum())
+    return out
 
 
 class RateEstimator:

@@ -9,8 +9,9 @@ dtype converted exactly),
     x̂[t, l, h]      = float32(code[t, l, h]) * s[t, l]          (dequantised, then cast to the consumer's dtype)
 
 A row of zeros has s = 0 and codes 0 (the division uses 1 there), so it dequantises to exact zeros;
-NaN/Inf never reach the quantiser (the capture is checked first) and a NaN/Inf scale is refused at
-publication and by ``fsck``. Each code is the e4m3fn value nearest x / s (3 mantissa bits): the error
+NaN/Inf never reach the quantiser (the capture is checked first) and a NaN, Inf or negative scale is
+refused at publication, by every read (the artifact is quarantined) and by ``fsck``
+(:func:`artcache.store.check_scales`). Each code is the e4m3fn value nearest x / s (3 mantissa bits): the error
 of an element is at most 2^-4 of its magnitude where |x / s| >= 2^-6 (e4m3fn normals), and at most
 2^-10 · s below that (subnormals).
 

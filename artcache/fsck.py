@@ -42,6 +42,10 @@ kind                     what                                          ``--fix``
 ``stale-lock``           a marker-file ("soft") lock left by a dead    remove it
                          process, or a lock path that is not a file
 ``bad-plan``             the root's plan does not load and verify      not fixable here (report only)
+                         (``plan.json``'s digests of itself and of
+                         ``plan.safetensors`` included)
+``bad-settings``         ``artcache.json`` does not match the digest   not fixable here (report only);
+                         of its content it records                     artifacts and plan left unchecked
 =======================  ===========================================  ==================================
 
 Notes (not problems): temp files of live writers or other hosts, entries artcache did not write, locks
@@ -493,10 +497,14 @@ class _Fsck:
         from artcache.plan import Plan
 
         try:
-            Plan.load(self.layout.plan_dir(plan_id))
+            plan = Plan.load(self.layout.plan_dir(plan_id))
         except DataError as exc:
             self.problem("bad-plan", self.layout.plan_dir(plan_id), str(exc), "not fixable by fsck: move the plan "
                          "directory away and restart the producer (it rebuilds the same plan)", None)
+            return
+        if not plan.verified:
+            self.notes.append(f"plan {plan_id[:12]} records no digests (saved before plans recorded them): its "
+                              "ids and offsets were checked, its token bytes not verified")
 
     def check_journal(self) -> None:
         if not self.real_dir(self.layout.journal):
@@ -525,26 +533,35 @@ def fsck(root: str | os.PathLike, *, fix: bool = False, lease_ttl_s: float = 600
     Raises:
         CacheRootError: ``root`` is not an initialised cache root (no ``artcache.json``).
     """
-    from artcache.settings import RootSettings
+    from artcache.settings import decode_settings
 
     layout = CacheLayout(Path(root).expanduser().absolute())
     if not layout.root.is_dir() or not layout.settings.is_file() or layout.settings.is_symlink():
         raise CacheRootError(f"{str(layout.root)!r} is not an initialised cache root (no {layout.settings.name})")
-    try:  # not load_settings: it refuses a root with a linked subdirectory, which fsck reports
-        settings = msgspec.json.decode(layout.settings.read_bytes(), type=RootSettings)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CacheRootError(f"{layout.settings} is invalid: {exc}") from exc
+    # not load_settings: it refuses a root with a linked subdirectory, which fsck reports
+    settings, damage = decode_settings(layout.settings.read_bytes(), layout.settings)
     run = _Fsck(layout, fix, lease_ttl_s, settings.heartbeat_timeout_s if observe_s is None else observe_s)
     try:
         run.check_symlinks()
         run.check_dirs()
         run.check_tmp()
-        published = run.check_objects(settings.contract)
+        if damage is None:
+            if settings.digests is None:
+                run.notes.append(f"{SETTINGS_FILE} records no digest (written before roots recorded one): not "
+                                 "verified")
+            published = run.check_objects(settings.contract)
+        else:  # its contract and plan id cannot be trusted: judging artifacts by them could quarantine all
+            run.problem("bad-settings", layout.settings, f"{SETTINGS_FILE} is damaged: {damage}", "not fixable by "
+                        "fsck: restore it or use a new cache root", None)
+            run.notes.append(f"artifacts and the plan were not checked: {SETTINGS_FILE} names their contract and "
+                             "plan")
+            published = set()
         run.check_failures(published)
         live = run.check_consumers(settings.heartbeat_timeout_s)
         run.check_leases(live)
         run.check_locks()
-        run.check_plan(settings.plan_id)
+        if damage is None:
+            run.check_plan(settings.plan_id)
         run.check_journal()
     finally:
         run.close()

@@ -44,6 +44,9 @@ RETRYABLE_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY,
 #: errno values of a full disk or quota: not retryable at once, but the same write succeeds once space is
 #: freed (a producer withdraws such give-ups, a journal holds such events, a registration write waits)
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: errno values with which opening a file for writing says it (or its directory, or the mount) is not writable:
+#: :class:`~artcache.errors.NotWritable` (lock files, journals)
+NOT_WRITABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 #: delays (seconds) between the tries of a directory fsync after a rename
 DIR_FSYNC_BACKOFF = (0.05, 0.25, 1.0)
 

@@ -5,6 +5,9 @@
   caller's writes or reads (artifact publication and reads hash while they do I/O).
 - ``strong_digest``: blake2b (20 bytes, 40 hex chars) for ids and fingerprints.
 - ``canonical_json``: a deterministic JSON encoding (sorted keys) to feed either hash.
+- ``record_digest`` / ``sealed`` / ``check_record``: the ``digests`` record a JSON file that decides what is
+  trained carries of itself and of the files beside it (``artcache.json``, a plan's ``plan.json``; a
+  checkpoint's ``state.json`` records the same shape, ``trainers/checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -115,3 +118,67 @@ def canonical_json(obj: Any) -> bytes:
 def strong_digest(data: bytes | bytearray | memoryview) -> str:
     """blake2b with a 20-byte digest, as 40 lowercase hex characters (ids, fingerprints)."""
     return hashlib.blake2b(bytes(data), digest_size=20).hexdigest()
+
+
+#: the algorithm of every content digest artcache records: artifacts' ``content_hash``, and the ``digests``
+#: record of ``artcache.json``, ``plan.json`` and checkpoints' ``state.json`` (:func:`digest_bytes`)
+DIGEST_ALGORITHM = "xxh3_128"
+
+
+def record_digest(doc: dict) -> str:
+    """``digests.state`` of a decoded JSON document ``doc`` that records its own digest: :func:`digest_bytes`
+    of its :func:`canonical_json` with ``digests.state`` left out (so it survives re-indentation and key
+    order, not a changed value). ``doc["digests"]`` must be a dict."""
+    body = {**doc, "digests": {k: v for k, v in doc["digests"].items() if k != "state"}}
+    return digest_bytes(canonical_json(body))
+
+
+def sealed(doc: dict, files: dict[str, dict] | None = None) -> dict:
+    """``doc`` (JSON types, as a reader decodes it) with its ``digests`` record: ``{"algorithm":
+    DIGEST_ALGORITHM, "files": files, "state": record_digest(...)}``; ``files`` maps a file name beside the
+    document to ``{"size": bytes, "digest": hex}`` (:func:`digest_bytes` of its bytes; ``{}`` for none)."""
+    doc = {**doc, "digests": {"algorithm": DIGEST_ALGORITHM, "files": dict(files or {})}}
+    doc["digests"]["state"] = record_digest(doc)
+    return doc
+
+
+def check_record(doc: dict) -> str | None:
+    """What is wrong with the ``digests`` record of a decoded document ``doc``, or None when it matches the
+    document (file records are checked by their reader, :func:`check_file`). A document without the key (or
+    with null: written before records existed) is None too: the caller says it is unverified.
+
+    A damaged record (not an object, another algorithm, no ``state``, a ``files`` that is not an object of
+    ``{size, digest}``) is a problem, like a mismatch: a reader must not mistake it for an old file."""
+    rec = doc.get("digests")
+    if rec is None:
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("state"), str) or not isinstance(rec.get("files"), dict):
+        return f"its digests record is damaged ({str(rec)[:80]})"
+    if rec.get("algorithm") != DIGEST_ALGORITHM:
+        return f"its digests record names algorithm {rec.get('algorithm')!r}, not {DIGEST_ALGORITHM!r}"
+    for name, entry in rec["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                and isinstance(entry.get("digest"), str)):
+            return f"its digests record of {name!r} is damaged ({str(entry)[:80]})"
+    got = record_digest(doc)
+    if got != rec["state"]:
+        return f"its content does not match its recorded digest (recorded {rec['state']}, computed {got})"
+    return None
+
+
+def check_file(doc: dict, name: str, data: bytes | bytearray | memoryview) -> str | None:
+    """What is wrong with file ``name``'s bytes ``data`` against ``doc``'s ``digests`` record (checked with
+    :func:`check_record` first), or None when they match or ``doc`` records no digests (an older file)."""
+    rec = doc.get("digests")
+    if rec is None:
+        return None
+    entry = rec["files"].get(name)
+    if entry is None:
+        return f"its digests record has no entry for {name}"
+    size = memoryview(data).nbytes
+    if size != entry["size"]:
+        return f"{name} is {size} bytes, {entry['size']} recorded"
+    got = digest_bytes(data)
+    if got != entry["digest"]:
+        return f"{name} does not match its recorded digest (recorded {entry['digest']}, computed {got})"
+    return None

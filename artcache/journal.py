@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 
-from artcache.errors import JournalError
-from artcache.fsio import group_shared, is_retryable, is_space_error, share_mode
+from artcache.errors import ArtcacheError, JournalError, NotWritable
+from artcache.fsio import NOT_WRITABLE_ERRNOS, group_shared, is_retryable, is_space_error, share_mode
 from artcache.layout import open_nofollow
 
 log = logging.getLogger("artcache.journal")
@@ -39,7 +39,10 @@ class Event(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
 class ProducerStart(Event, tag="producer_start"):
     """``budget_bytes``: the disk budget it keeps the retained artifacts under (0: not recorded, a
     producer older than retention by need); ``policy``: its retention rule (``need`` or ``windows``);
-    ``fill``: it captures the whole plan and exits."""
+    ``fill``: it captures the whole plan and exits (the root is *filled* from then on: later producers keep
+    what it published); ``evict_fill``: it released a filled root's artifacts to its retention rule
+    (``--evict-fill``; the root is no longer filled). See :func:`fill_recorded`. ``kept_fill``: artifacts of a
+    filled root it keeps whatever its rule (beyond the window bound)."""
 
     producer: str
     pid: int
@@ -48,6 +51,8 @@ class ProducerStart(Event, tag="producer_start"):
     budget_bytes: int = 0
     policy: str = ""
     fill: bool = False
+    evict_fill: bool = False
+    kept_fill: int = 0
 
 
 class ProducerStop(Event, tag="producer_stop"):
@@ -56,7 +61,9 @@ class ProducerStop(Event, tag="producer_stop"):
 
 
 class CaptureBatch(Event, tag="capture_batch"):
-    """One forward pass. ``start``/``end`` bound the producer's busy time (seconds since epoch)."""
+    """One forward pass. ``start``/``end`` bound the producer's busy time (seconds since epoch): ``start`` from
+    the wall clock, ``end - start`` the pass's duration on the monotonic clock (a wall-clock step between them
+    does not change it)."""
 
     producer: str
     fps: list[str]
@@ -268,10 +275,24 @@ class JournalWriter:
     """
 
     def __init__(self, path: Path) -> None:
+        """Open (create) ``path`` for appending.
+
+        Raises:
+            NotWritable: the file, its directory or the mount is not writable (EACCES, EPERM, EROFS: a
+                read-only root); the message names the path. UnsafePath: ``path`` is a symbolic link.
+        """
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # O_NOFOLLOW: a link planted at this name is refused (UnsafePath), never appended through
-        self._fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # O_NOFOLLOW: a link planted at this name is refused (UnsafePath), never appended through
+            self._fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            if exc.errno in NOT_WRITABLE_ERRNOS and not isinstance(exc, ArtcacheError):
+                raise NotWritable(f"cannot open journal {path} for writing ({os.strerror(exc.errno)}): every "
+                                  "process using a cache root needs write access to its journal/ (a group-shared "
+                                  "root: the group's rw and umask 007); a read-only root can only be read with "
+                                  "`artcache inspect`", errno_=exc.errno) from exc
+            raise
         if group_shared(path.parent):  # readable by the group whatever the umask
             with contextlib.suppress(OSError):
                 os.fchmod(self._fd, share_mode(path.parent))
@@ -495,6 +516,18 @@ def read_files(journal_dir: Path, since: dict[str, int] | None = None) -> list[J
                 torn += 1
         out.append(JournalFile(path=path, events=events, torn_lines=torn, end=start + cut))
     return out
+
+
+def fill_recorded(events) -> bool:
+    """Whether a root whose journal events (in time order) are ``events`` is *filled*: the latest producer start
+    that either filled the root (``fill``) or released its fill (``evict_fill``) filled it. A producer on a
+    filled root keeps every artifact published when it starts, whatever its retention rule, unless
+    ``--evict-fill`` (:class:`artcache.producer.Producer`)."""
+    filled = False
+    for ev in events:
+        if isinstance(ev, ProducerStart) and (ev.fill or ev.evict_fill):
+            filled = ev.fill and not ev.evict_fill
+    return filled
 
 
 def read_events(journal_dir: Path) -> JournalReadResult:

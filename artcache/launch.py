@@ -112,11 +112,11 @@ def wait_for_file(path: Path, role: Role, timeout: float, poll_s: float = 0.2) -
         RuntimeError: the role exited first (with its exit status and the tail of its log).
         TimeoutError: ``timeout`` seconds passed.
     """
-    t0 = time.time()
+    t0 = time.monotonic()
     while not Path(path).is_file():
         if role.poll() is not None:
             raise RuntimeError(f"{role.name} exited with {role.code} before writing {path}:\n{role.tail(3000)}")
-        if time.time() - t0 > timeout:
+        if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"{role.name} did not write {path} within {timeout:.0f}s")
         time.sleep(poll_s)
 

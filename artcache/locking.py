@@ -26,13 +26,12 @@ import filelock
 from filelock import Timeout, UnixFileLock
 
 from artcache.errors import LockTimeout, LockUnavailable, NotWritable, UnsafePath
+from artcache.fsio import NOT_WRITABLE_ERRNOS
 
 #: The oldest filelock release artcache accepts (see the module docstring).
 MIN_FILELOCK = (4, 2, 1)
 #: errno values with which ``flock`` says the filesystem does not support it.
 _UNSUPPORTED = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK})
-#: errno values with which opening a lock file says it (or its directory, or the mount) is not writable.
-_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 #: Lock files are group-writable: access is controlled by the cache root's directory mode (0700 by
 #: default; 2770 with ``--group-shared``), and a group-shared root needs every member to open them.
 LOCK_FILE_MODE = 0o660
@@ -85,7 +84,7 @@ class CacheLock(UnixFileLock):
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link planted at the lock's name
                 raise UnsafePath(f"lock file {self.lock_file} is a symbolic link; artcache never follows links "
                                  "planted in a cache root (remove it, e.g. with `artcache fsck --fix`)") from exc
-            if exc.errno in _NOT_WRITABLE:
+            if exc.errno in NOT_WRITABLE_ERRNOS:
                 raise NotWritable(
                     f"cannot open lock file {self.lock_file} ({os.strerror(exc.errno)}): every process using a "
                     "cache root needs write access to its locks/ (a group-shared root: the group's rw and umask "

@@ -28,12 +28,12 @@ import msgspec
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 from artcache.data.sharegpt import locate_sharegpt, read_sharegpt, to_messages
 from artcache.errors import ArtcacheError, ConfigError, DataError, PublishError
 from artcache.fsio import RETRYABLE_ERRNOS, apply_share_mode, check_free_space, describe_errno, errno_of, group_shared
-from artcache.hashing import canonical_json, digest_file, strong_digest
+from artcache.hashing import canonical_json, check_file, check_record, digest_bytes, digest_file, sealed, strong_digest
 from artcache.layout import unique_suffix
 from artcache.locking import cache_lock
 from artcache.ranges import Count, MaxLength, NonNegative, check_ranges
@@ -249,6 +249,12 @@ class Plan:
     def __len__(self) -> int:
         return int(self.offsets.numel()) - 1
 
+    @property
+    def verified(self) -> bool:
+        """Whether :meth:`load` checked this plan's files against recorded digests (False for a plan saved
+        before plans recorded them: ``plan.json`` has no ``digests``)."""
+        return self.provenance.get("digests") is not None
+
     def sample(self, i: int) -> Sample:
         """Sample ``i`` (0 <= i < len). Raises IndexError outside that range."""
         n = len(self)
@@ -315,7 +321,12 @@ class Plan:
             save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
                        "offsets": self.offsets.contiguous()}, str(tmp / "plan.safetensors"),
                       metadata={"plan_id": self.plan_id})
-            (tmp / "plan.json").write_text(json.dumps(self.provenance, indent=2, sort_keys=True))
+            # plan.json records the digest of the tensors file and of itself (load checks both)
+            written = (tmp / "plan.safetensors").read_bytes()
+            doc = sealed(json.loads(json.dumps({k: v for k, v in self.provenance.items() if k != "digests"})),
+                         {"plan.safetensors": {"size": len(written), "digest": digest_bytes(written)}})
+            (tmp / "plan.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
+            self.provenance = doc
             # safetensors writes 0600 whatever the umask: a group-shared root's members must read the plan
             apply_share_mode(tmp / "plan.safetensors", tmp / "plan.json")
             for f in tmp.iterdir():
@@ -340,14 +351,33 @@ class Plan:
 
     @classmethod
     def load(cls, plan_dir: str | Path) -> Plan:
-        """Load and verify a saved plan. Raises DataError if files are missing, the id does not match its
-        inputs or directory name, or tensor dtypes/shapes/offsets are inconsistent."""
+        """Load and verify a saved plan: ``plan.json``'s ``digests`` record (its own content and
+        ``plan.safetensors``' size and xxh3-128 digest, :func:`artcache.hashing.check_record`; a plan saved
+        before plans recorded digests has none and loads unverified, :attr:`Plan.verified`), then the id,
+        dtypes, shapes and offsets.
+
+        Raises:
+            DataError: files are missing or unreadable, a file does not match its recorded digest (damaged:
+                the message names the file and both digests), the id does not match its inputs or directory
+                name, or tensor dtypes/shapes/offsets are inconsistent.
+        """
         plan_dir = Path(plan_dir)
         try:
             prov = json.loads((plan_dir / "plan.json").read_text())
-            tensors = load_file(str(plan_dir / "plan.safetensors"))
+            data = (plan_dir / "plan.safetensors").read_bytes()
         except (OSError, ValueError) as exc:
             raise DataError(f"plan {str(plan_dir)!r}: unreadable ({exc})") from exc
+        if not isinstance(prov, dict):
+            raise DataError(f"plan {str(plan_dir)!r}: plan.json is not an object")
+        damaged = check_record(prov)
+        damaged = f"plan.json: {damaged}" if damaged else check_file(prov, "plan.safetensors", data)
+        if damaged is not None:
+            raise DataError(f"plan {str(plan_dir)!r} is damaged ({damaged}); move the plan directory away and "
+                            "start the producer again (it rebuilds the same plan)")
+        try:
+            tensors = load(data)
+        except (SafetensorError, ValueError) as exc:
+            raise DataError(f"plan {str(plan_dir)!r}: plan.safetensors unreadable ({exc})") from exc
         try:
             if prov.get("format_version") != PLAN_FORMAT_VERSION:
                 raise DataError(f"format_version {prov.get('format_version')!r} != {PLAN_FORMAT_VERSION}")

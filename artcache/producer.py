@@ -42,6 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -62,13 +63,14 @@ from artcache.errors import (
     PublishError,
 )
 from artcache.eviction import (
-    POLICIES,
+    AUTO_BUDGET,
     RateEstimator,
     Reader,
     RetentionDecision,
     decide,
     evict_pass,
     expire_leases,
+    retention_rule,
 )
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import atomic_write, free_space, is_space_error, remove_orphan_parts, space_reserve
@@ -77,6 +79,7 @@ from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_proc
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
 from artcache.ranges import Count, DiskBudget, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
+from artcache.report import format_bytes
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 from artcache.shutdown import GracefulShutdown
@@ -140,14 +143,21 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         backend: ``hf`` (transformers, forward hooks) or ``vllm`` (a vLLM engine with
             ``extract_hidden_states``; needs the ``artcache[vllm]`` extra, see docs/vllm.md). Recorded in
             the contract, so the two never share artifacts.
-        disk_budget: bytes the retained artifacts may take (0: the default, :func:`default_budget`, from
-            the filesystem's free space at start). Live windows and leases are kept whatever it is. On a root
-            whose payloads live in a remote store (``payload``) it budgets the payload bytes (the manifests
-            record them); without it such a root keeps the ``windows`` rule, since the store's capacity (its
-            holders' memory) is unknown here, and ``fill`` is refused (ConfigError).
-        retention: ``need`` (keep by future need inside the budget) or ``windows`` (the rule before:
-            only live windows, pinned ranges and leases; for comparisons).
-        fill: capture every sample of the plan (after what live consumers need), then exit.
+        disk_budget: bytes the retained artifacts may take, ``"auto"`` (what the root holds plus
+            :data:`BUDGET_FREE_FRACTION` of the filesystem's free space at start, :func:`default_budget`), or 0
+            (none). It picks the retention rule (:func:`artcache.eviction.retention_rule`): none keeps only the
+            live windows, pinned held-out ranges and leases (disk use bounded by the windows); a budget keeps,
+            beyond them, what a live consumer will read again while it fits. Live windows and leases are kept
+            whatever it is. On a root whose payloads live in a remote store (``payload``) it budgets the payload
+            bytes (the manifests record them); ``auto`` is refused there (ConfigError: the store's capacity, its
+            holders' memory, is unknown here), and so is ``fill`` without a budget in bytes.
+        retention: ``""`` (follow ``disk_budget``), ``need`` or ``windows``: may only repeat what the budget
+            says (:func:`artcache.eviction.retention_rule` refuses a contradiction).
+        fill: capture every sample of the plan (after what live consumers need), then exit; without
+            ``disk_budget`` its budget is ``auto``. The fill is recorded in the root's journal
+            (:func:`artcache.journal.fill_recorded`): later producers keep what it published whatever their rule.
+        evict_fill: on a filled root, let retention evict the fill's artifacts like any others (and record
+            that the root is no longer filled); said at start.
         payload: where the artifacts' tensors go: ``posix`` (files in the root), ``mooncake://HOST:PORT``
             (Mooncake Store, manifests in the root; docs/scale-out.md), or ``""``: what an existing root
             records (``posix`` for a new one). An explicit value must match the root's.
@@ -179,9 +189,10 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
     group_shared: bool = False
     backend: str = "hf"
-    disk_budget: DiskBudget = 0  # bytes, at most 2**60
-    retention: str = "need"
+    disk_budget: DiskBudget | Literal["auto"] = 0  # bytes, at most 2**60; 0: none (the windows rule)
+    retention: str = ""
     fill: bool = False
+    evict_fill: bool = False
     payload: str = ""
 
     def validate(self) -> None:
@@ -189,6 +200,9 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         naming the flag (``--heartbeat-timeout``, ``--batch-samples``: :func:`flag_of`), the value and what is
         accepted (:func:`artcache.ranges.check_ranges`)."""
         check_ranges(self, flag_of)
+        if self.fill and self.evict_fill:
+            raise ConfigError("--fill and --evict-fill contradict each other (a fill keeps the whole plan): give one")
+        retention_rule(self.disk_budget, self.retention, self.fill)
 
 
 #: ``artcache producer`` flags not named ``--<field>`` (``_s`` dropped, ``_`` as ``-``); a scheduler limit by its
@@ -224,8 +238,19 @@ def default_budget(layout: CacheLayout, retained: int) -> tuple[int, str]:
     reserve = space_reserve(usage.total)
     free = max(0, usage.free - reserve)
     budget = retained + int(BUDGET_FREE_FRACTION * free)
-    return budget, (f"default: {retained / 2**30:.2f} GiB retained + {BUDGET_FREE_FRACTION:.0%} of the "
-                    f"{usage.free / 2**30:.2f} GiB free on {layout.objects} beyond a {reserve} B reserve")
+    return budget, (f"{format_bytes(retained)} retained + {BUDGET_FREE_FRACTION:.0%} of the "
+                    f"{format_bytes(usage.free)} free on {layout.objects} beyond a {format_bytes(reserve)} reserve")
+
+
+def describe_retention(policy: str, budget: int, how: str = "") -> str:
+    """The start line that says which retention rule holds (:func:`artcache.eviction.retention_rule`) and,
+    under ``need``, the budget (``how``: where it came from)."""
+    if policy == "windows":
+        return ("retention: the windows-only rule (no --disk-budget): what lies outside every live window, pinned "
+                "held-out range and lease is evicted, so the root never holds more than the live windows need; give "
+                "--disk-budget BYTES (or auto) to keep what consumers will read again")
+    return (f"retention by future need inside a disk budget of {format_bytes(budget)} ({budget} bytes; {how}): "
+            "beyond the live windows, what a live consumer will read again is kept while it fits")
 
 
 class SizeModel:
@@ -285,7 +310,13 @@ def prepare_root(cfg: ProducerConfig):
     """
     from artcache.layer_ids import check_layer_ids, dflash_layer_ids
     from artcache.plan import PlanSpec, ensure_plan, plan_id_for
-    from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
+    from artcache.target import (
+        closed_to_group,
+        load_tokenizer,
+        resolve_target,
+        template_digest,
+        tokenizer_digest,
+    )
 
     try:
         dtype = stored_dtype(cfg.dtype)  # "fp8" is stored as float8_e4m3fn (artcache.fp8)
@@ -357,6 +388,12 @@ def prepare_root(cfg: ProducerConfig):
                 plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                 payload=recorded or (new_spec(payload_url) if payload_url else None)))
+        if cfg.group_shared and Path(cfg.target).expanduser().is_dir():  # a name: each user resolves it himself
+            closed = closed_to_group(info.path, layout.root.stat().st_gid)
+            if closed is not None:
+                log.warning("--group-shared: the target %s cannot be read by the root's group (%s): a teammate's "
+                            "consumer on this root will be refused at start; chmod -R g+rX the target (and g+x its "
+                            "parents) or capture from a directory the group can read", info.path, closed)
         if settings.heartbeat_timeout_s != cfg.heartbeat_timeout_s:
             log.warning("this producer fences consumers silent for %g s (--heartbeat-timeout), but %s records "
                         "%g s from the root's creation, which `artcache fsck` uses for consumers of other hosts",
@@ -407,16 +444,16 @@ class Producer:
                  journal: J.JournalWriter, hidden_size: int = 0) -> None:
         """``hidden_size``: the target's (sizes the first captures against the budget; 0: learned from
         the first publications)."""
-        if cfg.retention not in POLICIES:
-            raise ConfigError(f"--retention {cfg.retention!r} is not accepted: use one of {', '.join(POLICIES)}")
-        remote_default = not cfg.disk_budget and cfg.retention == "need" and remote_for(layout) is not None
-        if remote_default and cfg.fill:
-            raise ConfigError("--fill on a root whose payloads live in a remote store needs --disk-budget (at most "
-                              "the payload holders' memory): artcache cannot see that store's capacity")
-        if remote_default:
-            # the payloads live in a remote store whose capacity (its holders' memory) artcache cannot see, and
-            # the free space of the root's filesystem says nothing about it: keep only the windows
-            cfg = msgspec.structs.replace(cfg, retention="windows")
+        policy = retention_rule(cfg.disk_budget, cfg.retention, cfg.fill)  # ConfigError on a contradiction
+        remote = remote_for(layout) is not None
+        if remote and cfg.fill and not cfg.disk_budget:
+            raise ConfigError("--fill on a root whose payloads live in a remote store needs --disk-budget BYTES (at "
+                              "most the payload holders' memory): artcache cannot see that store's capacity")
+        if remote and cfg.disk_budget == AUTO_BUDGET:
+            raise ConfigError("--disk-budget auto derives the budget from the free space of the root's filesystem, "
+                              "which says nothing about the remote store that holds this root's payloads: give "
+                              "--disk-budget BYTES (at most the payload holders' memory)")
+        cfg = msgspec.structs.replace(cfg, retention=policy)
         self.layout = layout
         self.settings = settings
         self.contract = settings.contract
@@ -444,6 +481,7 @@ class Producer:
         self._failed: dict[str, int] = {}  # fp -> failed attempts; given up at max_attempts (at once for space)
         self._attempts: dict[str, int] = {}  # fp -> capture attempts that failed (what a give-up marker says)
         self._space_bound: dict[str, int] = {}  # fp given up on a full disk -> its estimated bytes
+        self._last_error: dict[str, str] = {}  # fp whose last capture attempt failed -> the error (--fill's report)
         self._next_space_look = 0.0
         self._state = threading.Lock()  # guards _published, _inflight, _failed and stats
         self._inflight: dict[str, int] = {}  # captured, not yet published: fp -> estimated bytes
@@ -470,16 +508,34 @@ class Producer:
         self._idle_since = time.monotonic()
         self._seed_history()
         retained = sum(self._published.values())
-        if cfg.disk_budget:
+        if policy == "windows":
+            self.budget, how = 0, ""
+        elif isinstance(cfg.disk_budget, int) and cfg.disk_budget:
             self.budget, how = cfg.disk_budget, "--disk-budget"
         else:
-            self.budget, how = default_budget(layout, retained)
+            budget, how = default_budget(layout, retained)
+            self.budget, how = budget, (f"--disk-budget auto, {how}" if cfg.disk_budget else
+                                        f"--fill without --disk-budget: auto, {how}")
         self.stats.budget_bytes = self.budget
-        self.budget_note = f"disk budget {self.budget / 2**30:.2f} GiB ({self.budget} bytes; {how})"
-        if remote_default:
-            self.budget_note = ("payloads in a remote store of unknown capacity and no --disk-budget: the "
-                                "windows-only rule (give --disk-budget, at most the holders' memory, to retain by "
-                                "need)")
+        # a filled root keeps what it was filled with unless --evict-fill says otherwise
+        self.fill_kept: np.ndarray = np.empty(0, dtype=np.int64)
+        filled = self._filled
+        self.fill_note = ""
+        if filled and self._published:
+            mine = [(self._index_of[fp], n) for fp, n in self._published.items() if fp in self._index_of]
+            nbytes = sum(n for _, n in mine)
+            what = f"{len(mine)} artifacts of a --fill ({format_bytes(nbytes)})"
+            if cfg.evict_fill:
+                self.fill_note = (f"--evict-fill: the root holds {what}; no longer kept as a fill, so the "
+                                  f"{'windows rule' if policy == 'windows' else 'disk budget'} may evict them")
+            else:
+                self.fill_kept = np.asarray(sorted(i for i, _ in mine), dtype=np.int64)
+                over = (f", beyond the disk budget of {format_bytes(self.budget)}" if policy == "need"
+                        and nbytes > self.budget else "")
+                self.fill_note = (f"the root holds {what}: kept whatever the retention rule{over} (--evict-fill "
+                                  "lets retention evict them)")
+        self.budget_note = describe_retention(policy, self.budget, how)
+        self.evict_fill = bool(cfg.evict_fill and filled)
         self._decision = RetentionDecision(budget=self.budget)
         self._decision_inflight = True
         self._fill_stuck = False  # --fill: the queue holds only samples the budget cannot take
@@ -487,10 +543,13 @@ class Producer:
 
     # -- helpers ---------------------------------------------------------------------------
     def _seed_history(self) -> None:
-        """Fingerprints published before (by any producer): a new capture of one is a recapture."""
-        for ev in J.read_events(self.layout.journal).events:
+        """Fingerprints published before (by any producer): a new capture of one is a recapture. Also whether
+        the root is filled (:func:`artcache.journal.fill_recorded`)."""
+        events = J.read_events(self.layout.journal).events
+        for ev in events:
             if isinstance(ev, J.Publish):
                 self.stats.ever_published.add(ev.fp)
+        self._filled = J.fill_recorded(events)
 
     def length_of(self, sample: int) -> int:
         """Tokens of plan sample ``sample``."""
@@ -581,7 +640,7 @@ class Producer:
         index = self._index_of
         decision = decide(
             self.readers(live), sizes=sizes, budget=self.budget, est_size=est, fp_of=self._fp_list.__getitem__,
-            leased=[index[fp] for fp in live_leases if fp in index],
+            leased=[index[fp] for fp in live_leases if fp in index], keep=self.fill_kept,
             inflight=[index[fp] for fp in inflight if fp in index], blocked=blocked, canon=self._canon,
             max_queue=self.cfg.limits.max_queue, fill=self.cfg.fill, policy=self.cfg.retention,
             urgent_s=self.cfg.poll_interval_s + 2 * self._batch_s)
@@ -671,6 +730,26 @@ class Producer:
             return [fp for fp in dict.fromkeys(self._fp_list)
                     if fp not in self._published and self._failed.get(fp, 0) < MAX_ATTEMPTS]
 
+    def fill_given_up(self) -> list[str]:
+        """Fingerprints of the plan not published whose last capture failed (a full disk, a failing backend; also
+        once a full-disk give-up was withdrawn): a ``--fill`` that leaves any is incomplete (:meth:`fill_shortfall`)."""
+        with self._state:
+            return [fp for fp in dict.fromkeys(self._fp_list) if fp not in self._published and fp in self._last_error]
+
+    def fill_shortfall(self) -> str:
+        """``--fill``: why the plan is not all published, in one phrase ("" when it is): how many samples are
+        missing, how many of them captures failed for (with the last error) and how many the budget left out."""
+        failed = set(self.fill_given_up())
+        left = [fp for fp in self.fill_missing() if fp not in failed]
+        if not failed and not left:
+            return ""
+        why = []
+        if failed:
+            why.append(f"{len(failed)} given up after failed captures (last: {self._last_failure})")
+        if left:
+            why.append(f"{len(left)} do not fit the disk budget of {format_bytes(self.budget)}")
+        return f"{len(failed) + len(left)} of the plan's {len(self.plan)} samples are missing: {'; '.join(why)}"
+
     def fill_done(self) -> bool:
         """``--fill``: the last decision, taken with nothing in flight, left nothing to capture (every plan
         sample published or given up) or only what the budget leaves out."""
@@ -720,7 +799,9 @@ class Producer:
         if not todo:
             return False
         samples = [self.plan.sample(w.sample) for w in todo]
-        t0 = time.time()
+        # the duration from the monotonic clock, the wall clock only for the batch's timestamp: a wall-clock
+        # step must not make busy time negative (journal capture_batch: end = start + the measured duration)
+        t0, m0 = time.time(), time.perf_counter()
         try:
             outputs = self.backend.capture(samples)
         except Exception as exc:  # a failed forward: every fingerprint in it failed once more
@@ -729,10 +810,11 @@ class Producer:
             for w in todo:
                 self._fail(w.fp, exc, stage="forward")
             return False
-        t1 = time.time()
+        dt = time.perf_counter() - m0
+        t1 = t0 + dt
         crash_point("capture.after-forward")
-        self.stats.busy_s += t1 - t0
-        self._batch_s = (t1 - t0) if not self._batch_s else 0.8 * self._batch_s + 0.2 * (t1 - t0)
+        self.stats.busy_s += dt
+        self._batch_s = dt if not self._batch_s else 0.8 * self._batch_s + 0.2 * dt
         tokens = sum(int(s.input_ids.shape[0]) for s in samples)
         longest = max(int(s.input_ids.shape[0]) for s in samples)
         self._emit(J.CaptureBatch(producer=self.pid, fps=[w.fp for w in todo], samples=len(todo),
@@ -847,6 +929,7 @@ class Producer:
                 self.stats.publications += 1
                 self.stats.ever_published.add(fp)
                 self._published[fp] = nbytes
+                self._last_error.pop(fp, None)
                 if tokens:
                     self.sizes.observe(tokens, nbytes)
                 if self._fresh is not None:
@@ -872,6 +955,8 @@ class Producer:
         retryable = bool(getattr(exc, "retryable", False))
         error = f"{type(exc).__name__}: {exc}"
         self._last_failure = error
+        with self._state:
+            self._last_error[fp] = error
         self._emit(J.CaptureFailure(producer=self.pid, fp=fp, attempts=tries, retryable=retryable, error=error,
                                     stage=stage))
         if space:
@@ -957,7 +1042,8 @@ class Producer:
         """
         self._emit(J.ProducerStart(producer=self.pid, pid=os.getpid(), contract_id=self.contract.contract_id,
                                    plan_id=self.settings.plan_id, budget_bytes=self.budget,
-                                   policy=self.cfg.retention, fill=self.cfg.fill),
+                                   policy=self.cfg.retention, fill=self.cfg.fill, evict_fill=self.evict_fill,
+                                   kept_fill=len(self.fill_kept)),
                            hold=False)  # a producer that cannot journal its start does not start
         reason = "stopped"
         try:
@@ -967,8 +1053,10 @@ class Producer:
                     self._idle_since = time.monotonic()
                     continue
                 if self.cfg.fill and self.fill_done():
-                    self.stats.fill_complete = not self.fill_missing()
-                    reason = "plan filled" if self.stats.fill_complete else "plan does not fit the budget"
+                    shortfall = self.fill_shortfall()
+                    self.stats.fill_complete = not shortfall
+                    reason = ("plan filled" if not shortfall else f"plan incomplete: {shortfall}"
+                              if self.fill_given_up() else "plan does not fit the budget")
                     break
                 if self._any_live:  # as read by this pass's live_registrations()
                     self._idle_since = time.monotonic()
@@ -1049,6 +1137,8 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     if cfg.fill and _plan_published(layout, settings, plan):  # a filled root: no target to load, nothing to do
         log.info("--fill: %s already holds every sample of plan %s (%d): nothing to capture", layout.root,
                  plan.plan_id[:12], len(plan))
+        if not J.fill_recorded(J.read_events(layout.journal).events):
+            _record_fill(layout, settings, cfg)
         return ProducerStats(fill_complete=True)
     supersede_failure_markers(layout)  # before the (slow) target load: a consumer must not see them meanwhile
     if settings.contract.backend == "vllm":
@@ -1068,8 +1158,9 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     shutdown.install()
     presence = claim_producer_presence(layout)
     cleanup_orphans(layout)
-    log.info("%s; retention %s%s", producer.budget_note, producer.cfg.retention, ", --fill: the whole plan, then exit"
-             if cfg.fill else "")
+    log.info("%s%s", producer.budget_note, "; --fill: the whole plan, then exit" if cfg.fill else "")
+    if producer.fill_note:  # an eviction of filled artifacts is said at start
+        (log.warning if producer.evict_fill else log.info)("%s", producer.fill_note)
     log.info("producer ready: plan %s (%d samples), layers %s, root %s", plan.plan_id[:12], len(plan),
              list(settings.contract.layer_ids), layout.root)
     try:
@@ -1083,10 +1174,27 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         close_all()
     producer.check_outcome()
     if cfg.fill and not producer.stats.fill_complete and not producer.stop_event.is_set():
-        raise DiskBudgetExceeded(
-            f"--fill: {len(producer.fill_missing())} of the plan's {len(plan)} samples do not fit "
-            f"{producer.budget_note}; raise --disk-budget (what fitted stays published)")
+        shortfall = producer.fill_shortfall()
+        if producer.fill_given_up():  # captures failed (a full disk): not a budget to raise
+            raise ProducerFailed(f"--fill incomplete: {shortfall} (what was captured stays published; a later "
+                                 "--fill captures the rest)")
+        raise DiskBudgetExceeded(f"--fill incomplete: {shortfall}; raise --disk-budget (what fitted stays "
+                                 "published)")
     return producer.stats
+
+
+def _record_fill(layout: CacheLayout, settings: RootSettings, cfg: ProducerConfig) -> None:
+    """Journal a ``--fill`` that found the plan published already (a start and a stop, no capture), so the root
+    is recorded as filled (:func:`artcache.journal.fill_recorded`) even when a run that was not a fill published
+    the plan."""
+    journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
+    try:
+        journal.emit(J.ProducerStart(producer=cfg.producer_id, pid=os.getpid(),
+                                     contract_id=settings.contract.contract_id, plan_id=settings.plan_id,
+                                     policy="need", fill=True), hold=False)
+        journal.emit(J.ProducerStop(producer=cfg.producer_id, reason="plan filled"), hold=False)
+    finally:
+        journal.close(remove_if_empty=True)
 
 
 def _plan_published(layout: CacheLayout, settings: RootSettings, plan) -> bool:

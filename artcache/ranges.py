@@ -46,7 +46,7 @@ MAX_WINDOW = 1 << 24
 WindowSide = Annotated[int, msgspec.Meta(ge=0, le=MAX_WINDOW)]
 #: the largest disk budget, in bytes (2**60 = 1 EiB, beyond any filesystem a cache root lives on)
 MAX_DISK_BUDGET = 1 << 60
-#: a disk budget in bytes (0: the producer's default, from the free space)
+#: a disk budget in bytes (0: none; the producer then keeps the windows-only rule)
 DiskBudget = Annotated[int, msgspec.Meta(ge=0, le=MAX_DISK_BUDGET)]
 
 _AT = re.compile(r"\s*-\s*at\s*`\$(.*)`\s*$")

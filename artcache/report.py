@@ -52,6 +52,7 @@ def format_accounting(acc: Accounting) -> str:
         ["max retained artifacts", c.max_retained_artifacts],
         ["window bound (artifacts)", c.window_bound_artifacts], ["max retained bytes", c.max_retained_bytes],
         ["disk budget (bytes)", _budget_text(c)], ["retention", c.retention or "-"],
+        ["filled root: artifacts kept beside the rule", c.kept_fill_artifacts or "-"],
         ["budget binding (some producer pass so far)", "yes" if c.budget_binding else "no"],
         ["evictions by reason", ", ".join(f"{k} {v}" for k, v in sorted(c.evictions_by_reason.items())) or "-"],
         ["leases acquired", c.leases_acquired], ["leases released", c.leases_released],
@@ -95,6 +96,6 @@ def format_accounting(acc: Accounting) -> str:
         out.extend(f"  - {v}" for v in acc.violations)
     else:
         out.append("invariants: ok (captures = publications + failures + lost in a crash; leases balance; "
-                   "requests = hits + misses; retained bytes <= the disk budget, or <= the window bound under "
-                   "--retention windows)")
+                   "requests = hits + misses; retained bytes <= the disk budget, or <= the window bound (plus a "
+                   "kept fill) under the windows-only rule)")
     return "\n".join(out)

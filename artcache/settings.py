@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from artcache import FORMAT_VERSION
 from artcache.contract import CaptureContract
 from artcache.errors import CacheRootError, ConfigError
 from artcache.fsio import atomic_write
+from artcache.hashing import check_record, sealed
 from artcache.layout import CacheLayout
 from artcache.payload import PayloadSpec
 
@@ -25,6 +28,10 @@ class RootSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         lock_stripes: number of striped fingerprint lock files.
         payload: where the artifacts' tensors live: ``None`` = files in ``objects/`` (POSIX), or a remote
             store (:class:`~artcache.payload.PayloadSpec`, e.g. Mooncake) with manifests in ``objects/``.
+        digests: the file's record of its own content (``{algorithm, files: {}, state}``,
+            :func:`artcache.hashing.sealed`), written by :func:`init_settings` and checked by every
+            :func:`load_settings` and ``fsck``; None in a root initialised before roots recorded it (read
+            unverified).
     """
 
     format_version: int = FORMAT_VERSION
@@ -34,20 +41,37 @@ class RootSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     heartbeat_timeout_s: float = 30.0
     lock_stripes: int = 4096
     payload: PayloadSpec | None = None
+    digests: dict[str, Any] | None = None
+
+
+def decode_settings(raw: bytes, path) -> tuple[RootSettings, str | None]:
+    """``(settings, damage)`` of the bytes ``raw`` of ``artcache.json`` at ``path``: ``damage`` says how the
+    file does not match its recorded digest (:func:`artcache.hashing.check_record`), None when it matches
+    or records none (a root initialised before roots recorded it).
+
+    Raises:
+        CacheRootError: the file is not a valid RootSettings document.
+    """
+    try:
+        settings = msgspec.json.decode(raw, type=RootSettings)
+        doc = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CacheRootError(f"{path} is invalid: {exc}") from exc
+    return settings, check_record(doc)
 
 
 def load_settings(layout: CacheLayout) -> RootSettings:
-    """Read and validate ``artcache.json``.
+    """Read and validate ``artcache.json``, checked against the digest of its content it records.
 
     Raises:
-        CacheRootError: the root is missing or uninitialised, the file is unreadable, or it was
-            written by another format version.
+        CacheRootError: the root is missing or uninitialised, the file is unreadable, does not match its
+            recorded digest (damaged: the message says how), or was written by another format version.
     """
     layout.require()
-    try:
-        settings = msgspec.json.decode(layout.settings.read_bytes(), type=RootSettings)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CacheRootError(f"{layout.settings} is invalid: {exc}") from exc
+    settings, damage = decode_settings(layout.settings.read_bytes(), layout.settings)
+    if damage is not None:
+        raise CacheRootError(f"{layout.settings} is damaged: {damage}; it decides the capture contract and the "
+                             "plan every process uses: restore it or use a new cache root")
     if settings.format_version != FORMAT_VERSION:
         raise CacheRootError(
             f"{layout.settings} has format {settings.format_version}; this artcache reads "
@@ -137,5 +161,6 @@ def init_settings(layout: CacheLayout, settings: RootSettings) -> RootSettings:
         current = load_settings(layout)
         check_compatible(current, settings.contract, settings.plan_id, layout)
         return current
-    atomic_write(layout.settings, [msgspec.json.format(msgspec.json.encode(settings))], layout.tmp)
+    doc = sealed(msgspec.json.decode(msgspec.json.encode(msgspec.structs.replace(settings, digests=None))))
+    atomic_write(layout.settings, [msgspec.json.format(msgspec.json.encode(doc))], layout.tmp)
     return settings

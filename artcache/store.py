@@ -209,9 +209,35 @@ def _tensors_from_buffer(buf, header: dict, data_start: int, fp: str) -> dict[st
     return out
 
 
+def check_scales(scales: torch.Tensor) -> None:
+    """Check an fp8 artifact's ``hidden_scales`` (float32 [T, m], :mod:`artcache.fp8`) are finite and >= 0
+    (0 is a row of zeros). The one check of scale values: publication, every read (the scales decide every
+    dequantised value, and a read does not re-scan values: a writer that skipped validation, or damage
+    behind a recomputed content hash, would otherwise be trained on) and ``fsck``. Cost: one pass over
+    4·T·m bytes.
+
+    Raises:
+        IntegrityError: naming the first bad scale's index and value.
+    """
+    if scales.numel() == 0:
+        return
+    if scales.device.type == "cpu":  # one numpy min and max: NaN makes min NaN, which fails ">= 0"
+        flat = scales.detach().reshape(-1).numpy()
+        if flat.min() >= 0 and flat.max() < np.inf:
+            return
+    bad = ~(torch.isfinite(scales) & (scales >= 0))
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise IntegrityError(f"{SCALES} contain NaN, Inf or a negative scale ({SCALES}{list(idx)} = "
+                             f"{float(scales[idx])}; scales must be finite and >= 0)")
+
+
 def validate_capture(contract: CaptureContract, tensors: dict[str, torch.Tensor], *,
                      check_values: bool = True) -> None:
-    """Check shapes, dtypes and finiteness of a capture before it is published.
+    """Check shapes, dtypes and finiteness of a capture before it is published, and the structure of one
+    read back. ``check_values``: scan ``hidden_states`` for NaN/Inf (publication, ``fsck``; a read skips it,
+    the content hash proving the bytes are those scanned). An fp8 capture's scales are always checked
+    (:func:`check_scales`).
 
     Raises:
         IntegrityError: naming the tensor and what was expected.
@@ -240,8 +266,7 @@ def validate_capture(contract: CaptureContract, tensors: dict[str, torch.Tensor]
             raise IntegrityError(f"an fp8 capture needs tensor {SCALES!r} (float32 [T, m])")
         if scales.dtype != torch.float32 or tuple(scales.shape) != (t, m):
             raise IntegrityError(f"{SCALES} must be float32 [{t}, {m}], got {scales.dtype} {tuple(scales.shape)}")
-        if check_values and not (all_finite(scales) and bool((scales >= 0).all())):
-            raise IntegrityError(f"{SCALES} contain NaN, Inf or a negative scale")
+        check_scales(scales)
     elif scales is not None:
         raise IntegrityError(f"tensor {SCALES!r} belongs to fp8 captures only (contract dtype {contract.dtype})")
     if check_values and not all_finite(hs):
@@ -551,7 +576,8 @@ def _verify(buf, fp: str, contract: CaptureContract, verify_tokens: bool,
         raise IntegrityError(f"artifact {fp} failed its content hash")
     tensors = _tensors_from_buffer(buf, header, start, fp)
     # values were checked for NaN/Inf before publication; the content hash proves these are
-    # the same bytes, so a read re-checks structure only (verify, offline, re-checks values too)
+    # the same bytes, so a read re-checks structure (and fp8 scales, check_scales) only (verify, offline,
+    # re-checks values too)
     try:
         validate_capture(contract, tensors, check_values=check_values)
     except IntegrityError as exc:  # it names the tensor; the header (not hashed) may be what lost it
@@ -577,8 +603,8 @@ def read(layout: CacheLayout, fp: str, contract: CaptureContract, *, pin: bool =
 
     Raises:
         ArtifactMissing: not published (never captured or evicted): treat as a demand miss.
-        IntegrityError: hash, fingerprint, contract, shape or token check failed; the file has been
-            moved to ``quarantine/`` so the next request is a demand miss.
+        IntegrityError: hash, fingerprint, contract, shape, fp8 scale (:func:`check_scales`) or token check
+            failed; the file has been moved to ``quarantine/`` so the next request is a demand miss.
         UnsafePath: the artifact or its shard directory is a symbolic link (never followed).
     """
     path = layout.object_path(fp)
@@ -704,8 +730,8 @@ def maintain(layout: CacheLayout) -> dict[str, int]:
     return {}
 
 
-__all__ = ["Artifact", "PublishError", "check_tokens", "exists", "list_objects", "maintain", "publish", "quarantine",
-           "read", "remove", "validate_capture", "verify"]
+__all__ = ["Artifact", "PublishError", "check_scales", "check_tokens", "exists", "list_objects", "maintain", "publish",
+           "quarantine", "read", "remove", "validate_capture", "verify"]
 
 
 #: bytes allowed for one artifact's safetensors header and metadata

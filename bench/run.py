@@ -20,8 +20,8 @@ consumer's steady steps/s, the aggregate) and ``comparison`` (the verdict: artca
 
 Retention modes (the ``hetero`` scenario runs them by default):
 
-* ``windows``: as ``artcache`` but the producer keeps only the live windows (``--retention windows``, the rule
-  before retention by need): the before of the before/after.
+* ``windows``: as ``artcache`` but the producer keeps only the live windows (no ``--disk-budget``: the
+  windows-only rule, the producer's default): the before of the before/after.
 * ``tight``: as ``artcache`` with a disk budget of the live windows' floor (:func:`window_floor`, which the
   retention guarantee holds whatever the budget) plus ``--budget-fraction`` of the room between it and the
   budget that covers the run: too small for the fast consumer's lead, so the budget binds (recaptures rise; the
@@ -29,7 +29,8 @@ Retention modes (the ``hetero`` scenario runs them by default):
 * ``solo``: the scenario's fast consumer alone on its own root: its rate alone, against its rate in ``artcache``.
 
 ``artcache`` and ``solo`` get a budget that covers the run (every position any consumer reads, at the longest
-sample's size) unless ``--disk-budget`` says otherwise; the 1p1c/1p3c scenarios keep the producer's default.
+sample's size) unless ``--disk-budget`` says otherwise; the 1p1c/1p3c scenarios keep the producer's default, the
+windows-only rule (:func:`artcache.eviction.retention_rule`), unless ``--disk-budget`` is given.
 
 Disk (``--save``, :data:`SAVE_POLICIES`): each consumer ends with the final checkpoint a real run writes,
 weights only by default (``weights``: the bench never resumes, and AdamW's state is two thirds of an
@@ -67,6 +68,7 @@ from artcache.bench.metrics import scenario_figures
 from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
 from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 from artcache.errors import ConfigError, InsufficientSpace
+from artcache.eviction import retention_rule
 from artcache.fsio import atomic_write, free_space, space_reserve
 from artcache.launch import Role, cli_argv, kill_all, module_argv, role_env, wait_for_file
 from artcache.layout import CacheLayout
@@ -150,6 +152,11 @@ def _check_environment(cfg: BenchConfig, n_roles: int) -> list[int]:
         raise ConfigError(f"{n_roles} roles need {n_roles} GPUs but {n} are visible; pass --allow-shared-gpu "
                           "to put several roles on one GPU (reported on every line)")
     return [i % n for i in range(n_roles)]
+
+
+def _roles(cfg: BenchConfig, sc: Scenario) -> int:
+    """Processes one mode of ``sc`` runs at most (producers and consumers; naive: a producer per consumer)."""
+    return max((2 if m == "naive" else 1) * len(sc.consumers) + (m != "naive") for m in parse_modes(cfg.modes, sc))
 
 
 def _check_fresh(path: Path) -> None:
@@ -267,7 +274,8 @@ def window_floor(cfg: BenchConfig, sc: Scenario) -> int:
 
 
 def mode_budget(cfg: BenchConfig, sc: Scenario, mode: str) -> int:
-    """The ``--disk-budget`` of ``mode``'s producer (0: the producer's default). ``tight``: the window floor
+    """The ``--disk-budget`` of ``mode``'s producer (0: none, the producer's default windows-only rule; always for
+    the ``windows`` mode). ``tight``: the window floor
     plus ``budget_fraction`` of the room between it and the covering budget, so it is too small for the
     lead yet keepable (regression: 0.25 × the covering budget fell below the live windows of ``--window
     64:512`` on the H200 and was exceeded by design, failing ``tight_budget_binds_and_is_kept``)."""
@@ -275,7 +283,7 @@ def mode_budget(cfg: BenchConfig, sc: Scenario, mode: str) -> int:
     if mode == "tight":
         floor = window_floor(cfg, sc)
         return int(floor + cfg.budget_fraction * max(0, covering - floor))
-    if mode in ("artcache", "solo", "windows") and (cfg.disk_budget or sc.modes):
+    if mode in ("artcache", "solo") and (cfg.disk_budget or sc.modes):
         return covering
     return 0
 
@@ -305,9 +313,10 @@ def check_tight_budget(cfg: BenchConfig, sc: Scenario, modes: list[str]) -> None
             "it never binds; use a smaller --disk-budget (or none) or --budget-fraction, or leave tight out of --modes")
 
 
-def mode_retention(mode: str) -> str:
-    """The ``--retention`` of ``mode``'s producer: ``windows`` for the windows mode, else ``need``."""
-    return "windows" if mode == "windows" else "need"
+def mode_retention(cfg: BenchConfig, sc: Scenario, mode: str) -> str:
+    """The retention rule of ``mode``'s producer, as the producer derives it from its ``--disk-budget``
+    (:func:`mode_budget`; :func:`artcache.eviction.retention_rule`): ``need`` with a budget, else ``windows``."""
+    return retention_rule(mode_budget(cfg, sc, mode))
 
 
 @dataclass
@@ -346,7 +355,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     layers = capture_layers(cfg, sc)
     capture = ["--layer-ids", ",".join(map(str, layers))] if layers else ["--draft-layers", str(cfg.draft_layers)]
     budget = mode_budget(cfg, sc, mode)
-    retention = [*(["--disk-budget", str(budget)] if budget else []), "--retention", mode_retention(mode)]
+    retention = ["--disk-budget", str(budget)] if budget else []  # none: the windows-only rule
     staggered = any(c.start_s > 0 for c in sc.consumers)
     env = role_env()
     cpu = cfg.device == "cpu"
@@ -357,7 +366,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     codes: dict[str, int | None] = {}
     if sampler is not None:
         sampler.start()
-    t_start = time.time()
+    t_start = time.monotonic()  # durations: the monotonic clock
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         for i, (pid, root, served) in enumerate(producers):
@@ -376,17 +385,17 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
         for _, root, ccfg in order:
             ccfgs.setdefault(root, []).append(ccfg)
         planned = plan_disk(cfg, f"{sc.name} mode {mode}", work, ccfgs, sizes if sizes is not None else {},
-                            budget=budget, retention=mode_retention(mode))
+                            budget=budget, retention=mode_retention(cfg, sc, mode))
         t_first = time.monotonic()
         for start_s, _, ccfg in order:
             time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
             procs[ccfg.consumer_id] = Role(
                 ccfg.consumer_id, module_argv("artcache.bench.consume", msgspec.json.encode(ccfg).decode()),
                 logs / f"{ccfg.consumer_id}.log", env, new_session=False)
-        deadline = time.time() + cfg.timeout_s
+        deadline = time.monotonic() + cfg.timeout_s
         served_ids = [c.consumer_id for _, _, served in producers for c in served]
         for c in (c for c in sc.consumers if c.consumer_id in served_ids):
-            codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.time()))
+            codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.monotonic()))
         for pid, _, _ in producers:
             try:
                 codes[pid] = procs[pid].wait(timeout=60)
@@ -397,7 +406,7 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
         if sampler is not None:
             sampler.stop()
         kill_all(procs.values())
-    wall = time.time() - t_start
+    wall = time.monotonic() - t_start
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     roots = [root for _, root, _ in producers]
@@ -443,8 +452,7 @@ def run_scenario(cfg: BenchConfig, sc: Scenario, plan: dict | None = None) -> di
     ``plan``: the run's :func:`preflight_disk` (its checkpoint sizes are reused; the report's ``disk_plan``)."""
     cfg = resolved(cfg, sc)
     modes = parse_modes(cfg.modes, sc)
-    n_roles = max((2 if m == "naive" else 1) * len(sc.consumers) + (m != "naive") for m in modes)
-    gpus = _check_environment(cfg, n_roles)
+    gpus = _check_environment(cfg, _roles(cfg, sc))
     base = Path(cfg.out_dir).absolute() / sc.name
     _fresh_dir(base)
     sampler = make_sampler(sorted(set(gpus[:1 + len(sc.consumers)])))
@@ -554,10 +562,10 @@ def mode_bytes(cfg: BenchConfig, ccfgs: dict[Path, list], sizes: dict, contract=
     bound × the artifact bound (:func:`artcache.store.artifact_bytes_bound`). A root's producer never holds
     more than the positions its consumers read (``steps × batch_size`` of the longest, at most
     ``cfg.max_samples``: windows are clipped at each consumer's end). Under ``retention`` ``windows`` it
-    holds at most its live windows (the sum of its consumers' ``lookbehind + lookahead + 1``); under
-    ``need`` (the producer's default) it keeps what a consumer will still read while it fits ``budget``
-    (the producer's ``--disk-budget``; 0: its default, from the free space, which does not bound it here),
-    but never evicts a live window, so at most max(windows, ``budget``) bytes. ``contract``: the roots'
+    holds at most its live windows (the sum of its consumers' ``lookbehind + lookahead + 1``; the producer's
+    default, no ``--disk-budget``); under ``need`` it keeps what a consumer will still read while it fits
+    ``budget`` (the producer's ``--disk-budget``; 0 here: a budget this function does not know, which does not
+    bound it), but never evicts a live window, so at most max(windows, ``budget``) bytes. ``contract``: the roots'
     capture contract (default: read from each root's ``artcache.json``)."""
     from artcache.settings import load_settings
 
@@ -674,7 +682,7 @@ def preflight_disk(cfg: BenchConfig, scenarios: list[Scenario]) -> dict:
                     group = consumer_configs(rc, sc, work, mode, [(root, consumers)], ["cpu"] * len(consumers))
                     merged[root / consumers[0].consumer_id] = [ccfg for _, _, ccfg in group]
                 ckpt, art = mode_bytes(rc, merged, sizes, contract, budget=mode_budget(rc, sc, mode),
-                                       retention=mode_retention(mode))
+                                       retention=mode_retention(rc, sc, mode))
                 what = f"{sc.name} mode {mode}"
                 plan["modes"][f"{sc.name}/{mode}"] = {"checkpoint_bytes": ckpt, "artifact_bytes": art}
                 plan["checkpoint_bytes_total"] += ckpt
@@ -1150,6 +1158,9 @@ def run_bench(cfg: BenchConfig) -> bool:
     for sc in resolve(cfg.scenario):  # bad input fails here, before anything is written
         parse_window(resolved(cfg, sc).window)
         check_tight_budget(resolved(cfg, sc), sc, list(parse_modes(cfg.modes, sc)))
+        # the device, before any data is loaded or checkpoint sized (--device cuda without a GPU failed after
+        # them and left a report saying "not run")
+        _check_environment(resolved(cfg, sc), _roles(cfg, sc))
     plan = preflight_disk(cfg, resolve(cfg.scenario))  # refuses (exit 2) before any mode starts
     print(f"disk plan: at most {format_bytes(plan['peak_bytes'])} at once ({plan['peak_mode']}; each mode's "
           f"checkpoints and artifacts are removed before the next) of {format_bytes(plan['free_bytes'])} free "

@@ -55,7 +55,7 @@ import msgspec.inspect as mi
 import numpy as np
 
 from artcache.errors import ConfigError
-from artcache.eviction import POLICIES, RateEstimator, Reader, decide
+from artcache.eviction import POLICIES, RateEstimator, Reader, decide, retention_rule
 from artcache.plan import EpochOrder
 from artcache.ranges import Count, NonNegativeFloat, Positive, WindowSide, check_value, describe_number
 from artcache.scheduler import SchedulerLimits, check_deadlock, next_batch
@@ -121,6 +121,16 @@ class ProducerSpec:
         """Samples per second with full batches."""
         n = min(self.limits.max_batch_samples, max(1, self.limits.max_batch_tokens // self.sample_tokens))
         return n / (self.fixed_s + self.per_sample_s * n)
+
+    @classmethod
+    def of_settings(cls, disk_budget: int | str = 0, retention: str = "", fill: bool = False,
+                    **fields) -> ProducerSpec:
+        """The simulated producer an ``artcache producer`` with these retention settings is: its rule from
+        :func:`artcache.eviction.retention_rule`, the producer's own (no ``--disk-budget``: ``windows``), and its
+        budget in bytes (``auto``: none here, the simulator has no filesystem). ``fields``: the other fields."""
+        policy = retention_rule(disk_budget, retention, fill)
+        budget = disk_budget if isinstance(disk_budget, int) and disk_budget else math.inf
+        return cls(budget_bytes=budget, policy=policy, **fields)
 
     def with_budget(self, artifacts: float) -> ProducerSpec:
         """This producer with a budget of ``artifacts`` artifacts (inf: none)."""

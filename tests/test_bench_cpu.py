@@ -187,13 +187,13 @@ def test_plan_disk_refuses_a_mode_that_cannot_fit_naming_the_bytes(tmp_path, mon
                                    out_dir=str(tmp_path / "runs" / f"d{b}")) for b in (4, 8, 16)]}
     sizes: dict = {}
     per_artifact = artifact_bytes_bound(settings.contract, 64)
-    # --retention windows: three windows of 2 + 4 + 1 positions, at most the 4 positions the consumers read
+    # the windows-only rule: three windows of 2 + 4 + 1 positions, at most the 4 positions the consumers read
     plan = R.plan_disk(cfg, "1p3c mode windows", tmp_path, ccfgs, sizes, retention="windows")
     per = sizes["d4"][0]
     assert set(sizes) == {"d4", "d8", "d16"} and sizes["d4"][1] == info.hidden_size == 64
     assert plan["checkpoint_bytes"] == sum(v[0] for v in sizes.values()) and per > 0
     assert plan["artifact_bytes"] == min(3 * 7, 4) * per_artifact
-    # retention by need (the producer's default budget): every position a consumer reads (steps 4 x batch 1)
+    # retention by need with a budget it is not told (0): every position a consumer reads (steps 4 x batch 1)
     assert R.plan_disk(cfg, "1p3c mode artcache", tmp_path, ccfgs, sizes)["artifact_bytes"] == 4 * per_artifact
     # a budget: at most it (and the 12 positions read), but never less than the live window (7 positions)
     long = {root: [msgspec.structs.replace(ccfgs[root][0], steps=12)]}
@@ -239,8 +239,8 @@ def test_preflight_refuses_the_whole_run_before_any_mode_starts(tmp_path, monkey
     peak = max(v["checkpoint_bytes"] + v["artifact_bytes"] for v in m.values())
     assert plan["peak_bytes"] == peak and plan["peak_mode"] == "1p3c mode naive"
     assert plan["checkpoint_bytes_total"] == one + 3 * 3 * one
-    # retention by need (1p3c's producers keep their default budget): every position read, warmup 1 + steps 2;
-    # naive: 3 roots of 3 artifacts; artcache and lockstep: one root of 3
+    # the windows-only rule (1p3c's producers get no --disk-budget): windows of 2 + 4 + 1 positions, at most
+    # the positions read, warmup 1 + steps 2; naive: 3 roots of 3 artifacts; artcache and lockstep: one root of 3
     assert m["1p3c/naive"]["artifact_bytes"] == 3 * m["1p3c/artcache"]["artifact_bytes"] > 0
     assert m["1p3c/lockstep"]["artifact_bytes"] == m["1p3c/artcache"]["artifact_bytes"]
     assert not (tmp_path / "probe").exists()
@@ -444,3 +444,29 @@ def test_regression_bench_producers_wait_no_grace_when_every_consumer_is_expecte
     assert flags("1p3c", "naive") == flags("hetero", "naive") == [expect(1, "0")] * 3
     assert flags("hetero", "solo") == [expect(1, "0")]
     assert flags("hetero", "artcache") == [expect(1, "5")]  # staggered: a later consumer may register after
+
+
+def test_regression_bench_on_cuda_without_a_gpu_fails_before_anything(tmp_path, monkeypatch):
+    """``artcache bench --device cuda`` on a machine without a GPU failed only after loading data and sizing
+    checkpoints (16 s) and left a report.json saying "not run" in --out. Now it fails first: one line, exit 2,
+    nothing written (the disk plan, which loads the data, is never reached)."""
+    import torch
+    from click.testing import CliRunner
+
+    from artcache.app.cli import main
+    from artcache.bench import run as R
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_plan(*a, **k):
+        raise AssertionError("the disk plan loads data: the device must be refused before it")
+
+    monkeypatch.setattr(R, "preflight_disk", no_plan)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "--scenario", "1p1c", "--device", "cuda", "--target",
+                                    "random:tiny-llama", "--data", "synthetic", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcache: error:") and "no CUDA device" in lines[0], lines
+    assert not out.exists()

@@ -49,7 +49,8 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
                                for c in ("d", "e")), "both consumers to register", procs)
         prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
                                  "--max-samples", "40", "--max-length", "128", "--layer-ids", "1,2,3,5",
-                                 "--threads", "1", "--exit-when-done", "--done-grace", "1"], tmp_path)
+                                 "--threads", "1", "--exit-when-done", "--done-grace", "1", "--disk-budget", "auto"],
+                    tmp_path)  # retention by need: what both read stays for a later run
         procs.append(prod)
         for p in cons:
             p.expect(0)
@@ -108,7 +109,7 @@ def test_dflash_and_eagle3_views_with_held_out_evaluation(tmp_path, tiny_target)
     # the bound counts each consumer's pinned split: Σ (lookbehind + lookahead + 1 + EVAL)
     assert c["window_bound_artifacts"] == 2 * (2 + 8 + 1 + EVAL)
     assert 0 < c["max_retained_bytes"] <= c["budget_bytes"] and c["budget_exceeded_bytes"] == 0
-    # both finished: nothing is needed any more, and the (default) budget keeps it all for a later run
+    # both finished: nothing is needed any more, and the (auto) budget keeps it all for a later run
     assert c["retained_artifacts"] == c["publications"] and c["evictions"] == 0
 
 

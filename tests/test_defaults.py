@@ -22,6 +22,7 @@ DIFFERENT = {
     ("consume", "device"): "a run config's experiment follows target.device when it names none",
     ("bench", "max_length"): "the bench flag's 0 is the scenario's default; "
                              "data.max_length is shared with the producer",
+    ("producer", "retention"): "the flag's unset is the config's '': the rule follows the disk budget",
 }
 UNSET_FLAGS = (None, click.core.UNSET) if hasattr(click.core, "UNSET") else (None,)
 

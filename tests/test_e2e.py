@@ -153,8 +153,10 @@ def test_shared_run_accounting(shared_run):
     assert c["leases_expired"] == 0 and c["fences"] == 0
     assert c["window_bound_artifacts"] == sum(int(x) + int(y) + 1 for x, y in
                                               (w.split(":") for w in WINDOWS.values()))
-    # the budget holds them all: nothing was evicted, and the root keeps them for a later run
-    assert c["retained_artifacts"] == positions and c["evictions"] == 0 and not c["budget_binding"]
+    # no --disk-budget: the windows-only rule; once both consumers ended no window is live, so nothing is kept
+    assert c["retention"] == "windows" and c["budget_bytes"] == 0
+    assert c["retained_artifacts"] == 0 and c["evictions"] == positions
+    assert c["evictions_by_reason"] == {"outside-windows": positions}
     ks = by_id(acc)
     assert set(ks) == {"a", "b"}
     for cid, block in (("a", 4), ("b", 8)):

@@ -97,7 +97,7 @@ def test_regression_held_out_split_is_never_trained_on_across_epochs(tmp_path, t
                    "the consumer to register", procs)
         prod = Proc("producer", ["producer", "--cache", str(cache), "--target", tiny_target.path, "--data", str(DATA),
                                  "--max-samples", "16", "--max-length", "64", "--layer-ids", "1,2,3", "--threads", "1",
-                                 "--exit-when-done", "--done-grace", "1"], tmp_path)
+                                 "--exit-when-done", "--done-grace", "1", "--disk-budget", "auto"], tmp_path)
         procs.append(prod)
         cons.expect(0)
         prod.expect(0)
@@ -125,7 +125,7 @@ def test_regression_held_out_split_is_never_trained_on_across_epochs(tmp_path, t
     # steps say their epoch (the epoch of their last position)
     st = [e for e in evs if isinstance(e, J.Step) and e.consumer == "d"]
     assert [s.epoch for s in st] == [(s.cursor - 1) // train_len for s in st] and st[-1].epoch == EPOCHS - 1
-    # every sample captured once: later epochs read what the (default) budget kept
+    # every sample captured once: later epochs read what the (auto) budget kept (retention by need)
     captured = Counter(e.fp for e in evs if isinstance(e, J.Capture))
     assert set(captured.values()) == {1} and len(captured) == n
     summary = json.loads([ln for ln in cons.text().splitlines() if ln.startswith("{")][-1])

@@ -321,3 +321,22 @@ def test_producer_dtype_fp8_end_to_end(tmp_path, tiny_target):
     r = runner.invoke(main, ["export", "--checkpoint", str(ck), "--out", str(out), "--target", tiny_target.path])
     assert r.exit_code == 0, r.output
     assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_regression_bad_fp8_scales_behind_a_recomputed_hash_are_quarantined_on_read(layout, bad):
+    """An fp8 artifact whose scales are NaN, Inf or negative, with its content hash recomputed over them (a writer
+    that skipped validation, or damage re-hashed), was read and trained on: a read did not look at values, so
+    the run diverged later (TrainingDiverged blaming --lr) without naming the artifact. A read now checks the
+    scales, names the artifact and the bad scale, and quarantines the file like any corruption."""
+    _, ts = capture()
+    fp = fp_of(ts)
+    scales = ts[SCALES].clone()
+    scales[3, 1] = bad
+    header, chunks = store._encode(fp, C8, {**ts, SCALES: scales})  # the writer's own encoding: hash matches
+    layout.object_path(fp).parent.mkdir(parents=True, exist_ok=True)
+    layout.object_path(fp).write_bytes(header + b"".join(bytes(c) for c in chunks))
+    assert "hidden_scales[3, 1]" in store.verify(layout, fp, C8)  # fsck's check: the same one
+    with pytest.raises(IntegrityError, match=rf"artifact {fp}: hidden_scales .*\[3, 1\]"):
+        store.read(layout, fp, C8, verify_tokens=True)
+    assert not store.exists(layout, fp) and len(list(layout.quarantine.iterdir())) == 1

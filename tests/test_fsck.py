@@ -42,10 +42,12 @@ def _plan_dir(layout: CacheLayout) -> None:
     prov = {"format_version": 1, "plan_id": plan_id, "id_inputs": inputs, "counts": {"kept": 1}}
     Plan(plan_id, torch.zeros(16, dtype=torch.int32), torch.ones(16, dtype=torch.uint8),
          torch.tensor([0, 16]), prov).save(layout.plans)
-    settings = K.settings()
     import msgspec
 
-    layout.settings.write_bytes(msgspec.json.encode(msgspec.structs.replace(settings, plan_id=plan_id)))
+    from artcache.settings import init_settings
+
+    layout.settings.unlink()
+    init_settings(layout, msgspec.structs.replace(K.settings(), plan_id=plan_id))
 
 
 def publish(layout: CacheLayout, pos: int) -> str:
@@ -163,6 +165,7 @@ def test_other_host_consumer_expired_by_heartbeat_progress(layout):
 
     import msgspec
 
+    from artcache.hashing import sealed
     from artcache.liveness import from_token
 
     far = registry.register(layout, registry.Registration(consumer_id="far", draft="d",
@@ -172,7 +175,7 @@ def test_other_host_consumer_expired_by_heartbeat_progress(layout):
     path.write_bytes(msgspec.json.encode(stale))
     settings = msgspec.json.decode(layout.settings.read_bytes())
     settings["heartbeat_timeout_s"] = 1.0
-    layout.settings.write_bytes(msgspec.json.encode(settings))
+    layout.settings.write_bytes(msgspec.json.encode(sealed({k: v for k, v in settings.items() if k != "digests"})))
     handle = registry.ConsumerHandle(layout, far)
     stop = threading.Event()
     beater = threading.Thread(target=lambda: [handle.heartbeat() for _ in iter(lambda: stop.wait(0.2), True)])
@@ -275,6 +278,66 @@ def test_bad_plan_is_reported_not_fixed(layout):
     (plan_dir / "plan.json").write_text("{}")
     rep = fsck(layout.root, fix=True)
     assert kinds(rep) == ["bad-plan"] and not rep.problems[0].fixable and not rep.ok
+
+
+def test_regression_a_damaged_plan_is_found_by_fsck_and_refused_by_every_load(layout):
+    """Flipping 16 bytes near the end of plans/<id>/plan.safetensors (its loss masks) went unnoticed: fsck said
+    clean and a consumer trained on the damaged tokens (exit 0). plan.json now records the digest of the
+    tensors file and of itself; every load checks both, naming the file, and fsck reports the plan."""
+    import pytest
+
+    from artcache.errors import DataError
+    from artcache.plan import Plan
+    from artcache.settings import load_settings
+
+    plan_dir = layout.plan_dir(load_settings(layout).plan_id)
+    assert Plan.load(plan_dir).verified and fsck(layout.root).ok
+    path = plan_dir / "plan.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-20:-4] = bytes(b ^ 0x01 for b in raw[-20:-4])
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"is damaged \(plan.safetensors does not match its recorded digest"):
+        Plan.load(plan_dir)
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["bad-plan"] and "plan.safetensors does not match" in rep.problems[0].detail
+    # plan.json itself: a changed value (the epoch seed decides the order of every later epoch)
+    path.write_bytes(bytes(b ^ 0x01 if len(raw) - 20 <= i < len(raw) - 4 else b for i, b in enumerate(raw)))
+    assert Plan.load(plan_dir).verified
+    doc = json.loads((plan_dir / "plan.json").read_text())
+    doc["epoch_order"] = {**doc.get("epoch_order", {}), "seed": 7}
+    (plan_dir / "plan.json").write_text(json.dumps(doc, indent=2))
+    with pytest.raises(DataError, match=r"plan.json: its content does not match its recorded digest"):
+        Plan.load(plan_dir)
+    assert kinds(fsck(layout.root)) == ["bad-plan"]
+
+
+def test_regression_a_damaged_artcache_json_is_refused_and_reported(layout):
+    """artcache.json (the capture contract and plan id every process uses) carried no digest: a changed value that
+    stayed valid JSON was used as written. It records the digest of its content now: every load refuses a
+    mismatch in one line, and fsck reports it (and leaves artifacts unjudged: their contract is in doubt)."""
+    import pytest
+
+    from artcache.errors import CacheRootError
+    from artcache.settings import load_settings
+
+    publish(layout, 0)
+    assert load_settings(layout).digests is not None
+    doc = json.loads(layout.settings.read_text())
+    doc["contract"]["max_length"] += 1
+    layout.settings.write_text(json.dumps(doc))
+    with pytest.raises(CacheRootError, match="artcache.json is damaged: its content does not match its recorded"):
+        load_settings(layout)
+    rep = fsck(layout.root, fix=True)
+    assert kinds(rep) == ["bad-settings"] and not rep.ok and store.exists(layout, FP(0))
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(layout.root)])
+    assert r.exit_code == 1 and "MANUAL  bad-settings" in r.stdout
+    # a root initialised before roots recorded a digest still loads, unverified, and fsck says so
+    del doc["digests"]
+    doc["contract"]["max_length"] -= 1
+    layout.settings.write_text(json.dumps(doc))
+    assert load_settings(layout).digests is None
+    rep = fsck(layout.root)
+    assert rep.ok and any("records no digest" in n for n in rep.notes)
 
 
 def test_not_a_root(tmp_path):

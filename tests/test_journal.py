@@ -16,7 +16,7 @@ FP = "ab" * 20
 
 SAMPLES: dict[type, dict] = {
     J.ProducerStart: dict(producer="p", pid=12, contract_id="cc" * 20, plan_id="dd" * 20, budget_bytes=1 << 40,
-                          policy="windows", fill=True),
+                          policy="windows", fill=True, evict_fill=True, kept_fill=7),
     J.ProducerStop: dict(producer="p", reason="signal"),
     J.CaptureBatch: dict(producer="p", fps=[FP, "cd" * 20], samples=2, tokens=30, padded_tokens=40, start=1.5,
                          end=2.25, demand=1),

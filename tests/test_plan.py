@@ -123,6 +123,10 @@ def test_load_detects_tampering(small, smollm2_tokenizer, tmp_path):
     prov = json.loads((d / "plan.json").read_text())
     prov["id_inputs"]["spec"]["seed"] = 99
     (d / "plan.json").write_text(json.dumps(prov))
+    with pytest.raises(DataError, match="plan.json: its content does not match its recorded digest"):
+        Plan.load(d)
+    del prov["digests"]  # a plan saved before plans recorded digests: the id check still holds
+    (d / "plan.json").write_text(json.dumps(prov))
     with pytest.raises(DataError, match="plan_id mismatch"):
         Plan.load(d)
     renamed = d.parent / ("0" * 40)

@@ -21,6 +21,7 @@ from artcache.contract import CaptureContract
 from artcache.fsio import space_reserve
 from artcache.layout import CacheLayout
 from artcache.producer import BUDGET_FREE_FRACTION, Producer, ProducerConfig, default_budget
+from artcache.report import format_accounting
 from artcache.scheduler import SchedulerLimits
 from artcache.settings import RootSettings, init_settings
 
@@ -151,7 +152,7 @@ def test_budget_is_never_exceeded_and_evictions_say_why(root):
 
 
 def test_final_pass_keeps_what_fits_and_a_later_run_captures_nothing(root):
-    producer, backend, journal = make(root, 10)
+    producer, backend, journal = make(root, 10, disk_budget="auto")
     h = register(root, "a", lookahead=9, end=10)
     try:
         settle(producer)
@@ -172,26 +173,27 @@ def test_final_pass_keeps_what_fits_and_a_later_run_captures_nothing(root):
     assert backend2.captured == [] and h2.current.cursor == 0
 
 
-def test_default_budget_comes_from_the_free_space(root):
-    producer, _, journal = make(root, 4)
+def test_auto_budget_comes_from_the_free_space(root):
+    producer, _, journal = make(root, 4, disk_budget="auto")
     journal.close()
     usage = shutil.disk_usage(root.objects)
     expect = int(BUDGET_FREE_FRACTION * max(0, usage.free - space_reserve(usage.total)))
     assert abs(producer.budget - expect) < 64 << 20  # the free space moves a little meanwhile
-    assert "default" in producer.budget_note and "GiB free" in producer.budget_note
+    assert producer.cfg.retention == "need"
+    assert "--disk-budget auto" in producer.budget_note and " free on " in producer.budget_note
     budget, how = default_budget(root, retained=3 << 30)
     assert abs(budget - (3 << 30) - expect) < 64 << 20 and "3.00 GiB retained" in how
 
 
 def test_regression_default_budget_uses_the_publication_reserve_on_a_small_filesystem(root, monkeypatch):
-    """Break test item 3: the default budget kept a 1 GiB reserve free while publication keeps
+    """The default (now ``auto``) budget kept a 1 GiB reserve free while publication keeps
     ``space_reserve`` (min(64 MiB, 5 %)), so on a 20 MiB filesystem the default budget was silently 0 and
     ``--retention need`` degraded to windows-only. Now both use the one reserve."""
     usage = shutil._ntuple_diskusage(total=20 << 20, used=1 << 20, free=19 << 20)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
     budget, how = default_budget(root, retained=0)
     assert budget == int(BUDGET_FREE_FRACTION * ((19 << 20) - space_reserve(20 << 20))) > 16 << 20
-    assert f"{space_reserve(20 << 20)} B reserve" in how
+    assert "beyond a 1.0 MiB reserve" in how and space_reserve(20 << 20) == 1 << 20
 
 
 def test_fill_captures_the_plan_once_in_plan_order_and_exits(root):
@@ -257,3 +259,169 @@ def test_fill_on_a_filled_root_loads_no_target_and_captures_nothing(tmp_path, mo
     monkeypatch.setattr(artcache.target, "load_target_model", no_target)
     assert run_producer(cfg).fill_complete
     assert account(layout).cache.captures == 6
+
+
+def _live(layout):
+    return [r for r in registry.read_all(layout) if r.state == "running"]
+
+
+def test_regression_no_disk_budget_keeps_only_the_live_windows(root):
+    """A producer started with no ``--disk-budget`` retained by future need up to ~90 % of the filesystem's free
+    space, so disk use grew with the run instead of being bounded by the live windows. Now no budget means the
+    windows-only rule: after every pass the root holds no more than the live windows, and the start line says
+    so."""
+    from artcache.scheduler import window_bound
+
+    producer, backend, journal = make(root, 40)
+    assert producer.cfg.retention == "windows" and producer.budget == 0
+    assert "windows-only rule" in producer.budget_note and "--disk-budget" in producer.budget_note
+    fast = register(root, "fast", lookahead=3, end=40)
+    slow = register(root, "slow", lookahead=3, lookbehind=1, end=40)
+    try:
+        for step in range(36):
+            settle(producer)
+            held = len(store.list_objects(root))
+            assert held <= window_bound(_live(root)), f"step {step}: {held} artifacts > the live windows"
+            fast.commit_cursor(min(40, fast.current.cursor + 1))
+            if step % 3 == 0:
+                slow.commit_cursor(slow.current.cursor + 1)
+        fast.finish("completed")
+        slow.finish("completed")
+        producer.stop_event.set()
+        producer.run()  # the final pass: no live window, nothing kept
+    finally:
+        journal.close()
+    assert store.list_objects(root) == {}
+    acc = account(root)
+    assert acc.cache.retention == "windows" and acc.violations == []
+
+
+def _fill(layout, n):
+    producer, backend, journal = make(layout, n, fill=True)
+    try:
+        producer.run()
+    finally:
+        journal.close()
+    assert producer.stats.fill_complete and len(store.list_objects(layout)) == n
+
+
+def _run_after_fill(layout, n, **cfg):
+    """A producer after the fill serving one consumer through the plan, then its final pass."""
+    producer, backend, journal = make(layout, n, **cfg)
+    h = register(layout, "late", lookahead=2, end=n)
+    try:
+        for _ in range(n):
+            settle(producer)
+            h.commit_cursor(min(n, h.current.cursor + 1))
+        h.finish("completed")
+        producer.stop_event.set()
+        producer.run()
+    finally:
+        journal.close()
+    return producer, backend
+
+
+def test_regression_a_filled_root_keeps_its_fill(root):
+    """A ``--fill``ed root was emptied silently by a later run with ``--retention windows`` (0 of 60 artifacts
+    left) or a smaller ``--disk-budget`` (16 of 60), and a run after it found nothing. Now the fill is recorded
+    in the root: later producers keep what it published whatever their rule, say so at start, and evict it
+    only when asked (``--evict-fill``, also said at start)."""
+    _fill(root, 30)
+    size = artifact_bytes(root)
+    left, notes = [], []
+    for cfg in ({}, {"retention": "windows"}, {"disk_budget": 5 * size}):
+        producer, backend = _run_after_fill(root, 30, **cfg)
+        assert backend.captured == []
+        left.append(len(store.list_objects(root)))
+        notes.append(getattr(producer, "fill_note", ""))
+        assert account(root).violations == []  # the kept fill counts beside the window bound
+    assert left == [30, 30, 30]
+    assert all("30 artifacts of a --fill" in n and "kept whatever the retention rule" in n for n in notes)
+    assert "beyond the disk budget" in notes[-1]
+    acc = account(root)
+    assert acc.cache.kept_fill_artifacts == 30 and "kept beside the rule" in format_accounting(acc)
+    producer, backend = _run_after_fill(root, 30, evict_fill=True)
+    assert producer.evict_fill and "--evict-fill" in producer.fill_note and "may evict" in producer.fill_note
+    assert store.list_objects(root) == {}  # the windows rule, released: the final pass keeps no window
+    starts = [e for e in J.read_events(root.journal).events if isinstance(e, J.ProducerStart)]
+    assert starts[-1].evict_fill and not J.fill_recorded(starts)
+    producer, _, journal = make(root, 30)  # no longer filled: nothing kept, nothing said
+    journal.close()
+    assert producer.fill_note == "" and len(producer.fill_kept) == 0
+
+
+def test_retention_flags_that_contradict_are_refused(root):
+    from artcache.errors import ConfigError
+
+    for cfg, words in (({"retention": "need"}, "--retention need"), ({"retention": "windows", "disk_budget": 100},
+                       "--retention windows"), ({"retention": "windows", "fill": True}, "cannot keep a --fill"),
+                       ({"fill": True, "evict_fill": True}, "--evict-fill")):
+        full = ProducerConfig(cache=str(root.root), **cfg)
+        with pytest.raises(ConfigError, match=words):
+            full.validate()
+    assert make(root, 4, retention="need", disk_budget=100)[0].cfg.retention == "need"
+    assert make(root, 4, fill=True)[0].budget_note.startswith("retention by future need")  # a fill's budget: auto
+
+
+def test_regression_budget_is_printed_in_a_unit_that_reads(root):
+    """The start line printed ``disk budget 0.00 GiB (4353638 bytes …)`` for a budget of a few MiB. Sizes now
+    come in a binary unit that fits them."""
+    producer, _, journal = make(root, 4, disk_budget=4353638)
+    journal.close()
+    assert "4.2 MiB (4353638 bytes" in producer.budget_note and "0.00 GiB" not in producer.budget_note
+
+
+def test_regression_fill_that_failed_captures_exits_nonzero(tmp_path, monkeypatch):
+    """``artcache producer --fill`` exited 0 when captures failed (a 5 MiB tmpfs: 294 failures logged, exit 0),
+    so ``producer --fill && consume ...`` went ahead on a partial fill: captures given up on a full disk did not
+    count as missing. Now a fill that did not publish the whole plan exits nonzero, naming how many samples are
+    missing and why (ENOSPC injected into publication after the first two artifacts)."""
+    import errno
+
+    from click.testing import CliRunner
+
+    from artcache import producer as P
+    from artcache.app.cli import main
+    from artcache.errors import PublishError
+
+    real, published = store.publish, []
+
+    def publish(*a, **k):
+        if len(published) >= 2:
+            raise PublishError("No space left on device", retryable=False, errno_=errno.ENOSPC)
+        published.append(real(*a, **k))
+        return published[-1]
+
+    monkeypatch.setattr(store, "publish", publish)
+    monkeypatch.setattr(P, "free_space", lambda path: (0, 1 << 40, path))  # the filesystem stays full
+    root = tmp_path / "root"
+    result = CliRunner().invoke(main, ["producer", "--cache", str(root), "--target", "random:tiny-llama", "--data",
+                                       "synthetic", "--max-samples", "6", "--max-length", "32", "--draft-layers",
+                                       "3", "--fill", "--disk-budget", "100M"], catch_exceptions=True)
+    assert result.exit_code == 1, (result.exit_code, result.output)
+    line = [ln for ln in result.stderr.splitlines() if ln.startswith("artcache: error:")]
+    assert len(line) == 1 and "4 of the plan's 6 samples are missing" in line[0], result.stderr
+    assert "given up after failed captures" in line[0] and "No space left on device" in line[0]
+    assert len(store.list_objects(CacheLayout(root))) == 2  # what was captured stays published
+    stop = [e for e in J.read_events(CacheLayout(root).journal).events if isinstance(e, J.ProducerStop)]
+    assert stop[-1].reason.startswith("plan incomplete: 4 of the plan's 6 samples are missing")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--retention", "need"], "--retention need keeps what consumers will read again inside a disk budget"),
+    (["--retention", "windows", "--disk-budget", "1G"], "--retention windows keeps only the live windows"),
+    (["--fill", "--evict-fill"], "--fill and --evict-fill contradict"),
+    (["--disk-budget", "lots"], "or auto"),
+])
+def test_contradicting_retention_flags_are_one_line_and_write_nothing(tmp_path, flags, needle):
+    from click.testing import CliRunner
+
+    from artcache.app.cli import main
+
+    root = tmp_path / "new" / "root"
+    res = CliRunner().invoke(main, ["producer", "--cache", str(root), "--target", "random:tiny-llama", "--data",
+                                    "synthetic", "--max-samples", "4", "--max-length", "32", *flags])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcache: error:") and needle in lines[0], lines
+    assert not (tmp_path / "new").exists()

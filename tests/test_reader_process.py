@@ -6,6 +6,7 @@ leaving no lease that blocks eviction, a fenced consumer's child stopping."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -119,7 +120,8 @@ def test_a_batch_written_into_a_slot_reads_back_equal_from_its_layout(dtype):
     batch = DraftBatch(hidden, ids, mask, valid, positions=(4, 5, 6))
     start = Start(root="/r", consumer_id="c", generation=1, start_pos=0, batch=b, lookahead=8, depth=2, end=30,
                   workers=1, demand_timeout_s=5.0, epoch_len=0, layers=None, hidden_dtype=None, slots=2,
-                  slot_bytes=slot_bytes(b, t, m, h), group=[], length_bucket=0, log_level=20)
+                  slot_bytes=slot_bytes(b, t, m, h), group=[], length_bucket=0, log_level=20, beat_s=2.0,
+                  progress_timeout_s=30.0)
     mm = mmap.mmap(-1, start.slots * start.slot_bytes)
     fields = _into_slot(mm, start, 1, batch)
     assert [f.name for f in fields] == list(FIELDS)
@@ -138,7 +140,8 @@ def test_a_batch_larger_than_its_slot_is_refused_naming_the_sizes():
                        torch.zeros(2, 64, dtype=torch.bool), torch.ones(2, 64, dtype=torch.bool))
     start = Start(root="/r", consumer_id="c", generation=1, start_pos=0, batch=2, lookahead=8, depth=2, end=30,
                   workers=1, demand_timeout_s=5.0, epoch_len=0, layers=None, hidden_dtype=None, slots=1,
-                  slot_bytes=slot_bytes(2, 32, 3, 16), group=[], length_bucket=0, log_level=20)
+                  slot_bytes=slot_bytes(2, 32, 3, 16), group=[], length_bucket=0, log_level=20, beat_s=2.0,
+                  progress_timeout_s=30.0)
     with pytest.raises(E.ConfigError, match=r"does not fit the reader process's \d+ B slot"):
         _into_slot(mmap.mmap(-1, start.slot_bytes), start, 0, batch)
 
@@ -384,3 +387,46 @@ def test_regression_a_trainer_that_is_pid_1_keeps_its_reader_process(filled, tmp
         pytest.skip(f"no pid namespace here: {got.stderr.strip()}")
     assert got.returncode == 0, got.stderr[-3000:]
     assert json.loads(got.stdout.strip().splitlines()[-1])["steps"] == 4
+
+
+@pytest.fixture(scope="module")
+def filled_short_timeout(tmp_path_factory, tiny_target):
+    """A filled root (12 samples) whose heartbeat timeout is 4 s: the deadline of a silent reader process."""
+    cache = tmp_path_factory.mktemp("reader-stall") / "cache"
+    fill = subprocess.run([sys.executable, "-m", "artcache", "producer", "--cache", str(cache), "--target",
+                           tiny_target.path, "--data", str(DATA), "--max-samples", "12", "--max-length", "128",
+                           "--draft-layers", "3", "--threads", "1", "--fill", "--heartbeat-timeout", "4"],
+                          capture_output=True, text=True, timeout=600)
+    assert fill.returncode == 0, fill.stderr[-2000:]
+    return cache
+
+
+@pytest.mark.reliability
+def test_regression_a_stopped_reader_process_fails_the_trainer_past_the_heartbeat_timeout(filled_short_timeout,
+                                                                                            tmp_path):
+    """A SIGSTOPped ``--reader process`` child stalled its trainer silently and forever: nothing was logged, the
+    producer never fenced the consumer (the trainer kept beating) and its window and leases stayed held. The
+    trainer now fails in one line naming the child's pid, how long it made no progress and that it is stopped,
+    once it sent nothing for the root's heartbeat timeout (4 s here); the stopped child is killed, the registration
+    ends failed, no lease of a live holder is left and the accounting balances."""
+    cache = filled_short_timeout
+    proc, child = _long_run(cache, tmp_path, "stalled", 100000, "--commit-interval", "0")
+    try:
+        wait_until(lambda: "step 3/" in proc.text(), "three steps", [proc])
+        os.kill(child, signal.SIGSTOP)
+        t0 = time.monotonic()
+        code = proc.popen.wait(timeout=120)
+        took = time.monotonic() - t0
+        _wait_gone(child)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+    text = proc.text()
+    assert code == 1 and "Traceback" not in text, (code, text[-3000:])
+    assert f"reader process {child} made no progress for" in text and "stopped (SIGSTOP?)" in text, text[-3000:]
+    assert 4 <= took < 60, took
+    reg = json.loads((CacheLayout(cache).consumers / "stalled.json").read_bytes())
+    assert reg["state"] == "failed", (reg, text[-3000:])
+    assert _leases_block(cache, "stalled") == []
+    assert account(CacheLayout(cache)).violations == []

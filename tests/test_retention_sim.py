@@ -371,3 +371,43 @@ def test_a_loading_consumer_is_live_and_reads_nothing_until_loaded():
     assert 400 in res.pins.at(100)  # b's window, not a's (a is near 100): pinned while b loads
     now = simulate([a, replace(b, load_s=0.0)], prod, 1000)
     assert now.consumers["b"].finish_s < res.consumers["b"].finish_s and now.trace[:150] != list(range(150))
+
+
+# ---- the default: no --disk-budget, the windows-only rule ------------------------------------------------------
+
+@st.composite
+def joins(draw):
+    """2-4 consumers at random speeds (steps of 5-200 ms, batches of 1-16), windows of lookbehind 0-32 and
+    lookahead one batch to 128, joining at random times in the first 20 s (the first at 0), one that may be
+    killed, over a plan of 1500-3000 samples walked for 3000 positions."""
+    n = draw(st.integers(2, 4))
+    cons = []
+    for i in range(n):
+        batch = draw(st.integers(1, 16))
+        killed = draw(st.sampled_from([None, None, None, 15.0])) if i == n - 1 else None
+        cons.append(ConsumerSpec(f"c{i}", draw(st.floats(0.005, 0.2)), batch, draw(st.integers(0, 32)),
+                                 draw(st.integers(batch, 128)), start_s=draw(st.floats(0, 20)) if i else 0.0,
+                                 killed_s=killed, heartbeat_s=1.0))
+    return cons, draw(st.sampled_from([1500, 3000]))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(joins())
+def test_regression_no_disk_budget_never_retains_more_than_the_windows(stream):
+    """With no ``--disk-budget`` the producer retained by future need up to ~90 % of the free space (in this
+    simulator: 8,000 artifacts against a window bound of 996), so disk use grew with the run. The producer's
+    own rule for its settings (:meth:`ProducerSpec.of_settings`, :func:`artcache.eviction.retention_rule`) is
+    now the windows-only rule: over random consumer speeds, windows and joins, every pass leaves no more than
+    the union of the live windows, and between passes at most one capture batch more."""
+    cons, plan_len = stream
+    prod = ProducerSpec.of_settings(heartbeat_timeout_s=3.0, limits=SchedulerLimits(
+        max_queue=1024, max_batch_samples=16, max_batch_tokens=16 * 256))
+    assert prod.policy == "windows" and math.isinf(prod.budget_bytes)
+    res = simulate(cons, prod, 3000, plan_len=plan_len)
+    assert res.window_violations == [] and res.positions > 0
+    over = [(t, kept, union) for t, kept, union in res.retained_log if kept > union]
+    assert over == [], f"retained more than the live windows after {len(over)} passes, first {over[:1]}"
+    assert res.max_retained <= res.max_union + prod.limits.max_batch_samples
+    assert res.max_retained <= res.window_bound_all + prod.limits.max_batch_samples
+    # a budget (bytes or auto) is what asks for retention by need
+    assert ProducerSpec.of_settings(disk_budget=1 << 40).policy == ProducerSpec.of_settings("auto").policy == "need"

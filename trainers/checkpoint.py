@@ -95,7 +95,7 @@ from artcache.fsio import (
     fsync_dir,
     space_reserve,
 )
-from artcache.hashing import canonical_json, digest_bytes, digest_file
+from artcache.hashing import DIGEST_ALGORITHM, digest_bytes, digest_file, record_digest
 from artcache.layout import temp_writer, unique_suffix
 from artcache.report import format_bytes
 
@@ -105,8 +105,6 @@ log = logging.getLogger("artcache.consumer")
 #: an older artcache reads a checkpoint that has it, this one reads a checkpoint without it, unverified.)
 CHECKPOINT_FORMAT = 1
 _STEP_DIR = re.compile(r"step-([0-9]{8})")
-#: the hash of a checkpoint's content digests (:func:`artcache.hashing.digest_file`: 32 hex characters)
-DIGEST_ALGORITHM = "xxh3_128"
 #: the tensor files a checkpoint may hold (``extra`` optional; ``optimizer`` and ``rng`` not weights-only)
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "extra.safetensors")
 #: the tensor files holding the draft's weights: what ``--init-from``, export and calibrate read
@@ -386,9 +384,8 @@ def _file_digest(path: Path) -> dict:
 
 def _state_digest(doc: dict) -> str:
     """:attr:`Digests.state` of a decoded ``state.json`` document: the digest of its canonical JSON with
-    ``digests.state`` left out."""
-    body = {**doc, "digests": {k: v for k, v in doc["digests"].items() if k != "state"}}
-    return digest_bytes(canonical_json(body))
+    ``digests.state`` left out (:func:`artcache.hashing.record_digest`, the record plans and roots carry too)."""
+    return record_digest(doc)
 
 
 def _state_text(doc: dict) -> str:
@@ -474,23 +471,58 @@ def last_good_checkpoint(run_dir: Path) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
-def point_latest(run_dir: Path, ckpt: Path) -> None:
-    """Point ``run_dir/checkpoints/latest`` at ``ckpt`` (relative symlink, replaced atomically)."""
+def _point(run_dir: Path, name: str, ckpt: Path) -> None:
+    """Point ``run_dir/checkpoints/<name>`` at ``ckpt``: a relative symlink made under a temp name
+    (``.<name>-<writer>.<nonce>``) and renamed over the old one, then the directory fsynced.
+
+    Raises:
+        CheckpointWriteError: the link could not be made, renamed or made durable (ENOSPC, EROFS, EIO, ...):
+            ``ckpt`` itself is complete (``last_good``); the temp link is removed, ``<name>`` is unchanged
+            (or, when only the fsync failed, may point at ``ckpt`` already). The message names both.
+    """
     parent = Path(run_dir) / "checkpoints"
-    tmp_link = parent / f".latest-{unique_suffix()}"
-    os.symlink(Path(ckpt).name, tmp_link)
-    os.replace(tmp_link, parent / "latest")
-    fsync_dir(parent)
+    link = parent / name
+    before = os.readlink(link) if link.is_symlink() else None
+    tmp_link = parent / f".{name}-{unique_suffix()}"
+    try:
+        os.symlink(Path(ckpt).name, tmp_link)
+        os.replace(tmp_link, link)
+        fsync_dir(parent)
+    except OSError as exc:
+        if isinstance(exc, ArtcacheError):
+            raise
+        try:
+            os.unlink(tmp_link)
+        except FileNotFoundError:
+            pass
+        except OSError as gone:
+            log.warning("the temp link %s could not be removed: %s", tmp_link, gone)
+        code = errno_of(exc)
+        now = os.readlink(link) if link.is_symlink() else None
+        where = f"it points at {now}" if now is not None else "there is none"
+        raise CheckpointWriteError(
+            f"checkpoint {ckpt} is complete, but checkpoints/{name} could not be pointed at it "
+            f"({describe_errno(code, exc)}); {where}{' as before' if now == before else ''}. --resume finds "
+            f"{Path(ckpt).name} by the cursor the registry recorded; export or --init-from it by its path"
+            f"{'; free space on that filesystem' if code in (errno.ENOSPC, errno.EDQUOT) else ''}",
+            errno_=code, last_good=str(ckpt), retryable=code in RETRYABLE_ERRNOS) from exc
+
+
+def point_latest(run_dir: Path, ckpt: Path) -> None:
+    """Point ``run_dir/checkpoints/latest`` at ``ckpt`` (relative symlink, replaced atomically).
+
+    Raises:
+        CheckpointWriteError: the link could not be replaced (see :func:`_point`; nothing is left behind)."""
+    _point(run_dir, "latest", ckpt)
 
 
 def point_best(run_dir: Path, ckpt: Path) -> None:
     """Point ``run_dir/checkpoints/best`` at ``ckpt`` (relative symlink, replaced atomically): the checkpoint
-    whose held-out figure was best so far. :func:`prune` never removes it."""
-    parent = Path(run_dir) / "checkpoints"
-    tmp_link = parent / f".best-{unique_suffix()}"
-    os.symlink(Path(ckpt).name, tmp_link)
-    os.replace(tmp_link, parent / "best")
-    fsync_dir(parent)
+    whose held-out figure was best so far. :func:`prune` never removes it.
+
+    Raises:
+        CheckpointWriteError: the link could not be replaced (see :func:`_point`; nothing is left behind)."""
+    _point(run_dir, "best", ckpt)
 
 
 def best_checkpoint(run_dir: Path) -> Path | None:

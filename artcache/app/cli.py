@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from artcache.app import config as C
 from artcache.app.config import load_run_config, saved_config_source
-from artcache.app.values import parse_bytes, parse_layer_ids, parse_template_options
+from artcache.app.values import parse_bytes, parse_disk_budget, parse_layer_ids, parse_template_options
 from artcache.data.regenerate import BACKENDS as REGEN_BACKENDS
 from artcache.data.regenerate import CACHES as REGEN_CACHES
 from artcache.data.regenerate import DTYPES as REGEN_DTYPES
@@ -26,12 +26,22 @@ from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 def _errors(fn):
     """Turn artcache errors into one clear line on stderr and the error class's exit status
     (``ArtcacheError.exit_code``: 2 = bad input, 1 = operational failure); a msgspec validation error of
-    a config file is bad input too."""
+    a config file is bad input too. A run a stop signal cancelled (its KeyboardInterrupt, after its own cleanup:
+    a consumer's checkpoint and ``cancelled`` registration) exits ``128 + signal`` (130 SIGINT, 143 SIGTERM;
+    :func:`artcache.shutdown.stop_exit_status`), not click's 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            import signal
+
+            from artcache.shutdown import stop_exit_status
+
+            code = stop_exit_status()
+            click.echo(f"artcache: cancelled by {signal.Signals(code - 128).name} (exit {code})", err=True)
+            sys.exit(code)
         except msgspec.ValidationError as exc:
             click.echo(f"artcache: error: {exc}", err=True)
             sys.exit(2)
@@ -202,15 +212,19 @@ def main(verbose: bool) -> None:
               help="Create the cache root group-shared (mode 2770, setgid) instead of private (0700).")
 @click.option("--backend", default="hf", type=click.Choice(["hf", "vllm"]),
               help="Capture backend: hf (transformers) or vllm (needs the artcache[vllm] extra; docs/vllm.md).")
-@click.option("--disk-budget", default="0", metavar="BYTES",
-              help="Bytes the retained artifacts may take, at most 2**60 (suffixes K, M, G, T: powers of 1024; 0: "
-              "90% of the filesystem's free space beyond its reserve, min(64 MiB, 5%), reported at start). Live "
-              "windows are kept whatever it is.")
-@click.option("--retention", default="need", type=click.Choice(["need", "windows"]),
-              help="need: keep what live consumers will read again while it fits the budget (Belady); windows: "
-              "keep only the live windows (the rule before, for comparisons).")
+@click.option("--disk-budget", default="0", metavar="BYTES|auto",
+              help="Retain by future need: beyond the live windows, keep what live consumers will read again while the "
+              "retained artifacts fit BYTES (at most 2**60; suffixes K, M, G, T: powers of 1024), or auto (what the "
+              "root holds + 90% of the filesystem's free space beyond its reserve, min(64 MiB, 5%)). 0 or left out: "
+              "no budget, the windows-only rule (disk use bounded by the live windows). The rule is said at start.")
+@click.option("--retention", default=None, type=click.Choice(["need", "windows"]),
+              help="Only repeats what --disk-budget says (need: a budget was given; windows: none); a contradiction "
+              "is refused.")
 @click.option("--fill", is_flag=True, help="Capture the whole plan (after what live consumers need), then exit; "
-              "later runs on the root read it with no capture.")
+              "its budget is auto unless --disk-budget says otherwise. The root is recorded as filled: later runs "
+              "read it with no capture, and their producers keep it whatever their rule (see --evict-fill).")
+@click.option("--evict-fill", is_flag=True, help="On a filled root: let this producer's retention rule evict the "
+              "fill's artifacts like any others (said at start; the root is no longer filled).")
 @click.option("--payload", default="", help="Where the tensors go: posix (files in the cache root) or "
               "mooncake://HOST:PORT (Mooncake Store; manifests stay in the root; docs/scale-out.md). Default: what "
               "the root records, posix for a new root.")
@@ -219,8 +233,8 @@ def main(verbose: bool) -> None:
 def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers, layer_ids, device, dtype,
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
-             producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention="need",
-             fill=False, payload=""):
+             producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
+             fill=False, evict_fill=False, payload=""):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig, run_producer
     from artcache.scheduler import SchedulerLimits
@@ -234,8 +248,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
         expect_consumers=expect_consumers, expect_timeout_s=expect_timeout, idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
-        group_shared=group_shared, backend=backend, disk_budget=parse_bytes(disk_budget, "disk-budget"),
-        retention=retention, fill=fill, payload=payload)
+        group_shared=group_shared, backend=backend, disk_budget=parse_disk_budget(disk_budget),
+        retention=retention or "", fill=fill, evict_fill=evict_fill, payload=payload)
     stats = run_producer(cfg)
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
@@ -435,7 +449,7 @@ def inspect(cache, as_json):
               "artcache,windows,tight,solo for hetero).")
 @click.option("--disk-budget", default="0", metavar="BYTES",
               help="Disk budget of the artcache (and solo) producer (default: hetero: one that holds the whole run; "
-              "1p1c/1p3c: the producer's default).")
+              "1p1c/1p3c: none, the producer's windows-only rule).")
 @click.option("--budget-fraction", default=0.25, type=float,
               help="tight mode: its budget is the live windows' floor plus this share of the room between it and the "
                    "artcache one (too small for the fast consumer's lead, yet keepable).")

@@ -47,8 +47,9 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from artcache.app.values import parse_bytes, parse_template_options
+from artcache.app.values import parse_bytes, parse_disk_budget, parse_template_options
 from artcache.errors import ConfigError
+from artcache.eviction import retention_rule
 from artcache.fsio import atomic_write
 from artcache.layout import check_id
 from artcache.ranges import (
@@ -151,9 +152,11 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         done_grace_s: ``artcache run``: the producer exits this long after the last experiment ended.
         demand_timeout_s: an experiment gives up waiting for one position after this long (seconds).
         group_shared: create the root group-shared (mode 2770, setgid) instead of private (0700).
-        disk_budget: bytes the retained artifacts may take (0: the producer's default from the
-            filesystem's free space); live windows and leases are kept whatever it is.
-        retention: ``need`` (keep by future need inside the budget) or ``windows`` (only live windows).
+        disk_budget: bytes the retained artifacts may take, or ``"auto"`` (from the filesystem's free space at
+            start); 0: none, the windows-only rule (only live windows, pinned ranges and leases are kept). A
+            budget means retention by future need (:func:`artcache.eviction.retention_rule`); live windows and
+            leases are kept whatever it is.
+        retention: ``""`` (follow ``disk_budget``), ``need`` or ``windows``: may only repeat what the budget says.
         payload: where the artifacts' tensors live: ``posix`` (files in the root) or ``mooncake://HOST:PORT``
             (Mooncake Store; the root keeps a manifest per artifact); ``""`` = what the root records
             (``posix`` for a new root). See docs/scale-out.md.
@@ -164,8 +167,8 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     done_grace_s: NonNegativeFloat = 5.0
     demand_timeout_s: Positive = 600.0
     group_shared: bool = False
-    disk_budget: DiskBudget = 0
-    retention: Literal["need", "windows"] = "need"
+    disk_budget: DiskBudget | Literal["auto"] = 0
+    retention: Literal["", "need", "windows"] = ""
     payload: str = ""
 
 
@@ -182,8 +185,9 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         dtype: hidden-state dtype this draft expects; must be ``target.dtype`` (``None``: any).
         block_size (B; default DFlash 16, DSpark 7), anchors (per sequence; default 64, DSpark 512 on cuda,
             64 on cpu): a draft that does not use an option (EAGLE-3) refuses it. batch_size (positions per
-            step). steps: the stop (raise it to extend a run). lr_total_steps: the LR schedule horizon
-            (default: steps; on a resume, the checkpoint's).
+            step). steps: the stop (raise it to extend a run); ``consumer.epochs`` instead (never both: refused,
+            :func:`check_horizon`) is turned into steps from the plan by ``artcache run``. lr_total_steps: the LR
+            schedule horizon (default: steps; on a resume, the checkpoint's).
         lr (peak), warmup_frac, seed, window (``LOOKBEHIND:LOOKAHEAD`` positions).
         device: ``""`` = ``target.device``. threads: torch CPU threads (0 = torch's default).
         out: run directory (checkpoints, config); ``""`` = ``<out>/experiments/<name>``.
@@ -382,7 +386,9 @@ def _describe(t: mi.Type, seconds: bool = False, ranges: bool = True) -> str:
     """What a field of type ``t`` accepts, in words (``ranges``: with its declared range)."""
     t, optional = _strip_none(t)
     names = {mi.BoolType: "true or false", mi.StrType: "a string"}
-    if isinstance(t, mi.LiteralType):
+    if isinstance(t, mi.UnionType):  # e.g. cache.disk_budget: bytes or "auto"
+        text = " or ".join(_describe(x, seconds, ranges) for x in t.types if not isinstance(x, mi.NoneType))
+    elif isinstance(t, mi.LiteralType):
         text = "one of " + ", ".join(map(str, t.values))
     elif isinstance(t, mi.ListType):
         text = f"a list of {_describe(t.item_type).removeprefix('an ').removeprefix('a ')}s"
@@ -469,7 +475,26 @@ def convert(raw: dict, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: {where or 'top level'}: {problem}"
                           + (f"; accepted: {accepted}" if accepted else "")) from None
     check_run_config(cfg, source)
+    check_horizon(raw, cfg, source)
     return cfg
+
+
+def check_horizon(raw: dict, cfg: RunConfig, source: str = "config") -> None:
+    """One horizon per experiment: ``steps`` and ``consumer.epochs`` (> 0) both given in the raw table (the
+    file, its overrides and the CLI flags) say twice how long to train, so they are refused; with ``epochs``
+    alone :func:`artcache.app.experiments.plan_run` turns it into ``steps`` from the plan (the dry run, the run
+    and a rerun then walk the same steps).
+
+    Raises:
+        ConfigError: naming both values and the two ways on.
+    """
+    items = raw.get("experiments") if isinstance(raw.get("experiments"), list) else []
+    for i, (item, e) in enumerate(zip(items, cfg.experiments, strict=False)):
+        epochs = e.consumer.get("epochs", 0)
+        if isinstance(item, dict) and "steps" in item and isinstance(epochs, int) and epochs > 0:
+            raise ConfigError(f"{source}: experiments.{i} ({e.name!r}) gives steps {e.steps} and consumer.epochs "
+                              f"{epochs}, which both say how long to train; give one of them (leave steps out to "
+                              "train by epochs)")
 
 
 def check_run_config(cfg: RunConfig, source: str = "config") -> None:
@@ -491,6 +516,11 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
     if cfg.capture.layer_ids is not None and not cfg.capture.layer_ids:
         raise ConfigError(f"{source}: capture.layer_ids is empty: give output-of-layer ids, or leave it out for "
                           "the union of the experiments' views")
+    try:  # cache.retention may only repeat what cache.disk_budget says
+        retention_rule(cfg.cache.disk_budget, cfg.cache.retention)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: cache: {str(exc).replace('--disk-budget', 'disk_budget').replace('--', '')}"
+                          ) from None
 
 
 # ---- overrides ---------------------------------------------------------------------------------------
@@ -731,7 +761,7 @@ PRODUCER_FLAGS = {
     "disk_budget": "cache.disk_budget", "retention": "cache.retention", "payload": "cache.payload",
 }
 PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "expect_timeout", "idle_exit", "producer_id",
-                          "fill")
+                          "fill", "evict_fill")
 
 #: ``artcache consume --experiment NAME`` flag → field of that experiment (``E.`` prefix) or config path.
 CONSUME_FLAGS = {
@@ -775,7 +805,9 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
             path = f"experiments.{experiment}.{path[2:]}"
         if path == "data.template_options":
             value = parse_template_options(value)
-        elif path in ("cache.disk_budget", "bench.disk_budget"):
+        elif path == "cache.disk_budget":
+            value = parse_disk_budget(value)
+        elif path == "bench.disk_budget":
             value = parse_bytes(value, "disk-budget")
         out[path] = value
     return out

@@ -47,7 +47,8 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_bytes(text: str | int, flag: str) -> int:
     """``--disk-budget`` text → bytes: an integer or decimal, optionally with K, M, G or T (powers of 1024; a
-    trailing ``B``/``iB`` is accepted), rounded down to whole bytes; 0 means the default. The range is
+    trailing ``B``/``iB`` is accepted), rounded down to whole bytes; 0 means none (the producer: the windows-only
+    rule; the bench: its scenario's default). The range is
     :data:`~artcache.ranges.DiskBudget`'s (0 … 2**60 bytes).
 
     Raises:
@@ -60,18 +61,33 @@ def parse_bytes(text: str | int, flag: str) -> int:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:I?B)?\s*", str(text).upper())
         if m is None:
             raise ConfigError(f"--{flag} {text!r} is not accepted: bytes as an integer or decimal, optionally with K, "
-                              "M, G or T (powers of 1024), e.g. 500G or 1.5T; 0 for the default")
+                              "M, G or T (powers of 1024), e.g. 500G or 1.5T; 0 for none")
         exact = Fraction(m.group(1)) * _UNITS[m.group(2)]
         value = int(exact)  # whole bytes, rounded down (exact: no float rounding of 1.1T)
         if exact and not value:
-            raise ConfigError(range_message(f"--{flag}", str(text).strip(), "0 (the default) or at least one byte"))
+            raise ConfigError(range_message(f"--{flag}", str(text).strip(), "0 (none) or at least one byte"))
     try:
         msgspec.convert(value, DiskBudget)
     except msgspec.ValidationError:
         shown = value if isinstance(text, int) else str(text).strip()
         raise ConfigError(range_message(f"--{flag}", shown, f"{describe_number(mi.type_info(DiskBudget))} bytes "
-                                        "(2**60; suffixes K, M, G, T: powers of 1024; 0: the default)")) from None
+                                        "(2**60; suffixes K, M, G, T: powers of 1024; 0: none)")) from None
     return value
+
+
+def parse_disk_budget(text: str | int) -> int | str:
+    """``artcache producer --disk-budget`` (and ``cache.disk_budget``): ``auto`` (any case) → ``"auto"`` (the
+    budget derived from the free space at start), else :func:`parse_bytes` (0: no budget, the windows-only rule).
+
+    Raises:
+        ConfigError: as :func:`parse_bytes`, naming ``auto`` among what is accepted.
+    """
+    if isinstance(text, str) and text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bytes(text, "disk-budget")
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; or auto (90% of the free space)") from None
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:

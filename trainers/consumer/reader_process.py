@@ -26,6 +26,17 @@ trainer committed. Leases carry the child's identity: if the child dies, its lea
 If the child exits or fails, the trainer's next batch raises the child's error (an artcache error keeps its class
 and exit status; anything else is a :class:`~artcache.errors.WorkerFailed` naming it).
 
+**Progress watch.** The trainer's heartbeat keeps its registration live whatever the child does, so the producer
+cannot see a child that stopped (``SIGSTOP``, a frozen cgroup, a debugger): the trainer watches it itself. The
+child sends a :class:`Beat` every ``Start.beat_s`` (the consumer's heartbeat period, at most
+``progress_timeout_s`` / :data:`BEATS_PER_TIMEOUT`); the trainer's pipe thread fails the run with
+:class:`~artcache.errors.WorkerFailed` (naming the child's pid, how long it sent nothing and its process state)
+when nothing (no batch, no beat) came for ``Start.progress_timeout_s``: the root's heartbeat timeout, the silence
+after which the producer fences a consumer, so a stopped child is held to the rule its trainer would be. The
+trainer then stops the child (killed after :data:`STOP_GRACE_S`: a stopped process cannot stop itself), its
+registration ends ``failed`` and the child's leases are ``holder-dead``. A child waiting on a demand miss still
+beats; the wait is bounded by ``--demand-timeout`` in the child itself (``CaptureTimeout``).
+
 Messages are msgspec msgpack frames (a 4-byte little-endian length, then the payload) on two pipes that are
 not the child's stdin or stdout; nothing is pickled.
 """
@@ -43,6 +54,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -65,10 +77,13 @@ READERS = ("thread", "process")
 ALIGN = 64
 #: the batch fields a slot holds, in order
 FIELDS = ("hidden", "input_ids", "loss_mask", "valid", "supervised_host")
-#: seconds the trainer waits for the child's first message (it imports torch and loads the plan)
+#: seconds the trainer waits for the child's first message (it imports torch before it reads its settings)
 START_TIMEOUT_S = 300.0
 #: seconds a stopped child gets to exit before it is killed
 STOP_GRACE_S = 5.0
+#: the child beats at least this many times per ``progress_timeout_s``, so one or two late beats (a loaded
+#: machine) never fail a live child
+BEATS_PER_TIMEOUT = 4
 _LEN = struct.Struct("<I")
 #: the child's program (``python -c``; its arguments: command pipe, reply pipe, ring memfd, the trainer's pid)
 CHILD = "import sys; from artcache.trainers.consumer.reader_process import main; sys.exit(main(sys.argv[1:]))"
@@ -97,6 +112,8 @@ class Start(msgspec.Struct, tag="start", forbid_unknown_fields=True):
     group: list[str]
     length_bucket: int
     log_level: int
+    beat_s: float  # the child's beat period (module docstring, "Progress watch")
+    progress_timeout_s: float  # the trainer fails a child silent for this long (the root's heartbeat timeout)
 
 
 class Authorize(msgspec.Struct, tag="authorize"):
@@ -142,8 +159,12 @@ class Ended(msgspec.Struct, tag="ended"):
     pass
 
 
+class Beat(msgspec.Struct, tag="beat"):
+    """The child runs (child to parent, every ``Start.beat_s``): what the trainer's progress watch waits for."""
+
+
 ToChild = Start | Authorize | Free | Stop
-ToParent = Batch | Failed | Ended
+ToParent = Batch | Failed | Ended | Beat
 _enc = msgspec.msgpack.Encoder()
 _to_child = msgspec.msgpack.Decoder(ToChild)
 _to_parent = msgspec.msgpack.Decoder(ToParent)
@@ -269,7 +290,11 @@ class ProcessReader:
         env: the child's environment (default: this process's).
     """
 
-    def __init__(self, start: Start, device: torch.device, env: dict[str, str] | None = None) -> None:
+    def __init__(self, start: Start, device: torch.device, env: dict[str, str] | None = None,
+                 ring: SlotRing | None = None) -> None:
+        """``ring``: the slot ring, allocated beforehand (:class:`SlotRing`, sized ``start.slots`` ×
+        ``start.slot_bytes`` for ``device``; the consumer allocates it before it writes anything, so a ring that
+        cannot be allocated leaves nothing behind); None allocates it here. Raises as :class:`SlotRing`."""
         self.settings, self.device = start, device
         self.out: queue.Queue = queue.Queue(maxsize=max(1, start.depth))
         self.stop = threading.Event()
@@ -277,27 +302,19 @@ class ProcessReader:
         self._pending: list[Fetched] = []  # CUDA: handed back once their copies completed
         self._slot_of: dict[int, int] = {}  # id(Fetched) -> slot
         self._thread = threading.Thread(target=self._run, daemon=True, name="artcache-reader-pipe")
-        size = start.slots * start.slot_bytes
-        self._memfd = os.memfd_create("artcache-reader-slots", os.MFD_CLOEXEC)
-        os.ftruncate(self._memfd, size)
-        self.mm = mmap.mmap(self._memfd, size)
-        self._registered = False
-        self.stream = None
-        if device.type == "cuda":
-            self.stream = torch.cuda.Stream(device)
-            ptr = torch.frombuffer(self.mm, dtype=torch.uint8, count=1).data_ptr()
-            rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-            if int(rc) != 0:
-                raise E.WorkerFailed(f"cudaHostRegister of the reader's {size} B slot ring failed ({rc})")
-            self._registered = True
+        self.ring = ring if ring is not None else SlotRing(start.slots, start.slot_bytes, device)
+        self.mm = self.ring.mm
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
+        memfd = self.ring.memfd
         # -c, not -m: the package imports this module first, and runpy would run a second copy of it as __main__
-        cmd = [sys.executable, "-c", CHILD, str(to_child_r), str(from_child_w), str(self._memfd), str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w, self._memfd),
+        cmd = [sys.executable, "-c", CHILD, str(to_child_r), str(from_child_w), str(memfd), str(os.getpid())]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w, memfd),
                                      env=env)
-        for fd in (to_child_r, from_child_w, self._memfd):  # the child holds its ends; the mapping stays
+        for fd in (to_child_r, from_child_w):  # the child holds its ends
             os.close(fd)
+        self.ring.close_fd()  # the mapping stays
         #: the child's identity token: its journal is ``journal/reader-<consumer id>-<token>.jsonl``
         self.token = local_identity(self.proc.pid).token()
 
@@ -380,13 +397,34 @@ class ProcessReader:
                 continue
         return False
 
+    def _silent(self, silent_s: float) -> E.WorkerFailed:
+        """The error of a child that sent nothing for ``silent_s`` seconds (its state read from ``/proc``)."""
+        try:
+            state = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        what = {"T": "stopped (SIGSTOP?)", "t": "stopped by a tracer", "D": "in uninterruptible I/O",
+                "Z": "exited"}.get(state, f"state {state}")
+        return E.WorkerFailed(
+            f"the consumer's reader process {self.proc.pid} made no progress for {silent_s:.0f}s (no batch, no beat; "
+            f"it is {what}): the deadline is the root's heartbeat timeout {self.settings.progress_timeout_s:g}s; "
+            "the run stops and the reader process is killed")
+
     def _run(self) -> None:
+        heard = time.monotonic()
+        # until its first beat the child may still be importing torch: START_TIMEOUT_S, then the progress deadline
+        deadline = max(START_TIMEOUT_S, self.settings.progress_timeout_s)
         try:
             while not self.stop.is_set():
                 ready, _, _ = select.select([self._from_child], [], [], 0.1)
                 if not ready:
+                    silent = time.monotonic() - heard
+                    if silent > deadline:
+                        self._put(self._silent(silent))
+                        return
                     continue
                 msg = _recv(self._from_child, _to_parent)
+                heard, deadline = time.monotonic(), self.settings.progress_timeout_s
                 if msg is None:
                     code = self.proc.poll()
                     if code is None:
@@ -405,6 +443,8 @@ class ProcessReader:
                 elif isinstance(msg, Failed):
                     self._put(rebuild(msg))
                     return
+                elif isinstance(msg, Beat):
+                    continue
                 else:  # Ended: the child read up to its end, or stopped
                     return
         except BaseException as exc:  # handed to the trainer, which re-raises it
@@ -430,12 +470,65 @@ class ProcessReader:
         self._slot_of[id(fetched)] = msg.slot
         return fetched
 
-    def __del__(self) -> None:  # the ring's registration and descriptors, when the owner never joined
+
+class SlotRing:
+    """The shared-memory ring of a reader process: ``slots`` × ``slot_bytes`` bytes of a sparse ``memfd`` mapped
+    here (and, on CUDA, page-locked with ``cudaHostRegister``); the child maps the same memfd.
+
+    Raises:
+        ConfigError: the ring cannot be allocated (``memfd_create``, ``ftruncate`` or ``mmap`` failed: ENOMEM,
+            ENOSPC, EMFILE, ...; or ``cudaHostRegister`` refused it): one line naming its size, how it is sized
+            and the cause; nothing is left open.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, device: torch.device) -> None:
+        size = slots * slot_bytes
+        self.memfd, self.mm, self._registered = -1, None, False
+        what = (f"--reader process: its shared-memory ring of {size} B ({slots} slots of {slot_bytes} B: "
+                "--prefetch-batches + 3 batches of --batch-size rows at the root's max length)")
+        hint = "; use --reader thread, or a smaller --batch-size or --prefetch-batches"
         try:
-            if getattr(self, "_registered", False):
+            self.memfd = os.memfd_create("artcache-reader-slots", os.MFD_CLOEXEC)
+            os.ftruncate(self.memfd, size)
+            self.mm = mmap.mmap(self.memfd, size)
+        except OSError as exc:
+            self.close()
+            raise E.ConfigError(f"{what} could not be allocated ({exc.strerror or exc}){hint}") from exc
+        if device.type == "cuda":
+            ptr = torch.frombuffer(self.mm, dtype=torch.uint8, count=1).data_ptr()
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+            if int(rc) != 0:
+                self.close()
+                raise E.ConfigError(f"{what} could not be page-locked (cudaHostRegister: {rc}){hint}")
+            self._registered = True
+
+    def close_fd(self) -> None:
+        """Close the memfd (once the child has its own descriptor); the mapping stays."""
+        if self.memfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.memfd)
+            self.memfd = -1
+
+    def close(self) -> None:
+        """Unregister, unmap and close everything (a ring no reader took). Idempotent."""
+        self.close_fd()
+        if self._registered:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(self.mm, dtype=torch.uint8, count=1)
+                                                       .data_ptr())
+            self._registered = False
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # a tensor still views it: the mapping goes with it
+                self.mm.close()
+            self.mm = None
+
+    def __del__(self) -> None:  # the registration and descriptor, when the owner never closed it
+        try:
+            if self._registered:
                 torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(self.mm, dtype=torch.uint8, count=1)
                                                        .data_ptr())
                 self._registered = False
+            self.close_fd()
         except Exception:
             pass
 
@@ -503,6 +596,17 @@ def child_main(fd_in: int, fd_out: int, fd_mem: int, parent: int) -> int:
     mm = mmap.mmap(fd_mem, start.slots * start.slot_bytes)
     send_lock = threading.Lock()
     journal = client = reader = None
+    quiet = threading.Event()  # set once the child sends its last message: no beat after it
+    beat_s = min(start.beat_s, start.progress_timeout_s / BEATS_PER_TIMEOUT)
+
+    def beat() -> None:  # the trainer's progress watch (module docstring); the first one at once
+        with contextlib.suppress(OSError):
+            while True:
+                _send(fd_out, Beat(), send_lock)
+                if quiet.wait(beat_s):
+                    return
+
+    threading.Thread(target=beat, daemon=True, name="artcache-reader-beat").start()
     try:
         layout = CacheLayout(Path(start.root))
         settings = load_settings(layout)
@@ -579,6 +683,7 @@ def child_main(fd_in: int, fd_out: int, fd_mem: int, parent: int) -> int:
             _send(fd_out, failure_of(exc), send_lock)
         return 1
     finally:
+        quiet.set()
         if reader is not None:
             reader.stop.set()
             reader.join(timeout=5)  # it releases the leases of a batch it had not collated into a slot

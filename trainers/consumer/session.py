@@ -90,7 +90,7 @@ from artcache.trainers.tracking import Progress, RunTracker
 
 from .config import ConsumerConfig, check_anchors, lr_at, read_workers, run_settings
 from .reader import DeviceCollator, Fetched, Reader, collate, group_cursor
-from .reader_process import ProcessReader, Start, batch_itemsize, slot_bytes
+from .reader_process import ProcessReader, SlotRing, Start, batch_itemsize, slot_bytes
 from .restore import (
     check_same_draft,
     find_resume,
@@ -98,6 +98,7 @@ from .restore import (
     load_weights_strict,
     plan_init,
     refuse_existing_run,
+    refuse_reused_id,
     vocab_map_of,
     with_horizon,
 )
@@ -234,6 +235,8 @@ class Session:
                 vocab_map = vocab_map_of(self.resumed.weights)
         else:
             refuse_existing_run(self.run_dir)
+            # before the draft is built (checked again under the registry lock when registering)
+            refuse_reused_id(cfg.consumer_id, registry.read(self.layout, cfg.consumer_id), self.run_dir)
             if cfg.init_from:  # any published layout; checked against the built draft below, before loading
                 src = read_seed(cfg.init_from, check_target(self.settings).num_layers)
                 if src.draft != cfg.draft:
@@ -348,13 +351,15 @@ class Session:
         cfg, layout = self.cfg, self.layout
         # before registering or journaling: a bad --out leaves nothing in the root; created once registered
         _check_run_dir(self.run_dir)
+        # before anything is written: a --reader process ring that cannot be allocated leaves nothing behind
+        ring = SlotRing(*self._ring_shape(), self.device) if cfg.reader == "process" else None
         self.journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
         try:
             reg = registry.register(layout, registry.Registration(
                 consumer_id=cfg.consumer_id, draft=cfg.draft, cursor=self.start_cursor, lookbehind=cfg.lookbehind,
                 lookahead=cfg.lookahead, batch_size=cfg.batch_size, end=self.end, pid=os.getpid(), host=host_id(),
                 pinned=self.pinned, checkpoint_cursor=self.start_cursor if self.resumed is not None else -1,
-                epoch_len=self.epoch_len),
+                epoch_len=self.epoch_len, out_dir=str(self.run_dir)),
                 check=self._check_resume, live_timeout_s=self.settings.heartbeat_timeout_s)
         except BaseException:
             self.journal.close(remove_if_empty=True)  # a refused start leaves no empty journal behind
@@ -378,8 +383,8 @@ class Session:
         self.client = CacheClient(layout, self.settings, self.plan, self.handle, self.journal, cfg.demand_timeout_s,
                                   pin=self.device.type == "cuda", epoch_len=self.epoch_len)
         group = [m for m in cfg.lockstep_group.split(",") if m]
-        if cfg.reader == "process":
-            self.reader = self._reader_process(reg, group)
+        if ring is not None:
+            self.reader = self._reader_process(reg, group, ring)
         else:
             self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
                                  end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
@@ -419,7 +424,10 @@ class Session:
                 link.unlink()
 
     def _check_resume(self, old: registry.Registration | None) -> None:
-        """Under the registry lock: a resumed checkpoint must be the one the registry recorded last."""
+        """Under the registry lock: a resumed checkpoint must be the one the registry recorded last; a fresh run
+        must not start over an earlier run of this id that recorded a checkpoint (:func:`refuse_reused_id`)."""
+        if not self.cfg.resume:
+            refuse_reused_id(self.cfg.consumer_id, old, self.run_dir)
         if self.unrecorded and (old is None or old.checkpoint_cursor >= 0):
             raise ConfigError(f"--resume: consumer {self.cfg.consumer_id!r} recorded a checkpoint meanwhile "
                               f"(cursor {old.checkpoint_cursor if old else 'absent'}); run --resume again")
@@ -459,25 +467,41 @@ class Session:
         compiled = self.device.type == "cuda" and speed is not None and speed.compile != "off"
         return self.cfg.length_bucket if compiled else 0
 
-    def _reader_process(self, reg: registry.Registration, group: list[str]) -> ProcessReader:
-        """``--reader process``: the reader in a child process (:mod:`.reader_process`), its ring of
-        ``prefetch_batches + 3`` slots sized for a full batch at the root's max length."""
+    def _layer_list(self) -> list[int] | None:
+        """The captured-layer indices the draft reads (None: every layer, in order)."""
+        if self.layers is None:
+            return None
+        if isinstance(self.layers, slice):
+            return list(range(self.layers.start, self.layers.stop))
+        return [int(i) for i in self.layers]
+
+    def _ring_shape(self) -> tuple[int, int]:
+        """``--reader process``'s ring: ``(slots, slot bytes)``: ``prefetch_batches + 3`` slots, each sized for a
+        full batch at the root's max length (padded to the length bucket)."""
         cfg, contract = self.cfg, self.settings.contract
-        layers = (None if self.layers is None else list(range(self.layers.start, self.layers.stop))
-                  if isinstance(self.layers, slice) else [int(i) for i in self.layers])
+        layers = self._layer_list()
         m = len(contract.layer_ids) if layers is None else len(layers)
         bucket = self._length_bucket()
         tokens = contract.max_length if bucket <= 1 else -(-contract.max_length // bucket) * bucket
+        return cfg.prefetch_batches + 3, slot_bytes(cfg.batch_size, tokens, m, self.draft.target_info.hidden_size,
+                                                    batch_itemsize(contract.dtype, self.device.type))
+
+    def _reader_process(self, reg: registry.Registration, group: list[str], ring: SlotRing) -> ProcessReader:
+        """``--reader process``: the reader in a child process (:mod:`.reader_process`) over ``ring``
+        (:meth:`_ring_shape`, allocated before anything was written)."""
+        cfg = self.cfg
+        layers = self._layer_list()
+        slots, nbytes = self._ring_shape()
         start = Start(root=str(self.layout.root), consumer_id=cfg.consumer_id, generation=reg.generation,
                       start_pos=reg.cursor, batch=cfg.batch_size, lookahead=cfg.lookahead, depth=cfg.prefetch_batches,
                       end=self.end, workers=read_workers(cfg), demand_timeout_s=cfg.demand_timeout_s,
                       epoch_len=self.epoch_len, layers=layers,
                       hidden_dtype="bfloat16" if self.device.type == "cuda" else None,
-                      slots=cfg.prefetch_batches + 3,
-                      slot_bytes=slot_bytes(cfg.batch_size, tokens, m, self.draft.target_info.hidden_size,
-                                            batch_itemsize(contract.dtype, self.device.type)),
-                      group=group, length_bucket=bucket, log_level=logging.getLogger("artcache").getEffectiveLevel())
-        return ProcessReader(start, self.device)
+                      slots=slots, slot_bytes=nbytes,
+                      group=group, length_bucket=self._length_bucket(),
+                      log_level=logging.getLogger("artcache").getEffectiveLevel(),
+                      beat_s=cfg.heartbeat_s, progress_timeout_s=self.settings.heartbeat_timeout_s)
+        return ProcessReader(start, self.device, ring=ring)
 
     def _collate_eval(self, items: list[Leased], with_last: bool) -> DraftBatch:
         return collate(items, self.device, self.layers, self.last_index if with_last else None)
@@ -873,7 +897,7 @@ class Session:
         out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "batch_size": cfg.batch_size,
                "steps": self.steps_done, "cursor": self.cursor,
                "resumed_from_step": self.start_step if self.resumed is not None else None,
-               "seconds": time.time() - self.t_start,
+               "seconds": time.monotonic() - self.t_loop,  # a duration: the monotonic clock, never the wall
                # means over the first / last (up to) 5 steps this process trained; None when it trained none
                # (e.g. --resume of a run that had already completed)
                "first_loss": sum(first) / len(first) if first else None,
