@@ -253,7 +253,8 @@ def draw_anchors(batch, num_anchors: int, generator: torch.Generator) -> tuple[T
     if batch.doc_ids is None:
         from artcache.trainers.dflash.anchors import sample_anchors
 
-        return sample_anchors(batch.supervised_on_host(), num_anchors, generator)
+        return sample_anchors(batch.supervised_on_host(), num_anchors, generator, batch.positions,
+                              generator.initial_seed())
     return sample_packed_anchors(batch.supervised_on_host(), batch.doc_ids.cpu(), num_anchors, generator)
 
 

@@ -19,7 +19,7 @@ import contextlib
 import torch
 
 from artcache.contract import CaptureContract
-from artcache.errors import ConfigError
+from artcache.errors import ConfigError, ProducerFailed
 from artcache.fp8 import SCALES, stored_hidden
 from artcache.layer_ids import check_layer_ids
 
@@ -66,14 +66,22 @@ class CapturedBatch(list):
 class HFCaptureBackend:
     """Captures ``contract.layer_ids`` from a transformers model.
 
+    Placement is not part of the capture: a model placed over several devices (``load_target_model(...,
+    devices=...)``: decoder layers split in contiguous blocks) is read by hooks on each layer where it
+    lives, and the captured layers are gathered onto ``device`` before they are stacked; a model sharded by
+    a tensor-parallel plan (``group``) has replicated layer outputs, read on rank 0.
+
     Args:
         model: a transformers causal LM in eval mode (``load_target_model``).
         contract: the capture contract (layer ids, dtype).
-        device: where the model lives; inputs are moved there.
+        device: where the inputs go and the captured layers are gathered (the first device of a placement).
+        group: a :class:`artcache.backends.tensor_parallel.TensorParallelGroup` this process is rank 0 of:
+            each batch is announced to the follower ranks before the forward pass, which they run with it.
     """
 
-    def __init__(self, model, contract: CaptureContract, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model, contract: CaptureContract, device: str | torch.device = "cpu", group=None) -> None:
         self.model = model
+        self.group = group
         self.contract = contract
         self.device = torch.device(device)
         self.layers = decoder_layers(model)
@@ -89,6 +97,8 @@ class HFCaptureBackend:
     def _hook(self, idx: int):
         def fn(_module, _inputs, output):
             hs = output[0] if isinstance(output, tuple) else output
+            if hasattr(hs, "full_tensor"):  # a DTensor output of a sharded layer (every rank gathers it)
+                hs = hs.full_tensor()
             self._captured[idx] = hs.detach()
             if idx == self._last:
                 raise _StopForward
@@ -98,6 +108,22 @@ class HFCaptureBackend:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def forward(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Run the decoder up to the deepest captured layer on ``ids`` and ``attn`` ([b, T] int64, on any
+        device) and return the captured layers stacked in contract order, ``[b, T, m, H]`` in the compute
+        dtype on ``device``. Each layer's output is read where that layer lives and moved to ``device``."""
+        self._captured.clear()
+        base = getattr(self.model, "model", self.model)
+        with contextlib.suppress(_StopForward):
+            base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
+        try:
+            return torch.stack([self._captured[i].to(self.device) for i in self.contract.layer_ids], dim=2)
+        finally:
+            self._captured.clear()
 
     @property
     def last_finite(self) -> list[bool]:
@@ -151,13 +177,17 @@ class HFCaptureBackend:
         for row, s in enumerate(samples):
             ids[row, : lengths[row]] = s.input_ids.long()
             attn[row, : lengths[row]] = 1
-        self._captured.clear()
-        base = getattr(self.model, "model", self.model)
         attn_dev = attn.to(self.device)
-        with contextlib.suppress(_StopForward):
-            base(input_ids=ids.to(self.device), attention_mask=attn_dev, use_cache=False)
-        stacked = torch.stack([self._captured[i] for i in self.contract.layer_ids], dim=2)  # [b,T,m,H]
-        self._captured.clear()
+        if self.group is None:
+            stacked = self.forward(ids, attn_dev)  # [b,T,m,H]
+        else:  # the followers run this forward with rank 0; one that fails leaves the group out of step
+            self.group.announce(ids, attn)
+            try:
+                stacked = self.forward(ids, attn_dev)
+            except Exception as exc:  # noqa: BLE001 - any failure ends the group
+                raise ProducerFailed(f"tensor-parallel group of {self.group.size}: the forward pass failed on rank 0 "
+                                     f"({type(exc).__name__}: {exc}); a follower rank is gone or out of step, the "
+                                     "producer stops") from exc
         stored = stored_hidden(stacked, self.dtype)  # fp8: quantised here, on the device
         del stacked
         if self.device.type != "cpu":

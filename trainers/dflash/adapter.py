@@ -161,7 +161,9 @@ class DFlashAdapter(Draft):
         fast = train and self.speed.sync_free
         anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            forward = self._forward_fn if fast else self.model
+            # a consumer group's training forward runs through its DistributedDataParallel wrapper
+            forward = self.train_module if train and self.train_module is not None else \
+                self._forward_fn if fast else self.model
             docs, pos = packed_on(batch, dev)
             out = forward(batch.hidden, batch.input_ids, anchors, avalid, context_valid=batch.valid,
                           check_anchors=not fast, doc_ids=docs, position_ids=pos)
