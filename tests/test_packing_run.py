@@ -80,6 +80,8 @@ def test_packing_refuses_a_row_shorter_than_a_sample(filled, tmp_path):
 @pytest.mark.parametrize(("kw", "match"), [
     ({"reader": "process"}, "--pack-tokens 64 runs with --reader thread only"),
     ({"lockstep_group": "lk,other"}, "--pack-tokens 64 and a lockstep group exclude each other"),
+    ({"nproc": 2}, "--pack-tokens 64 runs in one process with --grad-accum 1"),
+    ({"grad_accum": 2}, "--pack-tokens 64 runs in one process with --grad-accum 1"),
 ])
 def test_packing_refuses_what_moves_by_whole_batches(tmp_path, kw, match):
     cfg = _cfg(tmp_path / "none", tmp_path, "lk", pack_tokens=64, **kw)

@@ -319,9 +319,9 @@ def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: floa
 #: Settings every draft's run is defined by: ``--resume`` refuses when one differs from the checkpoint's.
 #: ``steps`` is not one (a run is extended by raising it); the LR horizon ``lr_total_steps`` is.
 RUN_FIELDS = ("draft", "batch_size", "lr_total_steps", "lr", "warmup_frac", "min_lr_frac", "weight_decay",
-              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc")
+              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc", "pack_tokens")
 #: what a checkpoint written before a :data:`RUN_FIELDS` entry existed had instead (compared as this)
-RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1}
+RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1, "pack_tokens": 0}
 
 def read_workers(cfg: ConsumerConfig) -> int:
     """The reader's pool size: ``cfg.read_workers``, never more than the batch (a batch's positions are what it
@@ -412,6 +412,5 @@ def run_settings(cfg: ConsumerConfig) -> dict:
     out = {k: getattr(cfg, k) for k in RUN_FIELDS}
     out["lr_total_steps"] = cfg.horizon
     out["steps"] = cfg.steps  # recorded (the stop), never compared
-    out["pack_tokens"] = cfg.pack_tokens  # which positions share a step (a checkpoint without it: 0)
     out.update({k: getattr(cfg, k) for k in draft_class(cfg.draft).run_options})
     return out

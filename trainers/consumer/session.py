@@ -710,7 +710,8 @@ class Session:
         # one past the global batch: this rank's slice starts rank × its share after the batch's first position
         rank = 0 if self.group is None else self.group.rank
         first = fetched.positions[0] - rank * self.cfg.batch_size * self.cfg.grad_accum
-        self.cursor = first + self.cfg.global_batch
+        # a packed step (one process) consumed the positions its rows hold
+        self.cursor = first + self.cfg.global_batch if self.packer is None else fetched.positions[-1] + 1
         # the step no longer needs the batch's bytes: release its leases while its positions are still inside the
         # window (it counts from the committed cursor, <= this one), keep its host buffers until its copies
         # completed (a reader process: hand its slot back), then commit when due
