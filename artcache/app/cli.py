@@ -422,6 +422,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               "liger (CUDA; pip install 'artcache[liger]').")
 @click.option("--length-bucket", default=64, type=int,
               help="With --compile on|graphs on CUDA: pad batch lengths to a multiple of N positions; 0: none.")
+@click.option("--pack-tokens", default=0, type=int,
+              help="Packing: each of the --batch-size rows holds whole plan positions back to back up to N tokens "
+                   "(N >= the root's max length; attention, position ids and anchors per document); 0: off.")
 @click.option("--read-workers", default=1, type=int,
               help="Artifacts of one batch read at once (1 .. 64; more hide per-file latency on a slow or network "
                    "filesystem).")
@@ -451,7 +454,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False):
+            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False, pack_tokens=0):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
@@ -479,7 +482,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
         progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
-        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout)
+        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens)
     _start("consumer", cfg)
 
 
