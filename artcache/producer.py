@@ -203,13 +203,16 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.fill and self.evict_fill:
             raise ConfigError("--fill and --evict-fill contradict each other (a fill keeps the whole plan): give one")
         retention_rule(self.disk_budget, self.retention, self.fill)
+        if self.backend == "vllm" and self.limits.prefill_chunk:
+            raise ConfigError(f"--prefill-chunk {self.limits.prefill_chunk} is invalid with --backend vllm: accepted "
+                              "0 there (vLLM schedules its own chunked prefill within --batch-tokens)")
 
 
 #: ``artcache producer`` flags not named ``--<field>`` (``_s`` dropped, ``_`` as ``-``); a scheduler limit by its
 #: dotted path from :class:`ProducerConfig`
 FLAGS = {"dataset": "--data", "producer_id": "--id", "template_options": "--chat-template-option",
          "limits.max_batch_samples": "--batch-samples", "limits.max_batch_tokens": "--batch-tokens",
-         "limits.max_queue": "--max-queue"}
+         "limits.max_queue": "--max-queue", "limits.prefill_chunk": "--prefill-chunk"}
 
 
 def flag_of(field: str) -> str:
@@ -332,6 +335,9 @@ def prepare_root(cfg: ProducerConfig):
         if is_random(info):
             raise ConfigError(f"--target {cfg.target!r} is a random-weight benchmark target (stored embeddings "
                               "only) that vLLM cannot load; use --backend hf, or a full HF checkpoint")
+    if info.max_positions and cfg.max_length > info.max_positions:
+        raise ConfigError(f"--max-length {cfg.max_length} is invalid for target {info.name!r}: accepted an integer "
+                          f"<= {info.max_positions}, its max_position_embeddings")
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else dflash_layer_ids(info.num_layers, cfg.draft_layers)
     # an explicit --layer-ids is a new root's capture set: each id once (the formula's ids are left as they are)
     check_layer_ids(layer_ids, info.num_layers, f"--layer-ids {','.join(map(str, layer_ids))}" if cfg.layer_ids
@@ -1137,7 +1143,8 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     else:
         dtype = getattr(torch, settings.contract.compute_dtype)
         model = load_target_model(info, device=cfg.device, dtype=dtype)
-        backend = HFCaptureBackend(model, settings.contract, device=cfg.device)
+        backend = HFCaptureBackend(model, settings.contract, device=cfg.device,
+                                   prefill_chunk=cfg.limits.prefill_chunk)
     journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
     producer = Producer(layout, settings, plan, backend, cfg, journal, hidden_size=info.hidden_size)
     # SIGINT/SIGTERM: the first sets stop_event (the loop finishes its batch and exits cleanly), a second stops

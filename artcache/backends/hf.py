@@ -15,6 +15,7 @@ overlaps the next batch's prefill instead of holding the compute stream. The ret
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -70,9 +71,20 @@ class HFCaptureBackend:
         model: a transformers causal LM in eval mode (``load_target_model``).
         contract: the capture contract (layer ids, dtype).
         device: where the model lives; inputs are moved there.
+        prefill_chunk: tokens per row in one forward pass (0: the whole batch in one pass). A batch longer
+            than this is prefilled in chunks through a ``transformers.DynamicCache``: chunk ``c`` runs
+            positions ``[c·C, (c+1)·C)`` attending to the cached keys/values of the earlier chunks, and the
+            captured layers of the chunks are concatenated along the token axis. Attention stays causal, so
+            the values equal a one-pass prefill's up to the compute dtype's rounding (the kernels sum in
+            another order). Only the layers up to the deepest captured one run, so only their keys/values
+            are cached: ``2 × layers run × T × kv heads × head dim`` elements of the compute dtype per row.
     """
 
-    def __init__(self, model, contract: CaptureContract, device: str | torch.device = "cpu") -> None:
+    def __init__(self, model, contract: CaptureContract, device: str | torch.device = "cpu",
+                 prefill_chunk: int = 0) -> None:
+        if prefill_chunk < 0:
+            raise ConfigError(f"prefill_chunk {prefill_chunk} is invalid: accepted 0 (off) or a positive integer")
+        self.prefill_chunk = int(prefill_chunk)
         self.model = model
         self.contract = contract
         self.device = torch.device(device)
@@ -80,7 +92,7 @@ class HFCaptureBackend:
         check_layer_ids(contract.layer_ids, len(self.layers), f"contract layer_ids {list(contract.layer_ids)}",
                         target=contract.target_name)
         self.dtype = _DTYPES[contract.dtype]
-        self._captured: dict[int, torch.Tensor] = {}
+        self._captured: dict[int, torch.Tensor | list[torch.Tensor]] = {}
         self._last = max(contract.layer_ids)
         self._last_batch: CapturedBatch | None = None
         self._copy_stream = None  # created on the first GPU capture
@@ -89,7 +101,11 @@ class HFCaptureBackend:
     def _hook(self, idx: int):
         def fn(_module, _inputs, output):
             hs = output[0] if isinstance(output, tuple) else output
-            self._captured[idx] = hs.detach()
+            got = self._captured.get(idx)
+            if isinstance(got, list):  # a chunked prefill: one piece per chunk
+                got.append(hs.detach())
+            else:
+                self._captured[idx] = hs.detach()
             if idx == self._last:
                 raise _StopForward
         return fn
@@ -131,9 +147,41 @@ class HFCaptureBackend:
         flags = host.pop("_row_ok")
         return host, flags, event
 
+    def _prefill_chunks(self, base, ids: torch.Tensor, attn: torch.Tensor) -> None:
+        """Prefill ``ids`` [b, T] (right-padded; ``attn`` [b, T] 1 on real tokens) in chunks of
+        ``prefill_chunk`` through one DynamicCache; leaves each captured layer's [b, T, H] in ``_captured``.
+
+        Each chunk passes the attention mask of every position so far (``attn[:, :end]``) and its
+        ``cache_position`` (``start .. end-1``; position ids follow from it), so a chunk's queries see the
+        cached keys of earlier chunks causally, as in one pass. Padding sits at the end of a row, after its
+        real tokens, so no real token ever attends to it.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        # transformers 5 names the argument ``cache``; 4.x ``past_key_values`` (5 still takes it, deprecated)
+        name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        wanted = sorted(set(self.contract.layer_ids))
+        for i in wanted:
+            self._captured[i] = []
+        t = ids.shape[1]
+        for start in range(0, t, self.prefill_chunk):
+            end = min(t, start + self.prefill_chunk)
+            with contextlib.suppress(_StopForward):
+                base(input_ids=ids[:, start:end], attention_mask=attn[:, :end], use_cache=True,
+                     **{name: cache}, cache_position=torch.arange(start, end, device=ids.device))
+            if cache.get_seq_length() != end:  # a model that ignored the cache would see each chunk alone
+                raise ConfigError(f"{type(base).__name__} did not fill its KV cache in a chunked prefill "
+                                  f"({cache.get_seq_length()} of {end} positions); accepted: --prefill-chunk 0")
+        for i in wanted:
+            pieces = self._captured[i]
+            self._captured[i] = torch.cat(pieces, dim=1)
+            pieces.clear()  # the pieces go now, not with the list
+        del cache
+
     @torch.inference_mode()
     def capture(self, samples) -> CapturedBatch:
-        """Run one batched forward pass.
+        """Run one batched forward pass (in chunks of ``prefill_chunk`` tokens when the batch is longer).
 
         Args:
             samples: plan samples with ``input_ids`` [T_i] int32 and ``loss_mask`` [T_i] uint8.
@@ -154,8 +202,12 @@ class HFCaptureBackend:
         self._captured.clear()
         base = getattr(self.model, "model", self.model)
         attn_dev = attn.to(self.device)
-        with contextlib.suppress(_StopForward):
-            base(input_ids=ids.to(self.device), attention_mask=attn_dev, use_cache=False)
+        ids_dev = ids.to(self.device)
+        if self.prefill_chunk and tmax > self.prefill_chunk:
+            self._prefill_chunks(base, ids_dev, attn_dev)
+        else:
+            with contextlib.suppress(_StopForward):
+                base(input_ids=ids_dev, attention_mask=attn_dev, use_cache=False)
         stacked = torch.stack([self._captured[i] for i in self.contract.layer_ids], dim=2)  # [b,T,m,H]
         self._captured.clear()
         stored = stored_hidden(stacked, self.dtype)  # fp8: quantised here, on the device
