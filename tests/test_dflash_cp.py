@@ -103,3 +103,58 @@ def test_cp_attention_elements_halve_per_rank():
     one = cp_attention_elements(512, 16, 32768, 4, 2, world=1)
     two = cp_attention_elements(512, 16, 32768, 4, 2, world=2)
     assert 0.45 <= two / one <= 0.55
+
+
+def _sdpa_bytes(prof) -> int:
+    return sum(e.cpu_memory_usage for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+
+
+def _long_setup():
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                       vocab_size=V, num_context_layers=M, mask_token_id=V - 1, block_size=16, num_anchors=128)
+    model = DFlashDraft(cfg, torch.randn(V, 64), torch.randn(V, 64) * 0.3)
+    g = torch.Generator().manual_seed(1)
+    ctx, ids = torch.randn(1, 4096, M, 64, generator=g), torch.randint(0, V - 1, (1, 4096), generator=g)
+    lm = torch.ones(1, 4096, dtype=torch.bool)
+    anchors, valid = sample_anchors(lm, 128, torch.Generator().manual_seed(2))
+    return model, ctx, ids, lm, anchors, valid
+
+
+def _rank_memory(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from artcache.trainers.dflash.cp import cp_loss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model, ctx, ids, lm, anchors, valid = _long_setup()
+        start, end, _ = shard_bounds(4096, world, rank)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            _, loss, _ = cp_loss(model, ctx[:, start:end].contiguous(), ids, lm, anchors, valid)
+        save_file({"sdpa_bytes": torch.tensor([float(_sdpa_bytes(prof))]), "loss": loss.reshape(1)}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_cp_per_rank_attention_memory_about_half(tmp_path):
+    """Measured (torch.profiler, bytes allocated inside scaled_dot_product_attention over the forward): at 4,096
+    tokens and 128 anchors of block 16, each of 2 ranks allocates at most 0.6 of what one rank does, and the
+    loss is the one-rank loss."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, ctx, ids, lm, anchors, valid = _long_setup()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ref, _ = dflash_loss(model, model(ctx, ids, anchors, valid), ids, lm, anchors, valid)
+    one = _sdpa_bytes(prof)
+    assert one > 0
+    out = str(tmp_path / "mem")
+    mp.spawn(_rank_memory, args=(2, f"file://{tmp_path / 'rendezvous'}", out), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = load_file(f"{out}.{rank}")
+        assert float(got["sdpa_bytes"][0]) <= 0.6 * one, (rank, float(got["sdpa_bytes"][0]), one)
+        assert abs(float(got["loss"][0]) - float(ref.detach())) <= 1e-5 * abs(float(ref.detach()))
