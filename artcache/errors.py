@@ -255,6 +255,12 @@ class WorkerFailed(ArtcacheError, RuntimeError):
     before raising; the message names the worker, its exit status and its log file (exit 1)."""
 
 
+class NotReadable(_OSErrorMessage, PermissionError):
+    """A file or directory another process recorded for this one to read (a cache root's target, recorded by its
+    producer) cannot be read by this user (EACCES). The message names the path, its mode and owner, this
+    process's ids and how to share it."""
+
+
 class NotWritable(_OSErrorMessage, PermissionError):
     """A cache root file or directory artcache must write cannot be written (EACCES, EPERM, EROFS: a
     read-only lock file, directory or mount). The message names the path; ``errno`` is the cause's."""

@@ -313,7 +313,13 @@ def prepare_root(cfg: ProducerConfig):
     """
     from artcache.layer_ids import check_layer_ids, dflash_layer_ids
     from artcache.plan import PlanSpec, ensure_plan, plan_id_for
-    from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
+    from artcache.target import (
+        closed_to_group,
+        load_tokenizer,
+        resolve_target,
+        template_digest,
+        tokenizer_digest,
+    )
 
     try:
         dtype = stored_dtype(cfg.dtype)  # "fp8" is stored as float8_e4m3fn (artcache.fp8)
@@ -388,6 +394,12 @@ def prepare_root(cfg: ProducerConfig):
                 plan_id=plan.plan_id, contract=contract, target_path=str(info.path),
                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                 payload=recorded or (new_spec(payload_url) if payload_url else None)))
+        if cfg.group_shared and Path(cfg.target).expanduser().is_dir():  # a name: each user resolves it himself
+            closed = closed_to_group(info.path, layout.root.stat().st_gid)
+            if closed is not None:
+                log.warning("--group-shared: the target %s cannot be read by the root's group (%s): a teammate's "
+                            "consumer on this root will be refused at start; chmod -R g+rX the target (and g+x its "
+                            "parents) or capture from a directory the group can read", info.path, closed)
         if settings.heartbeat_timeout_s != cfg.heartbeat_timeout_s:
             log.warning("this producer fences consumers silent for %g s (--heartbeat-timeout), but %s records "
                         "%g s from the root's creation, which `artcache fsck` uses for consumers of other hosts",

@@ -70,6 +70,9 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         pinned_demand: held-out sample indices (inside ``pinned``) the consumer is blocked on now.
         fenced_from: the generation a fence ended (-1: never fenced); lets that incarnation still record
             its final checkpoint (:meth:`ConsumerHandle.record_final_checkpoint`).
+        out_dir: the consumer's run directory (absolute; ``""`` in registrations written before it), where
+            ``checkpoint_cursor``'s checkpoint lies: a fresh run of the same id elsewhere is refused while it
+            holds checkpoints (``--resume --out`` it, or another ``--id``).
     """
 
     consumer_id: str
@@ -93,6 +96,7 @@ class Registration(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     beat: int = 0
     identity: ProcessIdentity | None = None
     fenced_from: int = -1
+    out_dir: str = ""
 
     def window(self) -> tuple[int, int]:
         """Inclusive window [lo, hi] of positions (hi < lo when the consumer is past its end)."""

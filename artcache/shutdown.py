@@ -24,6 +24,16 @@ log = logging.getLogger("artcache.shutdown")
 #: the signals a run stops on by default
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+#: the first stop signal any :class:`GracefulShutdown` of this process received (0: none)
+_received = 0
+
+
+def stop_exit_status() -> int:
+    """The exit status of a process a stop signal cancelled: ``128 + signal`` (the shell's convention: 130 for
+    SIGINT, 143 for SIGTERM), from the first signal a :class:`GracefulShutdown` of this process handled; 130 when
+    none did (a plain Ctrl-C raises :class:`KeyboardInterrupt` without one)."""
+    return 128 + (_received or int(signal.SIGINT))
+
 
 class GracefulShutdown:
     """First signal: ask (``requested`` set, ``signum`` recorded, ``on_request`` called); second: force.
@@ -74,6 +84,8 @@ class GracefulShutdown:
             log.warning("%s: second signal (%s): stopping at once", self.what, name)
             raise KeyboardInterrupt(f"signal {signum} (second)")
         self.signum = signum
+        global _received
+        _received = _received or signum
         self.requested.set()
         log.warning("%s: %s: %s (send it again to stop at once)", self.what, name, self.asked)
         if self.on_request is not None:
@@ -106,4 +118,4 @@ def follow_parent() -> bool:
     return ok
 
 
-__all__ = ["STOP_SIGNALS", "GracefulShutdown", "follow_parent"]
+__all__ = ["STOP_SIGNALS", "GracefulShutdown", "follow_parent", "stop_exit_status"]

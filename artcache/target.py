@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from artcache.errors import ConfigError
-from artcache.fsio import atomic_write
+from artcache.fsio import apply_share_mode, atomic_write
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.locking import cache_lock
 
@@ -203,6 +203,79 @@ def _hub_snapshot(value: str) -> Path:
     return snapshot
 
 
+def by_name(name: str, revision: str = "") -> str | None:
+    """What a user resolves a recorded target from into their own caches (:func:`resolve_target`), or None for a
+    target only its directory path reaches: a built-in name (:data:`ACCEPTED_NAMES`: the bundled GGUF target,
+    ``random:<arch>``) as it is; a hub id ``ORG/NAME`` at its recorded ``revision`` (the snapshot's commit). The
+    result is checked by weights digest by its caller."""
+    if name in ACCEPTED_NAMES:
+        return name
+    if _HUB_ID.fullmatch(name) and "@" not in name:
+        return f"{name}@{revision}" if revision else name
+    return None
+
+
+def _can(path: Path, mode: int) -> bool:
+    """``os.access`` with this process's effective ids (a root without ``CAP_DAC_*`` is refused too)."""
+    if os.access in os.supports_effective_ids:
+        return os.access(path, mode, effective_ids=True)
+    return os.access(path, mode)
+
+
+def unreadable(target_dir: str | Path) -> str | None:
+    """Why this process cannot read the target directory ``target_dir`` (a consumer loads its config, weights and
+    tokenizer from it), or None (readable, or not there at all: that is :func:`resolve_target`'s to say): the
+    first path on the way it may not use (a parent it may not search, the directory it may not list, a file in it
+    it may not read), with its mode and owner and this process's ids.
+
+    Returns:
+        ``"<path> (drwx------ uid 1001 gid 1001) gives uid 1002 (groups [100]) no search permission"`` or None.
+    """
+    import stat as stat_
+
+    p = Path(target_dir).absolute()
+    checks = [(a, os.X_OK, "search") for a in reversed(p.parents)] + [(p, os.R_OK | os.X_OK, "read and search")]
+    try:
+        files = [f for f in p.iterdir() if not f.name.startswith(".") and f.is_file()] if _can(p, os.R_OK | os.X_OK) \
+            else []
+    except OSError:
+        files = []
+    checks += [(f, os.R_OK, "read") for f in sorted(files)]
+    for path, mode, what in checks:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            continue  # its parent's refusal is named first
+        if not _can(path, mode):
+            return (f"{path} ({stat_.filemode(st.st_mode)} uid {st.st_uid} gid {st.st_gid}) gives uid {os.geteuid()} "
+                    f"(groups {sorted(os.getgroups())}) no {what} permission")
+    return None
+
+
+def closed_to_group(target_dir: str | Path, gid: int) -> str | None:
+    """Why members of group ``gid`` (other than the owner) cannot read the target directory ``target_dir``, judged
+    by mode bits (the group's for a path of group ``gid``, others' otherwise), or None: the first parent they may
+    not search, the directory they may not list, or a file in it they may not read. What a producer of a
+    group-shared root warns about at start (a teammate's consumer would be refused: :func:`unreadable`)."""
+    import stat as stat_
+
+    p = Path(target_dir).absolute()
+    checks = [(a, 0o1, "search") for a in reversed(p.parents)] + [(p, 0o5, "read and search")]
+    with contextlib.suppress(OSError):
+        checks += [(f, 0o4, "read") for f in sorted(p.iterdir()) if not f.name.startswith(".") and f.is_file()]
+    for path, need, what in checks:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        bits = (st.st_mode >> 3) & 0o7 if st.st_gid == gid else st.st_mode & 0o7
+        if bits & need != need:
+            return f"{path} ({stat_.filemode(st.st_mode)} uid {st.st_uid} gid {st.st_gid}) gives group {gid} no {what}"
+    return None
+
+
 def is_random(info: TargetInfo) -> bool:
     """Whether the target's decoder body is randomly initialised at load time (benchmark targets)."""
     return (Path(info.path) / _RANDOM_MARKER).is_file()
@@ -239,6 +312,9 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
             save_file(tensors, str(tmp / "model.safetensors"))
             (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
             (tmp / _RANDOM_MARKER).write_text(json.dumps({"arch": arch, "seed": seed}))
+            # safetensors writes 0600 whatever the umask: readable as every other file here (a teammate on a
+            # shared ARTCACHE_HOME reads it; regression: a misleading FileNotFoundError there)
+            apply_share_mode(*tmp.iterdir())
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)

@@ -867,3 +867,17 @@ def test_regression_lr_total_steps_below_steps_refused_before_training(root, wor
     assert snapshot(root) == before and not out.exists()
     ConsumerConfig(cache="-", steps=4, lr_total_steps=4).validate()
     ConsumerConfig(cache="-", steps=4, lr_total_steps=1, min_lr_frac=0.1).validate()  # a floor: LR never 0
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--keep-vocab-map"], "--keep-vocab-map needs --init-from"),
+    (["--min-vocab-coverage", "0.3"], "--min-vocab-coverage 0.3 needs --init-from"),
+])
+def test_regression_vocab_map_flags_without_init_from_are_refused(root, workdir, flags, needle):
+    """``--keep-vocab-map`` and ``--min-vocab-coverage`` judge a seed's own vocab map; without ``--init-from`` they
+    were accepted and did nothing. One line, exit 2, nothing written."""
+    before = snapshot(root)
+    result = invoke("consume", "--cache", str(root), "--draft", "eagle3", "--ttt-steps", "2", "--draft-vocab", "512",
+                    *flags)
+    assert_bad_input(result, needle)
+    assert snapshot(root) == before and not (workdir / "runs").exists()

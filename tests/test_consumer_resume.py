@@ -288,3 +288,57 @@ def test_regression_resume_refuses_a_checkpoint_file_that_does_not_match_its_dig
     reg = registry.read(layout, "c")
     assert (reg.state, reg.cursor, reg.checkpoint_cursor) == ("completed", 4 * BATCH, 4 * BATCH)
     assert read_state(tmp_path / "runs" / "c" / "checkpoints" / "step-00000004").digests is not None
+
+
+def test_regression_completed_id_reused_with_a_new_out_is_refused(tmp_path, tiny_target):
+    """A completed consumer ``--id`` run again without ``--resume`` under a new ``--out`` started over from cursor 0
+    without a word (the root forgot the first run's cursor). Now one line names the id, the earlier run directory
+    and how to go on; the registration is untouched and nothing is created under the new ``--out``."""
+    cache = tmp_path / "cache"
+    layout = CacheLayout(cache)
+    prod = start_producer(cache, tmp_path, tiny_target)
+    procs = [prod]
+    main = __import__("artcache.app.cli", fromlist=["main"]).main
+    try:
+        c = Proc("c", consume_args(cache, tmp_path, "c", 2), tmp_path)
+        procs.append(c)
+        c.expect(0)
+        reg = registry.read(layout, "c")
+        assert (reg.state, reg.checkpoint_cursor, reg.out_dir) == ("completed", 4, str(tmp_path / "runs" / "c"))
+        new = tmp_path / "runs" / "c-new"
+        bad = CliRunner().invoke(main, [*consume_args(cache, tmp_path, "c", 4), "--out", str(new)])
+        errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("artcache: error:")]
+        assert bad.exit_code == 2 and len(errors) == 1 and "Traceback" not in bad.output, bad.output
+        assert (f"consumer id 'c' already ran on this cache root (completed, checkpoint at cursor 4 in "
+                f"{tmp_path / 'runs' / 'c'})" in errors[0]), errors
+        assert f"pass --resume --out {tmp_path / 'runs' / 'c'} to continue it, or choose another --id" in errors[0]
+        assert registry.read(layout, "c") == reg and not new.exists()
+        prod.terminate_ready_producer()
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_refuse_reused_id_only_when_the_earlier_run_can_be_continued(tmp_path):
+    """The reuse check refuses only a fresh run that would forget a recorded checkpoint still on disk elsewhere:
+    no registration, none recorded, the same run directory (its own check) or an earlier one that is gone pass."""
+    from artcache.errors import ConfigError
+    from artcache.trainers.consumer.restore import refuse_reused_id
+
+    earlier = tmp_path / "runs" / "c"
+    (earlier / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (earlier / "checkpoints" / "step-00000002" / "state.json").write_text("{}")
+    reg = registry.Registration(consumer_id="c", draft="dflash", state="completed", checkpoint_cursor=4,
+                                out_dir=str(earlier))
+    refuse_reused_id("c", None, tmp_path / "new")
+    refuse_reused_id("c", registry.Registration(consumer_id="c", draft="dflash", state="failed"), tmp_path / "new")
+    refuse_reused_id("c", reg, earlier)
+    with pytest.raises(ConfigError, match="already ran on this cache root"):
+        refuse_reused_id("c", reg, tmp_path / "new")
+    legacy = registry.Registration(consumer_id="c", draft="dflash", state="cancelled", checkpoint_cursor=4)
+    with pytest.raises(ConfigError, match="in a run directory its registration does not record"):
+        refuse_reused_id("c", legacy, tmp_path / "new")
+    import shutil
+
+    shutil.rmtree(earlier)
+    refuse_reused_id("c", reg, tmp_path / "new")

@@ -360,3 +360,58 @@ def test_static_cache_gives_the_dynamic_answers(tiny_target, data, tmp_path):
     assert (tmp_path / "sta.jsonl").read_bytes() == (tmp_path / "dyn.jsonl").read_bytes()
     auto = ok_summary(invoke(*regen_args(tiny_target, data, tmp_path / "auto.jsonl")))
     assert auto["cache"] == "dynamic"  # auto on the CPU
+
+
+def _bar_text(monkeypatch, columns: int, draw) -> str:
+    """What ``draw()`` shows on a pseudo-terminal of ``columns`` x 24 (0: one that reports no size) as stderr."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import sys
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24 if columns else 0, columns, 0, 0))
+    tty = os.fdopen(slave, "w", encoding="utf-8")
+    monkeypatch.setattr(sys, "stderr", tty)
+    try:
+        draw()
+        tty.flush()
+        os.set_blocking(master, False)
+        chunks = []
+        while True:
+            try:
+                chunks.append(os.read(master, 65536))
+            except BlockingIOError:
+                break
+        return b"".join(chunks).decode(errors="replace")
+    finally:
+        monkeypatch.undo()
+        tty.close()
+        os.close(master)
+
+
+@pytest.mark.parametrize("columns", [0, 100])
+def test_regression_progress_bar_shows_on_a_terminal_that_reports_no_size(monkeypatch, columns):
+    """``artcache regenerate`` showed no progress bar on a terminal that reports no size (0 x 0: ``script``,
+    ``docker exec -t``, some CI terminals): tqdm sized the bar from the terminal and hid it. The consumer's bar
+    (:class:`~artcache.trainers.tracking.Progress`) was hidden the same way. Both now draw on such a terminal."""
+    from artcache.data.regenerate import _progress
+    from artcache.trainers.tracking import Progress
+
+    def regen():
+        with _progress(4, True) as bar:
+            bar.update(4)
+
+    def consumer():
+        p = Progress(3, 0, True, "dflash-0")
+        for _ in range(3):
+            p.update(1.0, 2.0, 0.1)
+        p.close()
+
+    text = _bar_text(monkeypatch, columns, regen)
+    assert "regenerate: 100%" in text and "4/4" in text, repr(text)
+    text = _bar_text(monkeypatch, columns, consumer)
+    assert "dflash-0: 100%" in text and "3/3" in text, repr(text)
+    assert _bar_text(monkeypatch, columns, lambda: _progress(4, False).close()) == ""  # --no-progress

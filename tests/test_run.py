@@ -596,6 +596,9 @@ def test_two_experiments_resume_from_unequal_checkpoints(tiny_target, tmp_path):
     assert r1["c"]["state"] == "completed" and r1["c"]["steps_run"] == 6
     assert r1["a"]["exit_code"] == -9 and r1["b"]["exit_code"] == -9
     assert r1["a"]["registration"] == "failed" and r1["b"]["registration"] == "failed"  # fenced by the producer
+    # no end record (SIGKILL): the fence settles their state, which stayed "running" before
+    assert r1["a"]["state"] == r1["b"]["state"] == "failed", (r1["a"]["error"], r1["b"]["error"])
+    assert "FAILED (killed by SIGKILL)" in proc.stdout
     fences = {ev.consumer for ev in J.read_events(out / "cache" / "journal").events if isinstance(ev, J.Fence)}
     assert {"a", "b"} <= fences
     run2 = write(tmp_path / "run2.toml", base_toml(tiny_target, out, exp("a", save_every=1), exp("b", save_every=1)))
@@ -724,12 +727,12 @@ def _gone(pid: int) -> bool:
 
 def test_run_first_signal_cancels_every_experiment(tiny_target, tmp_path):
     """artcache/shutdown.py's rule at the launcher: one SIGINT asks, so every experiment gets one SIGTERM and
-    ends cancelled with a checkpoint, the report is written; exit 1 (not every experiment completed), nothing
+    ends cancelled with a checkpoint, the report is written; exit 130 (128 + SIGINT: cancelled by a signal), nothing
     left running."""
     import signal
 
     code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGINT,))
-    assert code == 1, text[-4000:]
+    assert code == 130, text[-4000:]
     assert report["problems"] == [], report["problems"]
     assert {x["name"]: x["state"] for x in report["experiments"]} == {"a": "cancelled", "b": "cancelled"}
     assert all((Path(x["out_dir"]) / "checkpoints" / "latest").is_dir() for x in report["experiments"])
@@ -815,7 +818,7 @@ def test_run_second_signal_forces(tiny_target, tmp_path):
     import signal
 
     code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGINT, signal.SIGTERM))
-    assert code == 1, text[-4000:]
+    assert code == 130, text[-4000:]  # 128 + the first signal, SIGINT
     assert "interrupted" in report["problems"], report["problems"]
     assert all(_gone(pid) for pid in pids)
 
@@ -977,3 +980,138 @@ def test_shared_gpus_names_each_cuda_device_given_twice():
     assert shared_gpus(["cuda", "cuda", "cpu", "cuda:1"]) == ["cuda"]
     assert shared_gpus(["cpu", "cpu", "cuda:0", "cuda:1"]) == []
     assert shared_gpus(["cuda:1", "cuda:0", "cuda:1", "cuda:0"]) == ["cuda:0", "cuda:1"]
+
+
+# ---- one horizon: consumer.epochs turned into steps by the plan ------------------------------------------
+
+def _epochs_exp(name: str, epochs: int) -> str:
+    """An experiment that says how long to train by ``consumer.epochs`` alone (no ``steps``)."""
+    return exp(name, epochs=epochs).replace("steps = 6\n", "")
+
+
+def test_regression_run_config_epochs_is_one_horizon_in_the_plan_and_the_saved_config(tiny_target, tmp_path):
+    """``consumer.epochs`` bypassed the plan: with ``steps = 3`` and ``consumer.epochs = 1`` on a 12-sample plan the
+    dry run's table said 3 steps, the consumer ran 6 (its epochs replaced the steps it was given) and a rerun of
+    the same file was refused ("at step 6, --steps is 3"). Both together are now refused in one line; epochs alone
+    are turned into steps by the plan, which the saved config (what every process reads) holds."""
+    overrides = ["data.max_samples=12"]
+    with pytest.raises(ConfigError) as info:
+        plan_of(tiny_target, tmp_path, exp("d", steps=3), overrides=[*overrides, "experiments.0.consumer.epochs=1"])
+    assert "experiments.0 ('d') gives steps 3 and consumer.epochs 1" in str(info.value)
+    assert "\n" not in str(info.value)
+    plan, resolved = plan_of(tiny_target, tmp_path, _epochs_exp("d", 1), overrides=overrides)
+    assert plan.experiments[0].steps == 6 and plan.experiments[0].positions == 12  # 1 x 12 samples // batch 2
+    assert resolved.experiments[0].steps == 6 and "epochs" not in resolved.experiments[0].consumer
+    assert plan.experiments[0].consumer["steps"] == 6 and plan.experiments[0].consumer["epochs"] == 0
+    assert any("consumer.epochs 1 = 6 steps" in n for n in plan.notes), plan.notes
+    # a held-out split is not trained on: 2 epochs over the 12 - 4 training samples
+    plan, _ = plan_of(tiny_target, tmp_path, _epochs_exp("d", 2).replace("[experiments.consumer]\n",
+                                                                        "[experiments.consumer]\neval_samples = 4\n"),
+                      overrides=overrides)
+    assert plan.experiments[0].steps == 8
+    # the CLI's consume --config: a flag that gives the other one conflicts with the file
+    result = CliRunner().invoke(main, ["consume", "--config", str(tmp_path / "run.toml"), "--experiment", "d",
+                                       "--steps", "3", *overrides])
+    assert result.exit_code == 2 and "gives steps 3 and consumer.epochs 2" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_regression_run_epochs_run_and_rerun_walk_the_planned_steps(tiny_target, tmp_path):
+    """The consumer of an ``epochs`` experiment ran another number of steps than the plan said and its rerun was
+    refused; now the run walks the planned 6 steps and the same file's rerun finds it complete."""
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "run.toml", base_toml(tiny_target, out, _epochs_exp("d", 1)))
+    proc = artcache_run(cfg, "data.max_samples=12")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    x = report_of(out)["experiments"][0]
+    assert (x["steps_planned"], x["steps_run"], x["cursor_end"]) == (6, 6, 12), x
+    proc = artcache_run(cfg, "data.max_samples=12")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "experiment d complete: its checkpoint is at its final step 6; not started" in proc.stdout
+
+
+def test_regression_report_checkpoints_column_counts_and_names_the_steps(tmp_path):
+    """``artcache report``'s ``checkpoints`` column held the checkpoints' step numbers alone: one checkpoint at step
+    4 showed ``4``, which reads as four checkpoints. It now says how many and at which steps."""
+    out = _run_dir(tmp_path, {"a": 4})
+    text = CliRunner().invoke(main, ["report", str(out)])
+    assert text.exit_code == 0, text.output
+    assert "checkpoints (at steps)" in text.output
+    cells = [c.strip() for c in re.split(r"\s{2,}", _row(text.output, "a"))]
+    assert "1 (4)" in cells, cells
+
+
+def _unended_process(out: Path, name: str, *, fence: str | None, reg_state: str | None = None) -> None:
+    """Consumer ``name``'s process as a SIGKILL leaves it: a journal with its start and two steps but no end record,
+    its registration (this process's identity); ``fence``: a producer fenced it with that reason (registration and
+    journal, as :meth:`artcache.producer.Producer.live_registrations` does); ``reg_state``: the registration was
+    set terminal otherwise (fsck)."""
+    import time
+
+    layout = CacheLayout(out / "cache")
+    layout.create()
+    reg = registry.register(layout, registry.Registration(consumer_id=name, draft="dflash", pid=os.getpid()))
+    j = J.JournalWriter(layout.journal_path("consumer", name))
+    j.emit(J.ConsumerStart(t=time.time(), consumer=name, pid=os.getpid(), draft="dflash", block_size=4, batch_size=2,
+                           lookbehind=2, lookahead=8, cursor=0))
+    for step in (1, 2):
+        j.emit(J.Step(t=time.time(), consumer=name, step=step, cursor=2 * step, loss=2.0, tau_sum=0.0, blocks=0,
+                      acc_correct=[], acc_total=[], wait_s=0.0, step_s=0.1, lr=1e-3))
+    j.close()
+    if fence is not None:
+        assert registry.fence(layout, name, "failed", fence, reg.generation)
+        p = J.JournalWriter(layout.journal_path("producer", "producer"))
+        p.emit(J.Fence(t=time.time(), producer="producer", consumer=name, generation=reg.generation + 1,
+                       state="failed", reason=fence))
+        p.close()
+    elif reg_state is not None:
+        assert registry.fence(layout, name, reg_state, "fsck: no heartbeat progress", reg.generation)
+
+
+@pytest.mark.parametrize("fence, reg_state, want", [
+    ("process 4242 is gone", None, "b #1: failed, steps 1-2 (2 run), cursor 0->4, requests 0 (0 hits, 0 misses); no "
+     "end record; fenced by the producer: process 4242 is gone"),
+    (None, "expired", "b #1: expired, steps 1-2 (2 run)"),
+    (None, None, "b #1: running, steps 1-2 (2 run)"),  # alive (this process), never fenced: running it is
+])
+def test_regression_report_settles_a_process_without_an_end_record(tmp_path, fence, reg_state, want):
+    """``artcache report`` took a consumer process's state from its own end record only, so one SIGKILLed and fenced
+    by the producer (no end record) stayed ``running`` in the per-process rows. The fence (producer journal) or the
+    registration now settle it."""
+    out = _run_dir(tmp_path, {"a": 4, "b": 2})
+    _unended_process(out, "b", fence=fence, reg_state=reg_state)
+    res = CliRunner().invoke(main, ["report", str(out)])
+    assert want in res.output, res.output
+    as_json = json.loads(CliRunner().invoke(main, ["report", str(out), "--json"]).output)
+    b = next(x for x in as_json["experiments"] if x["name"] == "b")
+    assert b["processes"][0]["state"] == want.split(": ")[1].split(",")[0] and b["processes"][0]["pid"] == os.getpid()
+
+
+def test_role_outcome_names_a_cancel_as_the_report_does():
+    """``artcache run`` printed a SIGTERM-cancelled experiment as ``FAILED (exit 1)`` while its report said
+    ``cancelled``: the consumer exits ``128 + signal`` now and the run names that ``cancelled``."""
+    import signal
+
+    from artcache.app.experiments import role_outcome
+
+    assert role_outcome(0) == "completed"
+    assert role_outcome(128 + signal.SIGTERM) == "cancelled (SIGTERM, exit 143)"
+    assert role_outcome(130) == "cancelled (SIGINT, exit 130)"
+    assert role_outcome(-signal.SIGKILL) == "FAILED (killed by SIGKILL)"
+    assert role_outcome(1) == "FAILED (exit 1)" and role_outcome(2) == "FAILED (exit 2)"
+
+
+def test_regression_run_cancelled_by_sigterm_says_cancelled_and_exits_143(tiny_target, tmp_path):
+    """A SIGTERM-cancelled run printed each experiment as ``FAILED (exit 1)`` (click's status for the consumer's
+    KeyboardInterrupt) while the report said ``cancelled``, and the run exited 1. Now each consumer exits 143, the
+    run prints ``cancelled (SIGTERM, exit 143)``, the report agrees and the run exits 143 (128 + SIGTERM)."""
+    import signal
+
+    code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGTERM,))
+    assert code == 128 + signal.SIGTERM, text[-4000:]
+    assert "experiment a cancelled (SIGTERM, exit 143)" in text and "experiment b cancelled (SIGTERM, exit 143)" in text
+    assert not re.search(r"experiment \w+ FAILED", text), text[-4000:]
+    assert {x["name"]: (x["state"], x["exit_code"]) for x in report["experiments"]} == {
+        "a": ("cancelled", 143), "b": ("cancelled", 143)}
+    assert report["exit_code"] == 143 and report["cancelled_by"] == "SIGTERM"
+    assert all(_gone(pid) for pid in pids)

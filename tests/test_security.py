@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import stat
@@ -278,3 +279,161 @@ def test_regression_failed_create_removes_what_it_made(tmp_path):
     with pytest.raises(UnsafePath, match="objects"):
         CacheLayout(root).create()
     assert sorted(p.name for p in root.iterdir()) == ["objects"]
+
+
+# ---- a group-shared root serves a second member of the group ---------------------------------------------------
+
+ALICE, TEAM = 52001, 52000  # the producer's user and the group sharing the root (no passwd entry needed)
+
+
+def _teammate_available() -> bool:
+    import shutil as sh
+
+    return hasattr(os, "geteuid") and os.geteuid() == 0 and sh.which("setpriv") is not None
+
+
+needs_root = pytest.mark.skipif(not _teammate_available(),
+                                reason="needs root and setpriv (a teammate is root without CAP_DAC_*)")
+
+
+def _as_teammate(args: list[str], env: dict, timeout: float = 300):
+    """Run ``python args`` as a teammate: a member of group TEAM only, without the capabilities that let root read
+    what its mode bits refuse (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so another user's 0700 directory and 0600
+    file are as closed to it as to any other member of the group."""
+    import subprocess
+    import sys
+
+    return subprocess.run(["setpriv", "--groups", str(TEAM), "--bounding-set", "-dac_override,-dac_read_search",
+                           sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _chown_tree(path: Path, uid: int, gid: int) -> None:
+    """``path`` and everything under it owned by ``uid:gid``, modes kept (the files alice's producer made)."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(dirpath, name), uid, gid)
+    os.lchown(path, uid, gid)
+
+
+def _alice_root(tmp_path: Path, target: str, home: Path, monkeypatch) -> Path:
+    """A group-shared root made as alice's producer makes it (umask 007, her ARTCACHE_HOME ``home``), then owned by
+    alice and the group, as her files would be."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    monkeypatch.setenv("ARTCACHE_HOME", str(home))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    old = os.umask(0o007)
+    try:
+        prepare_root(ProducerConfig(cache=str(shared / "cache"), target=target, dataset="synthetic", max_samples=8,
+                                    max_length=32, draft_layers=3, group_shared=True))
+    finally:
+        os.umask(old)
+    monkeypatch.delenv("ARTCACHE_HOME")
+    _chown_tree(shared, ALICE, TEAM)
+    return shared / "cache"
+
+
+# what a consumer does with the root's target at start: resolve it, then read its embedding and lm_head
+_CHECK = ("import sys; from pathlib import Path; from artcache.layout import CacheLayout; "
+          "from artcache.settings import load_settings; from artcache.target import load_embedding_and_lm_head; "
+          "from artcache.trainers.draft import check_target; "
+          "info = check_target(load_settings(CacheLayout(Path(sys.argv[1])))); load_embedding_and_lm_head(info); "
+          "print('TARGET', info.path)")
+
+
+@needs_root
+@pytest.mark.parametrize("shared_home", [False, True])
+def test_regression_group_shared_root_serves_a_teammates_consumer(tmp_path, monkeypatch, shared_home):
+    """With ``--group-shared``, umask 007 and each user's default cache, a teammate's consumer died at start: it read
+    the target's weights from the path the producer recorded, under alice's private ARTCACHE_HOME (a raw
+    PermissionError); with one shared ARTCACHE_HOME, ``random:`` targets' weights were written 0600 (safetensors)
+    and the teammate could not read them. Now a built-in target is resolved from the teammate's own cache by its
+    weights digest when the recorded path is closed, and its weights are written group-readable."""
+    alice_home = tmp_path / "alice" / ".cache" / "artcache"
+    if shared_home:
+        alice_home = tmp_path / "team-cache"
+        alice_home.mkdir()
+        os.chmod(alice_home, 0o2770)
+    cache = _alice_root(tmp_path, "random:tiny-llama", alice_home, monkeypatch)
+    _chown_tree(tmp_path / ("team-cache" if shared_home else "alice"), ALICE, TEAM if shared_home else ALICE)
+    if not shared_home:
+        os.chmod(tmp_path / "alice", 0o700)
+    bob_home = alice_home if shared_home else tmp_path / "bob-home"
+    env = dict(os.environ, ARTCACHE_HOME=str(bob_home))
+    res = _as_teammate(["-c", _CHECK, str(cache)], env)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    got = Path(res.stdout.split("TARGET ")[1].strip())
+    assert got == bob_home / "targets" / "random-tiny-llama-s0", got  # bob's own cache, or the shared one
+    weights = alice_home / "targets" / "random-tiny-llama-s0" / "model.safetensors"
+    assert os.stat(weights).st_mode & 0o040, oct(os.stat(weights).st_mode)  # the group may read it
+    if shared_home:
+        return
+    # the teammate's whole consumer start: it registers on alice's root and waits for a producer (none runs here)
+    res = _as_teammate(["-m", "artcache", "consume", "--cache", str(cache), "--id", "bob", "--block-size", "4",
+                        "--anchors", "4", "--steps", "1", "--out", str(tmp_path / "bob-run"), "--no-progress",
+                        "--demand-timeout", "2"], env)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("artcache: error:")]
+    assert res.returncode == 1 and len(errors) == 1 and "CaptureTimeout: position 0" in errors[0], res.stderr[-3000:]
+    assert "from this user's cache (same weights digest" in res.stderr
+    assert json.loads((cache / "consumers" / "bob.json").read_text())["state"] == "failed"
+
+
+@needs_root
+def test_regression_unreadable_target_directory_is_one_line_naming_path_and_permission(tmp_path, monkeypatch,
+                                                                                       tiny_target):
+    """A root captured from a target directory in alice's private home: the teammate's consumer got a raw
+    PermissionError traceback at start. Now one line names the path, its mode and owner, the teammate's ids and the
+    permission missing, exit 1, nothing registered."""
+    import shutil as sh
+
+    private = tmp_path / "alice"
+    target = private / "models" / "tiny"
+    sh.copytree(tiny_target.path, target)
+    cache = _alice_root(tmp_path, str(target), tmp_path / "alice-home", monkeypatch)
+    _chown_tree(private, ALICE, ALICE)
+    os.chmod(private, 0o700)
+    env = dict(os.environ, ARTCACHE_HOME=str(tmp_path / "bob-home"))
+    res = _as_teammate(["-m", "artcache", "consume", "--cache", str(cache), "--id", "bob", "--block-size", "4",
+                        "--anchors", "4", "--steps", "1", "--out", str(tmp_path / "bob-run"), "--no-progress"], env)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("artcache: error:")]
+    assert res.returncode == 1 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert (f"NotReadable: the cache root's target {target} cannot be read by this user: {private} (drwx------ uid "
+            f"{ALICE} gid {ALICE}) gives uid 0 (groups [{TEAM}]) no search permission") in errors[0], errors
+    assert "chmod -R g+rX" in errors[0]
+    assert not list((cache / "consumers").glob("*.json")) and not (tmp_path / "bob-run").exists()
+
+
+def test_group_shared_producer_warns_of_a_target_its_group_cannot_read(tmp_path, tiny_target, caplog):
+    """A group-shared root captured from a target directory its group cannot read is said at the producer's start
+    (a teammate's consumer would be refused); a built-in target (resolved by each user by name) is not."""
+    import logging
+    import shutil as sh
+    import tempfile
+
+    from artcache.producer import ProducerConfig, prepare_root
+
+    base = Path(tempfile.mkdtemp(dir="/tmp", prefix="artcache-test-"))  # parents the group may search (not tmp_path's)
+    try:
+        os.chmod(base, 0o755)
+        private = base / "private"
+        sh.copytree(tiny_target.path, private / "tiny")
+        os.chmod(private, 0o700)
+        with caplog.at_level(logging.WARNING, logger="artcache.producer"):
+            prepare_root(ProducerConfig(cache=str(tmp_path / "cache"), target=str(private / "tiny"),
+                                        dataset="synthetic", max_samples=4, max_length=32, draft_layers=3,
+                                        group_shared=True))
+        warned = [r.getMessage() for r in caplog.records if "--group-shared: the target" in r.getMessage()]
+        assert len(warned) == 1 and f"{private} (drwx------" in warned[0] and "no search" in warned[0], warned
+        os.chmod(private, 0o750)
+        for f in (private / "tiny").iterdir():
+            os.chmod(f, 0o640)
+        os.chmod(private / "tiny", 0o750)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="artcache.producer"):
+            prepare_root(ProducerConfig(cache=str(tmp_path / "cache"), target=str(private / "tiny"),
+                                        dataset="synthetic", max_samples=4, max_length=32, draft_layers=3,
+                                        group_shared=True))
+        assert not [r.getMessage() for r in caplog.records if "--group-shared: the target" in r.getMessage()]
+    finally:
+        sh.rmtree(base, ignore_errors=True)

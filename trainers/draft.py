@@ -47,21 +47,25 @@ A draft never decides which positions it reads; the consumer does.
 from __future__ import annotations
 
 import abc
+import errno
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from artcache.errors import ConfigError, ContractMismatch
-from artcache.target import TargetInfo, resolve_target
+from artcache.errors import ConfigError, ContractMismatch, NotReadable
+from artcache.target import TargetInfo, by_name, resolve_target, unreadable
 from artcache.trainers import ADAPTERS, DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState
 
 __all__ = ["COUNT_KEYS", "REPLAY_FIGURES", "Draft", "DraftBatch", "ExportedDraft", "MetricSums", "PendingSums",
            "build_draft", "check_target", "describe_figures", "draft_class", "figures_of", "present",
            "replay_headline", "replay_sums", "replay_summary"]
+
+log = logging.getLogger("artcache.consumer")
 
 
 @dataclass
@@ -305,14 +309,42 @@ def replay_headline(summary: dict[str, Any], bonus_note: str = " (incl. +1 bonus
 
 
 def check_target(settings) -> TargetInfo:
-    """The cache root's target (``settings.target_path``), resolved, with the weights it was captured from.
+    """The cache root's target, resolved, with the weights it was captured from: the directory the producer
+    recorded (``settings.target_path``) when this process can read it; else, for a target every user resolves by
+    name (:func:`artcache.target.by_name`: ``random:<arch>``, the bundled GGUF target, a hub id at its recorded
+    revision), the same target from this user's own caches (``$ARTCACHE_HOME``, the hub cache), checked by its
+    weights digest. A group-shared root's recorded path is often under the producer's private home, which a
+    teammate's consumer may not read.
 
     Raises:
         ContractMismatch: the target's weights digest differs from the root's contract.
+        NotReadable: the recorded directory cannot be read here and no name resolves to the same weights (one line:
+            the path, its mode and owner, this user's ids and how to share it).
         ConfigError: the target cannot be resolved.
     """
+    expected = settings.contract.target_weights_digest
+    why = unreadable(settings.target_path)
+    if why is not None:
+        name = by_name(settings.contract.target_name, settings.contract.target_revision)
+        other = ""
+        if name is not None:
+            try:
+                info = resolve_target(name)  # this user's own caches
+            except ConfigError as exc:
+                other = f"; resolving {name!r} here failed too ({exc})"
+            else:
+                if info.weights_digest == expected:
+                    log.info("the cache root's target %s cannot be read here (%s): using %s from this user's cache "
+                             "(same weights digest %s)", settings.target_path, why, info.path, expected)
+                    return info
+                other = f"; {name!r} resolves here to weights digest {info.weights_digest}, not the root's {expected}"
+        raise NotReadable(f"the cache root's target {settings.target_path} cannot be read by this user: {why}{other}; "
+                          "a consumer loads the target's embedding, lm_head and tokenizer, so the group sharing the "
+                          "root needs read access (chmod -R g+rX on the target and search permission on its "
+                          "parents), or capture from a target directory every consumer can read",
+                          errno_=errno.EACCES)
     info = resolve_target(settings.target_path)
-    if info.weights_digest != settings.contract.target_weights_digest:
+    if info.weights_digest != expected:
         raise ContractMismatch(
             f"target at {settings.target_path} has weights digest {info.weights_digest}, but the cache "
             f"root was captured from {settings.contract.target_weights_digest}")

@@ -220,11 +220,12 @@ class Progress:
         self._redirect = None
         if not enabled or not sys.stderr.isatty():
             return
-        from tqdm import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr,
-                        smoothing=0.1)
+        from artcache.logs import progress_bar
+
+        self.bar = progress_bar(total, enabled=True, desc=desc, unit="step", initial=initial, dynamic_ncols=True,
+                                smoothing=0.1)
         self._redirect = logging_redirect_tqdm()
         self._redirect.__enter__()
 

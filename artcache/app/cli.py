@@ -26,12 +26,22 @@ from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 def _errors(fn):
     """Turn artcache errors into one clear line on stderr and the error class's exit status
     (``ArtcacheError.exit_code``: 2 = bad input, 1 = operational failure); a msgspec validation error of
-    a config file is bad input too."""
+    a config file is bad input too. A run a stop signal cancelled (its KeyboardInterrupt, after its own cleanup:
+    a consumer's checkpoint and ``cancelled`` registration) exits ``128 + signal`` (130 SIGINT, 143 SIGTERM;
+    :func:`artcache.shutdown.stop_exit_status`), not click's 1."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            import signal
+
+            from artcache.shutdown import stop_exit_status
+
+            code = stop_exit_status()
+            click.echo(f"artcache: cancelled by {signal.Signals(code - 128).name} (exit {code})", err=True)
+            sys.exit(code)
         except msgspec.ValidationError as exc:
             click.echo(f"artcache: error: {exc}", err=True)
             sys.exit(2)

@@ -189,8 +189,9 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         dtype: hidden-state dtype this draft expects; must be ``target.dtype`` (``None``: any).
         block_size (B; default DFlash 16, DSpark 7), anchors (per sequence; default 64, DSpark 512 on cuda,
             64 on cpu): a draft that does not use an option (EAGLE-3) refuses it. batch_size (positions per
-            step). steps: the stop (raise it to extend a run). lr_total_steps: the LR schedule horizon
-            (default: steps; on a resume, the checkpoint's).
+            step). steps: the stop (raise it to extend a run); ``consumer.epochs`` instead (never both: refused,
+            :func:`check_horizon`) is turned into steps from the plan by ``artcache run``. lr_total_steps: the LR
+            schedule horizon (default: steps; on a resume, the checkpoint's).
         lr (peak), warmup_frac, seed, window (``LOOKBEHIND:LOOKAHEAD`` positions).
         device: ``""`` = ``target.device``. threads: torch CPU threads (0 = torch's default).
         out: run directory (checkpoints, config); ``""`` = ``<out>/experiments/<name>``.
@@ -478,7 +479,26 @@ def convert(raw: dict, source: str = "config") -> RunConfig:
         raise ConfigError(f"{source}: {where or 'top level'}: {problem}"
                           + (f"; accepted: {accepted}" if accepted else "")) from None
     check_run_config(cfg, source)
+    check_horizon(raw, cfg, source)
     return cfg
+
+
+def check_horizon(raw: dict, cfg: RunConfig, source: str = "config") -> None:
+    """One horizon per experiment: ``steps`` and ``consumer.epochs`` (> 0) both given in the raw table (the
+    file, its overrides and the CLI flags) say twice how long to train, so they are refused; with ``epochs``
+    alone :func:`artcache.app.experiments.plan_run` turns it into ``steps`` from the plan (the dry run, the run
+    and a rerun then walk the same steps).
+
+    Raises:
+        ConfigError: naming both values and the two ways on.
+    """
+    items = raw.get("experiments") if isinstance(raw.get("experiments"), list) else []
+    for i, (item, e) in enumerate(zip(items, cfg.experiments, strict=False)):
+        epochs = e.consumer.get("epochs", 0)
+        if isinstance(item, dict) and "steps" in item and isinstance(epochs, int) and epochs > 0:
+            raise ConfigError(f"{source}: experiments.{i} ({e.name!r}) gives steps {e.steps} and consumer.epochs "
+                              f"{epochs}, which both say how long to train; give one of them (leave steps out to "
+                              "train by epochs)")
 
 
 def check_run_config(cfg: RunConfig, source: str = "config") -> None:

@@ -331,6 +331,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     final: list[Experiment] = []
     for e in resolved.experiments:
         e = msgspec.structs.replace(e, resume=_resume_or_fresh(e))
+        e = _steps_of_epochs(e, resolved, plan_obj, notes)
         final.append(e)
         resolved_e = msgspec.structs.replace(resolved, experiments=[*final, *resolved.experiments[len(final):]])
         x, seeded = _plan_experiment(e, resolved_e, layout=layout, plan_id=plan_id, contract=contract, info=info,
@@ -360,6 +361,35 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes,
         explicit_layer_ids=bool(cfg.capture.layer_ids))
     return plan, resolved
+
+
+def _steps_of_epochs(e: Experiment, resolved: RunConfig, plan_obj, notes: list[str]) -> Experiment:
+    """Experiment ``e`` with ``consumer.epochs`` (> 0) turned into ``steps``: ``epochs x epoch_len // batch_size``
+    over the plan's training part (all but its held-out split; :func:`~artcache.trainers.evaluation.epoch_steps`,
+    as the consumer computes it), ``epochs`` removed from its consumer table, and a note saying so in ``notes``.
+    The dry run, the run (every process reads the saved config, which holds the steps) and a rerun of the same
+    file then walk one horizon. ``e`` as it is without epochs (``steps`` and ``epochs`` together are refused by
+    :func:`~artcache.app.config.check_horizon`).
+
+    Raises:
+        ConfigError: a consumer setting is invalid, or the epochs are not one batch.
+    """
+    from artcache.trainers.evaluation import epoch_steps, eval_split
+
+    ccfg = consumer_config(msgspec.structs.replace(resolved, experiments=[e]), e.name)  # its settings checked
+    if not ccfg.epochs:
+        return e
+    n = len(plan_obj())
+    lo, _ = eval_split(n, ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples",
+                       f"the plan has {n} samples (data.max_samples {resolved.data.max_samples} is the most it holds)")
+    epoch_len = lo or n
+    try:
+        steps = epoch_steps(ccfg.epochs, epoch_len, ccfg.batch_size)
+    except ConfigError as exc:
+        raise ConfigError(f"experiment {e.name!r}: {exc}") from None
+    notes.append(f"{e.name}: consumer.epochs {ccfg.epochs} = {steps} steps ({ccfg.epochs} x {epoch_len} training "
+                 f"samples // batch {ccfg.batch_size})")
+    return msgspec.structs.replace(e, steps=steps, consumer={k: v for k, v in e.consumer.items() if k != "epochs"})
 
 
 def _resume_or_fresh(e: Experiment) -> bool:
@@ -413,7 +443,15 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
         start_step, start_cursor, resume_from = state.step, state.cursor, str(path)
         if state.step == ccfg.steps:
             skip = f"complete: its checkpoint is at its final step {state.step}"
-    elif e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
+    elif not e.resume and layout.consumers.is_dir():  # an earlier run of this id elsewhere: as the consumer will
+        from artcache import registry
+        from artcache.trainers.consumer.restore import refuse_reused_id
+
+        try:
+            refuse_reused_id(e.name, registry.read(layout, e.name), Path(e.out))
+        except ConfigError as exc:
+            raise ConfigError(f"experiment {e.name!r}: {exc}") from None
+    if found is None and e.init_from:  # the seed checked exactly as the consumer will (artcache.trainers.seed)
         src = read_seed(e.init_from, info.num_layers)
         if src.state is not None:
             check_checkpoint(e, src.path, info=info, contract=contract, plan_id=plan_id, resume=False, strict=False)
@@ -505,8 +543,9 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     """Initialise the cache root, start one consumer per experiment, start the producer once each has
     registered (or exited), wait for all of them and write the report (no step barrier anywhere).
 
-    Returns the exit status: 0 when every experiment completed and the producer exited cleanly, 1
-    otherwise. A failed experiment does not stop its siblings. The roles are :class:`artcache.launch.Role`
+    Returns the exit status: 0 when every experiment completed and the producer exited cleanly; ``128 +
+    signal`` when a stop signal cancelled the run (130 SIGINT, 143 SIGTERM: :func:`run_report`); 1 otherwise.
+    A failed experiment does not stop its siblings. The roles are :class:`artcache.launch.Role`
     processes; signals follow :mod:`artcache.shutdown`: the first SIGINT/SIGTERM is forwarded once to every
     experiment (they end as ``cancelled``), then to the producer; a second terminates every role still
     running (SIGTERM, SIGKILL after 30 s).
@@ -567,8 +606,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             for c in consumers.values():
                 if c.code is not None and not c.announced:
                     c.announced = True
-                    state = COMPLETED if c.code == 0 else f"FAILED (exit {c.code}); its siblings go on"
-                    print(f"experiment {c.name} {state}", flush=True)
+                    state = role_outcome(c.code)
+                    print(f"experiment {c.name} {state}{'; its siblings go on' if c.code else ''}", flush=True)
             if producer is not None and producer.poll() not in (None, 0) and not forwarded:
                 # (exit 0 is --exit-when-done: every registration is terminal, the rest are exiting)
                 problems.append(f"the producer exited with {producer.code} while experiments were running")
@@ -581,7 +620,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             time.sleep(poll_s)
         for c in consumers.values():
             if not c.announced:
-                print(f"experiment {c.name} {COMPLETED if c.code == 0 else f'FAILED (exit {c.code})'}", flush=True)
+                print(f"experiment {c.name} {role_outcome(c.code)}", flush=True)
         if producer is not None:
             if stop.is_set():
                 cancel_signalled = cancel_producer(layout, producer)
@@ -596,8 +635,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         stop_all([*consumers.values(), *([producer] if producer else [])], grace_s=30)
         shutdown.restore()
     wall = time.monotonic() - t0
-    report = merge_earlier(run_report(plan, producer, consumers, wall, problems, cancel_signalled=cancel_signalled),
-                           out / "report.json")
+    report = merge_earlier(run_report(plan, producer, consumers, wall, problems, cancel_signalled=cancel_signalled,
+                                      cancelled_by=shutdown.signum), out / "report.json")
     write_report(plan, report)
     print(format_report(report), flush=True)
     print(f"report: {out / 'report.json'}", flush=True)
@@ -667,6 +706,7 @@ def committed_work(events: list) -> dict:
     blocks = sum(s.blocks for s in last)
     return {
         "state": end.state if end else ("running" if start else "not started"), "error": end.error if end else "",
+        "pid": start.pid if start else None, "started": start.t if start else None,
         "steps_run": len(steps), "first_step": steps[0].step if steps else None,
         "last_step": steps[-1].step if steps else None, "cursor_start": cursor0, "cursor_end": cursor1,
         "positions_committed": cursor1 - cursor0, "requests": len(reqs), "hits": sum(r.hit for r in reqs),
@@ -731,11 +771,67 @@ def producer_exit_ok(code: int | None, stop_reason: str, cancel_signalled: bool)
             and not stop_reason.startswith("failed"))
 
 
+def role_outcome(code: int | None) -> str:
+    """How ``artcache run`` names an experiment's end from its consumer's exit status, as its report's state does:
+    ``completed`` (0); ``cancelled (SIGTERM, exit 143)`` (``128 + signal`` of a stop signal: the consumer ended at a
+    step boundary with a checkpoint, its state ``cancelled``); ``FAILED (killed by SIGKILL)`` (a negative status:
+    no end record; the producer fences it); ``FAILED (exit N)`` otherwise."""
+    if code == 0:
+        return COMPLETED
+    if code is None:
+        return "FAILED (still running)"
+    if code < 0:
+        return f"FAILED (killed by {_signal_name(-code)})"
+    if code - 128 in (signal.SIGINT, signal.SIGTERM):
+        return f"cancelled ({_signal_name(code - 128)}, exit {code})"
+    return f"FAILED (exit {code})"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def settle_state(name: str, work: dict, *, fences: list, reg, later_start: float | None = None,
+                 code: int | None = None) -> None:
+    """Settle the state of a consumer process with no end record (:func:`committed_work` says ``running``): a
+    process SIGKILLed, or dead on its own, writes none. In ``work`` (its ``pid`` and ``started``), from what
+    others recorded of it: a producer's fence of ``name`` in its lifetime (``fences``: the producers' ``fence``
+    events; ``later_start``: when the next process of ``name`` started, None for the last one) gives that fence's
+    state (``failed``, ``expired``); for the last process, a terminal registration ``reg`` of its pid gives the
+    registration's state; a later process of ``name`` (which may start only once this one is not running), its
+    exit status ``code``, or a registration whose process is gone says it ended (``failed``). Otherwise it is
+    ``running`` (alive, or on another host and not fenced yet)."""
+    from artcache.liveness import dead_reason
+
+    if work["state"] != "running":
+        return
+    start = work.get("started") or 0.0
+    mine = [f for f in fences if f.consumer == name and f.t >= start and (later_start is None or f.t < later_start)]
+    own_reg = reg if reg is not None and later_start is None and reg.pid == work.get("pid") else None
+    if mine:
+        state, error = mine[-1].state, f"no end record; fenced by the producer: {mine[-1].reason}"
+    elif own_reg is not None and own_reg.state != "running":
+        state, error = own_reg.state, f"no end record; its registration: {own_reg.reason or own_reg.state}"
+    elif later_start is not None:
+        state, error = "failed", "no end record (killed); a later process of the same id took over"
+    elif code is not None:
+        state, error = "failed", f"no end record; its process ended ({role_outcome(code)}), not fenced yet"
+    elif own_reg is not None and (gone := dead_reason(own_reg.identity)):
+        state, error = "failed", f"no end record; {gone}, not fenced yet (no producer ran since)"
+    else:
+        return
+    work["state"], work["error"] = state, error
+
+
 def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role], wall: float,
-               problems: list[str], *, cancel_signalled: bool = False) -> dict:
+               problems: list[str], *, cancel_signalled: bool = False, cancelled_by: int = 0) -> dict:
     """The run report: shared production (this run's producer, counted once) apart from each
     experiment's committed work (this run's consumer process), plus the root-wide invariants.
-    ``cancel_signalled``: the run sent the producer its cancel SIGTERM (:func:`producer_exit_ok`)."""
+    ``cancel_signalled``: the run sent the producer its cancel SIGTERM (:func:`producer_exit_ok`).
+    ``cancelled_by``: the stop signal that cancelled the run (0: none); the exit code is then ``128 +`` it."""
     from artcache import registry
     from artcache.accounting import account
     from artcache.layout import CacheLayout
@@ -744,6 +840,8 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
     prod = production(_events(layout.journal_of("producer", "producer", producer.popen.pid))) if producer \
         else production([])
     prod["exit_code"] = producer.code if producer else None
+    fences = [ev for ev in _events(layout.journal_of("producer", "producer", producer.popen.pid))
+              if isinstance(ev, J.Fence)] if producer else []
     experiments = []
     for x in plan.experiments:
         role = consumers.get(x.name)
@@ -752,6 +850,7 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
         if x.skip:  # not started: its checkpoint is at its final step
             work["state"] = COMPLETED
         reg = registry.read(layout, x.name) if layout.consumers.is_dir() else None
+        settle_state(x.name, work, fences=fences, reg=reg, code=role.code if role else None)
         summary = _summary_line(role.log) if role else {}
         experiments.append({
             "name": x.name, "draft": x.draft, "layer_ids": x.layer_ids, "view": x.view, "device": x.device,
@@ -780,9 +879,10 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
                              or (producer is None and not consumers)),
         "accounting_invariants": bool(acc) and not acc.violations,
     }
-    exit_code = 0 if all(checks.values()) and not problems else 1
+    exit_code = 128 + cancelled_by if cancelled_by else 0 if all(checks.values()) and not problems else 1
     return {
         "out": plan.out, "wall_s": wall, "exit_code": exit_code, "problems": problems, "checks": checks,
+        "cancelled_by": _signal_name(cancelled_by) if cancelled_by else "",
         "target": plan.target, "captured_layer_ids": plan.captured_layer_ids, "dtype": plan.dtype,
         "plan_id": plan.plan_id,
         "shared_production": {**prod, "distinct_positions_consumed": distinct,
@@ -864,7 +964,8 @@ def format_report(r: dict) -> str:
              round(x["acceptance"], 3) if x.get("acceptance") is not None else "-", x["registration"]]
             for x in r["experiments"]]
     lines = [
-        f"## run {r['out']} ({r['wall_s']:.1f} s)", "",
+        f"## run {r['out']} ({r['wall_s']:.1f} s)"
+        + (f"; cancelled by {r['cancelled_by']} (exit {r['exit_code']})" if r.get("cancelled_by") else ""), "",
         f"target {r['target']['name']}; captured layers {r['captured_layer_ids']} ({r['dtype']}), the union of "
         "the experiments' views", "",
         "Shared production (this run's producer, counted once):",
@@ -980,6 +1081,7 @@ def run_dir_report(out: str | Path) -> dict:
     prod_events = [ev for f in sorted(jdir.glob("producer-*.jsonl")) for ev in _events(f)] if jdir.is_dir() else []
     shared = production(prod_events)
     shared["producer_processes"] = len(list(jdir.glob("producer-*.jsonl"))) if jdir.is_dir() else 0
+    fences = [ev for ev in prod_events if isinstance(ev, J.Fence)]
     experiments, ranges = [], []
     for e in cfg.experiments:
         files = (sorted(jdir.glob(f"consumer-{e.name}-*.jsonl"), key=lambda f: f.stat().st_mtime)
@@ -992,6 +1094,10 @@ def run_dir_report(out: str | Path) -> dict:
         except (CacheRootError, UnsafePath) as exc:
             reg = None
             damage.append(str(exc))
+        processes.sort(key=lambda w: w["started"] or 0.0)
+        for i, w in enumerate(processes):  # a process with no end record: what the producer and registry say of it
+            later = processes[i + 1]["started"] if i + 1 < len(processes) else None
+            settle_state(e.name, w, fences=fences, reg=reg, later_start=later)
         run_dir = Path(e.out)
         latest, best = find_checkpoint(run_dir), best_checkpoint(run_dir)
         st = _checkpoint_state(latest, damage)
@@ -1023,6 +1129,12 @@ def run_dir_report(out: str | Path) -> dict:
             "damaged": [f"{x['name']}: {d}" for x in experiments for d in x["damage"]]}
 
 
+def _checkpoint_cell(steps: list[int]) -> str:
+    """The report's checkpoints cell: how many, then the steps they are at (``3 (2, 4, 6)``); ``-`` for none. A
+    bare step list read like a count (a single checkpoint at step 6 showed ``6``)."""
+    return f"{len(steps)} ({', '.join(map(str, steps))})" if steps else "-"
+
+
 def format_run_dir_report(r: dict) -> str:
     """:func:`run_dir_report` as text: shared production (counted once), then each experiment, then each
     experiment's committed work per consumer process (never added into production)."""
@@ -1036,7 +1148,7 @@ def format_run_dir_report(r: dict) -> str:
         best = x["best"]
         rows.append([x["name"], x["draft"], x["state"], f"{x['steps']}/{x['steps_planned']}",
                      f"step {ev['step']}: {shown}" if ev else "-",
-                     ",".join(map(str, x["checkpoints"])) or "-", x["latest"] or "-",
+                     _checkpoint_cell(x["checkpoints"]), x["latest"] or "-",
                      f"{best['checkpoint']}" + (f" ({best.get('replay_tau', best.get('tau', best.get('loss'))):.3g})"
                                                 if any(k in best for k in ("replay_tau", "tau", "loss")) else "")
                      if best else "-"])
@@ -1046,7 +1158,8 @@ def format_run_dir_report(r: dict) -> str:
              f"positions consumed; publications {p['publications']} ({format_bytes(p['published_bytes'])}); failures "
              f"{p['failures']}; evictions {p['evictions']}", "",
              "Experiments:", "```",
-             table(["experiment", "draft", "state", "steps", "last eval", "checkpoints", "latest", "best"], rows),
+             table(["experiment", "draft", "state", "steps", "last eval", "checkpoints (at steps)", "latest", "best"],
+                   rows),
              "```", "", "Committed work per consumer process (each experiment's own; not production):"]
     for x in r["experiments"]:
         for i, w in enumerate(x["processes"], 1):
@@ -1063,4 +1176,4 @@ def format_run_dir_report(r: dict) -> str:
 
 __all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "draft_view", "format_plan",
            "format_run_dir_report", "journaled_stop", "layer_union", "merge_earlier", "plan_run", "producer_exit_ok",
-           "resolve", "run_dir_report", "run_experiments", "view_index"]
+           "resolve", "role_outcome", "run_dir_report", "run_experiments", "settle_state", "view_index"]

@@ -197,10 +197,9 @@ def select_prompts(records: list[dict[str, Any]], tokenizer, *, max_samples: int
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
+    from artcache.logs import progress_bar
 
-    return tqdm(total=total, unit="sample", file=sys.stderr, disable=not (enabled and sys.stderr.isatty()),
-                desc="regenerate")
+    return progress_bar(total, enabled=enabled, desc="regenerate", unit="sample")
 
 
 def generate(prompt_ids: list[list[int]], *, backend: str, target_path: str, tokenizer, stop_ids: list[int],

@@ -79,7 +79,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         markov_rank, markov_head: DSpark's Markov head (rank r, 0 = none; ``vanilla`` or ``gated``).
         min_vocab_coverage: EAGLE-3 with ``init_from``: the least share of the plan's supervised training
             tokens the seed's own vocab map must cover (default 0.5); ``keep_vocab_map`` trains below it
-            (with a warning naming the figure).
+            (with a warning naming the figure). Either one given without ``init_from`` is refused.
         init_overrides: differences from the ``init_from`` source to accept (``block_size``,
             ``mask_token``, ``target``); any other difference is refused (:mod:`artcache.trainers.seed`).
         Draft options (``block_size`` … ``keep_vocab_map``, ``eval_anchors``, ``markov_*``) are None when
@@ -192,6 +192,13 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                               "(layer ids, sizes and the vocab map are never overridden)")
         if self.init_overrides and not self.init_from:
             raise ConfigError(f"--init-override {','.join(self.init_overrides)} needs --init-from")
+        # the seed's vocab map is what these two judge: without a seed they would be accepted and do nothing
+        for field in ("min_vocab_coverage", "keep_vocab_map"):
+            if getattr(self, field) not in (None, False) and not self.init_from:
+                value = getattr(self, field)
+                raise ConfigError(f"{flag_of(field)}{'' if value is True else f' {value}'} needs --init-from (it "
+                                  "judges the seed's own vocab map; a fresh or resumed run has none to judge): "
+                                  "leave it out, or pass --init-from")
         if self.best_metric is not None and not self.eval_samples:
             raise ConfigError(f"--best-metric {self.best_metric} needs a held-out split: pass --eval-samples N")
         check_best_metric(self)

@@ -32,8 +32,8 @@ from artcache.trainers.seed import SeedPlan, SeedSource, map_back, plan_seed, se
 from .config import ConsumerConfig, flag_of, run_settings
 
 __all__ = ["check_run_settings", "check_same_draft", "config_diffs", "find_resume", "jsonable", "load_weights_strict",
-           "plan_init", "refuse_existing_run", "resume_state", "saved_horizon", "training_token_counts",
-           "unrecorded_checkpoints", "vocab_map_of", "with_horizon"]
+           "plan_init", "refuse_existing_run", "refuse_reused_id", "resume_state", "saved_horizon",
+           "training_token_counts", "unrecorded_checkpoints", "vocab_map_of", "with_horizon"]
 
 log = logging.getLogger("artcache.consumer")
 
@@ -261,3 +261,26 @@ def refuse_existing_run(run_dir: Path) -> None:
     if list_checkpoints(run_dir):
         raise ConfigError(f"run directory {run_dir} already holds checkpoints of an earlier run; pass --resume "
                           "to continue it, or another --out for a new run")
+
+
+def refuse_reused_id(consumer_id: str, old, run_dir: Path) -> None:
+    """A fresh run (no ``--resume``) of ``consumer_id`` must not start over, from cursor 0, an earlier run of the
+    same id on this root that recorded a durable checkpoint (``old``: its registration, or None) in another run
+    directory that still holds checkpoints: the root would forget that run's cursor without a word. An earlier
+    run without a recorded checkpoint, or whose run directory is gone or empty, leaves nothing to continue (its
+    id is taken over as before); its own ``run_dir`` is :func:`refuse_existing_run`'s.
+
+    Raises:
+        ConfigError: naming the id, the earlier run's state, cursor and run directory, and the two ways on
+            (``--resume --out`` that directory, or another ``--id``).
+    """
+    if old is None or old.checkpoint_cursor < 0:
+        return
+    earlier = Path(old.out_dir) if old.out_dir else None
+    if earlier is not None and (earlier.absolute() == run_dir.absolute() or not list_checkpoints(earlier)):
+        return
+    where = f"in {earlier}" if earlier is not None else "in a run directory its registration does not record"
+    how = f"pass --resume --out {earlier} to continue it" if earlier is not None else "pass --resume with its --out"
+    raise ConfigError(f"consumer id {consumer_id!r} already ran on this cache root ({old.state}, checkpoint at "
+                      f"cursor {old.checkpoint_cursor} {where}); a fresh run under --out {run_dir} would start it "
+                      f"over from cursor 0: {how}, or choose another --id for a new draft")

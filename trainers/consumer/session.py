@@ -97,6 +97,7 @@ from .restore import (
     load_weights_strict,
     plan_init,
     refuse_existing_run,
+    refuse_reused_id,
     vocab_map_of,
     with_horizon,
 )
@@ -229,6 +230,8 @@ class Session:
                 vocab_map = vocab_map_of(self.resumed.weights)
         else:
             refuse_existing_run(self.run_dir)
+            # before the draft is built (checked again under the registry lock when registering)
+            refuse_reused_id(cfg.consumer_id, registry.read(self.layout, cfg.consumer_id), self.run_dir)
             if cfg.init_from:  # any published layout; checked against the built draft below, before loading
                 src = read_seed(cfg.init_from, check_target(self.settings).num_layers)
                 if src.draft != cfg.draft:
@@ -351,7 +354,7 @@ class Session:
                 consumer_id=cfg.consumer_id, draft=cfg.draft, cursor=self.start_cursor, lookbehind=cfg.lookbehind,
                 lookahead=cfg.lookahead, batch_size=cfg.batch_size, end=self.end, pid=os.getpid(), host=host_id(),
                 pinned=self.pinned, checkpoint_cursor=self.start_cursor if self.resumed is not None else -1,
-                epoch_len=self.epoch_len),
+                epoch_len=self.epoch_len, out_dir=str(self.run_dir)),
                 check=self._check_resume, live_timeout_s=self.settings.heartbeat_timeout_s)
         except BaseException:
             self.journal.close(remove_if_empty=True)  # a refused start leaves no empty journal behind
@@ -415,7 +418,10 @@ class Session:
                 link.unlink()
 
     def _check_resume(self, old: registry.Registration | None) -> None:
-        """Under the registry lock: a resumed checkpoint must be the one the registry recorded last."""
+        """Under the registry lock: a resumed checkpoint must be the one the registry recorded last; a fresh run
+        must not start over an earlier run of this id that recorded a checkpoint (:func:`refuse_reused_id`)."""
+        if not self.cfg.resume:
+            refuse_reused_id(self.cfg.consumer_id, old, self.run_dir)
         if self.unrecorded and (old is None or old.checkpoint_cursor >= 0):
             raise ConfigError(f"--resume: consumer {self.cfg.consumer_id!r} recorded a checkpoint meanwhile "
                               f"(cursor {old.checkpoint_cursor if old else 'absent'}); run --resume again")
