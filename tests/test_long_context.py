@@ -134,6 +134,35 @@ def test_prefill_chunk_changes_no_contract_or_fingerprint(tmp_path):
     assert got[0] == got[1]
 
 
+def test_chunked_fill_publishes_the_same_artifacts(tmp_path):
+    """A producer filling a root with 16-token prefill chunks (``--batch-tokens 16`` < the 64-token plan) publishes
+    the one-pass root's fingerprints, with the same tokens and float32 values to 1e-5."""
+    from artcache import store
+    from artcache.fingerprint import PlanFingerprints
+    from artcache.layout import CacheLayout
+    from artcache.plan import Plan
+    from artcache.producer import ProducerConfig, run_producer
+    from artcache.settings import load_settings
+
+    roots = {}
+    for chunk in (0, 16):
+        root = tmp_path / f"c{chunk}"
+        cfg = ProducerConfig(cache=str(root), target="random:tiny-llama", dataset="synthetic", max_length=64,
+                             max_samples=3, draft_layers=3, dtype="float32", fill=True, poll_interval_s=0.0,
+                             threads=1, limits=SchedulerLimits(max_batch_tokens=64 if not chunk else 16,
+                                                               max_batch_samples=2, prefill_chunk=chunk))
+        assert run_producer(cfg).fill_complete
+        layout = CacheLayout(root)
+        settings = load_settings(layout)
+        fps = PlanFingerprints(settings.contract, Plan.load(layout.plan_dir(settings.plan_id))).table()[0]
+        roots[chunk] = {fp: store.read(layout, fp, settings.contract, verify_tokens=True) for fp in fps}
+    assert roots[0].keys() == roots[16].keys() and len(roots[0]) == 3
+    for fp, ref in roots[0].items():
+        got = roots[16][fp]
+        assert torch.equal(got.input_ids, ref.input_ids)
+        torch.testing.assert_close(got.hidden_states, ref.hidden_states, rtol=1e-5, atol=1e-5)
+
+
 def test_max_length_beyond_target_positions_refused(tmp_path):
     """A plan longer than the target's max_position_embeddings is refused in one line, and nothing is written."""
     from artcache.producer import ProducerConfig, prepare_root
