@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -47,6 +49,7 @@ class ConsumerCounts(msgspec.Struct, kw_only=True):
     leases_released: int = 0
     quarantined: int = 0
     timeouts: int = 0
+    ranks: int = 1  # a torch.distributed group of this many ranks (one consumer to the cache)
 
 
 class CacheCounts(msgspec.Struct, kw_only=True):
@@ -64,6 +67,7 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     failures: int = 0
     forward_failures: int = 0
     evictions: int = 0
+    evicted_bytes: int = 0
     recaptures: int = 0
     leases_acquired: int = 0
     leases_released: int = 0
@@ -119,6 +123,8 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     #: evictions by reason: unneeded, needed-later, outside-windows (journal ``evict.reason``)
     evictions_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
     published_bytes: int = 0
+    #: capture batches the producers ran (``capture_batch`` lines) and their seconds
+    capture_batches: int = 0
     producer_busy_s: float = 0.0
     torn_journal_lines: int = 0
 
@@ -156,15 +162,29 @@ class Accounting(msgspec.Struct, kw_only=True):
     retention_now: RetentionNow | None = None
 
 
-def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
-    """Read every journal of ``layout`` and the live state on disk as one snapshot (see the module
-    docstring); check invariants. ``retention_now``: also compute :class:`RetentionNow` (loads the plan
-    and fingerprints every sample: ``artcache inspect``)."""
-    files = J.read_files(layout.journal)
-    on_disk = {info.name: info for infos in leases_mod.scan(layout).values() for info in infos}
-    later = J.read_files(layout.journal, since={f.path.name: f.end for f in files})
-    events = sorted((ev for f in files for ev in f.events), key=lambda e: e.t)
-    c = CacheCounts(torn_journal_lines=sum(f.torn_lines for f in files) + _dead_tails(files))
+@dataclass
+class Fold:
+    """What :func:`fold` counts of some journal events: the root's totals (``cache``; the consumer totals and
+    the snapshot's figures are :func:`account`'s), each consumer's counts, each consumer's retained window
+    (lookbehind + lookahead + 1 + pinned, as ``Registration.retain_bound``), the fingerprints captured, the
+    leases acquired and settled (released or expired), and the last ``producer_stop`` reason ("" if none)."""
+
+    cache: CacheCounts
+    consumers: dict[str, ConsumerCounts]
+    windows: dict[str, int]
+    captured: set[str]
+    acquired: set[str]
+    settled: set[str]
+    stop_reason: str
+
+
+def fold(events: Iterable[J.Event]) -> Fold:
+    """The one fold of journal events into counts (in the order given; :func:`account` sorts a root's by time):
+    :func:`account` folds every journal of a root, ``artcache run``'s report one producer's or one consumer's
+    process (:func:`artcache.app.experiments.production`, :func:`~artcache.app.experiments.committed_work`)."""
+    events = list(events)
+    c = CacheCounts()
+    stop = ""
     per: dict[str, ConsumerCounts] = {}
     captured_fps: set[str] = set()
 
@@ -197,6 +217,7 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
             c.recaptures += ev.recapture
             captured_fps.add(ev.fp)
         elif isinstance(ev, J.CaptureBatch):
+            c.capture_batches += 1
             c.producer_busy_s += ev.end - ev.start
         elif isinstance(ev, J.Publish):
             c.publications += 1
@@ -206,6 +227,7 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
             c.forward_failures += ev.stage == "forward"
         elif isinstance(ev, J.Evict):
             c.evictions += 1
+            c.evicted_bytes += ev.nbytes
             why = ev.reason or "outside-windows"  # producers before retention by need evicted by windows only
             c.evictions_by_reason[why] = c.evictions_by_reason.get(why, 0) + 1
         elif isinstance(ev, J.ProducerStart):
@@ -233,6 +255,7 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
             k.draft, k.block_size = ev.draft, ev.block_size
             k.lookbehind, k.lookahead = ev.lookbehind, ev.lookahead
             k.epoch_len = ev.epoch_len
+            k.ranks = ev.ranks
             windows[ev.consumer] = ev.lookbehind + ev.lookahead + 1 + ev.pinned  # as Registration.retain_bound
         elif isinstance(ev, J.Step):
             k = cons(ev.consumer)
@@ -245,6 +268,24 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
             k.cursor = max(k.cursor, ev.cursor)
             if "CaptureTimeout" in ev.error:
                 k.timeouts += 1
+        elif isinstance(ev, J.ProducerStop):
+            stop = ev.reason
+    return Fold(c, per, dict(windows), captured_fps, acquired, settled, stop)
+
+
+
+def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
+    """Read every journal of ``layout`` and the live state on disk as one snapshot (see the module
+    docstring); check invariants. ``retention_now``: also compute :class:`RetentionNow` (loads the plan
+    and fingerprints every sample: ``artcache inspect``)."""
+    files = J.read_files(layout.journal)
+    on_disk = {info.name: info for infos in leases_mod.scan(layout).values() for info in infos}
+    later = J.read_files(layout.journal, since={f.path.name: f.end for f in files})
+    events = sorted((ev for f in files for ev in f.events), key=lambda e: e.t)
+    folded = fold(events)
+    c, per, windows, captured_fps = folded.cache, folded.consumers, folded.windows, folded.captured
+    acquired, settled = folded.acquired, folded.settled
+    c.torn_journal_lines = sum(f.torn_lines for f in files) + _dead_tails(files)
 
     consumers = sorted(per.values(), key=lambda k: k.consumer)
     for k in consumers:

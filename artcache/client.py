@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from artcache import journal as J
 from artcache import leases, store
@@ -27,10 +28,23 @@ from artcache.fingerprint import PlanFingerprints
 from artcache.fsio import is_retryable
 from artcache.layout import CacheLayout
 from artcache.liveness import dead_reason, from_token
-from artcache.registry import ConsumerHandle
-from artcache.settings import RootSettings
+from artcache.plan import Plan
+from artcache.registry import ConsumerHandle, Registration
+from artcache.settings import RootSettings, load_settings
 
 log = logging.getLogger("artcache.client")
+
+
+def open_root(root: str | Path) -> tuple[CacheLayout, RootSettings, Plan]:
+    """A cache root as a consumer reads it: its layout (the path made absolute), settings and plan.
+
+    Raises:
+        CacheRootError: no initialised root there (:func:`artcache.settings.load_settings`).
+        DataError: its plan is missing or damaged (:meth:`artcache.plan.Plan.load`).
+    """
+    layout = CacheLayout(Path(root).expanduser().absolute())
+    settings = load_settings(layout)
+    return layout, settings, Plan.load(layout.plan_dir(settings.plan_id))
 
 
 @dataclass
@@ -75,6 +89,20 @@ class CacheClient:
         self._demand: set[int] = set()  # training positions
         self._held_out: set[int] = set()  # held-out sample indices
         self._demand_lock = threading.Lock()
+
+    @classmethod
+    def for_consumer(cls, layout: CacheLayout, settings: RootSettings, plan, reg: Registration,
+                     journal: J.JournalWriter, demand_timeout_s: float = 600.0, *, pin: bool = False,
+                     epoch_len: int = 0, handle: ConsumerHandle | None = None) -> CacheClient:
+        """The client of the registered consumer ``reg`` (a :class:`~artcache.registry.Registration` of this root):
+        its :class:`~artcache.registry.ConsumerHandle` (a registration write refused for space is retried for the
+        root's heartbeat timeout, after which the producer fences a silent consumer anyway) and the client over it
+        (``client.handle``). The one construction of a consumer's client stack: the trainer's
+        (:class:`artcache.trainers.consumer.Session`) and its reader process's. ``handle``: one already taken on
+        ``reg`` (a group's rank takes a :class:`~artcache.trainers.consumer.group.GroupHandle`), else a new one."""
+        if handle is None:
+            handle = ConsumerHandle(layout, reg, space_wait_s=settings.heartbeat_timeout_s)
+        return cls(layout, settings, plan, handle, journal, demand_timeout_s, pin=pin, epoch_len=epoch_len)
 
     def fp_of(self, position: int) -> str:
         """The fingerprint read at training position ``position`` (its sample's)."""

@@ -255,6 +255,20 @@ class WorkerFailed(ArtcacheError, RuntimeError):
     before raising; the message names the worker, its exit status and its log file (exit 1)."""
 
 
+class GroupFailed(ArtcacheError, RuntimeError):
+    """A rank of a consumer group (``artcache consume --nproc N``) exited nonzero or was killed; the launcher
+    stopped the other ranks before raising. ``rank`` is the first rank that failed, ``returncode`` its exit
+    status (negative: the signal that killed it, as ``subprocess`` reports it); the message names both (exit 1)."""
+
+    def __init__(self, message: str, *, rank: int, returncode: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.returncode = returncode
+
+    def _keywords(self) -> dict:
+        return {"rank": self.rank, "returncode": self.returncode}
+
+
 class NotReadable(_OSErrorMessage, PermissionError):
     """A file or directory another process recorded for this one to read (a cache root's target, recorded by its
     producer) cannot be read by this user (EACCES). The message names the path, its mode and owner, this

@@ -81,14 +81,15 @@ from artcache.errors import (
     PayloadUnavailable,
     UnsafePath,
 )
-from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, temp_writer, unique_suffix
+from artcache.fsio import scan_temps
+from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, unique_suffix
 from artcache.liveness import dead_reason, from_token, in_initial_pid_namespace, pid_exists
 from artcache.payload import remote_for
 
 log = logging.getLogger("artcache.fsck")
 _FP = re.compile(r"[0-9a-f]{16,128}")
 #: plan.save's temp directory: .tmp-<plan id[:12]>-<writer token>.<nonce>
-_PLAN_TMP = re.compile(r"\.tmp-[0-9a-f]{12}-(?P<rest>.+)")
+_PLAN_TMP = re.compile(r"\.tmp-[0-9a-f]{12}-")
 #: seconds between fsck's looks at the registrations it watches for heartbeat progress
 OBSERVE_POLL_S = 0.25
 
@@ -218,10 +219,9 @@ class _Fsck:
 
     def check_tmp(self) -> None:
         seen = {"live": 0, "unknown": 0, "foreign": 0}
-        entries = list(os.scandir(self.layout.tmp)) if self.real_dir(self.layout.tmp) else []
+        entries = scan_temps(self.layout.tmp, suffix="") if self.real_dir(self.layout.tmp) else []
         self.checked["temp_files"] = len(entries)
-        for entry in entries:
-            verdict = temp_writer(entry.name)
+        for entry, verdict in entries:
             if not verdict.orphan:
                 seen[verdict.state] += 1
                 continue
@@ -238,10 +238,9 @@ class _Fsck:
         if stray:
             self.notes.append(f"{stray} file(s) in tmp/ do not have artcache's temp-file names (left alone)")
         # plan.save's temp directories
-        for entry in list(os.scandir(self.layout.plans)) if self.real_dir(self.layout.plans) else []:
-            m = _PLAN_TMP.fullmatch(entry.name)
-            verdict = temp_writer(m["rest"]) if m is not None else None
-            if verdict is None or not verdict.orphan:
+        for entry, verdict in scan_temps(self.layout.plans, prefix=_PLAN_TMP, suffix="") \
+                if self.real_dir(self.layout.plans) else []:
+            if not verdict.orphan or not entry.is_dir(follow_symlinks=False):
                 continue
             self.problem("orphan-temp", entry.path,
                          f"plan temp directory of pid {verdict.writer.identity.pid} (this host): {verdict.reason}",

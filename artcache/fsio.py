@@ -27,7 +27,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from artcache.crashpoints import crash_point
@@ -190,8 +190,32 @@ def check_free_space(directory: Path, nbytes: int, reserve: int | None = None) -
 PART_SUFFIX = ".part"
 
 
+def scan_temps(directory: Path, *, prefix: str | re.Pattern = "", suffix: str = PART_SUFFIX) -> list[tuple]:
+    """The temps in ``directory``: each entry named ``<prefix><name>`` with ``<name>`` ending in ``suffix``, as
+    ``(os.DirEntry, artcache.layout.temp_writer(<name>))`` (the verdict on its writer: live, orphan, unknown,
+    foreign). ``prefix``: a string, or a compiled pattern matched at the name's start (a plan's temp directory,
+    ``.tmp-<plan id[:12]>-``). An unreadable ``directory`` has none. The one reading of temp names in a directory:
+    the sweep (:func:`remove_orphan_parts`) and ``artcache fsck``'s report use it."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        name = entry.name
+        if isinstance(prefix, str):
+            rest = name[len(prefix):] if name.startswith(prefix) else None
+        else:
+            m = prefix.match(name)
+            rest = name[m.end():] if m is not None else None
+        if rest is not None and name.endswith(suffix):
+            out.append((entry, temp_writer(rest)))
+    return out
+
+
 def remove_orphan_parts(directory: Path, *, prefix: str = "", suffix: str = PART_SUFFIX,
-                        watch: HeartbeatWatch | None = None, dirs: bool = False) -> int:
+                        watch: HeartbeatWatch | None = None, dirs: bool = False,
+                        freed: list[int] | None = None) -> int:
     """The one sweep of temps dead writers left in ``directory`` (kill -9, power loss: nothing else removes
     them); returns how many were removed.
 
@@ -204,18 +228,13 @@ def remove_orphan_parts(directory: Path, *, prefix: str = "", suffix: str = PART
     is then pruned from the watch. Regular files are unlinked; a directory (``dirs=True``: an export's temp
     directory) is removed whole; a symbolic link or any other name is left alone.
 
+    ``freed``, when given, gets the bytes each removed entry held appended (a directory's files summed).
+
     Best effort: an unreadable ``directory`` or an entry that cannot be removed is skipped, never raised."""
     removed = 0
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
     seen = []
-    for entry in entries:
+    for entry, verdict in scan_temps(directory, prefix=prefix, suffix=suffix):
         name = entry.name
-        if not name.startswith(prefix) or not name.endswith(suffix):
-            continue
-        verdict = temp_writer(name[len(prefix):])
         try:
             if entry.is_symlink() or not (entry.is_file() or (dirs and entry.is_dir())):
                 continue
@@ -228,10 +247,14 @@ def remove_orphan_parts(directory: Path, *, prefix: str = "", suffix: str = PART
             if not orphan:
                 continue
             if entry.is_dir(follow_symlinks=False):
+                size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file() and not f.is_symlink())
                 shutil.rmtree(entry.path)
             else:
+                size = entry.stat(follow_symlinks=False).st_size
                 os.unlink(entry.path)
             removed += 1
+            if freed is not None:
+                freed.append(size)
         except OSError:
             continue
     if watch is not None:
@@ -312,6 +335,80 @@ def atomic_write(dest: Path, chunks: Iterable[bytes | memoryview] | Callable[[in
     if durable:
         fsync_dir_after_rename(dest)
     return written
+
+
+#: what :func:`publish_dir` does with a ``final`` that already exists
+EXISTING = ("keep", "replace", "aside")
+
+
+@contextlib.contextmanager
+def publish_dir(final: Path, *, existing: str = "keep", complete: Callable[[Path], bool] | None = None,
+                check: Callable[[Path], None] | None = None, durable: bool = True,
+                tmp_name: str | None = None) -> Iterator[Path]:
+    """The one way artcache publishes a directory (a plan, a checkpoint, an export, a converted target): the body
+    writes its files into a fresh temp directory beside ``final`` (yielded), which then becomes ``final`` in one
+    rename, so a reader sees no directory or a complete one.
+
+    The temp directory is ``<final's parent>/<tmp_name or ".tmp-">`` + the writer's identity token
+    (:func:`artcache.layout.unique_suffix`), so the one sweep of dead writers' temps (:func:`remove_orphan_parts`
+    with ``dirs=True``) can tell a dead writer's from a live one's. On a normal exit of the body: with
+    ``durable`` every file in it and then the directory are fsynced; an existing ``final`` is handled by
+    ``existing``:
+
+    - ``keep``: another writer published it first. When ``complete(final)`` holds (before the rename, or after
+      a failed one) the temp directory is dropped and ``final`` kept; otherwise the rename is tried and its
+      error raised.
+    - ``replace``: it is removed first (a stale directory of an earlier run, e.g. a checkpoint of the same step).
+    - ``aside``: ``check(final)`` may refuse it (raise); it is renamed aside (``.<name>.old-<writer>``),
+      restored if the rename fails, and removed once ``final`` is in place.
+
+    Then the temp directory is renamed onto ``final`` and (``durable``) ``final``'s parent fsynced
+    (:func:`fsync_dir_after_rename`: after the rename nothing raises).
+
+    Raises:
+        whatever the body, ``check`` or the filesystem raised (OSError unwrapped: the caller names what it
+        published): the temp directory has been removed, ``final`` is as it was (an aside one restored).
+        ValueError: ``existing`` is not one of :data:`EXISTING`.
+    """
+    if existing not in EXISTING:
+        raise ValueError(f"existing {existing!r} is not accepted: one of {', '.join(EXISTING)}")
+    final = Path(final)
+    tmp = final.parent / f"{tmp_name if tmp_name is not None else '.tmp-'}{unique_suffix()}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if durable:
+            for f in tmp.rglob("*"):
+                if f.is_file() and not f.is_symlink():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            fsync_dir(tmp)
+        if existing == "keep" and complete is not None and complete(final):
+            return
+        old = None
+        if os.path.lexists(final) and existing != "keep":
+            if check is not None:
+                check(final)
+            if existing == "replace":
+                shutil.rmtree(final)
+            else:
+                old = final.parent / f".{final.name}.old-{unique_suffix()}"
+                os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if old is not None and not os.path.lexists(final):
+                os.rename(old, final)
+            if existing == "keep" and complete is not None and complete(final):
+                return
+            raise
+        # published: from here on nothing raises (a failing directory fsync is retried, then logged)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if durable:
+            fsync_dir_after_rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed; a failure's partial files otherwise
 
 
 def _link_no_clobber(tmp: Path, dest: Path) -> None:

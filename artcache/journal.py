@@ -42,7 +42,8 @@ class ProducerStart(Event, tag="producer_start"):
     ``fill``: it captures the whole plan and exits (the root is *filled* from then on: later producers keep
     what it published); ``evict_fill``: it released a filled root's artifacts to its retention rule
     (``--evict-fill``; the root is no longer filled). See :func:`fill_recorded`. ``kept_fill``: artifacts of a
-    filled root it keeps whatever its rule (beyond the window bound)."""
+    filled root it keeps whatever its rule (beyond the window bound). ``spec``: :func:`artcache.rolespec.spec_digest`
+    of the settings it ran on (its :class:`~artcache.producer.ProducerConfig`)."""
 
     producer: str
     pid: int
@@ -53,6 +54,7 @@ class ProducerStart(Event, tag="producer_start"):
     fill: bool = False
     evict_fill: bool = False
     kept_fill: int = 0
+    spec: str = ""
 
 
 class ProducerStop(Event, tag="producer_stop"):
@@ -159,7 +161,12 @@ class ConsumerStart(Event, tag="consumer_start"):
     ``pinned``: positions of its held-out evaluation split, retained besides its window.
     ``epoch_len``: training samples per epoch (0: the whole plan; :class:`artcache.plan.EpochOrder`).
     ``reader``: the identity token of its reader process (``--reader process``), whose journal
-    ``reader-<consumer>-<reader>.jsonl`` holds its requests and leases; empty: a reader thread (this journal)."""
+    ``reader-<consumer>-<reader>.jsonl`` holds its requests and leases; empty: a reader thread (this journal).
+    ``ranks``: the consumer's world size (a torch.distributed group: rank 0 writes this event, each other rank
+    journals its own requests and leases as ``reader-<consumer>-<its token>.jsonl``); ``batch_size`` is then the
+    positions of one optimizer step over all ranks and micro-batches.
+    ``spec``: :func:`artcache.rolespec.spec_digest` of the settings it was started with (its
+    :class:`~artcache.trainers.consumer.ConsumerConfig` as given, before the draft's defaults are filled in)."""
 
     consumer: str
     pid: int
@@ -173,6 +180,8 @@ class ConsumerStart(Event, tag="consumer_start"):
     pinned: int = 0
     epoch_len: int = 0
     reader: str = ""
+    ranks: int = 1
+    spec: str = ""
 
 
 class Request(Event, tag="request"):

@@ -1,8 +1,9 @@
 """Role processes on this machine: the one launcher behind ``artcache run`` (artcache/app/experiments.py) and
-the bench (artcache/bench/run.py). A :class:`Role` is one producer or consumer process started with its
-output in a log file; it is polled, signalled, waited for and terminated here, so every launcher stops its
-processes by the same rule: SIGTERM (the role's first signal: it asks to stop, :mod:`artcache.shutdown`),
-then SIGKILL when it has not exited within the grace period.
+the bench (artcache/bench/run.py, artcache/bench/offline.py); each role is ``artcache producer|consume --spec FILE``
+(:func:`cli_argv`; the spec file: :mod:`artcache.rolespec`). A :class:`Role` is one producer or consumer process
+started with its output in a log file; it is polled, signalled, waited for and terminated here, so every
+launcher stops its processes by the same rule: SIGTERM (the role's first signal: it asks to stop,
+:mod:`artcache.shutdown`), then SIGKILL when it has not exited within the grace period.
 """
 
 from __future__ import annotations
@@ -19,11 +20,6 @@ from pathlib import Path
 def cli_argv(*args: str) -> list[str]:
     """``python -m artcache ARGS``, with this interpreter."""
     return [sys.executable, "-m", "artcache", *args]
-
-
-def module_argv(module: str, *args: str) -> list[str]:
-    """``python -m MODULE ARGS``, with this interpreter."""
-    return [sys.executable, "-m", module, *args]
 
 
 def role_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -133,4 +129,4 @@ def kill_all(roles: Iterable[Role]) -> None:
         role.kill()
 
 
-__all__ = ["Role", "cli_argv", "kill_all", "module_argv", "role_env", "stop_all", "wait_for_file"]
+__all__ = ["Role", "cli_argv", "kill_all", "role_env", "stop_all", "wait_for_file"]

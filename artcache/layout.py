@@ -167,10 +167,10 @@ def temp_writer(name: str) -> TempWriter:
     any fixed prefix, as :func:`parse_temp_name` takes it) is an orphan of a dead writer.
 
     A dead writer is only ever one of this host and pid namespace whose pid is gone or reused
-    (:func:`artcache.liveness.dead_reason`); a live writer's temp is never an orphan. Used by the producer's
-    ``tmp/`` sweep (``cleanup_orphans``, which judges ``"unknown"`` ones by a heartbeat watch), ``fsck``
-    (``tmp/`` files and plan temp directories) and the consumer's checkpoint temp sweep
-    (``trainers.checkpoint.remove_orphan_temps``).
+    (:func:`artcache.liveness.dead_reason`); a live writer's temp is never an orphan. Asked through
+    :func:`artcache.fsio.scan_temps` only: by the one sweep (:func:`artcache.fsio.remove_orphan_parts`: the
+    producer's ``tmp/`` sweep, which judges ``"unknown"`` ones by a heartbeat watch, the consumer's checkpoint temp
+    sweep, an export's) and by ``fsck`` (``tmp/`` files and plan temp directories).
     """
     writer = parse_temp_name(name)
     if writer is None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import stat
 from collections import Counter
 from collections.abc import Iterator
@@ -32,9 +31,16 @@ from safetensors.torch import load, save_file
 
 from artcache.data.sharegpt import locate_sharegpt, read_sharegpt, to_messages
 from artcache.errors import ArtcacheError, ConfigError, DataError, PublishError
-from artcache.fsio import RETRYABLE_ERRNOS, apply_share_mode, check_free_space, describe_errno, errno_of, group_shared
+from artcache.fsio import (
+    RETRYABLE_ERRNOS,
+    apply_share_mode,
+    check_free_space,
+    describe_errno,
+    errno_of,
+    group_shared,
+    publish_dir,
+)
 from artcache.hashing import canonical_json, check_file, check_record, digest_bytes, digest_file, sealed, strong_digest
-from artcache.layout import unique_suffix
 from artcache.locking import cache_lock
 from artcache.ranges import Count, MaxLength, NonNegative, check_ranges
 from artcache.target import template_digest, tokenizer_digest
@@ -312,32 +318,23 @@ class Plan:
             raise PublishError(f"plan {self.plan_id[:12]} ({nbytes} B of tokens) cannot be saved: {exc}; free "
                                "space there (or give another --cache) and start the producer again",
                                errno_=exc.errno) from None
-        # the writer's identity token (artcache.layout.unique_suffix): fsck removes it only when that writer is gone
-        tmp = plans_dir / f".tmp-{self.plan_id[:12]}-{unique_suffix()}"
+        # named .tmp-<plan id[:12]>-<writer token>.<nonce> (publish_dir): fsck removes it only when that writer is gone
         try:
-            tmp.mkdir()
-            if group_shared(plans_dir):
-                os.chmod(tmp, stat.S_IMODE(os.stat(plans_dir).st_mode))
-            save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
-                       "offsets": self.offsets.contiguous()}, str(tmp / "plan.safetensors"),
-                      metadata={"plan_id": self.plan_id})
-            # plan.json records the digest of the tensors file and of itself (load checks both)
-            written = (tmp / "plan.safetensors").read_bytes()
-            doc = sealed(json.loads(json.dumps({k: v for k, v in self.provenance.items() if k != "digests"})),
-                         {"plan.safetensors": {"size": len(written), "digest": digest_bytes(written)}})
-            (tmp / "plan.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
-            self.provenance = doc
-            # safetensors writes 0600 whatever the umask: a group-shared root's members must read the plan
-            apply_share_mode(tmp / "plan.safetensors", tmp / "plan.json")
-            for f in tmp.iterdir():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not (final / "plan.json").is_file():
-                    raise
-            _fsync_dir(plans_dir)
+            with publish_dir(final, existing="keep", complete=lambda d: (d / "plan.json").is_file(),
+                             tmp_name=f".tmp-{self.plan_id[:12]}-") as tmp:
+                if group_shared(plans_dir):
+                    os.chmod(tmp, stat.S_IMODE(os.stat(plans_dir).st_mode))
+                save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
+                           "offsets": self.offsets.contiguous()}, str(tmp / "plan.safetensors"),
+                          metadata={"plan_id": self.plan_id})
+                # plan.json records the digest of the tensors file and of itself (load checks both)
+                written = (tmp / "plan.safetensors").read_bytes()
+                doc = sealed(json.loads(json.dumps({k: v for k, v in self.provenance.items() if k != "digests"})),
+                             {"plan.safetensors": {"size": len(written), "digest": digest_bytes(written)}})
+                (tmp / "plan.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
+                self.provenance = doc
+                # safetensors writes 0600 whatever the umask: a group-shared root's members must read the plan
+                apply_share_mode(tmp / "plan.safetensors", tmp / "plan.json")
         except (OSError, SafetensorError) as exc:
             if isinstance(exc, ArtcacheError):
                 raise
@@ -345,8 +342,6 @@ class Plan:
             raise PublishError(f"plan {self.plan_id[:12]} ({nbytes} B of tokens) could not be written under "
                                f"{plans_dir} ({describe_errno(code, exc)}); nothing was published",
                                errno_=code, retryable=code in RETRYABLE_ERRNOS) from exc
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return final
 
     @classmethod
@@ -487,19 +482,6 @@ class EpochOrder:
             out[late] = base0 + self.epoch_len + off1
         out[out >= end] = np.inf
         return out
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def build_synthetic_plan(spec: PlanSpec, *, target_vocab_size: int) -> Plan:

@@ -80,6 +80,7 @@ from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
 from artcache.ranges import Count, DiskBudget, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
 from artcache.report import format_bytes
+from artcache.rolespec import spec_digest
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
 from artcache.shutdown import GracefulShutdown
@@ -112,7 +113,15 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         seed, max_length, max_samples: the plan (see :class:`artcache.plan.PlanSpec`).
         draft_layers: number of DFlash draft layers; captured ids follow :func:`artcache.layer_ids.dflash_layer_ids`.
         layer_ids: explicit output-of-layer ids (overrides ``draft_layers``).
-        device: ``cpu`` or ``cuda[:i]``. dtype: stored dtype of the hidden states (``fp8`` =
+        device: ``cpu`` or ``cuda[:i]``. devices: two or more devices (``cuda:0``, ``cuda:1``) to place the
+            target over with transformers' ``device_map`` (decoder layers in contiguous blocks,
+            :func:`artcache.target.layer_device_map`), instead of ``device``; the first takes the inputs and
+            gathers the captured layers. hf backend only. tensor_parallel_size: ranks of a torch.distributed
+            group the target is sharded over by its tensor-parallel plan (gloo on ``cpu``, NCCL on ``cuda``,
+            rank r on ``cuda:r``; on the CPU, ``threads`` 0 gives each rank cores / N threads;
+            :mod:`artcache.backends.tensor_parallel`); rank 0 is this producer. hf
+            backend, HF checkpoints only. Neither is part of the contract: the artifacts and their fingerprints
+            are those of a one-device producer. dtype: stored dtype of the hidden states (``fp8`` =
             ``float8_e4m3fn`` codes with one fp32 scale per token row per layer, :mod:`artcache.fp8`).
         compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU (bf16 matmuls are ~6x
             slower than fp32 on CPUs without AVX512-BF16/AMX), bfloat16 on CUDA.
@@ -172,6 +181,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft_layers: int = 5
     layer_ids: list[int] | None = None
     device: str = "cpu"
+    devices: list[str] = msgspec.field(default_factory=list)
+    tensor_parallel_size: Count = 1
     dtype: str = "bfloat16"
     compute_dtype: str = "auto"
     limits: SchedulerLimits = msgspec.field(default_factory=SchedulerLimits)
@@ -203,9 +214,26 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.fill and self.evict_fill:
             raise ConfigError("--fill and --evict-fill contradict each other (a fill keeps the whole plan): give one")
         retention_rule(self.disk_budget, self.retention, self.fill)
+        if self.devices and self.tensor_parallel_size > 1:
+            raise ConfigError(f"--devices {','.join(self.devices)} and --tensor-parallel-size "
+                              f"{self.tensor_parallel_size} are two placements: give one")
+        if len(set(self.devices)) != len(self.devices):
+            raise ConfigError(f"--devices {','.join(self.devices)} names a device twice; give each once")
+        if self.backend != "hf" and (len(self.devices) > 1 or self.tensor_parallel_size > 1):
+            flag = "--devices" if self.devices else "--tensor-parallel-size"
+            raise ConfigError(f"{flag} is not accepted with --backend {self.backend}: vLLM's tensor-parallel workers "
+                              "cannot hand their captures to artcache; use --backend hf (docs/scale-out.md)")
         if self.backend == "vllm" and self.limits.prefill_chunk:
             raise ConfigError(f"--prefill-chunk {self.limits.prefill_chunk} is invalid with --backend vllm: accepted "
                               "0 there (vLLM schedules its own chunked prefill within --batch-tokens)")
+        if self.tensor_parallel_size > 1 and self.limits.prefill_chunk:
+            raise ConfigError(f"--prefill-chunk {self.limits.prefill_chunk} is invalid with --tensor-parallel-size "
+                              f"{self.tensor_parallel_size}: accepted 0 there (the follower ranks run one pass)")
+
+    @property
+    def first_device(self) -> str:
+        """Where inputs go and captures are gathered: ``devices[0]`` when devices are given, else ``device``."""
+        return self.devices[0] if self.devices else self.device
 
 
 #: ``artcache producer`` flags not named ``--<field>`` (``_s`` dropped, ``_`` as ``-``); a scheduler limit by its
@@ -299,6 +327,7 @@ class ProducerStats:
     evictions_by_reason: dict[str, int] = field(default_factory=dict)
     fill_complete: bool = False
     ever_published: set[str] = field(default_factory=set)
+    follower: bool = False  # a tensor-parallel rank above 0 under torchrun: it ran forward passes only
 
 
 def prepare_root(cfg: ProducerConfig):
@@ -313,13 +342,7 @@ def prepare_root(cfg: ProducerConfig):
     """
     from artcache.layer_ids import check_layer_ids, dflash_layer_ids
     from artcache.plan import PlanSpec, ensure_plan, plan_id_for
-    from artcache.target import (
-        closed_to_group,
-        load_tokenizer,
-        resolve_target,
-        template_digest,
-        tokenizer_digest,
-    )
+    from artcache.target import closed_to_group, load_tokenizer, resolve_target
 
     try:
         dtype = stored_dtype(cfg.dtype)  # "fp8" is stored as float8_e4m3fn (artcache.fp8)
@@ -335,6 +358,13 @@ def prepare_root(cfg: ProducerConfig):
 
         require_vllm()  # before anything is written
     info = resolve_target(cfg.target)
+    if cfg.tensor_parallel_size > 1:
+        from artcache.target import is_random
+
+        if is_random(info):
+            raise ConfigError(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs an HF checkpoint; --target "
+                              f"{cfg.target!r} is a random-weight benchmark target (stored embeddings only): use "
+                              "--devices, or one device")
     if cfg.backend == "vllm":
         from artcache.target import is_random
 
@@ -362,12 +392,9 @@ def prepare_root(cfg: ProducerConfig):
                               "outside any cache root")
     _check_cache_dir(layout, cfg.cache)
     tok = load_tokenizer(info)
-    contract = CaptureContract(
-        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-        target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=dtype,
-        compute_dtype=resolve_compute_dtype(cfg.compute_dtype, cfg.device),
-        max_length=cfg.max_length, tokenizer_digest=tokenizer_digest(tok),
-        template_digest=template_digest(tok, spec.template_options), backend=cfg.backend)
+    contract = capture_contract(info, tok, layer_ids=layer_ids, dtype=dtype, compute_dtype=cfg.compute_dtype,
+                                device=cfg.first_device, max_length=cfg.max_length,
+                                template_options=spec.template_options, backend=cfg.backend)
     recorded = None
     if layout.settings.is_file():  # an initialised root: refuse another contract/plan before writing
         current = load_settings(layout)
@@ -412,6 +439,32 @@ def prepare_root(cfg: ProducerConfig):
     return layout, settings, plan, info, tok
 
 
+def capture_contract(info, tokenizer, *, layer_ids, dtype: str, compute_dtype: str, device: str, max_length: int,
+                     template_options: dict, backend: str) -> CaptureContract:
+    """The capture contract of target ``info`` (:class:`artcache.target.TargetInfo`) with ``tokenizer``: the one
+    place it is built, by the producer (:func:`prepare_root`) and by ``artcache run``'s plan before anything starts
+    (so the two cannot differ).
+
+    Args:
+        layer_ids: the captured output-of-layer ids, in artifact order. dtype: the stored dtype (an alias such as
+            ``fp8`` is stored as its full name, :func:`artcache.contract.stored_dtype`). compute_dtype: the
+            target's (``auto``: :func:`resolve_compute_dtype` on ``device``). max_length: tokens per sample.
+        template_options: the chat template's keyword arguments (part of the template digest). backend: ``hf``
+            or ``vllm``.
+
+    Raises:
+        ValueError: ``dtype`` is not a stored dtype or an alias of one.
+    """
+    from artcache.target import template_digest, tokenizer_digest
+
+    return CaptureContract(
+        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
+        target_weights_digest=info.weights_digest, layer_ids=tuple(layer_ids), dtype=stored_dtype(dtype),
+        compute_dtype=resolve_compute_dtype(compute_dtype, device), max_length=max_length,
+        tokenizer_digest=tokenizer_digest(tokenizer), template_digest=template_digest(tokenizer, template_options),
+        backend=backend)
+
+
 def _check_cache_dir(layout: CacheLayout, given: str) -> None:
     """For an existing directory that is not yet a root: refuse one holding files named like a root's
     subdirectories (a clear ConfigError instead of create()'s UnsafePath), and warn when it holds anything
@@ -450,6 +503,7 @@ class Producer:
                  journal: J.JournalWriter, hidden_size: int = 0) -> None:
         """``hidden_size``: the target's (sizes the first captures against the budget; 0: learned from
         the first publications)."""
+        self.spec = spec_digest(cfg)  # the settings as given (producer_start.spec; artcache.rolespec)
         policy = retention_rule(cfg.disk_budget, cfg.retention, cfg.fill)  # ConfigError on a contradiction
         remote = remote_for(layout) is not None
         if remote and cfg.fill and not cfg.disk_budget:
@@ -810,6 +864,10 @@ class Producer:
         t0, m0 = time.time(), time.perf_counter()
         try:
             outputs = self.backend.capture(samples)
+        except ProducerFailed:  # a failure the producer cannot retry (a tensor-parallel group out of step)
+            for lock in locks:
+                lock.release()
+            raise
         except Exception as exc:  # a failed forward: every fingerprint in it failed once more
             for lock in locks:
                 lock.release()
@@ -1049,7 +1107,7 @@ class Producer:
         self._emit(J.ProducerStart(producer=self.pid, pid=os.getpid(), contract_id=self.contract.contract_id,
                                    plan_id=self.settings.plan_id, budget_bytes=self.budget,
                                    policy=self.cfg.retention, fill=self.cfg.fill, evict_fill=self.evict_fill,
-                                   kept_fill=len(self.fill_kept)),
+                                   kept_fill=len(self.fill_kept), spec=self.spec),
                            hold=False)  # a producer that cannot journal its start does not start
         reason = "stopped"
         try:
@@ -1139,6 +1197,13 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     quiet_transformers()
+    if cfg.tensor_parallel_size > 1:
+        from artcache.backends.tensor_parallel import follow, launched_rank
+
+        launched = launched_rank()
+        if launched is not None and launched[0] > 0:  # under torchrun: ranks > 0 only run the forward passes
+            follow(cfg.device)
+            return ProducerStats(follower=True)
     layout, settings, plan, info, _tok = prepare_root(cfg)
     if cfg.fill and _plan_published(layout, settings, plan):  # a filled root: no target to load, nothing to do
         log.info("--fill: %s already holds every sample of plan %s (%d): nothing to capture", layout.root,
@@ -1152,11 +1217,32 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
 
         backend = VLLMCaptureBackend(info.path, settings.contract, device=cfg.device,
                                      max_num_batched_tokens=cfg.limits.max_batch_tokens)
+    elif cfg.tensor_parallel_size > 1:
+        from artcache.backends.tensor_parallel import TensorParallelGroup, load_tensor_parallel
+
+        group = TensorParallelGroup(cfg.tensor_parallel_size, cfg.device)
+        threads = cfg.threads
+        if not threads and group.device.type == "cpu":  # the ranks share this machine's cores
+            threads = max(1, (os.cpu_count() or 1) // group.size)
+            torch.set_num_threads(threads)
+        try:
+            group.share_spec({"path": str(info.path), "contract": msgspec.json.encode(settings.contract).decode(),
+                              "threads": threads})
+            model = load_tensor_parallel(str(info.path), getattr(torch, settings.contract.compute_dtype), group)
+        except BaseException:
+            group.close()
+            raise
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+        log.info("target sharded over %d ranks (tensor parallel, %s): rank 0 holds %d of its %d parameters",
+                 group.size, torch.distributed.get_backend(), local, sum(p.numel() for p in model.parameters()))
+        backend = HFCaptureBackend(model, settings.contract, device=group.device, group=group)
     else:
         dtype = getattr(torch, settings.contract.compute_dtype)
-        model = load_target_model(info, device=cfg.device, dtype=dtype)
-        backend = HFCaptureBackend(model, settings.contract, device=cfg.device,
+        model = load_target_model(info, device=cfg.device, dtype=dtype, devices=cfg.devices)
+        backend = HFCaptureBackend(model, settings.contract, device=cfg.first_device,
                                    prefill_chunk=cfg.limits.prefill_chunk)
+        if len(cfg.devices) > 1:
+            log.info("target placed over %s (decoder layers in contiguous blocks)", ",".join(cfg.devices))
     journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))
     producer = Producer(layout, settings, plan, backend, cfg, journal, hidden_size=info.hidden_size)
     # SIGINT/SIGTERM: the first sets stop_event (the loop finishes its batch and exits cleanly), a second stops

@@ -66,8 +66,8 @@ def format_accounting(acc: Accounting) -> str:
                    ["lease releases held in memory", c.leases_release_held]]
     # B: the block size of a draft with blocks (DFlash, DSpark), as its ConsumerStart recorded it; EAGLE-3 has
     # none (journals of older consumers recorded an unused 16 for it)
-    per = [[k.consumer, k.draft, k.block_size if k.block_size and k.draft != "eagle3" else "-",
-            f"{k.lookbehind}:{k.lookahead}",
+    per = [[k.consumer if k.ranks == 1 else f"{k.consumer} ({k.ranks} ranks)", k.draft,
+            k.block_size if k.block_size and k.draft != "eagle3" else "-", f"{k.lookbehind}:{k.lookahead}",
             k.state, k.steps, k.cursor, k.logical_requests, k.hits, k.misses, round(k.wait_s, 2),
             k.leases_acquired, k.leases_released, k.timeouts, k.quarantined] for k in acc.consumers]
     totals = ["total (consumer requests)", "", "", "", "", "", "", c.logical_requests, c.hits, c.misses, "",

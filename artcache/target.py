@@ -13,9 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
-import socket
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,7 @@ import msgspec
 import torch
 
 from artcache.errors import ConfigError
-from artcache.fsio import apply_share_mode, atomic_write
+from artcache.fsio import apply_share_mode, atomic_write, publish_dir
 from artcache.hashing import canonical_json, digest_file, strong_digest
 from artcache.locking import cache_lock
 
@@ -301,9 +298,8 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
     with cache_lock(str(final) + ".lock"):
         if current():
             return final
-        tmp = final.parent / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        # a directory left without its marker (an older writer's), or of an older config, is replaced
+        with publish_dir(final, existing="replace", durable=False, tmp_name=f".tmp-{final.name}-") as tmp:
             gen = torch.Generator().manual_seed(seed)
             shape = (cfg["vocab_size"], cfg["hidden_size"])
             tensors = {"model.embed_tokens.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)}
@@ -315,12 +311,6 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
             # safetensors writes 0600 whatever the umask: readable as every other file here (a teammate on a
             # shared ARTCACHE_HOME reads it; regression: a misleading FileNotFoundError there)
             apply_share_mode(*tmp.iterdir())
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return final
 
 
@@ -359,17 +349,10 @@ def _ensure_converted(name: str, home: Path) -> tuple[Path, str]:
     with cache_lock(str(final) + ".lock"):
         if _is_complete(final):  # another process converted it while we waited
             return final, revision
-        tmp = targets / f".tmp-{final.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
+        with publish_dir(final, existing="keep", complete=_is_complete, durable=False,
+                         tmp_name=f".tmp-{final.name}-") as tmp:
             _convert_gguf(gguf, tmp)
             _weights_digest(tmp)  # write the sidecar before publishing
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not _is_complete(final):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return final, revision
 
 
@@ -459,21 +442,69 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_target_model(info: TargetInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
-    """The target as a transformers causal LM on ``device`` in ``dtype``: eval mode, all requires_grad False."""
+def layer_device_map(info: TargetInfo, devices: list[str]) -> dict[str, str]:
+    """A transformers/accelerate ``device_map`` that places the target over ``devices``: the decoder layers in
+    contiguous blocks as even as the count allows (the first ``L mod n`` devices hold one layer more), every
+    other module (embedding, rotary embedding, final norm, lm_head: tied to the embedding) on ``devices[0]``.
+    Keys are module names of the model ``info`` loads as (``model.layers.3``). Raises ConfigError when there
+    are more devices than decoder layers."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if len(devices) > info.num_layers:
+        raise ConfigError(f"--devices {','.join(devices)}: {len(devices)} devices for a target of {info.num_layers} "
+                          "decoder layers; give at most one device per layer")
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(info.path))
+    layers_name = next((name for name, mod in empty.named_modules()
+                        if isinstance(mod, torch.nn.ModuleList) and len(mod) == info.num_layers), None)
+    if layers_name is None:
+        raise ConfigError(f"target {info.path!r}: no list of {info.num_layers} decoder layers to place over --devices")
+    device_map: dict[str, str] = {}
+    for name, _ in empty.named_children():
+        device_map[name] = devices[0]
+    base, _, _ = layers_name.rpartition(".")
+    if base:  # the base model's children one by one, its layers by block
+        del device_map[base.split(".")[0]]
+        owner = empty.get_submodule(base)
+        for name, _ in owner.named_children():
+            device_map[f"{base}.{name}"] = devices[0]
+    del device_map[layers_name]
+    per, extra = divmod(info.num_layers, len(devices))
+    i = 0
+    for d, dev in enumerate(devices):
+        for _ in range(per + (d < extra)):
+            device_map[f"{layers_name}.{i}"] = dev
+            i += 1
+    return device_map
+
+
+def load_target_model(info: TargetInfo, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                      devices: list[str] | None = None):
+    """The target as a transformers causal LM on ``device`` in ``dtype``: eval mode, all requires_grad False.
+
+    ``devices`` (two or more): placed over them by transformers' ``device_map`` (:func:`layer_device_map`; the
+    same weights, each layer whole on one device) instead of on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device_map = layer_device_map(info, list(devices)) if devices and len(devices) > 1 else None
     if is_random(info):  # benchmark target: random body initialised on the device, stored embeddings
         config = AutoConfig.from_pretrained(info.path)
         torch.manual_seed(0)
-        with torch.device(device):
+        with torch.device(devices[0] if device_map else device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         embed, lm_head = load_embedding_and_lm_head(info)
         model.get_input_embeddings().weight.data.copy_(embed)
         model.get_output_embeddings().weight.data.copy_(lm_head)
+        if device_map:
+            from accelerate import dispatch_model
+
+            model = dispatch_model(model, device_map=device_map)
     else:
-        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
-    model = model.to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype, device_map=device_map)
+    if device_map is None:
+        model = model.to(device)
+    model = model.eval()
     model.requires_grad_(False)
     return model
 

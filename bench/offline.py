@@ -47,14 +47,13 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
-
 from artcache.accounting import account
 from artcache.bench.provenance import record
 from artcache.errors import ArtcacheError, ConfigError, WorkerFailed
 from artcache.fsio import atomic_write
-from artcache.launch import Role, stop_all
+from artcache.launch import Role, cli_argv, stop_all
 from artcache.layout import CacheLayout
+from artcache.rolespec import read_spec, write_spec
 from artcache.shutdown import GracefulShutdown
 
 GOAL = 0.95
@@ -71,26 +70,26 @@ DEFAULT_CHUNK = 12
 #: logical CPUs a pinned consumer process gets (``--pin auto``): its trainer thread and its reader thread
 CPUS_PER_WORKER = 2
 #: what a run writes under ``--out``; a second run on an ``--out`` holding any of them is refused (:func:`check_out`)
-WRITTEN = ("cache", "runs", "logs", "barriers", "report.json")
+WRITTEN = ("cache", "runs", "logs", "barriers", "specs", "report.json")
 #: the fewest steps an arm must measure (:func:`measured`: its ratios divide by the rate of the window)
 MIN_MEASURED = 1
 #: seconds a stopped worker gets between SIGTERM and SIGKILL (:func:`artcache.launch.Role.terminate`)
 GRACE_S = 10.0
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "artcache", *args]
-
-
 def fill(args, root: Path, logs: Path, name: str) -> dict:
-    """Run ``artcache producer --fill`` on ``root``; its wall time, exit status and captures."""
+    """Run ``artcache producer --fill`` on ``root`` (its spec file ``<out>/specs/<name>.producer.json``); its wall
+    time, exit status and captures."""
+    from artcache.producer import ProducerConfig
+
     before = account(CacheLayout(root)).cache.captures if (root / "artcache.json").is_file() else 0
+    spec = write_spec(logs.parent / "specs" / f"{name}.producer.json", "producer", ProducerConfig(
+        cache=str(root), target=args.target, dataset=args.data, max_samples=args.max_samples,
+        max_length=args.max_length, draft_layers=5, threads=args.threads, fill=True))
     t0 = time.time()
     with open(logs / f"{name}.log", "wb") as log:
-        cmd = _cli("producer", "--cache", str(root), "--target", args.target, "--data", args.data,
-                   "--max-samples", str(args.max_samples), "--max-length", str(args.max_length),
-                   "--draft-layers", "5", "--threads", str(args.threads), "--fill")
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cli_argv("producer", "--spec", str(spec)), stdout=log,
+                              stderr=subprocess.STDOUT).returncode
     acc = account(CacheLayout(root))
     return {"exit_code": code, "wall_s": time.time() - t0, "captures": acc.cache.captures - before,
             "retained_artifacts": acc.cache.retained_artifacts, "retained_bytes": acc.cache.retained_bytes}
@@ -107,11 +106,12 @@ def consumer_config(args, root: Path, block: int, run_dir: Path, cid: str):
                           **({} if commit is None else {"commit_interval_s": commit}))
 
 
-def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float,
+def worker_command(mode: str, spec: Path, warmup: int, barrier: Path, timeout_s: float,
                    cpus: list[int] | None = None, chunk: int = 0) -> list[str]:
-    """The argv of one timed consumer process. Both arms start the same module with the same flags (the
+    """The argv of one timed consumer process, whose settings are the consumer spec file ``spec``
+    (:func:`artcache.rolespec.write_spec`). Both arms start the same module with the same flags (the
     warm-up included) and differ only in ``mode`` (``root`` or ``memory``), so they share the process
-    model, the thread setting (``cfg.threads``, set by ``Session.setup``), the clock and the steps skipped;
+    model, the thread setting (the spec's ``threads``, set by ``Session.setup``), the clock and the steps skipped;
     ``cpus``: the logical CPUs the process is pinned to (:func:`cpu_sets`; None: not pinned); ``chunk``: the steps of
     one arm between two switches of an interleaved worker (:data:`INTERLEAVED`)."""
     if mode not in MODES + PAIRED + INTERLEAVED:
@@ -119,8 +119,7 @@ def worker_command(mode: str, cfg, warmup: int, barrier: Path, timeout_s: float,
     pin = ["--cpus", ",".join(map(str, cpus))] if cpus else []
     chunked = ["--chunk", str(chunk)] if mode in INTERLEAVED else []
     return [sys.executable, "-m", "artcache.bench.offline", "--worker", mode, "--warmup", str(warmup),
-            "--barrier", str(barrier), "--timeout-s", str(timeout_s), *pin, *chunked,
-            msgspec.json.encode(cfg).decode()]
+            "--barrier", str(barrier), "--timeout-s", str(timeout_s), *pin, *chunked, "--spec", str(spec)]
 
 
 def physical_cores(allowed: set[int] | None = None,
@@ -411,7 +410,7 @@ def _interleave(s, arms: list[str], batches: list, warmup: int, chunk: int) -> d
     return {arm: interleaved(chunks[arm], warmup, handover) for arm in arms}
 
 
-def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: float,
+def worker(mode: str, spec: Path, warmup: int, barrier: Path, timeout_s: float,
            cpus: list[int] | None = None, chunk: int = 0) -> dict:
     """One consumer of one arm, or of both (``root+memory``, ``memory+root``: :data:`PAIRED`): build it (and, for
     ``memory``, read and collate its batches), wait for the round's go, then train — ``root``: the consumer's own
@@ -425,7 +424,7 @@ def worker(mode: str, cfg_json: str, warmup: int, barrier: Path, timeout_s: floa
 
     if cpus:  # before torch starts its thread pools, which inherit the affinity
         os.sched_setaffinity(0, cpus)
-    cfg = msgspec.json.decode(cfg_json, type=ConsumerConfig)
+    cfg = read_spec(spec, "consumer", ConsumerConfig)
     s = _timed_session(cfg)
     s.setup()  # reads the root, builds the draft, sets cfg.threads; registers nothing
     s.resume()
@@ -470,8 +469,9 @@ def run_round(args, root: Path, out: Path, mode: str, k: int) -> dict[str, dict[
         for block, cpus in zip(args.blocks, sets, strict=True):  # a consumer's CPUs are the same in every round
             cid = f"dflash-b{block}-{mode.replace('+', '-').replace('~', '-')}-{k}"  # ids allow no "+" or "~"
             cfg = consumer_config(args, root, block, out / "runs" / cid, cid)
+            spec = write_spec(out / "specs" / f"{cid}.consumer.json", "consumer", cfg)
             # the bench's process group (a terminal's Ctrl-C reaches them too), as before
-            roles[block] = Role(cid, worker_command(mode, cfg, args.warmup, barrier, args.timeout_s, cpus,
+            roles[block] = Role(cid, worker_command(mode, spec, args.warmup, barrier, args.timeout_s, cpus,
                                                     getattr(args, "chunk", 0)),
                                 logs / f"{cid}.log", worker_env(cfg.threads), new_session=False)
         release_round(barrier, roles, args.timeout_s)
@@ -526,11 +526,11 @@ def _parser() -> argparse.ArgumentParser:
                          "(consume --reader)")
     ap.add_argument("--threads", type=int, default=1, help="the producer's torch threads")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
-    # one timed consumer process (worker_command): its arm, the round's barrier directory, its ConsumerConfig
+    # one timed consumer process (worker_command): its arm, the round's barrier directory, its consumer spec file
     ap.add_argument("--worker", choices=MODES + PAIRED + INTERLEAVED, help=argparse.SUPPRESS)
     ap.add_argument("--barrier", help=argparse.SUPPRESS)
     ap.add_argument("--cpus", help=argparse.SUPPRESS)
-    ap.add_argument("config", nargs="?", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
     return ap
 
 
@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
 
         setup_logging(False)
         cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else None
-        print(json.dumps(worker(args.worker, args.config, args.warmup, Path(args.barrier), args.timeout_s, cpus,
+        print(json.dumps(worker(args.worker, Path(args.spec), args.warmup, Path(args.barrier), args.timeout_s, cpus,
                                 args.chunk)))
         return 0
     try:
@@ -668,7 +668,7 @@ def run(args, argv: list[str] | None) -> int:
     args.cpu_sets = cpu_sets(len(args.blocks), CPUS_PER_WORKER, cores) if args.pin == "auto" else None
     report: dict = {**record("artcache.bench.offline", argv, roots=[out]),
                     "settings": {k: v for k, v in vars(args).items()
-                                 if k not in ("worker", "barrier", "config", "cpus", "cpu_sets")}}
+                                 if k not in ("worker", "barrier", "spec", "cpus", "cpu_sets")}}
     report["pinning"] = {"logical_cpus": sum(map(len, cores)), "physical_cores": len(cores),
                          "cpu_sets": {f"B{b}": c for b, c in zip(args.blocks, args.cpu_sets, strict=True)}
                          if args.cpu_sets else None,

@@ -70,10 +70,12 @@ from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 from artcache.errors import ConfigError, InsufficientSpace
 from artcache.eviction import retention_rule
 from artcache.fsio import atomic_write, free_space, space_reserve
-from artcache.launch import Role, cli_argv, kill_all, module_argv, role_env, wait_for_file
+from artcache.launch import Role, cli_argv, kill_all, role_env, wait_for_file
 from artcache.layout import CacheLayout
+from artcache.producer import ProducerConfig
 from artcache.ranges import DiskBudget, check_value
 from artcache.report import format_bytes, table
+from artcache.rolespec import write_spec
 from artcache.store import artifact_bytes_bound
 from artcache.telemetry import make_sampler
 
@@ -209,8 +211,9 @@ def _producers(base: Path, mode: str, sc: Scenario) -> list[tuple[str, Path, tup
 STAGGERED_DONE_GRACE_S = 5.0
 
 
-def producer_exit_flags(served: tuple[ConsumerSpec, ...], staggered: bool) -> list[str]:
-    """A bench producer's exit flags: ``--exit-when-done``, ``--expect-consumers`` and ``--done-grace``.
+def producer_exit(served: tuple[ConsumerSpec, ...], staggered: bool) -> dict:
+    """A bench producer's exit settings (:class:`~artcache.producer.ProducerConfig` fields): ``exit_when_done``,
+    ``expect_consumers`` and ``done_grace_s`` (``--exit-when-done``, ``--expect-consumers``, ``--done-grace``).
 
     ``--exit-when-done`` exits once at least ``--expect-consumers`` consumers registered (any state) and none has
     been live for ``--done-grace`` seconds; the grace only waits for a consumer that has not registered yet. When
@@ -221,7 +224,7 @@ def producer_exit_flags(served: tuple[ConsumerSpec, ...], staggered: bool) -> li
     later one is waited for by :data:`STAGGERED_DONE_GRACE_S` only, as before."""
     expect = 1 if staggered else len(served)
     grace = 0.0 if expect >= len(served) else STAGGERED_DONE_GRACE_S
-    return ["--exit-when-done", "--done-grace", f"{grace:g}", "--expect-consumers", str(expect)]
+    return {"exit_when_done": True, "done_grace_s": grace, "expect_consumers": expect}
 
 
 def fast_consumer(sc: Scenario) -> ConsumerSpec:
@@ -340,8 +343,10 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
              sizes: dict | None = None) -> ModeRun:
     """Start the producer(s) of ``mode``, then its consumers; wait for all of them; read the journals.
 
-    Every consumer is started by :mod:`artcache.bench.consume` from the same :class:`ConsumerConfig` in every
-    mode; only ``cache`` and ``lockstep_group`` differ. Roles get GPUs producers first, then consumers.
+    Every role is started as ``artcache producer --spec FILE`` / ``artcache consume --spec FILE`` from the
+    :class:`~artcache.producer.ProducerConfig` / :class:`ConsumerConfig` built here (spec files in ``<mode
+    dir>/specs``, :mod:`artcache.rolespec`), the consumers' the same in every mode but for ``cache`` and
+    ``lockstep_group``. Roles get GPUs producers first, then consumers.
     Before the consumers start, :func:`plan_disk` checks that the mode's checkpoints and artifacts fit
     (``sizes`` caches the consumers' checkpoint sizes across modes).
 
@@ -352,14 +357,12 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     logs = work / "logs"
     logs.mkdir(parents=True)
     producers = _producers(base, mode, sc)
+    specs = work / "specs"
     layers = capture_layers(cfg, sc)
-    capture = ["--layer-ids", ",".join(map(str, layers))] if layers else ["--draft-layers", str(cfg.draft_layers)]
     budget = mode_budget(cfg, sc, mode)
-    retention = ["--disk-budget", str(budget)] if budget else []  # none: the windows-only rule
     staggered = any(c.start_s > 0 for c in sc.consumers)
     env = role_env()
     cpu = cfg.device == "cpu"
-    threads = ["--threads", "1"] if cpu else []
     dev = (lambda i: "cpu") if cpu else (lambda i: f"cuda:{gpus[i]}")
     # the roles share the bench's process group (a terminal's Ctrl-C reaches them too), as they always did
     procs: dict[str, Role] = {}
@@ -370,12 +373,14 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         for i, (pid, root, served) in enumerate(producers):
-            procs[pid] = Role(pid, cli_argv(
-                "producer", "--cache", str(root), "--id", pid, "--target", cfg.target, "--data", cfg.dataset,
-                "--max-length", str(cfg.max_length),
-                "--max-samples", str(cfg.max_samples), *capture,
-                "--device", dev(i), *producer_exit_flags(served, staggered), *retention, *threads),
-                logs / f"{pid}.log", env, new_session=False)
+            spec = ProducerConfig(
+                cache=str(root), producer_id=pid, target=cfg.target, dataset=cfg.dataset, max_length=cfg.max_length,
+                max_samples=cfg.max_samples, layer_ids=layers, draft_layers=cfg.draft_layers, device=dev(i),
+                disk_budget=budget, threads=1 if cpu else 0,  # no budget: the windows-only rule
+                **producer_exit(served, staggered))
+            procs[pid] = Role(pid, cli_argv("producer", "--spec", str(write_spec(specs / f"{pid}.producer.json",
+                                                                                 "producer", spec))),
+                              logs / f"{pid}.log", env, new_session=False)
         for pid, root, _ in producers:
             wait_for_file(root / "artcache.json", procs[pid], cfg.timeout_s)  # the producer initialised the root
         n_served = sum(len(served) for _, _, served in producers)
@@ -389,9 +394,9 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
         t_first = time.monotonic()
         for start_s, _, ccfg in order:
             time.sleep(max(0.0, t_first + start_s - time.monotonic()))  # staggered starts
-            procs[ccfg.consumer_id] = Role(
-                ccfg.consumer_id, module_argv("artcache.bench.consume", msgspec.json.encode(ccfg).decode()),
-                logs / f"{ccfg.consumer_id}.log", env, new_session=False)
+            spec = write_spec(specs / f"{ccfg.consumer_id}.consumer.json", "consumer", ccfg)
+            procs[ccfg.consumer_id] = Role(ccfg.consumer_id, cli_argv("consume", "--spec", str(spec)),
+                                           logs / f"{ccfg.consumer_id}.log", env, new_session=False)
         deadline = time.monotonic() + cfg.timeout_s
         served_ids = [c.consumer_id for _, _, served in producers for c in served]
         for c in (c for c in sc.consumers if c.consumer_id in served_ids):

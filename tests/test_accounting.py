@@ -444,3 +444,37 @@ def test_regression_inspect_prints_one_budget_in_both_tables(layout):
     budget_lines = [line for line in text.splitlines() if "disk budget (bytes)" in line]
     assert len(budget_lines) == 2 and all(line.split()[-1] == "0" for line in budget_lines), budget_lines
     assert "none" not in text and "budget binding (some producer pass so far)" in text
+
+
+def test_one_fold_serves_the_root_and_one_process():
+    """``artcache run``'s report of one producer process and of one consumer process are views of the same
+    fold (artcache.accounting.fold) the root's accounting uses: the same counts from the same events."""
+    from artcache.accounting import fold
+    from artcache.app.experiments import committed_work, production
+
+    fp, fp2 = "ab" * 20, "cd" * 20
+    prod = [J.ProducerStart(producer="p", pid=1, contract_id="c", plan_id="q"),
+            J.CaptureBatch(producer="p", fps=[fp, fp2], samples=2, tokens=8, padded_tokens=8, start=1.0, end=3.5),
+            J.Capture(producer="p", fp=fp, positions=[0], tokens=4),
+            J.Capture(producer="p", fp=fp2, positions=[1], tokens=4, recapture=True),
+            J.Publish(producer="p", fp=fp, nbytes=100), J.Evict(producer="p", fp=fp, nbytes=100, reason="unneeded"),
+            J.Retained(producer="p", artifacts=2, nbytes=300, window_bound=2),
+            J.ProducerStop(producer="p", reason="done")]
+    got = production(prod)
+    assert got == {"captures": 2, "recaptures": 1, "publications": 1, "published_bytes": 100, "failures": 0,
+                   "evictions": 1, "evicted_bytes": 100, "batches": 1, "busy_s": 2.5, "max_retained_artifacts": 2,
+                   "max_retained_bytes": 300, "distinct_fingerprints": 2, "stop_reason": "done"}
+    c = fold(prod).cache
+    assert (c.captures, c.evicted_bytes, c.capture_batches, c.producer_busy_s) == (2, 100, 1, 2.5)
+    cons = [J.ConsumerStart(consumer="a", pid=2, draft="dflash", block_size=4, batch_size=1, lookbehind=0,
+                            lookahead=2, cursor=3),
+            J.Request(consumer="a", position=3, fp=fp, hit=True, wait_s=0.0),
+            J.Request(consumer="a", position=4, fp=fp2, hit=False, wait_s=0.5),
+            *(J.Step(consumer="a", step=i, cursor=3 + i, loss=3.0 - i, tau_sum=2.0, blocks=1, acc_correct=[1],
+                     acc_total=[1], wait_s=0.0, step_s=0.1, lr=1e-3) for i in (1, 2)),
+            J.ConsumerEnd(consumer="a", state="completed", steps=2, cursor=5)]
+    work = committed_work(cons)
+    assert (work["requests"], work["hits"], work["misses"], work["wait_s"]) == (2, 1, 1, 0.5)
+    assert (work["cursor_start"], work["cursor_end"], work["positions_committed"], work["state"]) == (3, 5, 2,
+                                                                                                       "completed")
+    assert fold(cons).consumers["a"].logical_requests == 2

@@ -434,16 +434,16 @@ def test_regression_bench_producers_wait_no_grace_when_every_consumer_is_expecte
     def flags(name: str, mode: str) -> list[list[str]]:
         sc = SCENARIOS[name]
         staggered = any(c.start_s > 0 for c in sc.consumers)
-        return [R.producer_exit_flags(served, staggered) for _, _, served in R._producers(Path("b"), mode, sc)]
+        return [R.producer_exit(served, staggered) for _, _, served in R._producers(Path("b"), mode, sc)]
 
-    def expect(n: int, grace: str) -> list[str]:
-        return ["--exit-when-done", "--done-grace", grace, "--expect-consumers", str(n)]
+    def expect(n: int, grace: float) -> dict:
+        return {"exit_when_done": True, "done_grace_s": grace, "expect_consumers": n}
 
-    assert flags("1p3c", "artcache") == flags("1p3c", "lockstep") == [expect(3, "0")]
-    assert flags("1p1c", "artcache") == [expect(1, "0")]
-    assert flags("1p3c", "naive") == flags("hetero", "naive") == [expect(1, "0")] * 3
-    assert flags("hetero", "solo") == [expect(1, "0")]
-    assert flags("hetero", "artcache") == [expect(1, "5")]  # staggered: a later consumer may register after
+    assert flags("1p3c", "artcache") == flags("1p3c", "lockstep") == [expect(3, 0.0)]
+    assert flags("1p1c", "artcache") == [expect(1, 0.0)]
+    assert flags("1p3c", "naive") == flags("hetero", "naive") == [expect(1, 0.0)] * 3
+    assert flags("hetero", "solo") == [expect(1, 0.0)]
+    assert flags("hetero", "artcache") == [expect(1, 5.0)]  # staggered: a later consumer may register after
 
 
 def test_regression_bench_on_cuda_without_a_gpu_fails_before_anything(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from artcache.bench import consumer_speed as cs
 from artcache.bench import offline
 from artcache.errors import WorkerFailed
 from artcache.launch import Role
+from artcache.rolespec import write_spec
 
 
 def _args(tmp_path, **kw):
@@ -30,7 +31,8 @@ def test_regression_both_arms_start_the_same_process_with_the_same_warmup(tmp_pa
     its worker skipped argparse's default 3 steps whatever ``--warmup`` the run was given. Both arms now
     start the same module with the same flags, ``--warmup`` included; only the arm differs."""
     args = _args(tmp_path, warmup=5)
-    cfg = offline.consumer_config(args, tmp_path / "cache", 8, tmp_path / "runs" / "c", "c")
+    cfg = write_spec(tmp_path / "c.json", "consumer",
+                     offline.consumer_config(args, tmp_path / "cache", 8, tmp_path / "runs" / "c", "c"))
     cmds = {mode: offline.worker_command(mode, cfg, args.warmup, tmp_path / "b", args.timeout_s)
             for mode in offline.MODES}
     assert cmds["root"][:3] == [sys.executable, "-m", "artcache.bench.offline"]
@@ -140,7 +142,8 @@ def test_regression_both_arms_time_the_same_steps_with_the_same_threads(tmp_path
         cfg = offline.consumer_config(args, root, 4, tmp_path / "runs" / cid, cid)
         cfg = msgspec.structs.replace(cfg, threads=2)
         torch.set_num_threads(1)  # the worker's thread count must be the consumer's, not what it found
-        got[mode] = offline.worker(mode, msgspec.json.encode(cfg).decode(), args.warmup, barrier, 30.0)
+        got[mode] = offline.worker(mode, write_spec(tmp_path / f"{cid}.json", "consumer", cfg), args.warmup, barrier,
+                                   30.0)
         assert (barrier / f"{cid}.ready").exists()
     r, m = got["root"], got["memory"]
     assert r["threads"] == m["threads"] == 2

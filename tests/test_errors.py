@@ -16,7 +16,7 @@ from artcache.errors import ArtcacheError
 BAD_INPUT = {"ConfigError", "InsufficientSpace", "DataError", "CacheRootError", "ContractMismatch"}
 KEYWORDS = {  # a value for every keyword an error's __init__ requires
     "fingerprint": "ab" * 32, "attempts": 3, "retryable": True, "errno_": errno.ENOSPC, "step": 7,
-    "last_good": "/runs/d16/checkpoints/step-00000002",
+    "last_good": "/runs/d16/checkpoints/step-00000002", "rank": 1, "returncode": -9,
 }
 
 
@@ -41,7 +41,7 @@ def test_every_error_pickles_with_its_attributes(cls):
     assert type(back) is cls
     assert str(back) == str(exc)
     assert back.retryable == exc.retryable
-    for name in ("fingerprint", "attempts", "errno", "lock_file", "last_good"):
+    for name in ("fingerprint", "attempts", "errno", "lock_file", "last_good", "rank", "returncode"):
         assert getattr(back, name, None) == getattr(exc, name, None), name
 
 

@@ -689,7 +689,8 @@ if how == "mid-write":  # SIGKILL while model.safetensors is half written in the
         os.kill(os.getpid(), signal.SIGKILL)
     ex.safetensors.torch.save_file = dying
 else:  # SIGKILL after the new export is in place, before the one renamed aside is removed
-    ex.shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    import artcache.fsio as fsio  # publish_dir, which removes the old export once the new one is in place
+    fsio.shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 ex.export_checkpoint(ckpt, out, target=target, overwrite=how != "mid-write")
 """
 

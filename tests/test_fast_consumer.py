@@ -45,7 +45,9 @@ def _one_thread():
 
 
 def _batch(b: int, T: int, m: int, seed: int) -> DraftBatch:
-    """A collated-looking batch: bf16 hidden states, right padding (lengths T, T-5, ...), a prompt prefix."""
+    """A collated-looking batch: bf16 hidden states, right padding (lengths T, T-5, ...), a prompt prefix. No run
+    positions: DFlash and DSpark draw its anchors from their generator (the golden figures' draws), not per position
+    (tests/test_consumer_group.py covers those)."""
     g = torch.Generator().manual_seed(seed)
     lengths = [max(4, T - 5 * i) for i in range(b)]
     hidden = torch.zeros(b, T, m, H, dtype=torch.bfloat16)
@@ -57,7 +59,7 @@ def _batch(b: int, T: int, m: int, seed: int) -> DraftBatch:
         ids[i, :n] = torch.randint(0, V - 2, (n,), generator=g)
         mask[i, 3:n] = torch.rand(n - 3, generator=g) < 0.85
         valid[i, :n] = True
-    return DraftBatch(hidden, ids, mask, valid, positions=tuple(range(b)))
+    return DraftBatch(hidden, ids, mask, valid)
 
 
 def _dflash(seed: int = 0, **speed) -> DFlashAdapter:

@@ -185,10 +185,15 @@ def test_regression_one_home_for_the_orphan_temp_predicate():
     import artcache.layout
     import artcache.trainers.checkpoint
 
-    # the producer's tmp/ sweep is fsio's (test_regression_one_sweep_of_dead_writers_temps)
+    # the producer's tmp/ sweep is fsio's (test_regression_one_sweep_of_dead_writers_temps); fsck and the checkpoint
+    # temp sweep read temp names only through fsio (scan_temps, remove_orphan_parts), which asks layout.temp_writer
+    assert artcache.fsio.temp_writer is artcache.layout.temp_writer
+    assert artcache.fsck.scan_temps is artcache.fsio.scan_temps
+    assert artcache.trainers.checkpoint.remove_orphan_parts is artcache.fsio.remove_orphan_parts
     for mod in (artcache.fsio, artcache.fsck, artcache.trainers.checkpoint):
-        assert mod.temp_writer is artcache.layout.temp_writer, mod.__name__
         assert not hasattr(mod, "parse_temp_name"), mod.__name__
+    for mod in (artcache.fsck, artcache.trainers.checkpoint):
+        assert not hasattr(mod, "temp_writer"), mod.__name__
 
 
 def test_cleanup_orphans_spares_live_writers(tmp_path):

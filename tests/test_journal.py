@@ -16,7 +16,8 @@ FP = "ab" * 20
 
 SAMPLES: dict[type, dict] = {
     J.ProducerStart: dict(producer="p", pid=12, contract_id="cc" * 20, plan_id="dd" * 20, budget_bytes=1 << 40,
-                          policy="windows", fill=True, evict_fill=True, kept_fill=7),
+                          policy="windows", fill=True, evict_fill=True, kept_fill=7,
+                          spec="ee" * 16),
     J.ProducerStop: dict(producer="p", reason="signal"),
     J.CaptureBatch: dict(producer="p", fps=[FP, "cd" * 20], samples=2, tokens=30, padded_tokens=40, start=1.5,
                          end=2.25, demand=1),
@@ -31,7 +32,8 @@ SAMPLES: dict[type, dict] = {
     J.LeaseExpire: dict(producer="p", fp=FP, lease=f"{FP}~c~h~1~aa", reason="holder-dead"),
     J.Fence: dict(producer="p", consumer="c", generation=4, state="expired", reason="no heartbeat for 31s"),
     J.ConsumerStart: dict(consumer="c", pid=7, draft="dflash", block_size=16, batch_size=4, lookbehind=64,
-                          lookahead=256, cursor=10, step=5, pinned=8, epoch_len=90, reader="0123456789abcdef-42-99"),
+                          lookahead=256, cursor=10, step=5, pinned=8, epoch_len=90, reader="0123456789abcdef-42-99",
+                          spec="ff" * 16),
     J.Request: dict(consumer="c", position=5, fp=FP, hit=False, wait_s=0.25, sample=95, epoch=2, held_out=True),
     J.DemandWait: dict(consumer="c", position=5, fp=FP),
     J.LeaseAcquire: dict(consumer="c", fp=FP, lease=f"{FP}~c~h~1~aa"),

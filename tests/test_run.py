@@ -982,6 +982,71 @@ def test_shared_gpus_names_each_cuda_device_given_twice():
     assert shared_gpus(["cuda:1", "cuda:0", "cuda:1", "cuda:0"]) == ["cuda:0", "cuda:1"]
 
 
+def test_each_role_runs_on_exactly_the_spec_the_launcher_built(tiny_target, tmp_path):
+    """``artcache run`` builds every role's settings once (the plan's ``producer`` and each experiment's ``spec``),
+    writes them as role spec files and starts each child with ``--spec``: the digest each child journals of the
+    settings it ran on (``producer_start.spec``, ``consumer_start.spec``) is the digest of the launcher's own struct,
+    and the two experiments' specs differ (a child given its sibling's spec would be seen)."""
+    from artcache.app.experiments import consumer_spec_path, producer_spec_path
+    from artcache.producer import ProducerConfig
+    from artcache.rolespec import read_spec, spec_digest
+    from artcache.trainers.consumer import ConsumerConfig
+
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "run.toml", base_toml(tiny_target, out, exp("hi", steps=3, lr=1e-3),
+                                                 exp("lo", steps=3, lr=1e-4)))
+    plan, _ = plan_run(load_run_config(cfg))  # what the launcher builds (nothing written)
+    proc = artcache_run(cfg)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    events = J.read_events(out / "cache" / "journal").events
+    starts = {ev.consumer: ev for ev in events if isinstance(ev, J.ConsumerStart)}
+    for x in plan.experiments:
+        spec = read_spec(consumer_spec_path(x), "consumer", ConsumerConfig)
+        assert spec == x.spec  # the file holds the struct the plan built, every field
+        assert starts[x.name].spec == spec_digest(x.spec)  # and the child ran on it
+    assert starts["hi"].spec != starts["lo"].spec
+    assert {x.name: x.spec.lr for x in plan.experiments} == {"hi": 1e-3, "lo": 1e-4}
+    producer = read_spec(producer_spec_path(plan), "producer", ProducerConfig)
+    assert producer == plan.producer and producer.exit_when_done and producer.layer_ids == [1, 2, 3]
+    assert [ev.spec for ev in events if isinstance(ev, J.ProducerStart)] == [spec_digest(plan.producer)]
+
+
+def test_flags_config_and_launcher_build_the_same_consumer_spec(tiny_target, tmp_path):
+    """One typed form whichever way a consumer's settings are given: ``artcache run``'s spec for an experiment,
+    ``consume --config FILE --experiment NAME`` and the plain flags saying the same settings write the same spec
+    file (``--write-spec``), field for field; the producer's likewise from ``producer --config``."""
+    import msgspec
+
+    from artcache.producer import ProducerConfig
+    from artcache.rolespec import read_spec
+    from artcache.trainers.consumer import ConsumerConfig
+
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "run.toml", base_toml(tiny_target, out, exp("hi", steps=3, lr=1e-3)))
+    plan, _ = plan_run(load_run_config(cfg))
+    (x,) = plan.experiments
+
+    def written(*args: str) -> Path:
+        path = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+        res = CliRunner().invoke(main, [*args, "--write-spec", str(path)])
+        assert res.exit_code == 0, res.output
+        return path
+
+    by_config = read_spec(written("consume", "--config", str(cfg), "--experiment", "hi"), "consumer", ConsumerConfig)
+    flags = ["--cache", str(out / "cache"), "--id", "hi", "--draft", "dflash", "--window", "2:8", "--block-size", "4",
+             "--anchors", "4", "--draft-layers", "3", "--batch-size", "2", "--steps", "3", "--lr", "1e-3",
+             "--threads", "1", "--out", str(out / "experiments" / "hi"), "--demand-timeout", "300",
+             "--log-every", "1", "--no-progress", "--no-tensorboard"]
+    by_flags = read_spec(written("consume", *flags), "consumer", ConsumerConfig)
+    assert by_config == by_flags == x.spec
+    by_flags = read_spec(written("consume", *flags[:-1]), "consumer", ConsumerConfig)  # one setting differs
+    assert by_flags != x.spec and msgspec.structs.replace(by_flags, tensorboard=False) == x.spec
+    producer = read_spec(written("producer", "--config", str(cfg), "--exit-when-done", "--id", "producer"), "producer",
+                         ProducerConfig)
+    assert producer == plan.producer
+    assert not (out / "cache").exists()  # --write-spec starts nothing
+
+
 # ---- one horizon: consumer.epochs turned into steps by the plan ------------------------------------------
 
 def _epochs_exp(name: str, epochs: int) -> str:

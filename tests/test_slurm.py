@@ -82,9 +82,10 @@ def test_spread_puts_the_producer_on_the_first_node_and_one_experiment_per_node(
     nodes, roles = place(plan, cfg)
     assert nodes == 3
     assert [(r.name, r.node, r.gpus) for r in roles] == [("producer", 0, 1), ("c1", 0, 1), ("c2", 1, 1), ("c3", 2, 1)]
-    assert roles[0].argv[2:5] == ["artcache", "producer", "--config"]
-    assert roles[0].argv[-5:] == ["--id", "producer", "--exit-when-done", "--expect-consumers", "3"]
-    assert roles[2].argv[-2:] == ["--experiment", "c2"]
+    # every step reads its role's spec file, which launch() writes (the producer's expecting all 3 consumers)
+    assert roles[0].argv[2:] == ["artcache", "producer", "--spec", str(Path(plan.out) / "producer.spec.json")]
+    assert roles[2].argv[2:] == ["artcache", "consume", "--spec",
+                                 str(Path(plan.experiments[1].out_dir) / "consumer.spec.json")]
 
 
 def test_pack_fills_a_node_before_the_next(tmp_path):
@@ -157,6 +158,17 @@ def test_without_submit_the_script_and_configs_are_written(tmp_path, monkeypatch
     assert script.is_file() and os.access(script, os.X_OK) and f"sbatch {script}" in res.output
     assert (run / "config.toml").is_file() and (run / "plan.json").is_file()
     assert not (run / "cache").exists()  # the producer step creates the root, in the job
+    # each step's spec file, built by the launcher: the producer waits for every experiment
+    from artcache.producer import ProducerConfig
+    from artcache.rolespec import read_spec
+    from artcache.trainers.consumer import ConsumerConfig
+
+    producer = read_spec(run / "producer.spec.json", "producer", ProducerConfig)
+    assert producer.exit_when_done and producer.expect_consumers == 3 and producer.producer_id == "producer"
+    specs = {n: read_spec(run / "experiments" / n / "consumer.spec.json", "consumer", ConsumerConfig)
+             for n in ("c1", "c2", "c3")}
+    assert {n: c.consumer_id for n, c in specs.items()} == {n: n for n in specs}
+    assert {c.cache for c in specs.values()} == {producer.cache}
 
 
 @pytest.mark.parametrize("args,needle", [

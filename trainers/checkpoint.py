@@ -93,10 +93,12 @@ from artcache.fsio import (
     errno_of,
     free_space,
     fsync_dir,
+    publish_dir,
+    remove_orphan_parts,
     space_reserve,
 )
 from artcache.hashing import DIGEST_ALGORITHM, digest_bytes, digest_file, record_digest
-from artcache.layout import temp_writer, unique_suffix
+from artcache.layout import unique_suffix
 from artcache.report import format_bytes
 
 log = logging.getLogger("artcache.consumer")
@@ -337,40 +339,31 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
             (nothing is written).
     """
     final = step_dir(run_dir, step)
-    tmp = final.parent / f".tmp-{unique_suffix()}"
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
-                                    tmp / "model.safetensors")
-        names = ["model.safetensors", "state.json"]
-        groups: list[dict] = []
-        if optimizer is not None:
-            opt_tensors, groups = optimizer_tensors(optimizer)
-            safetensors.torch.save_file(opt_tensors, tmp / "optimizer.safetensors")
-            safetensors.torch.save_file(rng_tensors(generators), tmp / "rng.safetensors")
-            names += ["optimizer.safetensors", "rng.safetensors"]
-        if extra_tensors:
-            safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
-                                        tmp / "extra.safetensors")
-            names.append("extra.safetensors")
-        files = {name: _file_digest(tmp / name) for name in names if name != "state.json"}  # one read pass
-        doc = {**state, "format": CHECKPOINT_FORMAT, "step": step, "cursor": cursor, "param_groups": groups,
-               "resumable": optimizer is not None, "digests": {"algorithm": DIGEST_ALGORITHM, "files": files}}
-        text = _state_text(doc)
-        msgspec.json.decode(text, type=CheckpointState)  # what is written reads back (ValidationError if not)
-        (tmp / "state.json").write_text(text)
-        apply_share_mode(*(tmp / name for name in names))
-        for name in names:
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if final.exists():  # a previous run's directory of the same step (a fresh run in an old --out)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
+        # a previous run's directory of the same step (a fresh run in an old --out) is replaced
+        with publish_dir(final, existing="replace") as tmp:
+            safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
+                                        tmp / "model.safetensors")
+            names = ["model.safetensors", "state.json"]
+            groups: list[dict] = []
+            if optimizer is not None:
+                opt_tensors, groups = optimizer_tensors(optimizer)
+                safetensors.torch.save_file(opt_tensors, tmp / "optimizer.safetensors")
+                safetensors.torch.save_file(rng_tensors(generators), tmp / "rng.safetensors")
+                names += ["optimizer.safetensors", "rng.safetensors"]
+            if extra_tensors:
+                safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
+                                            tmp / "extra.safetensors")
+                names.append("extra.safetensors")
+            files = {name: _file_digest(tmp / name) for name in names if name != "state.json"}  # one read pass
+            doc = {**state, "format": CHECKPOINT_FORMAT, "step": step, "cursor": cursor, "param_groups": groups,
+                   "resumable": optimizer is not None, "digests": {"algorithm": DIGEST_ALGORITHM, "files": files}}
+            text = _state_text(doc)
+            msgspec.json.decode(text, type=CheckpointState)  # what is written reads back (ValidationError if not)
+            (tmp / "state.json").write_text(text)
+            apply_share_mode(*(tmp / name for name in names))
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, (OSError, safetensors.SafetensorError)) and not isinstance(exc, ArtcacheError):
             raise _write_error(run_dir, final, exc) from exc
         raise
@@ -544,22 +537,9 @@ def remove_orphan_temps(run_dir: Path) -> tuple[int, int]:
     Returns:
         (directories removed, bytes they held).
     """
-    parent = Path(run_dir) / "checkpoints"
-    removed = nbytes = 0
-    try:
-        entries = list(os.scandir(parent))
-    except (FileNotFoundError, NotADirectoryError):
-        return 0, 0
-    for entry in entries:
-        if not entry.name.startswith(".tmp-") or not entry.is_dir(follow_symlinks=False):
-            continue
-        if not temp_writer(entry.name[len(".tmp-"):]).orphan:
-            continue
-        size = sum(f.stat().st_size for f in Path(entry.path).rglob("*") if f.is_file() and not f.is_symlink())
-        shutil.rmtree(entry.path, ignore_errors=True)
-        if not os.path.lexists(entry.path):
-            removed, nbytes = removed + 1, nbytes + size
-    return removed, nbytes
+    freed: list[int] = []
+    removed = remove_orphan_parts(Path(run_dir) / "checkpoints", prefix=".tmp-", suffix="", dirs=True, freed=freed)
+    return removed, sum(freed)
 
 
 def _step_dirs(run_dir: Path) -> list[tuple[int, Path, bool]]:

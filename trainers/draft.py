@@ -62,7 +62,7 @@ from artcache.trainers import ADAPTERS, DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState
 
 __all__ = ["COUNT_KEYS", "REPLAY_FIGURES", "Draft", "DraftBatch", "ExportedDraft", "MetricSums", "PendingSums",
-           "build_draft", "check_target", "describe_figures", "draft_class", "figures_of", "present",
+           "build_draft", "check_target", "denominator", "describe_figures", "draft_class", "figures_of", "present",
            "replay_headline", "replay_sums", "replay_summary"]
 
 log = logging.getLogger("artcache.consumer")
@@ -388,6 +388,27 @@ class Draft(abc.ABC):
     #: the resolved target (:class:`artcache.target.TargetInfo`) and its frozen lm_head [V, H]
     target_info: TargetInfo | None = None
     target_lm_head: Tensor | None = None
+    #: what runs the model's training forward instead of ``model`` itself: a consumer group's
+    #: ``DistributedDataParallel`` wrapper of it (None: ``model``, or its compiled forward)
+    train_module: torch.nn.Module | None = None
+
+    #: its ``loss(batch, denominators=...)`` divides each term by a given denominator ([terms] float64: the global
+    #: batch's) instead of the batch's own; a consumer group or ``--grad-accum`` then finds them before the parts'
+    #: forward (:meth:`loss_denominators`). False: one term, whose parts' gradients are summed and scaled after
+    #: their backward (exact where the gradient's rounding does not depend on the normaliser: DFlash)
+    global_denominators: ClassVar[bool] = False
+
+    def loss_terms(self) -> tuple[tuple[str, float], ...]:
+        """The training loss as ``(name, c)`` pairs of its :class:`MetricSums`: ``loss = Σ c · num[name] /
+        den[name]`` over one batch. A consumer group or ``--grad-accum`` normalises each term over the whole
+        global batch (:meth:`artcache.trainers.consumer.Session.train_step`); a draft with more than one term
+        sets :attr:`global_denominators`."""
+        return (("loss", 1.0),)
+
+    def loss_denominators(self, batch: DraftBatch) -> Tensor | None:
+        """``den`` of each :meth:`loss_terms` entry over ``batch`` ([terms] float64) without a forward, or None
+        (the consumer then counts them with a forward without gradients)."""
+        return None
 
     @classmethod
     def held_out_figures(cls, block_size: int | None = None) -> tuple[str, ...]:
@@ -504,6 +525,23 @@ class Draft(abc.ABC):
     def extra_tensors(self) -> dict[str, Tensor]:
         """Tensors that belong to the draft but are not trained (saved as ``extra.safetensors``)."""
         return {}
+
+
+def denominator(sums: MetricSums | PendingSums, name: str, device: torch.device) -> Tensor:
+    """``den[name]`` of ``sums`` as a float64 scalar tensor on ``device`` (a :class:`PendingSums` entry stays
+    on its device: no host synchronisation).
+
+    Raises:
+        KeyError: ``name`` has no denominator in ``sums``.
+    """
+    if isinstance(sums, MetricSums):
+        return torch.tensor(sums.den[name], dtype=torch.float64, device=device)
+    i = 0
+    for n, has_den in sums.names:
+        if n == name and has_den:
+            return sums.values[i + 1].to(device)
+        i += 2 if has_den else 1
+    raise KeyError(name)
 
 
 def draft_class(name: str) -> type[Draft]:

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,8 +69,7 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ArtcacheError, ConfigError, PublishError
-from artcache.fsio import RETRYABLE_ERRNOS, SPACE_ERRNOS, describe_errno, errno_of, fsync_dir, remove_orphan_parts
-from artcache.layout import unique_suffix
+from artcache.fsio import RETRYABLE_ERRNOS, SPACE_ERRNOS, describe_errno, errno_of, publish_dir, remove_orphan_parts
 from artcache.target import resolve_target
 from artcache.trainers import DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_weights
@@ -333,6 +331,11 @@ def remove_dead_export_temps(out: Path) -> int:
     return removed
 
 
+def _uncreatable(out: Path, exc: OSError) -> ConfigError:
+    return ConfigError(f"--out {str(out)!r}: cannot create a directory in {out.parent} ({exc.strerror or exc}); "
+                       "accepted: a path whose parent is a writable directory")
+
+
 def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite: bool) -> None:
     """Write ``files`` (name -> JSON bytes, or a tensor dict saved as safetensors) into a temp
     directory beside ``out``, each file ``0o666 & ~umask``, fsync everything, then rename it to
@@ -347,46 +350,33 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
     while not os.path.lexists(anc):
         created.append(anc)
         anc = anc.parent
-    tmp = out.parent / f".{out.name}.tmp-{unique_suffix()}"
-    old = None
-    made_tmp = False
+    writing = False  # the temp directory exists: the body of publish_dir runs
     try:
         try:
             for d in reversed(created):
                 d.mkdir()
-            tmp.mkdir()
-            made_tmp = True
         except OSError as exc:
-            raise ConfigError(f"--out {str(out)!r}: cannot create a directory in {out.parent} ({exc.strerror or exc}); "
-                              "accepted: a path whose parent is a writable directory") from exc
+            raise _uncreatable(out, exc) from exc
         mode = _file_mode()
-        for name, content in files.items():
-            if isinstance(content, dict):
-                safetensors.torch.save_file(content, tmp / name, metadata={"format": "pt"})
-            else:
-                (tmp / name).write_bytes(content)
-            os.chmod(tmp / name, mode)
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if os.path.lexists(out):
-            _check_existing_out(out, overwrite)
-            old = out.parent / f".{out.name}.old-{unique_suffix()}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        made_tmp = False
-        fsync_dir(out.parent)
+        # an existing out is checked again just before the swap (it may have appeared meanwhile), set aside,
+        # restored if the swap fails
+        with publish_dir(out, existing="aside", check=lambda o: _check_existing_out(o, overwrite),
+                         tmp_name=f".{out.name}.tmp-") as tmp:
+            writing = True
+            for name, content in files.items():
+                if isinstance(content, dict):
+                    safetensors.torch.save_file(content, tmp / name, metadata={"format": "pt"})
+                else:
+                    (tmp / name).write_bytes(content)
+                os.chmod(tmp / name, mode)
     except BaseException as exc:
-        if made_tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.lexists(out):
-            os.rename(old, out)
-            old = None
         for d in created:  # innermost first; only if still empty
             try:
                 d.rmdir()
             except OSError:
                 break
+        if isinstance(exc, OSError) and not isinstance(exc, ArtcacheError) and not writing:
+            raise _uncreatable(out, exc) from exc  # its temp directory
         if isinstance(exc, (OSError, safetensors.SafetensorError)) and not isinstance(exc, ArtcacheError):
             code = errno_of(exc)  # also safetensors' "os error N" (a full disk: ENOSPC)
             raise PublishError(f"export to {out} could not be written ({describe_errno(code, exc)}); nothing was "
@@ -395,8 +385,6 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
                                   if code in SPACE_ERRNOS else ""), errno_=code,
                                retryable=code in RETRYABLE_ERRNOS) from exc
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", *,

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from artcache.app import config as C
 from artcache.app.config import load_run_config, saved_config_source
-from artcache.app.values import parse_bytes, parse_disk_budget, parse_layer_ids, parse_template_options
+from artcache.app.values import check_device, parse_bytes, parse_disk_budget, parse_layer_ids, parse_template_options
 from artcache.data.regenerate import BACKENDS as REGEN_BACKENDS
 from artcache.data.regenerate import CACHES as REGEN_CACHES
 from artcache.data.regenerate import DTYPES as REGEN_DTYPES
@@ -53,22 +53,13 @@ def _errors(fn):
     return wrapper
 
 
-def _check_device(device: str) -> None:
-    """Reject a device torch cannot use before anything is loaded or written."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device!r} is not accepted: use cpu, cuda or cuda:<index>")
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ConfigError(f"--device {device!r}: no CUDA device is visible; use --device cpu")
-        if dev.index is not None and dev.index >= n:
-            raise ConfigError(f"--device {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
+def parse_devices(text: str) -> list[str]:
+    """``--devices cuda:0,cuda:1`` as a list, each checked by :func:`artcache.app.values.check_device` (``""``:
+    none)."""
+    devices = [d.strip() for d in text.split(",") if d.strip()] if text else []
+    for dev in devices:
+        check_device(dev, "--devices")
+    return devices
 
 
 def _with_config(verb: str):
@@ -78,7 +69,17 @@ def _with_config(verb: str):
 
     def deco(fn):
         @functools.wraps(fn)
-        def wrapper(*args, config=None, experiment=None, overrides=(), **kwargs):
+        def wrapper(*args, config=None, experiment=None, overrides=(), spec=None, write_spec=None, **kwargs):
+            if write_spec:
+                click.get_current_context().meta[_WRITE_SPEC] = write_spec
+            if spec:
+                ctx = click.get_current_context()
+                given = [k for k in kwargs if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
+                given += ["config"] * bool(config) + ["experiment"] * bool(experiment) + list(overrides)
+                if given:
+                    raise ConfigError(f"--spec {spec} holds every setting of this {verb}; leave out "
+                                      f"{', '.join(g if '=' in g else '--' + g.replace('_', '-') for g in given)}")
+                return _run_spec(verb, spec)
             if not config:
                 if overrides or experiment:
                     raise ConfigError(f"{' '.join(overrides) or '--experiment ' + str(experiment)}: overrides and "
@@ -92,20 +93,9 @@ def _with_config(verb: str):
                 raise ConfigError("consume --config FILE needs --experiment NAME (one of the file's experiments)")
             cfg = C.load_run_config(config, overrides, C.flag_paths(verb, explicit, experiment))
             if verb == "producer":
-                from artcache.producer import run_producer
-
-                pcfg = C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS})
-                _check_device(pcfg.device)
-                stats = run_producer(pcfg)
-                click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-                           f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures",
-                           err=True)
+                _start("producer", C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS}))
             elif verb == "consume":
-                from artcache.trainers.consumer import run_consumer
-
-                ccfg = C.consumer_config(cfg, experiment, kwargs.get("consumer_id"))
-                _check_device(ccfg.device)
-                click.echo(json.dumps(run_consumer(ccfg)))
+                _start("consumer", C.consumer_config(cfg, experiment, kwargs.get("consumer_id")))
             else:
                 from artcache.bench.run import run_bench
 
@@ -114,6 +104,15 @@ def _with_config(verb: str):
                 sys.exit(0 if run_bench(bcfg) else 1)
 
         wrapper = click.argument("overrides", nargs=-1)(wrapper)
+        if verb in ("producer", "consume"):
+            wrapper = click.option("--spec", default=None, type=click.Path(dir_okay=False),
+                                   help=f"A {'consumer' if verb == 'consume' else 'producer'} spec file (what "
+                                   "artcache run, its Slurm job and the bench hand each role; artcache/rolespec.py): "
+                                   "every setting, no other flag.")(wrapper)
+            wrapper = click.option("--write-spec", default=None, type=click.Path(dir_okay=False),
+                                   help="Write the spec file the other flags (or --config) build, then exit instead "
+                                   "of running; start it later with --spec FILE (e.g. from your own job "
+                                   "script).")(wrapper)
         if verb == "consume":
             wrapper = click.option("--experiment", default=None,
                                    help="With --config: the experiment (by name) this consumer runs.")(wrapper)
@@ -122,6 +121,58 @@ def _with_config(verb: str):
                                  "given on the command line override both.")(wrapper)
 
     return deco
+
+
+#: ``click`` context meta key: ``--write-spec FILE`` was given (:func:`_start` writes the spec instead of running)
+_WRITE_SPEC = "artcache.write_spec"
+
+
+def _run_spec(verb: str, path: str) -> None:
+    """Run the producer or consumer a spec file describes (:func:`artcache.rolespec.read_spec`)."""
+    from artcache.rolespec import read_spec
+
+    if verb == "producer":
+        from artcache.producer import ProducerConfig
+
+        _start("producer", read_spec(path, "producer", ProducerConfig))
+    else:
+        from artcache.trainers.consumer import ConsumerConfig
+
+        _start("consumer", read_spec(path, "consumer", ConsumerConfig))
+
+
+def _start(role: str, cfg) -> None:
+    """The one place the CLI starts a producer or consumer, whichever way its settings came (flags, ``--config``,
+    ``--spec``): ``cfg`` (a :class:`~artcache.producer.ProducerConfig` / :class:`~artcache.trainers.consumer.
+    ConsumerConfig`) is checked, then run, or with ``--write-spec FILE`` written as the role's spec file (no device
+    check: the spec may be for another machine)."""
+    cfg.validate()
+    out = click.get_current_context().meta.get(_WRITE_SPEC)
+    if out:
+        from artcache.rolespec import write_spec
+
+        click.echo(f"{role} spec written: {write_spec(out, role, cfg)}", err=True)
+        return
+    check_device(cfg.device)
+    if role == "producer":
+        from artcache.producer import run_producer
+
+        for dev in cfg.devices:
+            check_device(dev, "--devices")
+        _producer_done(run_producer(cfg))
+    else:
+        from artcache.trainers.consumer import run_consumer
+
+        summary = run_consumer(cfg)
+        if summary is not None:  # None: a rank > 0 of a group (rank 0 prints the group's summary)
+            click.echo(json.dumps(summary))
+
+
+def _producer_done(stats) -> None:
+    if stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
+        return
+    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
+               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
 
 
 #: the target flag of the commands that load one (producer, regenerate)
@@ -181,6 +232,13 @@ def main(verbose: bool) -> None:
 @click.option("--layer-ids", default=None,
               help="Explicit output-of-layer ids, comma separated, each once (overrides --draft-layers).")
 @click.option("--device", default="cpu", help="cpu or cuda[:i].")
+@click.option("--devices", default="", metavar="DEV,DEV,...",
+              help="Place the target over these devices (e.g. cuda:0,cuda:1) with transformers' device_map: decoder "
+              "layers in contiguous blocks, inputs and captures on the first (instead of --device; hf backend).")
+@click.option("--tensor-parallel-size", default=1, type=int,
+              help="Shard the target over N ranks of a torch.distributed group by its tensor-parallel plan (gloo on "
+              "--device cpu, NCCL on cuda: rank r on cuda:r); this process is rank 0 and starts the others (or run "
+              "under torchrun --nproc-per-node N). hf backend, HF checkpoints. Artifacts as from one device.")
 @click.option("--dtype", default="bfloat16",
               type=click.Choice(["bfloat16", "float16", "float32", "fp8", "float8_e4m3fn"]),
               help="Stored dtype of the captured hidden states. fp8 (= float8_e4m3fn): e4m3 codes with one fp32 "
@@ -238,16 +296,18 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
-             fill=False, evict_fill=False, payload="", prefill_chunk=0):
+             fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1, prefill_chunk=0):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
-    from artcache.producer import ProducerConfig, run_producer
+    from artcache.producer import ProducerConfig
     from artcache.scheduler import SchedulerLimits
 
-    _check_device(device)
+    check_device(device)
+    device_list = parse_devices(devices)
     ids = parse_layer_ids(layer_ids)
     cfg = ProducerConfig(
         cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
-        draft_layers=draft_layers, layer_ids=ids, device=device, dtype=dtype, compute_dtype=compute_dtype,
+        draft_layers=draft_layers, layer_ids=ids, device=device, devices=device_list,
+        tensor_parallel_size=tensor_parallel_size, dtype=dtype, compute_dtype=compute_dtype,
         limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens,
                                prefill_chunk=prefill_chunk),
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
@@ -255,9 +315,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
         group_shared=group_shared, backend=backend, disk_budget=parse_disk_budget(disk_budget),
         retention=retention or "", fill=fill, evict_fill=evict_fill, payload=payload)
-    stats = run_producer(cfg)
-    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
+    _start("producer", cfg)
 
 
 @main.command()
@@ -345,6 +403,16 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--reader", default="thread", type=click.Choice(("thread", "process")),
               help="Where the reader runs: thread (beside the trainer) or process (a child process of its own that "
                    "reads into shared memory: its Python never holds the trainer's GIL; Linux).")
+@click.option("--nproc", default=1, type=int,
+              help="Ranks of this consumer: a torch.distributed group (gloo on a CPU, nccl on CUDA: rank r on "
+                   "cuda:r) that is one consumer to the cache; each optimizer step consumes --nproc x --grad-accum x "
+                   "--batch-size positions. Under torchrun the group is torchrun's (WORLD_SIZE).")
+@click.option("--grad-accum", default=1, type=int,
+              help="Micro-batches of --batch-size per optimizer step on each rank; the update equals one step over "
+                   "the whole batch; the LR schedule and --steps count optimizer steps.")
+@click.option("--group-timeout", default=60.0, type=float,
+              help="Seconds a rank of a group waits in a collective for the others before the group stops "
+                   "(init_process_group's timeout; 0 < S <= 3600).")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps,
@@ -352,9 +420,9 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            reader="thread", epochs=0):
+            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0):
     """Train one draft on the cache root at its own pace."""
-    from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window, run_consumer
+    from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
     if epochs > 0 and click.get_current_context().get_parameter_source("steps") == ParameterSource.COMMANDLINE:
         raise ConfigError(f"--epochs {epochs} and --steps {steps} both say how long to train; give one of them")
@@ -363,7 +431,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
     lookbehind, lookahead = parse_window(window)
     view = parse_layer_ids(layer_ids)
-    _check_device(device)
+    check_device(device)
     cfg = ConsumerConfig(
         cache=cache, consumer_id=consumer_id or (
             draft if default_block_size(draft) is None else f"{draft}-b{block_size or default_block_size(draft)}"),
@@ -380,10 +448,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
         progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
-        reader=reader)
-    cfg.validate()
-    summary = run_consumer(cfg)
-    click.echo(json.dumps(summary), err=False)
+        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout)
+    _start("consumer", cfg)
 
 
 @main.command()
@@ -714,7 +780,7 @@ def regenerate(out, target, dataset, max_samples, max_new_tokens, max_prompt_tok
                            force=force, threads=threads, template_options=parse_template_options(template_options),
                            progress=progress, cache=cache)
     cfg.validate()
-    _check_device(device)
+    check_device(device)
     click.echo(json.dumps(run_regenerate(cfg).summary))
 
 

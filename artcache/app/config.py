@@ -84,6 +84,11 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         name: ``smollm2-135m-instruct``, ``random:<arch>``, an HF directory (config.json + safetensors) or a
             Hugging Face hub id ``ORG/NAME[@REVISION]`` (from huggingface_hub's cache; ``HF_HUB_OFFLINE`` honoured).
         device: the producer's device, ``cpu`` or ``cuda[:i]``; experiments default to it.
+        devices: two or more devices (``["cuda:0", "cuda:1"]``) the producer places the target over with
+            transformers' ``device_map`` (decoder layers in contiguous blocks) instead of ``device``; ``[]``: none.
+        tensor_parallel_size: ranks of a torch.distributed group the producer shards the target over by its
+            tensor-parallel plan (gloo on ``cpu``, NCCL on ``cuda``); 1: none. Neither placement changes an
+            artifact or its fingerprint (docs/scale-out.md).
         dtype: stored dtype of the captured hidden states (one per cache root); ``fp8`` (stored as
             ``float8_e4m3fn``): e4m3 codes with one fp32 scale per token row per layer (docs/format.md).
         compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU, bfloat16 on CUDA.
@@ -92,6 +97,8 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: str = "smollm2-135m-instruct"
     device: str = "cpu"
+    devices: list[str] = []
+    tensor_parallel_size: Count = 1
     dtype: DType = "bfloat16"
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     threads: NonNegative = 0
@@ -763,6 +770,7 @@ PRODUCER_FLAGS = {
     "heartbeat_timeout": "cache.heartbeat_timeout_s", "done_grace": "cache.done_grace_s", "threads": "target.threads",
     "template_options": "data.template_options", "group_shared": "cache.group_shared", "backend": "capture.backend",
     "disk_budget": "cache.disk_budget", "retention": "cache.retention", "payload": "cache.payload",
+    "devices": "target.devices", "tensor_parallel_size": "target.tensor_parallel_size",
 }
 PRODUCER_PROCESS_FLAGS = ("exit_when_done", "expect_consumers", "expect_timeout", "idle_exit", "producer_id",
                           "fill", "evict_fill")
@@ -774,6 +782,7 @@ CONSUME_FLAGS = {
     "lr": "E.lr", "seed": "E.seed", "device": "E.device", "threads": "E.threads", "out_dir": "E.out",
     "demand_timeout": "cache.demand_timeout_s", "log_every": "E.log_every", "compile_mode": "E.consumer.compile",
     "commit_interval": "E.consumer.commit_interval_s", "reader": "E.consumer.reader",
+    "nproc": "E.consumer.nproc", "grad_accum": "E.consumer.grad_accum", "group_timeout": "E.consumer.group_timeout_s",
 }
 
 #: ``artcache bench`` flag → config path.
@@ -811,6 +820,8 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
             value = parse_template_options(value)
         elif path == "cache.disk_budget":
             value = parse_disk_budget(value)
+        elif path == "target.devices":
+            value = [d.strip() for d in str(value).split(",") if d.strip()]
         elif path == "bench.disk_budget":
             value = parse_bytes(value, "disk-budget")
         out[path] = value
@@ -904,8 +915,9 @@ def producer_config(cfg: RunConfig, **process: Any):
     return ProducerConfig(
         cache=cache_root(cfg), target=cfg.target.name, dataset=cfg.data.dataset, seed=cfg.data.seed,
         max_length=cfg.data.max_length, max_samples=cfg.data.max_samples, draft_layers=cfg.capture.draft_layers,
-        layer_ids=layer_ids, device=cfg.target.device,
-        dtype=cfg.target.dtype, compute_dtype=cfg.target.compute_dtype,
+        layer_ids=layer_ids, device=cfg.target.device, devices=list(cfg.target.devices),
+        tensor_parallel_size=cfg.target.tensor_parallel_size, dtype=cfg.target.dtype,
+        compute_dtype=cfg.target.compute_dtype,
         limits=SchedulerLimits(max_queue=cfg.capture.max_queue, max_batch_samples=cfg.capture.batch_samples,
                                max_batch_tokens=cfg.capture.batch_tokens, prefill_chunk=cfg.capture.prefill_chunk),
         heartbeat_timeout_s=cfg.cache.heartbeat_timeout_s, done_grace_s=cfg.cache.done_grace_s,

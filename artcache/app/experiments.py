@@ -42,6 +42,7 @@ from artcache.app.config import (
     save_config,
     saved_config_source,
 )
+from artcache.app.values import check_device
 from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
@@ -98,6 +99,9 @@ class ExperimentPlan(msgspec.Struct, kw_only=True):
     skip: str = ""
     consumer: dict[str, Any]
     env: dict[str, str] = {}
+    #: the :class:`~artcache.trainers.consumer.ConsumerConfig` its consumer is started with, as built here once
+    #: (:func:`~artcache.app.config.consumer_config`); written to :func:`consumer_spec_path` (``consume --spec``)
+    spec: Any = None
 
 
 class RunPlan(msgspec.Struct, kw_only=True):
@@ -127,23 +131,9 @@ class RunPlan(msgspec.Struct, kw_only=True):
     replay_layer_bytes: int = 0
     #: ``captured_layer_ids`` is the config's own ``capture.layer_ids`` (not the union the plan derived)
     explicit_layer_ids: bool = False
-
-
-def _check_device(device: str, what: str, local: bool = True) -> None:
-    """ConfigError unless ``device`` is cpu, cuda or cuda:<index> (and, ``local``, usable on this machine)."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"{what} {device!r} is not accepted: use cpu, cuda or cuda:<index>")
-    if dev.type == "cuda" and local:
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0 or (dev.index is not None and dev.index >= n):
-            raise ConfigError(f"{what} {device!r}: {n} CUDA device(s) visible; use cpu"
-                              + (f" or cuda:0..cuda:{n - 1}" if n else ""))
+    #: the :class:`~artcache.producer.ProducerConfig` of the run's producer (``--exit-when-done``, id
+    #: ``producer``), as built here once; written to :func:`producer_spec_path` (``producer --spec``)
+    producer: Any = None
 
 
 def _check_dtypes(cfg: RunConfig, compute: str) -> None:
@@ -259,20 +249,21 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         ContractMismatch: a checkpoint of another target, dtype, normalisation, draft or plan; a cache
             root initialised with another contract or plan.
     """
-    from artcache.contract import CaptureContract
     from artcache.layer_ids import check_layer_ids
     from artcache.layout import CacheLayout
     from artcache.plan import PlanSpec, plan_id_for
-    from artcache.producer import resolve_compute_dtype
+    from artcache.producer import capture_contract, resolve_compute_dtype
     from artcache.settings import check_compatible, load_settings
-    from artcache.target import load_tokenizer, resolve_target, template_digest, tokenizer_digest
+    from artcache.target import load_tokenizer, resolve_target
 
     if not cfg.experiments:
         raise ConfigError(f"{source}: no experiments: add at least one [[experiments]] table with a name")
-    _check_device(cfg.target.device, "target.device", local_devices)
+    check_device(cfg.target.device, "target.device", local_devices)
+    for i, dev in enumerate(cfg.target.devices):
+        check_device(dev, f"target.devices[{i}]", local_devices)
     for e in cfg.experiments:
-        _check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
-    compute = resolve_compute_dtype(cfg.target.compute_dtype, cfg.target.device)
+        check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
+    compute = resolve_compute_dtype(cfg.target.compute_dtype, (cfg.target.devices or [cfg.target.device])[0])
     _check_dtypes(cfg, compute)
     info = resolve_target(cfg.target.name)
     views = {e.name: draft_view(e, info.num_layers, cfg.capture.draft_layers) for e in cfg.experiments}
@@ -290,18 +281,17 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     check_layer_ids(captured, info.num_layers, f"capture.layer_ids {captured}" if cfg.capture.layer_ids
                     else f"the experiments' layer union {captured}", target=info.name, unique=True)
     resolved = resolve(cfg, captured)
-    # capture batching vs max_length, named by the config's capture.* paths
-    producer_config(resolved).limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
-    # the spec and contract exactly as artcache.producer.prepare_root builds them (a test pins the equality)
+    # the producer's spec; capture batching vs max_length, named by the config's capture.* paths
+    producer = producer_config(resolved, exit_when_done=True, producer_id="producer")
+    producer.limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
+    # the plan spec and the contract the producer will build (artcache.producer.capture_contract)
     spec = PlanSpec(dataset=resolved.data.dataset, seed=resolved.data.seed, max_length=resolved.data.max_length,
                     max_samples=resolved.data.max_samples, template_options=dict(resolved.data.template_options))
     tok = load_tokenizer(info)
     plan_id = plan_id_for(spec, tok)
-    contract = CaptureContract(
-        target_name=info.name, target_revision=info.revision, target_config_hash=info.config_hash,
-        target_weights_digest=info.weights_digest, layer_ids=tuple(captured), dtype=stored_dtype(resolved.target.dtype),
-        compute_dtype=compute, max_length=spec.max_length, tokenizer_digest=tokenizer_digest(tok),
-        template_digest=template_digest(tok, spec.template_options), backend=resolved.capture.backend)
+    contract = capture_contract(info, tok, layer_ids=captured, dtype=resolved.target.dtype, compute_dtype=compute,
+                                device=resolved.target.device, max_length=spec.max_length,
+                                template_options=spec.template_options, backend=resolved.capture.backend)
     layout = CacheLayout(Path(resolved.cache.root))
     if layout.settings.is_file():
         try:
@@ -345,7 +335,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     if bound * per_artifact > free:
         notes.append(f"disk bound {format_bytes(bound * per_artifact)} exceeds the {format_bytes(free)} free at "
                      f"{free_at}")
-    shared = shared_gpus([resolved.target.device, *(x.device for x in exps)])
+    shared = shared_gpus([*(resolved.target.devices or [resolved.target.device]), *(x.device for x in exps)])
     if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
         notes.append(f"several roles share {', '.join(shared)}")
     plan = RunPlan(
@@ -359,7 +349,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
         disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes,
         replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes,
-        explicit_layer_ids=bool(cfg.capture.layer_ids))
+        explicit_layer_ids=bool(cfg.capture.layer_ids), producer=producer)
     return plan, resolved
 
 
@@ -481,7 +471,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
         positions=0 if skip else (ccfg.steps - start_step) * ccfg.batch_size,
         window_artifacts=0 if skip else lb + la + 1 + ccfg.eval_samples,  # the held-out split is pinned too
         out_dir=e.out, resume_from=resume_from, init_from=e.init_from, skip=skip,
-        consumer=msgspec.to_builtins(ccfg), env=dict(e.env)), notes
+        consumer=msgspec.to_builtins(ccfg), env=dict(e.env), spec=given), notes
 
 
 def _load_or_build_plan(layout, plan_id: str, spec, tok, info):
@@ -531,12 +521,30 @@ def format_plan(plan: RunPlan) -> str:
 
 # ---- running -----------------------------------------------------------------------------------------
 
-def _write_configs(plan: RunPlan, cfg: RunConfig) -> None:
+def producer_spec_path(plan: RunPlan) -> Path:
+    """The run's producer spec file (:mod:`artcache.rolespec`): ``<out>/producer.spec.json``."""
+    return Path(plan.out) / "producer.spec.json"
+
+
+def consumer_spec_path(x: ExperimentPlan) -> Path:
+    """Experiment ``x``'s consumer spec file (:mod:`artcache.rolespec`): ``<its out>/consumer.spec.json``."""
+    return Path(x.out_dir) / "consumer.spec.json"
+
+
+def _write_configs(plan: RunPlan, cfg: RunConfig, **producer: Any) -> None:
+    """The run's files before anything starts: the resolved config (the run's and each experiment's own), the
+    plan, and every role's spec file (the producer's with the launcher's ``producer`` process settings, e.g.
+    ``expect_consumers``)."""
+    from artcache.rolespec import write_spec
+
     out = Path(plan.out)
     save_config(cfg, out / "config.toml")
     (out / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(plan)))
     for e in cfg.experiments:
         save_config(msgspec.structs.replace(cfg, experiments=[e]), Path(e.out) / "config.toml")
+    write_spec(producer_spec_path(plan), "producer", msgspec.structs.replace(plan.producer, **producer))
+    for x in plan.experiments:
+        write_spec(consumer_spec_path(x), "consumer", x.spec)
 
 
 def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> int:
@@ -579,7 +587,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             if x.skip:
                 print(f"experiment {x.name} {x.skip}; not started", flush=True)
                 continue
-            consumers[x.name] = Role(x.name, cli_argv("consume", "--config", plan.config_path, "--experiment", x.name),
+            consumers[x.name] = Role(x.name, cli_argv("consume", "--spec", str(consumer_spec_path(x))),
                                      logs / f"{x.name}.log", {**env, **x.env})
             print(f"experiment {x.name} started (pid {consumers[x.name].popen.pid}, {x.draft}, layers "
                   f"{x.layer_ids}, {x.device}); log {consumers[x.name].log}", flush=True)
@@ -595,8 +603,8 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         if not consumers:
             print("every experiment is complete: nothing to run", flush=True)
         elif any(c.poll() is None for c in consumers.values()):
-            producer = Role("producer", cli_argv("producer", "--config", plan.config_path, "--exit-when-done",
-                                                 "--id", "producer"), logs / "producer.log", env)
+            producer = Role("producer", cli_argv("producer", "--spec", str(producer_spec_path(plan))),
+                            logs / "producer.log", env)
             print(f"producer started (pid {producer.popen.pid}); capturing layers {plan.captured_layer_ids}; "
                   f"log {producer.log}", flush=True)
         else:
@@ -661,47 +669,34 @@ def consumer_events(path: Path | None) -> list:
 
 
 def production(events: list) -> dict:
-    """What one producer process did, counted once (captures, publications, bytes, evictions)."""
-    out = {"captures": 0, "recaptures": 0, "publications": 0, "published_bytes": 0, "failures": 0,
-           "evictions": 0, "evicted_bytes": 0, "batches": 0, "busy_s": 0.0, "max_retained_artifacts": 0,
-           "max_retained_bytes": 0, "distinct_fingerprints": 0, "stop_reason": ""}
-    fps = set()
-    for ev in events:
-        if isinstance(ev, J.Capture):
-            out["captures"] += 1
-            out["recaptures"] += ev.recapture
-            fps.add(ev.fp)
-        elif isinstance(ev, J.Publish):
-            out["publications"] += 1
-            out["published_bytes"] += ev.nbytes
-        elif isinstance(ev, J.CaptureFailure):
-            out["failures"] += 1
-        elif isinstance(ev, J.Evict):
-            out["evictions"] += 1
-            out["evicted_bytes"] += ev.nbytes
-        elif isinstance(ev, J.CaptureBatch):
-            out["batches"] += 1
-            out["busy_s"] += ev.end - ev.start
-        elif isinstance(ev, J.Retained):
-            out["max_retained_artifacts"] = max(out["max_retained_artifacts"], ev.artifacts)
-            out["max_retained_bytes"] = max(out["max_retained_bytes"], ev.nbytes)
-        elif isinstance(ev, J.ProducerStop):
-            out["stop_reason"] = ev.reason
-    out["distinct_fingerprints"] = len(fps)
-    return out
+    """What one producer process did, counted once (captures, publications, bytes, evictions): its journal's
+    :func:`artcache.accounting.fold`."""
+    from artcache.accounting import fold
+
+    f = fold(events)
+    c = f.cache
+    return {"captures": c.captures, "recaptures": c.recaptures, "publications": c.publications,
+            "published_bytes": c.published_bytes, "failures": c.failures, "evictions": c.evictions,
+            "evicted_bytes": c.evicted_bytes, "batches": c.capture_batches, "busy_s": c.producer_busy_s,
+            "max_retained_artifacts": c.max_retained_artifacts, "max_retained_bytes": c.max_retained_bytes,
+            "distinct_fingerprints": len(f.captured), "stop_reason": f.stop_reason}
 
 
 def committed_work(events: list) -> dict:
     """One experiment's own work in one consumer process: steps, cursor range, committed positions,
-    requests, losses. Never added across experiments into production."""
+    requests (its journal's :func:`artcache.accounting.fold`), losses. Never added across experiments into
+    production."""
+    from artcache.accounting import ConsumerCounts, fold
+
     steps = [ev for ev in events if isinstance(ev, J.Step)]
     start = next((ev for ev in events if isinstance(ev, J.ConsumerStart)), None)
     end = next((ev for ev in events if isinstance(ev, J.ConsumerEnd)), None)
-    reqs = [ev for ev in events if isinstance(ev, J.Request)]
+    counts = fold(events).consumers
+    k = counts[start.consumer] if start is not None and start.consumer in counts else ConsumerCounts(consumer="")
     cursor0 = start.cursor if start else 0
-    cursor1 = max([cursor0, *(s.cursor for s in steps), *([end.cursor] if end else [])])
+    cursor1 = max(cursor0, k.cursor)
     losses = [s.loss for s in steps if s.loss is not None]
-    k = max(1, min(5, len(losses) // 2))
+    n = max(1, min(5, len(losses) // 2))
     last = steps[-10:]
     blocks = sum(s.blocks for s in last)
     return {
@@ -709,9 +704,9 @@ def committed_work(events: list) -> dict:
         "pid": start.pid if start else None, "started": start.t if start else None,
         "steps_run": len(steps), "first_step": steps[0].step if steps else None,
         "last_step": steps[-1].step if steps else None, "cursor_start": cursor0, "cursor_end": cursor1,
-        "positions_committed": cursor1 - cursor0, "requests": len(reqs), "hits": sum(r.hit for r in reqs),
-        "misses": sum(not r.hit for r in reqs), "wait_s": sum(r.wait_s for r in reqs),
-        "first_loss": sum(losses[:k]) / k if losses else None, "final_loss": sum(losses[-k:]) / k if losses else None,
+        "positions_committed": cursor1 - cursor0, "requests": k.logical_requests, "hits": k.hits,
+        "misses": k.misses, "wait_s": k.wait_s,
+        "first_loss": sum(losses[:n]) / n if losses else None, "final_loss": sum(losses[-n:]) / n if losses else None,
         "tau": sum(s.tau_sum for s in last) / blocks if blocks else None, "tau_includes_bonus": True,
     }
 
@@ -1174,6 +1169,7 @@ def format_run_dir_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "draft_view", "format_plan",
+__all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "consumer_spec_path", "draft_view",
+           "format_plan", "producer_spec_path",
            "format_run_dir_report", "journaled_stop", "layer_union", "merge_earlier", "plan_run", "producer_exit_ok",
            "resolve", "role_outcome", "run_dir_report", "run_experiments", "settle_state", "view_index"]

@@ -1,9 +1,10 @@
 """``artcache run --launcher slurm``: the run's roles as steps of one Slurm job.
 
 :func:`render` turns a checked :class:`~artcache.app.experiments.RunPlan` into an sbatch script: the
-producer step (``artcache producer --config``) on the first node of the allocation with
+producer step (``artcache producer --spec <out>/producer.spec.json``) on the first node of the allocation with
 ``slurm.producer_gpus`` GPUs, then (once the producer has created the cache root) one ``srun --exact -N1
--n1 --gres=gpu:G`` step per experiment (``artcache consume --config --experiment NAME``), placed by
+-n1 --gres=gpu:G`` step per experiment (``artcache consume --spec <its out>/consumer.spec.json``: the role spec
+files :mod:`artcache.rolespec` the launcher writes before submitting), placed by
 ``slurm.placement``. Each step writes ``<out>/logs/<role>.log``, ``<out>/status/<role>.env`` (node, step,
 the ``CUDA_VISIBLE_DEVICES`` Slurm gave it) and ``<out>/status/<role>.exit``; the job ends with ``artcache
 inspect`` of the root (``<out>/inspect.json``) and exits nonzero if any role failed or an invariant broke.
@@ -31,7 +32,7 @@ from pathlib import Path
 import msgspec
 
 from artcache.app.config import RunConfig
-from artcache.app.experiments import RunPlan, _write_configs, format_plan
+from artcache.app.experiments import RunPlan, _write_configs, consumer_spec_path, format_plan, producer_spec_path
 from artcache.errors import ConfigError, LaunchError
 from artcache.fsio import atomic_write
 
@@ -79,11 +80,10 @@ def place(plan: RunPlan, cfg: RunConfig) -> tuple[int, list[Role]]:
         where.append(node)
     py = s.python or sys.executable
     roles = [Role(name="producer", node=where[0], gpus=s.producer_gpus,
-                  argv=[py, "-m", "artcache", "producer", "--config", plan.config_path, "--id", "producer",
-                        "--exit-when-done", "--expect-consumers", str(len(plan.experiments))])]
+                  argv=[py, "-m", "artcache", "producer", "--spec", str(producer_spec_path(plan))])]
     for x, node in zip(plan.experiments, where[1:], strict=True):
         roles.append(Role(name=x.name, node=node, gpus=s.experiment_gpus,
-                          argv=[py, "-m", "artcache", "consume", "--config", plan.config_path, "--experiment", x.name]))
+                          argv=[py, "-m", "artcache", "consume", "--spec", str(consumer_spec_path(x))]))
     return nodes, roles
 
 
@@ -158,7 +158,7 @@ def render(plan: RunPlan, cfg: RunConfig) -> str:
     lines = [
         *head,
         f"# written by `artcache run --launcher slurm` for {plan.out}: edit freely; each role is a plain",
-        "# artcache process (artcache producer / artcache consume --config ... --experiment NAME)",
+        "# artcache process (artcache producer / artcache consume --spec FILE; the spec files hold every setting)",
         "set -uo pipefail",
         f"RUN={q(str(run))}",
         f"ROOT={q(plan.cache_root)}",
@@ -270,7 +270,7 @@ def launch(plan: RunPlan, cfg: RunConfig, *, dry_run: bool = False, submit: bool
     if submit and shutil.which("sbatch") is None:
         raise ConfigError("--submit: sbatch is not on PATH (run on a Slurm login node, or leave --submit out and "
                           "submit the written script yourself)")
-    _write_configs(plan, cfg)
+    _write_configs(plan, cfg, expect_consumers=len(plan.experiments))  # the producer waits for every experiment
     out = Path(plan.out)
     for d in ("logs", "status", "slurm"):
         (out / d).mkdir(parents=True, exist_ok=True)

@@ -104,3 +104,29 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 
 
 __all__ = ["parse_bytes", "parse_layer_ids", "parse_template_options"]
+
+
+def check_device(device: str, what: str = "--device", local: bool = True) -> None:
+    """Refuse a device torch cannot use before anything is loaded or written: ``device`` must be ``cpu``, ``cuda``
+    or ``cuda:<index>`` and, ``local``, a CUDA device this machine has (a launcher that runs the role elsewhere,
+    e.g. Slurm, passes ``local=False``). ``what`` names the setting (``--device``, ``target.device``).
+
+    Raises:
+        ConfigError: naming ``what``, the value and what is accepted.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what} {device!r} is not accepted: use cpu, cuda or cuda:<index>")
+    if dev.type == "cuda" and local:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            fix = f"{what} cpu" if what.startswith("--") else "cpu"
+            raise ConfigError(f"{what} {device!r}: no CUDA device is visible; use {fix}")
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"{what} {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1}); use cpu or "
+                              "one of those")

@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from artcache.contract import CaptureContract
-from artcache.errors import ConfigError
+from artcache.errors import ConfigError, ProducerFailed
 from artcache.fp8 import SCALES, stored_hidden
 from artcache.layer_ids import check_layer_ids
 
@@ -67,10 +67,17 @@ class CapturedBatch(list):
 class HFCaptureBackend:
     """Captures ``contract.layer_ids`` from a transformers model.
 
+    Placement is not part of the capture: a model placed over several devices (``load_target_model(...,
+    devices=...)``: decoder layers split in contiguous blocks) is read by hooks on each layer where it
+    lives, and the captured layers are gathered onto ``device`` before they are stacked; a model sharded by
+    a tensor-parallel plan (``group``) has replicated layer outputs, read on rank 0.
+
     Args:
         model: a transformers causal LM in eval mode (``load_target_model``).
         contract: the capture contract (layer ids, dtype).
-        device: where the model lives; inputs are moved there.
+        device: where the inputs go and the captured layers are gathered (the first device of a placement).
+        group: a :class:`artcache.backends.tensor_parallel.TensorParallelGroup` this process is rank 0 of:
+            each batch is announced to the follower ranks before the forward pass, which they run with it.
         prefill_chunk: tokens per row in one forward pass (0: the whole batch in one pass). A batch longer
             than this is prefilled in chunks through a ``transformers.DynamicCache``: chunk ``c`` runs
             positions ``[c·C, (c+1)·C)`` attending to the cached keys/values of the earlier chunks, and the
@@ -78,14 +85,19 @@ class HFCaptureBackend:
             the values equal a one-pass prefill's up to the compute dtype's rounding (the kernels sum in
             another order). Only the layers up to the deepest captured one run, so only their keys/values
             are cached: ``2 × layers run × T × kv heads × head dim`` elements of the compute dtype per row.
+            Not with ``group`` (its followers run one pass).
     """
 
-    def __init__(self, model, contract: CaptureContract, device: str | torch.device = "cpu",
+    def __init__(self, model, contract: CaptureContract, device: str | torch.device = "cpu", group=None,
                  prefill_chunk: int = 0) -> None:
         if prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk {prefill_chunk} is invalid: accepted 0 (off) or a positive integer")
+        if prefill_chunk and group is not None:
+            raise ConfigError(f"prefill_chunk {prefill_chunk} is invalid with a tensor-parallel target: accepted 0 "
+                              "there")
         self.prefill_chunk = int(prefill_chunk)
         self.model = model
+        self.group = group
         self.contract = contract
         self.device = torch.device(device)
         self.layers = decoder_layers(model)
@@ -101,6 +113,8 @@ class HFCaptureBackend:
     def _hook(self, idx: int):
         def fn(_module, _inputs, output):
             hs = output[0] if isinstance(output, tuple) else output
+            if hasattr(hs, "full_tensor"):  # a DTensor output of a sharded layer (every rank gathers it)
+                hs = hs.full_tensor()
             got = self._captured.get(idx)
             if isinstance(got, list):  # a chunked prefill: one piece per chunk
                 got.append(hs.detach())
@@ -114,38 +128,26 @@ class HFCaptureBackend:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
-    @property
-    def last_finite(self) -> list[bool]:
-        """Per sample of the last capture: True if its hidden states were verified finite on the device
-        (waits for that capture's host copies). New code uses the returned batch's ``ready()``."""
-        return self._last_batch.ready() if self._last_batch is not None else []
-
-    def _to_host(self, tensors: dict[str, torch.Tensor], row_ok: torch.Tensor):
-        """Queue the copies of device tensors into fresh page-locked host buffers on the side copy stream.
-
-        Returns ``(host tensors, host row flags, event)``; the host tensors are complete once ``event``
-        has completed. The copy stream waits for the compute stream's work so far (the capture), and each
-        device tensor is marked used by the copy stream so the caching allocator does not hand its memory
-        to the next batch before the copy is done. The host buffers come from torch's caching host
-        allocator, which recycles a buffer only after the copies recorded on it completed (the publisher
-        may still be writing the previous batch: each batch gets its own)."""
-        dev = row_ok.device
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(dev)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        host = {}
-        with torch.cuda.stream(stream):
-            for name, t in {**tensors, "_row_ok": row_ok}.items():
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h.copy_(t, non_blocking=True)
-                t.record_stream(stream)
-                host[name] = h
-            event = torch.cuda.Event()
-            event.record(stream)
-        flags = host.pop("_row_ok")
-        return host, flags, event
+    def forward(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Run the decoder up to the deepest captured layer on ``ids`` and ``attn`` ([b, T] int64, on any
+        device) and return the captured layers stacked in contract order, ``[b, T, m, H]`` in the compute
+        dtype on ``device``. Each layer's output is read where that layer lives and moved to ``device``. A batch
+        longer than ``prefill_chunk`` runs in chunks (:meth:`_prefill_chunks`)."""
+        self._captured.clear()
+        base = getattr(self.model, "model", self.model)
+        if self.prefill_chunk and ids.shape[1] > self.prefill_chunk:
+            self._prefill_chunks(base, ids.to(self.device), attn.to(self.device))
+        else:
+            with contextlib.suppress(_StopForward):
+                base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
+        try:
+            return torch.stack([self._captured[i].to(self.device) for i in self.contract.layer_ids], dim=2)
+        finally:
+            self._captured.clear()
 
     def _prefill_chunks(self, base, ids: torch.Tensor, attn: torch.Tensor) -> None:
         """Prefill ``ids`` [b, T] (right-padded; ``attn`` [b, T] 1 on real tokens) in chunks of
@@ -179,6 +181,38 @@ class HFCaptureBackend:
             pieces.clear()  # the pieces go now, not with the list
         del cache
 
+    @property
+    def last_finite(self) -> list[bool]:
+        """Per sample of the last capture: True if its hidden states were verified finite on the device
+        (waits for that capture's host copies). New code uses the returned batch's ``ready()``."""
+        return self._last_batch.ready() if self._last_batch is not None else []
+
+    def _to_host(self, tensors: dict[str, torch.Tensor], row_ok: torch.Tensor):
+        """Queue the copies of device tensors into fresh page-locked host buffers on the side copy stream.
+
+        Returns ``(host tensors, host row flags, event)``; the host tensors are complete once ``event``
+        has completed. The copy stream waits for the compute stream's work so far (the capture), and each
+        device tensor is marked used by the copy stream so the caching allocator does not hand its memory
+        to the next batch before the copy is done. The host buffers come from torch's caching host
+        allocator, which recycles a buffer only after the copies recorded on it completed (the publisher
+        may still be writing the previous batch: each batch gets its own)."""
+        dev = row_ok.device
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(dev)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        host = {}
+        with torch.cuda.stream(stream):
+            for name, t in {**tensors, "_row_ok": row_ok}.items():
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                host[name] = h
+            event = torch.cuda.Event()
+            event.record(stream)
+        flags = host.pop("_row_ok")
+        return host, flags, event
+
     @torch.inference_mode()
     def capture(self, samples) -> CapturedBatch:
         """Run one batched forward pass (in chunks of ``prefill_chunk`` tokens when the batch is longer).
@@ -199,17 +233,17 @@ class HFCaptureBackend:
         for row, s in enumerate(samples):
             ids[row, : lengths[row]] = s.input_ids.long()
             attn[row, : lengths[row]] = 1
-        self._captured.clear()
-        base = getattr(self.model, "model", self.model)
         attn_dev = attn.to(self.device)
-        ids_dev = ids.to(self.device)
-        if self.prefill_chunk and tmax > self.prefill_chunk:
-            self._prefill_chunks(base, ids_dev, attn_dev)
-        else:
-            with contextlib.suppress(_StopForward):
-                base(input_ids=ids_dev, attention_mask=attn_dev, use_cache=False)
-        stacked = torch.stack([self._captured[i] for i in self.contract.layer_ids], dim=2)  # [b,T,m,H]
-        self._captured.clear()
+        if self.group is None:
+            stacked = self.forward(ids, attn_dev)  # [b,T,m,H]
+        else:  # the followers run this forward with rank 0; one that fails leaves the group out of step
+            self.group.announce(ids, attn)
+            try:
+                stacked = self.forward(ids, attn_dev)
+            except Exception as exc:  # noqa: BLE001 - any failure ends the group
+                raise ProducerFailed(f"tensor-parallel group of {self.group.size}: the forward pass failed on rank 0 "
+                                     f"({type(exc).__name__}: {exc}); a follower rank is gone or out of step, the "
+                                     "producer stops") from exc
         stored = stored_hidden(stacked, self.dtype)  # fp8: quantised here, on the device
         del stacked
         if self.device.type != "cpu":

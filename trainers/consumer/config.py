@@ -14,9 +14,9 @@ from artcache.layout import check_id
 from artcache.ranges import BlockSize, Count, NonNegative, Positive, WindowSide, check_ranges, parse_window
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
-__all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_FIELDS", "ConsumerConfig", "check_anchors", "check_best_metric",
-           "check_draft_options", "default_anchors", "default_block_size", "draft_options", "flag_of", "lr_at",
-           "parse_window", "run_settings"]
+__all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_DEFAULTS", "RUN_FIELDS", "ConsumerConfig", "check_anchors",
+           "check_best_metric", "check_draft_options", "default_anchors", "default_block_size", "draft_options",
+           "flag_of", "lr_at", "parse_window", "run_settings"]
 
 
 #: the longest ``--commit-interval`` (seconds): a third of the producer's rate window
@@ -118,6 +118,18 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             of this many positions so the compiled draft sees few distinct shapes (padding is never
             supervised); 0 = the batch's longest sample. Ignored otherwise (batches stay exactly as long
             as their longest sample).
+        nproc: ranks of this consumer (``--nproc``; a ``torch.distributed`` group, one consumer to the cache:
+            :mod:`.group`). ``artcache consume --nproc N`` starts the N ranks itself; under ``torchrun`` it is the
+            environment's ``WORLD_SIZE`` (a different ``--nproc`` is refused). Each rank trains on ``batch_size``
+            sequences per micro-batch on its own device (``cuda:LOCAL_RANK`` on CUDA).
+        grad_accum: micro-batches per optimizer step on each rank (``--grad-accum K``): a step consumes one global
+            batch of ``nproc × grad_accum × batch_size`` positions (:attr:`global_batch`) and its update is the one
+            step over the whole global batch would make (the loss is normalised over the global batch). The LR
+            schedule, ``steps``, ``save_every``, ``eval_interval`` and ``log_every`` count optimizer steps.
+        group_timeout_s: a group's collective timeout in seconds (``--group-timeout``; ``init_process_group``'s
+            ``timeout``): a rank that stops answering stops the others within this long instead of the
+            backend's 30 minutes. Waits that may legitimately be long (a rank's demand miss, rank 0's evaluation
+            or checkpoint) have their own, longer timeout (:mod:`.group`).
 
     On CUDA the training step reads nothing back to the host; its metrics are read back every
     ``log_every`` steps (docs/training.md, "GPU speed").
@@ -176,6 +188,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     compile: Literal[COMPILE_MODES] = "auto"
     loss_impl: Literal[LOSS_IMPLS] = "auto"
     length_bucket: NonNegative = 64
+    nproc: Count = 1
+    grad_accum: Count = 1
+    group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
 
     def validate(self) -> None:
         """Check every setting; a draft option another draft owns is refused naming both drafts.
@@ -218,11 +233,20 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.resume and self.init_from:
             raise ConfigError("--resume and --init-from exclude each other: --resume continues a run with its "
                               "optimizer and cursor, --init-from starts a new run from another draft's weights")
-        if self.lookahead < self.batch_size:
+        if self.lookahead < self.global_batch:
+            what = f"{self.batch_size} positions" if self.global_batch == self.batch_size else \
+                f"{self.global_batch} positions: --nproc {self.nproc} x --grad-accum {self.grad_accum} x " \
+                f"--batch-size {self.batch_size}"
             raise ConfigError(
-                f"lookahead {self.lookahead} is smaller than one batch ({self.batch_size} positions): the "
-                f"consumer could never read a whole batch; use --window {self.lookbehind}:{self.batch_size} "
+                f"lookahead {self.lookahead} is smaller than one batch ({what}): the "
+                f"consumer could never read a whole batch; use --window {self.lookbehind}:{self.global_batch} "
                 "or larger, or a smaller --batch-size")
+        if self.nproc > 1 and self.lockstep_group:
+            raise ConfigError(f"--lockstep-group {self.lockstep_group!r} and --nproc {self.nproc} exclude each other: "
+                              "a lockstep baseline is a set of one-process consumers")
+        if self.nproc > 1 and self.reader == "process":
+            raise ConfigError(f"--reader process and --nproc {self.nproc} exclude each other: each rank of a group "
+                              "reads with its own reader thread; use --reader thread")
         if self.lockstep_group:
             for member in self.lockstep_group.split(","):
                 check_id(member, "lockstep group member")
@@ -239,6 +263,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if "num_anchors" in defaults and self.num_anchors is None:  # DSpark's default depends on the device
             fill["num_anchors"] = default_anchors(self.draft, self.device)
         return msgspec.structs.replace(self, **fill) if fill else self
+
+    @property
+    def global_batch(self) -> int:
+        """Positions one optimizer step consumes: ``nproc × grad_accum × batch_size``."""
+        return self.nproc * self.grad_accum * self.batch_size
 
     @property
     def horizon(self) -> int:
@@ -275,7 +304,10 @@ def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: floa
 #: Settings every draft's run is defined by: ``--resume`` refuses when one differs from the checkpoint's.
 #: ``steps`` is not one (a run is extended by raising it); the LR horizon ``lr_total_steps`` is.
 RUN_FIELDS = ("draft", "batch_size", "lr_total_steps", "lr", "warmup_frac", "min_lr_frac", "weight_decay",
-              "grad_clip", "seed", "eval_samples")
+              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc")
+#: what a checkpoint written before a :data:`RUN_FIELDS` entry existed had instead (compared as this)
+RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1}
+
 def read_workers(cfg: ConsumerConfig) -> int:
     """The reader's pool size: ``cfg.read_workers``, never more than the batch (a batch's positions are what it
     reads at once)."""
@@ -286,7 +318,7 @@ def read_workers(cfg: ConsumerConfig) -> int:
 INIT_OVERRIDES = ("block_size", "mask_token", "target")
 #: CLI flags whose name is not the field's (``--x-y`` for ``x_y`` otherwise).
 FLAGS = {"num_anchors": "--anchors", "out_dir": "--out", "consumer_id": "--id", "demand_timeout_s": "--demand-timeout",
-         "commit_interval_s": "--commit-interval",
+         "commit_interval_s": "--commit-interval", "group_timeout_s": "--group-timeout",
          "init_overrides": "--init-override", "lookbehind": "--window LOOKBEHIND", "lookahead": "--window LOOKAHEAD"}
 
 

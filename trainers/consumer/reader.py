@@ -106,7 +106,9 @@ class _BatchStop:
 class Reader(threading.Thread):
     """Leases and reads batches of consecutive positions, never beyond ``cursor + lookahead``.
 
-    It cannot move the window: the trainer commits the cursor and calls :meth:`authorize`. ``workers``
+    It cannot move the window: the trainer commits the cursor and calls :meth:`authorize`. ``stride`` (default
+    ``batch``): positions from one batch's first to the next one's (a rank of a consumer group reads ``batch``
+    positions of each global batch of ``stride``, starting at ``start_pos``). ``workers``
     (>= 1) positions of a batch are leased and read at once (``--read-workers``; 1: one after another).
     Results (a :class:`Fetched` per batch, collated by ``collate`` when given, or the exception that
     stopped it) go to ``out``, at most ``depth`` waiting.
@@ -114,10 +116,14 @@ class Reader(threading.Thread):
 
     def __init__(self, client: CacheClient, start_pos: int, batch: int, lookahead: int, depth: int,
                  end: int, group_cursor: Callable[[], int] | None = None,
-                 collate: Callable[[list[Leased]], Fetched] | None = None, workers: int = 1) -> None:
+                 collate: Callable[[list[Leased]], Fetched] | None = None, workers: int = 1,
+                 stride: int | None = None) -> None:
         super().__init__(daemon=True, name="artcache-reader")
         self.collate = collate
         self.client, self.next_pos, self.batch, self.lookahead = client, start_pos, batch, lookahead
+        # positions from one batch's start to the next one's (> batch: a rank of a group reads its own slice of
+        # each global batch, starting at its offset)
+        self.stride = batch if stride is None else stride
         self.end = end  # exclusive: the consumer never reads at or past its announced end
         self.group_cursor = group_cursor  # lockstep: the group's min committed cursor (registry poll)
         self.workers = max(1, int(workers))  # positions of one batch leased and read at once
@@ -230,7 +236,7 @@ class Reader(threading.Thread):
                 items = self._lease_batch(pool)
                 if items is None:
                     return
-                self.next_pos += self.batch
+                self.next_pos += self.stride
                 try:
                     fetched = self.collate(items) if self.collate is not None else Fetched(items)
                 except BaseException:

@@ -586,10 +586,7 @@ def child_main(fd_in: int, fd_out: int, fd_mem: int, parent: int) -> int:
     torch.set_num_threads(1)
     from artcache import journal as J
     from artcache import registry
-    from artcache.client import CacheClient
-    from artcache.layout import CacheLayout
-    from artcache.plan import Plan
-    from artcache.settings import load_settings
+    from artcache.client import CacheClient, open_root
 
     from .reader import Reader, collate, group_cursor
 
@@ -608,16 +605,13 @@ def child_main(fd_in: int, fd_out: int, fd_mem: int, parent: int) -> int:
 
     threading.Thread(target=beat, daemon=True, name="artcache-reader-beat").start()
     try:
-        layout = CacheLayout(Path(start.root))
-        settings = load_settings(layout)
-        plan = Plan.load(layout.plan_dir(settings.plan_id))
+        layout, settings, plan = open_root(start.root)  # as the trainer opened it
         reg = registry.read(layout, start.consumer_id)
         if reg is None or reg.generation != start.generation or reg.state != "running":
             raise E.ConsumerFenced(f"consumer {start.consumer_id!r} was fenced before its reader process started")
-        handle = registry.ConsumerHandle(layout, reg, space_wait_s=settings.heartbeat_timeout_s)
         journal = J.JournalWriter(layout.journal_path("reader", start.consumer_id))
-        client = CacheClient(layout, settings, plan, handle, journal, start.demand_timeout_s,
-                             epoch_len=start.epoch_len)
+        client = CacheClient.for_consumer(layout, settings, plan, reg, journal, start.demand_timeout_s,
+                                          epoch_len=start.epoch_len)  # the trainer's construction
         stop = threading.Event()
         slots = _Slots(start.slots, stop)
         layers = None if start.layers is None else torch.tensor(start.layers, dtype=torch.long)

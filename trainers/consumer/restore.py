@@ -29,7 +29,7 @@ from artcache.trainers.checkpoint import (
 )
 from artcache.trainers.seed import SeedPlan, SeedSource, map_back, plan_seed, seed_vocab_map
 
-from .config import ConsumerConfig, flag_of, run_settings
+from .config import RUN_DEFAULTS, ConsumerConfig, flag_of, run_settings
 
 __all__ = ["check_run_settings", "check_same_draft", "config_diffs", "find_resume", "jsonable", "load_weights_strict",
            "plan_init", "refuse_existing_run", "refuse_reused_id", "resume_state", "saved_horizon",
@@ -152,6 +152,12 @@ def check_run_settings(cfg: ConsumerConfig, st: CheckpointState, path: Path, *, 
     cfg = with_horizon(cfg, st)
     saved = dict(st.run)
     saved["lr_total_steps"] = saved_horizon(st)
+    for k, v in RUN_DEFAULTS.items():
+        saved.setdefault(k, v)
+    if saved["nproc"] != cfg.nproc:  # DDP replicas could reshard, but the run's global batch would change
+        raise ConfigError(f"--resume: checkpoint {path} was trained by a group of {saved['nproc']} rank(s), this run "
+                          f"has {cfg.nproc} (--nproc / WORLD_SIZE); resume with {saved['nproc']} rank(s), or start a "
+                          "new run from its weights with --init-from")
     diffs = [f"{flag_of(k)} {v!r} (checkpoint: {saved.get(k)!r})" for k, v in run_settings(cfg).items()
              if k != "steps" and saved.get(k) != v]
     if diffs:

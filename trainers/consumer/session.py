@@ -37,6 +37,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,14 +46,13 @@ import torch
 
 from artcache import journal as J
 from artcache import registry
-from artcache.client import CacheClient, Leased
+from artcache.client import CacheClient, Leased, open_root
 from artcache.crashpoints import crash_point
 from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced, TrainingDiverged
 from artcache.layer_ids import layer_view, view_slice
-from artcache.layout import CacheLayout, host_id
-from artcache.plan import Plan
+from artcache.layout import host_id
 from artcache.report import format_bytes
-from artcache.settings import load_settings
+from artcache.rolespec import spec_digest
 from artcache.shutdown import GracefulShutdown
 from artcache.target import quiet_transformers
 from artcache.trainers.checkpoint import (
@@ -80,6 +80,7 @@ from artcache.trainers.draft import (
     PendingSums,
     build_draft,
     check_target,
+    denominator,
     figure_rank,
     figures_of,
 )
@@ -88,6 +89,19 @@ from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_ma
 from artcache.trainers.tracking import Progress, RunTracker
 
 from .config import ConsumerConfig, check_anchors, lr_at, read_workers, run_settings
+from .group import (
+    Group,
+    GroupHandle,
+    agree,
+    env_world,
+    join,
+    launch,
+    leave,
+    micro_batches,
+    sums_from_vector,
+    sums_names,
+    sums_vector,
+)
 from .reader import DeviceCollator, Fetched, Reader, collate, group_cursor
 from .reader_process import ProcessReader, SlotRing, Start, batch_itemsize, slot_bytes
 from .restore import (
@@ -129,8 +143,12 @@ def host_ms_per_step(host_s: dict[str, Sequence[float]]) -> dict[str, float] | N
     return out
 
 
-def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = None) -> dict:
+def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = None) -> dict | None:
     """Train one draft on the cache root; returns a summary dict. Raises on failure (after fencing).
+
+    A consumer group (:mod:`.group`): with ``cfg.nproc`` > 1 and no ``WORLD_SIZE`` in the environment the ranks
+    are started here (:func:`~.group.launch`) and rank 0's summary is returned; inside a group (``WORLD_SIZE`` set:
+    a rank :func:`~.group.launch` or torchrun started) this process is one rank, and ranks > 0 return None.
 
     ``step_hook``, when given, is called on the trainer thread after every step with the step's 0-based index
     (a profiler's ``step()``: ``artcache.bench.consumer_speed`` profiles a window of the from-cache steps so).
@@ -147,11 +165,24 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
         ConfigError / ContractMismatch: bad settings, layers the root does not capture, a resume or
             init source that does not fit (all before registering). Training errors after fencing.
     """
+    world = env_world()
+    if world is None and cfg.nproc > 1:  # artcache consume --nproc N: start the N ranks (group.launch)
+        cfg.validate()
+        return launch(cfg)
+    if world is not None and world > 1:  # one rank of a group (launch's or torchrun's)
+        if cfg.nproc not in (1, world):
+            raise ConfigError(f"--nproc {cfg.nproc} differs from this group's WORLD_SIZE {world} (torchrun "
+                              "--nproc-per-node): leave --nproc out under torchrun, or give the same number")
+        cfg = msgspec.structs.replace(cfg, nproc=world)
     session = Session(cfg, step_hook)
-    session.setup()
-    session.resume()
-    session.register()
-    return session.run()
+    try:
+        session.setup()
+        session.resume()
+        session.register()
+        out = session.run()
+    finally:
+        leave(session.group)
+    return out if session.main else None
 
 
 class Session:
@@ -159,6 +190,7 @@ class Session:
 
     def __init__(self, cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = None) -> None:
         self.cfg = cfg
+        self.spec = spec_digest(cfg)  # the settings as given (consumer_start.spec; artcache.rolespec)
         self.step_hook = step_hook  # run_consumer's: called after every step with its index
         self.resumed: Loaded | None = None  # --resume: the checkpoint continued
         self.unrecorded: list[Path] = []  # --resume from step 0: the killed run's unrecorded checkpoints
@@ -197,28 +229,45 @@ class Session:
         self.bad_what: torch.Tensor | None = None  # 1: loss, 2: gradient norm, 3: both
         self.diverged = False
         self.best: tuple[str, float, int] | None = None  # (metric, value, step) of checkpoints/best
+        self.group: Group | None = None  # a torch.distributed group's rank (None: a one-process consumer)
+        self.ddp: torch.nn.Module | None = None  # the group's DistributedDataParallel wrapper of the draft
+        self.group_stop = False  # every rank agreed (after a step) to stop at the next step boundary
+        self.ring = None  # --reader process: its shared-memory ring (allocated before registering)
+
+    @property
+    def main(self) -> bool:
+        """This process writes for the consumer (registration, cursor, checkpoints, metrics): the only process of
+        a one-process consumer, rank 0 of a group."""
+        return self.group is None or self.group.main
+
+    @property
+    def world(self) -> int:
+        return 1 if self.group is None else self.group.world
 
     # ---- setup: read the root, choose the start, build the draft (nothing written yet) ------------------
 
     def setup(self) -> None:
         self.cfg.validate()
+        self.group = join(self.cfg.device, self.cfg.group_timeout_s, self.cfg.demand_timeout_s)
         given_anchors = self.cfg.num_anchors  # None: the draft's default, not checked against the root
         cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
-        self.layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
-        self.settings = load_settings(self.layout)  # raises CacheRootError for a missing/uninitialised root
+        # raises CacheRootError for a missing/uninitialised root (its reader process opens it the same way)
+        self.layout, self.settings, self.plan = open_root(cfg.cache)
         check_anchors(given_anchors, self.settings.contract.max_length)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
-        self.plan = Plan.load(self.layout.plan_dir(self.settings.plan_id))
+        if self.group is not None and self.device.type == "cuda":  # rank r of a node on its own device
+            self.device = torch.device("cuda", self.group.local_rank)
         self.pinned = eval_split(len(self.plan), cfg.eval_samples)
         # training walks the plan's first epoch_len samples epoch after epoch; the held-out split never
         self.epoch_len = self.pinned[0] or len(self.plan)
         self.order = self.plan.order(self.epoch_len)
         if cfg.epochs:
-            cfg = self.cfg = msgspec.structs.replace(cfg, steps=epoch_steps(cfg.epochs, self.epoch_len, cfg.batch_size))
-        self.end = cfg.steps * cfg.batch_size  # exclusive: the consumer never reads at or past it
+            cfg = self.cfg = msgspec.structs.replace(cfg, steps=epoch_steps(cfg.epochs, self.epoch_len,
+                                                                             cfg.global_batch))
+        self.end = cfg.steps * cfg.global_batch  # exclusive: the consumer never reads at or past it
         self.run_dir = Path(cfg.out_dir or Path("runs") / cfg.consumer_id).absolute()
         vocab_map = src = None
         if cfg.resume:
@@ -257,12 +306,32 @@ class Session:
                         "replay_tau, its acceptance figures use the data tokens (a run config captures %d for a "
                         "held-out split: capture.replay_layer)", cfg.consumer_id, cfg.eval_samples, last_id,
                         captured, last_id)
+        if self.group is not None:  # before anything is written: every rank runs the same consumer
+            self._agree()
+        if not self.main:
+            return
         # a save killed mid-way left its temp directory (nothing else removes it): gone before the space check
         gone, freed = remove_orphan_temps(self.run_dir)
         if gone:
             log.warning("[%s] removed %d checkpoint temp director%s of a dead earlier process (%s) under %s",
                         cfg.consumer_id, gone, "y" if gone == 1 else "ies", format_bytes(freed), self.run_dir)
         self._check_checkpoint_space()
+
+    def _agree(self) -> None:
+        """The ranks of a group refuse to start unless they agree about the plan, the contract, the window, the
+        batch, the resume point and the draft (:func:`~.group.agree`).
+
+        Raises:
+            ConfigError: naming the rank and the setting it disagrees about.
+        """
+        cfg, st = self.cfg, self.resumed.state if self.resumed is not None else None
+        agree(self.group, {
+            "cache": str(self.layout.root), "consumer_id": cfg.consumer_id, "plan_id": self.settings.plan_id,
+            "contract_id": self.settings.contract.contract_id, "window": [cfg.lookbehind, cfg.lookahead],
+            "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "world": self.world, "steps": cfg.steps,
+            "resume_point": [st.step, st.cursor, str(self.resumed.path)] if st is not None else None,
+            "run": run_settings(cfg), "draft_config": jsonable(self.draft.config_dict()),
+            "init_from": cfg.init_from, "out_dir": str(self.run_dir), "device_type": self.device.type})
 
     def _check_checkpoint_space(self) -> None:
         """The checkpoints this run writes (sized from the draft before step 1: trainable weights, the AdamW
@@ -307,6 +376,17 @@ class Session:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
                                            fused=True)
         self.generators = draft.generators()
+        if self.group is not None:  # gradients averaged over the ranks in backward (DDP's buckets)
+            import inspect
+
+            from torch.nn.parallel import DistributedDataParallel
+
+            # the draft's buffers are the frozen target's tensors, the same on every rank: never re-sent per forward
+            known = inspect.signature(DistributedDataParallel).parameters
+            quiet = {"forward_sync_buffers": False} if "forward_sync_buffers" in known else {"broadcast_buffers": False}
+            self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda"
+                                               else None, **quiet)
+            draft.train_module = self.ddp
         if self.resumed is not None:
             st = self.resumed.state
             restore_optimizer(self.optimizer, self.resumed.optimizer, st.param_groups)
@@ -343,62 +423,107 @@ class Session:
     # ---- register: run directory, journal, registration, tracker, reader, heartbeat, signals ------------
 
     def register(self) -> None:
+        if not self.main:
+            self._register_rank()
+        else:
+            self._register_main()
+        self._start()
+
+    def _register_main(self) -> None:
+        """Register the consumer (rank 0 of a group: for the whole group, whose other ranks learn the outcome)."""
         cfg, layout = self.cfg, self.layout
-        # before registering or journaling: a bad --out leaves nothing in the root; created once registered
-        _check_run_dir(self.run_dir)
-        # before anything is written: a --reader process ring that cannot be allocated leaves nothing behind
-        ring = SlotRing(*self._ring_shape(), self.device) if cfg.reader == "process" else None
-        self.journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
         try:
-            reg = registry.register(layout, registry.Registration(
-                consumer_id=cfg.consumer_id, draft=cfg.draft, cursor=self.start_cursor, lookbehind=cfg.lookbehind,
-                lookahead=cfg.lookahead, batch_size=cfg.batch_size, end=self.end, pid=os.getpid(), host=host_id(),
-                pinned=self.pinned, checkpoint_cursor=self.start_cursor if self.resumed is not None else -1,
-                epoch_len=self.epoch_len, out_dir=str(self.run_dir)),
-                check=self._check_resume, live_timeout_s=self.settings.heartbeat_timeout_s)
-        except BaseException:
-            self.journal.close(remove_if_empty=True)  # a refused start leaves no empty journal behind
-            raise
-        # a registration write failing for space is retried for up to the heartbeat timeout (then the producer
-        # fences a silent consumer anyway) before it ends the run
-        self.handle = registry.ConsumerHandle(layout, reg, space_wait_s=self.settings.heartbeat_timeout_s)
-        try:  # after registering: a refused start creates no run directory, a refused resume touches no metrics
-            _make_run_dir(self.run_dir)
-            self._drop_unrecorded()
-            resuming = self.resumed is not None or cfg.resume
-            self.tracker = RunTracker(self.run_dir, tensorboard=cfg.tensorboard,
-                                      resume_step=self.start_step if resuming else None)
+            # before registering or journaling: a bad --out leaves nothing in the root; created once registered
+            _check_run_dir(self.run_dir)
+            # before anything is written: a --reader process ring that cannot be allocated leaves nothing behind
+            self.ring = SlotRing(*self._ring_shape(), self.device) if cfg.reader == "process" else None
+            self.journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
+            try:
+                reg = registry.register(layout, registry.Registration(
+                    consumer_id=cfg.consumer_id, draft=cfg.draft, cursor=self.start_cursor,
+                    lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, batch_size=cfg.global_batch, end=self.end,
+                    pid=os.getpid(), host=host_id(), pinned=self.pinned,
+                    checkpoint_cursor=self.start_cursor if self.resumed is not None else -1,
+                    epoch_len=self.epoch_len, out_dir=str(self.run_dir)),
+                    check=self._check_resume, live_timeout_s=self.settings.heartbeat_timeout_s)
+            except BaseException:
+                self.journal.close(remove_if_empty=True)  # a refused start leaves no empty journal behind
+                raise
+            # a registration write failing for space is retried for up to the heartbeat timeout (then the producer
+            # fences a silent consumer anyway) before it ends the run
+            handle_class = registry.ConsumerHandle if self.group is None else GroupHandle
+            self.handle = handle_class(layout, reg, space_wait_s=self.settings.heartbeat_timeout_s)
+            try:  # after registering: a refused start creates no run directory, a refused resume touches no metrics
+                _make_run_dir(self.run_dir)
+                self._drop_unrecorded()
+                resuming = self.resumed is not None or cfg.resume
+                self.tracker = RunTracker(self.run_dir, tensorboard=cfg.tensorboard,
+                                          resume_step=self.start_step if resuming else None)
+            except BaseException as exc:
+                self.handle.finish("failed", f"{type(exc).__name__}: {exc}")
+                self.journal.close()
+                raise
         except BaseException as exc:
-            self.handle.finish("failed", f"{type(exc).__name__}: {exc}")
-            self.journal.close()
+            if self.group is not None:  # the other ranks stop with rank 0's reason
+                self.group.broadcast(exc if isinstance(exc, Exception) else KeyboardInterrupt())
             raise
+        if self.group is not None:
+            self.group.broadcast(reg.generation)
+        self.reg = reg
+
+    def _register_rank(self) -> None:
+        """A rank > 0: wait for rank 0's registration of the group and take a handle on it (its own demand); its
+        requests and leases go to its own journal, ``reader-<id>-<token>.jsonl``."""
+        cfg, layout = self.cfg, self.layout
+        got = self.group.broadcast(None)
+        if isinstance(got, BaseException):
+            raise got
+        reg = registry.read(layout, cfg.consumer_id)
+        if reg is None or reg.generation != got or reg.state != "running":
+            raise ConsumerFenced(f"consumer {cfg.consumer_id!r}: rank 0 registered generation {got}, the registry "
+                                 f"holds {reg.generation if reg else 'none'} ({reg.state if reg else 'missing'})")
+        self.journal = J.JournalWriter(layout.journal_path("reader", cfg.consumer_id))
+        self.handle = GroupHandle(layout, reg, space_wait_s=self.settings.heartbeat_timeout_s)
+        self.reg = reg
+
+    def _start(self) -> None:
+        """The client, the reader, the journal's start, the signal handlers, the evaluator, the heartbeat."""
+        cfg, layout, reg = self.cfg, self.layout, self.reg
         if self.resumed is not None:
             log.info("[%s] resumed from %s: step %d, cursor %d", cfg.consumer_id, self.resumed.path, self.start_step,
                      self.start_cursor)
-        self.client = CacheClient(layout, self.settings, self.plan, self.handle, self.journal, cfg.demand_timeout_s,
-                                  pin=self.device.type == "cuda", epoch_len=self.epoch_len)
+        # the client stack its reader process builds the same way (CacheClient.for_consumer), over this rank's handle
+        self.client = CacheClient.for_consumer(layout, self.settings, self.plan, reg, self.journal,
+                                               cfg.demand_timeout_s, pin=self.device.type == "cuda",
+                                               epoch_len=self.epoch_len, handle=self.handle)
         group = [m for m in cfg.lockstep_group.split(",") if m]
-        if ring is not None:
-            self.reader = self._reader_process(reg, group, ring)
+        # a rank reads its own slice of each global batch: grad_accum micro-batches of batch_size positions
+        rank = 0 if self.group is None else self.group.rank
+        share = cfg.batch_size * cfg.grad_accum
+        if self.ring is not None:
+            self.reader = self._reader_process(reg, group, self.ring)
         else:
-            self.reader = Reader(self.client, reg.cursor, cfg.batch_size, cfg.lookahead, cfg.prefetch_batches,
+            self.reader = Reader(self.client, reg.cursor + rank * share, share, cfg.lookahead, cfg.prefetch_batches,
                                  end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
-                                 collate=self._collator(), workers=read_workers(cfg))
-        self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
-                                          block_size=cfg.block_size or 0, batch_size=cfg.batch_size,
-                                          lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
-                                          step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
-                                          epoch_len=self.epoch_len, reader=getattr(self.reader, "token", "")))
+                                 collate=self._collator(), workers=read_workers(cfg), stride=cfg.global_batch)
+        if self.main:
+            self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
+                                              block_size=cfg.block_size or 0, batch_size=cfg.global_batch,
+                                              lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
+                                              step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
+                                              epoch_len=self.epoch_len, reader=getattr(self.reader, "token", ""),
+                                              ranks=self.world, spec=self.spec))
         # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled", leases
         # released, journal closed (in the main thread only; the previous handlers come back in close())
         self.shutdown.install()
         self.evaluator = Evaluator(self.draft, self.client, range(*self.pinned), cfg.batch_size, self._collate_eval,
-                                   self.argmax_fn, self.stop_req) if cfg.eval_samples else None
+                                   self.argmax_fn, self.stop_req) if cfg.eval_samples and self.main else None
         self.cursor, self.steps_done = reg.cursor, self.start_step
         self.committed, self.t_committed = reg.cursor, time.monotonic()
-        self.progress = Progress(cfg.steps, self.start_step, cfg.progress, cfg.consumer_id)
+        self.progress = Progress(cfg.steps, self.start_step, cfg.progress and self.main, cfg.consumer_id)
         self.t_start, self.t_loop = time.time(), time.monotonic()
-        threading.Thread(target=self._heartbeat, daemon=True, name="artcache-heartbeat").start()
+        if self.main:  # the group's one registration: rank 0 keeps it alive
+            threading.Thread(target=self._heartbeat, daemon=True, name="artcache-heartbeat").start()
         self.reader.start()
 
     def _drop_unrecorded(self) -> None:
@@ -473,7 +598,9 @@ class Session:
         m = len(contract.layer_ids) if layers is None else len(layers)
         bucket = self._length_bucket()
         tokens = contract.max_length if bucket <= 1 else -(-contract.max_length // bucket) * bucket
-        return cfg.prefetch_batches + 3, slot_bytes(cfg.batch_size, tokens, m, self.draft.target_info.hidden_size,
+        # a slot holds one step's batch of this process: --grad-accum micro-batches of --batch-size
+        return cfg.prefetch_batches + 3, slot_bytes(cfg.batch_size * cfg.grad_accum, tokens, m,
+                                                    self.draft.target_info.hidden_size,
                                                     batch_itemsize(contract.dtype, self.device.type))
 
     def _reader_process(self, reg: registry.Registration, group: list[str], ring: SlotRing) -> ProcessReader:
@@ -483,7 +610,8 @@ class Session:
         layers = self._layer_list()
         slots, nbytes = self._ring_shape()
         start = Start(root=str(self.layout.root), consumer_id=cfg.consumer_id, generation=reg.generation,
-                      start_pos=reg.cursor, batch=cfg.batch_size, lookahead=cfg.lookahead, depth=cfg.prefetch_batches,
+                      start_pos=reg.cursor, batch=cfg.batch_size * cfg.grad_accum, lookahead=cfg.lookahead,
+                      depth=cfg.prefetch_batches,
                       end=self.end, workers=read_workers(cfg), demand_timeout_s=cfg.demand_timeout_s,
                       epoch_len=self.epoch_len, layers=layers,
                       hidden_dtype="bfloat16" if self.device.type == "cuda" else None,
@@ -500,19 +628,21 @@ class Session:
 
     def run(self) -> dict:
         """Step to ``--steps`` (checkpoints and evaluations on their intervals), then close; the summary."""
-        cfg, evaluating = self.cfg, self.evaluator is not None
+        cfg = self.cfg
+        evaluating = bool(cfg.eval_samples)
         try:
             if evaluating and cfg.eval_interval and self.start_step == 0:
-                self.evaluate(0)  # the untrained draft: the baseline every later evaluation is compared with
+                # the untrained draft: the baseline every later evaluation is compared with
+                self._on_main(lambda: self.evaluate(0))
             for step_index in range(self.start_step, cfg.steps):
                 self.step(step_index)
                 done = self.steps_done
                 if evaluating and cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.steps:
-                    self.evaluate(done)  # before a checkpoint of the same step, which then records it
+                    self._on_main(lambda d=done: self.evaluate(d))  # before a checkpoint of the same step
                 if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps and self.saved_step != done:
-                    self.checkpoint()
+                    self._on_main(self.checkpoint)
             if evaluating and self.last_eval.get("step") != self.steps_done:
-                self.evaluate(self.steps_done)
+                self._on_main(lambda: self.evaluate(self.steps_done))
             self._check_finite()
             self.state = registry.COMPLETED
         except TrainingDiverged as exc:
@@ -531,6 +661,26 @@ class Session:
             raise self.save_error
         return self.summary()
 
+    def _on_main(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` (an evaluation, a checkpoint) on the process that writes for the consumer; in a group the
+        other ranks wait for it (the slow group), take over what the run loop decides by (the step of the newest
+        checkpoint and of the last evaluation) and stop with its error when it fails."""
+        if self.group is None:
+            fn()
+            return
+        if self.main:
+            try:
+                fn()
+            except BaseException as exc:
+                self.group.broadcast(exc if isinstance(exc, Exception) else KeyboardInterrupt())
+                raise
+            self.group.broadcast((self.saved_step, self.last_eval.get("step")))
+            return
+        got = self.group.broadcast(None)
+        if isinstance(got, BaseException):
+            raise got
+        self.saved_step, self.last_eval = got[0], {"step": got[1]}
+
     # ---- step: one batch, one optimizer step, a cursor commit when due ----------------------------------
 
     def step(self, step_index: int) -> None:
@@ -539,23 +689,33 @@ class Session:
         :class:`DeviceCollator`), the metric sums stay on the device until :meth:`_flush_metrics`."""
         t0 = time.monotonic()
         fetched = self._next_batch()
+        if self.group is not None:  # every rank holds its slice (a demand miss may take long: the slow group)
+            self.group.barrier_slow()
         wait_s = time.monotonic() - t0
         self.wait_total += wait_s
         batch = fetched.wait()
         self.consistent = False  # from the anchor draw on, until the step's cursor is set
         sums, lr = self.train_step(batch, step_index)
         t_launched = time.monotonic()
-        self.cursor = fetched.positions[-1] + 1
+        # one past the global batch: this rank's slice starts rank × its share after the batch's first position
+        rank = 0 if self.group is None else self.group.rank
+        first = fetched.positions[0] - rank * self.cfg.batch_size * self.cfg.grad_accum
+        self.cursor = first + self.cfg.global_batch
         # the step no longer needs the batch's bytes: release its leases while its positions are still inside the
         # window (it counts from the committed cursor, <= this one), keep its host buffers until its copies
         # completed (a reader process: hand its slot back), then commit when due
         self.reader.done(fetched)
+        if self.group is not None:  # every rank finished the optimizer step: the sums of the whole global batch
+            sums = self._reduce(sums)
         self.steps_done, self.consistent = step_index + 1, True
         t_released = time.monotonic()
-        if self._commit_due():
+        if self.group is not None:
+            self._commit_group()
+        elif self._commit_due():
             self._commit()
         t_committed = time.monotonic()
-        self._record(step_index, sums, lr, wait_s, time.monotonic() - t0)
+        if self.main:
+            self._record(step_index, sums, lr, wait_s, time.monotonic() - t0)
         t_end = time.monotonic()
         for phase, dt in zip(HOST_PHASES, (wait_s, t_launched - t0 - wait_s, t_released - t_launched,
                                            t_committed - t_released, t_end - t_committed), strict=True):
@@ -565,18 +725,52 @@ class Session:
         if self.device.type != "cuda":  # reading the flag costs nothing off the GPU: caught at its own step
             self._check_finite()
 
+    def _reduce(self, sums: MetricSums | PendingSums) -> MetricSums:
+        """All-reduce a step's metric sums over the group (after every rank's optimizer step: the collective also
+        tells rank 0 that every rank finished it), with each rank's stop request: any rank asked to stop (SIGTERM,
+        Ctrl-C), so all stop at this step boundary (:attr:`group_stop`)."""
+        # a draft's sums may name figures only some ranks measured (DSpark's calibration bins): reduce the union
+        names = sorted({n for ns in self.group.all_gather(sums_names(sums)) for n in ns})
+        vec, layout = sums_vector(sums, self.device, names)
+        vec = torch.cat((vec, torch.tensor([float(self.stop_req.is_set())], dtype=torch.float64, device=self.device)))
+        torch.distributed.all_reduce(vec)
+        self.group_stop = bool(vec[-1] > 0)
+        return sums_from_vector(vec[:-1], layout)
+
+    def _commit_group(self) -> None:
+        """A group commits after every step: rank 0 commits the cursor every rank's optimizer step consumed (the
+        all-reduce of :meth:`_reduce` came after each of them), then tells the others whether it held; a fence
+        of the registration stops every rank (ConsumerFenced), and each rank's reader reads on inside the moved
+        window."""
+        if self.main:
+            try:
+                self._commit()
+            except BaseException as exc:
+                self.group.broadcast(exc if isinstance(exc, Exception) else KeyboardInterrupt())
+                raise
+            self.group.broadcast(None)
+        else:
+            got = self.group.broadcast(None)
+            if isinstance(got, BaseException):
+                if isinstance(got, ConsumerFenced):
+                    self.fenced.set()
+                raise got
+            self.committed = self.cursor
+            self.reader.authorize(self.cursor)
+
     def _commit_due(self) -> bool:
         """Whether :meth:`step` commits now (``cfg.commit_interval_s``): after every step with an interval of 0, in a
         lockstep group (the members read by the group's committed cursors) and after the last step; once the
         interval passed since the last commit; and at once when the committed window would hold the reader back.
         The reader keeps up to ``prefetch_batches`` batches queued and reads one more, so it wants positions up to
-        ``cursor + (prefetch_batches + 1) × batch_size - 1``, and may read only up to ``committed + lookahead``."""
+        ``cursor + (prefetch_batches + 1) × global batch - 1`` (``--grad-accum`` micro-batches of ``--batch-size``), and
+        may read only up to ``committed + lookahead``."""
         cfg = self.cfg
         if cfg.commit_interval_s == 0 or cfg.lockstep_group or self.steps_done >= cfg.steps:
             return True
         if time.monotonic() - self.t_committed >= cfg.commit_interval_s:
             return True
-        wanted = min(cfg.lookahead, (cfg.prefetch_batches + 1) * cfg.batch_size - 1)
+        wanted = min(cfg.lookahead, (cfg.prefetch_batches + 1) * cfg.global_batch - 1)
         return self.committed + cfg.lookahead < self.cursor + wanted
 
     def _commit(self) -> None:
@@ -645,13 +839,85 @@ class Session:
         lr = lr_at(step_index, cfg.horizon, cfg.lr, cfg.warmup_frac, cfg.min_lr_frac)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        loss, sums = self.draft.loss(batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.group is None and cfg.grad_accum == 1:
+            loss, sums = self.draft.loss(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, sums = self._accumulate(micro_batches(batch, cfg.grad_accum))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
         self._watch_finite(step_index + 1, loss, grad_norm)  # on the device: no host sync
         self.optimizer.step()
         return sums, lr
+    def _accumulate(self, micro: list[DraftBatch]) -> tuple[torch.Tensor, MetricSums | PendingSums]:
+        """Forward and backward over this rank's micro-batches, leaving in ``.grad`` the gradient of the loss over
+        the step's whole global batch (every rank's micro-batches): the draft's loss terms
+        (:meth:`~artcache.trainers.draft.Draft.loss_terms`, ``Σ c · num / den``) are normalised by their
+        denominators summed over the global batch, never averaged per micro-batch or per rank.
+
+        DFlash (one term): each micro-batch's backward takes ``loss × den`` (its sum), then the gradients are
+        scaled by ``world / Σ den`` (DDP averaged them over the ``world`` ranks). A draft with
+        :attr:`~artcache.trainers.draft.Draft.global_denominators` (DSpark: its fused loss rounds a gradient
+        scaled by 1 / Σ w; EAGLE-3: one denominator per TTT step): each term's denominators are found first
+        (:meth:`~artcache.trainers.draft.Draft.loss_denominators`, else a forward without gradients), summed over
+        the micro-batches and the ranks, and the draft divides by them (``loss(batch, denominators=...)``). DDP
+        all-reduces once, in the last micro-batch's backward (``no_sync`` before it).
+
+        Returns (the mean loss of the last micro-batch, detached; this rank's metric sums over its micro-batches).
+        """
+        terms = self.draft.loss_terms()
+        world, dev = self.world, self.device
+        last = len(micro) - 1
+
+        def sync(k: int):
+            return self.ddp.no_sync() if self.ddp is not None and k < last else nullcontext()
+
+        def every_param(loss: torch.Tensor) -> torch.Tensor:
+            """``loss`` plus 0 × one element of every trainable parameter: each gets a gradient in every backward
+            (DDP's buckets wait for all of them), also one the batch did not use (EAGLE-3's lm_head when no
+            position of a step was kept); the gradients' values are unchanged."""
+            if self.ddp is None:
+                return loss
+            return loss + sum(p.reshape(-1)[:1].sum() for p in self.params).to(loss.dtype) * 0.0
+
+        total = None
+        if not self.draft.global_denominators:
+            name = terms[0][0]
+            den = torch.zeros((), dtype=torch.float64, device=dev)
+            for k, mb in enumerate(micro):
+                with sync(k):
+                    loss, sums = self.draft.loss(mb)
+                    d = denominator(sums, name, dev)
+                    every_param(loss * d.to(loss.dtype)).backward()
+                den = den + d
+                total = sums if total is None else _add_sums(total, sums)
+            if self.group is not None:
+                torch.distributed.all_reduce(den)
+            scale = world / den.clamp_min(1e-30)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale.to(p.grad.dtype))
+        else:
+            names = [n for n, _ in terms]
+            parts = []
+            for mb in micro:
+                got = self.draft.loss_denominators(mb)
+                if got is None:  # counted by a forward without gradients
+                    with torch.no_grad():
+                        sums = self.draft.loss(mb)[1]
+                    got = torch.stack([denominator(sums, n, dev) for n in names])
+                parts.append(got.to(device=dev, dtype=torch.float64))
+            den = torch.stack(parts).sum(0)
+            if self.group is not None:
+                torch.distributed.all_reduce(den)
+            for k, mb in enumerate(micro):
+                with sync(k):
+                    loss, sums = self.draft.loss(mb, denominators=den / world)
+                    every_param(loss).backward()
+                total = sums if total is None else _add_sums(total, sums)
+        return loss.detach(), total
+
     def _check_finite_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Refuse to checkpoint non-finite weights (one host sync, at checkpoint time only). A step whose loss
         and gradient were finite can still overflow the weights in its update (``--lr 1e38``); the next
@@ -678,8 +944,10 @@ class Session:
     def _next_batch(self) -> Fetched:
         """The reader's next batch; raises what stopped the reader, a signal's request, or a fence."""
         got = None
+        if self.group_stop:  # a rank of the group was asked to stop: all stop at this boundary
+            raise KeyboardInterrupt("signal")
         while got is None:
-            if self.stop_req.is_set():
+            if self.stop_req.is_set() and self.group is None:
                 raise KeyboardInterrupt("signal")
             if self.fenced.is_set():  # the heartbeat found the fence and stopped the reader: no batch will come
                 raise ConsumerFenced(f"consumer {self.cfg.consumer_id} was fenced")
@@ -843,6 +1111,9 @@ class Session:
         self.beat_stop.set()
         self.reader.join(timeout=5)
         self.reader.drain()
+        if not self.main:  # a rank > 0 released its own leases; rank 0 finishes the group's registration
+            self.journal.close()
+            return
         try:
             self._flush_metrics()  # the steps trained since the last read-back (before the final checkpoint)
         except Exception as exc:  # the device failed: the figures are lost, the run's error is in flight
@@ -895,7 +1166,8 @@ class Session:
                "run_dir": str(self.run_dir), "wait_s": self.wait_total,
                "host_ms_per_step": host_ms_per_step(self.host_s),
                # the epoch of the last position trained on (0-based) and the training samples per epoch
-               "epoch": self.order.epoch(self.cursor - 1) if self.cursor else 0, "epoch_len": self.epoch_len}
+               "epoch": self.order.epoch(self.cursor - 1) if self.cursor else 0, "epoch_len": self.epoch_len,
+               "ranks": self.world, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch}
         if "sim_acc_len" in summary:
             out["sim_acc_len"] = summary["sim_acc_len"]
         if self.last_eval:
@@ -917,6 +1189,13 @@ class _StepRecord:
     t: float
     rate: float
     wait_total: float
+
+
+def _add_sums(a: MetricSums | PendingSums, b: MetricSums | PendingSums) -> MetricSums | PendingSums:
+    """Two micro-batches' sums of one draft (a :class:`PendingSums` pair stays on its device)."""
+    if isinstance(a, PendingSums) and isinstance(b, PendingSums) and a.names == b.names:
+        return PendingSums(a.names, a.values + b.values)
+    return (a.resolve() if isinstance(a, PendingSums) else a) + (b.resolve() if isinstance(b, PendingSums) else b)
 
 
 def fmt(value, digits: int = 2) -> str:

@@ -160,7 +160,9 @@ class DFlashAdapter(Draft):
         fast = train and self.speed.sync_free
         anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            forward = self._forward_fn if fast else self.model
+            # a consumer group's training forward runs through its DistributedDataParallel wrapper
+            forward = self.train_module if train and self.train_module is not None else \
+                self._forward_fn if fast else self.model
             out = forward(batch.hidden, batch.input_ids, anchors, avalid, context_valid=batch.valid,
                           check_anchors=not fast)
             loss, stats = dflash_loss(self.model, out, batch.input_ids, batch.loss_mask, anchors, avalid,
@@ -171,7 +173,8 @@ class DFlashAdapter(Draft):
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
         # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
         # from the host copy of the batch's masks (no device read-back)
-        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.dcfg.num_anchors, self.generator)
+        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.dcfg.num_anchors, self.generator,
+                                        batch.positions, self.generator.initial_seed())
         self.speed.step_begin()
         _, loss, stats = self._forward(batch, anchors, avalid, train=True)
         return loss, (self._pending(stats) if self.speed.sync_free else self._sums(stats))

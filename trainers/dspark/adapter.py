@@ -34,7 +34,7 @@ from artcache.trainers.speed import SpeedOptions, to_device
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
 from .export import SERVING_NAMES, TARGET_TENSORS, read_published
-from .loss import BlockOutputs, dspark_loss
+from .loss import BlockOutputs, block_layout, dspark_loss, slot_weights
 from .metrics import block_pending, block_sums, replay_walk, summarize
 
 __all__ = ["CALIBRATION_KEY", "HELDOUT_PREFIX", "DSparkAdapter", "dspark_default_layers", "weights_check"]
@@ -162,30 +162,49 @@ class DSparkAdapter(Draft):
         c = self.cfg
         return (c.ce_weight, c.l1_weight, c.confidence_weight)
 
-    def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor, *, train: bool = False
-                 ) -> tuple[Tensor, Tensor, BlockOutputs]:
+    def _forward(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor, *, train: bool = False,
+                 denominator: Tensor | None = None) -> tuple[Tensor, Tensor, BlockOutputs]:
         m = self.cfg.num_context_layers
         dev = batch.hidden.device
         fast = train and self.speed.sync_free
         anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
         ctx, last = batch.hidden[:, :, :m], batch.hidden[:, :, m]
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            forward = self._forward_fn if fast else self.model
+            # a consumer group's training forward runs through its DistributedDataParallel wrapper
+            forward = self.train_module if train and self.train_module is not None else \
+                self._forward_fn if fast else self.model
             hidden = forward(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid, check_anchors=not fast)
             loss, out = dspark_loss(self.model, hidden, last, batch.input_ids, batch.loss_mask, anchors, avalid,
                                     context_valid=batch.valid, mode=self._loss_mode() if train else "fused",
-                                    static_rows=fast, compile=fast and self.speed.compile != "off")
+                                    static_rows=fast, compile=fast and self.speed.compile != "off",
+                                    denominator=denominator)
         return hidden, loss, out
 
     def _loss_mode(self) -> str:
         return "fused" if self.speed.ce_impl == "reference" else self.speed.ce_impl
 
-    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
+    #: its fused loss forms the gradient in the lm_head's dtype, scaled by 1 / Σ w: a global batch's parts are
+    #: normalised by the whole batch's Σ w before their forward (:meth:`loss_denominators`)
+    global_denominators = True
+
+    def loss_denominators(self, batch: DraftBatch) -> Tensor:
+        """``Σ w`` of the batch's blocks ([1] float64, no forward): the anchors :meth:`loss` draws, their layout."""
+        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator,
+                                         batch.positions, self.generator.initial_seed())
+        dev = batch.hidden.device
+        lay = block_layout(batch.input_ids, batch.loss_mask, to_device(anchors, dev), to_device(avalid, dev),
+                           self.cfg.block_size, batch.valid)
+        w = slot_weights(self.cfg.block_size, float(self.cfg.gamma), dev) * lay.supervised
+        return w.sum().double().reshape(1)
+
+    def loss(self, batch: DraftBatch, denominators: Tensor | None = None) -> tuple[Tensor, MetricSums | PendingSums]:
         # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
         # from the host copy of the batch's masks (no device read-back)
-        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator)
+        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator,
+                                        batch.positions, self.generator.initial_seed())
         self.speed.step_begin()
-        _, loss, out = self._forward(batch, anchors, avalid, train=True)
+        _, loss, out = self._forward(batch, anchors, avalid, train=True,
+                                     denominator=None if denominators is None else denominators[0])
         self._weights_seen += 1
         if self.speed.sync_free:
             return loss, block_pending(out, self._loss_weights)

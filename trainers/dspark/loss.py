@@ -300,6 +300,7 @@ def dspark_loss(
     mode: Literal["fused", "chunked", "plain"] = "fused",
     static_rows: bool = False,
     compile: bool = False,
+    denominator: Tensor | None = None,
 ) -> tuple[Tensor, BlockOutputs]:
     """The DSpark objective (module docstring) and its per-slot measurements.
 
@@ -320,6 +321,9 @@ def dspark_loss(
             host synchronisation and fixed shapes (``torch.compile`` / CUDA graphs), at the cost of the
             unsupervised rows' matmuls. Same loss and outputs up to float rounding.
         compile: ``"chunked"`` only: ``torch.compile`` the per-chunk body.
+        denominator: divide by this (a float64 scalar: ``Σ w`` of a consumer group's or ``--grad-accum``'s whole
+            global batch) instead of this batch's own ``Σ w``; the fused modes form the gradient scaled by it, so
+            the parts of a global batch round exactly as the whole batch does.
 
     Returns:
         (loss: float32 scalar (float64 for a float64 model); 0 with a zero-gradient graph when nothing is
@@ -343,13 +347,15 @@ def dspark_loss(
         rows = None
         wr = w.reshape(-1)
         weight_sum = wr.sum()
+        norm = weight_sum if denominator is None else denominator.to(device=dev, dtype=acc_dtype)
         c_ce, c_l1, c_conf = cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight
         h, y, prev = hidden.reshape(-1, H), lay.labels.reshape(-1), lay.prev.reshape(-1)
     else:
         rows = lay.supervised.reshape(-1).nonzero().squeeze(1)
         wr = w.reshape(-1).index_select(0, rows)
         weight_sum = wr.sum()
-        denom = float(weight_sum) if rows.numel() else 1.0
+        denom = float(denominator) if denominator is not None and float(denominator) > 0 else \
+            float(weight_sum) if rows.numel() else 1.0
         c_ce, c_l1, c_conf = cfg.ce_weight / denom, cfg.l1_weight / denom, cfg.confidence_weight / denom
         h = hidden.reshape(-1, H).index_select(0, rows)
         y = lay.labels.reshape(-1).index_select(0, rows)
@@ -378,7 +384,7 @@ def dspark_loss(
         terms.append(c_conf * (bce * wr).sum())
         conf_sum = (bce.detach() * wr).sum().double()
     if static_rows:  # the coefficients were not divided by Σ w: divide once here
-        loss = loss + sum(terms[1:], terms[0]) / weight_sum.clamp_min(torch.finfo(acc_dtype).tiny)
+        loss = loss + sum(terms[1:], terms[0]) / norm.clamp_min(torch.finfo(acc_dtype).tiny)
     else:
         for t in terms:
             loss = loss + t

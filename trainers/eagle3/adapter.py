@@ -156,14 +156,22 @@ class Eagle3Adapter(Draft):
     def _split(self, batch: DraftBatch) -> tuple[Tensor, Tensor]:
         return batch.hidden[:, :, :3], batch.hidden[:, :, 3]
 
-    def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
+    #: one denominator per TTT step (its kept positions): counted over a global batch before its parts' forward
+    global_denominators = True
+
+    def loss_terms(self) -> tuple[tuple[str, float], ...]:
+        """Step i's soft cross-entropy over its own kept positions, weighted ``loss_decay ** i``."""
+        return tuple((f"loss_{i}", self.model.cfg.loss_decay ** i) for i in range(self.model.cfg.ttt_steps))
+
+    def loss(self, batch: DraftBatch, denominators: Tensor | None = None) -> tuple[Tensor, MetricSums | PendingSums]:
         aux, last = self._split(batch)
         dev = batch.hidden.device
         fast = self.speed.sync_free
         self.speed.step_begin()
+        forward = self.train_module or (self._forward_fn if fast else None)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss, stats = eagle3_loss(self.model, aux, last, batch.input_ids, batch.loss_mask, batch.valid,
-                                      sync_free=fast, forward=self._forward_fn if fast else None)
+                                      sync_free=fast, forward=forward, denominators=denominators)
         return loss, (self._pending(stats) if fast else self._sums(stats))
 
     @staticmethod

@@ -214,6 +214,7 @@ def eagle3_loss(
     last_hidden_normed: bool = False,
     sync_free: bool = False,
     forward=None,
+    denominators: Tensor | None = None,
 ) -> tuple[Tensor, Eagle3Stats]:
     """EAGLE-3 TTT loss of one batch, plus metric sums (shift convention: module docstring).
 
@@ -240,6 +241,9 @@ def eagle3_loss(
             input checks are skipped (:meth:`Eagle3Draft.forward` ``validate``): no host
             synchronisation. Same loss and stats up to float rounding.
         forward: the callable that runs the model (a ``torch.compile``-d ``model``); default ``model``.
+        denominators: [steps] float64: divide step i's sum by ``denominators[i]`` instead of its own kept count
+            (a consumer group or ``--grad-accum``: the kept counts of the whole global batch, so the sum of the
+            parts' gradients is the global batch's); None: the batch's own counts.
 
     Returns:
         ``(loss, stats)``: a scalar in float32 (float64 for a float64 model), and :class:`Eagle3Stats`.
@@ -269,7 +273,7 @@ def eagle3_loss(
     hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free)
     if sync_free:
         return _sync_free_steps(model, hiddens, supervision_masks(loss_mask.to(dev), vb, steps), probs, arg,
-                                max(chunk_rows, (1 << 26) // cfg.draft_vocab_size))
+                                max(chunk_rows, (1 << 26) // cfg.draft_vocab_size), denominators)
     sup = supervision_masks(loss_mask.to(dev), vb, steps)
     acc_dtype = probs.dtype
     probs_flat, arg_flat = probs.reshape(b * T, -1), arg.reshape(-1)
@@ -295,7 +299,9 @@ def eagle3_loss(
             step_sum = step_sum + ce.sum()
             correct = correct + (pred == arg_flat[lc]).sum()
         n_kept = q_rows.numel()
-        total_loss = total_loss + cfg.loss_decay ** i * step_sum / max(n_kept, 1)
+        # a given (global) denominator may be below 1 on one rank (den / world): only 0 is replaced
+        den = max(n_kept, 1) if denominators is None else _nonzero(denominators[i].to(acc_dtype))
+        total_loss = total_loss + cfg.loss_decay ** i * step_sum / den
         loss_sums.append(step_sum.detach().double())
         kept_n.append(n_kept)
         correct_n.append(correct)
@@ -310,8 +316,13 @@ def eagle3_loss(
     return total_loss, stats
 
 
+def _nonzero(den: Tensor) -> Tensor:
+    """``den``, or 1 where it is 0 (a step that kept no position anywhere: its sum is 0 too)."""
+    return torch.where(den > 0, den, torch.ones_like(den))
+
+
 def _sync_free_steps(model: Eagle3Draft, hiddens: list[Tensor], sup: list[Tensor], probs: Tensor, arg: Tensor,
-                     chunk_rows: int) -> tuple[Tensor, Eagle3Stats]:
+                     chunk_rows: int, denominators: Tensor | None = None) -> tuple[Tensor, Eagle3Stats]:
     """The TTT steps' loss and stats over all b·T positions, kept ones weighted 1, no host read-back."""
     cfg = model.cfg
     b, T, Vd = probs.shape
@@ -336,7 +347,8 @@ def _sync_free_steps(model: Eagle3Draft, hiddens: list[Tensor], sup: list[Tensor
             step_sum = step_sum + (ce * kc).sum()
             correct = correct + ((pred == label_arg[s:s + chunk_rows]) & kc).sum()
         n_kept = keep.sum()
-        total_loss = total_loss + cfg.loss_decay ** i * step_sum / n_kept.clamp_min(1)
+        den = n_kept.clamp_min(1) if denominators is None else _nonzero(denominators[i].to(dev))
+        total_loss = total_loss + cfg.loss_decay ** i * step_sum / den.to(acc_dtype)
         loss_sums.append(step_sum.detach().double())
         kept_n.append(n_kept)
         correct_n.append(correct)

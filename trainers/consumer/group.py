@@ -1,0 +1,420 @@
+"""A consumer that is a ``torch.distributed`` group of ranks: one consumer to the cache.
+
+One experiment may span devices: ``artcache consume ... --nproc N`` starts N ranks itself (:func:`launch`), and
+the same command under ``torchrun --nproc-per-node N -m artcache consume ...`` runs as one of the N ranks torchrun
+started (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment). Either
+way the cache sees ONE consumer:
+
+- rank 0 registers (one registration, one cursor, one window, one lineage of checkpoints) and is the only rank
+  that commits the cursor, writes checkpoints, evaluates the held-out split and writes metrics, TensorBoard and
+  the progress bar; the other ranks read the registration it made;
+- an optimizer step consumes one global batch of ``N × --batch-size × --grad-accum`` consecutive positions; rank
+  r reads and leases its own contiguous slice of it (``--grad-accum`` micro-batches of ``--batch-size``) and
+  journals those reads as its own reader (``journal/reader-<id>-<rank's token>.jsonl``);
+- the cursor moves only after every rank finished the optimizer step that consumed the positions: the step's
+  metric sums are all-reduced after the optimizer step, then rank 0 commits, then it tells the others whether
+  the commit held (a fence of the registration stops every rank);
+- gradients are averaged by ``torch.nn.parallel.DistributedDataParallel`` and normalised over the global batch
+  (:meth:`Session.train_step`), so the update is the one a single process would make on the whole global batch.
+
+Collectives run on the default group with ``--group-timeout`` seconds (not the backend's 30-minute default); the
+waits that may legitimately be long (a rank waiting for its batch on a demand miss, rank 0's evaluation or
+checkpoint) run on a second gloo group whose timeout covers them (:attr:`Group.slow_timeout_s`).
+Before registering, the ranks all-gather a digest of what they must agree on (plan, contract, window, batch, the
+resume point, the draft's configuration; :func:`agree`) and refuse to start when one differs.
+
+The launcher (:func:`launch`) watches its ranks: when one exits nonzero or is killed, the others are stopped
+(SIGTERM, then SIGKILL after ``--group-timeout``), a registration left running by a dead rank 0 is fenced as
+failed (its leases are then reclaimed), and :class:`~artcache.errors.GroupFailed` names the rank, its pid and its
+exit status or signal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from artcache import registry
+from artcache.errors import ConfigError, ConsumerFenced, GroupFailed
+from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums
+
+__all__ = ["Group", "GroupHandle", "agree", "env_world", "join", "launch", "leave", "micro_batches", "sums_from_vector",
+           "sums_names", "sums_vector"]
+
+log = logging.getLogger("artcache.consumer")
+
+#: the environment variables a rank reads (set by :func:`launch` and by torchrun)
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: the least timeout of the slow group (s): rank 0's held-out evaluation or checkpoint may take this long
+SLOW_MIN_S = 1800.0
+
+
+@dataclass
+class Group:
+    """This process's place in its consumer group.
+
+    Attributes:
+        rank, world, local_rank: from the environment. backend: ``gloo`` (CPU) or ``nccl`` (CUDA).
+        timeout_s: the default group's collective timeout (``--group-timeout``).
+        slow: a gloo group over the same ranks for waits that may be long; ``slow_timeout_s`` its timeout.
+    """
+
+    rank: int
+    world: int
+    local_rank: int
+    backend: str
+    timeout_s: float
+    slow: Any
+    slow_timeout_s: float
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier_slow(self) -> None:
+        """Every rank reached this point (the slow group: a rank may have waited for data or rank 0's work)."""
+        dist.barrier(group=self.slow)
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a small picklable object, over the slow group)."""
+        box = [value if self.main else None]
+        dist.broadcast_object_list(box, src=0, group=self.slow)
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (small picklable objects, over the slow group)."""
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.slow)
+        return out
+
+
+def env_world() -> int | None:
+    """``WORLD_SIZE`` from the environment (torchrun or :func:`launch`), or None outside a group.
+
+    Raises:
+        ConfigError: ``WORLD_SIZE`` / ``RANK`` are not integers in range.
+    """
+    raw = os.environ.get("WORLD_SIZE")
+    if raw is None:
+        return None
+    try:
+        world, rank = int(raw), int(os.environ.get("RANK", "0"))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE {raw!r} / RANK {os.environ.get('RANK')!r} are not integers (set by torchrun or "
+                          "artcache consume --nproc)") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK {rank} is not inside WORLD_SIZE {world}: accepted 0 <= RANK < WORLD_SIZE >= 1")
+    return world
+
+
+def join(device: str, timeout_s: float, demand_timeout_s: float) -> Group | None:
+    """Join the consumer group the environment describes (None for a world of one): ``init_process_group`` with
+    ``timeout=timeout_s`` on gloo (CPU) or nccl (CUDA; the device becomes ``cuda:LOCAL_RANK``), and the slow gloo
+    group with ``max(demand_timeout_s, SLOW_MIN_S) + timeout_s``.
+
+    Raises:
+        ConfigError: a partial environment (``MASTER_ADDR`` / ``MASTER_PORT`` missing).
+    """
+    world = env_world()
+    if world is None or world == 1:
+        return None
+    missing = [k for k in ENV if k not in os.environ and k != "LOCAL_RANK"]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE {world} is set but {', '.join(missing)} is not: run the group with "
+                          "artcache consume --nproc N or torchrun --nproc-per-node N")
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    cuda = torch.device(device).type == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    slow_s = max(demand_timeout_s, SLOW_MIN_S) + timeout_s
+    slow = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=slow_s))
+    return Group(rank, world, local, backend, timeout_s, slow, slow_s)
+
+
+def leave(group: Group | None) -> None:
+    """Destroy the process group (every rank, at its end; errors of a group a peer left are ignored)."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # a peer died: nothing left to tear down cleanly
+        log.debug("destroy_process_group: %s", exc)
+
+
+def agree(group: Group, what: dict[str, Any]) -> None:
+    """Refuse to start unless every rank has the same ``what`` (plan, contract, window, resume point, ...): each
+    rank's digest (sha256 of its canonical JSON) is all-gathered with the values.
+
+    Raises:
+        ConfigError: ``consumer group: rank r disagrees with rank 0 about <field>: <value> (rank 0: <value>)``.
+    """
+    blob = json.dumps(what, sort_keys=True, default=str)
+    digest = hashlib.sha256(blob.encode()).hexdigest()
+    got = group.all_gather((digest, blob))
+    for r, (d, other) in enumerate(got):
+        if d == got[0][0]:
+            continue
+        mine, theirs = json.loads(got[0][1]), json.loads(other)
+        field = next((k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)), "?")
+        raise ConfigError(f"consumer group: rank {r} disagrees with rank 0 about {field}: {theirs.get(field)!r} "
+                          f"(rank 0: {mine.get(field)!r}); every rank must run the same command on the same root")
+
+
+class GroupHandle(registry.ConsumerHandle):
+    """A rank's handle on its group's one registration: every rank writes only its own training demand (the
+    positions of its slice it waits for), leaving the other ranks' entries as they are on disk; everything else
+    is :class:`~artcache.registry.ConsumerHandle`'s (only rank 0 heartbeats, commits and finishes)."""
+
+    def __init__(self, layout, reg: registry.Registration, space_wait_s: float = 30.0) -> None:
+        super().__init__(layout, reg, space_wait_s)
+        self._mine: set[int] = set()
+
+    def set_demand(self, positions: list[int] | None, pinned: list[int] | None = None) -> registry.Registration:
+        if positions is None:
+            return super().set_demand(None, pinned)
+        mine, before = set(positions), self._mine
+
+        def fn(old: registry.Registration | None) -> registry.Registration:
+            if old is None or old.generation != self.generation or old.state != "running":
+                raise ConsumerFenced(f"consumer {self.consumer_id!r} was fenced (state "
+                                     f"{old.state if old else 'missing'}, generation "
+                                     f"{old.generation if old else '-'} != {self.generation})")
+            changes = {"demand": sorted((set(old.demand) - before) | mine)}
+            if pinned is not None:
+                changes["pinned_demand"] = sorted(set(pinned))
+            return msgspec.structs.replace(old, heartbeat=time.time(), beat=old.beat + 1, **changes)
+
+        self.current = self._update(fn)
+        self._mine = mine
+        return self.current
+
+
+def micro_batches(batch: DraftBatch, k: int) -> list[DraftBatch]:
+    """``batch`` ([k·b, T] rows) as ``k`` micro-batches of ``b`` consecutive rows, each cut to its own longest
+    sample (the length it would have had collated alone; columns past it are padding in every row)."""
+    if k == 1:
+        return [batch]
+    b = batch.input_ids.shape[0] // k
+    out = []
+    for i in range(k):
+        rows = slice(i * b, (i + 1) * b)
+        valid = batch.valid[rows]
+        cols = valid.any(0).nonzero()
+        t = int(cols.max()) + 1 if cols.numel() else 1
+        out.append(DraftBatch(batch.hidden[rows, :t], batch.input_ids[rows, :t], batch.loss_mask[rows, :t],
+                              valid[:, :t],
+                              positions=batch.positions[rows],
+                              last_layer=None if batch.last_layer is None else batch.last_layer[rows, :t],
+                              supervised_host=None if batch.supervised_host is None else
+                              batch.supervised_host[rows, :t]))
+    return out
+
+
+def sums_names(sums: MetricSums | PendingSums) -> list[str]:
+    """The figure names of a step's sums (a name with a denominator as ``name/``): what :func:`sums_vector` lays
+    out. Ranks all-gather these first, since a draft reports some figures only when measured (DSpark's
+    calibration bins)."""
+    if isinstance(sums, PendingSums):
+        return [n + "/" if has else n for n, has in sums.names]
+    return [n + "/" if n in sums.den else n for n in sums.num]
+
+
+def sums_vector(sums: MetricSums | PendingSums, device: torch.device,
+                names: list[str] | None = None) -> tuple[Tensor, list[tuple[str, bool]]]:
+    """A step's metric sums as one float64 vector on ``device``, laid out by ``names`` (:func:`sums_names` of every
+    rank, united; None: this one's), a figure this rank lacks as zeros; and the layout :func:`sums_from_vector`
+    reads it back with."""
+    if isinstance(sums, PendingSums):
+        sums = sums.resolve()
+    layout = [(n.rstrip("/"), n.endswith("/")) for n in (sorted(sums_names(sums)) if names is None else names)]
+    flat = [x for n, has in layout
+            for x in ((sums.num.get(n, 0.0), sums.den.get(n, 0.0)) if has else (sums.num.get(n, 0.0),))]
+    return torch.tensor(flat, dtype=torch.float64, device=device), layout
+
+
+def sums_from_vector(vec: Tensor, names: list[tuple[str, bool]]) -> MetricSums:
+    """Inverse of :func:`sums_vector` (one host read-back)."""
+    return PendingSums(tuple(names), vec).resolve()
+
+
+# ---- the launcher: artcache consume --nproc N ---------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe(rc: int) -> str:
+    """A rank's exit status in words: ``exit status 2`` or ``signal SIGKILL``."""
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit status {rc}"
+
+
+def launch(cfg) -> dict:
+    """Run consumer ``cfg`` as ``cfg.nproc`` ranks on this machine (MASTER_ADDR 127.0.0.1, a free port); return
+    rank 0's summary (:func:`~.session.run_consumer`'s). Each rank is ``python -c`` :func:`child_main` with the
+    config on its stdin and ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` set. SIGINT and
+    SIGTERM to the launcher go to every rank (each stops at its next step boundary).
+
+    Raises:
+        GroupFailed: a rank exited nonzero or was killed; the others were stopped first (SIGTERM, then SIGKILL
+            after ``cfg.group_timeout_s``). The message names the first rank that failed, its pid and its exit
+            status or signal; a registration a dead rank 0 left running is fenced as failed.
+    """
+    n = cfg.nproc
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="artcache-group-") as tmp:
+        summary_path = Path(tmp) / "summary.json"
+        payload = msgspec.json.encode(cfg)
+        procs: list[subprocess.Popen] = []
+        for r in range(n):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
+                   "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "ARTCACHE_GROUP_SUMMARY": str(summary_path)}
+            p = subprocess.Popen([sys.executable, "-c", "from artcache.trainers.consumer.group import child_main; "
+                                  "child_main()"], env=env, stdin=subprocess.PIPE)
+            p.stdin.write(payload)
+            p.stdin.close()
+            procs.append(p)
+        log.info("[%s] started a group of %d ranks (pids %s)", cfg.consumer_id, n, ", ".join(str(p.pid) for p in procs))
+        failed = _watch(procs, cfg.group_timeout_s)
+        if failed is not None:
+            r, rc = failed
+            fenced = _fence_dead(cfg, procs, r, rc)
+            others = ", ".join(f"rank {i} {_describe(p.returncode)}" for i, p in enumerate(procs) if i != r)
+            raise GroupFailed(f"consumer {cfg.consumer_id!r}: rank {r} (pid {procs[r].pid}) ended with {_describe(rc)};"
+                              f" the group stopped ({others}){fenced}", rank=r, returncode=rc)
+        try:
+            return json.loads(summary_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise GroupFailed(f"consumer {cfg.consumer_id!r}: every rank exited 0 but rank 0 left no summary ({exc})",
+                              rank=0, returncode=0) from None
+
+
+def _watch(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | None:
+    """Wait for every rank; on the first that ends nonzero stop the rest (SIGTERM, SIGKILL after ``grace_s``).
+    Returns (rank, return code) of that first failure, or None when all exited 0."""
+    forwarded = []
+
+    def forward(signum, frame):  # the launcher's SIGINT / SIGTERM: every rank stops at its next step boundary
+        forwarded.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed: tuple[int, int] | None = None
+    deadline = None
+    try:
+        while None in [p.poll() for p in procs]:  # every rank polled (any() would stop at the first running one)
+            if failed is None:
+                # the first failure; a rank killed by a signal before one that exited (its peers' collectives
+                # fail once it is gone, so both may be seen in one poll)
+                ended = sorted(((p.returncode >= 0, r) for r, p in enumerate(procs) if p.returncode not in (None, 0)))
+                if ended:
+                    r = ended[0][1]
+                    failed = (r, procs[r].returncode)
+                    log.error("rank %d (pid %d) ended with %s: stopping the other ranks", r, procs[r].pid,
+                              _describe(procs[r].returncode))
+                    for q in procs:
+                        if q.poll() is None:
+                            q.send_signal(signal.SIGTERM)
+                    deadline = time.monotonic() + grace_s
+            elif deadline is not None and time.monotonic() > deadline:
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+                deadline = None
+            time.sleep(0.05)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if failed is None:  # every rank ended in the same poll
+        ended = sorted((p.returncode >= 0, r) for r, p in enumerate(procs) if p.returncode != 0)
+        failed = (ended[0][1], procs[ended[0][1]].returncode) if ended else None
+    return failed
+
+
+def _fence_dead(cfg, procs: list[subprocess.Popen], rank: int, rc: int) -> str:
+    """After a failed group (every rank has exited): fence the consumer's registration as failed when it is still
+    running under one of these ranks' pids (rank 0 was killed and could not finish it), and reclaim the leases
+    the dead ranks still held (journaled as ``lease_expire``, reason ``holder-dead``, in the launcher's own
+    journal), so nothing they held waits for the producer's next pass. Returns a note for the error message."""
+    from artcache import journal as J
+    from artcache import leases
+    from artcache.layout import CacheLayout
+    from artcache.liveness import dead_reason
+
+    layout = CacheLayout(Path(cfg.cache).expanduser().absolute())
+    note = ""
+    try:
+        reg = registry.read(layout, cfg.consumer_id)
+        if reg is not None and reg.state == "running" and reg.pid in {p.pid for p in procs}:
+            reason = f"rank {rank} ended with {_describe(rc)}"
+            registry.fence(layout, cfg.consumer_id, "failed", reason, expect_generation=reg.generation)
+            note = "; its registration was fenced as failed (--resume continues from its recorded checkpoint)"
+        dead = [info for infos in leases.scan(layout).values() for info in infos
+                if info.consumer == cfg.consumer_id and info.holder is not None and info.holder.comparable()
+                and info.holder.pid in {p.pid for p in procs} and dead_reason(info.holder) is not None]
+        if dead:
+            journal = J.JournalWriter(layout.journal_path("launcher", cfg.consumer_id))
+            try:
+                for info in dead:
+                    if leases.release(layout, info.name):
+                        journal.emit(J.LeaseExpire(producer="launcher", fp=info.fp, lease=info.name,
+                                                   reason="holder-dead"))
+            finally:
+                journal.close()
+            note += f"; {len(dead)} lease(s) its dead ranks held were reclaimed"
+    except Exception as exc:  # an unreadable root: the producer fences and reclaims on its own passes
+        log.warning("[%s] could not fence or reclaim after the group failed: %s", cfg.consumer_id, exc)
+    return note
+
+
+def child_main() -> None:
+    """One rank started by :func:`launch`: its config on stdin; exits as ``artcache consume`` does (0, 1 on a
+    failure, 2 on bad input, with one line on stderr). Rank 0 writes its summary to ``ARTCACHE_GROUP_SUMMARY``."""
+    from artcache.errors import ArtcacheError
+    from artcache.logs import setup_logging
+
+    from .config import ConsumerConfig
+    from .session import run_consumer
+
+    setup_logging(False)
+    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ConsumerConfig)
+    try:
+        summary = run_consumer(cfg)
+    except ArtcacheError as exc:
+        prefix = "" if exc.exit_code == 2 else f"{type(exc).__name__}: "
+        print(f"artcache: error: rank {os.environ.get('RANK')}: {prefix}{exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    if summary is not None and os.environ.get("ARTCACHE_GROUP_SUMMARY"):
+        Path(os.environ["ARTCACHE_GROUP_SUMMARY"]).write_text(json.dumps(summary))
