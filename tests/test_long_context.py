@@ -107,7 +107,7 @@ def test_batch_tokens_bound_one_forward_pass():
 
 def test_prefill_chunk_flag_and_config(tmp_path):
     """``--prefill-chunk`` reaches the scheduler limits; the run config's ``capture.prefill_chunk`` too; the vLLM
-    backend refuses it in one line."""
+    backend and a tensor-parallel target refuse it in one line."""
     from artcache.app.config import RunConfig, producer_config
     from artcache.producer import ProducerConfig
 
@@ -115,6 +115,9 @@ def test_prefill_chunk_flag_and_config(tmp_path):
     assert producer_config(cfg).limits.prefill_chunk == 4096
     bad = ProducerConfig(cache=str(tmp_path / "c"), backend="vllm", limits=SchedulerLimits(prefill_chunk=64))
     with pytest.raises(ConfigError, match="--prefill-chunk 64 is invalid with --backend vllm"):
+        bad.validate()
+    bad = ProducerConfig(cache=str(tmp_path / "c"), tensor_parallel_size=2, limits=SchedulerLimits(prefill_chunk=64))
+    with pytest.raises(ConfigError, match="--prefill-chunk 64 is invalid with --tensor-parallel-size 2"):
         bad.validate()
 
 
