@@ -99,3 +99,40 @@ def format_accounting(acc: Accounting) -> str:
                    "requests = hits + misses; retained bytes <= the disk budget, or <= the window bound (plus a "
                    "kept fill) under the windows-only rule)")
     return "\n".join(out)
+
+
+#: held-out figures a consume summary shows when the evaluation has them, with what each counts
+_EVAL_SHOWN = (("replay_tau", "greedy-replay τ (incl. +1 bonus)"), ("tau", "τ (incl. +1 bonus)"),
+               ("sim_acc_len", "sim_acc_len (no bonus)"), ("loss", "loss"))
+
+
+def format_consume_summary(summary: dict | None, signal_name: str = "") -> str:
+    """``artcache consume``'s closing lines for a person: what ended and why, steps, loss, the last held-out
+    figures and the checkpoint to continue from. ``summary``: :func:`artcache.trainers.consumer.run_consumer`'s
+    dict (None: the run stopped before it had one); ``signal_name``: the signal that stopped it (``SIGTERM``),
+    empty for a run that finished."""
+    if summary is None:
+        return f"consume: stopped by {signal_name or 'an interrupt'} before the first step; nothing trained"
+    cid, planned, steps = summary.get("consumer_id", "?"), summary.get("steps_planned"), summary.get("steps", 0)
+    of = f"/{planned}" if planned is not None else ""
+    secs = summary.get("seconds") or 0.0
+    what = f"stopped by {signal_name}" if signal_name else summary.get("state", "completed")
+    head = f"{cid} ({summary.get('draft')}): {what} at step {steps}{of} after {secs:.1f} s"
+    lines = [head + f", cursor {summary.get('cursor', 0)}, {summary.get('wait_s', 0.0):.1f} s waiting for batches"]
+    first, last = summary.get("first_loss"), summary.get("final_loss")
+    if first is not None and last is not None:
+        lines.append(f"  train loss {first:.4f} -> {last:.4f} (mean of the first / last 5 steps this process ran)")
+    ev = summary.get("eval") or {}
+    shown = [f"{label} {ev[k]:.4f}" for k, label in _EVAL_SHOWN if isinstance(ev.get(k), (int, float))]
+    if shown:
+        lines.append(f"  held-out at step {ev.get('step', '?')}: " + ", ".join(shown))
+    best = summary.get("best")
+    if best:
+        lines.append(f"  checkpoints/best: {best['metric']} {best['value']:.4f} at step {best['step']}")
+    ckpt = summary.get("checkpoint")
+    if ckpt:
+        resume = "; continue with the same command and --resume" if signal_name else ""
+        lines.append(f"  checkpoint {ckpt}{resume}")
+    elif signal_name:
+        lines.append("  no checkpoint was written")
+    return "\n".join(lines)

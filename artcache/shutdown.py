@@ -99,6 +99,58 @@ class GracefulShutdown:
         self.restore()
 
 
+class Forwarding:
+    """For a launcher whose children stop themselves (a consumer group's ranks): every stop signal it receives is
+    passed to ``forward(signum)`` (which sends it on), the first and every later one alike, so each child applies
+    the one rule of :class:`GracefulShutdown` itself; the handlers it replaced come back when the block ends.
+    Outside the main thread nothing is installed.
+
+        with Forwarding(lambda signum: [p.send_signal(signum) for p in procs]):
+            wait_for(procs)
+    """
+
+    def __init__(self, forward: Callable[[int], None], signals: Iterable[int] = STOP_SIGNALS) -> None:
+        self.forward, self.signals = forward, tuple(signals)
+        self.previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame) -> None:
+        global _received
+        _received = _received or signum
+        log.warning("%s: passed on to the processes this one started", signal.Signals(signum).name)
+        self.forward(signum)
+
+    def __enter__(self) -> Forwarding:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        while self.previous:
+            sig, handler = self.previous.popitem()
+            signal.signal(sig, handler)
+
+
+class Cancelled(KeyboardInterrupt):
+    """A run a stop signal ended, after its clean-up (a consumer: checkpointed, fenced as cancelled): a
+    :class:`KeyboardInterrupt`, so every ``except KeyboardInterrupt`` keeps treating it as one, that also carries
+    the signal (``signum``; 0 when unknown) and what the run has to say (``summary``, or None).
+
+    :attr:`exit_status` is the shell's convention for a process a signal ended: 128 + the signal's number (SIGINT:
+    130, SIGTERM: 143); without ``signum``, :func:`stop_exit_status`'s."""
+
+    def __init__(self, signum: int = 0, summary: dict | None = None) -> None:
+        name = signal.Signals(signum).name if signum else "an interrupt"
+        super().__init__(f"stopped by {name}")
+        self.signum, self.summary = signum, summary
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum if self.signum else stop_exit_status()
+
+    def __reduce__(self):
+        return type(self), (self.signum, self.summary)
+
+
 def follow_parent() -> bool:
     """For a helper process its parent stops (a consumer's ``--reader process``): ignore the stop signals (a signal
     to the process group is the parent's to handle: it stops the helper through its own channel), and ask Linux to
@@ -118,4 +170,4 @@ def follow_parent() -> bool:
     return ok
 
 
-__all__ = ["STOP_SIGNALS", "GracefulShutdown", "follow_parent", "stop_exit_status"]
+__all__ = ["STOP_SIGNALS", "Cancelled", "Forwarding", "GracefulShutdown", "follow_parent", "stop_exit_status"]

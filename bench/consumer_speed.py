@@ -642,8 +642,11 @@ def _print_table(report: dict) -> None:
     )
 
 
-#: what this benchmark writes under ``--root`` (the root of published artifacts, the consumers' run directories)
-SCRATCH = ("cache", "runs")
+#: the figures of the published root (:func:`make_root`), kept beside it under ``--root``
+ROOT_INFO = "root.json"
+#: what this benchmark writes under ``--root`` (the root of published artifacts, its figures, the consumers' run
+#: directories)
+SCRATCH = ("cache", "runs", ROOT_INFO)
 
 
 def clear_scratch(root: Path) -> None:
@@ -704,6 +707,82 @@ def _shapes() -> dict:
     }
 
 
+def _tiny_shapes() -> dict:
+    """:func:`_shapes` at toy sizes (a random tiny-llama: 64 hidden, 64-token sequences, batch 2), to check the rows
+    on any device; their figures measure nothing."""
+    tiny = _arch_config("tiny-llama")
+    h, v = tiny.hidden_size, tiny.vocab_size
+    return {
+        "dflash": ("dflash-tiny", "dflash", "tiny-llama", (2, 64, 5, h, v), lambda c: dflash_step_flops(c, 64, 56),
+                   {"layers": 5, "anchors": 8}),
+        "eagle3": ("eagle3-tiny", "eagle3", "tiny-llama", (2, 64, 4, h, v), lambda c: eagle3_step_flops(c, 64, 7),
+                   {"layers": 4, "draft_vocab": 512}),
+        "dspark": ("dspark-tiny", "dspark", "tiny-llama", (2, 64, 6, h, v), lambda c: dspark_step_flops(c, 64, 56),
+                   {"layers": 5, "anchors": 8, "block": 7}),
+        "qwen3": ("dflash-tiny-B16", "dflash", "tiny-llama", (1, 64, 5, h, v), lambda c: dflash_step_flops(c, 64, 56),
+                  {"layers": 5, "anchors": 8}),
+    }
+
+
+#: the toy root of a tiny from-cache row: its target, sequence length, captured union and each draft's view
+TINY_ROOT = {"target": "random:tiny-llama", "seq": 96, "union": [1, 2, 3, 4, 5, 7],
+             "views": {"dflash": [1, 2, 3, 4, 5], "eagle3": [1, 3, 4, 7]}}
+
+
+def measure_row(part: str, variant: str, *, device, out: Path, root: Path, peak: float, steps: int = 20,
+                cache_steps: int = 60, profile: bool = True, commit_interval_s: float | None = None,
+                reader: str = "thread", run: int = 0, tiny: bool = False) -> dict:
+    """One row of the plan (``PART:VARIANT``, :func:`parse_plan`): the in-memory step timed over ``steps`` steps, or
+    (``cache-*`` parts) :func:`from_cache` over ``cache_steps`` steps on the published root ``root/cache`` (made by
+    :func:`make_root` with its figures in ``root/root.json`` when absent, then reused). ``peak``: the matmul rate
+    (FLOP/s) MFU is taken against. ``out``: where profiler tables go (``profile``). ``run``: this row's index among
+    the earlier rows of the same draft and variant (a repeated row is a consumer of its own). ``tiny``: toy shapes
+    (:func:`_tiny_shapes`), 2 in-memory / 3 from-cache steps, no profile: a check that the row runs, on any device.
+    Returns the row: name, variant, data, the timing's figures, :func:`rates` and :func:`limits`."""
+    device = torch.device(device)
+    shapes = _tiny_shapes() if tiny else _shapes()
+    if tiny:
+        steps, cache_steps, profile = 2, 3, False
+    if not part.startswith("cache-"):
+        name, draft, arch, bargs, flops_fn, kw = shapes[part]
+        row = {"name": name, "variant": variant, "data": "in-memory"}
+        d, cfg = build(draft, arch, variant, device, **kw)
+        batches = device_batches(*bargs, device=device)
+        if variant == "main":  # the step as it once was: the anchors' mask is read back from the device
+            for b in batches:
+                b.supervised_host = None
+        row.update(time_in_memory(d, batches, steps, warmup=1 if tiny else 3 if VARIANTS[variant][2] == "off" else 4))
+        if profile and part != "qwen3":
+            prof = profile_steps(d, batches)
+            (out / f"profile-{name}-{variant}.txt").write_text(prof.pop("table") + "\n\n" + prof.pop("table_cpu"))
+            row.update(prof)
+        row.update(rates(row, bargs[0], bargs[1]))
+        row.update(limits(row, flops_fn(cfg) * bargs[0], peak, 0.0, None))
+        return row
+    draft = part.removeprefix("cache-")
+    name, _, arch, bargs, flops_fn, kw = shapes[draft]
+    row = {"name": name, "variant": variant, "data": "from-cache"}
+    info_path = root / ROOT_INFO
+    if not info_path.is_file():
+        shutil.rmtree(root / "cache", ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+        extra = {k: TINY_ROOT[k] for k in ("target", "seq", "union")} if tiny else {}
+        info = make_root(root / "cache", 8 * cache_steps, device, **extra)
+        info_path.write_text(json.dumps(info))
+        print(json.dumps(info), flush=True)
+    info = json.loads(info_path.read_text())
+    prof_out = out / f"profile-{name}-from-cache-{variant}.txt" if profile else None
+    if prof_out is not None and run:
+        prof_out = prof_out.with_name(f"{prof_out.stem}-{run}{prof_out.suffix}")
+    row.update(from_cache(root / "cache", draft, variant, cache_steps, device, profile_out=prof_out, run=run,
+                          commit_interval_s=commit_interval_s, reader=reader,
+                          view=TINY_ROOT["views"][draft] if tiny else None))
+    cfg = build(draft, arch, "main", device, **kw)[1]
+    row.update(rates(row, 8, TINY_ROOT["seq"] if tiny else 1024))
+    row.update(limits(row, flops_fn(cfg) * 8, peak, 8 * info["artifact_bytes"], info["read_verify_Bps"]))
+    return row
+
+
 def main() -> None:
     ap = _arg_parser()
     args = ap.parse_args()
@@ -736,52 +815,6 @@ def main() -> None:
         return time.time() - t_start > args.budget_s
 
     shapes = _shapes()
-
-    def in_memory(part: str, variant: str) -> dict:
-        name, draft, arch, bargs, flops_fn, kw = shapes[part]
-        row = {"name": name, "variant": variant, "data": "in-memory"}
-        d, cfg = build(draft, arch, variant, device, **kw)
-        batches = device_batches(*bargs, device=device)
-        if variant == "main":  # the step as it once was: the anchors' mask is read back from the device
-            for b in batches:
-                b.supervised_host = None
-        row.update(time_in_memory(d, batches, args.steps, warmup=3 if VARIANTS[variant][2] == "off" else 4))
-        if args.profile and part != "qwen3":
-            prof = profile_steps(d, batches)
-            (out / f"profile-{name}-{variant}.txt").write_text(
-                prof.pop("table") + "\n\n" + prof.pop("table_cpu")
-            )
-            row.update(prof)
-        row.update(rates(row, bargs[0], bargs[1]))
-        row.update(limits(row, flops_fn(cfg) * bargs[0], peak, 0.0, None))
-        return row
-
-    root_info = None
-
-    def cached(part: str, variant: str, commit_s: float | None, reader: str) -> dict:
-        nonlocal root_info
-        draft = part.removeprefix("cache-")
-        name, _, arch, bargs, flops_fn, kw = shapes[draft]
-        row = {"name": name, "variant": variant, "data": "from-cache"}
-        if root_info is None:
-            root_info = report["root"] = make_root(Path(args.root) / "cache", 8 * args.cache_steps, device)
-            print(json.dumps(root_info), flush=True)
-        prof_out = out / f"profile-{name}-from-cache-{variant}.txt" if args.profile else None
-        run = sum(r["name"] == name and r["variant"] == variant and r.get("data") == "from-cache"
-                  for r in report["rows"])  # a repeated row
-        if prof_out is not None and run:
-            prof_out = prof_out.with_name(f"{prof_out.stem}-{run}{prof_out.suffix}")
-        row.update(from_cache(Path(args.root) / "cache", draft, variant, args.cache_steps, device,
-                              profile_out=prof_out, run=run, commit_interval_s=commit_s, reader=reader))
-        cfg = build(draft, arch, "main", device, **kw)[1]
-        row.update(rates(row, 8, 1024))
-        row.update(
-            limits(
-                row, flops_fn(cfg) * 8, peak, 8 * root_info["artifact_bytes"], root_info["read_verify_Bps"]
-            )
-        )
-        return row
-
     intervals = args.switch_intervals_ms or [sys.getswitchinterval() * 1e3]
     consumers = [(c, r) for c in args.commit_intervals or [None] for r in args.readers or ["thread"]]
     runs = ((i, c, r, pv) for i in intervals for k, (c, r) in enumerate(consumers) for pv in plan
@@ -791,8 +824,14 @@ def main() -> None:
         if over():
             print(f"skip {part}:{variant}: past --budget-s", flush=True)
             continue
+        prior = sum(r["name"] == shapes[part.removeprefix("cache-")][0] and r["variant"] == variant
+                    and r.get("data") == "from-cache" for r in report["rows"])  # a repeated from-cache row
         try:
-            row = cached(part, variant, commit_s, reader) if part.startswith("cache-") else in_memory(part, variant)
+            row = measure_row(part, variant, device=device, out=out, root=Path(args.root), peak=peak,
+                              steps=args.steps, cache_steps=args.cache_steps, profile=args.profile,
+                              commit_interval_s=commit_s, reader=reader, run=prior)
+            if part.startswith("cache-") and "root" not in report:
+                report["root"] = json.loads((Path(args.root) / ROOT_INFO).read_text())
         except Exception as exc:  # one failing variant must not lose the others' figures
             row = {
                 "name": part,

@@ -27,6 +27,22 @@ def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def rate_spread(steps: list[J.Step], chunks: int = 4) -> float | None:
+    """How much a consumer's step rate varied within its measured steps: the steps (sorted, consecutive) cut into
+    ``chunks`` runs of equal length, each run's steps/s (steps over the time from the previous run's last step
+    end to its own), and half their range over their median (``0.05``: the rate stayed within about ±5 %). None
+    with fewer than ``2 * chunks + 1`` steps (too few to tell)."""
+    if len(steps) < 2 * chunks + 1:
+        return None
+    n = (len(steps) - 1) // chunks
+    rates = []
+    for k in range(chunks):
+        a, b = steps[k * n], steps[(k + 1) * n]
+        rates.append(n / (b.t - a.t) if b.t > a.t else float("inf"))
+    mid = median(rates)
+    return (max(rates) - min(rates)) / 2 / mid if 0 < mid < float("inf") else None
+
+
 def scenario_figures(events: list, warmup: int) -> dict:
     """Per-consumer rates, aggregate steady throughput, producer utilisation, over the interval."""
     steps: dict[str, list[J.Step]] = {}
@@ -49,6 +65,7 @@ def scenario_figures(events: list, warmup: int) -> dict:
         consumers[cid] = {
             "steps": len(ss), "measured_steps": len(measured),
             "steps_per_s": len(measured) / span if span > 0 else 0.0,
+            "rate_spread": rate_spread(measured),
             "steps_in_interval": in_interval,
             "wait_s": wait, "fetch_fraction": wait / busy if busy > 0 else 0.0,
             "first_loss": sum(losses[:k]) / max(1, len(losses[:k])),

@@ -77,11 +77,12 @@ def draw(family: str, rng: random.Random) -> tuple[list[ConsumerSpec], ProducerS
     return cons, prod.with_budget(budget), budget, plan_len
 
 
-def one(job: tuple[str, int, int]) -> dict:
-    """Figures of stream ``k`` of ``family`` (seed ``seed``)."""
-    family, seed, k = job
+def one(job: tuple[str, int, int] | tuple[str, int, int, int]) -> dict:
+    """Figures of stream ``k`` of ``family`` (seed ``seed``), over ``positions`` read positions (default
+    :data:`POSITIONS`)."""
+    family, seed, k, *rest = job
     cons, prod, budget, plan_len = draw(family, random.Random(seed * 1_000_003 + k))
-    res = simulate(cons, prod, POSITIONS, plan_len=plan_len)
+    res = simulate(cons, prod, rest[0] if rest else POSITIONS, plan_len=plan_len)
     fair = offline_optimum(res.trace, budget, pins=res.pins, reserved=res.in_flight) / res.positions
     floor = floor_of(cons)
     return {"stream": k, "budget": budget, "budget_over_floor": round(budget / floor, 4), "plan_len": plan_len,
@@ -97,6 +98,19 @@ def summarize(rows: list[dict]) -> dict:
     return {"n": len(rows), "max_gap": max(gaps, default=None),
             "median_gap": statistics.median(gaps) if gaps else None, "over_0.02": sum(g > 0.02 for g in gaps),
             "violations": sum(r["violations"] for r in rows)}
+
+
+def run_family(family: str, streams: int, seed: int = 0, workers: int = 1, positions: int | None = None) -> dict:
+    """``streams`` streams of ``family`` over ``positions`` read positions each (default :data:`POSITIONS`), in
+    ``workers`` processes: ``{"family", "seed", "positions", "summary": summarize(rows), "streams": rows}``."""
+    positions = POSITIONS if positions is None else positions
+    jobs = [(family, seed, k, positions) for k in range(streams)]
+    if workers == 1:
+        rows = [one(j) for j in jobs]
+    else:
+        with Pool(workers) as pool:
+            rows = pool.map(one, jobs)
+    return {"family": family, "seed": seed, "positions": positions, "summary": summarize(rows), "streams": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,13 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"retention_gap: error: {bad}", file=sys.stderr)
         return 2
     t0 = time.time()
-    jobs = [(a.family, a.seed, k) for k in range(a.streams)]
-    if a.workers == 1:
-        rows = [one(j) for j in jobs]
-    else:
-        with Pool(a.workers) as pool:
-            rows = pool.map(one, jobs)
-    summary = summarize(rows)
+    fam = run_family(a.family, a.streams, a.seed, a.workers)
+    summary, rows = fam["summary"], fam["streams"]
     print(f"{a.family}: {summary['n']} streams, gap max {summary['max_gap']:+.4f}, median "
           f"{summary['median_gap']:+.4f}, {summary['over_0.02']} over 0.02, {summary['violations']} violations "
           f"({time.time() - t0:.0f} s)")

@@ -66,6 +66,7 @@ from artcache import journal as J
 from artcache.accounting import account
 from artcache.bench.metrics import scenario_figures
 from artcache.bench.plots import gpu_plot, modes_plot, progress_plot
+from artcache.bench.progress import ModeProgress
 from artcache.bench.scenarios import ConsumerSpec, Scenario, resolve
 from artcache.errors import ConfigError, InsufficientSpace
 from artcache.eviction import retention_rule
@@ -399,8 +400,20 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
                                            logs / f"{ccfg.consumer_id}.log", env, new_session=False)
         deadline = time.monotonic() + cfg.timeout_s
         served_ids = [c.consumer_id for _, _, served in producers for c in served]
-        for c in (c for c in sc.consumers if c.consumer_id in served_ids):
-            codes[c.consumer_id] = procs[c.consumer_id].wait(timeout=max(1, deadline - time.monotonic()))
+        waiting = [c.consumer_id for c in sc.consumers if c.consumer_id in served_ids]
+        # the terminal says what happens: each consumer's steps and the captures, from the roots' journals
+        progress = ModeProgress(mode, [root for _, root, _ in producers], {c.consumer_id: c.steps for _, _, c in order})
+        try:
+            while any(procs[cid].poll() is None for cid in waiting):
+                progress.poll()
+                if time.monotonic() > deadline:
+                    late = next(cid for cid in waiting if procs[cid].poll() is None)
+                    raise subprocess.TimeoutExpired(procs[late].popen.args, cfg.timeout_s)
+                time.sleep(0.5)
+        finally:
+            progress.close()
+        for cid in waiting:
+            codes[cid] = procs[cid].wait(timeout=60)
         for pid, _, _ in producers:
             try:
                 codes[pid] = procs[pid].wait(timeout=60)
@@ -829,7 +842,8 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
     for spec in (c for c in sc.consumers if c.consumer_id in ids):
         f = figures["consumers"].get(spec.consumer_id, {})
         consumers.append({"id": spec.consumer_id, "block_size": spec.block_size, "steps": f.get("steps", 0),
-                          "steps_per_s": f.get("steps_per_s", 0.0), "wait_s": f.get("wait_s", 0.0),
+                          "steps_per_s": f.get("steps_per_s", 0.0), "rate_spread": f.get("rate_spread"),
+                          "wait_s": f.get("wait_s", 0.0),
                           "fetch_fraction": f.get("fetch_fraction", 0.0),
                           "exit_code": run.codes.get(spec.consumer_id)})
     return {
@@ -924,40 +938,61 @@ def retention_summary(sc: Scenario, report: dict) -> dict:
     return out
 
 
-#: a ratio below this is reported as inside the run-to-run noise of these machines (docs/benchmarks.md)
+#: the run-to-run noise of a consumer's steps/s on these machines (docs/benchmarks.md): two runs of the same
+#: settings differ by up to this ratio, so a smaller one is never called a win or a loss
 NOISE = 1.10
+
+
+def noise_of(*spreads: float | None) -> float:
+    """The relative noise a ratio is judged against: the largest of the run-to-run noise (:data:`NOISE` - 1) and the
+    within-run rate spreads given (:func:`artcache.bench.metrics.rate_spread`; None: not measured)."""
+    return max([NOISE - 1.0, *(s for s in spreads if s is not None)])
+
+
+def judge(better: bool, ratio: float, noise: float) -> tuple[str, bool]:
+    """``(words, within)`` for a ratio >= 1 of the better mode's figure over the other's (``better``: artcache's
+    is the better one): inside ``1 + noise`` it is "within noise", never a win or a loss."""
+    within = ratio <= 1.0 + noise
+    if within:
+        return f"within noise (±{noise:.0%}): neither wins", True
+    return ("artcache wins" if better else "artcache DOES NOT win"), False
 
 
 def compare(modes: dict) -> dict:
     """The verdict of artcache against the baselines that ran. Reported, never an exit criterion.
 
-    * captures: artcache wins when its producer captures per consumed position are below naive's.
+    * captures: artcache wins when its producer captures per consumed position are below naive's by more than the
+      run-to-run noise (:func:`noise_of`).
     * throughput: the *fast consumer* is the one with the highest steady steps/s under artcache;
-      artcache wins when that consumer's steps/s under artcache exceed its steps/s under lockstep.
+      artcache wins when that consumer's steps/s under artcache exceed its steps/s under lockstep by more than the
+      noise: the larger of the run-to-run noise and that consumer's measured rate spread in either mode.
+    A ratio inside the noise is reported as "within noise" (``within_noise`` true, ``artcache_wins`` false).
     """
     art = modes["artcache"]
     out: dict = {}
     lines = []
-
-    def word(win: bool, ratio: float) -> str:
-        noise = " (inside the ±10 % run-to-run noise)" if win and ratio < NOISE else ""
-        return ("artcache wins" if win else "artcache DOES NOT win") + noise
-
     if "naive" in modes:
         a, b = art["captures_per_consumed_position"], modes["naive"]["captures_per_consumed_position"]
         win, ratio = a < b, (b / a if a else float("inf"))
-        out["captures_vs_naive"] = {"artcache": a, "naive": b, "ratio": ratio, "artcache_wins": win}
-        lines.append(f"captures per consumed position: artcache {a:.2f} vs naive {b:.2f} "
-                     f"({ratio:.2f}x): {word(win, ratio)}")
+        noise = noise_of()
+        words, within = judge(win, max(ratio, 1 / ratio) if ratio else float("inf"), noise)
+        out["captures_vs_naive"] = {"artcache": a, "naive": b, "ratio": ratio, "noise": noise,
+                                    "within_noise": within, "artcache_wins": win and not within}
+        lines.append(f"captures per consumed position: artcache {a:.2f} vs naive {b:.2f} ({ratio:.2f}x): {words}")
     if "lockstep" in modes:
         rates = {c["id"]: c["steps_per_s"] for c in art["consumers"]}
         fast = max(rates, key=lambda k: rates[k])
-        lock = next(c["steps_per_s"] for c in modes["lockstep"]["consumers"] if c["id"] == fast)
+        lock_c = next(c for c in modes["lockstep"]["consumers"] if c["id"] == fast)
+        lock = lock_c["steps_per_s"]
+        art_c = next(c for c in art["consumers"] if c["id"] == fast)
         win, ratio = rates[fast] > lock, (rates[fast] / lock if lock else float("inf"))
+        noise = noise_of(art_c.get("rate_spread"), lock_c.get("rate_spread"))
+        words, within = judge(win, max(ratio, 1 / ratio) if ratio else float("inf"), noise)
         out["fast_consumer_vs_lockstep"] = {"consumer": fast, "artcache": rates[fast], "lockstep": lock,
-                                            "ratio": ratio, "artcache_wins": win}
+                                            "ratio": ratio, "noise": noise, "within_noise": within,
+                                            "artcache_wins": win and not within}
         lines.append(f"fast consumer {fast}: artcache {rates[fast]:.3f} vs lockstep {lock:.3f} steps/s "
-                     f"({ratio:.2f}x): {word(win, ratio)}")
+                     f"({ratio:.2f}x): {words}")
     out["artcache_wins"] = all(v["artcache_wins"] for v in out.values())
     out["verdict"] = "; ".join(lines)
     return out

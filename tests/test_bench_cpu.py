@@ -51,6 +51,16 @@ def test_bench_all_passes_and_writes_every_report(bench_all):
     assert [r["scenario"] for r in summary] == ["1p1c", "1p3c"] and not list(out.glob("*.part"))
 
 
+def test_each_mode_says_what_it_does_while_it_runs(bench_all):
+    """Off a terminal every mode ends with a line of each consumer's journaled steps and the captures (and writes
+    one every 30 s meanwhile): the bench is never silent for a whole mode."""
+    proc, _ = bench_all
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("   mode ")]
+    for mode in ("artcache", "naive", "lockstep"):
+        ends = [ln for ln in lines if ln.startswith(f"   mode {mode}, ")]
+        assert ends and "dflash-b16 8/8 steps" in ends[-1] and " captures" in ends[-1], lines
+
+
 def test_1p1c_runs_artcache_alone_by_default(bench_all):
     _, out = bench_all
     report = json.loads((out / "1p1c" / "report.json").read_text())

@@ -53,7 +53,7 @@ def root(tmp_path) -> Path:
 def consume(cache: Path, out: Path, cid: str, *extra: str):
     args = ["consume", "--cache", str(cache), "--id", cid, "--block-size", "4", "--window", "2:4", "--anchors", "4",
             "--batch-size", "2", "--threads", "1", "--demand-timeout", "120", "--log-every", "1", "--no-progress",
-            "--no-tensorboard", "--out", str(out), *extra]
+            "--no-tensorboard", "--json", "--out", str(out), *extra]
     return CliRunner().invoke(main, args, catch_exceptions=True)
 
 

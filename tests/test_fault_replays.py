@@ -578,7 +578,7 @@ def test_regression_inspect_json_under_load_reports_no_false_violation(tmp_path,
         for c in consumers:
             c.popen.send_signal(signal.SIGINT)
         for c in consumers:
-            assert c.wait() in (0, 1, 130), c.tail()
+            assert c.wait() in (0, 130), c.tail()  # finished, or stopped by the SIGINT
         prod.terminate_ready_producer()
     finally:
         for p in procs:

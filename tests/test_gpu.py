@@ -206,7 +206,8 @@ def test_checkpoint_and_resume_on_the_device(served):
     assert killed.wait() == -signal.SIGKILL, killed.tail()
     reg = registry.read(CacheLayout(served.cache), "resumed")
     assert (reg.cursor, reg.checkpoint_cursor) == (4 * BATCH, 2 * BATCH)
-    resumed = Proc("resumed", consume_args(served, "resumed", steps, "--save-every", "2", "--resume"), served.work)
+    resumed = Proc("resumed", consume_args(served, "resumed", steps, "--save-every", "2", "--resume", "--json"),
+                   served.work)
     assert resumed.wait() == 0, resumed.tail()
     summary = json.loads(resumed.text().strip().splitlines()[-1])
     assert (summary["resumed_from_step"], summary["steps"]) == (2, steps)

@@ -156,7 +156,7 @@ def test_a_consumer_with_read_workers_trains_as_one_without(tmp_path, tiny_targe
     assert fill.returncode == 0, fill.stderr[-2000:]
     losses, procs = {}, {}
     for cid, workers in (("one", "1"), ("three", "3")):  # two readers of the filled root: started together
-        args = consume_args(cache, tmp_path, cid, 5, "--read-workers", workers)
+        args = consume_args(cache, tmp_path, cid, 5, "--read-workers", workers, "--json")
         args[args.index("--batch-size") + 1] = "4"
         procs[cid] = Proc(cid, args, tmp_path)
     try:

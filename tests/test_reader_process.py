@@ -380,7 +380,7 @@ def test_regression_a_trainer_that_is_pid_1_keeps_its_reader_process(filled, tmp
         pytest.skip("needs unshare and root for a pid namespace")
     from procs import child_env
 
-    args = consume_args(filled, tmp_path, "pid1", 4, "--reader", "process")
+    args = consume_args(filled, tmp_path, "pid1", 4, "--reader", "process", "--json")
     got = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "artcache", *args],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=child_env())
     if got.returncode != 0 and "unshare" in got.stderr and "Operation not permitted" in got.stderr:

@@ -552,6 +552,9 @@ def test_failed_experiment_leaves_siblings_running_and_exit_nonzero(tiny_target,
     by = {x["name"]: x for x in r["experiments"]}
     assert by["good"]["exit_code"] == 0 and by["good"]["state"] == "completed"
     assert by["good"]["steps_run"] == 6 and by["good"]["cursor_end"] == 12
+    # the consumer's own summary reaches the report (the run asks each consume for its JSON line)
+    assert by["good"]["consumer_summary"]["steps"] == 6 and by["good"]["consumer_summary"]["state"] == "completed"
+    assert by["good"]["checkpoint"].endswith("step-00000006")
     assert by["bad"]["exit_code"] == 1 and by["bad"]["state"] == "failed" and "CaptureTimeout" in by["bad"]["error"]
     assert by["bad"]["registration"] == "failed"  # fenced: its window no longer counts
     assert r["checks"]["every_experiment_completed"] is False and r["checks"]["failed_experiments_fenced"]

@@ -1,10 +1,9 @@
-"""The "served by vLLM" tooling of issue 20: the serving-style replay walk, the per-block accepted counts behind
-``replay_sums``, the held-out prompt reconstruction (plan order, not file order), the embedding restore
-(sha256-checked, nothing written on a mismatch) and ``tests/vllm_spec_decode.py --prompts-file`` parsing."""
+"""The "served by vLLM" tooling: the serving-style replay walk, the per-block accepted counts behind
+``replay_sums``, the held-out prompt reconstruction (plan order, not file order), the offline figure line and
+``tests/vllm_spec_decode.py --prompts-file`` parsing."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -12,11 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from artcache.bench.replay_served import walk
-from artcache.bench.restore_embedding import main as restore_main
-from artcache.bench.restore_embedding import tensor_sha256
 from artcache.trainers.draft import replay_accepted, replay_sums
 
 
@@ -53,43 +49,6 @@ def test_replay_accepted_is_what_replay_sums_counts():
         m = ((preds[i] == greedy[i]) & ok[i]).tolist()
         lead = next((k for k, v in enumerate(m) if not v), K)
         assert int(acc[i]) <= lead
-
-
-def _export(tmp_path: Path) -> tuple[Path, Path, torch.Tensor]:
-    emb = torch.randn(32, 8, dtype=torch.float32)
-    target = tmp_path / "target.safetensors"
-    save_file({"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(8)}, target)
-    ex = tmp_path / "export"
-    ex.mkdir()
-    save_file({"fc.weight": torch.zeros(8, 24, dtype=torch.bfloat16)}, ex / "model.safetensors", metadata={"a": "b"})
-    (ex / "config.json").write_text("{}")
-    (ex / "export.json").write_text('{"step": 7}')
-    want = emb.to(torch.bfloat16)
-    (ex / "embed_removed.json").write_text(json.dumps({"embed_tokens.weight": {
-        "shape": [32, 8], "dtype": "torch.bfloat16", "sha256": tensor_sha256(want)}}))
-    return ex, target, want
-
-
-def test_restore_embedding_rebuilds_the_recorded_tensor(tmp_path):
-    ex, target, want = _export(tmp_path)
-    before = hashlib.sha256((ex / "model.safetensors").read_bytes()).hexdigest()
-    out = tmp_path / "served" / "e"
-    assert restore_main(["--export", str(ex), "--target-weights", str(target), "--out", str(out)]) == 0
-    got = load_file(out / "model.safetensors")
-    assert torch.equal(got["embed_tokens.weight"], want) and set(got) == {"fc.weight", "embed_tokens.weight"}
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export.json", "model.safetensors"]
-    assert hashlib.sha256((ex / "model.safetensors").read_bytes()).hexdigest() == before  # source untouched
-    assert restore_main(["--export", str(ex), "--target-weights", str(target), "--out", str(out)]) == 2  # exists
-
-
-def test_restore_embedding_refuses_another_tensor(tmp_path, capsys):
-    ex, _, _ = _export(tmp_path)
-    other = tmp_path / "other.safetensors"
-    save_file({"model.embed_tokens.weight": torch.randn(32, 8)}, other)
-    out = tmp_path / "served" / "e"
-    assert restore_main(["--export", str(ex), "--target-weights", str(other), "--out", str(out)]) == 1
-    assert "does not reproduce 'embed_tokens.weight'" in capsys.readouterr().err
-    assert not out.exists() and not list((tmp_path / "served").glob("*"))  # nothing half-written
 
 
 def _spec_decode():

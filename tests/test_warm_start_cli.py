@@ -65,7 +65,8 @@ def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
     try:
         # sources: an evaluated DFlash run (checkpoints/best) and an EAGLE-3 run
         d = Proc("d", consume(root, tmp_path, "d", *DF, "--steps", "4", "--save-every", "1", "--keep-checkpoints",
-                              "1", "--eval-samples", "4", "--eval-interval", "2", "--eval-anchors", "4"), tmp_path)
+                              "1", "--eval-samples", "4", "--eval-interval", "2", "--eval-anchors", "4", "--json"),
+                 tmp_path)
         e = Proc("e", consume(root, tmp_path, "e", *E3, "--steps", "2"), tmp_path)
         procs += [d, e]
         d.expect(0)

@@ -74,7 +74,8 @@ def _with_config(verb: str):
                 click.get_current_context().meta[_WRITE_SPEC] = write_spec
             if spec:
                 ctx = click.get_current_context()
-                given = [k for k in kwargs if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
+                given = [k for k in kwargs if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE
+                         and k != "as_json"]  # how the summary is printed: no setting
                 given += ["config"] * bool(config) + ["experiment"] * bool(experiment) + list(overrides)
                 if given:
                     raise ConfigError(f"--spec {spec} holds every setting of this {verb}; leave out "
@@ -88,7 +89,8 @@ def _with_config(verb: str):
                     raise ConfigError("--cache DIR is required (or --config FILE, whose cache.root is used)")
                 return fn(*args, **kwargs)
             ctx = click.get_current_context()
-            explicit = {k: v for k, v in kwargs.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+            explicit = {k: v for k, v in kwargs.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE
+                        and k != "as_json"}  # how the summary is printed: no config field
             if verb == "consume" and not experiment:
                 raise ConfigError("consume --config FILE needs --experiment NAME (one of the file's experiments)")
             cfg = C.load_run_config(config, overrides, C.flag_paths(verb, explicit, experiment))
@@ -163,9 +165,7 @@ def _start(role: str, cfg) -> None:
     else:
         from artcache.trainers.consumer import run_consumer
 
-        summary = run_consumer(cfg)
-        if summary is not None:  # None: a rank > 0 of a group (rank 0 prints the group's summary)
-            click.echo(json.dumps(summary))
+        _finish_consume(run_consumer, cfg, bool(click.get_current_context().params.get("as_json")))
 
 
 def _producer_done(stats) -> None:
@@ -173,6 +173,39 @@ def _producer_done(stats) -> None:
         return
     click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
                f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
+
+
+def _finish_consume(run_consumer, cfg, as_json: bool) -> None:
+    """Run the consumer and end the process as a person expects: a short summary on stdout (the summary's JSON
+    line with ``--json``); exit 0 when it finished, 128 + the signal's number when SIGINT (130) or SIGTERM (143)
+    stopped it after its checkpoint (never click's ``Aborted!``)."""
+    from artcache.report import format_consume_summary
+    from artcache.shutdown import Cancelled
+
+    try:
+        summary = run_consumer(cfg)
+    except Cancelled as exc:
+        name = signal_name(exc.signum)
+        if as_json and exc.summary is not None:
+            click.echo(json.dumps(exc.summary))
+        else:
+            click.echo(format_consume_summary(exc.summary, name))
+        sys.exit(exc.exit_status)
+    except KeyboardInterrupt:  # a stop before the consumer installed its handlers (loading, registering)
+        from artcache.shutdown import stop_exit_status
+
+        code = stop_exit_status()
+        click.echo(format_consume_summary(None, signal_name(code - 128)))
+        sys.exit(code)
+    if summary is not None:  # None: a rank > 0 of a group (rank 0 prints the group's summary)
+        click.echo(json.dumps(summary) if as_json else format_consume_summary(summary))
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``an interrupt`` for 0 (unknown)."""
+    import signal
+
+    return signal.Signals(signum).name if signum else "an interrupt"
 
 
 #: the target flag of the commands that load one (producer, regenerate)
@@ -413,6 +446,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--group-timeout", default=60.0, type=float,
               help="Seconds a rank of a group waits in a collective for the others before the group stops "
                    "(init_process_group's timeout; 0 < S <= 3600).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the run's summary as one JSON line instead of lines for a person. Exit status: 0 "
+                   "finished, 130 stopped by SIGINT (Ctrl-C), 143 by SIGTERM (both after the final checkpoint).")
 @_errors
 @_with_config("consume")
 def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers, layer_ids, batch_size, steps,
@@ -420,7 +456,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0):
+            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
@@ -494,6 +530,10 @@ def inspect(cache, as_json):
         sys.exit(3)
 
 
+#: the bench flags a --suite run takes (the others are the scenarios')
+_SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "device", "out_dir")
+
+
 @main.command()
 @click.option("--scenario", default="1p3c", type=click.Choice(["1p1c", "1p3c", "hetero", "all"]),
               help="all = 1p1c and 1p3c; hetero: three consumers of different speeds started at different times, "
@@ -524,11 +564,37 @@ def inspect(cache, as_json):
 @click.option("--save", default="weights", type=click.Choice(["none", "weights", "full"]),
               help="Each consumer's final checkpoint: weights only, with optimizer state (full) or none. Every "
               "mode's checkpoints and leftover artifacts are removed once its report figures are read.")
+@click.option("--suite", default=None, metavar="NAME",
+              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline "
+                   "(docs/benchmarks.md, 'Suites'). Its result: <dir>/<NAME>.json.")
+@click.option("--resume", "suite_resume", default=None, metavar="DIR",
+              help="--suite: the suite's directory; pieces finished there are skipped (created on the first call).")
+@click.option("--time-budget", "time_budget", default=None, type=float, metavar="S",
+              help="--suite: start no piece after S seconds; then exit 75 naming the pieces left.")
+@click.option("--scale", default="full", type=click.Choice(["full", "tiny"]),
+              help="--suite: full (the documented sizes; GPU pieces need CUDA) or tiny (toy sizes on any device).")
+@click.option("--pieces", default="", help="--suite: a comma list of its pieces (default: all).")
 @_errors
 @_with_config("bench")
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
-          draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25, save="weights"):
-    """Run 1-producer/N-consumer scenarios on fresh cache roots and report."""
+          draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25, save="weights",
+          suite=None, suite_resume=None, time_budget=None, scale="full", pieces=""):
+    """Run 1-producer/N-consumer scenarios on fresh cache roots and report, or a measurement suite (--suite) in
+    pieces that resume."""
+    if suite is not None or suite_resume or time_budget is not None or pieces:
+        from artcache.bench.suites import main_suite
+
+        if suite is None:
+            raise ConfigError("--resume, --time-budget and --pieces belong to --suite NAME; give the suite")
+        ctx = click.get_current_context()
+        given = sorted(f"--{k.replace('_', '-')}" for k in ctx.params if k not in _SUITE_FLAGS
+                       and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
+        if given:
+            raise ConfigError(f"{', '.join(given)}: scenario flag(s), not taken by --suite {suite}; a suite takes "
+                              "--scale, --pieces, --resume, --time-budget, --device and --out")
+        explicit = ctx.get_parameter_source("device") == ParameterSource.COMMANDLINE
+        sys.exit(main_suite(suite, out_dir=out_dir, resume=suite_resume, device=device if explicit else None,
+                            scale=scale, pieces=pieces, time_budget_s=time_budget))
     from artcache.bench.run import BenchConfig, run_bench
 
     cfg = BenchConfig(scenario=scenario, device=device, out_dir=out_dir,

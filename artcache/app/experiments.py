@@ -587,7 +587,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             if x.skip:
                 print(f"experiment {x.name} {x.skip}; not started", flush=True)
                 continue
-            consumers[x.name] = Role(x.name, cli_argv("consume", "--spec", str(consumer_spec_path(x))),
+            consumers[x.name] = Role(x.name, cli_argv("consume", "--spec", str(consumer_spec_path(x)), "--json"),
                                      logs / f"{x.name}.log", {**env, **x.env})
             print(f"experiment {x.name} started (pid {consumers[x.name].popen.pid}, {x.draft}, layers "
                   f"{x.layer_ids}, {x.device}); log {consumers[x.name].log}", flush=True)
@@ -724,7 +724,7 @@ def _union_length(ranges: list[tuple[int, int]]) -> int:
 
 
 def _summary_line(log_path: Path) -> dict:
-    """The JSON summary ``artcache consume`` prints when it finishes ({} if none)."""
+    """The JSON summary ``artcache consume --json`` prints when it ends ({} if none)."""
     try:
         lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.startswith("{")]
         return json.loads(lines[-1]) if lines else {}

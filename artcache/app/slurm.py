@@ -83,7 +83,7 @@ def place(plan: RunPlan, cfg: RunConfig) -> tuple[int, list[Role]]:
                   argv=[py, "-m", "artcache", "producer", "--spec", str(producer_spec_path(plan))])]
     for x, node in zip(plan.experiments, where[1:], strict=True):
         roles.append(Role(name=x.name, node=node, gpus=s.experiment_gpus,
-                          argv=[py, "-m", "artcache", "consume", "--spec", str(consumer_spec_path(x))]))
+                          argv=[py, "-m", "artcache", "consume", "--spec", str(consumer_spec_path(x)), "--json"]))
     return nodes, roles
 
 

@@ -27,7 +27,6 @@ import datetime
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import torch
 
 from artcache.contract import CaptureContract
 from artcache.errors import ConfigError, ProducerFailed
+from artcache.shutdown import follow_parent
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def follow(device: str) -> None:
 
 if __name__ == "__main__":  # a follower started by rank 0 (TensorParallelGroup._start_followers)
     # a terminal's Ctrl-C reaches the whole process group: rank 0 finishes its batch and then closes the group,
-    # which the followers must still be in to run that batch
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # which the followers must still be in to run that batch; a follower dies with rank 0 (PR_SET_PDEATHSIG)
+    follow_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-follower %(levelname)s %(message)s")
     follow(os.environ.get("ARTCACHE_TP_DEVICE", "cpu"))

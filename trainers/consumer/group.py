@@ -53,6 +53,7 @@ from torch import Tensor
 
 from artcache import registry
 from artcache.errors import ConfigError, ConsumerFenced, GroupFailed
+from artcache.shutdown import Forwarding
 from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums
 
 __all__ = ["Group", "GroupHandle", "agree", "env_world", "join", "launch", "leave", "micro_batches", "sums_from_vector",
@@ -278,7 +279,7 @@ def _describe(rc: int) -> str:
 
 def launch(cfg) -> dict:
     """Run consumer ``cfg`` as ``cfg.nproc`` ranks on this machine (MASTER_ADDR 127.0.0.1, a free port); return
-    rank 0's summary (:func:`~.session.run_consumer`'s). Each rank is ``python -c`` :func:`child_main` with the
+    rank 0's summary (:func:`~.session.run_consumer`'s). Each rank is ``python -c`` :func:`~.rank.child_main` with the
     config on its stdin and ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` set. SIGINT and
     SIGTERM to the launcher go to every rank (each stops at its next step boundary).
 
@@ -297,7 +298,7 @@ def launch(cfg) -> dict:
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
                    "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "ARTCACHE_GROUP_SUMMARY": str(summary_path)}
-            p = subprocess.Popen([sys.executable, "-c", "from artcache.trainers.consumer.group import child_main; "
+            p = subprocess.Popen([sys.executable, "-c", "from artcache.trainers.consumer.rank import child_main; "
                                   "child_main()"], env=env, stdin=subprocess.PIPE)
             p.stdin.write(payload)
             p.stdin.close()
@@ -322,16 +323,15 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | N
     Returns (rank, return code) of that first failure, or None when all exited 0."""
     forwarded = []
 
-    def forward(signum, frame):  # the launcher's SIGINT / SIGTERM: every rank stops at its next step boundary
+    def forward(signum):  # the launcher's SIGINT / SIGTERM: every rank stops at its next step boundary
         forwarded.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     failed: tuple[int, int] | None = None
     deadline = None
-    try:
+    with Forwarding(forward):
         while None in [p.poll() for p in procs]:  # every rank polled (any() would stop at the first running one)
             if failed is None:
                 # the first failure; a rank killed by a signal before one that exited (its peers' collectives
@@ -352,9 +352,6 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | N
                         q.kill()
                 deadline = None
             time.sleep(0.05)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
     if failed is None:  # every rank ended in the same poll
         ended = sorted((p.returncode >= 0, r) for r, p in enumerate(procs) if p.returncode != 0)
         failed = (ended[0][1], procs[ended[0][1]].returncode) if ended else None
@@ -395,26 +392,3 @@ def _fence_dead(cfg, procs: list[subprocess.Popen], rank: int, rc: int) -> str:
     except Exception as exc:  # an unreadable root: the producer fences and reclaims on its own passes
         log.warning("[%s] could not fence or reclaim after the group failed: %s", cfg.consumer_id, exc)
     return note
-
-
-def child_main() -> None:
-    """One rank started by :func:`launch`: its config on stdin; exits as ``artcache consume`` does (0, 1 on a
-    failure, 2 on bad input, with one line on stderr). Rank 0 writes its summary to ``ARTCACHE_GROUP_SUMMARY``."""
-    from artcache.errors import ArtcacheError
-    from artcache.logs import setup_logging
-
-    from .config import ConsumerConfig
-    from .session import run_consumer
-
-    setup_logging(False)
-    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ConsumerConfig)
-    try:
-        summary = run_consumer(cfg)
-    except ArtcacheError as exc:
-        prefix = "" if exc.exit_code == 2 else f"{type(exc).__name__}: "
-        print(f"artcache: error: rank {os.environ.get('RANK')}: {prefix}{exc}", file=sys.stderr, flush=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    if summary is not None and os.environ.get("ARTCACHE_GROUP_SUMMARY"):
-        Path(os.environ["ARTCACHE_GROUP_SUMMARY"]).write_text(json.dumps(summary))

@@ -53,7 +53,7 @@ from artcache.layer_ids import layer_view, view_slice
 from artcache.layout import host_id
 from artcache.report import format_bytes
 from artcache.rolespec import spec_digest
-from artcache.shutdown import GracefulShutdown
+from artcache.shutdown import Cancelled, GracefulShutdown
 from artcache.target import quiet_transformers
 from artcache.trainers.checkpoint import (
     CheckpointSize,
@@ -153,7 +153,8 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
     ``step_hook``, when given, is called on the trainer thread after every step with the step's 0-based index
     (a profiler's ``step()``: ``artcache.bench.consumer_speed`` profiles a window of the from-cache steps so).
 
-    Summary keys: ``consumer_id``, ``draft``, ``batch_size`` (samples per step), ``steps``, ``cursor``,
+    Summary keys: ``consumer_id``, ``draft``, ``batch_size`` (samples per step), ``state`` (the registration's
+    final state: ``completed``, ``cancelled``), ``steps_planned`` (``--steps``), ``steps`` (done), ``cursor``,
     ``epoch`` (of the last position trained on, 0-based) and ``epoch_len`` (training samples per epoch),
     ``resumed_from_step`` (None for a
     fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last up to 5 steps
@@ -164,6 +165,8 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
     Raises:
         ConfigError / ContractMismatch: bad settings, layers the root does not capture, a resume or
             init source that does not fit (all before registering). Training errors after fencing.
+        artcache.shutdown.Cancelled: SIGINT / SIGTERM stopped the run (after its final checkpoint and fence):
+            a KeyboardInterrupt carrying the signal and the summary (its ``state`` ``"cancelled"``).
     """
     world = env_world()
     if world is None and cfg.nproc > 1:  # artcache consume --nproc N: start the N ranks (group.launch)
@@ -179,7 +182,16 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
         session.setup()
         session.resume()
         session.register()
-        out = session.run()
+        try:
+            out = session.run()
+        except KeyboardInterrupt as exc:
+            if isinstance(exc, Cancelled):
+                raise
+            try:
+                summary = session.summary() if session.main else None
+            except Exception:  # the run stopped before it had figures (e.g. during the first evaluation's setup)
+                summary = None
+            raise Cancelled(session.shutdown.signum, summary) from exc
     finally:
         leave(session.group)
     return out if session.main else None
@@ -1153,7 +1165,7 @@ class Session:
         cfg, first, last = self.cfg, self.first_losses, self.last_losses
         summary = self.draft.summary(self.total) if self.total is not None else {}
         out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "batch_size": cfg.batch_size,
-               "steps": self.steps_done, "cursor": self.cursor,
+               "state": self.state, "steps_planned": cfg.steps, "steps": self.steps_done, "cursor": self.cursor,
                "resumed_from_step": self.start_step if self.resumed is not None else None,
                "seconds": time.monotonic() - self.t_loop,  # a duration: the monotonic clock, never the wall
                # means over the first / last (up to) 5 steps this process trained; None when it trained none

@@ -1,0 +1,266 @@
+"""``artcache bench --suite``: pieces that resume, a time budget that stops starting pieces, one result per piece
+written atomically with its provenance, settings checked on resume, GPU pieces refused on a CPU in one line; the
+CPU-runnable suites run at ``--scale tiny`` (killed mid-way, resumed, no piece run twice)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from procs import child_env
+
+from artcache.app.cli import main
+from artcache.bench import suites as S
+from artcache.errors import ConfigError
+
+
+def _suite(calls: list[str], *, fail: str = "", sleep: float = 0.0, cuda: tuple[str, ...] = ()) -> S.Suite:
+    def piece(name: str) -> S.Piece:
+        def run(ctx: S.PieceContext) -> dict:
+            calls.append(name)
+            assert ctx.work.is_dir() and not any(ctx.work.iterdir())  # an empty scratch directory
+            (ctx.work / "junk").write_text("x")
+            time.sleep(sleep)
+            if name == fail:
+                raise RuntimeError(f"{name} broke")
+            return {"name": name, "before": sorted(ctx.done)}
+
+        return S.Piece(name, run, f"piece {name}", cuda=name in cuda)
+
+    return S.Suite("fake", "a suite of test pieces", tuple(piece(n) for n in ("a", "b", "c")))
+
+
+def test_the_time_budget_stops_starting_pieces_and_resume_skips_the_finished(tmp_path):
+    calls: list[str] = []
+    d, lines = tmp_path / "fake", []
+    code = S.run_suite(_suite(calls, sleep=0.3), d, device="cpu", time_budget_s=0.2, echo=lines.append)
+    assert code == S.EXIT_PIECES_LEFT == 75 and calls == ["a"]  # the first piece always starts
+    assert "2 piece(s) left: b, c" in lines[-1] and f"--resume {d}" in lines[-1]
+    assert sorted(p.name for p in (d / "pieces").iterdir()) == ["a.json"] and not (d / "fake.json").exists()
+    doc = json.loads((d / "pieces" / "a.json").read_text())
+    assert doc["result"] == {"name": "a", "before": []} and doc["wall_s"] >= 0.3
+    assert doc["commit"] and doc["hardware"]["cpu_count"] >= 1 and doc["command"]
+    first = (d / "pieces" / "a.json").read_bytes()
+
+    assert S.run_suite(_suite(calls), d, device="cpu", resume=True, echo=lines.append) == 0
+    assert calls == ["a", "b", "c"]  # a not run again
+    assert (d / "pieces" / "a.json").read_bytes() == first
+    final = json.loads((d / "fake.json").read_text())
+    assert list(final["pieces"]) == ["a", "b", "c"] and final["pieces"]["c"]["result"]["before"] == ["a", "b"]
+    assert final["suite"] == "fake" and final["scale"] == "full" and final["device"] == "cpu" and final["commit"]
+    assert not list((d / "work").glob("*/junk"))  # a finished piece's scratch is removed
+    assert S.run_suite(_suite(calls), d, device="cpu", resume=True, echo=lines.append) == 0 and len(calls) == 3
+
+
+def test_a_failing_piece_keeps_the_finished_ones_and_names_itself(tmp_path):
+    calls: list[str] = []
+    d = tmp_path / "fake"
+    with pytest.raises(S.PieceFailed, match="suite fake, piece b: RuntimeError: b broke"):
+        S.run_suite(_suite(calls, fail="b"), d, device="cpu", echo=lambda _: None)
+    assert (d / "pieces" / "a.json").is_file() and not (d / "pieces" / "b.json").exists()
+    assert S.run_suite(_suite(calls), d, device="cpu", resume=True, echo=lambda _: None) == 0
+    assert calls == ["a", "b", "b", "c"]
+
+
+def test_bad_settings_are_refused_before_any_piece(tmp_path):
+    calls: list[str] = []
+    d = tmp_path / "fake"
+    S.run_suite(_suite(calls), d, device="cpu", pieces="a", echo=lambda _: None)
+    cases = [
+        (dict(resume=False), "holds an earlier run of suite fake: continue it with --resume"),
+        (dict(resume=True, scale="tiny", pieces="a"), "scale 'full' (now 'tiny')"),
+        (dict(resume=True), "pieces ['a'] (now ['a', 'b', 'c'])"),
+        (dict(pieces="a,zz"), "--pieces zz: not a piece of suite fake; accepted: a, b, c"),
+        (dict(scale="huge"), "--scale 'huge' is not accepted"),
+        (dict(time_budget_s=0), "--time-budget 0: accepted seconds > 0"),
+        (dict(time_budget_s=math.nan), "--time-budget nan: accepted seconds > 0"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ConfigError, match=None) as exc:
+            S.run_suite(_suite(calls), d, device="cpu", echo=lambda _: None, **kw)
+        assert msg in str(exc.value), (kw, str(exc.value))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty and holds no suite.json"):
+        S.run_suite(_suite(calls), tmp_path / "other", device="cpu", resume=True, echo=lambda _: None)
+    assert calls == ["a"]
+
+
+def test_cuda_pieces_are_refused_on_a_cpu_at_full_scale(tmp_path):
+    calls: list[str] = []
+    with pytest.raises(ConfigError) as exc:
+        S.run_suite(_suite(calls, cuda=("b",)), tmp_path / "f", device="cpu", echo=lambda _: None)
+    assert "piece(s) b need a CUDA device" in str(exc.value) and "--pieces a,c run on a CPU" in str(exc.value)
+    assert calls == [] and not (tmp_path / "f").exists()
+    assert S.run_suite(_suite(calls, cuda=("b",)), tmp_path / "t", device="cpu", scale="tiny",
+                       echo=lambda _: None) == 0 and calls == ["a", "b", "c"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("args, needles", [
+    (["--suite", "consumer-speed"], ["piece(s) matmul, dflash:main", "need a CUDA device", "--scale tiny"]),
+    (["--suite", "gpu-micro"], ["piece(s) producer, consumer need a CUDA device", "--pieces matmul,io run on a CPU"]),
+    (["--suite", "gpu-micro", "--device", "cuda"], ["--device cuda: no CUDA device is visible"]),
+    (["--suite", "nope"], ["--suite 'nope' is not a suite; accepted: retention-gap, gpu-micro"]),
+    (["--resume", "x"], ["--resume, --time-budget and --pieces belong to --suite NAME"]),
+    (["--suite", "retention-gap", "--steps", "3", "--scenario", "1p1c"],
+     ["--scenario, --steps: scenario flag(s), not taken by --suite retention-gap"]),
+])
+def test_suite_refusals_are_one_line_exit_2(tmp_path, args, needles):
+    res = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "o"), *args])
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("artcache: error: "), res.output
+    assert all(n in lines[0] for n in needles), lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+def _bench(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "artcache", "bench", *args], cwd=cwd, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(600)
+def test_retention_gap_suite_killed_limited_and_resumed_runs_each_piece_once(tmp_path):
+    """The real suite on a CPU at --scale tiny: a call SIGKILLed in its second piece keeps the first; a call with a
+    tiny --time-budget runs one piece and exits 75; the last call finishes the rest. Every piece ran once (its
+    file's bytes never change once written) and the suite's JSON holds every family's figures."""
+    d = tmp_path / "rg"
+    args = ["--suite", "retention-gap", "--scale", "tiny", "--resume", str(d)]
+    proc = _bench(*args, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        while not (d / "pieces" / "together.json").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    first = (d / "pieces" / "together.json").read_bytes()
+    done = sorted(p.name for p in (d / "pieces").iterdir())
+    assert done[0] == "together.json" and "retention-gap.json" not in {p.name for p in d.iterdir()}
+
+    limited = _bench(*args, "--time-budget", "0.001", cwd=tmp_path)
+    out = limited.communicate(timeout=300)[0]
+    assert limited.returncode == 75, out
+    assert "pieces done earlier" in out and "--time-budget 0.001 s reached" in out and f"--resume {d}" in out, out
+    assert len(list((d / "pieces").iterdir())) == len(done) + 1
+
+    last = _bench(*args, cwd=tmp_path)
+    out = last.communicate(timeout=300)[0]
+    assert last.returncode == 0, out
+    assert (d / "pieces" / "together.json").read_bytes() == first
+    assert "piece together (" not in out  # skipped, not run again
+    doc = json.loads((d / "retention-gap.json").read_text())
+    assert list(doc["pieces"]) == ["together", "staggered", "near-floor", "near-floor-load"]
+    for name, piece in doc["pieces"].items():
+        r = piece["result"]
+        assert r["family"] == name and r["summary"]["n"] == 2 and r["summary"]["violations"] == 0
+        assert piece["command"][:3] == ["artcache", "bench", "--suite"] and piece["commit"] and piece["hardware"]
+    assert doc["scale"] == "tiny" and doc["device"] == "cpu"
+
+
+@pytest.mark.slow  # about a minute on an idle 2-core machine
+def test_gpu_micro_suite_at_tiny_scale_on_a_cpu(tmp_path):
+    d = tmp_path / "gm"
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "gpu-micro", "--scale", "tiny",
+                          "--resume", str(d)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((d / "gpu-micro.json").read_text())
+    p = doc["pieces"]
+    assert p["matmul"]["result"]["matmul_peak_flops"] > 0
+    assert 0.5 < next(iter(p["io"]["result"]["fp8_bytes_over_bf16"].values())) < 0.6
+    assert set(p["producer"]["result"]["dtypes"]) == {"bfloat16", "float8_e4m3fn"}
+    assert p["consumer"]["result"]["blocks"]["B4"]["in_memory_steps_per_s"] > 0
+
+
+@pytest.mark.slow  # a few minutes on a 2-core machine
+def test_consumer_speed_and_offline_suites_at_tiny_scale_on_a_cpu(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "consumer-speed", "--scale", "tiny",
+                          "--pieces", "matmul,dflash:main,cache-dflash:main,cache-eagle3:syncfree,dflash:liger",
+                          "--resume", str(tmp_path / "cs")], cwd=tmp_path, env=child_env(), capture_output=True,
+                         text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "not run on a CPU at --scale tiny (CUDA-only or compiled code): dflash:liger" in res.stdout
+    doc = json.loads((tmp_path / "cs" / "consumer-speed.json").read_text())
+    assert list(doc["pieces"]) == ["matmul", "dflash:main", "cache-dflash:main", "cache-eagle3:syncfree"]
+    assert all(p["result"]["steps_per_s"] > 0 for k, p in doc["pieces"].items() if k != "matmul")
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "offline", "--scale", "tiny",
+                          "--pieces", "steps-thread", "--resume", str(tmp_path / "off")], cwd=tmp_path,
+                         env=child_env(), capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads((tmp_path / "off" / "offline.json").read_text())["pieces"]["steps-thread"]["result"]
+    assert r["checks"]["refill_captures_nothing"] and set(r["root_over_memory"]) == {"B4", "B8"}
+
+
+@pytest.mark.slow  # four minutes on a loaded 2-core machine: two `artcache run` pieces and the curves
+def test_training_curve_suite_at_tiny_scale_resumes_the_run_piece_after_piece(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "training-curve", "--scale", "tiny",
+                          "--resume", str(tmp_path / "tc")], cwd=tmp_path, env=child_env(), capture_output=True,
+                         text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((tmp_path / "tc" / "training-curve.json").read_text())
+    assert list(doc["pieces"]) == ["train-01", "train-02", "curves"]
+    first, second = (doc["pieces"][k]["result"] for k in ("train-01", "train-02"))
+    for x in first["experiments"]:
+        assert (x["state"], x["first_step"], x["last_step"]) == ("completed", 1, 3), x
+    for x in second["experiments"]:  # resumed from the first piece's checkpoint, not started over
+        assert (x["state"], x["first_step"], x["last_step"]) == ("completed", 4, 6), x
+    curves = doc["pieces"]["curves"]["result"]
+    assert set(curves["experiments"]) == {"dflash", "eagle3"} and Path(curves["png"]).stat().st_size > 0
+    assert [e["step"] for e in curves["experiments"]["dflash"]["evals"]] == [0, 3, 6]
+
+
+@pytest.mark.slow  # three minutes on a loaded 2-core machine: a capture, then two `artcache run`s
+def test_fp8_suite_at_tiny_scale_on_a_cpu(tmp_path):
+    """Both pieces give figures: the error per layer, and held-out rows of both drafts (the runs' reports carry each
+    consumer's summary, which the rows come from)."""
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "fp8", "--scale", "tiny",
+                          "--resume", str(tmp_path / "fp8")], cwd=tmp_path, env=child_env(), capture_output=True,
+                         text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    p = json.loads((tmp_path / "fp8" / "fp8.json").read_text())["pieces"]
+    layers = p["error"]["result"]["layers"]
+    assert layers and all(0 < r["fp8_rel_error"] < 0.1 and r["bf16_rel_error"] < r["fp8_rel_error"] for r in layers)
+    rows = p["tau"]["result"]["rows"]
+    assert {(r["draft"], r["metric"]) for r in rows} >= {("dflash", "replay_tau"), ("eagle3", "loss")}
+    assert all(r["fp8_s0"] is not None and r["bf16_s0"] is not None for r in rows)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_running_piece_unrecorded_and_exits_128_plus_it(tmp_path, monkeypatch, capsys, sig):
+    """SIGTERM / Ctrl-C in a piece: the piece stops at once and is not recorded (it runs again on the next call), the
+    finished ones stay, the call says so and exits 143 / 130."""
+    import os
+
+    calls: list[str] = []
+    base = _suite(calls)
+
+    def signalled(ctx: S.PieceContext) -> dict:
+        calls.append("b")
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler raises before this ends
+        return {}
+
+    fake = S.Suite("fake", base.about, (base.pieces[0], S.Piece("b", signalled, "signalled"), base.pieces[2]))
+    monkeypatch.setitem(S.SUITES, "fake", fake)
+    d = tmp_path / "fake"
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    assert S.main_suite("fake", out_dir="", resume=str(d), device="cpu", scale="full", pieces="",
+                        time_budget_s=None) == 128 + sig
+    assert calls == ["a", "b"] and sorted(p.name for p in (d / "pieces").iterdir()) == ["a.json"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"stopped by {signal.Signals(sig).name} in piece b (not recorded: it runs again)" in last
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers put back
+    monkeypatch.setitem(S.SUITES, "fake", base)
+    assert S.main_suite("fake", out_dir="", resume=str(d), device="cpu", scale="full", pieces="",
+                        time_budget_s=None) == 0
+    assert calls == ["a", "b", "b", "c"]

@@ -1,0 +1,36 @@
+"""The entry point of one rank of a consumer group that ``artcache consume --nproc N`` started
+(:func:`artcache.trainers.consumer.group.launch`): a module of its own, so that the group module, which the
+training session imports, never imports the session back."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import msgspec
+
+__all__ = ["child_main"]
+
+
+def child_main() -> None:
+    """One rank started by :func:`launch`: its config on stdin; exits as ``artcache consume`` does (0, 1 on a
+    failure, 2 on bad input, with one line on stderr). Rank 0 writes its summary to ``ARTCACHE_GROUP_SUMMARY``."""
+    from artcache.errors import ArtcacheError
+    from artcache.logs import setup_logging
+    from artcache.trainers.consumer.config import ConsumerConfig
+    from artcache.trainers.consumer.session import run_consumer
+
+    setup_logging(False)
+    cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ConsumerConfig)
+    try:
+        summary = run_consumer(cfg)
+    except ArtcacheError as exc:
+        prefix = "" if exc.exit_code == 2 else f"{type(exc).__name__}: "
+        print(f"artcache: error: rank {os.environ.get('RANK')}: {prefix}{exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    if summary is not None and os.environ.get("ARTCACHE_GROUP_SUMMARY"):
+        Path(os.environ["ARTCACHE_GROUP_SUMMARY"]).write_text(json.dumps(summary))
