@@ -281,6 +281,10 @@ def main(verbose: bool) -> None:
 @click.option("--batch-samples", default=8, type=int, help="Max samples per capture batch.")
 @click.option("--batch-tokens", default=8192, type=int, help="Max padded tokens per capture batch.")
 @click.option("--max-queue", default=1024, type=int, help="Max queued fingerprints per scheduling pass.")
+@click.option("--prefill-chunk", default=0, type=int,
+              help="Prefill a longer sample in chunks of this many tokens through the target's KV cache (hf "
+              "backend; 0: one pass). A sample longer than --batch-tokens needs it. Values equal one pass's to "
+              "the compute dtype's rounding; fingerprints do not depend on it.")
 @click.option("--heartbeat-timeout", default=30.0, type=float,
               help="Seconds a consumer's heartbeat counter may stay still (on this producer's clock) "
                    "before it is fenced.")
@@ -325,7 +329,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
-             fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1):
+             fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1, prefill_chunk=0):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig
     from artcache.scheduler import SchedulerLimits
@@ -337,7 +341,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
         draft_layers=draft_layers, layer_ids=ids, device=device, devices=device_list,
         tensor_parallel_size=tensor_parallel_size, dtype=dtype, compute_dtype=compute_dtype,
-        limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens),
+        limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens,
+                               prefill_chunk=prefill_chunk),
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
         expect_consumers=expect_consumers, expect_timeout_s=expect_timeout, idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
