@@ -228,6 +228,12 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             flag = "--devices" if self.devices else "--tensor-parallel-size"
             raise ConfigError(f"{flag} is not accepted with --backend {self.backend}: vLLM's tensor-parallel workers "
                               "cannot hand their captures to artcache; use --backend hf (docs/scale-out.md)")
+        if self.backend == "vllm" and self.limits.prefill_chunk:
+            raise ConfigError(f"--prefill-chunk {self.limits.prefill_chunk} is invalid with --backend vllm: accepted "
+                              "0 there (vLLM schedules its own chunked prefill within --batch-tokens)")
+        if self.tensor_parallel_size > 1 and self.limits.prefill_chunk:
+            raise ConfigError(f"--prefill-chunk {self.limits.prefill_chunk} is invalid with --tensor-parallel-size "
+                              f"{self.tensor_parallel_size}: accepted 0 there (the follower ranks run one pass)")
 
     @property
     def first_device(self) -> str:
@@ -239,7 +245,7 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 #: dotted path from :class:`ProducerConfig`
 FLAGS = {"dataset": "--data", "producer_id": "--id", "template_options": "--chat-template-option",
          "limits.max_batch_samples": "--batch-samples", "limits.max_batch_tokens": "--batch-tokens",
-         "limits.max_queue": "--max-queue"}
+         "limits.max_queue": "--max-queue", "limits.prefill_chunk": "--prefill-chunk"}
 
 
 def flag_of(field: str) -> str:
@@ -370,6 +376,9 @@ def prepare_root(cfg: ProducerConfig):
         if is_random(info):
             raise ConfigError(f"--target {cfg.target!r} is a random-weight benchmark target (stored embeddings "
                               "only) that vLLM cannot load; use --backend hf, or a full HF checkpoint")
+    if info.max_positions and cfg.max_length > info.max_positions:
+        raise ConfigError(f"--max-length {cfg.max_length} is invalid for target {info.name!r}: accepted an integer "
+                          f"<= {info.max_positions}, its max_position_embeddings")
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else dflash_layer_ids(info.num_layers, cfg.draft_layers)
     # an explicit --layer-ids is a new root's capture set: each id once (the formula's ids are left as they are)
     check_layer_ids(layer_ids, info.num_layers, f"--layer-ids {','.join(map(str, layer_ids))}" if cfg.layer_ids
@@ -591,6 +600,9 @@ class Producer:
                         and nbytes > self.budget else "")
                 self.fill_note = (f"the root holds {what}: kept whatever the retention rule{over} (--evict-fill "
                                   "lets retention evict them)")
+        elif cfg.evict_fill:  # asked for, but there is no fill to release: said, not silently ignored
+            self.fill_note = ("--evict-fill: this root holds no artifacts of a --fill, so it changes nothing "
+                              "(retention is as the rule says)")
         self.budget_note = describe_retention(policy, self.budget, how)
         self.evict_fill = bool(cfg.evict_fill and filled)
         self._decision = RetentionDecision(budget=self.budget)
@@ -1236,7 +1248,8 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
     else:
         dtype = getattr(torch, settings.contract.compute_dtype)
         model = load_target_model(info, device=cfg.device, dtype=dtype, devices=cfg.devices)
-        backend = HFCaptureBackend(model, settings.contract, device=cfg.first_device)
+        backend = HFCaptureBackend(model, settings.contract, device=cfg.first_device,
+                                   prefill_chunk=cfg.limits.prefill_chunk)
         if len(cfg.devices) > 1:
             log.info("target placed over %s (decoder layers in contiguous blocks)", ",".join(cfg.devices))
     journal = J.JournalWriter(layout.journal_path("producer", cfg.producer_id))

@@ -27,26 +27,44 @@ class SchedulerLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     Attributes:
         max_queue: at most this many distinct wanted fingerprints are queued per pass.
         max_batch_samples: samples per forward pass.
-        max_batch_tokens: padded tokens (samples × longest length) per forward pass.
+        max_batch_tokens: padded tokens per forward pass: samples × the longest length, or × ``prefill_chunk``
+            when the longest is longer (a chunked prefill runs one chunk per pass).
+        prefill_chunk: tokens per row in one forward pass (0: the whole sample in one pass). A longer sample
+            is prefilled in chunks of this many tokens through the target's KV cache
+            (:class:`artcache.backends.hf.HFCaptureBackend`), so a sample longer than ``max_batch_tokens``
+            can be captured. The captured values equal a one-pass prefill's to the compute dtype's rounding;
+            neither the fingerprint nor the contract depends on it.
     """
 
     max_queue: Count = 1024
     max_batch_samples: Count = 8
     max_batch_tokens: Count = 8192
+    prefill_chunk: NonNegative = 0
+
+    def pass_tokens(self, length: int) -> int:
+        """Tokens one row of ``length`` tokens puts into one forward pass: ``min(length, prefill_chunk)``
+        (``length`` when chunking is off)."""
+        return min(length, self.prefill_chunk) if self.prefill_chunk else length
 
     def validate(self, max_length: int, name_of: Callable[[str], str] = str) -> None:
-        """The ranges declared on the fields, then ``max_batch_tokens >= max_length`` (a full-length sample must
-        fit one batch). ``name_of`` names a field the caller's way (:func:`artcache.ranges.check_ranges`): the
-        producer's flag (``--batch-tokens``), a run config's ``capture.batch_tokens``; default: the field.
+        """The ranges declared on the fields, then ``max_batch_tokens >= min(max_length, prefill_chunk)`` (one
+        forward pass of a full-length sample must fit a batch). ``name_of`` names a field the caller's way
+        (:func:`artcache.ranges.check_ranges`): the producer's flag (``--batch-tokens``), a run config's
+        ``capture.batch_tokens``; default: the field.
 
         Raises:
             ConfigError: ``<name> <value> is invalid: accepted <what>``.
         """
         check_ranges(self, name_of)
-        if self.max_batch_tokens < max_length:
-            raise ConfigError(range_message(
-                name_of("max_batch_tokens"), self.max_batch_tokens,
-                f"an integer >= {max_length}, the plan's max length (a full-length sample could never be captured)"))
+        need = self.pass_tokens(max_length)
+        chunk_name = name_of("prefill_chunk") or "prefill_chunk"
+        if self.max_batch_tokens < need:
+            what = (f"an integer >= {need}, the plan's max length (a full-length sample could never be captured; "
+                    f"or set {chunk_name} <= {self.max_batch_tokens} to prefill it in chunks)"
+                    if need == max_length else
+                    f"an integer >= {need}, {chunk_name} (one chunk of a long sample could never be "
+                    "captured)")
+            raise ConfigError(range_message(name_of("max_batch_tokens"), self.max_batch_tokens, what))
 
 
 def check_deadlock(limits: SchedulerLimits, batch_size: int, lookahead: int, max_length: int) -> None:
@@ -96,7 +114,8 @@ class Want:
 
 
 def next_batch(queue: list[Want], length_of: Callable[[int], int], limits: SchedulerLimits) -> list[Want]:
-    """Take wants in priority order while the batch fits ``max_batch_samples`` and padded tokens.
+    """Take wants in priority order while the batch fits ``max_batch_samples`` and padded tokens per forward
+    pass (:meth:`SchedulerLimits.pass_tokens` of the batch's longest sample, times its samples).
 
     ``length_of(sample)``: tokens of a plan sample.
 
@@ -106,7 +125,7 @@ def next_batch(queue: list[Want], length_of: Callable[[int], int], limits: Sched
     batch: list[Want] = []
     longest = 0
     for w in queue:
-        n = length_of(w.sample)
+        n = limits.pass_tokens(length_of(w.sample))
         new_longest = max(longest, n)
         if batch and (len(batch) + 1 > limits.max_batch_samples
                       or new_longest * (len(batch) + 1) > limits.max_batch_tokens):

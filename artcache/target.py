@@ -53,7 +53,7 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
     "tiny-llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                    "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "rms_norm_eps": 1e-5,
-                   "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+                   "rope_theta": 10000.0, "max_position_embeddings": 32768, "tie_word_embeddings": True,
                    "hidden_act": "silu"},
 }
 _RANDOM_MARKER = "artcache-random-init.json"
@@ -69,6 +69,8 @@ class TargetInfo(msgspec.Struct, frozen=True):
     ``path`` is an HF directory (config.json, *.safetensors, tokenizer files); ``config_hash`` is the
     strong digest of its config.json without volatile keys; ``weights_digest`` is the xxh3_128 of
     ``model.safetensors`` (for sharded checkpoints: strong digest over the sorted per-file digests).
+    ``max_positions`` is the config's ``max_position_embeddings`` (0: the config does not say): the longest
+    sequence the target was built for, so the longest plan a producer captures from it.
     """
 
     name: str
@@ -82,6 +84,7 @@ class TargetInfo(msgspec.Struct, frozen=True):
     architecture: str
     tie_word_embeddings: bool
     final_norm: str
+    max_positions: int = 0
 
 
 def default_home() -> Path:
@@ -281,14 +284,21 @@ def _ensure_random(arch: str, home: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     final = home / "targets" / f"random-{arch}-s{seed}"
-    if (final / _RANDOM_MARKER).is_file():
+    cfg = dict(RANDOM_ARCHS[arch], torch_dtype="bfloat16")
+
+    def current() -> bool:  # written, and from today's config (a directory of an older config is rewritten)
+        try:
+            return (final / _RANDOM_MARKER).is_file() and json.loads((final / "config.json").read_text()) == cfg
+        except (OSError, ValueError):
+            return False
+
+    if current():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with cache_lock(str(final) + ".lock"):
-        if (final / _RANDOM_MARKER).is_file():
+        if current():
             return final
-        cfg = dict(RANDOM_ARCHS[arch], torch_dtype="bfloat16")
-        # a directory left without its marker (an older writer's) is replaced
+        # a directory left without its marker (an older writer's), or of an older config, is replaced
         with publish_dir(final, existing="replace", durable=False, tmp_name=f".tmp-{final.name}-") as tmp:
             gen = torch.Generator().manual_seed(seed)
             shape = (cfg["vocab_size"], cfg["hidden_size"])
@@ -419,7 +429,7 @@ def _describe(target_dir: Path, *, name: str, revision: str) -> TargetInfo:
         config_hash=strong_digest(canonical_json(stable)), weights_digest=_weights_digest(target_dir),
         num_layers=num_layers, hidden_size=hidden, vocab_size=vocab, architecture=str(archs[0]),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))),
-        final_norm=final_norm,
+        final_norm=final_norm, max_positions=int(cfg.get("max_position_embeddings") or 0),
     )
 
 

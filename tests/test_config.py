@@ -399,3 +399,12 @@ def test_regression_choice_flags_list_the_accepted_values(tmp_path, flag, value)
     assert_one_error_line(result, f"Invalid value for '{flag}': '{value}' is not one of "
                           + ", ".join(repr(c) for c in choices))
     assert not (tmp_path / "c").exists()
+
+
+def test_regression_empty_choice_is_named_in_a_refusal(tmp_path):
+    """Bug: a field whose choices include the empty string (``cache.retention``: "", need, windows) was refused
+    with "expected one of , need, windows": the empty choice printed as nothing, so the line read as a typo and
+    did not say how to follow the budget. The refusal names it as ``""``."""
+    msg = rejected(tmp_path, TWO, "cache.retention=Need")
+    assert 'expected one of "", need, windows' in msg, msg
+    assert C.load_run_config(write(tmp_path, TWO), ["cache.retention="]).cache.retention == ""

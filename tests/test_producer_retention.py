@@ -350,6 +350,16 @@ def test_regression_a_filled_root_keeps_its_fill(root):
     assert producer.fill_note == "" and len(producer.fill_kept) == 0
 
 
+def test_regression_evict_fill_on_a_root_without_a_fill_is_said(root):
+    """``--evict-fill`` on a root that was never filled (or whose fill is gone) was accepted without a word: the
+    user, believing the root filled, saw nothing telling them the flag did nothing. The producer now says at start
+    that there is no fill to release, and retention is unchanged."""
+    producer, _, journal = make(root, 10, evict_fill=True)
+    journal.close()
+    assert "--evict-fill" in producer.fill_note and "changes nothing" in producer.fill_note
+    assert not producer.evict_fill and len(producer.fill_kept) == 0
+
+
 def test_retention_flags_that_contradict_are_refused(root):
     from artcache.errors import ConfigError
 

@@ -204,7 +204,7 @@ def test_regression_limits_ranges_are_declared_and_named_the_callers_way():
     caller names them: the producer by its flag, a run config by its capture.* path."""
     import msgspec.inspect as mi
 
-    assert all(f.type.ge == 1 for f in mi.type_info(SchedulerLimits).fields)
+    assert all(f.type.ge == (0 if f.name == "prefill_chunk" else 1) for f in mi.type_info(SchedulerLimits).fields)
     with pytest.raises(ConfigError, match=r"^--batch-samples 0 is invalid: accepted an integer >= 1$"):
         SchedulerLimits(max_batch_samples=0).validate(1, {"max_batch_samples": "--batch-samples"}.get)
     with pytest.raises(ConfigError, match=r"^capture\.batch_tokens 8 is invalid: accepted an integer >= 16"):

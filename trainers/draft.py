@@ -81,6 +81,11 @@ class DraftBatch:
             it and the caller asked for it (greedy replay against the target's argmax).
         supervised_host: optional [b, T] bool on the **host**: ``loss_mask & valid``, for draws that
             must not read device memory back (DFlash's anchors); None = derive it from the batch.
+        doc_ids: a packed batch (:mod:`artcache.trainers.packing`): [b, T] long on the **host**, the
+            document (plan position) each token belongs to, numbered in batch order, -1 on padding; None =
+            unpacked (one document per row).
+        position_ids: a packed batch: [b, T] long on the host, each token's position inside its document
+            (restarting at 0 per document; 0 on padding); None = ``arange(T)``.
         samples: the plan sample indices of the b rows when the caller knows them (the held-out
             evaluation sets them: the identity of a held-out row, whose position is -1); empty otherwise.
     """
@@ -93,6 +98,13 @@ class DraftBatch:
     last_layer: Tensor | None = None
     supervised_host: Tensor | None = None
     samples: tuple[int, ...] = ()
+    doc_ids: Tensor | None = None
+    position_ids: Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether rows hold several documents (``doc_ids`` given)."""
+        return self.doc_ids is not None
 
     def supervised_on_host(self) -> Tensor:
         """``loss_mask & valid`` [b, T] bool on the host (no device read when the collator supplied it)."""

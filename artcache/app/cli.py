@@ -294,6 +294,10 @@ def main(verbose: bool) -> None:
 @click.option("--batch-samples", default=8, type=int, help="Max samples per capture batch.")
 @click.option("--batch-tokens", default=8192, type=int, help="Max padded tokens per capture batch.")
 @click.option("--max-queue", default=1024, type=int, help="Max queued fingerprints per scheduling pass.")
+@click.option("--prefill-chunk", default=0, type=int,
+              help="Prefill a longer sample in chunks of this many tokens through the target's KV cache (hf "
+              "backend; 0: one pass). A sample longer than --batch-tokens needs it. Values equal one pass's to "
+              "the compute dtype's rounding; fingerprints do not depend on it.")
 @click.option("--heartbeat-timeout", default=30.0, type=float,
               help="Seconds a consumer's heartbeat counter may stay still (on this producer's clock) "
                    "before it is fenced.")
@@ -338,7 +342,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
-             fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1,
+             fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1, prefill_chunk=0,
              eval_data=None):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig
@@ -355,7 +359,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
         max_length=max_length, max_samples=max_samples,
         draft_layers=draft_layers, layer_ids=ids, device=device, devices=device_list,
         tensor_parallel_size=tensor_parallel_size, dtype=dtype, compute_dtype=compute_dtype,
-        limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens),
+        limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens,
+                               prefill_chunk=prefill_chunk),
         heartbeat_timeout_s=heartbeat_timeout, exit_when_done=exit_when_done, done_grace_s=done_grace,
         expect_consumers=expect_consumers, expect_timeout_s=expect_timeout, idle_exit_s=idle_exit,
         producer_id=producer_id, threads=threads, template_options=parse_template_options(template_options),
@@ -444,6 +449,9 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               "liger (CUDA; pip install 'artcache[liger]').")
 @click.option("--length-bucket", default=64, type=int,
               help="With --compile on|graphs on CUDA: pad batch lengths to a multiple of N positions; 0: none.")
+@click.option("--pack-tokens", default=0, type=int,
+              help="Packing: each of the --batch-size rows holds whole plan positions back to back up to N tokens "
+                   "(N >= the root's max length; attention, position ids and anchors per document); 0: off.")
 @click.option("--read-workers", default=1, type=int,
               help="Artifacts of one batch read at once (1 .. 64; more hide per-file latency on a slow or network "
                    "filesystem).")
@@ -473,7 +481,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False,
+            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False, pack_tokens=0,
             trackers=(), tracker_project="artcache"):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
@@ -503,7 +511,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         progress=progress, tensorboard=tensorboard, trackers=list(trackers), tracker_project=tracker_project,
         compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
-        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout)
+        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens)
     _start("consumer", cfg)
 
 

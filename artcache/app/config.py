@@ -148,6 +148,9 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             or bench alone (captured ids follow :func:`artcache.layer_ids.dflash_layer_ids`).
         batch_samples, batch_tokens, max_queue: scheduler limits (samples and padded tokens per
             capture batch; queued fingerprints per pass).
+        prefill_chunk: prefill a longer sample in chunks of this many tokens through the target's KV cache
+            (hf backend; 0: one pass); a sample longer than ``batch_tokens`` needs it
+            (:class:`artcache.scheduler.SchedulerLimits`).
         backend: ``hf`` (transformers) or ``vllm`` (the ``artcache[vllm]`` extra).
     """
 
@@ -157,6 +160,7 @@ class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     batch_samples: Count = 8
     batch_tokens: Count = 8192
     max_queue: Count = 1024
+    prefill_chunk: NonNegative = 0
     backend: Literal["hf", "vllm"] = "hf"
 
 
@@ -406,7 +410,7 @@ def _describe(t: mi.Type, seconds: bool = False, ranges: bool = True) -> str:
     if isinstance(t, mi.UnionType):  # e.g. cache.disk_budget: bytes or "auto"
         text = " or ".join(_describe(x, seconds, ranges) for x in t.types if not isinstance(x, mi.NoneType))
     elif isinstance(t, mi.LiteralType):
-        text = "one of " + ", ".join(map(str, t.values))
+        text = "one of " + ", ".join('""' if v == "" else str(v) for v in t.values)  # "" visible, not a gap
     elif isinstance(t, mi.ListType):
         text = f"a list of {_describe(t.item_type).removeprefix('an ').removeprefix('a ')}s"
     elif isinstance(t, mi.StructType):
@@ -777,7 +781,7 @@ PRODUCER_FLAGS = {
     "max_length": "data.max_length", "max_samples": "data.max_samples", "draft_layers": "capture.draft_layers",
     "layer_ids": "capture.layer_ids", "device": "target.device", "dtype": "target.dtype",
     "compute_dtype": "target.compute_dtype", "batch_samples": "capture.batch_samples",
-    "batch_tokens": "capture.batch_tokens", "max_queue": "capture.max_queue",
+    "batch_tokens": "capture.batch_tokens", "max_queue": "capture.max_queue", "prefill_chunk": "capture.prefill_chunk",
     "heartbeat_timeout": "cache.heartbeat_timeout_s", "done_grace": "cache.done_grace_s", "threads": "target.threads",
     "template_options": "data.template_options", "group_shared": "cache.group_shared", "backend": "capture.backend",
     "eval_data": "data.eval",
@@ -912,7 +916,7 @@ def cache_root(cfg: RunConfig) -> str:
 
 #: :class:`artcache.scheduler.SchedulerLimits` field → its ``[capture]`` path (the name a limit is reported by)
 CAPTURE_PATHS = {"max_queue": "capture.max_queue", "max_batch_samples": "capture.batch_samples",
-                 "max_batch_tokens": "capture.batch_tokens"}
+                 "max_batch_tokens": "capture.batch_tokens", "prefill_chunk": "capture.prefill_chunk"}
 
 
 def producer_config(cfg: RunConfig, **process: Any):
@@ -938,7 +942,7 @@ def producer_config(cfg: RunConfig, **process: Any):
         tensor_parallel_size=cfg.target.tensor_parallel_size, dtype=cfg.target.dtype,
         compute_dtype=cfg.target.compute_dtype,
         limits=SchedulerLimits(max_queue=cfg.capture.max_queue, max_batch_samples=cfg.capture.batch_samples,
-                               max_batch_tokens=cfg.capture.batch_tokens),
+                               max_batch_tokens=cfg.capture.batch_tokens, prefill_chunk=cfg.capture.prefill_chunk),
         heartbeat_timeout_s=cfg.cache.heartbeat_timeout_s, done_grace_s=cfg.cache.done_grace_s,
         threads=cfg.target.threads, template_options=dict(cfg.data.template_options),
         group_shared=cfg.cache.group_shared, backend=cfg.capture.backend, disk_budget=cfg.cache.disk_budget,

@@ -15,6 +15,7 @@ overlaps the next batch's prefill instead of holding the compute stream. The ret
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -77,9 +78,24 @@ class HFCaptureBackend:
         device: where the inputs go and the captured layers are gathered (the first device of a placement).
         group: a :class:`artcache.backends.tensor_parallel.TensorParallelGroup` this process is rank 0 of:
             each batch is announced to the follower ranks before the forward pass, which they run with it.
+        prefill_chunk: tokens per row in one forward pass (0: the whole batch in one pass). A batch longer
+            than this is prefilled in chunks through a ``transformers.DynamicCache``: chunk ``c`` runs
+            positions ``[c·C, (c+1)·C)`` attending to the cached keys/values of the earlier chunks, and the
+            captured layers of the chunks are concatenated along the token axis. Attention stays causal, so
+            the values equal a one-pass prefill's up to the compute dtype's rounding (the kernels sum in
+            another order). Only the layers up to the deepest captured one run, so only their keys/values
+            are cached: ``2 × layers run × T × kv heads × head dim`` elements of the compute dtype per row.
+            Not with ``group`` (its followers run one pass).
     """
 
-    def __init__(self, model, contract: CaptureContract, device: str | torch.device = "cpu", group=None) -> None:
+    def __init__(self, model, contract: CaptureContract, device: str | torch.device = "cpu", group=None,
+                 prefill_chunk: int = 0) -> None:
+        if prefill_chunk < 0:
+            raise ConfigError(f"prefill_chunk {prefill_chunk} is invalid: accepted 0 (off) or a positive integer")
+        if prefill_chunk and group is not None:
+            raise ConfigError(f"prefill_chunk {prefill_chunk} is invalid with a tensor-parallel target: accepted 0 "
+                              "there")
+        self.prefill_chunk = int(prefill_chunk)
         self.model = model
         self.group = group
         self.contract = contract
@@ -88,7 +104,7 @@ class HFCaptureBackend:
         check_layer_ids(contract.layer_ids, len(self.layers), f"contract layer_ids {list(contract.layer_ids)}",
                         target=contract.target_name)
         self.dtype = _DTYPES[contract.dtype]
-        self._captured: dict[int, torch.Tensor] = {}
+        self._captured: dict[int, torch.Tensor | list[torch.Tensor]] = {}
         self._last = max(contract.layer_ids)
         self._last_batch: CapturedBatch | None = None
         self._copy_stream = None  # created on the first GPU capture
@@ -99,7 +115,11 @@ class HFCaptureBackend:
             hs = output[0] if isinstance(output, tuple) else output
             if hasattr(hs, "full_tensor"):  # a DTensor output of a sharded layer (every rank gathers it)
                 hs = hs.full_tensor()
-            self._captured[idx] = hs.detach()
+            got = self._captured.get(idx)
+            if isinstance(got, list):  # a chunked prefill: one piece per chunk
+                got.append(hs.detach())
+            else:
+                self._captured[idx] = hs.detach()
             if idx == self._last:
                 raise _StopForward
         return fn
@@ -115,15 +135,51 @@ class HFCaptureBackend:
     def forward(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Run the decoder up to the deepest captured layer on ``ids`` and ``attn`` ([b, T] int64, on any
         device) and return the captured layers stacked in contract order, ``[b, T, m, H]`` in the compute
-        dtype on ``device``. Each layer's output is read where that layer lives and moved to ``device``."""
+        dtype on ``device``. Each layer's output is read where that layer lives and moved to ``device``. A batch
+        longer than ``prefill_chunk`` runs in chunks (:meth:`_prefill_chunks`)."""
         self._captured.clear()
         base = getattr(self.model, "model", self.model)
-        with contextlib.suppress(_StopForward):
-            base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
+        if self.prefill_chunk and ids.shape[1] > self.prefill_chunk:
+            self._prefill_chunks(base, ids.to(self.device), attn.to(self.device))
+        else:
+            with contextlib.suppress(_StopForward):
+                base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
         try:
             return torch.stack([self._captured[i].to(self.device) for i in self.contract.layer_ids], dim=2)
         finally:
             self._captured.clear()
+
+    def _prefill_chunks(self, base, ids: torch.Tensor, attn: torch.Tensor) -> None:
+        """Prefill ``ids`` [b, T] (right-padded; ``attn`` [b, T] 1 on real tokens) in chunks of
+        ``prefill_chunk`` through one DynamicCache; leaves each captured layer's [b, T, H] in ``_captured``.
+
+        Each chunk passes the attention mask of every position so far (``attn[:, :end]``) and its
+        ``cache_position`` (``start .. end-1``; position ids follow from it), so a chunk's queries see the
+        cached keys of earlier chunks causally, as in one pass. Padding sits at the end of a row, after its
+        real tokens, so no real token ever attends to it.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        # transformers 5 names the argument ``cache``; 4.x ``past_key_values`` (5 still takes it, deprecated)
+        name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        wanted = sorted(set(self.contract.layer_ids))
+        for i in wanted:
+            self._captured[i] = []
+        t = ids.shape[1]
+        for start in range(0, t, self.prefill_chunk):
+            end = min(t, start + self.prefill_chunk)
+            with contextlib.suppress(_StopForward):
+                base(input_ids=ids[:, start:end], attention_mask=attn[:, :end], use_cache=True,
+                     **{name: cache}, cache_position=torch.arange(start, end, device=ids.device))
+            if cache.get_seq_length() != end:  # a model that ignored the cache would see each chunk alone
+                raise ConfigError(f"{type(base).__name__} did not fill its KV cache in a chunked prefill "
+                                  f"({cache.get_seq_length()} of {end} positions); accepted: --prefill-chunk 0")
+        for i in wanted:
+            pieces = self._captured[i]
+            self._captured[i] = torch.cat(pieces, dim=1)
+            pieces.clear()  # the pieces go now, not with the list
+        del cache
 
     @property
     def last_finite(self) -> list[bool]:
@@ -159,7 +215,7 @@ class HFCaptureBackend:
 
     @torch.inference_mode()
     def capture(self, samples) -> CapturedBatch:
-        """Run one batched forward pass.
+        """Run one batched forward pass (in chunks of ``prefill_chunk`` tokens when the batch is longer).
 
         Args:
             samples: plan samples with ``input_ids`` [T_i] int32 and ``loss_mask`` [T_i] uint8.

@@ -133,6 +133,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``timeout``): a rank that stops answering stops the others within this long instead of the
             backend's 30 minutes. Waits that may legitimately be long (a rank's demand miss, rank 0's evaluation
             or checkpoint) have their own, longer timeout (:mod:`.group`).
+        pack_tokens: packing (:mod:`artcache.trainers.packing`): each of the step's ``batch_size`` rows holds
+            consecutive plan positions back to back, up to this many tokens; a step consumes as many positions as
+            its rows hold (at most ``lookahead``), decided from the plan alone. Must be at least the root's max
+            length (a sample is never truncated or split). 0 = off: one position per row, padded.
 
     On CUDA the training step reads nothing back to the host; its metrics are read back every
     ``log_every`` steps (docs/training.md, "GPU speed").
@@ -196,6 +200,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nproc: Count = 1
     grad_accum: Count = 1
     group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+    pack_tokens: NonNegative = 0
 
     def validate(self) -> None:
         """Check every setting; a draft option another draft owns is refused naming both drafts.
@@ -258,6 +263,16 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.nproc > 1 and self.reader == "process":
             raise ConfigError(f"--reader process and --nproc {self.nproc} exclude each other: each rank of a group "
                               "reads with its own reader thread; use --reader thread")
+        if self.pack_tokens and self.reader == "process":
+            raise ConfigError(f"--pack-tokens {self.pack_tokens} runs with --reader thread only (the reader process "
+                              "reads fixed batches of positions); use --reader thread or --pack-tokens 0")
+        if self.pack_tokens and self.lockstep_group:
+            raise ConfigError(f"--pack-tokens {self.pack_tokens} and a lockstep group exclude each other (members "
+                              "move by whole batches of positions); leave one of them out")
+        if self.pack_tokens and (self.nproc > 1 or self.grad_accum > 1):
+            raise ConfigError(f"--pack-tokens {self.pack_tokens} runs in one process with --grad-accum 1 (a group's "
+                              "ranks and micro-batches split whole batches of positions); leave --nproc and "
+                              "--grad-accum at 1 or --pack-tokens at 0")
         if self.lockstep_group:
             for member in self.lockstep_group.split(","):
                 check_id(member, "lockstep group member")
@@ -315,9 +330,9 @@ def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: floa
 #: Settings every draft's run is defined by: ``--resume`` refuses when one differs from the checkpoint's.
 #: ``steps`` is not one (a run is extended by raising it); the LR horizon ``lr_total_steps`` is.
 RUN_FIELDS = ("draft", "batch_size", "lr_total_steps", "lr", "warmup_frac", "min_lr_frac", "weight_decay",
-              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc")
+              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc", "pack_tokens")
 #: what a checkpoint written before a :data:`RUN_FIELDS` entry existed had instead (compared as this)
-RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1}
+RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1, "pack_tokens": 0}
 
 def read_workers(cfg: ConsumerConfig) -> int:
     """The reader's pool size: ``cfg.read_workers``, never more than the batch (a batch's positions are what it

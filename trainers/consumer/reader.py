@@ -111,13 +111,15 @@ class Reader(threading.Thread):
     positions of each global batch of ``stride``, starting at ``start_pos``). ``workers``
     (>= 1) positions of a batch are leased and read at once (``--read-workers``; 1: one after another).
     Results (a :class:`Fetched` per batch, collated by ``collate`` when given, or the exception that
-    stopped it) go to ``out``, at most ``depth`` waiting.
+    stopped it) go to ``out``, at most ``depth`` waiting. ``step_positions`` (packing,
+    :class:`~artcache.trainers.packing.Packer`): the positions of the batch that starts at a position (at most
+    ``lookahead``); None: always ``batch``.
     """
 
     def __init__(self, client: CacheClient, start_pos: int, batch: int, lookahead: int, depth: int,
                  end: int, group_cursor: Callable[[], int] | None = None,
                  collate: Callable[[list[Leased]], Fetched] | None = None, workers: int = 1,
-                 stride: int | None = None) -> None:
+                 stride: int | None = None, step_positions: Callable[[int], int] | None = None) -> None:
         super().__init__(daemon=True, name="artcache-reader")
         self.collate = collate
         self.client, self.next_pos, self.batch, self.lookahead = client, start_pos, batch, lookahead
@@ -127,6 +129,8 @@ class Reader(threading.Thread):
         self.end = end  # exclusive: the consumer never reads at or past its announced end
         self.group_cursor = group_cursor  # lockstep: the group's min committed cursor (registry poll)
         self.workers = max(1, int(workers))  # positions of one batch leased and read at once
+        self.packed = step_positions is not None  # packing: a batch's positions vary, it moves by what it read
+        self.step_positions = step_positions or (lambda _p: batch)
         self.out: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.retired = Retired()
@@ -178,7 +182,8 @@ class Reader(threading.Thread):
         ends the batch's other acquires (demand waits interrupted, queued positions never started), so the
         batch fails within one ``--demand-timeout``, and what they raise for it is not what is handed on.
         """
-        positions = range(self.next_pos, self.next_pos + self.batch)
+        n = self.step_positions(self.next_pos)
+        positions = range(self.next_pos, self.next_pos + n)
         if pool is None:
             items: list[Leased] = []
             try:
@@ -216,7 +221,7 @@ class Reader(threading.Thread):
                     self.client.release(it)
                 # the cause, not a wait it interrupted (an InterruptedError would read as the reader's stop)
                 raise next((e for e in failures if not isinstance(e, InterruptedError)), failures[0])
-        if self.stop.is_set() or len(got) < self.batch:
+        if self.stop.is_set() or len(got) < n:
             for it in got:
                 self.client.release(it)
             return None
@@ -232,11 +237,11 @@ class Reader(threading.Thread):
     def run(self) -> None:
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="artcache-read") if self.workers > 1 else None
         try:
-            while not self.stop.is_set() and self.next_pos + self.batch <= self.end:
+            while not self.stop.is_set() and self.next_pos + self.step_positions(self.next_pos) <= self.end:
                 items = self._lease_batch(pool)
                 if items is None:
                     return
-                self.next_pos += self.stride
+                self.next_pos += len(items) if self.packed else self.stride
                 try:
                     fetched = self.collate(items) if self.collate is not None else Fetched(items)
                 except BaseException:

@@ -85,6 +85,7 @@ from artcache.trainers.draft import (
     figures_of,
 )
 from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, heldout_samples, target_argmax_fn
+from artcache.trainers.packing import collate_packed, packer_of
 from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
 from artcache.trainers.tracking import Progress, RunTracker
 
@@ -279,10 +280,14 @@ class Session:
         # training walks the plan's first epoch_len samples epoch after epoch; the held-out split never
         self.epoch_len = self.pinned[0] or len(self.plan)
         self.order = self.plan.order(self.epoch_len)
+        self.packer = packer_of(cfg, self.plan, self.order, self.settings.contract.max_length)
         if cfg.epochs:
             cfg = self.cfg = msgspec.structs.replace(cfg, steps=epoch_steps(cfg.epochs, self.epoch_len,
-                                                                             cfg.global_batch))
-        self.end = cfg.steps * cfg.global_batch  # exclusive: the consumer never reads at or past it
+                                                                             cfg.global_batch)
+                                                     if self.packer is None else
+                                                     self.packer.epoch_steps(cfg.epochs, self.epoch_len))
+        # exclusive: the consumer never reads at or past it
+        self.end = cfg.steps * cfg.global_batch if self.packer is None else self.packer.end_after(cfg.steps)
         self.run_dir = Path(cfg.out_dir or Path("runs") / cfg.consumer_id).absolute()
         vocab_map = src = None
         if cfg.resume:
@@ -521,7 +526,8 @@ class Session:
         else:
             self.reader = Reader(self.client, reg.cursor + rank * share, share, cfg.lookahead, cfg.prefetch_batches,
                                  end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
-                                 collate=self._collator(), workers=read_workers(cfg), stride=cfg.global_batch)
+                                 collate=self._collator(), workers=read_workers(cfg), stride=cfg.global_batch,
+                                 step_positions=self.packer.step_positions if self.packer else None)
         if self.main:
             self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
                                               block_size=cfg.block_size or 0, batch_size=cfg.global_batch,
@@ -586,7 +592,11 @@ class Session:
                 log.warning("heartbeat failed: %s", exc)
 
     def _collator(self):
-        """The reader thread's collate: on the device without host copies (CUDA), else :func:`collate`."""
+        """The reader thread's collate: on the device without host copies (CUDA), else :func:`collate`; packed rows
+        (:func:`~artcache.trainers.packing.collate_packed`) with ``--pack-tokens``."""
+        if self.packer is not None:
+            device, layers, rows, tokens = self.device, self.layers, self.cfg.batch_size, self.cfg.pack_tokens
+            return lambda items: Fetched(items, collate_packed(items, device, rows, tokens, layers))
         if self.device.type == "cuda":  # length buckets only help a compiled draft (few shapes)
             return DeviceCollator(self.device, self.layers, self._length_bucket())
         device, layers = self.device, self.layers
@@ -716,7 +726,8 @@ class Session:
         # one past the global batch: this rank's slice starts rank × its share after the batch's first position
         rank = 0 if self.group is None else self.group.rank
         first = fetched.positions[0] - rank * self.cfg.batch_size * self.cfg.grad_accum
-        self.cursor = first + self.cfg.global_batch
+        # a packed step (one process) consumed the positions its rows hold
+        self.cursor = first + self.cfg.global_batch if self.packer is None else fetched.positions[-1] + 1
         # the step no longer needs the batch's bytes: release its leases while its positions are still inside the
         # window (it counts from the committed cursor, <= this one), keep its host buffers until its copies
         # completed (a reader process: hand its slot back), then commit when due
@@ -786,7 +797,10 @@ class Session:
             return True
         if time.monotonic() - self.t_committed >= cfg.commit_interval_s:
             return True
-        wanted = min(cfg.lookahead, (cfg.prefetch_batches + 1) * cfg.global_batch - 1)
+        if self.packer is None:
+            wanted = min(cfg.lookahead, (cfg.prefetch_batches + 1) * cfg.global_batch - 1)
+        else:  # packed steps consume varying positions: the plan says how many the next ones hold
+            wanted = min(cfg.lookahead, self.packer.end_after(cfg.prefetch_batches + 1, self.cursor) - self.cursor - 1)
         return self.committed + cfg.lookahead < self.cursor + wanted
 
     def _commit(self) -> None:

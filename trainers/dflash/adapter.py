@@ -26,9 +26,10 @@ from artcache.trainers.draft import (
     replay_sums,
 )
 from artcache.trainers.export import decode_draft_config
+from artcache.trainers.packing import draw_anchors, packed_on
 from artcache.trainers.speed import SpeedOptions, to_device
 
-from .anchors import eligible_anchors, sample_anchors
+from .anchors import eligible_anchors
 from .config import DFlashConfig
 from .export import SERVING_NAMES, TARGET_TENSORS, export_checkpoint_files, read_published
 from .loss import dflash_loss
@@ -163,18 +164,18 @@ class DFlashAdapter(Draft):
             # a consumer group's training forward runs through its DistributedDataParallel wrapper
             forward = self.train_module if train and self.train_module is not None else \
                 self._forward_fn if fast else self.model
+            docs, pos = packed_on(batch, dev)
             out = forward(batch.hidden, batch.input_ids, anchors, avalid, context_valid=batch.valid,
-                          check_anchors=not fast)
+                          check_anchors=not fast, doc_ids=docs, position_ids=pos)
             loss, stats = dflash_loss(self.model, out, batch.input_ids, batch.loss_mask, anchors, avalid,
                                       context_valid=batch.valid, mode=self._loss_mode() if train else "fused",
-                                      static_rows=fast, compile=fast and self.speed.compile != "off")
+                                      static_rows=fast, compile=fast and self.speed.compile != "off", doc_ids=docs)
         return out, loss, stats
 
     def loss(self, batch: DraftBatch) -> tuple[Tensor, MetricSums | PendingSums]:
         # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
         # from the host copy of the batch's masks (no device read-back)
-        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.dcfg.num_anchors, self.generator,
-                                        batch.positions, self.generator.initial_seed())
+        anchors, avalid = draw_anchors(batch, self.dcfg.num_anchors, self.generator)
         self.speed.step_begin()
         _, loss, stats = self._forward(batch, anchors, avalid, train=True)
         return loss, (self._pending(stats) if self.speed.sync_free else self._sums(stats))

@@ -130,6 +130,7 @@ def dflash_loss(
     mode: Literal["fused", "checkpoint", "plain", "chunked", "liger"] = "fused",
     static_rows: bool = False,
     compile: bool = False,
+    doc_ids: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """Decay-weighted cross-entropy of a DFlash draft, plus metric sums.
 
@@ -166,6 +167,8 @@ def dflash_loss(
         gamma: decay; None -> ``model.cfg.resolved_gamma``.
         chunk_rows: rows per lm_head chunk; None -> ``model.cfg.logit_chunk``.
         context_valid: optional [b, T] bool; False positions are never targets.
+        doc_ids: a packed batch (:mod:`artcache.trainers.packing`): [b, T] long; slot k is supervised only
+            when ``p+k`` lies in the anchor's document (no block is trained past its document's end).
         mode: one of :data:`LOSS_MODES` (see above). static_rows, compile: see above.
 
     Returns:
@@ -193,6 +196,10 @@ def dflash_loss(
     sup = sup & in_range & valid.to(dev).bool()[:, :, None] & (k >= 1)
     if context_valid is not None:
         sup = sup & context_valid.to(dev).bool().gather(1, flat).reshape(b, N, B)
+    if doc_ids is not None:
+        from artcache.trainers.packing import same_doc
+
+        sup = sup & same_doc(doc_ids.to(dev).long(), tpos, anchors.long().to(dev)[:, :, None].expand(b, N, B))
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for fp64 models
     w = slot_weights(B, gamma, dev).to(acc_dtype) * sup  # [b, N, B]
 

@@ -22,7 +22,7 @@ from artcache.errors import ConfigError, DataError
 
 from .config import DFlashConfig
 
-__all__ = ["ATTN_IMPLS", "DFlashDraft", "RMSNorm", "build_attention_mask", "dflash_mask_mod"]
+__all__ = ["ATTN_IMPLS", "DFlashDraft", "DocumentSegments", "RMSNorm", "build_attention_mask", "dflash_mask_mod"]
 
 #: Attention implementations of :class:`DFlashDraft` (all compute the same function; see ``attn_impl``).
 ATTN_IMPLS = ("sdpa", "flex", "dense")
@@ -66,7 +66,8 @@ def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
 
 
 def build_attention_mask(
-    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None
+    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Tensor:
     """Boolean attention mask ``[b, 1, N·B, T + N·B]`` (True = may attend).
 
@@ -74,7 +75,9 @@ def build_attention_mask(
     ``j < p`` (strictly before its anchor; DFlash arXiv:2602.06036 §3) and ``context_valid[b, j]``,
     plus all B keys of its own block (bidirectional); never another block. Rows of invalid anchors
     see only their own block (never an empty row, so softmax never runs over all ``-inf``); their
-    outputs are zeroed by the model.
+    outputs are zeroed by the model. ``doc_ids`` [b, T] long (a packed batch,
+    :mod:`artcache.trainers.packing`): context key j is visible only if ``doc_ids[b, j] == doc_ids[b, p]``
+    (attention block-diagonal per document).
     """
     b, N = anchors.shape
     B = block_size
@@ -84,13 +87,17 @@ def build_attention_mask(
     ctx = ctx & anchor_valid.repeat_interleave(B, dim=1)[:, :, None]
     if context_valid is not None:
         ctx = ctx & context_valid.bool()[:, None, :]
+    if doc_ids is not None:
+        anchor_doc = doc_ids.gather(1, anchors.clamp(0, seq_len - 1)).repeat_interleave(B, dim=1)  # [b, N*B]
+        ctx = ctx & (doc_ids[:, None, :] == anchor_doc[:, :, None])
     blk_id = torch.arange(N * B, device=dev) // B
     own = (blk_id[:, None] == blk_id[None, :]).expand(b, N * B, N * B)
     return torch.cat((ctx, own), dim=2)[:, None]
 
 
 def dflash_mask_mod(
-    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None
+    anchors: Tensor, anchor_valid: Tensor, seq_len: int, block_size: int, context_valid: Tensor | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """The DFlash mask of :func:`build_attention_mask` as a FlexAttention ``mask_mod``.
 
@@ -103,13 +110,15 @@ def dflash_mask_mod(
 
     Args:
         anchors: [b, N] long. anchor_valid: [b, N] bool. seq_len: T. block_size: B.
-        context_valid: optional [b, T] bool.
+        context_valid: optional [b, T] bool. doc_ids: optional [b, T] long (a packed batch: context keys of
+            the anchor's own document only).
     """
     T, B = seq_len, block_size
     N = anchors.shape[1]
     anchors = anchors.long()
     valid = anchor_valid.bool()
     cv = context_valid.bool() if context_valid is not None else None
+    docs = doc_ids.long() if doc_ids is not None else None
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         n = (q_idx // B).clamp(0, max(N - 1, 0))
@@ -117,6 +126,9 @@ def dflash_mask_mod(
         ctx_ok = (kv_idx < anchors[b, n]) & valid[b, n]
         if cv is not None:
             ctx_ok = ctx_ok & cv[b, kv_idx.clamp(0, max(T - 1, 0))]
+        if docs is not None:
+            last = max(T - 1, 0)
+            ctx_ok = ctx_ok & (docs[b, kv_idx.clamp(0, last)] == docs[b, anchors[b, n].clamp(0, last)])
         own = torch.div(kv_idx - T, B, rounding_mode="floor") == n
         return torch.where(is_ctx, ctx_ok, own)
 
@@ -161,6 +173,68 @@ def _dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, gqa: 
     return (torch.softmax(scores, dim=-1) @ v.to(acc)).to(q.dtype)
 
 
+class DocumentSegments:
+    """Per-document attention of a packed batch on a CPU (``attn_impl="sdpa"``): only the valid blocks are computed,
+    all rows' blocks flattened into one sequence of query slots, and each document's blocks attend, in one
+    ``scaled_dot_product_attention`` per document, to the keys of that document's context and of their own blocks.
+    A packed row then costs what its documents cost unpacked: neither a row-wide mask (quadratic in the documents
+    per row: every block scored against every other document's keys and blocks) nor the anchor slots a row leaves
+    unused (rows of one batch hold different numbers of anchors).
+
+    ``rows``, ``slots``: long [Nv], the (row, anchor slot) of each valid block, row-major (the flattened order).
+    ``parts``: ``(row, q0, q1, c0, c1, mask)``: flattened query slots ``q0 .. q1 - 1`` (one document's blocks;
+    anchors are sorted, so they are contiguous), the row's context positions ``c0 .. c1 - 1`` of that document,
+    and the :func:`build_attention_mask` of those blocks over ``[context ; blocks]`` ([1, 1, q1-q0, c1-c0 + q1-q0]).
+    """
+
+    def __init__(self, rows: Tensor, slots: Tensor, parts: list[tuple[int, int, int, int, int, Tensor]]) -> None:
+        self.rows, self.slots, self.parts = rows, slots, parts
+
+    @classmethod
+    def build(cls, anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int) -> DocumentSegments:
+        """From anchors [b, N] (sorted per row), their validity [b, N] and ``doc_ids`` [b, T] (read on the host)."""
+        B = block_size
+        anchors, valid, doc_ids = anchors.cpu(), valid.cpu(), doc_ids.cpu()
+        rows, slots = valid.nonzero(as_tuple=True)
+        parts, base = [], 0
+        for r in range(anchors.shape[0]):
+            a = anchors[r][valid[r]]
+            if not a.numel():
+                continue
+            docs = doc_ids[r, a]
+            cut = [0] + (torch.nonzero(docs[1:] != docs[:-1]).squeeze(1) + 1).tolist() + [a.numel()]
+            for i0, i1 in zip(cut[:-1], cut[1:], strict=True):
+                where = torch.nonzero(doc_ids[r] == docs[i0]).squeeze(1)
+                c0, c1 = int(where[0]), int(where[-1]) + 1
+                seg = (a[i0:i1] - c0)[None]
+                mask = build_attention_mask(seg, torch.ones_like(seg, dtype=torch.bool), c1 - c0, B)
+                parts.append((r, (base + i0) * B, (base + i1) * B, c0, c1, mask))
+            base += a.numel()
+        return cls(rows, slots, parts)
+
+    def gather(self, blocks: Tensor) -> Tensor:
+        """[b, N, B, ...] -> the valid blocks flattened, [1, Nv·B, ...]."""
+        picked = blocks[self.rows.to(blocks.device), self.slots.to(blocks.device)]
+        return picked.reshape(1, -1, *blocks.shape[3:])
+
+    def scatter(self, flat: Tensor, b: int, N: int, B: int) -> Tensor:
+        """[1, Nv·B, H] -> [b, N, B, H], zeros at invalid anchors."""
+        H = flat.shape[-1]
+        out = flat.new_zeros(b, N, B, H)
+        return out.index_put((self.rows.to(flat.device), self.slots.to(flat.device)), flat.reshape(-1, B, H))
+
+    def attend(self, q: Tensor, kc: Tensor, vc: Tensor, kb: Tensor, vb: Tensor, gqa: bool) -> Tensor:
+        """q [1, h, S, d] (flattened blocks); kc, vc [b, h_kv, T, d] (each row's context); kb, vb [1, h_kv, S, d]
+        (the blocks' own keys) -> [1, h, S, d]."""
+        out = q.new_zeros(q.shape)
+        for r, q0, q1, c0, c1, mask in self.parts:
+            kk = torch.cat((kc[r:r + 1, :, c0:c1], kb[:, :, q0:q1]), dim=2)
+            vv = torch.cat((vc[r:r + 1, :, c0:c1], vb[:, :, q0:q1]), dim=2)
+            out[:, :, q0:q1] = F.scaled_dot_product_attention(q[:, :, q0:q1], kk, vv, attn_mask=mask.to(q.device),
+                                                               enable_gqa=gqa)
+        return out
+
+
 class _Attention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -180,6 +254,15 @@ class _Attention(nn.Module):
         b, S, _ = x.shape
         T = ctx.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, S, self.nh, self.hd)).transpose(1, 2)
+        if isinstance(mask, DocumentSegments):  # x: the flattened valid blocks [1, S]; ctx: every row [b', T]
+            bc = ctx.shape[0]
+            kc = self.k_norm(self.k_proj(ctx).view(bc, T, self.nkv, self.hd)).transpose(1, 2)
+            vc = self.v_proj(ctx).view(bc, T, self.nkv, self.hd).transpose(1, 2)
+            kb = self.k_norm(self.k_proj(x).view(b, S, self.nkv, self.hd)).transpose(1, 2)
+            vb = self.v_proj(x).view(b, S, self.nkv, self.hd).transpose(1, 2)
+            o = mask.attend(_rope(q, q_pos, self.theta), _rope(kc, kv_pos, self.theta), vc,
+                            _rope(kb, q_pos, self.theta), vb, self.nh != self.nkv)
+            return self.o_proj(o.transpose(1, 2).reshape(b, S, self.nh * self.hd))
         kv_in = torch.cat((ctx, x), dim=1)  # [context ; block]
         k = self.k_norm(self.k_proj(kv_in).view(b, T + S, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(kv_in).view(b, T + S, self.nkv, self.hd).transpose(1, 2)
@@ -311,6 +394,8 @@ class DFlashDraft(nn.Module):
         anchor_valid: Tensor,
         context_valid: Tensor | None = None,
         check_anchors: bool = True,
+        doc_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """Draft hidden states for N blocks per sequence.
 
@@ -324,6 +409,10 @@ class DFlashDraft(nn.Module):
             check_anchors: raise DataError for a valid anchor outside [0, T) (reads one bool back to
                 the host: a device synchronisation on a GPU). False when the caller drew the anchors
                 itself (:func:`~artcache.trainers.dflash.anchors.sample_anchors` never draws such an anchor).
+            doc_ids: a packed batch (:mod:`artcache.trainers.packing`): [b, T] long, each position's
+                document (-1 padding); a block sees context of its anchor's document only.
+            position_ids: [b, T] long, RoPE positions of the context (restarting per document in a packed
+                batch); block slot k of anchor p sits at ``position_ids[p] + k``. None: ``arange(T)``.
 
         Returns:
             [b, N, B, H] final-normed hidden states; block n holds ``[x_p, MASK×(B-1)]`` at positions
@@ -364,16 +453,31 @@ class DFlashDraft(nn.Module):
         block_ids = torch.full((b, N, B), cfg.mask_token_id, dtype=torch.long, device=input_ids.device)
         block_ids[:, :, 0] = input_ids.gather(1, anchors)
         x = self.embed(block_ids).reshape(b, N * B, H)
-        q_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).reshape(b, N * B)
-        kv_pos = torch.cat((torch.arange(T, device=anchors.device).expand(b, T), q_pos), dim=1)
+        if position_ids is None:
+            ctx_pos = torch.arange(T, device=anchors.device).expand(b, T)
+            start = anchors
+        else:
+            ctx_pos = position_ids.to(anchors.device).long()
+            start = ctx_pos.gather(1, anchors)
+        q_pos = (start[:, :, None] + torch.arange(B, device=anchors.device)).reshape(b, N * B)
+        kv_pos = torch.cat((ctx_pos, q_pos), dim=1)
+        docs = None if doc_ids is None else doc_ids.to(anchors.device).long()
         impl = self.attn_impl
         if impl == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
 
-            mask = create_block_mask(dflash_mask_mod(anchors, valid, T, B, context_valid), b, None, N * B,
+            mask = create_block_mask(dflash_mask_mod(anchors, valid, T, B, context_valid, docs), b, None, N * B,
                                      T + N * B, device=x.device)
+        elif docs is not None and impl == "sdpa" and x.device.type == "cpu" and bool(valid.any()):
+            # per document, valid blocks only: no quadratic waste, no unused anchor slots
+            seg = DocumentSegments.build(anchors, valid, docs, B)
+            x = seg.gather(x.reshape(b, N, B, H))
+            q_pos = seg.gather(q_pos.reshape(b, N, B, 1))[..., 0]
+            for layer in self.layers:
+                x = layer(x, ctx, q_pos, ctx_pos, seg, impl)
+            return seg.scatter(self.norm(x), b, N, B)
         else:
-            mask = build_attention_mask(anchors, valid, T, B, context_valid)
+            mask = build_attention_mask(anchors, valid, T, B, context_valid, docs)
 
         for layer in self.layers:
             x = layer(x, ctx, q_pos, kv_pos, mask, impl)

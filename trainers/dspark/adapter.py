@@ -18,7 +18,7 @@ from torch import Tensor
 from artcache.errors import ConfigError
 from artcache.layer_ids import LAST_LAYER_STATE, dspark_layer_ids, layer_view
 from artcache.trainers.dflash.adapter import evenly_spaced
-from artcache.trainers.dflash.anchors import eligible_anchors, sample_anchors
+from artcache.trainers.dflash.anchors import eligible_anchors
 from artcache.trainers.draft import (
     Draft,
     DraftBatch,
@@ -30,6 +30,7 @@ from artcache.trainers.draft import (
     replay_sums,
 )
 from artcache.trainers.export import decode_draft_config
+from artcache.trainers.packing import draw_anchors, packed_on
 from artcache.trainers.speed import SpeedOptions, to_device
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
@@ -173,11 +174,13 @@ class DSparkAdapter(Draft):
             # a consumer group's training forward runs through its DistributedDataParallel wrapper
             forward = self.train_module if train and self.train_module is not None else \
                 self._forward_fn if fast else self.model
-            hidden = forward(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid, check_anchors=not fast)
+            docs, pos = packed_on(batch, dev)
+            hidden = forward(ctx, batch.input_ids, anchors, avalid, context_valid=batch.valid, check_anchors=not fast,
+                             doc_ids=docs, position_ids=pos)
             loss, out = dspark_loss(self.model, hidden, last, batch.input_ids, batch.loss_mask, anchors, avalid,
                                     context_valid=batch.valid, mode=self._loss_mode() if train else "fused",
                                     static_rows=fast, compile=fast and self.speed.compile != "off",
-                                    denominator=denominator)
+                                    denominator=denominator, doc_ids=docs)
         return hidden, loss, out
 
     def _loss_mode(self) -> str:
@@ -189,8 +192,7 @@ class DSparkAdapter(Draft):
 
     def loss_denominators(self, batch: DraftBatch) -> Tensor:
         """``Σ w`` of the batch's blocks ([1] float64, no forward): the anchors :meth:`loss` draws, their layout."""
-        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator,
-                                         batch.positions, self.generator.initial_seed())
+        anchors, avalid = draw_anchors(batch, self.cfg.num_anchors, self.generator)
         dev = batch.hidden.device
         lay = block_layout(batch.input_ids, batch.loss_mask, to_device(anchors, dev), to_device(avalid, dev),
                            self.cfg.block_size, batch.valid)
@@ -200,8 +202,7 @@ class DSparkAdapter(Draft):
     def loss(self, batch: DraftBatch, denominators: Tensor | None = None) -> tuple[Tensor, MetricSums | PendingSums]:
         # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
         # from the host copy of the batch's masks (no device read-back)
-        anchors, avalid = sample_anchors(batch.supervised_on_host(), self.cfg.num_anchors, self.generator,
-                                        batch.positions, self.generator.initial_seed())
+        anchors, avalid = draw_anchors(batch, self.cfg.num_anchors, self.generator)
         self.speed.step_begin()
         _, loss, out = self._forward(batch, anchors, avalid, train=True,
                                      denominator=None if denominators is None else denominators[0])

@@ -65,11 +65,12 @@ class BlockLayout:
 
 
 def block_layout(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, valid: Tensor, block_size: int,
-                 context_valid: Tensor | None = None) -> BlockLayout:
+                 context_valid: Tensor | None = None, doc_ids: Tensor | None = None) -> BlockLayout:
     """The DSpark block layout for anchors ``[b, N]`` over sequences ``[b, T]``.
 
     ``supervised[b, n, k]`` = ``p+k+1 < T`` ∧ ``loss_mask[p+k+1]`` ∧ ``context_valid[p+k+1]`` (if given) ∧
-    ``valid[b, n]``, then ``cumprod`` along k (DeepSpec ``build_eval_mask``).
+    ``valid[b, n]`` ∧ (a packed batch, ``doc_ids`` [b, T] given) ``p+k+1`` in the anchor's document, then
+    ``cumprod`` along k (DeepSpec ``build_eval_mask``): the heads never see a slot of another document.
 
     Raises:
         ConfigError: shapes disagree.
@@ -90,6 +91,10 @@ def block_layout(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, valid: T
     sup = loss_mask.to(dev).bool().gather(1, flat).reshape(b, N, B) & inside & valid.to(dev).bool()[:, :, None]
     if context_valid is not None:
         sup = sup & context_valid.to(dev).bool().gather(1, flat).reshape(b, N, B)
+    if doc_ids is not None:
+        from artcache.trainers.packing import same_doc
+
+        sup = sup & same_doc(doc_ids.to(dev).long(), lab_pos, a[:, :, None].expand(b, N, B))
     sup = sup.long().cumprod(dim=-1).bool()
     anchor_tok = input_ids.gather(1, a.clamp(0, T - 1)).long()
     prev = torch.cat((anchor_tok[:, :, None], labels[:, :, :-1]), dim=-1)
@@ -301,6 +306,7 @@ def dspark_loss(
     static_rows: bool = False,
     compile: bool = False,
     denominator: Tensor | None = None,
+    doc_ids: Tensor | None = None,
 ) -> tuple[Tensor, BlockOutputs]:
     """The DSpark objective (module docstring) and its per-slot measurements.
 
@@ -311,6 +317,8 @@ def dspark_loss(
             (the norm is applied here, once, by :meth:`DSparkDraft.target_hidden`).
         input_ids: [b, T] long. loss_mask: [b, T] bool. anchors: [b, N] long. valid: [b, N] bool.
         context_valid: optional [b, T] bool (False = padding, never a label).
+        doc_ids: a packed batch (:mod:`artcache.trainers.packing`): [b, T] long; a slot is supervised only
+            inside its anchor's document (:func:`block_layout`).
         chunk_rows: rows per [rows, V] chunk (default ``model.cfg.logit_chunk``).
         mode: ``"fused"`` (default; gradients formed chunk by chunk, see :class:`_FusedDSparkTerms`),
             ``"chunked"`` (the same with bf16 lm_head matmuls and an fp32 per-chunk body; the GPU path) or
@@ -340,7 +348,7 @@ def dspark_loss(
         raise ConfigError(f"chunk_rows must be an int >= 1, got {chunk!r}")
     dev = hidden.device
     lay = block_layout(input_ids.to(dev), loss_mask.to(dev), anchors.to(dev), valid.to(dev), B,
-                       None if context_valid is None else context_valid.to(dev))
+                       None if context_valid is None else context_valid.to(dev), doc_ids)
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
     w = slot_weights(B, float(cfg.gamma), dev, acc_dtype) * lay.supervised  # [b, N, B]
     if static_rows:  # every slot: fixed shapes, no nonzero, the division by Σ w on the device

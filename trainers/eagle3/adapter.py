@@ -26,6 +26,7 @@ from artcache.trainers.draft import (
     replay_sums,
 )
 from artcache.trainers.export import decode_draft_config
+from artcache.trainers.packing import packed_on
 from artcache.trainers.speed import SpeedOptions
 
 from .config import Eagle3Config
@@ -170,8 +171,10 @@ class Eagle3Adapter(Draft):
         self.speed.step_begin()
         forward = self.train_module or (self._forward_fn if fast else None)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            docs, pos = packed_on(batch, dev)
             loss, stats = eagle3_loss(self.model, aux, last, batch.input_ids, batch.loss_mask, batch.valid,
-                                      sync_free=fast, forward=forward, denominators=denominators)
+                                      sync_free=fast, forward=forward, denominators=denominators, doc_ids=docs,
+                                      position_ids=pos)
         return loss, (self._pending(stats) if fast else self._sums(stats))
 
     @staticmethod

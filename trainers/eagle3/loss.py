@@ -175,9 +175,10 @@ def target_soft_labels(model: Eagle3Draft, last_hidden: Tensor, valid: Tensor | 
     return probs.reshape(b, T, Vd), arg.reshape(b, T)
 
 
-def supervision_masks(loss_mask: Tensor, valid: Tensor, steps: int) -> list[Tensor]:
+def supervision_masks(loss_mask: Tensor, valid: Tensor, steps: int, doc_ids: Tensor | None = None) -> list[Tensor]:
     """Per-step supervision [b, T] bool (before dropping out-of-vocab argmaxes): step i at t is
-    supervised iff ``t + 2 + i < T`` and ``loss_mask[t+2+i]`` and ``valid`` at t, t+1+i and t+2+i."""
+    supervised iff ``t + 2 + i < T`` and ``loss_mask[t+2+i]`` and ``valid`` at t, t+1+i and t+2+i, and (a
+    packed batch, ``doc_ids`` [b, T]) t+2+i lies in t's document."""
     lm = loss_mask.bool() & valid.bool()
     vb = valid.bool()
     b, T = lm.shape
@@ -187,6 +188,8 @@ def supervision_masks(loss_mask: Tensor, valid: Tensor, steps: int) -> list[Tens
         n = T - 2 - i
         if n > 0:
             m[:, :n] = lm[:, 2 + i:] & vb[:, :n] & vb[:, 1 + i:T - 1]
+            if doc_ids is not None:
+                m[:, :n] &= doc_ids[:, :n] == doc_ids[:, 2 + i:].to(doc_ids.device)
         out.append(m)
     return out
 
@@ -215,6 +218,8 @@ def eagle3_loss(
     sync_free: bool = False,
     forward=None,
     denominators: Tensor | None = None,
+    doc_ids: Tensor | None = None,
+    position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Eagle3Stats]:
     """EAGLE-3 TTT loss of one batch, plus metric sums (shift convention: module docstring).
 
@@ -241,6 +246,8 @@ def eagle3_loss(
             input checks are skipped (:meth:`Eagle3Draft.forward` ``validate``): no host
             synchronisation. Same loss and stats up to float rounding.
         forward: the callable that runs the model (a ``torch.compile``-d ``model``); default ``model``.
+        doc_ids, position_ids: a packed batch (:mod:`artcache.trainers.packing`), [b, T] long each: attention,
+            TTT shifts and supervision stay inside each document; RoPE positions restart per document.
         denominators: [steps] float64: divide step i's sum by ``denominators[i]`` instead of its own kept count
             (a consumer group or ``--grad-accum``: the kept counts of the whole global batch, so the sum of the
             parts' gradients is the global batch's); None: the batch's own counts.
@@ -270,11 +277,14 @@ def eagle3_loss(
 
     probs, arg = target_soft_labels(model, lh, vb, chunk_rows, normed=last_hidden_normed, all_rows=sync_free)
     # checks the other shapes
-    hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free)
+    docs = None if doc_ids is None else doc_ids.to(dev).long()
+    packed = {} if docs is None else {"doc_ids": docs, "position_ids": position_ids}
+    hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free,
+                                                      **packed)
     if sync_free:
-        return _sync_free_steps(model, hiddens, supervision_masks(loss_mask.to(dev), vb, steps), probs, arg,
+        return _sync_free_steps(model, hiddens, supervision_masks(loss_mask.to(dev), vb, steps, docs), probs, arg,
                                 max(chunk_rows, (1 << 26) // cfg.draft_vocab_size), denominators)
-    sup = supervision_masks(loss_mask.to(dev), vb, steps)
+    sup = supervision_masks(loss_mask.to(dev), vb, steps, docs)
     acc_dtype = probs.dtype
     probs_flat, arg_flat = probs.reshape(b * T, -1), arg.reshape(-1)
     need_grad = torch.is_grad_enabled()

@@ -35,7 +35,7 @@ FROZEN_BUFFERS = ("embed_weight", "target_norm_weight", "target_lm_head_weight")
 
 
 def build_ttt_mask(seq_len: int, steps: int, key_valid: Tensor | None = None,
-                   device: torch.device | str | None = None) -> Tensor:
+                   device: torch.device | str | None = None, doc_ids: Tensor | None = None) -> Tensor:
     """Boolean TTT attention mask ``[b or 1, 1, T, steps·T]`` (True = may attend).
 
     Keys are laid out step by step: key column ``k·T + j`` is the key that step k computed at position
@@ -51,6 +51,9 @@ def build_ttt_mask(seq_len: int, steps: int, key_valid: Tensor | None = None,
     Without ``key_valid`` the mask is broadcast over the batch ([1, 1, T, steps·T]). Built on
     ``key_valid``'s device, else on ``device``. Size: T²·steps bytes (66 MB for T=3072, 7 steps).
 
+    ``doc_ids`` [b, T] long (a packed batch, :mod:`artcache.trainers.packing`): the step-0 keys are further
+    limited to the query's own document (block-diagonal causal attention); [b, 1, T, steps·T].
+
     Raises:
         ConfigError: ``seq_len < 1`` or ``steps < 1``, or ``key_valid`` not [b, seq_len].
     """
@@ -62,6 +65,14 @@ def build_ttt_mask(seq_len: int, steps: int, key_valid: Tensor | None = None,
     kpos, kstep = col % seq_len, col // seq_len  # [S]
     causal0 = (kstep == 0)[None, :] & (kpos[None, :] <= t)  # [T, S]
     diag = kpos[None, :] == t
+    if doc_ids is not None:
+        dev = doc_ids.device
+        docs = doc_ids.long()
+        same = docs[:, :, None] == docs[:, kpos.to(dev)][:, None, :]  # [b, T, S]
+        causal0 = causal0.to(dev)[None] & same
+        if key_valid is not None:
+            causal0 = causal0 & key_valid.to(dev).bool()[:, kpos.to(dev)][:, None, :]
+        return (causal0 | diag.to(dev)[None])[:, None]
     if key_valid is None:
         return (causal0 | diag)[None, None]
     if key_valid.dim() != 2 or key_valid.shape[1] != seq_len:
@@ -70,9 +81,11 @@ def build_ttt_mask(seq_len: int, steps: int, key_valid: Tensor | None = None,
     return (causal0 | diag[None])[:, None]
 
 
-def ttt_input_ids(input_ids: Tensor, step: int, pad_id: int = 0) -> Tensor:
+def ttt_input_ids(input_ids: Tensor, step: int, pad_id: int = 0, doc_ids: Tensor | None = None) -> Tensor:
     """Token ids fed at TTT step ``step``: position t gets ``input_ids[t + 1 + step]`` (the shift left
-    by one of EAGLE-3 plus one more per step); the last ``step + 1`` positions get ``pad_id``.
+    by one of EAGLE-3 plus one more per step); the last ``step + 1`` positions get ``pad_id``, and so does
+    t when ``doc_ids`` [b, T] (a packed batch) puts ``t + 1 + step`` in another document than t (a shift never
+    reads the next document's tokens: what an unpacked row of the document alone reads past its end).
 
     input_ids [b, T] long -> [b, T] long.
     """
@@ -81,6 +94,9 @@ def ttt_input_ids(input_ids: Tensor, step: int, pad_id: int = 0) -> Tensor:
     n = T - 1 - step
     if n > 0:
         out[:, :n] = input_ids[:, 1 + step:]
+        if doc_ids is not None:
+            other = doc_ids[:, :n] != doc_ids[:, 1 + step:]
+            out[:, :n] = out[:, :n].masked_fill(other, pad_id)
     return out
 
 
@@ -233,7 +249,8 @@ class Eagle3Draft(nn.Module):
         return F.linear(h.to(w.dtype), w)
 
     def forward(self, aux_hidden: Tensor, input_ids: Tensor, valid: Tensor | None = None,
-                steps: int | None = None, validate: bool = True) -> list[Tensor]:
+                steps: int | None = None, validate: bool = True, doc_ids: Tensor | None = None,
+                position_ids: Tensor | None = None) -> list[Tensor]:
         """Unroll the draft over ``steps`` TTT steps (default ``cfg.ttt_steps``).
 
         Step 0 at position t reads ``fc(aux_hidden[t])`` and the token ``input_ids[t + 1]``; step i > 0
@@ -253,6 +270,10 @@ class Eagle3Draft(nn.Module):
                 device memory back: a synchronisation on a GPU). False when the caller guarantees
                 both (a collated batch: ids verified against the plan's fingerprint, validity a prefix);
                 the key mask is then left out, as for any right-padded batch.
+            doc_ids: a packed batch (:mod:`artcache.trainers.packing`): [b, T] long, each position's
+                document (-1 padding): attention and the TTT shifts stay inside a document.
+            position_ids: [b, T] long RoPE positions (restarting per document); None: ``arange(T)``. Step i
+                at t uses ``position_ids[t] + i``.
 
         Returns:
             list of ``steps`` tensors [b, T, H] in the module dtype: each step's **pre-norm** output.
@@ -286,13 +307,14 @@ class Eagle3Draft(nn.Module):
         if validate and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
             raise DataError(f"input_ids hold ids in [{int(ids.min())}, {int(ids.max())}], "
                             f"outside [0, vocab_size={cfg.vocab_size})")
-        mask = build_ttt_mask(T, steps, key_valid, device=dev)
+        docs = None if doc_ids is None else doc_ids.to(dev).long()
+        mask = build_ttt_mask(T, steps, key_valid, device=dev, doc_ids=docs)
         h = self.fc(aux_hidden.reshape(b, T, EAGLE3_NUM_AUX * cfg.hidden_size).to(self.dtype))
-        base = torch.arange(T, device=dev)[None]
+        base = torch.arange(T, device=dev)[None] if position_ids is None else position_ids.to(dev).long()
         cache: list[tuple[Tensor, Tensor]] = []
         outs: list[Tensor] = []
         for i in range(steps):
-            emb = self.embed(ttt_input_ids(ids, i))
+            emb = self.embed(ttt_input_ids(ids, i, doc_ids=docs))
             h = self.midlayer(emb, h, base + i, cache, mask[..., : (i + 1) * T])
             outs.append(h)
         return outs

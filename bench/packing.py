@@ -1,0 +1,247 @@
+"""Packed against unpacked consumer steps at the same token budget, side by side in one process.
+
+``python -m artcache.bench.packing --out FILE [--draft dflash] [--max-length 2048] [--samples 96] [--rows 2]
+[--steps 4] [--anchors 64] [--block-size 16] [--threads 0]``
+
+The plan is the real one (ShareGPT rendered by SmolLM2-135M-Instruct's tokenizer and chat template at
+``--max-length``): every document's length and loss mask are those a consumer trains on. The draft has
+SmolLM2-135M's shapes (H 576, V 49152, 5 captured layers for DFlash / DSpark, 4 for EAGLE-3) with random frozen
+target tensors and random hidden states in float32: a step's cost depends on shapes, lengths, masks and anchors,
+not on the values (the capture is not what is measured here; the consumer's step is).
+
+Both arms walk the plan from position 0 with the same ``--rows`` rows per step (the token budget: at most
+``rows × max_length`` tokens a step):
+
+- **unpacked**: one plan position per row, padded to the batch's longest (``artcache consume`` without
+  ``--pack-tokens``);
+- **packed**: ``--pack-tokens max_length`` rows (:class:`~artcache.trainers.packing.Packer`).
+
+Each step is the consumer's (``Draft.loss``, backward, clip 1.0, AdamW), timed after one warm-up step; the two
+arms' steps alternate, so both see the same load on a shared machine (wall and process CPU seconds). Per arm:
+supervised tokens (``loss_mask`` of the step's documents) per step and per second, padding fraction (padded
+positions / ``rows × T`` of the collated batch), anchors per step and anchor coverage of supervised tokens (the
+share of the step's supervised tokens that some anchor's block trains: slot k >= 1 of a valid block, inside its
+document; DFlash / DSpark). ``packed_over_unpacked`` holds the ratios. The JSON records the command, the commit and
+the hardware (:func:`artcache.bench.provenance.record`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from artcache.bench.provenance import record
+
+__all__ = ["anchor_coverage", "main", "measure"]
+
+SMOL = "smollm2-135m"
+
+
+def _draft(name: str, anchors: int, block: int, seed: int = 0):
+    """A draft adapter of SmolLM2-135M's shape on the CPU in float32 (random frozen embedding / lm_head)."""
+    from artcache.bench.consumer_speed import _arch_config
+    from artcache.trainers.speed import SpeedOptions
+
+    hf = _arch_config(SMOL)
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(hf.vocab_size, hf.hidden_size, generator=g) * 0.02
+    head = torch.randn(hf.vocab_size, hf.hidden_size, generator=g) * 0.02
+    speed = SpeedOptions(sync_free=False, ce_impl="reference", compile="off", attn="sdpa")
+    torch.manual_seed(seed)
+    if name == "dflash":
+        from artcache.trainers.dflash import DFlashConfig, DFlashDraft
+        from artcache.trainers.dflash.adapter import DFlashAdapter
+
+        cfg = DFlashConfig.from_target(hf, num_layers=5, block_size=block, num_anchors=anchors,
+                                       mask_token_id=hf.vocab_size - 1, num_context_layers=5)
+        return DFlashAdapter(DFlashDraft(cfg, emb, head), cfg, list(range(5)), torch.Generator().manual_seed(seed),
+                             speed=speed), 5
+    if name == "dspark":
+        from artcache.trainers.dspark import DSparkConfig, DSparkDraft
+        from artcache.trainers.dspark.adapter import DSparkAdapter
+
+        cfg = DSparkConfig.from_target(hf, num_layers=5, block_size=block, num_anchors=anchors,
+                                       mask_token_id=hf.vocab_size - 1, num_context_layers=5)
+        model = DSparkDraft(cfg, emb, head, torch.ones(hf.hidden_size))
+        return DSparkAdapter(model, cfg, list(range(6)), torch.Generator().manual_seed(seed), speed=speed), 6
+    from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft
+    from artcache.trainers.eagle3.adapter import Eagle3Adapter
+    from artcache.trainers.eagle3.vocab import build_vocab_map
+
+    cfg = Eagle3Config.from_target(hf, draft_vocab_size=8192, ttt_steps=7)
+    counts = torch.randint(0, 1000, (hf.vocab_size,), generator=torch.Generator().manual_seed(seed))
+    d2t, t2d = build_vocab_map(counts, cfg.draft_vocab_size)
+    return Eagle3Adapter(Eagle3Draft(cfg, emb, torch.ones(hf.hidden_size), head, d2t, t2d), cfg, list(range(4)),
+                         speed=speed), 4
+
+
+class _Art:
+    """What the collators read of an artifact: hidden states [n, m, H], ids, loss mask (no fp8 scales)."""
+
+    def __init__(self, hidden, ids, mask) -> None:
+        self.hidden_states, self.input_ids, self.loss_mask, self.hidden_scales = hidden, ids, mask, None
+
+
+class _Item:
+    def __init__(self, position: int, artifact: _Art) -> None:
+        self.position, self.artifact = position, artifact
+
+
+def _items(plan, lo: int, hi: int, m: int, h: int) -> list[_Item]:
+    g = torch.Generator().manual_seed(lo)
+    out = []
+    for p in range(lo, hi):
+        s = plan.sample(p)
+        n = s.input_ids.numel()
+        out.append(_Item(p, _Art(torch.randn(n, m, h, generator=g), s.input_ids.long(), s.loss_mask.bool())))
+    return out
+
+
+def anchor_coverage(batch, anchors: torch.Tensor, valid: torch.Tensor, block: int) -> tuple[int, int]:
+    """(supervised tokens a valid block trains — slot k = 1 … B-1 at ``p + k``, supervised, inside the anchor's
+    document —, supervised tokens of the batch), counted once each."""
+    sup = (batch.loss_mask & batch.valid).cpu()
+    valid_tok = batch.valid.cpu()
+    docs = batch.doc_ids if batch.doc_ids is not None else torch.where(valid_tok, 0, -1)
+    rows, t = sup.shape
+    covered = torch.zeros_like(sup)
+    for k in range(1, block):
+        pos = anchors + k
+        ok = valid & (pos < t)
+        pc = pos.clamp(max=t - 1)
+        same = docs.gather(1, pc) == docs.gather(1, anchors)
+        hit = ok & same & sup.gather(1, pc)
+        for r in range(rows):
+            covered[r, pc[r][hit[r]]] = True
+    return int((covered & sup).sum()), int(sup.sum())
+
+
+class _Arm:
+    """One arm (packed or unpacked): its own draft, optimizer and plan walk from position 0."""
+
+    def __init__(self, draft_name: str, plan, rows: int, max_length: int, anchors: int, block: int,
+                 packed: bool) -> None:
+        from artcache.bench.consumer_speed import train_step_fn
+        from artcache.trainers.packing import Packer
+
+        self.draft, self.m = _draft(draft_name, anchors, block)
+        self.name, self.plan, self.rows, self.max_length, self.block = draft_name, plan, rows, max_length, block
+        self.train = train_step_fn(self.draft)
+        self.packer = Packer.for_plan(plan, plan.order(len(plan)), rows, max_length, 10 ** 9) if packed else None
+        self.pos = 0
+        self.fig = {"steps": 0, "positions": 0, "seconds": 0.0, "cpu_seconds": 0.0, "supervised": 0, "tokens": 0,
+                    "padded": 0, "anchors": 0, "covered": 0}
+
+    def step(self, timed: bool) -> None:
+        from artcache.trainers.consumer.reader import collate
+        from artcache.trainers.packing import collate_packed, draw_anchors
+
+        n = self.packer.step_positions(self.pos) if self.packer is not None else self.rows
+        if self.pos + n > len(self.plan):
+            raise SystemExit(f"--samples {len(self.plan)} is too few for the steps asked; raise --samples")
+        items = _items(self.plan, self.pos, self.pos + n, self.m, self.draft.model.cfg.hidden_size)
+        cpu = torch.device("cpu")
+        batch = (collate_packed(items, cpu, self.rows, self.max_length) if self.packer is not None
+                 else collate(items, cpu))
+        cov = n_anchors = 0
+        if self.name != "eagle3":
+            gen = torch.Generator()
+            gen.set_state(self.draft.generator.get_state())
+            a, ok = draw_anchors(batch, self.draft.model.cfg.num_anchors, gen)  # the draws the step makes
+            cov, _ = anchor_coverage(batch, a, ok, self.block)
+            n_anchors = int(ok.sum())
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.train(batch)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        self.pos += n
+        if not timed:
+            return
+        f = self.fig
+        f["steps"] += 1
+        f["positions"] += n
+        f["seconds"] += dt
+        f["cpu_seconds"] += dc
+        f["supervised"] += int((batch.loss_mask & batch.valid).sum())
+        f["tokens"] += int(batch.valid.numel())
+        f["padded"] += int((~batch.valid).sum())
+        f["anchors"] += n_anchors
+        f["covered"] += cov
+
+    def figures(self) -> dict:
+        fig, s = self.fig, self.fig["steps"]
+        out = dict(fig)
+        out.update({
+            "supervised_tokens_per_s": fig["supervised"] / fig["seconds"],
+            "supervised_tokens_per_cpu_s": fig["supervised"] / fig["cpu_seconds"],
+            "supervised_tokens_per_step": fig["supervised"] / s,
+            "positions_per_step": fig["positions"] / s,
+            "seconds_per_step": fig["seconds"] / s,
+            "padding_fraction": fig["padded"] / fig["tokens"],
+            "anchors_per_step": fig["anchors"] / s,
+        })
+        if self.name != "eagle3":
+            out["anchor_coverage"] = fig["covered"] / fig["supervised"]
+            out["covered_supervised_tokens_per_step"] = fig["covered"] / s
+        return out
+
+
+def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, anchors: int, block: int) -> dict:
+    """Both arms, their steps interleaved (unpacked, packed, unpacked, ...) so that both see the same machine load:
+    one warm-up step each, then ``steps`` timed steps each. Returns ``{"unpacked": figures, "packed": figures}``
+    (the module docstring's figures, plus ``cpu_seconds``: this process's CPU time in the steps)."""
+    arms = {name: _Arm(draft_name, plan, rows, max_length, anchors, block, packed)
+            for name, packed in (("unpacked", False), ("packed", True))}
+    for i in range(steps + 1):
+        for arm in arms.values():
+            arm.step(timed=i > 0)
+    return {name: arm.figures() for name, arm in arms.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m artcache.bench.packing", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--draft", default="dflash", choices=("dflash", "eagle3", "dspark"))
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=96, help="plan samples (ShareGPT) to build")
+    ap.add_argument("--rows", type=int, default=2, help="rows per step in both arms (--batch-size)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per arm (after one warm-up step)")
+    ap.add_argument("--anchors", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from artcache.plan import PlanSpec, build_plan
+    from artcache.target import DEFAULT_TARGET, load_tokenizer, resolve_target
+
+    info = resolve_target(DEFAULT_TARGET)
+    plan = build_plan(PlanSpec(dataset="sharegpt", max_length=args.max_length, max_samples=args.samples),
+                      load_tokenizer(info), target_vocab_size=info.vocab_size)
+    lengths = (plan.offsets[1:] - plan.offsets[:-1]).numpy()
+    report = {**record("artcache.bench.packing", argv), "draft": args.draft, "max_length": args.max_length,
+              "rows": args.rows, "anchors": args.anchors, "block_size": args.block_size,
+              "threads": torch.get_num_threads(),
+              "plan": {"samples": len(plan), "mean_tokens": float(np.mean(lengths)),
+                       "median_tokens": float(np.median(lengths)), "max_tokens": int(lengths.max())}}
+    arms = measure(args.draft, plan, args.rows, args.steps, args.max_length, args.anchors, args.block_size)
+    print(json.dumps(arms), file=sys.stderr, flush=True)
+    report["arms"] = arms
+    keys = ["supervised_tokens_per_s", "supervised_tokens_per_cpu_s", "supervised_tokens_per_step",
+            "seconds_per_step", "positions_per_step", "anchors_per_step"]
+    if args.draft != "eagle3":
+        keys += ["anchor_coverage", "covered_supervised_tokens_per_step"]
+    report["packed_over_unpacked"] = {k: arms["packed"][k] / arms["unpacked"][k] for k in keys if arms["unpacked"][k]}
+    report["padding_fraction"] = {k: arms[k]["padding_fraction"] for k in arms}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["packed_over_unpacked"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
