@@ -56,7 +56,7 @@ def consume_args(cache: Path, cwd: Path, cid: str, steps: int, *extra: str) -> l
     dflash = [] if "eagle3" in extra else ["--block-size", "4", "--anchors", "4"]
     return ["consume", "--cache", str(cache), "--id", cid, *dflash, "--window", "2:8",
             "--steps", str(steps), "--batch-size", str(BATCH), "--threads", "1", "--demand-timeout", "180",
-            "--log-every", "1", "--out", str(cwd / "runs" / cid), "--no-progress", *extra]
+            "--log-every", "1", "--out", str(cwd / "runs" / cid), "--no-progress", "--json", *extra]
 
 
 def file_events(cache: Path, cid: str) -> list[list]:

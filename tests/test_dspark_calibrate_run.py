@@ -38,7 +38,8 @@ def dspark_eval_run(tmp_path_factory):
     assert fill.returncode == 0, fill.stderr[-3000:]
     cons = _run("consume", "--cache", str(cache), "--id", "s", "--draft", "dspark", "--steps", "3", "--batch-size",
                 "2", "--block-size", "4", "--anchors", "8", "--markov-rank", "16", "--eval-samples", str(EVAL),
-                "--window", "2:4", "--threads", "1", "--no-progress", "--no-tensorboard", "--out", str(run), cwd=tmp)
+                "--window", "2:4", "--threads", "1", "--no-progress", "--no-tensorboard", "--json", "--out", str(run),
+                cwd=tmp)
     assert cons.returncode == 0, cons.stderr[-3000:]
     summary = json.loads([ln for ln in cons.stdout.splitlines() if ln.startswith("{")][-1])
     return cache, run, cons.stderr, summary

@@ -51,7 +51,7 @@ def producer(cache: Path, tiny_target, cwd: Path, *extra: str) -> Proc:
 def consumer(cache: Path, cwd: Path, cid: str, *, block_size: int, window: str, steps: int) -> Proc:
     return Proc(cid, ["consume", "--cache", str(cache), "--id", cid, "--block-size", str(block_size),
                       "--window", window, "--anchors", "4", "--steps", str(steps), "--batch-size", str(BATCH),
-                      "--threads", "1", "--demand-timeout", "180", "--log-every", "1",
+                      "--threads", "1", "--demand-timeout", "180", "--log-every", "1", "--json",
                       "--out", str(cwd / "runs" / cid)], cwd)
 
 

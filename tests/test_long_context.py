@@ -235,7 +235,7 @@ def test_32k_plan_captures_publishes_verifies_and_trains(tmp_path, dtype):
     assert fsck.returncode == 0, fsck.stdout[-2000:] + fsck.stderr[-2000:]
     cons = _artcache("consume", "--cache", str(cache), "--id", "long", "--block-size", "8", "--anchors", "16",
                      "--steps", "2", "--batch-size", "1", "--window", "0:2", "--threads", "1", "--no-progress",
-                     "--no-tensorboard", "--out", str(run), cwd=tmp_path)
+                     "--no-tensorboard", "--json", "--out", str(run), cwd=tmp_path)
     assert cons.returncode == 0, cons.stderr[-3000:]
     summary = json.loads([ln for ln in cons.stdout.splitlines() if ln.startswith("{")][-1])
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0
