@@ -383,3 +383,25 @@ def test_inspect_exits_nonzero_when_an_invariant_fails(layout):
 def test_fsck_on_a_root_path_it_is_given_relative(layout, monkeypatch):
     monkeypatch.chdir(layout.root.parent)
     assert fsck(Path(layout.root.name)).ok
+
+
+def test_regression_an_unparsable_artcache_json_or_plan_json_is_a_finding(layout):
+    """An artcache.json truncated so that it was no longer valid JSON stopped fsck with ``error: ... artcache.json
+    is invalid: Input data was truncated`` (exit 2, as for bad input), while a valid but tampered one was reported
+    as ``MANUAL bad-settings`` (exit 1). A damaged root is a finding: both are bad-settings, exit 1; an unparsable
+    plan.json is bad-plan, exit 1."""
+    from artcache.settings import load_settings
+
+    plan_dir = layout.plan_dir(load_settings(layout).plan_id)
+    raw = layout.settings.read_bytes()
+    layout.settings.write_bytes(raw[: len(raw) // 2])
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["bad-settings"] and not rep.ok and "truncated" in rep.problems[0].detail
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(layout.root)])
+    assert r.exit_code == 1 and "MANUAL  bad-settings" in r.stdout, r.output
+    layout.settings.write_bytes(raw)
+    text = (plan_dir / "plan.json").read_text()
+    (plan_dir / "plan.json").write_text(text[: len(text) // 2])
+    assert kinds(fsck(layout.root)) == ["bad-plan"]
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(layout.root)])
+    assert r.exit_code == 1 and "MANUAL  bad-plan" in r.stdout, r.output
