@@ -165,9 +165,9 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         group_shared: create the root group-shared (mode 2770, setgid) instead of private (0700).
         disk_budget: bytes the retained artifacts may take, or ``"auto"`` (from the filesystem's free space at
             start): an integer, or text as ``--disk-budget`` takes it (``"100M"``, ``"1.5G"``: K, M, G, T are
-            powers of 1024; ``"auto"`` in any case); 0: none, the windows-only rule (only live windows, pinned ranges and leases are kept). A
-            budget means retention by future need (:func:`artcache.eviction.retention_rule`); live windows and
-            leases are kept whatever it is.
+            powers of 1024; ``"auto"`` in any case); 0: none, the windows-only rule (only live windows, pinned
+            ranges and leases are kept). A budget means retention by future need
+            (:func:`artcache.eviction.retention_rule`); live windows and leases are kept whatever it is.
         retention: ``""`` (follow ``disk_budget``), ``need`` or ``windows``: may only repeat what the budget says.
         payload: where the artifacts' tensors live: ``posix`` (files in the root) or ``mooncake://HOST:PORT``
             (Mooncake Store; the root keeps a manifest per artifact); ``""`` = what the root records

@@ -1046,8 +1046,9 @@ def _checkpoint_state(path: Path | None, damage: list[str]):
 def run_dir_report(out: str | Path) -> dict:
     """What a run directory holds, read from disk (every run of it): each experiment's state, steps (``steps``:
     the step of its latest checkpoint, what a resume continues from; ``steps_trained``: the highest step any of
-    its consumer processes ran, checkpointed or not; ``steps_planned``), last evaluation, checkpoints (``latest``, ``best``) and the committed work of each of its consumer
-    processes, apart from the shared production of every producer of the cache root (counted once).
+    its consumer processes ran, checkpointed or not; ``steps_planned``), last evaluation, checkpoints
+    (``latest``, ``best``) and the committed work of each of its consumer processes, apart from the shared
+    production of every producer of the cache root (counted once).
 
     An experiment whose files are damaged (its own ``config.toml``, a checkpoint's ``state.json``, its
     ``metrics.csv`` other than a torn last line, its registration) is reported with state ``damaged`` and
@@ -1159,7 +1160,8 @@ def format_run_dir_report(r: dict) -> str:
              table(["experiment", "draft", "state", "trained (step)", "checkpointed (step/planned)", "last eval",
                     "checkpoints (at steps)", "latest", "best"], rows),
              "```", "trained: the highest step its processes ran; checkpointed: the step of its latest checkpoint "
-             "(a resume continues from there).", "", "Committed work per consumer process (each experiment's own; not production):"]
+             "(a resume continues from there).", "",
+             "Committed work per consumer process (each experiment's own; not production):"]
     for x in r["experiments"]:
         for i, w in enumerate(x["processes"], 1):
             lines.append(f"  {x['name']} #{i}: {w['state']}, steps {w['first_step']}-{w['last_step']} "
