@@ -13,13 +13,15 @@ epoch 0 in plan order, every later epoch reshuffled by the plan's epoch seed (``
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import os
 import stat
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
 from artcache.data.sharegpt import locate_sharegpt, read_sharegpt, to_messages
+from artcache.data.sources import (
+    DataSource,
+    read_source,
+    record_messages,
+    resolve_source,
+    source_digest,
+    tool_call_texts,
+)
 from artcache.errors import ArtcacheError, ConfigError, DataError, PublishError
 from artcache.fsio import (
     RETRYABLE_ERRNOS,
@@ -62,6 +72,10 @@ class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a plan is built from. ``dataset``: ``"sharegpt"`` or a path to a ShareGPT-schema JSON/JSONL file.
     ``template_options``: keyword arguments for the chat template (``apply_chat_template``), e.g.
     ``{"enable_thinking": False}``; part of the plan id and of the contract's template digest.
+    ``sources``: a weighted mix of data sources (:class:`artcache.data.sources.DataSource`) replacing
+    ``dataset`` (:func:`build_mixed_plan`); ``eval``: a separate evaluation source whose samples end the plan as
+    the held-out split every consumer shares (``plan.json`` ``heldout``). Both enter the plan id by each source's
+    content digest, weight, split and cap.
 
     Raises ConfigError on construction if a value is outside the range declared on its field (max_length >= 16,
     max_samples >= 1, min_loss_tokens >= 1, seed >= 0: ``plan max_samples 0 is invalid: accepted an integer >= 1``,
@@ -74,10 +88,18 @@ class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_samples: Count = 2000
     min_loss_tokens: Count = 2
     template_options: dict[str, bool | int | float | str] = msgspec.field(default_factory=dict)
+    sources: tuple[DataSource, ...] = ()
+    eval: DataSource | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset:
             raise ConfigError(f"plan dataset={self.dataset!r} is invalid: accepted {list(DATASETS)} or a file path")
+        if self.sources and self.dataset != "sharegpt":
+            raise ConfigError(f"data.dataset {self.dataset!r} and data.sources exclude each other: list every "
+                              "training source under [[data.sources]] (or give --data several times)")
+        if self.eval is not None and not self.sources and self.dataset == "synthetic":
+            raise ConfigError("data.eval needs chat data: --data synthetic has no held-out source; give data.sources "
+                              "or a dataset file")
         for key, value in dict(self.template_options).items():  # before the field check: its own message
             if not (isinstance(key, str) and key.isidentifier()) or not isinstance(value, (bool, int, float, str)):
                 raise ConfigError(f"chat template option {key!r}={value!r} is invalid: accepted NAME=VALUE with a "
@@ -106,12 +128,28 @@ def resolve_dataset(dataset: str) -> Path:
     return path.resolve()
 
 
-def compute_plan_id(spec: PlanSpec, dataset_digest: str, tok_digest: str, tmpl_digest: str) -> tuple[str, dict]:
+def compute_plan_id(spec: PlanSpec, dataset_digest: str, tok_digest: str, tmpl_digest: str, *,
+                    source_digests: dict | None = None) -> tuple[str, dict]:
     """(plan_id, id inputs): plan_id = strong digest of the canonical json of the id inputs. A dataset file
-    enters by its digest only (``spec.dataset`` is replaced by ``"file"``); named datasets by name and digest."""
+    enters by its digest only (``spec.dataset`` is replaced by ``"file"``); named datasets by name and digest.
+    A mixed plan (``spec.sources`` / ``spec.eval``) enters each source by its content digest in place of its path
+    (``source_digests``: ``{"sources": [digest, ...], "eval": digest | None}``, :func:`mix_digests`) with its
+    weight, split and cap."""
     spec_inputs = msgspec.to_builtins(spec)
     if not spec_inputs.get("template_options"):  # no options: the id plans had before options existed
         spec_inputs.pop("template_options", None)
+    if not spec_inputs.get("sources"):  # no mix, no eval source: the id plans had before either existed
+        spec_inputs.pop("sources", None)
+    if spec_inputs.get("eval") is None:
+        spec_inputs.pop("eval", None)
+    if spec.sources or spec.eval is not None:
+        if source_digests is None:
+            raise ValueError("a mixed plan's id needs its sources' digests (mix_digests)")
+        if spec.sources:  # else the one training source is spec.dataset, in by its digest as dataset_digest
+            for entry, digest in zip(spec_inputs["sources"], source_digests["sources"], strict=True):
+                entry["path"] = digest
+        if "eval" in spec_inputs:
+            spec_inputs["eval"]["path"] = source_digests["eval"]
     if spec.dataset not in DATASETS:
         # a file is identified by its content digest, never by the path it was given as: the same file
         # given as a relative or absolute path, or copied elsewhere, is the same plan (the path is kept in
@@ -152,7 +190,7 @@ def render_with_spans(messages: list[dict[str, str]], tokenizer, eot: str, *, ve
     text = None if verbatim else tokenizer.apply_chat_template(messages, tokenize=False, **kw)
     marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
     skeleton = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": s} for m, s in zip(messages, marks, strict=True)], tokenize=False, **kw)
+        [{**m, "content": s} for m, s in zip(messages, marks, strict=True)], tokenize=False, **kw)
     starts: list[int] = []
     rebuilt: list[str] = []
     pos = out = 0
@@ -268,6 +306,12 @@ class Plan:
             raise IndexError(f"plan {self.plan_id[:12]}: sample {i} out of range [0, {n})")
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Sample(index=i, input_ids=self.input_ids[a:b], loss_mask=self.loss_mask[a:b])
+
+    @property
+    def heldout(self) -> int:
+        """Samples at the plan's end that come from its evaluation source (``data.eval``; plan.json
+        ``heldout``): the held-out split every consumer evaluates on and never trains on. 0: none."""
+        return int(self.provenance.get("heldout", 0) or 0)
 
     @property
     def epoch_seed(self) -> int:
@@ -510,6 +554,94 @@ def build_synthetic_plan(spec: PlanSpec, *, target_vocab_size: int) -> Plan:
                 provenance)
 
 
+@dataclass
+class _Tally:
+    """What :func:`_tokenized` visited: conversations, truncated samples, skipped ones by reason."""
+
+    visited: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def as_dict(self, records: int, kept: int) -> dict[str, Any]:
+        return {"records": records, "visited": self.visited, "kept": kept, "truncated": self.truncated,
+                "skipped": dict(sorted(self.skipped.items()))}
+
+
+def _legacy_messages(record) -> list[dict[str, str]] | str:
+    messages, reason = to_messages(record)
+    return messages if messages is not None else reason or "invalid"
+
+
+def _tokenized(items, tokenizer, spec: PlanSpec, eot: str, verbatim: bool, tally: _Tally,
+               target_vocab_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Render and tokenize conversations lazily, ``_BATCH`` at a time, yielding the samples that qualify.
+
+    Args:
+        items: ``(messages or a skip reason, where)`` per conversation, in visiting order; ``where`` names the
+            record in errors (``""``: a ShareGPT dataset read tolerantly, whose template mismatches are skipped).
+        tally: counts visited, truncated and skipped conversations (a conversation counts as visited once
+            the caller pulls past it, so stopping after the last wanted sample visits no more).
+
+    Yields:
+        (input_ids int32 [T], loss_mask uint8 [T]) per kept sample, T <= ``spec.max_length``.
+
+    Raises:
+        ConfigError: a token id >= ``target_vocab_size`` (the tokenizer is not the target's).
+        DataError: a record with tool calls the chat template does not render (named by ``where``).
+    """
+    items = iter(items)
+    while True:
+        chunk = list(itertools.islice(items, _BATCH))
+        if not chunk:
+            return
+        prepared: list[tuple[str, list[tuple[int, int]]] | str] = []
+        for messages, where in chunk:
+            if isinstance(messages, str):
+                prepared.append(messages)
+                continue
+            tools = tool_call_texts(messages)
+            try:
+                text, spans, _ = render_with_spans(messages, tokenizer, eot, verbatim=verbatim and not tools,
+                                                   options=spec.template_options)
+            except DataError:
+                prepared.append("template_mismatch")
+                continue
+            except Exception as exc:  # a jinja template error on an unusual turn (a tool turn, a missing key)
+                if not where:
+                    raise
+                raise DataError(f"data source {where}: the target's chat template cannot render this "
+                                f"conversation ({type(exc).__name__}: {str(exc)[:120]}); accepted: turns the "
+                                "chat template renders") from None
+            missing = [t for t in tools if t not in text]
+            if missing:
+                raise DataError(f"data source {where}: the target's chat template drops tool calls (no {missing[0]!r} "
+                                "in its rendering); accepted: records without tool calls, or a target whose chat "
+                                "template renders tool_calls")
+            prepared.append((text, spans))
+        encoded = encode_truncated(tokenizer, [p[0] for p in prepared if not isinstance(p, str)], spec.max_length)
+        j = 0
+        for p in prepared:
+            tally.visited += 1
+            if isinstance(p, str):
+                tally.skipped[p] += 1
+                continue
+            ids_list, offs, was_cut = encoded[j]
+            j += 1
+            ids = np.asarray(ids_list, dtype=np.int64)
+            mask = _mask_from_offsets(offs, p[1])
+            tally.truncated += int(was_cut)
+            if int(mask.sum()) < spec.min_loss_tokens:
+                tally.skipped["too_few_loss_tokens"] += 1
+                continue
+            if not bool((mask[:-1] & mask[1:]).any()):
+                tally.skipped["no_anchor"] += 1
+                continue
+            if ids.size and int(ids.max()) >= target_vocab_size:
+                raise ConfigError(f"token id {int(ids.max())} >= target vocab size {target_vocab_size}: the "
+                                  f"tokenizer does not belong to this target")
+            yield ids.astype(np.int32), mask
+
+
 def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
     """Build the plan in memory (see module docstring).
 
@@ -520,6 +652,8 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
     mask[p] and mask[p+1]).
     Raises DataError if no sample qualifies, ConfigError if a token id is >= ``target_vocab_size``.
     """
+    if spec.sources or spec.eval is not None:
+        return build_mixed_plan(spec, tokenizer, target_vocab_size=target_vocab_size)
     if spec.dataset == "synthetic":
         return build_synthetic_plan(spec, target_vocab_size=target_vocab_size)
     if tokenizer is None:
@@ -536,49 +670,16 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
     eot = _end_of_turn(tokenizer)
     verbatim = template_is_verbatim(tokenizer, spec.template_options)
     order = np.random.default_rng(spec.seed).permutation(len(read.records))
-    skipped: Counter[str] = Counter()
+    tally = _Tally()
     kept_ids: list[np.ndarray] = []
     kept_masks: list[np.ndarray] = []
-    visited = truncated = 0
-    for chunk_start in range(0, len(order), _BATCH):
+    items = ((_legacy_messages(read.records[int(i)]), "") for i in order)
+    for ids, mask in _tokenized(items, tokenizer, spec, eot, verbatim, tally, target_vocab_size):
+        kept_ids.append(ids)
+        kept_masks.append(mask)
         if len(kept_ids) >= spec.max_samples:
             break
-        prepared: list[tuple[str, list[tuple[int, int]]] | str] = []
-        for rec_index in order[chunk_start:chunk_start + _BATCH]:
-            messages, reason = to_messages(read.records[int(rec_index)])
-            if messages is None:
-                prepared.append(reason or "invalid")
-                continue
-            try:
-                prepared.append(render_with_spans(messages, tokenizer, eot, verbatim=verbatim,
-                                                  options=spec.template_options)[:2])
-            except DataError:
-                prepared.append("template_mismatch")
-        encoded = encode_truncated(tokenizer, [p[0] for p in prepared if not isinstance(p, str)], spec.max_length)
-        j = 0
-        for p in prepared:
-            if len(kept_ids) >= spec.max_samples:
-                break
-            visited += 1
-            if isinstance(p, str):
-                skipped[p] += 1
-                continue
-            ids_list, offs, was_cut = encoded[j]
-            j += 1
-            ids = np.asarray(ids_list, dtype=np.int64)
-            mask = _mask_from_offsets(offs, p[1])
-            truncated += int(was_cut)
-            if int(mask.sum()) < spec.min_loss_tokens:
-                skipped["too_few_loss_tokens"] += 1
-                continue
-            if not bool((mask[:-1] & mask[1:]).any()):
-                skipped["no_anchor"] += 1
-                continue
-            if ids.size and int(ids.max()) >= target_vocab_size:
-                raise ConfigError(f"token id {int(ids.max())} >= target vocab size {target_vocab_size}: the "
-                                  f"tokenizer does not belong to this target")
-            kept_ids.append(ids.astype(np.int32))
-            kept_masks.append(mask)
+    visited, truncated, skipped = tally.visited, tally.truncated, tally.skipped
     if not kept_ids:
         raise DataError(
             f"dataset {str(dataset_path)!r}: 0 of {visited} conversations produced a sample with >= "
@@ -604,8 +705,174 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
                 torch.from_numpy(np.concatenate(kept_masks)), torch.from_numpy(offsets), provenance)
 
 
+def training_sources(spec: PlanSpec) -> list[DataSource]:
+    """The training sources of a mixed plan: ``spec.sources``, or ``spec.dataset`` as the one source when only
+    an eval source was given."""
+    return list(spec.sources) or [DataSource(path=spec.dataset)]
+
+
+def mix_digests(spec: PlanSpec) -> dict[str, Any]:
+    """``{"sources": [content digest per training source], "eval": digest | None}``
+    (:func:`artcache.data.sources.source_digest`). Raises ConfigError for a missing source path, and when the
+    eval source holds the same data as a training source (a held-out split must be data never trained on)."""
+    sources = training_sources(spec)
+    digests = [source_digest(Path(resolve_source(s))) for s in sources]
+    eval_digest = source_digest(Path(resolve_source(spec.eval))) if spec.eval is not None else None
+    if eval_digest is not None and eval_digest in digests:
+        same = sources[digests.index(eval_digest)].path
+        raise ConfigError(f"data.eval {spec.eval.path!r} holds the same data as the training source {same!r}; "
+                          "accepted: an evaluation source never trained on")
+    return {"sources": digests, "eval": eval_digest}
+
+
+def apportion(total: int, weights: list[float]) -> list[int]:
+    """Largest-remainder split of ``total`` samples by ``weights``: counts summing to ``total``, each within
+    one of ``total * w / sum(w)`` (ties to the earlier source)."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = total * w / w.sum()
+    counts = np.floor(exact).astype(np.int64)
+    rest = total - int(counts.sum())
+    if rest:
+        frac = exact - counts
+        for i in sorted(range(len(w)), key=lambda k: (-frac[k], k))[:rest]:
+            counts[i] += 1
+    return [int(c) for c in counts]
+
+
+def _feasible_total(total: int, weights: list[float], limits: list[float]) -> int:
+    """The largest n <= ``total`` whose :func:`apportion` gives no source more than its limit (0 when none)."""
+    wsum = sum(weights)
+    for w, lim in zip(weights, limits, strict=True):  # apportion(n)[i] >= floor(n * w / wsum): a first bound
+        if math.isfinite(lim):
+            total = min(total, int((lim + 1) * wsum / w))
+    while total > 0 and any(c > lim for c, lim in zip(apportion(total, weights), limits, strict=True)):
+        total -= 1
+    return total
+
+
+def _source_items(records, seed: int, index: int):
+    order = np.random.default_rng([seed, index]).permutation(len(records))
+    for i in order:
+        where = records.where(int(i))
+        messages, reason = record_messages(records[int(i)], where)
+        yield (messages if messages is not None else reason), where
+
+
+def build_mixed_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
+    """A plan mixing ``spec.sources`` by weight, then ``spec.eval``'s samples as its held-out tail.
+
+    Each source's records are visited in a ``numpy.random.default_rng([seed, i])`` permutation (``i``: the
+    source's index) and rendered as :func:`build_plan` does, until the source has its share of
+    ``max_samples``: :func:`apportion` by weight, so each source's count is within one sample of
+    ``max_samples × weight / Σ weights``. When a source runs out or reaches its own ``max_samples`` first,
+    the training total shrinks to the largest one every source can fill at those weights (logged, and recorded
+    in ``plan.json`` ``sources``), so the mix keeps its weights. The training samples are then shuffled together
+    (``default_rng(seed)``); the eval source's samples (its ``max_samples``, or every usable record) follow
+    them in visiting order. ``plan.json`` records ``heldout`` (the eval samples' count: the held-out split
+    every consumer of the root evaluates on and never trains on) and per source its path, digest, weight,
+    split, cap and counts.
+
+    Raises:
+        ConfigError: a missing source, an unknown split, an eval source equal to a training source, no tokenizer.
+        DataError: a bad file or record (one line naming it and what is accepted), a source or the eval
+            source yielding no usable sample.
+    """
+    if tokenizer is None:
+        raise ConfigError("data sources need a tokenizer; this target has none (use --data synthetic)")
+    sources = training_sources(spec)
+    digests = mix_digests(spec)
+    plan_id, id_inputs = compute_plan_id(spec, "sources" if spec.sources else digests["sources"][0],
+                                         tokenizer_digest(tokenizer), template_digest(tokenizer, spec.template_options),
+                                         source_digests=digests)
+    eot = _end_of_turn(tokenizer)
+    verbatim = template_is_verbatim(tokenizer, spec.template_options)
+    weights = [float(s.weight) for s in sources]
+    reads = [read_source(s) for s in sources]
+    eval_read = read_source(spec.eval) if spec.eval is not None else None
+    tallies = [_Tally() for _ in sources]
+    gens = [_tokenized(_source_items(r, spec.seed, i), tokenizer, spec, eot, verbatim, t, target_vocab_size)
+            for i, (r, t) in enumerate(zip(reads, tallies, strict=True))]
+    kept: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in sources]
+    limits = [float(s.max_samples) if s.max_samples is not None else math.inf for s in sources]
+    total = spec.max_samples
+    while True:
+        quota = apportion(total, weights)
+        for i, gen in enumerate(gens):
+            while len(kept[i]) < min(quota[i], limits[i]):
+                got = next(gen, None)
+                if got is None:  # exhausted: what it kept is all it has
+                    limits[i] = float(len(kept[i]))
+                    break
+                kept[i].append(got)
+        if all(q <= lim for q, lim in zip(quota, limits, strict=True)):
+            break
+        total = _feasible_total(total, weights, limits)
+        if total == 0:
+            empty = next(i for i, lim in enumerate(limits) if lim == 0)
+            raise DataError(f"data source {sources[empty].path!r}: 0 of {tallies[empty].visited} conversations "
+                            f"produced a sample with >= {spec.min_loss_tokens} assistant tokens and an anchor within "
+                            f"{spec.max_length} tokens (skipped: {dict(tallies[empty].skipped)})")
+    quota = apportion(total, weights)
+    if total < spec.max_samples:
+        short = [f"{s.path} ({int(lim)})" for s, lim, q in zip(sources, limits, quota, strict=True) if lim < math.inf]
+        log.warning("data sources: the plan holds %d training samples, not max_samples %d: at weights %s the "
+                    "source(s) %s have no more", total, spec.max_samples, weights, ", ".join(short))
+    train = [(i, kept[i][k]) for i in range(len(sources)) for k in range(quota[i])]
+    train = [train[int(k)] for k in np.random.default_rng(spec.seed).permutation(len(train))]
+    held: list[tuple[np.ndarray, np.ndarray]] = []
+    eval_tally = _Tally()
+    if eval_read is not None:
+        want = spec.eval.max_samples or math.inf
+        for got in _tokenized(_source_items(eval_read, spec.seed, len(sources)), tokenizer, spec, eot, verbatim,
+                              eval_tally, target_vocab_size):
+            held.append(got)
+            if len(held) >= want:
+                break
+        if not held:
+            raise DataError(f"data.eval {spec.eval.path!r}: 0 of {eval_tally.visited} conversations produced a "
+                            f"sample with >= {spec.min_loss_tokens} assistant tokens and an anchor within "
+                            f"{spec.max_length} tokens (skipped: {dict(eval_tally.skipped)})")
+    samples = [s for _, s in train] + held
+    lengths = [len(ids) for ids, _ in samples]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+
+    def entry(src: DataSource, digest: str, records, tally: _Tally, n: int) -> dict[str, Any]:
+        return {"path": str(resolve_source(src)), "digest": digest, "weight": src.weight, "split": src.split,
+                "max_samples": src.max_samples, "records_dropped": records.dropped,
+                **tally.as_dict(len(records), n)}
+
+    source_entries = [entry(s, d, r, t, quota[i]) for i, (s, d, r, t) in
+                      enumerate(zip(sources, digests["sources"], reads, tallies, strict=True))]
+    eval_entry = entry(spec.eval, digests["eval"], eval_read, eval_tally, len(held)) if eval_read is not None \
+        else None
+    tally = _Tally(visited=sum(t.visited for t in (*tallies, eval_tally)),
+                   truncated=sum(t.truncated for t in (*tallies, eval_tally)),
+                   skipped=sum((t.skipped for t in (*tallies, eval_tally)), Counter()))
+    provenance = {
+        "format_version": PLAN_FORMAT_VERSION, "plan_id": plan_id, "id_inputs": id_inputs,
+        "spec": msgspec.to_builtins(spec), "dataset_path": "sources" if spec.sources else source_entries[0]["path"],
+        "dataset_digest": id_inputs["dataset_digest"],
+        "tokenizer_digest": id_inputs["tokenizer_digest"], "template_digest": id_inputs["template_digest"],
+        "target_vocab_size": target_vocab_size,
+        "counts": tally.as_dict(sum(len(r) for r in reads) + (len(eval_read) if eval_read is not None else 0),
+                                len(samples)),
+        "read": {"bytes_total": 0, "bytes_dropped": 0, "records_dropped": sum(r.dropped for r in reads)},
+        "sources": source_entries, "eval": eval_entry, "heldout": len(held),
+        "tokens": _stats(lengths),
+        "loss_tokens": _stats([int(m.sum()) for _, m in samples]),
+        "epoch_order": {"version": EPOCH_ORDER_VERSION, "seed": spec.seed},
+    }
+    return Plan(plan_id, torch.from_numpy(np.concatenate([ids for ids, _ in samples])),
+                torch.from_numpy(np.concatenate([m for _, m in samples])), torch.from_numpy(offsets), provenance)
+
+
 def plan_id_for(spec: PlanSpec, tokenizer) -> str:
     """The id :func:`build_plan` would give, computed without building (hashes the dataset file)."""
+    if spec.sources or spec.eval is not None:
+        digests = mix_digests(spec)
+        return compute_plan_id(spec, "sources" if spec.sources else digests["sources"][0], tokenizer_digest(tokenizer),
+                               template_digest(tokenizer, spec.template_options), source_digests=digests)[0]
     if spec.dataset == "synthetic":
         return compute_plan_id(spec, "synthetic-v1", "none", "none")[0]
     return compute_plan_id(spec, digest_file(resolve_dataset(spec.dataset)), tokenizer_digest(tokenizer),

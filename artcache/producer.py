@@ -51,6 +51,7 @@ from artcache import journal as J
 from artcache import registry, store
 from artcache.contract import BACKENDS, CaptureContract, stored_dtype
 from artcache.crashpoints import crash_point
+from artcache.data.sources import DataSource
 from artcache.errors import (
     ArtcacheError,
     CaptureFailed,
@@ -110,6 +111,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     Attributes:
         cache: cache root directory. target: ``smollm2-135m-instruct`` or an HF directory.
         dataset: ``sharegpt`` or a path to a ShareGPT-format JSON/JSONL file.
+        sources, eval: a weighted mix of data sources replacing ``dataset``, and a separate evaluation source
+            (:class:`artcache.plan.PlanSpec`, docs/data.md).
         seed, max_length, max_samples: the plan (see :class:`artcache.plan.PlanSpec`).
         draft_layers: number of DFlash draft layers; captured ids follow :func:`artcache.layer_ids.dflash_layer_ids`.
         layer_ids: explicit output-of-layer ids (overrides ``draft_layers``).
@@ -175,6 +178,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache: str
     target: str = "smollm2-135m-instruct"
     dataset: str = "sharegpt"
+    sources: list[DataSource] = []
+    eval: DataSource | None = None
     seed: NonNegative = 0
     max_length: MaxLength = 512
     max_samples: Count = 2000
@@ -380,7 +385,8 @@ def prepare_root(cfg: ProducerConfig):
                     else f"layer ids {layer_ids} (dflash_layer_ids of --draft-layers {cfg.draft_layers})",
                     target=info.name, unique=bool(cfg.layer_ids))
     payload_url = parse_payload_url(cfg.payload) if cfg.payload else None
-    spec = PlanSpec(dataset=cfg.dataset, seed=cfg.seed, max_length=cfg.max_length, max_samples=cfg.max_samples,
+    spec = PlanSpec(dataset=cfg.dataset, sources=tuple(cfg.sources), eval=cfg.eval, seed=cfg.seed,
+                    max_length=cfg.max_length, max_samples=cfg.max_samples,
                     template_options=dict(cfg.template_options))
     cfg.limits.validate(cfg.max_length, lambda field: flag_of(f"limits.{field}"))
     layout = CacheLayout(_abspath(cfg.cache))

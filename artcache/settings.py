@@ -90,7 +90,10 @@ CONTRACT_SETTINGS: dict[str, tuple[str, str | None]] = {
     "template_digest": ("template_options", "another chat template"), "backend": ("backend", None)}
 #: the :class:`~artcache.producer.ProducerConfig` settings a plan is built from (the fields of
 #: :class:`artcache.plan.PlanSpec`; with the dataset file's contents and the target's tokenizer they make its id)
-PLAN_SETTINGS: tuple[str, ...] = ("dataset", "seed", "max_length", "max_samples", "template_options")
+PLAN_SETTINGS: tuple[str, ...] = ("dataset", "seed", "max_length", "max_samples", "template_options", "sources",
+                                  "eval")
+#: a plan setting's value when plan.json predates it (or the spec leaves it out)
+_PLAN_DEFAULTS: dict[str, object] = {"template_options": {}, "sources": [], "eval": None}
 
 
 def check_compatible(current: RootSettings, contract: CaptureContract, plan_id: str, layout: CacheLayout, *,
@@ -145,9 +148,9 @@ def _plan_differences(plan_json, spec, name_of) -> list[str]:
     if spec is None or not isinstance(there, dict):
         return [f"the plan ({names}, the dataset's contents and the target's tokenizer decide it)"]
     here = msgspec.to_builtins(spec)
-    out = [f"{name_of(s)} {_shown(there.get(s, {} if s == 'template_options' else None))} there, "
-           f"{_shown(here.get(s, {}))} here" for s in PLAN_SETTINGS
-           if there.get(s, {} if s == "template_options" else None) != here.get(s, {})]
+    out = [f"{name_of(s)} {_shown(there.get(s, _PLAN_DEFAULTS.get(s)))} there, "
+           f"{_shown(here.get(s, _PLAN_DEFAULTS.get(s)))} here" for s in PLAN_SETTINGS
+           if there.get(s, _PLAN_DEFAULTS.get(s)) != here.get(s, _PLAN_DEFAULTS.get(s))]
     return out or [f"the plan (the same {names}, but the dataset file's contents or the target's tokenizer "
                    "changed)"]
 

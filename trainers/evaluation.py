@@ -37,6 +37,22 @@ from artcache.trainers.draft import MetricSums
 log = logging.getLogger("artcache.consumer")
 
 
+def heldout_samples(plan, eval_samples: int, name: str = "--eval-samples") -> int:
+    """The held-out split's size for a consumer of ``plan`` that asked for ``eval_samples``: a plan with an
+    evaluation source (``data.eval``; :attr:`artcache.plan.Plan.heldout` > 0) fixes it to that source's samples
+    for every consumer (0, or the same number, is accepted); otherwise ``eval_samples`` as given.
+
+    Raises:
+        ConfigError: ``eval_samples`` differs from the plan's held-out split (one line naming both).
+    """
+    held = plan.heldout
+    if not held or eval_samples in (0, held):
+        return held or eval_samples
+    raise ConfigError(f"{name} {eval_samples} differs from the plan's held-out split: its last {held} samples come "
+                      f"from its evaluation source (data.eval) and every consumer evaluates on them; accepted: 0 "
+                      f"(left out) or {held}")
+
+
 def eval_split(plan_len: int, eval_samples: int, name: str = "--eval-samples",
                limit: str = "", need_split: bool = False) -> tuple[int, int]:
     """The held-out sample indices ``[lo, hi)`` (``(0, 0)`` when ``eval_samples`` is 0); training walks the

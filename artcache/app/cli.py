@@ -13,10 +13,18 @@ from click.core import ParameterSource
 
 from artcache.app import config as C
 from artcache.app.config import load_run_config, saved_config_source
-from artcache.app.values import check_device, parse_bytes, parse_disk_budget, parse_layer_ids, parse_template_options
+from artcache.app.values import (
+    check_device,
+    data_flags,
+    parse_bytes,
+    parse_disk_budget,
+    parse_layer_ids,
+    parse_template_options,
+)
 from artcache.data.regenerate import BACKENDS as REGEN_BACKENDS
 from artcache.data.regenerate import CACHES as REGEN_CACHES
 from artcache.data.regenerate import DTYPES as REGEN_DTYPES
+from artcache.data.sources import DataSource
 from artcache.errors import ArtcacheError, CacheRootError, ConfigError
 from artcache.logs import setup_logging
 from artcache.ranges import NonNegativeFloat, check_value
@@ -254,9 +262,14 @@ def main(verbose: bool) -> None:
 @main.command()
 @click.option("--cache", default=None, help="Cache root directory (created if absent); required without --config.")
 @TARGET_OPTION
-@click.option("--data", "dataset", default="sharegpt",
+@click.option("--data", "dataset", multiple=True, default=("sharegpt",), metavar="PATH[:WEIGHT]",
               help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a "
-              "ShareGPT-format JSON/JSONL file.")
+              "ShareGPT-format JSON/JSONL file. Repeat it (or add :WEIGHT) to mix data sources by weight: dataset "
+              "folders (save_to_disk) and parquet/arrow/JSON/JSONL files, OpenAI messages or ShareGPT schema "
+              "(docs/data.md).")
+@click.option("--eval-data", default=None, metavar="PATH",
+              help="A separate evaluation source: its samples end the plan as the held-out split every consumer "
+              "evaluates on (docs/data.md).")
 @click.option("--seed", default=0, type=int, help="Plan shuffle seed.")
 @click.option("--max-length", default=512, type=int, help="Tokens per sample (truncated).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan (positions wrap around).")
@@ -329,7 +342,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              compute_dtype, batch_samples, batch_tokens, max_queue, heartbeat_timeout, exit_when_done, done_grace,
              expect_consumers, expect_timeout, idle_exit, threads,
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
-             fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1, prefill_chunk=0):
+             fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1, prefill_chunk=0,
+             eval_data=None):
     """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
     from artcache.producer import ProducerConfig
     from artcache.scheduler import SchedulerLimits
@@ -337,8 +351,12 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     check_device(device)
     device_list = parse_devices(devices)
     ids = parse_layer_ids(layer_ids)
+    data = data_flags(dataset, eval_data)
     cfg = ProducerConfig(
-        cache=cache, target=target, dataset=dataset, seed=seed, max_length=max_length, max_samples=max_samples,
+        cache=cache, target=target, dataset=data.get("data.dataset", "sharegpt"),
+        sources=[msgspec.convert(x, DataSource) for x in data.get("data.sources", [])],
+        eval=msgspec.convert(data["data.eval"], DataSource) if "data.eval" in data else None, seed=seed,
+        max_length=max_length, max_samples=max_samples,
         draft_layers=draft_layers, layer_ids=ids, device=device, devices=device_list,
         tensor_parallel_size=tensor_parallel_size, dtype=dtype, compute_dtype=compute_dtype,
         limits=SchedulerLimits(max_queue=max_queue, max_batch_samples=batch_samples, max_batch_tokens=batch_tokens,
@@ -419,6 +437,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--progress/--no-progress", default=True, help="Progress bar on stderr (only on a terminal).")
 @click.option("--tensorboard/--no-tensorboard", default=True,
               help="TensorBoard scalars in <out>/tensorboard when installed (metrics.csv always).")
+@click.option("--tracker", "trackers", multiple=True, type=click.Choice(("wandb", "mlflow")),
+              help="Also send the scalars to W&B or MLflow (repeatable; the extras of those names): one run per "
+              "consumer, named by its id; their settings from WANDB_* / MLFLOW_TRACKING_URI.")
+@click.option("--tracker-project", default="artcache", help="The W&B project / MLflow experiment of --tracker runs.")
 @click.option("--compile", "compile_mode", default="auto", type=click.Choice(COMPILE_MODES),
               help="torch.compile the draft: auto (on on CUDA for runs of >= 2,000 steps, else off), off, on, graphs "
                    "(with CUDA graphs; CUDA only).")
@@ -459,7 +481,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             markov_rank, markov_head, save_every, keep_checkpoints, checkpoint_optimizer, resume, init_from,
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
-            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False, pack_tokens=0):
+            reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False, pack_tokens=0,
+            trackers=(), tracker_project="artcache"):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
@@ -485,7 +508,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         init_overrides=[x for item in init_overrides for x in item.split(",") if x],
         min_vocab_coverage=min_vocab_coverage, keep_vocab_map=keep_vocab_map or None,
         eval_samples=eval_samples, eval_interval=eval_interval, eval_anchors=eval_anchors, best_metric=best_metric,
-        progress=progress, tensorboard=tensorboard, compile=compile_mode, loss_impl=loss_impl,
+        progress=progress, tensorboard=tensorboard, trackers=list(trackers), tracker_project=tracker_project,
+        compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
         reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens)
     _start("consumer", cfg)
@@ -620,7 +644,16 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
 @click.option("--out", default=None, help="Shortcut for out=DIR (the run directory).")
 @click.option("--target", default=None, help="Shortcut for target.name=NAME_OR_DIR.")
-@click.option("--data", "dataset", default=None, help="Shortcut for data.dataset=NAME_OR_FILE.")
+@click.option("--data", "dataset", multiple=True, metavar="PATH[:WEIGHT]",
+              help="Shortcut for data.dataset=NAME_OR_FILE; repeated (or with :WEIGHT), for [[data.sources]] "
+              "(docs/data.md).")
+@click.option("--eval-data", default=None, metavar="PATH", help="Shortcut for data.eval.path=PATH.")
+@click.option("--capture-rate", default=None, type=float, metavar="SAMPLES_PER_S",
+              help="With --dry-run: the producer's capture rate for the capacity estimate (default: measured from the "
+              "cache root's journal when a run used it, else assumed; docs/training.md, \"Capacity estimate\").")
+@click.option("--step-rate", "step_rates", multiple=True, metavar="[NAME=]STEPS_PER_S",
+              help="With --dry-run: an experiment's optimizer steps per second for the estimate (repeatable; without "
+              "NAME=, every experiment's).")
 @click.option("--device", default=None, help="Shortcut for target.device=DEV (experiments without a device follow).")
 @click.option("--launcher", default="local", type=click.Choice(["local", "slurm"]),
               help="local: start the processes here; slurm: write an sbatch script of job steps ([slurm] section, "
@@ -630,7 +663,7 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
               "status and the root's inspect summary (exit 1 if any failed).")
 @_errors
 def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, launcher="local", submit=False,
-        wait_job=False):
+        wait_job=False, eval_data=None, capture_rate=None, step_rates=()):
     """One producer (capturing the union of the experiments' layers, plus the target's last layer for a held-out
     replay: capture.replay_layer) and one consumer per experiment.
 
@@ -643,7 +676,7 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
         raise ConfigError("--submit and --wait need --launcher slurm")
     if wait_job and not submit:
         raise ConfigError("--wait needs --submit (it waits for the submitted job)")
-    flags = {"out": out, "target.name": target, "data.dataset": dataset, "target.device": device}
+    flags = {"out": out, "target.name": target, "target.device": device, **data_flags(dataset, eval_data)}
     plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}),
                               local_devices=launcher == "local", source=f"--config {str(config_path)!r}")
     if launcher == "slurm":
@@ -654,7 +687,17 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
                               "script")
         sys.exit(launch(plan, resolved, dry_run=dry_run, submit=submit, wait=wait_job))
     if dry_run:
-        click.echo(msgspec.json.format(msgspec.json.encode(plan)).decode() if as_json else format_plan(plan))
+        from artcache.app.estimate import estimate, format_estimate, parse_step_rates, plan_length, skipped
+
+        rates, why = parse_step_rates(step_rates), skipped(plan)
+        est = None if why else estimate(plan, resolved, plan_length(plan, resolved), capture_rate=capture_rate,
+                                        step_rates=rates)
+        if as_json:
+            click.echo(msgspec.json.format(msgspec.json.encode(
+                {**msgspec.to_builtins(plan), "estimate": msgspec.to_builtins(est)})).decode())
+        else:
+            click.echo(format_plan(plan) + "\n\n" + (format_estimate(est) if est is not None else
+                                                     f"estimate: none ({why})"))
         return
     click.echo(format_plan(plan))
     sys.exit(run_experiments(plan, resolved))

@@ -47,7 +47,8 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-from artcache.app.values import parse_bytes, parse_disk_budget, parse_template_options
+from artcache.app.values import data_flags, parse_bytes, parse_disk_budget, parse_template_options
+from artcache.data.sources import DataSource
 from artcache.errors import ConfigError
 from artcache.eviction import retention_rule
 from artcache.fsio import atomic_write
@@ -109,9 +110,16 @@ class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         dataset: ``sharegpt`` (embedded), ``synthetic`` or a ShareGPT-format JSON/JSONL file.
-        seed: plan shuffle seed. max_length: tokens per sample (truncated). max_samples: plan length.
+        seed: plan shuffle seed. max_length: tokens per sample (truncated). max_samples: plan length
+            (with ``sources``: the training samples of the mix).
         template_options: chat template keyword arguments (e.g. ``enable_thinking = false``); part of
             the plan and of every fingerprint.
+        sources: ``[[data.sources]]`` tables (``path``, ``weight``, ``split``, ``max_samples``): a weighted mix of
+            dataset folders and parquet / arrow / JSON / JSONL files in the OpenAI ``messages`` or ShareGPT
+            ``conversations`` schema, replacing ``dataset`` (:class:`artcache.data.sources.DataSource`,
+            :func:`artcache.plan.build_mixed_plan`; docs/data.md).
+        eval: ``[data.eval]`` (``path``, ``split``, ``max_samples``): a separate evaluation source; its samples
+            end the plan as the held-out split every experiment evaluates on and never trains on.
     """
 
     dataset: str = "sharegpt"
@@ -119,6 +127,8 @@ class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_length: MaxLength = 512
     max_samples: Count = 2000
     template_options: dict[str, bool | int | float | str] = {}
+    sources: list[DataSource] = []
+    eval: DataSource | None = None
 
 
 class CaptureSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -756,6 +766,11 @@ def _toml_table(header: str, table: dict, lines: list[str]) -> None:
         if isinstance(v, dict) and v:
             lines.append("")
             _toml_table(f"[{name}.{_toml_key(k)}]", v, lines)
+    for k, v in table.items():  # a list of tables ([[data.sources]]) after the tables: TOML's array of tables
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for item in v:
+                lines.append("")
+                _toml_table(f"[[{name}.{_toml_key(k)}]]", item, lines)
 
 
 def dump_toml(cfg: RunConfig) -> str:
@@ -794,6 +809,7 @@ PRODUCER_FLAGS = {
     "batch_tokens": "capture.batch_tokens", "max_queue": "capture.max_queue", "prefill_chunk": "capture.prefill_chunk",
     "heartbeat_timeout": "cache.heartbeat_timeout_s", "done_grace": "cache.done_grace_s", "threads": "target.threads",
     "template_options": "data.template_options", "group_shared": "cache.group_shared", "backend": "capture.backend",
+    "eval_data": "data.eval",
     "disk_budget": "cache.disk_budget", "retention": "cache.retention", "payload": "cache.payload",
     "devices": "target.devices", "tensor_parallel_size": "target.tensor_parallel_size",
 }
@@ -839,6 +855,11 @@ def flag_paths(verb: str, explicit: dict[str, Any], experiment: str | None = Non
             else:
                 raise ConfigError(f"--{name.replace('_', '-')} has no config field; with --config leave it out "
                                   "or set the value in the file")
+        if path == "data.dataset":  # repeatable --data PATH[:WEIGHT], --eval-data: data.dataset or data.sources
+            out.update(data_flags(value))
+            continue
+        if path == "data.eval":
+            value = {"path": value}
         if path.startswith("E."):
             path = f"experiments.{experiment}.{path[2:]}"
         if path == "data.template_options":
@@ -907,8 +928,9 @@ def capture_layers(cfg: RunConfig, num_layers: int) -> tuple[list[int], list[str
     """
     union = layer_union([draft_view(e, num_layers, cfg.capture.draft_layers) for e in cfg.experiments])
     last = num_layers - 1
-    served = [e.name for e in cfg.experiments if evaluates(e)] if cfg.capture.replay_layer and last not in union \
-        else []
+    # a data.eval source is the held-out split of every experiment (artcache.plan.Plan.heldout)
+    served = [e.name for e in cfg.experiments if evaluates(e) or cfg.data.eval is not None] \
+        if cfg.capture.replay_layer and last not in union else []
     return (sorted([*union, last]) if served else union), served
 
 
@@ -939,6 +961,7 @@ def producer_config(cfg: RunConfig, **process: Any):
         layer_ids, _ = capture_layers(cfg, resolve_target(cfg.target.name).num_layers)
     return ProducerConfig(
         cache=cache_root(cfg), target=cfg.target.name, dataset=cfg.data.dataset, seed=cfg.data.seed,
+        sources=list(cfg.data.sources), eval=cfg.data.eval,
         max_length=cfg.data.max_length, max_samples=cfg.data.max_samples, draft_layers=cfg.capture.draft_layers,
         layer_ids=layer_ids, device=cfg.target.device, devices=list(cfg.target.devices),
         tensor_parallel_size=cfg.target.tensor_parallel_size, dtype=cfg.target.dtype,

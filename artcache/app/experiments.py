@@ -285,7 +285,8 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     producer = producer_config(resolved, exit_when_done=True, producer_id="producer")
     producer.limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
     # the plan spec and the contract the producer will build (artcache.producer.capture_contract)
-    spec = PlanSpec(dataset=resolved.data.dataset, seed=resolved.data.seed, max_length=resolved.data.max_length,
+    spec = PlanSpec(dataset=resolved.data.dataset, sources=tuple(resolved.data.sources), eval=resolved.data.eval,
+                    seed=resolved.data.seed, max_length=resolved.data.max_length,
                     max_samples=resolved.data.max_samples, template_options=dict(resolved.data.template_options))
     tok = load_tokenizer(info)
     plan_id = plan_id_for(spec, tok)
@@ -408,7 +409,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     from artcache.trainers.consumer.config import check_anchors
     from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
     from artcache.trainers.draft import draft_class
-    from artcache.trainers.evaluation import eval_split
+    from artcache.trainers.evaluation import eval_split, heldout_samples
     from artcache.trainers.seed import read_seed
 
     start_step = start_cursor = 0
@@ -418,6 +419,9 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     check_anchors(given.num_anchors, resolved.data.max_length, f"experiments.{e.name}.anchors",
                   "data.max_length, the tokens per sample")  # as the consumer will (artcache.trainers.consumer)
     ccfg = given.resolved()
+    if resolved.data.eval is not None:  # the eval source's samples are every experiment's held-out split
+        ccfg = msgspec.structs.replace(ccfg, eval_samples=heldout_samples(
+            plan_obj(), ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples"))
     if ccfg.eval_samples > 0:  # the consumer's own check: the split against the plan's length, which
         # data.max_samples only bounds (a dataset with fewer usable samples gives a shorter plan)
         n, max_samples = len(plan_obj()), resolved.data.max_samples

@@ -130,3 +130,23 @@ def check_device(device: str, what: str = "--device", local: bool = True) -> Non
         if dev.index is not None and dev.index >= n:
             raise ConfigError(f"{what} {device!r}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1}); use cpu or "
                               "one of those")
+def data_flags(data, eval_data: str | None = None) -> dict:
+    """The repeatable ``--data PATH[:WEIGHT]`` and ``--eval-data PATH`` → run config paths.
+
+    One ``--data`` without a weight keeps its meaning: ``data.dataset`` (``sharegpt``, ``synthetic`` or a
+    ShareGPT-format file). Several, or one with ``:WEIGHT``, are ``data.sources`` (each a
+    :class:`artcache.data.sources.DataSource`: a dataset folder or a parquet / arrow / JSON / JSONL file, its
+    weight after the last colon, default 1). ``--eval-data`` is ``data.eval``. Nothing given: ``{}``.
+
+    Raises ConfigError for a weight <= 0 or an empty path."""
+    from artcache.data.sources import parse_data_arg
+
+    out: dict = {}
+    items = [data] if isinstance(data, str) else list(data or ())
+    if len(items) == 1 and parse_data_arg(items[0]).path == items[0]:
+        out["data.dataset"] = items[0]
+    elif items:
+        out["data.sources"] = [{"path": s.path, "weight": s.weight} for s in map(parse_data_arg, items)]
+    if eval_data:
+        out["data.eval"] = {"path": eval_data}
+    return out

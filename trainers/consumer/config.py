@@ -109,6 +109,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (:meth:`~artcache.trainers.draft.Draft.held_out_figures`; :func:`check_best_metric`).
         progress: show a progress bar on stderr (only when it is a TTY).
         tensorboard: write TensorBoard scalars when the package is installed (metrics.csv always).
+        trackers: further trackers of the same scalars (``--tracker``): ``wandb`` and / or ``mlflow`` (the extras of
+            those names), one run per consumer named by its id (:mod:`artcache.trainers.tracking`).
+        tracker_project: the W&B project and the MLflow experiment the runs go to.
         compile: ``torch.compile`` the draft's forward (and the lm_head loss's per-chunk body): ``auto``
             (``on`` on CUDA when ``steps`` >= :data:`~artcache.trainers.speed.AUTO_COMPILE_MIN_STEPS`, else
             ``off``), ``off``, ``on``, ``graphs`` (with CUDA graphs; CUDA only).
@@ -189,6 +192,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     best_metric: str | None = None
     progress: bool = True
     tensorboard: bool = True
+    trackers: list[Literal["wandb", "mlflow"]] = []
+    tracker_project: str = "artcache"
     compile: Literal[COMPILE_MODES] = "auto"
     loss_impl: Literal[LOSS_IMPLS] = "auto"
     length_bucket: NonNegative = 64
@@ -206,6 +211,12 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         check_id(self.consumer_id, "consumer id")
         check_draft_options(self)
         check_ranges(self, flag_of)  # the ranges declared on the fields (artcache.ranges)
+        if self.trackers:
+            from artcache.trainers.tracking import check_trackers
+
+            check_trackers(self.trackers)
+            if not self.tracker_project:
+                raise ConfigError("--tracker-project '' is invalid: accepted a W&B project / MLflow experiment name")
         bad = [o for o in self.init_overrides if o not in INIT_OVERRIDES]
         if bad:
             raise ConfigError(f"--init-override {bad[0]!r} is not accepted: one of {', '.join(INIT_OVERRIDES)} "
@@ -334,7 +345,8 @@ INIT_OVERRIDES = ("block_size", "mask_token", "target")
 #: CLI flags whose name is not the field's (``--x-y`` for ``x_y`` otherwise).
 FLAGS = {"num_anchors": "--anchors", "out_dir": "--out", "consumer_id": "--id", "demand_timeout_s": "--demand-timeout",
          "commit_interval_s": "--commit-interval", "group_timeout_s": "--group-timeout",
-         "init_overrides": "--init-override", "lookbehind": "--window LOOKBEHIND", "lookahead": "--window LOOKAHEAD"}
+         "init_overrides": "--init-override", "trackers": "--tracker",
+         "lookbehind": "--window LOOKBEHIND", "lookahead": "--window LOOKAHEAD"}
 
 
 def flag_of(field: str) -> str:

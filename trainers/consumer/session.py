@@ -84,7 +84,7 @@ from artcache.trainers.draft import (
     figure_rank,
     figures_of,
 )
-from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, target_argmax_fn
+from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, heldout_samples, target_argmax_fn
 from artcache.trainers.packing import collate_packed, packer_of
 from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
 from artcache.trainers.tracking import Progress, RunTracker
@@ -273,6 +273,9 @@ class Session:
         self.device = torch.device(cfg.device)
         if self.group is not None and self.device.type == "cuda":  # rank r of a node on its own device
             self.device = torch.device("cuda", self.group.local_rank)
+        held = heldout_samples(self.plan, cfg.eval_samples)  # a plan's data.eval split is every consumer's
+        if held != cfg.eval_samples:
+            cfg = self.cfg = msgspec.structs.replace(cfg, eval_samples=held)
         self.pinned = eval_split(len(self.plan), cfg.eval_samples)
         # training walks the plan's first epoch_len samples epoch after epoch; the held-out split never
         self.epoch_len = self.pinned[0] or len(self.plan)
@@ -475,7 +478,8 @@ class Session:
                 self._drop_unrecorded()
                 resuming = self.resumed is not None or cfg.resume
                 self.tracker = RunTracker(self.run_dir, tensorboard=cfg.tensorboard,
-                                          resume_step=self.start_step if resuming else None)
+                                          resume_step=self.start_step if resuming else None, trackers=cfg.trackers,
+                                          run_name=cfg.consumer_id, project=cfg.tracker_project)
             except BaseException as exc:
                 self.handle.finish("failed", f"{type(exc).__name__}: {exc}")
                 self.journal.close()
