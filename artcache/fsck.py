@@ -42,10 +42,11 @@ kind                     what                                          ``--fix``
 ``stale-lock``           a marker-file ("soft") lock left by a dead    remove it
                          process, or a lock path that is not a file
 ``bad-plan``             the root's plan does not load and verify      not fixable here (report only)
-                         (``plan.json``'s digests of itself and of
-                         ``plan.safetensors`` included)
-``bad-settings``         ``artcache.json`` does not match the digest   not fixable here (report only);
-                         of its content it records                     artifacts and plan left unchecked
+                         (``plan.json`` unparsable, or its digests of
+                         itself and of ``plan.safetensors``)
+``bad-settings``         ``artcache.json`` is not a valid settings     not fixable here (report only);
+                         document (e.g. truncated) or does not match   artifacts and plan left unchecked
+                         the digest of its content it records
 =======================  ===========================================  ==================================
 
 Notes (not problems): temp files of live writers or other hosts, entries artcache did not write, locks
@@ -532,14 +533,20 @@ def fsck(root: str | os.PathLike, *, fix: bool = False, lease_ttl_s: float = 600
     Raises:
         CacheRootError: ``root`` is not an initialised cache root (no ``artcache.json``).
     """
-    from artcache.settings import decode_settings
+    from artcache.settings import RootSettings, decode_settings
 
     layout = CacheLayout(Path(root).expanduser().absolute())
     if not layout.root.is_dir() or not layout.settings.is_file() or layout.settings.is_symlink():
         raise CacheRootError(f"{str(layout.root)!r} is not an initialised cache root (no {layout.settings.name})")
     # not load_settings: it refuses a root with a linked subdirectory, which fsck reports
-    settings, damage = decode_settings(layout.settings.read_bytes(), layout.settings)
-    run = _Fsck(layout, fix, lease_ttl_s, settings.heartbeat_timeout_s if observe_s is None else observe_s)
+    try:
+        settings, damage = decode_settings(layout.settings.read_bytes(), layout.settings)
+        heartbeat_timeout_s = settings.heartbeat_timeout_s
+    except CacheRootError as exc:  # unparsable (truncated, overwritten): damaged like a tampered one
+        damage = f"not a valid settings document ({str(exc).removeprefix(f'{layout.settings} is invalid: ')})"
+        heartbeat_timeout_s = next(f.default for f in msgspec.structs.fields(RootSettings)
+                                   if f.name == "heartbeat_timeout_s")
+    run = _Fsck(layout, fix, lease_ttl_s, heartbeat_timeout_s if observe_s is None else observe_s)
     try:
         run.check_symlinks()
         run.check_dirs()
@@ -556,7 +563,7 @@ def fsck(root: str | os.PathLike, *, fix: bool = False, lease_ttl_s: float = 600
                              "plan")
             published = set()
         run.check_failures(published)
-        live = run.check_consumers(settings.heartbeat_timeout_s)
+        live = run.check_consumers(heartbeat_timeout_s)
         run.check_leases(live)
         run.check_locks()
         if damage is None:

@@ -47,6 +47,8 @@ SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: errno values with which opening a file for writing says it (or its directory, or the mount) is not writable:
 #: :class:`~artcache.errors.NotWritable` (lock files, journals)
 NOT_WRITABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+#: what such a refusal says a root that cannot be written still allows (both commands only read without --fix)
+READ_ONLY_ROOT_USE = "a read-only root can only be read, with `artcache inspect` or `artcache fsck` (without --fix)"
 #: delays (seconds) between the tries of a directory fsync after a rename
 DIR_FSYNC_BACKOFF = (0.05, 0.25, 1.0)
 

@@ -23,7 +23,14 @@ from pathlib import Path
 import msgspec
 
 from artcache.errors import ArtcacheError, JournalError, NotWritable
-from artcache.fsio import NOT_WRITABLE_ERRNOS, group_shared, is_retryable, is_space_error, share_mode
+from artcache.fsio import (
+    NOT_WRITABLE_ERRNOS,
+    READ_ONLY_ROOT_USE,
+    group_shared,
+    is_retryable,
+    is_space_error,
+    share_mode,
+)
 from artcache.layout import open_nofollow
 
 log = logging.getLogger("artcache.journal")
@@ -299,8 +306,8 @@ class JournalWriter:
             if exc.errno in NOT_WRITABLE_ERRNOS and not isinstance(exc, ArtcacheError):
                 raise NotWritable(f"cannot open journal {path} for writing ({os.strerror(exc.errno)}): every "
                                   "process using a cache root needs write access to its journal/ (a group-shared "
-                                  "root: the group's rw and umask 007); a read-only root can only be read with "
-                                  "`artcache inspect`", errno_=exc.errno) from exc
+                                  f"root: the group's rw and umask 007); {READ_ONLY_ROOT_USE}",
+                                  errno_=exc.errno) from exc
             raise
         if group_shared(path.parent):  # readable by the group whatever the umask
             with contextlib.suppress(OSError):

@@ -26,7 +26,7 @@ import filelock
 from filelock import Timeout, UnixFileLock
 
 from artcache.errors import LockTimeout, LockUnavailable, NotWritable, UnsafePath
-from artcache.fsio import NOT_WRITABLE_ERRNOS
+from artcache.fsio import NOT_WRITABLE_ERRNOS, READ_ONLY_ROOT_USE
 
 #: The oldest filelock release artcache accepts (see the module docstring).
 MIN_FILELOCK = (4, 2, 1)
@@ -88,7 +88,7 @@ class CacheLock(UnixFileLock):
                 raise NotWritable(
                     f"cannot open lock file {self.lock_file} ({os.strerror(exc.errno)}): every process using a "
                     "cache root needs write access to its locks/ (a group-shared root: the group's rw and umask "
-                    "007); a read-only root can only be read with `artcache inspect`", errno_=exc.errno) from exc
+                    f"007); {READ_ONLY_ROOT_USE}", errno_=exc.errno) from exc
             if exc.errno in _UNSUPPORTED:
                 raise LockUnavailable(
                     f"cannot lock {self.lock_file}: the filesystem does not support flock "

@@ -408,3 +408,25 @@ def test_regression_empty_choice_is_named_in_a_refusal(tmp_path):
     msg = rejected(tmp_path, TWO, "cache.retention=Need")
     assert 'expected one of "", need, windows' in msg, msg
     assert C.load_run_config(write(tmp_path, TWO), ["cache.retention="]).cache.retention == ""
+
+
+@pytest.mark.parametrize("text, overrides, want", [
+    ('[cache]\ndisk_budget = "100M"\n', (), (100 << 20, 0)),
+    ('[cache]\ndisk_budget = "AUTO"\n', (), ("auto", 0)),
+    ("", ("cache.disk_budget=1.5G", "bench.disk_budget=2K"), (3 << 29, 2048)),
+    ('[bench]\ndisk_budget = "1T"\n', (), (0, 1 << 40)),
+])
+def test_regression_config_disk_budget_takes_the_flags_spellings(tmp_path, text, overrides, want):
+    """``--disk-budget 100M``, ``1.5G`` and ``AUTO`` worked on the command line, but ``cache.disk_budget = "100M"``
+    in a run config (or as an override) was refused with msgspec's ``Invalid enum value '100M'``. The config
+    fields go through the flag's parser now."""
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    cfg = C.load_run_config(path, overrides)
+    assert (cfg.cache.disk_budget, cfg.bench.disk_budget) == want
+
+
+def test_regression_config_disk_budget_refusal_names_the_accepted_forms(tmp_path):
+    """A bad ``cache.disk_budget`` is refused in one line naming the field, the value and the forms accepted."""
+    msg = rejected(tmp_path, '[cache]\ndisk_budget = "100X"\n')
+    assert "cache.disk_budget '100X' is not accepted" in msg and "500G or 1.5T" in msg and "or auto" in msg, msg

@@ -679,3 +679,22 @@ def test_regression_dspark_bad_layer_ids_message_on_a_small_target():
         with pytest.raises(ConfigError, match=rf"^--layer-ids {','.join(map(str, ids))} for DSpark: .*last layer 5 "
                            rf"once \(default for {n or 3} draft layers: {default}\)$"):
             _build(DSparkAdapter, cfg, settings, None, torch.device("cpu"), info=SimpleNamespace(num_layers=6))
+
+
+def test_regression_calibrate_names_an_evaluation_that_never_ran(tmp_path):
+    """A DSpark run with ``--eval-samples 8`` cancelled before its final evaluation left a checkpoint without
+    held-out records, and ``artcache calibrate`` told the user to "train with --eval-samples N", which they had.
+    It now says the evaluation never ran (the run was stopped before it) and how to get the records."""
+    from artcache.trainers.checkpoint import save_checkpoint
+    from artcache.trainers.dspark.calibrate import calibrate_checkpoint
+
+    m = model_of(dtype=torch.float32)
+    ck = save_checkpoint(tmp_path / "run", step=2, cursor=4, weights=m.trainable_state_dict(), optimizer=None,
+                         generators={}, extra_tensors={},
+                         state={"draft": "dspark", "draft_config": msgspec.to_builtins(m.cfg),
+                                "run": {"draft": "dspark", "eval_samples": 8}})
+    with pytest.raises(ConfigError) as info:
+        calibrate_checkpoint(ck)
+    msg = str(info.value)
+    assert "--eval-samples 8, but no evaluation ran" in msg and "stopped before its final evaluation" in msg, msg
+    assert "--resume" in msg and "--eval-interval" in msg and "train with --eval-samples N" not in msg, msg

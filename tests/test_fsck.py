@@ -383,3 +383,57 @@ def test_inspect_exits_nonzero_when_an_invariant_fails(layout):
 def test_fsck_on_a_root_path_it_is_given_relative(layout, monkeypatch):
     monkeypatch.chdir(layout.root.parent)
     assert fsck(Path(layout.root.name)).ok
+
+
+def test_regression_an_unparsable_artcache_json_or_plan_json_is_a_finding(layout):
+    """An artcache.json truncated so that it was no longer valid JSON stopped fsck with ``error: ... artcache.json
+    is invalid: Input data was truncated`` (exit 2, as for bad input), while a valid but tampered one was reported
+    as ``MANUAL bad-settings`` (exit 1). A damaged root is a finding: both are bad-settings, exit 1; an unparsable
+    plan.json is bad-plan, exit 1."""
+    from artcache.settings import load_settings
+
+    plan_dir = layout.plan_dir(load_settings(layout).plan_id)
+    raw = layout.settings.read_bytes()
+    layout.settings.write_bytes(raw[: len(raw) // 2])
+    rep = fsck(layout.root)
+    assert kinds(rep) == ["bad-settings"] and not rep.ok and "truncated" in rep.problems[0].detail
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(layout.root)])
+    assert r.exit_code == 1 and "MANUAL  bad-settings" in r.stdout, r.output
+    layout.settings.write_bytes(raw)
+    text = (plan_dir / "plan.json").read_text()
+    (plan_dir / "plan.json").write_text(text[: len(text) // 2])
+    assert kinds(fsck(layout.root)) == ["bad-plan"]
+    r = CliRunner().invoke(main, ["fsck", "--cache", str(layout.root)])
+    assert r.exit_code == 1 and "MANUAL  bad-plan" in r.stdout, r.output
+
+
+def test_regression_a_read_only_root_refusal_names_inspect_and_fsck(layout, tmp_path):
+    """On a read-only root a consumer's refusal (its journal or a lock cannot be opened for writing) said the root
+    "can only be read with `artcache inspect`", though ``artcache fsck`` (without --fix) also works read-only.
+    Both refusals name both commands, and fsck does check such a root. The root is bind-mounted read-only in a
+    private mount namespace (needs root and unshare)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    root = str(layout.root)
+    ro = f"mount --bind {root} {root} && mount -o remount,bind,ro {root} {root}"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", ro], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"no read-only bind mount here: {probe.stderr.decode()[-200:]}")
+    code = ("import sys\nfrom artcache import journal as J\nfrom artcache.layout import CacheLayout\n"
+            "from artcache.locking import cache_lock\nfrom artcache.errors import NotWritable\n"
+            "from pathlib import Path\nlay = CacheLayout(Path(sys.argv[1]))\n"
+            "for opener in (lambda: J.JournalWriter(lay.journal_path('consumer', 'c')),\n"
+            "               lambda: cache_lock(lay.locks / 'new.lock', timeout=0).acquire()):\n"
+            "    try:\n        opener()\n    except NotWritable as exc:\n        print(exc)\n")
+    script = f'{ro} && "$0" -c "$1" {root} && exec "$0" -m artcache fsck --cache {root}'
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable, code], capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("cannot open")]
+    assert len(lines) == 2 and "journal" in lines[0] and "lock file" in lines[1], proc.stdout + proc.stderr
+    for line in lines:
+        assert "`artcache inspect` or `artcache fsck` (without --fix)" in line, line
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stdout + proc.stderr

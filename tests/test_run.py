@@ -1109,6 +1109,27 @@ def test_regression_report_checkpoints_column_counts_and_names_the_steps(tmp_pat
     assert "1 (4)" in cells, cells
 
 
+def test_regression_report_says_which_steps_the_experiment_row_counts(tmp_path):
+    """``artcache report`` after a consumer was SIGKILLed before its first checkpoint showed the experiment as
+    ``failed  0/400`` under a bare ``steps`` header (the step of its latest checkpoint) while its process row said
+    ``steps 1-43 (43 run)``: the two read as a contradiction. The row now shows the step trained and the step
+    checkpointed, each named in the header."""
+    import shutil
+
+    out = _run_dir(tmp_path, {"a": 4, "b": 2})
+    _unended_process(out, "b", fence="process 4242 is gone")
+    shutil.rmtree(out / "experiments" / "b" / "checkpoints")
+    res = CliRunner().invoke(main, ["report", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "trained (step)" in res.output and "checkpointed (step/planned)" in res.output, res.output
+    cells = [c.strip() for c in re.split(r"\s{2,}", _row(res.output, "b"))]
+    assert cells[2:5] == ["failed", "2", "0/4"], cells
+    assert "b #1: failed, steps 1-2 (2 run)" in res.output
+    b = next(x for x in json.loads(CliRunner().invoke(main, ["report", str(out), "--json"]).output)["experiments"]
+             if x["name"] == "b")
+    assert (b["steps"], b["steps_trained"], b["steps_planned"]) == (0, 2, 4)
+
+
 def _unended_process(out: Path, name: str, *, fence: str | None, reg_state: str | None = None) -> None:
     """Consumer ``name``'s process as a SIGKILL leaves it: a journal with its start and two steps but no end record,
     its registration (this process's identity); ``fence``: a producer fenced it with that reason (registration and

@@ -708,8 +708,9 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @_errors
 def report(run_dir, as_json):
-    """Each experiment of an `artcache run` directory: state, steps, last evaluation, checkpoints, and the
-    shared production (captures, counted once) apart from each experiment's committed work.
+    """Each experiment of an `artcache run` directory: state, step trained and step checkpointed, last
+    evaluation, checkpoints, and the shared production (captures, counted once) apart from each experiment's
+    committed work.
 
     An experiment with damaged files (its config.toml, a checkpoint's state.json, its metrics.csv) is
     reported as damaged with the reason, the others as usual, and the exit status is 1."""

@@ -174,9 +174,10 @@ class CacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         demand_timeout_s: an experiment gives up waiting for one position after this long (seconds).
         group_shared: create the root group-shared (mode 2770, setgid) instead of private (0700).
         disk_budget: bytes the retained artifacts may take, or ``"auto"`` (from the filesystem's free space at
-            start); 0: none, the windows-only rule (only live windows, pinned ranges and leases are kept). A
-            budget means retention by future need (:func:`artcache.eviction.retention_rule`); live windows and
-            leases are kept whatever it is.
+            start): an integer, or text as ``--disk-budget`` takes it (``"100M"``, ``"1.5G"``: K, M, G, T are
+            powers of 1024; ``"auto"`` in any case); 0: none, the windows-only rule (only live windows, pinned
+            ranges and leases are kept). A budget means retention by future need
+            (:func:`artcache.eviction.retention_rule`); live windows and leases are kept whatever it is.
         retention: ``""`` (follow ``disk_budget``), ``need`` or ``windows``: may only repeat what the budget says.
         payload: where the artifacts' tensors live: ``posix`` (files in the root) or ``mooncake://HOST:PORT``
             (Mooncake Store; the root keeps a manifest per artifact); ``""`` = what the root records
@@ -481,10 +482,33 @@ def _value_at(raw: Any, path: list[str]) -> tuple[bool, Any]:
     return True, node
 
 
+#: fields holding a byte count, each with the parser of its CLI flag: the file, overrides and flags accept the flag's
+#: spellings (``100M``, ``1.5G``, ``auto`` any case for ``cache.disk_budget``) and refuse the same values
+_BYTE_FIELDS: dict[tuple[str, str], Any] = {("cache", "disk_budget"): parse_disk_budget,
+                                            ("bench", "disk_budget"): lambda v: parse_bytes(v, "disk-budget")}
+
+
+def _parse_byte_fields(raw: dict, source: str) -> None:
+    """Turn the :data:`_BYTE_FIELDS` of ``raw`` (given as text or an integer) into what their fields hold, in
+    place. Raises ConfigError naming the field, the value and the accepted forms (the flag's message)."""
+    for (section, name), parse in _BYTE_FIELDS.items():
+        table = raw.get(section)
+        if not isinstance(table, dict) or name not in table:
+            continue
+        value = table[name]
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            continue  # left to msgspec, which names the type expected
+        try:
+            table[name] = parse(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {str(exc).replace('--disk-budget', f'{section}.{name}')}") from None
+
+
 def convert(raw: dict, source: str = "config") -> RunConfig:
     """Validate a raw table into a :class:`RunConfig`. Raises ConfigError naming the field, the bad
     value's problem and what the field accepts."""
     check_unknown(raw, source=source)
+    _parse_byte_fields(raw, source)
     try:
         cfg = msgspec.convert(raw, RunConfig)
     except msgspec.ValidationError as exc:
@@ -641,8 +665,9 @@ def apply_override(raw: dict, path: list[str], value: Any, *, text: bool = True)
                 raise ConfigError(f"override {where}: unknown field {seg!r} in {_section_name(here)}; accepted: "
                                   f"{', '.join(fields)}")
             ft = fields[seg].type
-            if last:
-                node[seg] = parse_value(value, ft, where) if text and isinstance(value, str) else value
+            if last:  # a byte count's text is parsed by its flag's parser in convert
+                node[seg] = (parse_value(value, ft, where) if text and isinstance(value, str)
+                             and tuple(path) not in _BYTE_FIELDS else value)
                 return
             inner, _ = _strip_none(ft)
             if isinstance(inner, mi.ListType):

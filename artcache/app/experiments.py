@@ -1048,9 +1048,11 @@ def _checkpoint_state(path: Path | None, damage: list[str]):
 
 
 def run_dir_report(out: str | Path) -> dict:
-    """What a run directory holds, read from disk (every run of it): each experiment's state, steps,
-    last evaluation, checkpoints (``latest``, ``best``) and the committed work of each of its consumer
-    processes, apart from the shared production of every producer of the cache root (counted once).
+    """What a run directory holds, read from disk (every run of it): each experiment's state, steps (``steps``:
+    the step of its latest checkpoint, what a resume continues from; ``steps_trained``: the highest step any of
+    its consumer processes ran, checkpointed or not; ``steps_planned``), last evaluation, checkpoints
+    (``latest``, ``best``) and the committed work of each of its consumer processes, apart from the shared
+    production of every producer of the cache root (counted once).
 
     An experiment whose files are damaged (its own ``config.toml``, a checkpoint's ``state.json``, its
     ``metrics.csv`` other than a torn last line, its registration) is reported with state ``damaged`` and
@@ -1112,11 +1114,12 @@ def run_dir_report(out: str | Path) -> dict:
             last_eval = {}
             damage.append(str(exc))
         step = st.step if st else 0
+        trained = max([step, *(w["last_step"] for w in processes if w["last_step"] is not None)])
         state = ("damaged" if damage else COMPLETED if st is not None and step >= e.steps
                  else (reg.state if reg else "not started"))
         experiments.append({
             "name": e.name, "draft": e.draft, "state": state, "damage": damage, "error": reg.reason if reg else "",
-            "steps": step, "steps_planned": e.steps, "cursor": st.cursor if st else 0,
+            "steps": step, "steps_trained": trained, "steps_planned": e.steps, "cursor": st.cursor if st else 0,
             "last_eval": last_eval,
             "checkpoints": [s for s, _ in list_checkpoints(run_dir)],
             "latest": latest.name if latest else None,
@@ -1145,7 +1148,8 @@ def format_run_dir_report(r: dict) -> str:
         ev = x["last_eval"]
         shown = ", ".join(f"{k} {v:.3g}" for k, v in ev.items() if k in ("loss", "tau", "replay_tau", "sim_acc_len"))
         best = x["best"]
-        rows.append([x["name"], x["draft"], x["state"], f"{x['steps']}/{x['steps_planned']}",
+        rows.append([x["name"], x["draft"], x["state"], x.get("steps_trained", x["steps"]),
+                     f"{x['steps']}/{x['steps_planned']}",
                      f"step {ev['step']}: {shown}" if ev else "-",
                      _checkpoint_cell(x["checkpoints"]), x["latest"] or "-",
                      f"{best['checkpoint']}" + (f" ({best.get('replay_tau', best.get('tau', best.get('loss'))):.3g})"
@@ -1157,9 +1161,11 @@ def format_run_dir_report(r: dict) -> str:
              f"positions consumed; publications {p['publications']} ({format_bytes(p['published_bytes'])}); failures "
              f"{p['failures']}; evictions {p['evictions']}", "",
              "Experiments:", "```",
-             table(["experiment", "draft", "state", "steps", "last eval", "checkpoints (at steps)", "latest", "best"],
-                   rows),
-             "```", "", "Committed work per consumer process (each experiment's own; not production):"]
+             table(["experiment", "draft", "state", "trained (step)", "checkpointed (step/planned)", "last eval",
+                    "checkpoints (at steps)", "latest", "best"], rows),
+             "```", "trained: the highest step its processes ran; checkpointed: the step of its latest checkpoint "
+             "(a resume continues from there).", "",
+             "Committed work per consumer process (each experiment's own; not production):"]
     for x in r["experiments"]:
         for i, w in enumerate(x["processes"], 1):
             lines.append(f"  {x['name']} #{i}: {w['state']}, steps {w['first_step']}-{w['last_step']} "

@@ -167,6 +167,12 @@ def _load_records(ckpt: Path) -> tuple[dict[str, Tensor], CheckpointState, dict[
         raise ConfigError(f"checkpoint {ckpt}: its held-out records are keyed by run position, which is the same "
                           "(-1) for every held-out sample, so they hold one sample's blocks; evaluate again (a run "
                           "with --eval-samples, or --resume it to a later step) and calibrate that checkpoint")
+    evaluated = state.run.get("eval_samples") if isinstance(state.run, dict) else None
+    if not {"conf_logit", "alpha", "supervised", "sample", "weights_check"} <= set(rec) and evaluated:
+        raise ConfigError(f"checkpoint {ckpt} (step {state.step}) has no held-out confidence records: its run has "
+                          f"--eval-samples {evaluated}, but no evaluation ran before this checkpoint (the run was "
+                          "stopped before its final evaluation); resume the run to its end (--resume), or train "
+                          "with --eval-interval N so evaluations land on checkpoints, and calibrate that checkpoint")
     if not {"conf_logit", "alpha", "supervised", "sample", "weights_check"} <= set(rec):
         raise ConfigError(f"checkpoint {ckpt} has no held-out confidence records: train with --eval-samples N "
                           "(the records come from the held-out evaluation) and calibrate that run's checkpoint")
