@@ -130,7 +130,7 @@ def test_kill_and_resume_two_consumers_while_a_sibling_keeps_going(tmp_path, tin
         bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main,
                             consume_args(cache, tmp_path, "a", STEPS + 1, "--resume"))
         assert bad.exit_code == 2 and f"--steps {STEPS + 1} runs past the LR schedule's horizon --lr-total-steps " \
-            f"{STEPS} with --min-lr-frac 0" in bad.stderr, bad.output
+            f"{STEPS} with min_lr_frac 0" in bad.stderr, bad.output
         bad = runner.invoke(__import__("artcache.app.cli", fromlist=["main"]).main,
                             consume_args(cache, tmp_path, "a", STEPS, "--resume", "--out", str(tmp_path / "elsewhere")))
         assert bad.exit_code == 2 and "cursor 6" in bad.stderr and "no checkpoint" in bad.stderr, bad.output

@@ -67,6 +67,20 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _consume_flag(flag_of: Any):
+    """``flag_of`` limited to the flags ``artcache consume`` has: a field without one is set in a run config
+    (``experiments.N.consumer.FIELD``) and its row says so."""
+    from artcache.app.cli import main
+
+    flags = {opt for p in main.commands["consume"].params for opt in p.opts}
+
+    def flag(field: str) -> str:
+        name = flag_of(field)
+        return name if name.split()[0].split("/")[0] in flags else "(config only)"
+
+    return flag
+
+
 def _struct_section(title: str, cls: type, *, flag_of: Any = None) -> list[str]:
     """A heading, a table of ``cls``'s fields (name, type, default[, flag]) and its docstring, verbatim."""
     info = mi.type_info(cls)
@@ -106,7 +120,8 @@ def config_page() -> str:
         *_struct_section("`[capture]`", CaptureSection),
         *_struct_section("`[cache]`", CacheSection),
         *_struct_section("`[[experiments]]`", Experiment),
-        *_struct_section("`[experiments.consumer]` and `artcache consume`", ConsumerConfig, flag_of=flag_of),
+        *_struct_section("`[experiments.consumer]` and `artcache consume`", ConsumerConfig,
+                         flag_of=_consume_flag(flag_of)),
         *_struct_section("`[bench]`", BenchSection),
         *_struct_section("`[slurm]`", SlurmSection),
     ]

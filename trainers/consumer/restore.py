@@ -168,8 +168,8 @@ def check_run_settings(cfg: ConsumerConfig, st: CheckpointState, path: Path, *, 
                           f"to train; raise --steps to extend the run")
     if cfg.steps > cfg.horizon and cfg.min_lr_frac == 0:
         raise ConfigError(f"--steps {cfg.steps} runs past the LR schedule's horizon --lr-total-steps {cfg.horizon} "
-                          "with --min-lr-frac 0: the extra steps would train at LR 0; start runs you may extend "
-                          "with --lr-total-steps >= the final --steps")
+                          "with min_lr_frac 0 (experiments.N.consumer.min_lr_frac): the extra steps would train at LR "
+                          "0; start runs you may extend with --lr-total-steps >= the final --steps")
 
 
 def find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Path) -> Loaded | None:
