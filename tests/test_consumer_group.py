@@ -149,7 +149,7 @@ def consume(root: Path, cwd: Path, cid: str, draft: str, batch: int, *extra: str
     args = [sys.executable, "-m", "artcache", "consume", "--cache", str(root), "--id", cid, "--draft", draft,
             *DRAFT_FLAGS[draft], "--batch-size", str(batch), "--steps", str(steps), "--window", "0:16",
             "--threads", "1", "--log-every", "1", "--out", str(cwd / "runs" / cid), "--no-progress",
-            "--no-tensorboard", "--group-timeout", "30", *extra]
+            "--no-tensorboard", "--group-timeout", "30", "--json", *extra]
     proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -318,7 +318,7 @@ def test_the_same_command_under_torchrun_is_one_consumer_with_two_ranks(root, tm
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
             "--master-port", str(_port()), "-m", "artcache", "consume", "--cache", str(root), "--id", cid, "--draft",
             "dflash", *DRAFT_FLAGS["dflash"], "--batch-size", "2", "--steps", "4", "--window", "0:16", "--threads",
-            "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard"]
+            "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard", "--json"]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (summary,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
