@@ -229,6 +229,15 @@ def _offline_row(label: str) -> Callable[[Any], list[str]]:
     return cells
 
 
+def _packing_row(label: str) -> Callable[[Any], list[str]]:
+    def cells(d: Any) -> list[str]:
+        r, pad = d["packed_over_unpacked"], d["padding_fraction"]
+        return [label, f"{d['draft']}, {d['max_length']} tokens, {d['rows']} rows", f2(r["supervised_tokens_per_s"]),
+                f2(r["supervised_tokens_per_cpu_s"]), f2(r["supervised_tokens_per_step"]), f2(r["anchor_coverage"]),
+                f"{f3(pad['unpacked'])} / {f3(pad['packed'])}"]
+    return cells
+
+
 def _training_row(label: str) -> Callable[[Any], list[str]]:
     def cells(d: Any) -> list[str]:
         data = d.get("data") or {}
@@ -369,6 +378,14 @@ SECTIONS: list[Section] = [
                 ("steps-commit0-11fbbcf", "16-core CPU, commit every step"),
                 ("process-869fe45", "16-core CPU, process pairing, commit when due"),
                 ("process-commit0-869fe45", "16-core CPU, process pairing, commit every step"))]),
+    Section("Packing",
+            "`python -m artcache.bench.packing`: DFlash steps on the SmolLM2 ShareGPT plan's lengths and loss masks, "
+            "packed (`--pack-tokens`) against unpacked at the same token budget, the arms' steps interleaved in one "
+            "process; packed / unpacked (docs/training.md, Packing).",
+            ["run", "draft, length, rows", "supervised tokens/s", "per CPU second", "per step", "anchor coverage",
+             "padding unpacked / packed"],
+            [Row("2026-12-05-cpu-packing-dflash-284cbd4.json", _packing_row("per-document attention")),
+             Row("2026-12-05-cpu-packing-dflash-6a8378f.json", _packing_row("row-wide mask (earlier)"))]),
     Section("Regeneration on one GPU",
             "`artcache regenerate --device cuda`: SmolLM2-135M-Instruct answering ShareGPT prompts of at most 768 "
             "tokens, greedy, bf16, batch 256 (docs/regenerate.md).",
