@@ -181,7 +181,8 @@ def start_producer(cwd: Path, cache: Path, *extra: str, **env: str) -> Proc:
 def start_consumer(cwd: Path, cache: Path, cid: str = "c") -> Proc:
     return Proc(cid, ["consume", "--cache", str(cache), "--id", cid, "--block-size", "4", "--window", "0:2",
                       "--anchors", "4", "--steps", str(STEPS), "--batch-size", str(BATCH), "--threads", "1",
-                      "--demand-timeout", str(DEADLINE_S), "--log-every", "1", "--out", str(cwd / "runs" / cid)],
+                      "--demand-timeout", str(DEADLINE_S), "--log-every", "1", "--json",
+                      "--out", str(cwd / "runs" / cid)],
                 cwd)
 
 
