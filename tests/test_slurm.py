@@ -85,7 +85,7 @@ def test_spread_puts_the_producer_on_the_first_node_and_one_experiment_per_node(
     # every step reads its role's spec file, which launch() writes (the producer's expecting all 3 consumers)
     assert roles[0].argv[2:] == ["artcache", "producer", "--spec", str(Path(plan.out) / "producer.spec.json")]
     assert roles[2].argv[2:] == ["artcache", "consume", "--spec",
-                                 str(Path(plan.experiments[1].out_dir) / "consumer.spec.json")]
+                                 str(Path(plan.experiments[1].out_dir) / "consumer.spec.json"), "--json"]
 
 
 def test_pack_fills_a_node_before_the_next(tmp_path):
