@@ -261,7 +261,7 @@ def test_regression_a_run_that_measures_no_step_is_refused_at_parse_time(tmp_pat
 
 def _worker_pid(barrier, cid: str, timeout_s: float) -> int:
     """The pid of the bench worker ``cid`` of the round whose barrier directory is ``barrier`` (from /proc: the
-    worker's command line names both), once that round's go is written."""
+    worker's command line names both, the consumer through its spec file), once that round's go is written."""
     import time
     from pathlib import Path
 
@@ -274,7 +274,8 @@ def _worker_pid(barrier, cid: str, timeout_s: float) -> int:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if str(barrier).encode() in argv and any(f'"consumer_id":"{cid}"'.encode() in a for a in argv):
+        # its settings are its spec file, named by its consumer id (bench.offline writes specs/<cid>.consumer.json)
+        if str(barrier).encode() in argv and any(a.endswith(f"/{cid}.consumer.json".encode()) for a in argv):
             return int(proc.name)
     raise AssertionError(f"no process of {cid} under /proc")
 
