@@ -66,6 +66,10 @@ def test_flag_and_config_defaults_agree(verb, table):
         if isinstance(param, click.Option) and param.multiple and flag in UNSET_FLAGS:
             flag = []
         want = struct_default(path)
+        if param.name == "devices":  # a comma-separated list on the command line
+            flag = cli.parse_devices(flag)
+        if isinstance(param, click.Option) and param.multiple and isinstance(want, str) and len(flag) == 1:
+            flag = flag[0]  # --data given once is the config's one dataset (several are data.sources)
         if path == "data.template_options":
             want, flag = dict(want), cli.parse_template_options(flag or [])
         if isinstance(flag, str) and isinstance(want, int) and not isinstance(want, bool):
