@@ -41,6 +41,7 @@ DRAFT_FLAGS = {
 }
 STEPS = 10
 REL = 1e-5  # loss curves and final weights: equal to float32 rounding
+AMPLIFIED = 5e-4  # of a tensor's norm: AdamW's amplified rounding noise at most (assert_same_run)
 
 
 # ---- the pieces (default lane) -----------------------------------------------------------------------------
@@ -180,13 +181,16 @@ def assert_same_run(root: Path, cwd: Path, a: str, b: str, floor: dict[str, floa
     or within 10 × ``floor`` (its difference between two runs of the same one-process consumer that differ only in
     float reduction order: ``--threads 1`` and ``--threads 2``) where AdamW amplifies float noise beyond 1e-5 (an
     element whose gradient is near 0 gets an update of up to lr whichever way rounding tips it: DSpark's Markov
-    head)."""
+    head). That floor is itself noisy (one run measured 0 where the group then differed by 1.1e-4 of the norm in
+    ``markov_w2``; --threads 1 against 2 alone moved it 9e-5), so a tensor may also differ by up to
+    :data:`AMPLIFIED` of its norm; a real normalisation error is larger (the EAGLE-3 denominator clamp moved
+    ``q_proj`` by 1.3e-3)."""
     (la,), (lb,) = losses(root, a), losses(root, b)
     assert [s for s, _ in la] == [s for s, _ in lb] == list(range(1, steps + 1))
     for (s, x), (_, y) in zip(la, lb, strict=True):
         assert abs(x - y) <= REL * abs(y), f"step {s}: {a} loss {x!r}, {b} loss {y!r}"
     rel = weight_diffs(cwd, a, b)
-    bad = {k: (v, floor[k]) for k, v in rel.items() if v > max(REL, 10 * floor[k])}
+    bad = {k: (v, floor[k]) for k, v in rel.items() if v > max(REL, 10 * floor[k], AMPLIFIED)}
     assert not bad, f"final weights of {a} and {b} differ (of the norm, then the noise floor): {bad}"
 
 
