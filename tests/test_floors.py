@@ -181,7 +181,12 @@ def test_cycle_finder_sees_a_function_local_cycle(tmp_path, monkeypatch):
 
 #: ``path:function`` allowed over :data:`MAX_FUNCTION_LINES`, each with its reason (issue 19: do not split what
 #: is long because its one concept is long). Empty: every product function fits today; an entry must say why.
-LONG_FUNCTIONS: dict[str, str] = {}
+LONG_FUNCTIONS: dict[str, str] = {
+    "trainers/dflash/loss.py:dflash_loss": "half of it is the docstring of the five loss modes and the packed "
+                                           "rows' arguments; the body is one pass over the chunks",
+    "trainers/dspark/loss.py:dspark_loss": "likewise: the three-term objective's docstring with the packed rows' "
+                                           "and the global denominators' arguments",
+}
 
 
 def long_functions(modules: dict[str, Path], root: Path = ROOT) -> list[tuple[str, int, str, int]]:
