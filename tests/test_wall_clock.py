@@ -55,7 +55,7 @@ def test_regression_a_wall_clock_step_back_during_a_capture_keeps_busy_time_posi
     acc = account(layout)
     assert 0 < acc.cache.producer_busy_s < 60
     busy = format_accounting(acc).split("producer busy (s)")[1].splitlines()[0].split()
-    assert 0 < float(busy[0]) < 60, busy
+    assert 0 <= float(busy[0]) < 60, busy  # printed to 3 decimals: a sub-millisecond capture reads 0.000
 
 
 @pytest.fixture
