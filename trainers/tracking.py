@@ -35,6 +35,7 @@ and the line.
 
 from __future__ import annotations
 
+import abc
 import csv
 import hashlib
 import importlib.util
@@ -85,7 +86,7 @@ def check_trackers(names) -> None:
                               f"'artcache[{TRACKERS[name]}]'")
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One destination of a consumer's scalars besides ``metrics.csv``.
 
     ``scalar(step, tag, value)``: one value (``value`` a float, possibly NaN; ``step`` the optimizer step,
@@ -94,11 +95,12 @@ class Tracker:
 
     name = "tracker"
 
+    @abc.abstractmethod
     def scalar(self, step: int, tag: str, value: float) -> None:
-        raise NotImplementedError
+        """Record one value (each backend its own way)."""
 
-    def flush(self) -> None:
-        pass
+    def flush(self) -> None:  # noqa: B027 - a backend with nothing buffered has nothing to hand over
+        """Hand what is buffered to the backend (nothing, by default)."""
 
     def close(self) -> None:
         self.flush()
