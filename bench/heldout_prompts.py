@@ -29,7 +29,7 @@ cannot be written (a full or read-only filesystem) is one line, exit 1, nothing 
 Output (``--out``, JSON): ``{"prompts": [[{"role", "content"}, ...], ...]`` (the chat messages before the
 first assistant turn, as regenerate rendered them), ``"prompt_token_ids"`` (what regenerate fed the target:
 the chat template with ``add_generation_prompt=True``, tokenized without special tokens), ``"record_ids"``,
-``"plan_indices"``, ``"file_positions"`` and ``"provenance"``}. tests/vllm_spec_decode.py ``--prompts-file``
+``"plan_indices"``, ``"file_positions"`` and ``"provenance"``}. tests/support/vllm_spec_decode.py ``--prompts-file``
 reads it.
 
 Run: ``python -m artcache.bench.heldout_prompts --sharegpt FILE(.xz) --target DIR --regenerate-summary

@@ -2,7 +2,7 @@
 over positions, and a serving-style walk. It separates what the data change from what the averaging changes
 when the offline held-out τ is put beside vLLM's mean acceptance length (docs/training.md, "Served by vLLM").
 
-Input: the stdout of one ``tests/vllm_spec_decode.py`` run of the target alone (``--run``: its
+Input: the stdout of one ``tests/support/vllm_spec_decode.py`` run of the target alone (``--run``: its
 ``prompt_token_ids`` and ``output_token_ids``); the sequences are prompt + output, supervised on the output
 tokens. The target (transformers, ``--dtype``) gives the captured layers (output-of-layer ``i`` =
 ``hidden_states[i + 1]``) and its greedy token at every position (the argmax of its logits); the drafts are
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--run", required=True, type=Path, help="stdout of tests/vllm_spec_decode.py (no draft)")
+    ap.add_argument("--run", required=True, type=Path, help="stdout of tests/support/vllm_spec_decode.py (no draft)")
     ap.add_argument("--dflash", default=None, help="DFlash export directory")
     ap.add_argument("--eagle3", default=None, help="EAGLE-3 export directory (with embed_tokens.weight or not)")
     ap.add_argument("--dtype", default="bfloat16", help="the target's dtype (the drafts run in float32)")

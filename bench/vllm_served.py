@@ -1,9 +1,9 @@
 """Collect the "served by vLLM" measurement into one JSON: vLLM's figures for the target alone and
-for each exported draft (``tests/vllm_spec_decode.py`` outputs on the same prompts), beside the offline held-out
+for each exported draft (``tests/support/vllm_spec_decode.py`` outputs on the same prompts), beside the offline held-out
 figures the consumer recorded for the exported checkpoint (its ``metrics.csv`` rows ``eval/*`` at the
 export's step).
 
-Inputs: ``--run NAME=FILE`` (the stdout of one ``tests/vllm_spec_decode.py`` run; ``base`` = no draft, every
+Inputs: ``--run NAME=FILE`` (the stdout of one ``tests/support/vllm_spec_decode.py`` run; ``base`` = no draft, every
 other name a draft) with ``--export NAME=DIR`` (the served export directory: ``export.json``, ``config.json``,
 ``model.safetensors``) and ``--metrics NAME=CSV`` (one or more metrics.csv files of that consumer, later rows
 win). Writes ``--out`` (JSON) and prints one line per draft.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from artcache.bench.provenance import record
 
-RESULT_PREFIX = "VLLM_SPEC_RESULT "  # tests/vllm_spec_decode.py
+RESULT_PREFIX = "VLLM_SPEC_RESULT "  # tests/support/vllm_spec_decode.py
 
 
 def read_result(path: Path) -> dict:
@@ -119,7 +119,7 @@ def pairs(items: list[str], flag: str) -> dict[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", action="append", required=True, help="NAME=stdout of tests/vllm_spec_decode.py")
+    ap.add_argument("--run", action="append", required=True, help="NAME=stdout of tests/support/vllm_spec_decode.py")
     ap.add_argument("--export", action="append", default=[], help="NAME=served export directory")
     ap.add_argument("--metrics", action="append", default=[], help="NAME=metrics.csv (repeatable)")
     ap.add_argument("--replay", type=Path, default=None,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability_figures import pytest_terminal_summary  # noqa: F401 - prints the reliability lane's figures
+from support.reliability_figures import pytest_terminal_summary  # noqa: F401 - prints the reliability lane's figures
 
 from artcache.target import DEFAULT_TARGET, TargetInfo, resolve_target
 
@@ -71,7 +71,7 @@ def full_temp_writes(monkeypatch):
 def layout(tmp_path):
     """A fresh cache root initialised with crash_child's fake settings (``tmp_path/root``). Modules that
     want a bare root, or more in it, define their own ``layout``."""
-    import crash_child as K
+    from support import crash_child as K
 
     from artcache.layout import CacheLayout
     from artcache.settings import init_settings
@@ -120,9 +120,9 @@ def small_contract():
 
 @pytest.fixture(scope="session")
 def mooncake_service(tmp_path_factory):
-    """One Mooncake master + payload holder on loopback for the session (tests/mooncake_store.py); skips
+    """One Mooncake master + payload holder on loopback for the session (tests/support/mooncake_store.py); skips
     when Mooncake is not installed."""
-    from mooncake_store import MooncakeService
+    from support.mooncake_store import MooncakeService
 
     svc = MooncakeService(tmp_path_factory.mktemp("mooncake"))
     yield svc

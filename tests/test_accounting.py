@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from procs import dead_pid, foreign_token, token
+from support.procs import dead_pid, foreign_token, token
 
 from artcache import journal as J
 from artcache import leases, store

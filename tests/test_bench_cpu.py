@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import inspect_json
+from support import TINY_SHAREGPT
+from support.procs import inspect_json
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from procs import child_env
+from support.procs import child_env
 
 from artcache.app.cli import main
 from artcache.bench import suites as S

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import safetensors.torch
 import torch
-from ckpt_damage import flip_byte, truncate
 from hypothesis import strategies as st
+from support.ckpt_damage import flip_byte, truncate
 
 from artcache.errors import CheckpointCorrupt, CheckpointWriteError, ConfigError, InsufficientSpace, IntegrityError
 from artcache.trainers import checkpoint as ck

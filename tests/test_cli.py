@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import TINY_SHAREGPT
 
 from artcache.app.cli import main
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 VERBS = ("producer", "consume", "inspect", "bench")
 
 

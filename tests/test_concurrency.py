@@ -9,7 +9,7 @@
   consumers reading through ``CacheClient`` (lease first, then read; a miss becomes a demand): every
   acquire returns the whole artifact of the requested sample, never an error or a hang.
 
-Workers live in tests/crash_child.py and start from a forkserver. Figures go to the lane's summary.
+Workers live in tests/support/crash_child.py and start from a forkserver. Figures go to the lane's summary.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import crash_child as K
 import pytest
-from mooncake_store import PAYLOAD_BACKENDS, root_settings
-from reliability_figures import record
+from support import crash_child as K
+from support.mooncake_store import PAYLOAD_BACKENDS, root_settings
+from support.reliability_figures import record
 
 from artcache import store
 from artcache.fingerprint import PlanFingerprints

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import child_env
+from support.procs import child_env
 
 from artcache import registry
 from artcache.layout import CacheLayout

@@ -1,6 +1,6 @@
 """A consumer that cannot write what it must (a full disk under ``checkpoints/latest``, a shared-memory ring for
 ``--reader process`` that cannot be allocated, a read-only root) stops in one line and leaves nothing behind
-(real processes on the tiny target, faults injected by tests/faultinject or a read-only bind mount)."""
+(real processes on the tiny target, faults injected by tests/support/faultinject or a read-only bind mount)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from procs import fault_env
+from support.procs import fault_env
 from test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 from artcache import registry

@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from procs import inspect_json, wait_until
+from support import TINY_SHAREGPT
+from support.procs import inspect_json, wait_until
 from test_consumer_resume import Proc, consume_args
 
 from artcache import journal as J
 from artcache.layout import CacheLayout
 from artcache.trainers.tracking import read_metrics, tensorboard_available
 
-DATA = __import__("pathlib").Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 STEPS, BATCH, EVAL, INTERVAL = 6, 2, 4, 3
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import signal
 
-from procs import wait_until
+from support.procs import wait_until
 from test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 from artcache import leases, registry

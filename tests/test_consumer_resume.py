@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from procs import Proc as BaseProc
-from procs import inspect_json, wait_until
+from support import TINY_SHAREGPT
+from support.procs import Proc as BaseProc
+from support.procs import inspect_json, wait_until
 
 from artcache import journal as J
 from artcache import registry
@@ -27,7 +28,7 @@ from artcache.layout import CacheLayout
 from artcache.trainers.checkpoint import read_state
 from artcache.trainers.tracking import read_metrics
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 DEADLINE_S = 300.0
 BATCH = 2
 STEPS = 8
@@ -239,7 +240,7 @@ def test_regression_resume_refuses_a_checkpoint_file_that_does_not_match_its_dig
     file of the checkpoint against the digests recorded when it was written, before registering: one line naming
     the file and the expected and actual digest, exit 1, the registration untouched. A checkpoint that records no
     digests (written before they were) still resumes, with one warning that it is unverified."""
-    from ckpt_damage import flip_byte, truncate
+    from support.ckpt_damage import flip_byte, truncate
 
     from artcache.hashing import digest_file
 

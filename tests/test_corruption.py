@@ -1,7 +1,7 @@
 """Corruption injection (reliability lane): every corrupted artifact is detected, quarantined, counted and
 recaptured; validation happens before publication too.
 
-A producer (the real ``Producer`` loop on the fake plan and backend of tests/crash_child.py) runs in a
+A producer (the real ``Producer`` loop on the fake plan and backend of tests/support/crash_child.py) runs in a
 thread; a consumer reads through ``CacheClient``. Per injection: corrupt a published artifact in place, then
 acquire its position: the read fails its check, the file goes to ``quarantine/`` (journal ``quarantine``),
 the position becomes a demand, the producer recaptures it (``capture`` with ``recapture``) and the acquire
@@ -21,11 +21,11 @@ import struct
 import threading
 import time
 
-import crash_child as K
 import pytest
 import torch
 import xxhash
-from reliability_figures import record
+from support import crash_child as K
+from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import registry, store

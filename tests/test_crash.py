@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import Proc as BaseProc
-from procs import inspect_json, verify_all_published, wait_until
+from support.procs import Proc as BaseProc
+from support.procs import inspect_json, verify_all_published, wait_until
 
 from artcache import journal as J
 from artcache import registry, store

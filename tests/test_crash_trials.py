@@ -1,5 +1,5 @@
 """Hundreds of SIGKILLs at random: at a named crash point (random point, random n-th arrival) or at a random
-time, in light-weight producer and consumer children (tests/crash_child.py: the real protocol code on a fake
+time, in light-weight producer and consumer children (tests/support/crash_child.py: the real protocol code on a fake
 plan and backend), with a logged seed (``ARTCACHE_CRASH_SEED=<seed>`` replays a run).
 
 After every kill the test process checks:
@@ -17,7 +17,7 @@ After every kill the test process checks:
   as ``artcache consume`` does on restart.)
 
 At the end ``artcache inspect``'s invariants hold over all the journals. The figures go to the lane's
-summary (tests/reliability_figures.py).
+summary (tests/support/reliability_figures.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import random
 import time
 from pathlib import Path
 
-import crash_child as K
 import pytest
-from mooncake_store import PAYLOAD_BACKENDS, root_settings
-from reliability_figures import record
+from support import crash_child as K
+from support.mooncake_store import PAYLOAD_BACKENDS, root_settings
+from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import leases, registry, store

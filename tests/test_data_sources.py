@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import REPO
 
 from artcache.app.cli import main
 from artcache.app.config import dump_toml, load_run_config
@@ -22,7 +23,6 @@ from artcache.plan import Plan, PlanSpec, apportion, build_plan, plan_id_for
 
 datasets = pytest.importorskip("datasets")
 
-REPO = Path(__file__).parent.parent
 VOCAB = 49152
 
 

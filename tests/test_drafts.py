@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import TINY_SHAREGPT
 
 from artcache.errors import ConfigError, ContractMismatch
 from artcache.layer_ids import check_layer_ids, layer_view, select_layers, view_slice
@@ -204,7 +205,7 @@ def tiny_root(tmp_path_factory, tiny_target):
     from artcache.settings import load_settings
 
     path = tmp_path_factory.mktemp("drafts-root") / "cache"
-    data = __import__("pathlib").Path(__file__).parent / "data" / "tiny_sharegpt.json"
+    data = TINY_SHAREGPT
     prepare_root(ProducerConfig(cache=str(path), target=tiny_target.path, dataset=str(data), max_samples=40,
                                 max_length=128, layer_ids=[1, 2, 3, 5]))
     layout = CacheLayout(path)

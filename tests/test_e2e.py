@@ -14,15 +14,16 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from procs import Proc as BaseProc
-from procs import inspect_json, wait_until
 from safetensors.torch import load_file
+from support import TINY_SHAREGPT
+from support.procs import Proc as BaseProc
+from support.procs import inspect_json, wait_until
 
 from artcache import journal as J
 from artcache import registry
 from artcache.layout import CacheLayout
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 DEADLINE_S = 240.0
 BATCH = 2
 

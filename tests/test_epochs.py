@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import wait_until
+from support import TINY_SHAREGPT
+from support.procs import wait_until
 from test_consumer_resume import Proc, consume_args
 
 from artcache import journal as J
 from artcache.layout import CacheLayout
 from artcache.plan import EpochOrder
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 
 
 def test_epoch_0_is_plan_order_and_later_epochs_reshuffle_the_training_part():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import REPO
 
 from artcache import journal as J
 from artcache.app.cli import main
@@ -17,7 +17,6 @@ from artcache.bench.sim import ConsumerSpec, ProducerSpec, simulate
 from artcache.errors import ConfigError
 from artcache.scheduler import SchedulerLimits
 
-REPO = Path(__file__).parent.parent
 CONFIG = REPO / "configs" / "dflash-eagle3.toml"
 
 

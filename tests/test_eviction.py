@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from procs import dead_pid, foreign_token, token
+from support.procs import dead_pid, foreign_token, token
 
 from artcache import leases, store
 from artcache.contract import CaptureContract

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import safetensors.torch
 import torch
-from ckpt_damage import flip_byte, truncate
 from click.testing import CliRunner
+from support.ckpt_damage import flip_byte, truncate
 
 from artcache.app.cli import main
 from artcache.errors import ConfigError

@@ -4,7 +4,7 @@
 Each test builds an EAGLE-3 draft (random weights, every tensor perturbed so a misnamed or misplaced one
 changes the output) around a tiny random Llama target (vocab 40, hidden 32, 8 layers; weights on disk, so
 speculators can read its verifier from the directory), exports it with ``--format speculators``, runs
-``tests/speculators_draft_logits.py`` with the Python named by ``$ARTCACHE_SPECULATORS_PYTHON`` (it loads
+``tests/support/speculators_draft_logits.py`` with the Python named by ``$ARTCACHE_SPECULATORS_PYTHON`` (it loads
 the export with ``SpeculatorModel.from_pretrained`` and runs ``Eagle3DraftModel.forward``), and asserts that
 speculators loads every tensor (no unexpected key; missing only the verifier tensors it reads from the
 verifier; nothing left NaN) and that its per-TTT-step logits equal artcache's on the same inputs.
@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from support import SUPPORT
 from test_export import H, V, eagle3_checkpoint, make_target_dir, with_weights
 
 from artcache.trainers.eagle3.export import load_eagle3_export
@@ -39,7 +40,7 @@ from artcache.trainers.export import export_checkpoint
 
 pytestmark = pytest.mark.speculators
 
-SCRIPT = Path(__file__).with_name("speculators_draft_logits.py")
+SCRIPT = SUPPORT / "speculators_draft_logits.py"
 STEPS = 3
 ATOL = RTOL = 1e-4
 

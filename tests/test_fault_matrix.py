@@ -12,10 +12,10 @@ import errno
 import os
 from pathlib import Path
 
-import crash_child as K
 import pytest
 import torch
-from reliability_figures import record
+from support import crash_child as K
+from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import registry, store

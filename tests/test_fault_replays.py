@@ -1,11 +1,11 @@
 """Faults found by replaying public bug reports (issue 17), each reproduced with real ``artcache producer``
-processes on the fast ``random:tiny-llama`` target and the same injected errno (tests/faultinject's
+processes on the fast ``random:tiny-llama`` target and the same injected errno (tests/support/faultinject's
 sitecustomize wraps ``os`` calls in the child) or signal, or in-process where the fault is one call.
 
 The consumer side of these runs is a registration this test process holds (its window is what the producer
 serves; this process is alive, so it is live), so no trainer process is needed. Deadlines only bound a hang.
 The process tests run in the reliability lane (a producer start is 10-20 s on a loaded 2-core machine) and
-record their figures there (tests/reliability_figures.py, section "replays": faults injected per errno and
+record their figures there (tests/support/reliability_figures.py, section "replays": faults injected per errno and
 site, hangs, false violations); the in-process ones run in the default lane too.
 """
 
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import Proc as BaseProc
-from procs import dead_pid, fault_env, injected, inspect_json, token, wait_until
-from reliability_figures import record
+from support.procs import Proc as BaseProc
+from support.procs import dead_pid, fault_env, injected, inspect_json, token, wait_until
+from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import registry, store
@@ -171,7 +171,7 @@ def test_regression_exit_when_done_counts_every_expected_consumer_before_the_gra
     ``--expect-consumers`` already counts every consumer it serves. What makes ``--done-grace 0`` safe there:
     "done" (no consumer can come) never holds while fewer than ``--expect-consumers`` have registered, even when
     every one registered so far has ended; it holds once the last expected one registered and ended."""
-    import crash_child as K
+    from support import crash_child as K
 
     from artcache.producer import Producer, ProducerConfig
 
@@ -246,7 +246,7 @@ def test_regression_estale_on_opening_an_artifact_is_a_miss(layout, monkeypatch)
     """Issue 17 item 6 (PyTorch #173679, NFS): one ESTALE opening an artifact killed the consumer with a raw
     ``OSError: [Errno 116]``. It is a miss: the read is retried; after three in a row the file is
     quarantined so the producer recaptures it."""
-    import crash_child as K
+    from support import crash_child as K
 
     from artcache.client import CacheClient
 
@@ -283,7 +283,7 @@ def test_regression_estale_on_opening_an_artifact_is_a_miss(layout, monkeypatch)
 def test_regression_estale_on_eviction_is_retried_next_pass(layout, monkeypatch):
     """Issue 17 item 6: ESTALE once on the evictor's rename killed the producer. The artifact is kept for
     that pass and evicted by the next one."""
-    import crash_child as K
+    from support import crash_child as K
 
     from artcache.eviction import evict_pass
 
@@ -404,7 +404,7 @@ def test_group_shared_root_gives_group_read_whatever_the_umask(tmp_path):
 def test_regression_every_capture_failing_exits_nonzero_and_accounts(layout):
     """Issue 17 item 10: a backend failing every batch left `captures 0 != publications 0 + failures 24`
     (inspect exit 3), and the producer printed 24 failures and exited 0."""
-    import crash_child as K
+    from support import crash_child as K
 
     from artcache.accounting import account
     from artcache.errors import ProducerFailed
@@ -438,7 +438,7 @@ def test_regression_pass_work_is_bounded_by_the_plan_not_the_window(layout, monk
     +220 MB producer RSS: retained_positions()/wanted() looped over every window position each pass. Since
     retention by need, the pass's work is the window positions :func:`artcache.eviction.decide` maps to
     samples (``EpochOrder.samples`` spans): counted here, they stay within two epochs of the plan."""
-    import crash_child as K
+    from support import crash_child as K
 
     from artcache.plan import EpochOrder
     from artcache.producer import Producer, ProducerConfig
@@ -505,7 +505,7 @@ def test_regression_wall_clock_step_fences_nobody(layout, monkeypatch):
     the timeout. Each step is applied to one side only (``time.time`` is one function for the whole test
     process): stepping both together leaves the heartbeat's age unchanged, and the pre-fix wall-clock
     comparison passed that version (checked on e3a6d61^; this one fails there: "live" is fenced)."""
-    import crash_child as K
+    from support import crash_child as K
 
     from artcache.producer import Producer, ProducerConfig
 
@@ -728,7 +728,7 @@ def test_regression_fence_of_a_consumer_holding_its_lock_does_not_kill_the_produ
     the lock and then died with LockTimeout (seen in the paused-consumer replay after the faults-liveness
     rebase). It now waits FENCE_LOCK_TIMEOUT_S, keeps the consumer's window this pass and fences it once
     the lock is free."""
-    import crash_child as K
+    from support import crash_child as K
 
     from artcache.locking import cache_lock
     from artcache.producer import FENCE_LOCK_TIMEOUT_S, Producer, ProducerConfig

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import foreign_token, token
+from support.procs import foreign_token, token
 
 from artcache import crashpoints
 from artcache import journal as J

@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support import TINY_SHAREGPT
 
 from artcache import plan as plan_mod
 from artcache.fingerprint import PlanFingerprints
 from artcache.producer import ProducerConfig, prepare_root
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 BASE = dict(layer_ids=[1, 3], max_length=64, max_samples=12)
 THINKING_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import REPO
+
+ROOT = REPO
 FOLDERS = {"artcache": "artcache", "artcache.trainers": "trainers", "artcache.bench": "bench"}
 #: highest floor first: the first prefix a module name starts with decides its floor
 FLOORS = (("artcache.app", 4), ("artcache.__main__", 4), ("artcache.bench", 3), ("artcache.trainers", 2),

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from procs import Proc, inspect_json
 from safetensors.torch import load_file
+from support import TINY_SHAREGPT
+from support.procs import Proc, inspect_json
 
 from artcache import store
 from artcache.contract import CaptureContract, stored_bytes_per_token
@@ -28,7 +29,7 @@ C8 = CaptureContract(target_name="tiny-target", target_revision="rev-0001", targ
                      tokenizer_digest="tok01", template_digest="tpl01")
 C16 = msgspec.structs.replace(C8, dtype="bfloat16")
 H = 32
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 
 
 def capture(t: int = 12, seed: int = 0, zero_row: int | None = None) -> tuple[torch.Tensor, dict]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import TINY_SHAREGPT
 
 from artcache.app.config import load_run_config
 from artcache.app.experiments import plan_run
 from artcache.bench import fp8_tau
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 
 
 def _args(tiny_target):

@@ -8,10 +8,10 @@ import json
 import os
 from pathlib import Path
 
-import crash_child as K
 import pytest
 from click.testing import CliRunner
-from procs import dead_pid, foreign_token, token
+from support import crash_child as K
+from support.procs import dead_pid, foreign_token, token
 
 from artcache import journal as J
 from artcache import leases, registry, store

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from procs import Proc as BaseProc
-from procs import child_env, wait_until
+from support.procs import Proc as BaseProc
+from support.procs import child_env, wait_until
 
 from artcache import journal as J
 from artcache import registry

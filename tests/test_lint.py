@@ -2,11 +2,11 @@
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from support import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 def test_ruff_clean():

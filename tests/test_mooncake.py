@@ -22,12 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-import crash_child as K
 import msgspec
 import pytest
 import torch
-from mooncake_store import MooncakeService, require_mooncake
-from procs import REPO, Proc, child_env, inspect_json, wait_until
+from support import crash_child as K
+from support.mooncake_store import MooncakeService, require_mooncake
+from support.procs import REPO, Proc, child_env, inspect_json, wait_until
 
 from artcache import journal as J
 from artcache import payload, store
@@ -263,7 +263,7 @@ def test_killed_writers_half_put_key_is_taken_over(service_factory, tmp_path):
 _PUBLISHER = """
 import os, sys
 sys.path.insert(0, sys.argv[2])
-import crash_child as K
+from support import crash_child as K
 from pathlib import Path
 from artcache import store
 from artcache.fingerprint import PlanFingerprints

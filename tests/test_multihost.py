@@ -1,5 +1,5 @@
 """The protocol across "hosts" (lane ``-m multihost``): producers and consumers in separate
-UTS+PID namespaces over one cache root (tests/hosts.py; docs/scale-out.md), where a pid means nothing
+UTS+PID namespaces over one cache root (tests/support/hosts.py; docs/scale-out.md), where a pid means nothing
 outside its namespace and host names may be shared.
 
 - SIGKILL trials across hosts (a subset of tests/test_crash_trials.py): producer and consumer children on two
@@ -26,12 +26,12 @@ import random
 import time
 from pathlib import Path
 
-import crash_child as K
 import pytest
-from hosts import UNSHARE, Host, unshare_unavailable
-from procs import Proc as BaseProc
-from procs import fault_env, inspect_json, wait_until
-from reliability_figures import record
+from support import crash_child as K
+from support.hosts import UNSHARE, Host, unshare_unavailable
+from support.procs import Proc as BaseProc
+from support.procs import fault_env, inspect_json, wait_until
+from support.reliability_figures import record
 from test_crash_trials import CHILD_DEADLINE_S, Trials
 
 from artcache import journal as J
@@ -139,7 +139,7 @@ class HostTrials(Trials):
                 assert "consumer-fenced" in p.detail, (what, p)
         # 2. on the killed child's host: its orphans and dead leases go
         host = self.last_host
-        out = host.call("crash_child:fsck_summary", str(self.layout.root), 0)
+        out = host.call("support.crash_child:fsck_summary", str(self.layout.root), 0)
         self.stats["fsck_own_host"] += 1
         for p in out["problems"]:
             if p["kind"] == "bad-plan":

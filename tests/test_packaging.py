@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import ast
 import sys
-from pathlib import Path
+
+from support import REPO
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 FOLDERS = {"artcache": "artcache", "artcache.trainers": "trainers", "artcache.bench": "bench"}
 
 

@@ -8,7 +8,7 @@ import math
 import signal
 
 import pytest
-from procs import Proc as BaseProc
+from support.procs import Proc as BaseProc
 
 from artcache import journal as J
 from artcache import registry

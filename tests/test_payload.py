@@ -9,9 +9,9 @@ from __future__ import annotations
 import socket
 import sys
 
-import crash_child as K
 import msgspec
 import pytest
+from support import crash_child as K
 from test_cli import assert_bad_input, invoke, snapshot
 
 from artcache import store

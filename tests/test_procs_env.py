@@ -1,4 +1,4 @@
-"""tests/procs.child_env: a CLI child imports the same artcache as the test process.
+"""tests/support/procs.child_env: a CLI child imports the same artcache as the test process.
 
 Regression (session 5, H200): the GPU machine imports artcache from a link tree (the package's files plus
 ``trainers/`` and ``bench/`` linked in as ``artcache.trainers`` / ``artcache.bench``, as setuptools'
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from procs import REPO
+from support.procs import REPO
 
 
 def test_regression_children_import_the_tests_artcache_from_a_link_tree(tmp_path):
@@ -24,7 +24,7 @@ def test_regression_children_import_the_tests_artcache_from_a_link_tree(tmp_path
     (tree / "trainers").symlink_to(REPO / "trainers")
     (tree / "bench").symlink_to(REPO / "bench")
     probe = (
-        "import subprocess, sys; sys.path.insert(0, {!r}); import procs, artcache; "
+        "import subprocess, sys; sys.path.insert(0, {!r}); from support import procs; import artcache; "
         "print(artcache.__file__); "
         "print(subprocess.run([sys.executable, '-c', 'import artcache.trainers, artcache; print(artcache.__file__)'], "
         "env=procs.child_env(), capture_output=True, text=True, cwd={!r}).stdout.strip())"

@@ -322,7 +322,7 @@ def test_regression_a_fence_failing_for_space_does_not_kill_the_producer(tmp_pat
     import errno
 
     import pytest
-    from procs import dead_pid
+    from support.procs import dead_pid
 
     from artcache.errors import PublishError
 

@@ -13,8 +13,9 @@ import tokenize
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 #: projects whose issues / pull requests a product file may cite by number, right before "issue" / "PR"
 FOREIGN = re.compile(r"(?:vllm|sglang|specforge|speculators|transformers|pytorch|torch|msgspec|huggingface_hub|"

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import REPO
 from test_target_hub import hub_cache
 
 from artcache.app.cli import main
 from artcache.app.config import load_run_config
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = REPO / "configs"
 
 
 @pytest.mark.parametrize("name", ["gpu-qwen3-8b.toml", "gpu-node-8x.toml"])

@@ -6,11 +6,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
+
+from support import REPO
 
 from artcache.app.reference import pages, stale
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def test_committed_reference_pages_are_what_the_generator_writes():

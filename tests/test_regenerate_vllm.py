@@ -12,15 +12,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm lane needs the artcache[vllm] extra")
 
+from support import REPO  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[1]
 SAMPLES, MAX_NEW = 4, 32
 #: one backend per process: vLLM replaces ``torch.set_num_threads`` in the process it runs in, and an
 #: in-process engine after an hf run (or the reverse) runs with the other's thread settings

@@ -6,9 +6,9 @@ import os
 import threading
 import time
 
-import crash_child as K
 import pytest
 import torch
+from support import crash_child as K
 
 from artcache import journal as J
 from artcache import registry, store

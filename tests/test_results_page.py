@@ -8,13 +8,13 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import REPO
 
 from artcache.bench import results_page as rp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def test_committed_results_page_is_what_the_generator_writes():

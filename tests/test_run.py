@@ -20,6 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 from click.testing import CliRunner
+from support import REPO, TINY_SHAREGPT
 
 from artcache import journal as J
 from artcache import registry, store
@@ -31,8 +32,7 @@ from artcache.contract import CaptureContract
 from artcache.errors import ConfigError, ContractMismatch
 from artcache.layout import CacheLayout
 
-REPO = Path(__file__).parent.parent
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 DEADLINE_S = 600.0
 
 

@@ -13,8 +13,9 @@ import stat
 import warnings
 from pathlib import Path
 
-import crash_child as K
 import pytest
+from support import REPO
+from support import crash_child as K
 
 from artcache import fsio, leases, locking, store
 from artcache import journal as J
@@ -24,7 +25,6 @@ from artcache.fingerprint import PlanFingerprints
 from artcache.layout import SUBDIRS, CacheLayout
 from artcache.settings import load_settings
 
-REPO = Path(__file__).resolve().parents[1]
 FP = PlanFingerprints(K.CONTRACT, K.FakePlan())
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from procs import REPO, child_env
+from support.procs import REPO, child_env
 from test_cli import snapshot
 
 from artcache.app.cli import main

@@ -562,7 +562,7 @@ def test_regression_kill_mid_report_write_leaves_no_part_litter(tmp_path):
     import subprocess
     import sys
 
-    from procs import child_env, foreign_token
+    from support.procs import child_env, foreign_token
 
     from artcache.app.config import load_run_config, save_config
     from artcache.bench.run import write_run_report

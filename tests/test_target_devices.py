@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import TINY_SHAREGPT
 
 from artcache import store
 from artcache.errors import ConfigError
 from artcache.layout import CacheLayout
 from artcache.settings import load_settings
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 
 
 def fill(cache: Path, target: str, *extra: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import TINY_SHAREGPT
 
 from artcache.app.cli import main
 from artcache.errors import ConfigError
 from artcache.target import resolve_target
 
-DATA = Path(__file__).parent / "data" / "tiny_sharegpt.json"
+DATA = TINY_SHAREGPT
 REPO = "artcache-test/tiny-llama"
 REV = "0123456789abcdef0123456789abcdef01234567"
 

@@ -25,8 +25,8 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm lane needs the artcache[vllm] extra")
 
 import torch  # noqa: E402
-from procs import Proc as BaseProc  # noqa: E402
-from procs import child_env, verify_all_published, wait_until  # noqa: E402
+from support.procs import Proc as BaseProc  # noqa: E402
+from support.procs import child_env, verify_all_published, wait_until  # noqa: E402
 
 from artcache import journal as J  # noqa: E402
 from artcache import store  # noqa: E402

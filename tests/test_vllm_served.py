@@ -1,6 +1,6 @@
 """The "served by vLLM" tooling: the serving-style replay walk, the per-block accepted counts behind
 ``replay_sums``, the held-out prompt reconstruction (plan order, not file order), the offline figure line and
-``tests/vllm_spec_decode.py --prompts-file`` parsing."""
+``tests/support/vllm_spec_decode.py --prompts-file`` parsing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import SUPPORT
 
 from artcache.bench.replay_served import walk
 from artcache.trainers.draft import replay_accepted, replay_sums
@@ -52,7 +53,7 @@ def test_replay_accepted_is_what_replay_sums_counts():
 
 
 def _spec_decode():
-    spec = importlib.util.spec_from_file_location("vllm_spec_decode", Path(__file__).with_name("vllm_spec_decode.py"))
+    spec = importlib.util.spec_from_file_location("vllm_spec_decode", SUPPORT / "vllm_spec_decode.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # imports vLLM only inside main()
     return mod

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import safetensors.torch
 from click.testing import CliRunner
-from procs import Proc as BaseProc
+from support.procs import Proc as BaseProc
 
 from artcache import registry
 from artcache.app.cli import main

@@ -27,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from reliability_figures import record
+from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import leases, registry, store

@@ -3,7 +3,7 @@ UTS and PID namespace (``unshare --fork --pid --uts --mount-proc``, see docs/sca
 directories, so its pids mean nothing to the test process and its host id differs (artcache.liveness).
 
 A host runs an *agent* (this file run as a script, pid 1 of its namespace) that has imported artcache,
-torch and tests/crash_child.py once and forks children on request, over JSON lines on its stdin/stdout:
+torch and tests/support/crash_child.py once and forks children on request, over JSON lines on its stdin/stdout:
 
 - ``spawn``: fork a child running ``crash_child.<fn>(*args)`` (children report through their own files and
   exit); the reply is the child's pid in the host's namespace;
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parent.parent
 UNSHARE = ["unshare", "--fork", "--pid", "--mount-proc", "--kill-child=SIGKILL"]
 
 
@@ -57,7 +57,8 @@ class Host:
         cmd = [*UNSHARE, *(["--uts"] if uts else []), "bash", "-c",
                ('hostname "$0" && ' if uts else "") + 'exec "$1" "$2"', name, sys.executable, str(HERE / "hosts.py")]
         child_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-        child_env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO), *filter(None, [child_env.get("PYTHONPATH")])])
+        child_env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(REPO),
+                                                   *filter(None, [child_env.get("PYTHONPATH")])])
         self._err = open(self.log, "wb")  # noqa: SIM115 - closed in die()
         self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
                                       env=child_env, text=True, bufsize=1)
@@ -113,9 +114,8 @@ def _agent() -> None:
     import signal
     import traceback
 
-    import crash_child  # noqa: F401 - imports artcache and torch once; forked children start at once
-
     from artcache.liveness import this_process
+    from support import crash_child  # noqa: F401 - imports artcache and torch once; forked children start at once
 
     children: dict[int, int | None] = {}
     held: list = []
@@ -197,7 +197,7 @@ def _agent() -> None:
 def _thaw(arg):
     """``{"file_barrier": path}`` / ``{"file_event": path}`` → crash_child.FileBarrier / FileEvent (a
     multiprocessing barrier cannot cross into another pid namespace); anything else unchanged."""
-    import crash_child
+    from support import crash_child
 
     if isinstance(arg, dict) and "file_barrier" in arg:
         return crash_child.FileBarrier(arg["file_barrier"])

@@ -195,10 +195,10 @@ def forkserver_context():
     import multiprocessing as mp
 
     c = mp.get_context("forkserver")
-    c.set_forkserver_preload(["crash_child", "pytest"])  # pytest: children re-import __main__ (pytest)
+    c.set_forkserver_preload(["support.crash_child", "pytest"])  # pytest: children re-import __main__ (pytest)
     here = Path(__file__).resolve().parent
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent)] + ([old] if old else []))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here.parents[1])] + ([old] if old else []))
     try:
         p = c.Process(target=_noop)
         p.start()
@@ -214,7 +214,7 @@ def forkserver_context():
 # ---- racing workers (tests/test_concurrency.py) -------------------------------------------------------------
 
 class FileBarrier:
-    """A start line across pid namespaces (tests/hosts.py): :meth:`wait` returns once ``path`` exists."""
+    """A start line across pid namespaces (tests/support/hosts.py): :meth:`wait` returns once ``path`` exists."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -417,7 +417,7 @@ def lease_reader_worker(root: str, n_pos: int, out: str, cid: str, seed: int, n_
 
 
 def fsck_summary(root: str, observe_s: float | None = None) -> dict:
-    """``fsck --fix`` of ``root`` from this process (tests/hosts.py runs it on another host): what it found
+    """``fsck --fix`` of ``root`` from this process (tests/support/hosts.py runs it on another host): what it found
     and fixed, as JSON-able lists, and this process's host id."""
     from artcache.fsck import fsck
 

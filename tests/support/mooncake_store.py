@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import REPO, child_env
+
+from support.procs import REPO, child_env
 
 #: parametrize a protocol test over the payload backends; the Mooncake one carries the ``mooncake`` marker
 #: (excluded by default; ``.ci/mooncake-lane`` runs it) and skips when Mooncake is not installed
@@ -29,10 +30,10 @@ PAYLOAD_BACKENDS = ["posix", pytest.param("mooncake", marks=pytest.mark.mooncake
 def root_settings(backend: str, request, base=None):
     """``base`` (crash_child's fake settings by default) with the payload store of ``backend``: none for
     ``posix``, a fresh namespace on the session's Mooncake service (conftest's ``mooncake_service``)."""
-    import crash_child as K
     import msgspec
 
     from artcache.payload import new_spec
+    from support import crash_child as K
 
     base = base or K.settings()
     if backend == "posix":

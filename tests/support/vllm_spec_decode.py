@@ -1,7 +1,7 @@
 """Run vLLM with an exported draft as the speculative model and print its acceptance figures as JSON.
 
 Standalone (imports only vLLM): run it with the Python that has vLLM, e.g.
-``/tmp/vllmenv/bin/python tests/vllm_spec_decode.py --target DIR --draft DIR --method dflash --k 3``.
+``/tmp/vllmenv/bin/python tests/support/vllm_spec_decode.py --target DIR --draft DIR --method dflash --k 3``.
 Used by tests/test_export_vllm.py and docs/export.md. The vLLM CPU settings of docs/export.md are
 applied unless already set.
 

@@ -21,8 +21,8 @@ import artcache
 from artcache import store
 from artcache.layout import CacheLayout
 from artcache.settings import load_settings
+from support import REPO  # noqa: F401 - the tests import it from here too
 
-REPO = Path(__file__).resolve().parent.parent
 #: the directory the test process imported ``artcache`` from (REPO for a checkout or an editable install; on
 #: the GPU machine a link tree that adds the ``artcache.trainers`` / ``artcache.bench`` subpackages): children
 #: put it first on PYTHONPATH so they import the same artcache as the test
@@ -57,7 +57,7 @@ class Proc:
 
     def __init__(self, name: str, args: list[str], cwd: Path, crash_at: str | None = None, *,
                  env: Mapping[str, str] | None = None, prefix: list[str] | None = None) -> None:
-        """``prefix``: a command the process runs under (e.g. tests/hosts.py's ``unshare`` for another host)."""
+        """``prefix``: a command the process runs under (e.g. tests/support/hosts.py's ``unshare`` for another host)."""
         self.name = name
         self.log = cwd / "logs" / f"{name}-{time.monotonic_ns()}.log"
         self.log.parent.mkdir(exist_ok=True)
@@ -172,7 +172,7 @@ FAULTINJECT = Path(__file__).resolve().parent / "faultinject"
 
 
 def fault_env(faults: list[dict] | None = None, log: Path | None = None, clock_step: str = "") -> dict[str, str]:
-    """Environment (for :class:`Proc`'s ``env``) that loads tests/faultinject/sitecustomize.py in the child:
+    """Environment (for :class:`Proc`'s ``env``) that loads tests/support/faultinject/sitecustomize.py in the child:
     ``faults`` injected errnos, ``log`` a file listing each injection, ``clock_step`` e.g. ``"+40@3"``."""
     env = {"PYTHONPATH": os.pathsep.join([str(FAULTINJECT), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
            "ARTCACHE_FAULTS": json.dumps(faults or [])}

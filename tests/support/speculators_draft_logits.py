@@ -1,7 +1,7 @@
 """Load an exported EAGLE-3 or DFlash draft with vllm-project/speculators' own loader and write its logits.
 
 Standalone (imports only speculators, torch and safetensors): run it with a Python that has speculators,
-e.g. ``/tmp/spec-venv/bin/python tests/speculators_draft_logits.py --draft DIR --inputs IN.safetensors
+e.g. ``/tmp/spec-venv/bin/python tests/support/speculators_draft_logits.py --draft DIR --inputs IN.safetensors
 --out OUT.safetensors --verifier TARGET_DIR``. Used by tests/test_export_speculators.py and docs/export.md.
 
 The draft is loaded by ``speculators.SpeculatorModel.from_pretrained`` (which resolves the class from the

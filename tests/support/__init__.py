@@ -1,0 +1,17 @@
+"""Helpers the tests share (see tests/README.md): child processes (procs), crash-trial workers (crash_child),
+other "hosts" (hosts), checkpoint damage (ckpt_damage), fault injection (faultinject/), a Mooncake service
+(mooncake_store), the reliability lane's figures (reliability_figures), tracker readers (tracker_runs),
+scripts run under another Python (vllm_spec_decode, vllm_dspark_load, speculators_draft_logits) and data
+fixtures (data/).
+
+pytest puts ``tests/`` on ``sys.path`` (it imports ``tests/conftest.py`` in its default "prepend" import mode), so
+tests import ``from support.procs import Proc``; children that import these modules get ``tests/`` on PYTHONPATH."""
+
+from pathlib import Path
+
+#: this folder
+SUPPORT = Path(__file__).resolve().parent
+#: the repository's root
+REPO = SUPPORT.parents[1]
+#: a 34-conversation ShareGPT file (the fixture the CPU tests train on)
+TINY_SHAREGPT = SUPPORT / "data" / "tiny_sharegpt.json"
