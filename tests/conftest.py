@@ -1,5 +1,13 @@
-"""Shared fixtures: the real SmolLM2 target (converted once, cached under the artcache home) and a tiny
-random-weight Llama target of the same vocabulary and tokenizer."""
+"""The lanes by folder, and the shared fixtures.
+
+A test's lane is the first folder under tests/ when that folder is named after a lane marker
+(tests/reliability/... gets ``@pytest.mark.reliability``, tests/gpu/... ``gpu``, and so on): pyproject's
+``addopts`` leaves every lane out of the default run, and ``pytest -m LANE`` selects one (tests/README.md).
+Test files do not repeat their folder's marker.
+
+Fixtures: the real SmolLM2 target (converted once, cached under the artcache home), a tiny random-weight
+Llama target of the same vocabulary and tokenizer, fake plans and contracts for protocol tests, a full disk
+for atomic writes, and a Mooncake service."""
 
 from __future__ import annotations
 
@@ -9,11 +17,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.reliability_figures import pytest_terminal_summary  # noqa: F401 - prints the reliability lane's figures
 
 from artcache.target import DEFAULT_TARGET, TargetInfo, resolve_target
+from tests.support.reliability_figures import pytest_terminal_summary  # noqa: F401 - prints the reliability lane's figures
+
+#: the lane markers (pyproject.toml's ``markers``) that name a folder of tests/
+LANES = ("slow", "reliability", "distributed", "gpu", "vllm", "multihost", "mooncake", "slurm", "speculators")
+TESTS = Path(__file__).resolve().parent
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its folder's lane (a no-op for tests/unit, tests/protocol, ...)."""
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        folder = path.relative_to(TESTS).parts[0] if TESTS in path.parents else ""
+        if folder in LANES:
+            item.add_marker(getattr(pytest.mark, folder))
 
 
 @pytest.fixture(scope="session")
@@ -71,10 +93,9 @@ def full_temp_writes(monkeypatch):
 def layout(tmp_path):
     """A fresh cache root initialised with crash_child's fake settings (``tmp_path/root``). Modules that
     want a bare root, or more in it, define their own ``layout``."""
-    from support import crash_child as K
-
     from artcache.layout import CacheLayout
     from artcache.settings import init_settings
+    from tests.support import crash_child as K
 
     lay = CacheLayout(tmp_path / "root")
     lay.create()
@@ -122,7 +143,7 @@ def small_contract():
 def mooncake_service(tmp_path_factory):
     """One Mooncake master + payload holder on loopback for the session (tests/support/mooncake_store.py); skips
     when Mooncake is not installed."""
-    from support.mooncake_store import MooncakeService
+    from tests.support.mooncake_store import MooncakeService
 
     svc = MooncakeService(tmp_path_factory.mktemp("mooncake"))
     yield svc

@@ -6,13 +6,13 @@ import os
 
 import pytest
 import torch
-from support.procs import dead_pid, foreign_token, token
 
 from artcache import journal as J
 from artcache import leases, store
 from artcache.accounting import CacheCounts, account, check_invariants
 from artcache.contract import CaptureContract
 from artcache.layout import CacheLayout
+from tests.support.procs import dead_pid, foreign_token, token
 
 C = CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
                     layer_ids=(0,), max_length=8, tokenizer_digest="k", template_digest="m")

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import TINY_SHAREGPT
-from support.procs import inspect_json
+
+from tests.support import TINY_SHAREGPT
+from tests.support.procs import inspect_json
 
 DATA = TINY_SHAREGPT
 

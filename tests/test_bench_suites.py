@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support.procs import child_env
 
 from artcache.app.cli import main
 from artcache.bench import suites as S
 from artcache.errors import ConfigError
+from tests.support.procs import child_env
 
 
 def _suite(calls: list[str], *, fail: str = "", sleep: float = 0.0, cuda: tuple[str, ...] = ()) -> S.Suite:

@@ -14,12 +14,12 @@ import pytest
 import safetensors.torch
 import torch
 from hypothesis import strategies as st
-from support.ckpt_damage import flip_byte, truncate
 
 from artcache.errors import CheckpointCorrupt, CheckpointWriteError, ConfigError, InsufficientSpace, IntegrityError
 from artcache.trainers import checkpoint as ck
 from artcache.trainers.consumer import lr_at
 from artcache.trainers.consumer.restore import load_weights_strict
+from tests.support.ckpt_damage import flip_byte, truncate
 
 
 class Tiny(torch.nn.Module):

@@ -16,7 +16,6 @@ import pytest
 import safetensors
 import safetensors.torch
 from click.testing import CliRunner
-from support.procs import Proc as BaseProc
 
 from artcache import registry
 from artcache.app.cli import main
@@ -25,6 +24,7 @@ from artcache.layout import CacheLayout
 from artcache.producer import ProducerConfig, prepare_root
 from artcache.trainers import checkpoint as ck
 from artcache.trainers.consumer import ConsumerConfig, Session
+from tests.support.procs import Proc as BaseProc
 
 #: what safetensors raised when the disk filled during the issue-14 bench's final checkpoints
 ENOSPC_MESSAGE = ('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '

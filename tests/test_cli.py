@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support import TINY_SHAREGPT
 
 from artcache.app.cli import main
+from tests.support import TINY_SHAREGPT
 
 DATA = TINY_SHAREGPT
 VERBS = ("producer", "consume", "inspect", "bench")

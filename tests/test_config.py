@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support import REPO
 
 from artcache.app import config as C
 from artcache.app.cli import main
 from artcache.errors import ConfigError
+from tests.support import REPO
 
 CONFIGS = REPO / "configs"
 RECIPES = sorted(p for p in CONFIGS.iterdir() if p.suffix in (".toml", ".yaml", ".yml"))

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from support.procs import child_env
 
 from artcache import registry
 from artcache.layout import CacheLayout
+from tests.support.procs import child_env
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from support.procs import fault_env
-from test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 from artcache import registry
 from artcache.layout import CacheLayout
+from tests.support.procs import fault_env
+from tests.test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 
 @pytest.fixture(scope="module")

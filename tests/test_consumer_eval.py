@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from support import TINY_SHAREGPT
-from support.procs import inspect_json, wait_until
-from test_consumer_resume import Proc, consume_args
-
 from artcache import journal as J
 from artcache.layout import CacheLayout
 from artcache.trainers.tracking import read_metrics, tensorboard_available
+from tests.support import TINY_SHAREGPT
+from tests.support.procs import inspect_json, wait_until
+from tests.test_consumer_resume import Proc, consume_args
 
 DATA = TINY_SHAREGPT
 STEPS, BATCH, EVAL, INTERVAL = 6, 2, 4, 3

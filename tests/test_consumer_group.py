@@ -108,9 +108,8 @@ def test_regression_eagle3_global_denominator_below_one_is_not_raised_to_one():
     """Bug: a rank of a 2-rank group divides EAGLE-3's TTT-step sums by the global kept count / 2, which is 0.5 when
     one position was kept in the whole global batch; the loss clamped that to 1, halving the step's gradient on
     every rank (a 2-rank group's weights drifted 1e-3 from one process's on the same batches)."""
-    from test_fast_consumer import _batch, _eagle3
-
     from artcache.trainers.eagle3 import eagle3_loss
+    from tests.test_fast_consumer import _batch, _eagle3
 
     draft = _eagle3()
     batch = _batch(3, 18, 4, 3)

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support import TINY_SHAREGPT
-from support.procs import Proc as BaseProc
-from support.procs import inspect_json, wait_until
 
 from artcache import journal as J
 from artcache import registry
 from artcache.layout import CacheLayout
 from artcache.trainers.checkpoint import read_state
 from artcache.trainers.tracking import read_metrics
+from tests.support import TINY_SHAREGPT
+from tests.support.procs import Proc as BaseProc
+from tests.support.procs import inspect_json, wait_until
 
 DATA = TINY_SHAREGPT
 DEADLINE_S = 300.0
@@ -240,9 +240,8 @@ def test_regression_resume_refuses_a_checkpoint_file_that_does_not_match_its_dig
     file of the checkpoint against the digests recorded when it was written, before registering: one line naming
     the file and the expected and actual digest, exit 1, the registration untouched. A checkpoint that records no
     digests (written before they were) still resumes, with one warning that it is unverified."""
-    from support.ckpt_damage import flip_byte, truncate
-
     from artcache.hashing import digest_file
+    from tests.support.ckpt_damage import flip_byte, truncate
 
     cache = tmp_path / "cache"
     layout = CacheLayout(cache)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support import REPO
 
 from artcache.app.cli import main
 from artcache.app.config import dump_toml, load_run_config
@@ -20,6 +19,7 @@ from artcache.app.values import data_flags
 from artcache.data.sources import DataSource, parse_data_arg, read_source, record_messages
 from artcache.errors import ConfigError, DataError
 from artcache.plan import Plan, PlanSpec, apportion, build_plan, plan_id_for
+from tests.support import REPO
 
 datasets = pytest.importorskip("datasets")
 

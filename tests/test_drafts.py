@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support import TINY_SHAREGPT
 
 from artcache.errors import ConfigError, ContractMismatch
 from artcache.layer_ids import check_layer_ids, layer_view, select_layers, view_slice
 from artcache.trainers.dflash.adapter import greedy_replay
 from artcache.trainers.draft import DraftBatch, MetricSums, replay_sums
 from artcache.trainers.evaluation import epoch_steps, eval_split
+from tests.support import TINY_SHAREGPT
 
 # ---- layer views ---------------------------------------------------------------------------------
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from support import TINY_SHAREGPT
-from support.procs import Proc as BaseProc
-from support.procs import inspect_json, wait_until
 
 from artcache import journal as J
 from artcache import registry
 from artcache.layout import CacheLayout
+from tests.support import TINY_SHAREGPT
+from tests.support.procs import Proc as BaseProc
+from tests.support.procs import inspect_json, wait_until
 
 DATA = TINY_SHAREGPT
 DEADLINE_S = 240.0

@@ -10,13 +10,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from support import TINY_SHAREGPT
-from support.procs import wait_until
-from test_consumer_resume import Proc, consume_args
 
 from artcache import journal as J
 from artcache.layout import CacheLayout
 from artcache.plan import EpochOrder
+from tests.support import TINY_SHAREGPT
+from tests.support.procs import wait_until
+from tests.test_consumer_resume import Proc, consume_args
 
 DATA = TINY_SHAREGPT
 

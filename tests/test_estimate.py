@@ -8,7 +8,6 @@ import math
 
 import pytest
 from click.testing import CliRunner
-from support import REPO
 
 from artcache import journal as J
 from artcache.app.cli import main
@@ -16,6 +15,7 @@ from artcache.app.estimate import measured_rates, parse_step_rates
 from artcache.bench.sim import ConsumerSpec, ProducerSpec, simulate
 from artcache.errors import ConfigError
 from artcache.scheduler import SchedulerLimits
+from tests.support import REPO
 
 CONFIG = REPO / "configs" / "dflash-eagle3.toml"
 

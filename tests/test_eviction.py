@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
-from support.procs import dead_pid, foreign_token, token
 
 from artcache import leases, store
 from artcache.contract import CaptureContract
 from artcache.eviction import evict_pass
 from artcache.layout import CacheLayout, host_id
 from artcache.liveness import HeartbeatWatch, from_token
+from tests.support.procs import dead_pid, foreign_token, token
 
 C = CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
                     layer_ids=(0,), max_length=8, tokenizer_digest="k", template_digest="m")

@@ -15,7 +15,6 @@ import pytest
 import safetensors.torch
 import torch
 from click.testing import CliRunner
-from support.ckpt_damage import flip_byte, truncate
 
 from artcache.app.cli import main
 from artcache.errors import ConfigError
@@ -29,6 +28,7 @@ from artcache.trainers.dflash.export import (
 )
 from artcache.trainers.eagle3.export import load_eagle3_export
 from artcache.trainers.export import export_checkpoint
+from tests.support.ckpt_damage import flip_byte, truncate
 
 V, H, L = 40, 32, 8  # tiny target: vocab, width, decoder layers
 DFLASH_KEYS_PER_LAYER = (

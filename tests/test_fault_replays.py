@@ -20,9 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-from support.procs import Proc as BaseProc
-from support.procs import dead_pid, fault_env, injected, inspect_json, token, wait_until
-from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import registry, store
@@ -30,6 +27,9 @@ from artcache.fingerprint import PlanFingerprints
 from artcache.layout import CacheLayout
 from artcache.plan import Plan
 from artcache.settings import load_settings
+from tests.support.procs import Proc as BaseProc
+from tests.support.procs import dead_pid, fault_env, injected, inspect_json, token, wait_until
+from tests.support.reliability_figures import record
 
 PLAN = ["--target", "random:tiny-llama", "--data", "synthetic", "--max-samples", "64", "--max-length", "32",
         "--draft-layers", "3", "--threads", "1"]
@@ -171,9 +171,8 @@ def test_regression_exit_when_done_counts_every_expected_consumer_before_the_gra
     ``--expect-consumers`` already counts every consumer it serves. What makes ``--done-grace 0`` safe there:
     "done" (no consumer can come) never holds while fewer than ``--expect-consumers`` have registered, even when
     every one registered so far has ended; it holds once the last expected one registered and ended."""
-    from support import crash_child as K
-
     from artcache.producer import Producer, ProducerConfig
+    from tests.support import crash_child as K
 
     journal = J.JournalWriter(layout.journal_path("producer", "p"))
     cfg = ProducerConfig(cache=str(layout.root), exit_when_done=True, done_grace_s=0.0, expect_consumers=2)
@@ -246,9 +245,8 @@ def test_regression_estale_on_opening_an_artifact_is_a_miss(layout, monkeypatch)
     """Issue 17 item 6 (PyTorch #173679, NFS): one ESTALE opening an artifact killed the consumer with a raw
     ``OSError: [Errno 116]``. It is a miss: the read is retried; after three in a row the file is
     quarantined so the producer recaptures it."""
-    from support import crash_child as K
-
     from artcache.client import CacheClient
+    from tests.support import crash_child as K
 
     plan = K.FakePlan()
     fp_of = PlanFingerprints(K.CONTRACT, plan)
@@ -283,9 +281,8 @@ def test_regression_estale_on_opening_an_artifact_is_a_miss(layout, monkeypatch)
 def test_regression_estale_on_eviction_is_retried_next_pass(layout, monkeypatch):
     """Issue 17 item 6: ESTALE once on the evictor's rename killed the producer. The artifact is kept for
     that pass and evicted by the next one."""
-    from support import crash_child as K
-
     from artcache.eviction import evict_pass
+    from tests.support import crash_child as K
 
     plan = K.FakePlan()
     fp = PlanFingerprints(K.CONTRACT, plan)(0)
@@ -404,11 +401,10 @@ def test_group_shared_root_gives_group_read_whatever_the_umask(tmp_path):
 def test_regression_every_capture_failing_exits_nonzero_and_accounts(layout):
     """Issue 17 item 10: a backend failing every batch left `captures 0 != publications 0 + failures 24`
     (inspect exit 3), and the producer printed 24 failures and exited 0."""
-    from support import crash_child as K
-
     from artcache.accounting import account
     from artcache.errors import ProducerFailed
     from artcache.producer import Producer, ProducerConfig
+    from tests.support import crash_child as K
 
     class Broken:
         def capture(self, samples):
@@ -438,10 +434,9 @@ def test_regression_pass_work_is_bounded_by_the_plan_not_the_window(layout, monk
     +220 MB producer RSS: retained_positions()/wanted() looped over every window position each pass. Since
     retention by need, the pass's work is the window positions :func:`artcache.eviction.decide` maps to
     samples (``EpochOrder.samples`` spans): counted here, they stay within two epochs of the plan."""
-    from support import crash_child as K
-
     from artcache.plan import EpochOrder
     from artcache.producer import Producer, ProducerConfig
+    from tests.support import crash_child as K
 
     spans = []
     real = EpochOrder.samples
@@ -505,9 +500,8 @@ def test_regression_wall_clock_step_fences_nobody(layout, monkeypatch):
     the timeout. Each step is applied to one side only (``time.time`` is one function for the whole test
     process): stepping both together leaves the heartbeat's age unchanged, and the pre-fix wall-clock
     comparison passed that version (checked on e3a6d61^; this one fails there: "live" is fenced)."""
-    from support import crash_child as K
-
     from artcache.producer import Producer, ProducerConfig
+    from tests.support import crash_child as K
 
     now = [1000.0]
     live = hold_window(layout.root, "live")
@@ -728,10 +722,9 @@ def test_regression_fence_of_a_consumer_holding_its_lock_does_not_kill_the_produ
     the lock and then died with LockTimeout (seen in the paused-consumer replay after the faults-liveness
     rebase). It now waits FENCE_LOCK_TIMEOUT_S, keeps the consumer's window this pass and fences it once
     the lock is free."""
-    from support import crash_child as K
-
     from artcache.locking import cache_lock
     from artcache.producer import FENCE_LOCK_TIMEOUT_S, Producer, ProducerConfig
+    from tests.support import crash_child as K
 
     registry.register(layout, registry.Registration(consumer_id="dead", draft="fake", lookahead=7, end=8,
                                                     pid=dead_pid()))

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.procs import foreign_token, token
 
 from artcache import crashpoints
 from artcache import journal as J
@@ -19,6 +18,7 @@ from artcache.errors import ArtcacheError, JournalError
 from artcache.layout import CacheLayout
 from artcache.producer import cleanup_orphans
 from artcache.verify_fs import verify_filesystem
+from tests.support.procs import foreign_token, token
 
 
 def _ev(i: int) -> J.Event:

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import TINY_SHAREGPT
 
 from artcache import plan as plan_mod
 from artcache.fingerprint import PlanFingerprints
 from artcache.producer import ProducerConfig, prepare_root
+from tests.support import TINY_SHAREGPT
 
 DATA = TINY_SHAREGPT
 BASE = dict(layer_ids=[1, 3], max_length=64, max_samples=12)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from support import REPO
+from tests.support import REPO
 
 ROOT = REPO
 FOLDERS = {"artcache": "artcache", "artcache.trainers": "trainers", "artcache.bench": "bench"}

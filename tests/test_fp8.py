@@ -14,8 +14,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from support import TINY_SHAREGPT
-from support.procs import Proc, inspect_json
 
 from artcache import store
 from artcache.contract import CaptureContract, stored_bytes_per_token
@@ -23,6 +21,8 @@ from artcache.errors import IntegrityError
 from artcache.fingerprint import fingerprint
 from artcache.fp8 import E4M3_MAX, SCALES, dequantize_rows, quantize_rows, relative_error
 from artcache.layout import CacheLayout
+from tests.support import TINY_SHAREGPT
+from tests.support.procs import Proc, inspect_json
 
 C8 = CaptureContract(target_name="tiny-target", target_revision="rev-0001", target_config_hash="cfg01",
                      target_weights_digest="w01", layer_ids=(1, 3), max_length=64, dtype="float8_e4m3fn",

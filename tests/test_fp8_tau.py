@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import TINY_SHAREGPT
 
 from artcache.app.config import load_run_config
 from artcache.app.experiments import plan_run
 from artcache.bench import fp8_tau
+from tests.support import TINY_SHAREGPT
 
 DATA = TINY_SHAREGPT
 

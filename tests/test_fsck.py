@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support import crash_child as K
-from support.procs import dead_pid, foreign_token, token
 
 from artcache import journal as J
 from artcache import leases, registry, store
@@ -19,6 +17,8 @@ from artcache.app.cli import main
 from artcache.fingerprint import PlanFingerprints
 from artcache.fsck import fsck
 from artcache.layout import CacheLayout
+from tests.support import crash_child as K
+from tests.support.procs import dead_pid, foreign_token, token
 
 PLAN = K.FakePlan()
 FP = PlanFingerprints(K.CONTRACT, PLAN)

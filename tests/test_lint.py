@@ -4,7 +4,8 @@ import shutil
 import subprocess
 
 import pytest
-from support import REPO
+
+from tests.support import REPO
 
 ROOT = REPO
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import sys
 
-from support import REPO
+from tests.support import REPO
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -8,7 +8,6 @@ import math
 import signal
 
 import pytest
-from support.procs import Proc as BaseProc
 
 from artcache import journal as J
 from artcache import registry
@@ -17,6 +16,7 @@ from artcache.layout import CacheLayout
 from artcache.producer import ProducerConfig, run_producer
 from artcache.trainers.consumer import ConsumerConfig
 from artcache.trainers.consumer.session import run_consumer
+from tests.support.procs import Proc as BaseProc
 
 MAX_LEN, SAMPLES = 32, 40
 

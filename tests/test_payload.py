@@ -11,8 +11,6 @@ import sys
 
 import msgspec
 import pytest
-from support import crash_child as K
-from test_cli import assert_bad_input, invoke, snapshot
 
 from artcache import store
 from artcache.errors import ArtifactMissing, ConfigError, PayloadStoreError
@@ -21,6 +19,8 @@ from artcache.layout import CacheLayout
 from artcache.payload import new_spec, parse_payload_url, remote_for
 from artcache.payload_mooncake import MooncakePayloads, parse_size
 from artcache.settings import init_settings, load_settings
+from tests.support import crash_child as K
+from tests.test_cli import assert_bad_input, invoke, snapshot
 
 
 @pytest.fixture

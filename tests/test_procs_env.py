@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.procs import REPO
+from tests.support.procs import REPO
 
 
 def test_regression_children_import_the_tests_artcache_from_a_link_tree(tmp_path):
@@ -24,11 +24,11 @@ def test_regression_children_import_the_tests_artcache_from_a_link_tree(tmp_path
     (tree / "trainers").symlink_to(REPO / "trainers")
     (tree / "bench").symlink_to(REPO / "bench")
     probe = (
-        "import subprocess, sys; sys.path.insert(0, {!r}); from support import procs; import artcache; "
+        f"import subprocess, sys; sys.path.append({str(REPO)!r}); from tests.support import procs; import artcache; "
         "print(artcache.__file__); "
         "print(subprocess.run([sys.executable, '-c', 'import artcache.trainers, artcache; print(artcache.__file__)'], "
-        "env=procs.child_env(), capture_output=True, text=True, cwd={!r}).stdout.strip())"
-    ).format(str(REPO / "tests"), str(tmp_path))
+        f"env=procs.child_env(), capture_output=True, text=True, cwd={str(tmp_path)!r}).stdout.strip())"
+    )
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "pkg"), PYTHONSAFEPATH="1")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tmp_path,
                          timeout=120)

@@ -322,9 +322,9 @@ def test_regression_a_fence_failing_for_space_does_not_kill_the_producer(tmp_pat
     import errno
 
     import pytest
-    from support.procs import dead_pid
 
     from artcache.errors import PublishError
+    from tests.support.procs import dead_pid
 
     layout = CacheLayout(tmp_path)
     layout.create()

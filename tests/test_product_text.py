@@ -13,7 +13,8 @@ import tokenize
 from pathlib import Path
 
 import pytest
-from support import REPO
+
+from tests.support import REPO
 
 ROOT = REPO
 

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.procs import wait_until
-from test_consumer_resume import DATA, Proc, consume_args, file_events, steps_of
 
 from artcache import errors as E
 from artcache import journal as J
@@ -43,6 +41,8 @@ from artcache.trainers.consumer.reader_process import (
     slot_bytes,
 )
 from artcache.trainers.draft import DraftBatch
+from tests.support.procs import wait_until
+from tests.test_consumer_resume import DATA, Proc, consume_args, file_events, steps_of
 
 # ---- units -----------------------------------------------------------------------------------------------------
 
@@ -378,7 +378,7 @@ def test_regression_a_trainer_that_is_pid_1_keeps_its_reader_process(filled, tmp
 
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs unshare and root for a pid namespace")
-    from support.procs import child_env
+    from tests.support.procs import child_env
 
     args = consume_args(filled, tmp_path, "pid1", 4, "--reader", "process", "--json")
     got = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "artcache", *args],

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support import REPO
-from test_target_hub import hub_cache
 
 from artcache.app.cli import main
 from artcache.app.config import load_run_config
+from tests.support import REPO
+from tests.test_target_hub import hub_cache
 
 CONFIGS = REPO / "configs"
 

@@ -7,9 +7,8 @@ import shutil
 import subprocess
 import sys
 
-from support import REPO
-
 from artcache.app.reference import pages, stale
+from tests.support import REPO
 
 ROOT = REPO
 

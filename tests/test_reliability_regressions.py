@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from support import crash_child as K
 
 from artcache import journal as J
 from artcache import registry, store
@@ -16,6 +15,7 @@ from artcache.client import CacheClient
 from artcache.errors import ConsumerFenced, IntegrityError
 from artcache.fingerprint import PlanFingerprints
 from artcache.producer import Producer, ProducerConfig
+from tests.support import crash_child as K
 
 PLAN = K.FakePlan()
 FP = PlanFingerprints(K.CONTRACT, PLAN)

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from support import REPO
 
 from artcache.bench import results_page as rp
+from tests.support import REPO
 
 ROOT = REPO
 

@@ -20,7 +20,6 @@ import pytest
 import safetensors.torch
 import torch
 from click.testing import CliRunner
-from support import REPO, TINY_SHAREGPT
 
 from artcache import journal as J
 from artcache import registry, store
@@ -31,6 +30,7 @@ from artcache.backends.hf import HFCaptureBackend
 from artcache.contract import CaptureContract
 from artcache.errors import ConfigError, ContractMismatch
 from artcache.layout import CacheLayout
+from tests.support import REPO, TINY_SHAREGPT
 
 DATA = TINY_SHAREGPT
 DEADLINE_S = 600.0

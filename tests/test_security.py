@@ -14,8 +14,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from support import REPO
-from support import crash_child as K
 
 from artcache import fsio, leases, locking, store
 from artcache import journal as J
@@ -24,6 +22,8 @@ from artcache.eviction import evict_pass
 from artcache.fingerprint import PlanFingerprints
 from artcache.layout import SUBDIRS, CacheLayout
 from artcache.settings import load_settings
+from tests.support import REPO
+from tests.support import crash_child as K
 
 FP = PlanFingerprints(K.CONTRACT, K.FakePlan())
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from support import TINY_SHAREGPT
 
 from artcache.errors import ConfigError, ContractMismatch
 from artcache.trainers.checkpoint import point_latest, replace_file, save_checkpoint, write_state
@@ -26,6 +25,7 @@ from artcache.trainers.consumer.restore import jsonable, load_weights_strict, pl
 from artcache.trainers.draft import build_draft
 from artcache.trainers.export import export_checkpoint
 from artcache.trainers.seed import load_seed, map_back, read_seed
+from tests.support import TINY_SHAREGPT
 
 DATA = TINY_SHAREGPT
 CAPTURED = [1, 2, 3, 5]  # tiny target: 6 layers; DFlash 3 layers reads [1, 2, 3], EAGLE-3 [1, 2, 2, 5]

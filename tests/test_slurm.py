@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support.procs import REPO, child_env
-from test_cli import snapshot
 
 from artcache.app.cli import main
 from artcache.app.config import load_run_config
 from artcache.app.experiments import plan_run
 from artcache.app.slurm import collect, place, render
 from artcache.errors import ConfigError
+from tests.support.procs import REPO, child_env
+from tests.test_cli import snapshot
 
 EXPERIMENT = """
 [[experiments]]

@@ -562,12 +562,11 @@ def test_regression_kill_mid_report_write_leaves_no_part_litter(tmp_path):
     import subprocess
     import sys
 
-    from support.procs import child_env, foreign_token
-
     from artcache.app.config import load_run_config, save_config
     from artcache.bench.run import write_run_report
     from artcache.data.regenerate import write_atomic
     from artcache.layout import unique_suffix
+    from tests.support.procs import child_env, foreign_token
 
     out = tmp_path / "bench-out"
     out.mkdir()

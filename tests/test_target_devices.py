@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import TINY_SHAREGPT
 
 from artcache import store
 from artcache.errors import ConfigError
 from artcache.layout import CacheLayout
 from artcache.settings import load_settings
+from tests.support import TINY_SHAREGPT
 
 DATA = TINY_SHAREGPT
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support import TINY_SHAREGPT
 
 from artcache.app.cli import main
 from artcache.errors import ConfigError
 from artcache.target import resolve_target
+from tests.support import TINY_SHAREGPT
 
 DATA = TINY_SHAREGPT
 REPO = "artcache-test/tiny-llama"

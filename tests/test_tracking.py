@@ -8,9 +8,9 @@ import math
 import sys
 
 import pytest
-from support import REPO
 
 from artcache.trainers.tracking import Progress, RunTracker, read_metrics, tensorboard_available
+from tests.support import REPO
 
 
 def test_csv_rows_and_lists(tmp_path):
@@ -152,7 +152,7 @@ def _log_steps(t: RunTracker, steps, base: float = 0.0) -> None:
 def test_wandb_and_mlflow_get_the_scalars_tensorboard_gets(tmp_path, offline_trackers):
     """One run per consumer on each tracker, named by its id, with exactly TensorBoard's (and metrics.csv's) tags,
     steps and values, NaN included; a resume in the same run directory continues the same runs."""
-    from support.tracker_runs import mlflow_runs, same_points, tensorboard_scalars, wandb_runs
+    from tests.support.tracker_runs import mlflow_runs, same_points, tensorboard_scalars, wandb_runs
 
     wandb_dir, uri = offline_trackers
     runs = {}
@@ -215,7 +215,7 @@ def test_artcache_run_keeps_one_tracker_run_per_experiment(tiny_target, tmp_path
     import os
     import subprocess
 
-    from support.tracker_runs import mlflow_runs, same_points, tensorboard_scalars, wandb_runs
+    from tests.support.tracker_runs import mlflow_runs, same_points, tensorboard_scalars, wandb_runs
 
     repo = REPO
     out, (wandb_dir, uri) = tmp_path / "out", offline_trackers

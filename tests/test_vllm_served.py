@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import SUPPORT
 
 from artcache.bench.replay_served import walk
 from artcache.trainers.draft import replay_accepted, replay_sums
+from tests.support import SUPPORT
 
 
 def test_walk_jumps_past_accepted_tokens():

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import safetensors.torch
 from click.testing import CliRunner
-from support.procs import Proc as BaseProc
 
 from artcache import registry
 from artcache.app.cli import main
@@ -26,6 +25,7 @@ from artcache.layer_ids import dflash_layer_ids, eagle3_capture_ids
 from artcache.layout import CacheLayout
 from artcache.producer import ProducerConfig, prepare_root
 from artcache.trainers.checkpoint import read_state
+from tests.support.procs import Proc as BaseProc
 
 L = 8  # random:tiny-llama
 DFLASH = dflash_layer_ids(L, 2)

@@ -4,8 +4,10 @@ other "hosts" (hosts), checkpoint damage (ckpt_damage), fault injection (faultin
 scripts run under another Python (vllm_spec_decode, vllm_dspark_load, speculators_draft_logits) and data
 fixtures (data/).
 
-pytest puts ``tests/`` on ``sys.path`` (it imports ``tests/conftest.py`` in its default "prepend" import mode), so
-tests import ``from support.procs import Proc``; children that import these modules get ``tests/`` on PYTHONPATH."""
+``tests`` is a package (every folder has an ``__init__.py``), so pytest puts the repository's root on ``sys.path``
+and tests import ``from tests.support.procs import Proc``; children that import these modules get the repository
+on PYTHONPATH. (Were ``tests/`` itself on ``sys.path``, its lane folders would shadow ``vllm``, ``mooncake`` and
+``speculators``.)"""
 
 from pathlib import Path
 

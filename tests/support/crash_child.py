@@ -191,14 +191,14 @@ def _noop() -> None:
 def forkserver_context():
     """A forkserver context that has imported this module (so artcache and torch) once: children start in
     milliseconds. Python 3.11's forkserver does not apply the parent's sys.path before preloading, so the
-    tests directory and the repository go on PYTHONPATH while the server starts."""
+    repository (which holds the ``tests`` package) goes on PYTHONPATH while the server starts."""
     import multiprocessing as mp
 
     c = mp.get_context("forkserver")
-    c.set_forkserver_preload(["support.crash_child", "pytest"])  # pytest: children re-import __main__ (pytest)
+    c.set_forkserver_preload(["tests.support.crash_child", "pytest"])  # pytest: children re-import __main__ (pytest)
     here = Path(__file__).resolve().parent
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here.parents[1])] + ([old] if old else []))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(here.parents[1])] + ([old] if old else []))
     try:
         p = c.Process(target=_noop)
         p.start()

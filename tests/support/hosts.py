@@ -57,8 +57,7 @@ class Host:
         cmd = [*UNSHARE, *(["--uts"] if uts else []), "bash", "-c",
                ('hostname "$0" && ' if uts else "") + 'exec "$1" "$2"', name, sys.executable, str(HERE / "hosts.py")]
         child_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-        child_env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(REPO),
-                                                   *filter(None, [child_env.get("PYTHONPATH")])])
+        child_env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [child_env.get("PYTHONPATH")])])
         self._err = open(self.log, "wb")  # noqa: SIM115 - closed in die()
         self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
                                       env=child_env, text=True, bufsize=1)
@@ -115,7 +114,7 @@ def _agent() -> None:
     import traceback
 
     from artcache.liveness import this_process
-    from support import crash_child  # noqa: F401 - imports artcache and torch once; forked children start at once
+    from tests.support import crash_child  # noqa: F401 - imports artcache and torch once; forked children start at once
 
     children: dict[int, int | None] = {}
     held: list = []
@@ -197,7 +196,7 @@ def _agent() -> None:
 def _thaw(arg):
     """``{"file_barrier": path}`` / ``{"file_event": path}`` → crash_child.FileBarrier / FileEvent (a
     multiprocessing barrier cannot cross into another pid namespace); anything else unchanged."""
-    from support import crash_child
+    from tests.support import crash_child
 
     if isinstance(arg, dict) and "file_barrier" in arg:
         return crash_child.FileBarrier(arg["file_barrier"])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import REPO, child_env
+from tests.support.procs import REPO, child_env
 
 #: parametrize a protocol test over the payload backends; the Mooncake one carries the ``mooncake`` marker
 #: (excluded by default; ``.ci/mooncake-lane`` runs it) and skips when Mooncake is not installed
@@ -33,7 +33,7 @@ def root_settings(backend: str, request, base=None):
     import msgspec
 
     from artcache.payload import new_spec
-    from support import crash_child as K
+    from tests.support import crash_child as K
 
     base = base or K.settings()
     if backend == "posix":

@@ -21,7 +21,7 @@ import artcache
 from artcache import store
 from artcache.layout import CacheLayout
 from artcache.settings import load_settings
-from support import REPO  # noqa: F401 - the tests import it from here too
+from tests.support import REPO  # noqa: F401 - the tests import it from here too
 
 #: the directory the test process imported ``artcache`` from (REPO for a checkout or an editable install; on
 #: the GPU machine a link tree that adds the ``artcache.trainers`` / ``artcache.bench`` subpackages): children

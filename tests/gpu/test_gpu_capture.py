@@ -12,8 +12,7 @@ from artcache import store
 from artcache.contract import CaptureContract
 from artcache.fp8 import SCALES, quantize_rows
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm lane needs the artcache[vllm] extra")
 
-from support import REPO  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+from tests.support import REPO  # noqa: E402
 
 SAMPLES, MAX_NEW = 4, 32
 #: one backend per process: vLLM replaces ``torch.set_num_threads`` in the process it runs in, and an

@@ -23,9 +23,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from support import SUPPORT
 
-pytestmark = pytest.mark.vllm
+from tests.support import SUPPORT
 
 SCRIPT = SUPPORT / "vllm_spec_decode.py"
 K_DFLASH, K_EAGLE3, PROMPTS, MAX_TOKENS = 3, 3, 2, 24

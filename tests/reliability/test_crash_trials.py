@@ -28,9 +28,6 @@ import time
 from pathlib import Path
 
 import pytest
-from support import crash_child as K
-from support.mooncake_store import PAYLOAD_BACKENDS, root_settings
-from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import leases, registry, store
@@ -42,8 +39,9 @@ from artcache.layout import CacheLayout, parse_temp_name
 from artcache.liveness import this_process
 from artcache.locking import Timeout, cache_lock
 from artcache.settings import init_settings
-
-pytestmark = pytest.mark.reliability
+from tests.support import crash_child as K
+from tests.support.mooncake_store import PAYLOAD_BACKENDS, root_settings
+from tests.support.reliability_figures import record
 
 #: kills to reach (the lane's promise is >= 500)
 KILLS = int(os.environ.get("ARTCACHE_CRASH_KILLS", "500"))

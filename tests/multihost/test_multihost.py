@@ -27,12 +27,6 @@ import time
 from pathlib import Path
 
 import pytest
-from support import crash_child as K
-from support.hosts import UNSHARE, Host, unshare_unavailable
-from support.procs import Proc as BaseProc
-from support.procs import fault_env, inspect_json, wait_until
-from support.reliability_figures import record
-from test_crash_trials import CHILD_DEADLINE_S, Trials
 
 from artcache import journal as J
 from artcache import leases, registry, store
@@ -41,8 +35,12 @@ from artcache.fingerprint import PlanFingerprints
 from artcache.fsck import fsck
 from artcache.layout import CacheLayout, parse_temp_name
 from artcache.settings import init_settings
-
-pytestmark = pytest.mark.multihost
+from tests.reliability.test_crash_trials import CHILD_DEADLINE_S, Trials
+from tests.support import crash_child as K
+from tests.support.hosts import UNSHARE, Host, unshare_unavailable
+from tests.support.procs import Proc as BaseProc
+from tests.support.procs import fault_env, inspect_json, wait_until
+from tests.support.reliability_figures import record
 
 #: kills of the cross-host trials (ARTCACHE_MULTIHOST_KILLS)
 KILLS = int(os.environ.get("ARTCACHE_MULTIHOST_KILLS", "60"))
@@ -139,7 +137,7 @@ class HostTrials(Trials):
                 assert "consumer-fenced" in p.detail, (what, p)
         # 2. on the killed child's host: its orphans and dead leases go
         host = self.last_host
-        out = host.call("support.crash_child:fsck_summary", str(self.layout.root), 0)
+        out = host.call("tests.support.crash_child:fsck_summary", str(self.layout.root), 0)
         self.stats["fsck_own_host"] += 1
         for p in out["problems"]:
             if p["kind"] == "bad-plan":

@@ -27,7 +27,6 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import leases, registry, store
@@ -39,8 +38,7 @@ from artcache.fingerprint import PlanFingerprints
 from artcache.layout import CacheLayout, host_id
 from artcache.registry import ConsumerHandle, Registration
 from artcache.settings import RootSettings
-
-pytestmark = pytest.mark.reliability
+from tests.support.reliability_figures import record
 
 C = CaptureContract(target_name="t", target_revision="r", target_config_hash="c", target_weights_digest="w",
                     layer_ids=(0,), max_length=4, tokenizer_digest="k", template_digest="m")

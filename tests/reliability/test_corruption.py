@@ -24,8 +24,6 @@ import time
 import pytest
 import torch
 import xxhash
-from support import crash_child as K
-from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import registry, store
@@ -36,8 +34,8 @@ from artcache.layout import CacheLayout
 from artcache.producer import Producer, ProducerConfig
 from artcache.scheduler import SchedulerLimits
 from artcache.settings import init_settings
-
-pytestmark = pytest.mark.reliability
+from tests.support import crash_child as K
+from tests.support.reliability_figures import record
 
 PER_KIND = 25
 

@@ -18,10 +18,7 @@ from artcache.client import Leased
 from artcache.store import Artifact
 from artcache.trainers.consumer.reader import DeviceCollator, Retired, collate
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _items(lengths, m=7, h=64):
@@ -85,10 +82,9 @@ def test_liger_matches_reference():
 def test_sync_free_steps_match_the_host_reference(compile_mode):
     """Every draft's CUDA step (``--compile off|on|graphs``) gives the CPU reference's loss on the same inputs
     within bf16 rounding."""
-    from test_fast_consumer import _batch, _dflash, _dspark, _eagle3
-
     from artcache.trainers.draft import DraftBatch
     from artcache.trainers.speed import SpeedOptions
+    from tests.test_fast_consumer import _batch, _dflash, _dspark, _eagle3
 
     speed = SpeedOptions(sync_free=True, ce_impl="chunked", compile=compile_mode)
     for make, b in ((_dflash, _batch(3, 24, 4, 1)), (_eagle3, _batch(3, 18, 4, 2)), (_dspark, _batch(3, 24, 4, 3))):
@@ -140,10 +136,9 @@ def test_flex_attention_step_equals_sdpa(draft):
 def test_sync_free_dspark_step_does_not_synchronise():
     """The DSpark step of the CUDA path (anchors drawn on the host, forward, loss, PendingSums, backward) raises
     no synchronisation error under ``set_sync_debug_mode("error")`` once its pinned inputs are staged."""
-    from test_fast_consumer import _batch, _dspark
-
     from artcache.trainers.draft import DraftBatch
     from artcache.trainers.speed import SpeedOptions
+    from tests.test_fast_consumer import _batch, _dspark
 
     b = _batch(3, 24, 4, 4)
     d = _dspark(speed=SpeedOptions(sync_free=True, ce_impl="chunked"))

@@ -19,15 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-from support.procs import Proc as BaseProc
-from support.procs import inspect_json, verify_all_published, wait_until
 
 from artcache import journal as J
 from artcache import registry, store
 from artcache.layout import CacheLayout
 from artcache.trainers.checkpoint import find_checkpoint, read_state
-
-pytestmark = pytest.mark.reliability
+from tests.support.procs import Proc as BaseProc
+from tests.support.procs import inspect_json, verify_all_published, wait_until
 
 DEADLINE_S = 150.0
 STEPS, BATCH = 4, 2

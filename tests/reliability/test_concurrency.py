@@ -18,16 +18,14 @@ import json
 from pathlib import Path
 
 import pytest
-from support import crash_child as K
-from support.mooncake_store import PAYLOAD_BACKENDS, root_settings
-from support.reliability_figures import record
 
 from artcache import store
 from artcache.fingerprint import PlanFingerprints
 from artcache.layout import CacheLayout
 from artcache.settings import init_settings
-
-pytestmark = pytest.mark.reliability
+from tests.support import crash_child as K
+from tests.support.mooncake_store import PAYLOAD_BACKENDS, root_settings
+from tests.support.reliability_figures import record
 
 DEADLINE_S = 180.0  # only bounds a hang
 N_POS = 40  # every sample of the fake plan

@@ -23,16 +23,14 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from support.procs import Proc as BaseProc
-from support.procs import child_env, wait_until
 
 from artcache import journal as J
 from artcache import registry
 from artcache.layout import CacheLayout
 from artcache.trainers import DRAFT_NAMES
 from artcache.trainers import checkpoint as ck
-
-pytestmark = pytest.mark.gpu
+from tests.support.procs import Proc as BaseProc
+from tests.support.procs import child_env, wait_until
 
 CUDA = torch.cuda.is_available() and torch.cuda.device_count() > 0
 TARGET = "random:tiny-llama"  # 8 layers, H 64, vocab 49152

@@ -11,8 +11,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 WARMUP, STEPS = 1, 3
 CACHE_KEYS = ("logical_requests", "hits", "misses", "coalesced", "publications", "evictions", "recaptures",
               "max_retained_artifacts", "window_bound_artifacts")

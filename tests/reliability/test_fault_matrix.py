@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import crash_child as K
-from support.reliability_figures import record
 
 from artcache import journal as J
 from artcache import registry, store
@@ -23,8 +21,8 @@ from artcache.errors import ArtcacheError, ArtifactMissing, JournalError, Publis
 from artcache.fingerprint import fingerprint
 from artcache.fsio import RETRYABLE_ERRNOS, SPACE_ERRNOS
 from artcache.layout import CacheLayout
-
-pytestmark = pytest.mark.reliability
+from tests.support import crash_child as K
+from tests.support.reliability_figures import record
 
 ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "EDQUOT": errno.EDQUOT}
 #: call -> (os function, which of its calls fails: 1 = first); fsync #1 is the temp file, #2 the directory

@@ -25,9 +25,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from support import crash_child as K
-from support.mooncake_store import MooncakeService, require_mooncake
-from support.procs import REPO, Proc, child_env, inspect_json, wait_until
 
 from artcache import journal as J
 from artcache import payload, store
@@ -38,8 +35,9 @@ from artcache.layout import CacheLayout
 from artcache.payload import new_spec, remote_for
 from artcache.payload_mooncake import OBJECT_NOT_FOUND, Manifest
 from artcache.settings import init_settings, load_settings
-
-pytestmark = pytest.mark.mooncake
+from tests.support import crash_child as K
+from tests.support.mooncake_store import MooncakeService, require_mooncake
+from tests.support.procs import REPO, Proc, child_env, inspect_json, wait_until
 
 PLAN = K.FakePlan()
 FP_OF = PlanFingerprints(K.CONTRACT, PLAN)
@@ -263,7 +261,7 @@ def test_killed_writers_half_put_key_is_taken_over(service_factory, tmp_path):
 _PUBLISHER = """
 import os, sys
 sys.path.insert(0, sys.argv[2])
-from support import crash_child as K
+from tests.support import crash_child as K
 from pathlib import Path
 from artcache import store
 from artcache.fingerprint import PlanFingerprints

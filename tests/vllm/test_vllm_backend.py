@@ -25,16 +25,14 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm lane needs the artcache[vllm] extra")
 
 import torch  # noqa: E402
-from support.procs import Proc as BaseProc  # noqa: E402
-from support.procs import child_env, verify_all_published, wait_until  # noqa: E402
 
 from artcache import journal as J  # noqa: E402
 from artcache import store  # noqa: E402
 from artcache.errors import CaptureMismatch  # noqa: E402
 from artcache.layout import CacheLayout, parse_journal_name, parse_temp_name  # noqa: E402
 from artcache.settings import load_settings  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+from tests.support.procs import Proc as BaseProc  # noqa: E402
+from tests.support.procs import child_env, verify_all_published, wait_until  # noqa: E402
 
 # 1 GiB of KV cache is plenty for these plans (the producer's default is 4); subprocesses inherit it
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
