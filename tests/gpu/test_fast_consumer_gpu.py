@@ -84,7 +84,7 @@ def test_sync_free_steps_match_the_host_reference(compile_mode):
     within bf16 rounding."""
     from artcache.trainers.draft import DraftBatch
     from artcache.trainers.speed import SpeedOptions
-    from tests.test_fast_consumer import _batch, _dflash, _dspark, _eagle3
+    from tests.unit.test_fast_consumer import _batch, _dflash, _dspark, _eagle3
 
     speed = SpeedOptions(sync_free=True, ce_impl="chunked", compile=compile_mode)
     for make, b in ((_dflash, _batch(3, 24, 4, 1)), (_eagle3, _batch(3, 18, 4, 2)), (_dspark, _batch(3, 24, 4, 3))):
@@ -138,7 +138,7 @@ def test_sync_free_dspark_step_does_not_synchronise():
     no synchronisation error under ``set_sync_debug_mode("error")`` once its pinned inputs are staged."""
     from artcache.trainers.draft import DraftBatch
     from artcache.trainers.speed import SpeedOptions
-    from tests.test_fast_consumer import _batch, _dspark
+    from tests.unit.test_fast_consumer import _batch, _dspark
 
     b = _batch(3, 24, 4, 4)
     d = _dspark(speed=SpeedOptions(sync_free=True, ce_impl="chunked"))

@@ -36,7 +36,7 @@ from artcache.trainers.eagle3.export import load_eagle3_export
 from artcache.trainers.eagle3.model import ttt_input_ids
 from artcache.trainers.export import export_checkpoint
 from tests.support import SUPPORT
-from tests.test_export import H, V, eagle3_checkpoint, make_target_dir, with_weights
+from tests.unit.test_export import H, V, eagle3_checkpoint, make_target_dir, with_weights
 
 SCRIPT = SUPPORT / "speculators_draft_logits.py"
 STEPS = 3
@@ -138,7 +138,7 @@ def test_speculators_loads_dflash_export_with_equal_logits(tmp_path, speculators
     artcache's draft is run on the same anchors. Block n = ``[x_p, MASK x (B-1)]`` at positions p..p+B-1,
     seeing the context before p, in both. Eager attention (speculators' flex path compiles its block mask).
     """
-    from tests.test_export import dflash_checkpoint
+    from tests.unit.test_export import dflash_checkpoint
 
     model, cfg, _ids, _path = dflash_checkpoint(tmp_path / "run")
     emb, head = model.embed_weight, model.lm_head_weight

@@ -15,9 +15,9 @@ from collections import Counter
 from artcache import journal as J
 from artcache.layout import CacheLayout
 from artcache.trainers.tracking import read_metrics, tensorboard_available
+from tests.protocol.test_consumer_resume import Proc, consume_args
 from tests.support import TINY_SHAREGPT
 from tests.support.procs import inspect_json, wait_until
-from tests.test_consumer_resume import Proc, consume_args
 
 DATA = TINY_SHAREGPT
 STEPS, BATCH, EVAL, INTERVAL = 6, 2, 4, 3

@@ -13,8 +13,8 @@ import pytest
 
 from artcache import registry
 from artcache.layout import CacheLayout
+from tests.protocol.test_consumer_resume import BATCH, DATA, Proc, consume_args
 from tests.support.procs import fault_env
-from tests.test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 
 @pytest.fixture(scope="module")

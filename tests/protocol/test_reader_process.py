@@ -41,8 +41,8 @@ from artcache.trainers.consumer.reader_process import (
     slot_bytes,
 )
 from artcache.trainers.draft import DraftBatch
+from tests.protocol.test_consumer_resume import DATA, Proc, consume_args, file_events, steps_of
 from tests.support.procs import wait_until
-from tests.test_consumer_resume import DATA, Proc, consume_args, file_events, steps_of
 
 # ---- units -----------------------------------------------------------------------------------------------------
 

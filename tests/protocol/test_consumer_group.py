@@ -109,7 +109,7 @@ def test_regression_eagle3_global_denominator_below_one_is_not_raised_to_one():
     one position was kept in the whole global batch; the loss clamped that to 1, halving the step's gradient on
     every rank (a 2-rank group's weights drifted 1e-3 from one process's on the same batches)."""
     from artcache.trainers.eagle3 import eagle3_loss
-    from tests.test_fast_consumer import _batch, _eagle3
+    from tests.unit.test_fast_consumer import _batch, _eagle3
 
     draft = _eagle3()
     batch = _batch(3, 18, 4, 3)

@@ -26,7 +26,7 @@ from artcache.app.experiments import plan_run
 from artcache.app.slurm import collect, place, render
 from artcache.errors import ConfigError
 from tests.support.procs import REPO, child_env
-from tests.test_cli import snapshot
+from tests.unit.test_cli import snapshot
 
 EXPERIMENT = """
 [[experiments]]

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from artcache import journal as J
 from artcache.app.cli import main
 from artcache.app.experiments import draft_view
-from tests.test_run import artcache_run, base_toml, exp, report_of, write
+from tests.protocol.test_run import artcache_run, base_toml, exp, report_of, write
 
 
 def dspark_exp(name: str, steps: int, **consumer) -> str:

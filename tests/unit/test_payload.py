@@ -20,7 +20,7 @@ from artcache.payload import new_spec, parse_payload_url, remote_for
 from artcache.payload_mooncake import MooncakePayloads, parse_size
 from artcache.settings import init_settings, load_settings
 from tests.support import crash_child as K
-from tests.test_cli import assert_bad_input, invoke, snapshot
+from tests.unit.test_cli import assert_bad_input, invoke, snapshot
 
 
 @pytest.fixture

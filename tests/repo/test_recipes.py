@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from artcache.app.cli import main
 from artcache.app.config import load_run_config
 from tests.support import REPO
-from tests.test_target_hub import hub_cache
+from tests.unit.test_target_hub import hub_cache
 
 CONFIGS = REPO / "configs"
 

@@ -16,8 +16,8 @@ from artcache import leases, registry
 from artcache.layout import CacheLayout
 from artcache.trainers.checkpoint import read_state
 from artcache.trainers.tracking import read_metrics
+from tests.protocol.test_consumer_resume import BATCH, DATA, Proc, consume_args
 from tests.support.procs import wait_until
-from tests.test_consumer_resume import BATCH, DATA, Proc, consume_args
 
 STEPS = 8
 # The capture-timeout run needs more positions than the producer can publish ahead of the cursor

@@ -18,7 +18,7 @@ from artcache.errors import CaptureTimeout
 from artcache.trainers.consumer.config import ConsumerConfig, read_workers
 from artcache.trainers.consumer.reader import Fetched, Reader
 from artcache.trainers.consumer.session import HOST_PHASES, host_ms_per_step
-from tests.test_consumer_resume import DATA, consume_args
+from tests.protocol.test_consumer_resume import DATA, consume_args
 
 
 class FakeClient:
@@ -146,7 +146,7 @@ def test_host_ms_per_step_takes_medians_so_a_compiling_first_step_does_not_count
 def test_a_consumer_with_read_workers_trains_as_one_without(tmp_path, tiny_target):
     """Real processes: a producer fills a root; one consumer reads with 1 worker, another with 3; their losses
     are the same step for step (the same batches, in the same order)."""
-    from tests.test_consumer_resume import Proc, file_events, steps_of
+    from tests.protocol.test_consumer_resume import Proc, file_events, steps_of
 
     cache = tmp_path / "cache"
     fill = subprocess.run([sys.executable, "-m", "artcache", "producer", "--cache", str(cache), "--target",

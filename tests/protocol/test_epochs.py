@@ -14,9 +14,9 @@ import pytest
 from artcache import journal as J
 from artcache.layout import CacheLayout
 from artcache.plan import EpochOrder
+from tests.protocol.test_consumer_resume import Proc, consume_args
 from tests.support import TINY_SHAREGPT
 from tests.support.procs import wait_until
-from tests.test_consumer_resume import Proc, consume_args
 
 DATA = TINY_SHAREGPT
 
