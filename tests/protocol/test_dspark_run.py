@@ -90,15 +90,3 @@ def test_three_drafts_on_one_capture_and_dspark_calibrates_and_exports(dspark_ru
         c = json.loads((dirs[fmt] / "config.json").read_text())
         assert c["confidence_temperatures"] == rep["temperatures"] and c["block_size"] == 4
     assert json.loads((dirs["speculators"] / "config.json").read_text())["aux_hidden_state_layer_ids"] == [2, 3, 4]
-
-
-@pytest.mark.reliability  # a second `artcache run` (~20 s on 2 cores)
-def test_a_run_starts_from_the_dspark_export(tiny_target, dspark_exports, tmp_path):
-    """A new run starts from the export (its names mapped back; strict keys) on a fresh root."""
-    _, dirs = dspark_exports
-    out2 = tmp_path / "out2"
-    seed = dirs["speculators"]
-    seeded = dspark_exp("s2", 2).replace('window = "2:8"', f'window = "2:8"\ninit_from = "{seed}"')
-    proc = artcache_run(write(tmp_path / "run2.toml", base_toml(tiny_target, out2, seeded)))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert report_of(out2)["checks"]["every_experiment_completed"]

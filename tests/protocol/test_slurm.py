@@ -10,11 +10,8 @@ Deadlines only bound a hang."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +20,8 @@ from click.testing import CliRunner
 from artcache.app.cli import main
 from artcache.app.config import load_run_config
 from artcache.app.experiments import plan_run
-from artcache.app.slurm import collect, place, render
+from artcache.app.slurm import place, render
 from artcache.errors import ConfigError
-from tests.support.procs import REPO, child_env
 from tests.unit.test_cli import snapshot
 
 EXPERIMENT = """
@@ -193,56 +189,3 @@ def test_submit_without_sbatch_is_bad_input_and_writes_nothing(tmp_path, monkeyp
 
 
 # ---- through a fake cluster ------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """The fake 3-node cluster for this module; SLURM_CONF points at it meanwhile. Skips without root or a
-    way to install Slurm, or fails there when ``ARTCACHE_REQUIRE_SLURM=1`` (.ci/slurm-lane)."""
-    missing = pytest.fail if os.environ.get("ARTCACHE_REQUIRE_SLURM") == "1" else pytest.skip
-    if os.geteuid() != 0:
-        missing("the fake Slurm cluster needs root (slurmd runs jobs as any user)")
-    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
-        missing("no slurmctld and no apt-get to install Debian's slurmd slurmctld slurm-client munge")
-    d = tmp_path_factory.mktemp("slurm-cluster")
-    script = REPO / ".ci" / "slurm-cluster.sh"
-    res = subprocess.run(["bash", str(script), "start", str(d)], capture_output=True, text=True, timeout=600)
-    if res.returncode != 0:
-        pytest.fail(f"the fake cluster did not start:\n{res.stdout}\n{res.stderr}")
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(d / "slurm.conf")
-    try:
-        yield d
-    finally:
-        subprocess.run(["bash", str(script), "stop", str(d)], capture_output=True, text=True, timeout=120)
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
-
-
-@pytest.mark.slurm
-def test_tiny_run_through_slurm(tmp_path, slurm_cluster):
-    cfg = config(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "artcache", "run", "--config", str(cfg), "--launcher", "slurm",
-                           "--submit", "--wait"], capture_output=True, text=True, cwd=tmp_path,
-                          env=child_env(SLURM_CONF=os.environ["SLURM_CONF"]), timeout=900)
-    run = tmp_path / "run"
-    job_out = "\n".join(p.read_text(errors="replace") for p in (run / "logs").glob("slurm-*.out"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + job_out
-    res = collect(run, ["producer", "c1", "c2", "c3"])
-    assert res["ok"], json.dumps(res, indent=1)
-    roles = res["roles"]
-    assert {n: r["node"] for n, r in roles.items()} == {"producer": "n1", "c1": "n1", "c2": "n2", "c3": "n3"}
-    # every step saw one GPU of its own: Slurm's gres binding (fake GPUs 0 and 1 per node)
-    seen = {n: r["cuda_visible_devices"] for n, r in roles.items()}
-    assert all(v in ("0", "1") for v in seen.values()), seen
-    assert seen["producer"] != seen["c1"], seen  # the two roles on n1 got different GPUs
-    assert len({r["step"] for r in roles.values()}) == 4
-    acc = res["inspect"]
-    assert acc["violations"] == [], acc["violations"]
-    c = acc["cache"]
-    assert c["distinct_positions_consumed"] == 12 and c["captures_per_consumed_position"] <= 1.05, c
-    for name in roles:
-        assert (run / "logs" / f"{name}.log").stat().st_size > 0
-    assert (run / "experiments" / "c3" / "checkpoints" / "latest").exists()
-    assert "inspect: ok" in proc.stdout

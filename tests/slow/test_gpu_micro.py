@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from artcache.bench import gpu_micro
 
 
-@pytest.mark.slow  # a minute on an idle 2-core machine (two roots, five I/O versions, two dtypes)
+# a minute on an idle 2-core machine (two roots, five I/O versions, two dtypes)
 def test_io_producer_and_consumer_parts_write_a_complete_result(tmp_path):
     out = tmp_path / "out"
     dest = tmp_path / "results" / "micro.json"
