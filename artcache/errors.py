@@ -6,7 +6,7 @@ catch (``ValueError``, ``TimeoutError``, ``FileNotFoundError``, ``OSError``), so
 
 Each class carries the CLI's exit status (``exit_code``: 2 = bad input the user can fix by changing a
 flag, a file or a path; 1 = an operational failure) and survives pickling with its attributes, so an
-error raised in a worker process reaches its parent intact (``tests/test_errors.py`` checks every class).
+error raised in a worker process reaches its parent intact (``tests/unit/test_errors.py`` checks every class).
 The pattern follows filelock's ``_error.py``: keyword attributes are rebuilt by ``__reduce__``.
 """
 

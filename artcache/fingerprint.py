@@ -6,7 +6,7 @@ Encoding (version 1)::
       + len(input_ids) as 8-byte little-endian + input_ids as int32 little-endian
       + loss_mask as uint8 (0/1)
 
-digested with BLAKE2b-160 (40 hex digits). Golden tests in tests/test_fingerprint.py pin it: a
+digested with BLAKE2b-160 (40 hex digits). Golden tests in tests/unit/test_fingerprint.py pin it: a
 change to this function that changes digests must bump artcache.FORMAT_VERSION.
 """
 

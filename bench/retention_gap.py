@@ -4,7 +4,7 @@
 
 Each stream: three consumers at speeds 1 : 1.5 : 3 (the slowest 1000 or 1500 positions/s; batches 32 / 48 /
 96, shuffled), lookbehind 0, 16 or 64 (the same for all), lookahead 1024, 100,000 positions of a plan walked
-epoch after epoch, the producer of ``tests/test_retention_sim.py`` (2 ms + 0.1 ms per sample, batches of
+epoch after epoch, the producer of ``tests/properties/test_retention_sim.py`` (2 ms + 0.1 ms per sample, batches of
 64). For each it runs :func:`~artcache.bench.sim.simulate` and :func:`~artcache.bench.sim.offline_optimum`
 under the run's pins in the run's room (``pins=res.pins, reserved=res.in_flight``) and reports captures per
 consumed position for both and the gap (policy - optimum). Families:
@@ -51,7 +51,7 @@ POSITIONS = 100_000
 
 def floor_of(cons: list[ConsumerSpec]) -> int:
     """The floor budget in artifacts: every window, the windows' lookbehind once more and one capture batch of
-    64 (the reserve of ``tests/test_retention_sim.py``)."""
+    64 (the reserve of ``tests/properties/test_retention_sim.py``)."""
     return sum(c.lookahead + 2 * c.lookbehind + 1 for c in cons) + 64
 
 

@@ -868,7 +868,7 @@ def mode_summary(cfg: BenchConfig, sc: Scenario, run: ModeRun, figures: dict) ->
 
 #: ``--data synthetic``: uniformly random token ids
 SYNTHETIC = "synthetic"
-#: why a loss on synthetic data is no check (tests/test_gpu.py measured it: B4 10.815 -> 10.819 in 8 steps)
+#: why a loss on synthetic data is no check (tests/gpu/test_gpu.py measured it: B4 10.815 -> 10.819 in 8 steps)
 SYNTHETIC_LOSS = ("synthetic data (uniform random token ids) has nothing to learn: no draft's loss falls below "
                   "ln(vocab - 64), and the tiny drafts start within ~0.015 nats of it")
 

@@ -637,7 +637,7 @@ def offline_optimum(trace: Sequence[Hashable], capacity: int, pins: PinLog | Non
     widened to a set of samples that must be present at once, and Belady's exchange argument does not use
     that a request is one sample (swap the victim for the furthest-needed one; the swapped schedule
     mimics the other until one of the two is needed, and pays no more), so with unit sizes it is the
-    fewest captures of any schedule that holds every pin at every read; ``tests/test_retention_sim.py``
+    fewest captures of any schedule that holds every pin at every read; ``tests/properties/test_retention_sim.py``
     checks it against an exhaustive search on small traces. It is a lower bound for the run that logged
     the pins with ``capacity`` = that run's budget in artifacts: that run's own disk satisfied every pin
     at every read within the budget. It is not a policy-independent bound: the pins are where that run's

@@ -378,7 +378,7 @@ class Draft(abc.ABC):
     acc_label: ClassVar[str] = "acc_"
     #: the figures its held-out evaluation reports: the keys of ``summary(evaluate(...))`` holding a number
     #: (:func:`figures_of`), i.e. the names ``--best-metric`` accepts; :data:`REPLAY_FIGURES` among them are
-    #: measured only with the target's argmax. tests/test_drafts.py checks them against a real evaluation.
+    #: measured only with the target's argmax. tests/unit/test_drafts.py checks them against a real evaluation.
     eval_figures: ClassVar[tuple[str, ...]] = ()
     #: figures it reports once per block slot, as ``name@k`` for k = 0 … B-1 (DSpark), beside ``eval_figures``
     eval_slot_figures: ClassVar[tuple[str, ...]] = ()

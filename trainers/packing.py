@@ -20,7 +20,7 @@ Inside a row the drafts see each document as if it were alone (:class:`~artcache
 
 So a packed batch's loss equals the unpacked batch of the same documents with the same anchors (the losses
 are normalised over the whole batch, Σ w·CE / Σ w, so a packed row is the weighted combination of its
-documents' losses with weights Σ w per document; tests/test_packing.py pins loss and gradients).
+documents' losses with weights Σ w per document; tests/unit/test_packing.py pins loss and gradients).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A capacity estimate before a run (``artcache run --dry-run``): per experiment and for the whole root, the disk
 peak under the chosen retention, the captures per consumed position and the time to finish, from the retention
 simulator (:mod:`artcache.bench.sim`, which runs the real :func:`artcache.eviction.decide` and scheduler over the
-experiments' real :class:`~artcache.plan.EpochOrder` orders; tests/test_retention_sim.py validates it).
+experiments' real :class:`~artcache.plan.EpochOrder` orders; tests/properties/test_retention_sim.py validates it).
 
 Inputs:
 

@@ -3,7 +3,7 @@ consumer step of every registered draft, checkpoint and resume, and the bench's 
 
 Every test takes the ``device`` fixture: ``cuda`` (skipped, with the reason, where no CUDA device is
 visible) and ``cpu``, the same test on the CPU, so the test logic is proven on a machine without a GPU
-(``python -m pytest -m gpu tests/test_gpu.py`` runs the ``cpu`` variants there). The lane on an H200:
+(``python -m pytest -m gpu tests/gpu/test_gpu.py`` runs the ``cpu`` variants there). The lane on an H200:
 ``python -m pytest -m gpu tests/ -k "not cpu"`` (docs/benchmarks.md, "GPU lane", records each run).
 
 Targets are random-weight real architectures (``random:tiny-llama``; ``random:qwen3-0.6b`` for capture
@@ -246,7 +246,7 @@ def test_the_reader_process_trains_as_the_reader_thread_on_the_device(served):
 
 #: on synthetic data (uniform random ids) no loss can fall below ln(vocab - 64), and the tiny draft starts
 #: within ~0.015 nats of it: in 8 steps "the loss went down" measures noise (seen on the CPU variant: B 4
-#: 10.815 -> 10.819). tests/test_bench_cpu.py checks it on ShareGPT, where the drafts learn.
+#: 10.815 -> 10.819). tests/protocol/test_bench_cpu.py checks it on ShareGPT, where the drafts learn.
 NOT_ON_SYNTHETIC = {"every_loss_went_down"}
 
 

@@ -10,7 +10,7 @@ producer SIGKILLed mid-run and restarted, and an ``artcache run`` with Mooncake 
 inspect`` invariants hold with captures per consumed position <= 1.05.
 
 The crash trials and the concurrency races run against this backend too (their ``[mooncake]`` cases in
-tests/test_crash_trials.py and tests/test_concurrency.py). Deadlines only bound a hang.
+tests/reliability/test_crash_trials.py and tests/reliability/test_concurrency.py). Deadlines only bound a hang.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 UTS+PID namespaces over one cache root (tests/support/hosts.py; docs/scale-out.md), where a pid means nothing
 outside its namespace and host names may be shared.
 
-- SIGKILL trials across hosts (a subset of tests/test_crash_trials.py): producer and consumer children on two
-  hosts, ``fsck --fix`` from a third (the test process) and from the killed child's host. Another host's
+- SIGKILL trials across hosts (a subset of tests/reliability/test_crash_trials.py): producer and consumer children
+  on two hosts, ``fsck --fix`` from a third (the test process) and from the killed child's host. Another host's
   fsck removes nothing of a live process; the child's own host removes its orphans and dead leases; a
   producer on either host recaptures; a live writer's temp file and a live consumer's lease held by each
   host's agent survive everything.

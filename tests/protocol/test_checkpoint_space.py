@@ -4,7 +4,7 @@ resumed; a checkpoint write that fails mid-file keeps the previous checkpoint, a
 
 The preflight tests need only an initialised root (``prepare_root``, no producer process); the others run a
 real ``artcache producer`` process on the tiny random target and the consumers in-process (``CliRunner``),
-so a write failure can be injected into safetensors the way tests/test_faults.py injects errnos.
+so a write failure can be injected into safetensors the way tests/protocol/test_faults.py injects errnos.
 """
 
 from __future__ import annotations

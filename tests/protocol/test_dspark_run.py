@@ -2,7 +2,8 @@
 capture (the union of their views), the DSpark loss falls and its summary has τ and the calibration figures;
 ``artcache calibrate`` fits its held-out confidences; the export (both formats) loads back; a new run starts
 from that export with ``init_from`` (strict keys; the reliability lane: the seed loader's DSpark mapping is
-tests/test_dspark.py's, a seeded run's processes tests/test_warm_start_cli.py's). Deadlines only bound a hung run.
+tests/unit/test_dspark.py's, a seeded run's processes tests/protocol/test_warm_start_cli.py's). Deadlines only bound
+a hung run.
 """
 
 from __future__ import annotations

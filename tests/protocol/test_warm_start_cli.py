@@ -78,7 +78,7 @@ def test_warm_starts_best_checkpoints_and_divergence_from_the_cli(tmp_path):
         assert json.loads(d.text().strip().splitlines()[-1])["best"]["metric"] == "replay_tau"  # the root has L-1
         # every export of both drafts seeds a new run. The EAGLE-3 seed keeps its own 256-token map, which
         # covers ~40 % of this random-token plan's supervised tokens (below the 0.5 default): it is refused
-        # without --keep-vocab-map (tests/test_seed.py) and trains with it, logging the figure.
+        # without --keep-vocab-map (tests/unit/test_seed.py) and trains with it, logging the figure.
         runs = (("d", DF), ("e", (*E3, "--keep-vocab-map")))
         for src, _ in runs:
             for fmt in ("hf", "speculators"):

@@ -7,7 +7,7 @@ files are removed by the next producer start, a killed consumer is fenced and it
 ``artcache inspect --json`` reports no invariant violation except the one a killed producer explains:
 captures it journaled but never published (``captures != publications + failures``).
 
-Run: ``python -m pytest -q -m reliability tests/test_crash.py`` (deadlines only bound a hang).
+Run: ``python -m pytest -q -m reliability tests/reliability/test_crash.py`` (deadlines only bound a hang).
 """
 
 from __future__ import annotations

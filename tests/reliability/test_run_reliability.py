@@ -21,7 +21,7 @@ def _starts(out: Path, name: str) -> list:
             if isinstance(ev, J.ConsumerStart) and ev.consumer == name]
 
 
-# kill -9 through crash points, like tests/test_crash.py
+# kill -9 through crash points, like tests/reliability/test_crash.py
 def test_two_experiments_resume_from_unequal_checkpoints(tiny_target, tmp_path):
     """Run 1: ``a`` is killed after committing step 4, ``b`` after step 2 (a checkpoint every step); the
     healthy ``c`` finishes anyway and the run exits 1. Run 2 resumes ``a`` and ``b``: each continues
@@ -63,7 +63,7 @@ def test_two_experiments_resume_from_unequal_checkpoints(tiny_target, tmp_path):
     assert r2["checks"]["accounting_invariants"]
 
 
-# kill -9 through crash points, like tests/test_crash.py
+# kill -9 through crash points, like tests/reliability/test_crash.py
 def test_full_experiment_list_resumes_skips_the_complete_one_and_extends_by_steps(tiny_target, tmp_path):
     """Regression (issue 16): keeping the full experiment list while one experiment was complete was refused
     both ways, ``steps`` was both the LR horizon and the stop (a run could not be extended), and a resumed

@@ -1,6 +1,6 @@
 """A hypothesis state machine of registrations, cursor commits, lease acquire/release, holder death, fencing
 (completed / cancelled / failed / expired) and eviction over long position streams: 10k and 100k positions
-(reliability lane; the default lane's small-cursor machine is in tests/test_window_properties.py).
+(reliability lane; the default lane's small-cursor machine is in tests/properties/test_window_properties.py).
 
 Invariants after every eviction pass (retain computed as the producer does it, from the running
 registrations' retained positions):

@@ -1,6 +1,6 @@
 """``artcache bench --scenario 1p3c`` end to end on the real SmolLM2-135M target (minutes on a CPU).
 
-Run with ``python3 -m pytest -m slow tests/test_e2e_real.py``.
+Run with ``python3 -m pytest -m slow tests/slow/test_e2e_real.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Light-weight child processes of the reliability lane: producer / consumer children for the random SIGKILL
-trials (tests/test_crash_trials.py) and racing workers for tests/test_concurrency.py.
+trials (tests/reliability/test_crash_trials.py) and racing workers for tests/reliability/test_concurrency.py.
 
 They run the real protocol code (``Producer.tick`` with its publisher thread, ``store.publish``, eviction,
 ``CacheClient.acquire`` with leases, ``ConsumerHandle.commit_cursor``) on a tiny fake plan with a fake capture
@@ -211,7 +211,7 @@ def forkserver_context():
     return c
 
 
-# ---- racing workers (tests/test_concurrency.py) -------------------------------------------------------------
+# ---- racing workers (tests/reliability/test_concurrency.py) ----------------------------------------------------------
 
 class FileBarrier:
     """A start line across pid namespaces (tests/support/hosts.py): :meth:`wait` returns once ``path`` exists."""

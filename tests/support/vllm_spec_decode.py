@@ -2,7 +2,7 @@
 
 Standalone (imports only vLLM): run it with the Python that has vLLM, e.g.
 ``/tmp/vllmenv/bin/python tests/support/vllm_spec_decode.py --target DIR --draft DIR --method dflash --k 3``.
-Used by tests/test_export_vllm.py and docs/export.md. The vLLM CPU settings of docs/export.md are
+Used by tests/vllm/test_export_vllm.py and docs/export.md. The vLLM CPU settings of docs/export.md are
 applied unless already set.
 
 Output: one stdout line ``VLLM_SPEC_RESULT <json>`` (vLLM logs around it) with ``drafts``,

@@ -3,7 +3,7 @@
 - :func:`cpu_figures` trains each draft two steps on fixed inputs through its adapter (the consumer's
   code path) on the CPU and returns the losses, metric sums and gradient norms as exact float hex strings.
   :data:`GOLDEN` holds what it returned on main before this work (commit f0f6163, torch 2.13.0 CPU, one
-  thread: ``python tests/test_fast_consumer.py`` prints it); :data:`DSPARK_GOLDEN` the DSpark entry on main at
+  thread: ``python -m tests.unit.test_fast_consumer`` prints it); :data:`DSPARK_GOLDEN` the DSpark entry on main at
   ec10ecb, before DSpark took the same path. The tests assert every figure within 1e-6 relative
   (float32 rounding; the kernels' reduction order is the machine's, see :func:`_same_figures`).
 - The chunked bf16 lm_head loss, its compiled body, the static-row DFlash and DSpark losses and the sync-free
@@ -47,7 +47,7 @@ def _one_thread():
 def _batch(b: int, T: int, m: int, seed: int) -> DraftBatch:
     """A collated-looking batch: bf16 hidden states, right padding (lengths T, T-5, ...), a prompt prefix. No run
     positions: DFlash and DSpark draw its anchors from their generator (the golden figures' draws), not per position
-    (tests/test_consumer_group.py covers those)."""
+    (tests/protocol/test_consumer_group.py covers those)."""
     g = torch.Generator().manual_seed(seed)
     lengths = [max(4, T - 5 * i) for i in range(b)]
     hidden = torch.zeros(b, T, m, H, dtype=torch.bfloat16)

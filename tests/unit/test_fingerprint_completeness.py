@@ -5,7 +5,7 @@ fingerprint, and nothing else does.
 Changes the fingerprint: target weights, target config, captured layer ids, stored dtype, compute dtype, max
 length, tokenizer, chat template, chat template options (``enable_thinking``), loss-mask policy, a sample's
 tokens. (The layer convention has one value; ``format_version`` and ``backend`` are covered at the contract
-level in tests/test_fingerprint.py.) Conservatively also: a template option the template ignores, and the
+level in tests/unit/test_fingerprint.py.) Conservatively also: a template option the template ignores, and the
 target's name (for a local directory, its name): identity, not bytes; they cause a recapture, never a
 wrong hit.
 

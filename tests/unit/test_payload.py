@@ -2,7 +2,7 @@
 backend as an object, and the refusals that happen before anything is written (a bad ``--payload``, a
 master that does not answer, a ``--payload`` other than the root's, a missing client library).
 
-The protocol against a real Mooncake store is in tests/test_mooncake.py (marker ``mooncake``)."""
+The protocol against a real Mooncake store is in tests/mooncake/test_mooncake.py (marker ``mooncake``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The vLLM backend's pieces that need no vLLM (default suite): the contract's ``backend`` field in the
 fingerprint (golden values), the layer-id convention mapping, the token check that rejects short or
 different captures, and the clear error when vLLM is not installed. The engine itself is tested in
-tests/test_vllm_backend.py (lane ``-m vllm``)."""
+tests/vllm/test_vllm_backend.py (lane ``-m vllm``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ BASE = dict(target_name="tiny-target", target_revision="rev-0001", target_config
 IDS = [1, 2, 3, 4, 5]
 MASK = [0, 0, 1, 1, 1]
 
-# golden values (fingerprint encoding version 1): the hf one equals tests/test_fingerprint.py's GOLDEN[0]
+# golden values (fingerprint encoding version 1): the hf one equals tests/unit/test_fingerprint.py's GOLDEN[0]
 GOLDEN = {
     "hf": ("0f454347b6fee652923779292a41f760ca1c8b58", "7b7f70cc4464bfe7d349272ff2908f51b94d9549"),
     "vllm": ("92c57c54bad9bda7651f943046ea1c13321ac0b7", "33eb700b9f19fb179fb1f8f07fda05c6afe9fa22"),

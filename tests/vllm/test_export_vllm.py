@@ -1,4 +1,4 @@
-"""Exported drafts in vLLM (the ``vllm`` lane: ``pytest -m vllm tests/test_export_vllm.py``).
+"""Exported drafts in vLLM (the ``vllm`` lane: ``pytest -m vllm tests/vllm/test_export_vllm.py``).
 
 Each test exports a draft for SmolLM2-135M-Instruct (the safetensors copy artcache converts once),
 runs ``tests/support/vllm_spec_decode.py`` with a Python that has vLLM (``$ARTCACHE_VLLM_PYTHON``, else

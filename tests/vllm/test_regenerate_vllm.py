@@ -3,7 +3,7 @@
 
 The first 4 usable ShareGPT records, SmolLM2-135M-Instruct, float32, greedy, 32 new tokens: how many of
 the 4 answers agree token for token between transformers ``generate`` and vLLM (printed; at least 3
-must). Run: ``python -m pytest -m vllm -s tests/test_regenerate_vllm.py``.
+must). Run: ``python -m pytest -m vllm -s tests/vllm/test_regenerate_vllm.py``.
 """
 
 from __future__ import annotations

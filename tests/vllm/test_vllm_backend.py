@@ -7,7 +7,7 @@
 - a crash test: the vLLM producer SIGKILLed mid-publish leaves no partial artifact and no engine
   process; a restarted producer resumes and the consumer completes.
 
-Skipped as a whole when ``import vllm`` fails. Run: ``python -m pytest -m vllm tests/test_vllm_backend.py -s``.
+Skipped as a whole when ``import vllm`` fails. Run: ``python -m pytest -m vllm tests/vllm/test_vllm_backend.py -s``.
 """
 
 from __future__ import annotations
