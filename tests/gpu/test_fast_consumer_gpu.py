@@ -112,8 +112,8 @@ def test_flex_attention_step_equals_sdpa(draft):
     """FlexAttention with the block mask (``bench.consumer_speed``'s ``+flex`` variants) computes the dense-SDPA
     step's loss and gradients (SmolLM2-135M shapes, head_dim 64; 2 sequences of 384 tokens, 24 anchors) within bf16
     rounding. The draft's forward runs uncompiled (FlexAttention itself compiled, as always on CUDA): with the whole
-    forward compiled, torch 2.11's inductor fails an internal assertion at this shape (``tiling_utils.py``, H200,
-    session 11), while the 1,024-token rows of the bench compile and run."""
+    forward compiled, torch 2.11's inductor fails an internal assertion at this shape (``tiling_utils.py``),
+    while the 1,024-token rows of the bench compile and run."""
     from artcache.bench import consumer_speed as cs
 
     layers, block = (5, 16) if draft == "dflash" else (5, 7)

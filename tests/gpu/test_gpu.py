@@ -139,7 +139,7 @@ def consumer_config(served: Served, cid: str, draft: str, steps: int, out: Path,
     from artcache.trainers.consumer import ConsumerConfig
     from artcache.trainers.consumer.config import draft_options
 
-    # each draft gets its own options only: a consumer refuses another draft's (issue 16)
+    # each draft gets its own options only: a consumer refuses another draft's
     opts = {"block_size": 4, "num_anchors": 8, "ttt_steps": 2, "draft_vocab": 1024}
     own = draft_options(draft)
     return ConsumerConfig(cache=str(served.cache), consumer_id=cid, draft=draft,

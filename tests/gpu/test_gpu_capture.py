@@ -1,4 +1,4 @@
-"""The HF backend's GPU capture path (issue 14): device NaN/Inf flags per sample without a host sync, fp8
+"""The HF backend's GPU capture path: device NaN/Inf flags per sample without a host sync, fp8
 quantised on the device, the device-to-host copy on a side stream finished by ``ready()``; bf16 and fp8
 artifacts published from it read back as captured. Needs CUDA (``pytest -m gpu``)."""
 
@@ -85,10 +85,10 @@ def test_gpu_nan_flags_cover_real_tokens_only(setup):
 
         # poison the output of decoder layer 4 = layer id 4 (artcache's ids are output-of-layer i,
         # artcache/layer_ids.py), the deepest captured one; its hook is registered before the backend's, so the
-        # capture sees the NaN and then stops the forward. Poisoning an earlier layer (session 4: layer 3, read
+        # capture sees the NaN and then stops the forward. Poisoning an earlier layer (layer 3, read
         # as id 4 by mistake) lets the next layer's masked attention carry a padding NaN into the row's real
         # tokens on CUDA (a masked score is NaN + -inf = NaN: the fused kernels do not skip padded keys): the
-        # model's output, not a flag over padding (failed so on the H200 in session 5, at (1, 50))
+        # model's output, not a flag over padding (it failed so at (1, 50))
         h = decoder_layers(model)[4].register_forward_hook(poison)
         try:
             for contract in (base, msgspec.structs.replace(base, dtype="float8_e4m3fn")):

@@ -390,8 +390,8 @@ def _producer(lay: CacheLayout, **cfg):
 
 
 def test_regression_remote_root_retention_does_not_budget_the_local_disk(tmp_path, mooncake_service):
-    """Reproduces the rebase onto issue 21's retention (mooncake lane: no evictions in the producer-kill test,
-    a consumer's demand failing in the crash trials): the default budget was the free space of the root's
+    """With Mooncake payloads retention never evicted (no evictions in the producer-kill test, a consumer's demand
+    failing in the crash trials): the default budget was the free space of the root's
     filesystem, which holds only ~1 KB manifests, so nothing was ever evicted from the holders' memory. On a
     root with remote payloads and no --disk-budget the producer keeps the windows rule; --fill is refused;
     an explicit --disk-budget retains by need and budgets the payload bytes (list_objects gives them)."""

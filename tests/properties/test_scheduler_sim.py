@@ -224,6 +224,8 @@ def test_cli_prints_table(capsys):
     ["--consumer", "x:0.1:8:0:4", "--positions", "0"],  # the positions error, not the consumer's window advice
 ])
 def test_regression_sim_positions_below_one(argv, capsys):
+    """``bench.sim --positions`` below 1 said "epoch_len 0 must be in [1, 0]" (or gave a consumer's window advice):
+    it is one line naming the value and the accepted range, exit 2, checked before scenarios and windows."""
     assert main(argv) == 2
     captured = capsys.readouterr()
     value = argv[argv.index("--positions") + 1]
@@ -232,6 +234,8 @@ def test_regression_sim_positions_below_one(argv, capsys):
 
 
 def test_regression_sim_window_advice_names_no_missing_flag(capsys):
+    """The simulator's deadlock advice told the user to change ``--window``, a flag the simulator does not have; it
+    now names the lookahead and the batch size only, in one line."""
     assert main(["--consumer", "x:0.1:8:0:4", "--positions", "50"]) == 2
     err = capsys.readouterr().err
     assert "lookahead 4 is smaller than the batch size 8" in err and "--window" not in err
@@ -251,7 +255,7 @@ def test_regression_sim_window_advice_names_no_missing_flag(capsys):
     ("x:0.1", "expected NAME:STEP_S:BATCH:LOOKBEHIND:LOOKAHEAD[:START_S[:END]]"),  # was argparse's usage too
 ])
 def test_regression_sim_consumer_fields_outside_their_range(spec, line, capsys):
-    """Break test: a --consumer's fields were not range-checked: STEP_S 0 or inf gave a Python traceback,
+    """A --consumer's fields were not range-checked: STEP_S 0 or inf gave a Python traceback,
     a negative STEP_S or START_S, an END of 0 and an empty NAME were simulated, a negative LOOKBEHIND was
     reported as a deadlock. Each is one line naming the spec, the field, its value and what is accepted
     (bench.sim.CONSUMER_FIELDS), exit 2, nothing printed on stdout."""
@@ -268,7 +272,7 @@ def test_regression_sim_consumer_fields_outside_their_range(spec, line, capsys):
     ("--sample-tokens", "0", "0", "an integer >= 1"), ("--budget-lead", "-1", "-1.0", "a finite number > 0"),
 ])
 def test_regression_sim_flags_outside_their_range(flag, value, shown, accepted, capsys):
-    """Break test: --plan-len -5 said "epoch_len -5 must be in [1, -5]" (the message --positions had before its
+    """--plan-len -5 said "epoch_len -5 must be in [1, -5]" (the message --positions had before its
     fix), a negative latency was simulated. Each flag's range is declared (bench.sim.RANGES): one line."""
     assert main(["--consumer", "x:0.1:8:0:64", "--positions", "50", flag, value]) == 2
     assert capsys.readouterr().err == f"error: {flag} {shown} is invalid: accepted {accepted}\n"

@@ -41,7 +41,7 @@ def test_bench_all_passes_and_writes_every_report(bench_all):
         assert report["scenario"] == scenario and len(report["consumers"]) == n
         assert all(report["checks"].values()), report["checks"]
         assert report["telemetry"] == {} and report["environment"]["nvml"] is False  # null sampler on CPU
-        # regression (the H200 hetero report of session 9 named no command or commit): the figures' provenance
+        # regression (a report named no command or commit): the figures' provenance
         assert report["command"][:3] == ["artcache", "bench", "--scenario"] and len(report["commit"]) == 40
         assert report["hardware"]["cpu_count"] >= 1
         assert f"## {scenario} on cpu" in (base / "report.md").read_text()
@@ -107,7 +107,7 @@ def test_1p3c_runs_both_baselines_in_the_same_invocation(bench_all):
 
 
 def test_every_mode_reports_its_bytes_and_leaves_no_checkpoint_or_artifact(bench_all):
-    """Issue 14: three modes x three consumers of full checkpoints filled a 64 GB disk. Now each consumer
+    """Three modes x three consumers of full checkpoints filled a 64 GB disk. Now each consumer
     saves its weights only (--save weights, the default), and every mode's checkpoints and leftover
     artifacts are removed once its figures are read; report.json / report.md give the bytes per mode."""
     _, out = bench_all
@@ -232,7 +232,7 @@ def _preflight_cfg(out: Path, **kw):
 
 
 def test_preflight_refuses_the_whole_run_before_any_mode_starts(tmp_path, monkeypatch):
-    """Issue 14: the bench's own preflight sizes every scenario x mode before the first one starts: a run
+    """The bench's own preflight sizes every scenario x mode before the first one starts: a run
     whose 1p1c fits but whose 1p3c modes (three checkpoints each) do not is refused in one line, exit 2,
     with nothing written under --out and no process started (1p1c does not run first)."""
     from click.testing import CliRunner
@@ -409,7 +409,7 @@ def test_regression_bench_all_writes_the_runs_own_report(tmp_path, monkeypatch):
 
 
 def test_regression_the_run_report_creates_a_missing_out(tmp_path, monkeypatch):
-    """Regression (merge of 2026-12-02): the run's report.json was written before the first scenario into an
+    """The run's report.json was written before the first scenario into an
     ``--out`` that did not exist yet (the scenarios created it), so every bench run into a new directory failed
     at once; ``--out`` is created if missing, as documented."""
     from artcache.bench import run as R
@@ -424,7 +424,7 @@ def test_regression_the_run_report_creates_a_missing_out(tmp_path, monkeypatch):
 
 
 def test_regression_a_scenario_with_no_checks_is_not_passed(tmp_path):
-    """Break-test 2026-12-02: write_run_report called a scenario whose checks were empty passed (all({}) is
+    """write_run_report called a scenario whose checks were empty passed (all({}) is
     True), and a run of no scenario passed."""
     from artcache.bench import run as R
     from artcache.bench.scenarios import resolve

@@ -281,7 +281,7 @@ def test_interleaved_windows_leave_out_each_switch_and_pool_the_rest():
 
 
 def test_regression_interleaved_steps_counts_what_interleaved_measures():
-    """Regression (break test): ``--pairing steps --steps 1 --warmup 2 --chunk 5`` passed the checks, counted 0 steps
+    """``--pairing steps --steps 1 --warmup 2 --chunk 5`` passed the checks, counted 0 steps
     per arm and ended in a ZeroDivisionError after the rounds. The count the check uses is the one :func:`interleaved`
     measures, for every split of a run into chunks."""
     def chunk(n: int) -> list[tuple[float, float, float]]:

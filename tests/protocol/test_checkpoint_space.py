@@ -1,4 +1,4 @@
-"""Issue 14 on the consumer: a run whose checkpoints cannot fit fails before step 1 with one line naming the
+"""A run whose checkpoints cannot fit fails before step 1 with one line naming the
 bytes (nothing written in the root, no run directory); weights-only checkpoints seed runs but are never
 resumed; a checkpoint write that fails mid-file keeps the previous checkpoint, and the run's error names it.
 
@@ -195,7 +195,7 @@ def test_weights_only_and_a_failed_write_end_to_end(tmp_path, monkeypatch):
 
 
 def test_regression_planned_saves_is_constant_time_and_exact():
-    """Break test (session 5): `consume --steps 1000000000000` hung silently before step 1, counting planned
+    """`consume --steps 1000000000000` hung silently before step 1, counting planned
     checkpoints with a Python loop over every step. The count is inclusion-exclusion over the multiples now:
     equal to the loop on small cases, instant on huge ones."""
     from artcache.trainers.checkpoint import planned_saves

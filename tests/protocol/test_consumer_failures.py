@@ -1,6 +1,6 @@
 """A consumer that fails between steps keeps its work (real processes on the tiny random target).
 
-Regressions found by a new-user test:
+Regressions:
 - a consumer whose producer disappeared failed with CaptureTimeout **without a checkpoint** (default
   ``--save-every 0``: every step lost, ``--resume`` refused) and leaked the lease of the partial batch;
 - after a SIGKILL, ``metrics.csv`` lacked rows of steps a checkpoint already covered (it was flushed only
@@ -22,7 +22,7 @@ from tests.support.procs import wait_until
 STEPS = 8
 # The capture-timeout run needs more positions than the producer can publish ahead of the cursor
 # (lookahead 8 of --window 2:8) before it is killed; with 8 steps a slow 2-core CI machine let the
-# producer publish all 16 positions first and the consumer finished (regression seen in CI, stop 22).
+# producer publish all 16 positions first and the consumer finished.
 TIMEOUT_STEPS = 18
 
 
@@ -32,6 +32,8 @@ def producer(cache, tiny_target, tmp_path, name: str) -> Proc:
 
 
 def test_regression_capture_timeout_checkpoints_and_releases_leases(tmp_path, tiny_target):
+    """A consumer whose producer disappeared failed with CaptureTimeout without a checkpoint (every step lost,
+    ``--resume`` refused) and leaked the lease of its partial batch; it now checkpoints and releases them."""
     cache = tmp_path / "cache"
     layout = CacheLayout(cache)
     prod = producer(cache, tiny_target, tmp_path, "producer")
@@ -67,6 +69,8 @@ def test_regression_capture_timeout_checkpoints_and_releases_leases(tmp_path, ti
 
 
 def test_regression_metrics_cover_every_checkpointed_step_after_sigkill(tmp_path, tiny_target):
+    """After a SIGKILL, metrics.csv lacked rows of steps a checkpoint already covered (flushed only every
+    ``--log-every`` steps), so the resumed run's curve had a hole."""
     from artcache.producer import ProducerConfig, prepare_root
 
     cache = tmp_path / "cache"

@@ -235,7 +235,7 @@ def test_regression_resume_after_kill_before_the_first_checkpoint_is_recorded(tm
 
 
 def test_regression_resume_refuses_a_checkpoint_file_that_does_not_match_its_digest(tmp_path, tiny_target):
-    """Break test: a checkpoint file corrupted on disk (a byte flipped inside a tensor's data, which safetensors
+    """A checkpoint file corrupted on disk (a byte flipped inside a tensor's data, which safetensors
     loads without complaint) was resumed from, and the run trained on from garbage. ``--resume`` now checks every
     file of the checkpoint against the digests recorded when it was written, before registering: one line naming
     the file and the expected and actual digest, exit 1, the registration untouched. A checkpoint that records no

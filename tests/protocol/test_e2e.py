@@ -249,7 +249,7 @@ def test_sigkilled_consumer_is_fenced_and_sibling_completes(tmp_path, tiny_targe
     expired = Counter(e.lease.split("~")[1] for e in evs if isinstance(e, J.LeaseExpire))
     assert expired["victim"] >= 1 and expired["sibling"] == 0
     # a kill between the lease file's creation and its lease_acquire line leaves a lease that expires unjournaled
-    # (CI, session 13: acquired 262, released 258, expired 5, one of them unjournaled); only the victim was killed
+    # (e.g. acquired 262, released 258, expired 5, one of them unjournaled); only the victim was killed
     unjournaled = c["leases_unjournaled"]
     assert unjournaled <= 1
     assert ks["victim"]["leases_acquired"] == ks["victim"]["leases_released"] + expired["victim"] - unjournaled

@@ -1,4 +1,4 @@
-"""Epochs with a held-out split (issue 21): the plan's epoch order (artcache.plan.EpochOrder), and a real
+"""Epochs with a held-out split: the plan's epoch order (artcache.plan.EpochOrder), and a real
 consumer that trains several passes over the plan with --eval-samples: the journal shows the held-out samples
 never in its training requests, every epoch a reshuffle of the training part (the same for every consumer),
 the epoch of each step, and a later epoch reading artifacts the root still holds (0 recaptures)."""
@@ -68,7 +68,7 @@ EPOCHS, BATCH, EVAL = 3, 2, 4
 
 
 def test_regression_held_out_split_is_never_trained_on_across_epochs(tmp_path, tiny_target):
-    """Issue 21: ``--steps 1500 × --batch-size 8 = 12000 positions would train on the held-out split`` — a
+    """``--steps 1500 × --batch-size 8 = 12000 positions would train on the held-out split`` — a
     consumer with a held-out split could not train past one pass. Now ``--epochs 3 --eval-samples 4`` walks the
     training part three times (each later epoch reshuffled) and the journal's training requests never hold a
     held-out sample; held-out reads are marked and have no position; each step records its epoch; a later epoch

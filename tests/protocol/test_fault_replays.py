@@ -1,4 +1,4 @@
-"""Faults found by replaying public bug reports (issue 17), each reproduced with real ``artcache producer``
+"""Faults found by replaying public bug reports, each reproduced with real ``artcache producer``
 processes on the fast ``random:tiny-llama`` target and the same injected errno (tests/support/faultinject's
 sitecustomize wraps ``os`` calls in the child) or signal, or in-process where the fault is one call.
 
@@ -90,7 +90,7 @@ def test_regression_exit_when_done_counts_every_expected_consumer_before_the_gra
 # ---- item 6: ESTALE / EBUSY / EIO on a read is a miss; on eviction, retried later ----------------------------
 
 def test_regression_estale_on_opening_an_artifact_is_a_miss(layout, monkeypatch):
-    """Issue 17 item 6 (PyTorch #173679, NFS): one ESTALE opening an artifact killed the consumer with a raw
+    """As in PyTorch #173679, NFS: one ESTALE opening an artifact killed the consumer with a raw
     ``OSError: [Errno 116]``. It is a miss: the read is retried; after three in a row the file is
     quarantined so the producer recaptures it."""
     from artcache.client import CacheClient
@@ -127,7 +127,7 @@ def test_regression_estale_on_opening_an_artifact_is_a_miss(layout, monkeypatch)
 
 
 def test_regression_estale_on_eviction_is_retried_next_pass(layout, monkeypatch):
-    """Issue 17 item 6: ESTALE once on the evictor's rename killed the producer. The artifact is kept for
+    """ESTALE once on the evictor's rename killed the producer. The artifact is kept for
     that pass and evicted by the next one."""
     from artcache.eviction import evict_pass
     from tests.support import crash_child as K
@@ -155,7 +155,7 @@ def test_regression_estale_on_eviction_is_retried_next_pass(layout, monkeypatch)
 # ---- item 8: group-shared roots are readable by the group ------------------------------------------------
 
 def test_regression_group_shared_root_files_are_group_readable(tmp_path):
-    """Issue 17 item 8 (huggingface_hub #1215): with umask 007 plans/<id>/plan.safetensors was 0600
+    """As in huggingface_hub #1215: with umask 007 plans/<id>/plan.safetensors was 0600
     (safetensors ignores the umask), so a group member's consumer could not read the plan; checkpoint
     tensors were 0600 too, so a teammate could not export them."""
     import stat
@@ -211,7 +211,7 @@ def test_group_shared_root_gives_group_read_whatever_the_umask(tmp_path):
 # ---- item 10: a producer whose every capture failed exits nonzero ------------------------------------------
 
 def test_regression_every_capture_failing_exits_nonzero_and_accounts(layout):
-    """Issue 17 item 10: a backend failing every batch left `captures 0 != publications 0 + failures 24`
+    """A backend failing every batch left `captures 0 != publications 0 + failures 24`
     (inspect exit 3), and the producer printed 24 failures and exited 0."""
     from artcache.accounting import account
     from artcache.errors import ProducerFailed
@@ -242,7 +242,7 @@ def test_regression_every_capture_failing_exits_nonzero_and_accounts(layout):
 # ---- item 11: per-pass work is bounded by the plan and the consumers -------------------------------------
 
 def test_regression_pass_work_is_bounded_by_the_plan_not_the_window(layout, monkeypatch):
-    """Issue 17 item 11: `--window 0:2000000` on a 300-sample plan: 44 steps in 40 s against 840 with 0:64 and
+    """`--window 0:2000000` on a 300-sample plan: 44 steps in 40 s against 840 with 0:64 and
     +220 MB producer RSS: retained_positions()/wanted() looped over every window position each pass. Since
     retention by need, the pass's work is the window positions :func:`artcache.eviction.decide` maps to
     samples (``EpochOrder.samples`` spans): counted here, they stay within two epochs of the plan."""
@@ -282,7 +282,7 @@ def test_regression_pass_work_is_bounded_by_the_plan_not_the_window(layout, monk
 # ---- item 1 (library side): heartbeats are counters, timed on the reader's monotonic clock ---------------
 
 def test_regression_wall_clock_step_fences_nobody(layout, monkeypatch):
-    """Issue 17 item 1: a +40 s wall-clock step (NTP) fenced every live consumer: heartbeats were wall-clock
+    """A +40 s wall-clock step (NTP) fenced every live consumer: heartbeats were wall-clock
     times compared by another process. The producer now watches each registration's heartbeat counter on its
     own monotonic clock: a step of the wall clock (-40 s in the consumer while it beats, +40 s in the producer
     while it looks) changes nothing, and a consumer whose counter stops is fenced once it has been still for

@@ -273,7 +273,7 @@ def test_verify_filesystem_missing_dir(tmp_path):
 
 
 def test_cleanup_orphans_of_other_hosts_by_observed_change(tmp_path):
-    """Issue 18 item 1: another host's temp file (its writer's pid cannot be checked here) is an orphan only
+    """Another host's temp file (its writer's pid cannot be checked here) is an orphan only
     once the producer has seen it unchanged (inode, size, mtime) for the watch's timeout on its own clock;
     one that keeps changing (a live writer) stays, however old its mtime looks."""
     from artcache.liveness import HeartbeatWatch

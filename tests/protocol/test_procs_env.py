@@ -1,6 +1,6 @@
 """tests/support/procs.child_env: a CLI child imports the same artcache as the test process.
 
-Regression (session 5, H200): the GPU machine imports artcache from a link tree (the package's files plus
+Regression: the GPU machine imports artcache from a link tree (the package's files plus
 ``trainers/`` and ``bench/`` linked in as ``artcache.trainers`` / ``artcache.bench``, as setuptools'
 package-dir does for an install). child_env put the repository first on PYTHONPATH, so every child imported
 the bare checkout's ``artcache`` (no ``artcache.trainers``) and died at ``from artcache.trainers import
@@ -17,6 +17,8 @@ from tests.support.procs import REPO
 
 
 def test_regression_children_import_the_tests_artcache_from_a_link_tree(tmp_path):
+    """With artcache imported from a link tree, child_env put the repository first on PYTHONPATH and every child
+    imported the bare checkout (no ``artcache.trainers``) and died at import (see the module docstring)."""
     tree = tmp_path / "pkg" / "artcache"
     tree.mkdir(parents=True)
     for f in (REPO / "artcache").iterdir():

@@ -45,8 +45,8 @@ def test_producer_gives_up_after_max_attempts_and_writes_the_failure(tmp_path, f
 
 
 def test_second_producer_on_a_root_is_warned_about(tmp_path):
-    """New-user finding: a second `artcache producer` on the same root started silently. It now logs a
-    warning while another live process holds locks/producer.lock. Regression (second new-user pass): once
+    """A second `artcache producer` on the same root started silently. It now logs a
+    warning while another live process holds locks/producer.lock. Once
     the first producer exited, a third one started while the second still ran got no warning; the warned
     producer now takes the lock over when it is freed."""
     import subprocess
@@ -108,7 +108,7 @@ def _tiny_root_cfg(cache, **kw) -> ProducerConfig:
 
 
 def test_cache_in_a_foreign_non_empty_directory_is_warned_about(tmp_path, caplog):
-    """New-user finding: `--cache` naming an existing non-empty directory (a mistyped home or data
+    """`--cache` naming an existing non-empty directory (a mistyped home or data
     directory) silently got artcache's subdirectories added beside its files."""
     from artcache.producer import prepare_root
 
@@ -127,7 +127,7 @@ def test_cache_in_a_foreign_non_empty_directory_is_warned_about(tmp_path, caplog
 
 
 def test_heartbeat_timeout_other_than_the_roots_is_warned_about(tmp_path, caplog):
-    """New-user finding: a producer restarted with another --heartbeat-timeout than the root was created
+    """A producer restarted with another --heartbeat-timeout than the root was created
     with said nothing, while fsck keeps using the root's recorded value."""
     from artcache.producer import prepare_root
 
@@ -141,7 +141,7 @@ def test_heartbeat_timeout_other_than_the_roots_is_warned_about(tmp_path, caplog
 
 
 def test_regression_cache_dir_holding_a_file_named_like_a_subdirectory(tmp_path):
-    """New-user finding: `--cache DIR` where DIR holds a file called `objects` failed with exit 1
+    """`--cache DIR` where DIR holds a file called `objects` failed with exit 1
     (UnsafePath) after creating plans/; it is a clear ConfigError now, before anything is created."""
     import pytest
 
@@ -186,7 +186,7 @@ class _GoodBackend:
 
 def test_regression_a_full_disk_give_up_is_withdrawn_once_space_is_back(tmp_path, fake_plan, small_contract,
                                                                         monkeypatch):
-    """New-user break test (2026-12-01): a producer that gave up a capture on ENOSPC kept the give-up for its
+    """A producer that gave up a capture on ENOSPC kept the give-up for its
     lifetime, so a consumer restarted after space was freed died at once on the old ``failed/<fp>.json``;
     only a new producer retried it. The same producer now withdraws a full-disk give-up once the filesystem
     has room again (and keeps every other give-up)."""
@@ -292,7 +292,7 @@ def _full_disk_producer(tmp_path, fake_plan, small_contract, monkeypatch):
 
 def test_regression_a_full_disk_does_not_burn_the_attempts_back_to_back(tmp_path, fake_plan, small_contract,
                                                                         monkeypatch):
-    """Break test item 2: a capture's ENOSPC burned its 3 attempts in the same millisecond (three passes
+    """A capture's ENOSPC burned its 3 attempts in the same millisecond (three passes
     against the same full disk), so waiting consumers died at once. A space error now gives up at once, with
     a marker saying ``space`` (waiting consumers wait for its withdrawal: artcache.client), and the fingerprint
     is tried again only once space is back (retry_space_bound)."""
@@ -314,7 +314,7 @@ def test_regression_a_full_disk_does_not_burn_the_attempts_back_to_back(tmp_path
 
 def test_regression_a_fence_failing_for_space_does_not_kill_the_producer(tmp_path, fake_plan, small_contract,
                                                                           monkeypatch, caplog):
-    """Break test item 1 (HIGH): with 0 bytes free a dead consumer's fence (a registration rewrite) raised
+    """With 0 bytes free a dead consumer's fence (a registration rewrite) raised
     PublishError ENOSPC out of live_registrations(), which caught only LockTimeout: the producer died. Now a
     fence failing for space is logged once and retried on every pass; the dead consumer does not count as live
     (its window stops protecting artifacts, so eviction can free space). Once space is back the fence lands and
@@ -361,7 +361,7 @@ def test_regression_a_fence_failing_for_space_does_not_kill_the_producer(tmp_pat
 
 
 def test_regression_a_producer_started_on_a_full_disk_leaves_no_empty_journal(tmp_path, monkeypatch):
-    """Break test item 1: restarting the producer while the disk was still full failed with one line
+    """Restarting the producer while the disk was still full failed with one line
     (JournalError writing its ProducerStart) but left a 0-byte journal file behind. It still fails so (a
     producer that cannot journal its start does not start), and removes the empty file."""
     import errno

@@ -94,6 +94,8 @@ def test_workers_never_read_past_the_window():
 
 
 def test_regression_a_failed_read_in_a_pooled_batch_releases_every_lease_of_it():
+    """A read failing inside a batch read by several workers must end the reader with that error (naming the
+    position) and leave no lease of the batch held: a leaked lease pins its artifact against eviction."""
     client = FakeClient(delay=0.02, fail_at=6)
     reader = Reader(client, 0, batch=4, lookahead=100, depth=4, end=40, workers=4)
     reader.start()

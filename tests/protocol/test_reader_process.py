@@ -54,7 +54,7 @@ def test_an_artcache_error_crosses_the_pipe_with_its_class_message_keywords_and_
 
 
 def test_regression_an_os_error_keeps_its_message_and_file_once():
-    """Break test: a PermissionError from the child read ``[Errno 1] [Errno 1] Operation not permitted`` (its message
+    """A PermissionError from the child read ``[Errno 1] [Errno 1] Operation not permitted`` (its message
     passed as strerror) and lost the file name."""
     exc = PermissionError(1, "Operation not permitted", "/root/journal/reader-x.jsonl")
     got = rebuild(_to_parent.decode(_enc.encode(failure_of(exc))))
@@ -62,7 +62,7 @@ def test_regression_an_os_error_keeps_its_message_and_file_once():
 
 
 def test_regression_two_clients_of_one_consumer_keep_each_others_demand(monkeypatch, tmp_path):
-    """Break test: with a reader process a consumer has two clients — the trainer's (held-out evaluation) and the
+    """With a reader process a consumer has two clients — the trainer's (held-out evaluation) and the
     reader's (training positions) — and each wrote both demand lists from its own sets, so the reader's ``want``
     wiped the evaluation's held-out demand. Each writes only the list it changed."""
     from artcache import registry

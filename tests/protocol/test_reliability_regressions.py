@@ -1,4 +1,4 @@
-"""Regressions found by the reliability lane (each named after the bug), fast enough for the default lane."""
+"""Regressions of races between processes (each test named after its bug), fast enough for the default lane."""
 
 from __future__ import annotations
 

@@ -229,7 +229,7 @@ def test_plan_adds_the_last_layer_for_a_held_out_replay(tiny_target, tmp_path, e
 
 
 def test_regression_dflash_only_eval_captures_the_last_layer(tiny_target, tmp_path):
-    """H200 session 7: configs/gpu-smollm2-dflash.toml (one DFlash experiment, eval_samples 64) captured only
+    """configs/gpu-smollm2-dflash.toml (one DFlash experiment, eval_samples 64) captured only
     DFlash's view [1, 8, 14, 20, 27], so the held-out evaluation had no target last layer and reported no
     replay_tau (earlier runs had EAGLE-3 beside it, whose view holds L-1). Now the plan, the root it prepares
     and the dry run hold L-1 and say why; a given capture.layer_ids without it is noted, not changed."""
@@ -260,7 +260,7 @@ def dry_run(path: Path, *args: str):
 
 
 def test_regression_dry_run_labels_explicit_layer_ids_as_such(tiny_target, tmp_path):
-    """Break test: with an explicit capture.layer_ids the dry run still said "(union of the experiments'
+    """With an explicit capture.layer_ids the dry run still said "(union of the experiments'
     views)" (the config's own ids, not a union the plan derived); the plan and plan.json say which."""
     path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d")))
     result = dry_run(path, "capture.layer_ids=1,2,3,4")
@@ -274,7 +274,7 @@ def test_regression_dry_run_labels_explicit_layer_ids_as_such(tiny_target, tmp_p
 
 
 def test_regression_dry_run_prints_small_replay_bytes_in_a_unit_that_shows_them(tiny_target, tmp_path):
-    """Break test: on a tiny target the replay layer's bytes printed as "0.0 MiB" (16 KiB per artifact); the
+    """On a tiny target the replay layer's bytes printed as "0.0 MiB" (16 KiB per artifact); the
     dry run now prints every size with artcache.report.format_bytes (KiB, or B, under 1 MiB)."""
     from artcache.report import format_bytes
 
@@ -287,7 +287,7 @@ def test_regression_dry_run_prints_small_replay_bytes_in_a_unit_that_shows_them(
 
 
 def test_regression_no_missing_last_layer_note_when_replay_layer_is_off(tiny_target, tmp_path):
-    """Break test: an explicit capture.layer_ids without the target's last layer noted that the held-out
+    """An explicit capture.layer_ids without the target's last layer noted that the held-out
     evaluation has no replay_tau even under capture.replay_layer = false, the setting that turns it off."""
     explicit = ["capture.layer_ids=1,2,3"]
     plan, _ = plan_of(tiny_target, tmp_path, exp("d", eval_samples=4), overrides=explicit)
@@ -303,7 +303,7 @@ def test_regression_no_missing_last_layer_note_when_replay_layer_is_off(tiny_tar
 
 @pytest.mark.parametrize("dry", [True, False])
 def test_regression_negative_capture_layer_id_names_the_id_and_the_range(tiny_target, tmp_path, dry):
-    """Break test: ``capture.layer_ids=[-1,5]`` was refused as "lacks layers the experiments read" (naming the
+    """``capture.layer_ids=[-1,5]`` was refused as "lacks layers the experiments read" (naming the
     experiments' views, not the bad id -1 nor what is accepted). The dry run and the real run now range-check
     the config's own ids first: one line naming -1 and 0..L-1, exit 2, nothing written."""
     path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d")))
@@ -326,7 +326,7 @@ def _plan_len(tiny_target, tmp_path) -> int:
 
 @pytest.mark.parametrize("eval_samples", [40, 41, 1000])
 def test_regression_dry_run_refuses_eval_samples_leaving_no_training_sample(tiny_target, tmp_path, eval_samples):
-    """Break test: eval_samples >= data.max_samples passed the dry run (the consumer refused it only once
+    """eval_samples >= data.max_samples passed the dry run (the consumer refused it only once
     started: the held-out split leaves no sample to train on). One line naming the values and the range."""
     n = _plan_len(tiny_target, tmp_path)
     path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("d", eval_samples=eval_samples)))
@@ -341,7 +341,7 @@ def test_regression_dry_run_refuses_eval_samples_leaving_no_training_sample(tiny
 
 
 def test_regression_dry_run_checks_eval_samples_against_the_plan_as_the_consumer_does(tiny_target, tmp_path):
-    """Break test: the dry run checked eval_samples against data.max_samples, the consumer against the plan's
+    """The dry run checked eval_samples against data.max_samples, the consumer against the plan's
     length, which can be shorter (tiny_sharegpt.json has fewer usable samples than max_samples 40): an
     eval_samples between the two passed the dry run and the consumer refused it once the run had started.
     Both directions: for every eval_samples around the plan's length and max_samples, the dry run refuses it
@@ -435,7 +435,7 @@ def test_init_from_other_dtype_normalisation_or_draft_is_rejected(tiny_target, t
 
 
 def test_regression_dry_run_checks_the_seed_as_the_consumer_will(tiny_target, tmp_path):
-    """Regression (issue 16): a seed that the consumer would refuse passed ``--dry-run`` (and ``artcache run``'s
+    """A seed that the consumer would refuse passed ``--dry-run`` (and ``artcache run``'s
     checks) and failed only after the run started. The dry run now runs the consumer's own seed checks
     (artcache.trainers.seed): layers in order, sizes, keys."""
     no_layers = fake_checkpoint(tmp_path / "nl", target_weights_digest=tiny_target.weights_digest)
@@ -514,7 +514,7 @@ def test_no_experiments_is_rejected(tiny_target, tmp_path):
      "experiment 'd': --best-metric 'replay_taux' is not a held-out figure of the dflash draft"),
 ])
 def test_regression_run_refuses_huge_anchors_and_unknown_best_metric(tiny_target, tmp_path, overrides, needle):
-    """Break tests: `artcache run` checks what the consumer will (anchors against data.max_length, the draft's
+    """`artcache run` checks what the consumer will (anchors against data.max_length, the draft's
     held-out figures) before anything starts."""
     with pytest.raises(ConfigError) as info:
         plan_of(tiny_target, tmp_path, exp("d"), overrides=overrides)
@@ -665,7 +665,7 @@ def _stand_in(tmp_path, layout, name: str, reason: str):
 
 
 def test_regression_cancel_does_not_signal_an_exiting_producer(tmp_path):
-    """Task report (issue 19 residue): a cancelled `artcache run` SIGTERMed its --exit-when-done producer once the
+    """A cancelled `artcache run` SIGTERMed its --exit-when-done producer once the
     experiments ended, though the producer had already left its loop on its own (its grace passed while they
     wrote their final checkpoints). In its teardown the default handlers are back, so it died -15 and the report
     said producer_exit_ok false. Now a producer that journaled its stop is not signalled, only waited for; one
@@ -794,7 +794,7 @@ def test_regression_report_names_a_damaged_experiment_reports_the_rest_and_exits
         st.write_text(st.read_text().replace('"cursor": 8', '"cursor": 9').replace('"cursor":8', '"cursor":9'))
     elif damage == "metrics.csv":
         (b / "metrics.csv").write_text("step,tag,value,wall_time\n4,train/loss\n4,eval/replay_tau,1.25,9.0\n")
-    elif damage == "checkpoints removed":  # break test (session 6): reported 'completed 0/4', exit 0
+    elif damage == "checkpoints removed":  # reported 'completed 0/4', exit 0
         layout = CacheLayout(out / "cache")
         layout.create()
         reg = registry.register(layout, registry.Registration(consumer_id="b", draft="dflash", pid=os.getpid()))
@@ -846,7 +846,7 @@ def test_regression_a_damaged_saved_config_is_named_by_its_path_not_as_config(tm
 
 @pytest.mark.parametrize("text", ["", "# nothing\n", "[data]\nseed = 3\n"])
 def test_regression_inspect_names_a_saved_config_without_a_cache_root(tmp_path, layout, text):
-    """Break test: ``artcache inspect --cache RUN_DIR`` on an empty RUN_DIR/config.toml read the defaults
+    """``artcache inspect --cache RUN_DIR`` on an empty RUN_DIR/config.toml read the defaults
     and pointed at a default root (``cache root './runs/run/cache' does not exist; start artcache producer``);
     now one line naming the saved run config and that it names no cache root."""
     (tmp_path / "config.toml").write_text(text)

@@ -1,4 +1,4 @@
-"""artcache.shutdown: the one signal rule of the producer, the consumer and ``artcache run`` (issue 19): the
+"""artcache.shutdown: the one signal rule of the producer, the consumer and ``artcache run``: the
 first SIGINT/SIGTERM asks to stop, the second forces (KeyboardInterrupt), the previous handlers come back
 when the block ends. Real signals sent to a real subprocess."""
 

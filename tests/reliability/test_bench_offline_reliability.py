@@ -12,7 +12,7 @@ import pytest
 def test_regression_a_whole_run_writes_its_provenance_and_captures_once(tmp_path, pairing):
     """End to end on the tiny random target (one round): ``--fill`` captures every position, the refill and the
     consumers capture nothing, and report.json starts with the provenance every bench JSON carries (regression: the
-    H200 reports of session 11 named no command, commit or hardware). ``--pairing process``: each consumer's process
+    reports named no command, commit or hardware). ``--pairing process``: each consumer's process
     runs both arms, so both have their figures from the same three processes. The ≥ 0.95 check is load-bound, not
     asserted."""
     import json

@@ -3,7 +3,7 @@
 written or not) and of a registration rewrite. Every injection before the rename must give a typed error
 that says whether it is retryable, leave no temp file and no partial artifact, keep the journal readable and
 the registration intact, and a retry without the fault must succeed. A fault after the rename (the directory
-fsync) never withdraws the complete artifact (issue 17 item 5): the publication succeeds. Figures per errno
+fsync) never withdraws the complete artifact: the publication succeeds. Figures per errno
 go to the lane's summary."""
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def test_registration_fault(tmp_path, monkeypatch, call, ename):
 @pytest.mark.parametrize("call", ["open", "write", "rename"])
 @pytest.mark.parametrize("ename", [e for e in ERRNOS if ERRNOS[e] in SPACE_ERRNOS])
 def test_regression_registration_rides_out_a_momentary_full_disk(tmp_path, monkeypatch, call, ename):
-    """Regression (CI, session 5): a registration rewrite failing once for space is tried again within
+    """A registration rewrite failing once for space is tried again within
     ``space_wait_s`` and succeeds; the matrix above had expected the first failure to be raised."""
     layout = _layout(tmp_path)
     reg = registry.register(layout, registry.Registration(consumer_id="c", draft="d", pid=os.getpid()))

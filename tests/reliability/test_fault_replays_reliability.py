@@ -52,8 +52,8 @@ def producer_events(cache: Path, kind) -> list:
 # ---- item 3: the publisher thread cannot die silently ------------------------------------------------------
 
 def test_regression_journal_enospc_is_held_and_the_producer_goes_on(tmp_path, cache):
-    """Issue 17 item 3: one ENOSPC on the 31st ``publish`` journal line killed the publisher thread, which then
-    hung the producer (fixed: it stopped at once with exit 1). Break test item 1 (session 5): a producer must
+    """One ENOSPC on the 31st ``publish`` journal line killed the publisher thread, which then
+    hung the producer (fixed: it stopped at once with exit 1). A producer must
     survive a full disk, so a journal line that cannot be written for space is held in memory, in order, and
     written once space is back: the producer publishes the whole window, journals every publication, and
     ``inspect`` finds no violation."""
@@ -74,7 +74,7 @@ def test_regression_journal_enospc_is_held_and_the_producer_goes_on(tmp_path, ca
 
 
 def test_regression_planted_shard_link_stops_the_producer(tmp_path, cache):
-    """Issue 17 item 3: any non-PublishError in the publisher (a planted objects/<ab> symlink: UnsafePath)
+    """Any non-PublishError in the publisher (a planted objects/<ab> symlink: UnsafePath)
     hung the producer the same way."""
     fp = fps(cache)(0)
     os.symlink(tmp_path, cache / "objects" / fp[:2])
@@ -86,7 +86,7 @@ def test_regression_planted_shard_link_stops_the_producer(tmp_path, cache):
 
 
 def test_regression_sigterm_stops_a_producer_retrying_a_failing_disk(tmp_path, cache):
-    """Issue 17 items 3, 5 and 10: signals always work, also while the publisher backs off from a transient
+    """Signals always work, also while the publisher backs off from a transient
     error (EIO on every rename): SIGTERM ends the producer at once, long before the retries would, and as
     every capture it attempted failed it exits 1 saying so."""
     hold_window(cache)
@@ -105,7 +105,7 @@ def test_regression_sigterm_stops_a_producer_retrying_a_failing_disk(tmp_path, c
 
 @pytest.mark.parametrize("how", ["all-terminal", "died-before-first-pass"])
 def test_regression_exit_when_done_without_a_live_consumer(tmp_path, cache, how):
-    """Issue 17 item 4: ``--exit-when-done`` never exited when the producer never saw a live consumer (every
+    """``--exit-when-done`` never exited when the producer never saw a live consumer (every
     registration already terminal, or the only consumer died before the producer's first pass):
     `timeout 45 artcache producer ... --exit-when-done --done-grace 2` gave 124."""
     layout = CacheLayout(cache)
@@ -123,7 +123,7 @@ def test_regression_exit_when_done_without_a_live_consumer(tmp_path, cache, how)
 
 
 def test_regression_exit_when_done_with_no_consumer_at_all(tmp_path, cache):
-    """Issue 17 item 4, the case left open: a root no consumer ever registers on kept ``--exit-when-done``
+    """A root no consumer ever registers on kept ``--exit-when-done``
     waiting forever. It now waits ``--expect-timeout`` for a first registration, says so, and exits 1."""
     t0 = time.monotonic()
     prod = producer(tmp_path, cache, "--exit-when-done", "--done-grace", "1", "--expect-timeout", "4")
@@ -139,7 +139,7 @@ def test_regression_exit_when_done_with_no_consumer_at_all(tmp_path, cache):
 # ---- item 5: an error after the rename never withdraws an artifact; transient errors back off ----------
 
 def test_regression_ebusy_after_rename_keeps_the_artifact_published(tmp_path, cache):
-    """Issue 17 item 5 (triton #11512): EBUSY from the directory fsync after ``os.replace`` made atomic_write
+    """As in triton #11512: EBUSY from the directory fsync after ``os.replace`` made atomic_write
     unlink the finished artifact, and three quick retries reached the give-up limit from one capture."""
     log = tmp_path / "faults.log"
     hold_window(cache)
@@ -156,7 +156,7 @@ def test_regression_ebusy_after_rename_keeps_the_artifact_published(tmp_path, ca
 
 
 def test_regression_transient_rename_errors_back_off_over_seconds(tmp_path, cache):
-    """Issue 17 item 5: a transient errno (EIO from the rename, three times in a row) is retried with backoff
+    """A transient errno (EIO from the rename, three times in a row) is retried with backoff
     over seconds, within one capture: the artifact is published, no failure is recorded, nothing gives up."""
     hold_window(cache, lookahead=0, end=1)
     prod = producer(tmp_path, cache, faults=[{"call": "os.replace", "errno": "EIO", "times": 3, "path": "/cache/tmp/"}])
@@ -171,7 +171,7 @@ def test_regression_transient_rename_errors_back_off_over_seconds(tmp_path, cach
 # ---- item 7: markers of another producer incarnation are superseded ------------------------------------
 
 def test_regression_stale_give_up_marker_does_not_fail_the_next_run(tmp_path, cache):
-    """Issue 17 item 7: failed/<fp>.json written by an earlier producer outlived it; after a restart with a
+    """failed/<fp>.json written by an earlier producer outlived it; after a restart with a
     healthy (slow) producer the first consumer failed at once with the old error. A starting producer
     supersedes earlier incarnations' markers (before it loads the target), and a consumer ignores a marker
     whose producer is gone."""
@@ -205,7 +205,7 @@ def test_regression_stale_give_up_marker_does_not_fail_the_next_run(tmp_path, ca
 
 @pytest.mark.parametrize("code", ["EACCES", "EROFS"])
 def test_regression_unwritable_lock_file_is_one_line(tmp_path, cache, code):
-    """Issue 17 item 12: a read-only lock file or root gave a raw PermissionError / EROFS traceback."""
+    """A read-only lock file or root gave a raw PermissionError / EROFS traceback."""
     hold_window(cache)
     prod = producer(tmp_path, cache, faults=[{"call": "os.open", "errno": code, "path": "/locks/root.lock",
                                               "times": -1}])
@@ -217,7 +217,7 @@ def test_regression_unwritable_lock_file_is_one_line(tmp_path, cache, code):
 
 
 def test_regression_expect_consumers_says_what_it_waits_for(tmp_path, cache):
-    """Issue 17 item 12: `--expect-consumers` waited silently."""
+    """`--expect-consumers` waited silently."""
     hold_window(cache)
     prod = producer(tmp_path, cache, "--expect-consumers", "2")
     wait_until(lambda: "--expect-consumers 2: 1 registered (c)" in prod.text(), "the waiting line", [prod])
@@ -226,7 +226,7 @@ def test_regression_expect_consumers_says_what_it_waits_for(tmp_path, cache):
 
 
 def test_regression_inspect_json_under_load_reports_no_false_violation(tmp_path, cache):
-    """Issue 17 item 9: 5 of 30 `inspect` runs during a healthy run exited 3 (`captures 5921 != publications
+    """5 of 30 `inspect` runs during a healthy run exited 3 (`captures 5921 != publications
     5920 + ...`, `leases acquired 5252 != released 5236 + ...`): journals, the crash re-read and the lease
     scan were separate reads, and a live producer's in-flight captures were called lost in a crash. A
     producer and two consumers (leases and evictions churning: windows 0:4 and 1:6) run while `inspect
@@ -305,7 +305,7 @@ def _stop_outside_its_lock(proc: Proc, layout: CacheLayout, consumer_id: str, tr
 
 
 def test_regression_paused_consumer_is_fenced_checkpoints_and_resumes(tmp_path, cache):
-    """Issue 17 item 1 (MosaicML #437 / TorchSpec #72): `producer --heartbeat-timeout 5`, a consumer running,
+    """As in MosaicML #437 / TorchSpec #72: `producer --heartbeat-timeout 5`, a consumer running,
     `kill -STOP` for 12 s, `kill -CONT`: the producer fenced it, the consumer died of ConsumerFenced and wrote
     no checkpoint (47 steps lost; `--resume` said the registry records no checkpoint). Now the fenced consumer
     checkpoints its last step before exiting, and `--resume` continues from exactly there: 0 steps lost."""
@@ -350,7 +350,7 @@ def test_regression_paused_consumer_is_fenced_checkpoints_and_resumes(tmp_path, 
 
 
 def test_regression_refused_duplicate_id_leaves_no_empty_journal(tmp_path, cache):
-    """Issue 17 item 12: a second `artcache consume --id x` while x runs was refused (exit 2) but left an
+    """A second `artcache consume --id x` while x runs was refused (exit 2) but left an
     empty journal file behind."""
     layout = CacheLayout(cache)
     first = Proc("x", _consume_args(cache, tmp_path, 60), tmp_path)
@@ -367,7 +367,7 @@ def test_regression_refused_duplicate_id_leaves_no_empty_journal(tmp_path, cache
 
 
 def test_regression_checkpoint_enospc_is_one_typed_error(tmp_path):
-    """Issue 17 item 12: a consumer's checkpoint on a full disk was a raw SafetensorError traceback. On a
+    """A consumer's checkpoint on a full disk was a raw SafetensorError traceback. On a
     200 kB tmpfs (in a private mount namespace) it is a CheckpointWriteError naming the checkpoint and ENOSPC,
     and no partial checkpoint directory is left."""
     import shutil

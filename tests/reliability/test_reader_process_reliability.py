@@ -130,7 +130,7 @@ def test_sigterm_stops_the_consumer_cleanly_with_its_reader_process(filled, tmp_
 
 
 def test_regression_a_trainer_that_is_pid_1_keeps_its_reader_process(filled, tmp_path):
-    """Break test: in a container the trainer is often pid 1 (Docker without --init, a Kubernetes entry point), and
+    """In a container the trainer is often pid 1 (Docker without --init, a Kubernetes entry point), and
     the child took a parent pid of 1 for a dead trainer and exited at once (WorkerFailed). It now checks for the
     trainer's own pid. Run in a pid namespace of its own (``unshare``, as root)."""
     import shutil

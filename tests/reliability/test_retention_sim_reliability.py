@@ -39,7 +39,7 @@ def _floor_stream(rates):
 
 
 def test_regression_epoch_bound_changes_nothing_on_the_floor_budget_stream(monkeypatch):
-    """Reliability-lane report of 2026-12-01: hypothesis's falsifying stream for the 0.02 bound as it was then
+    """Hypothesis's falsifying stream for the 0.02 bound as it was then
     (1500 / 1000 / 3000 positions/s, the floor budget 3139) gives 1.83362 captures per position against MIN's
     1.80928 for 3075 (the budget less one batch), 0.024 over. decide()'s per-pass bound of e3a6d61 (look at most
     to the end of the epoch after the cursor's) is not the cause: without it the run is the same, capture for
@@ -70,7 +70,7 @@ def test_regression_second_floor_budget_stream_against_the_pinned_optimum():
 
 
 def test_regression_staggered_starts_stream_of_ci_2026_12_02():
-    """The reliability lane's falsifying stream of 2026-12-02 (speeds 1500 / 1000 / 3000 positions/s, batches 32 /
+    """A falsifying stream (speeds 1500 / 1000 / 3000 positions/s, batches 32 /
     96 / 48, starts 0 / 3 / 6.18 s, budget 5729 = 1.83x the floor, a 25,000-sample plan): 1.29067 captures per
     position against 1.26730 for Belady under the same pins in the same room (1.26727 with the batch in capture
     given back to it), 0.0234 over, past the 0.02 the property then asserted for every stream. All three starting

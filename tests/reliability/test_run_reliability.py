@@ -65,7 +65,7 @@ def test_two_experiments_resume_from_unequal_checkpoints(tiny_target, tmp_path):
 
 # kill -9 through crash points, like tests/reliability/test_crash.py
 def test_full_experiment_list_resumes_skips_the_complete_one_and_extends_by_steps(tiny_target, tmp_path):
-    """Regression (issue 16): keeping the full experiment list while one experiment was complete was refused
+    """Keeping the full experiment list while one experiment was complete was refused
     both ways, ``steps`` was both the LR horizon and the stop (a run could not be extended), and a resumed
     run overwrote the run report (the complete experiment disappeared from it).
 

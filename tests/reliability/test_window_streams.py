@@ -210,7 +210,7 @@ def make_machine(n: int):
             assert not evicted & retain, "evicted inside a live window"
             assert not evicted & live_leased, "evicted what a live holder leased"
             assert after <= retain | live_leased
-            # Since retention by need (issue 21) evict_pass expires every dead lease (expire_leases), also
+            # Since retention by need evict_pass expires every dead lease (expire_leases), also
             # one on a fingerprint inside a live window; the old pass skipped leases on retained ones.
             dead = {name for name, (cid, fp, alive) in self.held.items() if not alive or cid not in live_ids}
             assert {lease.name for lease, _ in res.expired_leases} == dead

@@ -181,7 +181,7 @@ def test_cycle_finder_sees_a_function_local_cycle(tmp_path, monkeypatch):
     assert _cycles({m: {t for _, t in imports(m, function_local=False)} for m in fake}) == []
 
 
-#: ``path:function`` allowed over :data:`MAX_FUNCTION_LINES`, each with its reason (issue 19: do not split what
+#: ``path:function`` allowed over :data:`MAX_FUNCTION_LINES`, each with its reason (do not split what
 #: is long because its one concept is long). Empty: every product function fits today; an entry must say why.
 LONG_FUNCTIONS: dict[str, str] = {
     "trainers/dflash/loss.py:dflash_loss": "half of it is the docstring of the five loss modes and the packed "
@@ -220,7 +220,7 @@ def test_no_product_function_over_120_lines():
 
 
 def test_signal_handlers_are_installed_only_by_the_shutdown_module():
-    """One signal rule (issue 19): every product process installs its SIGINT/SIGTERM handling through
+    """One signal rule: every product process installs its SIGINT/SIGTERM handling through
     :class:`artcache.shutdown.GracefulShutdown` (first signal asks, second forces, handlers restored); the
     payload holder had a handler of its own."""
     found = []

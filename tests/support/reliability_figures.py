@@ -20,7 +20,7 @@ SECTIONS = {
     "crash": "Crash trials (SIGKILL; seed logged)",
     "concurrency": "Concurrent processes x operations",
     "faults": "Fault injections (per errno / failing call)",
-    "replays": "Replayed faults (issue 17): per errno and site; every run ended (0 hangs), 0 false violations",
+    "replays": "Replayed faults: per errno and site; every run ended (0 hangs), 0 false violations",
     "multihost": "Across hosts (UTS+PID namespaces over one root)",
     "hypothesis": "Hypothesis examples (window/lease/eviction model)",
     "corruption": "Corruptions detected / injected",

@@ -142,7 +142,7 @@ def test_unreleased_lease_is_reported(layout):
 
 
 def test_regression_lease_removed_by_killed_holder_is_explained(layout):
-    """CI seed 3962253608 of the crash trials: a consumer SIGKILLed between unlinking a lease and journaling its
+    """A consumer SIGKILLed between unlinking a lease and journaling its
     release left 'leases acquired 1337 != released 1303 + expired 33 + held 0'. A lease acquired, never
     released or expired, gone from disk, whose holder on this host is dead is counted apart, not a violation."""
     j = consistent(layout)
@@ -164,10 +164,10 @@ def test_lease_gone_without_event_while_holder_lives_is_reported(layout):
 
 
 def test_regression_live_holder_release_line_after_the_lease_scan_is_no_violation(layout):
-    """Reliability lane 2026-12-01 (test_regression_inspect_json_under_load_reports_no_false_violation, 1 of
-    150 snapshots): 'leases acquired 2844 != released 2832 + expired 0 + held 11'. A live consumer unlinks its
-    lease, then journals the release; on loaded cores the line came after the snapshot's second journal
-    read. account() now waits (bounded) for a live holder's line: held at the snapshot, no violation."""
+    """``inspect`` during a healthy run reported (1 of 150 snapshots) 'leases acquired 2844 != released 2832 + expired
+    0 + held 11'. A live consumer unlinks its lease, then journals the release; on loaded cores the line came after
+    the snapshot's second journal read. account() now waits (bounded) for a live holder's line: held at the
+    snapshot, no violation."""
     import threading
 
     j = consistent(layout)
@@ -191,7 +191,7 @@ def test_regression_live_holder_release_line_after_the_lease_scan_is_no_violatio
 def test_lease_file_without_acquire_event_is_counted_apart(layout):
     """A lease file whose ``lease_acquire`` is not in the journal is being acquired right now (created, the
     line follows) or was left by a holder killed in between: counted apart, not held, not a violation (it used
-    to read "held 2" against 1 acquire: a false alarm beside a live consumer; issue 17, item 9)."""
+    to read "held 2" against 1 acquire: a false alarm beside a live consumer)."""
     write_all(layout, consistent(layout))
     leases.acquire(layout, fp(3), "a")
     acc = account(layout)
@@ -199,7 +199,7 @@ def test_lease_file_without_acquire_event_is_counted_apart(layout):
 
 
 def test_regression_lease_released_between_the_journal_read_and_the_lease_scan(layout, monkeypatch):
-    """Issue 17 item 9: inspect during a healthy run reported 'leases acquired 5252 != released 5236 + ...':
+    """Inspect during a healthy run reported 'leases acquired 5252 != released 5236 + ...':
     the journals and leases/ were separate reads. A lease released after the journals were read and before
     leases/ was listed is held at the snapshot: the journal read after the scan settles it."""
     j = consistent(layout)
@@ -220,7 +220,7 @@ def test_regression_lease_released_between_the_journal_read_and_the_lease_scan(l
 
 
 def test_regression_live_producers_unpublished_captures_are_in_flight_not_lost(layout):
-    """Issue 17 item 9: a live producer's captures not yet published were labelled "lost in a producer
+    """A live producer's captures not yet published were labelled "lost in a producer
     crash" (and, read separately, did not add up). A producer journal (identity-named) without
     ``producer_stop`` whose writer lives is in flight; once its writer is dead, the same captures are lost."""
     events = [J.ProducerStart(producer="p", pid=1, contract_id="c" * 40, plan_id="d" * 40),
@@ -239,7 +239,7 @@ def test_regression_live_producers_unpublished_captures_are_in_flight_not_lost(l
 
 
 def test_regression_failed_forward_passes_keep_the_capture_invariant(layout):
-    """Issue 17 item 10: a backend failing every batch gave 'captures 0 != publications 0 + failures 24':
+    """A backend failing every batch gave 'captures 0 != publications 0 + failures 24':
     a failed forward pass journals a capture_failure with stage "forward" and no capture, so it is counted
     among the failures but outside captures = publications + failures."""
     events = [J.ProducerStart(producer="p", pid=1, contract_id="c" * 40, plan_id="d" * 40)]
@@ -391,7 +391,7 @@ def test_regression_resumed_consumer_is_running_not_failed(layout):
 
 
 def test_regression_a_lease_release_held_in_memory_for_a_full_disk_is_no_violation(layout, monkeypatch):
-    """Break test item 1: a journal line that cannot be written for space is held in memory by its live writer
+    """A journal line that cannot be written for space is held in memory by its live writer
     (artcache.journal). A consumer that released a lease meanwhile has its lease file gone and its release line
     held: inspect counts it as ``leases_release_held`` (the writer's flock says its lines follow), not as a
     violation; once space is back the line is written and the lease is plainly released."""
@@ -425,7 +425,7 @@ def test_regression_a_lease_release_held_in_memory_for_a_full_disk_is_no_violati
 
 
 def test_regression_inspect_prints_one_budget_in_both_tables(layout):
-    """Break test item 3: a producer whose (default) budget was 0 B made inspect print 'disk budget (bytes) -'
+    """A producer whose (default) budget was 0 B made inspect print 'disk budget (bytes) -'
     and 'budget binding yes' in one table and 'budget (bytes) none' / 'budget binding now no' in the other. A
     recorded budget of 0 is a budget of 0 in both (the retention-now decision is taken under it too)."""
     from artcache.report import format_accounting

@@ -21,7 +21,7 @@ def h200_config(**kw) -> BenchConfig:
 
 
 def test_regression_tight_budget_lies_above_the_live_windows():
-    """On the H200 the tight mode got 0.25 x the covering budget (4.9 GiB), below the three consumers' live
+    """The tight mode got 0.25 x the covering budget (4.9 GiB), below the three consumers' live
     windows of --window 64:512 (13.3 GiB at 1024 tokens), which the guarantee holds whatever the budget: the
     producer kept 6.1 GiB and tight_budget_binds_and_is_kept failed by design, not by the policy."""
     cfg = h200_config()

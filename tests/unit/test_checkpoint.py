@@ -117,7 +117,7 @@ ENOSPC_MESSAGE = ('Error while serializing: IoError(Os { code: 28, kind: Storage
 
 
 def test_regression_enospc_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """Issue 14: the disk filled while a checkpoint was written and the run died with a bare
+    """The disk filled while a checkpoint was written and the run died with a bare
     SafetensorError. Now the half-written directory is removed, ``latest`` and the earlier checkpoint stay,
     and the error is a typed CheckpointWriteError naming the errno and the last good checkpoint."""
     model, opt = make()
@@ -382,7 +382,7 @@ def test_a_good_checkpoint_records_every_file_and_round_trips(tmp_path, caplog):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_regression_a_flipped_byte_in_any_checkpoint_file_is_refused_before_use(tmp_path, kind):
-    """Break test: a byte flipped on disk inside a tensor's data loads without complaint (safetensors checks
+    """A byte flipped on disk inside a tensor's data loads without complaint (safetensors checks
     only the header) and --resume / --init-from / export used the garbage. Every file kind is now checked
     against the digest recorded when it was written, and a mismatch is refused naming the file and both
     digests, before anything is loaded. Export and --init-from read only the weight files and state.json."""
@@ -423,7 +423,8 @@ def test_regression_a_flipped_byte_in_any_checkpoint_file_is_refused_before_use(
 
 @pytest.mark.parametrize("kind", ["model.safetensors", "optimizer.safetensors"])
 def test_regression_a_truncated_checkpoint_file_is_refused(tmp_path, kind):
-
+    """A checkpoint file cut short on disk must be refused by its recorded digest and size (CheckpointCorrupt naming
+    the file, the expected and the actual digest and size), not loaded as a shorter tensor or a raw error."""
     path = full(tmp_path)
     rec = ck.read_state(path).digests.files[kind]
     truncate(path / kind, 4)
@@ -541,7 +542,7 @@ def test_checkpoint_size_before_step_1_bounds_the_files_written(tmp_path, fused)
 
 
 def test_an_fp32_adamw_checkpoint_is_three_times_its_weights():
-    """Why --no-checkpoint-optimizer matters: AdamW keeps two moments of every fp32 weight (issue 14: a
+    """Why --no-checkpoint-optimizer matters: AdamW keeps two moments of every fp32 weight (a
     1.05 B-parameter DFlash draft, 4.2 GB of weights, 12.6 GB per checkpoint)."""
     weights = {f"w{i}": torch.empty(1024, 1024, device="meta") for i in range(4)}
     size = ck.checkpoint_size(weights, {}, ck.adamw_state_specs(list(weights.values())))
@@ -590,7 +591,7 @@ def test_peak_checkpoints_is_what_the_save_and_prune_loop_leaves_on_disk(start, 
 
 
 def test_regression_space_preflight_counts_an_older_best_checkpoint():
-    """Issue 16's follow-up: checkpoints/best is never pruned, so with --keep-checkpoints 2 and a best left at
+    """checkpoints/best is never pruned, so with --keep-checkpoints 2 and a best left at
     step 1, steps 4 and 5 plus the one being written and best make 4 on disk, not keep + 1 = 3; and every
     evaluation that improves writes a checkpoint of its own."""
     assert ck.peak_checkpoints(2, 10, best=True) == 4 and ck.peak_checkpoints(2, 10) == 3
@@ -629,7 +630,7 @@ def test_free_space_measures_the_nearest_existing_ancestor(tmp_path):
 
 
 def test_regression_a_save_killed_mid_way_leaves_no_temp_directory_behind_the_next_start(tmp_path):
-    """Break test (session 6): kill -9 during save_checkpoint left checkpoints/.tmp-<writer>.<nonce> (a whole
+    """Kill -9 during save_checkpoint left checkpoints/.tmp-<writer>.<nonce> (a whole
     checkpoint's bytes) for ever; nothing removed it and the free-space check did not count it. The next
     start removes a dead writer's temp directory and leaves a live writer's and foreign names alone."""
     import subprocess

@@ -333,7 +333,7 @@ def test_producer_other_contract_on_existing_root_writes_nothing(root, workdir, 
 
 
 def test_regression_producer_other_plan_names_the_flag_and_writes_nothing(root, workdir, tiny_target):
-    """Regression (break test): the plan mismatch named the internal field ``plan_id``; it names the flag that
+    """The plan mismatch named the internal field ``plan_id``; it names the flag that
     differs and both values."""
     before = snapshot(root)
     args = producer_args(root, tiny_target)
@@ -481,6 +481,8 @@ def test_regression_unusable_device(root, tmp_path, workdir, tiny_target, verb, 
 
 
 def test_regression_cuda_without_gpu(tmp_path, workdir, tiny_target):
+    """``producer --device cuda`` on a machine without a GPU must be one line naming the value, that no CUDA device is
+    visible and ``--device cpu`` (exit 2), before anything is created under ``--cache``."""
     import torch
 
     if torch.cuda.is_available():
@@ -535,6 +537,8 @@ def test_verify_fs_rejects_a_missing_path(tmp_path):
 
 
 def test_regression_producer_cache_is_a_file(tmp_path, tiny_target):
+    """``producer --cache FILE`` (a file, not a directory) gave a traceback; it is one line saying the path is not a
+    directory (exit 2) and the file is left as it was."""
     f = tmp_path / "not-a-dir"
     f.write_text("x")
     proc = subprocess.run([sys.executable, "-m", "artcache", "producer", "--cache", str(f), "--target",
@@ -545,6 +549,8 @@ def test_regression_producer_cache_is_a_file(tmp_path, tiny_target):
 
 
 def test_regression_producer_refuses_a_root_inside_a_root(tmp_path, tiny_target):
+    """A ``--cache`` inside another cache root (here its objects/) was accepted and nested a root in a root; it is
+    refused in one line (exit 2) and nothing is created."""
     outer = tmp_path / "outer"
     outer.mkdir()
     (outer / "artcache.json").write_text("{}")
@@ -613,8 +619,8 @@ def test_regression_producer_on_a_full_disk_is_one_line(tmp_path, workdir, tiny_
     ("--batch-samples", "0", "--batch-samples 0 is invalid: accepted an integer >= 1"),
     ("--max-queue", "0", "--max-queue 0 is invalid: accepted an integer >= 1")])
 def test_regression_producer_negative_counts(tmp_path, workdir, tiny_target, flag, value, message):
-    """Breakfix report: `--expect-consumers -1` and `--done-grace -5` were accepted silently (the producer ran),
-    and `--batch-samples 0` was refused as "max_batch_samples must be >= 1", not naming the flag. Issue 19: the
+    """`--expect-consumers -1` and `--done-grace -5` were accepted silently (the producer ran),
+    and `--batch-samples 0` was refused as "max_batch_samples must be >= 1", not naming the flag. The
     ranges are declared on ProducerConfig's fields (no CLI hand check) and reported in the one style."""
     cache = tmp_path / "cache"
     line = assert_bad_input(invoke(*producer_args(cache, tiny_target, flag, value, "--idle-exit", "1")))
@@ -624,7 +630,7 @@ def test_regression_producer_negative_counts(tmp_path, workdir, tiny_target, fla
 
 @pytest.mark.parametrize("value, shown", [("-1", "-1.0"), ("inf", "inf"), ("nan", "nan")])
 def test_regression_fsck_observe_out_of_range(tmp_path, workdir, value, shown):
-    """Issue 19: `fsck --observe` had its own hand check (`--observe -1 is not accepted: seconds >= 0`); it is
+    """`fsck --observe` had its own hand check (`--observe -1 is not accepted: seconds >= 0`); it is
     now the declared range NonNegativeFloat reported in the one style, exit 2, before the root is read."""
     cache = tmp_path / "cache"
     line = assert_bad_input(invoke("fsck", "--cache", str(cache), "--observe", value))
@@ -652,7 +658,7 @@ def test_regression_garbage_registration_is_one_line(tmp_path, tiny_target, work
 
 
 def test_regression_inspect_names_the_saved_config_of_a_missing_root(tmp_path, workdir):
-    """Break test: ``artcache inspect --cache RUN_DIR`` whose saved config.toml names a cache root that no longer
+    """``artcache inspect --cache RUN_DIR`` whose saved config.toml names a cache root that no longer
     exists said only "cache root ... does not exist", not which file named that path. One line naming both the
     missing root and the saved config, exit 2, nothing created; a missing --cache root itself is named as before."""
     run_dir, gone = tmp_path / "run", tmp_path / "gone-root"
@@ -711,7 +717,7 @@ def test_regression_negative_epochs_is_named_as_such(root, workdir):
     (["--bogus"], "No such option '--bogus'"),
 ])
 def test_regression_click_usage_errors_are_one_line(workdir, args, needle):
-    """The new-user break test of 2026-12-01: click's own usage errors printed usage, a hint, a blank line
+    """Click's own usage errors printed usage, a hint, a blank line
     and 'Error: ...' (4 lines) where every other bad input is one 'artcache: error:' line; they are one line
     now (exit 2, naming the value and where the accepted ones are listed), also from the console script."""
     text = assert_bad_input(invoke(*args), needle)
@@ -722,7 +728,7 @@ def test_regression_click_usage_errors_are_one_line(workdir, args, needle):
 
 
 def test_regression_refused_duplicate_consumer_leaves_no_out_dir(tmp_path, workdir, tiny_target):
-    """Break test: a second `consume` with the id of a live consumer was refused but left its (empty) --out
+    """A second `consume` with the id of a live consumer was refused but left its (empty) --out
     directory, parents included. The run directory is now created only once the registration holds."""
     import subprocess as sp
 
@@ -747,7 +753,7 @@ def test_regression_refused_duplicate_consumer_leaves_no_out_dir(tmp_path, workd
 
 
 def test_regression_run_without_experiments_names_the_config(tmp_path, workdir):
-    """Break test: `artcache run --config FILE` with no [[experiments]] lacked the `--config PATH:` prefix every
+    """`artcache run --config FILE` with no [[experiments]] lacked the `--config PATH:` prefix every
     other config error has."""
     path = write_json(tmp_path / "run.json", {"out": str(tmp_path / "o")})
     assert_bad_input(invoke("run", "--config", str(path), "--dry-run"),
@@ -755,11 +761,11 @@ def test_regression_run_without_experiments_names_the_config(tmp_path, workdir):
     assert not (tmp_path / "o").exists()
 
 
-# ---- the cli-validate break tests ------------------------------------------------------------------
+# ---- out-of-range flag values --------------------------------------------------------------------
 
 @pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
 def test_regression_unknown_best_metric_refused_before_step_1(root, workdir, tmp_path, draft):
-    """Break test: `consume --best-metric replay_taux --eval-samples 2` trained, then only warned at the first
+    """`consume --best-metric replay_taux --eval-samples 2` trained, then only warned at the first
     evaluation. It is refused before the root is read, naming the value and the draft's figures."""
     from artcache.trainers.draft import draft_class
 
@@ -791,7 +797,7 @@ def test_regression_replay_figure_needs_the_last_layer(root, workdir, tmp_path):
     (["--draft", "dspark", "--anchors", "100000000"], ["--anchors 100000000 is invalid", "<= 128"]),
 ])
 def test_regression_huge_block_size_and_anchors_refused(root, workdir, tmp_path, args, needles):
-    """Break test: `consume --block-size 100000000` (or --anchors) died allocating 40 TB. B is at most 64 (the
+    """`consume --block-size 100000000` (or --anchors) died allocating 40 TB. B is at most 64 (the
     recipes use 4 to 16), a given anchor count at most the root's tokens per sample (max_length 128 here)."""
     before = snapshot(root)
     out = tmp_path / "run-big"
@@ -817,7 +823,7 @@ def test_regression_largest_block_size_and_anchors_accepted():
     ("-4:8", ["--window '-4:8' is not LOOKBEHIND:LOOKAHEAD"]),
 ])
 def test_regression_absurd_window_refused(root, workdir, window, needles):
-    """Break test: `--window 1:10000000000000` was accepted (every position of a live window stays on disk)."""
+    """`--window 1:10000000000000` was accepted (every position of a live window stays on disk)."""
     before = snapshot(root)
     assert_bad_input(invoke("consume", "--cache", str(root), "--window", window), *needles)
     assert snapshot(root) == before and list(workdir.iterdir()) == []
@@ -841,7 +847,7 @@ def test_regression_window_bound_is_the_one_parser():
     (str(2**60 + 1), [f"--disk-budget {2**60 + 1} is invalid"]),
 ])
 def test_regression_absurd_disk_budget_refused(tmp_path, workdir, tiny_target, budget, needles):
-    """Break test: `producer --disk-budget 99999999999T` was accepted, `0.5` silently meant the default; refused
+    """`producer --disk-budget 99999999999T` was accepted, `0.5` silently meant the default; refused
     before the root is created."""
     cache = tmp_path / "new" / "cache"
     assert_bad_input(invoke(*producer_args(cache, tiny_target, "--disk-budget", budget)), *needles)
@@ -849,6 +855,8 @@ def test_regression_absurd_disk_budget_refused(tmp_path, workdir, tiny_target, b
 
 
 def test_regression_disk_budget_bounds_accepted():
+    """The bound added against ``--disk-budget 99999999999T`` must not refuse real budgets: 1024 TiB, 2**60 bytes, a
+    fractional 1.1T and 0 (the default) still parse."""
     from artcache.app.values import parse_bytes
 
     assert parse_bytes("1024T", "disk-budget") == 1 << 50 and parse_bytes(str(2**60), "disk-budget") == 2**60
@@ -856,7 +864,7 @@ def test_regression_disk_budget_bounds_accepted():
 
 
 def test_regression_lr_total_steps_below_steps_refused_before_training(root, workdir, tmp_path):
-    """Break test (session 6): a fresh `consume --steps 4 --lr-total-steps 1` trained its steps 3-4 at LR 0 and
+    """A fresh `consume --steps 4 --lr-total-steps 1` trained its steps 3-4 at LR 0 and
     exited 0 (the check existed only on --resume). Refused before anything is written; equal is accepted."""
     from artcache.trainers.consumer import ConsumerConfig
 

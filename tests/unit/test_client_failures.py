@@ -113,7 +113,7 @@ def _space_marker(layout, fp) -> None:
 
 def test_regression_a_full_disk_give_up_is_waited_for_within_the_demand_timeout(tmp_path, fake_plan, small_contract,
                                                                                 caplog):
-    """Break test item 2: a capture's ENOSPC ended every waiting consumer within milliseconds (CaptureFailed),
+    """A capture's ENOSPC ended every waiting consumer within milliseconds (CaptureFailed),
     although the producer withdraws a full-disk give-up once space is back (every 10 s). A consumer now waits
     for that within its --demand-timeout (logged once); when the marker goes and the artifact is published, it
     reads it."""
@@ -144,7 +144,7 @@ def test_regression_a_full_disk_give_up_is_waited_for_within_the_demand_timeout(
 
 def test_regression_a_full_disk_give_up_fails_after_the_demand_timeout_with_its_message(tmp_path, fake_plan,
                                                                                        small_contract):
-    """Break test item 2: when space does not come back within --demand-timeout the consumer fails with the
+    """When space does not come back within --demand-timeout the consumer fails with the
     producer's give-up message (CaptureFailed, not a bare CaptureTimeout), saying how long it waited."""
     layout, client, journal = make_client(tmp_path, fake_plan, small_contract, demand_timeout_s=1)
     fp = client.fp_of(1)

@@ -195,7 +195,7 @@ def test_overrides_are_typed_by_field(tmp_path):
     ("capture.layer_ids=1,x", ["capture.layer_ids[1]", "expected an integer"]),
     ("capture.layer_ids=1,,2", ["capture.layer_ids='1,,2'"]),  # regression: the empty item was skipped
     ("capture.layer_ids=", ["capture.layer_ids is empty"]),  # regression: silently the union
-    ("target.dtype=fp4", ["one of bfloat16, float16, float32, float8_e4m3fn, fp8"]),  # fp8 is accepted (issue 14)
+    ("target.dtype=fp4", ["one of bfloat16, float16, float32, float8_e4m3fn, fp8"]),  # fp8 is accepted
 ])
 def test_bad_overrides_name_the_path_and_accepted(tmp_path, override, needles):
     msg = rejected(tmp_path, TWO, override)
@@ -206,7 +206,7 @@ def test_bad_overrides_name_the_path_and_accepted(tmp_path, override, needles):
 @pytest.mark.parametrize("override, none", [("capture.replay_layer=maybe", False),
                                             ("experiments.0.resume=maybe", True)])
 def test_regression_bad_bool_override_lists_the_accepted_spellings(tmp_path, override, none):
-    """Break test: a bad bool override said only "expected true or false" while the parser also takes
+    """A bad bool override said only "expected true or false" while the parser also takes
     yes/on/1 and no/off/0 (any case); the message lists exactly the spellings it takes (and none's, when
     the field is optional), each of which is then accepted."""
     msg = rejected(tmp_path, TWO, override)
@@ -222,7 +222,7 @@ def test_regression_bad_bool_override_lists_the_accepted_spellings(tmp_path, ove
 
 
 def test_regression_consumer_bool_override_takes_the_same_spellings(tmp_path):
-    """Break test: `experiments.0.consumer.progress=yes` (or `=1`, `=OFF`) was refused with "Expected `bool`, got
+    """`experiments.0.consumer.progress=yes` (or `=1`, `=OFF`) was refused with "Expected `bool`, got
     `str`; accepted: true or false" while `capture.replay_layer=yes` is taken: the free-form consumer table
     parsed the text as TOML. A ConsumerConfig bool takes the typed fields' spellings, and a bad one lists them."""
     spellings = {True: ["true", "yes", "on", "1", "TRUE"], False: ["false", "no", "off", "0", "OFF"]}
@@ -370,7 +370,7 @@ def test_regression_binary_config_is_one_line(tmp_path, suffix):
     ("[[experiments]]\nname = 'a'\n", ("experiments.a.window=1:99999999999",), "experiments.0.window 1:99999999999"),
 ])
 def test_regression_run_config_bounds(tmp_path, text, overrides, needle):
-    """Break test (block size, window, disk budget): the run config declares the same bounds as the flags
+    """The run config declares the same bounds as the flags
     (msgspec.Meta on the fields, the one window parser), named by their config path."""
     msg = rejected(tmp_path, text, *overrides)
     assert msg.startswith(f"--config {str(tmp_path / 'run.toml')!r}: ") and needle in msg, msg
@@ -382,7 +382,7 @@ def test_regression_run_config_bounds(tmp_path, text, overrides, needle):
     ("markov_head", "gru", "accepted: one of gated, vanilla or none"),
 ])
 def test_regression_consumer_setting_choices_list_the_accepted_values(field, value, accepted):
-    """Break test: `experiments.N.consumer.compile = "fast"` said only "Invalid enum value 'fast'"; the message
+    """`experiments.N.consumer.compile = "fast"` said only "Invalid enum value 'fast'"; the message
     lists the accepted values, as the flags' click.Choice does (`consume --compile fast`)."""
     cfg = C.convert({"experiments": [{"name": "a", "draft": "dspark", "consumer": {field: value}}]})
     with pytest.raises(ConfigError) as info:

@@ -1,6 +1,6 @@
-"""bench/consumer_speed.py's parts run end to end at a toy size on the CPU (the GPU figures come from the
-lead's H200 run): a built draft steps, a root with published artifacts reads back, run_consumer trains on
-it for each draft, and the figures (MFU, bytes read, binding limit, samples/s, ratio to main) are
+"""bench/consumer_speed.py's parts run end to end at a toy size on the CPU (the GPU figures come from ``artcache bench
+--suite consumer-speed`` on a GPU): a built draft steps, a root with published artifacts reads back, run_consumer
+trains on it for each draft, and the figures (MFU, bytes read, binding limit, samples/s, ratio to main) are
 complete; the plan is validated and the JSON's provenance names the commit and the hardware."""
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def test_provenance_outside_a_checkout_takes_the_named_commit(monkeypatch):
 
 
 def test_regression_named_commit_wins_over_a_stale_git(monkeypatch):
-    """The H200 call of 2026-12-01 (session 4) ran 3a8a1ce's files in a copy whose .git said 44db884, and
-    consumer_speed.json recorded 44db884 (dirty): a commit named by the sender wins, its dirtiness unknown."""
+    """A run of one commit's files in a copy whose .git named an older commit recorded the older commit
+    (dirty) in consumer_speed.json: a commit named by the sender wins, its dirtiness unknown."""
     from artcache.bench import provenance
 
     monkeypatch.setattr(provenance, "_git", lambda *a: "44db884" if a[0] == "rev-parse" else " M x.py")
@@ -98,7 +98,7 @@ def test_regression_provenance_is_the_one_hardware_record(tmp_path):
 
 
 def test_regression_a_second_run_on_the_same_root_starts_clean(tmp_path):
-    """The H200 call of 2026-12-02 (session 9) ran consumer_speed twice on the default --root: the second found
+    """consumer_speed run twice on the default --root: the second found
     the first's run directories, and its from-cache rows failed with "already holds checkpoints"."""
     root = tmp_path / "scratch"
     (root / "runs" / "dflash-main").mkdir(parents=True)
@@ -114,7 +114,7 @@ def test_regression_a_second_run_on_the_same_root_starts_clean(tmp_path):
 
 
 def test_regression_gpu_util_is_taken_over_the_measured_steps_not_the_compile():
-    """Session 10's H200 row said 0 % utilisation: the median covered the 28 s compile (GPU idle) too."""
+    """A GPU row said 0 % utilisation: the median covered the 28 s compile (GPU idle) too."""
     from artcache.telemetry import GpuSample, NullSampler
 
     sampler = NullSampler(reason="")
@@ -156,7 +156,7 @@ def test_flex_variants_are_in_memory_rows_of_block_drafts(tmp_path):
 
 def test_regression_profile_busy_time_leaves_out_the_profiler_step_range():
     """A scheduled profile (a from-cache row) has a "ProfilerStep*" row on the device whose time spans its kernels';
-    summing it with them made the H200's 11.3 ms of kernels a step read 45.7 ms."""
+    summing it with them made 11.3 ms of kernels a step read 45.7 ms."""
     from types import SimpleNamespace as NS
 
     cuda = torch.autograd.DeviceType.CUDA
@@ -186,7 +186,7 @@ def test_switch_intervals_parse_as_positive_milliseconds():
 
 
 def test_regression_a_repeated_row_runs_as_its_own_consumer(tmp_path):
-    """H200, session 12: the second pass of --switch-intervals-ms (the same plan again) reused the first row's
+    """The second pass of --switch-intervals-ms (the same plan again) reused the first row's
     consumer id and run directory, and every repeated from-cache row failed with "already holds checkpoints of
     an earlier run"."""
     cs.make_root(tmp_path / "cache", 8 * 2, torch.device("cpu"), target="random:tiny-llama", seq=96,

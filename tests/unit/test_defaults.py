@@ -1,4 +1,4 @@
-"""Defaults agree (issue 19): a flag of ``artcache producer|consume|bench`` and the config field it maps to
+"""Defaults agree: a flag of ``artcache producer|consume|bench`` and the config field it maps to
 (``PRODUCER_FLAGS``/``CONSUME_FLAGS``/``BENCH_FLAGS``) default to the same value, and so do the role structs
 behind them (ProducerConfig, ConsumerConfig, BenchConfig). Found by this test: ``--done-grace`` was 10 s by
 flag and 5 s with ``--config``; the bench's warm-up/steps/anchors were 3/15/64 from the CLI, 5/30/32 with

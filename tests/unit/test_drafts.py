@@ -75,7 +75,7 @@ def test_view_slice_is_a_view_when_contiguous_and_a_copy_otherwise():
 
 def test_union_capture_views_equal_solo_captures(tiny_target):
     """One capture of the union of two drafts' layers, sliced per draft, gives exactly the tensors a
-    capture of each draft's own layers would (issue 8: layer union)."""
+    capture of each draft's own layers would (layer union)."""
     from artcache.backends.hf import HFCaptureBackend
     from artcache.contract import CaptureContract
     from artcache.target import load_target_model
@@ -341,7 +341,7 @@ def test_regression_evaluation_stops_between_batches_on_a_signal():
         def __init__(self):
             self.wanted, self.unwanted, self.acquired = [], [], []
 
-        def want_samples(self, samples):  # the held-out split is read by sample index (issue 21)
+        def want_samples(self, samples):  # the held-out split is read by sample index
             self.wanted = list(samples)
             return self.wanted
 
@@ -388,7 +388,7 @@ class _SplitClient:
 
 @pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
 def test_regression_declared_eval_figures_equal_a_real_evaluation(tiny_root, draft):
-    """Break test: an unknown ``--best-metric`` trained the whole run and was only warned at the first
+    """An unknown ``--best-metric`` trained the whole run and was only warned at the first
     evaluation. The check before step 1 takes the names from each draft's declared figures
     (``Draft.eval_figures`` / ``eval_slot_figures``); this runs a real held-out evaluation of each draft on
     the tiny target (with the target's argmax, and for DFlash and DSpark without it) and compares the
@@ -437,7 +437,7 @@ def test_regression_best_metric_is_checked_against_the_drafts_figures():
 
 
 def test_regression_best_metric_direction_minimises_errors_not_only_losses():
-    """Helper report (session 6): checkpoints/best minimised only names with 'loss', so `--best-metric ece`
+    """checkpoints/best minimised only names with 'loss', so `--best-metric ece`
     (or conf_mae, replay_truncated_frac) followed the worst checkpoint. figure_rank is the one order."""
     from artcache.trainers.draft import draft_class, figure_rank
 

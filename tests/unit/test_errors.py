@@ -1,4 +1,4 @@
-"""Every artcache error pickles with its attributes and maps to the CLI exit status of its kind (issue 19)."""
+"""Every artcache error pickles with its attributes and maps to the CLI exit status of its kind."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def test_dflash_speculators_config_fields(tmp_path, target_dir):
     assert c["aux_hidden_state_layer_ids"] == [i + 1 for i in ids]  # vLLM: target_layer_ids = aux - 1
     sc = c["speculators_config"]
     assert sc["algorithm"] == "dflash" and sc["proposal_methods"][0]["speculative_tokens"] == cfg.block_size - 1
-    # regression (issue 16): the verifier was the target's absolute local path; it is the target's name
+    # regression: the verifier was the target's absolute local path; it is the target's name
     assert sc["verifier"]["name_or_path"] == target_dir.name and "/" not in sc["verifier"]["name_or_path"]
     assert sc["verifier"]["architectures"] == ["LlamaForCausalLM"]
     assert c["transformer_layer_config"]["num_hidden_layers"] == 2 and c["mask_token_id"] == V - 1
@@ -262,7 +262,7 @@ def test_eagle3_export_roundtrip_strict(tmp_path, target_dir, fmt):
     if fmt == "speculators":
         assert c["speculators_model_type"] == "eagle3" and c["norm_before_residual"] is False
         assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-        # regression (issue 16): speculators' Eagle3DraftModel reads embed_tokens.weight from the checkpoint
+        # regression: speculators' Eagle3DraftModel reads embed_tokens.weight from the checkpoint
         # (absent, it stayed zeros and its logits were off): the export carries the target's embedding
         assert torch.equal(tensors["embed_tokens.weight"], frozen[0])
     else:
@@ -477,6 +477,8 @@ def test_regression_out_parent_not_a_writable_directory_is_one_line_error(tmp_pa
 
 
 def test_regression_failed_export_removes_parents_it_created(tmp_path, target_dir, monkeypatch):
+    """An export failing on a full disk left the parent directories it had created for ``--out``; it removes them
+    and re-raises."""
     import artcache.trainers.export as ex
 
     dflash_checkpoint(tmp_path / "run")
@@ -567,6 +569,8 @@ def test_regression_target_defaults_to_the_checkpoint_record(tmp_path, target_di
 
 
 def test_regression_eagle3_hidden_size_mismatch_says_pass_target(tmp_path):
+    """An EAGLE-3 export against a target of another hidden size must be a ConfigError naming hidden_size and
+    telling the user to pass ``--target``, and leave no ``--out`` behind."""
     from transformers import LlamaConfig
 
     eagle3_checkpoint(tmp_path / "run")
@@ -601,7 +605,7 @@ def test_regression_exported_files_are_readable_by_others(tmp_path, target_dir, 
                                          ("optimizer.safetensors", "flip"), ("rng.safetensors", "flip")])
 def test_regression_export_refuses_a_checkpoint_file_that_does_not_match_its_digest(tmp_path, target_dir, kind,
                                                                                     damage):
-    """Break test: a checkpoint whose model.safetensors had a byte flipped on disk (inside a tensor's data, so
+    """A checkpoint whose model.safetensors had a byte flipped on disk (inside a tensor's data, so
     safetensors loads it) was exported with garbage weights and exit 0. Export now checks state.json and the
     files it reads against the digests recorded at save: one line naming the file and the expected and actual
     digest, exit 1, nothing written. The optimizer and RNG state are not exported: damage there leaves the
@@ -654,7 +658,7 @@ def test_regression_export_of_a_checkpoint_without_digests_warns_that_it_is_unve
 
 
 def test_regression_export_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, target_dir, monkeypatch):
-    """Break test (session 6): `artcache export` onto a full tmpfs printed safetensors' raw traceback
+    """`artcache export` onto a full tmpfs printed safetensors' raw traceback
     (`SafetensorError: ... No space left on device (os error 28)`). Now one line naming the errno, exit 1, no
     temp directory and no --out left."""
     import artcache.trainers.export as export_mod

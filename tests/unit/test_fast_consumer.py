@@ -1,4 +1,4 @@
-"""The GPU speed work (issue 20) keeps the CPU path bit for bit, and its fast paths compute the same function.
+"""The GPU speed work keeps the CPU path bit for bit, and its fast paths compute the same function.
 
 - :func:`cpu_figures` trains each draft two steps on fixed inputs through its adapter (the consumer's
   code path) on the CPU and returns the losses, metric sums and gradient norms as exact float hex strings.
@@ -424,13 +424,13 @@ def _same_figures(got, golden, rel: float = 1e-6) -> bool:
 
 
 def test_cpu_losses_unchanged_to_the_last_bit():
-    """Regression (issue 20): the CPU path of both drafts computes what it computed before the GPU work."""
+    """The CPU path of both drafts computes what it computed before the GPU work."""
     got = cpu_figures()
     assert _same_figures(got, GOLDEN), json.dumps(got, indent=1)
 
 
 def test_regression_cpu_figures_compared_within_float32_rounding():
-    """Session 5: the last-bit comparison failed on an AMD EPYC (CI passed elsewhere) by 1 ulp of float32 in
+    """The last-bit comparison failed on an AMD EPYC (and passed on other CPUs) by 1 ulp of float32 in
     EAGLE-3's figures; a 1e-6 relative bound passes that and still fails a change of 1e-5 anywhere."""
     moved = json.loads(json.dumps(GOLDEN))
     moved["eagle3"][0]["grad_norm"] = "0x1.a2398a0000000p+0"
@@ -446,7 +446,7 @@ def test_regression_cpu_figures_compared_within_float32_rounding():
 
 
 def test_dspark_cpu_figures_unchanged_to_the_last_bit():
-    """Regression (issue 20): DSpark's CPU path (loss, gradient norm, every metric sum) computes what it
+    """DSpark's CPU path (loss, gradient norm, every metric sum) computes what it
     computed before it took the sync-free path."""
     got = dspark_cpu_figures()
     assert _same_figures(got, DSPARK_GOLDEN), json.dumps(got, indent=1)

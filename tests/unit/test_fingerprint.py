@@ -42,7 +42,7 @@ GOLDEN = [
     (dict(), [], [], "c37926557746ed7831de0a7598f9061b8b6c2171"),
     (dict(), [0, 49151, 2**31 - 1, 7], [1, 0, 1, 0], "cf00ecf00879193217f3f7e91a6b3561809be03a"),
     (dict(include_last_hidden=True, dtype="float16"), IDS, MASK, "d7d97da7550f12df8cb524e917409b86be6e4002"),
-    # fp8 artifacts (issue 14): the row-scaled e4m3fn scheme is named by the contract's dtype alone, so every
+    # fp8 artifacts: the row-scaled e4m3fn scheme is named by the contract's dtype alone, so every
     # earlier golden value stays as it was
     (dict(dtype="float8_e4m3fn", compute_dtype="bfloat16"), IDS, MASK, "027b8445fdd05d2c9db2b21971596fbe500b3566"),
 ]

@@ -181,6 +181,8 @@ def test_seed_sample_count_and_dataset_path_do_not_change_a_samples_fingerprint(
 
 
 def test_regression_plan_id_ignores_the_dataset_path_not_its_content():
+    """The plan id hashed the dataset path as given, so the same file as a relative and an absolute path (or a
+    copy elsewhere) was refused as another plan by its own root; the id now covers the file's content."""
     a, b = plan_mod.PlanSpec(dataset="data.jsonl"), plan_mod.PlanSpec(dataset="/elsewhere/copy-of-data.jsonl")
     assert plan_mod.compute_plan_id(a, "d1", "t", "m")[0] == plan_mod.compute_plan_id(b, "d1", "t", "m")[0]
     assert plan_mod.compute_plan_id(a, "d1", "t", "m")[0] != plan_mod.compute_plan_id(a, "d2", "t", "m")[0]

@@ -1,4 +1,4 @@
-"""fp8 artifacts (issue 14): the row-scaled float8_e4m3fn scheme, its artifacts in the store (hash over the
+"""fp8 artifacts: the row-scaled float8_e4m3fn scheme, its artifacts in the store (hash over the
 scales, validation, fsck), dequantisation on read in the consumer's collate, the HF backend's capture, and
 ``artcache producer --dtype fp8`` end to end with a consumer, inspect, fsck and export."""
 

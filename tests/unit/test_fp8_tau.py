@@ -70,8 +70,8 @@ def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys):
 
 
 def test_regression_the_report_records_commit_and_hardware(tmp_path, monkeypatch, capsys):
-    """Regression: the H200 run's fp8_tau.json had the command but no commit or hardware (the brief's rule for
-    every committed result); the two ``artcache run`` processes are stood in for by ones that write a report."""
+    """fp8_tau.json had the command but no commit or hardware (which every committed result
+    carries); the two ``artcache run`` processes are stood in for by ones that write a report."""
     import json as _json
     import types
 

@@ -158,7 +158,7 @@ def test_dead_consumer_fenced_and_its_leases_expired_journaled(layout):
 
 
 def test_other_host_consumer_expired_by_heartbeat_progress(layout):
-    """Issue 18 item 1: a registration whose pid cannot be checked here (another host) is watched for the
+    """A registration whose pid cannot be checked here (another host) is watched for the
     root's heartbeat timeout on fsck's own clock: a moving counter is live (however old its wall-clock
     heartbeat looks), a still one is dead; a shorter watch judges nobody."""
     import threading
@@ -193,7 +193,7 @@ def test_other_host_consumer_expired_by_heartbeat_progress(layout):
 
 
 def test_regression_fsck_fix_leaves_the_users_own_links_alone(layout, tmp_path):
-    """Issue 17 item 2: with a pre-existing directory used as --cache, `fsck --fix` unlinked the user's own
+    """With a pre-existing directory used as --cache, `fsck --fix` unlinked the user's own
     symlinks in it, in foreign subdirectories too. Only artcache's part of the root is looked into."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -208,7 +208,7 @@ def test_regression_fsck_fix_leaves_the_users_own_links_alone(layout, tmp_path):
 
 
 def test_regression_give_up_marker_of_a_gone_producer_is_superseded(layout):
-    """Issue 17 item 7: failed/<fp>.json of an earlier producer outlived it and failed the next run's first
+    """failed/<fp>.json of an earlier producer outlived it and failed the next run's first
     consumer; fsck called the root clean. A marker whose producer is gone (same host id) is reported."""
     fp = FP(7)
     layout.failure_path(fp).write_text(json.dumps({"fingerprint": fp, "attempts": 3, "error": "old",

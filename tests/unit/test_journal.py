@@ -219,7 +219,7 @@ class _FullDisk:
 
 @pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
 def test_regression_journal_holds_events_in_order_while_the_disk_is_full(tmp_path, monkeypatch, code):
-    """Break test item 1: a journal append failing for space raised JournalError, which killed the producer
+    """A journal append failing for space raised JournalError, which killed the producer
     (and a consumer) on a full disk. Now the events are held in memory in emit order, the file carries an
     exclusive flock meanwhile (a reader tells held lines from lost ones), and the first try after space is
     back writes them all, with their original times, after the lines written before."""

@@ -1,4 +1,4 @@
-"""artcache.launch: the one launcher of ``artcache run`` and the bench (issue 19). Real processes."""
+"""artcache.launch: the one launcher of ``artcache run`` and the bench. Real processes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The producer's retention loop (issue 21) with the real Producer, registry, store and journal on a fake
+"""The producer's retention loop with the real Producer, registry, store and journal on a fake
 backend: the disk budget is never exceeded while windows fit it, evictions are journaled with their
 reasons, an evicted position a consumer reads again is recaptured on its demand (counted), the final
 pass keeps what fits (the root persists), the default budget comes from the free space, and ``--fill``

@@ -1,5 +1,5 @@
 """Ranges declared on typed fields (artcache/ranges.py): one message style for the run config, the consumer,
-and the producer (issue 19: ranges on the fields, not hand checks)."""
+and the producer (ranges on the fields, not hand checks)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_the_role_structs_give_the_one_message():
 
 
 def test_regression_disk_budget_range_is_declared_not_hand_checked():
-    """Issue 19's residue: ``--disk-budget`` kept a hand check in its own style ("is not accepted: bytes >= 1
+    """``--disk-budget`` kept a hand check in its own style ("is not accepted: bytes >= 1
     (or 0: the default)") in the producer and in ``parse_bytes``; both now give the one message."""
     from artcache.app.values import parse_bytes
 

@@ -236,7 +236,7 @@ def test_regression_regenerate_backend_dtype_cache_are_choices():
     (("--temperature", "inf"), "--temperature inf is invalid: accepted a finite number >= 0"),
 ])
 def test_regression_regenerate_ranges_in_the_one_style(tiny_target, data, tmp_path, args, message):
-    """Issue 19: RegenerateConfig.validate checked (field, min) pairs by hand in its own message form (``--seed -1
+    """RegenerateConfig.validate checked (field, min) pairs by hand in its own message form (``--seed -1
     is not accepted: an integer >= 0``); the ranges are declared on its fields now and reported in the one style."""
     out = tmp_path / "o.jsonl"
     result = invoke(*regen_args(tiny_target, data, out, *args))

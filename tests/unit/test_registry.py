@@ -95,7 +95,7 @@ def test_window_and_liveness():
 
 
 def test_window_wider_than_the_plan_is_bounded_by_it():
-    """Issue 17 item 11: --window 0:2000000 on a 300-sample plan made every producer pass build a set of
+    """--window 0:2000000 on a 300-sample plan made every producer pass build a set of
     2 million positions; modulo the plan's length it is the 300 samples."""
     r = Registration(consumer_id="c", draft="d", cursor=5, lookbehind=0, lookahead=2_000_000)
     t0 = time.perf_counter()
@@ -356,7 +356,7 @@ FAR = ProcessIdentity(host="f" * 16, pid=1, start=7, hostname="elsewhere")
 
 
 def test_register_refuses_a_holder_on_another_host_while_its_heartbeat_moves(layout):
-    """Issue 18 item 1: another host's consumer is judged by heartbeat progress watched on this process's
+    """Another host's consumer is judged by heartbeat progress watched on this process's
     monotonic clock (never by comparing its wall-clock heartbeat with ours, nor by its pid)."""
     far = registry.register(layout, reg(identity=FAR))
     other = ConsumerHandle(layout, far)
@@ -433,7 +433,7 @@ def _failing_writes(monkeypatch, code: int, times: int) -> list[int]:
 
 
 def test_regression_a_heartbeat_on_a_full_disk_is_retried_not_fatal(layout, monkeypatch, caplog):
-    """Break test item 1: with 0 bytes free a consumer died on its first registration rewrite (PublishError
+    """With 0 bytes free a consumer died on its first registration rewrite (PublishError
     ENOSPC) while the disk was only momentarily full. A write failing for space is now tried again for up to
     ``space_wait_s`` (the root's heartbeat timeout), logged once; it succeeds once space is back."""
     import errno

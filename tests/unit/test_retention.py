@@ -1,4 +1,4 @@
-"""Retention by future need (issue 21): artcache.eviction.decide — the guarantee, Belady's order and its
+"""Retention by future need: artcache.eviction.decide — the guarantee, Belady's order and its
 reasons, the budget, prefetch in order of need, --fill — and RateEstimator; unit tests of the pure function."""
 
 from __future__ import annotations

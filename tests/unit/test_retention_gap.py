@@ -51,7 +51,7 @@ def test_bad_arguments_are_one_line_exit_2(args, msg, capsys):
 
 
 def test_regression_retention_gap_out_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys, full_temp_writes):
-    """Break test: an --out that is a directory ran every stream and then gave atomic_write's PublishError as
+    """An --out that is a directory ran every stream and then gave atomic_write's PublishError as
     a traceback (refused before the run now, above); one on a full disk still fails at the write: one line
     naming --out and the path, exit 1, nothing written."""
 

@@ -199,7 +199,7 @@ def test_limits_validate():
 
 
 def test_regression_limits_ranges_are_declared_and_named_the_callers_way():
-    """Issue 19: SchedulerLimits.validate kept its own hand check and message form (``--batch-samples 0
+    """SchedulerLimits.validate kept its own hand check and message form (``--batch-samples 0
     (max_batch_samples) is not accepted: an integer >= 1``). The ranges are declared on the fields now, and the
     caller names them: the producer by its flag, a run config by its capture.* path."""
     import msgspec.inspect as mi

@@ -272,7 +272,7 @@ def test_linked_registration_is_refused_by_read_and_skipped_by_scans(layout, tmp
 
 def test_regression_failed_create_removes_what_it_made(tmp_path):
     """create() stopped at a subdirectory name held by a file (UnsafePath) and left the directories it had
-    made before it (a new-user run found `plans/` behind); it now removes them before raising."""
+    made before it (`plans/` was left behind); it now removes them before raising."""
     root = tmp_path / "dir"
     root.mkdir()
     (root / "objects").write_text("a file, not a directory")  # SUBDIRS: plans comes first, objects second

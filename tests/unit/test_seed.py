@@ -142,7 +142,7 @@ def peer_layouts(out: Path, export_hf: Path, export_spec: Path, draft: str, targ
 
 @pytest.mark.parametrize("draft", ["dflash", "eagle3"])
 def test_every_layout_of_every_draft_seeds_a_run_with_the_sources_outputs(tmp_path, tiny_root, draft):
-    """Regression (issue 16): ``artcache export --format hf`` of a DFlash checkpoint could not seed a run
+    """``artcache export --format hf`` of a DFlash checkpoint could not seed a run
     (``missing ['context_norm.weight']; unexpected ['hidden_norm.weight']``), nor the EAGLE-3 speculators
     export (``layers.0.*``). Every form below seeds a fresh draft whose outputs equal the source's."""
     settings, plan = tiny_root
@@ -183,7 +183,7 @@ def test_map_back_renames_only_where_the_model_lacks_the_key():
 
 
 def test_regression_layer_ids_that_differ_are_refused_naming_both(tmp_path, tiny_root):
-    """Regression (issue 16): a source trained on [1, 3, 4, 7] loaded into ``--layer-ids 2,3,4,7`` (and
+    """A source trained on [1, 3, 4, 7] loaded into ``--layer-ids 2,3,4,7`` (and
     [1..5] into [5..1]). The layers are compared in order and never overridden."""
     settings, plan = tiny_root
     cfg = cfg_for("dflash")
@@ -196,7 +196,7 @@ def test_regression_layer_ids_that_differ_are_refused_naming_both(tmp_path, tiny
 
 
 def test_regression_mask_token_block_size_and_target_are_compared(tmp_path, tiny_root):
-    """Regression (issue 16): mask token and block size were not compared, and a published draft without
+    """Mask token and block size were not compared, and a published draft without
     state.json got no target check. Each is refused naming the field and both values; its override
     accepts it."""
     settings, plan = tiny_root
@@ -277,7 +277,7 @@ def test_published_options_artcache_does_not_compute_are_refused(tmp_path, tiny_
 
 
 def test_regression_kept_vocab_map_coverage_is_measured(tmp_path, tiny_root, caplog):
-    """Regression (issue 16): an EAGLE-3 draft seeded onto other data kept its vocab map (right) but covered
+    """An EAGLE-3 draft seeded onto other data kept its vocab map (right) but covered
     0 % of the new positions: loss printed 0.000 and the run "completed". The coverage of the plan's
     supervised training tokens is measured: refused below --min-vocab-coverage unless --keep-vocab-map
     (then warned with the figure)."""
@@ -310,7 +310,7 @@ def test_regression_kept_vocab_map_coverage_is_measured(tmp_path, tiny_root, cap
 
 
 def test_options_a_draft_does_not_use_are_refused_naming_the_draft():
-    """Regression (issue 16): ``ttt_steps`` on DFlash and ``block_size`` on EAGLE-3 were accepted silently."""
+    """``ttt_steps`` on DFlash and ``block_size`` on EAGLE-3 were accepted silently."""
     with pytest.raises(ConfigError,
                        match="--ttt-steps 3 is an option of the eagle3 draft; the dflash draft does not use"):
         ConsumerConfig(cache="-", draft="dflash", ttt_steps=3).validate()

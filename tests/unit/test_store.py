@@ -252,7 +252,7 @@ def test_short_writes_are_completed(layout, monkeypatch):
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["transient", "persistent"])
 def test_regression_error_after_rename_never_withdraws_the_artifact(layout, monkeypatch, caplog, persistent):
-    """Issue 17 item 5 (triton #11512): EBUSY from the directory fsync after ``os.replace`` made atomic_write
+    """As in triton #11512: EBUSY from the directory fsync after ``os.replace`` made atomic_write
     unlink the finished artifact (and the consumer then died of CaptureFailed). After the rename the artifact
     is published: the fsync is retried with backoff; if it keeps failing that is logged, never undone."""
     from artcache import fsio
@@ -455,6 +455,7 @@ def test_regression_every_header_bit_flip_is_detected(layout):
 
 
 def test_regression_other_format_version_rejected(layout):
+    """An artifact whose header names another ``artcache_format`` must be quarantined, not read as this format."""
     fp, path, raw = _published(layout)
     path.write_bytes(raw.replace(b'"artcache_format":"1"', b'"artcache_format":"9"'))
     _assert_quarantined(layout, fp)
@@ -527,7 +528,7 @@ def test_regression_stray_file_in_objects_is_ignored(tmp_path):
 
 
 def test_free_space_reserve_scales_down_on_small_filesystems(monkeypatch, tmp_path):
-    """An 8 MiB filesystem could never publish with a fixed 64 MiB reserve (new-user finding)."""
+    """An 8 MiB filesystem could never publish with a fixed 64 MiB reserve."""
 
     class SmallFs:
         f_bavail = 1500  # ~6 MiB free of 8 MiB
@@ -551,7 +552,7 @@ write_run_report(Path(sys.argv[1]), "1p1c", [], [])
 
 
 def test_regression_kill_mid_report_write_leaves_no_part_litter(tmp_path):
-    """Break test: ``artcache bench``'s run report (``--out``/report.json, written by fsio.atomic_write with its
+    """``artcache bench``'s run report (``--out``/report.json, written by fsio.atomic_write with its
     temp file beside it) killed -9 mid-write left ``<writer>.<nonce>.part`` in the user's --out for good; nothing
     ever removed it. Now every atomic write whose temp lies beside its destination first removes the ``.part``
     files of dead writers there (the bench report, a run's config.toml, regenerate's --out ...), and only those:

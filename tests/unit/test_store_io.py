@@ -1,4 +1,4 @@
-"""The store's I/O mechanics (issue 14): the one-pass publish (hash beside the write, header last, writeback
+"""The store's I/O mechanics: the one-pass publish (hash beside the write, header last, writeback
 started per chunk), the chunked read that hashes while it reads into recycled buffers, their equivalence
 with the earlier path, their failure cleanliness, and the GPU capture batch's hand-off to the publisher."""
 
@@ -243,7 +243,7 @@ def test_producer_publishes_after_ready_and_fails_the_batch_when_ready_raises(tm
 
 def test_a_read_takes_its_last_chunk_in_tail_pieces(layout, monkeypatch):
     """The final chunk is read ``tail_bytes`` at a time, so only the last small piece's hash is left after
-    the read (issue 14: read + verify 0.86 of the page-cache read on a local disk, the gap that tail)."""
+    the read (read + verify 0.86 of the page-cache read on a local disk, the gap that tail)."""
     ts = tensors(t=500)
     fp = fp_for(ts)
     store.publish(layout, fp, C, ts)
@@ -299,7 +299,7 @@ def test_regression_a_header_that_loses_a_tensor_names_the_artifact(layout, name
 
 
 def test_regression_a_consistent_header_edit_is_refused_as_off_the_writers_layout():
-    """Break test (session 10): the content hash covers the data section, not the header that carries it, so a
+    """The content hash covers the data section, not the header that carries it, so a
     header whose entries were changed consistently (two same-sized tensors' offsets swapped: an fp8 capture of one
     layer has float32 scales [T, 1] and int32 input_ids [T], 4T bytes each) read as valid, each tensor over the
     other's bytes. The offsets must now be the writer's layout (by item size, then name, back to back)."""

@@ -17,8 +17,8 @@ def test_summary_over_the_interval_only():
 
 
 def test_regression_an_interval_shorter_than_the_sampling_period_keeps_the_runs_telemetry():
-    # the H200 GPU lane's short bench (2 + 6 steps): the common post-warm-up interval fell between two
-    # samples (or was empty), so the report's telemetry was {} although NVML sampled the whole run
+    """On a short bench the common post-warm-up interval fell between two samples (or was empty), so the report's
+    telemetry was ``{}`` although NVML sampled the whole run; the whole run's samples are reported instead."""
     s = _samples([1.0, 2.0, 3.0])
     for t0, t1 in ((2.2, 2.4), (3.0, 2.0)):
         out = summarize(s, [0], {}, t0=t0, t1=t1)

@@ -126,7 +126,7 @@ def test_regression_vllm_served_eval_at_skips_a_torn_last_line(tmp_path):
 
 
 def test_regression_outputs_in_a_missing_directory_and_repeated_names_are_one_line(tmp_path, capsys):
-    """Break test (session 6): --png/--json in a missing directory gave a matplotlib traceback after the JSON
+    """--png/--json in a missing directory gave a matplotlib traceback after the JSON
     was written; `--metrics x=a.csv --metrics x=b.csv` silently dropped a.csv. Both are one line, exit 2,
     nothing written."""
     _run(tmp_path / "m.csv")
@@ -144,7 +144,7 @@ def test_regression_outputs_in_a_missing_directory_and_repeated_names_are_one_li
 
 
 def test_regression_json_records_the_arguments_it_ran_with(tmp_path, monkeypatch):
-    """Break test (session 6): run as `python -m`, the JSON's command had no arguments (argv None)."""
+    """Run as `python -m`, the JSON's command had no arguments (argv None)."""
     _run(tmp_path / "m.csv")
     png, js = tmp_path / "c.png", tmp_path / "c.json"
     args = ["--metrics", f"d={tmp_path / 'm.csv'}", "--png", str(png), "--json", str(js)]
@@ -181,7 +181,7 @@ def test_regression_evaluations_without_replay_plot_the_data_tau_and_the_held_ou
 
 
 def test_regression_a_nan_or_inf_evaluation_is_no_best_figure(tmp_path, capsys):
-    """Regression (break test): a NaN held-out τ before a real one gave ``best_replay_tau`` NaN (``max`` with a NaN
+    """A NaN held-out τ before a real one gave ``best_replay_tau`` NaN (``max`` with a NaN
     first) and an inf one ``Infinity``: both invalid in strict JSON."""
     rows = [(s, "train/loss", 5.0 - s / 10, 1000.0 + s) for s in range(1, 41)]
     rows += [(20, "eval/replay_tau", float("nan"), 0.0), (40, "eval/replay_tau", 1.9, 0.0),
@@ -201,7 +201,7 @@ def _strict(text: str):
 
 
 def test_regression_a_nan_or_inf_evaluation_is_left_out_of_the_evals_table(tmp_path, capsys):
-    """Regression (break test): a NaN held-out figure (a zero denominator) reached the JSON's evals table as
+    """A NaN held-out figure (a zero denominator) reached the JSON's evals table as
     ``NaN`` (not JSON; strict readers refuse the file), an inf one as ``Infinity``, and a NaN train loss made the
     row's train_loss_median NaN. A non-finite figure is no figure: left out of its row, as it is no best figure."""
     rows = [(s, "train/loss", 5.0 - s / 10, 1000.0 + s) for s in range(1, 41)]
@@ -220,7 +220,7 @@ def test_regression_a_nan_or_inf_evaluation_is_left_out_of_the_evals_table(tmp_p
 
 
 def test_regression_a_0_byte_metrics_csv_is_refused_with_one_line(tmp_path, capsys):
-    """Regression (break test): a 0-byte metrics.csv (not even its header) was read as a run with no rows and
+    """A 0-byte metrics.csv (not even its header) was read as a run with no rows and
     plotted silently; it is refused with one line naming it, exit 2, nothing written."""
     (tmp_path / "m.csv").write_bytes(b"")
     code, png, js = _cli(tmp_path, tmp_path / "m.csv")
@@ -238,7 +238,7 @@ def test_regression_a_0_byte_metrics_csv_is_refused_with_one_line(tmp_path, caps
     (["--gap-s", "nan"], "--gap-s nan is invalid: accepted finite seconds > 0"),
 ])
 def test_regression_plot_flags_matplotlib_refuses_are_one_line_before_anything(tmp_path, capsys, flags, line):
-    """Break test: a --png suffix matplotlib does not write (c.pngg) and a --title whose $...$ math mathtext
+    """A --png suffix matplotlib does not write (c.pngg) and a --title whose $...$ math mathtext
     cannot parse gave matplotlib's traceback (dozens of lines for the title); a negative or NaN --gap-s was
     taken, every interval left out (train_seconds 0.0, steady rate null). Each is one line, exit 2, before any
     file is read, nothing written."""
@@ -254,7 +254,7 @@ def test_regression_plot_flags_matplotlib_refuses_are_one_line_before_anything(t
 
 def test_regression_outputs_are_written_at_their_path_atomically_and_a_full_disk_is_one_line(
         tmp_path, capsys, monkeypatch, full_temp_writes):
-    """Break test: --png/--json naming a directory, or on a full disk, gave a traceback (the JSON's after the PNG
+    """--png/--json naming a directory, or on a full disk, gave a traceback (the JSON's after the PNG
     was written); --png without a suffix was written to PATH.png, not PATH. A directory is refused (exit 2),
     a full disk is one line (exit 1) with no file or temp file left, a suffix-less --png is a PNG at its path."""
 

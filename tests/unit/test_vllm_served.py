@@ -230,7 +230,7 @@ _BAD_INPUT = [
 @pytest.mark.parametrize(("case", "summary", "flags", "needles"), _BAD_INPUT, ids=[c[0] for c in _BAD_INPUT])
 def test_regression_heldout_prompts_bad_input_is_one_line_exit_2(tmp_path, smollm2_target, capsys, case, summary,
                                                                  flags, needles):
-    """Break test: a summary line that is not JSON or lacks a field, a missing input file, --out in a missing
+    """A summary line that is not JSON or lacks a field, a missing input file, --out in a missing
     directory, --eval-samples >= --plan-len each gave a Python traceback (exit 1), some after the tokenizer had
     loaded. Each is one line naming the value and what is accepted, exit 2, nothing written."""
     if flags.get("sharegpt") == "CORRUPT":
@@ -249,7 +249,7 @@ def test_regression_heldout_prompts_bad_input_is_one_line_exit_2(tmp_path, smoll
     ("plan_seed", "-1", "an integer >= 0")])
 def test_regression_heldout_prompts_refuses_flags_outside_their_declared_range(tmp_path, capsys, flag, value,
                                                                                accepted):
-    """Break test: --shard-lines 0 was accepted (an empty shard); --plan-seed -1 gave numpy's traceback. Every
+    """--shard-lines 0 was accepted (an empty shard); --plan-seed -1 gave numpy's traceback. Every
     count flag is declared (heldout_prompts.RANGES) and refused with the range's one line, before the target
     is loaded (no target needed here)."""
     code, err = _heldout_bad(tmp_path, capsys, **{flag: value})
@@ -259,7 +259,7 @@ def test_regression_heldout_prompts_refuses_flags_outside_their_declared_range(t
 
 
 def test_regression_heldout_prompts_visited_more_than_records_is_not_called_a_max_samples_stop(tmp_path, capsys):
-    """Break test: a summary line with visited > records was reported as "the shard stopped at --max-samples
+    """A summary line with visited > records was reported as "the shard stopped at --max-samples
     (visited 7 of 6 records)": a stop visits fewer records, never more. It is a summary regenerate cannot have
     written, and the line says so (one line or several); a real stop (visited < records) keeps its message."""
     over = json.dumps({**_SUMMARY_LINE, "visited": 7}) + "\n"
@@ -275,7 +275,7 @@ def test_regression_heldout_prompts_visited_more_than_records_is_not_called_a_ma
 
 def test_regression_heldout_prompts_out_on_a_full_disk_is_one_line(tmp_path, smollm2_target, capsys, monkeypatch,
                                                                    full_temp_writes):
-    """Break test: an --out on a full filesystem gave atomic_write's PublishError as a traceback, after the
+    """An --out on a full filesystem gave atomic_write's PublishError as a traceback, after the
     selection had been made. It is one line naming --out and the full path, exit 1, nothing written (no temp
     file left beside it either)."""
 
