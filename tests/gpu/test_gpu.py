@@ -43,7 +43,7 @@ class Proc(BaseProc):
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not CUDA, reason="needs a CUDA device (the GPU lane runs on the H200; see docs/benchmarks.md)"))])
+    not CUDA, reason="needs a CUDA device (the GPU lane: tests/README.md)"))])
 def device(request) -> str:
     return request.param
 
