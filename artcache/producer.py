@@ -740,7 +740,8 @@ class Producer:
         with self._state:
             nbytes = sum(self._published.values())
             d = self._decision
-            key = (len(self._published), nbytes, window_bound(live), d.binding, d.windows_exceed_budget)
+            key = (len(self._published), nbytes, window_bound(live, len(self.plan)), d.binding,
+                   d.windows_exceed_budget)
             self.stats.max_retained = max(self.stats.max_retained, key[0])
             self.stats.max_retained_bytes = max(self.stats.max_retained_bytes, nbytes)
             if key == self._last_retained:

@@ -48,6 +48,7 @@ from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataE
 from artcache.launch import Role, cli_argv, role_env, stop_all
 from artcache.registry import COMPLETED
 from artcache.report import format_bytes
+from artcache.scheduler import bound_of
 from artcache.shutdown import GracefulShutdown
 from artcache.store import artifact_bytes_bound
 
@@ -330,7 +331,10 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         exps.append(x)
         notes.extend(seeded)
     resolved = msgspec.structs.replace(resolved, experiments=final)
-    bound = min(sum(x.window_artifacts for x in exps), spec.max_samples)
+    # the plan's samples once it is built or published; before, data.max_samples (the most it holds)
+    published = (layout.plan_dir(plan_id) / "plan.json").is_file()
+    samples = len(plan_obj()) if plan_cache or published else spec.max_samples
+    bound = bound_of((x.window_artifacts for x in exps), samples)
     free_at = next((p for p in [layout.root, *layout.root.parents] if p.exists()), Path("/"))
     free = shutil.disk_usage(free_at).free
     if bound * per_artifact > free:
@@ -972,7 +976,8 @@ def format_report(r: dict) -> str:
         f"positions consumed ({p['captures_per_distinct_position']:.3f} per position); publications "
         f"{p['publications']} ({format_bytes(p['published_bytes'])}); failures {p['failures']}; evictions "
         f"{p['evictions']}; max retained {p['max_retained_artifacts']} artifacts "
-        f"({format_bytes(p['max_retained_bytes'])}) against a window bound of {p['window_bound_artifacts']}; "
+        f"({format_bytes(p['max_retained_bytes'])}) against a window bound of {p['window_bound_artifacts']} (the "
+        "experiments' windows and held-out splits, at most the plan's samples); "
         f"producer exit {p['exit_code']}", "",
         "Per experiment (each one's own committed work; requests are not production and are never summed into it):",
         "```",
