@@ -47,7 +47,7 @@ from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
 from artcache.registry import COMPLETED
-from artcache.report import format_bytes
+from artcache.report import format_bytes, loss_ends
 from artcache.scheduler import bound_of
 from artcache.shutdown import GracefulShutdown
 from artcache.store import artifact_bytes_bound
@@ -703,8 +703,7 @@ def committed_work(events: list) -> dict:
     k = counts[start.consumer] if start is not None and start.consumer in counts else ConsumerCounts(consumer="")
     cursor0 = start.cursor if start else 0
     cursor1 = max(cursor0, k.cursor)
-    losses = [s.loss for s in steps if s.loss is not None]
-    n = max(1, min(5, len(losses) // 2))
+    first_loss, final_loss, _ = loss_ends([s.loss for s in steps if s.loss is not None])
     last = steps[-10:]
     blocks = sum(s.blocks for s in last)
     return {
@@ -714,7 +713,7 @@ def committed_work(events: list) -> dict:
         "last_step": steps[-1].step if steps else None, "cursor_start": cursor0, "cursor_end": cursor1,
         "positions_committed": cursor1 - cursor0, "requests": k.logical_requests, "hits": k.hits,
         "misses": k.misses, "wait_s": k.wait_s,
-        "first_loss": sum(losses[:n]) / n if losses else None, "final_loss": sum(losses[-n:]) / n if losses else None,
+        "first_loss": first_loss, "final_loss": final_loss,
         "tau": sum(s.tau_sum for s in last) / blocks if blocks else None, "tau_includes_bonus": True,
     }
 
