@@ -84,7 +84,7 @@ from artcache.report import format_bytes
 from artcache.rolespec import spec_digest
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
-from artcache.shutdown import GracefulShutdown
+from artcache.shutdown import Cancelled, GracefulShutdown
 
 log = logging.getLogger("artcache.producer")
 
@@ -1197,6 +1197,13 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
 
     SIGINT/SIGTERM follow :mod:`artcache.shutdown` from the moment the target is loaded until it returns (the
     previous handlers are restored then).
+
+    Raises:
+        artcache.shutdown.Cancelled: a first SIGINT / SIGTERM stopped the loop and the producer shut down cleanly
+            (the batch in hand published or failed, the publisher drained, ``producer_stop`` journaled, the journal,
+            backend and presence lock closed: nothing half-written): a KeyboardInterrupt carrying the signal
+            (exit status ``128 + signal``, as a cancelled consume) and the counts of :func:`stats_summary`.
+        ProducerFailed / DiskBudgetExceeded: every capture failed, or an unsignalled ``--fill`` is incomplete.
     """
     import torch
 
@@ -1276,6 +1283,8 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
             presence.release()
         close_all()
     producer.check_outcome()
+    if shutdown.signum:  # stopped by a signal, after the clean shutdown above
+        raise Cancelled(shutdown.signum, stats_summary(producer.stats))
     if cfg.fill and not producer.stats.fill_complete and not producer.stop_event.is_set():
         shortfall = producer.fill_shortfall()
         if producer.fill_given_up():  # captures failed (a full disk): not a budget to raise
@@ -1284,6 +1293,13 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         raise DiskBudgetExceeded(f"--fill incomplete: {shortfall}; raise --disk-budget (what fitted stays "
                                  "published)")
     return producer.stats
+
+
+def stats_summary(stats: ProducerStats) -> dict[str, int]:
+    """The counts a producer's closing line gives (``artcache producer``): captures, publications, evictions,
+    recaptures and failures of this process."""
+    return {"captures": stats.captures, "publications": stats.publications, "evictions": stats.evictions,
+            "recaptures": stats.recaptures, "failures": stats.failures}
 
 
 def _record_fill(layout: CacheLayout, settings: RootSettings, cfg: ProducerConfig) -> None:

@@ -800,6 +800,10 @@ def test_regression_cancel_does_not_signal_an_exiting_producer(tmp_path):
 @pytest.mark.parametrize("code, reason, signalled, ok", [
     (0, "all consumers finished", False, True),
     (0, "signal", True, True),
+    (143, "signal", True, True),                    # stopped by the cancel's SIGTERM after its clean shutdown
+    (143, "", True, False),                         # no stop line: not the producer's clean shutdown
+    (143, "signal", False, False),                  # a SIGTERM this run did not send
+    (130, "signal", True, False),
     (-15, "all consumers finished", True, True),    # killed in its teardown, after its stop line: work complete
     (-15, "", True, False),                         # killed before its stop line: cut off mid-work
     (-15, "failed: ProducerFailed: x", True, False),

@@ -762,14 +762,15 @@ def cancel_producer(layout, producer: Role) -> bool:
 
 
 def producer_exit_ok(code: int | None, stop_reason: str, cancel_signalled: bool) -> bool:
-    """Whether this run's producer ended cleanly: exit 0; or killed by the cancel's one SIGTERM (``-15``) after it
-    had journaled a stop that is not a failure. That SIGTERM was sent because the stop was not journaled yet
-    when the run looked (:func:`journaled_stop`); a kill after it cut only the teardown (every capture was
-    published and journaled before it). A producer killed before its stop line (cut off mid-work), by any other
-    signal, or after ``failed: ...`` is not ok."""
+    """Whether this run's producer ended cleanly: exit 0; or, after the cancel's one SIGTERM, a stop it journaled
+    that is not a failure with exit 143 (it stopped on that SIGTERM after its clean shutdown: ``128 + signal``, as
+    ``artcache producer`` exits) or ``-15`` (killed by it: the stop was not journaled yet when the run looked,
+    :func:`journaled_stop`, and the SIGTERM landed in the teardown, after every capture was published and
+    journaled). A producer killed before its stop line (cut off mid-work), by any other signal, signalled by
+    anything but this run's cancel, or after ``failed: ...`` is not ok."""
     if code == 0:
         return True
-    return (cancel_signalled and code == -signal.SIGTERM and bool(stop_reason)
+    return (cancel_signalled and code in (-signal.SIGTERM, 128 + signal.SIGTERM) and bool(stop_reason)
             and not stop_reason.startswith("failed"))
 
 
