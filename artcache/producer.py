@@ -956,13 +956,7 @@ class Producer:
             self._publisher_error = exc
             log.error("the publisher thread failed: %s: %s", type(exc).__name__, exc)
             self.stop_event.set()
-            while True:
-                try:
-                    item = self._publish_queue.get_nowait()
-                except queue.Empty:
-                    return
-                if item is not None:
-                    self._abandon(item)
+            self._abandon_queued()
 
     def _publish_batch(self, todo, outputs, finite) -> None:
         ready = getattr(outputs, "ready", None)
@@ -1175,11 +1169,16 @@ class Producer:
             except queue.Full:
                 continue
         self._publisher_thread.join()
-        while True:  # after a failure: locks of batches that will never be published
+        self._abandon_queued()  # after a failure: batches that will never be published
+
+    def _abandon_queued(self) -> None:
+        """:meth:`_abandon` every batch still queued for the publisher (the end-of-queue marker is dropped): once the
+        publisher has failed, or stopped with batches left behind."""
+        while True:
             try:
                 item = self._publish_queue.get_nowait()
             except queue.Empty:
-                break
+                return
             if item is not None:
                 self._abandon(item)
 
