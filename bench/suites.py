@@ -493,6 +493,31 @@ def _fp8_pieces() -> tuple[Piece, ...]:
                   cuda=True))
 
 
+def _payload_piece() -> Piece:
+    def run(ctx: PieceContext) -> dict:
+        from artcache.bench import payload_micro
+
+        size = dict(tokens=64, layers=2, hidden=64, reps=2) if ctx.tiny else dict(reps=5)  # full: Qwen3-8B's shape
+        report = payload_micro.measure(ctx.work, **size)
+        print(payload_micro.format_report(report), flush=True)
+        return report
+
+    return Piece("posix-vs-mooncake", run, "publish / read / evict MB/s of a POSIX root and of Mooncake payloads on "
+                 "loopback, with the bare transports (one artifact, Qwen3-8B's shape)")
+
+
+def _vllm_throughput_piece() -> Piece:
+    def run(ctx: PieceContext) -> dict:
+        from artcache.bench import vllm_throughput
+
+        size = ["--max-length", "64", "--samples", "2", "--batch", "2", "--reps", "1"] if ctx.tiny else \
+            ["--max-length", "512", "--samples", "8", "--batch", "4", "--reps", "5"]
+        return vllm_throughput.main([*size, "--out", str(ctx.work / "vllm-throughput.json")])
+
+    return Piece("capture", run, "capture tokens/s of the vllm backend against the hf backend and against vLLM "
+                 "prefill without extraction, SmolLM2-135M-Instruct on ShareGPT (CPU; needs the vllm extra)")
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("retention-gap", "captures per consumed position of the retention policy over Belady's under the same "
           "window pins, four seeded stream families (a simulation: CPU)",
@@ -515,6 +540,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "embedded ShareGPT (10,000 steps each, one artcache run resumed piece after piece), held-out greedy-replay "
           "τ every 1,000 steps; curves.png and the figures of training_curves", _curve_pieces("full"),
           _curve_pieces("tiny")),
+    Suite("payload", "payload put/get bandwidth: a POSIX cache root against Mooncake Store payloads on loopback, one "
+          "artifact of Qwen3-8B's shape (needs mooncake-transfer-engine-non-cuda)", (_payload_piece(),)),
+    Suite("vllm-throughput", "capture throughput of the vllm backend against the hf backend and against plain vLLM "
+          "prefill, on the same plan samples in one process (needs the vllm extra)", (_vllm_throughput_piece(),)),
 )}
 
 

@@ -165,22 +165,29 @@ def _start(role: str, cfg) -> None:
         return
     check_device(cfg.device)
     if role == "producer":
-        from artcache.producer import run_producer
+        from artcache.producer import run_producer, stats_summary
+        from artcache.shutdown import Cancelled
 
         for dev in cfg.devices:
             check_device(dev, "--devices")
-        _producer_done(run_producer(cfg))
+        try:
+            stats = run_producer(cfg)
+        except Cancelled as exc:  # after a clean shutdown: the closing line, then 128 + the signal, as consume
+            click.echo(f"producer stopped by {signal_name(exc.signum)} (exit {exc.exit_status}): "
+                       f"{_counts(exc.summary or {})}", err=True)
+            sys.exit(exc.exit_status)
+        if not stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
+            click.echo(f"producer done: {_counts(stats_summary(stats))}", err=True)
     else:
         from artcache.trainers.consumer import run_consumer
 
         _finish_consume(run_consumer, cfg, bool(click.get_current_context().params.get("as_json")))
 
 
-def _producer_done(stats) -> None:
-    if stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
-        return
-    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
+def _counts(summary: dict) -> str:
+    """A producer's closing counts (:func:`artcache.producer.stats_summary`) as words."""
+    return ", ".join(f"{summary.get(k, 0)} {k}" for k in ("captures", "publications", "evictions", "recaptures",
+                                                          "failures"))
 
 
 def _finish_consume(run_consumer, cfg, as_json: bool) -> None:
@@ -344,7 +351,13 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
              fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1, prefill_chunk=0,
              eval_data=None):
-    """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
+    """Run the target and publish captures for every live consumer window.
+
+    Stop it with Ctrl-C (SIGINT) or SIGTERM: it finishes the batch in hand (published, or failed and journaled),
+    drains its publisher, journals its stop and closes its journal, backend and presence lock, so nothing is left
+    half-written; a second signal stops it at once. Exit status: 0 when it ended by itself (--exit-when-done,
+    --idle-exit, a complete --fill), 130 stopped by SIGINT (Ctrl-C), 143 by SIGTERM (both after that shutdown, as
+    `artcache consume`), 1 a failure (e.g. every capture failed), 2 bad input."""
     from artcache.producer import ProducerConfig
     from artcache.scheduler import SchedulerLimits
 
@@ -592,8 +605,9 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
               help="Each consumer's final checkpoint: weights only, with optimizer state (full) or none. Every "
               "mode's checkpoints and leftover artifacts are removed once its report figures are read.")
 @click.option("--suite", default=None, metavar="NAME",
-              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline "
-                   "(docs/benchmarks.md, 'Suites'). Its result: <dir>/<NAME>.json.")
+              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline, "
+                   "fp8, training-curve, payload, vllm-throughput (docs/benchmarks.md, 'Suites'). Its result: "
+                   "<dir>/<NAME>.json.")
 @click.option("--resume", "suite_resume", default=None, metavar="DIR",
               help="--suite: the suite's directory; pieces finished there are skipped (created on the first call).")
 @click.option("--time-budget", "time_budget", default=None, type=float, metavar="S",

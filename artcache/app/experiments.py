@@ -47,7 +47,8 @@ from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
 from artcache.registry import COMPLETED
-from artcache.report import format_bytes
+from artcache.report import format_bytes, loss_ends
+from artcache.scheduler import bound_of
 from artcache.shutdown import GracefulShutdown
 from artcache.store import artifact_bytes_bound
 
@@ -330,7 +331,10 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         exps.append(x)
         notes.extend(seeded)
     resolved = msgspec.structs.replace(resolved, experiments=final)
-    bound = min(sum(x.window_artifacts for x in exps), spec.max_samples)
+    # the plan's samples once it is built or published; before, data.max_samples (the most it holds)
+    published = (layout.plan_dir(plan_id) / "plan.json").is_file()
+    samples = len(plan_obj()) if plan_cache or published else spec.max_samples
+    bound = bound_of((x.window_artifacts for x in exps), samples)
     free_at = next((p for p in [layout.root, *layout.root.parents] if p.exists()), Path("/"))
     free = shutil.disk_usage(free_at).free
     if bound * per_artifact > free:
@@ -699,8 +703,7 @@ def committed_work(events: list) -> dict:
     k = counts[start.consumer] if start is not None and start.consumer in counts else ConsumerCounts(consumer="")
     cursor0 = start.cursor if start else 0
     cursor1 = max(cursor0, k.cursor)
-    losses = [s.loss for s in steps if s.loss is not None]
-    n = max(1, min(5, len(losses) // 2))
+    first_loss, final_loss, _ = loss_ends([s.loss for s in steps if s.loss is not None])
     last = steps[-10:]
     blocks = sum(s.blocks for s in last)
     return {
@@ -710,7 +713,7 @@ def committed_work(events: list) -> dict:
         "last_step": steps[-1].step if steps else None, "cursor_start": cursor0, "cursor_end": cursor1,
         "positions_committed": cursor1 - cursor0, "requests": k.logical_requests, "hits": k.hits,
         "misses": k.misses, "wait_s": k.wait_s,
-        "first_loss": sum(losses[:n]) / n if losses else None, "final_loss": sum(losses[-n:]) / n if losses else None,
+        "first_loss": first_loss, "final_loss": final_loss,
         "tau": sum(s.tau_sum for s in last) / blocks if blocks else None, "tau_includes_bonus": True,
     }
 
@@ -759,14 +762,15 @@ def cancel_producer(layout, producer: Role) -> bool:
 
 
 def producer_exit_ok(code: int | None, stop_reason: str, cancel_signalled: bool) -> bool:
-    """Whether this run's producer ended cleanly: exit 0; or killed by the cancel's one SIGTERM (``-15``) after it
-    had journaled a stop that is not a failure. That SIGTERM was sent because the stop was not journaled yet
-    when the run looked (:func:`journaled_stop`); a kill after it cut only the teardown (every capture was
-    published and journaled before it). A producer killed before its stop line (cut off mid-work), by any other
-    signal, or after ``failed: ...`` is not ok."""
+    """Whether this run's producer ended cleanly: exit 0; or, after the cancel's one SIGTERM, a stop it journaled
+    that is not a failure with exit 143 (it stopped on that SIGTERM after its clean shutdown: ``128 + signal``, as
+    ``artcache producer`` exits) or ``-15`` (killed by it: the stop was not journaled yet when the run looked,
+    :func:`journaled_stop`, and the SIGTERM landed in the teardown, after every capture was published and
+    journaled). A producer killed before its stop line (cut off mid-work), by any other signal, signalled by
+    anything but this run's cancel, or after ``failed: ...`` is not ok."""
     if code == 0:
         return True
-    return (cancel_signalled and code == -signal.SIGTERM and bool(stop_reason)
+    return (cancel_signalled and code in (-signal.SIGTERM, 128 + signal.SIGTERM) and bool(stop_reason)
             and not stop_reason.startswith("failed"))
 
 
@@ -972,7 +976,8 @@ def format_report(r: dict) -> str:
         f"positions consumed ({p['captures_per_distinct_position']:.3f} per position); publications "
         f"{p['publications']} ({format_bytes(p['published_bytes'])}); failures {p['failures']}; evictions "
         f"{p['evictions']}; max retained {p['max_retained_artifacts']} artifacts "
-        f"({format_bytes(p['max_retained_bytes'])}) against a window bound of {p['window_bound_artifacts']}; "
+        f"({format_bytes(p['max_retained_bytes'])}) against a window bound of {p['window_bound_artifacts']} (the "
+        "experiments' windows and held-out splits, at most the plan's samples); "
         f"producer exit {p['exit_code']}", "",
         "Per experiment (each one's own committed work; requests are not production and are never summed into it):",
         "```",

@@ -51,7 +51,7 @@ from artcache.crashpoints import crash_point
 from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced, TrainingDiverged
 from artcache.layer_ids import layer_view, view_slice
 from artcache.layout import host_id
-from artcache.report import format_bytes
+from artcache.report import LOSS_ENDS_STEPS, format_bytes, loss_ends
 from artcache.rolespec import spec_digest
 from artcache.shutdown import Cancelled, GracefulShutdown
 from artcache.target import quiet_transformers
@@ -158,8 +158,9 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
     final state: ``completed``, ``cancelled``), ``steps_planned`` (``--steps``), ``steps`` (done), ``cursor``,
     ``epoch`` (of the last position trained on, 0-based) and ``epoch_len`` (training samples per epoch),
     ``resumed_from_step`` (None for a
-    fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last up to 5 steps
-    this process trained; None when it trained none), ``tau``, ``checkpoint``, ``run_dir``, ``wait_s``,
+    fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last ``loss_ends_steps``
+    of the ``loss_steps`` losses this process logged, :func:`artcache.report.loss_ends`: never the same step twice
+    unless it logged one; None when it trained none), ``tau``, ``checkpoint``, ``run_dir``, ``wait_s``,
     ``host_ms_per_step`` (:func:`host_ms_per_step`: where the trainer thread's time went, per phase),
     and ``sim_acc_len`` (EAGLE-3) / ``eval`` (the last evaluation) when there are such figures.
 
@@ -219,8 +220,11 @@ class Session:
         self.ckpt: Path | None = None
         self.consistent = True  # model, optimizer and RNG match (steps_done, cursor): safe to checkpoint
         self.total: MetricSums | None = None
+        # the first and the last LOSS_ENDS_STEPS training losses of this process and how many it logged: enough
+        # for :func:`artcache.report.loss_ends` over all of them
         self.first_losses: list[float] = []
         self.last_losses: list[float] = []
+        self.loss_steps = 0
         self.wait_total = 0.0
         # host seconds of each phase of :meth:`step` (HOST_PHASES), one entry per step of this process
         self.host_s = {phase: array("d") for phase in HOST_PHASES}
@@ -1017,10 +1021,11 @@ class Session:
             s = draft.summary(sums)
             loss = s.get("loss")  # absent when the batch supervised nothing (a zero denominator)
             if loss is not None:
-                if rec.step_index - self.start_step < 5:
+                self.loss_steps += 1
+                if len(self.first_losses) < LOSS_ENDS_STEPS:
                     self.first_losses.append(loss)
                 self.last_losses.append(loss)
-                del self.last_losses[:-5]
+                del self.last_losses[:-LOSS_ENDS_STEPS]
             epoch = self.order.epoch(rec.cursor - 1)  # the epoch of the step's last position
             self.journal.emit(J.Step(consumer=cfg.consumer_id, step=rec.step, cursor=rec.cursor, loss=loss,
                                      wait_s=rec.wait_s, step_s=rec.step_s, lr=rec.lr, t=rec.t, epoch=epoch,
@@ -1180,16 +1185,17 @@ class Session:
 
     def summary(self) -> dict:
         """What :func:`run_consumer` returns (keys in its docstring)."""
-        cfg, first, last = self.cfg, self.first_losses, self.last_losses
+        cfg, first, last, n = self.cfg, self.first_losses, self.last_losses, self.loss_steps
+        # every loss this process logged when it logged fewer than 2 x LOSS_ENDS_STEPS (the two lists then overlap)
+        first_loss, final_loss, k = loss_ends(first + last[max(0, len(first) + len(last) - n):])
         summary = self.draft.summary(self.total) if self.total is not None else {}
         out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "batch_size": cfg.batch_size,
                "state": self.state, "steps_planned": cfg.steps, "steps": self.steps_done, "cursor": self.cursor,
                "resumed_from_step": self.start_step if self.resumed is not None else None,
                "seconds": time.monotonic() - self.t_loop,  # a duration: the monotonic clock, never the wall
-               # means over the first / last (up to) 5 steps this process trained; None when it trained none
+               # artcache.report.loss_ends over the losses this process logged; None when it trained none
                # (e.g. --resume of a run that had already completed)
-               "first_loss": sum(first) / len(first) if first else None,
-               "final_loss": sum(last) / len(last) if last else None,
+               "first_loss": first_loss, "final_loss": final_loss, "loss_ends_steps": k, "loss_steps": n,
                "tau": summary.get("tau"), "checkpoint": str(self.ckpt) if self.ckpt else None,
                "best": {"metric": self.best[0], "value": self.best[1], "step": self.best[2]} if self.best else None,
                "vocab_coverage": self.init.coverage if self.init is not None else None,
