@@ -38,7 +38,7 @@ import torch
 
 from artcache.bench.provenance import record
 
-__all__ = ["anchor_coverage", "main", "measure"]
+__all__ = ["anchor_coverage", "main", "measure", "walk"]
 
 SMOL = "smollm2-135m"
 
@@ -93,13 +93,17 @@ class _Item:
         self.position, self.artifact = position, artifact
 
 
-def _items(plan, lo: int, hi: int, m: int, h: int) -> list[_Item]:
+def _items(plan, lo: int, hi: int, m: int, h: int, random: bool = True) -> list[_Item]:
+    """Run positions ``lo .. hi - 1`` (the plan's epoch order, as a consumer reads them) as collator items:
+    random hidden states [n, m, H] (zeros with ``random=False``), the sample's ids and loss mask."""
     g = torch.Generator().manual_seed(lo)
+    order = plan.order(len(plan))
     out = []
     for p in range(lo, hi):
-        s = plan.sample(p)
+        s = plan.sample(order.sample(p))
         n = s.input_ids.numel()
-        out.append(_Item(p, _Art(torch.randn(n, m, h, generator=g), s.input_ids.long(), s.loss_mask.bool())))
+        hidden = torch.randn(n, m, h, generator=g) if random else torch.zeros(n, m, h)
+        out.append(_Item(p, _Art(hidden, s.input_ids.long(), s.loss_mask.bool())))
     return out
 
 
@@ -122,6 +126,66 @@ def anchor_coverage(batch, anchors: torch.Tensor, valid: torch.Tensor, block: in
     return int((covered & sup).sum()), int(sup.sum())
 
 
+def _batch(plan, lo: int, n: int, m: int, h: int, rows: int, max_length: int, packed: bool, random: bool = True):
+    from artcache.trainers.consumer.reader import collate
+    from artcache.trainers.packing import collate_packed
+
+    items = _items(plan, lo, lo + n, m, h, random)
+    cpu = torch.device("cpu")
+    return collate_packed(items, cpu, rows, max_length) if packed else collate(items, cpu)
+
+
+def _workload(batch, anchors: torch.Tensor, valid: torch.Tensor, block: int, draws: bool) -> dict:
+    """One step's workload: supervised tokens, computed tokens (rows × T), padded tokens, anchors, covered."""
+    cov = int(anchor_coverage(batch, anchors, valid, block)[0]) if draws else 0
+    return {"supervised": int((batch.loss_mask & batch.valid).sum()), "tokens": int(batch.valid.numel()),
+            "padded": int((~batch.valid).sum()), "anchors": int(valid.sum()) if draws else 0, "covered": cov}
+
+
+def walk(plan, rows: int, max_length: int, anchors: int, block: int, positions: int, seed: int = 0,
+         draws: bool = True) -> dict:
+    """The workload of both arms over the plan's first ``positions`` run positions, without training (no step is
+    timed: what a step computes depends on the rows it is given, not on the hidden states' values). Each arm walks
+    as the consumer does (unpacked: ``rows`` positions a step; packed: :class:`~artcache.trainers.packing.Packer`
+    steps) until its next step would pass ``positions``; anchors as the draft draws them (per position / per
+    document, :func:`~artcache.trainers.packing.draw_anchors`, seed ``seed``; ``draws=False``: none, EAGLE-3).
+    Returns ``{"unpacked": figures, "packed": figures}``: ``steps``, ``positions``, the sums of :func:`_workload`
+    and the per-step means, padding fraction and anchor coverage."""
+    from artcache.trainers.packing import Packer, draw_anchors
+
+    out = {}
+    for name, packed in (("unpacked", False), ("packed", True)):
+        packer = Packer.for_plan(plan, plan.order(len(plan)), rows, max_length, 10 ** 9) if packed else None
+        gen = torch.Generator().manual_seed(seed)
+        fig = {"steps": 0, "positions": 0, "supervised": 0, "tokens": 0, "padded": 0, "anchors": 0, "covered": 0}
+        p = 0
+        while True:
+            n = packer.step_positions(p) if packer is not None else rows
+            if not n or p + n > positions:
+                break
+            batch = _batch(plan, p, n, 1, 1, rows, max_length, packed, random=False)
+            a, ok = draw_anchors(batch, anchors, gen) if draws else (None, None)
+            for k, v in _workload(batch, a, ok, block, draws).items():
+                fig[k] += v
+            fig["steps"] += 1
+            fig["positions"] += n
+            p += n
+        out[name] = _per_step(fig, draws)
+    return out
+
+
+def _per_step(fig: dict, draws: bool) -> dict:
+    s = max(1, fig["steps"])
+    out = dict(fig)
+    out.update({"supervised_tokens_per_step": fig["supervised"] / s, "positions_per_step": fig["positions"] / s,
+                "tokens_per_step": fig["tokens"] / s, "padding_fraction": fig["padded"] / max(1, fig["tokens"]),
+                "anchors_per_step": fig["anchors"] / s})
+    if draws:
+        out["anchor_coverage"] = fig["covered"] / max(1, fig["supervised"])
+        out["covered_supervised_tokens_per_step"] = fig["covered"] / s
+    return out
+
+
 class _Arm:
     """One arm (packed or unpacked): its own draft, optimizer and plan walk from position 0."""
 
@@ -139,16 +203,13 @@ class _Arm:
                     "padded": 0, "anchors": 0, "covered": 0}
 
     def step(self, timed: bool) -> None:
-        from artcache.trainers.consumer.reader import collate
-        from artcache.trainers.packing import collate_packed, draw_anchors
+        from artcache.trainers.packing import draw_anchors
 
         n = self.packer.step_positions(self.pos) if self.packer is not None else self.rows
         if self.pos + n > len(self.plan):
             raise SystemExit(f"--samples {len(self.plan)} is too few for the steps asked; raise --samples")
-        items = _items(self.plan, self.pos, self.pos + n, self.m, self.draft.model.cfg.hidden_size)
-        cpu = torch.device("cpu")
-        batch = (collate_packed(items, cpu, self.rows, self.max_length) if self.packer is not None
-                 else collate(items, cpu))
+        batch = _batch(self.plan, self.pos, n, self.m, self.draft.model.cfg.hidden_size, self.rows, self.max_length,
+                       self.packer is not None)
         cov = n_anchors = 0
         if self.name != "eagle3":
             gen = torch.Generator()
@@ -181,7 +242,9 @@ class _Arm:
             "supervised_tokens_per_cpu_s": fig["supervised"] / fig["cpu_seconds"],
             "supervised_tokens_per_step": fig["supervised"] / s,
             "positions_per_step": fig["positions"] / s,
+            "tokens_per_step": fig["tokens"] / s,
             "seconds_per_step": fig["seconds"] / s,
+            "cpu_seconds_per_step": fig["cpu_seconds"] / s,
             "padding_fraction": fig["padded"] / fig["tokens"],
             "anchors_per_step": fig["anchors"] / s,
         })
@@ -214,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--walk", type=int, default=0,
+                    help="also walk both arms over the plan's first N positions without training (the workload "
+                         "figures of a representative sample; 0: every sample of the plan)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -229,11 +295,20 @@ def main(argv: list[str] | None = None) -> None:
               "threads": torch.get_num_threads(),
               "plan": {"samples": len(plan), "mean_tokens": float(np.mean(lengths)),
                        "median_tokens": float(np.median(lengths)), "max_tokens": int(lengths.max())}}
+    walked = walk(plan, args.rows, args.max_length, args.anchors, args.block_size, args.walk or len(plan),
+                  draws=args.draft != "eagle3")
+    report["walk"] = walked
+    wkeys = ["supervised_tokens_per_step", "positions_per_step", "tokens_per_step", "anchors_per_step"]
+    if args.draft != "eagle3":
+        wkeys += ["anchor_coverage", "covered_supervised_tokens_per_step"]
+    report["walk_packed_over_unpacked"] = {k: walked["packed"][k] / walked["unpacked"][k] for k in wkeys
+                                           if walked["unpacked"][k]}
+    print(json.dumps(report["walk_packed_over_unpacked"]), file=sys.stderr, flush=True)
     arms = measure(args.draft, plan, args.rows, args.steps, args.max_length, args.anchors, args.block_size)
     print(json.dumps(arms), file=sys.stderr, flush=True)
     report["arms"] = arms
     keys = ["supervised_tokens_per_s", "supervised_tokens_per_cpu_s", "supervised_tokens_per_step",
-            "seconds_per_step", "positions_per_step", "anchors_per_step"]
+            "seconds_per_step", "cpu_seconds_per_step", "positions_per_step", "tokens_per_step", "anchors_per_step"]
     if args.draft != "eagle3":
         keys += ["anchor_coverage", "covered_supervised_tokens_per_step"]
     report["packed_over_unpacked"] = {k: arms["packed"][k] / arms["unpacked"][k] for k in keys if arms["unpacked"][k]}
