@@ -1,13 +1,15 @@
 """Packed against unpacked consumer steps at the same token budget, side by side in one process.
 
-``python -m artcache.bench.packing --out FILE [--draft dflash] [--max-length 2048] [--samples 96] [--rows 2]
-[--steps 4] [--anchors 64] [--block-size 16] [--threads 0]``
+``python -m artcache.bench.packing --out FILE [--draft dflash] [--arch smollm2-135m] [--max-length 2048]
+[--samples 2000] [--rows 2] [--steps 4] [--anchors 64] [--block-size 16] [--threads 0] [--walk 0]``
+(``artcache bench --suite packing`` runs it per draft, :mod:`artcache.bench.suites`).
 
 The plan is the real one (ShareGPT rendered by SmolLM2-135M-Instruct's tokenizer and chat template at
-``--max-length``): every document's length and loss mask are those a consumer trains on. The draft has
-SmolLM2-135M's shapes (H 576, V 49152, 5 captured layers for DFlash / DSpark, 4 for EAGLE-3) with random frozen
-target tensors and random hidden states in float32: a step's cost depends on shapes, lengths, masks and anchors,
-not on the values (the capture is not what is measured here; the consumer's step is).
+``--max-length``): every document's length and loss mask are those a consumer trains on, in the order a
+consumer reads them (the plan's epoch order). The draft has SmolLM2-135M's shapes (H 576, V 49152, 5 captured
+layers for DFlash / DSpark, 4 for EAGLE-3; ``--arch tiny-llama``: H 64, a quick check) with random frozen target
+tensors and random hidden states in float32: a step's cost depends on shapes, lengths, masks and anchors, not on
+the values (the capture is not what is measured here; the consumer's step is).
 
 Both arms walk the plan from position 0 with the same ``--rows`` rows per step (the token budget: at most
 ``rows × max_length`` tokens a step):
@@ -16,13 +18,24 @@ Both arms walk the plan from position 0 with the same ``--rows`` rows per step (
   ``--pack-tokens``);
 - **packed**: ``--pack-tokens max_length`` rows (:class:`~artcache.trainers.packing.Packer`).
 
-Each step is the consumer's (``Draft.loss``, backward, clip 1.0, AdamW), timed after one warm-up step; the two
-arms' steps alternate, so both see the same load on a shared machine (wall and process CPU seconds). Per arm:
-supervised tokens (``loss_mask`` of the step's documents) per step and per second, padding fraction (padded
-positions / ``rows × T`` of the collated batch), anchors per step and anchor coverage of supervised tokens (the
-share of the step's supervised tokens that some anchor's block trains: slot k >= 1 of a valid block, inside its
-document; DFlash / DSpark). ``packed_over_unpacked`` holds the ratios. The JSON records the command, the commit and
-the hardware (:func:`artcache.bench.provenance.record`).
+Two measurements:
+
+- the **walk** (:func:`walk`): both arms' steps over the plan's first ``--walk`` positions (default: all), without
+  training: supervised tokens, positions, computed tokens (rows × T) and anchors per step, padding fraction and
+  anchor coverage over a representative share of the plan (``walk_packed_over_unpacked``);
+- the **timed steps** (:func:`measure`): each step is the consumer's (``Draft.loss``, backward, clip 1.0, AdamW),
+  timed after one warm-up step; the two arms' steps alternate, so both see the same load on a shared machine (wall
+  and process CPU seconds; on a loaded machine the CPU seconds are the steadier figure). Per arm: supervised
+  tokens (``loss_mask`` of the step's documents) per step, per second and per CPU second, padding fraction (padded
+  positions / ``rows × T`` of the collated batch), anchors per step and anchor coverage of supervised tokens (the
+  share of the step's supervised tokens that some anchor's block trains: slot k >= 1 of a valid block, inside its
+  document; DFlash / DSpark). ``packed_over_unpacked`` holds the ratios.
+
+Both arms draw up to ``--anchors`` anchors per document (a row of the unpacked arm is one document; a packed row
+draws them per document), so anchor coverage per supervised token is the same in expectation and a packed step
+trains more blocks: DFlash's and DSpark's step cost grows with the blocks (their queries, MLPs and the lm_head
+cross-entropy over ``anchors × block size`` slots), EAGLE-3's with the computed tokens. The JSON records the
+command, the commit and the hardware (:func:`artcache.bench.provenance.record`).
 """
 
 from __future__ import annotations
@@ -38,17 +51,18 @@ import torch
 
 from artcache.bench.provenance import record
 
-__all__ = ["anchor_coverage", "main", "measure", "walk"]
+__all__ = ["anchor_coverage", "main", "measure", "run", "walk"]
 
 SMOL = "smollm2-135m"
 
 
-def _draft(name: str, anchors: int, block: int, seed: int = 0):
-    """A draft adapter of SmolLM2-135M's shape on the CPU in float32 (random frozen embedding / lm_head)."""
+def _draft(name: str, anchors: int, block: int, seed: int = 0, arch: str = SMOL):
+    """A draft adapter of ``arch``'s shape (SmolLM2-135M by default) on the CPU in float32 (random frozen embedding /
+    lm_head)."""
     from artcache.bench.consumer_speed import _arch_config
     from artcache.trainers.speed import SpeedOptions
 
-    hf = _arch_config(SMOL)
+    hf = _arch_config(arch)
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(hf.vocab_size, hf.hidden_size, generator=g) * 0.02
     head = torch.randn(hf.vocab_size, hf.hidden_size, generator=g) * 0.02
@@ -190,11 +204,11 @@ class _Arm:
     """One arm (packed or unpacked): its own draft, optimizer and plan walk from position 0."""
 
     def __init__(self, draft_name: str, plan, rows: int, max_length: int, anchors: int, block: int,
-                 packed: bool) -> None:
+                 packed: bool, arch: str = SMOL) -> None:
         from artcache.bench.consumer_speed import train_step_fn
         from artcache.trainers.packing import Packer
 
-        self.draft, self.m = _draft(draft_name, anchors, block)
+        self.draft, self.m = _draft(draft_name, anchors, block, arch=arch)
         self.name, self.plan, self.rows, self.max_length, self.block = draft_name, plan, rows, max_length, block
         self.train = train_step_fn(self.draft)
         self.packer = Packer.for_plan(plan, plan.order(len(plan)), rows, max_length, 10 ** 9) if packed else None
@@ -254,11 +268,12 @@ class _Arm:
         return out
 
 
-def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, anchors: int, block: int) -> dict:
+def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, anchors: int, block: int,
+            arch: str = SMOL) -> dict:
     """Both arms, their steps interleaved (unpacked, packed, unpacked, ...) so that both see the same machine load:
     one warm-up step each, then ``steps`` timed steps each. Returns ``{"unpacked": figures, "packed": figures}``
     (the module docstring's figures, plus ``cpu_seconds``: this process's CPU time in the steps)."""
-    arms = {name: _Arm(draft_name, plan, rows, max_length, anchors, block, packed)
+    arms = {name: _Arm(draft_name, plan, rows, max_length, anchors, block, packed, arch)
             for name, packed in (("unpacked", False), ("packed", True))}
     for i in range(steps + 1):
         for arm in arms.values():
@@ -266,53 +281,68 @@ def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, ancho
     return {name: arm.figures() for name, arm in arms.items()}
 
 
+def run(draft: str, *, arch: str = SMOL, max_length: int = 2048, samples: int = 2000, rows: int = 2,
+        steps: int = 4, anchors: int = 64, block: int = 16, walk_positions: int = 0, log=None) -> dict:
+    """The packing figures of one draft (what ``main`` writes, less the provenance): the ShareGPT plan rendered by
+    SmolLM2-135M-Instruct's tokenizer at ``max_length`` (``samples`` samples), the draft at ``arch``'s shapes
+    (``smollm2-135m``; ``tiny-llama`` for a quick check), :func:`walk` over ``walk_positions`` (0: the whole
+    plan) and :func:`measure` of ``steps`` timed steps per arm. ``packed_over_unpacked`` holds the timed arms'
+    ratios, ``walk_packed_over_unpacked`` the walk's. ``log``: called with a progress line (None: stderr)."""
+    from artcache.plan import PlanSpec, build_plan
+    from artcache.target import DEFAULT_TARGET, load_tokenizer, resolve_target
+
+    say = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    info = resolve_target(DEFAULT_TARGET)
+    plan = build_plan(PlanSpec(dataset="sharegpt", max_length=max_length, max_samples=samples),
+                      load_tokenizer(info), target_vocab_size=info.vocab_size)
+    lengths = (plan.offsets[1:] - plan.offsets[:-1]).numpy()
+    draws = draft != "eagle3"
+    report = {"draft": draft, "arch": arch, "max_length": max_length, "rows": rows, "anchors": anchors,
+              "block_size": block, "threads": torch.get_num_threads(),
+              "plan": {"samples": len(plan), "mean_tokens": float(np.mean(lengths)),
+                       "median_tokens": float(np.median(lengths)), "max_tokens": int(lengths.max()),
+                       "at_max_length": float(np.mean(lengths >= max_length))}}
+    walked = walk(plan, rows, max_length, anchors, block, walk_positions or len(plan), draws=draws)
+    report["walk"] = walked
+    wkeys = ["supervised_tokens_per_step", "positions_per_step", "tokens_per_step", "anchors_per_step"]
+    if draws:
+        wkeys += ["anchor_coverage", "covered_supervised_tokens_per_step"]
+    report["walk_packed_over_unpacked"] = {k: walked["packed"][k] / walked["unpacked"][k] for k in wkeys
+                                           if walked["unpacked"][k]}
+    say(json.dumps({"walk_packed_over_unpacked": report["walk_packed_over_unpacked"]}))
+    arms = measure(draft, plan, rows, steps, max_length, anchors, block, arch)
+    say(json.dumps(arms))
+    report["arms"] = arms
+    keys = ["supervised_tokens_per_s", "supervised_tokens_per_cpu_s", "supervised_tokens_per_step",
+            "seconds_per_step", "cpu_seconds_per_step", "positions_per_step", "tokens_per_step", "anchors_per_step"]
+    if draws:
+        keys += ["anchor_coverage", "covered_supervised_tokens_per_step"]
+    report["packed_over_unpacked"] = {k: arms["packed"][k] / arms["unpacked"][k] for k in keys if arms["unpacked"][k]}
+    report["padding_fraction"] = {k: arms[k]["padding_fraction"] for k in arms}
+    return report
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m artcache.bench.packing", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--draft", default="dflash", choices=("dflash", "eagle3", "dspark"))
+    ap.add_argument("--arch", default=SMOL, choices=(SMOL, "tiny-llama"), help="the draft's target shapes")
     ap.add_argument("--max-length", type=int, default=2048)
-    ap.add_argument("--samples", type=int, default=96, help="plan samples (ShareGPT) to build")
+    ap.add_argument("--samples", type=int, default=2000, help="plan samples (ShareGPT) to build")
     ap.add_argument("--rows", type=int, default=2, help="rows per step in both arms (--batch-size)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per arm (after one warm-up step)")
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--walk", type=int, default=0,
-                    help="also walk both arms over the plan's first N positions without training (the workload "
-                         "figures of a representative sample; 0: every sample of the plan)")
+                    help="walk both arms over the plan's first N positions without training (the workload figures "
+                         "of a representative sample; 0: every sample of the plan)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from artcache.plan import PlanSpec, build_plan
-    from artcache.target import DEFAULT_TARGET, load_tokenizer, resolve_target
-
-    info = resolve_target(DEFAULT_TARGET)
-    plan = build_plan(PlanSpec(dataset="sharegpt", max_length=args.max_length, max_samples=args.samples),
-                      load_tokenizer(info), target_vocab_size=info.vocab_size)
-    lengths = (plan.offsets[1:] - plan.offsets[:-1]).numpy()
-    report = {**record("artcache.bench.packing", argv), "draft": args.draft, "max_length": args.max_length,
-              "rows": args.rows, "anchors": args.anchors, "block_size": args.block_size,
-              "threads": torch.get_num_threads(),
-              "plan": {"samples": len(plan), "mean_tokens": float(np.mean(lengths)),
-                       "median_tokens": float(np.median(lengths)), "max_tokens": int(lengths.max())}}
-    walked = walk(plan, args.rows, args.max_length, args.anchors, args.block_size, args.walk or len(plan),
-                  draws=args.draft != "eagle3")
-    report["walk"] = walked
-    wkeys = ["supervised_tokens_per_step", "positions_per_step", "tokens_per_step", "anchors_per_step"]
-    if args.draft != "eagle3":
-        wkeys += ["anchor_coverage", "covered_supervised_tokens_per_step"]
-    report["walk_packed_over_unpacked"] = {k: walked["packed"][k] / walked["unpacked"][k] for k in wkeys
-                                           if walked["unpacked"][k]}
-    print(json.dumps(report["walk_packed_over_unpacked"]), file=sys.stderr, flush=True)
-    arms = measure(args.draft, plan, args.rows, args.steps, args.max_length, args.anchors, args.block_size)
-    print(json.dumps(arms), file=sys.stderr, flush=True)
-    report["arms"] = arms
-    keys = ["supervised_tokens_per_s", "supervised_tokens_per_cpu_s", "supervised_tokens_per_step",
-            "seconds_per_step", "cpu_seconds_per_step", "positions_per_step", "tokens_per_step", "anchors_per_step"]
-    if args.draft != "eagle3":
-        keys += ["anchor_coverage", "covered_supervised_tokens_per_step"]
-    report["packed_over_unpacked"] = {k: arms["packed"][k] / arms["unpacked"][k] for k in keys if arms["unpacked"][k]}
-    report["padding_fraction"] = {k: arms[k]["padding_fraction"] for k in arms}
+    report = {**record("artcache.bench.packing", argv),
+              **run(args.draft, arch=args.arch, max_length=args.max_length, samples=args.samples, rows=args.rows,
+                    steps=args.steps, anchors=args.anchors, block=args.block_size, walk_positions=args.walk)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["packed_over_unpacked"], indent=2))

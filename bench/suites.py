@@ -477,6 +477,25 @@ def _fp8_pieces() -> tuple[Piece, ...]:
                   cuda=True))
 
 
+#: the packing recipe per scale (:func:`artcache.bench.packing.run`): ``full`` at the documented figures' sizes
+#: (SmolLM2-135M shapes, ShareGPT at 2,048 tokens), ``tiny`` a quick check of the same code on any CPU
+PACKING_RECIPES = {
+    "full": {"arch": "smollm2-135m", "max_length": 2048, "samples": 2000, "rows": 2, "steps": 4, "anchors": 64,
+             "block": 16},
+    "tiny": {"arch": "tiny-llama", "max_length": 1024, "samples": 48, "rows": 2, "steps": 1, "anchors": 8,
+             "block": 4},
+}
+
+
+def _packing_piece(draft: str) -> Piece:
+    def run(ctx: PieceContext) -> dict:
+        from artcache.bench import packing
+
+        return packing.run(draft, **PACKING_RECIPES[ctx.scale])
+
+    return Piece(draft, run, f"{draft}: packed against unpacked steps at the same token budget (CPU, float32)")
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("retention-gap", "captures per consumed position of the retention policy over Belady's under the same "
           "window pins, four seeded stream families (a simulation: CPU)",
@@ -499,6 +518,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "embedded ShareGPT (10,000 steps each, one artcache run resumed piece after piece), held-out greedy-replay "
           "τ every 1,000 steps; curves.png and the figures of training_curves", _curve_pieces("full"),
           _curve_pieces("tiny")),
+    Suite("packing", "packed (--pack-tokens) against unpacked consumer steps at the same token budget on the SmolLM2 "
+          "ShareGPT plan at 2,048 tokens, per draft: supervised tokens per step and per second, padding, anchors and "
+          "anchor coverage (bench.packing; CPU)", tuple(_packing_piece(d) for d in ("dflash", "eagle3", "dspark"))),
 )}
 
 
