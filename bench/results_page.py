@@ -229,12 +229,24 @@ def _offline_row(label: str) -> Callable[[Any], list[str]]:
     return cells
 
 
-def _packing_row(label: str) -> Callable[[Any], list[str]]:
-    def cells(d: Any) -> list[str]:
+def _packing_row(label: str, at: str = "") -> Callable[[Any], list[str]]:
+    """A packing row from a ``bench.packing`` file, or from the report at ``at`` inside one (a suite's
+    ``pieces.<draft>.result``). The walk's figures (a representative share of the plan, no training) are
+    ``not recorded`` in files written before the walk existed."""
+    def cells(doc: Any) -> list[str]:
+        d = get(doc, at) if at else doc
         r, pad = d["packed_over_unpacked"], d["padding_fraction"]
+        w = d.get("walk_packed_over_unpacked")
+        walk = NOT_RECORDED if w is None else (
+            f"{f2(w['supervised_tokens_per_step'])} / {f2(w['tokens_per_step'])} / {f2(w['anchors_per_step'])}"
+            if "anchors_per_step" in w and w["anchors_per_step"] else
+            f"{f2(w['supervised_tokens_per_step'])} / {f2(w['tokens_per_step'])} / -")
+        positions = get(d, "walk.unpacked.positions")
         return [label, f"{d['draft']}, {d['max_length']} tokens, {d['rows']} rows", f2(r["supervised_tokens_per_s"]),
-                f2(r["supervised_tokens_per_cpu_s"]), f2(r["supervised_tokens_per_step"]), f2(r["anchor_coverage"]),
-                f"{f3(pad['unpacked'])} / {f3(pad['packed'])}"]
+                f2(r["supervised_tokens_per_cpu_s"]), f2(r["supervised_tokens_per_step"]),
+                f2(r["anchor_coverage"]) if "anchor_coverage" in r else "-",
+                f"{f3(pad['unpacked'])} / {f3(pad['packed'])}",
+                walk if positions is None else f"{walk} ({positions} positions)"]
     return cells
 
 
@@ -383,7 +395,7 @@ SECTIONS: list[Section] = [
             "packed (`--pack-tokens`) against unpacked at the same token budget, the arms' steps interleaved in one "
             "process; packed / unpacked (docs/training.md, Packing).",
             ["run", "draft, length, rows", "supervised tokens/s", "per CPU second", "per step", "anchor coverage",
-             "padding unpacked / packed"],
+             "padding unpacked / packed", "walk: supervised tokens / computed tokens / anchors per step"],
             [Row("2026-12-05-cpu-packing-dflash-284cbd4.json", _packing_row("per-document attention")),
              Row("2026-12-05-cpu-packing-dflash-6a8378f.json", _packing_row("row-wide mask (earlier)"))]),
     Section("Regeneration on one GPU",

@@ -597,8 +597,8 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
               help="Each consumer's final checkpoint: weights only, with optimizer state (full) or none. Every "
               "mode's checkpoints and leftover artifacts are removed once its report figures are read.")
 @click.option("--suite", default=None, metavar="NAME",
-              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline "
-                   "(docs/benchmarks.md, 'Suites'). Its result: <dir>/<NAME>.json.")
+              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline, "
+                   "fp8, training-curve, packing (docs/benchmarks.md, 'Suites'). Its result: <dir>/<NAME>.json.")
 @click.option("--resume", "suite_resume", default=None, metavar="DIR",
               help="--suite: the suite's directory; pieces finished there are skipped (created on the first call).")
 @click.option("--time-budget", "time_budget", default=None, type=float, metavar="S",
