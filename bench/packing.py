@@ -286,8 +286,8 @@ def run(draft: str, *, arch: str = SMOL, max_length: int = 2048, samples: int = 
     """The packing figures of one draft (what ``main`` writes, less the provenance): the ShareGPT plan rendered by
     SmolLM2-135M-Instruct's tokenizer at ``max_length`` (``samples`` samples), the draft at ``arch``'s shapes
     (``smollm2-135m``; ``tiny-llama`` for a quick check), :func:`walk` over ``walk_positions`` (0: the whole
-    plan) and :func:`measure` of ``steps`` timed steps per arm. ``packed_over_unpacked`` holds the timed arms'
-    ratios, ``walk_packed_over_unpacked`` the walk's. ``log``: called with a progress line (None: stderr)."""
+    plan) and :func:`measure` of ``steps`` timed steps per arm (0: none). ``packed_over_unpacked`` holds the timed
+    arms' ratios, ``walk_packed_over_unpacked`` the walk's. ``log``: called with a progress line (None: stderr)."""
     from artcache.plan import PlanSpec, build_plan
     from artcache.target import DEFAULT_TARGET, load_tokenizer, resolve_target
 
@@ -310,6 +310,8 @@ def run(draft: str, *, arch: str = SMOL, max_length: int = 2048, samples: int = 
     report["walk_packed_over_unpacked"] = {k: walked["packed"][k] / walked["unpacked"][k] for k in wkeys
                                            if walked["unpacked"][k]}
     say(json.dumps({"walk_packed_over_unpacked": report["walk_packed_over_unpacked"]}))
+    if not steps:  # the walk only
+        return report
     arms = measure(draft, plan, rows, steps, max_length, anchors, block, arch)
     say(json.dumps(arms))
     report["arms"] = arms
@@ -330,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=2000, help="plan samples (ShareGPT) to build")
     ap.add_argument("--rows", type=int, default=2, help="rows per step in both arms (--batch-size)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per arm (after one warm-up step)")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="timed steps per arm (after one warm-up step); 0: the walk only, no step is trained")
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                     steps=args.steps, anchors=args.anchors, block=args.block_size, walk_positions=args.walk)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["packed_over_unpacked"], indent=2))
+    print(json.dumps(report.get("packed_over_unpacked", report["walk_packed_over_unpacked"]), indent=2))
 
 
 if __name__ == "__main__":
