@@ -403,7 +403,7 @@ class Session:
                                            fused=True)
         self.generators = draft.generators()
         # gradients averaged over the ranks in backward (DDP's buckets); with --cp the context-parallel gathers'
-        # backward is a collective of its own inside the graph, so the ranks' gradients are summed after the backward
+        # backward is a collective of its own inside the graph, so the ranks' gradients are averaged after the backward
         # instead (_accumulate)
         if self.group is not None and self.cp_group is None:
             import inspect
