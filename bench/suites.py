@@ -518,6 +518,25 @@ def _vllm_throughput_piece() -> Piece:
                  "prefill without extraction, SmolLM2-135M-Instruct on ShareGPT (CPU; needs the vllm extra)")
 
 
+#: the packing recipe per scale (:func:`artcache.bench.packing.run`): ``full`` at the documented figures' sizes
+#: (SmolLM2-135M shapes, ShareGPT at 2,048 tokens), ``tiny`` a quick check of the same code on any CPU
+PACKING_RECIPES = {
+    "full": {"arch": "smollm2-135m", "max_length": 2048, "samples": 2000, "rows": 2, "steps": 4, "anchors": 64,
+             "block": 16},
+    "tiny": {"arch": "tiny-llama", "max_length": 1024, "samples": 48, "rows": 2, "steps": 1, "anchors": 8,
+             "block": 4},
+}
+
+
+def _packing_piece(draft: str) -> Piece:
+    def run(ctx: PieceContext) -> dict:
+        from artcache.bench import packing
+
+        return packing.run(draft, **PACKING_RECIPES[ctx.scale])
+
+    return Piece(draft, run, f"{draft}: packed against unpacked steps at the same token budget (CPU, float32)")
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("retention-gap", "captures per consumed position of the retention policy over Belady's under the same "
           "window pins, four seeded stream families (a simulation: CPU)",
@@ -544,6 +563,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "artifact of Qwen3-8B's shape (needs mooncake-transfer-engine-non-cuda)", (_payload_piece(),)),
     Suite("vllm-throughput", "capture throughput of the vllm backend against the hf backend and against plain vLLM "
           "prefill, on the same plan samples in one process (needs the vllm extra)", (_vllm_throughput_piece(),)),
+    Suite("packing", "packed (--pack-tokens) against unpacked consumer steps at the same token budget on the SmolLM2 "
+          "ShareGPT plan at 2,048 tokens, per draft: supervised tokens per step and per second, padding, anchors and "
+          "anchor coverage (bench.packing; CPU)", tuple(_packing_piece(d) for d in ("dflash", "eagle3", "dspark"))),
 )}
 
 

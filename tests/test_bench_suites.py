@@ -296,3 +296,26 @@ def test_the_payload_and_vllm_suites_name_what_to_install_when_it_is_missing(tmp
         S.run_suite(S.get_suite(suite), tmp_path / suite, device="cpu", scale="tiny", echo=lambda _: None)
     assert needle in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
     assert not (tmp_path / suite / "pieces").exists()
+
+@pytest.mark.slow  # under three minutes on a loaded 2-core machine: three pieces, each building a ShareGPT plan
+def test_packing_suite_at_tiny_scale_on_a_cpu(tmp_path):
+    """One piece per draft, each with the walk's and the timed steps' packed / unpacked figures: the packed arm
+    pads less, holds more positions a step, and (DFlash, DSpark) draws anchors per document, so its coverage of
+    supervised tokens is recorded; EAGLE-3 draws none."""
+    d = tmp_path / "pk"
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "packing", "--scale", "tiny",
+                          "--resume", str(d)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((d / "packing.json").read_text())
+    assert list(doc["pieces"]) == ["dflash", "eagle3", "dspark"] and doc["scale"] == "tiny"
+    for draft, piece in doc["pieces"].items():
+        r = piece["result"]
+        assert r["draft"] == draft and r["arch"] == "tiny-llama" and r["max_length"] == 1024
+        walked = r["walk"]
+        assert walked["packed"]["padding_fraction"] < walked["unpacked"]["padding_fraction"]
+        assert r["walk_packed_over_unpacked"]["positions_per_step"] > 1
+        assert r["packed_over_unpacked"]["supervised_tokens_per_s"] > 0 and r["arms"]["packed"]["steps"] == 1
+        assert ("anchor_coverage" in r["walk_packed_over_unpacked"]) == (draft != "eagle3")
+        if draft != "eagle3":
+            assert 0 < walked["packed"]["anchor_coverage"] <= 1

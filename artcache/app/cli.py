@@ -478,6 +478,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="Ranks of this consumer: a torch.distributed group (gloo on a CPU, nccl on CUDA: rank r on "
                    "cuda:r) that is one consumer to the cache; each optimizer step consumes --nproc x --grad-accum x "
                    "--batch-size positions. Under torchrun the group is torchrun's (WORLD_SIZE).")
+@click.option("--cp", default=1, type=int,
+              help="Context parallelism (DFlash): each sequence split across N ranks of the group, attention over "
+                   "their all-gathered context keys/values; --nproc is the world size (data-parallel ranks x N) and "
+                   "must be a multiple of N. 1: off.")
 @click.option("--grad-accum", default=1, type=int,
               help="Micro-batches of --batch-size per optimizer step on each rank; the update equals one step over "
                    "the whole batch; the LR schedule and --steps count optimizer steps.")
@@ -495,7 +499,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
             reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False, pack_tokens=0,
-            trackers=(), tracker_project="artcache"):
+            trackers=(), tracker_project="artcache", cp=1):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
@@ -524,7 +528,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         progress=progress, tensorboard=tensorboard, trackers=list(trackers), tracker_project=tracker_project,
         compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
-        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens)
+        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens,
+        cp=cp)
     _start("consumer", cfg)
 
 
@@ -606,8 +611,8 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
               "mode's checkpoints and leftover artifacts are removed once its report figures are read.")
 @click.option("--suite", default=None, metavar="NAME",
               help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline, "
-                   "fp8, training-curve, payload, vllm-throughput (docs/benchmarks.md, 'Suites'). Its result: "
-                   "<dir>/<NAME>.json.")
+                   "fp8, training-curve, payload, vllm-throughput, packing (docs/benchmarks.md, 'Suites'). Its "
+                   "result: <dir>/<NAME>.json.")
 @click.option("--resume", "suite_resume", default=None, metavar="DIR",
               help="--suite: the suite's directory; pieces finished there are skipped (created on the first call).")
 @click.option("--time-budget", "time_budget", default=None, type=float, metavar="S",

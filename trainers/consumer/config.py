@@ -15,8 +15,8 @@ from artcache.ranges import BlockSize, Count, NonNegative, Positive, WindowSide,
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 __all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_DEFAULTS", "RUN_FIELDS", "ConsumerConfig", "check_anchors",
-           "check_best_metric", "check_draft_options", "default_anchors", "default_block_size", "draft_options",
-           "flag_of", "lr_at", "parse_window", "run_settings"]
+           "check_best_metric", "check_cp", "check_draft_options", "default_anchors", "default_block_size",
+           "draft_options", "flag_of", "lr_at", "parse_window", "run_settings"]
 
 
 #: the longest ``--commit-interval`` (seconds): a third of the producer's rate window
@@ -137,6 +137,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             consecutive plan positions back to back, up to this many tokens; a step consumes as many positions as
             its rows hold (at most ``lookahead``), decided from the plan alone. Must be at least the root's max
             length (a sample is never truncated or split). 0 = off: one position per row, padded.
+        cp: context parallelism (``--cp N``, DFlash only): each sequence is split across N ranks of the group
+            (:mod:`artcache.trainers.dflash.cp`: each rank holds ``ceil(T / N)`` positions of the context and the
+            blocks anchored there; the context's keys/values are all-gathered per layer). ``nproc`` is the world
+            size, data-parallel ranks × ``cp``: ``nproc / cp`` groups of ``cp`` ranks each read their own slice of
+            the global batch, the ``cp`` ranks of a group the same positions. 1 = off.
 
     On CUDA the training step reads nothing back to the host; its metrics are read back every
     ``log_every`` steps (docs/training.md, "GPU speed").
@@ -201,6 +206,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     grad_accum: Count = 1
     group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
     pack_tokens: NonNegative = 0
+    cp: Count = 1
 
     def validate(self) -> None:
         """Check every setting; a draft option another draft owns is refused naming both drafts.
@@ -249,9 +255,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.resume and self.init_from:
             raise ConfigError("--resume and --init-from exclude each other: --resume continues a run with its "
                               "optimizer and cursor, --init-from starts a new run from another draft's weights")
+        check_cp(self)
         if self.lookahead < self.global_batch:
             what = f"{self.batch_size} positions" if self.global_batch == self.batch_size else \
-                f"{self.global_batch} positions: --nproc {self.nproc} x --grad-accum {self.grad_accum} x " \
+                f"{self.global_batch} positions: --nproc {self.nproc}{f' / --cp {self.cp}' if self.cp > 1 else ''} x " \
+                f"--grad-accum {self.grad_accum} x " \
                 f"--batch-size {self.batch_size}"
             raise ConfigError(
                 f"lookahead {self.lookahead} is smaller than one batch ({what}): the "
@@ -292,8 +300,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def global_batch(self) -> int:
-        """Positions one optimizer step consumes: ``nproc × grad_accum × batch_size``."""
-        return self.nproc * self.grad_accum * self.batch_size
+        """Positions one optimizer step consumes: ``nproc / cp × grad_accum × batch_size`` (the ``cp`` ranks of a
+        context-parallel group share their positions)."""
+        return self.nproc // self.cp * self.grad_accum * self.batch_size
 
     @property
     def horizon(self) -> int:
@@ -330,9 +339,9 @@ def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: floa
 #: Settings every draft's run is defined by: ``--resume`` refuses when one differs from the checkpoint's.
 #: ``steps`` is not one (a run is extended by raising it); the LR horizon ``lr_total_steps`` is.
 RUN_FIELDS = ("draft", "batch_size", "lr_total_steps", "lr", "warmup_frac", "min_lr_frac", "weight_decay",
-              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc", "pack_tokens")
+              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc", "pack_tokens", "cp")
 #: what a checkpoint written before a :data:`RUN_FIELDS` entry existed had instead (compared as this)
-RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1, "pack_tokens": 0}
+RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1, "pack_tokens": 0, "cp": 1}
 
 def read_workers(cfg: ConsumerConfig) -> int:
     """The reader's pool size: ``cfg.read_workers``, never more than the batch (a batch's positions are what it
@@ -378,6 +387,30 @@ def check_draft_options(cfg: ConsumerConfig) -> None:
             if field not in own and getattr(cfg, field) is not None:
                 raise ConfigError(f"{flag_of(field)} {getattr(cfg, field)!r} is an option of the {name} draft; the "
                                   f"{cfg.draft} draft does not use it: leave it out")
+
+
+def check_cp(cfg: ConsumerConfig) -> None:
+    """``--cp N`` (context parallelism): what it composes with.
+
+    Raises:
+        ConfigError: a draft other than DFlash, ``--nproc`` not a multiple of N, ``--pack-tokens``, a lockstep
+            group, or ``--reader process`` with N > 1 (one line naming the value and what is accepted).
+    """
+    n = cfg.cp
+    if n == 1:
+        return
+    if cfg.draft != "dflash":
+        raise ConfigError(f"--cp {n} is not supported for the {cfg.draft} draft: context parallelism splits DFlash's "
+                          "sequence only; accepted --cp 1 for eagle3 and dspark, --cp N for dflash")
+    if cfg.nproc % n:
+        raise ConfigError(f"--cp {n} does not divide --nproc {cfg.nproc}: --nproc is the world size, data-parallel "
+                          f"ranks x --cp; accepted --nproc a multiple of {n} (e.g. --nproc {n} --cp {n})")
+    if cfg.pack_tokens:
+        raise ConfigError(f"--cp {n} and --pack-tokens {cfg.pack_tokens} exclude each other (the split context has "
+                          "no per-document attention); leave one of them out")
+    if cfg.lockstep_group or cfg.reader == "process":
+        raise ConfigError(f"--cp {n} runs with --reader thread and no lockstep group (its ranks are a "
+                          "torch.distributed group); leave --lockstep-group and --reader process out")
 
 
 def check_best_metric(cfg: ConsumerConfig) -> None:

@@ -10,12 +10,15 @@ way the cache sees ONE consumer:
   the progress bar; the other ranks read the registration it made;
 - an optimizer step consumes one global batch of ``N × --batch-size × --grad-accum`` consecutive positions; rank
   r reads and leases its own contiguous slice of it (``--grad-accum`` micro-batches of ``--batch-size``) and
-  journals those reads as its own reader (``journal/reader-<id>-<rank's token>.jsonl``);
+  journals those reads as its own reader (``journal/reader-<id>-<rank's token>.jsonl``); with ``--cp C``
+  (context parallelism, :func:`cp_layout`) the global batch is ``N / C × --batch-size × --grad-accum`` and the C
+  ranks of a CP group read the same slice, each training on its part of every sequence;
 - the cursor moves only after every rank finished the optimizer step that consumed the positions: the step's
   metric sums are all-reduced after the optimizer step, then rank 0 commits, then it tells the others whether
   the commit held (a fence of the registration stops every rank);
-- gradients are averaged by ``torch.nn.parallel.DistributedDataParallel`` and normalised over the global batch
-  (:meth:`Session.train_step`), so the update is the one a single process would make on the whole global batch.
+- gradients are averaged by ``torch.nn.parallel.DistributedDataParallel`` (with ``--cp``: by one all-reduce after
+  the backward) and normalised over the global batch (:meth:`Session.train_step`), so the update is the one a
+  single process would make on the whole global batch.
 
 Collectives run on the default group with ``--group-timeout`` seconds (not the backend's 30-minute default); the
 waits that may legitimately be long (a rank waiting for its batch on a demand miss, rank 0's evaluation or
@@ -56,8 +59,8 @@ from artcache.errors import ConfigError, ConsumerFenced, GroupFailed
 from artcache.shutdown import Forwarding
 from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums
 
-__all__ = ["Group", "GroupHandle", "agree", "env_world", "join", "launch", "leave", "micro_batches", "sums_from_vector",
-           "sums_names", "sums_vector"]
+__all__ = ["Group", "GroupHandle", "agree", "cp_layout", "env_world", "join", "launch", "leave", "micro_batches",
+           "sums_from_vector", "sums_names", "sums_vector"]
 
 log = logging.getLogger("artcache.consumer")
 
@@ -180,6 +183,30 @@ def agree(group: Group, what: dict[str, Any]) -> None:
         field = next((k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)), "?")
         raise ConfigError(f"consumer group: rank {r} disagrees with rank 0 about {field}: {theirs.get(field)!r} "
                           f"(rank 0: {mine.get(field)!r}); every rank must run the same command on the same root")
+
+
+def cp_layout(group: Group | None, cp: int) -> tuple[int, int, Any]:
+    """This rank's place under context parallelism (``--cp N``): ``(data-parallel rank, rank inside its CP group,
+    the CP group's process group)``. Rank ``r`` of a world of ``nproc`` is CP rank ``r % N`` of data-parallel
+    group ``r // N``; the N ranks of a CP group read the same positions and split each sequence. Every rank
+    creates every CP group (``new_group`` is collective), each a gloo or nccl group like the default one.
+    ``(rank, 0, None)`` with N = 1 (no CP), ``(0, 0, None)`` outside a group.
+
+    Raises:
+        ConfigError: N does not divide the world size.
+    """
+    if group is None or cp == 1:
+        return (0 if group is None else group.rank), 0, None
+    if group.world % cp:
+        raise ConfigError(f"--cp {cp} does not divide the group's world size {group.world}: accepted a world size "
+                          f"that is a multiple of {cp}")
+    mine = None
+    for d in range(group.world // cp):
+        pg = dist.new_group(ranks=list(range(d * cp, (d + 1) * cp)), backend=group.backend,
+                            timeout=datetime.timedelta(seconds=group.timeout_s))
+        if group.rank // cp == d:
+            mine = pg
+    return group.rank // cp, group.rank % cp, mine
 
 
 class GroupHandle(registry.ConsumerHandle):

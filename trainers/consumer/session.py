@@ -94,6 +94,7 @@ from .group import (
     Group,
     GroupHandle,
     agree,
+    cp_layout,
     env_world,
     join,
     launch,
@@ -248,6 +249,8 @@ class Session:
         self.best: tuple[str, float, int] | None = None  # (metric, value, step) of checkpoints/best
         self.group: Group | None = None  # a torch.distributed group's rank (None: a one-process consumer)
         self.ddp: torch.nn.Module | None = None  # the group's DistributedDataParallel wrapper of the draft
+        self.dp_rank = 0  # the slice of each global batch this rank reads (its rank, or its CP group's index)
+        self.cp_group = None  # --cp N: the process group of the N ranks that split each sequence (None: off)
         self.group_stop = False  # every rank agreed (after a step) to stop at the next step boundary
         self.ring = None  # --reader process: its shared-memory ring (allocated before registering)
 
@@ -313,6 +316,8 @@ class Session:
                 vocab_map = seed_vocab_map(src)  # a seeded EAGLE-3 keeps its own map
         self.draft = build_draft(cfg, self.settings, self.plan, self.device, vocab_map=vocab_map)
         self.model = self.draft.model
+        self.dp_rank, _, self.cp_group = cp_layout(self.group, cfg.cp)
+        self.draft.cp_group = self.cp_group  # the training forward splits each sequence over it (--cp)
         if src is not None:
             own = {k: tuple(v.shape) for k, v in self.model.trainable_state_dict().items()}
             self.init = plan_init(cfg, src, self.draft.config_dict(), own, self.draft.target_info,
@@ -352,7 +357,8 @@ class Session:
         agree(self.group, {
             "cache": str(self.layout.root), "consumer_id": cfg.consumer_id, "plan_id": self.settings.plan_id,
             "contract_id": self.settings.contract.contract_id, "window": [cfg.lookbehind, cfg.lookahead],
-            "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "world": self.world, "steps": cfg.steps,
+            "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "world": self.world, "cp": cfg.cp,
+            "steps": cfg.steps,
             "resume_point": [st.step, st.cursor, str(self.resumed.path)] if st is not None else None,
             "run": run_settings(cfg), "draft_config": jsonable(self.draft.config_dict()),
             "init_from": cfg.init_from, "out_dir": str(self.run_dir), "device_type": self.device.type})
@@ -400,7 +406,10 @@ class Session:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
                                            fused=True)
         self.generators = draft.generators()
-        if self.group is not None:  # gradients averaged over the ranks in backward (DDP's buckets)
+        # gradients averaged over the ranks in backward (DDP's buckets); with --cp the context-parallel gathers'
+        # backward is a collective of its own inside the graph, so the ranks' gradients are averaged after the backward
+        # instead (_accumulate)
+        if self.group is not None and self.cp_group is None:
             import inspect
 
             from torch.nn.parallel import DistributedDataParallel
@@ -523,7 +532,7 @@ class Session:
                                                epoch_len=self.epoch_len, handle=self.handle)
         group = [m for m in cfg.lockstep_group.split(",") if m]
         # a rank reads its own slice of each global batch: grad_accum micro-batches of batch_size positions
-        rank = 0 if self.group is None else self.group.rank
+        rank = self.dp_rank  # the ranks of a CP group (--cp) read the same slice
         share = cfg.batch_size * cfg.grad_accum
         if self.ring is not None:
             self.reader = self._reader_process(reg, group, self.ring)
@@ -728,8 +737,7 @@ class Session:
         sums, lr = self.train_step(batch, step_index)
         t_launched = time.monotonic()
         # one past the global batch: this rank's slice starts rank × its share after the batch's first position
-        rank = 0 if self.group is None else self.group.rank
-        first = fetched.positions[0] - rank * self.cfg.batch_size * self.cfg.grad_accum
+        first = fetched.positions[0] - self.dp_rank * self.cfg.batch_size * self.cfg.grad_accum
         # a packed step (one process) consumed the positions its rows hold
         self.cursor = first + self.cfg.global_batch if self.packer is None else fetched.positions[-1] + 1
         # the step no longer needs the batch's bytes: release its leases while its positions are still inside the
@@ -928,6 +936,8 @@ class Session:
                 total = sums if total is None else _add_sums(total, sums)
             if self.group is not None:
                 torch.distributed.all_reduce(den)
+            if self.group is not None and self.ddp is None:  # --cp: no DDP; the ranks' gradients averaged here
+                self._average_grads()
             scale = world / den.clamp_min(1e-30)
             for p in self.params:
                 if p.grad is not None:
@@ -951,6 +961,19 @@ class Session:
                     every_param(loss).backward()
                 total = sums if total is None else _add_sums(total, sums)
         return loss.detach(), total
+
+    def _average_grads(self) -> None:
+        """Average the trainable parameters' gradients over the group (one all-reduce of their concatenation; a
+        missing gradient counts as zeros): what DDP does in backward, for a context-parallel run (``--cp``), whose
+        ranks each hold the gradient of every rank's loss through their own part of the computation."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+            offset += g.numel()
 
     def _check_finite_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Refuse to checkpoint non-finite weights (one host sync, at checkpoint time only). A step whose loss
@@ -1203,7 +1226,7 @@ class Session:
                "host_ms_per_step": host_ms_per_step(self.host_s),
                # the epoch of the last position trained on (0-based) and the training samples per epoch
                "epoch": self.order.epoch(self.cursor - 1) if self.cursor else 0, "epoch_len": self.epoch_len,
-               "ranks": self.world, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch}
+               "ranks": self.world, "cp": cfg.cp, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch}
         if "sim_acc_len" in summary:
             out["sim_acc_len"] = summary["sim_acc_len"]
         if self.last_eval:
