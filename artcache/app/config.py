@@ -255,7 +255,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class BenchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``artcache bench --config`` (``[bench]``); target, data and ``capture.draft_layers`` come from
     their sections. ``None`` counts take the bench's device default (see ``artcache bench --help``).
-    ``save``: each consumer's final checkpoint (``weights``, ``full`` with optimizer state, or ``none``)."""
+    ``save``: each consumer's final checkpoint (``weights``, ``full`` with optimizer state, or ``none``).
+    ``consumer_ranks``: ranks of every consumer (each a ``torch.distributed`` group; gloo on a CPU)."""
 
     scenario: str = "1p3c"
     device: Literal["cpu", "cuda"] = "cpu"
@@ -271,6 +272,7 @@ class BenchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disk_budget: DiskBudget = 0
     budget_fraction: float = 0.25
     save: Literal["none", "weights", "full"] = "weights"
+    consumer_ranks: Count = 1
 
 
 class SlurmSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -833,7 +835,7 @@ BENCH_FLAGS = {
     "max_samples": "data.max_samples", "anchors": "bench.anchors", "batch_size": "bench.batch_size",
     "draft_layers": "capture.draft_layers", "window": "bench.window", "allow_shared_gpu": "bench.allow_shared_gpu",
     "modes": "bench.modes", "disk_budget": "bench.disk_budget", "budget_fraction": "bench.budget_fraction",
-    "save": "bench.save",
+    "save": "bench.save", "consumer_ranks": "bench.consumer_ranks",
 }
 
 
@@ -1049,6 +1051,7 @@ def bench_config(cfg: RunConfig):
         "batch_size": b.batch_size, "window": b.window, "allow_shared_gpu": b.allow_shared_gpu,
         "draft_layers": cfg.capture.draft_layers, "timeout_s": b.timeout_s, "modes": b.modes,
         "disk_budget": b.disk_budget, "budget_fraction": b.budget_fraction, "save": b.save,
+        "consumer_ranks": b.consumer_ranks,
     }
     names = {f.name for f in dataclasses.fields(BenchConfig)}
     if b.modes and "modes" not in names:
