@@ -1062,7 +1062,8 @@ def format_report(r: dict) -> str:
              round(c["tau"] or 0, 3), c["hits"], c["misses"], c["state"]] for c in r["consumers"]]
     cache = r["cache"]
     lines = [
-        f"## {r['scenario']} on {r['device']}{shared}", "",
+        f"## {r['scenario']} on {r['device']}{shared}" + (f", every consumer a group of {r['consumer_ranks']} ranks"
+                                                           if r.get('consumer_ranks', 1) > 1 else ""), "",
         f"common post-warm-up interval {r['interval_s']:.1f} s; aggregate steady throughput "
         f"{r['aggregate_steps_per_s']:.3f} steps/s; median per-consumer {r['median_consumer_steps_per_s']:.3f} "
         f"steps/s; producer utilisation {100 * r['producer']['utilization']:.1f} %{shared}", "",

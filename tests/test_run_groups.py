@@ -200,3 +200,43 @@ def test_run_with_a_two_rank_experiment_runs_to_the_end(tiny_target, tmp_path):
     inspect = subprocess.run([sys.executable, "-m", "artcache", "inspect", "--cache", str(layout.root), "--json"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert inspect.returncode == 0 and not json.loads(inspect.stdout)["violations"], inspect.stdout[-2000:]
+
+
+# ---- the bench: every consumer a group of ranks ------------------------------------------------------------
+
+def test_bench_with_consumer_groups_leaves_the_lockstep_baseline_out():
+    from artcache.bench.run import BenchConfig, _roles, parse_modes
+    from artcache.bench.scenarios import SCENARIOS
+
+    sc = SCENARIOS["1p3c"]
+    assert parse_modes("", sc) == ("artcache", "naive", "lockstep")
+    assert parse_modes("", sc, consumer_ranks=2) == ("artcache", "naive")
+    with pytest.raises(ConfigError, match="lockstep runs one-process consumers only") as got:
+        parse_modes("artcache,lockstep", sc, consumer_ranks=2)
+    assert "\n" not in str(got.value)
+    # devices one mode needs: naive has a producer per consumer, each consumer 2 ranks
+    assert _roles(BenchConfig(consumer_ranks=2), sc) == 3 * (2 + 1)
+    assert _roles(BenchConfig(), sc) == 6
+
+
+@pytest.mark.distributed
+def test_bench_1p3c_with_two_rank_consumers_captures_each_position_once(tiny_target, tmp_path):
+    """``artcache bench --scenario 1p3c --consumer-ranks 2`` on the CPU (gloo), short: every consumer a 2-rank
+    group finishes its steps, each position consumed is captured once, and every check passes."""
+    import os
+
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-m", "artcache", "bench", "--scenario", "1p3c", "--device", "cpu", "--consumer-ranks", "2",
+         "--modes", "artcache", "--target", tiny_target.path, "--data", str(REPO / "tests" / "data" /
+                                                                            "tiny_sharegpt.json"),
+         "--max-length", "128", "--max-samples", "32", "--anchors", "8", "--draft-layers", "3", "--warmup", "1",
+         "--steps", "3", "--window", "8:8", "--out", str(out)],
+        capture_output=True, text=True, timeout=1200, cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "1p3c" / "report.json").read_text())
+    assert report["consumer_ranks"] == 2 and all(report["checks"].values()), report["checks"]
+    assert [(c["steps"], c["exit_code"]) for c in report["consumers"]] == [(4, 0)] * 3
+    cache = report["cache"]
+    assert cache["distinct_positions_consumed"] == 4 * 2 and cache["captures_per_consumed_position"] == 1.0, cache

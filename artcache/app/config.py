@@ -224,6 +224,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             which can seed a run or be exported but not be resumed).
         log_every: metrics line every this many steps.
         consumer: further :class:`artcache.trainers.consumer.ConsumerConfig` fields, passed as they are.
+            ``nproc`` > 1 makes the experiment a group of ranks; on CUDA each rank gets a GPU of its own,
+            ``devices`` or the first free after the producer's (:func:`artcache.app.experiments.place_groups`).
         env: environment variables of this experiment's consumer process (``artcache run`` only).
     """
 
@@ -284,7 +286,8 @@ class SlurmSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         nodes: nodes of the job; 0 = as few as the GPUs need (``gpus_per_node`` each).
         gpus_per_node: GPUs of one node (a role never spans nodes).
         producer_gpus: GPUs of the producer's step (the target; >1 for a target sharded over one node's GPUs).
-        experiment_gpus: GPUs of each experiment's step.
+        experiment_gpus: GPUs of each experiment's step; of each task of it for an experiment of N ranks
+            (``consumer.nproc``: one step of N tasks, ``--gpus-per-task``).
         cpus_per_role: ``--cpus-per-task`` of every step.
         placement: ``spread`` (the producer on the first node, experiment i on node i mod nodes) or ``pack``
             (fill each node's GPUs before the next).
