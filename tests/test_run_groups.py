@@ -173,10 +173,15 @@ def test_the_spec_a_group_is_started_with_holds_its_ranks_and_gpus(tiny_target, 
 # ---- a whole run on the CPU --------------------------------------------------------------------------------
 
 @pytest.mark.distributed
-def test_run_with_a_two_rank_experiment_runs_to_the_end(tiny_target, tmp_path):
+def test_regression_run_waits_for_and_reports_a_group_by_its_rank_0(tiny_target, tmp_path):
     """Two experiments on one root, one a group of 2 ranks on gloo: both complete, the group is one consumer to
     the cache (one registration, its cursor at steps x global batch), each child journaled the spec it was
-    handed, and the root's invariants hold."""
+    handed, and the root's invariants hold.
+
+    Regression: ``artcache run`` looked for an experiment's registration and journal under the pid of the process
+    it started, but a group registers and journals from its rank 0, a child of that process: the run waited for a
+    registration that never came before starting the producer, and its report showed a group that had completed
+    as ``not started`` with 0 steps."""
     path = write(tmp_path / "run.toml", base_toml(tiny_target, tmp_path / "out", exp("solo", steps=4),
                                                    exp("pair", steps=4, nproc=2)))
     res = subprocess.run([sys.executable, "-m", "artcache", "run", "--config", str(path)], cwd=REPO,
