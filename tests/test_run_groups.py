@@ -113,16 +113,17 @@ def test_rank_gpu_follows_devices_then_slurm_then_local_rank(monkeypatch):
 
 
 def test_a_slurm_task_reads_its_rank_from_slurm(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ARTCACHE_GROUP_LAUNCHER"):
-        monkeypatch.delenv(k, raising=False)
+    import os
+
+    # from_slurm writes the variables it derives: on a copy of the environment, so no later test inherits them
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ARTCACHE_GROUP_LAUNCHER")})
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
     monkeypatch.setenv("SLURM_LOCALID", "1")
-    assert from_slurm() is False and "RANK" not in __import__("os").environ  # not a group's step: untouched
+    assert from_slurm() is False and "RANK" not in os.environ  # not a group's step: untouched
     monkeypatch.setenv("ARTCACHE_GROUP_LAUNCHER", "slurm")
     assert from_slurm() is True
-    import os
-
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(ConfigError, match="RANK '2' differs from Slurm's SLURM_PROCID '3'"):
