@@ -620,11 +620,15 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
 @click.option("--scale", default="full", type=click.Choice(["full", "tiny"]),
               help="--suite: full (the documented sizes; GPU pieces need CUDA) or tiny (toy sizes on any device).")
 @click.option("--pieces", default="", help="--suite: a comma list of its pieces (default: all).")
+@click.option("--consumer-ranks", default=1, type=click.IntRange(min=1),
+              help="Ranks of every consumer: each a torch.distributed group (gloo on cpu, one GPU a rank on cuda), "
+              "one consumer to the cache, consuming ranks x --batch-size positions per step. Above 1 the lockstep "
+              "baseline is left out (its consumers are one process each).")
 @_errors
 @_with_config("bench")
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
           draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25, save="weights",
-          suite=None, suite_resume=None, time_budget=None, scale="full", pieces=""):
+          suite=None, suite_resume=None, time_budget=None, scale="full", pieces="", consumer_ranks=1):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report, or a measurement suite (--suite) in
     pieces that resume."""
     if suite is not None or suite_resume or time_budget is not None or pieces:
@@ -650,7 +654,7 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
                       batch_size=batch_size, draft_layers=draft_layers, window=window,
                       allow_shared_gpu=allow_shared_gpu, modes=modes,
                       disk_budget=parse_bytes(disk_budget, "disk-budget"), budget_fraction=budget_fraction,
-                      save=save)
+                      save=save, consumer_ranks=consumer_ranks)
     ok = run_bench(cfg)
     sys.exit(0 if ok else 1)
 

@@ -15,7 +15,8 @@ from artcache.ranges import BlockSize, Count, NonNegative, Positive, WindowSide,
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 __all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_DEFAULTS", "RUN_FIELDS", "ConsumerConfig", "check_anchors",
-           "check_best_metric", "check_cp", "check_draft_options", "default_anchors", "default_block_size",
+           "check_best_metric", "check_cp", "check_draft_options", "check_rank_devices", "default_anchors",
+           "default_block_size",
            "draft_options", "flag_of", "lr_at", "parse_window", "run_settings"]
 
 
@@ -124,7 +125,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         nproc: ranks of this consumer (``--nproc``; a ``torch.distributed`` group, one consumer to the cache:
             :mod:`.group`). ``artcache consume --nproc N`` starts the N ranks itself; under ``torchrun`` it is the
             environment's ``WORLD_SIZE`` (a different ``--nproc`` is refused). Each rank trains on ``batch_size``
-            sequences per micro-batch on its own device (``cuda:LOCAL_RANK`` on CUDA).
+            sequences per micro-batch on its own device (``cuda:LOCAL_RANK`` on CUDA, or ``devices``).
+        devices: the CUDA device indices of the group's ranks, rank r on ``cuda:devices[r]`` (one per rank, each
+            once; needs a ``cuda`` device). ``artcache run`` fills it in for an experiment of several ranks
+            (``experiments.X.consumer.devices``, else GPUs after the producer's). ``[]``: rank r on
+            ``cuda:LOCAL_RANK`` (torchrun), or on its task's own GPU under Slurm (:mod:`.group`).
         grad_accum: micro-batches per optimizer step on each rank (``--grad-accum K``): a step consumes one global
             batch of ``nproc × grad_accum × batch_size`` positions (:attr:`global_batch`) and its update is the one
             step over the whole global batch would make (the loss is normalised over the global batch). The LR
@@ -203,6 +208,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     loss_impl: Literal[LOSS_IMPLS] = "auto"
     length_bucket: NonNegative = 64
     nproc: Count = 1
+    devices: list[NonNegative] = []
     grad_accum: Count = 1
     group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
     pack_tokens: NonNegative = 0
@@ -265,6 +271,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"lookahead {self.lookahead} is smaller than one batch ({what}): the "
                 f"consumer could never read a whole batch; use --window {self.lookbehind}:{self.global_batch} "
                 "or larger, or a smaller --batch-size")
+        if self.devices:
+            check_rank_devices(self.devices, self.nproc, self.device)
         if self.nproc > 1 and self.lockstep_group:
             raise ConfigError(f"--lockstep-group {self.lockstep_group!r} and --nproc {self.nproc} exclude each other: "
                               "a lockstep baseline is a set of one-process consumers")
@@ -356,6 +364,22 @@ FLAGS = {"num_anchors": "--anchors", "out_dir": "--out", "consumer_id": "--id", 
          "commit_interval_s": "--commit-interval", "group_timeout_s": "--group-timeout",
          "init_overrides": "--init-override", "trackers": "--tracker",
          "lookbehind": "--window LOOKBEHIND", "lookahead": "--window LOOKAHEAD"}
+
+
+def check_rank_devices(devices: list[int], nproc: int, device: str, where: str = "devices") -> None:
+    """Refuse a rank device list that is not one CUDA index per rank, each once.
+
+    Raises:
+        ConfigError: naming ``where``, the list, and what is accepted.
+    """
+    if not device.startswith("cuda"):
+        raise ConfigError(f"{where} {list(devices)} needs a cuda device (device is {device!r}): on a CPU every rank "
+                          "runs on the cpu; leave it out, or use device cuda")
+    if len(devices) != nproc:
+        raise ConfigError(f"{where} {list(devices)} gives {len(devices)} GPU(s) for {nproc} rank(s) (nproc): "
+                          "accepted one CUDA index per rank")
+    if len(set(devices)) != len(devices):
+        raise ConfigError(f"{where} {list(devices)} names a GPU twice: accepted one GPU per rank, each once")
 
 
 def flag_of(field: str) -> str:

@@ -268,7 +268,7 @@ class Session:
 
     def setup(self) -> None:
         self.cfg.validate()
-        self.group = join(self.cfg.device, self.cfg.group_timeout_s, self.cfg.demand_timeout_s)
+        self.group = join(self.cfg.device, self.cfg.group_timeout_s, self.cfg.demand_timeout_s, self.cfg.devices)
         given_anchors = self.cfg.num_anchors  # None: the draft's default, not checked against the root
         cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
@@ -278,8 +278,8 @@ class Session:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
-        if self.group is not None and self.device.type == "cuda":  # rank r of a node on its own device
-            self.device = torch.device("cuda", self.group.local_rank)
+        if self.device.type == "cuda" and (self.group is not None or cfg.devices):  # its own device (rank_gpu)
+            self.device = torch.device("cuda", self.group.gpu if self.group is not None else cfg.devices[0])
         held = heldout_samples(self.plan, cfg.eval_samples)  # a plan's data.eval split is every consumer's
         if held != cfg.eval_samples:
             cfg = self.cfg = msgspec.structs.replace(cfg, eval_samples=held)
