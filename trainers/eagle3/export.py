@@ -270,8 +270,8 @@ def _eagle3_fields(config: dict, num_target_layers: int | None) -> tuple[dict, l
         else:
             raise ConfigError(f"not an EAGLE-3 config (architectures {config.get('architectures')!r})")
         if layer.get("model_type", "llama") != "llama" or int(layer.get("num_hidden_layers", 1)) != 1:
-            raise ConfigError(f"a {layer.get('model_type')} layer config with {layer.get('num_hidden_layers')} layers: "
-                              "artcache's EAGLE-3 is one Llama decoder layer")
+            raise ConfigError(f"model_type {layer.get('model_type')!r}, num_hidden_layers "
+                              f"{layer.get('num_hidden_layers')}: artcache's EAGLE-3 is one Llama decoder layer")
         if layer.get("attention_bias") or layer.get("mlp_bias"):
             raise ConfigError("attention_bias / mlp_bias true: artcache's EAGLE-3 projections have no bias")
         theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
@@ -421,7 +421,8 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     with torch.device("meta"):
         meta = Eagle3Draft(cfg, torch.empty(V, H), torch.empty(H), torch.empty(V, H), own["d2t"].to("meta"),
                            own["t2d"].to("meta"))
-    check_keys(own, {k: tuple(v.shape) for k, v in meta.trainable_state_dict().items()}, where)
+    check_keys(own, {k: tuple(v.shape) for k, v in meta.trainable_state_dict().items()},
+               f"export check: {where}: tensors")
     return ExportLayout(
         draft="eagle3", fmt="speculators" if spec else "hf", layer_ids=ids, hidden_size=H, target_hidden_size=width,
         vocab_size=V, draft_vocab_size=cfg.draft_vocab_size, vllm_method="eagle3",
