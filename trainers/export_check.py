@@ -92,7 +92,6 @@ class ExportLayout:
     fmt: str
     layer_ids: list[int]
     hidden_size: int
-    target_hidden_size: int
     vocab_size: int
     draft_vocab_size: int
     vllm_method: str
@@ -108,6 +107,11 @@ class ExportLayout:
     @property
     def aux_ids(self) -> list[int]:
         return [i + 1 for i in self.layer_ids]
+
+    @property
+    def target_hidden_size(self) -> int:
+        """The width of the target states ``fc`` reads: every artcache draft reads states of its own width."""
+        return self.hidden_size
 
 
 @dataclass
@@ -173,6 +177,13 @@ def _check_quantization(config: dict, tensors: dict[str, Tensor], where: str) ->
                 raise refuse(where, scope + key, f"{json.dumps(d[key])[:120]} while the tensors are {kinds} "
                              "(vLLM would quantize or mis-read the draft's weights)",
                              "no quantization_config: artcache's exports are unquantized")
+
+
+def _check_width(config: dict, layout: ExportLayout, where: str) -> None:
+    width = config.get("target_hidden_size", layout.hidden_size)
+    if width != layout.hidden_size:
+        raise refuse(where, "target_hidden_size", f"{width} for a draft of hidden_size {layout.hidden_size}",
+                     f"{layout.hidden_size} (artcache's drafts read target states of their own width)")
 
 
 def _check_dtype(config: dict, tensors: dict[str, Tensor], where: str) -> None:
@@ -447,6 +458,7 @@ def check_export(directory: str | Path, target: Any = None, *, engines: tuple[st
         msg = str(exc)
         raise exc if msg.startswith("export check:") else ConfigError(f"export check: {where}: {msg}") from exc
     _check_quantization(config, tensors, where)
+    _check_width(config, layout, where)
     _check_dtype(config, tensors, where)
     k = _check_speculators_config(config, layout, where) if layout.fmt == "speculators" else None
     recorded = _check_provenance(d, layout, where)

@@ -40,9 +40,9 @@ from artcache.trainers.export_check import ExportLayout, refuse
 from .config import DFlashConfig
 from .model import DFlashDraft
 
-__all__ = ["DFLASH_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "dflash_config_from_export",
-           "dflash_export_config", "dflash_export_state_dict", "export_checkpoint_files", "export_layout",
-           "load_dflash_export", "read_published"]
+__all__ = ["DFLASH_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "block_layout", "check_mask_and_block",
+           "dflash_config_from_export", "dflash_export_config", "dflash_export_state_dict", "export_checkpoint_files",
+           "export_layout", "load_dflash_export", "read_published"]
 
 #: The architecture vLLM's registry maps to its DFlash draft (``qwen3_dflash.DFlashQwen3ForCausalLM``).
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -381,14 +381,20 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     ref = DFlashDraft(cfg, meta, meta, dtype=torch.float32).trainable_state_dict()
     own = {next((n + k[len(sv):] for n, sv in SERVING_NAMES if k.startswith(sv)), k): v for k, v in tensors.items()}
     check_keys(own, {k: tuple(v.shape) for k, v in ref.items()}, f"export check: {where}: tensors")
-    width = config.get("target_hidden_size", cfg.hidden_size)
-    if width != cfg.hidden_size:
-        raise refuse(where, "target_hidden_size", f"{width} for a draft of hidden_size {cfg.hidden_size}",
-                     f"{cfg.hidden_size} (artcache's DFlash reads target states of its own width)")
+    return block_layout("dflash", cfg, ids, spec, "qwen3_dflash.DFlashQwen3ForCausalLM", sample_from_anchor=False)
+
+
+def block_layout(draft: str, cfg: Any, ids: list[int], spec: bool, vllm_class: str, *,
+                 sample_from_anchor: bool) -> ExportLayout:
+    """The :class:`~artcache.trainers.export_check.ExportLayout` of a block draft (DFlash, DSpark: a full-vocabulary
+    Qwen3 backbone filling a block of ``cfg.block_size`` with ``cfg.mask_token_id``). ``vllm_class``: under
+    ``vllm.model_executor.models``. ``sample_from_anchor``: the first proposal comes from the anchor slot (DSpark,
+    B proposals a step) rather than after it (DFlash, B - 1); DFlash's block attention is bidirectional."""
     return ExportLayout(
-        draft="dflash", fmt="speculators" if spec else "hf", layer_ids=ids, hidden_size=cfg.hidden_size,
-        target_hidden_size=width, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size, vllm_method="dflash",
-        vllm_classes=("vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM",),
-        speculators_class="speculators.models.dflash.core.DFlashDraftModel" if spec else None,
-        block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, sample_from_anchor=False,
-        max_speculative_tokens=cfg.block_size - 1, causal=False)
+        draft=draft, fmt="speculators" if spec else "hf", layer_ids=ids, hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size, vllm_method=draft,
+        vllm_classes=(f"vllm.model_executor.models.{vllm_class}",),
+        speculators_class=f"speculators.models.{draft}.core.{'DSpark' if draft == 'dspark' else 'DFlash'}DraftModel"
+        if spec else None, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+        sample_from_anchor=sample_from_anchor, max_speculative_tokens=cfg.block_size - (0 if sample_from_anchor else 1),
+        causal=None if sample_from_anchor else False)

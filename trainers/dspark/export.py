@@ -51,7 +51,7 @@ from torch import Tensor
 
 from artcache.errors import ConfigError
 from artcache.layer_ids import LAST_LAYER_STATE, output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
-from artcache.trainers.dflash.export import _check_ids, _qwen3_layer_config, check_mask_and_block
+from artcache.trainers.dflash.export import _check_ids, _qwen3_layer_config, block_layout, check_mask_and_block
 from artcache.trainers.draft import ExportedDraft
 from artcache.trainers.export import (
     SPECULATORS_VERSION,
@@ -322,14 +322,4 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
             raise refuse(where, name, f"{tuple(tensors[name].shape)}", f"[{cfg.vocab_size}, {cfg.hidden_size}]")
     check_keys(from_export_keys(own), {k: tuple(v.shape) for k, v in _meta_model(cfg).trainable_state_dict().items()},
                f"export check: {where}: tensors")
-    width = config.get("target_hidden_size", cfg.hidden_size)
-    if width != cfg.hidden_size:
-        raise refuse(where, "target_hidden_size", f"{width} for a draft of hidden_size {cfg.hidden_size}",
-                     f"{cfg.hidden_size}")
-    return ExportLayout(
-        draft="dspark", fmt="speculators" if spec else "hf", layer_ids=ids, hidden_size=cfg.hidden_size,
-        target_hidden_size=width, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size, vllm_method="dspark",
-        vllm_classes=("vllm.model_executor.models.qwen3_dspark.Qwen3DSparkForCausalLM",),
-        speculators_class="speculators.models.dspark.core.DSparkDraftModel" if spec else None,
-        block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, sample_from_anchor=True,
-        max_speculative_tokens=cfg.block_size)
+    return block_layout("dspark", cfg, ids, spec, "qwen3_dspark.Qwen3DSparkForCausalLM", sample_from_anchor=True)

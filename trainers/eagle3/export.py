@@ -402,10 +402,6 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     if layer.get("tie_word_embeddings") or config.get("tie_word_embeddings"):
         raise refuse(where, "tie_word_embeddings", "true: the engine uses the target's embedding as the draft's "
                      "lm_head", "false")
-    width = config.get("target_hidden_size", cfg.hidden_size)
-    if width != cfg.hidden_size:
-        raise refuse(where, "target_hidden_size", f"{width} for a draft of hidden_size {cfg.hidden_size}",
-                     f"{cfg.hidden_size} (artcache's EAGLE-3 reads target states of its own width)")
     own = {next((p + n[len(s):] for p, s in SERVING_NAMES if n.startswith(s)), n): t for n, t in tensors.items()}
     embed = own.pop("embed_tokens.weight", None)
     if embed is not None and tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -424,7 +420,7 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     check_keys(own, {k: tuple(v.shape) for k, v in meta.trainable_state_dict().items()},
                f"export check: {where}: tensors")
     return ExportLayout(
-        draft="eagle3", fmt="speculators" if spec else "hf", layer_ids=ids, hidden_size=H, target_hidden_size=width,
+        draft="eagle3", fmt="speculators" if spec else "hf", layer_ids=ids, hidden_size=H,
         vocab_size=V, draft_vocab_size=cfg.draft_vocab_size, vllm_method="eagle3",
         vllm_classes=("vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM",),
         speculators_class="speculators.models.eagle3.core.Eagle3DraftModel" if spec else None,
