@@ -372,11 +372,13 @@ def test_speculators_resolves_every_speculators_export(exports):
 @pytest.mark.speculators
 @_needs("speculators")
 @pytest.mark.parametrize("src,edit,key", [
-    ("eagle3-speculators", lambda c: c.pop("norm_before_residual"), "norm_before_residual"),
+    ("eagle3-speculators", lambda c: c.update(norm_before_residual=True), "norm_before_residual"),
+    ("eagle3-speculators", lambda c: c.update(fc_norm=True), "fc_norm"),
     ("dflash-speculators", lambda c: c.pop("sliding_window_non_causal"), "sliding_window_non_causal"),
     ("dflash-speculators", lambda c: c.update(speculators_model_type="dflash2"), "speculators_model_type"),
-    ("dspark-speculators", lambda c: c.pop("sample_from_anchor"), "sample_from_anchor"),
-], ids=["norm_before_residual default", "causal blocks", "another model type", "sample_from_anchor default"])
+    ("dspark-speculators", lambda c: c.update(sample_from_anchor=False), "sample_from_anchor"),
+], ids=["norm before residual", "fc norm", "causal blocks (speculators' default)", "another model type",
+        "sample_from_anchor false"])
 def test_speculators_resolution_refuses_silent_collapses(exports, tmp_path, src, edit, key):
     """speculators' registry and pydantic defaults, resolved on an export the static reading already accepted."""
     d = _craft(exports[src], tmp_path / "x", edit)

@@ -20,7 +20,8 @@ What was verified, and where (public sources read through the search tool; nothi
   (``fc``, ``layers.0`` / ``midlayer``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and also load ``t2d``; their
   config format (``speculators_model_type: eagle3`` + ``transformer_layer_config``) is written by
   :func:`export_checkpoint_files` for ``--format speculators``: ``layers.0.*`` for ``midlayer.*`` (vLLM maps
-  ``midlayer.`` to ``layers.0.``) and ``norm_before_residual: false`` explicitly (speculators' default is true).
+  ``midlayer.`` to ``layers.0.``) and ``norm_before_residual: false`` explicitly (vLLM reads this format with a
+  default of true).
 
 The parameter names of :class:`~artcache.trainers.eagle3.model.Eagle3Draft` already are these keys, so
 :func:`export_state_dict` is a filtered, cast copy of ``model.state_dict()`` and
