@@ -344,15 +344,17 @@ def _vllm_refused(exports, tmp_path, src: str, edit, *needles: str) -> None:
 @pytest.mark.vllm
 @_needs("vllm")
 @pytest.mark.parametrize("src,case", [
-    ("dspark-hf", "another DSpark class name"), ("eagle3-speculators", "norm_before_residual default"),
+    ("eagle3-speculators", "a Qwen3 layer"), ("eagle3-speculators", "norm_before_residual default"),
     ("dflash-speculators", "causal blocks"), ("dspark-speculators", "sample_from_anchor default"),
     ("eagle3-hf", "aux ids only in eagle_config"), ("dflash-hf", "quantization_config")])
 def test_vllm_resolution_refuses_silent_collapses(exports, tmp_path, src, case):
     """Each case loads in vLLM without error; the check sees what vLLM resolves and refuses it."""
     edit, needles = {
-        "another DSpark class name": (lambda c: c.update(architectures=["DSparkDraftModel"]), ("vllm",)),
+        "a Qwen3 layer": (lambda c: c["transformer_layer_config"].update(model_type="qwen3"),
+                          ("architectures", "Eagle3Qwen3ForCausalLM")),
         "norm_before_residual default": (lambda c: c.pop("norm_before_residual"), ("norm_before_residual",)),
-        "causal blocks": (lambda c: c.update(sliding_window_non_causal=False), ("causal",)),
+        "causal blocks": (lambda c: (c.update(sliding_window_non_causal=False), c["transformer_layer_config"].pop(
+            "is_causal")), ("causal",)),
         "sample_from_anchor default": (lambda c: c.pop("sample_from_anchor"), ("sample_from_anchor",)),
         "aux ids only in eagle_config": (_no_top_aux, ("eagle_aux_hidden_state_layer_ids",)),
         "quantization_config": (_quantized, ()),

@@ -331,9 +331,10 @@ def _check_vllm(directory: Path, layout: ExportLayout, tc: Any, k: int | None, w
     """vLLM's resolution of the export (module docstring). Returns the ``checked`` line."""
     with tempfile.TemporaryDirectory(prefix="artcache-check-target-") as tmp:
         tc.to_json_file(str(Path(tmp) / "config.json"))
-        args = ["--draft", str(directory), "--target", tmp, "--k", str(k or layout.max_speculative_tokens or 1)]
-        if layout.fmt == "hf":  # a speculators config names its algorithm itself
-            args += ["--method", layout.vllm_method]
+        # the method is given, as docs/export.md serves every format: without it vLLM guesses it from the draft
+        # directory's name (a name without "eagle3" / "dflash" / "dspark" runs the draft as a plain draft model)
+        args = ["--draft", str(directory), "--target", tmp, "--k", str(k or layout.max_speculative_tokens or 1),
+                "--method", layout.vllm_method]
         got = _engine("vllm", args, where, timeout_s)
     if "error" in got:
         raise refuse(where, "vllm", f"vLLM refuses the export: {got['error']}", "an export vLLM loads")
