@@ -51,7 +51,8 @@ what every format shares: finding and reading the checkpoint, the target to expo
 speculators wrapper, dtype names, key checks and the atomic directory write.
 
 Every directory is written under a temporary name beside ``out`` and renamed into place: a crash
-leaves no ``out`` or a complete one.
+leaves no ``out`` or a complete one. Before the rename, :func:`artcache.trainers.export_check.check_export`
+checks it against the layouts and the installed engines (``check=False``: ``--no-check``).
 """
 
 from __future__ import annotations

@@ -308,10 +308,14 @@ def _engine(engine: str, args: list[str], where: str, timeout_s: float) -> dict:
     """Run :mod:`artcache.trainers.export_engines` for ``engine`` under this interpreter; its result dict.
 
     Raises:
-        ConfigError: the child printed no result (its last stderr line quoted).
+        ConfigError: the child printed no result (its last stderr line quoted) or ran past ``timeout_s``.
     """
-    proc = subprocess.run([sys.executable, str(_ENGINE_SCRIPT), engine, *args], capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        proc = subprocess.run([sys.executable, str(_ENGINE_SCRIPT), engine, *args], capture_output=True, text=True,
+                              timeout=timeout_s, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    except subprocess.TimeoutExpired as exc:
+        raise refuse(where, engine, f"resolving the export took longer than {timeout_s:.0f} s, so it is unchecked",
+                     f"an export {engine} resolves in time (or export with --no-check)") from exc
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(_RESULT_PREFIX):
             return json.loads(line[len(_RESULT_PREFIX):])
