@@ -294,7 +294,8 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     """The :class:`~artcache.trainers.export_check.ExportLayout` of an exported DSpark directory (either format),
     read as vLLM and speculators read it: :func:`config_from_export` (``sample_from_anchor: true``: vLLM's default
     false reads every slot one position off), ``architectures`` naming ``Qwen3DSparkModel`` (vLLM 0.32 builds
-    DeepSeek-V4's ``DSparkDraftModel`` for any other name, with the target's quantization), a top-level
+    DeepSeek-V4's ``DSparkDraftModel`` for other names — a Qwen3 config's ``DSparkDraftModel`` excepted, which
+    it renames — with the target's quantization), a top-level
     ``eagle_aux_hidden_state_layer_ids`` (read by vLLM before ``target_layer_ids``) = context ids + 1, a vanilla
     Markov head for the speculators format, a MASK id and block size, and every tensor under its key with its
     shape (the hf format may carry the target's ``embed_tokens`` / ``lm_head`` [V, H]).
@@ -304,8 +305,9 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     """
     archs = config.get("architectures") or []
     if ARCHITECTURE not in archs:
-        raise refuse(where, "architectures", f"{archs!r}: vLLM serves method dspark with another name as DeepSeek-V4's "
-                     "DSparkDraftModel (the target's quantization included)", f"[{ARCHITECTURE!r}]")
+        raise refuse(where, "architectures", f"{archs!r}: vLLM 0.32 serves method dspark under another name (but a "
+                     "Qwen3 config's DSparkDraftModel) as DeepSeek-V4's DSparkDraftModel with the target's "
+                     "quantization, and other vLLM versions resolve DSparkDraftModel elsewhere", f"[{ARCHITECTURE!r}]")
     cfg, ids, _ = config_from_export(config)
     spec = config.get("speculators_model_type") == "dspark"
     check_mask_and_block(cfg.mask_token_id, cfg.block_size, cfg.vocab_size, where, "mask_token_id")
