@@ -139,7 +139,7 @@ def test_cursor_commits_follow_the_batches_and_resume_starts_after_the_checkpoin
             (save / "0" / "training_state.json").write_text(json.dumps({"epoch": 0, "local_step": 2,
                                                                          "global_step": 2}))
     assert registry.read(layout, "spec").checkpoint_cursor == 6
-    held = t.get_cached(20)  # validation: the training loop's last step is done
+    held = t.get_cached(np.int64(20))  # validation (speculators' sampler passes numpy ints): training is done
     assert held["token_ids"].tolist() == t.plan.sample(20).input_ids.tolist()
     assert registry.read(layout, "spec").cursor == 15
     t.close()
