@@ -1,7 +1,8 @@
 """The ``artcache`` hidden-states backend for speculators' trainer without speculators installed
 (:mod:`artcache.trainers.speculators_backend`): the data-row layout, the split ratio, the layer selection, the
-batch check, the refused settings, and the transfer's cursor commits, checkpoint records and resume on a real
-root. speculators' own trainer on a live root is tests/test_speculators_backend.py (speculators lane)."""
+batch check, the refused settings, and (``slow``: a published root) the data folder and the transfer's cursor
+commits, checkpoint records and resume. speculators' own trainer on a live root is
+tests/test_speculators_backend.py (speculators lane)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def root(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow  # a published root (about 10 s)
 def test_write_data_dir_lays_out_the_plan_and_refuses_a_foreign_folder(tmp_path, root):
     from datasets import load_from_disk
 
@@ -119,6 +121,7 @@ def _transfer(root: Path, save: Path, cid: str = "spec") -> tuple[sb.ArtcacheTra
     return t, np.argsort(position_of)
 
 
+@pytest.mark.slow  # a published root (about 10 s)
 def test_cursor_commits_follow_the_batches_and_resume_starts_after_the_checkpoint(tmp_path, root):
     layout = CacheLayout(root)
     save = tmp_path / "ckpt"
@@ -155,6 +158,7 @@ def test_cursor_commits_follow_the_batches_and_resume_starts_after_the_checkpoin
     assert registry.read(layout, "spec").state == "cancelled"
 
 
+@pytest.mark.slow  # a published root (about 10 s)
 def test_a_second_epoch_of_speculators_is_refused(tmp_path, root):
     t, row_of = _transfer(root, tmp_path / "ckpt", cid="spec2")
     t.start(0)
