@@ -21,8 +21,8 @@ Every capture runs one sample at a time on one thread (``--batch-samples 1 --thr
 copy is written from the artifacts the trainers read (still retained under the budget; the ``--fill`` after
 them captures the training positions past ``end`` and would recapture an evicted one with the same bytes).
 
-The trainer runs on this machine's CPU through tests/speculators_train.py (its only change to speculators: the
-device is ``"cpu"`` and the step timer's accelerator synchronize a no-op).
+The trainer runs on this machine's CPU through tests/speculators_train.py (its changes to speculators: the device
+of the model, the batches and checkpoint loading is ``"cpu"``; the step timer's accelerator synchronize a no-op).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -110,15 +111,15 @@ def start_trainer(py: str, args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([py, str(SCRIPT), *args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def losses_of(proc: subprocess.Popen, log: Path, timeout: float = 900) -> list[float]:
+def losses_of(proc: subprocess.Popen, log: Path, timeout: float = 900, steps=range(STEPS)) -> list[float]:
     proc.wait(timeout=timeout)
     text = log.read_text()
     assert proc.returncode == 0, text[-6000:]
     lines = [ln.split(" ", 1)[1] for ln in text.splitlines() if ln.startswith("SPECULATORS_LOSSES ")]
     assert lines, text[-3000:]
-    steps = json.loads(lines[-1])
-    assert [s for s, _ in steps] == list(range(STEPS)), steps
-    return [loss for _, loss in steps]
+    got = json.loads(lines[-1])
+    assert [s for s, _ in got] == list(steps), got
+    return [loss for _, loss in got]
 
 
 def file_backend_copy(root: Path, data: Path, out: Path) -> None:
@@ -208,3 +209,46 @@ def test_two_speculators_trainers_share_one_capture_and_match_the_file_backend(t
         print(f"[{draft}] artcache backend vs file backend over {STEPS} steps: max relative loss difference "
               f"{rel:.3g} (losses {want[0]:.5g} .. {want[-1]:.5g})")
         assert rel <= 1e-6, (got[draft], want.tolist())
+
+
+def test_a_killed_speculators_trainer_resumes_after_its_checkpoint(tmp_path, speculators_python, target):
+    """SIGKILL an EAGLE-3 trainer once a mid-run checkpoint is recorded (``--checkpoint-freq 0.25``: every 5 of
+    its 21 batches), then start it again with the same arguments: speculators resumes from its last
+    ``training_state.json`` (global step g), the backend registers at cursor ``4 g`` (batches of 4 positions),
+    and the restarted trainer reads exactly the positions ``[4 g, 80)``, batch after batch, and ends completed.
+    The root is filled first (``--fill``), so no producer runs while the trainers read."""
+    root = tmp_path / "root"
+    subprocess.run(producer_args(root, target, "--fill"), check=True, capture_output=True, timeout=600)
+    layout = CacheLayout(root)
+    run = tmp_path / "run"
+    run.mkdir()
+    args = trainer_args("eagle3", target, run, run / "data", "--hidden-states-backend", "artcache",
+                        "--artcache-root", str(root), "--artcache-id", "e3", "--artcache-eval-samples", str(HELD),
+                        "--checkpoint-freq", "0.25")
+    first = start_trainer(speculators_python, args, run / "log1")
+    try:
+        deadline = time.monotonic() + 600
+        while (reg := registry.read(layout, "e3")) is None or reg.checkpoint_cursor < 40:
+            assert first.poll() is None and time.monotonic() < deadline, (run / "log1").read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        first.kill()
+        first.wait()
+    g = json.loads((run / "ckpt" / "0" / "training_state.json").read_text())["global_step"]
+    assert g in (10, 15), g
+    second = start_trainer(speculators_python, args, run / "log2")
+    losses = losses_of(second, run / "log2", steps=range(g, STEPS))
+    assert len(losses) == STEPS - g
+    reg = registry.read(layout, "e3")
+    consumed = STEPS * PACK // SEQ
+    assert (reg.state, reg.cursor, reg.checkpoint_cursor) == ("completed", consumed, consumed)
+    journals = sorted(layout.journal.glob("consumer-e3-*.jsonl"), key=lambda p: p.stat().st_mtime)
+    assert len(journals) == 2
+    events = list(J.iter_file(journals[-1]))
+    assert [e.cursor for e in events if isinstance(e, J.ConsumerStart)] == [4 * g]
+    reads = [e.position for e in events if isinstance(e, J.Request) and not e.held_out]
+    assert sorted(reads) == list(range(4 * g, consumed))
+    for i, p in enumerate(reads):
+        assert 4 * g + i // 4 * 4 <= p < 4 * g + (i // 4 + 1) * 4, (i, p, reads)
+    print(f"\n[speculators resume] killed after checkpoint step {g}; the restart read positions {4 * g}.."
+          f"{consumed - 1}")
