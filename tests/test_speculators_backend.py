@@ -252,3 +252,22 @@ def test_a_killed_speculators_trainer_resumes_after_its_checkpoint(tmp_path, spe
         assert 4 * g + i // 4 * 4 <= p < 4 * g + (i // 4 + 1) * 4, (i, p, reads)
     print(f"\n[speculators resume] killed after checkpoint step {g}; the restart read positions {4 * g}.."
           f"{consumed - 1}")
+
+
+def test_the_launcher_refuses_a_bad_setting_in_one_line(tmp_path, speculators_python, target):
+    """``python -m artcache.trainers.speculators_backend train`` with ``--num-workers 2``: one ``artcache: error:``
+    line naming the value and what is accepted, exit 2, nothing registered on the root."""
+    root = tmp_path / "root"
+    subprocess.run(producer_args(root, target, "--max-samples", "8", "--fill"), check=True, capture_output=True,
+                   timeout=600)
+    args = trainer_args("eagle3", target, tmp_path / "run", tmp_path / "run" / "data", "--hidden-states-backend",
+                        "artcache", "--artcache-root", str(root), "--artcache-eval-samples", "2")
+    args[args.index("--num-workers") + 1] = "2"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([speculators_python, "-m", "artcache.trainers.speculators_backend", "train", *args],
+                          capture_output=True, text=True, timeout=600, env=env)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("artcache: error:")]
+    assert proc.returncode == 2 and errors == ["artcache: error: --num-workers 2: the artcache backend commits its "
+                                               "cursor from the training loop's own reads; accepted: 0"], \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and registry.read_all(CacheLayout(root)) == []

@@ -60,6 +60,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ import torch
 from artcache import journal as J
 from artcache import registry
 from artcache.client import CacheClient, open_root
-from artcache.errors import ConfigError, ConsumerFenced
+from artcache.errors import ArtcacheError, ConfigError, ConsumerFenced
 from artcache.fsio import publish_dir
 from artcache.layer_ids import vllm_id_to_output_of_layer
 from artcache.layout import host_id
@@ -461,11 +462,17 @@ def register() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m artcache.trainers.speculators_backend <speculators command> ...``: speculators' CLI with the
-    ``artcache`` backend registered."""
+    ``artcache`` backend registered. An :class:`~artcache.errors.ArtcacheError` (a refused setting, no root, a
+    capture timeout) ends it with one ``artcache: error:`` line and the error's exit code."""
     register()
     from speculators.cli import app
 
-    app(args=argv, prog_name="speculators")
+    try:
+        app(args=argv, prog_name="speculators")
+    except ArtcacheError as exc:
+        prefix = "" if exc.exit_code == 2 else f"{type(exc).__name__}: "
+        print(f"artcache: error: {prefix}{exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
 
 
 if __name__ == "__main__":
