@@ -505,6 +505,17 @@ class Draft(abc.ABC):
         return None
 
     @classmethod
+    def export_layout(cls, config: dict[str, Any], tensors: dict[str, Tensor], where: str) -> Any:
+        """What a serving engine must resolve from an exported directory of this draft (``config``: its
+        ``config.json``; ``tensors``: its ``model.safetensors``), as an
+        :class:`~artcache.trainers.export_check.ExportLayout`, for ``artcache export --check``.
+
+        Raises:
+            ConfigError: the export would load and serve wrong (one line naming the key, prefixed by ``where``).
+        """
+        raise ConfigError(f"export check: {where}: a {cls.name} draft has no export check")
+
+    @classmethod
     def vocab_coverage(cls, vocab_map: dict[str, Tensor], counts: Tensor) -> float | None:
         """The share of ``counts`` (int64 [V], the plan's supervised training tokens) a kept vocab map
         covers; None for a draft without one."""

@@ -820,12 +820,14 @@ def fsck(cache, fix, as_json, observe):
 
 
 @main.command()
-@click.option("--checkpoint", required=True,
-              help="A consumer checkpoint (checkpoints/step-N) or run directory (uses its checkpoints/latest).")
+@click.option("--checkpoint", default=None,
+              help="A consumer checkpoint (checkpoints/step-N) or run directory (uses its checkpoints/latest). "
+                   "Without it, --out names an existing export directory that is only checked (see --check).")
 @click.option("--format", "fmt", default="hf", type=click.Choice(["hf", "speculators"]),
               help="hf: vLLM's native draft layout; speculators: vllm-project/speculators' config format.")
 @click.option("--out", "out_dir", required=True,
-              help="Draft directory to create (config.json, model.safetensors); never the checkpoint or its run.")
+              help="Draft directory to create (config.json, model.safetensors); never the checkpoint or its run. "
+                   "Without --checkpoint: the existing export directory to check.")
 @click.option("--target", default=None,
               help="The target the draft was trained for (name, HF directory or hub id); supplies layer count and ids. "
                    "Default: the target_name the checkpoint's state.json records (its weights digest must match).")
@@ -838,13 +840,27 @@ def fsck(cache, fix, as_json, observe):
                    "DeepSpec's from_pretrained reads them from the draft and leaves them random without them; "
                    "needs a --target with weights). --no-target-tensors leaves them out (vLLM shares the target's). "
                    "No other draft or format carries them.")
+@click.option("--check/--no-check", default=True,
+              help="Before the export is renamed into place, resolve it through the installed vLLM's and speculators' "
+                   "own config and registry code and SGLang's EAGLE-3 layout, and refuse (one line naming the key) "
+                   "an export that would load and serve wrong; an engine not installed is skipped and named "
+                   "(docs/export.md, \"Checking an export\"). Default on; --no-check skips it.")
 @_errors
-def export(checkpoint, fmt, out_dir, target, dtype, overwrite, target_tensors):
-    """Write a trained DFlash, EAGLE-3 or DSpark draft as a directory vLLM / speculators load (docs/export.md)."""
+def export(checkpoint, fmt, out_dir, target, dtype, overwrite, target_tensors, check):
+    """Write a trained DFlash, EAGLE-3 or DSpark draft as a directory vLLM / speculators / SGLang load, checked
+    against them (docs/export.md); without --checkpoint, check an existing export directory (--out)."""
+    if checkpoint is None:
+        from artcache.trainers.export_check import check_export
+
+        if not check:
+            raise ConfigError("--no-check without --checkpoint has nothing to do; accepted: --checkpoint to export, "
+                              "or --check (the default) with --out naming an export directory to check")
+        click.echo(json.dumps(check_export(out_dir, target).summary()))
+        return
     from artcache.trainers.export import export_checkpoint
 
     res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite,
-                            target_tensors=target_tensors)
+                            target_tensors=target_tensors, check=check)
     click.echo(json.dumps(res.summary()))
 
 

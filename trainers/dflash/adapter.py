@@ -31,7 +31,7 @@ from artcache.trainers.speed import SpeedOptions, to_device
 
 from .anchors import eligible_anchors
 from .config import DFlashConfig
-from .export import SERVING_NAMES, TARGET_TENSORS, export_checkpoint_files, read_published
+from .export import SERVING_NAMES, TARGET_TENSORS, export_checkpoint_files, export_layout, read_published
 from .loss import dflash_loss
 from .model import DFlashDraft
 
@@ -140,6 +140,10 @@ class DFlashAdapter(Draft):
             meta = torch.empty(dcfg.vocab_size, dcfg.hidden_size)
             model = DFlashDraft(dcfg, meta, meta)
         return {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()}
+
+    @classmethod
+    def export_layout(cls, config: dict[str, Any], tensors: dict[str, Tensor], where: str) -> Any:
+        return export_layout(config, tensors, where)
 
     @classmethod
     def read_published(cls, config: dict[str, Any], num_target_layers: int) -> dict[str, Any] | None:
