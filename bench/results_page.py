@@ -590,8 +590,8 @@ SECTIONS: list[Section] = [
     Section("GPU lane",
             "`python3 -m pytest -m gpu ... -v` on a CUDA machine (docs/benchmarks.md, \"GPU lane\"), each log's "
             "tests by where they ran: a `[cpu]` / `[cpu-...]` variant on the CPU, every other test on CUDA. The H200 "
-            "run is the lane's last complete one. The first H100 run (76f6992) ran `tests/test_gpu.py`'s CPU and CUDA "
-            "variants in one process: the CPU consumer tests failed because the CUDA tests before them had "
+            "run is the lane's last complete one. The first H100 run (76f6992) ran `tests/test_gpu.py`'s CPU variants "
+            "in the process of the CUDA tests: the CPU consumer tests failed because the CUDA tests before them had "
             "initialised CUDA, so the CPU consumer's checkpoint held CUDA RNG states (a fault of the test, not of "
             "the consumer; the lane now runs those tests on the GPU only), and the lane stopped at its time bound "
             "with 12 selected tests not reached. The second H100 run (b107407: `tests/test_gpu.py "
