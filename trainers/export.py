@@ -51,13 +51,15 @@ what every format shares: finding and reading the checkpoint, the target to expo
 speculators wrapper, dtype names, key checks and the atomic directory write.
 
 Every directory is written under a temporary name beside ``out`` and renamed into place: a crash
-leaves no ``out`` or a complete one.
+leaves no ``out`` or a complete one. Before the rename, :func:`artcache.trainers.export_check.check_export`
+checks it against the layouts and the installed engines (``check=False``: ``--no-check``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,7 @@ from artcache.target import resolve_target
 from artcache.trainers import DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_weights
 from artcache.trainers.draft import draft_class
+from artcache.trainers.export_check import CheckReport, check_export, read_export
 
 __all__ = [
     "DTYPE_NAMES",
@@ -108,9 +111,13 @@ class ExportResult:
     format: str
     config: dict
     keys: list[str] = field(default_factory=list)
+    check: CheckReport | None = None
 
     def summary(self) -> dict:
-        return {"path": str(self.path), "draft": self.draft, "format": self.format, "tensors": len(self.keys)}
+        out = {"path": str(self.path), "draft": self.draft, "format": self.format, "tensors": len(self.keys)}
+        if self.check is not None:
+            out["check"] = {"checked": self.check.checked, "skipped": self.check.skipped}
+        return out
 
 
 # ------------------------------------------------------------------------------------ checkpoint
@@ -239,14 +246,6 @@ def speculators_config(algorithm: str, k: int, verifier: str, tc: Any) -> dict:
 
 # ----------------------------------------------------------------------------------------- write
 
-def read_export(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
-    d = Path(directory)
-    try:
-        return json.loads((d / "config.json").read_text()), safetensors.torch.load_file(d / "model.safetensors")
-    except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        raise ConfigError(f"exported draft {d}: unreadable config.json / model.safetensors ({exc})") from exc
-
-
 #: The file every export writes (its provenance); ``--overwrite`` replaces only a directory holding it.
 EXPORT_MARKER = "export.json"
 _EXPORTED_BY = "artcache export"
@@ -336,11 +335,13 @@ def _uncreatable(out: Path, exc: OSError) -> ConfigError:
                        "accepted: a path whose parent is a writable directory")
 
 
-def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite: bool) -> None:
+def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite: bool,
+               check: Callable[[Path], None] | None = None) -> None:
     """Write ``files`` (name -> JSON bytes, or a tensor dict saved as safetensors) into a temp
     directory beside ``out``, each file ``0o666 & ~umask``, fsync everything, then rename it to
     ``out`` (an existing ``out`` is replaced only with ``overwrite`` and only when it is a previous
-    export; it is renamed aside first and restored if the swap fails). Parent directories created
+    export; it is renamed aside first and restored if the swap fails). ``check`` (when given) runs on the
+    complete temp directory before the rename: raising there publishes nothing. Parent directories created
     here are removed again on failure. Temps of earlier exports to ``out`` killed mid-write are removed
     first (:func:`remove_dead_export_temps`)."""
     _check_out_parent(out)
@@ -369,6 +370,8 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
                 else:
                     (tmp / name).write_bytes(content)
                 os.chmod(tmp / name, mode)
+            if check is not None:
+                check(tmp)
     except BaseException as exc:
         for d in created:  # innermost first; only if still empty
             try:
@@ -390,7 +393,7 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
 def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", *,
                       target: Any = None, dtype: str | torch.dtype = "bfloat16",
                       overwrite: bool = False, num_speculative_tokens: int | None = None,
-                      target_tensors: bool = True) -> ExportResult:
+                      target_tensors: bool = True, check: bool = True) -> ExportResult:
     """Export a consumer checkpoint (DFlash, EAGLE-3 or DSpark, read from its state.json ``draft``) to ``out``.
     DSpark: :func:`artcache.trainers.dspark.export.export_dspark` (its calibration temperatures included).
 
@@ -413,12 +416,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
             DeepSpec's ``from_pretrained`` reads them from the draft, and leaves them random when absent); needs
             a ``target`` with weights. False leaves them out (vLLM shares the target's). No other layout carries
             them (docs/export.md).
+        check: run :func:`artcache.trainers.export_check.check_export` on the written directory before it is
+            renamed into place (default); a refusal publishes nothing. False skips it (``--no-check``).
 
     Raises:
         ConfigError: a missing or unreadable checkpoint, an unknown draft kind or format, weights that
             do not match the draft config, a target of other sizes or weights digest, an ``out`` that
             overlaps the checkpoint or its run, whose parent is not a writable directory, or that exists
-            (without ``overwrite``, or not a previous export). Nothing is left at ``out`` when it fails.
+            (without ``overwrite``, or not a previous export), or an export the check refuses (one line naming
+            the key). Nothing is left at ``out`` when it fails.
         CheckpointCorrupt: ``state.json``, ``model.safetensors`` or ``extra.safetensors`` does not match the
             digest the checkpoint recorded (exit 1; nothing is written). A checkpoint that records none (written
             before digests were) is exported with one warning that it is unverified.
@@ -459,6 +465,14 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
         "layer_id_note": "artcache ids are output-of-layer; vLLM/speculators aux ids are input-of-layer (+1)",
     }
     config, tensors = exported.config, exported.tensors
+    reports: list[CheckReport] = []
+
+    def run_check(tmp: Path) -> None:
+        reports.append(check_export(tmp, tgt.config, name=str(out)))
+
     _write_dir(out, {"config.json": json.dumps(config, indent=2).encode(), "model.safetensors": tensors,
-                     EXPORT_MARKER: json.dumps(provenance, indent=2).encode()}, overwrite)
-    return ExportResult(out, state.draft, fmt, config, sorted(tensors))
+                     EXPORT_MARKER: json.dumps(provenance, indent=2).encode()}, overwrite,
+               check=run_check if check else None)
+    if reports:
+        reports[0].directory = out
+    return ExportResult(out, state.draft, fmt, config, sorted(tensors), reports[0] if reports else None)

@@ -165,22 +165,29 @@ def _start(role: str, cfg) -> None:
         return
     check_device(cfg.device)
     if role == "producer":
-        from artcache.producer import run_producer
+        from artcache.producer import run_producer, stats_summary
+        from artcache.shutdown import Cancelled
 
         for dev in cfg.devices:
             check_device(dev, "--devices")
-        _producer_done(run_producer(cfg))
+        try:
+            stats = run_producer(cfg)
+        except Cancelled as exc:  # after a clean shutdown: the closing line, then 128 + the signal, as consume
+            click.echo(f"producer stopped by {signal_name(exc.signum)} (exit {exc.exit_status}): "
+                       f"{_counts(exc.summary or {})}", err=True)
+            sys.exit(exc.exit_status)
+        if not stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
+            click.echo(f"producer done: {_counts(stats_summary(stats))}", err=True)
     else:
         from artcache.trainers.consumer import run_consumer
 
         _finish_consume(run_consumer, cfg, bool(click.get_current_context().params.get("as_json")))
 
 
-def _producer_done(stats) -> None:
-    if stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
-        return
-    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
+def _counts(summary: dict) -> str:
+    """A producer's closing counts (:func:`artcache.producer.stats_summary`) as words."""
+    return ", ".join(f"{summary.get(k, 0)} {k}" for k in ("captures", "publications", "evictions", "recaptures",
+                                                          "failures"))
 
 
 def _finish_consume(run_consumer, cfg, as_json: bool) -> None:
@@ -344,7 +351,13 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
              fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1, prefill_chunk=0,
              eval_data=None):
-    """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
+    """Run the target and publish captures for every live consumer window.
+
+    Stop it with Ctrl-C (SIGINT) or SIGTERM: it finishes the batch in hand (published, or failed and journaled),
+    drains its publisher, journals its stop and closes its journal, backend and presence lock, so nothing is left
+    half-written; a second signal stops it at once. Exit status: 0 when it ended by itself (--exit-when-done,
+    --idle-exit, a complete --fill), 130 stopped by SIGINT (Ctrl-C), 143 by SIGTERM (both after that shutdown, as
+    `artcache consume`), 1 a failure (e.g. every capture failed), 2 bad input."""
     from artcache.producer import ProducerConfig
     from artcache.scheduler import SchedulerLimits
 
@@ -465,6 +478,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="Ranks of this consumer: a torch.distributed group (gloo on a CPU, nccl on CUDA: rank r on "
                    "cuda:r) that is one consumer to the cache; each optimizer step consumes --nproc x --grad-accum x "
                    "--batch-size positions. Under torchrun the group is torchrun's (WORLD_SIZE).")
+@click.option("--cp", default=1, type=int,
+              help="Context parallelism (DFlash): each sequence split across N ranks of the group, attention over "
+                   "their all-gathered context keys/values; --nproc is the world size (data-parallel ranks x N) and "
+                   "must be a multiple of N. 1: off.")
 @click.option("--grad-accum", default=1, type=int,
               help="Micro-batches of --batch-size per optimizer step on each rank; the update equals one step over "
                    "the whole batch; the LR schedule and --steps count optimizer steps.")
@@ -482,7 +499,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
             reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False, pack_tokens=0,
-            trackers=(), tracker_project="artcache"):
+            trackers=(), tracker_project="artcache", cp=1):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
@@ -511,7 +528,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         progress=progress, tensorboard=tensorboard, trackers=list(trackers), tracker_project=tracker_project,
         compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
-        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens)
+        reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens,
+        cp=cp)
     _start("consumer", cfg)
 
 
@@ -592,8 +610,9 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
               help="Each consumer's final checkpoint: weights only, with optimizer state (full) or none. Every "
               "mode's checkpoints and leftover artifacts are removed once its report figures are read.")
 @click.option("--suite", default=None, metavar="NAME",
-              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline "
-                   "(docs/benchmarks.md, 'Suites'). Its result: <dir>/<NAME>.json.")
+              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline, "
+                   "fp8, training-curve, payload, vllm-throughput, packing (docs/benchmarks.md, 'Suites'). Its "
+                   "result: <dir>/<NAME>.json.")
 @click.option("--resume", "suite_resume", default=None, metavar="DIR",
               help="--suite: the suite's directory; pieces finished there are skipped (created on the first call).")
 @click.option("--time-budget", "time_budget", default=None, type=float, metavar="S",
@@ -601,11 +620,15 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
 @click.option("--scale", default="full", type=click.Choice(["full", "tiny"]),
               help="--suite: full (the documented sizes; GPU pieces need CUDA) or tiny (toy sizes on any device).")
 @click.option("--pieces", default="", help="--suite: a comma list of its pieces (default: all).")
+@click.option("--consumer-ranks", default=1, type=click.IntRange(min=1),
+              help="Ranks of every consumer: each a torch.distributed group (gloo on cpu, one GPU a rank on cuda), "
+              "one consumer to the cache, consuming ranks x --batch-size positions per step. Above 1 the lockstep "
+              "baseline is left out (its consumers are one process each).")
 @_errors
 @_with_config("bench")
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
           draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25, save="weights",
-          suite=None, suite_resume=None, time_budget=None, scale="full", pieces=""):
+          suite=None, suite_resume=None, time_budget=None, scale="full", pieces="", consumer_ranks=1):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report, or a measurement suite (--suite) in
     pieces that resume."""
     if suite is not None or suite_resume or time_budget is not None or pieces:
@@ -631,7 +654,7 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
                       batch_size=batch_size, draft_layers=draft_layers, window=window,
                       allow_shared_gpu=allow_shared_gpu, modes=modes,
                       disk_budget=parse_bytes(disk_budget, "disk-budget"), budget_fraction=budget_fraction,
-                      save=save)
+                      save=save, consumer_ranks=consumer_ranks)
     ok = run_bench(cfg)
     sys.exit(0 if ok else 1)
 
@@ -797,12 +820,14 @@ def fsck(cache, fix, as_json, observe):
 
 
 @main.command()
-@click.option("--checkpoint", required=True,
-              help="A consumer checkpoint (checkpoints/step-N) or run directory (uses its checkpoints/latest).")
+@click.option("--checkpoint", default=None,
+              help="A consumer checkpoint (checkpoints/step-N) or run directory (uses its checkpoints/latest). "
+                   "Without it, --out names an existing export directory that is only checked (see --check).")
 @click.option("--format", "fmt", default="hf", type=click.Choice(["hf", "speculators"]),
               help="hf: vLLM's native draft layout; speculators: vllm-project/speculators' config format.")
 @click.option("--out", "out_dir", required=True,
-              help="Draft directory to create (config.json, model.safetensors); never the checkpoint or its run.")
+              help="Draft directory to create (config.json, model.safetensors); never the checkpoint or its run. "
+                   "Without --checkpoint: the existing export directory to check.")
 @click.option("--target", default=None,
               help="The target the draft was trained for (name, HF directory or hub id); supplies layer count and ids. "
                    "Default: the target_name the checkpoint's state.json records (its weights digest must match).")
@@ -815,13 +840,27 @@ def fsck(cache, fix, as_json, observe):
                    "DeepSpec's from_pretrained reads them from the draft and leaves them random without them; "
                    "needs a --target with weights). --no-target-tensors leaves them out (vLLM shares the target's). "
                    "No other draft or format carries them.")
+@click.option("--check/--no-check", default=True,
+              help="Before the export is renamed into place, resolve it through the installed vLLM's and speculators' "
+                   "own config and registry code and SGLang's EAGLE-3 layout, and refuse (one line naming the key) "
+                   "an export that would load and serve wrong; an engine not installed is skipped and named "
+                   "(docs/export.md, \"Checking an export\"). Default on; --no-check skips it.")
 @_errors
-def export(checkpoint, fmt, out_dir, target, dtype, overwrite, target_tensors):
-    """Write a trained DFlash, EAGLE-3 or DSpark draft as a directory vLLM / speculators load (docs/export.md)."""
+def export(checkpoint, fmt, out_dir, target, dtype, overwrite, target_tensors, check):
+    """Write a trained DFlash, EAGLE-3 or DSpark draft as a directory vLLM / speculators / SGLang load, checked
+    against them (docs/export.md); without --checkpoint, check an existing export directory (--out)."""
+    if checkpoint is None:
+        from artcache.trainers.export_check import check_export
+
+        if not check:
+            raise ConfigError("--no-check without --checkpoint has nothing to do; accepted: --checkpoint to export, "
+                              "or --check (the default) with --out naming an export directory to check")
+        click.echo(json.dumps(check_export(out_dir, target).summary()))
+        return
     from artcache.trainers.export import export_checkpoint
 
     res = export_checkpoint(checkpoint, out_dir, fmt, target=target, dtype=dtype, overwrite=overwrite,
-                            target_tensors=target_tensors)
+                            target_tensors=target_tensors, check=check)
     click.echo(json.dumps(res.summary()))
 
 

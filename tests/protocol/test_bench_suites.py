@@ -197,3 +197,34 @@ def test_a_signal_stops_the_running_piece_unrecorded_and_exits_128_plus_it(tmp_p
     assert S.main_suite("fake", out_dir="", resume=str(d), device="cpu", scale="full", pieces="",
                         time_budget_s=None) == 0
     assert calls == ["a", "b", "b", "c"]
+
+
+def test_every_suite_is_named_in_the_bench_help_and_in_the_docs_table():
+    """``artcache bench --help`` (and so docs/cli.md) and docs/benchmarks.md's suite table name every suite."""
+    res = CliRunner().invoke(main, ["bench", "--help"], terminal_width=1000)
+    assert res.exit_code == 0, res.output
+    table = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
+    for name in S.SUITES:
+        assert name in res.output, name
+        assert f"| `{name}` |" in table, name
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize("suite, module, needle", [
+    ("payload", "mooncake", "mooncake_master not found: python3 -m pip install mooncake-transfer-engine-non-cuda"),
+    ("vllm-throughput", "vllm", "the vllm backend needs vLLM: install artcache[vllm]"),
+])
+def test_the_payload_and_vllm_suites_name_what_to_install_when_it_is_missing(tmp_path, suite, module, needle):
+    """The two suites that need an optional package fail their piece in one line naming it (exit 1 through the
+    CLI), leaving nothing recorded, on a machine without it."""
+    if _installed(module):
+        pytest.skip(f"{module} is installed here: its lane runs the suite")
+    with pytest.raises(S.PieceFailed) as exc:
+        S.run_suite(S.get_suite(suite), tmp_path / suite, device="cpu", scale="tiny", echo=lambda _: None)
+    assert needle in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+    assert not (tmp_path / suite / "pieces").exists()

@@ -76,3 +76,27 @@ def test_fp8_suite_at_tiny_scale_on_a_cpu(tmp_path):
     rows = p["tau"]["result"]["rows"]
     assert {(r["draft"], r["metric"]) for r in rows} >= {("dflash", "replay_tau"), ("eagle3", "loss")}
     assert all(r["fp8_s0"] is not None and r["bf16_s0"] is not None for r in rows)
+
+
+# under three minutes on a loaded 2-core machine: three pieces, each building a ShareGPT plan
+def test_packing_suite_at_tiny_scale_on_a_cpu(tmp_path):
+    """One piece per draft, each with the walk's and the timed steps' packed / unpacked figures: the packed arm
+    pads less, holds more positions a step, and (DFlash, DSpark) draws anchors per document, so its coverage of
+    supervised tokens is recorded; EAGLE-3 draws none."""
+    d = tmp_path / "pk"
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "packing", "--scale", "tiny",
+                          "--resume", str(d)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((d / "packing.json").read_text())
+    assert list(doc["pieces"]) == ["dflash", "eagle3", "dspark"] and doc["scale"] == "tiny"
+    for draft, piece in doc["pieces"].items():
+        r = piece["result"]
+        assert r["draft"] == draft and r["arch"] == "tiny-llama" and r["max_length"] == 1024
+        walked = r["walk"]
+        assert walked["packed"]["padding_fraction"] < walked["unpacked"]["padding_fraction"]
+        assert r["walk_packed_over_unpacked"]["positions_per_step"] > 1
+        assert r["packed_over_unpacked"]["supervised_tokens_per_s"] > 0 and r["arms"]["packed"]["steps"] == 1
+        assert ("anchor_coverage" in r["walk_packed_over_unpacked"]) == (draft != "eagle3")
+        if draft != "eagle3":
+            assert 0 < walked["packed"]["anchor_coverage"] <= 1

@@ -545,7 +545,7 @@ def test_export_roundtrip_and_config():
     out = export_config(model.cfg, target)
     assert out["architectures"] == ["LlamaForCausalLMEagle3"] and out["num_hidden_layers"] == 1
     assert out["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # vLLM ids = output-of-layer [1, 14, 26] + 1
-    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]  # SGLang's: it adds 1 itself
     assert (out["vocab_size"], out["draft_vocab_size"], out["head_dim"]) == (V, VD, 8)
     assert out["max_position_embeddings"] == 4096 and out["tie_word_embeddings"] is False
     json.dumps(out)  # JSON-serialisable

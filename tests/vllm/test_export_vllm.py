@@ -27,6 +27,9 @@ import torch
 from tests.support import SUPPORT
 
 SCRIPT = SUPPORT / "vllm_spec_decode.py"
+#: these exports are loaded and served by vLLM in the tests themselves; the export check (which starts vLLM once
+#: more to resolve each export) has its own tests in test_export_check.py
+NO_CHECK = False
 K_DFLASH, K_EAGLE3, PROMPTS, MAX_TOKENS = 3, 3, 2, 24
 
 
@@ -108,7 +111,7 @@ def test_exported_draft_serves_in_vllm(tmp_path, vllm_python, smollm2_target, ba
     env_ckpt = os.environ.get(f"ARTCACHE_EXPORT_{draft.upper()}_CKPT")
     ckpt = Path(env_ckpt) if env_ckpt else _random_checkpoint(tmp_path / "run", draft, smollm2_target)
     out = tmp_path / f"{draft}-{fmt}"
-    export_checkpoint(ckpt, out, fmt, target=smollm2_target.path)
+    export_checkpoint(ckpt, out, fmt, target=smollm2_target.path, check=NO_CHECK)
     k = K_DFLASH if draft == "dflash" else K_EAGLE3
     if env_ckpt and draft == "dflash":
         k = json.loads((out / "config.json").read_text()).get("block_size", k + 1) - 1
@@ -250,7 +253,7 @@ def test_overfit_drafts_are_accepted_by_vllm(tmp_path, vllm_python, smollm2_targ
     offline = {"dflash": res["dflash_tau"], "eagle3": 1 + res["eagle3_sim_acc_len"]}  # both incl. +1 bonus
     for draft in ("dflash", "eagle3"):
         out = tmp_path / f"{draft}-hf"
-        export_checkpoint(res[draft], out, "hf", target=str(target))
+        export_checkpoint(res[draft], out, "hf", target=str(target), check=NO_CHECK)
         got = _run(vllm_python, target, "--prompts", "4", "--max-tokens", "64", "--draft", str(out),
                    "--method", draft, "--k", str(K_DFLASH if draft == "dflash" else K_EAGLE3))
         print(f"\n[{draft}] offline (teacher-forced, incl. +1 bonus) {offline[draft]:.2f}; vLLM mean acceptance "
@@ -326,7 +329,7 @@ def test_dspark_export_loads_in_vllms_dspark_code(tmp_path, vllm_python, smollm2
 
     model, ids = _dspark_model(smollm2_target)
     out = tmp_path / f"dspark-{fmt}"
-    export_checkpoint(_save_dspark(tmp_path / "run", model, ids), out, fmt, target=smollm2_target.path,
+    export_checkpoint(_save_dspark(tmp_path / "run", model, ids), out, fmt, target=smollm2_target.path, check=NO_CHECK,
                       dtype="float32")
     g = torch.Generator().manual_seed(1)
     prev = torch.randint(0, model.cfg.vocab_size, (5,), generator=g)
@@ -448,7 +451,8 @@ def test_dspark_export_serves_in_vllm(tmp_path, vllm_python, smollm2_target):
     target = Path(smollm2_target.path)
     model, ids = _dspark_model(smollm2_target)
     probe = tmp_path / "probe"
-    export_checkpoint(_save_dspark(tmp_path / "probe-run", model, ids), probe, "hf", target=str(target))
+    export_checkpoint(_save_dspark(tmp_path / "probe-run", model, ids), probe, "hf", target=str(target),
+                      check=NO_CHECK)
     refusal = _serving_refused(vllm_python, target, probe)
     if refusal:
         pytest.skip(f"this vLLM cannot serve DSpark here: {refusal}")
@@ -457,7 +461,7 @@ def test_dspark_export_serves_in_vllm(tmp_path, vllm_python, smollm2_target):
     assert res["replay_tau"] > 1.5, res
     for fmt in ("hf", "speculators"):
         out = tmp_path / f"dspark-{fmt}"
-        export_checkpoint(res["run"], out, fmt, target=str(target))
+        export_checkpoint(res["run"], out, fmt, target=str(target), check=NO_CHECK)
         args = ["--speculators"] if fmt == "speculators" else ["--method", "dspark"]
         got = _run(vllm_python, target, "--prompts", "4", "--max-tokens", "64", "--draft", str(out), *args,
                    "--k", str(DSPARK_B))

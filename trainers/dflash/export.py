@@ -35,13 +35,14 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
+from artcache.trainers.export_check import ExportLayout, refuse
 
 from .config import DFlashConfig
 from .model import DFlashDraft
 
-__all__ = ["DFLASH_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "dflash_config_from_export",
-           "dflash_export_config", "dflash_export_state_dict", "export_checkpoint_files", "load_dflash_export",
-           "read_published"]
+__all__ = ["DFLASH_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "block_layout", "check_mask_and_block",
+           "dflash_config_from_export", "dflash_export_config", "dflash_export_state_dict", "export_checkpoint_files",
+           "export_layout", "load_dflash_export", "read_published"]
 
 #: The architecture vLLM's registry maps to its DFlash draft (``qwen3_dflash.DFlashQwen3ForCausalLM``).
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -337,3 +338,63 @@ def load_dflash_export(directory: str | Path, embed_weight: Tensor, lm_head_weig
                 f"exported DFlash draft {directory}")
     model.load_state_dict(own, strict=True)
     return model, ids
+
+
+def check_mask_and_block(mask_token_id: Any, block_size: Any, vocab_size: int, where: str, key: str) -> None:
+    """A block draft's MASK id and block size as an engine reads them (``key``: where the MASK id sits).
+
+    Raises:
+        ConfigError: no MASK id, one outside ``[0, vocab_size)``, or a block size below 2 (named).
+    """
+    if isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab_size:
+        raise refuse(where, key, f"{mask_token_id!r}: the engine fills the block with another token than the "
+                     "draft was trained on", f"the trained MASK id, an int in [0, {vocab_size})")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+        raise refuse(where, "block_size", f"{block_size!r}", "the trained block size, an int >= 2")
+
+
+def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> ExportLayout:
+    """The :class:`~artcache.trainers.export_check.ExportLayout` of an exported DFlash directory (either format),
+    read as vLLM and speculators read it: :func:`dflash_config_from_export` (layer ids, their two fields agreeing,
+    bidirectional full attention, no ``sample_from_anchor``, full vocabulary), a MASK id and block size
+    (:func:`check_mask_and_block`; hf: ``block_size`` = ``dflash_config.block_size``), speculators'
+    ``sliding_window_non_causal: true`` written explicitly (absent, vLLM reads it as true and speculators as
+    false) and every tensor under its key with its shape.
+
+    Raises:
+        ConfigError: one line naming the key (see :func:`artcache.trainers.export_check.refuse`).
+    """
+    cfg, ids = dflash_config_from_export(config)
+    spec = config.get("speculators_model_type") == "dflash"
+    check_mask_and_block(cfg.mask_token_id, cfg.block_size, cfg.vocab_size, where,
+                         "mask_token_id" if spec else "dflash_config.mask_token_id")
+    if not spec:
+        top, dc = config.get("block_size"), (config.get("dflash_config") or {}).get("block_size")
+        if top is not None and dc is not None and top != dc:
+            raise refuse(where, "block_size", f"{top} at the top level but dflash_config.block_size {dc}",
+                         "one block size")
+    elif config.get("sliding_window_non_causal") is not True:
+        raise refuse(where, "sliding_window_non_causal", f"{config.get('sliding_window_non_causal')!r}: vLLM makes the "
+                     "block attention causal when it is false, speculators when it is absent",
+                     "true (the block attention is bidirectional)")
+    meta = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
+    ref = DFlashDraft(cfg, meta, meta, dtype=torch.float32).trainable_state_dict()
+    own = {next((n + k[len(sv):] for n, sv in SERVING_NAMES if k.startswith(sv)), k): v for k, v in tensors.items()}
+    check_keys(own, {k: tuple(v.shape) for k, v in ref.items()}, f"export check: {where}: tensors")
+    return block_layout("dflash", cfg, ids, spec, "qwen3_dflash.DFlashQwen3ForCausalLM", sample_from_anchor=False)
+
+
+def block_layout(draft: str, cfg: Any, ids: list[int], spec: bool, vllm_class: str, *,
+                 sample_from_anchor: bool) -> ExportLayout:
+    """The :class:`~artcache.trainers.export_check.ExportLayout` of a block draft (DFlash, DSpark: a full-vocabulary
+    Qwen3 backbone filling a block of ``cfg.block_size`` with ``cfg.mask_token_id``). ``vllm_class``: under
+    ``vllm.model_executor.models``. ``sample_from_anchor``: the first proposal comes from the anchor slot (DSpark,
+    B proposals a step) rather than after it (DFlash, B - 1); DFlash's block attention is bidirectional."""
+    return ExportLayout(
+        draft=draft, fmt="speculators" if spec else "hf", layer_ids=ids, hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size, vllm_method=draft,
+        vllm_classes=(f"vllm.model_executor.models.{vllm_class}",),
+        speculators_class=f"speculators.models.{draft}.core.{'DSpark' if draft == 'dspark' else 'DFlash'}DraftModel"
+        if spec else None, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+        sample_from_anchor=sample_from_anchor, max_speculative_tokens=cfg.block_size - (0 if sample_from_anchor else 1),
+        causal=None if sample_from_anchor else False)

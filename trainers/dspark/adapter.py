@@ -34,7 +34,7 @@ from artcache.trainers.packing import draw_anchors, packed_on
 from artcache.trainers.speed import SpeedOptions, to_device
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
-from .export import SERVING_NAMES, TARGET_TENSORS, read_published
+from .export import SERVING_NAMES, TARGET_TENSORS, export_layout, read_published
 from .loss import BlockOutputs, block_layout, dspark_loss, slot_weights
 from .metrics import block_pending, block_sums, replay_walk, summarize
 
@@ -132,6 +132,10 @@ class DSparkAdapter(Draft):
 
         cfg = decode_draft_config(config, DSparkConfig, "DSpark draft config")
         return {k: tuple(v.shape) for k, v in _meta_model(cfg).trainable_state_dict().items()}
+
+    @classmethod
+    def export_layout(cls, config: dict[str, Any], tensors: dict[str, Tensor], where: str) -> Any:
+        return export_layout(config, tensors, where)
 
     @classmethod
     def read_published(cls, config: dict[str, Any], num_target_layers: int) -> dict[str, Any] | None:

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from artcache.errors import ConfigError
 from artcache.layer_ids import LAST_LAYER_STATE, output_of_layer_to_vllm_id, vllm_id_to_output_of_layer
-from artcache.trainers.dflash.export import _check_ids, _qwen3_layer_config
+from artcache.trainers.dflash.export import _check_ids, _qwen3_layer_config, block_layout, check_mask_and_block
 from artcache.trainers.draft import ExportedDraft
 from artcache.trainers.export import (
     SPECULATORS_VERSION,
@@ -61,10 +61,11 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
+from artcache.trainers.export_check import ExportLayout, refuse
 
 from .config import DSparkConfig
 
-__all__ = ["ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "config_from_export", "export_dspark",
+__all__ = ["ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "config_from_export", "export_dspark", "export_layout",
            "from_export_keys", "load_dspark_export", "read_published", "to_export_keys"]
 
 #: The architecture vLLM's registry maps to ``qwen3_dspark.Qwen3DSparkForCausalLM`` (DeepSpec's class name).
@@ -287,3 +288,40 @@ def load_dspark_export(directory: str | Path, embed_weight: Tensor, lm_head_weig
     _check_keys(own, model, f"exported DSpark draft {d}")
     model.load_state_dict(own, strict=True)
     return model, ids, temps
+
+
+def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> ExportLayout:
+    """The :class:`~artcache.trainers.export_check.ExportLayout` of an exported DSpark directory (either format),
+    read as vLLM and speculators read it: :func:`config_from_export` (``sample_from_anchor: true``: vLLM's default
+    false reads every slot one position off), ``architectures`` naming ``Qwen3DSparkModel`` (vLLM 0.32 builds
+    DeepSeek-V4's ``DSparkDraftModel`` for other names — a Qwen3 config's ``DSparkDraftModel`` excepted, which
+    it renames — with the target's quantization), a top-level
+    ``eagle_aux_hidden_state_layer_ids`` (read by vLLM before ``target_layer_ids``) = context ids + 1, a vanilla
+    Markov head for the speculators format, a MASK id and block size, and every tensor under its key with its
+    shape (the hf format may carry the target's ``embed_tokens`` / ``lm_head`` [V, H]).
+
+    Raises:
+        ConfigError: one line naming the key (see :func:`artcache.trainers.export_check.refuse`).
+    """
+    archs = config.get("architectures") or []
+    if ARCHITECTURE not in archs:
+        raise refuse(where, "architectures", f"{archs!r}: vLLM 0.32 serves method dspark under another name (but a "
+                     "Qwen3 config's DSparkDraftModel) as DeepSeek-V4's DSparkDraftModel with the target's "
+                     "quantization, and other vLLM versions resolve DSparkDraftModel elsewhere", f"[{ARCHITECTURE!r}]")
+    cfg, ids, _ = config_from_export(config)
+    spec = config.get("speculators_model_type") == "dspark"
+    check_mask_and_block(cfg.mask_token_id, cfg.block_size, cfg.vocab_size, where, "mask_token_id")
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    if top is not None and list(top) != [output_of_layer_to_vllm_id(i) for i in ids]:
+        raise refuse(where, "eagle_aux_hidden_state_layer_ids", f"{top}: vLLM reads it before the context ids {ids}",
+                     f"absent or {[output_of_layer_to_vllm_id(i) for i in ids]}")
+    if spec and cfg.markov_head_type != "vanilla":
+        raise refuse(where, "markov_head_type", f"{cfg.markov_head_type!r}: vLLM 0.32 serves 'vanilla' only",
+                     "'vanilla' (or --format hf)")
+    own = {k: v for k, v in tensors.items() if spec or k not in TARGET_TENSORS}
+    for name in set(tensors) - set(own):
+        if tuple(tensors[name].shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise refuse(where, name, f"{tuple(tensors[name].shape)}", f"[{cfg.vocab_size}, {cfg.hidden_size}]")
+    check_keys(from_export_keys(own), {k: tuple(v.shape) for k, v in _meta_model(cfg).trainable_state_dict().items()},
+               f"export check: {where}: tensors")
+    return block_layout("dspark", cfg, ids, spec, "qwen3_dspark.Qwen3DSparkForCausalLM", sample_from_anchor=True)

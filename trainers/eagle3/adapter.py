@@ -30,7 +30,7 @@ from artcache.trainers.packing import packed_on
 from artcache.trainers.speed import SpeedOptions
 
 from .config import Eagle3Config
-from .export import SERVING_NAMES, TARGET_TENSORS, export_checkpoint_files, read_published
+from .export import SERVING_NAMES, TARGET_TENSORS, export_checkpoint_files, export_layout, read_published
 from .loss import eagle3_loss, simulated_acc_len, supervision_masks
 from .model import Eagle3Draft
 from .vocab import build_vocab_map, count_plan_tokens, vocab_coverage
@@ -131,6 +131,10 @@ class Eagle3Adapter(Draft):
             model = Eagle3Draft(ecfg, torch.empty(V, H), torch.empty(H), torch.empty(V, H),
                                 torch.empty(Vd, dtype=torch.long), torch.empty(V, dtype=torch.bool))
         return {k: tuple(v.shape) for k, v in model.trainable_state_dict().items()}
+
+    @classmethod
+    def export_layout(cls, config: dict[str, Any], tensors: dict[str, Tensor], where: str) -> Any:
+        return export_layout(config, tensors, where)
 
     @classmethod
     def read_published(cls, config: dict[str, Any], num_target_layers: int) -> dict[str, Any] | None:

@@ -20,7 +20,8 @@ What was verified, and where (public sources read through the search tool; nothi
   (``fc``, ``layers.0`` / ``midlayer``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and also load ``t2d``; their
   config format (``speculators_model_type: eagle3`` + ``transformer_layer_config``) is written by
   :func:`export_checkpoint_files` for ``--format speculators``: ``layers.0.*`` for ``midlayer.*`` (vLLM maps
-  ``midlayer.`` to ``layers.0.``) and ``norm_before_residual: false`` explicitly (speculators' default is true).
+  ``midlayer.`` to ``layers.0.``) and ``norm_before_residual: false`` explicitly (vLLM reads this format with a
+  default of true).
 
 The parameter names of :class:`~artcache.trainers.eagle3.model.Eagle3Draft` already are these keys, so
 :func:`export_state_dict` is a filtered, cast copy of ``model.state_dict()`` and
@@ -48,12 +49,14 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
+from artcache.trainers.export_check import ExportLayout, refuse
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 from .model import FROZEN_BUFFERS, Eagle3Draft
 
-__all__ = ["EXPORT_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "eagle3_config_from_export",
-           "export_checkpoint_files", "export_config", "export_state_dict", "load_eagle3_export", "read_published"]
+__all__ = ["EXPORT_ARCHITECTURE", "SERVING_NAMES", "TARGET_TENSORS", "check_vocab_map", "eagle3_config_from_export",
+           "export_checkpoint_files", "export_config", "export_layout", "export_state_dict", "load_eagle3_export",
+           "read_published"]
 
 #: The architecture name written into the exported config.json (vLLM maps it to Eagle3LlamaForCausalLM).
 EXPORT_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -106,8 +109,9 @@ def export_config(cfg: Eagle3Config, target_hf_config: Any, *, dtype: torch.dtyp
             ``max_position_embeddings``, ``bos_token_id``, ``eos_token_id`` are copied when present).
         dtype: the dtype the weights are saved in (``torch_dtype``).
         aux_layer_ids: the captured layers in the **output-of-layer** convention; default
-            :func:`eagle3_layer_ids` of the target. Written as vLLM input-of-layer ids (+1) under
-            ``eagle_aux_hidden_state_layer_ids`` (top level and ``eagle_config``).
+            :func:`eagle3_layer_ids` of the target. Written as vLLM input-of-layer ids (+1) under the top-level
+            ``eagle_aux_hidden_state_layer_ids`` (which vLLM reads first) and unchanged under
+            ``eagle_config.eagle_aux_hidden_state_layer_ids`` (the only key SGLang reads; its target adds 1).
 
     Raises:
         ConfigError: the target config lacks ``num_hidden_layers``, its hidden size differs from the
@@ -152,7 +156,8 @@ def export_config(cfg: Eagle3Config, target_hf_config: Any, *, dtype: torch.dtyp
         "norm_before_residual": False,
         "torch_dtype": DTYPE_NAMES[dtype],
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids, "use_aux_hidden_state": True},
+        # SGLang reads only this one and adds 1 itself: output-of-layer ids (vLLM reads the top level first)
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True},
     }
     for key in ("bos_token_id", "eos_token_id"):
         v = getattr(tc, key, None)
@@ -266,8 +271,8 @@ def _eagle3_fields(config: dict, num_target_layers: int | None) -> tuple[dict, l
         else:
             raise ConfigError(f"not an EAGLE-3 config (architectures {config.get('architectures')!r})")
         if layer.get("model_type", "llama") != "llama" or int(layer.get("num_hidden_layers", 1)) != 1:
-            raise ConfigError(f"a {layer.get('model_type')} layer config with {layer.get('num_hidden_layers')} layers: "
-                              "artcache's EAGLE-3 is one Llama decoder layer")
+            raise ConfigError(f"model_type {layer.get('model_type')!r}, num_hidden_layers "
+                              f"{layer.get('num_hidden_layers')}: artcache's EAGLE-3 is one Llama decoder layer")
         if layer.get("attention_bias") or layer.get("mlp_bias"):
             raise ConfigError("attention_bias / mlp_bias true: artcache's EAGLE-3 projections have no bias")
         theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
@@ -345,3 +350,79 @@ def load_eagle3_export(directory: str | Path, embed: Tensor, target_norm_weight:
                 f"exported EAGLE-3 draft {directory}")
     model.load_state_dict(tensors, strict=True)
     return model, aux
+
+
+def check_vocab_map(d2t: Tensor, t2d: Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
+    """The draft-to-target vocabulary map an engine reads: ``d2t`` int64 [V_d] (target id = draft id + d2t), all
+    target ids distinct and in ``[0, V)``, and ``t2d`` bool [V] marking exactly those ids.
+
+    Raises:
+        ConfigError: one line naming ``d2t`` or ``t2d`` and what is wrong (a wrong map loads and proposes other
+            tokens than the draft predicts).
+    """
+    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (draft_vocab_size,):
+        raise refuse(where, "d2t", f"{d2t.dtype} {tuple(d2t.shape)}", f"int64 [{draft_vocab_size}] (draft_vocab_size)")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+        raise refuse(where, "t2d", f"{t2d.dtype} {tuple(t2d.shape)}", f"bool [{vocab_size}] (vocab_size)")
+    target = torch.arange(draft_vocab_size, dtype=torch.int64) + d2t
+    if bool(((target < 0) | (target >= vocab_size)).any()) or int(target.unique().numel()) != draft_vocab_size:
+        raise refuse(where, "d2t", "maps draft ids to target ids outside [0, vocab_size) or to one id twice",
+                     f"distinct target ids in [0, {vocab_size}) (target id = draft id + d2t[draft id])")
+    if int(t2d.sum()) != draft_vocab_size or not bool(t2d[target].all()):
+        raise refuse(where, "t2d", f"marks {int(t2d.sum())} ids, not the {draft_vocab_size} d2t maps to",
+                     "true exactly at the target ids of d2t")
+
+
+def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> ExportLayout:
+    """The :class:`~artcache.trainers.export_check.ExportLayout` of an exported EAGLE-3 directory (either format),
+    read as vLLM, speculators and SGLang read it: :func:`eagle3_config_from_export` (norm placement, one Llama
+    layer, no biases, the aux ids) plus the top-level ``eagle_aux_hidden_state_layer_ids`` of the hf format
+    (absent, vLLM reads ``eagle_config``'s ids as input-of-layer while SGLang reads them as output-of-layer),
+    ``eagle_config``'s ids = top-level - 1, three aux ids, the target width, untied embeddings, the vocabulary map
+    (:func:`check_vocab_map`) and every tensor under its key with its shape.
+
+    Raises:
+        ConfigError: one line naming the key (see :func:`artcache.trainers.export_check.refuse`).
+    """
+    cfg, aux = eagle3_config_from_export(config)
+    ids = [vllm_id_to_output_of_layer(i) for i in aux]
+    spec = config.get("speculators_model_type") == "eagle3"
+    if not spec:
+        if config.get("eagle_aux_hidden_state_layer_ids") is None:
+            raise refuse(where, "eagle_aux_hidden_state_layer_ids", "absent at the top level: vLLM then reads "
+                         "eagle_config's ids as input-of-layer ids, SGLang as output-of-layer ids",
+                         f"the input-of-layer ids {aux} at the top level")
+        sg = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if sg is not None and list(sg) != ids:
+            raise refuse(where, "eagle_config.eagle_aux_hidden_state_layer_ids", f"{sg} is not the top-level ids "
+                         f"{aux} - 1 (SGLang reads this key as output-of-layer ids and adds 1)", f"{ids}")
+    if len(ids) != EAGLE3_NUM_AUX:
+        raise refuse(where, "eagle_aux_hidden_state_layer_ids", f"{aux}: {len(ids)} layers",
+                     f"{EAGLE3_NUM_AUX} ids (fc reads {EAGLE3_NUM_AUX} target states)")
+    layer = config.get("transformer_layer_config") or config
+    if layer.get("tie_word_embeddings") or config.get("tie_word_embeddings"):
+        raise refuse(where, "tie_word_embeddings", "true: the engine uses the target's embedding as the draft's "
+                     "lm_head", "false")
+    own = {next((p + n[len(s):] for p, s in SERVING_NAMES if n.startswith(s)), n): t for n, t in tensors.items()}
+    embed = own.pop("embed_tokens.weight", None)
+    if embed is not None and tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise refuse(where, "embed_tokens.weight", f"{tuple(embed.shape)}", f"[{cfg.vocab_size}, {cfg.hidden_size}]")
+    if spec and embed is None:
+        raise refuse(where, "embed_tokens.weight", "absent: speculators' Eagle3DraftModel then embeds every "
+                     "token as zeros", "the target's input embedding")
+    if "d2t" not in own or "t2d" not in own:
+        raise refuse(where, "d2t / t2d", "absent: the engine takes draft ids for target ids",
+                     "the draft's vocabulary map")
+    check_vocab_map(own["d2t"], own["t2d"], cfg.vocab_size, cfg.draft_vocab_size, where)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    with torch.device("meta"):
+        meta = Eagle3Draft(cfg, torch.empty(V, H), torch.empty(H), torch.empty(V, H), own["d2t"].to("meta"),
+                           own["t2d"].to("meta"))
+    check_keys(own, {k: tuple(v.shape) for k, v in meta.trainable_state_dict().items()},
+               f"export check: {where}: tensors")
+    return ExportLayout(
+        draft="eagle3", fmt="speculators" if spec else "hf", layer_ids=ids, hidden_size=H,
+        vocab_size=V, draft_vocab_size=cfg.draft_vocab_size, vllm_method="eagle3",
+        vllm_classes=("vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM",),
+        speculators_class="speculators.models.eagle3.core.Eagle3DraftModel" if spec else None,
+        norm_before_residual=False)

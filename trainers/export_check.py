@@ -1,0 +1,506 @@
+"""``artcache export --check``: refuse an exported draft directory that a serving engine would load without
+error and then serve at acceptance length tau ~ 1 (the +1 bonus token alone), before anyone serves it.
+
+What it checks, in order (each refusal is one :class:`~artcache.errors.ConfigError` line naming the
+``config.json`` key, tensor or file and what is accepted):
+
+1. **Static** (always; no engine needed): the directory's ``config.json`` and ``model.safetensors`` read as
+   the draft's layout (:meth:`artcache.trainers.draft.Draft.export_layout`: the draft's keys, shapes, layer
+   ids, block size, MASK id, norm placement, ``sample_from_anchor``, vocabulary map), plus what every layout
+   shares: no ``quantization_config`` / ``compression_config`` (artcache's exports are unquantized; vLLM
+   quantizes a draft that carries one, or that it treats as part of a quantized target), ``torch_dtype`` =
+   the tensors' dtype, the speculators ``speculators_config`` (algorithm = ``speculators_model_type``, a
+   default proposal method that exists, ``speculative_tokens`` in ``[1, K_max]``, a verifier name), the
+   provenance ``export.json`` (draft, format and layer ids it recorded) and the target (hidden size, vocabulary,
+   layer range of the aux ids, the verifier's architectures).
+2. **vLLM** (when ``import vllm`` works in this interpreter): the export resolved by vLLM's own config and
+   registry code in a child process (:mod:`artcache.trainers.export_engines`): the speculative method, the
+   class vLLM instantiates, the aux layer ids the target captures, the draft's quantization, its norm
+   placement, causal flag, MASK id, ``sample_from_anchor``, draft vocabulary and target width must be what
+   the static reading says the draft was trained with.
+3. **speculators** (``--format speculators`` exports, when ``import speculators`` works): the config class
+   its registry picks, the model class ``SpeculatorModel.from_pretrained`` instantiates, and its defaults
+   filled in (``norm_before_residual``, aux ids, MASK id, block size, ``sample_from_anchor``, causal masking).
+4. **SGLang** (EAGLE-3 ``--format hf`` exports; static, no SGLang import): the layout SGLang's
+   ``LlamaForCausalLMEagle3`` reads (``python/sglang/srt/models/llama_eagle3.py``, ``models/llama.py``,
+   ``model_executor/model_runner.py``, ``speculative/eagle_worker.py``, read for facts): the architecture
+   name, ``eagle_config.eagle_aux_hidden_state_layer_ids`` in **output-of-layer** ids (SGLang's target adds 1
+   itself; absent, it captures its default layers), one decoder layer, ``draft_vocab_size`` with the draft's
+   own ``lm_head`` and a ``d2t`` map, ``tie_word_embeddings`` false, no ``fc`` bias, the un-normed residual
+   (SGLang has no ``norm_before_residual`` option), and every tensor under a name its ``load_weights`` keeps
+   (it drops unknown names silently). Other drafts and formats: SGLang is not checked, and the report says so.
+
+An engine that is not installed is skipped with one line saying which checks did not run; the static checks
+run regardless.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import Tensor
+
+from artcache.errors import ConfigError
+
+__all__ = ["ENGINES", "CheckReport", "ExportLayout", "check_export", "read_export", "refuse"]
+
+#: The engines the check resolves an export through (``vllm`` and ``speculators`` when installed; ``sglang``
+#: statically).
+ENGINES = ("vllm", "speculators", "sglang")
+_ENGINE_SCRIPT = Path(__file__).with_name("export_engines.py")
+_RESULT_PREFIX = "EXPORT_ENGINE_RESULT "
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: SGLang's ``LlamaForCausalLMEagle3`` (its EAGLE-3 draft class, registered under this architecture name).
+SGLANG_EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+#: The tensor names SGLang's ``LlamaForCausalLMEagle3.load_weights`` places (``d2t`` becomes its hot-token map;
+#: ``t2d`` and ``embed_tokens`` are read and replaced or skipped; anything else is dropped without a word).
+SGLANG_EAGLE3_TENSORS = frozenset({
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))})
+
+
+def refuse(where: str, key: str, problem: str, accepted: str) -> ConfigError:
+    """The one-line refusal: ``export check: <where>: <key>: <problem>; accepted: <accepted>``."""
+    return ConfigError(f"export check: {where}: {key}: {problem}; accepted: {accepted}")
+
+
+@dataclass
+class ExportLayout:
+    """What the static reading of an export says a serving engine must resolve (built by each draft's
+    :meth:`~artcache.trainers.draft.Draft.export_layout`).
+
+    ``layer_ids``: the captured target layers, **output-of-layer**, in ``fc``'s input order (``aux_ids``: the
+    same as vLLM / speculators input-of-layer ids, + 1). ``max_speculative_tokens``: the largest proposal length
+    the draft was trained for (DFlash ``B - 1``, DSpark ``B``; None: any). ``vllm_classes``: the vLLM class
+    names (``module.Class``) its registry must resolve; ``speculators_class`` likewise (None: not a speculators
+    layout). ``norm_before_residual`` / ``causal``: the convention trained (None: not applicable)."""
+
+    draft: str
+    fmt: str
+    layer_ids: list[int]
+    hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    vllm_method: str
+    vllm_classes: tuple[str, ...]
+    speculators_class: str | None = None
+    block_size: int | None = None
+    mask_token_id: int | None = None
+    sample_from_anchor: bool = False
+    max_speculative_tokens: int | None = None
+    norm_before_residual: bool | None = None
+    causal: bool | None = None
+
+    @property
+    def aux_ids(self) -> list[int]:
+        return [i + 1 for i in self.layer_ids]
+
+    @property
+    def target_hidden_size(self) -> int:
+        """The width of the target states ``fc`` reads: every artcache draft reads states of its own width."""
+        return self.hidden_size
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check_export` found: the ``directory``, its ``layout``, one line per check that ran
+    (``checked``) and one per engine check that did not (``skipped``, saying why)."""
+
+    directory: Path
+    layout: ExportLayout
+    checked: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [f"checked: {c}" for c in self.checked] + [f"skipped: {s}" for s in self.skipped]
+
+    def summary(self) -> dict:
+        return {"path": str(self.directory), "draft": self.layout.draft, "format": self.layout.fmt,
+                "checked": self.checked, "skipped": self.skipped}
+
+
+def read_export(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """(``config.json`` as a dict, ``model.safetensors``'s tensors) of an exported draft directory.
+
+    Raises:
+        ConfigError: either file is missing or unreadable (named).
+    """
+    d = Path(directory)
+    try:
+        return json.loads((d / "config.json").read_text()), safetensors.torch.load_file(d / "model.safetensors")
+    except (OSError, ValueError, safetensors.SafetensorError) as exc:
+        raise ConfigError(f"exported draft {d}: unreadable config.json / model.safetensors ({exc})") from exc
+
+
+# ------------------------------------------------------------------------------------------ static
+
+def _draft_of(config: dict, num_target_layers: int, where: str) -> str:
+    """The draft whose published layout ``config`` is (each draft's ``read_published``).
+
+    Raises:
+        ConfigError: none of them (``architectures`` / ``speculators_model_type`` named), or the layout
+            refuses an option (its own one line).
+    """
+    from artcache.trainers import DRAFT_NAMES
+    from artcache.trainers.draft import draft_class
+
+    for name in DRAFT_NAMES:
+        if draft_class(name).read_published(config, num_target_layers) is not None:
+            return name
+    raise refuse(where, "architectures", f"{config.get('architectures')!r} (speculators_model_type "
+                 f"{config.get('speculators_model_type')!r}) is no draft layout artcache exports, so no engine "
+                 "would instantiate the trained draft", "DFlashDraftModel, LlamaForCausalLMEagle3, Qwen3DSparkModel "
+                 "or speculators_model_type dflash / eagle3 / dspark")
+
+
+def _check_quantization(config: dict, tensors: dict[str, Tensor], where: str) -> None:
+    """artcache's exports are unquantized: a ``quantization_config`` (copied from a quantized target, say) makes
+    vLLM build quantized layers for floating weights."""
+    layer = config.get("transformer_layer_config") or {}
+    for scope, d in (("", config), ("transformer_layer_config.", layer)):
+        for key in ("quantization_config", "compression_config"):
+            if d.get(key) is not None:
+                kinds = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+                raise refuse(where, scope + key, f"{json.dumps(d[key])[:120]} while the tensors are {kinds} "
+                             "(vLLM would quantize or mis-read the draft's weights)",
+                             "no quantization_config: artcache's exports are unquantized")
+
+
+def _check_width(config: dict, layout: ExportLayout, where: str) -> None:
+    width = config.get("target_hidden_size", layout.hidden_size)
+    if width != layout.hidden_size:
+        raise refuse(where, "target_hidden_size", f"{width} for a draft of hidden_size {layout.hidden_size}",
+                     f"{layout.hidden_size} (artcache's drafts read target states of their own width)")
+
+
+def _check_dtype(config: dict, tensors: dict[str, Tensor], where: str) -> None:
+    name = config.get("torch_dtype") or (config.get("transformer_layer_config") or {}).get("torch_dtype")
+    if name is None:
+        return
+    want = _DTYPE_NAMES.get(name)
+    got = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()})
+    if want is None or got != [name]:
+        raise refuse(where, "torch_dtype", f"{name!r} but the floating tensors are {got}",
+                     f"the one dtype the tensors hold, one of {', '.join(_DTYPE_NAMES)}")
+
+
+def _check_speculators_config(config: dict, layout: ExportLayout, where: str) -> int:
+    """The speculators wrapper: returns the default proposal's ``speculative_tokens``."""
+    sc = config.get("speculators_config")
+    if not isinstance(sc, dict):
+        raise refuse(where, "speculators_config", f"{sc!r}", "an object (algorithm, proposal_methods, "
+                     "default_proposal_method, verifier)")
+    if sc.get("algorithm") != config.get("speculators_model_type"):
+        raise refuse(where, "speculators_config.algorithm", f"{sc.get('algorithm')!r} is not "
+                     f"speculators_model_type {config.get('speculators_model_type')!r}", "the same algorithm")
+    methods = sc.get("proposal_methods")
+    default = sc.get("default_proposal_method")
+    chosen = [m for m in methods or [] if isinstance(m, dict) and m.get("proposal_type") == default]
+    if not chosen:
+        raise refuse(where, "speculators_config.default_proposal_method", f"{default!r} names none of "
+                     f"proposal_methods {methods!r}", "the proposal_type of one entry of proposal_methods")
+    k = chosen[0].get("speculative_tokens")
+    hi = layout.max_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (hi is not None and k > hi):
+        raise refuse(where, "speculators_config.proposal_methods[].speculative_tokens", f"{k!r}",
+                     f"an int in [1, {hi if hi is not None else 'any'}] (a {layout.draft} draft of block size "
+                     f"{layout.block_size} drafts at most that many tokens per step)")
+    verifier = sc.get("verifier") or {}
+    if not isinstance(verifier.get("name_or_path"), str) or not verifier["name_or_path"]:
+        raise refuse(where, "speculators_config.verifier.name_or_path", f"{verifier.get('name_or_path')!r}",
+                     "the target's name")
+    return k
+
+
+def _check_provenance(directory: Path, layout: ExportLayout, where: str) -> str | None:
+    """``export.json`` (absent for drafts artcache did not write): its draft, format and layer ids must be the
+    layout's. Returns the target name it records."""
+    p = directory / "export.json"
+    if not p.is_file():
+        return None
+    try:
+        prov = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise refuse(where, "export.json", f"unreadable ({exc})", "the JSON artcache export writes") from exc
+    for key, want in (("draft", layout.draft), ("format", layout.fmt)):
+        if prov.get(key) not in (None, want):
+            raise refuse(where, f"export.json {key}", f"{prov.get(key)!r} but config.json is a {want!r} export",
+                         "the config.json of the export that wrote it")
+    ids = prov.get("layer_ids_output_of_layer")
+    if ids is not None and list(ids) != layout.layer_ids:
+        raise refuse(where, "layer ids", f"config.json reads output-of-layer ids {layout.layer_ids} (aux ids "
+                     f"{layout.aux_ids}) but the draft was trained on {list(ids)} (export.json)",
+                     f"aux ids {[i + 1 for i in ids]} (input-of-layer = trained output-of-layer + 1)")
+    return prov.get("target_name") or prov.get("target")
+
+
+def _check_target(config: dict, layout: ExportLayout, tc: Any, where: str) -> None:
+    tc = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
+    L = getattr(tc, "num_hidden_layers", None)
+    for key, ours, theirs in (("target_hidden_size", layout.target_hidden_size, getattr(tc, "hidden_size", None)),
+                              ("vocab_size", layout.vocab_size, getattr(tc, "vocab_size", None))):
+        if theirs is not None and ours != theirs:
+            raise refuse(where, key, f"{ours} but the target has {theirs}", f"the target's {theirs}")
+    if isinstance(L, int) and any(not 0 <= i < L for i in layout.layer_ids):
+        raise refuse(where, "aux layer ids", f"{layout.aux_ids} (input-of-layer) reach outside the target's {L} "
+                     "layers", f"ids in [1, {L}]")
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("architectures")
+    archs = list(getattr(tc, "architectures", None) or [])
+    if verifier and archs and list(verifier) != archs:
+        raise refuse(where, "speculators_config.verifier.architectures", f"{verifier} but the target is {archs}",
+                     f"{archs}")
+
+
+# ------------------------------------------------------------------------------------------ SGLang
+
+def _check_sglang(config: dict, tensors: dict[str, Tensor], layout: ExportLayout, where: str) -> str:
+    """SGLang's EAGLE-3 loader, statically (module docstring). Returns the ``checked`` line."""
+    if config.get("architectures") != [SGLANG_EAGLE3_ARCHITECTURE]:
+        raise refuse(where, "architectures", f"{config.get('architectures')!r}: SGLang registers its EAGLE-3 draft "
+                     "class under one name", f"[{SGLANG_EAGLE3_ARCHITECTURE!r}]")
+    ec = config.get("eagle_config")
+    sg = ec.get("eagle_aux_hidden_state_layer_ids") if isinstance(ec, dict) else None
+    if sg is None or list(sg) != layout.layer_ids:
+        raise refuse(where, "eagle_config.eagle_aux_hidden_state_layer_ids", f"{sg!r}: SGLang reads only this key "
+                     "and adds 1 itself (absent, it captures its default layers)",
+                     f"the output-of-layer ids {layout.layer_ids}")
+    if int(config.get("num_hidden_layers", 1)) != 1:
+        raise refuse(where, "num_hidden_layers", f"{config.get('num_hidden_layers')!r}", "1")
+    if config.get("tie_word_embeddings"):
+        raise refuse(where, "tie_word_embeddings", "true: SGLang then uses the target's embedding as lm_head",
+                     "false (the draft's own lm_head over draft_vocab_size)")
+    if config.get("draft_vocab_size") != layout.draft_vocab_size:
+        raise refuse(where, "draft_vocab_size", f"{config.get('draft_vocab_size')!r}: absent, SGLang loads the "
+                     "target's full lm_head", f"{layout.draft_vocab_size}")
+    if config.get("bias"):
+        raise refuse(where, "bias", "true: SGLang gives fc a bias the draft never trained", "false or absent")
+    if config.get("norm_before_residual"):
+        raise refuse(where, "norm_before_residual", "true: SGLang always keeps the un-normed residual", "false")
+    dropped = sorted(set(tensors) - SGLANG_EAGLE3_TENSORS - {"embed_tokens.weight"})
+    missing = sorted(SGLANG_EAGLE3_TENSORS - set(tensors))
+    if dropped or missing:
+        raise refuse(where, "tensors", f"SGLang's load_weights would drop {dropped} and leave {missing} unset",
+                     f"exactly {sorted(SGLANG_EAGLE3_TENSORS)}")
+    return (f"sglang (static, LlamaForCausalLMEagle3): eagle_config aux ids {layout.layer_ids} (output-of-layer), "
+            f"draft vocab {layout.draft_vocab_size} with d2t, {len(tensors)} tensors all loaded")
+
+
+# ------------------------------------------------------------------------------------------ engines
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _engine(engine: str, args: list[str], where: str, timeout_s: float) -> dict:
+    """Run :mod:`artcache.trainers.export_engines` for ``engine`` under this interpreter; its result dict.
+
+    Raises:
+        ConfigError: the child printed no result (its last stderr line quoted) or ran past ``timeout_s``.
+    """
+    try:
+        proc = subprocess.run([sys.executable, str(_ENGINE_SCRIPT), engine, *args], capture_output=True, text=True,
+                              timeout=timeout_s, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    except subprocess.TimeoutExpired as exc:
+        raise refuse(where, engine, f"resolving the export took longer than {timeout_s:.0f} s, so it is unchecked",
+                     f"an export {engine} resolves in time (or export with --no-check)") from exc
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_RESULT_PREFIX):
+            return json.loads(line[len(_RESULT_PREFIX):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise refuse(where, engine, f"could not resolve the export (exit {proc.returncode}: {tail[:300]})",
+                 f"an export {engine} reads")
+
+
+def _expect(where: str, engine: str, key: str, got: Any, want: Any, why: str) -> None:
+    if got != want:
+        raise refuse(where, key, f"{engine} resolves {got!r} but the draft was trained with {want!r} ({why})",
+                     f"{want!r}")
+
+
+def _check_vllm(directory: Path, layout: ExportLayout, tc: Any, k: int | None, where: str,
+                timeout_s: float) -> str:
+    """vLLM's resolution of the export (module docstring). Returns the ``checked`` line."""
+    with tempfile.TemporaryDirectory(prefix="artcache-check-target-") as tmp:
+        tc.to_json_file(str(Path(tmp) / "config.json"))
+        # the method is given, as docs/export.md serves every format: without it vLLM guesses it from the draft
+        # directory's name (a name without "eagle3" / "dflash" / "dspark" runs the draft as a plain draft model)
+        args = ["--draft", str(directory), "--target", tmp, "--k", str(k or layout.max_speculative_tokens or 1),
+                "--method", layout.vllm_method]
+        got = _engine("vllm", args, where, timeout_s)
+    if "error" in got:
+        raise refuse(where, "vllm", f"vLLM refuses the export: {got['error']}", "an export vLLM loads")
+    cfg = got.get("config") or {}
+    _expect(where, "vLLM", "speculative method", got.get("method"), layout.vllm_method, "the draft's algorithm")
+    if got.get("class") not in layout.vllm_classes:
+        raise refuse(where, "architectures", f"vLLM resolves {got.get('architectures')} to {got.get('class')}, "
+                     f"another class than the one trained", f"architectures vLLM maps to {layout.vllm_classes}")
+    _expect(where, "vLLM", "eagle_aux_hidden_state_layer_ids", got.get("aux_layer_ids"), layout.aux_ids,
+            "the layers the target captures for the draft, input-of-layer")
+    _expect(where, "vLLM", "quantization_config", got.get("quantization"), None,
+            "artcache's drafts are unquantized; vLLM took the quantization of the target or of the config")
+    if layout.norm_before_residual is not None:
+        _expect(where, "vLLM", "norm_before_residual", bool(cfg.get("norm_before_residual")),
+                layout.norm_before_residual, "where the hidden norm sits relative to the residual")
+    dflash = got.get("dflash_config") or {}
+    if layout.causal is not None:
+        causal = bool(cfg["is_causal"] if cfg.get("is_causal") is not None else dflash.get("causal"))
+        _expect(where, "vLLM", "dflash_config.causal / is_causal", causal, layout.causal,
+                "the block attention the draft was trained with")
+    anchor = bool(cfg.get("sample_from_anchor") or dflash.get("sample_from_anchor"))
+    _expect(where, "vLLM", "sample_from_anchor", anchor, layout.sample_from_anchor,
+            "which slot the first proposal comes from")
+    if layout.mask_token_id is not None:
+        mask = dflash.get("mask_token_id", cfg.get("mask_token_id"))
+        _expect(where, "vLLM", "mask_token_id", mask, layout.mask_token_id, "the MASK id the blocks were trained with")
+    for key, want in (("draft_vocab_size", layout.draft_vocab_size), ("target_hidden_size", layout.target_hidden_size)):
+        if cfg.get(key) is not None:
+            _expect(where, "vLLM", key, cfg.get(key), want, "the draft's sizes")
+    K, hi = got.get("num_speculative_tokens"), layout.max_speculative_tokens
+    if hi is not None and isinstance(K, int) and hi < K:
+        raise refuse(where, "num_speculative_tokens", f"vLLM resolves {K}, more than the {hi} the draft's block of "
+                     f"{layout.block_size} proposes", f"at most {hi}")
+    note = "; runner refused on this machine: " + got["runner_refusal"][0][:120] if got.get("runner_refusal") else ""
+    return (f"vllm: method {got.get('method')}, {got.get('class')}, aux layers {tuple(got.get('aux_layer_ids'))}, "
+            f"quantization None, {K} speculative tokens{note}")
+
+
+def _check_speculators(directory: Path, layout: ExportLayout, where: str, timeout_s: float) -> str:
+    got = _engine("speculators", ["--draft", str(directory)], where, timeout_s)
+    if "error" in got:
+        raise refuse(where, "speculators", f"speculators refuses the export: {got['error']}",
+                     "an export speculators loads")
+    cfg = got.get("config") or {}
+    if got.get("class") != layout.speculators_class:
+        raise refuse(where, "speculators_model_type", f"speculators resolves {got.get('class')}", f"a config that "
+                     f"resolves to {layout.speculators_class}")
+    _expect(where, "speculators", "aux_hidden_state_layer_ids", got.get("aux_layer_ids"), layout.aux_ids,
+            "input-of-layer ids of the trained layers")
+    if layout.norm_before_residual is not None:
+        for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+            _expect(where, "speculators", key, bool(cfg.get(key)), False, "artcache's EAGLE-3 normalises only the "
+                    "embedding and the hidden state, and keeps the un-normed residual")
+    if layout.causal is not None:
+        _expect(where, "speculators", "sliding_window_non_causal", bool(cfg.get("sliding_window_non_causal")),
+                not layout.causal, "the block attention the draft was trained with")
+    if layout.mask_token_id is not None:
+        _expect(where, "speculators", "mask_token_id", cfg.get("mask_token_id"), layout.mask_token_id, "MASK id")
+        _expect(where, "speculators", "block_size", cfg.get("block_size"), layout.block_size, "block size")
+        _expect(where, "speculators", "sample_from_anchor", bool(cfg.get("sample_from_anchor")),
+                layout.sample_from_anchor, "which slot the first proposal comes from")
+    _expect(where, "speculators", "draft_vocab_size", cfg.get("draft_vocab_size"), layout.draft_vocab_size, "vocab")
+    return (f"speculators: {got.get('config_class')} -> {got.get('class')}, aux layers {got.get('aux_layer_ids')}, "
+            f"{got.get('speculative_tokens')} speculative tokens")
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+def _target_config(target: Any, recorded: str | None, where: str) -> Any:
+    """The target's transformers config: ``target`` (a config object, a name or a directory), else the name
+    ``export.json`` records when it resolves here; None when neither is at hand."""
+    from transformers import AutoConfig
+
+    from artcache.target import resolve_target
+
+    if target is not None and not isinstance(target, (str, os.PathLike)):
+        return target
+    name = target if target is not None else recorded
+    if not name:
+        return None
+    try:
+        p = Path(name).expanduser()
+        path = p if (p / "config.json").is_file() else resolve_target(str(name)).path
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        if target is None:
+            return None  # the recorded target is not on this machine: target checks are skipped (reported)
+        raise ConfigError(f"--target {str(target)!r}: cannot read its config ({exc})") from exc
+
+
+def check_export(directory: str | Path, target: Any = None, *, engines: tuple[str, ...] = ENGINES,
+                 timeout_s: float = 600.0, name: str | None = None) -> CheckReport:
+    """Check an exported draft directory (module docstring) and report what was checked and skipped.
+
+    Args:
+        directory: holds ``config.json`` and ``model.safetensors`` (``export.json`` when artcache wrote it).
+        target: the target it is served with: a transformers config, a name or a directory; default the
+            ``target_name`` its ``export.json`` records (when it resolves here). The target checks and the
+            vLLM resolution need it; without one they are skipped and reported.
+        engines: which of :data:`ENGINES` to try (a static check always runs).
+        timeout_s: per engine child process.
+        name: how messages name the export (default: ``directory``; an export being written is checked in its
+            temporary directory and named by its ``--out``).
+
+    Raises:
+        ConfigError: the first silent-collapse case found, in one line naming the key (see :func:`refuse`).
+    """
+    d = Path(directory)
+    where = name or str(d)
+    config, tensors = read_export(d)
+    if not isinstance(config, dict):
+        raise refuse(where, "config.json", f"a {type(config).__name__}", "a JSON object")
+    tc = _target_config(target, None, where) if target is not None else None
+    L = int(getattr(tc.get_text_config() if hasattr(tc, "get_text_config") else tc, "num_hidden_layers", 0)
+            or config.get("num_target_layers") or 0) if tc is not None else int(config.get("num_target_layers") or 0)
+    from artcache.trainers.draft import draft_class
+
+    try:
+        kind = _draft_of(config, L or 1_000_000, where)
+        layout = draft_class(kind).export_layout(config, tensors, where)
+    except ConfigError as exc:
+        msg = str(exc)
+        raise exc if msg.startswith("export check:") else ConfigError(f"export check: {where}: {msg}") from exc
+    _check_quantization(config, tensors, where)
+    _check_width(config, layout, where)
+    _check_dtype(config, tensors, where)
+    k = _check_speculators_config(config, layout, where) if layout.fmt == "speculators" else None
+    recorded = _check_provenance(d, layout, where)
+    if tc is None:
+        tc = _target_config(None, recorded, where)
+    report = CheckReport(d, layout)
+    if tc is not None:
+        _check_target(config, layout, tc, where)
+    report.checked.append(f"static: {layout.draft} {layout.fmt}, layer ids {layout.layer_ids} (output-of-layer; "
+                          f"aux {layout.aux_ids}), unquantized, {len(tensors)} tensors"
+                          + ("" if tc is not None else " (no target at hand: target sizes not checked)"))
+    _engine_checks(report, config, tensors, tc, k, engines, where, timeout_s)
+    return report
+
+
+def _engine_checks(report: CheckReport, config: dict, tensors: dict[str, Tensor], tc: Any, k: int | None,
+                   engines: tuple[str, ...], where: str, timeout_s: float) -> None:
+    layout, d = report.layout, report.directory
+    if "vllm" in engines:
+        if not _installed("vllm"):
+            report.skipped.append("vllm: not installed in this Python (pip install -e '.[vllm]'): the class, aux "
+                                  "layers, quantization and norm placement vLLM resolves were not checked")
+        elif tc is None:
+            report.skipped.append("vllm: no target config at hand (pass --target): vLLM's resolution not checked")
+        else:
+            report.checked.append(_check_vllm(d, layout, tc, k, where, timeout_s))
+    if "speculators" in engines:
+        if layout.fmt != "speculators":
+            report.skipped.append("speculators: an hf-format export (speculators' loader reads --format speculators)")
+        elif not _installed("speculators"):
+            report.skipped.append("speculators: not installed in this Python (pip install speculators): its config "
+                                  "class, model class and defaults were not checked")
+        else:
+            report.checked.append(_check_speculators(d, layout, where, timeout_s))
+    if "sglang" in engines:
+        if layout.draft == "eagle3" and layout.fmt == "hf":
+            report.checked.append(_check_sglang(config, tensors, layout, where))
+        else:
+            report.skipped.append(f"sglang: only EAGLE-3 --format hf is checked against SGLang's loader (this is "
+                                  f"{layout.draft} {layout.fmt})")
