@@ -1,8 +1,8 @@
 """Helpers the tests share (see tests/README.md): child processes (procs), crash-trial workers (crash_child),
 other "hosts" (hosts), checkpoint damage (ckpt_damage), fault injection (faultinject/), a Mooncake service
 (mooncake_store), the reliability lane's figures (reliability_figures), tracker readers (tracker_runs),
-scripts run under another Python (vllm_spec_decode, vllm_dspark_load, speculators_draft_logits) and data
-fixtures (data/).
+scripts run under another Python (vllm_spec_decode, vllm_dspark_load, speculators_draft_logits,
+speculators_train) and data fixtures (data/).
 
 ``tests`` is a package (every folder has an ``__init__.py``), so pytest puts the repository's root on ``sys.path``
 and tests import ``from tests.support.procs import Proc``; children that import these modules get the repository
