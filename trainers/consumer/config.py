@@ -133,6 +133,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``timeout``): a rank that stops answering stops the others within this long instead of the
             backend's 30 minutes. Waits that may legitimately be long (a rank's demand miss, rank 0's evaluation
             or checkpoint) have their own, longer timeout (:mod:`.group`).
+        shard: how a group holds the draft (``--shard``): ``none`` (every rank a full copy of the weights, their
+            gradients and AdamW state; DistributedDataParallel averages the gradients) or ``full`` (FSDP2: each
+            rank holds ``1 / nproc`` of each; :mod:`.shard`), for a draft whose training state does not fit one
+            device. The same updates either way; ``full`` needs a group (``nproc`` >= 2).
         pack_tokens: packing (:mod:`artcache.trainers.packing`): each of the step's ``batch_size`` rows holds
             consecutive plan positions back to back, up to this many tokens; a step consumes as many positions as
             its rows hold (at most ``lookahead``), decided from the plan alone. Must be at least the root's max
@@ -200,6 +204,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nproc: Count = 1
     grad_accum: Count = 1
     group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+    shard: Literal["none", "full"] = "none"
     pack_tokens: NonNegative = 0
 
     def validate(self) -> None:
@@ -260,6 +265,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.nproc > 1 and self.lockstep_group:
             raise ConfigError(f"--lockstep-group {self.lockstep_group!r} and --nproc {self.nproc} exclude each other: "
                               "a lockstep baseline is a set of one-process consumers")
+        if self.shard == "full" and self.nproc == 1:
+            raise ConfigError("--shard full shards the draft over the ranks of a group and this consumer has one: "
+                              "pass --nproc N (N >= 2) or run it under torchrun, or leave --shard at none")
         if self.nproc > 1 and self.reader == "process":
             raise ConfigError(f"--reader process and --nproc {self.nproc} exclude each other: each rank of a group "
                               "reads with its own reader thread; use --reader thread")
