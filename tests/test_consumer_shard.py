@@ -1,0 +1,103 @@
+"""A consumer group that shards its draft with FSDP2 (``artcache consume --nproc N --shard full``).
+
+The ``distributed`` lane trains each draft on the tiny random root of :mod:`test_consumer_group` (every position
+published, no producer): FSDP2 over 2 ranks × batch 1 with ``--grad-accum 2``, DDP over 2 ranks × batch 2 and one
+process × batch 4 walk the same plan with the same anchors, so their loss curves and final weights must agree to
+float rounding (:func:`test_consumer_group.assert_same_run`); the sharded run's checkpoint holds the full,
+unsharded weights (compared tensor by tensor with the one-process run's). A sharded run stopped at step k and
+continued with ``--resume`` has the losses, held-out figures and final weights of an uninterrupted one. The config
+tests (no marker) are in the default lane.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_consumer_group import STEPS, assert_same_run, consume, losses, root, weight_diffs, weights  # noqa: F401
+
+from artcache import registry
+from artcache.app import config as C
+from artcache.errors import ConfigError
+from artcache.layout import CacheLayout
+from artcache.trainers.consumer import ConsumerConfig
+
+# ---- the settings (default lane) ---------------------------------------------------------------------------
+
+
+def test_shard_full_needs_a_group(tmp_path):
+    """``--shard full`` in one process is refused in one line (there is nothing to shard over)."""
+    with pytest.raises(ConfigError, match=r"^--shard full shards the draft over the ranks of a group and this "
+                                          r"consumer has one: pass --nproc N \(N >= 2\)"):
+        ConsumerConfig(cache=str(tmp_path), shard="full").validate()
+    ConsumerConfig(cache=str(tmp_path), shard="full", nproc=2, lookahead=16).validate()
+
+
+def test_run_config_shard_is_typed():
+    """``experiments.X.consumer.shard`` takes ``none`` or ``full``; another value is refused in one line naming
+    it and the accepted ones."""
+    cfg = C.convert({"experiments": [{"name": "a", "draft": "dflash", "window": "0:16",
+                                      "consumer": {"shard": "full", "nproc": 2}}]})
+    assert C.consumer_config(cfg, "a").shard == "full"
+    cfg = C.convert({"experiments": [{"name": "a", "draft": "dflash", "consumer": {"shard": "half"}}]})
+    with pytest.raises(ConfigError) as info:
+        C.consumer_config(cfg, "a")
+    message = str(info.value)
+    assert "\n" not in message and "consumer setting shard: Invalid enum value 'half'" in message
+    assert "accepted: one of full, none" in message, message
+
+
+# ---- the distributed lane: real processes on gloo ----------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
+def test_fsdp_trains_like_ddp_and_one_process(root, tmp_path, draft):  # noqa: F811
+    """FSDP2 (2 ranks × b 1 × --grad-accum 2), DDP (2 ranks × b 2) and one process × 4: the same loss curve and
+    final weights (relative 1e-5, :func:`assert_same_run`); the sharded checkpoint holds full tensors."""
+    consume(root, tmp_path, f"{draft}-one", draft, 4)
+    consume(root, tmp_path, f"{draft}-threads", draft, 4, "--threads", "2")  # argparse: the last --threads wins
+    floor = weight_diffs(tmp_path, f"{draft}-threads", f"{draft}-one")
+    consume(root, tmp_path, f"{draft}-ddp", draft, 2, "--nproc", "2")
+    sharded = consume(root, tmp_path, f"{draft}-fsdp", draft, 1, "--nproc", "2", "--grad-accum", "2", "--shard",
+                      "full")
+    summary = json.loads(sharded.stdout.strip().splitlines()[-1])
+    assert summary["ranks"] == 2 and summary["shard"] == "full" and summary["global_batch"] == 4
+    assert "--shard full: " in sharded.stderr and "FSDP units over 2 ranks" in sharded.stderr
+    full, one = weights(tmp_path, f"{draft}-fsdp"), weights(tmp_path, f"{draft}-one")
+    assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in one.items()}
+    assert_same_run(root, tmp_path, f"{draft}-fsdp", f"{draft}-ddp", floor)
+    assert_same_run(root, tmp_path, f"{draft}-fsdp", f"{draft}-one", floor)
+    reg = registry.read(CacheLayout(root), f"{draft}-fsdp")
+    assert reg.state == "completed" and reg.cursor == 4 * STEPS
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1500)
+def test_fsdp_resume_continues_exactly(root, tmp_path):  # noqa: F811
+    """A sharded EAGLE-3 run stopped after step 3 and resumed to step 6 (--resume, sharded again) has the losses,
+    the held-out figures and the final weights of an uninterrupted sharded run; resuming it with another world size
+    is refused in one line naming both sizes."""
+    common = ("--nproc", "2", "--shard", "full", "--lr-total-steps", "6", "--save-every", "3", "--eval-samples",
+              "4", "--eval-interval", "3")
+    whole = consume(root, tmp_path, "whole", "eagle3", 2, *common, steps=6)
+    consume(root, tmp_path, "parts", "eagle3", 2, *common, steps=3)
+    refused = consume(root, tmp_path, "parts", "eagle3", 2, "--lr-total-steps", "6", "--save-every", "3",
+                      "--eval-samples", "4", "--eval-interval", "3", "--resume", steps=6, check=False)
+    assert refused.returncode == 2
+    assert "was trained by a group of 2 rank(s), this run has 1" in refused.stderr.strip().splitlines()[-1]
+    resumed = consume(root, tmp_path, "parts", "eagle3", 2, *common, "--resume", steps=6)
+    first, second = losses(root, "parts")
+    (reference,) = losses(root, "whole")
+    assert [s for s, _ in first] == [1, 2, 3] and [s for s, _ in second] == [4, 5, 6]
+    ref = dict(reference)
+    for s, loss in first + second:
+        assert abs(loss - ref[s]) <= 1e-6 * abs(ref[s]), f"step {s}: {loss!r} != uninterrupted {ref[s]!r}"
+    ev_whole = json.loads(whole.stdout.strip().splitlines()[-1])["eval"]
+    ev_parts = json.loads(resumed.stdout.strip().splitlines()[-1])["eval"]
+    assert ev_parts["step"] == ev_whole["step"] == 6
+    assert abs(ev_parts["loss"] - ev_whole["loss"]) <= 1e-6 * abs(ev_whole["loss"]), (ev_parts, ev_whole)
+    mine, theirs = weights(tmp_path, "parts"), weights(tmp_path, "whole")
+    assert mine.keys() == theirs.keys()
+    worst = max(float((mine[k].double() - theirs[k].double()).abs().max()) for k in mine)
+    assert worst <= 1e-6, f"final weights differ from the uninterrupted run's by up to {worst:g}"
