@@ -25,12 +25,17 @@ from artcache.trainers.consumer import ConsumerConfig
 # ---- the settings (default lane) ---------------------------------------------------------------------------
 
 
-def test_shard_full_needs_a_group(tmp_path):
-    """``--shard full`` in one process is refused in one line (there is nothing to shard over)."""
+def test_shard_full_needs_a_group(tmp_path, monkeypatch):
+    """``--shard full`` in one process is refused in one line (there is nothing to shard over); under torchrun
+    (``WORLD_SIZE`` 2, no ``--nproc``) the group is torchrun's and it is accepted."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match=r"^--shard full shards the draft over the ranks of a group and this "
                                           r"consumer has one: pass --nproc N \(N >= 2\)"):
         ConsumerConfig(cache=str(tmp_path), shard="full").validate()
     ConsumerConfig(cache=str(tmp_path), shard="full", nproc=2, lookahead=16).validate()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    ConsumerConfig(cache=str(tmp_path), shard="full").validate()
 
 
 def test_run_config_shard_is_typed():
@@ -75,26 +80,28 @@ def test_fsdp_trains_like_ddp_and_one_process(root, tmp_path, draft):  # noqa: F
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
 def test_fsdp_resume_continues_exactly(root, tmp_path):  # noqa: F811
-    """A sharded EAGLE-3 run stopped after step 3 and resumed to step 6 (--resume, sharded again) has the losses,
-    the held-out figures and the final weights of an uninterrupted sharded run; resuming it with another world size
-    is refused in one line naming both sizes."""
-    common = ("--nproc", "2", "--shard", "full", "--lr-total-steps", "6", "--save-every", "3", "--eval-samples",
-              "4", "--eval-interval", "3")
-    whole = consume(root, tmp_path, "whole", "eagle3", 2, *common, steps=6)
-    consume(root, tmp_path, "parts", "eagle3", 2, *common, steps=3)
-    refused = consume(root, tmp_path, "parts", "eagle3", 2, "--lr-total-steps", "6", "--save-every", "3",
-                      "--eval-samples", "4", "--eval-interval", "3", "--resume", steps=6, check=False)
+    """A sharded EAGLE-3 run stopped after step 2, resumed sharded to step 4, under DDP to step 5 and sharded again
+    to step 6 has the losses, the held-out figures and the final weights of an uninterrupted sharded run (the
+    checkpoint format is the same under both modes); resuming it with another world size is refused in one line
+    naming both sizes."""
+    run = ("--lr-total-steps", "6", "--save-every", "3", "--eval-samples", "4", "--eval-interval", "3")
+    sharded = ("--nproc", "2", "--shard", "full", *run)
+    whole = consume(root, tmp_path, "whole", "eagle3", 2, *sharded, steps=6)
+    consume(root, tmp_path, "parts", "eagle3", 2, *sharded, steps=2)
+    refused = consume(root, tmp_path, "parts", "eagle3", 2, *run, "--resume", steps=6, check=False)
     assert refused.returncode == 2
     assert "was trained by a group of 2 rank(s), this run has 1" in refused.stderr.strip().splitlines()[-1]
-    resumed = consume(root, tmp_path, "parts", "eagle3", 2, *common, "--resume", steps=6)
-    first, second = losses(root, "parts")
+    consume(root, tmp_path, "parts", "eagle3", 2, *sharded, "--resume", steps=4)
+    consume(root, tmp_path, "parts", "eagle3", 2, "--nproc", "2", *run, "--resume", steps=5)
+    last = consume(root, tmp_path, "parts", "eagle3", 2, *sharded, "--resume", steps=6)
+    legs = losses(root, "parts")
     (reference,) = losses(root, "whole")
-    assert [s for s, _ in first] == [1, 2, 3] and [s for s, _ in second] == [4, 5, 6]
+    assert [[s for s, _ in leg] for leg in legs] == [[1, 2], [3, 4], [5], [6]]
     ref = dict(reference)
-    for s, loss in first + second:
+    for s, loss in (x for leg in legs for x in leg):
         assert abs(loss - ref[s]) <= 1e-6 * abs(ref[s]), f"step {s}: {loss!r} != uninterrupted {ref[s]!r}"
     ev_whole = json.loads(whole.stdout.strip().splitlines()[-1])["eval"]
-    ev_parts = json.loads(resumed.stdout.strip().splitlines()[-1])["eval"]
+    ev_parts = json.loads(last.stdout.strip().splitlines()[-1])["eval"]
     assert ev_parts["step"] == ev_whole["step"] == 6
     assert abs(ev_parts["loss"] - ev_whole["loss"]) <= 1e-6 * abs(ev_whole["loss"]), (ev_parts, ev_whole)
     mine, theirs = weights(tmp_path, "parts"), weights(tmp_path, "whole")

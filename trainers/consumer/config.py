@@ -136,7 +136,8 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         shard: how a group holds the draft (``--shard``): ``none`` (every rank a full copy of the weights, their
             gradients and AdamW state; DistributedDataParallel averages the gradients) or ``full`` (FSDP2: each
             rank holds ``1 / nproc`` of each; :mod:`.shard`), for a draft whose training state does not fit one
-            device. The same updates either way; ``full`` needs a group (``nproc`` >= 2).
+            device. The same updates either way; ``full`` needs a group (``nproc`` >= 2, or torchrun's
+            ``WORLD_SIZE`` >= 2): one process is refused.
         pack_tokens: packing (:mod:`artcache.trainers.packing`): each of the step's ``batch_size`` rows holds
             consecutive plan positions back to back, up to this many tokens; a step consumes as many positions as
             its rows hold (at most ``lookahead``), decided from the plan alone. Must be at least the root's max
@@ -265,7 +266,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.nproc > 1 and self.lockstep_group:
             raise ConfigError(f"--lockstep-group {self.lockstep_group!r} and --nproc {self.nproc} exclude each other: "
                               "a lockstep baseline is a set of one-process consumers")
-        if self.shard == "full" and self.nproc == 1:
+        if self.shard == "full" and self.nproc == 1 and _world() in (None, 1):  # torchrun's WORLD_SIZE: a group
             raise ConfigError("--shard full shards the draft over the ranks of a group and this consumer has one: "
                               "pass --nproc N (N >= 2) or run it under torchrun, or leave --shard at none")
         if self.nproc > 1 and self.reader == "process":
@@ -324,6 +325,12 @@ def default_anchors(draft: str, device: str) -> int | None:
 
         return dspark_anchors(device)
     return draft_options(draft).get("num_anchors")
+
+
+def _world() -> int | None:
+    from .group import env_world
+
+    return env_world()
 
 
 def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: float) -> float:

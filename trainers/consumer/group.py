@@ -14,8 +14,9 @@ way the cache sees ONE consumer:
 - the cursor moves only after every rank finished the optimizer step that consumed the positions: the step's
   metric sums are all-reduced after the optimizer step, then rank 0 commits, then it tells the others whether
   the commit held (a fence of the registration stops every rank);
-- gradients are averaged by ``torch.nn.parallel.DistributedDataParallel`` and normalised over the global batch
-  (:meth:`Session.train_step`), so the update is the one a single process would make on the whole global batch.
+- gradients are averaged by ``torch.nn.parallel.DistributedDataParallel`` (``--shard full``: reduce-scattered by
+  FSDP2, :mod:`.shard`) and normalised over the global batch (:meth:`Session.train_step`), so the update is the
+  one a single process would make on the whole global batch.
 
 Collectives run on the default group with ``--group-timeout`` seconds (not the backend's 30-minute default); the
 waits that may legitimately be long (a rank waiting for its batch on a demand miss, rank 0's evaluation or
