@@ -1,12 +1,10 @@
 """A consumer group that shards its draft with FSDP2 (``artcache consume --nproc N --shard full``).
 
-The ``distributed`` lane trains each draft on the tiny random root of :mod:`test_consumer_group` (every position
-published, no producer): FSDP2 over 2 ranks × batch 1 with ``--grad-accum 2``, DDP over 2 ranks × batch 2 and one
-process × batch 4 walk the same plan with the same anchors, so their loss curves and final weights must agree to
-float rounding (:func:`test_consumer_group.assert_same_run`); the sharded run's checkpoint holds the full,
-unsharded weights (compared tensor by tensor with the one-process run's). A sharded run stopped at step k and
-continued with ``--resume`` has the losses, held-out figures and final weights of an uninterrupted one. The config
-tests (no marker) are in the default lane.
+FSDP2 against DDP and one process, for each draft, is a case of
+:func:`test_consumer_group.test_two_ranks_and_grad_accum_train_like_one_process_on_the_global_batch` (its runs
+serve both). Here, in the ``distributed`` lane on the tiny random root of :mod:`test_consumer_group`: a sharded
+run stopped at step k and continued with ``--resume`` has the losses, held-out figures and final weights of an
+uninterrupted one. The config tests (no marker) are in the default lane.
 """
 
 from __future__ import annotations
@@ -14,12 +12,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_consumer_group import STEPS, assert_same_run, consume, losses, root, weight_diffs, weights  # noqa: F401
+from test_consumer_group import consume, losses, root, weights  # noqa: F401
 
-from artcache import registry
 from artcache.app import config as C
 from artcache.errors import ConfigError
-from artcache.layout import CacheLayout
 from artcache.trainers.consumer import ConsumerConfig
 
 # ---- the settings (default lane) ---------------------------------------------------------------------------
@@ -53,29 +49,6 @@ def test_run_config_shard_is_typed():
 
 
 # ---- the distributed lane: real processes on gloo ----------------------------------------------------------
-
-@pytest.mark.distributed
-@pytest.mark.timeout(1500)
-@pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
-def test_fsdp_trains_like_ddp_and_one_process(root, tmp_path, draft):  # noqa: F811
-    """FSDP2 (2 ranks × b 1 × --grad-accum 2), DDP (2 ranks × b 2) and one process × 4: the same loss curve and
-    final weights (relative 1e-5, :func:`assert_same_run`); the sharded checkpoint holds full tensors."""
-    consume(root, tmp_path, f"{draft}-one", draft, 4)
-    consume(root, tmp_path, f"{draft}-threads", draft, 4, "--threads", "2")  # argparse: the last --threads wins
-    floor = weight_diffs(tmp_path, f"{draft}-threads", f"{draft}-one")
-    consume(root, tmp_path, f"{draft}-ddp", draft, 2, "--nproc", "2")
-    sharded = consume(root, tmp_path, f"{draft}-fsdp", draft, 1, "--nproc", "2", "--grad-accum", "2", "--shard",
-                      "full")
-    summary = json.loads(sharded.stdout.strip().splitlines()[-1])
-    assert summary["ranks"] == 2 and summary["shard"] == "full" and summary["global_batch"] == 4
-    assert "--shard full: " in sharded.stderr and "FSDP units over 2 ranks" in sharded.stderr
-    full, one = weights(tmp_path, f"{draft}-fsdp"), weights(tmp_path, f"{draft}-one")
-    assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in one.items()}
-    assert_same_run(root, tmp_path, f"{draft}-fsdp", f"{draft}-ddp", floor)
-    assert_same_run(root, tmp_path, f"{draft}-fsdp", f"{draft}-one", floor)
-    reg = registry.read(CacheLayout(root), f"{draft}-fsdp")
-    assert reg.state == "completed" and reg.cursor == 4 * STEPS
-
 
 @pytest.mark.distributed
 @pytest.mark.timeout(1500)
