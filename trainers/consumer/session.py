@@ -737,8 +737,8 @@ class Session:
         rank 0 keeps them for its checkpoint of the step (:meth:`_checkpoint_tensors`)."""
         if not self.cfg.checkpoints or self.gathered_step == self.steps_done:  # the same on every rank
             return
-        weights = gather_weights(self.model.trainable_state_dict())
-        opt = gather_optimizer(self.optimizer) if self.cfg.checkpoint_optimizer else None
+        weights = gather_weights(self.model.trainable_state_dict(), keep=self.main)
+        opt = gather_optimizer(self.optimizer, keep=self.main) if self.cfg.checkpoint_optimizer else None
         self.gathered_step = self.steps_done
         self.snapshot = (self.steps_done, weights, opt) if self.main else None
 

@@ -62,19 +62,29 @@ def _full(t: Tensor) -> Tensor:
     return t.detach().cpu()
 
 
-def gather_weights(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+def gather_weights(weights: dict[str, Tensor], keep: bool) -> dict[str, Tensor]:
     """``trainable_state_dict()`` of a sharded draft (``DTensor`` shards) as full host tensors, in its order. A
-    collective: every rank calls it."""
-    return {k: _full(v) for k, v in weights.items()}
+    collective: every rank calls it; only a rank with ``keep`` (rank 0) holds the result (the others drop each
+    tensor once gathered and get an empty dict)."""
+    out = {}
+    for k, v in weights.items():
+        t = _full(v)
+        if keep:
+            out[k] = t
+    return out
 
 
-def gather_optimizer(optimizer: torch.optim.Optimizer) -> dict:
+def gather_optimizer(optimizer: torch.optim.Optimizer, keep: bool) -> dict:
     """``optimizer.state_dict()`` with every state tensor full and on the host (what
     :func:`~artcache.trainers.checkpoint.optimizer_tensors` writes; the same keys as a one-process run's). A
-    collective: every rank calls it."""
+    collective: every rank calls it; only a rank with ``keep`` holds the tensors."""
     sd = optimizer.state_dict()
-    state = {idx: {name: _full(v) if isinstance(v, Tensor) else v for name, v in st.items()}
-             for idx, st in sorted(sd["state"].items())}
+    state: dict = {}
+    for idx, st in sorted(sd["state"].items()):
+        for name, v in st.items():
+            t = _full(v) if isinstance(v, Tensor) else v
+            if keep:
+                state.setdefault(idx, {})[name] = t
     return {"state": state, "param_groups": sd["param_groups"]}
 
 
