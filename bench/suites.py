@@ -307,10 +307,26 @@ def _gpu_micro_pieces() -> tuple[Piece, ...]:
         return gpu_micro.consumer_bench(s["arch"], dev(ctx), s["seq"], s["anchors"], s["blocks"], s["steps"],
                                         ctx.work, peak(ctx), [stored_dtype("bfloat16"), stored_dtype("fp8")])
 
+    def long_producer(tokens: int) -> Piece:
+        def run(ctx: PieceContext) -> dict:
+            from artcache.bench import gpu_micro
+            from artcache.contract import stored_dtype
+
+            s = sizes(ctx)
+            seq = 4 * s["seq"] if ctx.tiny else tokens  # tiny: a length that differs from the producer piece's
+            raw = {str(ctx.work): row["raw_write_fsync_Bps"]
+                   for row in ((ctx.result("io") or {}).get("io", {}).get("roots", {}) or {}).values()}
+            return gpu_micro.producer_bench(s["arch"], dev(ctx), seq, 1, 2 if ctx.tiny else 3, [ctx.work], peak(ctx),
+                                            [stored_dtype("bfloat16"), stored_dtype("fp8")], 2, [1], raw)
+
+        return Piece(f"producer-{tokens // 1024}k", run, f"prefill vs capture + publish of one {tokens}-token sample, "
+                     "Qwen3-8B shapes, bf16 and fp8 (against min(plain prefill, disk) of the same run)", cuda=True)
+
     return (Piece("matmul", matmul, "bf16 matmul rate, the MFU ceiling"),
             Piece("io", io, "disk bandwidth and the store's publish/read against it, bf16 and fp8"),
             Piece("producer", producer, "prefill vs capture vs capture + publish, Qwen3-8B shapes", cuda=True),
-            Piece("consumer", consumer, "DFlash steps/s in memory vs from the cache, Qwen3-8B shapes", cuda=True))
+            Piece("consumer", consumer, "DFlash steps/s in memory vs from the cache, Qwen3-8B shapes", cuda=True),
+            long_producer(16384), long_producer(32768))
 
 
 def _consumer_speed_pieces() -> tuple[Piece, ...]:

@@ -106,7 +106,7 @@ def test_cuda_pieces_are_refused_on_a_cpu_at_full_scale(tmp_path):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("args, needles", [
     (["--suite", "consumer-speed"], ["piece(s) matmul, dflash:main", "need a CUDA device", "--scale tiny"]),
-    (["--suite", "gpu-micro"], ["piece(s) producer, consumer need a CUDA device", "--pieces matmul,io run on a CPU"]),
+    (["--suite", "gpu-micro"], ["piece(s) producer, consumer, producer-16k, producer-32k need a CUDA device", "--pieces matmul,io run on a CPU"]),
     (["--suite", "gpu-micro", "--device", "cuda"], ["--device cuda: no CUDA device is visible"]),
     (["--suite", "nope"], ["--suite 'nope' is not a suite; accepted: retention-gap, gpu-micro"]),
     (["--resume", "x"], ["--resume, --time-budget and --pieces belong to --suite NAME"]),
