@@ -946,12 +946,13 @@ class Session:
         denominators summed over the global batch, never averaged per micro-batch or per rank.
 
         DFlash (one term): each micro-batch's backward takes ``loss × den`` (its sum), then the gradients are
-        scaled by ``world / Σ den`` (DDP averaged them over the ``world`` ranks). A draft with
+        scaled by ``world / Σ den`` (DDP or FSDP2 averaged them over the ``world`` ranks). A draft with
         :attr:`~artcache.trainers.draft.Draft.global_denominators` (DSpark: its fused loss rounds a gradient
         scaled by 1 / Σ w; EAGLE-3: one denominator per TTT step): each term's denominators are found first
         (:meth:`~artcache.trainers.draft.Draft.loss_denominators`, else a forward without gradients), summed over
         the micro-batches and the ranks, and the draft divides by them (``loss(batch, denominators=...)``). DDP
-        all-reduces once, in the last micro-batch's backward (``no_sync`` before it).
+        all-reduces once, in the last micro-batch's backward (``no_sync`` before it); FSDP2 (``--shard full``)
+        reduce-scatters once, there (``set_requires_gradient_sync(False)`` before it).
 
         Returns (the mean loss of the last micro-batch, detached; this rank's metric sums over its micro-batches).
         """
