@@ -761,7 +761,8 @@ class Session:
         if self.snapshot is None or self.snapshot[0] != self.steps_done:
             raise CheckpointWriteError(f"--shard full: the ranks did not gather step {self.steps_done}'s weights "
                                        f"and optimizer state (a rank stopped first); --resume continues from the "
-                                       f"last recorded checkpoint {self.ckpt}")
+                                       f"last recorded checkpoint {self.ckpt}",
+                                       last_good=str(self.ckpt) if self.ckpt else None)
         return self.snapshot[1], self.snapshot[2]
 
     # ---- step: one batch, one optimizer step, a cursor commit when due ----------------------------------
@@ -1223,6 +1224,10 @@ class Session:
         # names the last good one; a second try at once would fail the same way), nor after divergence (the last
         # finite checkpoint stays latest)
         gathered_final = not self.units or (self.snapshot is not None and self.snapshot[0] == self.steps_done)
+        if not gathered_final and cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0):
+            log.warning("[%s] --shard full: no final checkpoint of step %d (the ranks did not gather its state: the "
+                        "run stopped on a failure); --resume continues from %s", cfg.consumer_id, self.steps_done,
+                        self.ckpt or "the start")
         if cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0) and gathered_final \
                 and not isinstance(self.failure, CheckpointWriteError) and not self.diverged:
             try:
