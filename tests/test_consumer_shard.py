@@ -3,8 +3,8 @@
 FSDP2 against DDP and one process, for each draft, is a case of
 :func:`test_consumer_group.test_two_ranks_and_grad_accum_train_like_one_process_on_the_global_batch` (its runs
 serve both). Here, in the ``distributed`` lane on the tiny random root of :mod:`test_consumer_group`: a sharded
-run stopped at step k and continued with ``--resume`` has the losses, held-out figures and final weights of an
-uninterrupted one. The config tests (no marker) are in the default lane.
+run stopped at step k, or whose rank 1 is killed, and continued with ``--resume`` has the losses (held-out
+figures) and final weights of an uninterrupted one. The config tests (no marker) are in the default lane.
 """
 
 from __future__ import annotations
@@ -81,3 +81,58 @@ def test_fsdp_resume_continues_exactly(root, tmp_path):  # noqa: F811
     assert mine.keys() == theirs.keys()
     worst = max(float((mine[k].double() - theirs[k].double()).abs().max()) for k in mine)
     assert worst <= 1e-6, f"final weights differ from the uninterrupted run's by up to {worst:g}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1500)
+def test_fsdp_rank_killed_then_resume_continues_exactly(root, tmp_path):  # noqa: F811
+    """kill -9 of rank 1 of a sharded DFlash group of 24 steps after step 6 (checkpoints every 4): the group exits
+    nonzero naming rank 1 and SIGKILL, writes no final checkpoint (the dead rank's shards cannot be gathered), and
+    ``--resume`` from the recorded checkpoint trains to step 24 with the losses and final weights of an
+    uninterrupted sharded run; no lease stays held."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_consumer_group import DRAFT_FLAGS, _pids
+
+    from artcache import leases, registry
+    from artcache.layout import CacheLayout
+
+    steps, flags = 24, ("--nproc", "2", "--shard", "full", "--save-every", "4")
+    consume(root, tmp_path, "fsdp-whole", "dflash", 2, *flags, steps=steps)
+    cid, log = "fsdp-killed", tmp_path / "killed.log"
+    args = [sys.executable, "-m", "artcache", "consume", "--cache", str(root), "--id", cid, "--draft", "dflash",
+            *DRAFT_FLAGS["dflash"], "--batch-size", "2", "--steps", str(steps), "--window", "0:16", "--threads", "1",
+            "--log-every", "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard",
+            "--group-timeout", "30", *flags]
+    with log.open("w") as err:
+        proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        pids = _pids(log, time.monotonic() + 300)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(s >= 6 for run in losses(root, cid) for s, _ in run):
+            time.sleep(0.1)
+        os.kill(pids[1], signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc != 0 and f"rank 1 (pid {pids[1]}) ended with signal SIGKILL" in text, text[-3000:]
+    reg = registry.read(CacheLayout(root), cid)
+    assert reg.state != "running" and reg.checkpoint_cursor > 0 and reg.checkpoint_cursor % 16 == 0
+    (before,) = losses(root, cid)
+    assert before[-1][0] < steps
+    consume(root, tmp_path, cid, "dflash", 2, *flags, "--resume", steps=steps)
+    first, resumed = losses(root, cid)
+    assert resumed[0][0] == reg.checkpoint_cursor // 4 + 1 and resumed[-1][0] == steps
+    ref = dict(*losses(root, "fsdp-whole"))
+    for s, loss in first + resumed:
+        assert abs(loss - ref[s]) <= 1e-6 * abs(ref[s]), f"step {s}: {loss!r} != uninterrupted {ref[s]!r}"
+    mine, theirs = weights(tmp_path, cid), weights(tmp_path, "fsdp-whole")
+    worst = max(float((mine[k].double() - theirs[k].double()).abs().max()) for k in mine)
+    assert mine.keys() == theirs.keys() and worst <= 1e-6, worst
+    assert not [info for infos in leases.scan(CacheLayout(root)).values() for info in infos if info.consumer == cid]
