@@ -25,6 +25,7 @@ from artcache import leases as leases_mod
 from artcache import store
 from artcache.layout import CacheLayout, parse_journal_name
 from artcache.liveness import ProcessIdentity, dead_reason
+from artcache.scheduler import bound_of
 
 
 class ConsumerCounts(msgspec.Struct, kw_only=True):
@@ -104,6 +105,8 @@ class CacheCounts(msgspec.Struct, kw_only=True):
     retained_bytes: int = 0
     max_retained_artifacts: int = 0
     max_retained_bytes: int = 0
+    #: Σ over the consumers started on the root of lookbehind + lookahead + 1 + held-out (pinned) samples, at most
+    #: the plan's samples (:func:`artcache.scheduler.bound_of`)
     window_bound_artifacts: int = 0
     #: artifacts of a filled root (``artcache producer --fill``) a producer kept beyond its rule (the most any
     #: producer recorded at start): they count beside the window bound
@@ -301,7 +304,7 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
     c.distinct_fingerprints_captured = len(captured_fps)
     if c.distinct_positions_consumed:
         c.captures_per_consumed_position = c.captures / c.distinct_positions_consumed
-    c.window_bound_artifacts = sum(windows.values())
+    c.window_bound_artifacts = bound_of(windows.values(), plan_samples(layout))
     objects = store.list_objects(layout)
     c.retained_artifacts, c.retained_bytes = len(objects), sum(objects.values())
     holding = [f for f in files if J.holding_events(f.path)]
@@ -403,6 +406,19 @@ def current_retention(layout: CacheLayout, events: list, c: CacheCounts, objects
                         live_consumers=len(live), kept=d.kept, would_evict=would, binding=d.binding,
                         windows_exceed_budget=d.windows_exceed_budget,
                         rates={r.consumer_id: round(r.rate, 3) for r in readers})
+
+
+def plan_samples(layout: CacheLayout) -> int | None:
+    """The samples of the root's plan (``plan.json``'s kept count), or None while the root names no published plan
+    (no ``artcache.json`` yet, or its plan not saved)."""
+    import json
+
+    from artcache.settings import load_settings
+
+    if not layout.settings.is_file():
+        return None
+    doc = layout.plan_dir(load_settings(layout).plan_id) / "plan.json"
+    return int(json.loads(doc.read_text())["counts"]["kept"]) if doc.is_file() else None
 
 
 def consumed_pairs(layout: CacheLayout, consumers: list[ConsumerCounts]) -> int:

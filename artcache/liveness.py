@@ -131,6 +131,22 @@ def _start_time(pid: int) -> int | None:
         return 0
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` of this host (``/proc/<pid>/stat`` field 4); None when it does not exist or
+    ``/proc`` shows another pid namespace."""
+    if not _proc_is_ours():
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    try:
+        return int(data[data.rfind(b")") + 2:].split()[1])
+    except (IndexError, ValueError):
+        return None
+
+
 _cache: dict[int, ProcessIdentity] = {}
 _cache_lock = threading.Lock()
 
@@ -260,4 +276,4 @@ def in_initial_pid_namespace() -> bool:
 
 
 __all__ = ["HeartbeatWatch", "ProcessIdentity", "Progress", "dead_reason", "from_token", "in_initial_pid_namespace",
-           "is_alive", "local_identity", "pid_exists", "this_process"]
+           "is_alive", "local_identity", "parent_pid", "pid_exists", "this_process"]

@@ -84,7 +84,7 @@ from artcache.report import format_bytes
 from artcache.rolespec import spec_digest
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
-from artcache.shutdown import GracefulShutdown
+from artcache.shutdown import Cancelled, GracefulShutdown
 
 log = logging.getLogger("artcache.producer")
 
@@ -740,7 +740,8 @@ class Producer:
         with self._state:
             nbytes = sum(self._published.values())
             d = self._decision
-            key = (len(self._published), nbytes, window_bound(live), d.binding, d.windows_exceed_budget)
+            key = (len(self._published), nbytes, window_bound(live, len(self.plan)), d.binding,
+                   d.windows_exceed_budget)
             self.stats.max_retained = max(self.stats.max_retained, key[0])
             self.stats.max_retained_bytes = max(self.stats.max_retained_bytes, nbytes)
             if key == self._last_retained:
@@ -955,13 +956,7 @@ class Producer:
             self._publisher_error = exc
             log.error("the publisher thread failed: %s: %s", type(exc).__name__, exc)
             self.stop_event.set()
-            while True:
-                try:
-                    item = self._publish_queue.get_nowait()
-                except queue.Empty:
-                    return
-                if item is not None:
-                    self._abandon(item)
+            self._abandon_queued()
 
     def _publish_batch(self, todo, outputs, finite) -> None:
         ready = getattr(outputs, "ready", None)
@@ -1174,11 +1169,16 @@ class Producer:
             except queue.Full:
                 continue
         self._publisher_thread.join()
-        while True:  # after a failure: locks of batches that will never be published
+        self._abandon_queued()  # after a failure: batches that will never be published
+
+    def _abandon_queued(self) -> None:
+        """:meth:`_abandon` every batch still queued for the publisher (the end-of-queue marker is dropped): once the
+        publisher has failed, or stopped with batches left behind."""
+        while True:
             try:
                 item = self._publish_queue.get_nowait()
             except queue.Empty:
-                break
+                return
             if item is not None:
                 self._abandon(item)
 
@@ -1196,6 +1196,13 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
 
     SIGINT/SIGTERM follow :mod:`artcache.shutdown` from the moment the target is loaded until it returns (the
     previous handlers are restored then).
+
+    Raises:
+        artcache.shutdown.Cancelled: a first SIGINT / SIGTERM stopped the loop and the producer shut down cleanly
+            (the batch in hand published or failed, the publisher drained, ``producer_stop`` journaled, the journal,
+            backend and presence lock closed: nothing half-written): a KeyboardInterrupt carrying the signal
+            (exit status ``128 + signal``, as a cancelled consume) and the counts of :func:`stats_summary`.
+        ProducerFailed / DiskBudgetExceeded: every capture failed, or an unsignalled ``--fill`` is incomplete.
     """
     import torch
 
@@ -1275,6 +1282,8 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
             presence.release()
         close_all()
     producer.check_outcome()
+    if shutdown.signum:  # stopped by a signal, after the clean shutdown above
+        raise Cancelled(shutdown.signum, stats_summary(producer.stats))
     if cfg.fill and not producer.stats.fill_complete and not producer.stop_event.is_set():
         shortfall = producer.fill_shortfall()
         if producer.fill_given_up():  # captures failed (a full disk): not a budget to raise
@@ -1283,6 +1292,13 @@ def run_producer(cfg: ProducerConfig) -> ProducerStats:
         raise DiskBudgetExceeded(f"--fill incomplete: {shortfall}; raise --disk-budget (what fitted stays "
                                  "published)")
     return producer.stats
+
+
+def stats_summary(stats: ProducerStats) -> dict[str, int]:
+    """The counts a producer's closing line gives (``artcache producer``): captures, publications, evictions,
+    recaptures and failures of this process."""
+    return {"captures": stats.captures, "publications": stats.publications, "evictions": stats.evictions,
+            "recaptures": stats.recaptures, "failures": stats.failures}
 
 
 def _record_fill(layout: CacheLayout, settings: RootSettings, cfg: ProducerConfig) -> None:

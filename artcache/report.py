@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from artcache.accounting import Accounting
+
+#: the most steps each end of :func:`loss_ends` averages
+LOSS_ENDS_STEPS = 5
 
 
 def table(headers: list[str], rows: list[list]) -> str:
@@ -50,7 +55,8 @@ def format_accounting(acc: Accounting) -> str:
         ["captures / consumed position", round(c.captures_per_consumed_position, 3)],
         ["retained artifacts now", c.retained_artifacts], ["retained bytes now", c.retained_bytes],
         ["max retained artifacts", c.max_retained_artifacts],
-        ["window bound (artifacts)", c.window_bound_artifacts], ["max retained bytes", c.max_retained_bytes],
+        ["window bound (artifacts: Σ windows + held-out, ≤ plan)", c.window_bound_artifacts],
+        ["max retained bytes", c.max_retained_bytes],
         ["disk budget (bytes)", _budget_text(c)], ["retention", c.retention or "-"],
         ["filled root: artifacts kept beside the rule", c.kept_fill_artifacts or "-"],
         ["budget binding (some producer pass so far)", "yes" if c.budget_binding else "no"],
@@ -101,6 +107,19 @@ def format_accounting(acc: Accounting) -> str:
     return "\n".join(out)
 
 
+def loss_ends(losses: Sequence[float]) -> tuple[float | None, float | None, int]:
+    """The training loss at the start and at the end of a run: (mean of the first k losses, mean of the last k,
+    k) with k = max(1, min(:data:`LOSS_ENDS_STEPS`, n // 2)) for n losses, so the two means never share a step
+    when n >= 2 (n = 1: both are that one step's loss); (None, None, 0) for none. ``losses``: per-step training
+    losses in step order (steps that supervised nothing left out). The one rule behind the consume summary,
+    ``artcache run``'s report and the bench's ``first_loss`` / ``final_loss``."""
+    n = len(losses)
+    if not n:
+        return None, None, 0
+    k = max(1, min(LOSS_ENDS_STEPS, n // 2))
+    return sum(losses[:k]) / k, sum(losses[-k:]) / k, k
+
+
 #: held-out figures a consume summary shows when the evaluation has them, with what each counts
 _EVAL_SHOWN = (("replay_tau", "greedy-replay τ (incl. +1 bonus)"), ("tau", "τ (incl. +1 bonus)"),
                ("sim_acc_len", "sim_acc_len (no bonus)"), ("loss", "loss"))
@@ -120,8 +139,13 @@ def format_consume_summary(summary: dict | None, signal_name: str = "") -> str:
     head = f"{cid} ({summary.get('draft')}): {what} at step {steps}{of} after {secs:.1f} s"
     lines = [head + f", cursor {summary.get('cursor', 0)}, {summary.get('wait_s', 0.0):.1f} s waiting for batches"]
     first, last = summary.get("first_loss"), summary.get("final_loss")
+    k, n = summary.get("loss_ends_steps") or 0, summary.get("loss_steps") or 0
     if first is not None and last is not None:
-        lines.append(f"  train loss {first:.4f} -> {last:.4f} (mean of the first / last 5 steps this process ran)")
+        if n == 1:
+            lines.append(f"  train loss {first:.4f} (the one step this process ran)")
+        else:
+            lines.append(f"  train loss {first:.4f} -> {last:.4f} (mean of the first / last {k} of the {n} steps "
+                         "this process ran)")
     ev = summary.get("eval") or {}
     shown = [f"{label} {ev[k]:.4f}" for k, label in _EVAL_SHOWN if isinstance(ev.get(k), (int, float))]
     if shown:

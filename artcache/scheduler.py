@@ -135,6 +135,16 @@ def next_batch(queue: list[Want], length_of: Callable[[int], int], limits: Sched
     return batch
 
 
-def window_bound(regs: Iterable[Registration]) -> int:
-    """Upper bound on retained artifacts: Σ (window size + pinned positions) of the live consumers."""
-    return sum(r.retain_bound() for r in regs)
+def window_bound(regs: Iterable[Registration], plan_samples: int | None) -> int:
+    """Upper bound on the artifacts the windows-only rule retains: Σ (lookbehind + lookahead + 1 + pinned held-out
+    positions) of the live consumers, at most ``plan_samples`` (a root holds one artifact per sample of its
+    plan however many windows cover it). :func:`bound_of` over :meth:`Registration.retain_bound`."""
+    return bound_of((r.retain_bound() for r in regs), plan_samples)
+
+
+def bound_of(windows: Iterable[int], plan_samples: int | None) -> int:
+    """The window bound of consumers retaining ``windows`` artifacts each (lookbehind + lookahead + 1 + pinned):
+    their sum, at most ``plan_samples`` (None: the plan's length is not known, the sum alone). The one rule behind
+    the producer's ``retained`` events, ``artcache inspect``'s and ``artcache run``'s window bound."""
+    total = sum(windows)
+    return total if plan_samples is None else min(total, plan_samples)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from statistics import median
 
 from artcache import journal as J
+from artcache.report import loss_ends
 
 
 def interval(steps_by_consumer: dict[str, list[J.Step]], warmup: int) -> tuple[float, float]:
@@ -60,16 +61,14 @@ def scenario_figures(events: list, warmup: int) -> dict:
         in_interval = sum(1 for s in ss if t0 < s.t <= t1)
         wait = sum(s.wait_s for s in measured)
         busy = sum(s.step_s for s in measured)
-        losses = [s.loss for s in ss if s.loss is not None]
-        k = max(1, min(5, len(losses) // 2))  # first-k and last-k windows never overlap
+        first_loss, final_loss, _ = loss_ends([s.loss for s in ss if s.loss is not None])
         consumers[cid] = {
             "steps": len(ss), "measured_steps": len(measured),
             "steps_per_s": len(measured) / span if span > 0 else 0.0,
             "rate_spread": rate_spread(measured),
             "steps_in_interval": in_interval,
             "wait_s": wait, "fetch_fraction": wait / busy if busy > 0 else 0.0,
-            "first_loss": sum(losses[:k]) / max(1, len(losses[:k])),
-            "final_loss": sum(losses[-k:]) / max(1, len(losses[-k:])),
+            "first_loss": first_loss, "final_loss": final_loss,  # None for a consumer that logged no loss
             "tau": (sum(s.tau_sum for s in ss[-10:]) / max(1, sum(s.blocks for s in ss[-10:]))),
             "tau_includes_bonus": True,
             "progress": [[s.t, s.step] for s in ss],

@@ -1,24 +1,21 @@
 """Payload put/get bandwidth: a POSIX cache root against Mooncake Store payloads, side by side in one run.
 
-``python -m artcache.bench.payload_micro --out DIR (--start-master | --payload mooncake://HOST:PORT)
-[--root /tmp/artcache-payload-micro] [--tokens 3072 --layers 5 --hidden 4096] [--reps 7]``
-
-For one artifact shape (default: Qwen3-8B's, 3072 tokens x 5 layers x 4096 bf16 = 120 MiB), each rep
+The ``payload`` suite's piece (``artcache bench --suite payload``, :mod:`artcache.bench.suites`): :func:`measure`.
+For one artifact shape (at ``--scale full`` Qwen3-8B's, 3072 tokens x 5 layers x 4096 bf16 = 120 MiB), each rep
 publishes a fresh fingerprint through ``artcache.store.publish`` (POSIX: temp file, fsync, rename;
 Mooncake: hard-pinned put + manifest), reads it back with every check (``store.read``: content hash and,
 for Mooncake, the manifest's payload hash) and evicts it (``store.remove``). Beside the artcache path it
 times the bare transport with the same bytes: ``write + fsync`` / ``read`` of one file, and Mooncake
 ``upsert_from`` / ``get_into`` of registered buffers. Medians over the reps; ratios Mooncake / POSIX.
 
-``--start-master`` starts ``mooncake_master`` on a free loopback port (its default 10 s read lease: a shorter
-one fails gets slower than it with -707) and one ``artcache payload-holder`` big enough for the run (evicted
-payloads wait out the lease), and stops both at the end. Every process talks over 127.0.0.1.
+Without a master given, it starts ``mooncake_master`` on a free loopback port (its default 10 s read lease: a
+shorter one fails gets slower than it with -707) and one ``artcache payload-holder`` big enough for the run
+(evicted payloads wait out the lease), and stops both at the end. Every process talks over 127.0.0.1. Needs
+``mooncake-transfer-engine-non-cuda`` (its ``mooncake_master``) and libibverbs1 (``.ci/mooncake-lane``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import socket
@@ -26,11 +23,12 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from artcache.errors import ConfigError
 
 
 def _free_port() -> int:
@@ -45,7 +43,8 @@ class LocalMooncake:
     def __init__(self, workdir: Path, holder_bytes: int) -> None:
         binary = shutil.which("mooncake_master") or str(Path(sysconfig.get_path("scripts")) / "mooncake_master")
         if not Path(binary).is_file():
-            raise SystemExit("mooncake_master not found: python3 -m pip install mooncake-transfer-engine-non-cuda")
+            raise ConfigError("mooncake_master not found: python3 -m pip install "
+                              "mooncake-transfer-engine-non-cuda (and libibverbs1)")
         port, metrics = _free_port(), _free_port()
         self.url = f"mooncake://127.0.0.1:{port}"
         self.procs: list[subprocess.Popen] = []
@@ -61,7 +60,7 @@ class LocalMooncake:
             except OSError:
                 if time.monotonic() > deadline:
                     self.close()
-                    raise SystemExit(f"mooncake_master did not start; see {workdir / 'master.log'}") from None
+                    raise RuntimeError(f"mooncake_master did not start; see {workdir / 'master.log'}") from None
                 time.sleep(0.05)
         holder_log = workdir / "holder.log"
         with open(holder_log, "wb") as log:
@@ -72,7 +71,7 @@ class LocalMooncake:
         while "payload holder ready" not in holder_log.read_text(errors="replace"):
             if self.procs[-1].poll() is not None or time.monotonic() > deadline + 40:
                 self.close()
-                raise SystemExit(f"payload holder did not start; see {holder_log}")
+                raise RuntimeError(f"payload holder did not start; see {holder_log}")
             time.sleep(0.05)
 
     def close(self) -> None:
@@ -164,7 +163,7 @@ def bare_mooncake(url: str, data: torch.Tensor, reps: int) -> dict:
             got = client.get_into(key, dst)
             t2 = time.perf_counter()
             if rc != 0 or got != n:
-                raise SystemExit(f"bare Mooncake put/get failed: put {rc}, get {got}")
+                raise RuntimeError(f"bare Mooncake put/get failed: put {rc}, get {got}")
             if i:
                 w.append(t1 - t0)
                 r.append(t2 - t1)
@@ -176,19 +175,18 @@ def bare_mooncake(url: str, data: torch.Tensor, reps: int) -> dict:
         client.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--payload", help="an existing Mooncake master, mooncake://HOST:PORT (and a holder)")
-    where.add_argument("--start-master", action="store_true", help="start a loopback master + holder for the run")
-    ap.add_argument("--root", default="", help="where the two cache roots go (default: a temporary directory)")
-    ap.add_argument("--tokens", type=int, default=3072)
-    ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--reps", type=int, default=7)
-    args = ap.parse_args()
+def measure(work: Path, *, tokens: int = 3072, layers: int = 5, hidden: int = 4096, reps: int = 7,
+            payload_url: str = "") -> dict:
+    """Publish / read / evict one artifact of ``tokens`` x ``layers`` x ``hidden`` bf16 ``reps`` times (after one
+    warm-up) on a POSIX root and on a Mooncake-payload root under ``work`` (removed after), then the bare
+    transports with the same bytes. ``payload_url``: an existing master, ``mooncake://HOST:PORT`` with a holder;
+    empty: start a loopback master and holder for the run. Returns the report: per path the medians
+    (``publish_MBps``, ``read_MBps``, ``evict_s``; MB = 10**6 bytes), ``ratios_mooncake_over_posix``, the artifact
+    shape, the load average and the CPUs.
 
+    Raises:
+        ConfigError: ``mooncake_master`` is not installed, or ``payload_url`` is not a Mooncake URL.
+        RuntimeError: the master or holder did not start, or a bare put/get failed."""
     import msgspec
 
     from artcache import payload
@@ -197,22 +195,20 @@ def main() -> None:
     from artcache.payload import new_spec, parse_payload_url
     from artcache.settings import RootSettings, init_settings
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    base = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="artcache-payload-micro-"))
+    base = Path(work)
     base.mkdir(parents=True, exist_ok=True)
     contract = CaptureContract(target_name="bench", target_revision="r", target_config_hash="c",
-                               target_weights_digest="w", layer_ids=tuple(range(args.layers)),
-                               max_length=args.tokens, tokenizer_digest="none", template_digest="none")
+                               target_weights_digest="w", layer_ids=tuple(range(layers)),
+                               max_length=tokens, tokenizer_digest="none", template_digest="none")
     g = torch.Generator().manual_seed(0)
-    tensors = {"hidden_states": torch.randn(args.tokens, args.layers, args.hidden, generator=g).to(torch.bfloat16),
-               "input_ids": torch.randint(0, 32000, (args.tokens,), generator=g, dtype=torch.int32),
-               "loss_mask": torch.ones(args.tokens, dtype=torch.uint8)}
+    tensors = {"hidden_states": torch.randn(tokens, layers, hidden, generator=g).to(torch.bfloat16),
+               "input_ids": torch.randint(0, 32000, (tokens,), generator=g, dtype=torch.int32),
+               "loss_mask": torch.ones(tokens, dtype=torch.uint8)}
     raw = tensors["hidden_states"].reshape(-1).view(torch.uint8)
+    url = parse_payload_url(payload_url) if payload_url else ""
     # evicted payloads wait out the 10 s read lease: room for every rep's, plus the bare transport's key
-    holder = (args.reps + 3) * (raw.numel() + (1 << 20)) + (64 << 20)
-    service = LocalMooncake(base, holder_bytes=holder) if args.start_master else None
-    url = service.url if service else parse_payload_url(args.payload)
+    service = None if url else LocalMooncake(base, holder_bytes=(reps + 3) * (raw.numel() + (1 << 20)) + (64 << 20))
+    url = url or service.url
     try:
         settings = RootSettings(plan_id="0" * 40, contract=contract, target_path="/nowhere")
         roots = {}
@@ -222,15 +218,13 @@ def main() -> None:
             lay.create()
             init_settings(lay, msgspec.structs.replace(settings, payload=spec))
             roots[name] = lay
-        report = {"artifact": {"tokens": args.tokens, "layers": args.layers, "hidden": args.hidden,
-                               "dtype": "bfloat16"},
-                  "reps": args.reps, "posix_dir": str(base), "mooncake": url, "cpus": os.cpu_count(),
-                  "loadavg": os.getloadavg()}
+        report = {"artifact": {"tokens": tokens, "layers": layers, "hidden": hidden, "dtype": "bfloat16"},
+                  "reps": reps, "mooncake": url, "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
         # interleaved in one run: POSIX, Mooncake, then the bare transports
-        report["posix"] = bench_root(roots["posix"], contract, tensors, args.reps)
-        report["mooncake_payloads"] = bench_root(roots["mooncake"], contract, tensors, args.reps)
-        report["bare_posix"] = bare_posix(base, raw, args.reps)
-        report["bare_mooncake"] = bare_mooncake(url, raw, args.reps)
+        report["posix"] = bench_root(roots["posix"], contract, tensors, reps)
+        report["mooncake_payloads"] = bench_root(roots["mooncake"], contract, tensors, reps)
+        report["bare_posix"] = bare_posix(base, raw, reps)
+        report["bare_mooncake"] = bare_mooncake(url, raw, reps)
         p, m = report["posix"], report["mooncake_payloads"]
         report["ratios_mooncake_over_posix"] = {"publish": m["publish_MBps"] / p["publish_MBps"],
                                                 "read": m["read_MBps"] / p["read_MBps"]}
@@ -238,23 +232,24 @@ def main() -> None:
         payload.close_all()
         if service:
             service.close()
-        if not args.root:
-            shutil.rmtree(base, ignore_errors=True)
-    (out / "payload_micro.json").write_text(json.dumps(report, indent=1))
+        for name in ("posix", "mooncake"):
+            shutil.rmtree(base / f"{name}-root", ignore_errors=True)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """:func:`measure`'s report as the table docs/benchmarks.md shows."""
+    a = report["artifact"]
     mib = report["posix"]["nbytes"] / 2**20
-    print(f"artifact {mib:.1f} MiB ({args.tokens} tokens x {args.layers} layers x {args.hidden}, bf16); "
-          f"medians of {args.reps} reps; load {report['loadavg'][0]:.1f} on {report['cpus']} CPUs")
-    print(f"{'':26s}{'publish MB/s':>14s}{'read MB/s':>12s}{'evict ms':>10s}")
+    lines = [f"artifact {mib:.1f} MiB ({a['tokens']} tokens x {a['layers']} layers x {a['hidden']}, bf16); "
+             f"medians of {report['reps']} reps; load {report['loadavg'][0]:.1f} on {report['cpus']} CPUs",
+             f"{'':26s}{'publish MB/s':>14s}{'read MB/s':>12s}{'evict ms':>10s}"]
     for name, key in (("posix root", "posix"), ("mooncake payloads", "mooncake_payloads")):
         r = report[key]
-        print(f"{name:26s}{r['publish_MBps']:14.0f}{r['read_MBps']:12.0f}{r['evict_s'] * 1e3:10.1f}")
+        lines.append(f"{name:26s}{r['publish_MBps']:14.0f}{r['read_MBps']:12.0f}{r['evict_s'] * 1e3:10.1f}")
     bp, bm = report["bare_posix"], report["bare_mooncake"]
-    print(f"{'bare file write+fsync/read':26s}{bp['write_fsync_MBps']:14.0f}{bp['read_MBps']:12.0f}")
-    print(f"{'bare mooncake put/get':26s}{bm['put_MBps']:14.0f}{bm['get_MBps']:12.0f}")
+    lines.append(f"{'bare file write+fsync/read':26s}{bp['write_fsync_MBps']:14.0f}{bp['read_MBps']:12.0f}")
+    lines.append(f"{'bare mooncake put/get':26s}{bm['put_MBps']:14.0f}{bm['get_MBps']:12.0f}")
     rt = report["ratios_mooncake_over_posix"]
-    print(f"mooncake / posix: publish {rt['publish']:.2f}x, read {rt['read']:.2f}x; "
-          f"report {out / 'payload_micro.json'}")
-
-
-if __name__ == "__main__":
-    main()
+    lines.append(f"mooncake / posix: publish {rt['publish']:.2f}x, read {rt['read']:.2f}x")
+    return "\n".join(lines)

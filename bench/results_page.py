@@ -229,12 +229,29 @@ def _offline_row(label: str) -> Callable[[Any], list[str]]:
     return cells
 
 
-def _packing_row(label: str) -> Callable[[Any], list[str]]:
-    def cells(d: Any) -> list[str]:
-        r, pad = d["packed_over_unpacked"], d["padding_fraction"]
+def _packing_row(label: str, at: str = "") -> Callable[[Any], list[str]]:
+    """A packing row from a ``bench.packing`` file, or from the report at ``at`` inside one (a suite's
+    ``pieces.<draft>.result``). The walk's figures (a representative share of the plan, no training) are
+    ``not recorded`` in files written before the walk existed."""
+    def cells(doc: Any) -> list[str]:
+        d = get(doc, at) if at else doc
+        r, pad = d.get("packed_over_unpacked"), d.get("padding_fraction")
+        w = d.get("walk_packed_over_unpacked")
+        walk = NOT_RECORDED if w is None else (
+            f"{f2(w['supervised_tokens_per_step'])} / {f2(w['tokens_per_step'])} / {f2(w['anchors_per_step'])}"
+            if "anchors_per_step" in w and w["anchors_per_step"] else
+            f"{f2(w['supervised_tokens_per_step'])} / {f2(w['tokens_per_step'])} / -")
+        positions = get(d, "walk.unpacked.positions")
+        walked = walk if positions is None else f"{walk} ({positions} positions)"
+        if r is None:  # --steps 0: the walk only, nothing timed
+            wp = d["walk"]
+            return [label, f"{d['draft']}, {d['max_length']} tokens, {d['rows']} rows", "not timed", "not timed",
+                    f2(w["supervised_tokens_per_step"]), f2(w["anchor_coverage"]) if "anchor_coverage" in w else "-",
+                    f"{f3(wp['unpacked']['padding_fraction'])} / {f3(wp['packed']['padding_fraction'])}", walked]
         return [label, f"{d['draft']}, {d['max_length']} tokens, {d['rows']} rows", f2(r["supervised_tokens_per_s"]),
-                f2(r["supervised_tokens_per_cpu_s"]), f2(r["supervised_tokens_per_step"]), f2(r["anchor_coverage"]),
-                f"{f3(pad['unpacked'])} / {f3(pad['packed'])}"]
+                f2(r["supervised_tokens_per_cpu_s"]), f2(r["supervised_tokens_per_step"]),
+                f2(r["anchor_coverage"]) if "anchor_coverage" in r else "-",
+                f"{f3(pad['unpacked'])} / {f3(pad['packed'])}", walked]
     return cells
 
 
@@ -379,12 +396,18 @@ SECTIONS: list[Section] = [
                 ("process-869fe45", "16-core CPU, process pairing, commit when due"),
                 ("process-commit0-869fe45", "16-core CPU, process pairing, commit every step"))]),
     Section("Packing",
-            "`python -m artcache.bench.packing`: DFlash steps on the SmolLM2 ShareGPT plan's lengths and loss masks, "
-            "packed (`--pack-tokens`) against unpacked at the same token budget, the arms' steps interleaved in one "
-            "process; packed / unpacked (docs/training.md, Packing).",
+            "`python -m artcache.bench.packing` (`artcache bench --suite packing`): DFlash steps on the SmolLM2 "
+            "ShareGPT plan's lengths and loss masks, packed (`--pack-tokens`) against unpacked at the same token "
+            "budget, the arms' steps interleaved in one process; packed / unpacked. The walk: both arms over the "
+            "plan's first positions without training (`--steps 0`: the walk only, its per-step column the walk's) "
+            "(docs/training.md, Packing).",
             ["run", "draft, length, rows", "supervised tokens/s", "per CPU second", "per step", "anchor coverage",
-             "padding unpacked / packed"],
-            [Row("2026-12-05-cpu-packing-dflash-284cbd4.json", _packing_row("per-document attention")),
+             "padding unpacked / packed", "walk: supervised tokens / computed tokens / anchors per step"],
+            [Row("2026-12-05-cpu-packing-dflash-f567302.json", _packing_row("first fit")),
+             Row("2026-12-05-cpu-packing-dflash-nextfit-f4e4775.json", _packing_row("next fit (earlier)")),
+             Row("2026-12-05-cpu-packing-walk-rows4-f25a155.json", _packing_row("first fit, walk only")),
+             Row("2026-12-05-cpu-packing-walk-rows8-f25a155.json", _packing_row("first fit, walk only")),
+             Row("2026-12-05-cpu-packing-dflash-284cbd4.json", _packing_row("per-document attention (earlier)")),
              Row("2026-12-05-cpu-packing-dflash-6a8378f.json", _packing_row("row-wide mask (earlier)"))]),
     Section("Regeneration on one GPU",
             "`artcache regenerate --device cuda`: SmolLM2-135M-Instruct answering ShareGPT prompts of at most 768 "

@@ -121,6 +121,7 @@ class BenchConfig:
     disk_budget: int = 0  # bytes for the artcache/solo producers (0: the run's covering budget for hetero)
     budget_fraction: float = 0.25  # the tight mode's budget: window floor + this share of (covering - floor)
     save: str = "weights"  # one of SAVE_POLICIES
+    consumer_ranks: int = 1  # ranks of every consumer: a torch.distributed group (gloo on cpu), one consumer each
 
 
 def resolved(cfg: BenchConfig, sc: Scenario) -> BenchConfig:
@@ -151,6 +152,9 @@ def _check_environment(cfg: BenchConfig, n_roles: int) -> list[int]:
     n = torch.cuda.device_count()
     if n == 0:
         raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu")
+    if n < n_roles and cfg.consumer_ranks > 1:
+        raise ConfigError(f"{n_roles} roles and ranks need {n_roles} GPUs but {n} are visible: each rank of a "
+                          f"consumer group needs a GPU of its own (--consumer-ranks {cfg.consumer_ranks})")
     if n < n_roles and not cfg.allow_shared_gpu:
         raise ConfigError(f"{n_roles} roles need {n_roles} GPUs but {n} are visible; pass --allow-shared-gpu "
                           "to put several roles on one GPU (reported on every line)")
@@ -158,8 +162,11 @@ def _check_environment(cfg: BenchConfig, n_roles: int) -> list[int]:
 
 
 def _roles(cfg: BenchConfig, sc: Scenario) -> int:
-    """Processes one mode of ``sc`` runs at most (producers and consumers; naive: a producer per consumer)."""
-    return max((2 if m == "naive" else 1) * len(sc.consumers) + (m != "naive") for m in parse_modes(cfg.modes, sc))
+    """Devices one mode of ``sc`` uses at most: its producers and every consumer's ranks (naive: a producer per
+    consumer)."""
+    ranks = cfg.consumer_ranks
+    return max((ranks + (m == "naive")) * len(sc.consumers) + (m != "naive")
+               for m in parse_modes(cfg.modes, sc, ranks))
 
 
 def _check_fresh(path: Path) -> None:
@@ -176,17 +183,20 @@ def _fresh_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def parse_modes(text: str, sc: Scenario) -> tuple[str, ...]:
+def parse_modes(text: str, sc: Scenario, consumer_ranks: int = 1) -> tuple[str, ...]:
     """``--modes`` text → the modes to run for ``sc``, in :data:`MODES` order.
 
     Empty text: every mode for a scenario of several consumers, ``artcache`` alone for one (with one
-    consumer the baselines are artcache itself). Raises ConfigError naming an unknown mode, or a
-    list without ``artcache`` (the baselines are compared against it).
+    consumer the baselines are artcache itself); with ``consumer_ranks`` > 1 (``--consumer-ranks``) every mode but
+    ``lockstep`` (a lockstep baseline is a set of one-process consumers). Raises ConfigError naming an unknown
+    mode, ``lockstep`` with several ranks, or a list without ``artcache`` (the baselines are compared against it).
     """
     if not text.strip():
         if sc.modes:
-            return tuple(m for m in MODES if m in sc.modes)
-        return ("artcache", "naive", "lockstep") if len(sc.consumers) > 1 else ("artcache",)
+            modes = tuple(m for m in MODES if m in sc.modes)
+        else:
+            modes = ("artcache", "naive", "lockstep") if len(sc.consumers) > 1 else ("artcache",)
+        return tuple(m for m in modes if m != "lockstep" or consumer_ranks == 1)
     names = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in names if m not in MODES]
     if bad:
@@ -194,6 +204,9 @@ def parse_modes(text: str, sc: Scenario) -> tuple[str, ...]:
                           f"subset of {','.join(MODES)}")
     if "artcache" not in names:
         raise ConfigError(f"--modes {text!r} must include artcache: the baselines are compared against it")
+    if "lockstep" in names and consumer_ranks > 1:
+        raise ConfigError(f"--modes {text!r} with --consumer-ranks {consumer_ranks}: lockstep runs one-process "
+                          "consumers only; leave lockstep out or use --consumer-ranks 1")
     return tuple(m for m in MODES if m in names)
 
 
@@ -260,9 +273,9 @@ def _sample_bytes(cfg: BenchConfig, sc: Scenario) -> int:
 
 def covering_budget(cfg: BenchConfig, sc: Scenario) -> int:
     """Bytes that hold every position of the run at the longest sample's size: a budget that covers any lead
-    (``(warmup + steps) × batch size`` artifacts of ``max_length`` tokens, the captured layers in bfloat16,
-    plus 16 KiB of header each)."""
-    return (cfg.warmup + cfg.steps) * cfg.batch_size * _sample_bytes(cfg, sc)
+    (``(warmup + steps) × consumer ranks × batch size`` artifacts of ``max_length`` tokens, the captured layers in
+    bfloat16, plus 16 KiB of header each)."""
+    return (cfg.warmup + cfg.steps) * cfg.consumer_ranks * cfg.batch_size * _sample_bytes(cfg, sc)
 
 
 def window_floor(cfg: BenchConfig, sc: Scenario) -> int:
@@ -272,8 +285,9 @@ def window_floor(cfg: BenchConfig, sc: Scenario) -> int:
     from artcache.trainers.consumer import parse_window
 
     lookbehind, lookahead = parse_window(cfg.window)
-    run = (cfg.warmup + cfg.steps) * cfg.batch_size
-    per_consumer = min(lookbehind + lookahead + 1, run) + cfg.batch_size
+    step = cfg.consumer_ranks * cfg.batch_size  # positions one optimizer step consumes (every rank's slice)
+    run = (cfg.warmup + cfg.steps) * step
+    per_consumer = min(lookbehind + lookahead + 1, run) + step
     return len(sc.consumers) * per_consumer * _sample_bytes(cfg, sc)
 
 
@@ -385,8 +399,11 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
         for pid, root, _ in producers:
             wait_for_file(root / "artcache.json", procs[pid], cfg.timeout_s)  # the producer initialised the root
         n_served = sum(len(served) for _, _, served in producers)
+        ranks, first = cfg.consumer_ranks, len(producers)  # each consumer's ranks get GPUs of their own
         order = consumer_configs(cfg, sc, work, mode, [(root, served) for _, root, served in producers],
-                                 [dev(i) for i in range(len(producers), len(producers) + n_served)])
+                                 [dev(first + j * ranks) for j in range(n_served)],
+                                 None if cpu or ranks == 1 else
+                                 [gpus[first + j * ranks:first + (j + 1) * ranks] for j in range(n_served)])
         ccfgs: dict[Path, list] = {}
         for _, root, ccfg in order:
             ccfgs.setdefault(root, []).append(ccfg)
@@ -435,11 +452,14 @@ def run_mode(cfg: BenchConfig, sc: Scenario, base: Path, mode: str, gpus: list[i
 
 def consumer_configs(cfg: BenchConfig, sc: Scenario, work: Path, mode: str,
                      served: list[tuple[Path, tuple[ConsumerSpec, ...]]],
-                     devices: list[str]) -> list[tuple[float, Path, object]]:
+                     devices: list[str], rank_devices: list[list[int]] | None = None
+                     ) -> list[tuple[float, Path, object]]:
     """(start offset in s, cache root, :class:`ConsumerConfig`) of every consumer of ``mode``, in start order
     (offset, then role). ``served``: (root, its consumers) per producer, in :func:`_producers` order;
-    ``devices``: one per consumer in that order. The same settings in every mode; only ``cache`` and
-    ``lockstep_group`` differ. ``cfg`` is the scenario's :func:`resolved` config."""
+    ``devices``: one per consumer in that order; ``rank_devices``: on CUDA with ``cfg.consumer_ranks`` > 1, the
+    GPU indices of each consumer's ranks (its ``devices``). Every consumer has ``cfg.consumer_ranks`` ranks. The
+    same settings in every mode; only ``cache`` and ``lockstep_group`` differ. ``cfg`` is the scenario's
+    :func:`resolved` config."""
     from artcache.trainers.consumer import ConsumerConfig, parse_window
     from artcache.trainers.consumer.config import draft_options
 
@@ -457,7 +477,9 @@ def consumer_configs(cfg: BenchConfig, sc: Scenario, work: Path, mode: str,
         own = draft_options(c.draft)
         out.append((start_s, root, ConsumerConfig(
             cache=str(root), consumer_id=c.consumer_id, draft=c.draft, lookbehind=lookbehind,
-            lookahead=lookahead, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps, device=devices[role],
+            lookahead=lookahead, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps,
+            device="cuda" if rank_devices else devices[role], nproc=cfg.consumer_ranks,
+            devices=list(rank_devices[role]) if rank_devices else [],
             **{k: v for k, v in opts.items() if k in own and v is not None},
             threads=1 if cfg.device == "cpu" else 0, out_dir=str(work / "runs" / c.consumer_id), log_every=10,
             lockstep_group=group, progress=False, checkpoints=cfg.save != "none",
@@ -469,7 +491,7 @@ def run_scenario(cfg: BenchConfig, sc: Scenario, plan: dict | None = None) -> di
     """Run every mode of one scenario end to end and return its report dict (also written to disk).
     ``plan``: the run's :func:`preflight_disk` (its checkpoint sizes are reused; the report's ``disk_plan``)."""
     cfg = resolved(cfg, sc)
-    modes = parse_modes(cfg.modes, sc)
+    modes = parse_modes(cfg.modes, sc, cfg.consumer_ranks)
     gpus = _check_environment(cfg, _roles(cfg, sc))
     base = Path(cfg.out_dir).absolute() / sc.name
     _fresh_dir(base)
@@ -578,7 +600,7 @@ def mode_bytes(cfg: BenchConfig, ccfgs: dict[Path, list], sizes: dict, contract=
     """(checkpoint bytes, artifact bytes) one mode holds on its disk at most: every consumer's final
     checkpoint (:func:`checkpoint_size_of`, cached in ``sizes`` by consumer id) and, per root, its retention
     bound × the artifact bound (:func:`artcache.store.artifact_bytes_bound`). A root's producer never holds
-    more than the positions its consumers read (``steps × batch_size`` of the longest, at most
+    more than the positions its consumers read (``steps × global batch`` of the longest, at most
     ``cfg.max_samples``: windows are clipped at each consumer's end). Under ``retention`` ``windows`` it
     holds at most its live windows (the sum of its consumers' ``lookbehind + lookahead + 1``; the producer's
     default, no ``--disk-budget``); under ``need`` it keeps what a consumer will still read while it fits
@@ -595,7 +617,7 @@ def mode_bytes(cfg: BenchConfig, ccfgs: dict[Path, list], sizes: dict, contract=
             ckpt += sizes[c.consumer_id][0]
         con = contract if contract is not None else load_settings(CacheLayout(root)).contract
         per = artifact_bytes_bound(con, sizes[group[0].consumer_id][1])
-        positions = min(max(c.steps * c.batch_size for c in group), cfg.max_samples)
+        positions = min(max(c.steps * c.global_batch for c in group), cfg.max_samples)
         windows = min(sum(c.lookbehind + c.lookahead + 1 for c in group), positions) * per
         if retention == "windows":
             art += windows
@@ -693,7 +715,7 @@ def preflight_disk(cfg: BenchConfig, scenarios: list[Scenario]) -> dict:
             _check_fresh(base)
             reclaimed += _tree_bytes(base) if base.exists() else 0
             sizes = plan["sizes"].setdefault(sc.name, {})
-            for mode in parse_modes(rc.modes, sc):
+            for mode in parse_modes(rc.modes, sc, rc.consumer_ranks):
                 work = base if mode == "artcache" else base / mode
                 merged: dict[Path, list] = {}
                 for _, _, consumers in _producers(base, mode, sc):  # one key per root of the mode (naive: one each)
@@ -775,7 +797,7 @@ def _report(cfg, sc, figures, acc, codes, wall, sampler, roles) -> dict:
 
     return {
         **record(None, device=cfg.device),  # the command, commit and hardware (GPU included) of these figures
-        "scenario": sc.name, "device": cfg.device,
+        "scenario": sc.name, "device": cfg.device, "consumer_ranks": cfg.consumer_ranks,
         "shared_gpu": bool(cfg.allow_shared_gpu and cfg.device == "cuda"),
         "warmup_steps": cfg.warmup, "measured_steps": cfg.steps,
         "interval_s": figures["interval_s"], "interval": [t0, t1], "wall_s": wall,
@@ -1040,7 +1062,8 @@ def format_report(r: dict) -> str:
              round(c["tau"] or 0, 3), c["hits"], c["misses"], c["state"]] for c in r["consumers"]]
     cache = r["cache"]
     lines = [
-        f"## {r['scenario']} on {r['device']}{shared}", "",
+        f"## {r['scenario']} on {r['device']}{shared}" + (f", every consumer a group of {r['consumer_ranks']} ranks"
+                                                           if r.get('consumer_ranks', 1) > 1 else ""), "",
         f"common post-warm-up interval {r['interval_s']:.1f} s; aggregate steady throughput "
         f"{r['aggregate_steps_per_s']:.3f} steps/s; median per-consumer {r['median_consumer_steps_per_s']:.3f} "
         f"steps/s; producer utilisation {100 * r['producer']['utilization']:.1f} %{shared}", "",
@@ -1197,7 +1220,7 @@ def run_bench(cfg: BenchConfig) -> bool:
                           "if missing)")
     for sc in resolve(cfg.scenario):  # bad input fails here, before anything is written
         parse_window(resolved(cfg, sc).window)
-        check_tight_budget(resolved(cfg, sc), sc, list(parse_modes(cfg.modes, sc)))
+        check_tight_budget(resolved(cfg, sc), sc, list(parse_modes(cfg.modes, sc, cfg.consumer_ranks)))
         # the device, before any data is loaded or checkpoint sized (--device cuda without a GPU failed after
         # them and left a report saying "not run")
         _check_environment(resolved(cfg, sc), _roles(cfg, sc))
@@ -1213,7 +1236,8 @@ def run_bench(cfg: BenchConfig) -> bool:
     for sc in scenarios:
         rc = resolved(cfg, sc)
         print(f"== scenario {sc.name}: {len(sc.consumers)} consumer(s), {cfg.device}, {rc.warmup}+{rc.steps} "
-              f"steps each, window {rc.window}, modes {','.join(parse_modes(cfg.modes, sc))} ...", flush=True)
+              f"steps each, window {rc.window}, modes {','.join(parse_modes(cfg.modes, sc, cfg.consumer_ranks))}"
+              + (f", {cfg.consumer_ranks} ranks per consumer" if cfg.consumer_ranks > 1 else "") + " ...", flush=True)
         r = run_scenario(cfg, sc, plan)
         reports.append(r)
         print(format_report(r), flush=True)

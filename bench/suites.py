@@ -493,6 +493,50 @@ def _fp8_pieces() -> tuple[Piece, ...]:
                   cuda=True))
 
 
+def _payload_piece() -> Piece:
+    def run(ctx: PieceContext) -> dict:
+        from artcache.bench import payload_micro
+
+        size = dict(tokens=64, layers=2, hidden=64, reps=2) if ctx.tiny else dict(reps=5)  # full: Qwen3-8B's shape
+        report = payload_micro.measure(ctx.work, **size)
+        print(payload_micro.format_report(report), flush=True)
+        return report
+
+    return Piece("posix-vs-mooncake", run, "publish / read / evict MB/s of a POSIX root and of Mooncake payloads on "
+                 "loopback, with the bare transports (one artifact, Qwen3-8B's shape)")
+
+
+def _vllm_throughput_piece() -> Piece:
+    def run(ctx: PieceContext) -> dict:
+        from artcache.bench import vllm_throughput
+
+        size = ["--max-length", "64", "--samples", "2", "--batch", "2", "--reps", "1"] if ctx.tiny else \
+            ["--max-length", "512", "--samples", "8", "--batch", "4", "--reps", "5"]
+        return vllm_throughput.main([*size, "--out", str(ctx.work / "vllm-throughput.json")])
+
+    return Piece("capture", run, "capture tokens/s of the vllm backend against the hf backend and against vLLM "
+                 "prefill without extraction, SmolLM2-135M-Instruct on ShareGPT (CPU; needs the vllm extra)")
+
+
+#: the packing recipe per scale (:func:`artcache.bench.packing.run`): ``full`` at the documented figures' sizes
+#: (SmolLM2-135M shapes, ShareGPT at 2,048 tokens), ``tiny`` a quick check of the same code on any CPU
+PACKING_RECIPES = {
+    "full": {"arch": "smollm2-135m", "max_length": 2048, "samples": 2000, "rows": 2, "steps": 4, "anchors": 64,
+             "block": 16},
+    "tiny": {"arch": "tiny-llama", "max_length": 1024, "samples": 48, "rows": 2, "steps": 1, "anchors": 8,
+             "block": 4},
+}
+
+
+def _packing_piece(draft: str) -> Piece:
+    def run(ctx: PieceContext) -> dict:
+        from artcache.bench import packing
+
+        return packing.run(draft, **PACKING_RECIPES[ctx.scale])
+
+    return Piece(draft, run, f"{draft}: packed against unpacked steps at the same token budget (CPU, float32)")
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("retention-gap", "captures per consumed position of the retention policy over Belady's under the same "
           "window pins, four seeded stream families (a simulation: CPU)",
@@ -515,6 +559,13 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "embedded ShareGPT (10,000 steps each, one artcache run resumed piece after piece), held-out greedy-replay "
           "τ every 1,000 steps; curves.png and the figures of training_curves", _curve_pieces("full"),
           _curve_pieces("tiny")),
+    Suite("payload", "payload put/get bandwidth: a POSIX cache root against Mooncake Store payloads on loopback, one "
+          "artifact of Qwen3-8B's shape (needs mooncake-transfer-engine-non-cuda)", (_payload_piece(),)),
+    Suite("vllm-throughput", "capture throughput of the vllm backend against the hf backend and against plain vLLM "
+          "prefill, on the same plan samples in one process (needs the vllm extra)", (_vllm_throughput_piece(),)),
+    Suite("packing", "packed (--pack-tokens) against unpacked consumer steps at the same token budget on the SmolLM2 "
+          "ShareGPT plan at 2,048 tokens, per draft: supervised tokens per step and per second, padding, anchors and "
+          "anchor coverage (bench.packing; CPU)", tuple(_packing_piece(d) for d in ("dflash", "eagle3", "dspark"))),
 )}
 
 

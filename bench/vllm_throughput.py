@@ -10,11 +10,9 @@ change of machine load hits all three alike); the report gives the median tokens
   artcache's connector; the full model plus one sampled token; rows handed back in memory);
 - ``vllm``: a plain vLLM engine on the same target, ``max_tokens=1``, no extraction (prefill only).
 
-Tokens are the samples' real tokens (no padding counted). Needs the ``artcache[vllm]`` extra; run with
-the Python that has vLLM, from the repository root::
-
-    python bench/vllm_throughput.py --max-length 512 --samples 8 --batch 4 --reps 5 --out vllm-throughput.json
-
+Tokens are the samples' real tokens (no padding counted). Needs the ``artcache[vllm]`` extra. The
+``vllm-throughput`` suite's piece (``artcache bench --suite vllm-throughput``, :mod:`artcache.bench.suites`) runs
+:func:`main` at the sizes of docs/vllm.md's figures (``--max-length 512 --samples 8 --batch 4 --reps 5``).
 Figures and the machine they came from: docs/vllm.md.
 """
 
@@ -27,13 +25,9 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _cpu_model() -> str:

@@ -89,12 +89,12 @@ class Proc:
         assert rc == code, f"{self.name} exited {rc}, expected {code}:\n{self.tail()}"
 
     def terminate_ready_producer(self) -> None:
-        """SIGTERM once the producer has installed its handler ('producer ready'), then expect exit 0.
-        Regression (CI seed 1255956394): a restarted producer whose work had all been published by its
-        killed predecessor got SIGTERM while still importing torch, and died of it (-15)."""
+        """SIGTERM once the producer has installed its handler ('producer ready'), then expect exit 143 (its clean
+        shutdown, then ``128 + SIGTERM``). Regression (CI seed 1255956394): a restarted producer whose work had all
+        been published by its killed predecessor got SIGTERM while still importing torch, and died of it (-15)."""
         wait_until(lambda: "producer ready" in self.text(), f"{self.name} to be ready", [self])
         self.popen.send_signal(signal.SIGTERM)
-        self.expect(0)
+        self.expect(128 + signal.SIGTERM)
 
     def kill(self) -> None:
         if self.popen.poll() is None:

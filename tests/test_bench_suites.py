@@ -106,7 +106,8 @@ def test_cuda_pieces_are_refused_on_a_cpu_at_full_scale(tmp_path):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("args, needles", [
     (["--suite", "consumer-speed"], ["piece(s) matmul, dflash:main", "need a CUDA device", "--scale tiny"]),
-    (["--suite", "gpu-micro"], ["piece(s) producer, consumer, producer-16k, producer-32k need a CUDA device", "--pieces matmul,io run on a CPU"]),
+    (["--suite", "gpu-micro"], ["piece(s) producer, consumer, producer-16k, producer-32k need a CUDA device",
+                                "--pieces matmul,io run on a CPU"]),
     (["--suite", "gpu-micro", "--device", "cuda"], ["--device cuda: no CUDA device is visible"]),
     (["--suite", "nope"], ["--suite 'nope' is not a suite; accepted: retention-gap, gpu-micro"]),
     (["--resume", "x"], ["--resume, --time-budget and --pieces belong to --suite NAME"]),
@@ -264,3 +265,57 @@ def test_a_signal_stops_the_running_piece_unrecorded_and_exits_128_plus_it(tmp_p
     assert S.main_suite("fake", out_dir="", resume=str(d), device="cpu", scale="full", pieces="",
                         time_budget_s=None) == 0
     assert calls == ["a", "b", "b", "c"]
+
+
+def test_every_suite_is_named_in_the_bench_help_and_in_the_docs_table():
+    """``artcache bench --help`` (and so docs/cli.md) and docs/benchmarks.md's suite table name every suite."""
+    res = CliRunner().invoke(main, ["bench", "--help"], terminal_width=1000)
+    assert res.exit_code == 0, res.output
+    table = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
+    for name in S.SUITES:
+        assert name in res.output, name
+        assert f"| `{name}` |" in table, name
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize("suite, module, needle", [
+    ("payload", "mooncake", "mooncake_master not found: python3 -m pip install mooncake-transfer-engine-non-cuda"),
+    ("vllm-throughput", "vllm", "the vllm backend needs vLLM: install artcache[vllm]"),
+])
+def test_the_payload_and_vllm_suites_name_what_to_install_when_it_is_missing(tmp_path, suite, module, needle):
+    """The two suites that need an optional package fail their piece in one line naming it (exit 1 through the
+    CLI), leaving nothing recorded, on a machine without it."""
+    if _installed(module):
+        pytest.skip(f"{module} is installed here: its lane runs the suite")
+    with pytest.raises(S.PieceFailed) as exc:
+        S.run_suite(S.get_suite(suite), tmp_path / suite, device="cpu", scale="tiny", echo=lambda _: None)
+    assert needle in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+    assert not (tmp_path / suite / "pieces").exists()
+
+@pytest.mark.slow  # under three minutes on a loaded 2-core machine: three pieces, each building a ShareGPT plan
+def test_packing_suite_at_tiny_scale_on_a_cpu(tmp_path):
+    """One piece per draft, each with the walk's and the timed steps' packed / unpacked figures: the packed arm
+    pads less, holds more positions a step, and (DFlash, DSpark) draws anchors per document, so its coverage of
+    supervised tokens is recorded; EAGLE-3 draws none."""
+    d = tmp_path / "pk"
+    res = subprocess.run([sys.executable, "-m", "artcache", "bench", "--suite", "packing", "--scale", "tiny",
+                          "--resume", str(d)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((d / "packing.json").read_text())
+    assert list(doc["pieces"]) == ["dflash", "eagle3", "dspark"] and doc["scale"] == "tiny"
+    for draft, piece in doc["pieces"].items():
+        r = piece["result"]
+        assert r["draft"] == draft and r["arch"] == "tiny-llama" and r["max_length"] == 1024
+        walked = r["walk"]
+        assert walked["packed"]["padding_fraction"] < walked["unpacked"]["padding_fraction"]
+        assert r["walk_packed_over_unpacked"]["positions_per_step"] > 1
+        assert r["packed_over_unpacked"]["supervised_tokens_per_s"] > 0 and r["arms"]["packed"]["steps"] == 1
+        assert ("anchor_coverage" in r["walk_packed_over_unpacked"]) == (draft != "eagle3")
+        if draft != "eagle3":
+            assert 0 < walked["packed"]["anchor_coverage"] <= 1

@@ -286,6 +286,17 @@ def test_consumer_config_from_an_experiment(tmp_path):
         C.consumer_config(cfg, "zz")
 
 
+def test_context_parallelism_is_an_experiments_consumer_setting(tmp_path):
+    """experiments.X.consumer.cp and nproc reach the consumer (DFlash); an EAGLE-3 experiment is refused in one
+    line naming the draft and what is accepted."""
+    cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.consumer.cp=2", "experiments.a.consumer.nproc=4"])
+    cc = C.consumer_config(cfg, "a")
+    assert (cc.cp, cc.nproc, cc.global_batch) == (2, 4, 2 * cc.batch_size)
+    cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.b.consumer.cp=2", "experiments.b.consumer.nproc=2"])
+    with pytest.raises(ConfigError, match="--cp 2 is not supported for the eagle3 draft.*accepted --cp 1 for eagle3"):
+        C.consumer_config(cfg, "b")
+
+
 def test_consumer_config_rejects_a_setting_the_consumer_lacks(tmp_path):
     cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.consumer.no_such_knob=1"])
     with pytest.raises(ConfigError, match="the consumer has no setting 'no_such_knob'"):

@@ -93,3 +93,45 @@ def test_a_finished_consume_prints_a_summary_and_exits_0(filled, tmp_path):
     assert proc.wait(timeout=400) == 0, (tmp_path / "donejson.err").read_text()[-3000:]
     doc = json.loads((tmp_path / "donejson.out").read_text())
     assert doc["state"] == "completed" and doc["steps"] == 3 and doc["steps_planned"] == 3
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7, 12])
+def test_regression_a_short_consume_summary_averages_disjoint_steps(filled, tmp_path, steps):
+    """A consume of fewer than 10 steps summarised its training loss as the mean of "the first / last 5 steps"
+    over overlapping steps: with ``--steps 3`` both means covered steps 1-3, so the summary read the same loss twice
+    (``train loss 10.8089 -> 10.8089``) whatever the run did. Now both ends average k = max(1, min(5, n // 2)) of the
+    n losses (``artcache.report.loss_ends``, as ``artcache run``'s report and the bench), disjoint from 2 steps on,
+    and the summary says k and n."""
+    from artcache import journal as J
+    from artcache.report import loss_ends
+
+    cid = f"short{steps}"
+    proc = _consume(filled, tmp_path, cid, steps, "--json")
+    assert proc.wait(timeout=400) == 0, (tmp_path / f"{cid}.err").read_text()[-3000:]
+    doc = json.loads((tmp_path / f"{cid}.out").read_text())
+    losses = [ev.loss for ev in J.read_events(CacheLayout(filled).journal).events
+              if isinstance(ev, J.Step) and ev.consumer == cid]
+    k = max(1, min(5, steps // 2))
+    assert len(losses) == steps
+    assert doc["first_loss"] == pytest.approx(sum(losses[:k]) / k, rel=1e-6)
+    assert doc["final_loss"] == pytest.approx(sum(losses[-k:]) / k, rel=1e-6)
+    assert (doc["loss_steps"], doc["loss_ends_steps"]) == (steps, k)
+    assert (doc["first_loss"], doc["final_loss"], k) == pytest.approx(loss_ends(losses), rel=1e-6)
+    from artcache.report import format_consume_summary
+
+    text = format_consume_summary(doc)
+    if steps == 1:
+        assert f"train loss {losses[0]:.4f} (the one step this process ran)" in text, text
+    else:
+        assert f"(mean of the first / last {k} of the {steps} steps this process ran)" in text, text
+
+
+def test_loss_ends_never_shares_a_step_between_the_two_means():
+    from artcache.report import loss_ends
+
+    assert loss_ends([]) == (None, None, 0)
+    assert loss_ends([4.0]) == (4.0, 4.0, 1)
+    assert loss_ends([4.0, 2.0]) == (4.0, 2.0, 1)
+    assert loss_ends([3.0, 2.0, 1.0]) == (3.0, 1.0, 1)
+    assert loss_ends([float(i) for i in range(7)]) == (1.0, 5.0, 3)  # (0+1+2)/3, (4+5+6)/3
+    assert loss_ends([float(i) for i in range(100)]) == (2.0, 97.0, 5)

@@ -365,3 +365,64 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- context parallelism (--cp) ----------------------------------------------------------------------------
+
+def test_cp_composes_with_nproc_and_refuses_what_it_does_not_support(tmp_path):
+    """--nproc is the world size (data-parallel ranks × --cp): the global batch counts data-parallel ranks only;
+    --cp with another draft, a --nproc it does not divide, or packing is refused in one line."""
+    cfg = ConsumerConfig(cache=str(tmp_path), batch_size=4, nproc=4, cp=2, lookahead=16)
+    cfg.validate()
+    assert cfg.global_batch == 8
+    assert ConsumerConfig(cache=str(tmp_path), batch_size=4, nproc=2, cp=2, lookahead=16).global_batch == 4
+    for kwargs, match in [({"draft": "eagle3"}, "--cp 2 is not supported for the eagle3 draft"),
+                          ({"draft": "dspark"}, "--cp 2 is not supported for the dspark draft"),
+                          ({"nproc": 3}, "--cp 2 does not divide --nproc 3"),
+                          ({"nproc": 1}, "--cp 2 does not divide --nproc 1"),
+                          ({"pack_tokens": 64}, "--cp 2 and --pack-tokens 64 exclude each other")]:
+        with pytest.raises(ConfigError, match=match) as err:
+            ConsumerConfig(cache=str(tmp_path), **{"nproc": 2, "cp": 2, "lookahead": 16, **kwargs}).validate()
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1200)
+def test_cp_two_ranks_train_like_one_process(root, tmp_path):
+    """--nproc 2 --cp 2 (one CP group: both ranks read the same positions, each trains the blocks anchored in its
+    half of every sequence, attention over the all-gathered context) gives the one-process run's loss curve and
+    final weights (relative 1e-5, or AdamW's rounding floor), one consumer to the cache whose cursor moves by one
+    batch a step."""
+    consume(root, tmp_path, "cp-one", "dflash", 4)
+    consume(root, tmp_path, "cp-threads", "dflash", 4, "--threads", "2")
+    floor = weight_diffs(tmp_path, "cp-threads", "cp-one")
+    group = consume(root, tmp_path, "cp-group", "dflash", 4, "--nproc", "2", "--cp", "2")
+    summary = json.loads(group.stdout.strip().splitlines()[-1])
+    assert summary["ranks"] == 2 and summary["cp"] == 2 and summary["global_batch"] == 4
+    assert summary["cursor"] == 4 * STEPS
+    assert_same_run(root, tmp_path, "cp-group", "cp-one", floor)
+    reg = registry.read(CacheLayout(root), "cp-group")
+    assert reg.state == "completed" and reg.cursor == 4 * STEPS
+    rank_journals = list(CacheLayout(root).journal.glob("reader-cp-group-*.jsonl"))
+    assert len(rank_journals) == 1  # rank 1 read the same positions as rank 0, journaled as its own reader
+    read_by_rank1 = [e.position for e in J.iter_file(rank_journals[0]) if isinstance(e, J.Request)]
+    assert read_by_rank1 == list(range(4 * STEPS))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1500)
+def test_cp_within_data_parallel_groups_trains_like_one_process(root, tmp_path):
+    """--nproc 4 --cp 2 --batch-size 2: two data-parallel groups of two CP ranks, each group reading its own half
+    of a global batch of 4, train the loss curve and final weights of one process with batch 4."""
+    consume(root, tmp_path, "dpcp-one", "dflash", 4)
+    consume(root, tmp_path, "dpcp-threads", "dflash", 4, "--threads", "2")
+    floor = weight_diffs(tmp_path, "dpcp-threads", "dpcp-one")
+    group = consume(root, tmp_path, "dpcp-group", "dflash", 2, "--nproc", "4", "--cp", "2")
+    summary = json.loads(group.stdout.strip().splitlines()[-1])
+    assert summary["ranks"] == 4 and summary["cp"] == 2 and summary["global_batch"] == 4
+    assert_same_run(root, tmp_path, "dpcp-group", "dpcp-one", floor)
+    reads = sorted(sorted(e.position for e in J.iter_file(p) if isinstance(e, J.Request))
+                   for p in CacheLayout(root).journal.glob("reader-dpcp-group-*.jsonl"))
+    first_half = [p for s in range(STEPS) for p in (4 * s, 4 * s + 1)]
+    second_half = [p for s in range(STEPS) for p in (4 * s + 2, 4 * s + 3)]
+    assert reads == [first_half, second_half, second_half]  # ranks 1, 2, 3 (rank 0 reads into the consumer journal)

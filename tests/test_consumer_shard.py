@@ -32,6 +32,8 @@ def test_shard_full_needs_a_group(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     ConsumerConfig(cache=str(tmp_path), shard="full").validate()
+    with pytest.raises(ConfigError, match=r"^--cp 2 and --shard full exclude each other"):
+        ConsumerConfig(cache=str(tmp_path), shard="full", nproc=2, cp=2, lookahead=16).validate()
 
 
 def test_run_config_shard_is_typed():

@@ -263,3 +263,14 @@ def test_commit_intervals_parse_as_seconds_in_the_consumers_range():
     for bad in ("-1", "junk", "11", "0,"):
         with pytest.raises(SystemExit):
             ap.parse_args(["--out", "x", "--commit-intervals", bad])
+
+
+def test_regression_a_rerun_does_not_reuse_the_removed_roots_figures(tmp_path):
+    """A second run on the same --root kept the first's root.json (rmtree cannot remove a file) while its cache/
+    was removed: the second run's from-cache rows then found the figures, skipped building the root and each
+    failed with "cache root ... does not exist"."""
+    root = tmp_path / "scratch"
+    (root / "cache" / "objects").mkdir(parents=True)
+    (root / cs.ROOT_INFO).write_text("{}")
+    cs.clear_scratch(root)
+    assert list(root.iterdir()) == []

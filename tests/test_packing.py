@@ -70,12 +70,12 @@ def unpacked(docs):
 
 
 def packed(docs, pack_tokens, rows=8):
-    """The documents packed in order (:func:`pack_rows`): hidden, ids, loss mask, valid, doc_ids, position_ids
+    """The documents packed by :func:`pack_rows`: hidden, ids, loss mask, valid, doc_ids, position_ids
     [R, T...] and the placement (row, offset, length) of each document."""
     lengths = [d[1].numel() for d in docs]
-    sizes = pack_rows(lengths, rows, pack_tokens, len(docs))
-    assert sum(sizes) == len(docs)
-    doc_ids, pos, place = packed_layout(lengths, sizes)
+    row_of = pack_rows(lengths, rows, pack_tokens, len(docs))
+    assert len(row_of) == len(docs)
+    doc_ids, pos, place = packed_layout(lengths, row_of)
     R, t = doc_ids.shape
     m = docs[0][0].shape[1]
     hid = torch.zeros(R, t, m, H, dtype=torch.float64)
@@ -122,11 +122,14 @@ LENGTHS = [13, 7, 22, 5, 18, 9, 30, 11]
 
 # ---- the packer -------------------------------------------------------------------------------------------
 
-def test_pack_rows_fills_rows_in_order_and_stops_at_rows_and_positions():
-    assert pack_rows([5, 5, 5, 5, 5], rows=2, pack_tokens=10, max_positions=99) == (2, 2)
-    assert pack_rows([6, 5, 4, 10], rows=9, pack_tokens=10, max_positions=99) == (1, 2, 1)
-    assert pack_rows([1] * 20, rows=3, pack_tokens=10, max_positions=7) == (7,)
-    assert pack_rows([3, 3], rows=4, pack_tokens=10, max_positions=99) == (2,)  # the lengths run out
+def test_pack_rows_fills_rows_first_fit_and_stops_at_rows_and_positions():
+    assert pack_rows([5, 5, 5, 5, 5], rows=2, pack_tokens=10, max_positions=99) == (0, 0, 1, 1)
+    assert pack_rows([6, 5, 4, 10], rows=9, pack_tokens=10, max_positions=99) == (0, 1, 0, 2)  # 4 fills row 0
+    assert pack_rows([1] * 20, rows=3, pack_tokens=10, max_positions=7) == (0,) * 7
+    assert pack_rows([3, 3], rows=4, pack_tokens=10, max_positions=99) == (0, 0)  # the lengths run out
+    # a step ends at the first position that fits no row once every row is open
+    assert pack_rows([8, 8, 3, 2, 5], rows=2, pack_tokens=10, max_positions=99) == (0, 1)
+    assert pack_rows([8, 8, 2, 2, 5], rows=2, pack_tokens=10, max_positions=99) == (0, 1, 0, 1)
     with pytest.raises(ConfigError, match="--pack-tokens 10"):
         pack_rows([11], rows=1, pack_tokens=10, max_positions=5)
 
@@ -138,7 +141,7 @@ def test_packer_depends_on_the_plan_only_and_refuses_a_short_row():
     b = Packer(lengths, EpochOrder(10, 10, seed=3), rows=2, pack_tokens=40, max_positions=64)
     walk = [a.step(p) for p in (0, a.step_positions(0))]
     assert walk == [b.step(p) for p in (0, b.step_positions(0))]  # a resumed run packs the same rows
-    assert a.step(0) == (2, 1)  # [12, 3] then [40]
+    assert a.step(0) == (0, 0, 1, 0, 0)  # [12, 3, 7, 7] and [40]: the 7s fill the room the 40 left in row 0
     end = a.end_after(5)
     assert end == sum(a.step_positions(p) for p in _starts(a, 5))
     assert a.steps_within(end) == 5
@@ -376,9 +379,9 @@ def test_collate_packed_places_each_document_as_the_unpacked_collate_does(fp8):
         collate_packed(items, cpu, rows=2, pack_tokens=16, layers=layers)  # the split the reader read is another
     got = collate_packed(items, cpu, rows=3, pack_tokens=16, layers=layers)
     ref = collate(items, cpu, layers)
-    assert got.positions == tuple(range(10, 15)) and got.hidden.shape[:2] == (3, 15)  # T: the longest row
+    assert got.positions == tuple(range(10, 15)) and got.hidden.shape[:2] == (3, 16)  # T: the longest row
     place = _placements(got.doc_ids)
-    assert place == [(0, 0, 9), (0, 9, 4), (1, 0, 12), (1, 12, 3), (2, 0, 7)]
+    assert place == [(0, 0, 9), (0, 9, 4), (1, 0, 12), (0, 13, 3), (2, 0, 7)]  # first fit: the 3 fills row 0
     for d, (r, off, n) in enumerate(place):
         assert torch.equal(got.hidden[r, off:off + n], ref.hidden[d, :n])
         assert torch.equal(got.input_ids[r, off:off + n], ref.input_ids[d, :n])

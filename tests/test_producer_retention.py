@@ -281,7 +281,7 @@ def test_regression_no_disk_budget_keeps_only_the_live_windows(root):
         for step in range(36):
             settle(producer)
             held = len(store.list_objects(root))
-            assert held <= window_bound(_live(root)), f"step {step}: {held} artifacts > the live windows"
+            assert held <= window_bound(_live(root), 40), f"step {step}: {held} artifacts > the live windows"
             fast.commit_cursor(min(40, fast.current.cursor + 1))
             if step % 3 == 0:
                 slow.commit_cursor(slow.current.cursor + 1)

@@ -800,6 +800,10 @@ def test_regression_cancel_does_not_signal_an_exiting_producer(tmp_path):
 @pytest.mark.parametrize("code, reason, signalled, ok", [
     (0, "all consumers finished", False, True),
     (0, "signal", True, True),
+    (143, "signal", True, True),                    # stopped by the cancel's SIGTERM after its clean shutdown
+    (143, "", True, False),                         # no stop line: not the producer's clean shutdown
+    (143, "signal", False, False),                  # a SIGTERM this run did not send
+    (130, "signal", True, False),
     (-15, "all consumers finished", True, True),    # killed in its teardown, after its stop line: work complete
     (-15, "", True, False),                         # killed before its stop line: cut off mid-work
     (-15, "failed: ProducerFailed: x", True, False),
@@ -1204,3 +1208,25 @@ def test_regression_run_cancelled_by_sigterm_says_cancelled_and_exits_143(tiny_t
         "a": ("cancelled", 143), "b": ("cancelled", 143)}
     assert report["exit_code"] == 143 and report["cancelled_by"] == "SIGTERM"
     assert all(_gone(pid) for pid in pids)
+
+
+def test_regression_the_window_bound_is_one_figure_at_most_the_plan(tiny_target, tmp_path):
+    """The window bound of one run read 24 in ``artcache run``'s plan and closing report (Σ windows and held-out
+    splits, capped at the plan's samples) and 26 in ``artcache inspect`` and the producer's ``retained`` events (the
+    same sum, uncapped) for the same consumer: a window 8:16 plus one held-out sample on a plan of 24 samples. A
+    root holds one artifact per sample however many windows cover it, so the bound is the sum at most the plan's
+    samples: now 24 everywhere."""
+    out = tmp_path / "out"
+    cfg = write(tmp_path / "run.toml", base_toml(tiny_target, out, exp("d", steps=3, eval_samples=1)))
+    overrides = ["data.max_samples=24", "experiments.d.window=8:16"]
+    plan, _ = plan_run(load_run_config(cfg, overrides))
+    assert plan.experiments[0].window_artifacts == 8 + 16 + 1 + 1 and plan.window_bound_artifacts == 24
+    proc = artcache_run(cfg, *overrides)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    events = J.read_events(out / "cache" / "journal").events
+    assert max(ev.window_bound for ev in events if isinstance(ev, J.Retained)) == 24  # 0 once none is live
+    text = CliRunner().invoke(main, ["inspect", "--cache", str(out / "cache")]).stdout
+    assert re.search(r"^window bound \(artifacts[^)]*\)\s+24$", text, re.M), text
+    assert report_of(out)["shared_production"]["window_bound_artifacts"] == 24
+    assert "against a window bound of 24 (the experiments' windows and held-out splits, at most the plan's " \
+        "samples)" in proc.stdout, proc.stdout[-3000:]

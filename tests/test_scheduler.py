@@ -213,8 +213,9 @@ def test_regression_limits_ranges_are_declared_and_named_the_callers_way():
 
 def test_window_bound():
     regs = [reg("a", 10, 3, lookbehind=2), reg("b", 12, 2, lookbehind=5), reg("c", 1, 1, lookbehind=5)]
-    assert window_bound(regs) == 6 + 8 + 7
-    assert window_bound([]) == 0
+    assert window_bound(regs, None) == 6 + 8 + 7
+    assert window_bound(regs, 100) == 6 + 8 + 7 and window_bound(regs, 20) == 20  # at most the plan's samples
+    assert window_bound([], 10) == 0
 
 
 # ---- pinned (held-out evaluation) ranges -----------------------------------------------------------
@@ -228,7 +229,7 @@ def test_pinned_range_retained_prefetched_last_and_demandable():
     order = [pos(w) for w in q]
     assert order[1:] == [0, 5, 1, 6, 2, 7, 3, 30, 32]
     assert [w.priority[0] for w in q[-2:]] == [2, 2]
-    assert window_bound([a, b]) == (4 + 3) + 3
+    assert window_bound([a, b], None) == (4 + 3) + 3
     # a published pinned position is not wanted; the queue limit counts pinned ones too
     assert 30 not in {pos(w) for w in wanted([a], {fp_of(30)}, 100)}
     assert len(wanted([a, b], set(), 8)) == 8

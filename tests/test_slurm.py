@@ -246,3 +246,81 @@ def test_tiny_run_through_slurm(tmp_path, slurm_cluster):
         assert (run / "logs" / f"{name}.log").stat().st_size > 0
     assert (run / "experiments" / "c3" / "checkpoints" / "latest").exists()
     assert "inspect: ok" in proc.stdout
+
+
+# ---- an experiment of several ranks: one job step of that many tasks ------------------------------------------
+
+FAKE_SRUN = """#!/bin/bash
+# records its argv and the group's variables, then runs the command once per task as Slurm would (-n N)
+printf '%s\\n' "$@" > "$FAKE_LOG/argv"
+env | grep -E '^(ARTCACHE_GROUP_LAUNCHER|MASTER_ADDR|MASTER_PORT)=' | sort > "$FAKE_LOG/env"
+n=1; args=("$@")
+while [ $# -gt 0 ]; do case $1 in -n*) n=${1#-n};; esac; shift; done
+while [ "${args[0]}" != bash ]; do args=("${args[@]:1}"); done
+pids=()
+for ((t = 0; t < n; t++)); do
+  SLURM_PROCID=$t SLURM_STEP_NUM_TASKS=$n SLURM_LOCALID=$t SLURMD_NODENAME=nodeA SLURM_STEP_ID=7 \\
+    "${args[@]}" > "$FAKE_LOG/task$t" 2>&1 & pids+=($!)
+done
+rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done; exit $rc
+"""
+
+
+def test_an_experiment_of_two_ranks_is_one_step_of_two_tasks(tmp_path):
+    plan, cfg = planned(config(tmp_path), "experiments.c2.consumer.nproc=2")
+    nodes, roles = place(plan, cfg)
+    assert [(r.name, r.node, r.gpus, r.tasks) for r in roles] == [
+        ("producer", 0, 1, 1), ("c1", 0, 1, 1), ("c2", 1, 1, 2), ("c3", 2, 1, 1)]
+    script = render(plan, cfg)
+    assert "#SBATCH --ntasks-per-node=2" in script.splitlines() and "#SBATCH --gres=gpu:2" in script.splitlines()
+    steps = [ln for ln in script.splitlines() if ln.startswith(("role ", "group "))]
+    assert [ln.split()[:4] for ln in steps] == [["role", "producer", "0", "1"], ["role", "c1", "0", "1"],
+                                                 ["group", "c2", "1", "1"], ["role", "c3", "2", "1"]]
+    assert steps[2].split()[4] == "2"  # two tasks
+    assert subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True).returncode == 0
+    with pytest.raises(ConfigError, match="asks for 4 GPUs but a node has 2"):
+        place(*planned(config(tmp_path), "experiments.c2.consumer.nproc=4"))
+    with pytest.raises(ConfigError, match=r"experiments.c2.consumer.devices \[0, 1\]: under Slurm"):
+        render(*planned(config(tmp_path, device="cuda"), "experiments.c2.consumer.nproc=2",
+                        "experiments.c2.consumer.devices=[0,1]"))
+
+
+def test_the_group_step_gives_each_task_its_rank_from_slurm(tmp_path):
+    """The group step's srun argv (N tasks, GPUs per task, one node, the step ends when a rank fails) and what
+    each task's rank entry reads: RANK / WORLD_SIZE / LOCAL_RANK from Slurm's task variables, MASTER_ADDR the
+    step's node, one MASTER_PORT for all, each rank on its task's own GPU (cuda:0)."""
+    plan, cfg = planned(config(tmp_path), "experiments.c2.consumer.nproc=2")
+    script = render(plan, cfg)
+    lines = script.splitlines()
+    start = lines.index("group() {")
+    func = "\n".join(lines[start:lines.index("}", start) + 1])
+    step = next(ln for ln in lines if ln.startswith("group c2 "))
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text(FAKE_SRUN)
+    (fake / "srun").chmod(0o755)
+    log = tmp_path / "log"
+    log.mkdir()
+    probe = ("import os; from artcache.trainers.consumer.group import env_world, rank_gpu; w = env_world(); "
+             "print(os.environ['RANK'], w, os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'], "
+             "os.environ['MASTER_PORT'], rank_gpu(int(os.environ['LOCAL_RANK'])))")
+    # the step's own line, its command replaced by the probe (the spec's consume needs a producer)
+    head = step[:step.index(sys.executable if sys.executable in step else cfg.slurm.python)]
+    body = "\n".join([
+        "set -uo pipefail", f"RUN={tmp_path}", "NODES=(nodeZ nodeA)", "SLURM_JOB_ID=12345", "mkdir -p $RUN/status",
+        func, head + f"{sys.executable} -c {json.dumps(probe)}", "wait"])
+    res = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=120,
+                         env=child_env(PATH=f"{fake}:{os.environ['PATH']}", FAKE_LOG=str(log)))
+    assert res.returncode == 0, res.stderr
+    argv = (log / "argv").read_text().splitlines()
+    assert argv[:argv.index("bash")] == ["--exact", "-N1", "-n2", "-w", "nodeA", "--gpus-per-task=1",
+                                         "--kill-on-bad-exit=1", "--cpus-per-task=1", "--job-name=c2",
+                                         f"--output={tmp_path}/logs/c2.log"]
+    port = str(20000 + (12345 * 64 + 2) % 40000)
+    assert (log / "env").read_text().splitlines() == ["ARTCACHE_GROUP_LAUNCHER=slurm", "MASTER_ADDR=nodeA",
+                                                       f"MASTER_PORT={port}"]
+    seen = sorted((log / f"task{t}").read_text().split() for t in range(2))
+    assert seen == [["0", "2", "0", "nodeA", port, "0"], ["1", "2", "1", "nodeA", port, "0"]]
+    env = dict(ln.split("=", 1) for ln in (tmp_path / "status" / "c2.env").read_text().splitlines())
+    assert env == {"node": "nodeA", "step": "7", "cuda_visible_devices": "", "ranks": "2"}
+    assert (tmp_path / "status" / "c2.exit").read_text().strip() == "0"

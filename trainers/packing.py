@@ -1,8 +1,9 @@
 """Packing: several whole plan positions back to back in one row, each a separate document to the drafts.
 
-With ``--pack-tokens T`` a training step is ``--batch-size`` rows; each row holds consecutive plan positions
-(documents) whose lengths sum to at most T tokens. Which positions share a row is decided from the plan
-alone (each position's length, :class:`Packer`), so every run and every resume of a run packs the same rows.
+With ``--pack-tokens T`` a training step is ``--batch-size`` rows holding a contiguous range of plan positions
+(documents), each row documents whose lengths sum to at most T tokens (first fit in position order,
+:func:`pack_rows`). Which positions share a row is decided from the plan alone (each position's length,
+:class:`Packer`), so every run and every resume of a run packs the same rows.
 T must be at least the root's max length, so every position fits a row whole (nothing is truncated).
 
 Inside a row the drafts see each document as if it were alone (:class:`~artcache.trainers.draft.DraftBatch`
@@ -38,40 +39,43 @@ __all__ = ["Packer", "collate_packed", "doc_eligible_anchors", "draw_anchors", "
 
 
 def pack_rows(lengths: Sequence[int], rows: int, pack_tokens: int, max_positions: int) -> tuple[int, ...]:
-    """How many of the consecutive positions with ``lengths`` (in order) each row of one step takes.
+    """The row each of the consecutive positions with ``lengths`` (in order) takes in one step.
 
-    Greedy, in order: a row takes positions while their lengths sum to at most ``pack_tokens``; the next
-    position opens the next row; the step ends after ``rows`` rows, or before the position that would make it
-    hold more than ``max_positions`` positions (the reader's lookahead: a step never needs a position beyond the
-    window), or when ``lengths`` runs out.
+    First fit, in position order: a position goes to the first row it fits (its tokens and the row's at most
+    ``pack_tokens``); when it fits none, a new row opens; the step ends before the position that fits no row once
+    ``rows`` rows are open, or that would make the step hold more than ``max_positions`` positions (the reader's
+    lookahead: a step never needs a position beyond the window), or when ``lengths`` runs out. The step so consumes
+    a contiguous range of positions; a row's documents lie in it in position order, though not necessarily next to
+    each other in the plan (a short position fills the room a long one left in an earlier row: "next fit", one row
+    at a time, leaves that room empty).
 
     Args:
         lengths: token counts of the positions from the step's first one (as many as may be needed).
         rows: rows per step (>= 1). pack_tokens: tokens per row (>= each length). max_positions: >= 1.
 
     Returns:
-        The positions each row holds, one entry per non-empty row (its sum: the positions the step consumes).
+        The row index of each position the step takes, in position order (its length: the positions the step
+        consumes; rows numbered in the order they opened, each non-empty).
 
     Raises:
         ConfigError: a length above ``pack_tokens`` (it would never fit a row).
     """
+    used: list[int] = []
     out: list[int] = []
-    used = count = 0
     for total, n in enumerate(int(x) for x in lengths):
         if n > pack_tokens:
             raise ConfigError(f"a plan position of {n} tokens does not fit --pack-tokens {pack_tokens}; accepted: "
                               "--pack-tokens >= the root's max length")
         if total >= max_positions:
             break
-        if count and used + n > pack_tokens:
-            out.append(count)
-            if len(out) == rows:
-                return tuple(out)
-            used = count = 0
-        used += n
-        count += 1
-    if count:
-        out.append(count)
+        row = next((r for r, u in enumerate(used) if u + n <= pack_tokens), None)
+        if row is None:
+            if len(used) == rows:
+                break
+            row = len(used)
+            used.append(0)
+        used[row] += n
+        out.append(row)
     return tuple(out)
 
 
@@ -111,7 +115,7 @@ class Packer:
         return self.lengths[self.order.samples(lo, hi)]
 
     def step(self, start: int) -> tuple[int, ...]:
-        """Row sizes (positions per row) of the step whose first position is ``start``."""
+        """The row of each position of the step whose first position is ``start`` (:func:`pack_rows`)."""
         got = self._cache.get(start)
         if got is None:
             # a row holds at most pack_tokens positions (each at least one token)
@@ -125,7 +129,7 @@ class Packer:
 
     def step_positions(self, start: int) -> int:
         """Positions the step starting at ``start`` consumes."""
-        return sum(self.step(start))
+        return len(self.step(start))
 
     def end_after(self, steps: int, start: int = 0) -> int:
         """The position after ``steps`` packed steps from ``start`` (a run's end)."""
@@ -151,32 +155,28 @@ class Packer:
         does not fit is not taken)."""
         p = steps = 0
         while True:
-            rows = self.step(p)
-            n = sum(rows)
+            n = self.step_positions(p)
             # a step cut short by the end of the positions looked at is not a whole step
             if p + n > end or not n:
                 return steps
             p, steps = p + n, steps + 1
 
 
-def packed_layout(lengths: Sequence[int], row_sizes: Sequence[int], pad_to: int | None = None
+def packed_layout(lengths: Sequence[int], row_of: Sequence[int], pad_to: int | None = None
                   ) -> tuple[Tensor, Tensor, list[tuple[int, int, int]]]:
-    """The layout of a packed batch: ``doc_ids`` [rows, T] long (the document's index in the batch, -1 on
-    padding), ``position_ids`` [rows, T] long (restarting at 0 per document, 0 on padding) and the placement
-    of each document, ``(row, offset, length)`` in batch order. T = the longest row (or ``pad_to``)."""
+    """The layout of a packed batch whose document ``d`` (batch order: position order) has ``lengths[d]`` tokens and
+    goes to row ``row_of[d]`` (:func:`pack_rows`), after the row's earlier documents: ``doc_ids`` [rows, T] long
+    (the document's index in the batch, -1 on padding), ``position_ids`` [rows, T] long (restarting at 0 per
+    document, 0 on padding) and the placement of each document, ``(row, offset, length)`` in batch order.
+    T = the longest row (or ``pad_to``)."""
     place: list[tuple[int, int, int]] = []
-    it = iter(lengths)
-    row_len = []
-    for r, k in enumerate(row_sizes):
-        off = 0
-        for _ in range(k):
-            n = int(next(it))
-            place.append((r, off, n))
-            off += n
-        row_len.append(off)
+    row_len = [0] * (max(row_of) + 1 if len(row_of) else 0)
+    for n, r in zip(lengths, row_of, strict=True):
+        place.append((int(r), row_len[r], int(n)))
+        row_len[r] += int(n)
     t = max(row_len) if pad_to is None else pad_to
-    doc = torch.full((len(row_sizes), t), -1, dtype=torch.long)
-    pos = torch.zeros((len(row_sizes), t), dtype=torch.long)
+    doc = torch.full((len(row_len), t), -1, dtype=torch.long)
+    pos = torch.zeros((len(row_len), t), dtype=torch.long)
     for d, (r, off, n) in enumerate(place):
         doc[r, off:off + n] = d
         pos[r, off:off + n] = torch.arange(n)
@@ -285,11 +285,11 @@ def collate_packed(items, device: torch.device, rows: int, pack_tokens: int,
 
     arts = [it.artifact for it in items]
     lengths = [a.input_ids.shape[0] for a in arts]
-    sizes = pack_rows(lengths, rows, pack_tokens, len(items))
-    if sum(sizes) != len(items):
+    row_of = pack_rows(lengths, rows, pack_tokens, len(items))
+    if len(row_of) != len(items):
         raise DataError(f"positions {items[0].position}..{items[-1].position} do not pack into {rows} rows of "
                         f"{pack_tokens} tokens as the plan's lengths did (their artifacts hold {lengths} tokens)")
-    doc_ids, pos, place = packed_layout(lengths, sizes)
+    doc_ids, pos, place = packed_layout(lengths, row_of)
     R, t = doc_ids.shape
 
     def view(hs: Tensor) -> Tensor:

@@ -165,22 +165,29 @@ def _start(role: str, cfg) -> None:
         return
     check_device(cfg.device)
     if role == "producer":
-        from artcache.producer import run_producer
+        from artcache.producer import run_producer, stats_summary
+        from artcache.shutdown import Cancelled
 
         for dev in cfg.devices:
             check_device(dev, "--devices")
-        _producer_done(run_producer(cfg))
+        try:
+            stats = run_producer(cfg)
+        except Cancelled as exc:  # after a clean shutdown: the closing line, then 128 + the signal, as consume
+            click.echo(f"producer stopped by {signal_name(exc.signum)} (exit {exc.exit_status}): "
+                       f"{_counts(exc.summary or {})}", err=True)
+            sys.exit(exc.exit_status)
+        if not stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
+            click.echo(f"producer done: {_counts(stats_summary(stats))}", err=True)
     else:
         from artcache.trainers.consumer import run_consumer
 
         _finish_consume(run_consumer, cfg, bool(click.get_current_context().params.get("as_json")))
 
 
-def _producer_done(stats) -> None:
-    if stats.follower:  # a tensor-parallel rank above 0 captured nothing itself
-        return
-    click.echo(f"producer done: {stats.captures} captures, {stats.publications} publications, "
-               f"{stats.evictions} evictions, {stats.recaptures} recaptures, {stats.failures} failures", err=True)
+def _counts(summary: dict) -> str:
+    """A producer's closing counts (:func:`artcache.producer.stats_summary`) as words."""
+    return ", ".join(f"{summary.get(k, 0)} {k}" for k in ("captures", "publications", "evictions", "recaptures",
+                                                          "failures"))
 
 
 def _finish_consume(run_consumer, cfg, as_json: bool) -> None:
@@ -344,7 +351,13 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
              producer_id, template_options=(), group_shared=False, backend="hf", disk_budget="0", retention=None,
              fill=False, evict_fill=False, payload="", devices="", tensor_parallel_size=1, prefill_chunk=0,
              eval_data=None):
-    """Run the target and publish captures for every live consumer window. Stop with Ctrl-C."""
+    """Run the target and publish captures for every live consumer window.
+
+    Stop it with Ctrl-C (SIGINT) or SIGTERM: it finishes the batch in hand (published, or failed and journaled),
+    drains its publisher, journals its stop and closes its journal, backend and presence lock, so nothing is left
+    half-written; a second signal stops it at once. Exit status: 0 when it ended by itself (--exit-when-done,
+    --idle-exit, a complete --fill), 130 stopped by SIGINT (Ctrl-C), 143 by SIGTERM (both after that shutdown, as
+    `artcache consume`), 1 a failure (e.g. every capture failed), 2 bad input."""
     from artcache.producer import ProducerConfig
     from artcache.scheduler import SchedulerLimits
 
@@ -465,6 +478,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
               help="Ranks of this consumer: a torch.distributed group (gloo on a CPU, nccl on CUDA: rank r on "
                    "cuda:r) that is one consumer to the cache; each optimizer step consumes --nproc x --grad-accum x "
                    "--batch-size positions. Under torchrun the group is torchrun's (WORLD_SIZE).")
+@click.option("--cp", default=1, type=int,
+              help="Context parallelism (DFlash): each sequence split across N ranks of the group, attention over "
+                   "their all-gathered context keys/values; --nproc is the world size (data-parallel ranks x N) and "
+                   "must be a multiple of N. 1: off.")
 @click.option("--grad-accum", default=1, type=int,
               help="Micro-batches of --batch-size per optimizer step on each rank; the update equals one step over "
                    "the whole batch; the LR schedule and --steps count optimizer steps.")
@@ -486,7 +503,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
             reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False, pack_tokens=0,
-            trackers=(), tracker_project="artcache", shard="none"):
+            trackers=(), tracker_project="artcache", cp=1, shard="none"):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
@@ -516,7 +533,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
         reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens,
-        shard=shard)
+        cp=cp, shard=shard)
     _start("consumer", cfg)
 
 
@@ -597,8 +614,9 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
               help="Each consumer's final checkpoint: weights only, with optimizer state (full) or none. Every "
               "mode's checkpoints and leftover artifacts are removed once its report figures are read.")
 @click.option("--suite", default=None, metavar="NAME",
-              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline "
-                   "(docs/benchmarks.md, 'Suites'). Its result: <dir>/<NAME>.json.")
+              help="Run a measurement suite instead of a scenario: retention-gap, gpu-micro, consumer-speed, offline, "
+                   "fp8, training-curve, payload, vllm-throughput, packing (docs/benchmarks.md, 'Suites'). Its "
+                   "result: <dir>/<NAME>.json.")
 @click.option("--resume", "suite_resume", default=None, metavar="DIR",
               help="--suite: the suite's directory; pieces finished there are skipped (created on the first call).")
 @click.option("--time-budget", "time_budget", default=None, type=float, metavar="S",
@@ -606,11 +624,15 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
 @click.option("--scale", default="full", type=click.Choice(["full", "tiny"]),
               help="--suite: full (the documented sizes; GPU pieces need CUDA) or tiny (toy sizes on any device).")
 @click.option("--pieces", default="", help="--suite: a comma list of its pieces (default: all).")
+@click.option("--consumer-ranks", default=1, type=click.IntRange(min=1),
+              help="Ranks of every consumer: each a torch.distributed group (gloo on cpu, one GPU a rank on cuda), "
+              "one consumer to the cache, consuming ranks x --batch-size positions per step. Above 1 the lockstep "
+              "baseline is left out (its consumers are one process each).")
 @_errors
 @_with_config("bench")
 def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length, max_samples, anchors, batch_size,
           draft_layers, window, allow_shared_gpu, modes, disk_budget="0", budget_fraction=0.25, save="weights",
-          suite=None, suite_resume=None, time_budget=None, scale="full", pieces=""):
+          suite=None, suite_resume=None, time_budget=None, scale="full", pieces="", consumer_ranks=1):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report, or a measurement suite (--suite) in
     pieces that resume."""
     if suite is not None or suite_resume or time_budget is not None or pieces:
@@ -636,7 +658,7 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
                       batch_size=batch_size, draft_layers=draft_layers, window=window,
                       allow_shared_gpu=allow_shared_gpu, modes=modes,
                       disk_budget=parse_bytes(disk_budget, "disk-budget"), budget_fraction=budget_fraction,
-                      save=save)
+                      save=save, consumer_ranks=consumer_ranks)
     ok = run_bench(cfg)
     sys.exit(0 if ok else 1)
 

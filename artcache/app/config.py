@@ -224,6 +224,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             which can seed a run or be exported but not be resumed).
         log_every: metrics line every this many steps.
         consumer: further :class:`artcache.trainers.consumer.ConsumerConfig` fields, passed as they are.
+            ``nproc`` > 1 makes the experiment a group of ranks; on CUDA each rank gets a GPU of its own,
+            ``devices`` or the first free after the producer's (:func:`artcache.app.experiments.place_groups`).
         env: environment variables of this experiment's consumer process (``artcache run`` only).
     """
 
@@ -255,7 +257,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class BenchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``artcache bench --config`` (``[bench]``); target, data and ``capture.draft_layers`` come from
     their sections. ``None`` counts take the bench's device default (see ``artcache bench --help``).
-    ``save``: each consumer's final checkpoint (``weights``, ``full`` with optimizer state, or ``none``)."""
+    ``save``: each consumer's final checkpoint (``weights``, ``full`` with optimizer state, or ``none``).
+    ``consumer_ranks``: ranks of every consumer (each a ``torch.distributed`` group; gloo on a CPU)."""
 
     scenario: str = "1p3c"
     device: Literal["cpu", "cuda"] = "cpu"
@@ -271,6 +274,7 @@ class BenchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disk_budget: DiskBudget = 0
     budget_fraction: float = 0.25
     save: Literal["none", "weights", "full"] = "weights"
+    consumer_ranks: Count = 1
 
 
 class SlurmSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -282,7 +286,8 @@ class SlurmSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         nodes: nodes of the job; 0 = as few as the GPUs need (``gpus_per_node`` each).
         gpus_per_node: GPUs of one node (a role never spans nodes).
         producer_gpus: GPUs of the producer's step (the target; >1 for a target sharded over one node's GPUs).
-        experiment_gpus: GPUs of each experiment's step.
+        experiment_gpus: GPUs of each experiment's step; of each task of it for an experiment of N ranks
+            (``consumer.nproc``: one step of N tasks, ``--gpus-per-task``).
         cpus_per_role: ``--cpus-per-task`` of every step.
         placement: ``spread`` (the producer on the first node, experiment i on node i mod nodes) or ``pack``
             (fill each node's GPUs before the next).
@@ -824,7 +829,7 @@ CONSUME_FLAGS = {
     "demand_timeout": "cache.demand_timeout_s", "log_every": "E.log_every", "compile_mode": "E.consumer.compile",
     "commit_interval": "E.consumer.commit_interval_s", "reader": "E.consumer.reader",
     "nproc": "E.consumer.nproc", "grad_accum": "E.consumer.grad_accum", "group_timeout": "E.consumer.group_timeout_s",
-    "shard": "E.consumer.shard",
+    "cp": "E.consumer.cp", "shard": "E.consumer.shard",
 }
 
 #: ``artcache bench`` flag → config path.
@@ -834,7 +839,7 @@ BENCH_FLAGS = {
     "max_samples": "data.max_samples", "anchors": "bench.anchors", "batch_size": "bench.batch_size",
     "draft_layers": "capture.draft_layers", "window": "bench.window", "allow_shared_gpu": "bench.allow_shared_gpu",
     "modes": "bench.modes", "disk_budget": "bench.disk_budget", "budget_fraction": "bench.budget_fraction",
-    "save": "bench.save",
+    "save": "bench.save", "consumer_ranks": "bench.consumer_ranks",
 }
 
 
@@ -1050,6 +1055,7 @@ def bench_config(cfg: RunConfig):
         "batch_size": b.batch_size, "window": b.window, "allow_shared_gpu": b.allow_shared_gpu,
         "draft_layers": cfg.capture.draft_layers, "timeout_s": b.timeout_s, "modes": b.modes,
         "disk_budget": b.disk_budget, "budget_fraction": b.budget_fraction, "save": b.save,
+        "consumer_ranks": b.consumer_ranks,
     }
     names = {f.name for f in dataclasses.fields(BenchConfig)}
     if b.modes and "modes" not in names:

@@ -133,7 +133,7 @@ def resolve_rates(plan, capture_rate: float | None, step_rates: dict[str, float]
     elif measured_capture is not None:
         capture, capture_source = measured_capture, "measured"
     else:
-        fastest = max((steps[x.name] * x.batch_size for x in plan.experiments), default=1.0)
+        fastest = max((steps[x.name] * (x.global_batch or x.batch_size) for x in plan.experiments), default=1.0)
         capture, capture_source = 2.0 * fastest, "assumed"
     return Rates(capture=capture, capture_source=capture_source, steps=steps, step_sources=sources)
 
@@ -172,7 +172,9 @@ def sim_inputs(plan, cfg, rates: Rates, plan_samples: int, budget_bytes: float,
             continue
         lb, la = (int(v) for v in x.window.split(":"))
         held = int(x.consumer.get("eval_samples", 0) or 0)
-        consumers.append(ConsumerSpec(x.name, step_s=1.0 / rates.steps[x.name], batch_size=x.batch_size,
+        # an optimizer step consumes the global batch (every rank's slice of it, every micro-batch)
+        consumers.append(ConsumerSpec(x.name, step_s=1.0 / rates.steps[x.name],
+                                      batch_size=x.global_batch or x.batch_size,
                                       lookbehind=lb, lookahead=la, end=x.positions,
                                       epoch_len=plan_samples - held if held else None))
     limits = SchedulerLimits(max_queue=cfg.capture.max_queue, max_batch_samples=cfg.capture.batch_samples,

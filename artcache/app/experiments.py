@@ -46,8 +46,10 @@ from artcache.app.values import check_device
 from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
 from artcache.launch import Role, cli_argv, role_env, stop_all
+from artcache.liveness import parent_pid
 from artcache.registry import COMPLETED
-from artcache.report import format_bytes
+from artcache.report import format_bytes, loss_ends
+from artcache.scheduler import bound_of
 from artcache.shutdown import GracefulShutdown
 from artcache.store import artifact_bytes_bound
 
@@ -99,6 +101,12 @@ class ExperimentPlan(msgspec.Struct, kw_only=True):
     skip: str = ""
     consumer: dict[str, Any]
     env: dict[str, str] = {}
+    #: ranks of its consumer group (``consumer.nproc``), the CUDA index of each (``consumer.devices``; ``[]`` on a
+    #: CPU, or where the launcher's scheduler gives each rank its GPUs), and the positions one optimizer step
+    #: consumes (``nproc × grad_accum × batch_size``)
+    nproc: int = 1
+    devices: list[int] = []
+    global_batch: int = 0
     #: the :class:`~artcache.trainers.consumer.ConsumerConfig` its consumer is started with, as built here once
     #: (:func:`~artcache.app.config.consumer_config`); written to :func:`consumer_spec_path` (``consume --spec``)
     spec: Any = None
@@ -210,6 +218,86 @@ def resolve(cfg: RunConfig, captured: list[int] | None = None) -> RunConfig:
                                    experiments=exps, capture=capture)
 
 
+def _gpu_index(device: str) -> int | None:
+    """``cuda[:i]`` → i (0 for ``cuda``); None for a CPU."""
+    return int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
+
+
+def producer_gpus(cfg: RunConfig) -> list[int]:
+    """The CUDA indices the producer uses, ascending: ``target.devices``, else ``target.tensor_parallel_size``
+    ranks from ``cuda:0`` (one per rank, :func:`artcache.backends.tensor_parallel.rank_device`), else
+    ``target.device``'s; ``[]`` on a CPU."""
+    t = cfg.target
+    if t.devices:
+        return sorted({i for d in t.devices if (i := _gpu_index(d)) is not None})
+    first = _gpu_index(t.device)
+    if first is None:
+        return []
+    return list(range(t.tensor_parallel_size)) if t.tensor_parallel_size > 1 else [first]
+
+
+def _ranks_of(e: Experiment) -> int:
+    """``consumer.nproc`` as given (1 when absent or not a count: the consumer's config refuses it later)."""
+    n = e.consumer.get("nproc", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+def place_groups(cfg: RunConfig, visible: int | None) -> RunConfig:
+    """Give every experiment of several ranks (``consumer.nproc`` > 1) on CUDA its own GPUs, deterministically:
+    ``consumer.devices`` when given, else the lowest visible indices that neither the producer
+    (:func:`producer_gpus`), an experiment with its own ``device = "cuda:i"`` or ``consumer.devices``, nor an
+    earlier group (in config order) uses. The group's ``device`` becomes ``cuda`` (each rank runs on
+    ``cuda:devices[r]``). ``cfg`` is the config as read (before :func:`resolve`); ``visible``: the CUDA
+    devices of this machine, or None where another launcher places the ranks (Slurm: nothing is assigned and an
+    explicit ``consumer.devices`` is refused by that launcher).
+
+    Raises:
+        ConfigError: a group's own ``device`` names one GPU (``cuda:i``); an explicit index that is not visible;
+            too few free GPUs for a group (naming the experiment, its ranks and what the others use).
+    """
+    groups = [e for e in cfg.experiments if _ranks_of(e) > 1 and (e.device or cfg.target.device).startswith("cuda")]
+    if not groups:
+        return cfg
+    taken = {i: "the producer" for i in producer_gpus(cfg)}
+    for e in cfg.experiments:
+        explicit = e.consumer.get("devices")
+        if isinstance(explicit, list) and explicit and all(isinstance(i, int) for i in explicit):
+            if visible is not None:
+                bad = [i for i in explicit if not 0 <= i < visible]
+                if bad:
+                    raise ConfigError(f"experiments.{e.name}.consumer.devices {explicit}: cuda:{bad[0]} is not visible "
+                                      f"({visible} CUDA device(s): 0..{visible - 1})")
+            taken.update({i: f"experiment {e.name!r}" for i in explicit if i not in taken})
+        elif _ranks_of(e) == 1 and e.device.startswith("cuda:"):
+            taken.setdefault(_gpu_index(e.device), f"experiment {e.name!r}")
+    placed = {}
+    for e in groups:
+        if e.device not in ("", "cuda"):
+            raise ConfigError(f"experiments.{e.name}.device {e.device!r} names one GPU but consumer.nproc is "
+                              f"{_ranks_of(e)}: give device = \"cuda\" and consumer.devices (one index per rank), or "
+                              "leave both out for GPUs after the producer's")
+        if e.consumer.get("devices") or visible is None:
+            continue
+        n = _ranks_of(e)
+        free = [i for i in range(visible) if i not in taken]
+        if len(free) < n:
+            used = ", ".join(f"cuda:{i} {who}" for i, who in sorted(taken.items())) or "none"
+            raise ConfigError(f"experiments.{e.name}.consumer.nproc {n} needs {n} GPUs of its own but {len(free)} of "
+                              f"the {visible} visible are free (taken: {used}); give consumer.devices, lower nproc or "
+                              "make more GPUs visible")
+        placed[e.name] = free[:n]
+        taken.update({i: f"experiment {e.name!r}" for i in free[:n]})
+    exps = [msgspec.structs.replace(e, device="cuda", consumer={**e.consumer, "devices": placed[e.name]})
+            if e.name in placed else msgspec.structs.replace(e, device="cuda") if e in groups else e
+            for e in cfg.experiments]
+    return msgspec.structs.replace(cfg, experiments=exps)
+
+
+def device_cell(x: ExperimentPlan) -> str:
+    """An experiment's devices in words: ``cuda:2,cuda:3`` for a group with GPUs, else its device (``cpu``)."""
+    return ",".join(f"cuda:{i}" for i in x.devices) if x.devices else x.device
+
+
 def shared_gpus(devices: list[str]) -> list[str]:
     """The CUDA devices that more than one of ``devices`` (the producer's and each consumer's) names, sorted."""
     gpus = [d for d in devices if d.startswith("cuda")]
@@ -280,6 +368,10 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     # an explicit capture.layer_ids is the root's capture set: each id once (the union is a set already)
     check_layer_ids(captured, info.num_layers, f"capture.layer_ids {captured}" if cfg.capture.layer_ids
                     else f"the experiments' layer union {captured}", target=info.name, unique=True)
+    import torch
+
+    # an experiment of several ranks gets its own GPUs here; under another launcher (Slurm) that one's scheduler does
+    cfg = place_groups(cfg, (torch.cuda.device_count() if torch.cuda.is_available() else 0) if local_devices else None)
     resolved = resolve(cfg, captured)
     # the producer's spec; capture batching vs max_length, named by the config's capture.* paths
     producer = producer_config(resolved, exit_when_done=True, producer_id="producer")
@@ -330,13 +422,17 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         exps.append(x)
         notes.extend(seeded)
     resolved = msgspec.structs.replace(resolved, experiments=final)
-    bound = min(sum(x.window_artifacts for x in exps), spec.max_samples)
+    # the plan's samples once it is built or published; before, data.max_samples (the most it holds)
+    published = (layout.plan_dir(plan_id) / "plan.json").is_file()
+    samples = len(plan_obj()) if plan_cache or published else spec.max_samples
+    bound = bound_of((x.window_artifacts for x in exps), samples)
     free_at = next((p for p in [layout.root, *layout.root.parents] if p.exists()), Path("/"))
     free = shutil.disk_usage(free_at).free
     if bound * per_artifact > free:
         notes.append(f"disk bound {format_bytes(bound * per_artifact)} exceeds the {format_bytes(free)} free at "
                      f"{free_at}")
-    shared = shared_gpus([*(resolved.target.devices or [resolved.target.device]), *(x.device for x in exps)])
+    shared = shared_gpus([*(resolved.target.devices or [resolved.target.device]),
+                          *(d for x in exps for d in device_cell(x).split(","))])
     if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
         notes.append(f"several roles share {', '.join(shared)}")
     plan = RunPlan(
@@ -375,7 +471,7 @@ def _steps_of_epochs(e: Experiment, resolved: RunConfig, plan_obj, notes: list[s
                        f"the plan has {n} samples (data.max_samples {resolved.data.max_samples} is the most it holds)")
     epoch_len = lo or n
     try:
-        steps = epoch_steps(ccfg.epochs, epoch_len, ccfg.batch_size)
+        steps = epoch_steps(ccfg.epochs, epoch_len, ccfg.global_batch)
     except ConfigError as exc:
         raise ConfigError(f"experiment {e.name!r}: {exc}") from None
     notes.append(f"{e.name}: consumer.epochs {ccfg.epochs} = {steps} steps ({ccfg.epochs} x {epoch_len} training "
@@ -472,7 +568,8 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
         name=e.name, draft=e.draft, layer_ids=view, view=view_index(captured, view),
         device=ccfg.device, window=f"{lb}:{la}", steps=ccfg.steps, batch_size=ccfg.batch_size, lr=ccfg.lr,
         seed=ccfg.seed, start_step=start_step, start_cursor=start_cursor,
-        positions=0 if skip else (ccfg.steps - start_step) * ccfg.batch_size,
+        positions=0 if skip else (ccfg.steps - start_step) * ccfg.global_batch,
+        nproc=ccfg.nproc, devices=list(ccfg.devices), global_batch=ccfg.global_batch,
         window_artifacts=0 if skip else lb + la + 1 + ccfg.eval_samples,  # the held-out split is pinned too
         out_dir=e.out, resume_from=resume_from, init_from=e.init_from, skip=skip,
         consumer=msgspec.to_builtins(ccfg), env=dict(e.env), spec=given), notes
@@ -511,10 +608,12 @@ def format_plan(plan: RunPlan) -> str:
         f"disk bound {format_bytes(plan.disk_bound_bytes)} = {plan.window_bound_artifacts} artifacts (sum of windows "
         f"and held-out splits, at most the plan) x {format_bytes(plan.bytes_per_artifact_max)} per artifact at most",
         "",
-        table(["experiment", "draft", "layers (view)", "index in capture", "device", "window", "steps", "batch",
-               "positions", "lr", "seed", "start", "out"],
-              [[x.name, x.draft, ",".join(map(str, x.layer_ids)), ",".join(map(str, x.view)), x.device, x.window,
-                x.steps, x.batch_size, x.positions, f"{x.lr:g}", x.seed,
+        table(["experiment", "draft", "layers (view)", "index in capture", "ranks", "device", "window", "steps",
+               "batch", "positions", "lr", "seed", "start", "out"],
+              [[x.name, x.draft, ",".join(map(str, x.layer_ids)), ",".join(map(str, x.view)), x.nproc, device_cell(x),
+                x.window, x.steps, x.batch_size if x.global_batch in (0, x.batch_size) else
+                f"{x.global_batch} ({x.batch_size}/rank)" if x.global_batch == x.nproc * x.batch_size else
+                f"{x.global_batch} ({x.batch_size}/micro-batch)", x.positions, f"{x.lr:g}", x.seed,
                 "complete (not started)" if x.skip else
                 f"step {x.start_step} cursor {x.start_cursor}" if x.resume_from else
                 ("init " + Path(x.init_from).name if x.init_from else "fresh"), x.out_dir] for x in plan.experiments]),
@@ -575,6 +674,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     t0 = time.monotonic()  # the run's wall time is a duration: never from the wall clock
     producer: Role | None = None
     consumers: dict[str, Role] = {}
+    journal_pids: dict[str, int] = {}  # the process that registered (and journals) each experiment's consumer
     problems: list[str] = []
     cancel_signalled = False  # the producer got the cancel's one SIGTERM (not the hung-exit one below)
     try:
@@ -594,11 +694,14 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
             consumers[x.name] = Role(x.name, cli_argv("consume", "--spec", str(consumer_spec_path(x)), "--json"),
                                      logs / f"{x.name}.log", {**env, **x.env})
             print(f"experiment {x.name} started (pid {consumers[x.name].popen.pid}, {x.draft}, layers "
-                  f"{x.layer_ids}, {x.device}); log {consumers[x.name].log}", flush=True)
+                  f"{x.layer_ids}, {device_cell(x)}{f', {x.nproc} ranks' if x.nproc > 1 else ''}); log "
+                  f"{consumers[x.name].log}", flush=True)
         while True:
             regs = {r.consumer_id: r for r in registry.read_all(layout)}
-            unsettled = [n for n, c in consumers.items() if c.poll() is None
-                         and not (n in regs and regs[n].pid == c.popen.pid)]
+            for n, c in consumers.items():  # a group registers from its rank 0, a child of the role's process
+                if n in regs and c.popen.pid in (regs[n].pid, parent_pid(regs[n].pid)):
+                    journal_pids[n] = regs[n].pid
+            unsettled = [n for n, c in consumers.items() if c.poll() is None and n not in journal_pids]
             if not unsettled:
                 break
             if stop.is_set():
@@ -648,7 +751,7 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         shutdown.restore()
     wall = time.monotonic() - t0
     report = merge_earlier(run_report(plan, producer, consumers, wall, problems, cancel_signalled=cancel_signalled,
-                                      cancelled_by=shutdown.signum), out / "report.json")
+                                      cancelled_by=shutdown.signum, journal_pids=journal_pids), out / "report.json")
     write_report(plan, report)
     print(format_report(report), flush=True)
     print(f"report: {out / 'report.json'}", flush=True)
@@ -699,8 +802,7 @@ def committed_work(events: list) -> dict:
     k = counts[start.consumer] if start is not None and start.consumer in counts else ConsumerCounts(consumer="")
     cursor0 = start.cursor if start else 0
     cursor1 = max(cursor0, k.cursor)
-    losses = [s.loss for s in steps if s.loss is not None]
-    n = max(1, min(5, len(losses) // 2))
+    first_loss, final_loss, _ = loss_ends([s.loss for s in steps if s.loss is not None])
     last = steps[-10:]
     blocks = sum(s.blocks for s in last)
     return {
@@ -710,7 +812,7 @@ def committed_work(events: list) -> dict:
         "last_step": steps[-1].step if steps else None, "cursor_start": cursor0, "cursor_end": cursor1,
         "positions_committed": cursor1 - cursor0, "requests": k.logical_requests, "hits": k.hits,
         "misses": k.misses, "wait_s": k.wait_s,
-        "first_loss": sum(losses[:n]) / n if losses else None, "final_loss": sum(losses[-n:]) / n if losses else None,
+        "first_loss": first_loss, "final_loss": final_loss,
         "tau": sum(s.tau_sum for s in last) / blocks if blocks else None, "tau_includes_bonus": True,
     }
 
@@ -759,14 +861,15 @@ def cancel_producer(layout, producer: Role) -> bool:
 
 
 def producer_exit_ok(code: int | None, stop_reason: str, cancel_signalled: bool) -> bool:
-    """Whether this run's producer ended cleanly: exit 0; or killed by the cancel's one SIGTERM (``-15``) after it
-    had journaled a stop that is not a failure. That SIGTERM was sent because the stop was not journaled yet
-    when the run looked (:func:`journaled_stop`); a kill after it cut only the teardown (every capture was
-    published and journaled before it). A producer killed before its stop line (cut off mid-work), by any other
-    signal, or after ``failed: ...`` is not ok."""
+    """Whether this run's producer ended cleanly: exit 0; or, after the cancel's one SIGTERM, a stop it journaled
+    that is not a failure with exit 143 (it stopped on that SIGTERM after its clean shutdown: ``128 + signal``, as
+    ``artcache producer`` exits) or ``-15`` (killed by it: the stop was not journaled yet when the run looked,
+    :func:`journaled_stop`, and the SIGTERM landed in the teardown, after every capture was published and
+    journaled). A producer killed before its stop line (cut off mid-work), by any other signal, signalled by
+    anything but this run's cancel, or after ``failed: ...`` is not ok."""
     if code == 0:
         return True
-    return (cancel_signalled and code == -signal.SIGTERM and bool(stop_reason)
+    return (cancel_signalled and code in (-signal.SIGTERM, 128 + signal.SIGTERM) and bool(stop_reason)
             and not stop_reason.startswith("failed"))
 
 
@@ -826,9 +929,11 @@ def settle_state(name: str, work: dict, *, fences: list, reg, later_start: float
 
 
 def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role], wall: float,
-               problems: list[str], *, cancel_signalled: bool = False, cancelled_by: int = 0) -> dict:
+               problems: list[str], *, cancel_signalled: bool = False, cancelled_by: int = 0,
+               journal_pids: dict[str, int] | None = None) -> dict:
     """The run report: shared production (this run's producer, counted once) apart from each
-    experiment's committed work (this run's consumer process), plus the root-wide invariants.
+    experiment's committed work (this run's consumer process, or for a group the rank 0 that registered:
+    ``journal_pids``, experiment name → pid), plus the root-wide invariants.
     ``cancel_signalled``: the run sent the producer its cancel SIGTERM (:func:`producer_exit_ok`).
     ``cancelled_by``: the stop signal that cancelled the run (0: none); the exit code is then ``128 +`` it."""
     from artcache import registry
@@ -844,7 +949,8 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
     experiments = []
     for x in plan.experiments:
         role = consumers.get(x.name)
-        work = committed_work(consumer_events(layout.journal_of("consumer", x.name, role.popen.pid))) if role else \
+        pid = (journal_pids or {}).get(x.name, role.popen.pid) if role else 0
+        work = committed_work(consumer_events(layout.journal_of("consumer", x.name, pid))) if role else \
             committed_work([])
         if x.skip:  # not started: its checkpoint is at its final step
             work["state"] = COMPLETED
@@ -852,7 +958,8 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
         settle_state(x.name, work, fences=fences, reg=reg, code=role.code if role else None)
         summary = _summary_line(role.log) if role else {}
         experiments.append({
-            "name": x.name, "draft": x.draft, "layer_ids": x.layer_ids, "view": x.view, "device": x.device,
+            "name": x.name, "draft": x.draft, "layer_ids": x.layer_ids, "view": x.view, "device": device_cell(x),
+            "nproc": x.nproc,
             "window": x.window, "lr": x.lr, "seed": x.seed, "steps_planned": x.steps, "start_step": x.start_step,
             "exit_code": role.code if role else None, **work,
             "registration": reg.state if reg else "missing", "checkpoint": summary.get("checkpoint"),
@@ -972,7 +1079,8 @@ def format_report(r: dict) -> str:
         f"positions consumed ({p['captures_per_distinct_position']:.3f} per position); publications "
         f"{p['publications']} ({format_bytes(p['published_bytes'])}); failures {p['failures']}; evictions "
         f"{p['evictions']}; max retained {p['max_retained_artifacts']} artifacts "
-        f"({format_bytes(p['max_retained_bytes'])}) against a window bound of {p['window_bound_artifacts']}; "
+        f"({format_bytes(p['max_retained_bytes'])}) against a window bound of {p['window_bound_artifacts']} (the "
+        "experiments' windows and held-out splits, at most the plan's samples); "
         f"producer exit {p['exit_code']}", "",
         "Per experiment (each one's own committed work; requests are not production and are never summed into it):",
         "```",
@@ -1179,7 +1287,8 @@ def format_run_dir_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "consumer_spec_path", "draft_view",
+__all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "consumer_spec_path", "device_cell",
+           "draft_view", "place_groups", "producer_gpus",
            "format_plan", "producer_spec_path",
            "format_run_dir_report", "journaled_stop", "layer_union", "merge_earlier", "plan_run", "producer_exit_ok",
            "resolve", "role_outcome", "run_dir_report", "run_experiments", "settle_state", "view_index"]

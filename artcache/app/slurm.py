@@ -42,12 +42,18 @@ SHARED_FS = ("nfs", "nfs4", "lustre", "gpfs", "ceph", "cephfs", "beegfs", "wekaf
 
 
 class Role(msgspec.Struct, frozen=True, kw_only=True):
-    """One job step: ``name`` (producer or an experiment), the node index in the allocation, its GPUs."""
+    """One job step: ``name`` (producer or an experiment), the node index in the allocation, the GPUs of each of
+    its tasks, and its tasks (an experiment of ``consumer.nproc`` N ranks: N tasks, one rank each)."""
 
     name: str
     node: int
     gpus: int
     argv: list[str]
+    tasks: int = 1
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus * self.tasks
 
 
 def place(plan: RunPlan, cfg: RunConfig) -> tuple[int, list[Role]]:
@@ -57,14 +63,19 @@ def place(plan: RunPlan, cfg: RunConfig) -> tuple[int, list[Role]]:
         ConfigError: a role needs more GPUs than a node has, or ``slurm.nodes`` is too small for them.
     """
     s = cfg.slurm  # its ranges are declared on SlurmSection's fields (checked when the config is read)
-    if max(s.producer_gpus, s.experiment_gpus) > s.gpus_per_node:
-        raise ConfigError(f"slurm: a role asks for {max(s.producer_gpus, s.experiment_gpus)} GPUs but a node has "
-                          f"{s.gpus_per_node} (slurm.gpus_per_node); a role never spans nodes")
-    demand = [s.producer_gpus] + [s.experiment_gpus] * len(plan.experiments)
+    demand = [s.producer_gpus] + [s.experiment_gpus * x.nproc for x in plan.experiments]
+    if max(demand) > s.gpus_per_node:
+        big = max(range(len(demand)), key=lambda i: demand[i])
+        what = "the producer" if big == 0 else f"experiment {plan.experiments[big - 1].name!r}" + (
+            f" ({plan.experiments[big - 1].nproc} ranks x slurm.experiment_gpus {s.experiment_gpus})"
+            if plan.experiments[big - 1].nproc > 1 else "")
+        raise ConfigError(f"slurm: {what} asks for {demand[big]} GPUs but a node has {s.gpus_per_node} "
+                          "(slurm.gpus_per_node); a role never spans nodes")
     nodes = s.nodes or max(1, math.ceil(sum(demand) / s.gpus_per_node))
     if nodes > len(demand):
         raise ConfigError(f"slurm.nodes {nodes} is more than the run's {len(demand)} roles (a producer and "
                           f"{len(plan.experiments)} experiments); every node must hold one")
+    # (an experiment of several ranks is one step of that many tasks: its demand is its ranks' GPUs together)
     used = [0] * nodes
     where = []
     for i, g in enumerate(demand):
@@ -75,21 +86,27 @@ def place(plan: RunPlan, cfg: RunConfig) -> tuple[int, list[Role]]:
         node = next((n for n in order if used[n] + g <= s.gpus_per_node), None)
         if node is None:
             raise ConfigError(f"slurm: {sum(demand)} GPUs ({s.producer_gpus} for the producer, {s.experiment_gpus} per "
-                              f"experiment) do not fit on {nodes} node(s) of {s.gpus_per_node}; raise slurm.nodes")
+                              f"experiment rank) do not fit on {nodes} node(s) of {s.gpus_per_node}; raise slurm.nodes")
         used[node] += g
         where.append(node)
     py = s.python or sys.executable
     roles = [Role(name="producer", node=where[0], gpus=s.producer_gpus,
                   argv=[py, "-m", "artcache", "producer", "--spec", str(producer_spec_path(plan))])]
     for x, node in zip(plan.experiments, where[1:], strict=True):
-        roles.append(Role(name=x.name, node=node, gpus=s.experiment_gpus,
+        roles.append(Role(name=x.name, node=node, gpus=s.experiment_gpus, tasks=x.nproc,
                           argv=[py, "-m", "artcache", "consume", "--spec", str(consumer_spec_path(x)), "--json"]))
     return nodes, roles
 
 
 def _check_devices(plan: RunPlan, cfg: RunConfig) -> None:
-    """Each step sees only its own GPUs (as cuda:0..); a device index beyond them is refused."""
+    """Each step sees only its own GPUs (as cuda:0..); a device index beyond them is refused, and so is an
+    experiment's own ``consumer.devices`` (Slurm gives each rank of a group its GPUs: ``--gpus-per-task``)."""
     s = cfg.slurm
+    for x in plan.experiments:
+        if x.devices:
+            raise ConfigError(f"experiments.{x.name}.consumer.devices {x.devices}: under Slurm each rank is a task "
+                              "of the experiment's step and gets its own GPUs from it (slurm.experiment_gpus per "
+                              "rank); leave consumer.devices out")
     for what, device, gpus in [("target.device", plan.target["device"], s.producer_gpus),
                                *((f"experiments.{x.name}.device", x.device, s.experiment_gpus)
                                  for x in plan.experiments)]:
@@ -99,6 +116,13 @@ def _check_devices(plan: RunPlan, cfg: RunConfig) -> None:
                 raise ConfigError(f"{what} {device!r}: under Slurm a step sees only the {gpus} GPU(s) it was given "
                                   f"(slurm.{'producer' if what == 'target.device' else 'experiment'}_gpus), as "
                                   f"cuda:0..; use cuda{'' if gpus else ' with a GPU count >= 1, or cpu'}")
+
+
+def group_port(index: int) -> str:
+    """The ``MASTER_PORT`` of role ``index``'s group step, as shell arithmetic on the job id: distinct for the
+    job's roles, in 20000..59999, and the same in every task of the step (they read it from the step's
+    environment)."""
+    return f"$(( 20000 + (SLURM_JOB_ID * 64 + {index}) % 40000 ))"
 
 
 def filesystem_of(path: str | Path) -> str:
@@ -136,8 +160,8 @@ def render(plan: RunPlan, cfg: RunConfig) -> str:
     s = cfg.slurm
     nodes, roles = place(plan, cfg)
     _check_devices(plan, cfg)
-    per_node = [sum(1 for r in roles if r.node == n) for n in range(nodes)]
-    gpus_node = max(sum(r.gpus for r in roles if r.node == n) for n in range(nodes))
+    per_node = [sum(r.tasks for r in roles if r.node == n) for n in range(nodes)]
+    gpus_node = max(sum(r.total_gpus for r in roles if r.node == n) for n in range(nodes))
     q = shlex.quote
     run = Path(plan.out)
     head = [
@@ -182,6 +206,24 @@ def render(plan: RunPlan, cfg: RunConfig) -> str:
         '  echo $? > "$RUN/status/$name.exit"',
         "}",
         "",
+        "# group NAME NODE_INDEX GPUS_PER_TASK TASKS PORT CMD...: an experiment of TASKS ranks as one job step of",
+        "# TASKS tasks; each task is one rank of the torch.distributed group (ARTCACHE_GROUP_LAUNCHER=slurm: the",
+        "# rank reads RANK, WORLD_SIZE, LOCAL_RANK from SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID); rank 0 on",
+        "# MASTER_ADDR:MASTER_PORT (the step's node); a rank that fails ends the step (--kill-on-bad-exit)",
+        "group() {",
+        '  local name=$1 node=${NODES[$2]} gpus=$3 tasks=$4 port=$5; shift 5',
+        '  local per_task=(); (( gpus > 0 )) && per_task=(--gpus-per-task="$gpus")',
+        '  ARTCACHE_ROLE_ENV="$RUN/status/$name.env" ARTCACHE_GROUP_LAUNCHER=slurm MASTER_ADDR="$node" \\',
+        '    MASTER_PORT="$port" srun --exact -N1 -n"$tasks" -w "$node" "${per_task[@]}" --kill-on-bad-exit=1 \\',
+        f'    --cpus-per-task={s.cpus_per_role} --job-name="$name" --output="$RUN/logs/$name.log" '
+        + "".join(f"{q(a)} " for a in s.step_args) + "\\",
+        "    bash -c '[ \"$SLURM_PROCID\" != 0 ] || "
+        "printf \"node=%s\\nstep=%s\\ncuda_visible_devices=%s\\nranks=%s\\n\" \"$SLURMD_NODENAME\" \"$SLURM_STEP_ID\" "
+        "\"${CUDA_VISIBLE_DEVICES-}\" \"$SLURM_STEP_NUM_TASKS\" > "
+        "\"$ARTCACHE_ROLE_ENV\"; exec \"$@\"' rank \"$@\"",
+        '  echo $? > "$RUN/status/$name.exit"',
+        "}",
+        "",
         f"role producer {roles[0].node} {roles[0].gpus} {' '.join(q(a) for a in roles[0].argv)} &",
         "PRODUCER=$!",
         "# the consumers open the root the producer creates; it captures nothing until all have registered",
@@ -194,7 +236,9 @@ def render(plan: RunPlan, cfg: RunConfig) -> str:
         '  echo "artcache: the producer did not create $ROOT; see $RUN/logs/producer.log" >&2',
         '  scancel "$SLURM_JOB_ID"; exit 1',
         "fi",
-        *(f"role {q(r.name)} {r.node} {r.gpus} {' '.join(q(a) for a in r.argv)} &" for r in roles[1:]),
+        *(f"role {q(r.name)} {r.node} {r.gpus} {' '.join(q(a) for a in r.argv)} &" if r.tasks == 1 else
+          f"group {q(r.name)} {r.node} {r.gpus} {r.tasks} {group_port(i)} {' '.join(q(a) for a in r.argv)} &"
+          for i, r in enumerate(roles[1:], 1)),
         "wait",
         "",
         "fail=0",

@@ -15,8 +15,9 @@ from artcache.ranges import BlockSize, Count, NonNegative, Positive, WindowSide,
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
 
 __all__ = ["FLAGS", "INIT_OVERRIDES", "RUN_DEFAULTS", "RUN_FIELDS", "ConsumerConfig", "check_anchors",
-           "check_best_metric", "check_draft_options", "default_anchors", "default_block_size", "draft_options",
-           "flag_of", "lr_at", "parse_window", "run_settings"]
+           "check_best_metric", "check_cp", "check_draft_options", "check_rank_devices", "default_anchors",
+           "default_block_size",
+           "draft_options", "flag_of", "lr_at", "parse_window", "run_settings"]
 
 
 #: the longest ``--commit-interval`` (seconds): a third of the producer's rate window
@@ -124,7 +125,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         nproc: ranks of this consumer (``--nproc``; a ``torch.distributed`` group, one consumer to the cache:
             :mod:`.group`). ``artcache consume --nproc N`` starts the N ranks itself; under ``torchrun`` it is the
             environment's ``WORLD_SIZE`` (a different ``--nproc`` is refused). Each rank trains on ``batch_size``
-            sequences per micro-batch on its own device (``cuda:LOCAL_RANK`` on CUDA).
+            sequences per micro-batch on its own device (``cuda:LOCAL_RANK`` on CUDA, or ``devices``).
+        devices: the CUDA device indices of the group's ranks, rank r on ``cuda:devices[r]`` (one per rank, each
+            once; needs a ``cuda`` device). ``artcache run`` fills it in for an experiment of several ranks
+            (``experiments.X.consumer.devices``, else GPUs after the producer's). ``[]``: rank r on
+            ``cuda:LOCAL_RANK`` (torchrun), or on its task's own GPU under Slurm (:mod:`.group`).
         grad_accum: micro-batches per optimizer step on each rank (``--grad-accum K``): a step consumes one global
             batch of ``nproc × grad_accum × batch_size`` positions (:attr:`global_batch`) and its update is the one
             step over the whole global batch would make (the loss is normalised over the global batch). The LR
@@ -142,6 +147,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             consecutive plan positions back to back, up to this many tokens; a step consumes as many positions as
             its rows hold (at most ``lookahead``), decided from the plan alone. Must be at least the root's max
             length (a sample is never truncated or split). 0 = off: one position per row, padded.
+        cp: context parallelism (``--cp N``, DFlash only): each sequence is split across N ranks of the group
+            (:mod:`artcache.trainers.dflash.cp`: each rank holds ``ceil(T / N)`` positions of the context and the
+            blocks anchored there; the context's keys/values are all-gathered per layer). ``nproc`` is the world
+            size, data-parallel ranks × ``cp``: ``nproc / cp`` groups of ``cp`` ranks each read their own slice of
+            the global batch, the ``cp`` ranks of a group the same positions. 1 = off.
 
     On CUDA the training step reads nothing back to the host; its metrics are read back every
     ``log_every`` steps (docs/training.md, "GPU speed").
@@ -203,10 +213,12 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     loss_impl: Literal[LOSS_IMPLS] = "auto"
     length_bucket: NonNegative = 64
     nproc: Count = 1
+    devices: list[NonNegative] = []
     grad_accum: Count = 1
     group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
     shard: Literal["none", "full"] = "none"
     pack_tokens: NonNegative = 0
+    cp: Count = 1
 
     def validate(self) -> None:
         """Check every setting; a draft option another draft owns is refused naming both drafts.
@@ -255,14 +267,18 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.resume and self.init_from:
             raise ConfigError("--resume and --init-from exclude each other: --resume continues a run with its "
                               "optimizer and cursor, --init-from starts a new run from another draft's weights")
+        check_cp(self)
         if self.lookahead < self.global_batch:
             what = f"{self.batch_size} positions" if self.global_batch == self.batch_size else \
-                f"{self.global_batch} positions: --nproc {self.nproc} x --grad-accum {self.grad_accum} x " \
+                f"{self.global_batch} positions: --nproc {self.nproc}{f' / --cp {self.cp}' if self.cp > 1 else ''} x " \
+                f"--grad-accum {self.grad_accum} x " \
                 f"--batch-size {self.batch_size}"
             raise ConfigError(
                 f"lookahead {self.lookahead} is smaller than one batch ({what}): the "
                 f"consumer could never read a whole batch; use --window {self.lookbehind}:{self.global_batch} "
                 "or larger, or a smaller --batch-size")
+        if self.devices:
+            check_rank_devices(self.devices, self.nproc, self.device)
         if self.nproc > 1 and self.lockstep_group:
             raise ConfigError(f"--lockstep-group {self.lockstep_group!r} and --nproc {self.nproc} exclude each other: "
                               "a lockstep baseline is a set of one-process consumers")
@@ -301,8 +317,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def global_batch(self) -> int:
-        """Positions one optimizer step consumes: ``nproc × grad_accum × batch_size``."""
-        return self.nproc * self.grad_accum * self.batch_size
+        """Positions one optimizer step consumes: ``nproc / cp × grad_accum × batch_size`` (the ``cp`` ranks of a
+        context-parallel group share their positions)."""
+        return self.nproc // self.cp * self.grad_accum * self.batch_size
 
     @property
     def horizon(self) -> int:
@@ -345,9 +362,9 @@ def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: floa
 #: Settings every draft's run is defined by: ``--resume`` refuses when one differs from the checkpoint's.
 #: ``steps`` is not one (a run is extended by raising it); the LR horizon ``lr_total_steps`` is.
 RUN_FIELDS = ("draft", "batch_size", "lr_total_steps", "lr", "warmup_frac", "min_lr_frac", "weight_decay",
-              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc", "pack_tokens")
+              "grad_clip", "seed", "eval_samples", "grad_accum", "nproc", "pack_tokens", "cp")
 #: what a checkpoint written before a :data:`RUN_FIELDS` entry existed had instead (compared as this)
-RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1, "pack_tokens": 0}
+RUN_DEFAULTS = {"grad_accum": 1, "nproc": 1, "pack_tokens": 0, "cp": 1}
 
 def read_workers(cfg: ConsumerConfig) -> int:
     """The reader's pool size: ``cfg.read_workers``, never more than the batch (a batch's positions are what it
@@ -362,6 +379,22 @@ FLAGS = {"num_anchors": "--anchors", "out_dir": "--out", "consumer_id": "--id", 
          "commit_interval_s": "--commit-interval", "group_timeout_s": "--group-timeout",
          "init_overrides": "--init-override", "trackers": "--tracker",
          "lookbehind": "--window LOOKBEHIND", "lookahead": "--window LOOKAHEAD"}
+
+
+def check_rank_devices(devices: list[int], nproc: int, device: str, where: str = "devices") -> None:
+    """Refuse a rank device list that is not one CUDA index per rank, each once.
+
+    Raises:
+        ConfigError: naming ``where``, the list, and what is accepted.
+    """
+    if not device.startswith("cuda"):
+        raise ConfigError(f"{where} {list(devices)} needs a cuda device (device is {device!r}): on a CPU every rank "
+                          "runs on the cpu; leave it out, or use device cuda")
+    if len(devices) != nproc:
+        raise ConfigError(f"{where} {list(devices)} gives {len(devices)} GPU(s) for {nproc} rank(s) (nproc): "
+                          "accepted one CUDA index per rank")
+    if len(set(devices)) != len(devices):
+        raise ConfigError(f"{where} {list(devices)} names a GPU twice: accepted one GPU per rank, each once")
 
 
 def flag_of(field: str) -> str:
@@ -393,6 +426,34 @@ def check_draft_options(cfg: ConsumerConfig) -> None:
             if field not in own and getattr(cfg, field) is not None:
                 raise ConfigError(f"{flag_of(field)} {getattr(cfg, field)!r} is an option of the {name} draft; the "
                                   f"{cfg.draft} draft does not use it: leave it out")
+
+
+def check_cp(cfg: ConsumerConfig) -> None:
+    """``--cp N`` (context parallelism): what it composes with.
+
+    Raises:
+        ConfigError: a draft other than DFlash, ``--nproc`` not a multiple of N, ``--shard full``,
+            ``--pack-tokens``, a lockstep group, or ``--reader process`` with N > 1 (one line naming the value and
+            what is accepted).
+    """
+    n = cfg.cp
+    if n == 1:
+        return
+    if cfg.draft != "dflash":
+        raise ConfigError(f"--cp {n} is not supported for the {cfg.draft} draft: context parallelism splits DFlash's "
+                          "sequence only; accepted --cp 1 for eagle3 and dspark, --cp N for dflash")
+    if cfg.nproc % n:
+        raise ConfigError(f"--cp {n} does not divide --nproc {cfg.nproc}: --nproc is the world size, data-parallel "
+                          f"ranks x --cp; accepted --nproc a multiple of {n} (e.g. --nproc {n} --cp {n})")
+    if cfg.shard == "full":
+        raise ConfigError(f"--cp {n} and --shard full exclude each other (a context-parallel group averages whole "
+                          "gradients after the backward); leave one of them out")
+    if cfg.pack_tokens:
+        raise ConfigError(f"--cp {n} and --pack-tokens {cfg.pack_tokens} exclude each other (the split context has "
+                          "no per-document attention); leave one of them out")
+    if cfg.lockstep_group or cfg.reader == "process":
+        raise ConfigError(f"--cp {n} runs with --reader thread and no lockstep group (its ranks are a "
+                          "torch.distributed group); leave --lockstep-group and --reader process out")
 
 
 def check_best_metric(cfg: ConsumerConfig) -> None:

@@ -10,13 +10,16 @@ way the cache sees ONE consumer:
   the progress bar; the other ranks read the registration it made;
 - an optimizer step consumes one global batch of ``N × --batch-size × --grad-accum`` consecutive positions; rank
   r reads and leases its own contiguous slice of it (``--grad-accum`` micro-batches of ``--batch-size``) and
-  journals those reads as its own reader (``journal/reader-<id>-<rank's token>.jsonl``);
+  journals those reads as its own reader (``journal/reader-<id>-<rank's token>.jsonl``); with ``--cp C``
+  (context parallelism, :func:`cp_layout`) the global batch is ``N / C × --batch-size × --grad-accum`` and the C
+  ranks of a CP group read the same slice, each training on its part of every sequence;
 - the cursor moves only after every rank finished the optimizer step that consumed the positions: the step's
   metric sums are all-reduced after the optimizer step, then rank 0 commits, then it tells the others whether
   the commit held (a fence of the registration stops every rank);
-- gradients are averaged by ``torch.nn.parallel.DistributedDataParallel`` (``--shard full``: reduce-scattered by
-  FSDP2, :mod:`.shard`) and normalised over the global batch (:meth:`Session.train_step`), so the update is the
-  one a single process would make on the whole global batch.
+- gradients are averaged by ``torch.nn.parallel.DistributedDataParallel`` (with ``--cp``: by one all-reduce after
+  the backward; with ``--shard full``: reduce-scattered by FSDP2, :mod:`.shard`) and normalised over the global
+  batch (:meth:`Session.train_step`), so the update is the one a single process would make on the whole global
+  batch.
 
 Collectives run on the default group with ``--group-timeout`` seconds (not the backend's 30-minute default); the
 waits that may legitimately be long (a rank waiting for its batch on a demand miss, rank 0's evaluation or
@@ -57,8 +60,8 @@ from artcache.errors import ConfigError, ConsumerFenced, GroupFailed
 from artcache.shutdown import Forwarding
 from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums
 
-__all__ = ["Group", "GroupHandle", "agree", "env_world", "join", "launch", "leave", "micro_batches", "sums_from_vector",
-           "sums_names", "sums_vector"]
+__all__ = ["GROUP_LAUNCHER_ENV", "Group", "GroupHandle", "agree", "cp_layout", "env_world", "from_slurm", "join",
+           "launch", "leave", "micro_batches", "rank_gpu", "sums_from_vector", "sums_names", "sums_vector"]
 
 log = logging.getLogger("artcache.consumer")
 
@@ -76,6 +79,7 @@ class Group:
         rank, world, local_rank: from the environment. backend: ``gloo`` (CPU) or ``nccl`` (CUDA).
         timeout_s: the default group's collective timeout (``--group-timeout``).
         slow: a gloo group over the same ranks for waits that may be long; ``slow_timeout_s`` its timeout.
+        gpu: the CUDA index this rank runs on (:func:`rank_gpu`); None on a CPU.
     """
 
     rank: int
@@ -85,6 +89,7 @@ class Group:
     timeout_s: float
     slow: Any
     slow_timeout_s: float
+    gpu: int | None = None
 
     @property
     def main(self) -> bool:
@@ -107,12 +112,48 @@ class Group:
         return out
 
 
-def env_world() -> int | None:
-    """``WORLD_SIZE`` from the environment (torchrun or :func:`launch`), or None outside a group.
+#: set to ``slurm`` by ``artcache run --launcher slurm`` on the job step of a group (one task per rank): the rank
+#: reads its place from Slurm's task variables (:func:`from_slurm`)
+GROUP_LAUNCHER_ENV = "ARTCACHE_GROUP_LAUNCHER"
+#: Slurm's task variables → the ``torch.distributed`` ones (:func:`from_slurm`)
+SLURM_ENV = {"SLURM_PROCID": "RANK", "SLURM_STEP_NUM_TASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
+
+
+def from_slurm() -> bool:
+    """On a Slurm job step of a group (``ARTCACHE_GROUP_LAUNCHER=slurm``, set by ``artcache run --launcher
+    slurm``): set ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` from ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` and
+    ``SLURM_LOCALID`` (``MASTER_ADDR`` / ``MASTER_PORT`` come from the job script). Variables already set are kept
+    (a value differing from Slurm's is refused). Returns whether this process is such a rank.
 
     Raises:
-        ConfigError: ``WORLD_SIZE`` / ``RANK`` are not integers in range.
+        ConfigError: ``ARTCACHE_GROUP_LAUNCHER`` names another launcher, or a Slurm variable is missing or
+            differs from the torch.distributed one already set.
     """
+    launcher = os.environ.get(GROUP_LAUNCHER_ENV)
+    if launcher is None:
+        return False
+    if launcher != "slurm":
+        raise ConfigError(f"{GROUP_LAUNCHER_ENV} {launcher!r} is not accepted: slurm (or leave it unset)")
+    for src, dst in SLURM_ENV.items():
+        value = os.environ.get(src)
+        if value is None:
+            raise ConfigError(f"{GROUP_LAUNCHER_ENV}=slurm but {src} is not set: run the rank as a task of a Slurm "
+                              "job step (srun), or leave ARTCACHE_GROUP_LAUNCHER unset")
+        if os.environ.get(dst, value) != value:
+            raise ConfigError(f"{dst} {os.environ[dst]!r} differs from Slurm's {src} {value!r}: leave {dst} unset "
+                              "on a Slurm job step")
+        os.environ[dst] = value
+    return True
+
+
+def env_world() -> int | None:
+    """``WORLD_SIZE`` from the environment (torchrun, :func:`launch`, or a Slurm job step: :func:`from_slurm`), or
+    None outside a group.
+
+    Raises:
+        ConfigError: ``WORLD_SIZE`` / ``RANK`` are not integers in range; a bad Slurm step (:func:`from_slurm`).
+    """
+    from_slurm()
     raw = os.environ.get("WORLD_SIZE")
     if raw is None:
         return None
@@ -126,10 +167,27 @@ def env_world() -> int | None:
     return world
 
 
-def join(device: str, timeout_s: float, demand_timeout_s: float) -> Group | None:
+def rank_gpu(local_rank: int, devices: list[int] | tuple[int, ...] = ()) -> int:
+    """The CUDA index a rank runs on: ``devices[local_rank]`` when the consumer was given its ranks' devices
+    (``artcache run``), 0 on a Slurm job step (``--gpus-per-task``: each task sees only its own GPUs, from
+    ``cuda:0``), else ``LOCAL_RANK`` (torchrun, ``artcache consume --nproc``).
+
+    Raises:
+        ConfigError: ``local_rank`` has no entry in ``devices``.
+    """
+    if devices:
+        if not 0 <= local_rank < len(devices):
+            raise ConfigError(f"LOCAL_RANK {local_rank} has no device in devices {list(devices)}: accepted one "
+                              "CUDA index per rank")
+        return int(devices[local_rank])
+    return 0 if os.environ.get(GROUP_LAUNCHER_ENV) == "slurm" else local_rank
+
+
+def join(device: str, timeout_s: float, demand_timeout_s: float,
+         devices: list[int] | tuple[int, ...] = ()) -> Group | None:
     """Join the consumer group the environment describes (None for a world of one): ``init_process_group`` with
-    ``timeout=timeout_s`` on gloo (CPU) or nccl (CUDA; the device becomes ``cuda:LOCAL_RANK``), and the slow gloo
-    group with ``max(demand_timeout_s, SLOW_MIN_S) + timeout_s``.
+    ``timeout=timeout_s`` on gloo (CPU) or nccl (CUDA; the device becomes ``cuda:`` :func:`rank_gpu`, from
+    ``devices`` when given), and the slow gloo group with ``max(demand_timeout_s, SLOW_MIN_S) + timeout_s``.
 
     Raises:
         ConfigError: a partial environment (``MASTER_ADDR`` / ``MASTER_PORT`` missing).
@@ -144,14 +202,15 @@ def join(device: str, timeout_s: float, demand_timeout_s: float) -> Group | None
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     cuda = torch.device(device).type == "cuda"
     backend = "nccl" if cuda else "gloo"
-    if cuda:
-        torch.cuda.set_device(local)
+    gpu = rank_gpu(local, devices) if cuda else None
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     slow_s = max(demand_timeout_s, SLOW_MIN_S) + timeout_s
     slow = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=slow_s))
-    return Group(rank, world, local, backend, timeout_s, slow, slow_s)
+    return Group(rank, world, local, backend, timeout_s, slow, slow_s, gpu)
 
 
 def leave(group: Group | None) -> None:
@@ -181,6 +240,30 @@ def agree(group: Group, what: dict[str, Any]) -> None:
         field = next((k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)), "?")
         raise ConfigError(f"consumer group: rank {r} disagrees with rank 0 about {field}: {theirs.get(field)!r} "
                           f"(rank 0: {mine.get(field)!r}); every rank must run the same command on the same root")
+
+
+def cp_layout(group: Group | None, cp: int) -> tuple[int, int, Any]:
+    """This rank's place under context parallelism (``--cp N``): ``(data-parallel rank, rank inside its CP group,
+    the CP group's process group)``. Rank ``r`` of a world of ``nproc`` is CP rank ``r % N`` of data-parallel
+    group ``r // N``; the N ranks of a CP group read the same positions and split each sequence. Every rank
+    creates every CP group (``new_group`` is collective), each a gloo or nccl group like the default one.
+    ``(rank, 0, None)`` with N = 1 (no CP), ``(0, 0, None)`` outside a group.
+
+    Raises:
+        ConfigError: N does not divide the world size.
+    """
+    if group is None or cp == 1:
+        return (0 if group is None else group.rank), 0, None
+    if group.world % cp:
+        raise ConfigError(f"--cp {cp} does not divide the group's world size {group.world}: accepted a world size "
+                          f"that is a multiple of {cp}")
+    mine = None
+    for d in range(group.world // cp):
+        pg = dist.new_group(ranks=list(range(d * cp, (d + 1) * cp)), backend=group.backend,
+                            timeout=datetime.timedelta(seconds=group.timeout_s))
+        if group.rank // cp == d:
+            mine = pg
+    return group.rank // cp, group.rank % cp, mine
 
 
 class GroupHandle(registry.ConsumerHandle):

@@ -51,7 +51,7 @@ from artcache.crashpoints import crash_point
 from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced, TrainingDiverged
 from artcache.layer_ids import layer_view, view_slice
 from artcache.layout import host_id
-from artcache.report import format_bytes
+from artcache.report import LOSS_ENDS_STEPS, format_bytes, loss_ends
 from artcache.rolespec import spec_digest
 from artcache.shutdown import Cancelled, GracefulShutdown
 from artcache.target import quiet_transformers
@@ -94,6 +94,7 @@ from .group import (
     Group,
     GroupHandle,
     agree,
+    cp_layout,
     env_world,
     join,
     launch,
@@ -159,8 +160,9 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
     final state: ``completed``, ``cancelled``), ``steps_planned`` (``--steps``), ``steps`` (done), ``cursor``,
     ``epoch`` (of the last position trained on, 0-based) and ``epoch_len`` (training samples per epoch),
     ``resumed_from_step`` (None for a
-    fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last up to 5 steps
-    this process trained; None when it trained none), ``tau``, ``checkpoint``, ``run_dir``, ``wait_s``,
+    fresh run), ``seconds``, ``first_loss`` / ``final_loss`` (means over the first / last ``loss_ends_steps``
+    of the ``loss_steps`` losses this process logged, :func:`artcache.report.loss_ends`: never the same step twice
+    unless it logged one; None when it trained none), ``tau``, ``checkpoint``, ``run_dir``, ``wait_s``,
     ``host_ms_per_step`` (:func:`host_ms_per_step`: where the trainer thread's time went, per phase),
     and ``sim_acc_len`` (EAGLE-3) / ``eval`` (the last evaluation) when there are such figures.
 
@@ -220,8 +222,11 @@ class Session:
         self.ckpt: Path | None = None
         self.consistent = True  # model, optimizer and RNG match (steps_done, cursor): safe to checkpoint
         self.total: MetricSums | None = None
+        # the first and the last LOSS_ENDS_STEPS training losses of this process and how many it logged: enough
+        # for :func:`artcache.report.loss_ends` over all of them
         self.first_losses: list[float] = []
         self.last_losses: list[float] = []
+        self.loss_steps = 0
         self.wait_total = 0.0
         # host seconds of each phase of :meth:`step` (HOST_PHASES), one entry per step of this process
         self.host_s = {phase: array("d") for phase in HOST_PHASES}
@@ -249,6 +254,8 @@ class Session:
         # --shard full: (step, full weights, full optimizer state) every rank gathered for rank 0's checkpoint
         self.snapshot: tuple[int, dict, dict | None] | None = None
         self.gathered_step = -1  # the step of the last such gathering (every rank)
+        self.dp_rank = 0  # the slice of each global batch this rank reads (its rank, or its CP group's index)
+        self.cp_group = None  # --cp N: the process group of the N ranks that split each sequence (None: off)
         self.group_stop = False  # every rank agreed (after a step) to stop at the next step boundary
         self.ring = None  # --reader process: its shared-memory ring (allocated before registering)
 
@@ -266,7 +273,7 @@ class Session:
 
     def setup(self) -> None:
         self.cfg.validate()
-        self.group = join(self.cfg.device, self.cfg.group_timeout_s, self.cfg.demand_timeout_s)
+        self.group = join(self.cfg.device, self.cfg.group_timeout_s, self.cfg.demand_timeout_s, self.cfg.devices)
         given_anchors = self.cfg.num_anchors  # None: the draft's default, not checked against the root
         cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
@@ -276,8 +283,8 @@ class Session:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
-        if self.group is not None and self.device.type == "cuda":  # rank r of a node on its own device
-            self.device = torch.device("cuda", self.group.local_rank)
+        if self.device.type == "cuda" and (self.group is not None or cfg.devices):  # its own device (rank_gpu)
+            self.device = torch.device("cuda", self.group.gpu if self.group is not None else cfg.devices[0])
         held = heldout_samples(self.plan, cfg.eval_samples)  # a plan's data.eval split is every consumer's
         if held != cfg.eval_samples:
             cfg = self.cfg = msgspec.structs.replace(cfg, eval_samples=held)
@@ -314,6 +321,8 @@ class Session:
                 vocab_map = seed_vocab_map(src)  # a seeded EAGLE-3 keeps its own map
         self.draft = build_draft(cfg, self.settings, self.plan, self.device, vocab_map=vocab_map)
         self.model = self.draft.model
+        self.dp_rank, _, self.cp_group = cp_layout(self.group, cfg.cp)
+        self.draft.cp_group = self.cp_group  # the training forward splits each sequence over it (--cp)
         if src is not None:
             own = {k: tuple(v.shape) for k, v in self.model.trainable_state_dict().items()}
             self.init = plan_init(cfg, src, self.draft.config_dict(), own, self.draft.target_info,
@@ -353,7 +362,8 @@ class Session:
         agree(self.group, {
             "cache": str(self.layout.root), "consumer_id": cfg.consumer_id, "plan_id": self.settings.plan_id,
             "contract_id": self.settings.contract.contract_id, "window": [cfg.lookbehind, cfg.lookahead],
-            "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "world": self.world, "steps": cfg.steps,
+            "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "world": self.world, "cp": cfg.cp,
+            "steps": cfg.steps,
             "resume_point": [st.step, st.cursor, str(self.resumed.path)] if st is not None else None,
             "shard": cfg.shard, "run": run_settings(cfg), "draft_config": jsonable(self.draft.config_dict()),
             "init_from": cfg.init_from, "out_dir": str(self.run_dir), "device_type": self.device.type})
@@ -408,7 +418,10 @@ class Session:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
                                            fused=True)
         self.generators = draft.generators()
-        if self.group is not None and not self.units:  # gradients averaged over the ranks in backward (DDP's buckets)
+        # gradients averaged over the ranks in backward (DDP's buckets); with --cp the context-parallel gathers'
+        # backward is a collective of its own inside the graph, so the ranks' gradients are averaged after the backward
+        # instead (_accumulate); with --shard full FSDP2 reduce-scatters them (shard_draft above)
+        if self.group is not None and self.cp_group is None and not self.units:
             import inspect
 
             from torch.nn.parallel import DistributedDataParallel
@@ -533,7 +546,7 @@ class Session:
                                                epoch_len=self.epoch_len, handle=self.handle)
         group = [m for m in cfg.lockstep_group.split(",") if m]
         # a rank reads its own slice of each global batch: grad_accum micro-batches of batch_size positions
-        rank = 0 if self.group is None else self.group.rank
+        rank = self.dp_rank  # the ranks of a CP group (--cp) read the same slice
         share = cfg.batch_size * cfg.grad_accum
         if self.ring is not None:
             self.reader = self._reader_process(reg, group, self.ring)
@@ -782,8 +795,7 @@ class Session:
         sums, lr = self.train_step(batch, step_index)
         t_launched = time.monotonic()
         # one past the global batch: this rank's slice starts rank × its share after the batch's first position
-        rank = 0 if self.group is None else self.group.rank
-        first = fetched.positions[0] - rank * self.cfg.batch_size * self.cfg.grad_accum
+        first = fetched.positions[0] - self.dp_rank * self.cfg.batch_size * self.cfg.grad_accum
         # a packed step (one process) consumed the positions its rows hold
         self.cursor = first + self.cfg.global_batch if self.packer is None else fetched.positions[-1] + 1
         # the step no longer needs the batch's bytes: release its leases while its positions are still inside the
@@ -991,6 +1003,8 @@ class Session:
                 total = sums if total is None else _add_sums(total, sums)
             if self.group is not None:
                 torch.distributed.all_reduce(den)
+            if self.cp_group is not None:  # --cp: no DDP (nor FSDP2); the ranks' gradients averaged here
+                self._average_grads()
             scale = world / den.clamp_min(1e-30)
             for p in self.params:
                 if p.grad is not None:
@@ -1016,6 +1030,19 @@ class Session:
                     every_param(loss).backward()
                 total = sums if total is None else _add_sums(total, sums)
         return loss.detach(), total
+
+    def _average_grads(self) -> None:
+        """Average the trainable parameters' gradients over the group (one all-reduce of their concatenation; a
+        missing gradient counts as zeros): what DDP does in backward, for a context-parallel run (``--cp``), whose
+        ranks each hold the gradient of every rank's loss through their own part of the computation."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+            offset += g.numel()
 
     def _check_finite_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Refuse to checkpoint non-finite weights (one host sync, at checkpoint time only). A step whose loss
@@ -1086,10 +1113,11 @@ class Session:
             s = draft.summary(sums)
             loss = s.get("loss")  # absent when the batch supervised nothing (a zero denominator)
             if loss is not None:
-                if rec.step_index - self.start_step < 5:
+                self.loss_steps += 1
+                if len(self.first_losses) < LOSS_ENDS_STEPS:
                     self.first_losses.append(loss)
                 self.last_losses.append(loss)
-                del self.last_losses[:-5]
+                del self.last_losses[:-LOSS_ENDS_STEPS]
             epoch = self.order.epoch(rec.cursor - 1)  # the epoch of the step's last position
             self.journal.emit(J.Step(consumer=cfg.consumer_id, step=rec.step, cursor=rec.cursor, loss=loss,
                                      wait_s=rec.wait_s, step_s=rec.step_s, lr=rec.lr, t=rec.t, epoch=epoch,
@@ -1254,16 +1282,17 @@ class Session:
 
     def summary(self) -> dict:
         """What :func:`run_consumer` returns (keys in its docstring)."""
-        cfg, first, last = self.cfg, self.first_losses, self.last_losses
+        cfg, first, last, n = self.cfg, self.first_losses, self.last_losses, self.loss_steps
+        # every loss this process logged when it logged fewer than 2 x LOSS_ENDS_STEPS (the two lists then overlap)
+        first_loss, final_loss, k = loss_ends(first + last[max(0, len(first) + len(last) - n):])
         summary = self.draft.summary(self.total) if self.total is not None else {}
         out = {"consumer_id": cfg.consumer_id, "draft": cfg.draft, "batch_size": cfg.batch_size,
                "state": self.state, "steps_planned": cfg.steps, "steps": self.steps_done, "cursor": self.cursor,
                "resumed_from_step": self.start_step if self.resumed is not None else None,
                "seconds": time.monotonic() - self.t_loop,  # a duration: the monotonic clock, never the wall
-               # means over the first / last (up to) 5 steps this process trained; None when it trained none
+               # artcache.report.loss_ends over the losses this process logged; None when it trained none
                # (e.g. --resume of a run that had already completed)
-               "first_loss": sum(first) / len(first) if first else None,
-               "final_loss": sum(last) / len(last) if last else None,
+               "first_loss": first_loss, "final_loss": final_loss, "loss_ends_steps": k, "loss_steps": n,
                "tau": summary.get("tau"), "checkpoint": str(self.ckpt) if self.ckpt else None,
                "best": {"metric": self.best[0], "value": self.best[1], "step": self.best[2]} if self.best else None,
                "vocab_coverage": self.init.coverage if self.init is not None else None,
@@ -1271,7 +1300,7 @@ class Session:
                "host_ms_per_step": host_ms_per_step(self.host_s),
                # the epoch of the last position trained on (0-based) and the training samples per epoch
                "epoch": self.order.epoch(self.cursor - 1) if self.cursor else 0, "epoch_len": self.epoch_len,
-               "ranks": self.world, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch,
+               "ranks": self.world, "cp": cfg.cp, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch,
                "shard": cfg.shard}
         if "sim_acc_len" in summary:
             out["sim_acc_len"] = summary["sim_acc_len"]

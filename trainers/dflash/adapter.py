@@ -177,8 +177,42 @@ class DFlashAdapter(Draft):
         # from the host copy of the batch's masks (no device read-back)
         anchors, avalid = draw_anchors(batch, self.dcfg.num_anchors, self.generator)
         self.speed.step_begin()
-        _, loss, stats = self._forward(batch, anchors, avalid, train=True)
+        if self.cp_group is not None:
+            loss, stats = self._cp_loss(batch, anchors, avalid)
+        else:
+            _, loss, stats = self._forward(batch, anchors, avalid, train=True)
         return loss, (self._pending(stats) if self.speed.sync_free else self._sums(stats))
+
+    def _cp_loss(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor):
+        """Context parallelism (:attr:`cp_group`): this rank's part of the training loss
+        (:func:`~artcache.trainers.dflash.cp.cp_forward`): the mean of its blocks' decay-weighted cross-entropy
+        and its :class:`~.loss.LossStats`. Every rank of the group draws the same anchors (per position);
+        ``loss × stats.weight_sum`` summed over the ranks is the one-rank loss's numerator, so the consumer's
+        gradient normalisation over the global batch (``Session._accumulate``) gives the one-rank gradient.
+        The batch arrives whole; this rank keeps positions ``[start, end)`` of its context
+        (:func:`~artcache.trainers.dflash.cp.shard_bounds`), zeros past the end.
+
+        Raises:
+            ConfigError: a packed batch (the split context has no per-document attention).
+        """
+        from .cp import cp_forward, shard_bounds
+
+        if batch.doc_ids is not None:
+            raise ConfigError("context parallelism (--cp) does not take packed batches; leave --pack-tokens at 0")
+        group = self.cp_group
+        dev = batch.hidden.device
+        b, T = batch.input_ids.shape
+        start, end, S = shard_bounds(T, torch.distributed.get_world_size(group), torch.distributed.get_rank(group))
+        shard = batch.hidden.new_zeros((b, S) + tuple(batch.hidden.shape[2:]))
+        if start < T:
+            shard[:, : min(end, T) - start] = batch.hidden[:, start:min(end, T)]
+        anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            out, la, lv = cp_forward(self.model, shard, batch.input_ids, anchors, avalid, batch.valid, group)
+            loss, stats = dflash_loss(self.model, out, batch.input_ids, batch.loss_mask, la, lv,
+                                      context_valid=batch.valid, mode=self._loss_mode())
+        # a rank without a block of its own still runs the gathers' backward (a collective): out stays in the graph
+        return loss + out.sum() * 0.0, stats
 
     def _loss_mode(self) -> str:
         return "fused" if self.speed.ce_impl == "reference" else self.speed.ce_impl
