@@ -106,16 +106,19 @@ def rates(row: dict, batch: int, seq: int) -> dict:
 
 
 def compare(rows: list[dict]) -> None:
-    """Each row's ``x_main``: its steps/s over the ``main`` row of the same name and data (in place)."""
-    base = {
-        (r["name"], r["data"]): r["steps_per_s"]
-        for r in rows
-        if r.get("variant") == "main" and "error" not in r
-    }
-    for r in rows:
+    """Each row's ``x_main``: its steps/s over the ``main`` row of the same name and data; each from-cache row's
+    ``from_cache_over_in_memory``: its steps/s over the in-memory row of the same name and variant of this run,
+    when there is one (in place)."""
+    ok = [r for r in rows if "error" not in r]
+    base = {(r["name"], r["data"]): r["steps_per_s"] for r in ok if r.get("variant") == "main"}
+    memory = {(r["name"], r["variant"]): r["steps_per_s"] for r in ok if r.get("data") == "in-memory"}
+    for r in ok:
         b = base.get((r["name"], r["data"]))
-        if "error" not in r and b:
+        if b:
             r["x_main"] = r["steps_per_s"] / b
+        m = memory.get((r["name"], r["variant"].partition("@")[0]))
+        if r.get("data") == "from-cache" and m:
+            r["from_cache_over_in_memory"] = r["steps_per_s"] / m
 
 
 def eagle3_step_flops(cfg, seq: int, steps: int) -> float:

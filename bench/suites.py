@@ -316,8 +316,10 @@ def _gpu_micro_pieces() -> tuple[Piece, ...]:
             seq = 4 * s["seq"] if ctx.tiny else tokens  # tiny: a length that differs from the producer piece's
             raw = {str(ctx.work): row["raw_write_fsync_Bps"]
                    for row in ((ctx.result("io") or {}).get("io", {}).get("roots", {}) or {}).values()}
+            # 6 batches of one sample: the steady rate (batches 2..n) needs several publications to mean anything
             return gpu_micro.producer_bench(s["arch"], dev(ctx), seq, 1, 2 if ctx.tiny else 3, [ctx.work], peak(ctx),
-                                            [stored_dtype("bfloat16"), stored_dtype("fp8")], 2, [1], raw)
+                                            [stored_dtype("bfloat16"), stored_dtype("fp8")], 3 if ctx.tiny else 6,
+                                            [1], raw)
 
         return Piece(f"producer-{tokens // 1024}k", run, f"prefill vs capture + publish of one {tokens}-token sample, "
                      "Qwen3-8B shapes, bf16 and fp8 (against min(plain prefill, disk) of the same run)", cuda=True)

@@ -274,3 +274,16 @@ def test_regression_a_rerun_does_not_reuse_the_removed_roots_figures(tmp_path):
     (root / cs.ROOT_INFO).write_text("{}")
     cs.clear_scratch(root)
     assert list(root.iterdir()) == []
+
+
+def test_compare_records_each_from_cache_rows_ratio_over_its_in_memory_row():
+    """A from-cache row gets ``from_cache_over_in_memory`` against the in-memory row of its name and variant (the
+    ``@N`` read-worker suffix ignored); rows without a partner or with an error get none."""
+    rows = [{"name": "d", "variant": "syncfree", "data": "in-memory", "steps_per_s": 80.0},
+            {"name": "d", "variant": "syncfree@2", "data": "from-cache", "steps_per_s": 60.0},
+            {"name": "d", "variant": "main", "data": "from-cache", "steps_per_s": 30.0},
+            {"name": "e", "variant": "syncfree", "data": "from-cache", "error": "x"}]
+    cs.compare(rows)
+    assert rows[1]["from_cache_over_in_memory"] == 0.75
+    assert "from_cache_over_in_memory" not in rows[2] and "from_cache_over_in_memory" not in rows[3]
+    assert "from_cache_over_in_memory" not in rows[0]

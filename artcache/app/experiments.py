@@ -325,6 +325,17 @@ def _explicit_capture(cfg: RunConfig, views: dict[str, list[int]], num_layers: i
     return captured
 
 
+def _check_devices(cfg: RunConfig, local_devices: bool, source: str) -> None:
+    """At least one experiment; every device the config names is cpu or cuda[:i] (here, when ``local_devices``)."""
+    if not cfg.experiments:
+        raise ConfigError(f"{source}: no experiments: add at least one [[experiments]] table with a name")
+    check_device(cfg.target.device, "target.device", local_devices)
+    for i, dev in enumerate(cfg.target.devices):
+        check_device(dev, f"target.devices[{i}]", local_devices)
+    for e in cfg.experiments:
+        check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
+
+
 def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "config") -> tuple[RunPlan, RunConfig]:
     """Resolve and check a run; nothing is written. Returns the plan and the resolved config.
 
@@ -344,13 +355,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     from artcache.settings import check_compatible, load_settings
     from artcache.target import load_tokenizer, resolve_target
 
-    if not cfg.experiments:
-        raise ConfigError(f"{source}: no experiments: add at least one [[experiments]] table with a name")
-    check_device(cfg.target.device, "target.device", local_devices)
-    for i, dev in enumerate(cfg.target.devices):
-        check_device(dev, f"target.devices[{i}]", local_devices)
-    for e in cfg.experiments:
-        check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
+    _check_devices(cfg, local_devices, source)
     compute = resolve_compute_dtype(cfg.target.compute_dtype, (cfg.target.devices or [cfg.target.device])[0])
     _check_dtypes(cfg, compute)
     info = resolve_target(cfg.target.name)
