@@ -215,10 +215,11 @@ class CheckpointState(msgspec.Struct, kw_only=True):
         return (self.draft_config or {}).get("layer_ids") or self.layer_ids or None
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], list[dict]]:
-    """Flatten ``optimizer.state_dict()``: tensors ``state.<param index>.<name>`` (CPU, contiguous; a
-    non-tensor state value becomes a 0-d tensor) and the JSON-serialisable param groups."""
-    sd = optimizer.state_dict()
+def optimizer_tensors(optimizer: torch.optim.Optimizer | dict) -> tuple[dict[str, Tensor], list[dict]]:
+    """Flatten ``optimizer.state_dict()`` (or such a dict itself: a sharded group's gathered state,
+    :func:`artcache.trainers.consumer.shard.gather_optimizer`): tensors ``state.<param index>.<name>`` (CPU,
+    contiguous; a non-tensor state value becomes a 0-d tensor) and the JSON-serialisable param groups."""
+    sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors = {}
     for idx, state in sd["state"].items():
         for name, value in state.items():
@@ -308,14 +309,15 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str, Tensor],
-                    optimizer: torch.optim.Optimizer | None, generators: dict[str, torch.Generator],
+                    optimizer: torch.optim.Optimizer | dict | None, generators: dict[str, torch.Generator],
                     extra_tensors: dict[str, Tensor], state: dict) -> Path:
     """Write ``run_dir/checkpoints/step-<step>`` atomically and return its path (``latest`` is not
     touched: see :func:`point_latest`).
 
     Args:
         weights: the trainable tensors (``trainable_state_dict()``), any device.
-        optimizer: its state is saved (``optimizer.safetensors``) with the RNG states; None writes a
+        optimizer: its state (or its ``state_dict()``, :func:`optimizer_tensors`) is saved
+            (``optimizer.safetensors``) with the RNG states; None writes a
             **weights-only** checkpoint (no optimizer, no RNG; ``resumable: false``).
         generators: named generators whose states are saved (besides torch's CPU / CUDA ones).
         extra_tensors: non-trained draft tensors (EAGLE-3 vocab map); may be empty.

@@ -485,6 +485,10 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--grad-accum", default=1, type=int,
               help="Micro-batches of --batch-size per optimizer step on each rank; the update equals one step over "
                    "the whole batch; the LR schedule and --steps count optimizer steps.")
+@click.option("--shard", default="none", type=click.Choice(("none", "full")),
+              help="How a group (--nproc N) holds the draft: none (each rank a full copy; DDP) or full (FSDP2: each "
+                   "rank 1/N of the weights, gradients and AdamW state, for a draft that does not fit one device). "
+                   "The same updates either way; full needs --nproc >= 2.")
 @click.option("--group-timeout", default=60.0, type=float,
               help="Seconds a rank of a group waits in a collective for the others before the group stops "
                    "(init_process_group's timeout; 0 < S <= 3600).")
@@ -499,7 +503,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             init_overrides, min_vocab_coverage, keep_vocab_map, eval_samples, eval_interval, eval_anchors,
             best_metric, progress, tensorboard, compile_mode, loss_impl, length_bucket, read_workers, commit_interval,
             reader="thread", epochs=0, nproc=1, grad_accum=1, group_timeout=60.0, as_json=False, pack_tokens=0,
-            trackers=(), tracker_project="artcache", cp=1):
+            trackers=(), tracker_project="artcache", cp=1, shard="none"):
     """Train one draft on the cache root at its own pace."""
     from artcache.trainers.consumer import ConsumerConfig, default_block_size, parse_window
 
@@ -529,7 +533,7 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
         compile=compile_mode, loss_impl=loss_impl,
         length_bucket=length_bucket, read_workers=read_workers, commit_interval_s=commit_interval,
         reader=reader, nproc=nproc, grad_accum=grad_accum, group_timeout_s=group_timeout, pack_tokens=pack_tokens,
-        cp=cp)
+        cp=cp, shard=shard)
     _start("consumer", cfg)
 
 

@@ -829,7 +829,7 @@ CONSUME_FLAGS = {
     "demand_timeout": "cache.demand_timeout_s", "log_every": "E.log_every", "compile_mode": "E.consumer.compile",
     "commit_interval": "E.consumer.commit_interval_s", "reader": "E.consumer.reader",
     "nproc": "E.consumer.nproc", "grad_accum": "E.consumer.grad_accum", "group_timeout": "E.consumer.group_timeout_s",
-    "cp": "E.consumer.cp",
+    "cp": "E.consumer.cp", "shard": "E.consumer.shard",
 }
 
 #: ``artcache bench`` flag → config path.

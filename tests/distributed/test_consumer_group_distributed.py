@@ -104,7 +104,8 @@ def assert_same_run(root: Path, cwd: Path, a: str, b: str, floor: dict[str, floa
 @pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
 def test_two_ranks_and_grad_accum_train_like_one_process_on_the_global_batch(root, tmp_path, draft):
     """2 ranks × b, 1 rank × b with --grad-accum 2 and 1 rank × 2b: the same loss curve and the same final weights
-    (relative 1e-5), the group one consumer to the cache (one registration, one journal of steps)."""
+    (relative 1e-5), the group one consumer to the cache (one registration, one journal of steps). FSDP2 (2 ranks ×
+    b/2 × --grad-accum 2, ``--shard full``) the same as DDP and one process, its checkpoint full tensors."""
     consume(root, tmp_path, f"{draft}-one", draft, 4)
     consume(root, tmp_path, f"{draft}-threads", draft, 4, "--threads", "2")  # argparse: the last --threads wins
     floor = weight_diffs(tmp_path, f"{draft}-threads", f"{draft}-one")
@@ -114,6 +115,15 @@ def test_two_ranks_and_grad_accum_train_like_one_process_on_the_global_batch(roo
     assert summary["ranks"] == 2 and summary["global_batch"] == 4 and summary["cursor"] == 4 * STEPS
     assert_same_run(root, tmp_path, f"{draft}-group", f"{draft}-one", floor)
     assert_same_run(root, tmp_path, f"{draft}-accum", f"{draft}-one", floor)
+    sharded = consume(root, tmp_path, f"{draft}-fsdp", draft, 1, "--nproc", "2", "--grad-accum", "2", "--shard",
+                      "full")
+    summary = json.loads(sharded.stdout.strip().splitlines()[-1])
+    assert summary["ranks"] == 2 and summary["shard"] == "full" and summary["global_batch"] == 4
+    assert "FSDP units over 2 ranks" in sharded.stderr, sharded.stderr[-2000:]
+    full, one = weights(tmp_path, f"{draft}-fsdp"), weights(tmp_path, f"{draft}-one")
+    assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in one.items()}
+    assert_same_run(root, tmp_path, f"{draft}-fsdp", f"{draft}-group", floor)
+    assert_same_run(root, tmp_path, f"{draft}-fsdp", f"{draft}-one", floor)
     reg = registry.read(CacheLayout(root), f"{draft}-group")
     assert reg.state == "completed" and reg.cursor == 4 * STEPS and reg.batch_size == 4
     rank_journals = list(CacheLayout(root).journal.glob(f"reader-{draft}-group-*.jsonl"))

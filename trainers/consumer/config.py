@@ -138,6 +138,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``timeout``): a rank that stops answering stops the others within this long instead of the
             backend's 30 minutes. Waits that may legitimately be long (a rank's demand miss, rank 0's evaluation
             or checkpoint) have their own, longer timeout (:mod:`.group`).
+        shard: how a group holds the draft (``--shard``): ``none`` (every rank a full copy of the weights, their
+            gradients and AdamW state; DistributedDataParallel averages the gradients) or ``full`` (FSDP2: each
+            rank holds ``1 / nproc`` of each; :mod:`.shard`), for a draft whose training state does not fit one
+            device. The same updates either way; ``full`` needs a group (``nproc`` >= 2, or torchrun's
+            ``WORLD_SIZE`` >= 2): one process is refused.
         pack_tokens: packing (:mod:`artcache.trainers.packing`): each of the step's ``batch_size`` rows holds
             consecutive plan positions back to back, up to this many tokens; a step consumes as many positions as
             its rows hold (at most ``lookahead``), decided from the plan alone. Must be at least the root's max
@@ -211,6 +216,7 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     devices: list[NonNegative] = []
     grad_accum: Count = 1
     group_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
+    shard: Literal["none", "full"] = "none"
     pack_tokens: NonNegative = 0
     cp: Count = 1
 
@@ -276,6 +282,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.nproc > 1 and self.lockstep_group:
             raise ConfigError(f"--lockstep-group {self.lockstep_group!r} and --nproc {self.nproc} exclude each other: "
                               "a lockstep baseline is a set of one-process consumers")
+        if self.shard == "full" and self.nproc == 1 and _world() in (None, 1):  # torchrun's WORLD_SIZE: a group
+            raise ConfigError("--shard full shards the draft over the ranks of a group and this consumer has one: "
+                              "pass --nproc N (N >= 2) or run it under torchrun, or leave --shard at none")
         if self.nproc > 1 and self.reader == "process":
             raise ConfigError(f"--reader process and --nproc {self.nproc} exclude each other: each rank of a group "
                               "reads with its own reader thread; use --reader thread")
@@ -333,6 +342,12 @@ def default_anchors(draft: str, device: str) -> int | None:
 
         return dspark_anchors(device)
     return draft_options(draft).get("num_anchors")
+
+
+def _world() -> int | None:
+    from .group import env_world
+
+    return env_world()
 
 
 def lr_at(step: int, total: int, base: float, warmup_frac: float, min_frac: float) -> float:
@@ -417,8 +432,9 @@ def check_cp(cfg: ConsumerConfig) -> None:
     """``--cp N`` (context parallelism): what it composes with.
 
     Raises:
-        ConfigError: a draft other than DFlash, ``--nproc`` not a multiple of N, ``--pack-tokens``, a lockstep
-            group, or ``--reader process`` with N > 1 (one line naming the value and what is accepted).
+        ConfigError: a draft other than DFlash, ``--nproc`` not a multiple of N, ``--shard full``,
+            ``--pack-tokens``, a lockstep group, or ``--reader process`` with N > 1 (one line naming the value and
+            what is accepted).
     """
     n = cfg.cp
     if n == 1:
@@ -429,6 +445,9 @@ def check_cp(cfg: ConsumerConfig) -> None:
     if cfg.nproc % n:
         raise ConfigError(f"--cp {n} does not divide --nproc {cfg.nproc}: --nproc is the world size, data-parallel "
                           f"ranks x --cp; accepted --nproc a multiple of {n} (e.g. --nproc {n} --cp {n})")
+    if cfg.shard == "full":
+        raise ConfigError(f"--cp {n} and --shard full exclude each other (a context-parallel group averages whole "
+                          "gradients after the backward); leave one of them out")
     if cfg.pack_tokens:
         raise ConfigError(f"--cp {n} and --pack-tokens {cfg.pack_tokens} exclude each other (the split context has "
                           "no per-document attention); leave one of them out")

@@ -17,8 +17,9 @@ way the cache sees ONE consumer:
   metric sums are all-reduced after the optimizer step, then rank 0 commits, then it tells the others whether
   the commit held (a fence of the registration stops every rank);
 - gradients are averaged by ``torch.nn.parallel.DistributedDataParallel`` (with ``--cp``: by one all-reduce after
-  the backward) and normalised over the global batch (:meth:`Session.train_step`), so the update is the one a
-  single process would make on the whole global batch.
+  the backward; with ``--shard full``: reduce-scattered by FSDP2, :mod:`.shard`) and normalised over the global
+  batch (:meth:`Session.train_step`), so the update is the one a single process would make on the whole global
+  batch.
 
 Collectives run on the default group with ``--group-timeout`` seconds (not the backend's 30-minute default); the
 waits that may legitimately be long (a rank waiting for its batch on a demand miss, rank 0's evaluation or

@@ -117,6 +117,7 @@ from .restore import (
     vocab_map_of,
     with_horizon,
 )
+from .shard import gather_optimizer, gather_weights, gathered, local_params, shard_draft, shard_optimizer_state
 
 __all__ = ["Session", "run_consumer"]
 
@@ -249,6 +250,10 @@ class Session:
         self.best: tuple[str, float, int] | None = None  # (metric, value, step) of checkpoints/best
         self.group: Group | None = None  # a torch.distributed group's rank (None: a one-process consumer)
         self.ddp: torch.nn.Module | None = None  # the group's DistributedDataParallel wrapper of the draft
+        self.units: list[torch.nn.Module] = []  # --shard full: the draft's FSDP units, the root last (:mod:`.shard`)
+        # --shard full: (step, full weights, full optimizer state) every rank gathered for rank 0's checkpoint
+        self.snapshot: tuple[int, dict, dict | None] | None = None
+        self.gathered_step = -1  # the step of the last such gathering (every rank)
         self.dp_rank = 0  # the slice of each global batch this rank reads (its rank, or its CP group's index)
         self.cp_group = None  # --cp N: the process group of the N ranks that split each sequence (None: off)
         self.group_stop = False  # every rank agreed (after a step) to stop at the next step boundary
@@ -360,7 +365,7 @@ class Session:
             "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "world": self.world, "cp": cfg.cp,
             "steps": cfg.steps,
             "resume_point": [st.step, st.cursor, str(self.resumed.path)] if st is not None else None,
-            "run": run_settings(cfg), "draft_config": jsonable(self.draft.config_dict()),
+            "shard": cfg.shard, "run": run_settings(cfg), "draft_config": jsonable(self.draft.config_dict()),
             "init_from": cfg.init_from, "out_dir": str(self.run_dir), "device_type": self.device.type})
 
     def _check_checkpoint_space(self) -> None:
@@ -402,14 +407,21 @@ class Session:
             load_weights_strict(self.model, load_seed(self.init), f"--init-from {src.path}")
             log.info("[%s] weights seeded from %s (%s)%s", cfg.consumer_id, src.path, src.layout,
                      " (its own vocab map kept)" if self.init.coverage is not None else "")
+        if self.group is not None and cfg.shard == "full":  # weights loaded whole, then cut (before the optimizer)
+            self.units = shard_draft(self.model, self.device, self.world)
+            draft.train_module = self.model
+            mine = sum(p.to_local().numel() for p in self.model.parameters() if p.requires_grad)
+            whole = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            log.info("[%s] --shard full: %d FSDP units over %d ranks; rank %d holds %d of the %d trainable parameters",
+                     cfg.consumer_id, len(self.units), self.world, self.group.rank, mine, whole)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
                                            fused=True)
         self.generators = draft.generators()
         # gradients averaged over the ranks in backward (DDP's buckets); with --cp the context-parallel gathers'
         # backward is a collective of its own inside the graph, so the ranks' gradients are averaged after the backward
-        # instead (_accumulate)
-        if self.group is not None and self.cp_group is None:
+        # instead (_accumulate); with --shard full FSDP2 reduce-scatters them (shard_draft above)
+        if self.group is not None and self.cp_group is None and not self.units:
             import inspect
 
             from torch.nn.parallel import DistributedDataParallel
@@ -422,7 +434,9 @@ class Session:
             draft.train_module = self.ddp
         if self.resumed is not None:
             st = self.resumed.state
-            restore_optimizer(self.optimizer, self.resumed.optimizer, st.param_groups)
+            saved = self.resumed.optimizer if not self.units else shard_optimizer_state(self.optimizer,
+                                                                                         self.resumed.optimizer)
+            restore_optimizer(self.optimizer, saved, st.param_groups)
             restore_rng(self.resumed.rng, self.generators)
             self.start_step, self.start_cursor = st.step, st.cursor
             self.saved_step, self.ckpt = st.step, self.resumed.path
@@ -683,6 +697,7 @@ class Session:
             if evaluating and self.last_eval.get("step") != self.steps_done:
                 self._on_main(lambda: self.evaluate(self.steps_done))
             self._check_finite()
+            self._final_snapshot()
             self.state = registry.COMPLETED
         except TrainingDiverged as exc:
             self.diverged = True
@@ -690,6 +705,8 @@ class Session:
             raise
         except KeyboardInterrupt:
             self.state, self.error = "cancelled", "interrupted"
+            if self.group_stop:  # every rank stopped at this step boundary: they gather its final checkpoint
+                self._final_snapshot()
             raise
         except BaseException as exc:
             self.error, self.failure = f"{type(exc).__name__}: {exc}", exc
@@ -707,6 +724,14 @@ class Session:
         if self.group is None:
             fn()
             return
+        if self.units:  # --shard full: every rank gathers what rank 0's evaluation and checkpoint read
+            self._gather_snapshot()
+            with gathered(self.units):
+                self._on_main_group(fn)
+            return
+        self._on_main_group(fn)
+
+    def _on_main_group(self, fn: Callable[[], object]) -> None:
         if self.main:
             try:
                 fn()
@@ -719,6 +744,39 @@ class Session:
         if isinstance(got, BaseException):
             raise got
         self.saved_step, self.last_eval = got[0], {"step": got[1]}
+
+    def _gather_snapshot(self) -> None:
+        """``--shard full``: every rank gathers the full weights and optimizer state of this step (a collective);
+        rank 0 keeps them for its checkpoint of the step (:meth:`_checkpoint_tensors`)."""
+        if not self.cfg.checkpoints or self.gathered_step == self.steps_done:  # the same on every rank
+            return
+        weights = gather_weights(self.model.trainable_state_dict(), keep=self.main)
+        opt = gather_optimizer(self.optimizer, keep=self.main) if self.cfg.checkpoint_optimizer else None
+        self.gathered_step = self.steps_done
+        self.snapshot = (self.steps_done, weights, opt) if self.main else None
+
+    def _final_snapshot(self) -> None:
+        """``--shard full``, every rank at the end of the run (or at the boundary every rank stopped at): gather
+        the state of the final checkpoint :meth:`close` writes on rank 0. Without it (a rank failed) there is no
+        final checkpoint, and ``--resume`` continues from the last recorded one."""
+        if self.units and self.consistent and self.steps_done > max(self.saved_step, 0) and not self.diverged:
+            self._gather_snapshot()
+
+    def _checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], torch.optim.Optimizer | dict | None]:
+        """What :meth:`checkpoint` writes: the trainable weights and the optimizer (None: weights only); under
+        ``--shard full`` the full ones every rank gathered for this step (:meth:`_gather_snapshot`).
+
+        Raises:
+            CheckpointWriteError: ``--shard full`` and no gathered state of this step (a rank is gone)."""
+        opt = self.optimizer if self.cfg.checkpoint_optimizer else None
+        if not self.units:
+            return self.model.trainable_state_dict(), opt
+        if self.snapshot is None or self.snapshot[0] != self.steps_done:
+            raise CheckpointWriteError(f"--shard full: the ranks did not gather step {self.steps_done}'s weights "
+                                       f"and optimizer state (a rank stopped first); --resume continues from the "
+                                       f"last recorded checkpoint {self.ckpt}",
+                                       last_good=str(self.ckpt) if self.ckpt else None)
+        return self.snapshot[1], self.snapshot[2]
 
     # ---- step: one batch, one optimizer step, a cursor commit when due ----------------------------------
 
@@ -889,6 +947,8 @@ class Session:
             self.optimizer.zero_grad(set_to_none=True)
             loss, sums = self._accumulate(micro_batches(batch, cfg.grad_accum))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        if self.units:  # FSDP2: the norm over every rank's shards, a replicated DTensor
+            grad_norm = grad_norm.to_local()
         self._watch_finite(step_index + 1, loss, grad_norm)  # on the device: no host sync
         self.optimizer.step()
         return sums, lr
@@ -899,12 +959,13 @@ class Session:
         denominators summed over the global batch, never averaged per micro-batch or per rank.
 
         DFlash (one term): each micro-batch's backward takes ``loss × den`` (its sum), then the gradients are
-        scaled by ``world / Σ den`` (DDP averaged them over the ``world`` ranks). A draft with
+        scaled by ``world / Σ den`` (DDP or FSDP2 averaged them over the ``world`` ranks). A draft with
         :attr:`~artcache.trainers.draft.Draft.global_denominators` (DSpark: its fused loss rounds a gradient
         scaled by 1 / Σ w; EAGLE-3: one denominator per TTT step): each term's denominators are found first
         (:meth:`~artcache.trainers.draft.Draft.loss_denominators`, else a forward without gradients), summed over
         the micro-batches and the ranks, and the draft divides by them (``loss(batch, denominators=...)``). DDP
-        all-reduces once, in the last micro-batch's backward (``no_sync`` before it).
+        all-reduces once, in the last micro-batch's backward (``no_sync`` before it); FSDP2 (``--shard full``)
+        reduce-scatters once, there (``set_requires_gradient_sync(False)`` before it).
 
         Returns (the mean loss of the last micro-batch, detached; this rank's metric sums over its micro-batches).
         """
@@ -913,15 +974,21 @@ class Session:
         last = len(micro) - 1
 
         def sync(k: int):
+            if self.units:  # FSDP2: reduce-scatter in the last micro-batch's backward only; the root gathered
+                self.units[-1].set_requires_gradient_sync(k == last)
+                self.units[-1].unshard()  # for the draft's reads of its parameters outside forward (its loss)
+                return nullcontext()
             return self.ddp.no_sync() if self.ddp is not None and k < last else nullcontext()
 
         def every_param(loss: torch.Tensor) -> torch.Tensor:
             """``loss`` plus 0 × one element of every trainable parameter: each gets a gradient in every backward
-            (DDP's buckets wait for all of them), also one the batch did not use (EAGLE-3's lm_head when no
-            position of a step was kept); the gradients' values are unchanged."""
-            if self.ddp is None:
+            (DDP's buckets wait for all of them; FSDP2 reduce-scatters what has one), also one the batch did not
+            use (EAGLE-3's lm_head when no position of a step was kept); the gradients' values are unchanged.
+            Under FSDP2 the parameters gathered now (the root's; a layer's got one in its forward)."""
+            if self.ddp is None and not self.units:
                 return loss
-            return loss + sum(p.reshape(-1)[:1].sum() for p in self.params).to(loss.dtype) * 0.0
+            params = local_params(self.model) if self.units else self.params
+            return loss + sum(p.reshape(-1)[:1].sum() for p in params).to(loss.dtype) * 0.0
 
         total = None
         if not self.draft.global_denominators:
@@ -936,7 +1003,7 @@ class Session:
                 total = sums if total is None else _add_sums(total, sums)
             if self.group is not None:
                 torch.distributed.all_reduce(den)
-            if self.group is not None and self.ddp is None:  # --cp: no DDP; the ranks' gradients averaged here
+            if self.cp_group is not None:  # --cp: no DDP (nor FSDP2); the ranks' gradients averaged here
                 self._average_grads()
             scale = world / den.clamp_min(1e-30)
             for p in self.params:
@@ -945,6 +1012,8 @@ class Session:
         else:
             names = [n for n, _ in terms]
             parts = []
+            if self.units:  # the denominators' forward may read the root's parameters outside its forward
+                self.units[-1].unshard()
             for mb in micro:
                 got = self.draft.loss_denominators(mb)
                 if got is None:  # counted by a forward without gradients
@@ -1118,10 +1187,10 @@ class Session:
         cfg = self.cfg
         self._flush_metrics()  # the journal and metrics.csv hold every step the checkpoint covers
         self._check_finite()  # a diverged state is never checkpointed: the last finite one stays latest
-        weights = self.model.trainable_state_dict()
+        weights, optimizer = self._checkpoint_tensors()
         self._check_finite_weights(weights)
         path = save_checkpoint(self.run_dir, step=self.steps_done, cursor=self.cursor,
-                               weights=weights, optimizer=self.optimizer if cfg.checkpoint_optimizer else None,
+                               weights=weights, optimizer=optimizer,
                                generators=self.generators, extra_tensors=self.draft.extra_tensors(),
                                state=self._checkpoint_state())
         self.tracker.flush()  # metrics.csv holds every step the checkpoint covers (a SIGKILL later loses none)
@@ -1182,7 +1251,12 @@ class Session:
         # from here instead of the last --save-every checkpoint. Not after a checkpoint write failed (its error
         # names the last good one; a second try at once would fail the same way), nor after divergence (the last
         # finite checkpoint stays latest)
-        if cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0) \
+        gathered_final = not self.units or (self.snapshot is not None and self.snapshot[0] == self.steps_done)
+        if not gathered_final and cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0):
+            log.warning("[%s] --shard full: no final checkpoint of step %d (the ranks did not gather its state: the "
+                        "run stopped on a failure); --resume continues from %s", cfg.consumer_id, self.steps_done,
+                        self.ckpt or "the start")
+        if cfg.checkpoints and self.consistent and self.steps_done > max(self.saved_step, 0) and gathered_final \
                 and not isinstance(self.failure, CheckpointWriteError) and not self.diverged:
             try:
                 self.checkpoint(final=True)
@@ -1226,7 +1300,8 @@ class Session:
                "host_ms_per_step": host_ms_per_step(self.host_s),
                # the epoch of the last position trained on (0-based) and the training samples per epoch
                "epoch": self.order.epoch(self.cursor - 1) if self.cursor else 0, "epoch_len": self.epoch_len,
-               "ranks": self.world, "cp": cfg.cp, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch}
+               "ranks": self.world, "cp": cfg.cp, "grad_accum": cfg.grad_accum, "global_batch": cfg.global_batch,
+               "shard": cfg.shard}
         if "sim_acc_len" in summary:
             out["sim_acc_len"] = summary["sim_acc_len"]
         if self.last_eval:
