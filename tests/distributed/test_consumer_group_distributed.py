@@ -305,3 +305,44 @@ def test_cp_within_data_parallel_groups_trains_like_one_process(root, tmp_path):
     first_half = [p for s in range(STEPS) for p in (4 * s, 4 * s + 1)]
     second_half = [p for s in range(STEPS) for p in (4 * s + 2, 4 * s + 3)]
     assert reads == [first_half, second_half, second_half]  # ranks 1, 2, 3 (rank 0 reads into the consumer journal)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1500)
+def test_regression_a_group_stopped_by_sigterm_exits_143_with_its_summary(root, tmp_path, uninterrupted):
+    """SIGTERM to ``consume --nproc 2`` stopped every rank cleanly (rank 0 checkpointed and cancelled the
+    registration) but the launcher took the ranks' own exit status 130 for a failure: it exited 1 with "GroupFailed:
+    rank 0 ... exit status 130" instead of 143 with the group's summary, as one process does. --resume then
+    continues exactly."""
+    steps, cid = KILL_STEPS, "stopped"
+    log = tmp_path / "stopped.log"
+    args = [sys.executable, "-m", "artcache", "consume", "--cache", str(root), "--id", cid, "--draft", "dflash",
+            *DRAFT_FLAGS["dflash"], "--batch-size", "2", "--steps", str(steps), "--window", "0:16", "--threads", "1",
+            "--log-every", "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard",
+            "--group-timeout", "30", "--nproc", "2", "--save-every", "4", "--json"]
+    with log.open("w") as err:
+        proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        _pids(log, time.monotonic() + 300)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(s >= 6 for run in losses(root, cid) for s, _ in run):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 143, (proc.returncode, text[-3000:])
+    assert "GroupFailed" not in text, text[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["ranks"] == 2 and 0 < summary["cursor"] < 4 * steps
+    assert registry.read(CacheLayout(root), cid).state == "cancelled"
+    consume(root, tmp_path, cid, "dflash", 2, "--nproc", "2", "--save-every", "4", "--resume", steps=steps)
+    ref = dict(losses(root, "uninterrupted")[0])
+    for run in losses(root, cid):
+        for s, loss in run:
+            assert abs(loss - ref[s]) <= 1e-6 * abs(ref[s]), f"step {s}: {loss!r} != uninterrupted {ref[s]!r}"
+    assert max(float((a - b).abs().max()) for a, b in zip(weights(tmp_path, cid).values(),
+                                                           weights(uninterrupted, "uninterrupted").values(),
+                                                           strict=True)) <= 1e-6

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from artcache import registry
 from artcache.errors import ConfigError, ConsumerFenced, GroupFailed
-from artcache.shutdown import Forwarding
+from artcache.shutdown import Cancelled, Forwarding
 from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums
 
 __all__ = ["GROUP_LAUNCHER_ENV", "Group", "GroupHandle", "agree", "cp_layout", "env_world", "from_slurm", "join",
@@ -368,6 +368,8 @@ def launch(cfg) -> dict:
     SIGTERM to the launcher go to every rank (each stops at its next step boundary).
 
     Raises:
+        Cancelled: SIGINT / SIGTERM to the launcher stopped every rank cleanly (each after its checkpoint); it
+            carries the signal and rank 0's summary, as one process's consume raises it.
         GroupFailed: a rank exited nonzero or was killed; the others were stopped first (SIGTERM, then SIGKILL
             after ``cfg.group_timeout_s``). The message names the first rank that failed, its pid and its exit
             status or signal; a registration a dead rank 0 left running is fenced as failed.
@@ -388,24 +390,35 @@ def launch(cfg) -> dict:
             p.stdin.close()
             procs.append(p)
         log.info("[%s] started a group of %d ranks (pids %s)", cfg.consumer_id, n, ", ".join(str(p.pid) for p in procs))
-        failed = _watch(procs, cfg.group_timeout_s)
+        forwarded: list[int] = []
+        failed = _watch(procs, cfg.group_timeout_s, forwarded)
         if failed is not None:
             r, rc = failed
             fenced = _fence_dead(cfg, procs, r, rc)
             others = ", ".join(f"rank {i} {_describe(p.returncode)}" for i, p in enumerate(procs) if i != r)
             raise GroupFailed(f"consumer {cfg.consumer_id!r}: rank {r} (pid {procs[r].pid}) ended with {_describe(rc)};"
                               f" the group stopped ({others}){fenced}", rank=r, returncode=rc)
+        stopped = [s for s in forwarded if any(p.returncode == 128 + s for p in procs)]
         try:
-            return json.loads(summary_path.read_text())
+            summary = json.loads(summary_path.read_text())
         except (OSError, ValueError) as exc:
-            raise GroupFailed(f"consumer {cfg.consumer_id!r}: every rank exited 0 but rank 0 left no summary ({exc})",
-                              rank=0, returncode=0) from None
+            if not stopped:
+                raise GroupFailed(f"consumer {cfg.consumer_id!r}: every rank exited 0 but rank 0 left no summary "
+                                  f"({exc})", rank=0, returncode=0) from None
+            summary = None
+        if stopped:  # the ranks stopped cleanly on the signal passed on: the launcher ends as one process would
+            raise Cancelled(stopped[0], summary)
+        return summary
 
 
-def _watch(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | None:
+def _watch(procs: list[subprocess.Popen], grace_s: float, forwarded: list[int]) -> tuple[int, int] | None:
     """Wait for every rank; on the first that ends nonzero stop the rest (SIGTERM, SIGKILL after ``grace_s``).
-    Returns (rank, return code) of that first failure, or None when all exited 0."""
-    forwarded = []
+    Returns (rank, return code) of that first failure, or None when all exited 0 or, after a stop signal the
+    launcher passed on, with 128 + that signal (each rank's own clean stop, as one process exits 130 / 143). The
+    stop signals passed on are appended to ``forwarded``."""
+
+    def bad(rc: int | None) -> bool:
+        return rc not in (None, 0) and rc not in {128 + s for s in forwarded}
 
     def forward(signum):  # the launcher's SIGINT / SIGTERM: every rank stops at its next step boundary
         forwarded.append(signum)
@@ -420,7 +433,7 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | N
             if failed is None:
                 # the first failure; a rank killed by a signal before one that exited (its peers' collectives
                 # fail once it is gone, so both may be seen in one poll)
-                ended = sorted(((p.returncode >= 0, r) for r, p in enumerate(procs) if p.returncode not in (None, 0)))
+                ended = sorted(((p.returncode >= 0, r) for r, p in enumerate(procs) if bad(p.returncode)))
                 if ended:
                     r = ended[0][1]
                     failed = (r, procs[r].returncode)
@@ -437,7 +450,7 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> tuple[int, int] | N
                 deadline = None
             time.sleep(0.05)
     if failed is None:  # every rank ended in the same poll
-        ended = sorted((p.returncode >= 0, r) for r, p in enumerate(procs) if p.returncode != 0)
+        ended = sorted((p.returncode >= 0, r) for r, p in enumerate(procs) if bad(p.returncode))
         failed = (ended[0][1], procs[ended[0][1]].returncode) if ended else None
     return failed
 

@@ -30,7 +30,10 @@ def child_main() -> None:
         prefix = "" if exc.exit_code == 2 else f"{type(exc).__name__}: "
         print(f"artcache: error: rank {os.environ.get('RANK')}: {prefix}{exc}", file=sys.stderr, flush=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # Cancelled: stopped by a signal after the clean shutdown (rank 0 checkpointed)
+        summary = getattr(exc, "summary", None)
+        if summary is not None and os.environ.get("ARTCACHE_GROUP_SUMMARY"):
+            Path(os.environ["ARTCACHE_GROUP_SUMMARY"]).write_text(json.dumps(summary))
+        sys.exit(getattr(exc, "exit_status", 130))
     if summary is not None and os.environ.get("ARTCACHE_GROUP_SUMMARY"):
         Path(os.environ["ARTCACHE_GROUP_SUMMARY"]).write_text(json.dumps(summary))
