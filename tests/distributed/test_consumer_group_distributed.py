@@ -307,7 +307,6 @@ def test_cp_within_data_parallel_groups_trains_like_one_process(root, tmp_path):
     assert reads == [first_half, second_half, second_half]  # ranks 1, 2, 3 (rank 0 reads into the consumer journal)
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(1500)
 def test_regression_a_group_stopped_by_sigterm_exits_143_with_its_summary(root, tmp_path, uninterrupted):
     """SIGTERM to ``consume --nproc 2`` stopped every rank cleanly (rank 0 checkpointed and cancelled the
