@@ -557,6 +557,9 @@ class Producer:
         self._started = time.monotonic()
         self._next_nobody_note = self._started
         self._lock_held_seen: set[str] = set()
+        #: fingerprints whose capture flock another producer held at this producer's last capture attempt: its
+        #: next batch is taken from the queue after them (:meth:`tick`), so replicas on one root split the work
+        self._held_elsewhere: set[str] = set()
         self._fence_space_noted: set[str] = set()  # dead consumers whose fence failed for space (logged once)
         self._any_live = False
         self._registered: set[str] = set()  # ids with a registration on the root (any state)
@@ -789,10 +792,19 @@ class Producer:
             return False
         if not len(decision.capture_samples):
             return False
-        batch = self._fit_budget(next_batch(decision.head(self.cfg.limits.max_batch_samples), self.length_of,
-                                            self.cfg.limits))
+        batch = self._fit_budget(next_batch(self._queue_head(decision), self.length_of, self.cfg.limits))
         self._fill_stuck = not batch
         return bool(batch) and self.capture_batch(batch, live)
+
+    def _queue_head(self, decision) -> list:
+        """The head of the capture queue the next batch is taken from, in the queue's order (demand first): without
+        the fingerprints another producer on the root was capturing at the last attempt (:attr:`_held_elsewhere`),
+        so a second producer captures the next ones instead of waiting on the same locks; the plain head when
+        nothing else is left (those locks are probed again: a producer that died released them)."""
+        k = self.cfg.limits.max_batch_samples
+        head = decision.head(k + len(self._held_elsewhere))
+        rest = [w for w in head if w.fp not in self._held_elsewhere]
+        return rest or head[:k]
 
     def fill_missing(self) -> list[str]:
         """Fingerprints of the plan neither published nor given up (``--fill`` is complete without any)."""
@@ -847,12 +859,14 @@ class Producer:
         """
         locks = []
         todo = []
+        self._held_elsewhere = set()
         for w in batch:
             lock = cache_lock(self.layout.fingerprint_lock(w.fp, self.settings.lock_stripes), timeout=0,
                               thread_local=False)
             try:
                 lock.acquire()
             except Timeout:  # another producer is capturing it: count that once per fingerprint
+                self._held_elsewhere.add(w.fp)
                 if w.fp not in self._lock_held_seen:
                     self._lock_held_seen.add(w.fp)
                     self.stats.coalesced += len(w.consumers)
