@@ -94,6 +94,11 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``float8_e4m3fn``): e4m3 codes with one fp32 scale per token row per layer (docs/format.md).
         compute_dtype: dtype the target runs in; ``auto`` = float32 on CPU, bfloat16 on CUDA.
         threads: the producer's torch CPU threads (0 = torch's default).
+        replicas: producer processes ``artcache run`` starts on the one cache root (the target data-parallel),
+            each with its own producer id (``producer``, ``producer-1``, ...) and device: on a CPU all on ``cpu``; on
+            CUDA replica r on the r-th GPU from ``target.device``'s (with ``devices``: the r-th block of as many; a
+            tensor-parallel target on CUDA is refused more than one). Each fingerprint is still captured once (its
+            capture flock) and demand still comes before lookahead in every replica's queue (docs/scale-out.md).
     """
 
     name: str = "smollm2-135m-instruct"
@@ -103,6 +108,7 @@ class TargetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: DType = "bfloat16"
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     threads: NonNegative = 0
+    replicas: Count = 1
 
 
 class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

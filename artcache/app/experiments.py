@@ -142,6 +142,9 @@ class RunPlan(msgspec.Struct, kw_only=True):
     #: the :class:`~artcache.producer.ProducerConfig` of the run's producer (``--exit-when-done``, id
     #: ``producer``), as built here once; written to :func:`producer_spec_path` (``producer --spec``)
     producer: Any = None
+    #: the ProducerConfig of every producer of the run (``target.replicas``; the first is ``producer``), each with
+    #: its own id and device (:func:`replica_placement`); written to :func:`producer_spec_path` of its replica
+    producers: list[Any] = []
 
 
 def _check_dtypes(cfg: RunConfig, compute: str) -> None:
@@ -224,16 +227,45 @@ def _gpu_index(device: str) -> int | None:
 
 
 def producer_gpus(cfg: RunConfig) -> list[int]:
-    """The CUDA indices the producer uses, ascending: ``target.devices``, else ``target.tensor_parallel_size``
-    ranks from ``cuda:0`` (one per rank, :func:`artcache.backends.tensor_parallel.rank_device`), else
-    ``target.device``'s; ``[]`` on a CPU."""
+    """The CUDA indices the producers use, ascending: every replica's (:func:`replica_placement`); one replica's
+    are ``target.devices``, else ``target.tensor_parallel_size`` ranks from ``cuda:0`` (one per rank,
+    :func:`artcache.backends.tensor_parallel.rank_device`), else ``target.device``'s; ``[]`` on a CPU."""
     t = cfg.target
-    if t.devices:
-        return sorted({i for d in t.devices if (i := _gpu_index(d)) is not None})
+    if t.tensor_parallel_size > 1 and _gpu_index(t.device) is not None:
+        return list(range(t.tensor_parallel_size))
+    return sorted({i for device, devices in replica_placement(cfg) for d in (devices or [device])
+                   if (i := _gpu_index(d)) is not None})
+
+
+def producer_ids(replicas: int) -> list[str]:
+    """The producer id (journal id, role name) of each of ``replicas`` producers: ``producer``, then
+    ``producer-1``, ``producer-2``, ..."""
+    return ["producer", *(f"producer-{r}" for r in range(1, replicas))]
+
+
+def replica_placement(cfg: RunConfig) -> list[tuple[str, list[str]]]:
+    """``(device, devices)`` of each of the ``target.replicas`` producers. On a CPU every replica gets the
+    target's own. On CUDA replica r takes the r-th block of GPUs: ``cuda:(i + r)`` for ``target.device`` ``cuda:i``,
+    and ``target.devices`` (k of them) shifted by ``r * k`` indices.
+
+    Raises:
+        ConfigError: several replicas of a tensor-parallel target on CUDA (its ranks take ``cuda:0`` onward,
+            :func:`artcache.backends.tensor_parallel.rank_device`, so two groups would share GPUs).
+    """
+    t = cfg.target
+    n = t.replicas
     first = _gpu_index(t.device)
-    if first is None:
-        return []
-    return list(range(t.tensor_parallel_size)) if t.tensor_parallel_size > 1 else [first]
+    if n == 1 or (first is None and not any(_gpu_index(d) is not None for d in t.devices)):
+        return [(t.device, list(t.devices))] * n
+    if t.tensor_parallel_size > 1:
+        raise ConfigError(f"target.replicas {n} with target.tensor_parallel_size {t.tensor_parallel_size} on "
+                          f"{t.device!r} is not accepted: the tensor-parallel ranks take cuda:0 onward in every "
+                          "replica; accepted: replicas = 1 with tensor parallelism, or replicas with a single-device "
+                          "or target.devices target")
+    if t.devices:
+        idx = [_gpu_index(d) for d in t.devices]
+        return [(t.device, [f"cuda:{i + r * len(idx)}" for i in idx]) for r in range(n)]
+    return [(f"cuda:{first + r}", []) for r in range(n)]
 
 
 def _ranks_of(e: Experiment) -> int:
@@ -332,6 +364,9 @@ def _check_devices(cfg: RunConfig, local_devices: bool, source: str) -> None:
     check_device(cfg.target.device, "target.device", local_devices)
     for i, dev in enumerate(cfg.target.devices):
         check_device(dev, f"target.devices[{i}]", local_devices)
+    for r, (device, devices) in enumerate(replica_placement(cfg)[1:], 1):  # each further replica's own GPUs
+        for dev in devices or [device]:
+            check_device(dev, f"target.replicas {cfg.target.replicas}: replica {r}'s device", local_devices)
     for e in cfg.experiments:
         check_device(e.device or cfg.target.device, f"experiments.{e.name}.device", local_devices)
 
@@ -381,6 +416,10 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     # the producer's spec; capture batching vs max_length, named by the config's capture.* paths
     producer = producer_config(resolved, exit_when_done=True, producer_id="producer")
     producer.limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
+    producers = [msgspec.structs.replace(producer, producer_id=pid, device=device, devices=devices)
+                 for pid, (device, devices) in zip(producer_ids(resolved.target.replicas), replica_placement(resolved),
+                                                   strict=True)]
+    producer = producers[0]
     # the plan spec and the contract the producer will build (artcache.producer.capture_contract)
     spec = PlanSpec(dataset=resolved.data.dataset, sources=tuple(resolved.data.sources), eval=resolved.data.eval,
                     seed=resolved.data.seed, max_length=resolved.data.max_length,
@@ -436,7 +475,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     if bound * per_artifact > free:
         notes.append(f"disk bound {format_bytes(bound * per_artifact)} exceeds the {format_bytes(free)} free at "
                      f"{free_at}")
-    shared = shared_gpus([*(resolved.target.devices or [resolved.target.device]),
+    shared = shared_gpus([*(d for p in producers for d in (p.devices or [p.device])),
                           *(d for x in exps for d in device_cell(x).split(","))])
     if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
         notes.append(f"several roles share {', '.join(shared)}")
@@ -451,7 +490,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
         disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes,
         replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes,
-        explicit_layer_ids=bool(cfg.capture.layer_ids), producer=producer)
+        explicit_layer_ids=bool(cfg.capture.layer_ids), producer=producer, producers=producers)
     return plan, resolved
 
 
@@ -610,6 +649,9 @@ def format_plan(plan: RunPlan) -> str:
            f"{', '.join(plan.replay_layer_for)}: {format_bytes(plan.replay_layer_bytes)} per artifact at most, "
            f"{format_bytes(plan.replay_layer_bytes * plan.window_bound_artifacts)} of the disk bound "
            "(capture.replay_layer = false leaves it out)"] if plan.replay_layer is not None else []),
+        *([f"producers {len(plan.producers)} (target.replicas), one root, each fingerprint captured once: "
+           + ", ".join(f"{p.producer_id} on {','.join(p.devices) or p.device}" for p in plan.producers)]
+          if len(plan.producers) > 1 else []),
         f"disk bound {format_bytes(plan.disk_bound_bytes)} = {plan.window_bound_artifacts} artifacts (sum of windows "
         f"and held-out splits, at most the plan) x {format_bytes(plan.bytes_per_artifact_max)} per artifact at most",
         "",
@@ -629,9 +671,16 @@ def format_plan(plan: RunPlan) -> str:
 
 # ---- running -----------------------------------------------------------------------------------------
 
-def producer_spec_path(plan: RunPlan) -> Path:
-    """The run's producer spec file (:mod:`artcache.rolespec`): ``<out>/producer.spec.json``."""
-    return Path(plan.out) / "producer.spec.json"
+def producer_spec_path(plan: RunPlan, replica: int = 0) -> Path:
+    """The spec file (:mod:`artcache.rolespec`) of the run's producer ``replica``: ``<out>/producer.spec.json``
+    for the first, ``<out>/producer-<r>.spec.json`` for replica r (``target.replicas``)."""
+    return Path(plan.out) / f"{producer_ids(replica + 1)[replica]}.spec.json"
+
+
+def run_producers(plan: RunPlan) -> list[Any]:
+    """The ProducerConfig of each producer the run starts (:attr:`RunPlan.producers`; a plan written before
+    replicas existed holds only ``producer``)."""
+    return list(plan.producers) or [plan.producer]
 
 
 def consumer_spec_path(x: ExperimentPlan) -> Path:
@@ -650,7 +699,8 @@ def _write_configs(plan: RunPlan, cfg: RunConfig, **producer: Any) -> None:
     (out / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(plan)))
     for e in cfg.experiments:
         save_config(msgspec.structs.replace(cfg, experiments=[e]), Path(e.out) / "config.toml")
-    write_spec(producer_spec_path(plan), "producer", msgspec.structs.replace(plan.producer, **producer))
+    for r, p in enumerate(run_producers(plan)):
+        write_spec(producer_spec_path(plan, r), "producer", msgspec.structs.replace(p, **producer))
     for x in plan.experiments:
         write_spec(consumer_spec_path(x), "consumer", x.spec)
 
@@ -677,11 +727,11 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
     shutdown.install()
     stop = shutdown.requested
     t0 = time.monotonic()  # the run's wall time is a duration: never from the wall clock
-    producer: Role | None = None
+    producers: list[Role] = []  # one per target.replicas, the first is ``producer``
     consumers: dict[str, Role] = {}
     journal_pids: dict[str, int] = {}  # the process that registered (and journals) each experiment's consumer
     problems: list[str] = []
-    cancel_signalled = False  # the producer got the cancel's one SIGTERM (not the hung-exit one below)
+    cancel_signalled: dict[str, bool] = {}  # producer → it got the cancel's one SIGTERM (not the hung-exit one)
     try:
         from artcache import registry
         from artcache.layout import CacheLayout
@@ -715,10 +765,11 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         if not consumers:
             print("every experiment is complete: nothing to run", flush=True)
         elif any(c.poll() is None for c in consumers.values()):
-            producer = Role("producer", cli_argv("producer", "--spec", str(producer_spec_path(plan))),
-                            logs / "producer.log", env)
-            print(f"producer started (pid {producer.popen.pid}); capturing layers {plan.captured_layer_ids}; "
-                  f"log {producer.log}", flush=True)
+            for r, p in enumerate(run_producers(plan)):
+                producers.append(Role(p.producer_id, cli_argv("producer", "--spec", str(producer_spec_path(plan, r))),
+                                      logs / f"{p.producer_id}.log", env))
+                print(f"{p.producer_id} started (pid {producers[-1].popen.pid}, {','.join(p.devices) or p.device}); "
+                      f"capturing layers {plan.captured_layer_ids}; log {producers[-1].log}", flush=True)
         else:
             problems.append("every experiment ended before the producer started")
         forwarded = False
@@ -728,10 +779,11 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
                     c.announced = True
                     state = role_outcome(c.code)
                     print(f"experiment {c.name} {state}{'; its siblings go on' if c.code else ''}", flush=True)
-            if producer is not None and producer.poll() not in (None, 0) and not forwarded:
+            failed = next((p for p in producers if p.poll() not in (None, 0)), None)
+            if failed is not None and not forwarded:
                 # (exit 0 is --exit-when-done: every registration is terminal, the rest are exiting)
-                problems.append(f"the producer exited with {producer.code} while experiments were running")
-                print(f"producer exited with {producer.code}; stopping the experiments", flush=True)
+                problems.append(f"the producer {failed.name} exited with {failed.code} while experiments were running")
+                print(f"{failed.name} exited with {failed.code}; stopping the experiments", flush=True)
                 stop.set()
             if stop.is_set() and not forwarded:
                 forwarded = True
@@ -741,21 +793,22 @@ def run_experiments(plan: RunPlan, cfg: RunConfig, *, poll_s: float = 0.2) -> in
         for c in consumers.values():
             if not c.announced:
                 print(f"experiment {c.name} {role_outcome(c.code)}", flush=True)
-        if producer is not None:
-            if stop.is_set():
-                cancel_signalled = cancel_producer(layout, producer)
+        if stop.is_set():
+            cancel_signalled = {p.name: cancel_producer(layout, p) for p in producers}
+        deadline = time.monotonic() + cfg.cache.done_grace_s + 120
+        for p in producers:
             try:
-                producer.wait(timeout=cfg.cache.done_grace_s + 120)
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                producer.signal(signal.SIGTERM)
-                producer.wait(timeout=60)
+                p.signal(signal.SIGTERM)
+                p.wait(timeout=60)
     except KeyboardInterrupt:
         problems.append("interrupted")
     finally:
-        stop_all([*consumers.values(), *([producer] if producer else [])], grace_s=30)
+        stop_all([*consumers.values(), *producers], grace_s=30)
         shutdown.restore()
     wall = time.monotonic() - t0
-    report = merge_earlier(run_report(plan, producer, consumers, wall, problems, cancel_signalled=cancel_signalled,
+    report = merge_earlier(run_report(plan, producers, consumers, wall, problems, cancel_signalled=cancel_signalled,
                                       cancelled_by=shutdown.signum, journal_pids=journal_pids), out / "report.json")
     write_report(plan, report)
     print(format_report(report), flush=True)
@@ -847,7 +900,7 @@ def journaled_stop(layout, producer: Role) -> str | None:
     """The reason producer process ``producer`` journaled with its ``producer_stop``, or None while it has not.
     The producer writes it as the last thing of its loop (after its last publication and final eviction pass),
     just before it puts the default signal handlers back and exits on its own."""
-    stops = [ev for ev in _events(layout.journal_of("producer", "producer", producer.popen.pid))
+    stops = [ev for ev in _events(layout.journal_of("producer", producer.name, producer.popen.pid))
              if isinstance(ev, J.ProducerStop)]
     return stops[-1].reason if stops else None
 
@@ -933,24 +986,30 @@ def settle_state(name: str, work: dict, *, fences: list, reg, later_start: float
     work["state"], work["error"] = state, error
 
 
-def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role], wall: float,
-               problems: list[str], *, cancel_signalled: bool = False, cancelled_by: int = 0,
+def run_report(plan: RunPlan, producers: list[Role], consumers: dict[str, Role], wall: float,
+               problems: list[str], *, cancel_signalled: dict[str, bool] | None = None, cancelled_by: int = 0,
                journal_pids: dict[str, int] | None = None) -> dict:
-    """The run report: shared production (this run's producer, counted once) apart from each
-    experiment's committed work (this run's consumer process, or for a group the rank 0 that registered:
-    ``journal_pids``, experiment name → pid), plus the root-wide invariants.
-    ``cancel_signalled``: the run sent the producer its cancel SIGTERM (:func:`producer_exit_ok`).
+    """The run report: shared production (this run's producers, ``target.replicas`` of them, counted once: their
+    journals folded together; ``producers`` lists each one's own) apart from each experiment's committed work
+    (this run's consumer process, or for a group the rank 0 that registered: ``journal_pids``, experiment name →
+    pid), plus the root-wide invariants.
+    ``cancel_signalled``: producer name → the run sent it its cancel SIGTERM (:func:`producer_exit_ok`).
     ``cancelled_by``: the stop signal that cancelled the run (0: none); the exit code is then ``128 +`` it."""
     from artcache import registry
     from artcache.accounting import account
     from artcache.layout import CacheLayout
 
     layout = CacheLayout(Path(plan.cache_root))
-    prod = production(_events(layout.journal_of("producer", "producer", producer.popen.pid))) if producer \
-        else production([])
-    prod["exit_code"] = producer.code if producer else None
-    fences = [ev for ev in _events(layout.journal_of("producer", "producer", producer.popen.pid))
-              if isinstance(ev, J.Fence)] if producer else []
+    journals = {p.name: _events(layout.journal_of("producer", p.name, p.popen.pid)) for p in producers}
+    each = []
+    for p in producers:
+        own = production(journals[p.name])
+        each.append({"name": p.name, "pid": p.popen.pid, "exit_code": p.code, **own,
+                     "exit_ok": producer_exit_ok(p.code, own["stop_reason"], (cancel_signalled or {}).get(p.name,
+                                                                                                          False))})
+    prod = production([ev for evs in journals.values() for ev in evs])
+    prod["exit_code"] = next((p.code for p in producers if p.code != 0), 0) if producers else None
+    fences = [ev for evs in journals.values() for ev in evs if isinstance(ev, J.Fence)]
     experiments = []
     for x in plan.experiments:
         role = consumers.get(x.name)
@@ -986,8 +1045,7 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
     checks = {
         "every_experiment_completed": all(x["exit_code"] == 0 and x["state"] == COMPLETED for x in ran),
         "failed_experiments_fenced": all(x["registration"] != "running" for x in experiments),
-        "producer_exit_ok": (producer_exit_ok(prod["exit_code"], prod["stop_reason"], cancel_signalled)
-                             or (producer is None and not consumers)),
+        "producer_exit_ok": all(p["exit_ok"] for p in each) and (bool(producers) or not consumers),
         "accounting_invariants": bool(acc) and not acc.violations,
     }
     exit_code = 128 + cancelled_by if cancelled_by else 0 if all(checks.values()) and not problems else 1
@@ -996,7 +1054,7 @@ def run_report(plan: RunPlan, producer: Role | None, consumers: dict[str, Role],
         "cancelled_by": _signal_name(cancelled_by) if cancelled_by else "",
         "target": plan.target, "captured_layer_ids": plan.captured_layer_ids, "dtype": plan.dtype,
         "plan_id": plan.plan_id,
-        "shared_production": {**prod, "distinct_positions_consumed": distinct,
+        "shared_production": {**prod, "producers": each, "distinct_positions_consumed": distinct,
                               "captures_per_distinct_position": prod["captures"] / distinct if distinct else 0.0,
                               "window_bound_artifacts": plan.window_bound_artifacts},
         "experiments": experiments,
@@ -1079,14 +1137,16 @@ def format_report(r: dict) -> str:
         + (f"; cancelled by {r['cancelled_by']} (exit {r['exit_code']})" if r.get("cancelled_by") else ""), "",
         f"target {r['target']['name']}; captured layers {r['captured_layer_ids']} ({r['dtype']}), the union of "
         "the experiments' views", "",
-        "Shared production (this run's producer, counted once):",
+        f"Shared production (this run's producer{'s' if len(p.get('producers', [])) > 1 else ''}, counted once):",
         f"  captures {p['captures']} ({p['recaptures']} recaptures) for {p['distinct_positions_consumed']} distinct "
         f"positions consumed ({p['captures_per_distinct_position']:.3f} per position); publications "
         f"{p['publications']} ({format_bytes(p['published_bytes'])}); failures {p['failures']}; evictions "
         f"{p['evictions']}; max retained {p['max_retained_artifacts']} artifacts "
         f"({format_bytes(p['max_retained_bytes'])}) against a window bound of {p['window_bound_artifacts']} (the "
         "experiments' windows and held-out splits, at most the plan's samples); "
-        f"producer exit {p['exit_code']}", "",
+        f"producer exit {p['exit_code']}",
+        *(f"  {q['name']} (pid {q['pid']}): captures {q['captures']}, publications {q['publications']}, exit "
+          f"{q['exit_code']}" for q in p.get("producers", []) if len(p["producers"]) > 1), "",
         "Per experiment (each one's own committed work; requests are not production and are never summed into it):",
         "```",
         table(["experiment", "draft", "layers", "device", "state", "exit", "steps", "step range", "cursor",

@@ -60,9 +60,13 @@ def place(plan: RunPlan, cfg: RunConfig) -> tuple[int, list[Role]]:
     """(nodes, roles): the producer first, then one role per experiment, each on a node of the job.
 
     Raises:
-        ConfigError: a role needs more GPUs than a node has, or ``slurm.nodes`` is too small for them.
+        ConfigError: a role needs more GPUs than a node has, or ``slurm.nodes`` is too small for them; several
+            producers (``target.replicas``).
     """
     s = cfg.slurm  # its ranges are declared on SlurmSection's fields (checked when the config is read)
+    if cfg.target.replicas > 1:
+        raise ConfigError(f"slurm: target.replicas {cfg.target.replicas} is not accepted under --launcher slurm (one "
+                          "producer step); accepted: 1, or artcache run on one machine for several producers")
     demand = [s.producer_gpus] + [s.experiment_gpus * x.nproc for x in plan.experiments]
     if max(demand) > s.gpus_per_node:
         big = max(range(len(demand)), key=lambda i: demand[i])
