@@ -325,6 +325,20 @@ def place_groups(cfg: RunConfig, visible: int | None) -> RunConfig:
     return msgspec.structs.replace(cfg, experiments=exps)
 
 
+def replica_specs(resolved: RunConfig) -> list[Any]:
+    """The :class:`~artcache.producer.ProducerConfig` of each producer of a run (``--exit-when-done``), one per
+    ``target.replicas``, each with its id (:func:`producer_ids`) and device (:func:`replica_placement`).
+
+    Raises:
+        ConfigError: capture batching against ``data.max_length`` (named by the config's ``capture.*`` paths).
+    """
+    producer = producer_config(resolved, exit_when_done=True, producer_id="producer")
+    producer.limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
+    return [msgspec.structs.replace(producer, producer_id=pid, device=device, devices=devices)
+            for pid, (device, devices) in zip(producer_ids(resolved.target.replicas), replica_placement(resolved),
+                                              strict=True)]
+
+
 def device_cell(x: ExperimentPlan) -> str:
     """An experiment's devices in words: ``cuda:2,cuda:3`` for a group with GPUs, else its device (``cpu``)."""
     return ",".join(f"cuda:{i}" for i in x.devices) if x.devices else x.device
@@ -413,12 +427,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     # an experiment of several ranks gets its own GPUs here; under another launcher (Slurm) that one's scheduler does
     cfg = place_groups(cfg, (torch.cuda.device_count() if torch.cuda.is_available() else 0) if local_devices else None)
     resolved = resolve(cfg, captured)
-    # the producer's spec; capture batching vs max_length, named by the config's capture.* paths
-    producer = producer_config(resolved, exit_when_done=True, producer_id="producer")
-    producer.limits.validate(resolved.data.max_length, lambda field: CAPTURE_PATHS[field])
-    producers = [msgspec.structs.replace(producer, producer_id=pid, device=device, devices=devices)
-                 for pid, (device, devices) in zip(producer_ids(resolved.target.replicas), replica_placement(resolved),
-                                                   strict=True)]
+    producers = replica_specs(resolved)
     producer = producers[0]
     # the plan spec and the contract the producer will build (artcache.producer.capture_contract)
     spec = PlanSpec(dataset=resolved.data.dataset, sources=tuple(resolved.data.sources), eval=resolved.data.eval,
@@ -1353,7 +1362,8 @@ def format_run_dir_report(r: dict) -> str:
 
 
 __all__ = ["ExperimentPlan", "RunPlan", "cancel_producer", "check_checkpoint", "consumer_spec_path", "device_cell",
-           "draft_view", "place_groups", "producer_gpus",
+           "draft_view", "place_groups", "producer_gpus", "producer_ids", "replica_placement", "replica_specs",
+           "run_producers",
            "format_plan", "producer_spec_path",
            "format_run_dir_report", "journaled_stop", "layer_union", "merge_earlier", "plan_run", "producer_exit_ok",
            "resolve", "role_outcome", "run_dir_report", "run_experiments", "settle_state", "view_index"]
