@@ -906,7 +906,8 @@ def _summary_line(log_path: Path) -> dict:
 
 
 def journaled_stop(layout, producer: Role) -> str | None:
-    """The reason producer process ``producer`` journaled with its ``producer_stop``, or None while it has not.
+    """The reason producer process ``producer`` (journal id: its role name) journaled with its ``producer_stop``, or
+    None while it has not.
     The producer writes it as the last thing of its loop (after its last publication and final eviction pass),
     just before it puts the default signal handlers back and exits on its own."""
     stops = [ev for ev in _events(layout.journal_of("producer", producer.name, producer.popen.pid))

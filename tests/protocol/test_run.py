@@ -645,18 +645,19 @@ from pathlib import Path
 from artcache import journal as J
 from artcache.layout import CacheLayout
 if sys.argv[2] != "-":
-    w = J.JournalWriter(CacheLayout(Path(sys.argv[1])).journal_path("producer", "producer"))
-    w.emit(J.ProducerStop(producer="producer", reason=sys.argv[2]))
+    w = J.JournalWriter(CacheLayout(Path(sys.argv[1])).journal_path("producer", sys.argv[3]))
+    w.emit(J.ProducerStop(producer=sys.argv[3], reason=sys.argv[2]))
 print("ready", flush=True)
 time.sleep(120)
 """
 
 
 def _stand_in(tmp_path, layout, name: str, reason: str):
-    """A process that journals as producer ``producer`` (its stop with ``reason``; ``-``: none), then sleeps."""
+    """A process that journals as producer ``name``, its role's name (its stop with ``reason``; ``-``: none), then
+    sleeps."""
     from artcache.launch import Role
 
-    role = Role(name, [sys.executable, "-c", _ROLE, str(layout.root), reason], tmp_path / f"{name}.log")
+    role = Role(name, [sys.executable, "-c", _ROLE, str(layout.root), reason, name], tmp_path / f"{name}.log")
     t0 = time.monotonic()
     while "ready" not in role.log.read_text():
         assert role.poll() is None and time.monotonic() - t0 < 60, role.tail()
