@@ -158,16 +158,23 @@ def follow_parent() -> bool:
     starts). Returns False when the request is not available (not Linux): the helper must then also stop at the end
     of its parent's pipe, which it does anyway. The parent may have died before the request took effect: the caller
     compares ``os.getppid()`` with the parent's pid it was given (not with 1: a container's entry point is pid 1)."""
-    import ctypes
-
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    return die_with_parent(signal.SIGKILL)
+
+
+def die_with_parent(signum: int) -> bool:
+    """Ask Linux to send ``signum`` to this process when its parent dies (``PR_SET_PDEATHSIG``; call it from the main
+    thread). Returns False where the request is not available (not Linux). As :func:`follow_parent` says, the parent
+    may have died before the request took effect: the caller compares ``os.getppid()`` with the pid it expects."""
+    import ctypes
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        ok = libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG = 1
+        return libc.prctl(1, int(signum), 0, 0, 0) == 0  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
-        ok = False
-    return ok
+        return False
 
 
-__all__ = ["STOP_SIGNALS", "Cancelled", "Forwarding", "GracefulShutdown", "follow_parent", "stop_exit_status"]
+__all__ = ["STOP_SIGNALS", "Cancelled", "Forwarding", "GracefulShutdown", "die_with_parent", "follow_parent",
+           "stop_exit_status"]

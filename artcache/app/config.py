@@ -1015,8 +1015,19 @@ def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = Non
         fields["init_from"] = e.init_from
     if not e.checkpoint_optimizer:
         fields["checkpoint_optimizer"] = False
+    owned = [k for k in RUN_OWNED_CONSUMER_FIELDS if k in e.consumer]
+    if owned:
+        raise ConfigError(f"experiments.{e.name}.consumer.{owned[0]}: set by the run, not per experiment "
+                          f"({RUN_OWNED_CONSUMER_FIELDS[owned[0]]})")
     fields.update(e.consumer)
     return fields
+
+
+#: consumer settings the run itself sets for every experiment (an override would point two experiments at one
+#: registration, or an experiment at another root than its producer's), with where each comes from
+RUN_OWNED_CONSUMER_FIELDS = {"consumer_id": "the experiment's name: rename the experiment",
+                             "cache": "cache.root, the root the run's producer fills",
+                             "out_dir": "out/<experiment name>: set out"}
 
 
 def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):

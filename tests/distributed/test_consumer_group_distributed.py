@@ -345,3 +345,45 @@ def test_regression_a_group_stopped_by_sigterm_exits_143_with_its_summary(root, 
     assert max(float((a - b).abs().max()) for a, b in zip(weights(tmp_path, cid).values(),
                                                            weights(uninterrupted, "uninterrupted").values(),
                                                            strict=True)) <= 1e-6
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(900)
+def test_regression_ranks_stop_when_their_launcher_is_killed(root, tmp_path):
+    """kill -9 of the ``consume --nproc 2`` launcher (an OOM killer, a scheduler) left both ranks training on,
+    re-parented to init, the registration running and no one to report it. Each rank now gets SIGTERM when its
+    launcher dies: the group stops at a step boundary, rank 0 checkpoints and cancels the registration, and no lease
+    of it stays held."""
+    cid = "orphaned"
+    log = tmp_path / "orphaned.log"
+    args = [sys.executable, "-m", "artcache", "consume", "--cache", str(root), "--id", cid, "--draft", "dflash",
+            *DRAFT_FLAGS["dflash"], "--batch-size", "2", "--steps", "100000", "--window", "0:16", "--threads", "1",
+            "--log-every", "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard",
+            "--group-timeout", "30", "--nproc", "2", "--save-every", "4"]
+    with log.open("w") as err:
+        proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    pids = []
+    try:
+        pids = _pids(log, time.monotonic() + 300)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(s >= 3 for run in losses(root, cid) for s, _ in run):
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), f"ranks {pids} outlived their launcher by 60 s"
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert registry.read(CacheLayout(root), cid).state == "cancelled"
+    assert not [i for infos in leases.scan(CacheLayout(root)).values() for i in infos if i.consumer == cid]

@@ -307,6 +307,17 @@ def test_consumer_config_rejects_a_setting_the_consumer_lacks(tmp_path):
         C.consumer_config(cfg, "a")
 
 
+@pytest.mark.parametrize("key, value, needle", [("consumer_id", "b", "the experiment's name"),
+                                                ("cache", "/elsewhere", "cache.root"), ("out_dir", "/x", "set out")])
+def test_regression_an_experiment_cannot_override_what_the_run_sets(tmp_path, key, value, needle):
+    """``experiments.a.consumer.consumer_id=b`` passed --dry-run and the run then failed with experiment a "not
+    started" (its id was b's); ``consumer.cache`` pointed a consumer at another root than its producer's. Both, and
+    ``out_dir``, are refused in one line naming the key and where the run takes it from."""
+    cfg = C.load_run_config(write(tmp_path, TWO), [f"experiments.a.consumer.{key}={value}"])
+    with pytest.raises(ConfigError, match=f"experiments.a.consumer.{key}: set by the run.*{needle}"):
+        C.consumer_config(cfg, "a")
+
+
 def test_producer_and_bench_configs(tmp_path):
     cfg = C.load_run_config(CONFIGS / "bench-1p3c.toml", ["cache.root=/tmp/r"])
     pc = C.producer_config(cfg, exit_when_done=True, expect_consumers=None, idle_exit=3.0, producer_id="p",

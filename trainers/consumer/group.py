@@ -383,7 +383,7 @@ def launch(cfg) -> dict:
         for r in range(n):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
                    "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "ARTCACHE_GROUP_SUMMARY": str(summary_path)}
+                   "ARTCACHE_GROUP_SUMMARY": str(summary_path), "ARTCACHE_GROUP_LAUNCHER_PID": str(os.getpid())}
             p = subprocess.Popen([sys.executable, "-c", "from artcache.trainers.consumer.rank import child_main; "
                                   "child_main()"], env=env, stdin=subprocess.PIPE)
             p.stdin.write(payload)

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 import msgspec
 
-__all__ = ["child_main"]
+from artcache.shutdown import die_with_parent
+
+__all__ = ["LAUNCHER_PID_ENV", "child_main"]
+
+#: the launcher's pid, as :func:`~artcache.trainers.consumer.group.launch` gives it to each rank
+LAUNCHER_PID_ENV = "ARTCACHE_GROUP_LAUNCHER_PID"
 
 
 def child_main() -> None:
@@ -22,6 +28,10 @@ def child_main() -> None:
     from artcache.trainers.consumer.config import ConsumerConfig
     from artcache.trainers.consumer.session import run_consumer
 
+    # the launcher SIGKILLed (an OOM killer, a scheduler): every rank stops as on its SIGTERM, instead of training on
+    # with no one watching it
+    if die_with_parent(signal.SIGTERM) and os.getppid() != int(os.environ.get(LAUNCHER_PID_ENV, os.getppid())):
+        sys.exit(143)  # the launcher died before the request took effect
     setup_logging(False)
     cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ConsumerConfig)
     try:
