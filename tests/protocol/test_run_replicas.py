@@ -87,7 +87,7 @@ def test_slurm_refuses_replicas(tiny_target, tmp_path):
 def replicas_toml(tiny_target, out, *experiments: str, replicas: int = 2) -> str:
     return base_toml(tiny_target, out, *experiments).replace("threads = 1\n[data]",
                                                              f"threads = 1\nreplicas = {replicas}\n[data]", 1) \
-        .replace("draft_layers = 3\n", "draft_layers = 3\nbatch_samples = 2\n", 1)
+        .replace("draft_layers = 3\n", "draft_layers = 3\nbatch_samples = 1\n", 1)
 
 
 def test_dry_run_shows_every_replica(tiny_target, tmp_path):
@@ -102,9 +102,10 @@ def test_dry_run_shows_every_replica(tiny_target, tmp_path):
 def test_two_replicas_serve_two_experiments_each_position_captured_once(tiny_target, tmp_path):
     """Two producers on one root and two experiments reading the same positions: the run ends 0, each producer
     ran from its own spec and journaled captures of its own, and the root's accounting counts at most 1.05 captures
-    per consumed position (coalescing across the producers) with no violation."""
+    per consumed position (coalescing across the producers) with no violation. One sample per capture batch keeps
+    capture the bottleneck, so neither producer can take the whole queue in one pass."""
     out = tmp_path / "out"
-    cfg = write(tmp_path / "run.toml", replicas_toml(tiny_target, out, exp("a", steps=12), exp("b", steps=12)))
+    cfg = write(tmp_path / "run.toml", replicas_toml(tiny_target, out, exp("a", steps=20), exp("b", steps=20)))
     proc = artcache_run(cfg)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "producer started" in proc.stdout and "producer-1 started" in proc.stdout
@@ -120,7 +121,7 @@ def test_two_replicas_serve_two_experiments_each_position_captured_once(tiny_tar
         assert spec.producer_id == name and spec.device == "cpu" and spec.exit_when_done
     acc = inspect_json(out / "cache")
     cache = acc["cache"]
-    assert cache["distinct_positions_consumed"] == 24
+    assert cache["distinct_positions_consumed"] == 40
     assert cache["captures_per_consumed_position"] <= 1.05, cache
     assert acc["violations"] == [] and cache["leases_held"] == 0
 
