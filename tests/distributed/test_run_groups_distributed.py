@@ -12,7 +12,7 @@ from artcache.layout import CacheLayout
 from artcache.rolespec import read_spec, spec_digest
 from artcache.trainers.consumer import ConsumerConfig
 from tests.protocol.test_run import base_toml, exp, write
-from tests.support import REPO
+from tests.support import REPO, TINY_SHAREGPT
 
 
 def test_regression_run_waits_for_and_reports_a_group_by_its_rank_0(tiny_target, tmp_path):
@@ -57,8 +57,7 @@ def test_bench_1p3c_with_two_rank_consumers_captures_each_position_once(tiny_tar
     out = tmp_path / "out"
     res = subprocess.run(
         [sys.executable, "-m", "artcache", "bench", "--scenario", "1p3c", "--device", "cpu", "--consumer-ranks", "2",
-         "--modes", "artcache", "--target", tiny_target.path, "--data", str(REPO / "tests" / "data" /
-                                                                            "tiny_sharegpt.json"),
+         "--modes", "artcache", "--target", tiny_target.path, "--data", str(TINY_SHAREGPT),
          "--max-length", "128", "--max-samples", "32", "--anchors", "8", "--draft-layers", "3", "--warmup", "1",
          "--steps", "3", "--window", "8:8", "--out", str(out)],
         capture_output=True, text=True, timeout=1200, cwd=REPO,

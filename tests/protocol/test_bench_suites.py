@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from artcache.app.cli import main
 from artcache.bench import suites as S
 from artcache.errors import ConfigError
+from tests.support import REPO
 from tests.support.procs import child_env
 
 
@@ -203,7 +204,7 @@ def test_every_suite_is_named_in_the_bench_help_and_in_the_docs_table():
     """``artcache bench --help`` (and so docs/cli.md) and docs/benchmarks.md's suite table name every suite."""
     res = CliRunner().invoke(main, ["bench", "--help"], terminal_width=1000)
     assert res.exit_code == 0, res.output
-    table = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()
+    table = (REPO / "docs" / "benchmarks.md").read_text()
     for name in S.SUITES:
         assert name in res.output, name
         assert f"| `{name}` |" in table, name
