@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from artcache import journal as J
 from artcache import registry
+from artcache.accounting import plan_samples
 from artcache.layout import CacheLayout
 from tests.support import TINY_SHAREGPT
 from tests.support.procs import Proc as BaseProc
@@ -152,8 +153,9 @@ def test_shared_run_accounting(shared_run):
     assert c["captures_per_consumed_position"] == 1.0
     assert c["logical_requests"] == 2 * positions
     assert c["leases_expired"] == 0 and c["fences"] == 0
-    assert c["window_bound_artifacts"] == sum(int(x) + int(y) + 1 for x, y in
-                                              (w.split(":") for w in WINDOWS.values()))
+    # Σ (lookbehind + lookahead + 1) of the windows, at most the plan's samples (one artifact per sample)
+    windows = sum(int(x) + int(y) + 1 for x, y in (w.split(":") for w in WINDOWS.values()))
+    assert c["window_bound_artifacts"] == min(windows, plan_samples(CacheLayout(shared_run["cache"])))
     # no --disk-budget: the windows-only rule; once both consumers ended no window is live, so nothing is kept
     assert c["retention"] == "windows" and c["budget_bytes"] == 0
     assert c["retained_artifacts"] == 0 and c["evictions"] == positions
