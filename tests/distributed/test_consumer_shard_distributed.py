@@ -31,6 +31,9 @@ def test_fsdp_resume_continues_exactly(root, tmp_path):  # noqa: F811
     assert [[s for s, _ in leg] for leg in legs] == [[1, 2], [3, 4], [5], [6]]
     ref = dict(reference)
     for s, loss in (x for leg in legs for x in leg):
+        if loss is None or ref[s] is None:  # a batch that supervised nothing reports no loss, in both runs
+            assert loss is None and ref[s] is None, f"step {s}: {loss!r} != uninterrupted {ref[s]!r}"
+            continue
         assert abs(loss - ref[s]) <= 1e-6 * abs(ref[s]), f"step {s}: {loss!r} != uninterrupted {ref[s]!r}"
     ev_whole = json.loads(whole.stdout.strip().splitlines()[-1])["eval"]
     ev_parts = json.loads(last.stdout.strip().splitlines()[-1])["eval"]
@@ -54,10 +57,9 @@ def test_fsdp_rank_killed_then_resume_continues_exactly(root, tmp_path):  # noqa
     import sys
     import time
 
-    from test_consumer_group import DRAFT_FLAGS, _pids
-
     from artcache import leases, registry
     from artcache.layout import CacheLayout
+    from tests.distributed.test_consumer_group_distributed import DRAFT_FLAGS, _pids
 
     steps, flags = 24, ("--nproc", "2", "--shard", "full", "--save-every", "4")
     consume(root, tmp_path, "fsdp-whole", "dflash", 2, *flags, steps=steps)
