@@ -268,6 +268,10 @@ def _gpu_micro_pieces() -> tuple[Piece, ...]:
 
         return torch.device(ctx.device)
 
+    def raw_write(ctx: PieceContext) -> dict:  # the io piece's raw write+fsync rate, keyed by this piece's root
+        return {str(ctx.work): row["raw_write_fsync_Bps"]
+                for row in ((ctx.result("io") or {}).get("io", {}).get("roots", {}) or {}).values()}
+
     def peak(ctx: PieceContext) -> float:
         got = ctx.result("matmul")
         return float("nan") if got is None else got["matmul_peak_flops"]
@@ -293,8 +297,7 @@ def _gpu_micro_pieces() -> tuple[Piece, ...]:
         from artcache.contract import stored_dtype
 
         s = sizes(ctx)
-        raw = {str(ctx.work): row["raw_write_fsync_Bps"]
-               for row in ((ctx.result("io") or {}).get("io", {}).get("roots", {}) or {}).values()}
+        raw = raw_write(ctx)
         return gpu_micro.producer_bench(s["arch"], dev(ctx), s["seq"], s["batch"], s["reps"], [ctx.work], peak(ctx),
                                         [stored_dtype("bfloat16"), stored_dtype("fp8")], s["batches"],
                                         s["publishers"], raw)
@@ -314,8 +317,7 @@ def _gpu_micro_pieces() -> tuple[Piece, ...]:
 
             s = sizes(ctx)
             seq = 4 * s["seq"] if ctx.tiny else tokens  # tiny: a length that differs from the producer piece's
-            raw = {str(ctx.work): row["raw_write_fsync_Bps"]
-                   for row in ((ctx.result("io") or {}).get("io", {}).get("roots", {}) or {}).values()}
+            raw = raw_write(ctx)
             # 6 batches of one sample: the steady rate (batches 2..n) needs several publications to mean anything
             return gpu_micro.producer_bench(s["arch"], dev(ctx), seq, 1, 2 if ctx.tiny else 3, [ctx.work], peak(ctx),
                                             [stored_dtype("bfloat16"), stored_dtype("fp8")], 3 if ctx.tiny else 6,

@@ -60,10 +60,16 @@ from artcache.errors import ConfigError, ConsumerFenced, GroupFailed
 from artcache.shutdown import Cancelled, Forwarding
 from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums
 
-__all__ = ["GROUP_LAUNCHER_ENV", "Group", "GroupHandle", "agree", "cp_layout", "env_world", "from_slurm", "join",
-           "launch", "leave", "micro_batches", "rank_gpu", "sums_from_vector", "sums_names", "sums_vector"]
+__all__ = ["GROUP_LAUNCHER_ENV", "LAUNCHER_PID_ENV", "SUMMARY_ENV", "Group", "GroupHandle", "agree", "cp_layout",
+           "env_world", "from_slurm", "join", "launch", "leave", "micro_batches", "rank_gpu", "sums_from_vector",
+           "sums_names", "sums_vector"]
 
 log = logging.getLogger("artcache.consumer")
+
+#: what :func:`launch` tells each rank: the file rank 0 writes its summary to, and the launcher's pid (a rank stops
+#: when that process dies: :func:`artcache.trainers.consumer.rank.child_main`)
+SUMMARY_ENV = "ARTCACHE_GROUP_SUMMARY"
+LAUNCHER_PID_ENV = "ARTCACHE_GROUP_LAUNCHER_PID"
 
 #: the environment variables a rank reads (set by :func:`launch` and by torchrun)
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -383,7 +389,7 @@ def launch(cfg) -> dict:
         for r in range(n):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
                    "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "ARTCACHE_GROUP_SUMMARY": str(summary_path), "ARTCACHE_GROUP_LAUNCHER_PID": str(os.getpid())}
+                   SUMMARY_ENV: str(summary_path), LAUNCHER_PID_ENV: str(os.getpid())}
             p = subprocess.Popen([sys.executable, "-c", "from artcache.trainers.consumer.rank import child_main; "
                                   "child_main()"], env=env, stdin=subprocess.PIPE)
             p.stdin.write(payload)

@@ -13,16 +13,20 @@ from pathlib import Path
 import msgspec
 
 from artcache.shutdown import die_with_parent
+from artcache.trainers.consumer.group import LAUNCHER_PID_ENV, SUMMARY_ENV
 
-__all__ = ["LAUNCHER_PID_ENV", "child_main"]
+__all__ = ["child_main"]
 
-#: the launcher's pid, as :func:`~artcache.trainers.consumer.group.launch` gives it to each rank
-LAUNCHER_PID_ENV = "ARTCACHE_GROUP_LAUNCHER_PID"
+
+def _write_summary(summary: dict | None) -> None:
+    """Rank 0's summary, where the launcher reads it (``SUMMARY_ENV``); nothing on the other ranks."""
+    if summary is not None and os.environ.get(SUMMARY_ENV):
+        Path(os.environ[SUMMARY_ENV]).write_text(json.dumps(summary))
 
 
 def child_main() -> None:
     """One rank started by :func:`launch`: its config on stdin; exits as ``artcache consume`` does (0, 1 on a
-    failure, 2 on bad input, with one line on stderr). Rank 0 writes its summary to ``ARTCACHE_GROUP_SUMMARY``."""
+    failure, 2 on bad input, with one line on stderr). Rank 0 writes its summary to the file ``SUMMARY_ENV`` names."""
     from artcache.errors import ArtcacheError
     from artcache.logs import setup_logging
     from artcache.trainers.consumer.config import ConsumerConfig
@@ -41,9 +45,6 @@ def child_main() -> None:
         print(f"artcache: error: rank {os.environ.get('RANK')}: {prefix}{exc}", file=sys.stderr, flush=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:  # Cancelled: stopped by a signal after the clean shutdown (rank 0 checkpointed)
-        summary = getattr(exc, "summary", None)
-        if summary is not None and os.environ.get("ARTCACHE_GROUP_SUMMARY"):
-            Path(os.environ["ARTCACHE_GROUP_SUMMARY"]).write_text(json.dumps(summary))
+        _write_summary(getattr(exc, "summary", None))
         sys.exit(getattr(exc, "exit_status", 130))
-    if summary is not None and os.environ.get("ARTCACHE_GROUP_SUMMARY"):
-        Path(os.environ["ARTCACHE_GROUP_SUMMARY"]).write_text(json.dumps(summary))
+    _write_summary(summary)
