@@ -38,7 +38,10 @@ def test_fsdp_resume_continues_exactly(root, tmp_path):  # noqa: F811
     ev_whole = json.loads(whole.stdout.strip().splitlines()[-1])["eval"]
     ev_parts = json.loads(last.stdout.strip().splitlines()[-1])["eval"]
     assert ev_parts["step"] == ev_whole["step"] == 6
-    assert abs(ev_parts["loss"] - ev_whole["loss"]) <= 1e-6 * abs(ev_whole["loss"]), (ev_parts, ev_whole)
+    # an evaluation that kept no position (no target argmax in the draft vocabulary) reports no loss, in both runs
+    assert ("loss" in ev_parts) == ("loss" in ev_whole), (ev_parts, ev_whole)
+    if "loss" in ev_whole:
+        assert abs(ev_parts["loss"] - ev_whole["loss"]) <= 1e-6 * abs(ev_whole["loss"]), (ev_parts, ev_whole)
     mine, theirs = weights(tmp_path, "parts"), weights(tmp_path, "whole")
     assert mine.keys() == theirs.keys()
     worst = max(float((mine[k].double() - theirs[k].double()).abs().max()) for k in mine)
