@@ -171,7 +171,8 @@ class ConsumerStart(Event, tag="consumer_start"):
     ``reader-<consumer>-<reader>.jsonl`` holds its requests and leases; empty: a reader thread (this journal).
     ``ranks``: the consumer's world size (a torch.distributed group: rank 0 writes this event, each other rank
     journals its own requests and leases as ``reader-<consumer>-<its token>.jsonl``); ``batch_size`` is then the
-    positions of one optimizer step over all ranks and micro-batches.
+    positions of one optimizer step over all ranks and micro-batches. ``rank_readers``: those ranks' identity
+    tokens, ranks 1 .. ``ranks`` - 1 in order (empty: one process, or a journal written before they were recorded).
     ``spec``: :func:`artcache.rolespec.spec_digest` of the settings it was started with (its
     :class:`~artcache.trainers.consumer.ConsumerConfig` as given, before the draft's defaults are filled in)."""
 
@@ -189,6 +190,7 @@ class ConsumerStart(Event, tag="consumer_start"):
     reader: str = ""
     ranks: int = 1
     spec: str = ""
+    rank_readers: list[str] = []
 
 
 class Request(Event, tag="request"):

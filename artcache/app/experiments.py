@@ -832,13 +832,16 @@ def _events(path: Path | None) -> list:
 
 
 def consumer_events(path: Path | None) -> list:
-    """One consumer process's journal events (``path``) and those of its reader process, when it ran one (its
-    ``consumer_start`` names it: ``reader-<consumer>-<token>.jsonl`` beside it holds the requests and leases).
-    Regression: ``artcache run`` and ``report`` showed 0 requests for a ``--reader process`` experiment."""
+    """One consumer process's journal events (``path``) and those of the journals its ``consumer_start`` names
+    beside it (``reader-<consumer>-<token>.jsonl``, each holding requests and leases): its reader process's, when
+    it ran one, and for a group (rank 0's journal) every other rank's. Regressions: ``artcache run`` and
+    ``report`` showed 0 requests for a ``--reader process`` experiment, and only rank 0's for a group."""
     events = _events(path)
     start = next((ev for ev in events if isinstance(ev, J.ConsumerStart)), None)
-    if start is not None and start.reader:
-        events += _events(path.parent / f"reader-{start.consumer}-{start.reader}.jsonl")
+    if start is not None:
+        for token in [start.reader, *start.rank_readers]:
+            if token:
+                events += _events(path.parent / f"reader-{start.consumer}-{token}.jsonl")
     return events
 
 

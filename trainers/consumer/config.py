@@ -115,7 +115,9 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         tracker_project: the W&B project and the MLflow experiment the runs go to.
         compile: ``torch.compile`` the draft's forward (and the lm_head loss's per-chunk body): ``auto``
             (``on`` on CUDA when ``steps`` >= :data:`~artcache.trainers.speed.AUTO_COMPILE_MIN_STEPS`, else
-            ``off``), ``off``, ``on``, ``graphs`` (with CUDA graphs; CUDA only).
+            ``off``), ``off``, ``on``, ``graphs`` (with CUDA graphs; CUDA only). A group of ranks on CUDA refuses
+            ``on`` and ``graphs``: its forward runs through its DDP / FSDP2 wrapper, uncompiled (``auto`` there
+            compiles the loss's per-chunk body only).
         loss_impl: the lm_head cross-entropy (:mod:`artcache.trainers.lm_head_ce`): ``auto``
             (``chunked`` bf16 on CUDA, ``reference`` on a CPU), ``reference``, ``chunked``, ``liger``.
         length_bucket: with ``--compile on|graphs`` on CUDA, pad each batch's length T up to a multiple
@@ -285,6 +287,13 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.shard == "full" and self.nproc == 1 and _world() in (None, 1):  # torchrun's WORLD_SIZE: a group
             raise ConfigError("--shard full shards the draft over the ranks of a group and this consumer has one: "
                               "pass --nproc N (N >= 2) or run it under torchrun, or leave --shard at none")
+        group = self.nproc > 1 or _world() not in (None, 1)
+        if group and self.compile in ("on", "graphs") and self.device.startswith("cuda"):
+            ranks = f"--nproc {self.nproc}" if self.nproc > 1 else f"torchrun's WORLD_SIZE {_world()}"
+            raise ConfigError(f"--compile {self.compile} and a group of ranks ({ranks}) exclude each other: a "
+                              "group's forward runs through its DDP / FSDP2 "
+                              "wrapper, which is not compiled; accepted --compile off or auto (the loss's "
+                              "per-chunk body only)")
         if self.nproc > 1 and self.reader == "process":
             raise ConfigError(f"--reader process and --nproc {self.nproc} exclude each other: each rank of a group "
                               "reads with its own reader thread; use --reader thread")

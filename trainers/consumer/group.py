@@ -60,9 +60,9 @@ from artcache.errors import ConfigError, ConsumerFenced, GroupFailed
 from artcache.shutdown import Cancelled, Forwarding
 from artcache.trainers.draft import DraftBatch, MetricSums, PendingSums
 
-__all__ = ["GROUP_LAUNCHER_ENV", "LAUNCHER_PID_ENV", "SUMMARY_ENV", "Group", "GroupHandle", "agree", "cp_layout",
-           "env_world", "from_slurm", "join", "launch", "leave", "micro_batches", "rank_gpu", "sums_from_vector",
-           "sums_names", "sums_vector"]
+__all__ = ["BEAT_S", "GROUP_DIR_ENV", "GROUP_LAUNCHER_ENV", "LAUNCHER_PID_ENV", "SUMMARY_ENV", "Group",
+           "GroupHandle", "agree", "cp_layout", "env_world", "from_slurm", "join", "launch", "leave", "micro_batches",
+           "rank_file", "rank_gpu", "sums_from_vector", "sums_names", "sums_vector"]
 
 log = logging.getLogger("artcache.consumer")
 
@@ -70,6 +70,12 @@ log = logging.getLogger("artcache.consumer")
 #: when that process dies: :func:`artcache.trainers.consumer.rank.child_main`)
 SUMMARY_ENV = "ARTCACHE_GROUP_SUMMARY"
 LAUNCHER_PID_ENV = "ARTCACHE_GROUP_LAUNCHER_PID"
+#: the launcher's private directory (:func:`rank_file`): each rank's beat file and the error that ended it
+GROUP_DIR_ENV = "ARTCACHE_GROUP_DIR"
+#: seconds between a rank's beats (:func:`artcache.trainers.consumer.rank.child_main` touches its beat file)
+BEAT_S = 1.0
+#: a rank whose beat file did not change for this long when another rank fails is taken for the cause (s)
+SILENT_S = 5.0
 
 #: the environment variables a rank reads (set by :func:`launch` and by torchrun)
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -367,18 +373,34 @@ def _describe(rc: int) -> str:
     return f"exit status {rc}"
 
 
+def rank_file(directory: Path, kind: str, rank: int) -> Path:
+    """A rank's file in the launcher's directory: ``beat-<rank>`` (touched every :data:`BEAT_S` s), ``error-<rank>``
+    (the error that ended it: :func:`~.reader_process.failure_of`'s JSON) and ``trace-<rank>`` (its traceback, when
+    it was no artcache error)."""
+    return directory / f"{kind}-{rank}"
+
+
 def launch(cfg) -> dict:
     """Run consumer ``cfg`` as ``cfg.nproc`` ranks on this machine (MASTER_ADDR 127.0.0.1, a free port); return
     rank 0's summary (:func:`~.session.run_consumer`'s). Each rank is ``python -c`` :func:`~.rank.child_main` with the
     config on its stdin and ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` set. SIGINT and
     SIGTERM to the launcher go to every rank (each stops at its next step boundary).
 
+    The group fails like one process: a rank leaves the error that ended it in the launcher's directory instead of
+    printing it, and when the first rank to fail ended with bad input (exit status 2: every rank finds the same bad
+    value) that error is raised here once, rank 0's when it has one. Each rank touches its beat file every
+    :data:`BEAT_S` s from a thread of its own (a rank waiting in a collective keeps beating): a rank whose beat is
+    silent for ``cfg.group_timeout_s`` (stopped with ``SIGSTOP``, frozen) stops the group, and when a rank fails
+    while another's beat has been silent for :data:`SILENT_S` s, the silent one is named as the cause.
+
     Raises:
         Cancelled: SIGINT / SIGTERM to the launcher stopped every rank cleanly (each after its checkpoint); it
             carries the signal and rank 0's summary, as one process's consume raises it.
-        GroupFailed: a rank exited nonzero or was killed; the others were stopped first (SIGTERM, then SIGKILL
-            after ``cfg.group_timeout_s``). The message names the first rank that failed, its pid and its exit
-            status or signal; a registration a dead rank 0 left running is fenced as failed.
+        ArtcacheError: the bad input (exit status 2) the first failing rank found, as one process raises it.
+        GroupFailed: a rank exited nonzero, was killed or made no progress; the others were stopped first
+            (SIGTERM, then SIGKILL after ``cfg.group_timeout_s``; a silent rank SIGKILL at once). The message names
+            the rank, its pid, its exit status or signal (and its error, or how long it was silent); a
+            registration a dead rank 0 left running is fenced as failed.
     """
     n = cfg.nproc
     port = _free_port()
@@ -389,7 +411,7 @@ def launch(cfg) -> dict:
         for r in range(n):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
                    "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   SUMMARY_ENV: str(summary_path), LAUNCHER_PID_ENV: str(os.getpid())}
+                   SUMMARY_ENV: str(summary_path), LAUNCHER_PID_ENV: str(os.getpid()), GROUP_DIR_ENV: tmp}
             p = subprocess.Popen([sys.executable, "-c", "from artcache.trainers.consumer.rank import child_main; "
                                   "child_main()"], env=env, stdin=subprocess.PIPE)
             p.stdin.write(payload)
@@ -397,13 +419,21 @@ def launch(cfg) -> dict:
             procs.append(p)
         log.info("[%s] started a group of %d ranks (pids %s)", cfg.consumer_id, n, ", ".join(str(p.pid) for p in procs))
         forwarded: list[int] = []
-        failed = _watch(procs, cfg.group_timeout_s, forwarded)
+        beats = [rank_file(Path(tmp), "beat", r) for r in range(n)]
+        failed = _watch(procs, cfg.group_timeout_s, forwarded, beats)
         if failed is not None:
-            r, rc = failed
+            r, rc, silent = failed
             fenced = _fence_dead(cfg, procs, r, rc)
+            bad_input = _bad_input(Path(tmp), procs, r)
+            if bad_input is not None and silent is None:
+                raise bad_input
+            why = f" after {silent}" if silent else _error_note(Path(tmp), r)
+            trace = rank_file(Path(tmp), "trace", r)
+            if silent is None and trace.is_file():  # its traceback once (the others' failed collectives: none)
+                sys.stderr.write(f"rank {r}: {trace.read_text()}")
             others = ", ".join(f"rank {i} {_describe(p.returncode)}" for i, p in enumerate(procs) if i != r)
-            raise GroupFailed(f"consumer {cfg.consumer_id!r}: rank {r} (pid {procs[r].pid}) ended with {_describe(rc)};"
-                              f" the group stopped ({others}){fenced}", rank=r, returncode=rc)
+            raise GroupFailed(f"consumer {cfg.consumer_id!r}: rank {r} (pid {procs[r].pid}) ended with {_describe(rc)}"
+                              f"{why}; the group stopped ({others}){fenced}", rank=r, returncode=rc)
         stopped = [s for s in forwarded if any(p.returncode == 128 + s for p in procs)]
         try:
             summary = json.loads(summary_path.read_text())
@@ -417,11 +447,49 @@ def launch(cfg) -> dict:
         return summary
 
 
-def _watch(procs: list[subprocess.Popen], grace_s: float, forwarded: list[int]) -> tuple[int, int] | None:
+def _rank_error(directory: Path, rank: int):
+    """The error rank ``rank`` left (:func:`~.rank.child_main`) as its :class:`~.reader_process.Failed`, or None."""
+    from .reader_process import Failed
+
+    try:
+        return msgspec.json.decode(rank_file(directory, "error", rank).read_bytes(), type=Failed)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _bad_input(directory: Path, procs: list[subprocess.Popen], rank: int) -> BaseException | None:
+    """The bad-input error (exit status 2) that ended rank ``rank``, the first to fail, rebuilt as one process
+    raises it (rank 0's when it ended with bad input too: the ranks check the same input); None otherwise."""
+    from .reader_process import rebuild
+
+    if procs[rank].returncode != 2:
+        return None
+    for r in (0, rank):
+        msg = _rank_error(directory, r) if procs[r].returncode == 2 else None
+        exc = rebuild(msg) if msg is not None else None
+        if getattr(exc, "exit_code", None) == 2:
+            return exc
+    return None
+
+
+def _error_note(directory: Path, rank: int) -> str:
+    """`` (<class>: <message>)``: the error rank ``rank`` left, or nothing."""
+    msg = _rank_error(directory, rank)
+    return f" ({msg.cls}: {msg.message})" if msg is not None else ""
+
+
+def _watch(procs: list[subprocess.Popen], grace_s: float, forwarded: list[int],
+           beats: list[Path] | None = None) -> tuple[int, int, str | None] | None:
     """Wait for every rank; on the first that ends nonzero stop the rest (SIGTERM, SIGKILL after ``grace_s``).
-    Returns (rank, return code) of that first failure, or None when all exited 0 or, after a stop signal the
-    launcher passed on, with 128 + that signal (each rank's own clean stop, as one process exits 130 / 143). The
-    stop signals passed on are appended to ``forwarded``."""
+    A running rank whose beat file (``beats``; :func:`~.rank.child_main`) has not changed for ``grace_s`` fails the
+    group itself, and one silent for :data:`SILENT_S` s when another rank fails is taken for the cause; a silent
+    rank is SIGKILLed at once (a stopped process never acts on SIGTERM). Returns (rank, return code, how long it
+    was silent or None) of that first failure, or None when all exited 0 or, after a stop signal the launcher
+    passed on, with 128 + that signal (each rank's own clean stop, as one process exits 130 / 143). The stop
+    signals passed on are appended to ``forwarded``."""
+    from artcache.liveness import HeartbeatWatch
+
+    watch = HeartbeatWatch(grace_s)
 
     def bad(rc: int | None) -> bool:
         return rc not in (None, 0) and rc not in {128 + s for s in forwarded}
@@ -432,19 +500,41 @@ def _watch(procs: list[subprocess.Popen], grace_s: float, forwarded: list[int]) 
             if p.poll() is None:
                 p.send_signal(signum)
 
-    failed: tuple[int, int] | None = None
+    def silence() -> list[tuple[float, int]]:
+        """(seconds silent, rank) of each running rank whose beat file exists, the longest first."""
+        out = []
+        for r, p in enumerate(procs):
+            try:
+                beat = beats[r].stat().st_mtime_ns if beats and p.poll() is None else None
+            except OSError:  # not started beating yet (importing), or gone
+                beat = None
+            if beat is not None:
+                out.append((watch.observe(r, beat).silent_s, r))
+        return sorted(out, reverse=True)
+
+    failed: tuple[int, str | None] | None = None
     deadline = None
     with Forwarding(forward):
         while None in [p.poll() for p in procs]:  # every rank polled (any() would stop at the first running one)
+            quiet = silence()
             if failed is None:
                 # the first failure; a rank killed by a signal before one that exited (its peers' collectives
                 # fail once it is gone, so both may be seen in one poll)
                 ended = sorted(((p.returncode >= 0, r) for r, p in enumerate(procs) if bad(p.returncode)))
-                if ended:
+                limit = SILENT_S if ended else grace_s
+                if quiet and quiet[0][0] >= limit:  # a rank stopped beating: it, not the ones waiting for it
+                    secs, r = quiet[0]
+                    failed = (r, f"making no progress for {secs:.0f}s (no beat: stopped or frozen)")
+                    log.error("rank %d (pid %d) made no progress for %.0fs: stopping the group", r, procs[r].pid, secs)
+                    procs[r].kill()
+                elif ended:
                     r = ended[0][1]
-                    failed = (r, procs[r].returncode)
-                    log.error("rank %d (pid %d) ended with %s: stopping the other ranks", r, procs[r].pid,
-                              _describe(procs[r].returncode))
+                    failed = (r, None)
+                    # bad input (2) is the launcher's one error line; anything else is logged as it happens
+                    log.log(logging.INFO if procs[r].returncode == 2 else logging.ERROR,
+                            "rank %d (pid %d) ended with %s: stopping the other ranks", r, procs[r].pid,
+                            _describe(procs[r].returncode))
+                if failed is not None:
                     for q in procs:
                         if q.poll() is None:
                             q.send_signal(signal.SIGTERM)
@@ -457,8 +547,8 @@ def _watch(procs: list[subprocess.Popen], grace_s: float, forwarded: list[int]) 
             time.sleep(0.05)
     if failed is None:  # every rank ended in the same poll
         ended = sorted((p.returncode >= 0, r) for r, p in enumerate(procs) if bad(p.returncode))
-        failed = (ended[0][1], procs[ended[0][1]].returncode) if ended else None
-    return failed
+        failed = (ended[0][1], None) if ended else None
+    return None if failed is None else (failed[0], procs[failed[0]].returncode, failed[1])
 
 
 def _fence_dead(cfg, procs: list[subprocess.Popen], rank: int, rc: int) -> str:

@@ -8,12 +8,14 @@ import json
 import os
 import signal
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import msgspec
 
 from artcache.shutdown import die_with_parent
-from artcache.trainers.consumer.group import LAUNCHER_PID_ENV, SUMMARY_ENV
+from artcache.trainers.consumer.group import BEAT_S, GROUP_DIR_ENV, LAUNCHER_PID_ENV, SUMMARY_ENV, rank_file
 
 __all__ = ["child_main"]
 
@@ -24,9 +26,39 @@ def _write_summary(summary: dict | None) -> None:
         Path(os.environ[SUMMARY_ENV]).write_text(json.dumps(summary))
 
 
+def _beat(path: Path) -> None:
+    """Touch ``path`` every :data:`~.group.BEAT_S` seconds while this process runs: a thread of its own, so a rank
+    waiting in a collective keeps beating and a stopped (``SIGSTOP``) or frozen one does not (the launcher's
+    watch, :func:`~.group.launch`)."""
+    path.touch()
+    while True:
+        threading.Event().wait(BEAT_S)
+        try:
+            os.utime(path)
+        except OSError:  # the launcher is gone with its directory: the rank stops on its own (die_with_parent)
+            return
+
+
+def _record(exc: BaseException, rank: str) -> bool:
+    """Leave the error that ends this rank for the launcher (``error-<rank>.json`` in its directory: the launcher
+    reports the group's one error, :func:`~.group.launch`); False outside a launcher's group (torchrun)."""
+    from artcache.trainers.consumer.reader_process import failure_of
+
+    directory = os.environ.get(GROUP_DIR_ENV)
+    if not directory:
+        return False
+    try:
+        rank_file(Path(directory), "error", int(rank)).write_bytes(msgspec.json.encode(failure_of(exc)))
+    except OSError:
+        return False
+    return True
+
+
 def child_main() -> None:
     """One rank started by :func:`launch`: its config on stdin; exits as ``artcache consume`` does (0, 1 on a
-    failure, 2 on bad input, with one line on stderr). Rank 0 writes its summary to the file ``SUMMARY_ENV`` names."""
+    failure, 2 on bad input). Under the launcher a rank leaves its error in the launcher's directory
+    (``GROUP_DIR_ENV``) instead of printing it, so the group prints one line, not one per rank; it touches its
+    beat file there (:func:`_beat`). Rank 0 writes its summary to the file ``SUMMARY_ENV`` names."""
     from artcache.errors import ArtcacheError
     from artcache.logs import setup_logging
     from artcache.trainers.consumer.config import ConsumerConfig
@@ -36,15 +68,25 @@ def child_main() -> None:
     # with no one watching it
     if die_with_parent(signal.SIGTERM) and os.getppid() != int(os.environ.get(LAUNCHER_PID_ENV, os.getppid())):
         sys.exit(143)  # the launcher died before the request took effect
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get(GROUP_DIR_ENV):
+        beat = rank_file(Path(os.environ[GROUP_DIR_ENV]), "beat", int(rank))
+        threading.Thread(target=_beat, args=(beat,), daemon=True, name="artcache-rank-beat").start()
     setup_logging(False)
     cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=ConsumerConfig)
     try:
         summary = run_consumer(cfg)
     except ArtcacheError as exc:
-        prefix = "" if exc.exit_code == 2 else f"{type(exc).__name__}: "
-        print(f"artcache: error: rank {os.environ.get('RANK')}: {prefix}{exc}", file=sys.stderr, flush=True)
+        if not _record(exc, rank):
+            prefix = "" if exc.exit_code == 2 else f"{type(exc).__name__}: "
+            print(f"artcache: error: rank {rank}: {prefix}{exc}", file=sys.stderr, flush=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:  # Cancelled: stopped by a signal after the clean shutdown (rank 0 checkpointed)
         _write_summary(getattr(exc, "summary", None))
         sys.exit(getattr(exc, "exit_status", 130))
+    except Exception as exc:  # a failed collective, a bug: the launcher prints the traceback of the rank it names
+        if not _record(exc, rank):
+            raise
+        rank_file(Path(os.environ[GROUP_DIR_ENV]), "trace", int(rank)).write_text(traceback.format_exc())
+        sys.exit(1)
     _write_summary(summary)

@@ -51,6 +51,7 @@ from artcache.crashpoints import crash_point
 from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced, TrainingDiverged
 from artcache.layer_ids import layer_view, view_slice
 from artcache.layout import host_id
+from artcache.liveness import this_process
 from artcache.report import LOSS_ENDS_STEPS, format_bytes, loss_ends
 from artcache.rolespec import spec_digest
 from artcache.shutdown import Cancelled, GracefulShutdown
@@ -87,6 +88,7 @@ from artcache.trainers.draft import (
 from artcache.trainers.evaluation import Evaluator, epoch_steps, eval_split, heldout_samples, target_argmax_fn
 from artcache.trainers.packing import collate_packed, packer_of
 from artcache.trainers.seed import SeedPlan, load_seed, read_seed, seed_vocab_map
+from artcache.trainers.speed import SpeedOptions
 from artcache.trainers.tracking import Progress, RunTracker
 
 from .config import ConsumerConfig, check_anchors, lr_at, read_workers, run_settings
@@ -174,7 +176,7 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
     """
     world = env_world()
     if world is None and cfg.nproc > 1:  # artcache consume --nproc N: start the N ranks (group.launch)
-        cfg.validate()
+        preflight(cfg)
         return launch(cfg)
     if world is not None and world > 1:  # one rank of a group (launch's or torchrun's)
         if cfg.nproc not in (1, world):
@@ -199,6 +201,37 @@ def run_consumer(cfg: ConsumerConfig, step_hook: Callable[[int], None] | None = 
     finally:
         leave(session.group)
     return out if session.main else None
+
+
+def preflight(cfg: ConsumerConfig) -> None:
+    """What :meth:`Session.setup` checks first, without a draft or a group: the launcher of a group runs it before it
+    starts any rank, so bad input is one error of one process (nothing read or written beyond the root's files).
+
+    Raises:
+        ConfigError / CacheRootError: bad settings, a missing or damaged root, anchors beyond its max length, speed
+            options the device cannot run, ``--out`` or ``--id`` of an earlier run without ``--resume``.
+    """
+    cfg.validate()
+    resolved = cfg.resolved()
+    layout, settings, _ = _open(resolved, cfg.num_anchors)
+    SpeedOptions.for_device(resolved, torch.device(cfg.device))
+    if not cfg.resume:
+        run_dir = _run_dir(cfg)
+        refuse_existing_run(run_dir)
+        refuse_reused_id(cfg.consumer_id, registry.read(layout, cfg.consumer_id), run_dir)
+
+
+def _open(cfg: ConsumerConfig, given_anchors: int | None):
+    """``(layout, settings, plan)`` of the consumer's root (:func:`~artcache.client.open_root`: CacheRootError for a
+    missing or uninitialised one), ``--anchors`` as given checked against its max length."""
+    layout, settings, plan = open_root(cfg.cache)
+    check_anchors(given_anchors, settings.contract.max_length)
+    return layout, settings, plan
+
+
+def _run_dir(cfg: ConsumerConfig) -> Path:
+    """The run directory: ``--out``, else ``runs/<id>`` (absolute)."""
+    return Path(cfg.out_dir or Path("runs") / cfg.consumer_id).absolute()
 
 
 class Session:
@@ -278,8 +311,7 @@ class Session:
         cfg = self.cfg = self.cfg.resolved()
         quiet_transformers()
         # raises CacheRootError for a missing/uninitialised root (its reader process opens it the same way)
-        self.layout, self.settings, self.plan = open_root(cfg.cache)
-        check_anchors(given_anchors, self.settings.contract.max_length)
+        self.layout, self.settings, self.plan = _open(cfg, given_anchors)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = torch.device(cfg.device)
@@ -300,7 +332,7 @@ class Session:
                                                      self.packer.epoch_steps(cfg.epochs, self.epoch_len))
         # exclusive: the consumer never reads at or past it
         self.end = cfg.steps * cfg.global_batch if self.packer is None else self.packer.end_after(cfg.steps)
-        self.run_dir = Path(cfg.out_dir or Path("runs") / cfg.consumer_id).absolute()
+        self.run_dir = _run_dir(cfg)
         vocab_map = src = None
         if cfg.resume:
             self.resumed = find_resume(cfg, self.layout, self.settings, self.run_dir)
@@ -555,13 +587,15 @@ class Session:
                                  end=self.end, group_cursor=(lambda: group_cursor(layout, group)) if group else None,
                                  collate=self._collator(), workers=read_workers(cfg), stride=cfg.global_batch,
                                  step_positions=self.packer.step_positions if self.packer else None)
+        # the other ranks' journals (reader-<id>-<token>.jsonl), named in the start event for the run's report
+        tokens = self.group.all_gather(this_process().token()) if self.group is not None else []
         if self.main:
             self.journal.emit(J.ConsumerStart(consumer=cfg.consumer_id, pid=os.getpid(), draft=cfg.draft,
                                               block_size=cfg.block_size or 0, batch_size=cfg.global_batch,
                                               lookbehind=cfg.lookbehind, lookahead=cfg.lookahead, cursor=reg.cursor,
                                               step=self.start_step, pinned=self.pinned[1] - self.pinned[0],
                                               epoch_len=self.epoch_len, reader=getattr(self.reader, "token", ""),
-                                              ranks=self.world, spec=self.spec))
+                                              ranks=self.world, spec=self.spec, rank_readers=tokens[1:]))
         # SIGTERM / Ctrl-C end the run at the next step boundary: checkpoint, fenced as "cancelled", leases
         # released, journal closed (in the main thread only; the previous handlers come back in close())
         self.shutdown.install()
@@ -786,13 +820,17 @@ class Session:
         :class:`DeviceCollator`), the metric sums stay on the device until :meth:`_flush_metrics`."""
         t0 = time.monotonic()
         fetched = self._next_batch()
-        if self.group is not None:  # every rank holds its slice (a demand miss may take long: the slow group)
-            self.group.barrier_slow()
-        wait_s = time.monotonic() - t0
-        self.wait_total += wait_s
-        batch = fetched.wait()
-        self.consistent = False  # from the anchor draw on, until the step's cursor is set
-        sums, lr = self.train_step(batch, step_index)
+        try:
+            if self.group is not None:  # every rank holds its slice (a demand miss may take long: the slow group)
+                self.group.barrier_slow()
+            wait_s = time.monotonic() - t0
+            self.wait_total += wait_s
+            batch = fetched.wait()
+            self.consistent = False  # from the anchor draw on, until the step's cursor is set
+            sums, lr = self.train_step(batch, step_index)
+        except BaseException:  # a failed step or collective: its batch's leases go, as close() releases the queued
+            self.reader.done(fetched)
+            raise
         t_launched = time.monotonic()
         # one past the global batch: this rank's slice starts rank × its share after the batch's first position
         first = fetched.positions[0] - self.dp_rank * self.cfg.batch_size * self.cfg.grad_accum
@@ -1231,9 +1269,17 @@ class Session:
     # ---- close: stop the threads, release, final checkpoint, finish the registration ----------------------
 
     def close(self) -> None:
+        """Stop the threads, release every lease still held, finish (rank 0: checkpoint, commit, the registration's
+        end, the journal); the previous signal handlers come back last, so a stop signal during the cleanup (the
+        launcher's SIGTERM to a group whose other rank failed) only asks to stop and never kills it half-way."""
+        try:
+            self._close()
+        finally:
+            self.shutdown.restore()
+
+    def _close(self) -> None:
         cfg = self.cfg
         self.progress.close()
-        self.shutdown.restore()
         self.reader.stop.set()
         self.beat_stop.set()
         self.reader.join(timeout=5)
