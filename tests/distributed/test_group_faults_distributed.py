@@ -1,0 +1,119 @@
+"""A consumer group (gloo, 2 ranks) fails like one process: one line for bad input a rank finds, the rank that
+stopped making progress named (not its peer), leases released by a rank that leaves on a failed collective; and
+the run report counts every rank's requests. The launcher's logic without gloo: tests/unit/test_consumer_group_launch.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from artcache import journal as J
+from artcache import registry
+from artcache.app.experiments import committed_work, consumer_events
+from artcache.layout import CacheLayout
+from tests.distributed.test_consumer_group_distributed import DRAFT_FLAGS, consume, root  # noqa: F401 - a fixture
+
+
+def _events(root: Path, pattern: str) -> dict[str, list]:
+    return {p.name: list(J.iter_file(p)) for p in CacheLayout(root).journal.glob(pattern)}
+
+
+def _count(events: list, kind: type) -> int:
+    return sum(isinstance(e, kind) for e in events)
+
+
+@pytest.mark.timeout(300)
+def test_regression_bad_input_a_rank_finds_is_one_line_exit_2(root, tmp_path):
+    """Bug: bad input only the ranks find (a layer id the draft refuses) printed one line per rank and a GroupFailed
+    line, exit 1, where one process prints one line and exits 2. Now the group prints the one line naming the bad
+    value and what is accepted, exits 2 and registers nothing."""
+    proc = consume(root, tmp_path, "bad", "dflash", 2, "--nproc", "2", "--layer-ids", "99", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("artcache: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "[99]" in errors[0] and "accepted" in errors[0], proc.stderr[-3000:]
+    assert "GroupFailed" not in proc.stderr and "Traceback" not in proc.stderr and "rank 1:" not in proc.stderr
+    assert registry.read(CacheLayout(root), "bad") is None and not (tmp_path / "runs" / "bad").exists()
+
+
+@pytest.mark.timeout(300)
+def test_regression_the_run_report_counts_every_rank(root, tmp_path):
+    """Bug: the run report (``artcache run``, ``artcache report``) read a group's requests from rank 0's journal
+    only (the other ranks journal theirs as ``reader-<id>-<token>.jsonl``): half of a 2-rank group's requests, where
+    ``inspect`` counts all. Now rank 0's start event names the other ranks' journals and the report reads them."""
+    consume(root, tmp_path, "report", "dflash", 2, "--nproc", "2", steps=3)
+    (start_journal,) = CacheLayout(root).journal.glob("consumer-report-*.jsonl")
+    readers = _events(root, "reader-report-*.jsonl")
+    everyone = _events(root, "*-report-*.jsonl")
+    total = sum(_count(evs, J.Request) for evs in everyone.values())
+    assert len(readers) == 1 and _count(next(iter(readers.values())), J.Request) > 0
+    assert committed_work(consumer_events(start_journal))["requests"] == total
+
+
+def _start_group(root: Path, tmp_path: Path, cid: str) -> tuple[subprocess.Popen, Path, list[int]]:
+    """A 2-rank DFlash group of many steps; returns it with its log and the ranks' pids once step 3 is logged."""
+    log = tmp_path / f"{cid}.log"
+    args = [sys.executable, "-m", "artcache", "consume", "--cache", str(root), "--id", cid, "--draft", "dflash",
+            *DRAFT_FLAGS["dflash"], "--batch-size", "2", "--steps", "400", "--window", "0:16", "--threads", "1",
+            "--log-every", "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard",
+            "--group-timeout", "10", "--nproc", "2"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        pids = re.search(r"started a group of 2 ranks \(pids (\d+), (\d+)\)", text)
+        if pids and f"step 3/" in text:
+            return proc, log, [int(pids[1]), int(pids[2])]
+        assert proc.poll() is None, text[-3000:]
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"the group logged no step 3 in 120 s: {log.read_text()[-3000:]}")
+
+
+@pytest.mark.timeout(300)
+def test_regression_a_stopped_rank_is_named_not_its_peer(root, tmp_path):
+    """Bug: a rank stopped with SIGSTOP made its healthy peer's collective time out, and the group failed naming the
+    healthy rank (exit status 1) after its gloo traceback. Now the launcher sees the stopped rank's beat go silent,
+    stops the group within about ``--group-timeout`` and names that rank and how long it made no progress."""
+    proc, log, pids = _start_group(root, tmp_path, "stopped")
+    os.kill(pids[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.kill(pids[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    text = log.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("artcache: error:"))
+    assert rc == 1 and time.monotonic() - t0 < 60, text[-3000:]
+    assert f"rank 1 (pid {pids[1]})" in line and "no progress" in line, line
+    assert "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_regression_a_rank_leaving_on_a_failed_collective_releases_its_leases(root, tmp_path):
+    """Bug: when rank 1 was killed, rank 0 left through its failed collective while the launcher's SIGTERM arrived
+    (its handlers already restored) and the step's batch was never released: its leases stayed held under its
+    dead pid until the launcher reclaimed them as holder-dead. Now rank 0 releases every lease it took and ends
+    its registration itself; only the killed rank's leases are reclaimed."""
+    proc, log, pids = _start_group(root, tmp_path, "killed")
+    os.kill(pids[1], signal.SIGKILL)
+    rc = proc.wait(timeout=120)
+    assert rc == 1, log.read_text()[-3000:]
+    (rank0,) = _events(root, "consumer-killed-*.jsonl").values()
+    (rank1,) = _events(root, "reader-killed-*.jsonl").values()
+    assert _count(rank0, J.LeaseAcquire) == _count(rank0, J.LeaseRelease) > 0
+    assert _count(rank0, J.ConsumerEnd) == 1
+    reclaimed = sum(_count(evs, J.LeaseExpire) for evs in _events(root, "launcher-killed-*.jsonl").values())
+    assert reclaimed == _count(rank1, J.LeaseAcquire) - _count(rank1, J.LeaseRelease)
