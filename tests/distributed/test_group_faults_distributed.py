@@ -1,9 +1,11 @@
 """A consumer group (gloo, 2 ranks) fails like one process: one line for bad input a rank finds, the rank that
 stopped making progress named (not its peer), leases released by a rank that leaves on a failed collective; and
-the run report counts every rank's requests. The launcher's logic without gloo: tests/unit/test_consumer_group_launch.py."""
+the run report counts every rank's requests. The launcher's logic without gloo:
+tests/unit/test_consumer_group_launch.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -18,11 +20,11 @@ from artcache import journal as J
 from artcache import registry
 from artcache.app.experiments import committed_work, consumer_events
 from artcache.layout import CacheLayout
-from tests.distributed.test_consumer_group_distributed import DRAFT_FLAGS, consume, root  # noqa: F401 - a fixture
+from tests.distributed.test_consumer_group_distributed import DRAFT_FLAGS, consume, root  # noqa: F401
 
 
-def _events(root: Path, pattern: str) -> dict[str, list]:
-    return {p.name: list(J.iter_file(p)) for p in CacheLayout(root).journal.glob(pattern)}
+def _events(cache: Path, pattern: str) -> dict[str, list]:
+    return {p.name: list(J.iter_file(p)) for p in CacheLayout(cache).journal.glob(pattern)}
 
 
 def _count(events: list, kind: type) -> int:
@@ -30,7 +32,7 @@ def _count(events: list, kind: type) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_regression_bad_input_a_rank_finds_is_one_line_exit_2(root, tmp_path):
+def test_regression_bad_input_a_rank_finds_is_one_line_exit_2(root, tmp_path):  # noqa: F811
     """Bug: bad input only the ranks find (a layer id the draft refuses) printed one line per rank and a GroupFailed
     line, exit 1, where one process prints one line and exits 2. Now the group prints the one line naming the bad
     value and what is accepted, exits 2 and registers nothing."""
@@ -43,7 +45,7 @@ def test_regression_bad_input_a_rank_finds_is_one_line_exit_2(root, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_regression_the_run_report_counts_every_rank(root, tmp_path):
+def test_regression_the_run_report_counts_every_rank(root, tmp_path):  # noqa: F811
     """Bug: the run report (``artcache run``, ``artcache report``) read a group's requests from rank 0's journal
     only (the other ranks journal theirs as ``reader-<id>-<token>.jsonl``): half of a 2-rank group's requests, where
     ``inspect`` counts all. Now rank 0's start event names the other ranks' journals and the report reads them."""
@@ -56,10 +58,10 @@ def test_regression_the_run_report_counts_every_rank(root, tmp_path):
     assert committed_work(consumer_events(start_journal))["requests"] == total
 
 
-def _start_group(root: Path, tmp_path: Path, cid: str) -> tuple[subprocess.Popen, Path, list[int]]:
+def _start_group(cache: Path, tmp_path: Path, cid: str) -> tuple[subprocess.Popen, Path, list[int]]:
     """A 2-rank DFlash group of many steps; returns it with its log and the ranks' pids once step 3 is logged."""
     log = tmp_path / f"{cid}.log"
-    args = [sys.executable, "-m", "artcache", "consume", "--cache", str(root), "--id", cid, "--draft", "dflash",
+    args = [sys.executable, "-m", "artcache", "consume", "--cache", str(cache), "--id", cid, "--draft", "dflash",
             *DRAFT_FLAGS["dflash"], "--batch-size", "2", "--steps", "400", "--window", "0:16", "--threads", "1",
             "--log-every", "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard",
             "--group-timeout", "10", "--nproc", "2"]
@@ -69,7 +71,7 @@ def _start_group(root: Path, tmp_path: Path, cid: str) -> tuple[subprocess.Popen
     while time.monotonic() < deadline:
         text = log.read_text()
         pids = re.search(r"started a group of 2 ranks \(pids (\d+), (\d+)\)", text)
-        if pids and f"step 3/" in text:
+        if pids and "step 3/" in text:
             return proc, log, [int(pids[1]), int(pids[2])]
         assert proc.poll() is None, text[-3000:]
         time.sleep(0.1)
@@ -78,7 +80,7 @@ def _start_group(root: Path, tmp_path: Path, cid: str) -> tuple[subprocess.Popen
 
 
 @pytest.mark.timeout(300)
-def test_regression_a_stopped_rank_is_named_not_its_peer(root, tmp_path):
+def test_regression_a_stopped_rank_is_named_not_its_peer(root, tmp_path):  # noqa: F811
     """Bug: a rank stopped with SIGSTOP made its healthy peer's collective time out, and the group failed naming the
     healthy rank (exit status 1) after its gloo traceback. Now the launcher sees the stopped rank's beat go silent,
     stops the group within about ``--group-timeout`` and names that rank and how long it made no progress."""
@@ -90,10 +92,8 @@ def test_regression_a_stopped_rank_is_named_not_its_peer(root, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pids[1], signal.SIGCONT)
-        except ProcessLookupError:
-            pass
     text = log.read_text()
     line = next(line for line in text.splitlines() if line.startswith("artcache: error:"))
     assert rc == 1 and time.monotonic() - t0 < 60, text[-3000:]
@@ -102,7 +102,7 @@ def test_regression_a_stopped_rank_is_named_not_its_peer(root, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_regression_a_rank_leaving_on_a_failed_collective_releases_its_leases(root, tmp_path):
+def test_regression_a_rank_leaving_on_a_failed_collective_releases_its_leases(root, tmp_path):  # noqa: F811
     """Bug: when rank 1 was killed, rank 0 left through its failed collective while the launcher's SIGTERM arrived
     (its handlers already restored) and the step's batch was never released: its leases stayed held under its
     dead pid until the launcher reclaimed them as holder-dead. Now rank 0 releases every lease it took and ends

@@ -33,7 +33,7 @@ SAMPLES: dict[type, dict] = {
     J.Fence: dict(producer="p", consumer="c", generation=4, state="expired", reason="no heartbeat for 31s"),
     J.ConsumerStart: dict(consumer="c", pid=7, draft="dflash", block_size=16, batch_size=4, lookbehind=64,
                           lookahead=256, cursor=10, step=5, pinned=8, epoch_len=90, reader="0123456789abcdef-42-99",
-                          spec="ff" * 16, ranks=2),
+                          spec="ff" * 16, ranks=2, rank_readers=["0123456789abcdef-43-99"]),
     J.Request: dict(consumer="c", position=5, fp=FP, hit=False, wait_s=0.25, sample=95, epoch=2, held_out=True),
     J.DemandWait: dict(consumer="c", position=5, fp=FP),
     J.LeaseAcquire: dict(consumer="c", fp=FP, lease=f"{FP}~c~h~1~aa"),
