@@ -27,10 +27,12 @@ checkpoint) run on a second gloo group whose timeout covers them (:attr:`Group.s
 Before registering, the ranks all-gather a digest of what they must agree on (plan, contract, window, batch, the
 resume point, the draft's configuration; :func:`agree`) and refuse to start when one differs.
 
-The launcher (:func:`launch`) watches its ranks: when one exits nonzero or is killed, the others are stopped
-(SIGTERM, then SIGKILL after ``--group-timeout``), a registration left running by a dead rank 0 is fenced as
-failed (its leases are then reclaimed), and :class:`~artcache.errors.GroupFailed` names the rank, its pid and its
-exit status or signal.
+The launcher (:func:`launch`) watches its ranks: when one exits nonzero, is killed or stops beating (a stopped or
+frozen process: :data:`BEAT_S`, :data:`SILENT_S`), the others are stopped (SIGTERM, then SIGKILL after
+``--group-timeout``), a registration left running by a dead rank 0 is fenced as failed (its leases are then
+reclaimed), and :class:`~artcache.errors.GroupFailed` names the rank, its pid and its exit status or signal (and
+its error, or how long it made no progress). Bad input is one error, as one process raises it: the launcher checks
+what needs no draft before starting ranks (:func:`~.session.preflight`) and raises the bad input a rank found once.
 """
 
 from __future__ import annotations
