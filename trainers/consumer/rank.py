@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def _beat(path: Path) -> None:
     watch, :func:`~.group.launch`)."""
     path.touch()
     while True:
-        threading.Event().wait(BEAT_S)
+        time.sleep(BEAT_S)
         try:
             os.utime(path)
         except OSError:  # the launcher is gone with its directory: the rank stops on its own (die_with_parent)
@@ -40,7 +41,7 @@ def _beat(path: Path) -> None:
 
 
 def _record(exc: BaseException, rank: str) -> bool:
-    """Leave the error that ends this rank for the launcher (``error-<rank>.json`` in its directory: the launcher
+    """Leave the error that ends this rank for the launcher (``error-<rank>`` in its directory: the launcher
     reports the group's one error, :func:`~.group.launch`); False outside a launcher's group (torchrun)."""
     from artcache.trainers.consumer.reader_process import failure_of
 
