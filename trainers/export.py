@@ -72,7 +72,15 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ArtcacheError, ConfigError, PublishError
-from artcache.fsio import RETRYABLE_ERRNOS, SPACE_ERRNOS, describe_errno, errno_of, publish_dir, remove_orphan_parts
+from artcache.fsio import (
+    RETRYABLE_ERRNOS,
+    SPACE_ERRNOS,
+    describe_errno,
+    errno_of,
+    publish_dir,
+    remove_orphan_parts,
+    unwritable_dir,
+)
 from artcache.hashing import file_record, sealed
 from artcache.target import resolve_target
 from artcache.trainers import DRAFT_NAMES
@@ -305,13 +313,12 @@ def _check_out_not_checkpoint(out: Path, ckpt: Path, checkpoint_arg: str | Path)
 
 
 def _check_out_parent(out: Path) -> None:
-    """The nearest existing ancestor of ``out`` must be a writable directory (missing ones are created)."""
-    anc = out.parent
-    while not os.path.lexists(anc) and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {str(out)!r}: {anc} is not a writable directory; accepted: a path whose parent "
-                          "is (or can be created in) a writable directory")
+    """The parent of ``out`` must be a writable directory, existing or creatable (missing ones are created;
+    :func:`artcache.fsio.unwritable_dir`)."""
+    why = unwritable_dir(out.parent)
+    if why is not None:
+        raise ConfigError(f"--out {str(out)!r}: its parent {out.parent} {why}; accepted: a path whose parent is (or "
+                          "can be created in) a writable directory")
 
 
 def _file_mode() -> int:

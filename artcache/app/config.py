@@ -325,7 +325,9 @@ class SlurmSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A whole run: the sections above. ``out``: the run directory of ``artcache run``."""
+    """A whole run: the sections above. ``out``: the run directory of ``artcache run``, a directory existing or
+    creatable (an existing file, or a path under one, is refused before anything starts, as is such a
+    ``cache.root`` or experiment ``out``)."""
 
     out: str = "runs/run"
     target: TargetSection = msgspec.field(default_factory=TargetSection)

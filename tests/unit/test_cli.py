@@ -890,3 +890,15 @@ def test_regression_vocab_map_flags_without_init_from_are_refused(root, workdir,
                     *flags)
     assert_bad_input(result, needle)
     assert snapshot(root) == before and not (workdir / "runs").exists()
+
+
+def test_consume_out_that_is_a_file_is_refused(root, workdir, tmp_path):
+    """``consume --out`` naming an existing file (or a path under one) is refused before anything is written,
+    naming the path and what is accepted; the file is untouched."""
+    victim = tmp_path / "passwd"
+    victim.write_text("root:x:0:0\n")
+    before = snapshot(root)
+    for out, why in ((victim, "it is a regular file"), (victim / "run", f"cannot be created: {victim} is a regular")):
+        assert_bad_input(invoke("consume", "--cache", str(root), "--steps", "1", "--out", str(out)),
+                         f"--out {str(out)!r}", why, "accepted: a directory, existing or creatable")
+    assert victim.read_text() == "root:x:0:0\n" and snapshot(root) == before and list(workdir.iterdir()) == []

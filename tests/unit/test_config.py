@@ -453,3 +453,32 @@ def test_regression_config_disk_budget_refusal_names_the_accepted_forms(tmp_path
     """A bad ``cache.disk_budget`` is refused in one line naming the field, the value and the forms accepted."""
     msg = rejected(tmp_path, '[cache]\ndisk_budget = "100X"\n')
     assert "cache.disk_budget '100X' is not accepted" in msg and "500G or 1.5T" in msg and "or auto" in msg, msg
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+@pytest.mark.parametrize("key", ["--out", "out", "cache.root", "experiments.eagle3.out", "under a file"])
+def test_regression_run_refuses_an_out_that_is_a_file(tmp_path, key, dry_run):
+    """Bug: ``artcache run`` (and ``--dry-run``) took an ``out`` (or ``cache.root``, an experiment's ``out``) that is
+    an existing file, such as ``/etc/passwd``: the dry run went on to resolve the target and build the plan, then
+    named only a derived path (``<out>/experiments/<name>``) as "not a writable directory", and the real run
+    would fail late. Symptom: no one-line refusal naming the path the user gave and what is accepted. Now it is
+    refused first (exit 2), naming the key, the path and "a directory, existing or creatable", and the file is
+    left untouched."""
+    victim = tmp_path / "passwd"
+    victim.write_text("root:x:0:0\n")
+    before = victim.stat()
+    args = {"--out": ["--out", str(victim)], "out": [f"out={victim}"], "cache.root": [f"cache.root={victim}"],
+            "experiments.eagle3.out": [f"experiments.eagle3.out={victim}"],
+            "under a file": ["--out", str(victim / "run")]}[key]
+    named = {"--out": "out (--out)", "out": "out (--out)", "under a file": "out (--out)"}.get(key, key)
+    path = victim / "run" if key == "under a file" else victim
+    if key not in ("--out", "out", "under a file"):
+        args.append(f"out={tmp_path / 'run'}")
+    res = CliRunner().invoke(main, ["run", "--config", str(CONFIGS / "dflash-eagle3.toml"), *args]
+                             + (["--dry-run"] if dry_run else []))
+    assert_one_error_line(res, f"{named} {str(path)!r}", "a regular file", "accepted: a directory, existing or "
+                          "creatable")
+    after = victim.stat()
+    assert victim.read_text() == "root:x:0:0\n" and (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns,
+                                                                                           before.st_size)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["passwd"]
