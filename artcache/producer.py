@@ -379,7 +379,8 @@ def prepare_root(cfg: ProducerConfig):
     if info.max_positions and cfg.max_length > info.max_positions:
         raise ConfigError(f"--max-length {cfg.max_length} is invalid for target {info.name!r}: accepted an integer "
                           f"<= {info.max_positions}, its max_position_embeddings")
-    layer_ids = list(cfg.layer_ids) if cfg.layer_ids else dflash_layer_ids(info.num_layers, cfg.draft_layers)
+    layer_ids = list(cfg.layer_ids) if cfg.layer_ids else \
+        dflash_layer_ids(info.num_layers, cfg.draft_layers, flag_of("draft_layers"))
     # an explicit --layer-ids is a new root's capture set: each id once (the formula's ids are left as they are)
     check_layer_ids(layer_ids, info.num_layers, f"--layer-ids {','.join(map(str, layer_ids))}" if cfg.layer_ids
                     else f"layer ids {layer_ids} (dflash_layer_ids of --draft-layers {cfg.draft_layers})",

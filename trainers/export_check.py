@@ -94,8 +94,8 @@ def check_fc_reads(tensors: dict[str, Tensor], ids: list[int], hidden_size: int,
              f"{hidden_size})" if width % hidden_size == 0 else f"has input width {width}, no multiple of "
              f"hidden_size {hidden_size}")
     raise refuse(where, "fc.weight", f"{list(fc.shape)} {reads} but config.json {ids_key} lists {len(ids)} target "
-                 f"layers {ids}", f"one id per target layer fc reads (its input width / hidden_size), here an fc.weight "
-                 f"of input width {len(ids) * hidden_size} for these ids")
+                 f"layers {ids}", "one id per target layer fc reads (its input width / hidden_size), here an "
+                 f"fc.weight of input width {len(ids) * hidden_size} for these ids")
 
 
 @dataclass

@@ -384,9 +384,8 @@ def _check_out_dirs(cfg: RunConfig, source: str) -> None:
     for key, path in keys:
         why = unwritable_dir(Path(path).expanduser()) if path else None
         if why is not None:
-            raise ConfigError(f"{source}: {key} {path!r} {why}; accepted: a directory, existing or creatable, "
-                              "that this process can write (the run writes its cache root, logs and checkpoints "
-                              "there)")
+            raise ConfigError(f"{source}: {key} {path!r} {why}; accepted: a writable directory, existing or "
+                              "creatable (the run writes its cache root, logs and checkpoints there)")
 
 
 def _check_devices(cfg: RunConfig, local_devices: bool, source: str) -> None:
@@ -633,8 +632,8 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
                           f"{resolved.cache.heartbeat_timeout_s}s: the producer would fence it as expired")
     why = unwritable_dir(Path(e.out))
     if why is not None:
-        raise ConfigError(f"experiment {e.name!r}: out {e.out!r} {why}; accepted: a directory, existing or "
-                          "creatable, that this process can write")
+        raise ConfigError(f"experiment {e.name!r}: out {e.out!r} {why}; accepted: a writable directory, "
+                          "existing or creatable")
     lb, la = ccfg.lookbehind, ccfg.lookahead
     return ExperimentPlan(
         name=e.name, draft=e.draft, layer_ids=view, view=view_index(captured, view),

@@ -1348,8 +1348,8 @@ def _check_run_dir(run_dir: Path) -> None:
     """
     why = unwritable_dir(run_dir)
     if why is not None:
-        raise ConfigError(f"--out {str(run_dir)!r} cannot be the run directory (it {why}); accepted: a directory, "
-                          "existing or creatable, that this process can write (created if missing)")
+        raise ConfigError(f"--out {str(run_dir)!r} cannot be the run directory (it {why}); accepted: a writable "
+                          "directory, existing or creatable (created if missing)")
 
 
 def _make_run_dir(run_dir: Path) -> None:

@@ -253,7 +253,7 @@ def _published_fields(config: dict, num_target_layers: int | None) -> tuple[dict
             ids = dc.get("target_layer_ids")
             if ids is None:  # SpecForge: the formula over the target's layers
                 L = config.get("num_target_layers", num_target_layers)
-                ids = dflash_layer_ids(int(L), int(config["num_hidden_layers"]))
+                ids = dflash_layer_ids(int(L), int(config["num_hidden_layers"]), "num_hidden_layers")
             ids = list(ids)
             aux = config.get("eagle_aux_hidden_state_layer_ids")
             if aux is not None and [vllm_id_to_output_of_layer(i) for i in aux] != ids:
