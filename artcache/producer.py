@@ -1097,9 +1097,9 @@ class Producer:
         budget = (f"disk budget {format_bytes(self.budget)} ({self.budget} bytes), {format_bytes(retained)} retained"
                   if self.cfg.retention == "need" else
                   f"no disk budget (the windows-only rule), {format_bytes(retained)} retained")
-        return (f"the filesystem of {self.layout.objects} is full (or its quota is): {format_bytes(free)} ({free} bytes) free of "
-                f"{format_bytes(size)}; {budget}; free space there" + (" or lower --disk-budget"
-                                                                       if self.cfg.retention == "need" else ""))
+        lower = " or lower --disk-budget" if self.cfg.retention == "need" else ""
+        return (f"the filesystem of {self.layout.objects} is full (or its quota is): {format_bytes(free)} ({free} "
+                f"bytes) free of {format_bytes(size)}; {budget}; free space there{lower}")
 
     def retry_space_bound(self, now: float | None = None) -> list[str]:
         """Withdraw the give-ups caused by a full disk (ENOSPC, EDQUOT) once the objects' filesystem has
