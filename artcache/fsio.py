@@ -174,6 +174,25 @@ def free_space(path: Path) -> tuple[int, int, Path]:
     return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, at
 
 
+def unwritable_dir(path: Path) -> str | None:
+    """Why ``path`` cannot be a directory this process writes into, or None when it can: ``path`` itself, or where
+    it would be created (its nearest existing ancestor), must be a directory (a link to one counts) writable and
+    searchable by this process. Nothing is created or opened. The reason reads after the path: ``"is a regular
+    file"``, ``"is not writable"``, ``"cannot be created: /x is a regular file"``..."""
+    path = Path(path)
+    at = path
+    while not os.path.lexists(at) and at != at.parent:
+        at = at.parent
+    where = "" if at == path else f"cannot be created: {at} "
+    if not at.is_dir():
+        kind = ("a dangling symbolic link" if at.is_symlink() and not at.exists() else "a regular file"
+                if at.is_file() else "not a directory")
+        return f"{where}is {kind}"
+    if not os.access(at, os.W_OK | os.X_OK):
+        return f"{where}is not writable"
+    return None
+
+
 def check_free_space(directory: Path, nbytes: int, reserve: int | None = None) -> None:
     """Raise PublishError(ENOSPC, not retryable) if ``directory`` has < nbytes + reserve free bytes.
 

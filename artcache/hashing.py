@@ -5,8 +5,9 @@
   caller's writes or reads (artifact publication and reads hash while they do I/O).
 - ``strong_digest``: blake2b (20 bytes, 40 hex chars) for ids and fingerprints.
 - ``canonical_json``: a deterministic JSON encoding (sorted keys) to feed either hash.
-- ``record_digest`` / ``sealed`` / ``check_record``: the ``digests`` record a JSON file that decides what is
-  trained carries of itself and of the files beside it (``artcache.json``, a plan's ``plan.json``; a
+- ``record_digest`` / ``sealed`` / ``check_record`` / ``file_record`` / ``check_file``: the ``digests`` record
+  a JSON file that decides what is trained or served carries of itself and of the files beside it
+  (``artcache.json``, a plan's ``plan.json``, an export's ``export.json`` of its ``model.safetensors``; a
   checkpoint's ``state.json`` records the same shape, ``trainers/checkpoint.py``).
 """
 
@@ -166,19 +167,28 @@ def check_record(doc: dict) -> str | None:
     return None
 
 
-def check_file(doc: dict, name: str, data: bytes | bytearray | memoryview) -> str | None:
-    """What is wrong with file ``name``'s bytes ``data`` against ``doc``'s ``digests`` record (checked with
-    :func:`check_record` first), or None when they match or ``doc`` records no digests (an older file)."""
+def file_record(path: str | os.PathLike[str]) -> dict:
+    """``{"size": bytes, "digest": hex}`` of the file at ``path`` (:func:`digest_file`, read once in 8 MiB
+    pieces): the entry a ``digests`` record keeps for a file beside its document (:func:`sealed`).
+
+    Raises ``FileNotFoundError``/``OSError`` unchanged."""
+    return {"size": os.path.getsize(path), "digest": digest_file(path)}
+
+
+def check_file(doc: dict, name: str, data: bytes | bytearray | memoryview | os.PathLike[str]) -> str | None:
+    """What is wrong with file ``name``'s bytes ``data`` (or the file at path ``data``, read in pieces) against
+    ``doc``'s ``digests`` record (checked with :func:`check_record` first), or None when they match or ``doc``
+    records no digests (an older file). Raises ``OSError`` from reading a path unchanged."""
     rec = doc.get("digests")
     if rec is None:
         return None
     entry = rec["files"].get(name)
     if entry is None:
         return f"its digests record has no entry for {name}"
-    size = memoryview(data).nbytes
+    size = os.path.getsize(data) if isinstance(data, os.PathLike) else memoryview(data).nbytes
     if size != entry["size"]:
         return f"{name} is {size} bytes, {entry['size']} recorded"
-    got = digest_bytes(data)
+    got = digest_file(data) if isinstance(data, os.PathLike) else digest_bytes(data)
     if got != entry["digest"]:
         return f"{name} does not match its recorded digest (recorded {entry['digest']}, computed {got})"
     return None

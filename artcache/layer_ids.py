@@ -49,7 +49,7 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
-def dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+def dflash_layer_ids(num_target_layers: int, num_draft_layers: int, option: str = "draft layers") -> list[int]:
     """Target layers DFlash captures, in the **output-of-layer** convention (0-based).
 
     Formula (z-lab/dflash ``build_target_layer_ids``, DFlash arXiv:2602.06036): with ``L`` target
@@ -59,18 +59,20 @@ def dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
 
     Goldens: ``L=36, n=5 -> [1, 9, 17, 25, 33]`` (Qwen3-8B); ``L=30, n=5 -> [1, 8, 14, 20, 27]``.
 
+    ``option`` names ``n`` in a message as the user set it (``--draft-layers``, ``capture.draft_layers``,
+    ``experiments.<name>.draft_layers``).
+
     Raises:
-        ConfigError: ``L < 5`` or ``n`` outside ``[1, L - 3]`` (the message names both values).
+        ConfigError: ``L < 5`` or ``n`` outside ``[1, L - 3]`` (the message names ``option``, ``n`` and ``L``).
     """
-    L = _check_int("num_target_layers", num_target_layers)
-    n = _check_int("num_draft_layers", num_draft_layers)
+    L = _check_int("the target's layer count", num_target_layers)
+    n = _check_int(option, num_draft_layers)
     if L < 5:
-        raise ConfigError(f"num_target_layers={L} (num_draft_layers={n}): DFlash needs at least 5 target layers")
+        raise ConfigError(f"{option} {n}: the DFlash layer formula needs a target of at least 5 layers, and this "
+                          f"target has {L}; give the layer ids explicitly (--layer-ids / layer_ids)")
     if not 1 <= n <= L - 3:
-        raise ConfigError(
-            f"num_draft_layers={n} must be in [1, {L - 3}] for num_target_layers={L} "
-            "(one captured layer per draft layer, spread over [1, L-3])"
-        )
+        raise ConfigError(f"{option} {n} is invalid for a target of {L} layers: accepted an integer in [1, {L - 3}] "
+                          "(one captured layer per draft layer, spread over [1, L-3])")
     if n == 1:
         return [L // 2]
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
@@ -158,7 +160,7 @@ def eagle3_capture_ids(num_target_layers: int) -> list[int]:
 LAST_LAYER_STATE = "output-of-layer L-1, before the final norm"
 
 
-def dspark_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+def dspark_layer_ids(num_target_layers: int, num_draft_layers: int, option: str = "draft layers") -> list[int]:
     """The captured layers a DSpark draft reads, output-of-layer convention: its context layers
     (:func:`dflash_layer_ids` ``(L, n)``: DSpark's backbone is DFlash's) followed by ``L - 1``, the last
     decoder layer's output before the final norm (:data:`LAST_LAYER_STATE`), which gives the target's
@@ -168,9 +170,9 @@ def dspark_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
     Goldens: L=30, n=5 -> [1, 8, 14, 20, 27, 29] (SmolLM2-135M); L=36, n=5 -> [1, 9, 17, 25, 33, 35].
 
     Raises:
-        ConfigError: as :func:`dflash_layer_ids`.
+        ConfigError: as :func:`dflash_layer_ids` (``option`` likewise).
     """
-    return [*dflash_layer_ids(num_target_layers, num_draft_layers), num_target_layers - 1]
+    return [*dflash_layer_ids(num_target_layers, num_draft_layers, option), num_target_layers - 1]
 
 
 def check_layer_ids(ids: Sequence[int], num_layers: int, what: str, *, target: str = "",

@@ -278,6 +278,23 @@ def default_budget(layout: CacheLayout, retained: int) -> tuple[int, str]:
                     f"{format_bytes(usage.free)} free on {layout.objects} beyond a {format_bytes(reserve)} reserve")
 
 
+def budget_over_filesystem(layout: CacheLayout, budget: int, retained: int) -> str:
+    """The start warning for a disk budget the root's filesystem cannot hold: more than what the root retains plus
+    the free space (a budget above the filesystem's size always is); ``""`` when it fits. Such a budget never
+    binds: captures fail for space (ENOSPC) first, while the accounting still shows room in the budget."""
+    try:
+        free, size, _ = free_space(layout.objects)
+    except OSError:
+        return ""
+    if budget <= retained + free:
+        return ""
+    what = (f"the filesystem's size, {format_bytes(size)} ({size} bytes)" if budget > size else
+            f"the {format_bytes(retained)} the root holds plus the {format_bytes(free)} free ({retained + free} bytes; "
+            f"filesystem size {format_bytes(size)})")
+    return (f"disk budget {format_bytes(budget)} ({budget} bytes) exceeds {what} of {layout.objects}: the budget "
+            "will not bind, captures fail for space (ENOSPC) first; give a --disk-budget that fits (or auto)")
+
+
 def describe_retention(policy: str, budget: int, how: str = "") -> str:
     """The start line that says which retention rule holds (:func:`artcache.eviction.retention_rule`) and,
     under ``need``, the budget (``how``: where it came from)."""
@@ -379,7 +396,8 @@ def prepare_root(cfg: ProducerConfig):
     if info.max_positions and cfg.max_length > info.max_positions:
         raise ConfigError(f"--max-length {cfg.max_length} is invalid for target {info.name!r}: accepted an integer "
                           f"<= {info.max_positions}, its max_position_embeddings")
-    layer_ids = list(cfg.layer_ids) if cfg.layer_ids else dflash_layer_ids(info.num_layers, cfg.draft_layers)
+    layer_ids = list(cfg.layer_ids) if cfg.layer_ids else \
+        dflash_layer_ids(info.num_layers, cfg.draft_layers, flag_of("draft_layers"))
     # an explicit --layer-ids is a new root's capture set: each id once (the formula's ids are left as they are)
     check_layer_ids(layer_ids, info.num_layers, f"--layer-ids {','.join(map(str, layer_ids))}" if cfg.layer_ids
                     else f"layer ids {layer_ids} (dflash_layer_ids of --draft-layers {cfg.draft_layers})",
@@ -607,6 +625,11 @@ class Producer:
             self.fill_note = ("--evict-fill: this root holds no artifacts of a --fill, so it changes nothing "
                               "(retention is as the rule says)")
         self.budget_note = describe_retention(policy, self.budget, how)
+        self._remote = remote
+        if policy == "need" and not remote:
+            over = budget_over_filesystem(layout, self.budget, retained)
+            if over:
+                log.warning("%s", over)
         self.evict_fill = bool(cfg.evict_fill and filled)
         self._decision = RetentionDecision(budget=self.budget)
         self._decision_inflight = True
@@ -1035,7 +1058,7 @@ class Producer:
             self._failed[fp] = max(self._failed.get(fp, 0) + 1, MAX_ATTEMPTS if space else 0)
             total = self._failed[fp]
         retryable = bool(getattr(exc, "retryable", False))
-        error = f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}" + (f" ({self._space_note()})" if space and not self._remote else "")
         self._last_failure = error
         with self._state:
             self._last_error[fp] = error
@@ -1043,7 +1066,7 @@ class Producer:
                                     stage=stage))
         if space:
             log.error("capture of %s failed (%s, attempt %d): %s; given up until the filesystem has room again "
-                      "(looked at every %gs)", fp, stage, attempts, exc, SPACE_RETRY_S)
+                      "(looked at every %gs)", fp, stage, attempts, error, SPACE_RETRY_S)
         else:
             log.error("capture of %s failed (%s, attempt %d of %d, retryable=%s): %s", fp, stage, total,
                       MAX_ATTEMPTS, retryable, exc)
@@ -1060,6 +1083,23 @@ class Producer:
                 est = int(self.sizes(self._lengths[index])) if index is not None else 0
                 with self._state:
                     self._space_bound[fp] = est
+
+    def _space_note(self) -> str:
+        """What a write that failed for space says of it: the objects' filesystem is full, its free bytes and the
+        disk budget beside what the root retains (a budget does not reserve space: the filesystem fills first
+        when it is shared or smaller than the budget)."""
+        try:
+            free, size, _ = free_space(self.layout.objects)
+        except OSError:
+            return f"the filesystem of {self.layout.objects} is full"
+        with self._state:
+            retained = sum(self._published.values())
+        budget = (f"disk budget {format_bytes(self.budget)} ({self.budget} bytes), {format_bytes(retained)} retained"
+                  if self.cfg.retention == "need" else
+                  f"no disk budget (the windows-only rule), {format_bytes(retained)} retained")
+        lower = " or lower --disk-budget" if self.cfg.retention == "need" else ""
+        return (f"the filesystem of {self.layout.objects} is full (or its quota is): {format_bytes(free)} ({free} "
+                f"bytes) free of {format_bytes(size)}; {budget}; free space there{lower}")
 
     def retry_space_bound(self, now: float | None = None) -> list[str]:
         """Withdraw the give-ups caused by a full disk (ENOSPC, EDQUOT) once the objects' filesystem has

@@ -544,7 +544,7 @@ SECTIONS: list[Section] = [
                 ("process-869fe45", "16-core CPU, process pairing, commit when due"),
                 ("process-commit0-869fe45", "16-core CPU, process pairing, commit every step"))]),
     Section("Packing",
-            "`python -m artcache.bench.packing` (`artcache bench --suite packing`): DFlash steps on the SmolLM2 "
+            "`python -m artcache.bench.packing` (`artcache bench --suite packing`): a draft's steps on the SmolLM2 "
             "ShareGPT plan's lengths and loss masks, packed (`--pack-tokens`) against unpacked at the same token "
             "budget, the arms' steps interleaved in one process; packed / unpacked. The walk: both arms over the "
             "plan's first positions without training (`--steps 0`: the walk only, its per-step column the walk's) "
@@ -552,6 +552,7 @@ SECTIONS: list[Section] = [
             ["run", "draft, length, rows", "supervised tokens/s", "per CPU second", "per step", "anchor coverage",
              "padding unpacked / packed", "walk: supervised tokens / computed tokens / anchors per step"],
             [Row("2026-12-05-cpu-packing-dflash-f567302.json", _packing_row("first fit")),
+             Row("2026-12-05-cpu-packing-eagle3-rows8-b69bf45.json", _packing_row("first fit")),
              Row("2026-12-05-cpu-packing-dflash-nextfit-f4e4775.json", _packing_row("next fit (earlier)")),
              Row("2026-12-05-cpu-packing-walk-rows4-f25a155.json", _packing_row("first fit, walk only")),
              Row("2026-12-05-cpu-packing-walk-rows8-f25a155.json", _packing_row("first fit, walk only")),

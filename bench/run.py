@@ -706,9 +706,11 @@ def preflight_disk(cfg: BenchConfig, scenarios: list[Scenario]) -> dict:
             key = (rc.max_length, tuple(layers) if layers else None)
             if key not in scratch:  # the contract the scenario's producers will write, on a scratch root
                 root = Path(tmp) / f"cache-{len(scratch)}"
-                _, settings, _, _, _ = prepare_root(ProducerConfig(
-                    cache=str(root), target=rc.target, dataset=rc.dataset, max_length=rc.max_length,
-                    max_samples=rc.max_samples, draft_layers=rc.draft_layers, layer_ids=layers, threads=1))
+                pc = ProducerConfig(cache=str(root), target=rc.target, dataset=rc.dataset, max_length=rc.max_length,
+                                    max_samples=rc.max_samples, draft_layers=rc.draft_layers, layer_ids=layers,
+                                    threads=1)
+                pc.validate()  # named by the flags the bench shares with the producer (--max-samples, ...)
+                _, settings, _, _, _ = prepare_root(pc)
                 scratch[key] = (root, settings.contract)
             root, contract = scratch[key]
             base = out / sc.name

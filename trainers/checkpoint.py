@@ -97,7 +97,7 @@ from artcache.fsio import (
     remove_orphan_parts,
     space_reserve,
 )
-from artcache.hashing import DIGEST_ALGORITHM, digest_bytes, digest_file, record_digest
+from artcache.hashing import DIGEST_ALGORITHM, digest_bytes, digest_file, file_record, record_digest
 from artcache.layout import unique_suffix
 from artcache.report import format_bytes
 
@@ -358,7 +358,7 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
                 safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in extra_tensors.items()},
                                             tmp / "extra.safetensors")
                 names.append("extra.safetensors")
-            files = {name: _file_digest(tmp / name) for name in names if name != "state.json"}  # one read pass
+            files = {name: file_record(tmp / name) for name in names if name != "state.json"}  # one read pass
             doc = {**state, "format": CHECKPOINT_FORMAT, "step": step, "cursor": cursor, "param_groups": groups,
                    "resumable": optimizer is not None, "digests": {"algorithm": DIGEST_ALGORITHM, "files": files}}
             text = _state_text(doc)
@@ -370,11 +370,6 @@ def save_checkpoint(run_dir: Path, *, step: int, cursor: int, weights: dict[str,
             raise _write_error(run_dir, final, exc) from exc
         raise
     return final
-
-
-def _file_digest(path: Path) -> dict:
-    """``{"size", "digest"}`` of a file (:class:`FileDigest` as JSON), read once in 8 MiB pieces."""
-    return {"size": os.path.getsize(path), "digest": digest_file(path)}
 
 
 def _state_digest(doc: dict) -> str:

@@ -1,5 +1,6 @@
 """Export a consumer checkpoint as a draft directory a serving engine loads: ``config.json`` and
-``model.safetensors`` (plus ``export.json``, provenance that engines ignore).
+``model.safetensors`` (plus ``export.json``, provenance that engines ignore, with the digest of
+``model.safetensors`` that ``artcache export --check`` verifies).
 
 Formats (``--format``):
 
@@ -71,7 +72,16 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ArtcacheError, ConfigError, PublishError
-from artcache.fsio import RETRYABLE_ERRNOS, SPACE_ERRNOS, describe_errno, errno_of, publish_dir, remove_orphan_parts
+from artcache.fsio import (
+    RETRYABLE_ERRNOS,
+    SPACE_ERRNOS,
+    describe_errno,
+    errno_of,
+    publish_dir,
+    remove_orphan_parts,
+    unwritable_dir,
+)
+from artcache.hashing import file_record, sealed
 from artcache.target import resolve_target
 from artcache.trainers import DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_weights
@@ -246,8 +256,11 @@ def speculators_config(algorithm: str, k: int, verifier: str, tc: Any) -> dict:
 
 # ----------------------------------------------------------------------------------------- write
 
-#: The file every export writes (its provenance); ``--overwrite`` replaces only a directory holding it.
+#: The file every export writes (its provenance, with the ``digests`` record of :data:`WEIGHTS_FILE`:
+#: :func:`artcache.hashing.sealed`); ``--overwrite`` replaces only a directory holding it.
 EXPORT_MARKER = "export.json"
+#: The weights every export writes (its digest is recorded in :data:`EXPORT_MARKER` and verified by the check).
+WEIGHTS_FILE = "model.safetensors"
 _EXPORTED_BY = "artcache export"
 
 
@@ -300,13 +313,12 @@ def _check_out_not_checkpoint(out: Path, ckpt: Path, checkpoint_arg: str | Path)
 
 
 def _check_out_parent(out: Path) -> None:
-    """The nearest existing ancestor of ``out`` must be a writable directory (missing ones are created)."""
-    anc = out.parent
-    while not os.path.lexists(anc) and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {str(out)!r}: {anc} is not a writable directory; accepted: a path whose parent "
-                          "is (or can be created in) a writable directory")
+    """The parent of ``out`` must be a writable directory, existing or creatable (missing ones are created;
+    :func:`artcache.fsio.unwritable_dir`)."""
+    why = unwritable_dir(out.parent)
+    if why is not None:
+        raise ConfigError(f"--out {str(out)!r}: its parent {out.parent} {why}; accepted: a path whose parent is (or "
+                          "can be created in) a writable directory")
 
 
 def _file_mode() -> int:
@@ -335,9 +347,10 @@ def _uncreatable(out: Path, exc: OSError) -> ConfigError:
                        "accepted: a path whose parent is a writable directory")
 
 
-def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite: bool,
+def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor] | Callable[[Path], bytes]], overwrite: bool,
                check: Callable[[Path], None] | None = None) -> None:
-    """Write ``files`` (name -> JSON bytes, or a tensor dict saved as safetensors) into a temp
+    """Write ``files`` (name -> JSON bytes, a tensor dict saved as safetensors, or a function of the temp
+    directory returning the bytes, called after the files before it are written) into a temp
     directory beside ``out``, each file ``0o666 & ~umask``, fsync everything, then rename it to
     ``out`` (an existing ``out`` is replaced only with ``overwrite`` and only when it is a previous
     export; it is renamed aside first and restored if the swap fails). ``check`` (when given) runs on the
@@ -367,6 +380,8 @@ def _write_dir(out: Path, files: dict[str, bytes | dict[str, Tensor]], overwrite
             for name, content in files.items():
                 if isinstance(content, dict):
                     safetensors.torch.save_file(content, tmp / name, metadata={"format": "pt"})
+                elif callable(content):
+                    (tmp / name).write_bytes(content(tmp))
                 else:
                     (tmp / name).write_bytes(content)
                 os.chmod(tmp / name, mode)
@@ -470,8 +485,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, fmt: str = "hf", 
     def run_check(tmp: Path) -> None:
         reports.append(check_export(tmp, tgt.config, name=str(out)))
 
-    _write_dir(out, {"config.json": json.dumps(config, indent=2).encode(), "model.safetensors": tensors,
-                     EXPORT_MARKER: json.dumps(provenance, indent=2).encode()}, overwrite,
+    def sealed_provenance(tmp: Path) -> bytes:  # export.json records the digest of the weights written before it
+        doc = sealed(json.loads(json.dumps(provenance)), {WEIGHTS_FILE: file_record(tmp / WEIGHTS_FILE)})
+        return json.dumps(doc, indent=2).encode()
+
+    _write_dir(out, {"config.json": json.dumps(config, indent=2).encode(), WEIGHTS_FILE: tensors,
+                     EXPORT_MARKER: sealed_provenance}, overwrite,
                check=run_check if check else None)
     if reports:
         reports[0].directory = out

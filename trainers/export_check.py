@@ -52,8 +52,9 @@ import torch
 from torch import Tensor
 
 from artcache.errors import ConfigError
+from artcache.hashing import check_file, check_record
 
-__all__ = ["ENGINES", "CheckReport", "ExportLayout", "check_export", "read_export", "refuse"]
+__all__ = ["ENGINES", "CheckReport", "ExportLayout", "check_export", "check_fc_reads", "read_export", "refuse"]
 
 #: The engines the check resolves an export through (``vllm`` and ``speculators`` when installed; ``sglang``
 #: statically).
@@ -75,6 +76,26 @@ SGLANG_EAGLE3_TENSORS = frozenset({
 def refuse(where: str, key: str, problem: str, accepted: str) -> ConfigError:
     """The one-line refusal: ``export check: <where>: <key>: <problem>; accepted: <accepted>``."""
     return ConfigError(f"export check: {where}: {key}: {problem}; accepted: {accepted}")
+
+
+def check_fc_reads(tensors: dict[str, Tensor], ids: list[int], hidden_size: int, ids_key: str, where: str) -> None:
+    """``fc.weight`` ([hidden_size, n x hidden_size]: ``fc`` reads n concatenated target states) must read as many
+    target layers as ``config.json`` lists ids (``ids``, under key ``ids_key``). Absent or not 2-D: left to the
+    key and shape check.
+
+    Raises:
+        ConfigError: the width implies another count (both counts named), or is no multiple of ``hidden_size``.
+    """
+    fc = tensors.get("fc.weight")
+    if fc is None or fc.dim() != 2 or fc.shape[1] == len(ids) * hidden_size:
+        return
+    width = int(fc.shape[1])
+    reads = (f"reads {width // hidden_size} target layers ({width} = {width // hidden_size} x hidden_size "
+             f"{hidden_size})" if width % hidden_size == 0 else f"has input width {width}, no multiple of "
+             f"hidden_size {hidden_size}")
+    raise refuse(where, "fc.weight", f"{list(fc.shape)} {reads} but config.json {ids_key} lists {len(ids)} target "
+                 f"layers {ids}", "one id per target layer fc reads (its input width / hidden_size), here an "
+                 f"fc.weight of input width {len(ids) * hidden_size} for these ids")
 
 
 @dataclass
@@ -225,16 +246,18 @@ def _check_speculators_config(config: dict, layout: ExportLayout, where: str) ->
     return k
 
 
-def _check_provenance(directory: Path, layout: ExportLayout, where: str) -> str | None:
-    """``export.json`` (absent for drafts artcache did not write): its draft, format and layer ids must be the
-    layout's. Returns the target name it records."""
+def _check_provenance(directory: Path, layout: ExportLayout, where: str) -> dict:
+    """``export.json`` (absent for drafts artcache did not write: ``{}``): its draft, format and layer ids must be
+    the layout's, then its ``digests`` record whole (:func:`artcache.hashing.check_record`). Returns it."""
     p = directory / "export.json"
     if not p.is_file():
-        return None
+        return {}
     try:
         prov = json.loads(p.read_text())
     except (OSError, ValueError) as exc:
         raise refuse(where, "export.json", f"unreadable ({exc})", "the JSON artcache export writes") from exc
+    if not isinstance(prov, dict):
+        raise refuse(where, "export.json", f"a {type(prov).__name__}", "the JSON object artcache export writes")
     for key, want in (("draft", layout.draft), ("format", layout.fmt)):
         if prov.get(key) not in (None, want):
             raise refuse(where, f"export.json {key}", f"{prov.get(key)!r} but config.json is a {want!r} export",
@@ -244,7 +267,62 @@ def _check_provenance(directory: Path, layout: ExportLayout, where: str) -> str 
         raise refuse(where, "layer ids", f"config.json reads output-of-layer ids {layout.layer_ids} (aux ids "
                      f"{layout.aux_ids}) but the draft was trained on {list(ids)} (export.json)",
                      f"aux ids {[i + 1 for i in ids]} (input-of-layer = trained output-of-layer + 1)")
-    return prov.get("target_name") or prov.get("target")
+    damaged = check_record(prov)
+    if damaged is not None:
+        raise refuse(where, "export.json digests", damaged, "the export.json artcache export wrote (export again)")
+    return prov
+
+
+def _check_weights(directory: Path, tensors: dict[str, Tensor], prov: dict, where: str) -> str:
+    """The weights themselves: every floating tensor finite (a NaN or inf weight loads without error and
+    proposes garbage), and ``model.safetensors`` the bytes whose digest ``export.json`` records
+    (:func:`artcache.hashing.check_file`). Returns the ``checked`` line.
+
+    Raises:
+        ConfigError: the first non-finite tensor (named, with its count of NaN and inf), or a
+            ``model.safetensors`` whose size or digest differs from the record (the file named).
+    """
+    for key in sorted(tensors):
+        t = tensors[key]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise refuse(where, f"model.safetensors {key}", f"{nan} NaN and {inf} inf of {t.numel()} values "
+                         "(the engine loads it and proposes garbage)", "finite weights (export a checkpoint "
+                         "that trained without diverging)")
+    n = sum(t.is_floating_point() for t in tensors.values())
+    if not prov.get("digests"):
+        return f"weights: {n} floating tensors finite; no digest recorded (no export.json, or one written " \
+               "before exports recorded digests): model.safetensors unverified"
+    try:
+        damaged = check_file(prov, "model.safetensors", directory / "model.safetensors")
+    except OSError as exc:
+        raise refuse(where, "model.safetensors", f"unreadable ({exc})", "a readable file") from exc
+    if damaged is not None:
+        raise refuse(where, "model.safetensors", f"{damaged} (export.json digests): the weights changed after "
+                     "the export wrote them", "the model.safetensors artcache export wrote (export again)")
+    return f"weights: {n} floating tensors finite; model.safetensors matches the digest export.json records"
+
+
+def _check_num_target_layers(config: dict, layout: ExportLayout, tc: Any, where: str) -> None:
+    """A recorded ``num_target_layers`` (L; DFlash and DSpark ``--format hf``) must be an int above every layer
+    id (output-of-layer ids lie in ``[0, L)``; DSpark also reads layer ``L - 1``), and the target's layer count
+    when the target is at hand.
+
+    Raises:
+        ConfigError: naming the recorded L and the ids or target count it disagrees with.
+    """
+    L = config.get("num_target_layers")
+    if L is None:
+        return
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+        raise refuse(where, "num_target_layers", f"{L!r}", "the target's layer count, an int >= 1")
+    if layout.layer_ids and max(layout.layer_ids) >= L:
+        raise refuse(where, "num_target_layers", f"{L} but the layer ids {layout.layer_ids} (output-of-layer) read "
+                     f"layer {max(layout.layer_ids)}, which a {L}-layer target does not have",
+                     f"an int above {max(layout.layer_ids)}: the target's layer count")
+    n = getattr(tc.get_text_config() if hasattr(tc, "get_text_config") else tc, "num_hidden_layers", None)
+    if isinstance(n, int) and n != L:
+        raise refuse(where, "num_target_layers", f"{L} but the target has {n} layers (num_hidden_layers)", f"{n}")
 
 
 def _check_target(config: dict, layout: ExportLayout, tc: Any, where: str) -> None:
@@ -466,16 +544,19 @@ def check_export(directory: str | Path, target: Any = None, *, engines: tuple[st
     _check_width(config, layout, where)
     _check_dtype(config, tensors, where)
     k = _check_speculators_config(config, layout, where) if layout.fmt == "speculators" else None
-    recorded = _check_provenance(d, layout, where)
+    prov = _check_provenance(d, layout, where)
+    recorded = prov.get("target_name") or prov.get("target")
     if tc is None:
         tc = _target_config(None, recorded, where)
     report = CheckReport(d, layout)
     if tc is not None:
         _check_target(config, layout, tc, where)
+    _check_num_target_layers(config, layout, tc, where)
     report.checked.append(f"static: {layout.draft} {layout.fmt}, layer ids {layout.layer_ids} (output-of-layer; "
                           f"aux {layout.aux_ids}), unquantized, {len(tensors)} tensors"
                           + ("" if tc is not None else " (no target at hand: target sizes not checked)"))
     _engine_checks(report, config, tensors, tc, k, engines, where, timeout_s)
+    report.checked.append(_check_weights(d, tensors, prov, where))
     return report
 
 

@@ -325,7 +325,9 @@ class SlurmSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A whole run: the sections above. ``out``: the run directory of ``artcache run``."""
+    """A whole run: the sections above. ``out``: the run directory of ``artcache run``, a directory existing or
+    creatable (an existing file, or a path under one, is refused before anything starts, as is such a
+    ``cache.root`` or experiment ``out``)."""
 
     out: str = "runs/run"
     target: TargetSection = msgspec.field(default_factory=TargetSection)
@@ -903,10 +905,10 @@ def draft_view(e: Experiment, num_layers: int, default_draft_layers: int = 5) ->
 
     if e.layer_ids is not None:
         ids = list(e.layer_ids)
-    elif e.draft == "dflash":
-        ids = dflash_layer_ids(num_layers, e.draft_layers or default_draft_layers)
-    elif e.draft == "dspark":
-        ids = dspark_layer_ids(num_layers, e.draft_layers or default_draft_layers)
+    elif e.draft in ("dflash", "dspark"):
+        key = f"experiments.{e.name}.draft_layers" if e.draft_layers else "capture.draft_layers"
+        ids = (dflash_layer_ids if e.draft == "dflash" else dspark_layer_ids)(
+            num_layers, e.draft_layers or default_draft_layers, key)
     else:
         ids = list(eagle3_capture_ids(num_layers))
     check_layer_ids(ids, num_layers, f"experiment {e.name!r}: layer ids {ids}")
@@ -1055,8 +1057,40 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
     try:
         ccfg.validate()
     except ConfigError as exc:
-        raise ConfigError(f"experiment {name!r}: {exc}") from None
+        raise ConfigError(f"experiment {name!r}: {run_keys(str(exc), cfg, e)}") from None
     return ccfg
+
+
+#: consumer settings an experiment sets under a key of its own (the rest: ``experiments.<name>.<field>`` when the
+#: experiment has that field, else ``experiments.<name>.consumer.<field>``)
+_EXPERIMENT_KEYS = {"num_anchors": "anchors", "lookbehind": "window", "lookahead": "window", "out_dir": "out"}
+
+
+def run_keys(message: str, cfg: RunConfig, e: Experiment) -> str:
+    """``message`` (the consumer's, naming ``artcache consume`` flags: ``--eval-interval 5 needs ...``) with each
+    consumer flag replaced by the run-config key that sets it for experiment ``e``: under ``consumer`` when the
+    experiment sets it there, else its experiment key (``experiments.a.anchors``, ``experiments.a.window``),
+    ``capture.draft_layers`` for a draft's layers the experiment leaves to the run, ``cache.demand_timeout_s``,
+    else ``experiments.<name>.consumer.<field>``. Other text is left as it is."""
+    from artcache.trainers.consumer import ConsumerConfig
+    from artcache.trainers.consumer.config import flag_of
+
+    keys: dict[str, str] = {}
+    for field in ConsumerConfig.__struct_fields__:
+        if field in e.consumer:
+            key = f"experiments.{e.name}.consumer.{field}"
+        elif field == "demand_timeout_s":
+            key = "cache.demand_timeout_s"
+        elif field == "draft_layers" and e.draft_layers is None:
+            key = "capture.draft_layers"
+        elif field in _EXPERIMENT_KEYS or field in Experiment.__struct_fields__:
+            key = f"experiments.{e.name}.{_EXPERIMENT_KEYS.get(field, field)}"
+        else:
+            key = f"experiments.{e.name}.consumer.{field}"
+        keys[flag_of(field)] = key
+    keys["--window"] = f"experiments.{e.name}.window"
+    pattern = "|".join(re.escape(f) for f in sorted(keys, key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])(?:{pattern})(?![\w-])", lambda m: keys[m.group(0)], message)
 
 
 def bench_config(cfg: RunConfig):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -45,6 +44,7 @@ from artcache.app.config import (
 from artcache.app.values import check_device
 from artcache.contract import stored_bytes_per_token, stored_dtype
 from artcache.errors import CacheRootError, ConfigError, ContractMismatch, DataError, IntegrityError, UnsafePath
+from artcache.fsio import unwritable_dir
 from artcache.launch import Role, cli_argv, role_env, stop_all
 from artcache.liveness import parent_pid
 from artcache.registry import COMPLETED
@@ -371,6 +371,23 @@ def _explicit_capture(cfg: RunConfig, views: dict[str, list[int]], num_layers: i
     return captured
 
 
+def _check_out_dirs(cfg: RunConfig, source: str) -> None:
+    """The directories a run writes — ``out`` (``--out``), ``cache.root`` and each experiment's ``out`` where set
+    (left out, they lie under ``out``) — must each be a directory, existing or creatable, this process can write
+    (:func:`artcache.fsio.unwritable_dir`). Checked first, in the dry run as in the run; nothing is touched.
+
+    Raises:
+        ConfigError: naming the key, the path, what it is and what is accepted.
+    """
+    keys = [("out (--out)", cfg.out), ("cache.root", cfg.cache.root)] + [(f"experiments.{e.name}.out", e.out)
+                                                                  for e in cfg.experiments]
+    for key, path in keys:
+        why = unwritable_dir(Path(path).expanduser()) if path else None
+        if why is not None:
+            raise ConfigError(f"{source}: {key} {path!r} {why}; accepted: a writable directory, existing or "
+                              "creatable (the run writes its cache root, logs and checkpoints there)")
+
+
 def _check_devices(cfg: RunConfig, local_devices: bool, source: str) -> None:
     """At least one experiment; every device the config names is cpu or cuda[:i] (here, when ``local_devices``)."""
     if not cfg.experiments:
@@ -404,6 +421,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     from artcache.settings import check_compatible, load_settings
     from artcache.target import load_tokenizer, resolve_target
 
+    _check_out_dirs(cfg, source)
     _check_devices(cfg, local_devices, source)
     compute = resolve_compute_dtype(cfg.target.compute_dtype, (cfg.target.devices or [cfg.target.device])[0])
     _check_dtypes(cfg, compute)
@@ -612,10 +630,10 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     if beat >= resolved.cache.heartbeat_timeout_s:
         raise ConfigError(f"experiment {e.name!r}: heartbeat every {beat}s is not below cache.heartbeat_timeout_s "
                           f"{resolved.cache.heartbeat_timeout_s}s: the producer would fence it as expired")
-    writable_at = next((p for p in [Path(e.out), *Path(e.out).parents] if p.exists()), Path("/"))
-    if not (writable_at.is_dir() and os.access(writable_at, os.W_OK)):
-        raise ConfigError(f"experiment {e.name!r}: out {e.out!r} cannot be written ({writable_at} is not a "
-                          "writable directory)")
+    why = unwritable_dir(Path(e.out))
+    if why is not None:
+        raise ConfigError(f"experiment {e.name!r}: out {e.out!r} {why}; accepted: a writable directory, "
+                          "existing or creatable")
     lb, la = ccfg.lookbehind, ccfg.lookahead
     return ExperimentPlan(
         name=e.name, draft=e.draft, layer_ids=view, view=view_index(captured, view),

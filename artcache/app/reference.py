@@ -112,7 +112,9 @@ def config_page() -> str:
         _NOTE.format(source="artcache/app/config.py and trainers/consumer/config.py"), "",
         "A run config (`artcache run --config FILE`; `producer`, `consume --experiment NAME` and `bench` read one "
         "too) is a TOML, YAML or JSON file of the sections below. Unknown fields are refused, as are values outside "
-        "the ranges given. `SECTION.FIELD=VALUE` arguments after the file override it (`experiments.0.lr=1e-3`). "
+        "the ranges given, in one line naming the key (an experiment's consumer setting as "
+        "`experiments.<name>.consumer.<field>`, not the `artcache consume` flag). `SECTION.FIELD=VALUE` arguments "
+        "after the file override it (`experiments.0.lr=1e-3`). "
         "Recipes: [configs/README.md](../configs/README.md).", "",
         *_struct_section("Top level", RunConfig),
         *_struct_section("`[target]`", TargetSection),

@@ -511,7 +511,8 @@ def test_no_experiments_is_rejected(tiny_target, tmp_path):
      "<= 128 (data.max_length"),
     (["experiments.d.consumer.num_anchors=129"], "experiments.d.anchors 129 is invalid"),
     (["experiments.d.consumer.eval_samples=2", "experiments.d.consumer.best_metric=replay_taux"],
-     "experiment 'd': --best-metric 'replay_taux' is not a held-out figure of the dflash draft"),
+     "experiment 'd': experiments.d.consumer.best_metric 'replay_taux' is not a held-out figure of the dflash "
+     "draft"),
 ])
 def test_regression_run_refuses_huge_anchors_and_unknown_best_metric(tiny_target, tmp_path, overrides, needle):
     """`artcache run` checks what the consumer will (anchors against data.max_length, the draft's

@@ -285,7 +285,7 @@ def test_producer_draft_layers_out_of_range(tmp_path, workdir, tiny_target, n):
     cache = tmp_path / "cache"
     args = producer_args(cache, tiny_target)
     args[args.index("--draft-layers") + 1] = n
-    assert_bad_input(invoke(*args), f"num_draft_layers={n}", "[1, 3]")
+    assert_bad_input(invoke(*args), f"--draft-layers {n} is invalid for a target of 6 layers", "[1, 3]")
     assert not cache.exists()
 
 
@@ -890,3 +890,29 @@ def test_regression_vocab_map_flags_without_init_from_are_refused(root, workdir,
                     *flags)
     assert_bad_input(result, needle)
     assert snapshot(root) == before and not (workdir / "runs").exists()
+
+
+def test_consume_out_that_is_a_file_is_refused(root, workdir, tmp_path):
+    """``consume --out`` naming an existing file (or a path under one) is refused before anything is written,
+    naming the path and what is accepted; the file is untouched."""
+    victim = tmp_path / "passwd"
+    victim.write_text("root:x:0:0\n")
+    before = snapshot(root)
+    for out, why in ((victim, "it is a regular file"), (victim / "run", f"cannot be created: {victim} is a regular")):
+        assert_bad_input(invoke("consume", "--cache", str(root), "--steps", "1", "--out", str(out)),
+                         f"--out {str(out)!r}", why, "accepted: a writable directory, existing or creatable")
+    assert victim.read_text() == "root:x:0:0\n" and snapshot(root) == before and list(workdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-samples", "0"], "--max-samples 0 is invalid: accepted an integer >= 1"),
+    (["--draft-layers", "40"], "--draft-layers 40 is invalid for a target of 30 layers: accepted an integer in "
+     "[1, 27]"),
+])
+def test_regression_bench_names_its_own_flags(tmp_path, workdir, args, needle):
+    """Bug: ``artcache bench --max-samples 0`` said ``plan max_samples 0 is invalid`` and ``--draft-layers 40`` said
+    ``num_draft_layers=40 must be in [1, 27] for num_target_layers=30``: internal names, not the flags typed.
+    Symptom: the message did not name the option to change. Both now name the flag; nothing is written."""
+    line = assert_bad_input(invoke("bench", *args, "--out", str(tmp_path / "bench-out")), needle)
+    assert "plan " not in line and "num_" not in line
+    assert not (tmp_path / "bench-out").exists() and list(workdir.iterdir()) == []

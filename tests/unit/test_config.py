@@ -294,7 +294,8 @@ def test_context_parallelism_is_an_experiments_consumer_setting(tmp_path):
     cc = C.consumer_config(cfg, "a")
     assert (cc.cp, cc.nproc, cc.global_batch) == (2, 4, 2 * cc.batch_size)
     cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.b.consumer.cp=2", "experiments.b.consumer.nproc=2"])
-    with pytest.raises(ConfigError, match="--cp 2 is not supported for the eagle3 draft.*accepted --cp 1 for eagle3"):
+    with pytest.raises(ConfigError, match="experiments.b.consumer.cp 2 is not supported for the eagle3 draft.*accepted "
+                       "experiments.b.consumer.cp 1 for eagle3"):
         C.consumer_config(cfg, "b")
 
 
@@ -453,3 +454,49 @@ def test_regression_config_disk_budget_refusal_names_the_accepted_forms(tmp_path
     """A bad ``cache.disk_budget`` is refused in one line naming the field, the value and the forms accepted."""
     msg = rejected(tmp_path, '[cache]\ndisk_budget = "100X"\n')
     assert "cache.disk_budget '100X' is not accepted" in msg and "500G or 1.5T" in msg and "or auto" in msg, msg
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+@pytest.mark.parametrize("key", ["--out", "out", "cache.root", "experiments.eagle3.out", "under a file"])
+def test_regression_run_refuses_an_out_that_is_a_file(tmp_path, key, dry_run):
+    """Bug: ``artcache run`` (and ``--dry-run``) took an ``out`` (or ``cache.root``, an experiment's ``out``) that is
+    an existing file, such as ``/etc/passwd``: the dry run went on to resolve the target and build the plan, then
+    named only a derived path (``<out>/experiments/<name>``) as "not a writable directory", and the real run
+    would fail late. Symptom: no one-line refusal naming the path the user gave and what is accepted. Now it is
+    refused first (exit 2), naming the key, the path and "a writable directory, existing or creatable", and the file is
+    left untouched."""
+    victim = tmp_path / "passwd"
+    victim.write_text("root:x:0:0\n")
+    before = victim.stat()
+    args = {"--out": ["--out", str(victim)], "out": [f"out={victim}"], "cache.root": [f"cache.root={victim}"],
+            "experiments.eagle3.out": [f"experiments.eagle3.out={victim}"],
+            "under a file": ["--out", str(victim / "run")]}[key]
+    named = {"--out": "out (--out)", "out": "out (--out)", "under a file": "out (--out)"}.get(key, key)
+    path = victim / "run" if key == "under a file" else victim
+    if key not in ("--out", "out", "under a file"):
+        args.append(f"out={tmp_path / 'run'}")
+    res = CliRunner().invoke(main, ["run", "--config", str(CONFIGS / "dflash-eagle3.toml"), *args]
+                             + (["--dry-run"] if dry_run else []))
+    assert_one_error_line(res, f"{named} {str(path)!r}", "a regular file", "accepted: a writable directory, "
+                          "existing or creatable")
+    after = victim.stat()
+    assert victim.read_text() == "root:x:0:0\n" and (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns,
+                                                                                           before.st_size)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["passwd"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["experiments.dflash-b8.draft_layers=40"], "experiments.dflash-b8.draft_layers 40 is invalid for a target of 30 "
+     "layers: accepted an integer in [1, 27]"),
+    (["experiments.dflash-b8.consumer.eval_interval=5"], "experiment 'dflash-b8': experiments.dflash-b8.consumer."
+     "eval_interval 5 needs a held-out split: pass experiments.dflash-b8.consumer.eval_samples N"),
+])
+def test_regression_run_messages_name_the_config_key(tmp_path, overrides, needle):
+    """Bug: a run config's bad value was named by an internal field or another command's flag: ``draft_layers =
+    40`` said ``num_draft_layers=40 must be in [1, 27] for num_target_layers=30``, and an experiment's
+    ``consumer.eval_interval`` said ``--eval-interval 5 ... pass --eval-samples N`` (flags of ``artcache consume``,
+    which the user never typed). Symptom: the user cannot tell which key to change. Each now names the key."""
+    res = CliRunner().invoke(main, ["run", "--config", str(CONFIGS / "dflash-eagle3.toml"), "--dry-run",
+                                    f"out={tmp_path / 'run'}", *overrides])
+    assert_one_error_line(res, needle)
+    assert "num_draft_layers" not in res.stderr and "--" not in res.stderr.split("error: ", 1)[1]

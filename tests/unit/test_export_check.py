@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from artcache.app.cli import main
 from artcache.errors import ConfigError
+from artcache.hashing import file_record, sealed
 from artcache.trainers import export_check
 from artcache.trainers.export import export_checkpoint
 from artcache.trainers.export_check import check_export
@@ -74,16 +75,20 @@ def _dspark_checkpoint(run: Path) -> None:
 
 def _craft(src: Path, dst: Path, edit=None, tensors=None, provenance=None) -> Path:
     """A copy of export ``src`` at ``dst`` with ``edit(config)`` applied to its config.json, ``tensors(dict)`` to its
-    tensors and ``provenance(dict)`` to its export.json."""
+    tensors (export.json then records their digest) and ``provenance(dict)`` to its export.json."""
     shutil.copytree(src, dst)
     if edit is not None:
         c = json.loads((dst / "config.json").read_text())
         edit(c)
         (dst / "config.json").write_text(json.dumps(c))
-    if tensors is not None:
+    if tensors is not None:  # as an exporter that wrote these tensors would: export.json records their digest
         t = safetensors.torch.load_file(dst / "model.safetensors")
         tensors(t)
         safetensors.torch.save_file(t, dst / "model.safetensors")
+        p = json.loads((dst / "export.json").read_text())
+        p = sealed({k: v for k, v in p.items() if k != "digests"}, {"model.safetensors": file_record(
+            dst / "model.safetensors")})
+        (dst / "export.json").write_text(json.dumps(p))
     if provenance is not None:
         p = json.loads((dst / "export.json").read_text())
         provenance(p)
@@ -314,3 +319,61 @@ def test_unknown_layout_wrong_target_and_mislabelled_provenance_are_refused(expo
 def _needs(module: str):
     return pytest.mark.skipif(importlib.util.find_spec(module) is None,
                               reason=f"{module} is not importable in this Python (its lane installs it)")
+
+
+# ----------------------------------------------------------------------------------- the weights themselves
+
+def test_regression_export_check_refuses_altered_weight_bytes(exports, tmp_path):
+    """Bug: the export check read the weights' layout but not their bytes, so a ``model.safetensors`` whose tensor
+    bytes changed after the export (a flipped bit, a partial copy) passed. Symptom: ``artcache export --check``
+    accepted a corrupted draft. The export now records the file's digest in ``export.json`` and the check names
+    the file that does not match."""
+    for name in ("dflash-hf", "eagle3-speculators", "dspark-hf"):
+        prov = json.loads((exports[name] / "export.json").read_text())
+        assert set(prov["digests"]["files"]) == {"model.safetensors"}, prov
+        rep = check_export(exports[name], exports["target"], engines=STATIC)
+        assert any(c.startswith("weights: ") and "matches the digest" in c for c in rep.checked), rep.checked
+    bad = _craft(exports["dflash-hf"], tmp_path / "flipped")
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-8] ^= 0x01  # the lowest mantissa bit of a float32 weight: still finite, same shape
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    assert all(bool(torch.isfinite(t).all()) for t in safetensors.torch.load_file(bad / "model.safetensors").values())
+    _refused(bad, exports["target"], "model.safetensors", "does not match its recorded digest")
+    r = CliRunner().invoke(main, ["export", "--out", str(bad)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "recorded digest" in r.output, r.output
+    forged = _craft(exports["dflash-hf"], tmp_path / "forged", provenance=lambda p: p.update(step=99))
+    _refused(forged, exports["target"], "export.json digests")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_regression_export_check_refuses_non_finite_weights(exports, tmp_path, value):
+    """Bug: the export check never looked at the weight values, so a draft holding NaN or inf weights (a diverged
+    run) passed and would be served proposing garbage. Symptom: ``artcache export --check`` accepted it. The check
+    now refuses in one line naming the tensor."""
+    def poison(t):
+        t["fc.weight"][0, 3] = value
+
+    msg = _refused(_craft(exports["eagle3-hf"], tmp_path / "x", tensors=poison), exports["target"],
+                   "model.safetensors fc.weight", "finite weights")
+    assert ("1 NaN" if value != value else "1 inf") in msg, msg
+
+
+def test_regression_export_check_refuses_inconsistent_num_target_layers(exports, tmp_path):
+    """Bug: the export check took ``num_target_layers`` and the count of layer ids on trust: a config saying the
+    target has 3 layers while its ids read layer 5, one naming another count than the target's, or ids whose count
+    is not what ``fc``'s input width reads all passed (or failed with a bare shape list). Symptom: a draft served
+    on the wrong target layers. Each is now one line naming both values."""
+    _refused(_craft(exports["dflash-hf"], tmp_path / "a", lambda c: c.update(num_target_layers=3)), None,
+             "num_target_layers: 3", "read layer 5", "an int above 5")
+    _refused(_craft(exports["dspark-hf"], tmp_path / "b", lambda c: c.update(num_target_layers=9)), exports["target"],
+             "num_target_layers: 9", "the target has 8 layers")
+
+    def three_ids(c):
+        c["dflash_config"]["target_layer_ids"] = [1, 5, 6]
+        c["eagle_aux_hidden_state_layer_ids"] = [2, 6, 7]
+
+    _refused(_craft(exports["dflash-hf"], tmp_path / "c", three_ids), exports["target"],
+             "fc.weight", "reads 2 target layers", "lists 3 target layers [1, 5, 6]")
+    _refused(_craft(exports["dspark-speculators"], tmp_path / "d",
+                    lambda c: c.update(aux_hidden_state_layer_ids=[2])), exports["target"],
+             "fc.weight", "reads 2 target layers", "aux_hidden_state_layer_ids lists 1 target layers [1]")

@@ -435,3 +435,53 @@ def test_contradicting_retention_flags_are_one_line_and_write_nothing(tmp_path, 
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("artcache: error:") and needle in lines[0], lines
     assert not (tmp_path / "new").exists()
+
+
+def test_regression_a_budget_over_the_filesystem_is_warned_at_start(root, monkeypatch, caplog):
+    """Bug: a --disk-budget larger than the root's filesystem (or than what the root holds plus the free space) was
+    taken silently; the budget never bound, captures failed for space first while the start line and the
+    accounting showed room in the budget. Symptom: a full disk with no word that the budget could not fit. Now the
+    producer warns once at start naming the budget and the filesystem's size (or its free space)."""
+    import artcache.producer as P
+
+    monkeypatch.setattr(P, "free_space", lambda path: (10 << 20, 100 << 20, root.objects))
+    cases = ((1 << 30, "exceeds the filesystem's size, 100.0 MiB (104857600 bytes)"),
+             (50 << 20, "exceeds the 0 B the root holds plus the 10.0 MiB free (10485760 bytes"),
+             (8 << 20, None), (0, None))
+    for budget, needle in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="artcache"):
+            _, _, journal = make(root, 4, disk_budget=budget)
+        journal.close()
+        warned = [r.getMessage() for r in caplog.records if "exceeds" in r.getMessage()]
+        if needle is None:
+            assert warned == [], warned
+        else:
+            assert len(warned) == 1 and needle in warned[0] and f"({budget} bytes)" in warned[0], warned
+            assert "ENOSPC" in warned[0] and "--disk-budget" in warned[0]
+
+
+def test_regression_a_full_disk_failure_names_the_free_bytes_and_the_budget(root, caplog, full_temp_writes):
+    """Bug: a capture that failed for space (ENOSPC) said only the errno and "given up until the filesystem has room
+    again", beside a budget that looked far from full. Symptom: a full disk read as a budget problem, or none. The
+    failure (log line and the give-up record consumers read) now says the filesystem is full, with its free bytes,
+    the disk budget and what the root retains."""
+    producer, _, journal = make(root, 8, disk_budget=1 << 30)
+    register(root, "c", lookahead=2, end=8)
+    full_temp_writes()
+    try:
+        with caplog.at_level("ERROR", logger="artcache"):
+            settle(producer, ticks=5)
+    finally:
+        producer.drain()
+        journal.close()
+    lines = [r.getMessage() for r in caplog.records if "given up until the filesystem has room" in r.getMessage()]
+    assert lines, caplog.text
+    want = (f"the filesystem of {root.objects} is full (or its quota is): ", " bytes) free of ",
+            "disk budget 1.00 GiB (1073741824 bytes), 0 B retained", "free space there or lower --disk-budget")
+    for needle in want:
+        assert needle in lines[0], lines[0]
+    # the journaled failure carries it too (the give-up record consumers read is that error; its own write fails on
+    # this full disk)
+    failures = [e for e in J.read_events(root.journal).events if isinstance(e, J.CaptureFailure)]
+    assert failures and all(want[2] in e.error and want[0] in e.error for e in failures), failures

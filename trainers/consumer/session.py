@@ -49,6 +49,7 @@ from artcache import registry
 from artcache.client import CacheClient, Leased, open_root
 from artcache.crashpoints import crash_point
 from artcache.errors import CheckpointWriteError, ConfigError, ConsumerFenced, TrainingDiverged
+from artcache.fsio import unwritable_dir
 from artcache.layer_ids import layer_view, view_slice
 from artcache.layout import host_id
 from artcache.liveness import this_process
@@ -1391,15 +1392,10 @@ def _check_run_dir(run_dir: Path) -> None:
     Raises:
         ConfigError: naming ``--out`` and why it cannot be the run directory.
     """
-    at = run_dir
-    while not os.path.lexists(at) and at != at.parent:
-        at = at.parent
-    why = "Not a directory" if not at.is_dir() else "Permission denied" if not os.access(at, os.W_OK | os.X_OK) \
-        else None
+    why = unwritable_dir(run_dir)
     if why is not None:
-        where = "" if at == run_dir else f": {at}"
-        raise ConfigError(f"--out {str(run_dir)!r} cannot be the run directory ({why}{where}); give a writable "
-                          "directory path (created if missing)")
+        raise ConfigError(f"--out {str(run_dir)!r} cannot be the run directory (it {why}); accepted: a writable "
+                          "directory, existing or creatable (created if missing)")
 
 
 def _make_run_dir(run_dir: Path) -> None:

@@ -102,7 +102,7 @@ class DFlashAdapter(Draft):
             layer_view(captured, need, draft=f"a {n}-layer DFlash draft", flag_hint=" (--layer-ids)")
         else:
             n = cfg.draft_layers or dflash_default_layers(info.num_layers, captured)
-            need = dflash_layer_ids(info.num_layers, n)
+            need = dflash_layer_ids(info.num_layers, n, "--draft-layers")
             layer_view(captured, need, draft=f"a {n}-layer DFlash draft", flag_hint=f" (--draft-layers {n})")
         mask_id = choose_mask_token(load_tokenizer(info), info.vocab_size, plan)
         dcfg = DFlashConfig.from_target(AutoConfig.from_pretrained(info.path), num_layers=n,

@@ -35,7 +35,7 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
-from artcache.trainers.export_check import ExportLayout, refuse
+from artcache.trainers.export_check import ExportLayout, check_fc_reads, refuse
 
 from .config import DFlashConfig
 from .model import DFlashDraft
@@ -253,7 +253,7 @@ def _published_fields(config: dict, num_target_layers: int | None) -> tuple[dict
             ids = dc.get("target_layer_ids")
             if ids is None:  # SpecForge: the formula over the target's layers
                 L = config.get("num_target_layers", num_target_layers)
-                ids = dflash_layer_ids(int(L), int(config["num_hidden_layers"]))
+                ids = dflash_layer_ids(int(L), int(config["num_hidden_layers"]), "num_hidden_layers")
             ids = list(ids)
             aux = config.get("eagle_aux_hidden_state_layer_ids")
             if aux is not None and [vllm_id_to_output_of_layer(i) for i in aux] != ids:
@@ -377,6 +377,8 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
         raise refuse(where, "sliding_window_non_causal", f"{config.get('sliding_window_non_causal')!r}: vLLM makes the "
                      "block attention causal when it is false, speculators when it is absent",
                      "true (the block attention is bidirectional)")
+    check_fc_reads(tensors, ids, cfg.hidden_size, "aux_hidden_state_layer_ids" if spec
+                   else "dflash_config.target_layer_ids", where)
     meta = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
     ref = DFlashDraft(cfg, meta, meta, dtype=torch.float32).trainable_state_dict()
     own = {next((n + k[len(sv):] for n, sv in SERVING_NAMES if k.startswith(sv)), k): v for k, v in tensors.items()}

@@ -359,7 +359,7 @@ def _configure(cfg, info, captured, plan) -> dict[str, Any]:
         hint = " (--layer-ids)"
     else:
         n = cfg.draft_layers or dspark_default_layers(L, captured)
-        need = dspark_layer_ids(L, n)
+        need = dspark_layer_ids(L, n, "--draft-layers")
         hint = f" (--draft-layers {n}: the DFlash formula plus the last layer {L - 1})"
     layer_view(captured, need, draft=f"a {n}-layer DSpark draft", flag_hint=hint)
     mask_id = choose_mask_token(load_tokenizer(info), info.vocab_size, plan)

@@ -61,7 +61,7 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
-from artcache.trainers.export_check import ExportLayout, refuse
+from artcache.trainers.export_check import ExportLayout, check_fc_reads, refuse
 
 from .config import DSparkConfig
 
@@ -322,6 +322,7 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     for name in set(tensors) - set(own):
         if tuple(tensors[name].shape) != (cfg.vocab_size, cfg.hidden_size):
             raise refuse(where, name, f"{tuple(tensors[name].shape)}", f"[{cfg.vocab_size}, {cfg.hidden_size}]")
+    check_fc_reads(own, ids, cfg.hidden_size, "aux_hidden_state_layer_ids" if spec else "target_layer_ids", where)
     check_keys(from_export_keys(own), {k: tuple(v.shape) for k, v in _meta_model(cfg).trainable_state_dict().items()},
                f"export check: {where}: tensors")
     return block_layout("dspark", cfg, ids, spec, "qwen3_dspark.Qwen3DSparkForCausalLM", sample_from_anchor=True)

@@ -49,7 +49,7 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
-from artcache.trainers.export_check import ExportLayout, refuse
+from artcache.trainers.export_check import ExportLayout, check_fc_reads, refuse
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 from .model import FROZEN_BUFFERS, Eagle3Draft
@@ -399,6 +399,8 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     if len(ids) != EAGLE3_NUM_AUX:
         raise refuse(where, "eagle_aux_hidden_state_layer_ids", f"{aux}: {len(ids)} layers",
                      f"{EAGLE3_NUM_AUX} ids (fc reads {EAGLE3_NUM_AUX} target states)")
+    check_fc_reads(tensors, aux, cfg.hidden_size, "aux_hidden_state_layer_ids" if spec
+                   else "eagle_aux_hidden_state_layer_ids", where)
     layer = config.get("transformer_layer_config") or config
     if layer.get("tie_word_embeddings") or config.get("tie_word_embeddings"):
         raise refuse(where, "tie_word_embeddings", "true: the engine uses the target's embedding as the draft's "
