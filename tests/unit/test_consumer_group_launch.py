@@ -4,6 +4,7 @@ ranks, how it turns the ranks' ends into one error, how it watches their beats, 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -114,3 +115,60 @@ def test_regression_a_rank_that_stops_beating_is_named(tmp_path):
     assert rank == 1 and rc == -9 and silent is not None and "no progress" in silent, failed
     assert procs[0].returncode == -15  # the healthy rank was asked to stop
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(60)
+def test_regression_a_rank_killed_by_the_signal_passed_on_is_no_failure(tmp_path):
+    """Bug: a second SIGTERM to a group's launcher was passed on to ranks whose handlers were already restored (the
+    run had stopped and cleaned up); the rank died of the signal and the launcher reported "rank 1 (pid N) ended
+    with signal SIGTERM", a GroupFailed, exit 1, where one process exits 143. Now a rank that ends of a stop signal
+    the launcher passed on (or with 128 + it) stopped as one process would: no failure, and the launcher ends as
+    Cancelled with that signal."""
+    clean = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for code in (clean, "import time; time.sleep(60)")]
+    time.sleep(1.0)  # rank 0's handler installed; rank 1 keeps the default action (dies of SIGTERM)
+    threading.Timer(0.2, lambda: signal.raise_signal(signal.SIGTERM)).start()
+    forwarded: list[int] = []
+    try:
+        failed = G._watch(procs, 5.0, forwarded, None)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert forwarded == [signal.SIGTERM]
+    assert [p.returncode for p in procs] == [143, -signal.SIGTERM]
+    assert failed is None, failed
+    assert [G._stopped_by(p.returncode, forwarded) for p in procs] == [signal.SIGTERM] * 2
+    assert G._stopped_by(1, forwarded) is None and G._stopped_by(-9, forwarded) is None
+
+
+def test_regression_the_registration_records_the_rank_that_failed(tmp_path):
+    """Bug: after rank 1 of a group was killed (SIGKILL), the registration's failure reason was rank 0's own error
+    (gloo's "Connection closed by peer"), while the launcher printed "rank 1 ... ended with signal SIGKILL". Now the
+    launcher records its diagnosis as the reason of the registration rank 0 finished as failed; a registration rank
+    0 left running is fenced with it, and a failure of rank 0 itself keeps rank 0's own reason."""
+    from artcache import registry
+    from artcache.layout import CacheLayout
+
+    layout = CacheLayout(tmp_path / "root")
+    for sub in ("locks", "consumers", "journal", "leases", "tmp"):
+        (layout.root / sub).mkdir(parents=True)
+    procs = [_Ended(1), _Ended(-9)]
+    procs[0].pid, procs[1].pid = 4242, 4243
+    cfg = ConsumerConfig(cache=str(layout.root), consumer_id="g", nproc=2, lookahead=16)
+
+    def write(state: str, reason: str) -> None:
+        registry.update(layout, "g", lambda _old: registry.Registration(consumer_id="g", draft="dflash", state=state,
+                                                                        generation=3, pid=4242, reason=reason))
+
+    why = "rank 1 (pid 4243) ended with signal SIGKILL"
+    write("failed", "RuntimeError: Connection closed by peer")
+    G._fence_dead(cfg, procs, "failed", why, peer_failed=True)
+    assert registry.read(layout, "g").reason == why
+    write("failed", "CaptureTimeout: position 3")
+    G._fence_dead(cfg, procs, "failed", "rank 0 (pid 4242) ended with exit status 1", peer_failed=False)
+    assert registry.read(layout, "g").reason == "CaptureTimeout: position 3"
+    write("running", "")
+    G._fence_dead(cfg, procs, "cancelled", "interrupted")
+    got = registry.read(layout, "g")
+    assert (got.state, got.reason) == ("cancelled", "interrupted")

@@ -109,9 +109,12 @@ class Group:
     def main(self) -> bool:
         return self.rank == 0
 
-    def barrier_slow(self) -> None:
-        """Every rank reached this point (the slow group: a rank may have waited for data or rank 0's work)."""
-        dist.barrier(group=self.slow)
+    def any_slow(self, flag: bool) -> bool:
+        """Whether any rank passed ``flag`` True (a max all-reduce over the slow group: a rank may have waited for
+        data or rank 0's work); every rank reached this point."""
+        box = torch.tensor([float(flag)])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.slow)
+        return bool(box.item() > 0)
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a small picklable object, over the slow group)."""
@@ -425,18 +428,21 @@ def launch(cfg) -> dict:
         failed = _watch(procs, cfg.group_timeout_s, forwarded, beats)
         if failed is not None:
             r, rc, silent = failed
-            fenced = _fence_dead(cfg, procs, r, rc)
+            why = f" after {silent}" if silent else _error_note(Path(tmp), r)
+            diagnosis = f"rank {r} (pid {procs[r].pid}) ended with {_describe(rc)}{why}"
+            fenced = _fence_dead(cfg, procs, "failed", diagnosis, peer_failed=r != 0)
             bad_input = _bad_input(Path(tmp), procs, r)
             if bad_input is not None and silent is None:
                 raise bad_input
-            why = f" after {silent}" if silent else _error_note(Path(tmp), r)
             trace = rank_file(Path(tmp), "trace", r)
             if silent is None and trace.is_file():  # its traceback once (the others' failed collectives: none)
                 sys.stderr.write(f"rank {r}: {trace.read_text()}")
             others = ", ".join(f"rank {i} {_describe(p.returncode)}" for i, p in enumerate(procs) if i != r)
-            raise GroupFailed(f"consumer {cfg.consumer_id!r}: rank {r} (pid {procs[r].pid}) ended with {_describe(rc)}"
-                              f"{why}; the group stopped ({others}){fenced}", rank=r, returncode=rc)
-        stopped = [s for s in forwarded if any(p.returncode == 128 + s for p in procs)]
+            raise GroupFailed(f"consumer {cfg.consumer_id!r}: {diagnosis}; the group stopped ({others}){fenced}",
+                              rank=r, returncode=rc)
+        stopped = [s for s in (_stopped_by(p.returncode, forwarded) for p in procs) if s is not None]
+        if stopped:  # rank 0 killed by the signal (a second one) before it finished the registration: cancelled
+            _fence_dead(cfg, procs, "cancelled", "interrupted")
         try:
             summary = json.loads(summary_path.read_text())
         except (OSError, ValueError) as exc:
@@ -480,6 +486,13 @@ def _error_note(directory: Path, rank: int) -> str:
     return f" ({msg.cls}: {msg.message})" if msg is not None else ""
 
 
+def _stopped_by(rc: int | None, forwarded: list[int]) -> int | None:
+    """The stop signal the launcher passed on that ended a rank with return code ``rc``: its clean stop (exit status
+    128 + the signal, as one process exits 130 / 143) or the signal itself (a second one, or one that came while
+    the rank's handlers were not installed: one process dies of it the same way); None for any other end."""
+    return next((s for s in forwarded if rc in (128 + s, -s)), None)
+
+
 def _watch(procs: list[subprocess.Popen], grace_s: float, forwarded: list[int],
            beats: list[Path] | None = None) -> tuple[int, int, str | None] | None:
     """Wait for every rank; on the first that ends nonzero stop the rest (SIGTERM, SIGKILL after ``grace_s``).
@@ -487,14 +500,14 @@ def _watch(procs: list[subprocess.Popen], grace_s: float, forwarded: list[int],
     group itself, and one silent for :data:`SILENT_S` s when another rank fails is taken for the cause; a silent
     rank is SIGKILLed at once (a stopped process never acts on SIGTERM). Returns (rank, return code, how long it
     was silent or None) of that first failure, or None when all exited 0 or, after a stop signal the launcher
-    passed on, with 128 + that signal (each rank's own clean stop, as one process exits 130 / 143). The stop
-    signals passed on are appended to ``forwarded``."""
+    passed on, with 128 + that signal or of that signal (:func:`_stopped_by`). The stop signals passed on are
+    appended to ``forwarded``."""
     from artcache.liveness import HeartbeatWatch
 
     watch = HeartbeatWatch(grace_s)
 
     def bad(rc: int | None) -> bool:
-        return rc not in (None, 0) and rc not in {128 + s for s in forwarded}
+        return rc not in (None, 0) and not _stopped_by(rc, forwarded)
 
     def forward(signum):  # the launcher's SIGINT / SIGTERM: every rank stops at its next step boundary
         forwarded.append(signum)
@@ -553,11 +566,13 @@ def _watch(procs: list[subprocess.Popen], grace_s: float, forwarded: list[int],
     return None if failed is None else (failed[0], procs[failed[0]].returncode, failed[1])
 
 
-def _fence_dead(cfg, procs: list[subprocess.Popen], rank: int, rc: int) -> str:
-    """After a failed group (every rank has exited): fence the consumer's registration as failed when it is still
-    running under one of these ranks' pids (rank 0 was killed and could not finish it), and reclaim the leases
-    the dead ranks still held (journaled as ``lease_expire``, reason ``holder-dead``, in the launcher's own
-    journal), so nothing they held waits for the producer's next pass. Returns a note for the error message."""
+def _fence_dead(cfg, procs: list[subprocess.Popen], state: str, reason: str, peer_failed: bool = False) -> str:
+    """After a failed or stopped group (every rank has exited): fence the consumer's registration as ``state`` with
+    ``reason`` (the launcher's diagnosis) when it is still running under one of these ranks' pids (rank 0 was
+    killed and could not finish it); with ``peer_failed`` (another rank than 0 failed first) a registration rank 0
+    finished as failed gets ``reason`` too, in place of its own error (a collective a dead peer broke). Then reclaim
+    the leases the dead ranks still held (journaled as ``lease_expire``, reason ``holder-dead``, in the launcher's
+    own journal), so nothing they held waits for the producer's next pass. Returns a note for the error message."""
     from artcache import journal as J
     from artcache import leases
     from artcache.layout import CacheLayout
@@ -567,10 +582,16 @@ def _fence_dead(cfg, procs: list[subprocess.Popen], rank: int, rc: int) -> str:
     note = ""
     try:
         reg = registry.read(layout, cfg.consumer_id)
-        if reg is not None and reg.state == "running" and reg.pid in {p.pid for p in procs}:
-            reason = f"rank {rank} ended with {_describe(rc)}"
-            registry.fence(layout, cfg.consumer_id, "failed", reason, expect_generation=reg.generation)
-            note = "; its registration was fenced as failed (--resume continues from its recorded checkpoint)"
+        ours = reg is not None and reg.pid in {p.pid for p in procs}
+        if ours and reg.state == "running":
+            registry.fence(layout, cfg.consumer_id, state, reason, expect_generation=reg.generation)
+            note = f"; its registration was fenced as {state} (--resume continues from its recorded checkpoint)"
+        elif ours and peer_failed and reg.state == "failed":
+            def blame(old: registry.Registration | None) -> registry.Registration | None:
+                return msgspec.structs.replace(old, reason=reason) if old is not None and \
+                    old.generation == reg.generation and old.state == "failed" else None
+
+            registry.update(layout, cfg.consumer_id, blame)
         dead = [info for infos in leases.scan(layout).values() for info in infos
                 if info.consumer == cfg.consumer_id and info.holder is not None and info.holder.comparable()
                 and info.holder.pid in {p.pid for p in procs} and dead_reason(info.holder) is not None]

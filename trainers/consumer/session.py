@@ -822,15 +822,20 @@ class Session:
         t0 = time.monotonic()
         fetched = self._next_batch()
         try:
-            if self.group is not None:  # every rank holds its slice (a demand miss may take long: the slow group)
-                self.group.barrier_slow()
+            # every rank holds its slice or was asked to stop while it waited for it (a demand miss may take long:
+            # the slow group); a stop request of any rank stops every rank here, so a signal reaches the ranks
+            # waiting in this collective for a peer that waits for data
+            if self.group is not None and self.group.any_slow(fetched is None or self.stop_req.is_set()):
+                self.group_stop = True
+                raise KeyboardInterrupt("signal")
             wait_s = time.monotonic() - t0
             self.wait_total += wait_s
             batch = fetched.wait()
             self.consistent = False  # from the anchor draw on, until the step's cursor is set
             sums, lr = self.train_step(batch, step_index)
         except BaseException:  # a failed step or collective: its batch's leases go, as close() releases the queued
-            self.reader.done(fetched)
+            if fetched is not None:
+                self.reader.done(fetched)
             raise
         t_launched = time.monotonic()
         # one past the global batch: this rank's slice starts rank × its share after the batch's first position
@@ -1106,13 +1111,16 @@ class Session:
                                f"{', …' if len(bad) > 3 else ''}; --lr {self.cfg.lr:g}): training diverged and "
                                f"stopped; {kept}; lower --lr or check the data", step=step)
 
-    def _next_batch(self) -> Fetched:
-        """The reader's next batch; raises what stopped the reader, a signal's request, or a fence."""
+    def _next_batch(self) -> Fetched | None:
+        """The reader's next batch; raises what stopped the reader, a signal's request, or a fence. In a group a
+        signal's request while the batch is awaited returns None: :meth:`step` stops every rank on it."""
         got = None
         if self.group_stop:  # a rank of the group was asked to stop: all stop at this boundary
             raise KeyboardInterrupt("signal")
         while got is None:
-            if self.stop_req.is_set() and self.group is None:
+            if self.stop_req.is_set():
+                if self.group is not None:
+                    return None
                 raise KeyboardInterrupt("signal")
             if self.fenced.is_set():  # the heartbeat found the fence and stopped the reader: no batch will come
                 raise ConsumerFenced(f"consumer {self.cfg.consumer_id} was fenced")
