@@ -6,6 +6,7 @@ tests/unit/test_consumer_group_launch.py."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -117,3 +118,57 @@ def test_regression_a_rank_leaving_on_a_failed_collective_releases_its_leases(ro
     assert _count(rank0, J.ConsumerEnd) == 1
     reclaimed = sum(_count(evs, J.LeaseExpire) for evs in _events(root, "launcher-killed-*.jsonl").values())
     assert reclaimed == _count(rank1, J.LeaseAcquire) - _count(rank1, J.LeaseRelease)
+
+
+@pytest.fixture(scope="module")
+def unpublished(tmp_path_factory) -> Path:
+    """A root whose plan has no published position (no producer running): every demand waits."""
+    from artcache.producer import ProducerConfig, prepare_root
+
+    path = tmp_path_factory.mktemp("unpublished") / "cache"
+    prepare_root(ProducerConfig(cache=str(path), target="random:tiny-llama", dataset="synthetic", max_length=32,
+                                max_samples=24, layer_ids=list(range(8)), device="cpu"))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_regression_sigterm_stops_a_group_waiting_for_data(unpublished, tmp_path):
+    """Bug: SIGTERM to a group whose ranks waited for data (positions not yet published) was ignored until the
+    demand wait timed out (``--demand-timeout``, default 600 s): the group then failed with CaptureTimeout and the
+    registration ``failed``, where one process exits 143 within a second, cancelled. A rank waiting for its batch
+    did not act on its stop request, and a rank waiting for it in a collective could not. Now the group exits 143
+    within seconds, with its summary, and the registration is ``cancelled``."""
+    cid = "waiting"
+    args = [sys.executable, "-m", "artcache", "consume", "--cache", str(unpublished), "--id", cid, "--draft",
+            "dflash", *DRAFT_FLAGS["dflash"], "--batch-size", "2", "--steps", "40", "--window", "2:8", "--threads",
+            "1", "--out", str(tmp_path / "runs" / cid), "--no-progress", "--no-tensorboard", "--group-timeout", "30",
+            "--demand-timeout", "120", "--nproc", "2", "--json"]
+    log = tmp_path / f"{cid}.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True)
+    layout = CacheLayout(unpublished)
+    try:
+        deadline = time.monotonic() + 120
+        # both ranks wait: the registration holds the demand of each rank's slice (positions 0-1 and 2-3)
+        while time.monotonic() < deadline:
+            reg = registry.read(layout, cid)
+            if reg is not None and {0, 2} <= set(reg.demand):
+                break
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the ranks never waited for data: {log.read_text()[-3000:]}")
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 143 and took < 20, (proc.returncode, took, text[-3000:])
+    assert "GroupFailed" not in text and "CaptureTimeout" not in text, text[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["state"] == "cancelled"
+    assert registry.read(layout, cid).state == "cancelled"
