@@ -172,3 +172,21 @@ def test_regression_sigterm_stops_a_group_waiting_for_data(unpublished, tmp_path
     assert "GroupFailed" not in text and "CaptureTimeout" not in text, text[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["state"] == "cancelled"
     assert registry.read(layout, cid).state == "cancelled"
+
+
+@pytest.mark.timeout(300)
+def test_regression_bad_layer_ids_or_out_are_refused_before_ranks_start(root, tmp_path):  # noqa: F811
+    """Bug: with ``--nproc 2`` a bad ``--layer-ids 1,99`` or an ``--out`` that is a file was found only by the ranks
+    the launcher had started: stderr held "started a group", "rank N ... ended with exit status 2" and (for the
+    file) a "checkpoints: ... free space needed under <the file>" line before the error. Now the launcher checks
+    both before any rank starts: stderr is the one error line, exit 2, as for one process (which no longer sizes
+    checkpoints under a file either)."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    for extra, needle in ((["--layer-ids", "1,99"], "[99]"), (["--out", str(afile)], "regular file")):
+        for nproc in ("2", "1"):
+            proc = consume(root, tmp_path, "badinput", "dflash", 2, *extra, "--nproc", nproc, check=False)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1, (nproc, proc.stderr[-3000:])
+            assert lines[0].startswith("artcache: error: ") and needle in lines[0] and "accepted" in lines[0], lines
+    assert registry.read(CacheLayout(root), "badinput") is None and not (tmp_path / "runs" / "badinput").exists()

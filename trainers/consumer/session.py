@@ -83,6 +83,7 @@ from artcache.trainers.draft import (
     build_draft,
     check_target,
     denominator,
+    draft_class,
     figure_rank,
     figures_of,
 )
@@ -210,16 +211,22 @@ def preflight(cfg: ConsumerConfig) -> None:
 
     Raises:
         ConfigError / CacheRootError: bad settings, a missing or damaged root, anchors beyond its max length, speed
-            options the device cannot run, ``--out`` or ``--id`` of an earlier run without ``--resume``.
+            options the device cannot run, an ``--out`` that cannot be a run directory, ``--out`` or ``--id`` of an
+            earlier run without ``--resume``.
+        ConfigError / ContractMismatch: layers (``--layer-ids``, ``--draft-layers``) or sizes the draft refuses, or
+            layers the root does not capture (the draft's own :meth:`~artcache.trainers.draft.Draft.configure`, which
+            builds nothing).
     """
     cfg.validate()
     resolved = cfg.resolved()
-    layout, settings, _ = _open(resolved, cfg.num_anchors)
+    layout, settings, plan = _open(resolved, cfg.num_anchors)
     SpeedOptions.for_device(resolved, torch.device(cfg.device))
+    run_dir = _run_dir(cfg)
+    _check_run_dir(run_dir)
     if not cfg.resume:
-        run_dir = _run_dir(cfg)
         refuse_existing_run(run_dir)
         refuse_reused_id(cfg.consumer_id, registry.read(layout, cfg.consumer_id), run_dir)
+    draft_class(resolved.draft).configure(resolved, check_target(settings), list(settings.contract.layer_ids), plan)
 
 
 def _open(cfg: ConsumerConfig, given_anchors: int | None):
@@ -334,6 +341,7 @@ class Session:
         # exclusive: the consumer never reads at or past it
         self.end = cfg.steps * cfg.global_batch if self.packer is None else self.packer.end_after(cfg.steps)
         self.run_dir = _run_dir(cfg)
+        _check_run_dir(self.run_dir)  # before anything is sized or created under it
         vocab_map = src = None
         if cfg.resume:
             self.resumed = find_resume(cfg, self.layout, self.settings, self.run_dir)
