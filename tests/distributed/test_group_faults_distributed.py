@@ -190,3 +190,14 @@ def test_regression_bad_layer_ids_or_out_are_refused_before_ranks_start(root, tm
             assert proc.returncode == 2 and len(lines) == 1, (nproc, proc.stderr[-3000:])
             assert lines[0].startswith("artcache: error: ") and needle in lines[0] and "accepted" in lines[0], lines
     assert registry.read(CacheLayout(root), "badinput") is None and not (tmp_path / "runs" / "badinput").exists()
+
+
+@pytest.mark.timeout(300)
+def test_regression_a_resumed_group_says_so_once(root, tmp_path):  # noqa: F811
+    """Bug: ``--resume`` of a 2-rank group logged "resumed from <checkpoint>: step N, cursor C" twice (once per
+    rank), where one process logs it once. Now only rank 0 logs it."""
+    flags = ("--nproc", "2", "--save-every", "1", "--lr-total-steps", "4")
+    consume(root, tmp_path, "again", "dflash", 2, *flags, steps=1)
+    proc = consume(root, tmp_path, "again", "dflash", 2, *flags, "--resume", steps=2)
+    assert proc.stderr.count("resumed from") == 1, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "step 1, cursor 4" in proc.stderr

@@ -578,7 +578,7 @@ class Session:
     def _start(self) -> None:
         """The client, the reader, the journal's start, the signal handlers, the evaluator, the heartbeat."""
         cfg, layout, reg = self.cfg, self.layout, self.reg
-        if self.resumed is not None:
+        if self.resumed is not None and self.main:  # one line for the group, as for one process
             log.info("[%s] resumed from %s: step %d, cursor %d", cfg.consumer_id, self.resumed.path, self.start_step,
                      self.start_cursor)
         # the client stack its reader process builds the same way (CacheClient.for_consumer), over this rank's handle
