@@ -112,6 +112,8 @@ def test_regression_a_rank_leaving_on_a_failed_collective_releases_its_leases(ro
     os.kill(pids[1], signal.SIGKILL)
     rc = proc.wait(timeout=120)
     assert rc == 1, log.read_text()[-3000:]
+    reg = registry.read(CacheLayout(root), "killed")  # the launcher's diagnosis, not rank 0's broken collective
+    assert reg.state == "failed" and reg.reason.startswith(f"rank 1 (pid {pids[1]}) ended with signal SIGKILL"), reg
     (rank0,) = _events(root, "consumer-killed-*.jsonl").values()
     (rank1,) = _events(root, "reader-killed-*.jsonl").values()
     assert _count(rank0, J.LeaseAcquire) == _count(rank0, J.LeaseRelease) > 0
