@@ -203,3 +203,24 @@ def test_regression_a_resumed_group_says_so_once(root, tmp_path):  # noqa: F811
     proc = consume(root, tmp_path, "again", "dflash", 2, *flags, "--resume", steps=2)
     assert proc.stderr.count("resumed from") == 1, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step 1, cursor 4" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_regression_a_second_sigterm_stops_the_group_as_cancelled(root, tmp_path):  # noqa: F811
+    """Bug: a second SIGTERM to a group's launcher (passed on to every rank) killed a rank whose handlers were
+    already restored, and the launcher took it for a failure: "rank 1 (pid N) ended with signal SIGTERM: stopping the
+    other ranks", GroupFailed, exit 1, registration ``failed``, where one process exits 143, cancelled. Now the group
+    exits 143 and the registration is ``cancelled``."""
+    proc, log, _pids = _start_group(root, tmp_path, "twice")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 143, (rc, text[-3000:])
+    assert "GroupFailed" not in text and "stopping the other ranks" not in text, text[-3000:]
+    assert registry.read(CacheLayout(root), "twice").state == "cancelled"
