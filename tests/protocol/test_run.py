@@ -59,7 +59,13 @@ demand_timeout_s = 300.0
 
 
 def exp(name: str, draft: str = "dflash", steps: int = 6, **consumer) -> str:
-    table = {"progress": False, "tensorboard": False, **consumer}
+    """One ``[[experiments]]`` table: ``consumer`` settings go under ``[experiments.consumer]``, except those the
+    experiment holds under a key of its own (``lr``, ``seed`` ...), which go to the experiment's table."""
+    from artcache.app.config import Experiment
+
+    own = "".join(f"{k} = {json.dumps(v)}\n" for k, v in consumer.items() if k in Experiment.__struct_fields__)
+    table = {"progress": False, "tensorboard": False,
+             **{k: v for k, v in consumer.items() if k not in Experiment.__struct_fields__}}
     if draft == "eagle3":
         table.update(ttt_steps=2, draft_vocab=512)
     body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in table.items())
@@ -74,7 +80,7 @@ steps = {steps}
 window = "2:8"
 threads = 1
 log_every = 1
-[experiments.consumer]
+{own}[experiments.consumer]
 {body}
 """
 
