@@ -352,10 +352,12 @@ def _check_speculators_config(config: dict, layout: ExportLayout, where: str) ->
 
 
 def _read_provenance(directory: Path, where: str) -> dict:
-    """``export.json`` as a dict (absent for drafts artcache did not write: ``{}``).
+    """``export.json`` as a dict (absent for drafts artcache did not write: ``{}``), its ``digests`` record
+    verified whole (:func:`artcache.hashing.check_record`) before the check trusts the trained ids it records.
 
     Raises:
-        ConfigError: unreadable, not a JSON object, or a ``layer_ids_output_of_layer`` that is no list of ints.
+        ConfigError: unreadable, not a JSON object, a damaged or mismatching ``digests`` record, or a
+            ``layer_ids_output_of_layer`` that is no list of ints.
     """
     p = directory / "export.json"
     if not p.is_file():
@@ -366,6 +368,9 @@ def _read_provenance(directory: Path, where: str) -> dict:
         raise refuse(where, "export.json", f"unreadable ({_one_line(exc)})", "the JSON artcache export writes") from exc
     if not isinstance(prov, dict):
         raise refuse(where, "export.json", f"a {type(prov).__name__}", "the JSON object artcache export writes")
+    damaged = check_record(prov)  # before anything trusts its trained ids
+    if damaged is not None:
+        raise refuse(where, "export.json digests", damaged, "the export.json artcache export wrote (export again)")
     ids = prov.get("layer_ids_output_of_layer")
     if ids is not None and (not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int)
                                                               for i in ids)):
@@ -395,8 +400,8 @@ def _check_trained_ids(fields: ExportFields, prov: dict, where: str) -> None:
 
 
 def _check_provenance(prov: dict, layout: ExportLayout, where: str) -> dict:
-    """``export.json``'s draft, format and layer ids must be the layout's, then its ``digests`` record whole
-    (:func:`artcache.hashing.check_record`). Returns it."""
+    """``export.json``'s draft, format and layer ids (read and verified by :func:`_read_provenance`) must be the
+    layout's. Returns it."""
     if not prov:
         return prov
     for key, want in (("draft", layout.draft), ("format", layout.fmt)):
@@ -408,9 +413,6 @@ def _check_provenance(prov: dict, layout: ExportLayout, where: str) -> dict:
         raise refuse(where, "layer ids", f"config.json reads output-of-layer ids {layout.layer_ids} (aux ids "
                      f"{layout.aux_ids}) but the draft was trained on {list(ids)} (export.json)",
                      f"aux ids {[i + 1 for i in ids]} (input-of-layer = trained output-of-layer + 1)")
-    damaged = check_record(prov)
-    if damaged is not None:
-        raise refuse(where, "export.json digests", damaged, "the export.json artcache export wrote (export again)")
     return prov
 
 

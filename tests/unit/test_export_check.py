@@ -75,7 +75,8 @@ def _dspark_checkpoint(run: Path) -> None:
 
 def _craft(src: Path, dst: Path, edit=None, tensors=None, provenance=None) -> Path:
     """A copy of export ``src`` at ``dst`` with ``edit(config)`` applied to its config.json, ``tensors(dict)`` to its
-    tensors (export.json then records their digest) and ``provenance(dict)`` to its export.json."""
+    tensors (export.json then records their digest) and ``provenance(dict)`` to its export.json (its record
+    resealed; emptied, it stays empty: no export.json record)."""
     shutil.copytree(src, dst)
     if edit is not None:
         c = json.loads((dst / "config.json").read_text())
@@ -89,10 +90,11 @@ def _craft(src: Path, dst: Path, edit=None, tensors=None, provenance=None) -> Pa
         p = sealed({k: v for k, v in p.items() if k != "digests"}, {"model.safetensors": file_record(
             dst / "model.safetensors")})
         (dst / "export.json").write_text(json.dumps(p))
-    if provenance is not None:
+    if provenance is not None:  # resealed, as an exporter that wrote this record would
         p = json.loads((dst / "export.json").read_text())
+        files = (p.pop("digests", None) or {}).get("files")
         provenance(p)
-        (dst / "export.json").write_text(json.dumps(p))
+        (dst / "export.json").write_text(json.dumps(sealed(p, files) if files is not None and p else p))
     return dst
 
 
@@ -341,7 +343,9 @@ def test_regression_export_check_refuses_altered_weight_bytes(exports, tmp_path)
     _refused(bad, exports["target"], "model.safetensors", "does not match its recorded digest")
     r = CliRunner().invoke(main, ["export", "--out", str(bad)])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "recorded digest" in r.output, r.output
-    forged = _craft(exports["dflash-hf"], tmp_path / "forged", provenance=lambda p: p.update(step=99))
+    forged = _craft(exports["dflash-hf"], tmp_path / "forged")
+    p = json.loads((forged / "export.json").read_text())
+    (forged / "export.json").write_text(json.dumps({**p, "step": 99}))
     _refused(forged, exports["target"], "export.json digests")
 
 
@@ -446,6 +450,18 @@ def test_regression_export_check_blames_the_changed_layer_id_key(exports, tmp_pa
     assert "eagle_config" not in msg, msg
     bad = _craft(exports["dflash-hf"], tmp_path / "y", _dc(target_layer_ids=[2, 5]))
     _refused(bad, exports["target"], "config.json dflash_config.target_layer_ids: [2, 5]", "accepted: [1, 5] ")
+
+
+def test_regression_export_check_trusts_trained_ids_only_when_sealed(exports, tmp_path):
+    """Bug: the check compared config.json's layer ids with the trained ids of an ``export.json`` before verifying
+    that file's digest record. Symptom: with only export.json's ``layer_ids_output_of_layer`` edited, the refusal
+    blamed config.json's untouched layer ids. Now a record that does not match its digest is refused first,
+    naming export.json."""
+    bad = _craft(exports["eagle3-hf"], tmp_path / "x")
+    p = json.loads((bad / "export.json").read_text())
+    (bad / "export.json").write_text(json.dumps({**p, "layer_ids_output_of_layer": [1, 2, 3]}))
+    msg = _refused(bad, exports["target"], "export.json digests", "does not match its recorded digest")
+    assert "config.json" not in msg and "layer ids" not in msg, msg
 
 
 def _corrupt_header(d: Path) -> None:
