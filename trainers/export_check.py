@@ -4,6 +4,9 @@ error and then serve at acceptance length tau ~ 1 (the +1 bonus token alone), be
 What it checks, in order (each refusal is one :class:`~artcache.errors.ConfigError` line naming the
 ``config.json`` key, tensor or file and what is accepted):
 
+0. **Files and fields** (always, first): ``config.json`` and ``model.safetensors`` each read (the one that does
+   not is named), ``config.json``'s draft and layer-id fields decoded strictly (:func:`export_fields`), and each
+   layer-id key compared with the trained ids ``export.json`` records (its digest record verified first).
 1. **Static** (always; no engine needed): the directory's ``config.json`` and ``model.safetensors`` read as
    the draft's layout (:meth:`artcache.trainers.draft.Draft.export_layout`: the draft's keys, shapes, layer
    ids, block size, MASK id, norm placement, ``sample_from_anchor``, vocabulary map), plus what every layout
