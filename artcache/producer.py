@@ -278,10 +278,12 @@ def default_budget(layout: CacheLayout, retained: int) -> tuple[int, str]:
                     f"{format_bytes(usage.free)} free on {layout.objects} beyond a {format_bytes(reserve)} reserve")
 
 
-def budget_over_filesystem(layout: CacheLayout, budget: int, retained: int) -> str:
+def budget_over_filesystem(layout: CacheLayout, budget: int, retained: int, key: str = "--disk-budget") -> str:
     """The start warning for a disk budget the root's filesystem cannot hold: more than what the root retains plus
     the free space (a budget above the filesystem's size always is); ``""`` when it fits. Such a budget never
-    binds: captures fail for space (ENOSPC) first, while the accounting still shows room in the budget."""
+    binds: captures fail for space (ENOSPC) first, while the accounting still shows room in the budget. The root
+    need not exist yet (its nearest existing directory is measured). ``key``: the setting the warning names (the
+    producer's flag, or ``cache.disk_budget`` for ``artcache run``'s plan)."""
     try:
         free, size, _ = free_space(layout.objects)
     except OSError:
@@ -291,8 +293,9 @@ def budget_over_filesystem(layout: CacheLayout, budget: int, retained: int) -> s
     what = (f"the filesystem's size, {format_bytes(size)} ({size} bytes)" if budget > size else
             f"the {format_bytes(retained)} the root holds plus the {format_bytes(free)} free ({retained + free} bytes; "
             f"filesystem size {format_bytes(size)})")
-    return (f"disk budget {format_bytes(budget)} ({budget} bytes) exceeds {what} of {layout.objects}: the budget "
-            "will not bind, captures fail for space (ENOSPC) first; give a --disk-budget that fits (or auto)")
+    name = "disk budget" if key.startswith("--") else key
+    return (f"{name} {format_bytes(budget)} ({budget} bytes) exceeds {what} of {layout.objects}: the budget "
+            f"will not bind, captures fail for space (ENOSPC) first; give a {key} that fits (or auto)")
 
 
 def describe_retention(policy: str, budget: int, how: str = "") -> str:

@@ -4,6 +4,9 @@ error and then serve at acceptance length tau ~ 1 (the +1 bonus token alone), be
 What it checks, in order (each refusal is one :class:`~artcache.errors.ConfigError` line naming the
 ``config.json`` key, tensor or file and what is accepted):
 
+0. **Files and fields** (always, first): ``config.json`` and ``model.safetensors`` each read (the one that does
+   not is named), ``config.json``'s draft and layer-id fields decoded strictly (:func:`export_fields`), and each
+   layer-id key compared with the trained ids ``export.json`` records (its digest record verified first).
 1. **Static** (always; no engine needed): the directory's ``config.json`` and ``model.safetensors`` read as
    the draft's layout (:meth:`artcache.trainers.draft.Draft.export_layout`: the draft's keys, shapes, layer
    ids, block size, MASK id, norm placement, ``sample_from_anchor``, vocabulary map), plus what every layout
@@ -39,6 +42,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import safetensors
 import safetensors.torch
 import torch
@@ -54,7 +59,8 @@ from torch import Tensor
 from artcache.errors import ConfigError
 from artcache.hashing import check_file, check_record
 
-__all__ = ["ENGINES", "CheckReport", "ExportLayout", "check_export", "check_fc_reads", "read_export", "refuse"]
+__all__ = ["ENGINES", "CheckReport", "ExportFields", "ExportLayout", "check_export", "check_fc_reads", "export_fields",
+           "read_export", "refuse"]
 
 #: The engines the check resolves an export through (``vllm`` and ``speculators`` when installed; ``sglang``
 #: statically).
@@ -157,13 +163,115 @@ def read_export(directory: str | Path) -> tuple[dict, dict[str, Tensor]]:
     """(``config.json`` as a dict, ``model.safetensors``'s tensors) of an exported draft directory.
 
     Raises:
-        ConfigError: either file is missing or unreadable (named).
+        ConfigError: a file is missing or unreadable (the one that failed named), or ``config.json`` is no
+            JSON object.
     """
     d = Path(directory)
     try:
-        return json.loads((d / "config.json").read_text()), safetensors.torch.load_file(d / "model.safetensors")
+        config = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"exported draft {d}: unreadable config.json ({_one_line(exc)}); accepted: a JSON "
+                          "object") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"exported draft {d}: config.json is a {type(config).__name__}; accepted: a JSON object")
+    try:
+        return config, safetensors.torch.load_file(d / "model.safetensors")
     except (OSError, ValueError, safetensors.SafetensorError) as exc:
-        raise ConfigError(f"exported draft {d}: unreadable config.json / model.safetensors ({exc})") from exc
+        raise ConfigError(f"exported draft {d}: unreadable model.safetensors ({_one_line(exc)}); accepted: a "
+                          "complete safetensors file") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+class _EagleConfig(msgspec.Struct):
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None
+
+
+class _DFlashConfig(msgspec.Struct):
+    target_layer_ids: list[int] | None = None
+
+
+class ExportFields(msgspec.Struct):
+    """The ``config.json`` fields that say which draft an export is and which target layers it reads, decoded
+    strictly (:func:`export_fields`): ints are ints (not bools, not floats), lists are lists. Other keys of the
+    file are read by each draft's loader.
+
+    Layer ids: ``eagle_aux_hidden_state_layer_ids`` and ``aux_hidden_state_layer_ids`` (top level) are
+    **input-of-layer** (vLLM's convention, in ``[1, L]``); ``eagle_config.eagle_aux_hidden_state_layer_ids``,
+    ``dflash_config.target_layer_ids`` and ``target_layer_ids`` are **output-of-layer** (in ``[0, L)``), L the
+    target's layer count. None: absent."""
+
+    architectures: list[str] | None = None
+    speculators_model_type: str | None = None
+    num_target_layers: int | None = None
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None
+    aux_hidden_state_layer_ids: list[int] | None = None
+    target_layer_ids: list[int] | None = None
+    eagle_config: _EagleConfig | None = None
+    dflash_config: _DFlashConfig | None = None
+
+    def layer_id_fields(self) -> dict[str, tuple[list[int], bool]]:
+        """Every layer-id key present: {dotted key: (ids, input_of_layer)}."""
+        nested = {"eagle_config.eagle_aux_hidden_state_layer_ids": (
+                      self.eagle_config.eagle_aux_hidden_state_layer_ids if self.eagle_config else None, False),
+                  "dflash_config.target_layer_ids": (
+                      self.dflash_config.target_layer_ids if self.dflash_config else None, False)}
+        out = {"eagle_aux_hidden_state_layer_ids": (self.eagle_aux_hidden_state_layer_ids, True),
+               "aux_hidden_state_layer_ids": (self.aux_hidden_state_layer_ids, True),
+               "target_layer_ids": (self.target_layer_ids, False), **nested}
+        return {k: v for k, v in out.items() if v[0] is not None}
+
+
+_INPUT_OF_LAYER = ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids")
+#: Who reads each layer-id key of an export, and how.
+_ID_READERS = {
+    "eagle_aux_hidden_state_layer_ids": "vLLM reads this key first, as input-of-layer ids",
+    "aux_hidden_state_layer_ids": "vLLM and speculators read this key as input-of-layer ids",
+    "eagle_config.eagle_aux_hidden_state_layer_ids": "SGLang reads only this key, as output-of-layer ids (its "
+                                                     "target adds 1 itself)",
+    "dflash_config.target_layer_ids": "the engines read this key as output-of-layer ids",
+    "target_layer_ids": "the engines read this key as output-of-layer ids"}
+
+
+def _accepted(key: str) -> str:
+    if key.endswith("layer_ids"):
+        if key in _INPUT_OF_LAYER:
+            return "a list of integers in [1, num_target_layers] (input-of-layer ids of the target's layers)"
+        return "a list of integers in [0, num_target_layers) (output-of-layer ids of the target's layers)"
+    if key == "architectures":
+        return 'a list of class names, such as ["DFlashDraftModel"]'
+    if key in ("eagle_config", "dflash_config"):
+        return "an object"
+    if key == "num_target_layers":
+        return "an integer, the target's layer count"
+    return "a string"
+
+
+def export_fields(config: dict) -> ExportFields:
+    """``config.json``'s draft and layer-id fields (:class:`ExportFields`), decoded strictly, no layer-id list
+    empty or below its key's lowest id. The one reader of these fields for the export check and every draft's
+    loader; whether the ids lie below the target's layer count is checked where that count is known.
+
+    Raises:
+        ConfigError: one line naming ``config.json``, the key, its value and what is accepted.
+    """
+    try:
+        fields = msgspec.convert(config, ExportFields, strict=True)
+    except msgspec.ValidationError as exc:
+        m = re.search(r"at `\$\.([A-Za-z_][\w.]*)", str(exc))
+        key = m.group(1) if m else "?"
+        value: Any = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        raise ConfigError(f"config.json: {key}: {json.dumps(value)} ({str(exc).split(' - at ')[0]}); accepted: "
+                          f"{_accepted(key)}") from exc
+    for key, (ids, input_of_layer) in fields.layer_id_fields().items():
+        if not ids or min(ids) < (1 if input_of_layer else 0):
+            raise ConfigError(f"config.json: {key}: {json.dumps(ids)} " + ("is empty" if not ids else
+                              "names a layer below the target's first") + f"; accepted: {_accepted(key)}")
+    return fields
 
 
 # ------------------------------------------------------------------------------------------ static
@@ -246,18 +354,59 @@ def _check_speculators_config(config: dict, layout: ExportLayout, where: str) ->
     return k
 
 
-def _check_provenance(directory: Path, layout: ExportLayout, where: str) -> dict:
-    """``export.json`` (absent for drafts artcache did not write: ``{}``): its draft, format and layer ids must be
-    the layout's, then its ``digests`` record whole (:func:`artcache.hashing.check_record`). Returns it."""
+def _read_provenance(directory: Path, where: str) -> dict:
+    """``export.json`` as a dict (absent for drafts artcache did not write: ``{}``), its ``digests`` record
+    verified whole (:func:`artcache.hashing.check_record`) before the check trusts the trained ids it records.
+
+    Raises:
+        ConfigError: unreadable, not a JSON object, a damaged or mismatching ``digests`` record, or a
+            ``layer_ids_output_of_layer`` that is no list of ints.
+    """
     p = directory / "export.json"
     if not p.is_file():
         return {}
     try:
         prov = json.loads(p.read_text())
     except (OSError, ValueError) as exc:
-        raise refuse(where, "export.json", f"unreadable ({exc})", "the JSON artcache export writes") from exc
+        raise refuse(where, "export.json", f"unreadable ({_one_line(exc)})", "the JSON artcache export writes") from exc
     if not isinstance(prov, dict):
         raise refuse(where, "export.json", f"a {type(prov).__name__}", "the JSON object artcache export writes")
+    damaged = check_record(prov)  # before anything trusts its trained ids
+    if damaged is not None:
+        raise refuse(where, "export.json digests", damaged, "the export.json artcache export wrote (export again)")
+    ids = prov.get("layer_ids_output_of_layer")
+    if ids is not None and (not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int)
+                                                              for i in ids)):
+        raise refuse(where, "export.json layer_ids_output_of_layer", json.dumps(ids),
+                     "the list of integers artcache export writes (export again)")
+    return prov
+
+
+def _check_trained_ids(fields: ExportFields, prov: dict, where: str) -> None:
+    """Every layer-id key of ``config.json`` against the ids the draft was trained on (``export.json``
+    ``layer_ids_output_of_layer``): an output-of-layer key must hold them, an input-of-layer key them + 1
+    (:class:`ExportFields`). Each key is compared with the training record, never with another key, so the
+    refusal names the key that was changed and gives the value that serves the trained draft.
+
+    Raises:
+        ConfigError: the first key that differs (its value, the trained ids and the accepted value named).
+    """
+    trained = prov.get("layer_ids_output_of_layer")
+    if trained is None:
+        return
+    for key, (ids, input_of_layer) in fields.layer_id_fields().items():
+        want = [i + 1 for i in trained] if input_of_layer else list(trained)
+        if ids != want:
+            raise refuse(where, f"config.json {key}", f"{ids} but the draft was trained on layer ids {trained} "
+                         f"(output-of-layer, export.json): {_ID_READERS[key]}, so fc would read other target layers",
+                         f"{want} ({'input-of-layer = trained + 1' if input_of_layer else 'output-of-layer'})")
+
+
+def _check_provenance(prov: dict, layout: ExportLayout, where: str) -> dict:
+    """``export.json``'s draft, format and layer ids (read and verified by :func:`_read_provenance`) must be the
+    layout's. Returns it."""
+    if not prov:
+        return prov
     for key, want in (("draft", layout.draft), ("format", layout.fmt)):
         if prov.get(key) not in (None, want):
             raise refuse(where, f"export.json {key}", f"{prov.get(key)!r} but config.json is a {want!r} export",
@@ -267,9 +416,6 @@ def _check_provenance(directory: Path, layout: ExportLayout, where: str) -> dict
         raise refuse(where, "layer ids", f"config.json reads output-of-layer ids {layout.layer_ids} (aux ids "
                      f"{layout.aux_ids}) but the draft was trained on {list(ids)} (export.json)",
                      f"aux ids {[i + 1 for i in ids]} (input-of-layer = trained output-of-layer + 1)")
-    damaged = check_record(prov)
-    if damaged is not None:
-        raise refuse(where, "export.json digests", damaged, "the export.json artcache export wrote (export again)")
     return prov
 
 
@@ -298,6 +444,7 @@ def _check_weights(directory: Path, tensors: dict[str, Tensor], prov: dict, wher
     except OSError as exc:
         raise refuse(where, "model.safetensors", f"unreadable ({exc})", "a readable file") from exc
     if damaged is not None:
+        damaged = damaged.removeprefix("model.safetensors ")  # the refusal names the file once, as its key
         raise refuse(where, "model.safetensors", f"{damaged} (export.json digests): the weights changed after "
                      "the export wrote them", "the model.safetensors artcache export wrote (export again)")
     return f"weights: {n} floating tensors finite; model.safetensors matches the digest export.json records"
@@ -526,16 +673,21 @@ def check_export(directory: str | Path, target: Any = None, *, engines: tuple[st
     """
     d = Path(directory)
     where = name or str(d)
-    config, tensors = read_export(d)
-    if not isinstance(config, dict):
-        raise refuse(where, "config.json", f"a {type(config).__name__}", "a JSON object")
-    tc = _target_config(target, None, where) if target is not None else None
-    L = int(getattr(tc.get_text_config() if hasattr(tc, "get_text_config") else tc, "num_hidden_layers", 0)
-            or config.get("num_target_layers") or 0) if tc is not None else int(config.get("num_target_layers") or 0)
+    try:
+        config, tensors = read_export(d)
+    except ConfigError as exc:
+        raise ConfigError(f"export check: {exc}") from exc
+    prov = _read_provenance(d, where)
+    recorded = prov.get("target_name") or prov.get("target")
+    tc = _target_config(target, None, where) if target is not None else _target_config(None, recorded, where)
+    n = getattr(tc.get_text_config() if hasattr(tc, "get_text_config") else tc, "num_hidden_layers", None)
     from artcache.trainers.draft import draft_class
 
     try:
-        kind = _draft_of(config, L or 1_000_000, where)
+        fields = export_fields(config)  # ids outside the target's layers: _check_target names the target's count
+        _check_trained_ids(fields, prov, where)
+        L = n if isinstance(n, int) and n > 0 else fields.num_target_layers or 0
+        kind = _draft_of(config, L if L > 0 else 1_000_000, where)
         layout = draft_class(kind).export_layout(config, tensors, where)
     except ConfigError as exc:
         msg = str(exc)
@@ -544,10 +696,7 @@ def check_export(directory: str | Path, target: Any = None, *, engines: tuple[st
     _check_width(config, layout, where)
     _check_dtype(config, tensors, where)
     k = _check_speculators_config(config, layout, where) if layout.fmt == "speculators" else None
-    prov = _check_provenance(d, layout, where)
-    recorded = prov.get("target_name") or prov.get("target")
-    if tc is None:
-        tc = _target_config(None, recorded, where)
+    _check_provenance(prov, layout, where)
     report = CheckReport(d, layout)
     if tc is not None:
         _check_target(config, layout, tc, where)

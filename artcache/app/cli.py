@@ -70,6 +70,19 @@ def parse_devices(text: str) -> list[str]:
     return devices
 
 
+def _check_fill_budget(fill: bool, given: str | None) -> None:
+    """Refuse ``--disk-budget 0`` given with ``--fill``: 0 means no budget, the windows-only rule, which keeps no
+    fill, while ``--fill`` retains by need (its budget ``auto`` when ``--disk-budget`` is left out). ``given``: the
+    flag's text when it was given on the command line, else None.
+
+    Raises:
+        ConfigError: naming the value and what is accepted.
+    """
+    if fill and given is not None and parse_disk_budget(given) == 0:
+        raise ConfigError(f"--disk-budget {given} (no budget: the windows-only rule, which keeps no fill) cannot go "
+                          "with --fill; accepted: BYTES, auto, or leave --disk-budget out (auto)")
+
+
 def _with_config(verb: str):
     """Add ``--config FILE`` (plus ``SECTION.FIELD=VALUE`` overrides; ``--experiment NAME`` for consume)
     to a verb. With a file the settings come from it, then the overrides, then the flags given on the
@@ -103,6 +116,7 @@ def _with_config(verb: str):
                 raise ConfigError("consume --config FILE needs --experiment NAME (one of the file's experiments)")
             cfg = C.load_run_config(config, overrides, C.flag_paths(verb, explicit, experiment))
             if verb == "producer":
+                _check_fill_budget(kwargs["fill"], explicit.get("disk_budget"))
                 _start("producer", C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS}))
             elif verb == "consume":
                 _start("consumer", C.consumer_config(cfg, experiment, kwargs.get("consumer_id")))
@@ -362,6 +376,8 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
     from artcache.scheduler import SchedulerLimits
 
     check_device(device)
+    _check_fill_budget(fill, disk_budget if click.get_current_context().get_parameter_source("disk_budget")
+                       == ParameterSource.COMMANDLINE else None)
     device_list = parse_devices(devices)
     ids = parse_layer_ids(layer_ids)
     data = data_flags(dataset, eval_data)

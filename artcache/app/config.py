@@ -32,6 +32,7 @@ The value text is parsed by the field's type (``1,8,14`` or ``[1, 8, 14]`` for a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -229,7 +230,9 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         checkpoint_optimizer: save optimizer and RNG state in checkpoints (false: weights-only checkpoints,
             which can seed a run or be exported but not be resumed).
         log_every: metrics line every this many steps.
-        consumer: further :class:`artcache.trainers.consumer.ConsumerConfig` fields, passed as they are.
+        consumer: further :class:`artcache.trainers.consumer.ConsumerConfig` fields, passed as they are; a field
+            the experiment holds under a key of its own (:data:`EXPERIMENT_CONSUMER_KEYS`: ``layer_ids``,
+            ``draft_layers``, ``num_anchors`` as ``anchors``, ...) is refused here, naming that key.
             ``nproc`` > 1 makes the experiment a group of ranks; on CUDA each rank gets a GPU of its own,
             ``devices`` or the first free after the producer's (:func:`artcache.app.experiments.place_groups`).
         env: environment variables of this experiment's consumer process (``artcache run`` only).
@@ -353,11 +356,29 @@ SUFFIXES = (".toml", ".yaml", ".yml", ".json")
 
 
 def _yaml_loader():
-    """PyYAML's SafeLoader, with YAML 1.2 floats (``1e-3`` is a float, not the string "1e-3")."""
+    """PyYAML's SafeLoader, with YAML 1.2 floats (``1e-3`` is a float, not the string "1e-3"), refusing what
+    TOML refuses or YAML 1.1 reads in a way a user does not mean: a key given twice in one mapping (PyYAML keeps
+    the last silently) and an unquoted base-60 integer (``window: 4:8`` is read as 248). Each raises
+    ConfigError naming the key and its line."""
     import yaml
 
+    sexagesimal = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+$")
+
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            seen: set = set()
+            for key_node, value_node in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float)) and key in seen:  # an unhashable key: PyYAML's refusal
+                    raise ConfigError(f"key {key!r} is given twice in one table (line {line}); give it once")
+                seen.add(key) if isinstance(key, (str, int, float)) else None
+                if (isinstance(value_node, yaml.ScalarNode) and value_node.tag == "tag:yaml.org,2002:int"
+                        and value_node.style is None and sexagesimal.match(value_node.value)):
+                    raise ConfigError(f"{key}: {value_node.value} (line {line}) is read by YAML 1.1 as the base-60 "
+                                      f"number {self.construct_object(value_node)}; quote it: "
+                                      f"{key}: \"{value_node.value}\"")
+            return super().construct_mapping(node, deep)
 
     Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     Loader.add_implicit_resolver(
@@ -392,6 +413,8 @@ def read_file(path: str | Path, source: str | None = None) -> dict:
             import yaml
 
             raw = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
+    except ConfigError as exc:  # the loader's own refusals (a duplicate key, a base-60 number)
+        raise ConfigError(f"{source}: {exc}") from None
     except Exception as exc:  # tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError
         raise ConfigError(f"{source} is not valid {p.suffix.lstrip('.').upper()}: "
                           f"{str(exc).splitlines()[0]}") from None
@@ -426,7 +449,10 @@ def _describe(t: mi.Type, seconds: bool = False, ranges: bool = True) -> str:
     elif isinstance(t, mi.LiteralType):
         text = "one of " + ", ".join('""' if v == "" else str(v) for v in t.values)  # "" visible, not a gap
     elif isinstance(t, mi.ListType):
-        text = f"a list of {_describe(t.item_type).removeprefix('an ').removeprefix('a ')}s"
+        item = _describe(t.item_type)
+        noun = item.removeprefix("an ").removeprefix("a ")
+        # "a list of strings", but "a list, each an integer >= 0 (...)": a plural "s" only after a bare noun
+        text = f"a list of {noun}s" if " " not in noun else f"a list, each {item}"
     elif isinstance(t, mi.StructType):
         text = "a table with fields " + ", ".join(f.name for f in t.fields)
     elif isinstance(t, mi.DictType):
@@ -517,6 +543,23 @@ def _parse_byte_fields(raw: dict, source: str) -> None:
             raise ConfigError(f"{source}: {str(exc).replace('--disk-budget', f'{section}.{name}')}") from None
 
 
+def _by_name(raw: dict, where: str) -> str:
+    """``experiments.<i>.<field>`` → ``experiments.<name>.<field>`` when entry ``i`` has a valid name: the key the
+    user wrote in the file (``[[experiments]] name = ...``) or in an override (``experiments.<name>.lr=...``); an
+    entry without a usable name keeps its index."""
+    parts = where.split(".")
+    if len(parts) < 2 or parts[0] != "experiments" or not parts[1].isdigit():
+        return where
+    items = raw.get("experiments")
+    i = int(parts[1])
+    name = items[i].get("name") if isinstance(items, list) and i < len(items) and isinstance(items[i], dict) else None
+    try:
+        check_id(name, "experiment name")
+    except (ValueError, TypeError):
+        return where
+    return ".".join(["experiments", name, *parts[2:]])
+
+
 def convert(raw: dict, source: str = "config") -> RunConfig:
     """Validate a raw table into a :class:`RunConfig`. Raises ConfigError naming the field, the bad
     value's problem and what the field accepts."""
@@ -528,6 +571,7 @@ def convert(raw: dict, source: str = "config") -> RunConfig:
         where, problem = path_of(exc)
         accepted = _describe(type_at(where.split(".")), where.endswith("_s")) if where else ""
         found, value = _value_at(raw, where.split(".")) if where else (False, None)
+        where = _by_name(raw, where)
         if found and is_range_error(problem, value):  # a declared range (msgspec.Meta) the value is outside of
             raise ConfigError(f"{source}: {range_message(where, value, accepted)}") from None
         raise ConfigError(f"{source}: {where or 'top level'}: {problem}"
@@ -567,9 +611,16 @@ def check_run_config(cfg: RunConfig, source: str = "config") -> None:
         if e.name in seen:
             raise ConfigError(f"{source}: experiments.{i}.name {e.name!r} is used twice; names must be unique")
         seen.add(e.name)
-        parse_window(e.window, f"{source}: experiments.{i}.window")
+        parse_window(e.window, f"{source}: experiments.{e.name}.window")
+        homed = [k for k in e.consumer if k in EXPERIMENT_CONSUMER_KEYS]
+        if homed:  # one home: the plan, its capture union and the dry run read the experiment's key
+            key = EXPERIMENT_CONSUMER_KEYS[homed[0]]
+            raise ConfigError(f"{source}: experiments.{e.name}.consumer.{homed[0]} is the experiment's own setting: "
+                              f"set experiments.{e.name}.{key} instead"
+                              + (" (LOOKBEHIND:LOOKAHEAD)" if key == "window" else "")
+                              + " (the key the run's plan, capture union and dry run read)")
         if e.layer_ids is not None and not e.layer_ids:
-            raise ConfigError(f"{source}: experiments.{i}.layer_ids is empty: give output-of-layer ids, or leave "
+            raise ConfigError(f"{source}: experiments.{e.name}.layer_ids is empty: give output-of-layer ids, or leave "
                               "it out for the draft's default view")
     if cfg.capture.layer_ids is not None and not cfg.capture.layer_ids:
         raise ConfigError(f"{source}: capture.layer_ids is empty: give output-of-layer ids, or leave it out for "
@@ -1025,6 +1076,15 @@ def consumer_fields(cfg: RunConfig, e: Experiment, consumer_id: str | None = Non
     return fields
 
 
+#: consumer settings an experiment holds under a key of its own (``experiments.<name>.<key>``), which the run's
+#: plan, its capture union and the dry run read: the same setting under ``consumer`` is refused (it would reach
+#: the consumer only, so the plan would not be what runs)
+EXPERIMENT_CONSUMER_KEYS = {
+    **{k: k for k in ("batch_size", "block_size", "checkpoint_optimizer", "device", "draft", "draft_layers",
+                      "init_from", "layer_ids", "log_every", "lr", "lr_total_steps", "resume", "seed", "steps",
+                      "threads", "warmup_frac")},
+    "num_anchors": "anchors", "lookbehind": "window", "lookahead": "window"}
+
 #: consumer settings the run itself sets for every experiment (an override would point two experiments at one
 #: registration, or an experiment at another root than its producer's), with where each comes from
 RUN_OWNED_CONSUMER_FIELDS = {"consumer_id": "the experiment's name: rename the experiment",
@@ -1042,18 +1102,25 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
     accepted = ConsumerConfig.__struct_fields__
     unknown = [k for k in fields if k not in accepted]
     if unknown:
-        raise ConfigError(f"experiment {name!r}: the consumer has no setting {', '.join(map(repr, unknown))}; "
-                          f"accepted ConsumerConfig fields: {', '.join(accepted)}")
+        names = [k for k in (*accepted, *Experiment.__struct_fields__)
+                 if k not in RUN_OWNED_CONSUMER_FIELDS and k not in ("name", "consumer")]
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        home = ("" if not close else f"; did you mean experiments.{name}.{close[0]}?"
+                if close[0] in Experiment.__struct_fields__ and close[0] not in EXPERIMENT_CONSUMER_KEYS
+                else f"; did you mean {consumer_key(e, close[0])}?")
+        raise ConfigError(f"experiments.{name}.consumer.{unknown[0]}: the consumer has no setting {unknown[0]!r}"
+                          + (home or " (`artcache consume --help` lists its settings)"))
     try:
         ccfg = msgspec.convert(fields, ConsumerConfig)
     except msgspec.ValidationError as exc:
         where, problem = path_of(exc)
         field = where.split(".")[0]
-        message = field_message(ConsumerConfig, field, fields.get(field), problem, f"consumer setting {where or '?'}")
+        key = consumer_key(e, field) + where[len(field):] if field else f"experiments.{name}.consumer"
+        message = field_message(ConsumerConfig, field, fields.get(field), problem, key)
         declared = next((f.type for f in mi.type_info(ConsumerConfig).fields if f.name == field), None)
         if declared is not None and " is invalid: accepted " not in message:  # a type or choice: say what is accepted
             message += f"; accepted: {_describe(declared, field.endswith('_s'))}"
-        raise ConfigError(f"experiment {name!r}: {message}") from None
+        raise ConfigError(message) from None
     try:
         ccfg.validate()
     except ConfigError as exc:
@@ -1066,28 +1133,30 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
 _EXPERIMENT_KEYS = {"num_anchors": "anchors", "lookbehind": "window", "lookahead": "window", "out_dir": "out"}
 
 
+def consumer_key(e: Experiment, field: str) -> str:
+    """The run-config key that sets ConsumerConfig ``field`` for experiment ``e``: under ``consumer`` when the
+    experiment sets it there, else its experiment key (``experiments.a.anchors``, ``experiments.a.window``),
+    ``capture.draft_layers`` for a draft's layers the experiment leaves to the run, ``cache.demand_timeout_s``, else
+    ``experiments.<name>.consumer.<field>``."""
+    if field in e.consumer:
+        return f"experiments.{e.name}.consumer.{field}"
+    if field == "demand_timeout_s":
+        return "cache.demand_timeout_s"
+    if field == "draft_layers" and e.draft_layers is None:
+        return "capture.draft_layers"
+    if field in _EXPERIMENT_KEYS or field in Experiment.__struct_fields__:
+        return f"experiments.{e.name}.{_EXPERIMENT_KEYS.get(field, field)}"
+    return f"experiments.{e.name}.consumer.{field}"
+
+
 def run_keys(message: str, cfg: RunConfig, e: Experiment) -> str:
     """``message`` (the consumer's, naming ``artcache consume`` flags: ``--eval-interval 5 needs ...``) with each
-    consumer flag replaced by the run-config key that sets it for experiment ``e``: under ``consumer`` when the
-    experiment sets it there, else its experiment key (``experiments.a.anchors``, ``experiments.a.window``),
-    ``capture.draft_layers`` for a draft's layers the experiment leaves to the run, ``cache.demand_timeout_s``,
-    else ``experiments.<name>.consumer.<field>``. Other text is left as it is."""
+    consumer flag replaced by the run-config key that sets it for experiment ``e`` (:func:`consumer_key`). Other
+    text is left as it is."""
     from artcache.trainers.consumer import ConsumerConfig
     from artcache.trainers.consumer.config import flag_of
 
-    keys: dict[str, str] = {}
-    for field in ConsumerConfig.__struct_fields__:
-        if field in e.consumer:
-            key = f"experiments.{e.name}.consumer.{field}"
-        elif field == "demand_timeout_s":
-            key = "cache.demand_timeout_s"
-        elif field == "draft_layers" and e.draft_layers is None:
-            key = "capture.draft_layers"
-        elif field in _EXPERIMENT_KEYS or field in Experiment.__struct_fields__:
-            key = f"experiments.{e.name}.{_EXPERIMENT_KEYS.get(field, field)}"
-        else:
-            key = f"experiments.{e.name}.consumer.{field}"
-        keys[flag_of(field)] = key
+    keys = {flag_of(field): consumer_key(e, field) for field in ConsumerConfig.__struct_fields__}
     keys["--window"] = f"experiments.{e.name}.window"
     pattern = "|".join(re.escape(f) for f in sorted(keys, key=len, reverse=True))
     return re.sub(rf"(?<![\w-])(?:{pattern})(?![\w-])", lambda m: keys[m.group(0)], message)

@@ -502,6 +502,9 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     if bound * per_artifact > free:
         notes.append(f"disk bound {format_bytes(bound * per_artifact)} exceeds the {format_bytes(free)} free at "
                      f"{free_at}")
+    over = _budget_over_filesystem(resolved, layout)
+    if over:
+        notes.append(over)
     shared = shared_gpus([*(d for p in producers for d in (p.devices or [p.device])),
                           *(d for x in exps for d in device_cell(x).split(","))])
     if shared and local_devices:  # elsewhere (Slurm) each role gets its own devices
@@ -519,6 +522,21 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
         replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes,
         explicit_layer_ids=bool(cfg.capture.layer_ids), producer=producer, producers=producers)
     return plan, resolved
+
+
+def _budget_over_filesystem(cfg: RunConfig, layout) -> str:
+    """The producer's start warning (:func:`artcache.producer.budget_over_filesystem`) for a byte
+    ``cache.disk_budget`` the root's filesystem cannot hold, named by its config key, so that the dry run and the
+    run say it on the terminal; ``""`` when it fits, for ``auto``, no budget or a remote payload (as the producer).
+    What the root holds is the bytes under its objects directory."""
+    from artcache.producer import budget_over_filesystem
+
+    budget = cfg.cache.disk_budget
+    if not isinstance(budget, int) or not budget or cfg.cache.payload.startswith("mooncake"):
+        return ""
+    retained = sum(f.stat().st_size for f in layout.objects.rglob("*") if f.is_file()) \
+        if layout.objects.is_dir() else 0
+    return budget_over_filesystem(layout, budget, retained, key="cache.disk_budget")
 
 
 def _steps_of_epochs(e: Experiment, resolved: RunConfig, plan_obj, notes: list[str]) -> Experiment:

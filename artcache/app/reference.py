@@ -114,7 +114,12 @@ def config_page() -> str:
         "too) is a TOML, YAML or JSON file of the sections below. Unknown fields are refused, as are values outside "
         "the ranges given, in one line naming the key (an experiment's consumer setting as "
         "`experiments.<name>.consumer.<field>`, not the `artcache consume` flag). `SECTION.FIELD=VALUE` arguments "
-        "after the file override it (`experiments.0.lr=1e-3`). "
+        "after the file override it (`experiments.0.lr=1e-3` or `experiments.<name>.lr=1e-3`). A consumer setting an "
+        "experiment holds under a key of its own (`layer_ids`, `draft_layers`, `draft`, `num_anchors` as `anchors`, "
+        "`lookbehind`/`lookahead` as `window`, `steps`, `lr` ...) is refused under `consumer`, naming that key: the "
+        "run's plan, capture union and dry run read the experiment's key. In YAML a key given twice in one table is "
+        "refused (as TOML does), and so is an unquoted base-60 number (YAML 1.1 reads `window: 4:8` as 248: write "
+        "`window: \"4:8\"`). "
         "Recipes: [configs/README.md](../configs/README.md).", "",
         *_struct_section("Top level", RunConfig),
         *_struct_section("`[target]`", TargetSection),

@@ -59,7 +59,13 @@ demand_timeout_s = 300.0
 
 
 def exp(name: str, draft: str = "dflash", steps: int = 6, **consumer) -> str:
-    table = {"progress": False, "tensorboard": False, **consumer}
+    """One ``[[experiments]]`` table: ``consumer`` settings go under ``[experiments.consumer]``, except those the
+    experiment holds under a key of its own (``lr``, ``seed`` ...), which go to the experiment's table."""
+    from artcache.app.config import Experiment
+
+    own = "".join(f"{k} = {json.dumps(v)}\n" for k, v in consumer.items() if k in Experiment.__struct_fields__)
+    table = {"progress": False, "tensorboard": False,
+             **{k: v for k, v in consumer.items() if k not in Experiment.__struct_fields__}}
     if draft == "eagle3":
         table.update(ttt_steps=2, draft_vocab=512)
     body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in table.items())
@@ -74,7 +80,7 @@ steps = {steps}
 window = "2:8"
 threads = 1
 log_every = 1
-[experiments.consumer]
+{own}[experiments.consumer]
 {body}
 """
 
@@ -257,6 +263,23 @@ def test_regression_dflash_only_eval_captures_the_last_layer(tiny_target, tmp_pa
 
 def dry_run(path: Path, *args: str):
     return CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run", *args])
+
+
+def test_regression_run_warns_of_a_disk_budget_over_the_filesystem(tiny_target, tmp_path):
+    """Bug: ``cache.disk_budget = "100T"`` (more than the root's filesystem) was said only in the producer's log,
+    as "give a --disk-budget", while ``artcache run`` and its dry run printed nothing. Symptom: a budget that never
+    binds (captures fail for space first) went unnoticed. The plan (dry run and run) now says it once on the
+    terminal, naming ``cache.disk_budget``; a budget that fits says nothing."""
+    plan, _ = plan_of(tiny_target, tmp_path, exp("d"), extra='disk_budget = "100T"')
+    over = [n for n in plan.notes if "disk_budget" in n]
+    assert len(over) == 1 and over[0].startswith(f"cache.disk_budget 100.00 TiB ({100 * 2**40} bytes) exceeds "), over
+    assert "give a cache.disk_budget that fits (or auto)" in over[0] and "--disk-budget" not in over[0]
+    result = dry_run(tmp_path / "run.toml", "--out", str(tmp_path / "o2"))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("cache.disk_budget 100.00 TiB") == 1, result.stdout
+    (tmp_path / "x").mkdir()
+    fits, _ = plan_of(tiny_target, tmp_path / "x", exp("d"), extra='disk_budget = "1M"')
+    assert not [n for n in fits.notes if "disk_budget" in n], fits.notes
 
 
 def test_regression_dry_run_labels_explicit_layer_ids_as_such(tiny_target, tmp_path):
@@ -509,7 +532,8 @@ def test_no_experiments_is_rejected(tiny_target, tmp_path):
 @pytest.mark.parametrize("overrides, needle", [
     (["experiments.d.anchors=100000000"], "experiments.d.anchors 100000000 is invalid: accepted an integer >= 1 and "
      "<= 128 (data.max_length"),
-    (["experiments.d.consumer.num_anchors=129"], "experiments.d.anchors 129 is invalid"),
+    (["experiments.d.consumer.num_anchors=129"], "experiments.d.consumer.num_anchors is the experiment's own "
+     "setting: set experiments.d.anchors instead"),
     (["experiments.d.consumer.eval_samples=2", "experiments.d.consumer.best_metric=replay_taux"],
      "experiment 'd': experiments.d.consumer.best_metric 'replay_taux' is not a held-out figure of the dflash "
      "draft"),

@@ -117,12 +117,12 @@ def test_unknown_field_in_an_experiment(tmp_path):
 
 def test_type_error_names_field_and_accepted_type(tmp_path):
     msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\nsteps = 'many'\n")
-    assert "experiments.0.steps" in msg and "Expected `int`, got `str`" in msg and "an integer" in msg
+    assert "experiments.a.steps" in msg and "Expected `int`, got `str`" in msg and "an integer" in msg
 
 
 def test_literal_error_lists_accepted_values(tmp_path):
     msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\ndraft = 'medusa'\n")
-    assert "experiments.0.draft" in msg and "dflash, dspark, eagle3" in msg
+    assert "experiments.a.draft" in msg and "dflash, dspark, eagle3" in msg
 
 
 def test_missing_experiment_name(tmp_path):
@@ -137,10 +137,10 @@ def test_duplicate_experiment_names(tmp_path):
 
 @pytest.mark.parametrize("text, needle", [
     ("window = '64-256'", "LOOKBEHIND:LOOKAHEAD"),
-    ("steps = 0", "experiments.0.steps 0"),
-    ("lr = -1.0", "experiments.0.lr -1.0"),
-    ("block_size = 1", "experiments.0.block_size 1 is invalid: accepted an integer >= 2"),  # regression: >= 1
-    ("layer_ids = []", "experiments.0.layer_ids is empty"),  # regression: silently the default view
+    ("steps = 0", "experiments.a.steps 0"),
+    ("lr = -1.0", "experiments.a.lr -1.0"),
+    ("block_size = 1", "experiments.a.block_size 1 is invalid: accepted an integer >= 2"),  # regression: >= 1
+    ("layer_ids = []", "experiments.a.layer_ids is empty"),  # regression: silently the default view
     ("name = 'a/b'", "experiments.0.name"),
 ])
 def test_bad_experiment_values(tmp_path, text, needle):
@@ -304,7 +304,7 @@ def test_consumer_config_rejects_a_setting_the_consumer_lacks(tmp_path):
     with pytest.raises(ConfigError, match="the consumer has no setting 'no_such_knob'"):
         C.consumer_config(cfg, "a")
     cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.consumer.ttt_steps=x"])
-    with pytest.raises(ConfigError, match="experiment 'a': consumer setting ttt_steps"):
+    with pytest.raises(ConfigError, match="^experiments.a.consumer.ttt_steps: "):
         C.consumer_config(cfg, "a")
 
 
@@ -384,13 +384,13 @@ def test_regression_binary_config_is_one_line(tmp_path, suffix):
 
 @pytest.mark.parametrize("text, overrides, needle", [
     ("[[experiments]]\nname = 'a'\nblock_size = 100000000\n", (),
-     "experiments.0.block_size 100000000 is invalid: accepted an integer >= 2 and <= 64"),
+     "experiments.a.block_size 100000000 is invalid: accepted an integer >= 2 and <= 64"),
     ("[[experiments]]\nname = 'a'\nwindow = '1:10000000000000'\n", (),
-     "experiments.0.window 1:10000000000000 is invalid: accepted LOOKBEHIND:LOOKAHEAD, each side an integer >= 0 "
+     "experiments.a.window 1:10000000000000 is invalid: accepted LOOKBEHIND:LOOKAHEAD, each side an integer >= 0 "
      "and <= 16777216"),
     ("[cache]\ndisk_budget = 2305843009213693952\n", (),
      "cache.disk_budget 2305843009213693952 is invalid: accepted an integer >= 0 and <= 1152921504606846976"),
-    ("[[experiments]]\nname = 'a'\n", ("experiments.a.window=1:99999999999",), "experiments.0.window 1:99999999999"),
+    ("[[experiments]]\nname = 'a'\n", ("experiments.a.window=1:99999999999",), "experiments.a.window 1:99999999999"),
 ])
 def test_regression_run_config_bounds(tmp_path, text, overrides, needle):
     """The run config declares the same bounds as the flags
@@ -410,7 +410,7 @@ def test_regression_consumer_setting_choices_list_the_accepted_values(field, val
     cfg = C.convert({"experiments": [{"name": "a", "draft": "dspark", "consumer": {field: value}}]})
     with pytest.raises(ConfigError) as info:
         C.consumer_config(cfg, "a")
-    assert f"consumer setting {field}: Invalid enum value '{value}'; {accepted}" in str(info.value)
+    assert f"experiments.a.consumer.{field}: Invalid enum value '{value}'; {accepted}" in str(info.value)
 
 
 @pytest.mark.parametrize("flag, value", [("--compile", "fast"), ("--loss-impl", "fused"), ("--markov-head", "gru")])
@@ -500,3 +500,104 @@ def test_regression_run_messages_name_the_config_key(tmp_path, overrides, needle
                                     f"out={tmp_path / 'run'}", *overrides])
     assert_one_error_line(res, needle)
     assert "num_draft_layers" not in res.stderr and "--" not in res.stderr.split("error: ", 1)[1]
+
+
+# ---- one home for an experiment's settings; messages naming the key written -------------------------
+
+D4 = """
+out = "o"
+[data]
+max_length = 128
+[[experiments]]
+name = "d4"
+"""
+
+
+@pytest.mark.parametrize("key, value, home", [
+    ("layer_ids", "[1, 99]", "experiments.d4.layer_ids"), ("layer_ids", "[6, 7]", "experiments.d4.layer_ids"),
+    ("draft_layers", "2", "experiments.d4.draft_layers"), ("num_anchors", "8", "experiments.d4.anchors"),
+    ("lookahead", "8", "experiments.d4.window"), ("draft", '"eagle3"', "experiments.d4.draft"),
+])
+def test_regression_consumer_layer_settings_have_one_home(tmp_path, key, value, home):
+    """Bug: ``layer_ids`` (or ``draft_layers``, ``draft``, ...) under ``[experiments.consumer]`` reached the
+    consumer only: ``run --dry-run`` exited 0 showing the experiment's default view (``1,2,3,4,5``) and capture
+    union, and the run started the producer and siblings, then the experiment failed inside its ranks (``--layer-ids
+    [1, 99]: ...``, or "missing [6]" for ids the union lacked). Symptom: the dry run's plan was not what ran. Such a
+    setting is now refused when the config is loaded, in one line naming the experiment-level key."""
+    msg = rejected(tmp_path, D4 + f"[experiments.consumer]\n{key} = {value}\n")
+    assert f"experiments.d4.consumer.{key} is the experiment's own setting: set {home} instead" in msg
+    assert "\n" not in msg
+    res = CliRunner().invoke(main, ["run", "--config", str(write(tmp_path, D4)), "--dry-run",
+                                    f"experiments.d4.consumer.{key}={value}"])
+    assert_one_error_line(res, f"set {home} instead")
+
+
+def test_experiment_consumer_keys_are_the_shared_fields():
+    """Every ConsumerConfig field an experiment sets from a key of its own is refused under ``consumer``."""
+    from artcache.trainers.consumer import ConsumerConfig
+
+    shared = set(ConsumerConfig.__struct_fields__) & set(C.Experiment.__struct_fields__)
+    assert set(C.EXPERIMENT_CONSUMER_KEYS) == shared | {"num_anchors", "lookbehind", "lookahead"}
+
+
+@pytest.mark.parametrize("override, want", [
+    ("experiments.d4.consumer.nprocs=2", "experiments.d4.consumer.nprocs: the consumer has no setting 'nprocs'; did "
+     "you mean experiments.d4.consumer.nproc?"),
+    ('experiments.d4.consumer.nproc="two"', "experiments.d4.consumer.nproc: Expected `int`, got `str`; accepted: an "
+     "integer >= 1"),
+    ("experiments.d4.consumer.group_timeout_s=7200", "experiments.d4.consumer.group_timeout_s 7200 is invalid: "
+     "accepted seconds > 0 and <= 3600"),
+    ("experiments.d4.lr=-1", "experiments.d4.lr -1.0 is invalid: accepted a finite number > 0"),
+    ("experiments.d4.consumer.devices=[-1, 2]", "experiments.d4.consumer.devices.0: Expected `int` >= 0; accepted: a "
+     "list, each an integer >= 0 (0 or a positive integer)"),
+])
+def test_regression_consumer_errors_name_the_key_written(tmp_path, override, want):
+    """Bug: run-config errors named internal things: ``consumer.nprocs`` listed ~60 "accepted ConsumerConfig
+    fields", ``consumer.nproc = "two"`` said "consumer setting nproc", ``experiments.d4.lr=-1`` said
+    ``experiments.0.lr`` and a list of counts was "a list of integer >= 0 (0 or a positive integer)s". Symptom: the
+    user could not match the message to the key they wrote. Each now names ``experiments.<name>.[consumer.]<field>``,
+    an unknown setting suggests the closest one."""
+    with pytest.raises(ConfigError) as info:
+        C.consumer_config(C.load_run_config(write(tmp_path, D4), [override]), "d4")
+    msg = str(info.value)
+    assert msg.endswith(want), msg
+    assert "ConsumerConfig" not in msg and "\n" not in msg and ")s" not in msg
+
+
+def test_unknown_consumer_setting_far_from_any_is_named_alone(tmp_path):
+    cfg = C.load_run_config(write(tmp_path, D4), ["experiments.d4.consumer.zzqqxx=1"])
+    with pytest.raises(ConfigError, match=r"^experiments.d4.consumer.zzqqxx: the consumer has no setting 'zzqqxx' "
+                       r"\(`artcache consume --help` lists its settings\)$"):
+        C.consumer_config(cfg, "d4")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("experiments:\n  - name: a\n    consumer: {nproc: 2, nproc: 2}\n",
+     "key 'nproc' is given twice in one table (line 3); give it once"),
+    ("out: o\nout: p\n", "key 'out' is given twice in one table (line 2)"),
+    ("experiments:\n  - name: a\n    window: 4:8\n",
+     'window: 4:8 (line 3) is read by YAML 1.1 as the base-60 number 248; quote it: window: "4:8"'),
+])
+def test_regression_yaml_duplicate_keys_and_base60_numbers(tmp_path, text, needle):
+    """Bug: a YAML config with a key given twice (``{nproc: 2, nproc: 2}``) was taken silently (the last value
+    won) while TOML refuses it, and an unquoted ``window: 4:8`` failed with "Expected `str`, got `int`" (YAML 1.1
+    reads it as the base-60 number 248). Symptom: a silent surprise, or a type error the user cannot explain. Both
+    are refused in one line naming the key (and, for the number, how to quote it)."""
+    msg = rejected(tmp_path, text, name="run.yaml")
+    assert needle in msg and "\n" not in msg, msg
+    ok = C.load_run_config(write(tmp_path, 'experiments:\n  - name: a\n    window: "4:8"\n    lr: 1e-3\n', "ok.yaml"))
+    assert ok.experiments[0].window == "4:8" and ok.experiments[0].lr == 1e-3
+
+
+def test_regression_disk_budget_zero_with_fill_is_refused(tmp_path):
+    """Bug: ``artcache producer --disk-budget 0 --fill`` started, saying "--fill without --disk-budget: auto" although
+    a budget was given. 0 means no budget (the windows-only rule, which keeps no fill): the pair is refused in one
+    line before anything is written, with or without --config."""
+    root = tmp_path / "root"
+    res = CliRunner().invoke(main, ["producer", "--cache", str(root), "--disk-budget", "0", "--fill"])
+    assert_one_error_line(res, "--disk-budget 0 (no budget: the windows-only rule, which keeps no fill) cannot go "
+                          "with --fill; accepted: BYTES, auto, or leave --disk-budget out (auto)")
+    res = CliRunner().invoke(main, ["producer", "--config", str(write(tmp_path, D4)), f"cache.root={root}",
+                                    "--disk-budget", "0B", "--fill"])
+    assert_one_error_line(res, "--disk-budget 0B (no budget")
+    assert not root.exists()

@@ -43,7 +43,7 @@ def test_run_config_shard_is_typed():
     with pytest.raises(ConfigError) as info:
         C.consumer_config(cfg, "a")
     message = str(info.value)
-    assert "\n" not in message and "consumer setting shard: Invalid enum value 'half'" in message
+    assert "\n" not in message and "consumer.shard: Invalid enum value 'half'" in message
     assert "accepted: one of full, none" in message, message
 
 

@@ -75,7 +75,8 @@ def _dspark_checkpoint(run: Path) -> None:
 
 def _craft(src: Path, dst: Path, edit=None, tensors=None, provenance=None) -> Path:
     """A copy of export ``src`` at ``dst`` with ``edit(config)`` applied to its config.json, ``tensors(dict)`` to its
-    tensors (export.json then records their digest) and ``provenance(dict)`` to its export.json."""
+    tensors (export.json then records their digest) and ``provenance(dict)`` to its export.json (its record
+    resealed; emptied, it stays empty: no export.json record)."""
     shutil.copytree(src, dst)
     if edit is not None:
         c = json.loads((dst / "config.json").read_text())
@@ -89,10 +90,11 @@ def _craft(src: Path, dst: Path, edit=None, tensors=None, provenance=None) -> Pa
         p = sealed({k: v for k, v in p.items() if k != "digests"}, {"model.safetensors": file_record(
             dst / "model.safetensors")})
         (dst / "export.json").write_text(json.dumps(p))
-    if provenance is not None:
+    if provenance is not None:  # resealed, as an exporter that wrote this record would
         p = json.loads((dst / "export.json").read_text())
+        files = (p.pop("digests", None) or {}).get("files")
         provenance(p)
-        (dst / "export.json").write_text(json.dumps(p))
+        (dst / "export.json").write_text(json.dumps(sealed(p, files) if files is not None and p else p))
     return dst
 
 
@@ -341,7 +343,9 @@ def test_regression_export_check_refuses_altered_weight_bytes(exports, tmp_path)
     _refused(bad, exports["target"], "model.safetensors", "does not match its recorded digest")
     r = CliRunner().invoke(main, ["export", "--out", str(bad)])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "recorded digest" in r.output, r.output
-    forged = _craft(exports["dflash-hf"], tmp_path / "forged", provenance=lambda p: p.update(step=99))
+    forged = _craft(exports["dflash-hf"], tmp_path / "forged")
+    p = json.loads((forged / "export.json").read_text())
+    (forged / "export.json").write_text(json.dumps({**p, "step": 99}))
     _refused(forged, exports["target"], "export.json digests")
 
 
@@ -372,8 +376,129 @@ def test_regression_export_check_refuses_inconsistent_num_target_layers(exports,
         c["dflash_config"]["target_layer_ids"] = [1, 5, 6]
         c["eagle_aux_hidden_state_layer_ids"] = [2, 6, 7]
 
-    _refused(_craft(exports["dflash-hf"], tmp_path / "c", three_ids), exports["target"],
-             "fc.weight", "reads 2 target layers", "lists 3 target layers [1, 5, 6]")
+    # no training record (an export artcache did not write): the ids are checked against fc's width alone
+    _refused(_craft(exports["dflash-hf"], tmp_path / "c", three_ids, provenance=lambda p: p.clear()),
+             exports["target"], "fc.weight", "reads 2 target layers", "lists 3 target layers [1, 5, 6]")
     _refused(_craft(exports["dspark-speculators"], tmp_path / "d",
-                    lambda c: c.update(aux_hidden_state_layer_ids=[2])), exports["target"],
+                    lambda c: c.update(aux_hidden_state_layer_ids=[2]), provenance=lambda p: p.clear()),
+             exports["target"],
              "fc.weight", "reads 2 target layers", "aux_hidden_state_layer_ids lists 1 target layers [1]")
+
+
+# ----------------------------------------------------------------------------------- malformed config.json fields
+
+def _cli_refusal(directory: Path) -> str:
+    """``artcache export --out DIR`` (the check of an existing export): exit 2 and one line; that line."""
+    r = CliRunner().invoke(main, ["export", "--out", str(directory)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, (r.exit_code, r.output, r.exception)
+    return r.output.strip()
+
+
+@pytest.mark.parametrize("value", ["2,4,5", ["a"], [[2], [4], [5]], 5])
+def test_regression_export_check_malformed_eagle3_layer_ids_is_one_line(exports, tmp_path, value):
+    """Bug: an EAGLE-3 ``config.json`` whose ``eagle_aux_hidden_state_layer_ids`` was no list of integers (the
+    string ``"2,4,5"``, ``["a"]``, nested lists, a bare int) reached an ``int()`` call in the loader. Symptom:
+    ``artcache export --out DIR`` died with a 48-line ``ValueError`` traceback and exit 1. Now: one line, exit 2,
+    naming config.json, the key, the bad value and what is accepted."""
+    bad = _craft(exports["eagle3-hf"], tmp_path / "x", lambda c: c.update(eagle_aux_hidden_state_layer_ids=value))
+    line = _cli_refusal(bad)
+    assert "config.json: eagle_aux_hidden_state_layer_ids: " + json.dumps(value) in line, line
+    assert "accepted: a list of integers in [1, num_target_layers]" in line, line
+
+
+def test_regression_export_check_dflash_string_layer_ids_named_whole(exports, tmp_path):
+    """Bug: a DFlash ``dflash_config.target_layer_ids`` given as the string ``"1,5"`` was iterated per character.
+    Symptom: the refusal quoted ``target_layer_ids ['1', ',', '5']``, not the value in the file, and did not say
+    what is accepted. Now it names the key, the string as written and the accepted list of integers."""
+    bad = _craft(exports["dflash-hf"], tmp_path / "x", _dc(target_layer_ids="1,5"))
+    line = _cli_refusal(bad)
+    assert 'config.json: dflash_config.target_layer_ids: "1,5"' in line and "','" not in line, line
+    assert "accepted: a list of integers in [0, num_target_layers)" in line, line
+
+
+@pytest.mark.parametrize("draft,edit,key", [
+    ("eagle3", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2.5, 4, 5]), "eagle_aux_hidden_state_layer_ids"),
+    ("eagle3", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1.0, 3, 4]),
+     "eagle_config.eagle_aux_hidden_state_layer_ids"),
+    ("dflash", _dc(target_layer_ids=[True, 5]), "dflash_config.target_layer_ids"),
+    ("dspark", lambda c: c.update(target_layer_ids=[True, 5]), "target_layer_ids"),
+    ("dflash", lambda c: c.update(architectures="DFlashDraftModel"), "architectures"),
+])
+def test_regression_export_check_refuses_values_no_engine_reads(exports, tmp_path, draft, edit, key):
+    """Bug: the check read layer ids with ``int()`` and ``architectures`` with ``in``, so a float id (``2.5``,
+    truncated to 2), a bool id (``true`` == 1) and ``architectures`` as a string (a substring match) all passed.
+    Symptom: ``artcache export --out DIR`` exit 0 for a config.json no engine reads as trained. Now each is refused
+    in one line naming the key and the value."""
+    bad = _craft(exports[f"{draft}-hf"], tmp_path / "x", edit)
+    msg = _refused(bad, exports["target"], f"config.json: {key}: ", "accepted: a ")
+    assert "got `" in msg, msg
+    assert f"config.json: {key}: " in _cli_refusal(bad), msg
+
+
+@pytest.mark.parametrize("top", [[1, 3, 4], [2, 2, 5]])
+def test_regression_export_check_blames_the_changed_layer_id_key(exports, tmp_path, top):
+    """Bug: with only the top-level EAGLE-3 ``eagle_aux_hidden_state_layer_ids`` changed, the check compared the two
+    id keys with each other and blamed the untouched ``eagle_config.eagle_aux_hidden_state_layer_ids``. Symptom:
+    ``accepted: [0, 2, 3]`` for ``[1, 3, 4]`` (``[1, 1, 4]`` for ``[2, 2, 5]``), a fix that moves further from the
+    trained layers. Now each key is compared with the ids export.json records the draft was trained on: the
+    changed key is named and the accepted value is the trained ids + 1."""
+    trained = json.loads((exports["eagle3-hf"] / "export.json").read_text())["layer_ids_output_of_layer"]
+    assert top != [i + 1 for i in trained]
+    bad = _craft(exports["eagle3-hf"], tmp_path / "x", lambda c: c.update(eagle_aux_hidden_state_layer_ids=top))
+    msg = _refused(bad, exports["target"], f"config.json eagle_aux_hidden_state_layer_ids: {top} but the draft was "
+                   f"trained on layer ids {trained}", f"accepted: {[i + 1 for i in trained]} ")
+    assert "eagle_config" not in msg, msg
+    bad = _craft(exports["dflash-hf"], tmp_path / "y", _dc(target_layer_ids=[2, 5]))
+    _refused(bad, exports["target"], "config.json dflash_config.target_layer_ids: [2, 5]", "accepted: [1, 5] ")
+
+
+def test_regression_export_check_trusts_trained_ids_only_when_sealed(exports, tmp_path):
+    """Bug: the check compared config.json's layer ids with the trained ids of an ``export.json`` before verifying
+    that file's digest record. Symptom: with only export.json's ``layer_ids_output_of_layer`` edited, the refusal
+    blamed config.json's untouched layer ids. Now a record that does not match its digest is refused first,
+    naming export.json."""
+    bad = _craft(exports["eagle3-hf"], tmp_path / "x")
+    p = json.loads((bad / "export.json").read_text())
+    (bad / "export.json").write_text(json.dumps({**p, "layer_ids_output_of_layer": [1, 2, 3]}))
+    msg = _refused(bad, exports["target"], "export.json digests", "does not match its recorded digest")
+    assert "config.json" not in msg and "layer ids" not in msg, msg
+
+
+def _corrupt_header(d: Path) -> None:
+    data = bytearray((d / "model.safetensors").read_bytes())
+    data[8:12] = b"\xff\xfe\x00\x01"  # the JSON header's first bytes: no longer JSON
+    (d / "model.safetensors").write_bytes(bytes(data))
+
+
+def _truncate(d: Path) -> None:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+def _bad_json(d: Path) -> None:
+    (d / "config.json").write_text('{"architectures": ["DFlashDraftModel"], ')
+
+
+@pytest.mark.parametrize("damage,file,other", [(_corrupt_header, "model.safetensors", "config.json"),
+                                               (_truncate, "model.safetensors", "config.json"),
+                                               (_bad_json, "config.json", "model.safetensors")])
+def test_regression_export_check_names_the_unreadable_file(exports, tmp_path, damage, file, other):
+    """Bug: one unreadable file of an export (a corrupted safetensors header, a truncated safetensors, bad JSON in
+    config.json) was reported as ``unreadable config.json / model.safetensors``. Symptom: the user could not tell
+    which file to replace. Now the one file that failed is named."""
+    bad = _craft(exports["dflash-hf"], tmp_path / "x")
+    damage(bad)
+    line = _cli_refusal(bad)
+    assert f"unreadable {file} (" in line and other not in line, line
+
+
+def test_regression_export_check_names_a_changed_file_once(exports, tmp_path):
+    """Bug: the refusal of a ``model.safetensors`` whose bytes changed after the export named the file twice.
+    Symptom: ``model.safetensors: model.safetensors does not match its recorded digest``. Now it is named once,
+    as the refusal's key."""
+    bad = _craft(exports["dflash-hf"], tmp_path / "x")
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-8] ^= 0x01  # a float32 weight's lowest mantissa bit
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    msg = _refused(bad, exports["target"], "model.safetensors: does not match its recorded digest")
+    assert "model.safetensors: model.safetensors" not in msg, msg

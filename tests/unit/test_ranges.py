@@ -103,7 +103,7 @@ def test_the_role_structs_give_the_one_message():
         ProducerConfig(cache="c", expect_timeout_s=0.0).validate()
     with pytest.raises(ConfigError, match=r"^config: cache.demand_timeout_s -1 is invalid: accepted finite seconds"):
         C.convert({"cache": {"demand_timeout_s": -1}})
-    with pytest.raises(ConfigError, match=r"^experiment 'a': consumer setting ttt_steps 0 is invalid: accepted"):
+    with pytest.raises(ConfigError, match=r"^experiments.a.consumer.ttt_steps 0 is invalid: accepted"):
         C.consumer_config(C.convert({"experiments": [{"name": "a", "draft": "eagle3", "consumer": {"ttt_steps": 0}}]}),
                           "a")
 

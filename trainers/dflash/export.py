@@ -35,7 +35,7 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
-from artcache.trainers.export_check import ExportLayout, check_fc_reads, refuse
+from artcache.trainers.export_check import ExportLayout, check_fc_reads, export_fields, refuse
 
 from .config import DFlashConfig
 from .model import DFlashDraft
@@ -235,27 +235,31 @@ def _published_fields(config: dict, num_target_layers: int | None) -> tuple[dict
     input-of-layer, ``transformer_layer_config``). ``mask_token_id`` absent reads as None.
 
     Raises:
-        ConfigError: a field the loader needs is missing, the two layer-id fields disagree, or the
+        ConfigError: a field the loader needs is missing, a layer-id field is no list of integers in range
+            (:func:`~artcache.trainers.export_check.export_fields`), the two layer-id fields disagree, or the
             layout asks for something artcache's DFlash does not compute (sliding or causal attention,
             logit scaling, a reduced draft vocabulary, sampling from the anchor).
     """
+    typed = export_fields(config)
     try:
-        if config.get("speculators_model_type") == "dflash":
+        if typed.speculators_model_type == "dflash":
             layer, dc = config["transformer_layer_config"], {}
-            ids = [vllm_id_to_output_of_layer(i) for i in config["aux_hidden_state_layer_ids"]]
+            if typed.aux_hidden_state_layer_ids is None:
+                raise KeyError("aux_hidden_state_layer_ids")
+            ids = [vllm_id_to_output_of_layer(i) for i in typed.aux_hidden_state_layer_ids]
             mask_id, B = config.get("mask_token_id"), config["block_size"]
             dvs = config.get("draft_vocab_size")
             if dvs is not None and dvs != layer["vocab_size"]:
                 raise ConfigError(f"draft_vocab_size {dvs} != vocab_size {layer['vocab_size']}: a reduced-vocabulary "
                                   "DFlash draft; artcache's DFlash predicts over the target vocabulary")
-        elif DFLASH_ARCHITECTURE in (config.get("architectures") or []):
+        elif DFLASH_ARCHITECTURE in (typed.architectures or []):
             layer, dc = config, config.get("dflash_config") or {}
-            ids = dc.get("target_layer_ids")
+            ids = typed.dflash_config.target_layer_ids if typed.dflash_config else None
             if ids is None:  # SpecForge: the formula over the target's layers
-                L = config.get("num_target_layers", num_target_layers)
+                L = typed.num_target_layers or num_target_layers
                 ids = dflash_layer_ids(int(L), int(config["num_hidden_layers"]), "num_hidden_layers")
             ids = list(ids)
-            aux = config.get("eagle_aux_hidden_state_layer_ids")
+            aux = typed.eagle_aux_hidden_state_layer_ids
             if aux is not None and [vllm_id_to_output_of_layer(i) for i in aux] != ids:
                 raise ConfigError(f"eagle_aux_hidden_state_layer_ids {aux} is not target_layer_ids {ids} + 1")
             mask_id, B = dc.get("mask_token_id"), dc.get("block_size", config.get("block_size"))
@@ -275,7 +279,7 @@ def _published_fields(config: dict, num_target_layers: int | None) -> tuple[dict
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"DFlash config lacks or mistypes a field the loader needs: {exc!r}") from exc
-    return fields, [int(i) for i in ids]
+    return fields, list(ids)
 
 
 def dflash_config_from_export(config: dict, num_target_layers: int | None = None) -> tuple[Any, list[int]]:
@@ -301,8 +305,9 @@ def read_published(config: dict, num_target_layers: int) -> dict | None:
     Raises:
         ConfigError: see :func:`dflash_config_from_export`.
     """
-    spec = config.get("speculators_model_type")
-    if spec != "dflash" and (spec is not None or DFLASH_ARCHITECTURE not in (config.get("architectures") or [])):
+    typed = export_fields(config)
+    spec = typed.speculators_model_type
+    if spec != "dflash" and (spec is not None or DFLASH_ARCHITECTURE not in (typed.architectures or [])):
         return None
     out, ids = _published_fields(config, num_target_layers)
     out["layer_ids"] = ids
@@ -313,8 +318,8 @@ def read_published(config: dict, num_target_layers: int) -> dict | None:
             out["target_name"] = name
     else:
         out["layout"] = "hf DFlashDraftModel (z-lab / SpecForge)"
-        if config.get("num_target_layers") is not None:
-            out["num_target_layers"] = int(config["num_target_layers"])
+        if typed.num_target_layers is not None:
+            out["num_target_layers"] = typed.num_target_layers
     return out
 
 

@@ -61,7 +61,7 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
-from artcache.trainers.export_check import ExportLayout, check_fc_reads, refuse
+from artcache.trainers.export_check import ExportLayout, check_fc_reads, export_fields, refuse
 
 from .config import DSparkConfig
 
@@ -201,20 +201,27 @@ def export_dspark(state, weights: dict[str, Tensor], target_cfg: Any, fmt: str, 
     return ExportedDraft(config, tensors, ids)
 
 
-def config_from_export(config: dict) -> tuple[DSparkConfig, list[int], list[float] | None]:
+def config_from_export(config: dict, num_target_layers: int | None = None
+                       ) -> tuple[DSparkConfig, list[int], list[float] | None]:
     """Read an exported DSpark ``config.json`` (either format) as a serving engine does: the draft's
     config, its context layer ids (**output-of-layer**) and the calibration temperatures (or None).
 
     Raises:
-        ConfigError: not a DSpark export, or a field the loader needs is missing.
+        ConfigError: not a DSpark export, a field the loader needs is missing, or a layer-id field is no list of
+            integers in range (:func:`~artcache.trainers.export_check.export_fields`).
     """
+    typed = export_fields(config)
     try:
-        if config.get("speculators_model_type") == "dspark":
+        if typed.speculators_model_type == "dspark":
             layer = config["transformer_layer_config"]
-            ids = [vllm_id_to_output_of_layer(i) for i in config["aux_hidden_state_layer_ids"]]
-        elif ARCHITECTURE in (config.get("architectures") or []):
+            if typed.aux_hidden_state_layer_ids is None:
+                raise KeyError("aux_hidden_state_layer_ids")
+            ids = [vllm_id_to_output_of_layer(i) for i in typed.aux_hidden_state_layer_ids]
+        elif ARCHITECTURE in (typed.architectures or []):
             layer = config
-            ids = [int(i) for i in config["target_layer_ids"]]
+            if typed.target_layer_ids is None:
+                raise KeyError("target_layer_ids")
+            ids = list(typed.target_layer_ids)
         else:
             raise ConfigError(f"not an exported DSpark config (architectures {config.get('architectures')!r}, "
                               f"speculators_model_type {config.get('speculators_model_type')!r})")
@@ -248,11 +255,12 @@ def read_published(config: dict, num_target_layers: int) -> dict | None:
     """
     import msgspec
 
-    if config.get("speculators_model_type") != "dspark" and ARCHITECTURE not in (config.get("architectures") or []):
+    typed = export_fields(config)
+    if typed.speculators_model_type != "dspark" and ARCHITECTURE not in (typed.architectures or []):
         return None
-    cfg, ids, _ = config_from_export(config)
+    cfg, ids, _ = config_from_export(config, num_target_layers)
     out: dict[str, Any] = msgspec.to_builtins(cfg)
-    L = int(config.get("num_target_layers") or num_target_layers)
+    L = typed.num_target_layers or num_target_layers
     out["layer_ids"] = [*ids, L - 1]
     if config.get("speculators_model_type") == "dspark":
         out["layout"] = "speculators dspark"
@@ -303,7 +311,7 @@ def export_layout(config: dict, tensors: dict[str, Tensor], where: str) -> Expor
     Raises:
         ConfigError: one line naming the key (see :func:`artcache.trainers.export_check.refuse`).
     """
-    archs = config.get("architectures") or []
+    archs = export_fields(config).architectures or []
     if ARCHITECTURE not in archs:
         raise refuse(where, "architectures", f"{archs!r}: vLLM 0.32 serves method dspark under another name (but a "
                      "Qwen3 config's DSparkDraftModel) as DeepSeek-V4's DSparkDraftModel with the target's "

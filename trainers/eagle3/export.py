@@ -49,7 +49,7 @@ from artcache.trainers.export import (
     speculators_config,
     text_config,
 )
-from artcache.trainers.export_check import ExportLayout, check_fc_reads, refuse
+from artcache.trainers.export_check import ExportLayout, check_fc_reads, export_fields, refuse
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 from .model import FROZEN_BUFFERS, Eagle3Draft
@@ -250,19 +250,21 @@ def _eagle3_fields(config: dict, num_target_layers: int | None) -> tuple[dict, l
     (``transformer_layer_config``, a Llama layer).
 
     Raises:
-        ConfigError: a missing field, or an option artcache's EAGLE-3 does not compute
-            (``norm_before_residual`` true — speculators' default —, ``norm_before_fc``, ``fc_norm``,
+        ConfigError: a missing field, a layer-id field that is no list of integers in range
+            (:func:`~artcache.trainers.export_check.export_fields`), or an option artcache's EAGLE-3 does not
+            compute (``norm_before_residual`` true — speculators' default —, ``norm_before_fc``, ``fc_norm``,
             more than one layer, a non-Llama layer, biases).
     """
+    typed = export_fields(config)
     try:
-        if config.get("speculators_model_type") == "eagle3":
+        if typed.speculators_model_type == "eagle3":
             layer, label = dict(config["transformer_layer_config"]), "speculators eagle3"
             if config.get("norm_before_residual", True):
                 raise ConfigError("norm_before_residual true (speculators' default when absent): artcache's EAGLE-3 "
                                   "keeps the un-normed hidden state as the residual")
             if config.get("norm_before_fc"):
                 raise ConfigError("norm_before_fc true: artcache's EAGLE-3 has no norm before fc")
-        elif any("Eagle3" in a for a in config.get("architectures") or []):
+        elif any("Eagle3" in a for a in typed.architectures or []):
             layer, label = config, "hf LlamaForCausalLMEagle3 (vLLM / SpecForge)"
             if config.get("norm_before_residual"):
                 raise ConfigError("norm_before_residual true: artcache's EAGLE-3 keeps the un-normed residual")
@@ -283,8 +285,8 @@ def _eagle3_fields(config: dict, num_target_layers: int | None) -> tuple[dict, l
                       draft_vocab_size=config.get("draft_vocab_size", layer["vocab_size"]),
                       rope_theta=float(theta if theta is not None else 10000.0),
                       rms_norm_eps=float(layer["rms_norm_eps"]))
-        aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
+        aux = typed.eagle_aux_hidden_state_layer_ids or (typed.eagle_config.eagle_aux_hidden_state_layer_ids
+                                                         if typed.eagle_config else None)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -292,7 +294,7 @@ def _eagle3_fields(config: dict, num_target_layers: int | None) -> tuple[dict, l
     if aux is None:
         ids = eagle3_layer_ids(num_target_layers) if num_target_layers else None
     else:
-        ids = [vllm_id_to_output_of_layer(int(i)) for i in aux]
+        ids = [vllm_id_to_output_of_layer(i) for i in aux]
     return fields, ids, label
 
 
@@ -316,8 +318,9 @@ def read_published(config: dict, num_target_layers: int) -> dict | None:
     :func:`_eagle3_fields` plus ``layer_ids`` (the three auxiliary layers, then ``L - 1``: the layer the
     target logits come from, which every EAGLE-3 reads), ``target_name`` (speculators' verifier) and the
     ``layout``; None when it is not an EAGLE-3 layout."""
-    spec = config.get("speculators_model_type")
-    if spec != "eagle3" and (spec is not None or not any("Eagle3" in a for a in config.get("architectures") or [])):
+    typed = export_fields(config)
+    spec = typed.speculators_model_type
+    if spec != "eagle3" and (spec is not None or not any("Eagle3" in a for a in typed.architectures or [])):
         return None
     fields, ids, label = _eagle3_fields(config, num_target_layers)
     fields["layer_ids"] = [*ids, num_target_layers - 1]
