@@ -242,7 +242,8 @@ def test_a_run_config_sets_the_reader_per_experiment_and_names_a_bad_one(tmp_pat
                             C.flag_paths("consume", {"reader": "process"}, "b"))
     assert C.consumer_config(cfg, "a").reader == "process" and C.consumer_config(cfg, "b").reader == "process"
     bad = C.load_run_config(run, ["experiments.a.consumer.reader=fork"])
-    with pytest.raises(E.ConfigError, match="experiment 'a'.*fork.*(thread.*process|process.*thread)"):
+    named = r"experiments\.a\.consumer\.reader.*fork.*(thread.*process|process.*thread)"
+    with pytest.raises(E.ConfigError, match=named):
         C.consumer_config(bad, "a")
 
 
