@@ -260,7 +260,7 @@ def test_killed_writers_half_put_key_is_taken_over(service_factory, tmp_path):
 
 _PUBLISHER = """
 import os, sys
-sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[2])  # the repository root; never tests/, whose mooncake/ would shadow mooncake
 from tests.support import crash_child as K
 from pathlib import Path
 from artcache import store
@@ -282,7 +282,7 @@ def test_a_writers_exit_or_kill_loses_no_payload(tmp_path, mooncake_service, end
     SIGKILL) every artifact it published still reads back whole, long after the master would have
     dropped that client."""
     lay = mooncake_root(tmp_path, mooncake_service.url)
-    proc = subprocess.run([sys.executable, "-c", _PUBLISHER, str(lay.root), str(REPO / "tests"), "6", end],
+    proc = subprocess.run([sys.executable, "-c", _PUBLISHER, str(lay.root), str(REPO), "6", end],
                           capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
     assert "published" in proc.stdout, proc.stderr[-3000:]
     assert proc.returncode == (0 if end == "exit" else -9)
