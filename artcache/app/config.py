@@ -1128,9 +1128,9 @@ def consumer_config(cfg: RunConfig, name: str, consumer_id: str | None = None):
     return ccfg
 
 
-#: consumer settings an experiment sets under a key of its own (the rest: ``experiments.<name>.<field>`` when the
-#: experiment has that field, else ``experiments.<name>.consumer.<field>``)
-_EXPERIMENT_KEYS = {"num_anchors": "anchors", "lookbehind": "window", "lookahead": "window", "out_dir": "out"}
+#: the experiment key of each consumer setting an experiment sets itself (:data:`EXPERIMENT_CONSUMER_KEYS`, and its
+#: run directory, which the run sets from ``out``)
+_EXPERIMENT_KEYS = {**EXPERIMENT_CONSUMER_KEYS, "out_dir": "out"}
 
 
 def consumer_key(e: Experiment, field: str) -> str:
@@ -1144,8 +1144,8 @@ def consumer_key(e: Experiment, field: str) -> str:
         return "cache.demand_timeout_s"
     if field == "draft_layers" and e.draft_layers is None:
         return "capture.draft_layers"
-    if field in _EXPERIMENT_KEYS or field in Experiment.__struct_fields__:
-        return f"experiments.{e.name}.{_EXPERIMENT_KEYS.get(field, field)}"
+    if field in _EXPERIMENT_KEYS:
+        return f"experiments.{e.name}.{_EXPERIMENT_KEYS[field]}"
     return f"experiments.{e.name}.consumer.{field}"
 
 
