@@ -603,15 +603,18 @@ def test_failed_experiment_leaves_siblings_running_and_exit_nonzero(tiny_target,
     assert "good" in per and "bad" in per and "completed" in per and "failed" in per
 
 
-def _signalled_run(tiny_target, tmp_path, signals: tuple[int, ...]) -> tuple[int, dict, list[int], str]:
-    """Start ``artcache run`` with two long experiments, wait until both have stepped, send ``signals``
-    back to back; returns (exit status, report, role pids, stdout)."""
+def signalled_run(tiny_target, tmp_path, signals: tuple[int, ...], toml=None, started: str = "producer started",
+                  roles: int = 3) -> tuple[int, dict, list[int], str]:
+    """Start ``artcache run`` with two long experiments (``toml(tiny_target, out, *experiments)``, default
+    :func:`base_toml`), wait for the line starting with ``started`` (the last role's) and until both experiments
+    have stepped, send ``signals`` back to back; returns (exit status, report, the ``roles`` role pids, stdout)."""
     import re
     import signal  # noqa: F401  (the callers' signal numbers)
     import time
 
     out = tmp_path / "out"
-    cfg = write(tmp_path / "run.toml", base_toml(tiny_target, out, exp("a", steps=100000), exp("b", steps=100000)))
+    cfg = write(tmp_path / "run.toml", (toml or base_toml)(tiny_target, out, exp("a", steps=100000),
+                                                           exp("b", steps=100000)))
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "-m", "artcache", "run", "--config", str(cfg)], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -619,10 +622,10 @@ def _signalled_run(tiny_target, tmp_path, signals: tuple[int, ...]) -> tuple[int
     try:
         for line in p.stdout:
             seen.append(line)
-            if line.startswith("producer started"):
+            if line.startswith(started):
                 break
         pids = [int(m) for m in re.findall(r"\(pid (\d+)", "".join(seen))]
-        assert len(pids) == 3, "".join(seen)
+        assert len(pids) == roles, "".join(seen)
         t0 = time.monotonic()
         while not all(any(isinstance(ev, J.Step) and ev.consumer == n for ev in
                           J.read_events(out / "cache" / "journal").events) for n in ("a", "b")):
@@ -652,7 +655,7 @@ def test_run_first_signal_cancels_every_experiment(tiny_target, tmp_path):
     left running."""
     import signal
 
-    code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGINT,))
+    code, report, pids, text = signalled_run(tiny_target, tmp_path, (signal.SIGINT,))
     assert code == 130, text[-4000:]
     assert report["problems"] == [], report["problems"]
     assert {x["name"]: x["state"] for x in report["experiments"]} == {"a": "cancelled", "b": "cancelled"}
@@ -743,7 +746,7 @@ def test_run_second_signal_forces(tiny_target, tmp_path):
     this fails on that code with 'interrupted' not in the problems.)"""
     import signal
 
-    code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGINT, signal.SIGTERM))
+    code, report, pids, text = signalled_run(tiny_target, tmp_path, (signal.SIGINT, signal.SIGTERM))
     assert code == 130, text[-4000:]  # 128 + the first signal, SIGINT
     assert "interrupted" in report["problems"], report["problems"]
     assert all(_gone(pid) for pid in pids)
@@ -1119,7 +1122,7 @@ def test_regression_run_cancelled_by_sigterm_says_cancelled_and_exits_143(tiny_t
     run prints ``cancelled (SIGTERM, exit 143)``, the report agrees and the run exits 143 (128 + SIGTERM)."""
     import signal
 
-    code, report, pids, text = _signalled_run(tiny_target, tmp_path, (signal.SIGTERM,))
+    code, report, pids, text = signalled_run(tiny_target, tmp_path, (signal.SIGTERM,))
     assert code == 128 + signal.SIGTERM, text[-4000:]
     assert "experiment a cancelled (SIGTERM, exit 143)" in text and "experiment b cancelled (SIGTERM, exit 143)" in text
     assert not re.search(r"experiment \w+ FAILED", text), text[-4000:]

@@ -6,25 +6,19 @@ lookahead). The GPU placement is checked here without GPUs (:func:`replica_place
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
 
 import msgspec
 import pytest
 from click.testing import CliRunner
 
-from artcache import journal as J
 from artcache.app.cli import main
 from artcache.app.config import RunConfig, load_run_config
 from artcache.app.experiments import place_groups, producer_gpus, replica_placement
 from artcache.errors import ConfigError
 from artcache.producer import ProducerConfig
 from artcache.rolespec import read_spec
-from tests.protocol.test_run import DEADLINE_S, artcache_run, base_toml, exp, report_of, write
-from tests.support import REPO
+from tests.protocol.test_run import artcache_run, base_toml, exp, report_of, signalled_run, write
 from tests.support.procs import inspect_json
 
 
@@ -131,33 +125,8 @@ def test_two_replicas_serve_two_experiments_each_position_captured_once(tiny_tar
 def test_a_cancel_stops_every_replica(tiny_target, tmp_path):
     """One SIGINT to a run of two replicas: both experiments end cancelled, both producers end cleanly (each
     reported), exit 130, and no process of the run is left."""
-    out = tmp_path / "out"
-    cfg = write(tmp_path / "run.toml", replicas_toml(tiny_target, out, exp("a", steps=100000),
-                                                     exp("b", steps=100000)))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "artcache", "run", "--config", str(cfg)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    try:
-        for line in p.stdout:
-            seen.append(line)
-            if line.startswith("producer-1 started"):
-                break
-        pids = [int(m) for m in re.findall(r"\(pid (\d+)", "".join(seen))]
-        assert len(pids) == 4, "".join(seen)
-        t0 = time.monotonic()
-        while not all(any(isinstance(ev, J.Step) and ev.consumer == n for ev in
-                          J.read_events(out / "cache" / "journal").events) for n in ("a", "b")):
-            assert p.poll() is None and time.monotonic() - t0 < DEADLINE_S, "".join(seen)
-            time.sleep(0.2)
-        p.send_signal(signal.SIGINT)
-        text = "".join(seen) + p.communicate(timeout=DEADLINE_S)[0]
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 130, text[-4000:]
-    r = report_of(out)
+    rc, r, pids, text = signalled_run(tiny_target, tmp_path, (signal.SIGINT,), replicas_toml, "producer-1 started", 4)
+    assert rc == 130, text[-4000:]
     assert {x["name"]: x["state"] for x in r["experiments"]} == {"a": "cancelled", "b": "cancelled"}
     assert [q["name"] for q in r["shared_production"]["producers"]] == ["producer", "producer-1"]
     assert all(q["exit_ok"] for q in r["shared_production"]["producers"]), r["shared_production"]["producers"]
