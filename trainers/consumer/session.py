@@ -521,8 +521,7 @@ class Session:
         """Register the consumer (rank 0 of a group: for the whole group, whose other ranks learn the outcome)."""
         cfg, layout = self.cfg, self.layout
         try:
-            # before registering or journaling: a bad --out leaves nothing in the root; created once registered
-            _check_run_dir(self.run_dir)
+            # a bad --out was refused in setup (nothing in the root); the run directory is created once registered
             # before anything is written: a --reader process ring that cannot be allocated leaves nothing behind
             self.ring = SlotRing(*self._ring_shape(), self.device) if cfg.reader == "process" else None
             self.journal = J.JournalWriter(layout.journal_path("consumer", cfg.consumer_id))
