@@ -1,15 +1,22 @@
 """Packed against unpacked consumer steps at the same token budget, side by side in one process.
 
 ``python -m artcache.bench.packing --out FILE [--draft dflash] [--arch smollm2-135m] [--max-length 2048]
-[--samples 2000] [--rows 2] [--steps 4] [--anchors 64] [--block-size 16] [--threads 0] [--walk 0]``
+[--samples 2000] [--rows 2] [--steps 4] [--anchors 64] [--block-size 16] [--threads 0] [--walk 0]
+[--device cpu] [--data sharegpt]``
 (``artcache bench --suite packing`` runs it per draft, :mod:`artcache.bench.suites`).
 
 The plan is the real one (ShareGPT rendered by SmolLM2-135M-Instruct's tokenizer and chat template at
 ``--max-length``): every document's length and loss mask are those a consumer trains on, in the order a
 consumer reads them (the plan's epoch order). The draft has SmolLM2-135M's shapes (H 576, V 49152, 5 captured
 layers for DFlash / DSpark, 4 for EAGLE-3; ``--arch tiny-llama``: H 64, a quick check) with random frozen target
-tensors and random hidden states in float32: a step's cost depends on shapes, lengths, masks and anchors, not on
-the values (the capture is not what is measured here; the consumer's step is).
+tensors and random hidden states: a step's cost depends on shapes, lengths, masks and anchors, not on the values (the
+capture is not what is measured here; the consumer's step is).
+
+``--device cpu`` (default) steps as ``artcache consume`` does on a CPU: float32, the reference loss, and the lm_head
+losses computed only over the valid positions (gathered on the host), so padding costs little there. ``--device
+cuda`` steps as it does on CUDA without ``--compile``: bfloat16 hidden states and frozen tensors, the sync-free step
+(every position computed, padding included, nothing read back to the host) and the chunked lm_head loss
+(``bench.consumer_speed``'s ``syncfree`` variant); each timed step ends with a device synchronisation.
 
 Both arms walk the plan from position 0 with the same ``--rows`` rows per step (the token budget: at most
 ``rows × max_length`` tokens a step):
@@ -107,16 +114,17 @@ class _Item:
         self.position, self.artifact = position, artifact
 
 
-def _items(plan, lo: int, hi: int, m: int, h: int, random: bool = True) -> list[_Item]:
+def _items(plan, lo: int, hi: int, m: int, h: int, random: bool = True,
+           dtype: torch.dtype = torch.float32) -> list[_Item]:
     """Run positions ``lo .. hi - 1`` (the plan's epoch order, as a consumer reads them) as collator items:
-    random hidden states [n, m, H] (zeros with ``random=False``), the sample's ids and loss mask."""
+    random hidden states [n, m, H] in ``dtype`` (zeros with ``random=False``), the sample's ids and loss mask."""
     g = torch.Generator().manual_seed(lo)
     order = plan.order(len(plan))
     out = []
     for p in range(lo, hi):
         s = plan.sample(order.sample(p))
         n = s.input_ids.numel()
-        hidden = torch.randn(n, m, h, generator=g) if random else torch.zeros(n, m, h)
+        hidden = (torch.randn(n, m, h, generator=g) if random else torch.zeros(n, m, h)).to(dtype)
         out.append(_Item(p, _Art(hidden, s.input_ids.long(), s.loss_mask.bool())))
     return out
 
@@ -140,13 +148,17 @@ def anchor_coverage(batch, anchors: torch.Tensor, valid: torch.Tensor, block: in
     return int((covered & sup).sum()), int(sup.sum())
 
 
-def _batch(plan, lo: int, n: int, m: int, h: int, rows: int, max_length: int, packed: bool, random: bool = True):
+def _batch(plan, lo: int, n: int, m: int, h: int, rows: int, max_length: int, packed: bool, random: bool = True,
+           device: torch.device | None = None):
+    """The step's collated batch on ``device`` (default: the CPU), as the consumer collates it there (bfloat16
+    hidden states on CUDA, float32 on a CPU)."""
     from artcache.trainers.consumer.reader import collate
     from artcache.trainers.packing import collate_packed
 
-    items = _items(plan, lo, lo + n, m, h, random)
-    cpu = torch.device("cpu")
-    return collate_packed(items, cpu, rows, max_length) if packed else collate(items, cpu)
+    device = device or torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    items = _items(plan, lo, lo + n, m, h, random, dtype)
+    return collate_packed(items, device, rows, max_length) if packed else collate(items, device)
 
 
 def _workload(batch, anchors: torch.Tensor, valid: torch.Tensor, block: int, draws: bool) -> dict:
@@ -204,11 +216,18 @@ class _Arm:
     """One arm (packed or unpacked): its own draft, optimizer and plan walk from position 0."""
 
     def __init__(self, draft_name: str, plan, rows: int, max_length: int, anchors: int, block: int,
-                 packed: bool, arch: str = SMOL) -> None:
-        from artcache.bench.consumer_speed import train_step_fn
+                 packed: bool, arch: str = SMOL, device: torch.device | None = None) -> None:
+        from artcache.bench.consumer_speed import build, train_step_fn
         from artcache.trainers.packing import Packer
 
-        self.draft, self.m = _draft(draft_name, anchors, block, arch=arch)
+        self.device = device or torch.device("cpu")
+        if self.device.type == "cuda":
+            layers = 4 if draft_name == "eagle3" else 5
+            self.draft = build(draft_name, arch, "syncfree", self.device, layers=layers, anchors=anchors,
+                               block=block)[0]
+            self.m = layers + (draft_name == "dspark")
+        else:
+            self.draft, self.m = _draft(draft_name, anchors, block, arch=arch)
         self.name, self.plan, self.rows, self.max_length, self.block = draft_name, plan, rows, max_length, block
         self.train = train_step_fn(self.draft)
         self.packer = Packer.for_plan(plan, plan.order(len(plan)), rows, max_length, 10 ** 9) if packed else None
@@ -223,7 +242,7 @@ class _Arm:
         if self.pos + n > len(self.plan):
             raise SystemExit(f"--samples {len(self.plan)} is too few for the steps asked; raise --samples")
         batch = _batch(self.plan, self.pos, n, self.m, self.draft.model.cfg.hidden_size, self.rows, self.max_length,
-                       self.packer is not None)
+                       self.packer is not None, device=self.device)
         cov = n_anchors = 0
         if self.name != "eagle3":
             gen = torch.Generator()
@@ -231,8 +250,13 @@ class _Arm:
             a, ok = draw_anchors(batch, self.draft.model.cfg.num_anchors, gen)  # the draws the step makes
             cov, _ = anchor_coverage(batch, a, ok, self.block)
             n_anchors = int(ok.sum())
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
         t0, c0 = time.perf_counter(), time.process_time()
         self.train(batch)
+        if cuda:
+            torch.cuda.synchronize(self.device)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         self.pos += n
         if not timed:
@@ -269,11 +293,12 @@ class _Arm:
 
 
 def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, anchors: int, block: int,
-            arch: str = SMOL) -> dict:
+            arch: str = SMOL, device: torch.device | None = None) -> dict:
     """Both arms, their steps interleaved (unpacked, packed, unpacked, ...) so that both see the same machine load:
     one warm-up step each, then ``steps`` timed steps each. Returns ``{"unpacked": figures, "packed": figures}``
-    (the module docstring's figures, plus ``cpu_seconds``: this process's CPU time in the steps)."""
-    arms = {name: _Arm(draft_name, plan, rows, max_length, anchors, block, packed, arch)
+    (the module docstring's figures, plus ``cpu_seconds``: this process's CPU time in the steps). ``device``: where
+    the steps run (default: the CPU; see the module docstring for what differs on CUDA)."""
+    arms = {name: _Arm(draft_name, plan, rows, max_length, anchors, block, packed, arch, device)
             for name, packed in (("unpacked", False), ("packed", True))}
     for i in range(steps + 1):
         for arm in arms.values():
@@ -282,23 +307,26 @@ def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, ancho
 
 
 def run(draft: str, *, arch: str = SMOL, max_length: int = 2048, samples: int = 2000, rows: int = 2,
-        steps: int = 4, anchors: int = 64, block: int = 16, walk_positions: int = 0, log=None) -> dict:
-    """The packing figures of one draft (what ``main`` writes, less the provenance): the ShareGPT plan rendered by
-    SmolLM2-135M-Instruct's tokenizer at ``max_length`` (``samples`` samples), the draft at ``arch``'s shapes
+        steps: int = 4, anchors: int = 64, block: int = 16, walk_positions: int = 0, log=None,
+        device: str = "cpu", data: str = "sharegpt") -> dict:
+    """The packing figures of one draft (what ``main`` writes, less the provenance): the plan of ``data``
+    (``sharegpt``: the embedded ShareGPT; or a ShareGPT-schema JSON/JSONL file) rendered by SmolLM2-135M-Instruct's
+    tokenizer at ``max_length`` (``samples`` samples), the draft at ``arch``'s shapes
     (``smollm2-135m``; ``tiny-llama`` for a quick check), :func:`walk` over ``walk_positions`` (0: the whole
-    plan) and :func:`measure` of ``steps`` timed steps per arm (0: none). ``packed_over_unpacked`` holds the timed
-    arms' ratios, ``walk_packed_over_unpacked`` the walk's. ``log``: called with a progress line (None: stderr)."""
+    plan) and :func:`measure` of ``steps`` timed steps per arm (0: none) on ``device`` (``cpu`` or ``cuda``).
+    ``packed_over_unpacked`` holds the timed arms' ratios, ``walk_packed_over_unpacked`` the walk's. ``log``: called
+    with a progress line (None: stderr)."""
     from artcache.plan import PlanSpec, build_plan
     from artcache.target import DEFAULT_TARGET, load_tokenizer, resolve_target
 
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
     info = resolve_target(DEFAULT_TARGET)
-    plan = build_plan(PlanSpec(dataset="sharegpt", max_length=max_length, max_samples=samples),
+    plan = build_plan(PlanSpec(dataset=data, max_length=max_length, max_samples=samples),
                       load_tokenizer(info), target_vocab_size=info.vocab_size)
     lengths = (plan.offsets[1:] - plan.offsets[:-1]).numpy()
     draws = draft != "eagle3"
-    report = {"draft": draft, "arch": arch, "max_length": max_length, "rows": rows, "anchors": anchors,
-              "block_size": block, "threads": torch.get_num_threads(),
+    report = {"draft": draft, "data": data, "arch": arch, "max_length": max_length, "rows": rows, "anchors": anchors,
+              "block_size": block, "threads": torch.get_num_threads(), "device": device,
               "plan": {"samples": len(plan), "mean_tokens": float(np.mean(lengths)),
                        "median_tokens": float(np.median(lengths)), "max_tokens": int(lengths.max()),
                        "at_max_length": float(np.mean(lengths >= max_length))}}
@@ -312,7 +340,7 @@ def run(draft: str, *, arch: str = SMOL, max_length: int = 2048, samples: int = 
     say(json.dumps({"walk_packed_over_unpacked": report["walk_packed_over_unpacked"]}))
     if not steps:  # the walk only
         return report
-    arms = measure(draft, plan, rows, steps, max_length, anchors, block, arch)
+    arms = measure(draft, plan, rows, steps, max_length, anchors, block, arch, torch.device(device))
     say(json.dumps(arms))
     report["arms"] = arms
     keys = ["supervised_tokens_per_s", "supervised_tokens_per_cpu_s", "supervised_tokens_per_step",
@@ -340,12 +368,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--walk", type=int, default=0,
                     help="walk both arms over the plan's first N positions without training (the workload figures "
                          "of a representative sample; 0: every sample of the plan)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the timed steps run (cuda: bfloat16, the sync-free step, as the consumer on CUDA)")
+    ap.add_argument("--data", default="sharegpt",
+                    help="sharegpt (the embedded ShareGPT) or a ShareGPT-schema JSON/JSONL file")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = {**record("artcache.bench.packing", argv),
               **run(args.draft, arch=args.arch, max_length=args.max_length, samples=args.samples, rows=args.rows,
-                    steps=args.steps, anchors=args.anchors, block=args.block_size, walk_positions=args.walk)}
+                    steps=args.steps, anchors=args.anchors, block=args.block_size, walk_positions=args.walk,
+                    device=args.device, data=args.data)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report.get("packed_over_unpacked", report["walk_packed_over_unpacked"]), indent=2))
