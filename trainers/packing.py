@@ -19,6 +19,14 @@ Inside a row the drafts see each document as if it were alone (:class:`~artcache
   document is replaced by the pad id 0, as past the end of an unpacked row), and DSpark's Markov and
   confidence heads see only supervised slots of the anchor's own document.
 
+A packed row draws up to N anchors per document, so a row of many short documents holds many more anchor slots
+than a row of one. The host step (a CPU) computes only the valid blocks, per document. The sync-free step (CUDA)
+computes every slot of the ``[rows, M]`` anchor tensor, M = the most any row drew, so DFlash and DSpark first
+spread a packed batch's anchors over rows of at most N slots each (:func:`spread_anchor_rows`): a row that drew
+more is repeated, each copy holding the next N of its anchors. A block's context is its own row's, so the
+blocks, their loss and their gradients are unchanged; the slots computed fall from ``rows × M`` to about the
+anchors drawn.
+
 So a packed batch's loss equals the unpacked batch of the same documents with the same anchors (the losses
 are normalised over the whole batch, Σ w·CE / Σ w, so a packed row is the weighted combination of its
 documents' losses with weights Σ w per document; tests/unit/test_packing.py pins loss and gradients).
@@ -35,7 +43,7 @@ from torch import Tensor
 from artcache.errors import ConfigError
 
 __all__ = ["Packer", "collate_packed", "doc_eligible_anchors", "draw_anchors", "pack_rows", "packed_layout",
-           "packed_on", "packer_of", "sample_packed_anchors", "same_doc"]
+           "packed_on", "packer_of", "sample_packed_anchors", "same_doc", "spread_anchor_rows"]
 
 
 def pack_rows(lengths: Sequence[int], rows: int, pack_tokens: int, max_positions: int) -> tuple[int, ...]:
@@ -256,6 +264,61 @@ def draw_anchors(batch, num_anchors: int, generator: torch.Generator) -> tuple[T
         return sample_anchors(batch.supervised_on_host(), num_anchors, generator, batch.positions,
                               generator.initial_seed())
     return sample_packed_anchors(batch.supervised_on_host(), batch.doc_ids.cpu(), num_anchors, generator)
+
+
+def spread_anchor_rows(batch, anchors: Tensor, valid: Tensor, slots: int):
+    """A packed batch's anchors laid out over rows of at most ``slots`` anchor slots (for a step that computes every
+    slot, the sync-free one; see the module docstring).
+
+    Args:
+        batch: a :class:`~artcache.trainers.draft.DraftBatch`. anchors, valid: [b, M] long / bool on the host, the
+            batch's draws (:func:`draw_anchors`: each row's valid anchors first, ascending). slots: S >= 1, the
+            anchor slots a row may hold (the draft's ``num_anchors``).
+
+    Returns:
+        ``(batch, anchors, valid)`` unchanged when the batch is not packed or ``M <= S``; else a batch of b' rows
+        and anchors / valid [b', S]: row r of the input appears ``ceil(k_r / S)`` times (k_r its valid anchors), copy
+        i holding anchors ``i·S .. i·S + S - 1`` of its k_r; rows that drew no anchor are left out (one row is kept
+        when none drew any). The hidden states, ids and masks are gathered on their device (no host read-back);
+        ``doc_ids`` / ``position_ids`` / ``supervised_host`` on the host; ``positions`` and ``samples`` are
+        dropped (the rows are no longer plan positions).
+
+    Raises:
+        ConfigError: ``slots < 1``.
+    """
+    from dataclasses import replace
+
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ConfigError(f"slots must be an int >= 1, got {slots!r}")
+    if batch.doc_ids is None or anchors.shape[1] <= slots:
+        return batch, anchors, valid
+    anchors, valid = anchors.cpu(), valid.cpu()
+    rows, chunks = [], []
+    for r in range(anchors.shape[0]):
+        mine = anchors[r][valid[r]]
+        for i in range(0, mine.numel(), slots):
+            rows.append(r)
+            chunks.append(mine[i:i + slots])
+    if not rows:
+        rows, chunks = [0], [anchors.new_zeros(0)]
+    out_a = torch.zeros((len(rows), slots), dtype=anchors.dtype)
+    out_v = torch.zeros((len(rows), slots), dtype=torch.bool)
+    for i, c in enumerate(chunks):
+        out_a[i, :c.numel()], out_v[i, :c.numel()] = c, True
+    host = torch.tensor(rows, dtype=torch.long)
+    dev = batch.hidden.device
+    idx = host.to(dev, non_blocking=True) if dev.type != "cuda" else host.pin_memory().to(dev, non_blocking=True)
+
+    def take(t):
+        if t is None:
+            return None
+        return t.index_select(0, host if t.device.type == "cpu" else idx)
+
+    spread = replace(batch, hidden=take(batch.hidden), input_ids=take(batch.input_ids),
+                     loss_mask=take(batch.loss_mask), valid=take(batch.valid), positions=(), samples=(),
+                     last_layer=take(batch.last_layer), supervised_host=take(batch.supervised_host),
+                     doc_ids=take(batch.doc_ids), position_ids=take(batch.position_ids))
+    return spread, out_a, out_v
 
 
 def packed_on(batch, device: torch.device) -> tuple[Tensor | None, Tensor | None]:

@@ -416,3 +416,115 @@ def test_bench_anchor_coverage_counts_supervised_tokens_a_block_trains_inside_it
     batch.doc_ids = None  # unpacked: one document per row, padding invalid
     batch.valid = torch.ones_like(lm)
     assert anchor_coverage(batch, anchors, valid, 3) == (3, 7)
+
+
+# ---- the sync-free (CUDA) step on packed batches -------------------------------------------------------------
+
+class _Art:
+    def __init__(self, hidden, ids, mask) -> None:
+        self.hidden_states, self.input_ids, self.loss_mask, self.hidden_scales = hidden, ids, mask, None
+
+
+class _Item:
+    def __init__(self, position, artifact) -> None:
+        self.position, self.artifact = position, artifact
+
+
+def packed_draft_batch(m, lengths=(13, 7, 22, 5, 18, 9, 30, 11), rows=4, pack_tokens=40, seed=0):
+    """A packed DraftBatch as the consumer collates it on a CPU (bf16 hidden states, prompt prefix unsupervised)."""
+    from artcache.trainers.packing import collate_packed
+    from tests.unit.test_fast_consumer import H as FH
+    from tests.unit.test_fast_consumer import V as FV
+
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for p, n in enumerate(lengths):
+        lm = torch.zeros(n, dtype=torch.bool)
+        lm[2:] = True
+        hid = torch.randn(n, m, FH, generator=g).to(torch.bfloat16)
+        items.append(_Item(p, _Art(hid, torch.randint(0, FV - 2, (n,), generator=g), lm)))
+    return collate_packed(items, torch.device("cpu"), rows, pack_tokens)
+
+
+def test_spread_anchor_rows_repeats_a_row_per_n_anchors_and_keeps_the_blocks():
+    from artcache.trainers.packing import draw_anchors, spread_anchor_rows
+
+    batch = packed_draft_batch(2)
+    anchors, valid = draw_anchors(batch, 5, torch.Generator().manual_seed(0))
+    assert anchors.shape[1] > 5  # a row of several documents drew more than N
+    out, a, v = spread_anchor_rows(batch, anchors, valid, 5)
+    assert a.shape == v.shape and a.shape[1] == 5
+    # every row's valid anchors, in order, across its copies; the copies carry the row's tensors
+    got = {}
+    rows = []
+    for i in range(a.shape[0]):
+        r = next(r for r in range(batch.input_ids.shape[0])
+                 if torch.equal(out.input_ids[i], batch.input_ids[r]) and torch.equal(out.doc_ids[i], batch.doc_ids[r]))
+        rows.append(r)
+        got.setdefault(r, []).extend(a[i][v[i]].tolist())
+        assert torch.equal(out.hidden[i], batch.hidden[r]) and torch.equal(out.position_ids[i], batch.position_ids[r])
+        assert torch.equal(out.supervised_on_host()[i], batch.supervised_on_host()[r])
+    want = {r: anchors[r][valid[r]].tolist() for r in range(anchors.shape[0]) if valid[r].any()}
+    assert got == want
+    assert rows == sorted(rows) and a.shape[0] == sum(-(-len(x) // 5) for x in want.values())
+    # unpacked batches and rows within N pass through untouched
+    assert spread_anchor_rows(batch, anchors, valid, anchors.shape[1])[0] is batch
+    with pytest.raises(ConfigError, match="slots must be an int >= 1, got 0"):
+        spread_anchor_rows(batch, anchors, valid, 0)
+
+
+def test_spread_anchor_rows_keeps_one_row_when_no_anchor_was_drawn():
+    from artcache.trainers.packing import spread_anchor_rows
+
+    batch = packed_draft_batch(2)
+    anchors = torch.zeros(batch.input_ids.shape[0], 7, dtype=torch.long)
+    out, a, v = spread_anchor_rows(batch, anchors, torch.zeros_like(anchors, dtype=torch.bool), 3)
+    assert out.input_ids.shape[0] == 1 and a.shape == (1, 3) and not v.any()
+
+
+@pytest.mark.parametrize("draft", ["dflash", "dspark"])
+def test_sync_free_packed_step_equals_the_host_step(draft):
+    """The sync-free step (CUDA's; it computes every anchor slot, so a packed batch's anchors are spread over rows
+    of N slots) gives the host step's loss, metric sums and gradients on a packed batch."""
+    from artcache.trainers.speed import SpeedOptions
+    from tests.unit.test_fast_consumer import M, _dflash, _dspark
+
+    make = _dflash if draft == "dflash" else _dspark
+    batch = packed_draft_batch(M)
+    host, fast = make(), make(speed=SpeedOptions(sync_free=True))
+    losses, sums, grads_ = [], [], []
+    for d in (host, fast):
+        loss, s = d.loss(batch)
+        d.model.zero_grad()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        sums.append(s if hasattr(s, "num") else s.resolve())
+        grads_.append(grads(d.model))
+    assert rel(losses[1], losses[0]) <= 1e-5
+    # DSpark's fused loss rounds its lm_head gradient rows in bf16, scaled by 1 / Σ w before or after the rounding
+    # (test_fast_consumer's static-rows test): a bf16 ulp apart. A block read with another row's context is O(1).
+    assert_close_grads_tol(grads_[1], grads_[0], 1e-4 if draft == "dflash" else 1e-2)
+    for k in sums[0].den:
+        assert sums[1].den[k] == pytest.approx(sums[0].den[k], rel=1e-6), k
+
+
+def assert_close_grads_tol(a, b, tol):
+    assert a.keys() == b.keys() and a
+    for k in a:
+        scale = max(float(b[k].abs().max()), 1e-12)
+        assert float((a[k] - b[k]).abs().max()) <= tol * scale, k
+
+
+def test_regression_dspark_packed_denominators_are_those_of_its_loss():
+    """A DSpark step normalises its loss by ``loss_denominators`` (one process and groups alike). For a packed
+    batch that Σ w came from a second anchor draw (the generator advanced between the two) and counted slots past
+    the anchor's document: the loss was divided by another batch's Σ w (85.998 against 85.226 here)."""
+    from tests.unit.test_fast_consumer import M, _dspark
+
+    batch = packed_draft_batch(M)
+    d = _dspark()
+    before = d.generator.get_state()
+    den = float(d.loss_denominators(batch)[0])
+    assert torch.equal(d.generator.get_state(), before)
+    _, sums = d.loss(batch)
+    assert den == pytest.approx(sums.den["loss"], rel=1e-6)

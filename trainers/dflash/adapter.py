@@ -26,7 +26,7 @@ from artcache.trainers.draft import (
     replay_sums,
 )
 from artcache.trainers.export import decode_draft_config
-from artcache.trainers.packing import draw_anchors, packed_on
+from artcache.trainers.packing import draw_anchors, packed_on, spread_anchor_rows
 from artcache.trainers.speed import SpeedOptions, to_device
 
 from .anchors import eligible_anchors
@@ -184,6 +184,8 @@ class DFlashAdapter(Draft):
         if self.cp_group is not None:
             loss, stats = self._cp_loss(batch, anchors, avalid)
         else:
+            if self.speed.sync_free:  # every slot is computed: a packed row's many anchors over rows of N slots
+                batch, anchors, avalid = spread_anchor_rows(batch, anchors, avalid, self.dcfg.num_anchors)
             _, loss, stats = self._forward(batch, anchors, avalid, train=True)
         return loss, (self._pending(stats) if self.speed.sync_free else self._sums(stats))
 

@@ -30,7 +30,7 @@ from artcache.trainers.draft import (
     replay_sums,
 )
 from artcache.trainers.export import decode_draft_config
-from artcache.trainers.packing import draw_anchors, packed_on
+from artcache.trainers.packing import draw_anchors, packed_on, spread_anchor_rows
 from artcache.trainers.speed import SpeedOptions, to_device
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
@@ -195,11 +195,16 @@ class DSparkAdapter(Draft):
     global_denominators = True
 
     def loss_denominators(self, batch: DraftBatch) -> Tensor:
-        """``Σ w`` of the batch's blocks ([1] float64, no forward): the anchors :meth:`loss` draws, their layout."""
+        """``Σ w`` of the batch's blocks ([1] float64, no forward): the anchors :meth:`loss` draws next (drawn from a
+        copy of the generator's state, which is left as it was), their layout (a packed batch's blocks cut at their
+        document's end, as the loss cuts them)."""
+        state = self.generator.get_state()
         anchors, avalid = draw_anchors(batch, self.cfg.num_anchors, self.generator)
+        self.generator.set_state(state)
         dev = batch.hidden.device
+        docs, _ = packed_on(batch, dev)
         lay = block_layout(batch.input_ids, batch.loss_mask, to_device(anchors, dev), to_device(avalid, dev),
-                           self.cfg.block_size, batch.valid)
+                           self.cfg.block_size, batch.valid, doc_ids=docs)
         w = slot_weights(self.cfg.block_size, float(self.cfg.gamma), dev) * lay.supervised
         return w.sum().double().reshape(1)
 
@@ -208,6 +213,8 @@ class DSparkAdapter(Draft):
         # from the host copy of the batch's masks (no device read-back)
         anchors, avalid = draw_anchors(batch, self.cfg.num_anchors, self.generator)
         self.speed.step_begin()
+        if self.speed.sync_free:  # every slot is computed: a packed row's many anchors over rows of N slots
+            batch, anchors, avalid = spread_anchor_rows(batch, anchors, avalid, self.cfg.num_anchors)
         _, loss, out = self._forward(batch, anchors, avalid, train=True,
                                      denominator=None if denominators is None else denominators[0])
         self._weights_seen += 1
