@@ -2,7 +2,7 @@
 
 ``python -m artcache.bench.packing --out FILE [--draft dflash] [--arch smollm2-135m] [--max-length 2048]
 [--samples 2000] [--rows 2] [--steps 4] [--anchors 64] [--block-size 16] [--threads 0] [--walk 0]
-[--device cpu] [--data sharegpt]``
+[--device cpu] [--data sharegpt | --plan DIR]``
 (``artcache bench --suite packing`` runs it per draft, :mod:`artcache.bench.suites`).
 
 The plan is the real one (ShareGPT rendered by SmolLM2-135M-Instruct's tokenizer and chat template at
@@ -308,10 +308,11 @@ def measure(draft_name: str, plan, rows: int, steps: int, max_length: int, ancho
 
 def run(draft: str, *, arch: str = SMOL, max_length: int = 2048, samples: int = 2000, rows: int = 2,
         steps: int = 4, anchors: int = 64, block: int = 16, walk_positions: int = 0, log=None,
-        device: str = "cpu", data: str = "sharegpt") -> dict:
+        device: str = "cpu", data: str = "sharegpt", plan_dir: str | None = None) -> dict:
     """The packing figures of one draft (what ``main`` writes, less the provenance): the plan of ``data``
     (``sharegpt``: the embedded ShareGPT; or a ShareGPT-schema JSON/JSONL file) rendered by SmolLM2-135M-Instruct's
-    tokenizer at ``max_length`` (``samples`` samples), the draft at ``arch``'s shapes
+    tokenizer at ``max_length`` (``samples`` samples), or the saved plan ``plan_dir`` (a cache root's
+    ``plans/<id>``; ``data``, ``max_length`` and ``samples`` then come from it), the draft at ``arch``'s shapes
     (``smollm2-135m``; ``tiny-llama`` for a quick check), :func:`walk` over ``walk_positions`` (0: the whole
     plan) and :func:`measure` of ``steps`` timed steps per arm (0: none) on ``device`` (``cpu`` or ``cuda``).
     ``packed_over_unpacked`` holds the timed arms' ratios, ``walk_packed_over_unpacked`` the walk's. ``log``: called
@@ -320,9 +321,15 @@ def run(draft: str, *, arch: str = SMOL, max_length: int = 2048, samples: int = 
     from artcache.target import DEFAULT_TARGET, load_tokenizer, resolve_target
 
     say = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    info = resolve_target(DEFAULT_TARGET)
-    plan = build_plan(PlanSpec(dataset=data, max_length=max_length, max_samples=samples),
-                      load_tokenizer(info), target_vocab_size=info.vocab_size)
+    if plan_dir is not None:
+        from artcache.plan import Plan
+
+        plan = Plan.load(plan_dir)
+        data, max_length = f"plan {plan.plan_id}", int(plan.provenance["spec"]["max_length"])
+    else:
+        info = resolve_target(DEFAULT_TARGET)
+        plan = build_plan(PlanSpec(dataset=data, max_length=max_length, max_samples=samples),
+                          load_tokenizer(info), target_vocab_size=info.vocab_size)
     lengths = (plan.offsets[1:] - plan.offsets[:-1]).numpy()
     draws = draft != "eagle3"
     report = {"draft": draft, "data": data, "arch": arch, "max_length": max_length, "rows": rows, "anchors": anchors,
@@ -372,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the timed steps run (cuda: bfloat16, the sync-free step, as the consumer on CUDA)")
     ap.add_argument("--data", default="sharegpt",
                     help="sharegpt (the embedded ShareGPT) or a ShareGPT-schema JSON/JSONL file")
+    ap.add_argument("--plan", default=None, metavar="DIR",
+                    help="a saved plan directory (a cache root's plans/<id>) instead of building one from --data; "
+                         "--max-length and --samples then come from it")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available here; use --device cpu")
@@ -380,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {**record("artcache.bench.packing", argv),
               **run(args.draft, arch=args.arch, max_length=args.max_length, samples=args.samples, rows=args.rows,
                     steps=args.steps, anchors=args.anchors, block=args.block_size, walk_positions=args.walk,
-                    device=args.device, data=args.data)}
+                    device=args.device, data=args.data, plan_dir=args.plan)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report.get("packed_over_unpacked", report["walk_packed_over_unpacked"]), indent=2))

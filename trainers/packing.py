@@ -305,9 +305,10 @@ def spread_anchor_rows(batch, anchors: Tensor, valid: Tensor, slots: int):
     out_v = torch.zeros((len(rows), slots), dtype=torch.bool)
     for i, c in enumerate(chunks):
         out_a[i, :c.numel()], out_v[i, :c.numel()] = c, True
+    from artcache.trainers.speed import to_device
+
     host = torch.tensor(rows, dtype=torch.long)
-    dev = batch.hidden.device
-    idx = host.to(dev, non_blocking=True) if dev.type != "cuda" else host.pin_memory().to(dev, non_blocking=True)
+    idx = to_device(host, batch.hidden.device)
 
     def take(t):
         if t is None:
@@ -322,10 +323,14 @@ def spread_anchor_rows(batch, anchors: Tensor, valid: Tensor, slots: int):
 
 
 def packed_on(batch, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-    """``(doc_ids, position_ids)`` of ``batch`` on ``device`` ((None, None) when it is not packed)."""
+    """``(doc_ids, position_ids)`` of ``batch`` on ``device`` ((None, None) when it is not packed), copied from the
+    host without a synchronisation (:func:`~artcache.trainers.speed.to_device`: through pinned memory; a copy from
+    pageable memory waits for the device to drain its stream)."""
+    from artcache.trainers.speed import to_device
+
     if batch.doc_ids is None:
         return None, None
-    return batch.doc_ids.to(device, non_blocking=True), batch.position_ids.to(device, non_blocking=True)
+    return to_device(batch.doc_ids, device), to_device(batch.position_ids, device)
 
 
 def collate_packed(items, device: torch.device, rows: int, pack_tokens: int,

@@ -187,3 +187,45 @@ def test_sync_free_dspark_step_does_not_synchronise():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sums.resolve().den["tau"] > 0
+
+
+def _syncs(d, gb) -> int:
+    """Synchronisations of one training step (forward, loss, backward) after a warm-up step, as
+    ``set_sync_debug_mode("warn")`` reports them."""
+    import warnings
+
+    d.loss(gb)[0].backward()  # warm-up: lazy CUDA initialisation may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss, _ = d.loss(gb)
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("draft", ["dflash", "eagle3", "dspark"])
+def test_packed_step_synchronises_no_more_than_unpacked(draft):
+    """A packed batch's CUDA step adds no synchronisation to the unpacked step's (DSpark's has none): its document
+    ids and positions reach the device through pinned memory, its anchors are drawn and spread on the host."""
+    from dataclasses import replace
+
+    from artcache.trainers.speed import SpeedOptions
+    from tests.unit.test_fast_consumer import M, _batch, _dflash, _dspark, _eagle3
+    from tests.unit.test_packing import packed_draft_batch
+
+    make = {"dflash": _dflash, "eagle3": _eagle3, "dspark": _dspark}[draft]
+    m = 4 if draft == "eagle3" else M
+    counts = []
+    for b in (_batch(3, 24, m, 4), packed_draft_batch(m)):
+        d = make(speed=SpeedOptions(sync_free=True, ce_impl="chunked"))
+        d.model.cuda()
+        gb = replace(b, hidden=b.hidden.cuda(), input_ids=b.input_ids.cuda(), loss_mask=b.loss_mask.cuda(),
+                     valid=b.valid.cuda(), supervised_host=b.loss_mask & b.valid)
+        counts.append(_syncs(d, gb))
+    assert counts[1] <= counts[0], counts
+    if draft == "dspark":
+        assert counts == [0, 0]
