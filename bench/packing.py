@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = {**record("artcache.bench.packing", argv),
+    report = {**record("artcache.bench.packing", argv, device=torch.device(args.device)),
               **run(args.draft, arch=args.arch, max_length=args.max_length, samples=args.samples, rows=args.rows,
                     steps=args.steps, anchors=args.anchors, block=args.block_size, walk_positions=args.walk,
                     device=args.device, data=args.data, plan_dir=args.plan)}

@@ -43,7 +43,8 @@ from torch import Tensor
 from artcache.errors import ConfigError
 
 __all__ = ["Packer", "collate_packed", "doc_eligible_anchors", "draw_anchors", "pack_rows", "packed_layout",
-           "packed_on", "packer_of", "sample_packed_anchors", "same_doc", "spread_anchor_rows"]
+           "packed_on", "packer_of", "sample_packed_anchors", "same_doc", "spread_anchor_rows",
+           "spread_row_step"]
 
 
 def pack_rows(lengths: Sequence[int], rows: int, pack_tokens: int, max_positions: int) -> tuple[int, ...]:
@@ -266,30 +267,35 @@ def draw_anchors(batch, num_anchors: int, generator: torch.Generator) -> tuple[T
     return sample_packed_anchors(batch.supervised_on_host(), batch.doc_ids.cpu(), num_anchors, generator)
 
 
-def spread_anchor_rows(batch, anchors: Tensor, valid: Tensor, slots: int):
+def spread_anchor_rows(batch, anchors: Tensor, valid: Tensor, slots: int, row_step: int = 1):
     """A packed batch's anchors laid out over rows of at most ``slots`` anchor slots (for a step that computes every
     slot, the sync-free one; see the module docstring).
 
     Args:
         batch: a :class:`~artcache.trainers.draft.DraftBatch`. anchors, valid: [b, M] long / bool on the host, the
             batch's draws (:func:`draw_anchors`: each row's valid anchors first, ascending). slots: S >= 1, the
-            anchor slots a row may hold (the draft's ``num_anchors``).
+            anchor slots a row may hold (the draft's ``num_anchors``). row_step: the row count is rounded up to a
+            multiple of it with rows that hold no anchor (copies of the first row): fewer distinct shapes, each a
+            kernel plan built once (cuDNN's attention builds a plan per shape: about 90 ms of host time per new
+            shape, measured on an H100); :func:`spread_row_step` gives the drafts' step.
 
     Returns:
         ``(batch, anchors, valid)`` unchanged when the batch is not packed or ``M <= S``; else a batch of b' rows
         and anchors / valid [b', S]: row r of the input appears ``ceil(k_r / S)`` times (k_r its valid anchors), copy
         i holding anchors ``i·S .. i·S + S - 1`` of its k_r; rows that drew no anchor are left out (one row is kept
-        when none drew any). The hidden states, ids and masks are gathered on their device (no host read-back);
-        ``doc_ids`` / ``position_ids`` / ``supervised_host`` on the host; ``positions`` and ``samples`` are
-        dropped (the rows are no longer plan positions).
+        when none drew any), then rows without anchors are added up to a multiple of ``row_step``. The hidden
+        states, ids and masks are gathered on their device (no host read-back); ``doc_ids`` / ``position_ids`` /
+        ``supervised_host`` on the host; ``positions`` and ``samples`` are dropped (the rows are no longer plan
+        positions).
 
     Raises:
-        ConfigError: ``slots < 1``.
+        ConfigError: ``slots < 1`` or ``row_step < 1``.
     """
     from dataclasses import replace
 
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ConfigError(f"slots must be an int >= 1, got {slots!r}")
+    for name, v in (("slots", slots), ("row_step", row_step)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
     if batch.doc_ids is None or anchors.shape[1] <= slots:
         return batch, anchors, valid
     anchors, valid = anchors.cpu(), valid.cpu()
@@ -301,6 +307,9 @@ def spread_anchor_rows(batch, anchors: Tensor, valid: Tensor, slots: int):
             chunks.append(mine[i:i + slots])
     if not rows:
         rows, chunks = [0], [anchors.new_zeros(0)]
+    while len(rows) % row_step:
+        rows.append(rows[0])
+        chunks.append(anchors.new_zeros(0))
     out_a = torch.zeros((len(rows), slots), dtype=anchors.dtype)
     out_v = torch.zeros((len(rows), slots), dtype=torch.bool)
     for i, c in enumerate(chunks):
@@ -320,6 +329,13 @@ def spread_anchor_rows(batch, anchors: Tensor, valid: Tensor, slots: int):
                      last_layer=take(batch.last_layer), supervised_host=take(batch.supervised_host),
                      doc_ids=take(batch.doc_ids), position_ids=take(batch.position_ids))
     return spread, out_a, out_v
+
+
+def spread_row_step(rows: int) -> int:
+    """The ``row_step`` of :func:`spread_anchor_rows` for a batch of ``rows`` rows: ``ceil(rows / 4)``, so a step's
+    row count takes one of a few values (8 rows: 8, 10, 12, ...) for at most ``ceil(rows / 4) - 1`` rows without
+    anchors."""
+    return max(1, -(-int(rows) // 4))
 
 
 def packed_on(batch, device: torch.device) -> tuple[Tensor | None, Tensor | None]:

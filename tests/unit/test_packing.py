@@ -473,6 +473,22 @@ def test_spread_anchor_rows_repeats_a_row_per_n_anchors_and_keeps_the_blocks():
         spread_anchor_rows(batch, anchors, valid, 0)
 
 
+def test_spread_anchor_rows_rounds_the_row_count_up_with_rows_without_anchors():
+    from artcache.trainers.packing import draw_anchors, spread_anchor_rows, spread_row_step
+
+    batch = packed_draft_batch(2)
+    anchors, valid = draw_anchors(batch, 5, torch.Generator().manual_seed(0))
+    plain, a1, v1 = spread_anchor_rows(batch, anchors, valid, 5)
+    for step in (2, 3, 4):
+        out, a, v = spread_anchor_rows(batch, anchors, valid, 5, step)
+        n = a1.shape[0]
+        assert a.shape[0] == -(-n // step) * step and not v[n:].any()
+        assert torch.equal(a[:n], a1) and torch.equal(v[:n], v1) and torch.equal(out.hidden[:n], plain.hidden)
+    assert [spread_row_step(r) for r in (1, 2, 4, 5, 8, 16)] == [1, 1, 1, 2, 2, 4]
+    with pytest.raises(ConfigError, match="row_step must be an int >= 1, got 0"):
+        spread_anchor_rows(batch, anchors, valid, 5, 0)
+
+
 def test_spread_anchor_rows_keeps_one_row_when_no_anchor_was_drawn():
     from artcache.trainers.packing import spread_anchor_rows
 
@@ -482,15 +498,25 @@ def test_spread_anchor_rows_keeps_one_row_when_no_anchor_was_drawn():
     assert out.input_ids.shape[0] == 1 and a.shape == (1, 3) and not v.any()
 
 
+@pytest.mark.parametrize("row_step", [1, 3])
 @pytest.mark.parametrize("draft", ["dflash", "dspark"])
-def test_sync_free_packed_step_equals_the_host_step(draft):
+def test_sync_free_packed_step_equals_the_host_step(draft, row_step, monkeypatch):
     """The sync-free step (CUDA's; it computes every anchor slot, so a packed batch's anchors are spread over rows
-    of N slots) gives the host step's loss, metric sums and gradients on a packed batch."""
+    of N slots, the row count rounded up to a multiple of ``row_step`` with rows without anchors) gives the host
+    step's loss, metric sums and gradients on a packed batch."""
+    import importlib
+
+    from artcache.trainers.packing import draw_anchors, spread_anchor_rows
     from artcache.trainers.speed import SpeedOptions
     from tests.unit.test_fast_consumer import M, _dflash, _dspark
 
     make = _dflash if draft == "dflash" else _dspark
+    monkeypatch.setattr(importlib.import_module(f"artcache.trainers.{draft}.adapter"), "spread_row_step",
+                        lambda rows: row_step)
     batch = packed_draft_batch(M)
+    a, v = draw_anchors(batch, 5, torch.Generator().manual_seed(0))
+    _, a2, v2 = spread_anchor_rows(batch, a, v, 5, row_step)
+    assert a.shape[1] > 5 and bool((~v2).all(dim=1).any()) == (row_step == 3)  # spread; padded rows with step 3
     host, fast = make(), make(speed=SpeedOptions(sync_free=True))
     losses, sums, grads_ = [], [], []
     for d in (host, fast):

@@ -26,7 +26,7 @@ from artcache.trainers.draft import (
     replay_sums,
 )
 from artcache.trainers.export import decode_draft_config
-from artcache.trainers.packing import draw_anchors, packed_on, spread_anchor_rows
+from artcache.trainers.packing import draw_anchors, packed_on, spread_anchor_rows, spread_row_step
 from artcache.trainers.speed import SpeedOptions, to_device
 
 from .anchors import eligible_anchors
@@ -185,7 +185,8 @@ class DFlashAdapter(Draft):
             loss, stats = self._cp_loss(batch, anchors, avalid)
         else:
             if self.speed.sync_free:  # every slot is computed: a packed row's many anchors over rows of N slots
-                batch, anchors, avalid = spread_anchor_rows(batch, anchors, avalid, self.dcfg.num_anchors)
+                batch, anchors, avalid = spread_anchor_rows(batch, anchors, avalid, self.dcfg.num_anchors,
+                                                            spread_row_step(anchors.shape[0]))
             _, loss, stats = self._forward(batch, anchors, avalid, train=True)
         return loss, (self._pending(stats) if self.speed.sync_free else self._sums(stats))
 

@@ -30,7 +30,7 @@ from artcache.trainers.draft import (
     replay_sums,
 )
 from artcache.trainers.export import decode_draft_config
-from artcache.trainers.packing import draw_anchors, packed_on, spread_anchor_rows
+from artcache.trainers.packing import draw_anchors, packed_on, spread_anchor_rows, spread_row_step
 from artcache.trainers.speed import SpeedOptions, to_device
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
@@ -214,7 +214,8 @@ class DSparkAdapter(Draft):
         anchors, avalid = draw_anchors(batch, self.cfg.num_anchors, self.generator)
         self.speed.step_begin()
         if self.speed.sync_free:  # every slot is computed: a packed row's many anchors over rows of N slots
-            batch, anchors, avalid = spread_anchor_rows(batch, anchors, avalid, self.cfg.num_anchors)
+            batch, anchors, avalid = spread_anchor_rows(batch, anchors, avalid, self.cfg.num_anchors,
+                                                        spread_row_step(anchors.shape[0]))
         _, loss, out = self._forward(batch, anchors, avalid, train=True,
                                      denominator=None if denominators is None else denominators[0])
         self._weights_seen += 1
