@@ -544,15 +544,23 @@ SECTIONS: list[Section] = [
                 ("process-869fe45", "16-core CPU, process pairing, commit when due"),
                 ("process-commit0-869fe45", "16-core CPU, process pairing, commit every step"))]),
     Section("Packing",
-            "`python -m artcache.bench.packing` (`artcache bench --suite packing`): a draft's steps on the SmolLM2 "
-            "ShareGPT plan's lengths and loss masks, packed (`--pack-tokens`) against unpacked at the same token "
-            "budget, the arms' steps interleaved in one process; packed / unpacked. The walk: both arms over the "
-            "plan's first positions without training (`--steps 0`: the walk only, its per-step column the walk's) "
-            "(docs/training.md, Packing).",
+            "`python -m artcache.bench.packing` (`artcache bench --suite packing`): a draft's steps on the "
+            "SmolLM2 ShareGPT plan's lengths and loss masks, packed (`--pack-tokens`) against unpacked at the "
+            "same token budget, the arms' steps interleaved in one process; packed / unpacked. The walk: both "
+            "arms over the plan's first positions without training (`--steps 0`: the walk only, its per-step "
+            "column the walk's) (docs/training.md, Packing). The H100 rows: `--device cuda`, the consumer's "
+            "sync-free bfloat16 step (every position computed), the same plan carried as a saved plan (`--plan`),"
+            " at 95e1bd5, before the spread rows' count was rounded up (91c1eb3): nearly every DFlash / DSpark "
+            "step met a new row count, for which cuDNN built new attention plans (about 90 ms of host time per "
+            "step in a profile). On a GPU the per-CPU-second column is the host's time, which waits on the GPU.",
             ["run", "draft, length, rows", "supervised tokens/s", "per CPU second", "per step", "anchor coverage",
              "padding unpacked / packed", "walk: supervised tokens / computed tokens / anchors per step"],
             [Row("2026-12-05-cpu-packing-dflash-f567302.json", _packing_row("first fit")),
              Row("2026-12-05-cpu-packing-eagle3-rows8-b69bf45.json", _packing_row("first fit")),
+             Row("2026-12-05-h100-packing-eagle3-95e1bd5.json", _packing_row("H100, 12 steps")),
+             Row("2026-12-05-h100-packing-dflash-95e1bd5.json", _packing_row("H100, 12 steps")),
+             Row("2026-12-05-h100-packing-dflash-steps40-95e1bd5.json", _packing_row("H100, 40 steps")),
+             Row("2026-12-05-h100-packing-dspark-95e1bd5.json", _packing_row("H100, 12 steps")),
              Row("2026-12-05-cpu-packing-dflash-nextfit-f4e4775.json", _packing_row("next fit (earlier)")),
              Row("2026-12-05-cpu-packing-walk-rows4-f25a155.json", _packing_row("first fit, walk only")),
              Row("2026-12-05-cpu-packing-walk-rows8-f25a155.json", _packing_row("first fit, walk only")),
@@ -590,18 +598,25 @@ SECTIONS: list[Section] = [
             + [Row("2026-12-02-vllm-cpu-smollm2-dflash-served.json", _served_row("dflash"))]),
     Section("GPU lane",
             "`python3 -m pytest -m gpu ... -v` on a CUDA machine (docs/benchmarks.md, \"GPU lane\"), each log's "
-            "tests by where they ran: a `[cpu]` / `[cpu-...]` variant on the CPU, every other test on CUDA. The H200 "
-            "run is the lane's last complete one. The first H100 run (76f6992) ran `tests/test_gpu.py`'s CPU variants "
-            "in the process of the CUDA tests: the CPU consumer tests failed because the CUDA tests before them had "
-            "initialised CUDA, so the CPU consumer's checkpoint held CUDA RNG states (a fault of the test, not of "
-            "the consumer; the lane now runs those tests on the GPU only), and the lane stopped at its time bound "
-            "with 12 selected tests not reached. The second H100 run (b107407: `tests/test_gpu.py "
-            "tests/test_gpu_capture.py tests/test_target_devices.py`, CUDA only) passed 7 of `tests/test_gpu.py`'s "
-            "tests on CUDA and stopped at its 215 s bound inside the short bench test; `tests/test_gpu_capture.py` "
-            "(2 tests) and `tests/test_target_devices.py`'s two-GPU test did not run.",
+            "tests by where they ran: a `[cpu]` / `[cpu-...]` variant on the CPU, every other test on CUDA. The "
+            "lane's last complete run is the H200's at 54e33cc: every test but `tests/gpu/test_gpu_capture.py`'s "
+            "two (they need the real SmolLM2 target, and passed in that commit's second log); the liger test (no "
+            "liger-kernel there) and the two-GPU test skipped. The H100 log at 95e1bd5 holds the packed-step "
+            "tests after document ids were copied through pinned memory. The first H100 run (76f6992) ran "
+            "`tests/test_gpu.py`'s CPU variants in the process of the CUDA tests: the CPU consumer tests failed "
+            "because the CUDA tests before them had initialised CUDA, so the CPU consumer's checkpoint held CUDA "
+            "RNG states (a fault of the test, not of the consumer; the lane now runs those tests on the GPU "
+            "only), and the lane stopped at its time bound with 12 selected tests not reached. The second H100 "
+            "run (b107407: `tests/test_gpu.py tests/test_gpu_capture.py tests/test_target_devices.py`, CUDA only)"
+            " passed 7 of `tests/test_gpu.py`'s tests on CUDA and stopped at its 215 s bound inside the short "
+            "bench test; `tests/test_gpu_capture.py` (2 tests) and `tests/test_target_devices.py`'s two-GPU test "
+            "did not run.",
             ["card", "passed on CUDA", "passed on the CPU", "skipped", "failed", "stopped in", "not reached",
              "end"],
-            [Row(f, _lane_row(_card(f))) for f in ("2026-12-04-h200-gpu-lane-869fe45.log",
+            [Row(f, _lane_row(_card(f))) for f in ("2026-12-05-h200-gpu-lane-54e33cc.log",
+                                                  "2026-12-05-h200-gpu-capture-54e33cc.log",
+                                                  "2026-12-05-h100-gpu-packed-95e1bd5.log",
+                                                  "2026-12-04-h200-gpu-lane-869fe45.log",
                                                   "2026-12-05-h100-gpu-lane-76f6992.log",
                                                   "2026-12-05-h100-gpu-lane-b107407.log")]),
 ]
