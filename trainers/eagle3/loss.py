@@ -220,6 +220,7 @@ def eagle3_loss(
     denominators: Tensor | None = None,
     doc_ids: Tensor | None = None,
     position_ids: Tensor | None = None,
+    attn_chunk: int | None = None,
 ) -> tuple[Tensor, Eagle3Stats]:
     """EAGLE-3 TTT loss of one batch, plus metric sums (shift convention: module docstring).
 
@@ -251,6 +252,7 @@ def eagle3_loss(
         denominators: [steps] float64: divide step i's sum by ``denominators[i]`` instead of its own kept count
             (a consumer group or ``--grad-accum``: the kept counts of the whole global batch, so the sum of the
             parts' gradients is the global batch's); None: the batch's own counts.
+        attn_chunk: the TTT attention's query chunk (:meth:`Eagle3Draft.forward`); None: chosen by the length.
 
     Returns:
         ``(loss, stats)``: a scalar in float32 (float64 for a float64 model), and :class:`Eagle3Stats`.
@@ -278,9 +280,11 @@ def eagle3_loss(
     probs, arg = target_soft_labels(model, lh, vb, chunk_rows, normed=last_hidden_normed, all_rows=sync_free)
     # checks the other shapes
     docs = None if doc_ids is None else doc_ids.to(dev).long()
-    packed = {} if docs is None else {"doc_ids": docs, "position_ids": position_ids}
+    extra = {} if docs is None else {"doc_ids": docs, "position_ids": position_ids}
+    if attn_chunk is not None:
+        extra["attn_chunk"] = attn_chunk
     hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free,
-                                                      **packed)
+                                                      **extra)
     if sync_free:
         return _sync_free_steps(model, hiddens, supervision_masks(loss_mask.to(dev), vb, steps, docs), probs, arg,
                                 max(chunk_rows, (1 << 26) // cfg.draft_vocab_size), denominators)

@@ -22,13 +22,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from artcache.errors import ConfigError, DataError
 from artcache.trainers.dflash.model import _MLP, RMSNorm, _rope
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 
-__all__ = ["FROZEN_BUFFERS", "Eagle3Draft", "build_ttt_mask", "ttt_input_ids"]
+__all__ = ["FROZEN_BUFFERS", "TTT_ATTN_CHUNK", "TTT_DENSE_MAX_LEN", "Eagle3Draft", "build_ttt_mask", "ttt_chunk_mask",
+           "ttt_input_ids"]
 
 #: Names of the frozen target tensors (non-persistent buffers); never trained, never exported.
 FROZEN_BUFFERS = ("embed_weight", "target_norm_weight", "target_lm_head_weight")
@@ -81,6 +83,76 @@ def build_ttt_mask(seq_len: int, steps: int, key_valid: Tensor | None = None,
     return (causal0 | diag[None])[:, None]
 
 
+#: Up to this many positions the TTT attention uses the dense :func:`build_ttt_mask`; above it, query chunks.
+TTT_DENSE_MAX_LEN = 4096
+#: Query positions per chunk of the chunked TTT attention (:func:`ttt_chunk_mask`) when chosen automatically.
+TTT_ATTN_CHUNK = 1024
+
+
+def ttt_chunk_mask(start: int, end: int, step: int, key_valid: Tensor | None = None,
+                   doc_ids: Tensor | None = None, device: torch.device | str | None = None) -> Tensor:
+    """The rows ``[start, end)`` of TTT step ``step``'s mask, over only the keys those rows can see.
+
+    Keys: the step-0 keys of positions ``[0, end)``, then for each step ``k = 1 .. step`` the keys of positions
+    ``[start, end)`` (only the diagonal of those blocks is ever visible). Returns bool
+    ``[b or 1, 1, C, end + step·C]`` with ``C = end - start``: the columns of :func:`build_ttt_mask`'s rows
+    ``[start, end)`` that are not all False, in the same order, element for element (same ``key_valid`` /
+    ``doc_ids`` semantics, [b, T] each). Size ``C·(end + step·C)`` booleans per row, never ``T·steps·T``.
+
+    Raises:
+        ConfigError: ``not 0 <= start < end`` or ``step < 0``.
+    """
+    if not 0 <= start < end or step < 0:
+        raise ConfigError(f"need 0 <= start < end and step >= 0, got start={start}, end={end}, step={step}")
+    for ref in (doc_ids, key_valid):
+        if ref is not None:
+            device = ref.device
+    C = end - start
+    t = torch.arange(start, end, device=device)[:, None]  # [C, 1]
+    j = torch.arange(end, device=device)[None, :]  # [1, end]
+    causal0 = (j <= t)[None]  # [1, C, end]
+    if doc_ids is not None:
+        docs = doc_ids.long()
+        causal0 = causal0 & (docs[:, start:end, None] == docs[:, None, :end])
+    if key_valid is not None:
+        causal0 = causal0 & key_valid.bool()[:, None, :end]
+    first = causal0 | (j == t)[None]
+    if step == 0:
+        return first[:, None]
+    diag = torch.eye(C, dtype=torch.bool, device=device).repeat(1, step)  # [C, step·C]
+    return torch.cat([first, diag[None].expand(first.shape[0], C, step * C)], dim=2)[:, None]
+
+
+class _TTTChunks:
+    """The chunked TTT attention's plan: queries in chunks of ``chunk`` positions, masks built per chunk."""
+
+    def __init__(self, chunk: int, key_valid: Tensor | None, doc_ids: Tensor | None) -> None:
+        self.chunk, self.key_valid, self.doc_ids = chunk, key_valid, doc_ids
+
+    def attend(self, q: Tensor, cache: list[tuple[Tensor, Tensor]], gqa: bool) -> Tensor:
+        """SDPA of q [b, h, T, d] over the step-0 keys and the diagonal keys of the later steps in ``cache``,
+        chunk by chunk; under autograd each chunk is checkpointed (its mask and gathered keys are rebuilt in
+        backward, so none of them outlives its chunk). Returns [b, h, T, d]."""
+        T = q.shape[2]
+        flat = [x for kv in cache for x in kv]
+        outs = []
+        for a in range(0, T, self.chunk):
+            e = min(a + self.chunk, T)
+            if torch.is_grad_enabled():
+                outs.append(checkpoint(self._chunk, a, e, gqa, q[:, :, a:e], *flat, use_reentrant=False))
+            else:
+                outs.append(self._chunk(a, e, gqa, q[:, :, a:e], *flat))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+    def _chunk(self, a: int, e: int, gqa: bool, q: Tensor, *flat: Tensor) -> Tensor:
+        ks, vs = flat[0::2], flat[1::2]
+        step = len(ks) - 1
+        keys = torch.cat([ks[0][:, :, :e], *(k[:, :, a:e] for k in ks[1:])], dim=2)
+        vals = torch.cat([vs[0][:, :, :e], *(v[:, :, a:e] for v in vs[1:])], dim=2)
+        mask = ttt_chunk_mask(a, e, step, self.key_valid, self.doc_ids, device=q.device)
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=gqa)
+
+
 def ttt_input_ids(input_ids: Tensor, step: int, pad_id: int = 0, doc_ids: Tensor | None = None) -> Tensor:
     """Token ids fed at TTT step ``step``: position t gets ``input_ids[t + 1 + step]`` (the shift left
     by one of EAGLE-3 plus one more per step); the last ``step + 1`` positions get ``pad_id``, and so does
@@ -117,12 +189,16 @@ class _Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, H, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, cache: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, cache: list[tuple[Tensor, Tensor]],
+                mask: Tensor | _TTTChunks) -> Tensor:
         b, T, _ = x.shape
         q = _rope(self.q_proj(x).view(b, T, self.nh, self.hd).transpose(1, 2), positions, self.theta)
         k = _rope(self.k_proj(x).view(b, T, self.nkv, self.hd).transpose(1, 2), positions, self.theta)
         v = self.v_proj(x).view(b, T, self.nkv, self.hd).transpose(1, 2)
         cache.append((k, v))
+        if isinstance(mask, _TTTChunks):
+            o = mask.attend(q, cache, self.nh != self.nkv)
+            return self.o_proj(o.transpose(1, 2).reshape(b, T, self.nh * self.hd))
         keys = torch.cat([c[0] for c in cache], dim=2) if len(cache) > 1 else k
         vals = torch.cat([c[1] for c in cache], dim=2) if len(cache) > 1 else v
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.nh != self.nkv)
@@ -141,7 +217,7 @@ class _Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps=eps)
         self.mlp = _MLP(cfg)  # reads only hidden_size / intermediate_size
 
-    def forward(self, emb: Tensor, h: Tensor, positions: Tensor, cache: list, mask: Tensor) -> Tensor:
+    def forward(self, emb: Tensor, h: Tensor, positions: Tensor, cache: list, mask: Tensor | _TTTChunks) -> Tensor:
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)
         h = h + self.self_attn(x, positions, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -250,14 +326,15 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, aux_hidden: Tensor, input_ids: Tensor, valid: Tensor | None = None,
                 steps: int | None = None, validate: bool = True, doc_ids: Tensor | None = None,
-                position_ids: Tensor | None = None) -> list[Tensor]:
+                position_ids: Tensor | None = None, attn_chunk: int | None = None) -> list[Tensor]:
         """Unroll the draft over ``steps`` TTT steps (default ``cfg.ttt_steps``).
 
         Step 0 at position t reads ``fc(aux_hidden[t])`` and the token ``input_ids[t + 1]``; step i > 0
         reads the step i-1 output at the same position t and the token ``input_ids[t + 1 + i]``
         (:func:`ttt_input_ids`; pad id 0 past the end). RoPE position of step i at t is ``t + i``.
-        Attention: :func:`build_ttt_mask`. Step i's output at t is the draft's hidden state for
-        predicting ``input_ids[t + 2 + i]`` (see :func:`artcache.trainers.eagle3.loss.eagle3_loss`).
+        Attention: :func:`build_ttt_mask`'s, dense or in query chunks (``attn_chunk``). Step i's output at t is
+        the draft's hidden state for predicting ``input_ids[t + 2 + i]`` (see
+        :func:`artcache.trainers.eagle3.loss.eagle3_loss`).
 
         Args:
             aux_hidden: [b, T, 3, H] any float dtype, the three captured layers (output-of-layer,
@@ -274,15 +351,24 @@ class Eagle3Draft(nn.Module):
                 document (-1 padding): attention and the TTT shifts stay inside a document.
             position_ids: [b, T] long RoPE positions (restarting per document); None: ``arange(T)``. Step i
                 at t uses ``position_ids[t] + i``.
+            attn_chunk: query positions per chunk of the TTT attention. Chunk [a, e) of step i attends to the
+                step-0 keys [0, e) and the keys of positions [a, e) of steps 1..i under :func:`ttt_chunk_mask`
+                (``C·(e + i·C)`` booleans; each chunk checkpointed under autograd), so no mask grows with
+                steps·T²; the result equals the dense path's to float rounding. ``>= T``: the dense
+                :func:`build_ttt_mask` ([T, steps·T] booleans). None: dense up to :data:`TTT_DENSE_MAX_LEN`
+                positions, chunks of :data:`TTT_ATTN_CHUNK` above.
 
         Returns:
             list of ``steps`` tensors [b, T, H] in the module dtype: each step's **pre-norm** output.
 
         Raises:
-            ConfigError: shapes disagree with the config or with each other, or ``steps < 1``.
+            ConfigError: shapes disagree with the config or with each other, ``steps < 1``, or ``attn_chunk < 1``.
             DataError: a valid id lies outside ``[0, V)``.
         """
         cfg = self.cfg
+        if attn_chunk is not None and (isinstance(attn_chunk, bool) or not isinstance(attn_chunk, int)
+                                       or attn_chunk < 1):
+            raise ConfigError(f"attn_chunk must be an int >= 1 or None, got {attn_chunk!r}")
         steps = cfg.ttt_steps if steps is None else steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigError(f"steps must be an int >= 1, got {steps!r}")
@@ -308,13 +394,19 @@ class Eagle3Draft(nn.Module):
             raise DataError(f"input_ids hold ids in [{int(ids.min())}, {int(ids.max())}], "
                             f"outside [0, vocab_size={cfg.vocab_size})")
         docs = None if doc_ids is None else doc_ids.to(dev).long()
-        mask = build_ttt_mask(T, steps, key_valid, device=dev, doc_ids=docs)
+        if attn_chunk is None:
+            attn_chunk = T if T <= TTT_DENSE_MAX_LEN else TTT_ATTN_CHUNK
+        if attn_chunk >= T:
+            mask = build_ttt_mask(T, steps, key_valid, device=dev, doc_ids=docs)
+        else:
+            mask = _TTTChunks(attn_chunk, key_valid, docs)
         h = self.fc(aux_hidden.reshape(b, T, EAGLE3_NUM_AUX * cfg.hidden_size).to(self.dtype))
         base = torch.arange(T, device=dev)[None] if position_ids is None else position_ids.to(dev).long()
         cache: list[tuple[Tensor, Tensor]] = []
         outs: list[Tensor] = []
         for i in range(steps):
             emb = self.embed(ttt_input_ids(ids, i, doc_ids=docs))
-            h = self.midlayer(emb, h, base + i, cache, mask[..., : (i + 1) * T])
+            step_mask = mask if isinstance(mask, _TTTChunks) else mask[..., : (i + 1) * T]
+            h = self.midlayer(emb, h, base + i, cache, step_mask)
             outs.append(h)
         return outs
