@@ -188,6 +188,8 @@ LONG_FUNCTIONS: dict[str, str] = {
                                            "rows' arguments; the body is one pass over the chunks",
     "trainers/dspark/loss.py:dspark_loss": "likewise: the three-term objective's docstring with the packed rows' "
                                            "and the global denominators' arguments",
+    "trainers/eagle3/loss.py:eagle3_loss": "likewise: the TTT objective's docstring with the sync-free, packed, "
+                                           "global-denominator and attention-chunk arguments",
 }
 
 

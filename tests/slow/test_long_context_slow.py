@@ -51,3 +51,34 @@ def test_32k_plan_captures_publishes_verifies_and_trains(tmp_path, dtype):
     assert cons.returncode == 0, cons.stderr[-3000:]
     summary = json.loads([ln for ln in cons.stdout.splitlines() if ln.startswith("{")][-1])
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0
+
+
+@pytest.mark.timeout(2400)
+def test_32k_eagle3_trains_on_whole_samples(tmp_path):
+    """EAGLE-3 (7 TTT steps) trains two steps on a whole 32,768-token sample: the forward picks the chunked
+    training-time-test attention (the dense [T, 7·T] mask would be 7.5 G booleans), the losses are finite, and
+    the wall time and peak RSS of the fill and of the consumer are printed (``-s``)."""
+    import resource
+    import time
+
+    from artcache.layer_ids import eagle3_capture_ids
+
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    t0 = time.monotonic()
+    fill = _artcache("producer", "--cache", str(cache), "--target", "random:tiny-llama", "--data", "synthetic",
+                     "--max-samples", "1", "--max-length", str(LONG), "--batch-tokens", str(LONG), "--layer-ids",
+                     ",".join(map(str, eagle3_capture_ids(8))), "--threads", "1", "--fill", cwd=tmp_path)
+    t1 = time.monotonic()
+    fill_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert fill.returncode == 0, fill.stderr[-3000:]
+    assert "1 captures, 1 publications" in fill.stderr
+    cons = _artcache("consume", "--cache", str(cache), "--id", "long-e3", "--draft", "eagle3", "--draft-vocab", "1024",
+                     "--steps", "2", "--batch-size", "1", "--window", "0:1", "--threads", "1", "--log-every", "1",
+                     "--no-progress", "--no-tensorboard", "--json", "--out", str(run), cwd=tmp_path)
+    t2 = time.monotonic()
+    both_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert cons.returncode == 0, cons.stderr[-3000:]
+    summary = json.loads([ln for ln in cons.stdout.splitlines() if ln.startswith("{")][-1])
+    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0
+    print(f"\nfill: {t1 - t0:.0f} s, peak RSS {fill_rss / 1024:.0f} MB; EAGLE-3 consume: {t2 - t1:.0f} s, "
+          f"peak RSS of the larger of the two {both_rss / 1024:.0f} MB")

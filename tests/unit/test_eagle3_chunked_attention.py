@@ -11,15 +11,17 @@ import artcache.trainers.eagle3.model as e3model
 from artcache.errors import ConfigError
 from artcache.trainers.eagle3.loss import eagle3_loss
 from artcache.trainers.eagle3.model import build_ttt_mask, ttt_chunk_mask
-from tests.unit.test_packing import LENGTHS, assert_close_grads, documents, eagle3_model, grads, packed, rel, unpacked
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.unit.test_packing import (
+    LENGTHS,
+    _one_thread,  # noqa: F401  (autouse: one torch thread)
+    assert_close_grads,
+    documents,
+    eagle3_model,
+    grads,
+    packed,
+    rel,
+    unpacked,
+)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 11])

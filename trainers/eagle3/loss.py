@@ -280,11 +280,9 @@ def eagle3_loss(
     probs, arg = target_soft_labels(model, lh, vb, chunk_rows, normed=last_hidden_normed, all_rows=sync_free)
     # checks the other shapes
     docs = None if doc_ids is None else doc_ids.to(dev).long()
-    extra = {} if docs is None else {"doc_ids": docs, "position_ids": position_ids}
-    if attn_chunk is not None:
-        extra["attn_chunk"] = attn_chunk
+    packed = {} if docs is None else {"doc_ids": docs, "position_ids": position_ids}
     hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free,
-                                                      **extra)
+                                                      attn_chunk=attn_chunk, **packed)
     if sync_free:
         return _sync_free_steps(model, hiddens, supervision_masks(loss_mask.to(dev), vb, steps, docs), probs, arg,
                                 max(chunk_rows, (1 << 26) // cfg.draft_vocab_size), denominators)
