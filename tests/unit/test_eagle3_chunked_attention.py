@@ -10,7 +10,7 @@ import torch
 import artcache.trainers.eagle3.model as e3model
 from artcache.errors import ConfigError
 from artcache.trainers.eagle3.loss import eagle3_loss
-from artcache.trainers.eagle3.model import build_ttt_mask, ttt_chunk_mask
+from artcache.trainers.eagle3.model import build_ttt_mask, default_attn_chunk, ttt_chunk_mask
 from tests.unit.test_packing import (
     LENGTHS,
     _one_thread,  # noqa: F401  (autouse: one torch thread)
@@ -175,17 +175,27 @@ def test_chunked_masks_and_saved_tensors_do_not_grow_with_steps_times_t_squared(
     assert len(sizes) == 2 * steps * (64 + 128 + 192) // C
 
 
+def test_default_chunk_is_dense_up_to_the_device_limit():
+    """Dense (the length itself) up to 4,096 positions on an accelerator and up to 1,024 on a CPU; chunks of 1,024
+    above."""
+    assert e3model.TTT_DENSE_MAX_LEN == 4096 and e3model.TTT_ATTN_CHUNK == 1024
+    for dev, dense_max in (("cuda", 4096), (torch.device("cuda:1"), 4096), ("cpu", 1024)):
+        assert default_attn_chunk(dense_max, dev) == dense_max
+        assert default_attn_chunk(7, dev) == 7
+        assert default_attn_chunk(dense_max + 1, dev) == 1024
+        assert default_attn_chunk(32768, dev) == 1024
+
+
 def test_long_samples_choose_the_chunked_path(monkeypatch):
-    """Above TTT_DENSE_MAX_LEN positions the forward never builds the dense mask; at or below it, it does."""
+    """Above the default chunk on a CPU the forward never builds the dense mask; at or below it, it does."""
     model = eagle3_model()
     hid, ids, lm, valid, extra = _batch("padded")
     T = ids.shape[1]
-    monkeypatch.setattr(e3model, "TTT_DENSE_MAX_LEN", T - 1)
     monkeypatch.setattr(e3model, "TTT_ATTN_CHUNK", 8)
     sizes = _record(monkeypatch)
     with torch.no_grad():
         model(hid[:, :, :3], ids, valid)
     assert len(sizes) == model.cfg.ttt_steps * -(-T // 8)
-    monkeypatch.setattr(e3model, "TTT_DENSE_MAX_LEN", T)
+    monkeypatch.setattr(e3model, "TTT_ATTN_CHUNK", T)
     with pytest.raises(AssertionError, match="dense TTT mask"):
         model(hid[:, :, :3], ids, valid)

@@ -29,8 +29,8 @@ from artcache.trainers.dflash.model import _MLP, RMSNorm, _rope
 
 from .config import EAGLE3_NUM_AUX, Eagle3Config
 
-__all__ = ["FROZEN_BUFFERS", "TTT_ATTN_CHUNK", "TTT_DENSE_MAX_LEN", "Eagle3Draft", "build_ttt_mask", "ttt_chunk_mask",
-           "ttt_input_ids"]
+__all__ = ["FROZEN_BUFFERS", "TTT_ATTN_CHUNK", "TTT_DENSE_MAX_LEN", "Eagle3Draft", "build_ttt_mask",
+           "default_attn_chunk", "ttt_chunk_mask", "ttt_input_ids"]
 
 #: Names of the frozen target tensors (non-persistent buffers); never trained, never exported.
 FROZEN_BUFFERS = ("embed_weight", "target_norm_weight", "target_lm_head_weight")
@@ -83,7 +83,9 @@ def build_ttt_mask(seq_len: int, steps: int, key_valid: Tensor | None = None,
     return (causal0 | diag[None])[:, None]
 
 
-#: Up to this many positions the TTT attention uses the dense :func:`build_ttt_mask`; above it, query chunks.
+#: Up to this many positions the TTT attention uses the dense :func:`build_ttt_mask` (one SDPA call per step) on
+#: an accelerator; above it, query chunks. On a CPU the chunks are used above :data:`TTT_ATTN_CHUNK` positions:
+#: there they measured faster and smaller already at 2,048 and 4,096 positions (docs/training.md, "Long contexts").
 TTT_DENSE_MAX_LEN = 4096
 #: Query positions per chunk of the chunked TTT attention (:func:`ttt_chunk_mask`) when chosen automatically.
 TTT_ATTN_CHUNK = 1024
@@ -121,6 +123,14 @@ def ttt_chunk_mask(start: int, end: int, step: int, key_valid: Tensor | None = N
         return first[:, None]
     diag = torch.eye(C, dtype=torch.bool, device=device).repeat(1, step)  # [C, step·C]
     return torch.cat([first, diag[None].expand(first.shape[0], C, step * C)], dim=2)[:, None]
+
+
+def default_attn_chunk(seq_len: int, device: torch.device | str) -> int:
+    """The TTT attention's query chunk chosen for ``seq_len`` positions on ``device``: ``seq_len`` (the dense
+    mask) up to :data:`TTT_DENSE_MAX_LEN` positions on an accelerator and up to :data:`TTT_ATTN_CHUNK` on a CPU,
+    else :data:`TTT_ATTN_CHUNK`."""
+    dense_max = TTT_ATTN_CHUNK if torch.device(device).type == "cpu" else TTT_DENSE_MAX_LEN
+    return TTT_ATTN_CHUNK if dense_max < seq_len else seq_len
 
 
 class _TTTChunks:
@@ -355,8 +365,7 @@ class Eagle3Draft(nn.Module):
                 step-0 keys [0, e) and the keys of positions [a, e) of steps 1..i under :func:`ttt_chunk_mask`
                 (``C·(e + i·C)`` booleans; each chunk checkpointed under autograd), so no mask grows with
                 steps·T²; the result equals the dense path's to float rounding. ``>= T``: the dense
-                :func:`build_ttt_mask` ([T, steps·T] booleans). None: dense up to :data:`TTT_DENSE_MAX_LEN`
-                positions, chunks of :data:`TTT_ATTN_CHUNK` above.
+                :func:`build_ttt_mask` ([T, steps·T] booleans). None: :func:`default_attn_chunk`.
 
         Returns:
             list of ``steps`` tensors [b, T, H] in the module dtype: each step's **pre-norm** output.
@@ -395,7 +404,7 @@ class Eagle3Draft(nn.Module):
                             f"outside [0, vocab_size={cfg.vocab_size})")
         docs = None if doc_ids is None else doc_ids.to(dev).long()
         if attn_chunk is None:
-            attn_chunk = T if T <= TTT_DENSE_MAX_LEN else TTT_ATTN_CHUNK
+            attn_chunk = default_attn_chunk(T, dev)
         if attn_chunk >= T:
             mask = build_ttt_mask(T, steps, key_valid, device=dev, doc_ids=docs)
         else:
