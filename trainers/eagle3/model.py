@@ -149,7 +149,9 @@ class _TTTChunks:
         for a in range(0, T, self.chunk):
             e = min(a + self.chunk, T)
             if torch.is_grad_enabled():
-                outs.append(checkpoint(self._chunk, a, e, gqa, q[:, :, a:e], *flat, use_reentrant=False))
+                # nothing random inside: no RNG state to stash per chunk
+                outs.append(checkpoint(self._chunk, a, e, gqa, q[:, :, a:e], *flat, use_reentrant=False,
+                                       preserve_rng_state=False))
             else:
                 outs.append(self._chunk(a, e, gqa, q[:, :, a:e], *flat))
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
