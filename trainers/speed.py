@@ -56,7 +56,8 @@ class SpeedOptions:
         """From a consumer config's ``loss_impl`` / ``compile`` on ``device`` (``auto`` resolved there).
 
         Raises:
-            ConfigError: ``liger`` off CUDA or without the package; ``graphs`` off CUDA; unknown values.
+            ConfigError: ``liger`` off CUDA or without the package; ``on`` or ``graphs`` off CUDA (the host step
+                is never compiled: ``on`` was a silent no-op there); unknown values.
         """
         cuda = device.type == "cuda"
         impl = getattr(cfg, "loss_impl", "auto")
@@ -73,7 +74,10 @@ class SpeedOptions:
         if mode == "auto":
             mode = "on" if cuda and getattr(cfg, "steps", 0) >= AUTO_COMPILE_MIN_STEPS else "off"
         if mode == "graphs" and not cuda:
-            raise ConfigError("--compile graphs needs a CUDA device (CUDA graphs); use --compile on or off")
+            raise ConfigError("--compile graphs needs a CUDA device (CUDA graphs); use --compile off or auto")
+        if mode == "on" and not cuda:
+            raise ConfigError(f"--compile on compiles the CUDA step only: on {device.type} the consumer runs the "
+                              "host step, which is not compiled; use --compile off or auto")
         return cls(sync_free=cuda, ce_impl=impl, compile=mode)
 
     def compiled(self, module: torch.nn.Module):

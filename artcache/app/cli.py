@@ -472,7 +472,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
 @click.option("--tracker-project", default="artcache", help="The W&B project / MLflow experiment of --tracker runs.")
 @click.option("--compile", "compile_mode", default="auto", type=click.Choice(COMPILE_MODES),
               help="torch.compile the draft: auto (on on CUDA for runs of >= 2,000 steps, else off), off, on, graphs "
-                   "(with CUDA graphs; CUDA only). A group (--nproc N) on CUDA refuses on and graphs.")
+                   "(with CUDA graphs); on and graphs are CUDA only. A group (--nproc N) on CUDA refuses both.")
 @click.option("--loss-impl", default="auto", type=click.Choice(LOSS_IMPLS),
               help="lm_head cross-entropy: auto (chunked bf16 on CUDA, reference on a CPU), reference, chunked, "
               "liger (CUDA; pip install 'artcache[liger]').")

@@ -504,8 +504,9 @@ def check_unknown(raw: Any, t: mi.Type = _INFO, path: list[str] | None = None, s
                                   f"{_section_name(path)}: {', '.join(fields)}")
             check_unknown(value, fields[key].type, [*path, key], source)
     elif isinstance(t, mi.ListType) and isinstance(raw, list):
-        for i, item in enumerate(raw):
-            check_unknown(item, t.item_type, [*path, str(i)], source)
+        for i, item in enumerate(raw):  # a named item (an experiment) by its name, as every other message names it
+            name = item.get("name") if isinstance(item, dict) else None
+            check_unknown(item, t.item_type, [*path, name if isinstance(name, str) and name else str(i)], source)
 
 
 def _value_at(raw: Any, path: list[str]) -> tuple[bool, Any]:

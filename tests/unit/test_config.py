@@ -110,9 +110,14 @@ def test_capture_replay_layer_is_a_typed_field(tmp_path):
     assert "capture.replay_layer" in msg
 
 
-def test_unknown_field_in_an_experiment(tmp_path):
+def test_regression_unknown_field_in_an_experiment_named_by_its_name(tmp_path):
+    """Bug: an unknown key of an experiment was named by the experiment's index (``experiments.1.bogus``) while every
+    other message names the experiment (``experiments.<name>.<key>``). An unnamed one keeps its index."""
     msg = rejected(tmp_path, "[[experiments]]\nname = 'a'\nlearning_rate = 1.0\n")
-    assert "'experiments.0.learning_rate'" in msg and "lr" in msg and "block_size" in msg
+    assert "'experiments.a.learning_rate'" in msg and "accepted fields of experiments.a:" in msg
+    assert "lr" in msg and "block_size" in msg
+    msg = rejected(tmp_path, "[[experiments]]\nlearning_rate = 1.0\n")
+    assert "'experiments.0.learning_rate'" in msg
 
 
 def test_type_error_names_field_and_accepted_type(tmp_path):

@@ -700,3 +700,15 @@ def test_compile_auto_compiles_only_long_cuda_runs(device, steps, want):
     assert SpeedOptions.for_device(cfg, torch.device(device)).compile == want
     explicit = msgspec.structs.replace(cfg, compile="off")
     assert SpeedOptions.for_device(explicit, torch.device(device)).compile == "off"
+
+
+@pytest.mark.parametrize("mode", ["on", "graphs"])
+def test_regression_compile_on_off_cuda_is_refused(mode):
+    """Bug: ``--compile on`` on a CPU was accepted and did nothing (the host step never runs the compiled forward),
+    so a run said it compiled while it trained uncompiled. ``on`` and ``graphs`` off CUDA are refused in one line."""
+    from artcache.errors import ConfigError
+
+    cfg = ConsumerConfig(cache="c", draft="dflash", compile=mode)
+    with pytest.raises(ConfigError, match=rf"^--compile {mode} .*CUDA.*use --compile off or auto$"):
+        SpeedOptions.for_device(cfg, torch.device("cpu"))
+    assert SpeedOptions.for_device(cfg, torch.device("cuda")).compile == mode
