@@ -23,7 +23,8 @@ def _artcache(*args: str, cwd) -> subprocess.CompletedProcess:
 def test_32k_plan_captures_publishes_verifies_and_trains(tmp_path, dtype):
     """A 32,768-token synthetic plan on the tiny random target: the producer fills it with 8,192-token prefill
     chunks (the default --batch-tokens 8192 could not hold one sample in one pass), fsck finds every artifact
-    clean, and a DFlash consumer trains two steps on whole 32,768-token samples with finite losses."""
+    clean, and a DFlash and a DSpark consumer (the DSpark view: DFlash's three context layers and the last layer)
+    each train two steps on whole 32,768-token samples with finite losses."""
     from artcache import store
     from artcache.fingerprint import PlanFingerprints
     from artcache.layout import CacheLayout
@@ -32,8 +33,8 @@ def test_32k_plan_captures_publishes_verifies_and_trains(tmp_path, dtype):
 
     cache, run = tmp_path / "cache", tmp_path / "run"
     fill = _artcache("producer", "--cache", str(cache), "--target", "random:tiny-llama", "--data", "synthetic",
-                     "--max-samples", "2", "--max-length", str(LONG), "--prefill-chunk", "8192", "--draft-layers", "3",
-                     "--dtype", dtype, "--threads", "1", "--fill", cwd=tmp_path)
+                     "--max-samples", "2", "--max-length", str(LONG), "--prefill-chunk", "8192",
+                     "--layer-ids", "1,3,5,7", "--dtype", dtype, "--threads", "1", "--fill", cwd=tmp_path)
     assert fill.returncode == 0, fill.stderr[-3000:]
     assert "2 captures, 2 publications" in fill.stderr
     layout = CacheLayout(cache)
@@ -41,16 +42,19 @@ def test_32k_plan_captures_publishes_verifies_and_trains(tmp_path, dtype):
     plan = Plan.load(layout.plan_dir(settings.plan_id))
     for fp in PlanFingerprints(settings.contract, plan).table()[0]:
         art = store.read(layout, fp, settings.contract, verify_tokens=True)
-        assert tuple(art.hidden_states.shape) == (LONG, 3, 64) and art.input_ids.dtype == torch.int32
+        assert tuple(art.hidden_states.shape) == (LONG, 4, 64) and art.input_ids.dtype == torch.int32
         assert bool(torch.isfinite(art.hidden()).all())
     fsck = _artcache("fsck", "--cache", str(cache), cwd=tmp_path)
     assert fsck.returncode == 0, fsck.stdout[-2000:] + fsck.stderr[-2000:]
-    cons = _artcache("consume", "--cache", str(cache), "--id", "long", "--block-size", "8", "--anchors", "16",
-                     "--steps", "2", "--batch-size", "1", "--window", "0:2", "--threads", "1", "--no-progress",
-                     "--no-tensorboard", "--json", "--out", str(run), cwd=tmp_path)
-    assert cons.returncode == 0, cons.stderr[-3000:]
-    summary = json.loads([ln for ln in cons.stdout.splitlines() if ln.startswith("{")][-1])
-    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0
+    dspark = ["--draft-layers", "3", "--markov-rank", "8"]
+    for draft, flags in (("dflash", ["--draft-layers", "3"]), ("dspark", dspark)):
+        cons = _artcache("consume", "--cache", str(cache), "--id", f"long-{draft}", "--draft", draft, *flags,
+                         "--block-size", "8", "--anchors", "16", "--steps", "2", "--batch-size", "1", "--window",
+                         "0:2", "--threads", "1", "--no-progress", "--no-tensorboard", "--json", "--out",
+                         str(run / draft), cwd=tmp_path)
+        assert cons.returncode == 0, cons.stderr[-3000:]
+        summary = json.loads([ln for ln in cons.stdout.splitlines() if ln.startswith("{")][-1])
+        assert summary["steps"] == 2 and math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0, draft
 
 
 @pytest.mark.timeout(2400)

@@ -1014,7 +1014,8 @@ class Session:
         :attr:`~artcache.trainers.draft.Draft.global_denominators` (DSpark: its fused loss rounds a gradient
         scaled by 1 / Σ w; EAGLE-3: one denominator per TTT step): each term's denominators are found first
         (:meth:`~artcache.trainers.draft.Draft.loss_denominators`, else a forward without gradients), summed over
-        the micro-batches and the ranks, and the draft divides by them (``loss(batch, denominators=...)``). DDP
+        the micro-batches and the ranks, and the draft divides by them (``loss(batch, denominators=...)``; under
+        ``--cp`` each rank's denominators count the blocks it trains, and the gradients are averaged here). DDP
         all-reduces once, in the last micro-batch's backward (``no_sync`` before it); FSDP2 (``--shard full``)
         reduce-scatters once, there (``set_requires_gradient_sync(False)`` before it).
 
@@ -1080,6 +1081,8 @@ class Session:
                     loss, sums = self.draft.loss(mb, denominators=den / world)
                     every_param(loss).backward()
                 total = sums if total is None else _add_sums(total, sums)
+            if self.cp_group is not None:  # --cp: each rank's denominators count its own blocks; averaged here
+                self._average_grads()
         return loss.detach(), total
 
     def _average_grads(self) -> None:

@@ -197,22 +197,17 @@ class DFlashAdapter(Draft):
         ``loss × stats.weight_sum`` summed over the ranks is the one-rank loss's numerator, so the consumer's
         gradient normalisation over the global batch (``Session._accumulate``) gives the one-rank gradient.
         The batch arrives whole; this rank keeps positions ``[start, end)`` of its context
-        (:func:`~artcache.trainers.dflash.cp.shard_bounds`), zeros past the end.
+        (:func:`~artcache.trainers.dflash.cp.context_shard`), zeros past the end.
 
         Raises:
             ConfigError: a packed batch (the split context has no per-document attention).
         """
-        from .cp import cp_forward, shard_bounds
+        from .cp import check_unpacked, context_shard, cp_forward
 
-        if batch.doc_ids is not None:
-            raise ConfigError("context parallelism (--cp) does not take packed batches; leave --pack-tokens at 0")
+        check_unpacked(batch.doc_ids)
         group = self.cp_group
         dev = batch.hidden.device
-        b, T = batch.input_ids.shape
-        start, end, S = shard_bounds(T, torch.distributed.get_world_size(group), torch.distributed.get_rank(group))
-        shard = batch.hidden.new_zeros((b, S) + tuple(batch.hidden.shape[2:]))
-        if start < T:
-            shard[:, : min(end, T) - start] = batch.hidden[:, start:min(end, T)]
+        shard = context_shard(batch.hidden, group)
         anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             out, la, lv = cp_forward(self.model, shard, batch.input_ids, anchors, avalid, batch.valid, group)

@@ -1,5 +1,9 @@
-"""Context parallelism for the DFlash training step: the sequence split across the ranks of a
+"""Context parallelism for the DFlash and DSpark training steps: the sequence split across the ranks of a
 ``torch.distributed`` group.
+
+DSpark's backbone is :class:`DFlashDraft` itself, so :func:`cp_forward` serves both; the DSpark loss on a rank's
+blocks is :func:`artcache.trainers.dspark.loss.cp_dspark_loss` (its Markov and confidence heads work on each
+block's own slots, and its target states are read at the blocks' positions of the whole ``[b, T, H]`` last layer).
 
 Layout over ``R`` ranks for a batch of length ``T`` (padded to ``R·S``, ``S = ceil(T / R)``):
 
@@ -19,7 +23,8 @@ Layout over ``R`` ranks for a batch of length ``T`` (padded to ``R·S``, ``S = c
   rank its shard's (an all-reduce), so each rank's parameter gradients are those of the sum of the
   ranks' losses through its own computation; :func:`all_reduce_grads` sums them.
 - **Loss**: each rank's decay-weighted cross-entropy sum over its blocks is divided by the global sum
-  of weights (an all-reduce of the per-rank sums), so the ranks' losses add up to the one-rank loss.
+  of weights (an all-reduce of the per-rank sums), so the ranks' losses add up to the one-rank loss
+  (DSpark: each of its three terms' weighted sums, over the same global ``Σ w``).
 
 Per rank the attention scores are ``[b, heads, N_r·B, R·S + N_r·B]`` for its ``N_r ≈ N/R`` blocks:
 about ``1/R`` of one rank's ``N·B × (T + N·B)``, plus the gathered context keys/values.
@@ -37,7 +42,8 @@ from artcache.errors import ConfigError
 from .loss import LossStats, dflash_loss
 from .model import DFlashDraft, _rope, build_attention_mask
 
-__all__ = ["all_reduce_grads", "cp_attention_elements", "cp_forward", "cp_loss", "local_anchors", "shard_bounds"]
+__all__ = ["all_reduce_grads", "check_unpacked", "context_shard", "cp_attention_elements", "cp_forward", "cp_loss",
+           "local_anchors", "shard_bounds"]
 
 
 def shard_bounds(seq_len: int, world: int, rank: int) -> tuple[int, int, int]:
@@ -51,6 +57,29 @@ def shard_bounds(seq_len: int, world: int, rank: int) -> tuple[int, int, int]:
         raise ConfigError(f"rank {rank} of world size {world} is invalid: accepted 0 <= rank < world size, world >= 1")
     s = -(-seq_len // world)
     return rank * s, (rank + 1) * s, s
+
+
+def check_unpacked(doc_ids: Tensor | None) -> None:
+    """Refuse a packed batch (``doc_ids`` given, :mod:`artcache.trainers.packing`): the split context has no
+    per-document attention.
+
+    Raises:
+        ConfigError: ``doc_ids`` is not None.
+    """
+    if doc_ids is not None:
+        raise ConfigError("context parallelism (--cp) does not take packed batches; leave --pack-tokens at 0")
+
+
+def context_shard(context: Tensor, group=None) -> Tensor:
+    """This rank's shard of a whole sequence's context: ``context`` [b, T, ...] -> [b, S, ...] holding positions
+    ``[start, end)`` of :func:`shard_bounds` (``S = ceil(T / world)``), zeros past ``T`` (a new tensor, the
+    input's dtype and device). ``group``: the CP group (default: the world)."""
+    b, T = context.shape[:2]
+    start, end, S = shard_bounds(T, dist.get_world_size(group), dist.get_rank(group))
+    shard = context.new_zeros((b, S) + tuple(context.shape[2:]))
+    if start < T:
+        shard[:, : min(end, T) - start] = context[:, start:min(end, T)]
+    return shard
 
 
 def local_anchors(anchors: Tensor, valid: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:

@@ -35,7 +35,7 @@ from artcache.trainers.speed import SpeedOptions, to_device
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_MARKOV_RANK, DSparkConfig
 from .export import SERVING_NAMES, TARGET_TENSORS, export_layout, read_published
-from .loss import BlockOutputs, block_layout, dspark_loss, slot_weights
+from .loss import BlockOutputs, block_weight_sum, cp_dspark_loss, dspark_loss
 from .metrics import block_pending, block_sums, replay_walk, summarize
 
 __all__ = ["CALIBRATION_KEY", "HELDOUT_PREFIX", "DSparkAdapter", "dspark_default_layers", "weights_check"]
@@ -197,28 +197,69 @@ class DSparkAdapter(Draft):
     def loss_denominators(self, batch: DraftBatch) -> Tensor:
         """``Σ w`` of the batch's blocks ([1] float64, no forward): the anchors :meth:`loss` draws next (drawn from a
         copy of the generator's state, which is left as it was), their layout (a packed batch's blocks cut at their
-        document's end, as the loss cuts them)."""
+        document's end, as the loss cuts them). Under context parallelism (:attr:`cp_group`) the blocks anchored in
+        this rank's shard only (:func:`~artcache.trainers.dflash.cp.local_anchors`): summed over the consumer's
+        ranks, each block counts once."""
         state = self.generator.get_state()
         anchors, avalid = draw_anchors(batch, self.cfg.num_anchors, self.generator)
         self.generator.set_state(state)
         dev = batch.hidden.device
         docs, _ = packed_on(batch, dev)
-        lay = block_layout(batch.input_ids, batch.loss_mask, to_device(anchors, dev), to_device(avalid, dev),
-                           self.cfg.block_size, batch.valid, doc_ids=docs)
-        w = slot_weights(self.cfg.block_size, float(self.cfg.gamma), dev) * lay.supervised
-        return w.sum().double().reshape(1)
+        anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
+        if self.cp_group is not None:  # this rank's blocks only: the group's ranks' sums add up to the batch's
+            from artcache.trainers.dflash.cp import local_anchors, shard_bounds
+
+            start, end, _ = shard_bounds(batch.input_ids.shape[1], torch.distributed.get_world_size(self.cp_group),
+                                         torch.distributed.get_rank(self.cp_group))
+            anchors, avalid = local_anchors(anchors, avalid, start, end)
+        return block_weight_sum(batch.input_ids, batch.loss_mask, anchors, avalid, self.cfg.block_size,
+                                float(self.cfg.gamma), batch.valid, doc_ids=docs)
 
     def loss(self, batch: DraftBatch, denominators: Tensor | None = None) -> tuple[Tensor, MetricSums | PendingSums]:
         # anchors are drawn on the CPU generator whatever the device (the same draws on every device),
         # from the host copy of the batch's masks (no device read-back)
         anchors, avalid = draw_anchors(batch, self.cfg.num_anchors, self.generator)
         self.speed.step_begin()
+        if self.cp_group is not None:
+            out = self._cp_loss(batch, anchors, avalid, denominators)
+            self._weights_seen += 1
+            return out
         if self.speed.sync_free:  # every slot is computed: a packed row's many anchors over rows of N slots
             batch, anchors, avalid = spread_anchor_rows(batch, anchors, avalid, self.cfg.num_anchors,
                                                         spread_row_step(anchors.shape[0]))
         _, loss, out = self._forward(batch, anchors, avalid, train=True,
                                      denominator=None if denominators is None else denominators[0])
         self._weights_seen += 1
+        if self.speed.sync_free:
+            return loss, block_pending(out, self._loss_weights)
+        return loss, block_sums(out, self._loss_weights)
+
+    def _cp_loss(self, batch: DraftBatch, anchors: Tensor, avalid: Tensor, denominators: Tensor | None
+                 ) -> tuple[Tensor, MetricSums | PendingSums]:
+        """Context parallelism (:attr:`cp_group`): this rank's part of the training loss
+        (:func:`~.loss.cp_dspark_loss`: the backbone over this rank's context shard with the group's keys/values, the
+        heads on the blocks anchored in the shard) and those blocks' metric sums. Every rank of the group draws the
+        same anchors. ``denominators`` (the consumer's: ``Σ w`` of the global batch over its ``world`` ranks, each
+        rank's :meth:`loss_denominators` counting its own blocks) scale this rank's weighted sums, so the ranks'
+        gradients summed are ``world`` × the one-rank gradient, and ``Session._accumulate``'s average over the
+        ranks gives it; without them the CP group's own ``Σ w``. The batch arrives whole; this rank keeps
+        positions ``[start, end)`` of its context (:func:`~artcache.trainers.dflash.cp.context_shard`), zeros past
+        the end, and the whole last layer (the target's states at its blocks' slots).
+
+        Raises:
+            ConfigError: a packed batch (the split context has no per-document attention).
+        """
+        from artcache.trainers.dflash.cp import check_unpacked, context_shard
+
+        check_unpacked(batch.doc_ids)
+        m, dev = self.cfg.num_context_layers, batch.hidden.device
+        shard = context_shard(batch.hidden[:, :, :m], self.cp_group)
+        anchors, avalid = to_device(anchors, dev), to_device(avalid, dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss, _, out = cp_dspark_loss(self.model, shard, batch.hidden[:, :, m], batch.input_ids, batch.loss_mask,
+                                          anchors, avalid, context_valid=batch.valid, group=self.cp_group,
+                                          denominator=None if denominators is None else denominators[0],
+                                          mode=self._loss_mode())
         if self.speed.sync_free:
             return loss, block_pending(out, self._loss_weights)
         return loss, block_sums(out, self._loss_weights)

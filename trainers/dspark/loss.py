@@ -41,7 +41,8 @@ from artcache.trainers.lm_head_ce import _matmul_dtype, compute_weight
 if TYPE_CHECKING:
     from .model import DSparkDraft
 
-__all__ = ["LOSS_MODES", "BlockLayout", "BlockOutputs", "block_layout", "dspark_loss", "slot_weights"]
+__all__ = ["LOSS_MODES", "BlockLayout", "BlockOutputs", "block_layout", "block_weight_sum", "cp_dspark_loss",
+           "dspark_loss", "slot_weights"]
 
 #: ``mode`` values of :func:`dspark_loss`.
 LOSS_MODES = ("fused", "chunked", "plain")
@@ -108,6 +109,15 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str | Non
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0:
         raise ConfigError(f"gamma must be a number > 0, got {gamma!r}")
     return torch.exp(-torch.arange(block_size, dtype=dtype, device=device) / float(gamma))
+
+
+def block_weight_sum(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, valid: Tensor, block_size: int,
+                     gamma: float, context_valid: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
+    """``Σ w`` of the blocks at ``anchors`` ([1] float64, no forward): :func:`slot_weights` times the supervised
+    prefix of :func:`block_layout` (same arguments), the denominator :func:`dspark_loss` divides by."""
+    lay = block_layout(input_ids, loss_mask, anchors, valid, block_size, context_valid, doc_ids=doc_ids)
+    w = slot_weights(block_size, float(gamma), input_ids.device) * lay.supervised
+    return w.sum().double().reshape(1)
 
 
 @dataclass(frozen=True)
@@ -428,3 +438,49 @@ def _check_loss_args(cfg, hidden: Tensor, last_hidden: Tensor, input_ids: Tensor
                           f"{tuple(last_hidden.shape)}")
     if mode not in LOSS_MODES:
         raise ConfigError(f"mode must be one of {', '.join(repr(m) for m in LOSS_MODES)}, got {mode!r}")
+
+
+def cp_dspark_loss(model: DSparkDraft, context_shard: Tensor, last_hidden: Tensor, input_ids: Tensor,
+                   loss_mask: Tensor, anchors: Tensor, valid: Tensor, *, context_valid: Tensor | None = None,
+                   group=None, denominator: Tensor | None = None, **loss_kwargs) -> tuple[Tensor, Tensor, BlockOutputs]:
+    """This rank's share of the DSpark loss under context parallelism (:mod:`artcache.trainers.dflash.cp`):
+    ``(share, loss, outputs)``.
+
+    The backbone runs :func:`~artcache.trainers.dflash.cp.cp_forward` (this rank's context shard, keys/values
+    all-gathered per layer) for the blocks anchored in this rank's shard; :func:`dspark_loss` scores them. The heads
+    and the target distribution are local to a block's slots (``last_hidden`` is read at the blocks' positions
+    ``p + k``, which may lie past the shard), so nothing else is exchanged.
+
+    ``share`` (backward this one) = this rank's ``Σ c · Σ w·term`` over its blocks / ``denominator``; with
+    ``denominator`` None it is the group's ``Σ w`` (an all-reduce of :func:`block_weight_sum` over the ranks'
+    blocks), so the shares add up to :func:`dspark_loss` of one rank holding everything, and their gradients (each
+    rank's through its own computation, summed: :func:`~artcache.trainers.dflash.cp.all_reduce_grads`) to its
+    gradient. ``loss`` is the shares' sum (detached, the same on every rank); ``outputs`` this rank's blocks'
+    :class:`BlockOutputs` (their sums add up over the ranks).
+
+    Args:
+        context_shard: [b, S, m, H] this rank's context positions (:func:`~artcache.trainers.dflash.cp.context_shard`).
+        last_hidden: [b, T, H] the whole sequence's captured output-of-layer ``L - 1`` (before the final norm).
+        input_ids, loss_mask: [b, T]. anchors, valid: [b, N], the whole draw (the same on every rank).
+        context_valid: optional [b, T] bool. group: the CP group (default: the world).
+        denominator: a float64 scalar, the ``Σ w`` to divide by (a consumer's global batch), or None.
+        loss_kwargs: to :func:`dspark_loss` (``mode``, ``chunk_rows``).
+
+    Raises:
+        ConfigError: shapes disagree (:func:`~artcache.trainers.dflash.cp.cp_forward`, :func:`dspark_loss`).
+    """
+    import torch.distributed as dist
+
+    from artcache.trainers.dflash.cp import cp_forward
+
+    hidden, la, lv = cp_forward(model, context_shard, input_ids, anchors, valid, context_valid, group)
+    if denominator is None:
+        denominator = block_weight_sum(input_ids, loss_mask, la, lv, model.cfg.block_size, model.cfg.gamma,
+                                       context_valid)
+        dist.all_reduce(denominator, group=group)
+        denominator = denominator[0]
+    share, out = dspark_loss(model, hidden, last_hidden, input_ids, loss_mask, la, lv, context_valid=context_valid,
+                             denominator=denominator, **loss_kwargs)
+    loss = share.detach().clone()
+    dist.all_reduce(loss, group=group)
+    return share, loss, out
