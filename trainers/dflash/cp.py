@@ -200,9 +200,12 @@ def cp_loss(model: DFlashDraft, context_shard: Tensor, input_ids: Tensor, loss_m
 
 def all_reduce_grads(model: torch.nn.Module, group=None) -> None:
     """Sum every trainable parameter's gradient over the group (after each rank's backward of its
-    :func:`cp_loss` share): the gradient of the one-rank loss."""
+    :func:`cp_loss` share): the gradient of the one-rank loss. A missing gradient counts as zeros (a rank whose
+    share did not reach a parameter, e.g. an EAGLE-3 shard that kept no position, still joins every all-reduce)."""
     for p in model.parameters():
-        if p.requires_grad and p.grad is not None:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
 
 

@@ -33,7 +33,7 @@ from artcache.errors import ConfigError
 if TYPE_CHECKING:
     from .model import Eagle3Draft
 
-__all__ = ["Eagle3Stats", "eagle3_loss", "simulated_acc_len", "supervision_masks", "target_soft_labels"]
+__all__ = ["Eagle3Stats", "eagle3_loss", "kept_steps", "simulated_acc_len", "supervision_masks", "target_soft_labels"]
 
 
 def simulated_acc_len(acc: list[float]) -> float:
@@ -283,22 +283,41 @@ def eagle3_loss(
     packed = {} if docs is None else {"doc_ids": docs, "position_ids": position_ids}
     hiddens = (model if forward is None else forward)(aux_hidden, input_ids, vb, steps=steps, validate=not sync_free,
                                                       attn_chunk=attn_chunk, **packed)
-    if sync_free:
-        return _sync_free_steps(model, hiddens, supervision_masks(loss_mask.to(dev), vb, steps, docs), probs, arg,
-                                max(chunk_rows, (1 << 26) // cfg.draft_vocab_size), denominators)
     sup = supervision_masks(loss_mask.to(dev), vb, steps, docs)
+    if sync_free:
+        return _sync_free_steps(model, hiddens, sup, probs, arg, max(chunk_rows, (1 << 26) // cfg.draft_vocab_size),
+                                denominators)
+    return kept_steps(model, hiddens, sup, probs, arg, chunk_rows, denominators)
+
+
+def kept_steps(model: Eagle3Draft, hiddens: list[Tensor], sup: list[Tensor], probs: Tensor, arg: Tensor,
+               chunk_rows: int, denominators: Tensor | None = None) -> tuple[Tensor, Eagle3Stats]:
+    """The TTT steps' loss and stats over the kept positions (found with ``nonzero``): :func:`eagle3_loss`'s
+    loop, also the context-parallel loss's (:mod:`artcache.trainers.eagle3.cp`).
+
+    Args:
+        hiddens: ``steps`` tensors [b, S, H], the draft's outputs at S query positions (the local position t of
+            row r is flattened ``r·S + t``). sup: ``steps`` masks [b, S] bool (:func:`supervision_masks`).
+        probs: [b, L, V_d], arg: [b, L] (:func:`target_soft_labels`) over positions whose local index t + 1 + i is
+            step i's label of query t (``L >= S + steps - 1`` wherever ``sup`` is True); one rank: ``L = S = T``.
+        chunk_rows, denominators: as :func:`eagle3_loss`'s.
+    """
+    cfg = model.cfg
+    b, S = sup[0].shape
+    L = probs.shape[1]
+    dev = probs.device
     acc_dtype = probs.dtype
-    probs_flat, arg_flat = probs.reshape(b * T, -1), arg.reshape(-1)
+    probs_flat, arg_flat = probs.reshape(b * L, -1), arg.reshape(-1)
     need_grad = torch.is_grad_enabled()
 
     total_loss = hiddens[0].sum().to(acc_dtype) * 0.0  # a (zero) graph even when nothing is supervised
     loss_sums, kept_n, correct_n, total_n = [], [], [], []
     for i, (h, m) in enumerate(zip(hiddens, sup, strict=True)):
-        q_rows = m.reshape(-1).nonzero().squeeze(1)  # query positions t (flattened b·T)
-        l_rows = q_rows + 1 + i  # label positions t+1+i, same sequence (t+2+i < T)
+        q_rows = m.reshape(-1).nonzero().squeeze(1)  # query positions t (flattened b·S)
+        l_rows = q_rows // S * L + q_rows % S + 1 + i  # label positions t+1+i, same sequence (t+2+i < T)
         keep = arg_flat[l_rows] >= 0
         q_rows, l_rows = q_rows[keep], l_rows[keep]
-        hf = h.reshape(b * T, -1)
+        hf = h.reshape(b * S, -1)
         step_sum = h.sum().to(acc_dtype) * 0.0
         correct = torch.zeros((), dtype=torch.long, device=dev)
         for s in range(0, q_rows.numel(), chunk_rows):

@@ -134,16 +134,29 @@ def default_attn_chunk(seq_len: int, device: torch.device | str) -> int:
 
 
 class _TTTChunks:
-    """The chunked TTT attention's plan: queries in chunks of ``chunk`` positions, masks built per chunk."""
+    """The chunked TTT attention's plan: queries in chunks of ``chunk`` positions, masks built per chunk.
 
-    def __init__(self, chunk: int, key_valid: Tensor | None, doc_ids: Tensor | None) -> None:
+    ``offset``: the global position of the first query (context parallelism: a rank's shard starts there; the
+    masks are built at global positions, ``key_valid`` / ``doc_ids`` cover the global positions). ``gather``: a
+    callable that turns the step-0 keys/values of the queries' positions [b, kv heads, T, d] into those of every
+    position from 0 ([b, kv heads, >= offset + T, d]; :mod:`artcache.trainers.eagle3.cp`), applied once per
+    forward; None: the step-0 keys are the queries' own (``offset`` 0)."""
+
+    def __init__(self, chunk: int, key_valid: Tensor | None, doc_ids: Tensor | None, offset: int = 0,
+                 gather=None) -> None:
         self.chunk, self.key_valid, self.doc_ids = chunk, key_valid, doc_ids
+        self.offset, self.gather = offset, gather
+        self._first: tuple[Tensor, Tensor] | None = None
 
     def attend(self, q: Tensor, cache: list[tuple[Tensor, Tensor]], gqa: bool) -> Tensor:
         """SDPA of q [b, h, T, d] over the step-0 keys and the diagonal keys of the later steps in ``cache``,
         chunk by chunk; under autograd each chunk is checkpointed (its mask and gathered keys are rebuilt in
         backward, so none of them outlives its chunk). Returns [b, h, T, d]."""
         T = q.shape[2]
+        if self.gather is not None:
+            if self._first is None:  # step 0: its keys/values of every position, once per forward
+                self._first = (self.gather(cache[0][0]), self.gather(cache[0][1]))
+            cache = [self._first, *cache[1:]]
         flat = [x for kv in cache for x in kv]
         outs = []
         for a in range(0, T, self.chunk):
@@ -158,10 +171,10 @@ class _TTTChunks:
 
     def _chunk(self, a: int, e: int, gqa: bool, q: Tensor, *flat: Tensor) -> Tensor:
         ks, vs = flat[0::2], flat[1::2]
-        step = len(ks) - 1
-        keys = torch.cat([ks[0][:, :, :e], *(k[:, :, a:e] for k in ks[1:])], dim=2)
-        vals = torch.cat([vs[0][:, :, :e], *(v[:, :, a:e] for v in vs[1:])], dim=2)
-        mask = ttt_chunk_mask(a, e, step, self.key_valid, self.doc_ids, device=q.device)
+        step, o = len(ks) - 1, self.offset
+        keys = torch.cat([ks[0][:, :, :o + e], *(k[:, :, a:e] for k in ks[1:])], dim=2)
+        vals = torch.cat([vs[0][:, :, :o + e], *(v[:, :, a:e] for v in vs[1:])], dim=2)
+        mask = ttt_chunk_mask(o + a, o + e, step, self.key_valid, self.doc_ids, device=q.device)
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=gqa)
 
 

@@ -1,0 +1,120 @@
+"""EAGLE-3 context parallelism (trainers/eagle3/cp.py) across a torch.distributed group of real processes on gloo:
+the loss, the per-step stats and every gradient equal the one-rank step's, and each rank's attention allocates
+about half of one rank's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from artcache.errors import ConfigError
+from artcache.trainers.eagle3 import Eagle3Config, Eagle3Draft, build_vocab_map
+from artcache.trainers.eagle3.loss import eagle3_loss
+
+V, VD, H = 40, 16, 32
+
+# (name, T, padded rows, holes, attn_chunk, given denominators): T odd, so the last rank's shard ends past T
+CASES = [("padded", 21, True, False, None, False), ("holes", 21, False, True, None, False),
+         ("chunks", 23, True, False, 4, False), ("given_den", 21, True, False, 3, True),
+         ("short", 3, False, False, None, False)]
+
+
+def _model() -> Eagle3Draft:
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, vocab_size=V,
+                       draft_vocab_size=VD, ttt_steps=3)
+    emb = torch.randn(V, H, dtype=torch.float64)
+    head = torch.randn(V, H, dtype=torch.float64) * 0.3
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[torch.arange(0, V, 2)] = 5  # half the target ids in the draft vocab: some positions dropped
+    d2t, t2d = build_vocab_map(counts, VD)
+    return Eagle3Draft(cfg, emb, 1 + 0.1 * torch.randn(H, dtype=torch.float64), head, d2t, t2d, dtype=torch.float64)
+
+
+def _batch(T: int, padded: bool, holes: bool):
+    g = torch.Generator().manual_seed(T)
+    aux = torch.randn(2, T, 3, H, generator=g, dtype=torch.float64)
+    last = torch.randn(2, T, H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V, (2, T), generator=g)
+    lm = torch.rand(2, T, generator=g) < 0.8
+    valid = torch.ones(2, T, dtype=torch.bool)
+    if padded:
+        valid[1, T - 7:] = False  # the second row is shorter (batch padding), ending in rank 1's shard
+        aux[1, T - 7:] = float("nan")  # garbage at padding stays out
+    if holes:
+        valid[0, 4] = valid[1, 13] = False  # not a right-padded prefix: the key mask is used
+    return aux, last, ids, lm & valid, valid
+
+
+def _one_rank(T, padded, holes, chunk):
+    model = _model()
+    aux, last, ids, lm, valid = _batch(T, padded, holes)
+    loss, stats = eagle3_loss(model, aux, last, ids, lm, valid, attn_chunk=chunk)
+    loss.backward()
+    return model, loss.detach(), stats
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from artcache.trainers.dflash.cp import all_reduce_grads, context_shard
+    from artcache.trainers.eagle3.cp import cp_eagle3_loss, cp_forward, cp_kept_counts
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        got = {}
+        for name, T, padded, holes, chunk, given in CASES:
+            model = _model()
+            aux, last, ids, lm, valid = _batch(T, padded, holes)
+            den = None
+            if given:  # as the consumer passes them: each rank counts its own positions, summed over the world
+                den = cp_kept_counts(model, last, ids, lm, valid)
+                dist.all_reduce(den)
+                den = den / world
+            share, loss, stats = cp_eagle3_loss(model, context_shard(aux), last, ids, lm, valid, denominators=den,
+                                                attn_chunk=chunk)
+            share.backward()
+            all_reduce_grads(model)
+            if given:
+                for p in model.parameters():
+                    p.grad /= world
+                loss = loss / world
+            vec = stats.to_tensor()
+            dist.all_reduce(vec)
+            got.update({f"{name}.loss": loss.reshape(1), f"{name}.stats": vec,
+                        **{f"{name}.grad.{k}": p.grad.contiguous() for k, p in model.named_parameters()}})
+        with pytest.raises(ConfigError, match="aux_shard has shape"):
+            cp_forward(_model(), torch.zeros(2, 5, 3, H, dtype=torch.float64), torch.zeros(2, 21, dtype=torch.long))
+        if rank == 0:
+            save_file(got, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+def test_eagle3_cp_two_gloo_ranks_equal_one_rank(tmp_path):
+    """Two gloo ranks, each holding half the positions' auxiliary layers (the whole last layer and ids), give the
+    one-rank EAGLE-3 loss, its per-step sums (soft-CE, kept, correct, supervised) and every gradient (relative
+    <= 1e-5, float64): a padded row, a shard ending past T, validity with holes (the key mask), the attention in
+    chunks inside a shard, T = 3 over 2 ranks, and the consumer's given per-step denominators."""
+    refs = {name: _one_rank(T, padded, holes, chunk) for name, T, padded, holes, chunk, _ in CASES}
+    path = str(tmp_path / "rank0.safetensors")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", path), nprocs=2, join=True)
+    got = load_file(path)
+    for name, (model, loss, stats) in refs.items():
+        assert abs(float(got[f"{name}.loss"][0]) - float(loss)) <= 1e-5 * abs(float(loss)), name
+        want = stats.to_tensor()
+        assert int(stats.kept.sum()) > 0, name
+        assert name == "short" or int((stats.total - stats.kept).sum()) > 0, name  # some positions dropped
+        assert torch.allclose(got[f"{name}.stats"], want, rtol=1e-5, atol=0), (name, got[f"{name}.stats"], want)
+        for k, p in model.named_parameters():
+            g = got[f"{name}.grad.{k}"]
+            scale = float(p.grad.abs().max())
+            assert scale > 0, (name, k)
+            assert float((g - p.grad).abs().max()) <= 1e-5 * scale, (name, k)
