@@ -118,3 +118,62 @@ def test_eagle3_cp_two_gloo_ranks_equal_one_rank(tmp_path):
             scale = float(p.grad.abs().max())
             assert scale > 0, (name, k)
             assert float((g - p.grad).abs().max()) <= 1e-5 * scale, (name, k)
+
+
+def _sdpa_bytes(prof) -> int:
+    return sum(e.cpu_memory_usage for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+
+
+def _long_setup():
+    """4,096 positions (chunked attention: 1,024-position chunks on a CPU, two per rank), 3 TTT steps, float32."""
+    torch.manual_seed(0)
+    h, v, vd = 64, 256, 128
+    cfg = Eagle3Config(hidden_size=h, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=v,
+                       draft_vocab_size=vd, ttt_steps=3)
+    d2t, t2d = build_vocab_map(torch.ones(v, dtype=torch.long), vd)
+    model = Eagle3Draft(cfg, torch.randn(v, h), torch.ones(h), torch.randn(v, h) * 0.3, d2t, t2d)
+    g = torch.Generator().manual_seed(1)
+    T = 4096
+    ones = torch.ones(1, T, dtype=torch.bool)
+    return (model, torch.randn(1, T, 3, h, generator=g), torch.randn(1, T, h, generator=g),
+            torch.randint(0, v, (1, T), generator=g), ones, ones)
+
+
+def _rank_memory(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from artcache.trainers.dflash.cp import context_shard
+    from artcache.trainers.eagle3.cp import cp_eagle3_loss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model, aux, last, ids, lm, valid = _long_setup()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            _, loss, _ = cp_eagle3_loss(model, context_shard(aux), last, ids, lm, valid)
+        save_file({"sdpa_bytes": torch.tensor([float(_sdpa_bytes(prof))]), "loss": loss.reshape(1)}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+def test_eagle3_cp_per_rank_attention_memory_about_half(tmp_path):
+    """Measured (torch.profiler, bytes allocated inside scaled_dot_product_attention over the forward): at 4,096
+    tokens and 3 TTT steps, each of 2 ranks allocates at most 0.6 of what one rank does, and the loss is the
+    one-rank loss (relative 1e-5, float32)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    model, aux, last, ids, lm, valid = _long_setup()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ref, _ = eagle3_loss(model, aux, last, ids, lm, valid)
+    one = _sdpa_bytes(prof)
+    assert one > 0
+    out = str(tmp_path / "mem")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_rank_memory, args=(2, f"file://{tmp_path / 'rendezvous'}", out), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = load_file(f"{out}.{rank}")
+        assert float(got["sdpa_bytes"][0]) <= 0.6 * one, (rank, float(got["sdpa_bytes"][0]), one)
+        assert abs(float(got["loss"][0]) - float(ref.detach())) <= 1e-5 * abs(float(ref.detach()))
