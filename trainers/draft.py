@@ -403,9 +403,10 @@ class Draft(abc.ABC):
     #: what runs the model's training forward instead of ``model`` itself: a consumer group's
     #: ``DistributedDataParallel`` wrapper of it (None: ``model``, or its compiled forward)
     train_module: torch.nn.Module | None = None
-    #: context parallelism (``--cp N``; a draft that supports it, DFlash): the ``torch.distributed`` process group
-    #: whose ranks split each training sequence (:mod:`artcache.trainers.dflash.cp`); its :meth:`loss` then returns
-    #: this rank's share (the loss and sums of the blocks anchored in its part). None: off
+    #: context parallelism (``--cp N``): the ``torch.distributed`` process group whose ranks split each training
+    #: sequence (:mod:`artcache.trainers.dflash.cp`, :mod:`artcache.trainers.eagle3.cp`); its :meth:`loss` then
+    #: returns this rank's share (the loss and sums of the blocks anchored in its part; EAGLE-3: of its positions).
+    #: None: off
     cp_group: Any = None
 
     #: its ``loss(batch, denominators=...)`` divides each term by a given denominator ([terms] float64: the global

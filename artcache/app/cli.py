@@ -495,7 +495,7 @@ def producer(cache, target, dataset, seed, max_length, max_samples, draft_layers
                    "cuda:r) that is one consumer to the cache; each optimizer step consumes --nproc x --grad-accum x "
                    "--batch-size positions. Under torchrun the group is torchrun's (WORLD_SIZE).")
 @click.option("--cp", default=1, type=int,
-              help="Context parallelism (DFlash, DSpark): each sequence split across N ranks of the group, "
+              help="Context parallelism (DFlash, DSpark, EAGLE-3): each sequence split across N ranks of the group, "
                    "attention over their all-gathered context keys/values; --nproc is the world size (data-parallel "
                    "ranks x N) and must be a multiple of N. 1: off.")
 @click.option("--grad-accum", default=1, type=int,

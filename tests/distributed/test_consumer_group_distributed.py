@@ -328,6 +328,26 @@ def test_dspark_cp_trains_like_one_process(root, tmp_path):
     assert_same_run(root, tmp_path, "dspark-dpcp-group", "dspark-dpcp-one", floor, steps=5)
 
 
+@pytest.mark.timeout(2400)
+def test_eagle3_cp_trains_like_one_process(root, tmp_path):
+    """EAGLE-3 --nproc 2 --cp 2 (one CP group: each rank runs the TTT unroll over its half of every sequence's
+    positions, attention over the all-gathered step-0 keys, its per-step denominators counting its own kept
+    positions) and --nproc 4 --cp 2 --batch-size 2 (two data-parallel groups of two CP ranks) give the one-process
+    run's loss curve and final weights (relative 1e-5, or AdamW's rounding floor)."""
+    consume(root, tmp_path, "eagle3-cp-one", "eagle3", 4)
+    consume(root, tmp_path, "eagle3-cp-threads", "eagle3", 4, "--threads", "2")
+    floor = weight_diffs(tmp_path, "eagle3-cp-threads", "eagle3-cp-one")
+    group = consume(root, tmp_path, "eagle3-cp-group", "eagle3", 4, "--nproc", "2", "--cp", "2")
+    summary = json.loads(group.stdout.strip().splitlines()[-1])
+    assert summary["ranks"] == 2 and summary["cp"] == 2 and summary["global_batch"] == 4
+    assert summary["cursor"] == 4 * STEPS
+    assert_same_run(root, tmp_path, "eagle3-cp-group", "eagle3-cp-one", floor)
+    group = consume(root, tmp_path, "eagle3-dpcp-group", "eagle3", 2, "--nproc", "4", "--cp", "2")
+    summary = json.loads(group.stdout.strip().splitlines()[-1])
+    assert summary["ranks"] == 4 and summary["cp"] == 2 and summary["global_batch"] == 4
+    assert_same_run(root, tmp_path, "eagle3-dpcp-group", "eagle3-cp-one", floor)
+
+
 @pytest.mark.timeout(1500)
 def test_regression_a_group_stopped_by_sigterm_exits_143_with_its_summary(root, tmp_path, uninterrupted):
     """SIGTERM to ``consume --nproc 2`` stopped every rank cleanly (rank 0 checkpointed and cancelled the

@@ -119,13 +119,14 @@ def test_config_refuses_a_window_smaller_than_the_global_batch(tmp_path):
 
 def test_cp_composes_with_nproc_and_refuses_what_it_does_not_support(tmp_path):
     """--nproc is the world size (data-parallel ranks × --cp): the global batch counts data-parallel ranks only;
-    --cp with EAGLE-3, a --nproc it does not divide, or packing is refused in one line; DSpark takes it."""
+    a --nproc it does not divide, or packing is refused in one line; DSpark and EAGLE-3 take it."""
     cfg = ConsumerConfig(cache=str(tmp_path), batch_size=4, nproc=4, cp=2, lookahead=16)
     cfg.validate()
     ConsumerConfig(cache=str(tmp_path), draft="dspark", batch_size=4, nproc=2, cp=2, lookahead=16).validate()
+    ConsumerConfig(cache=str(tmp_path), draft="eagle3", batch_size=4, nproc=2, cp=2, lookahead=16).validate()
     assert cfg.global_batch == 8
     assert ConsumerConfig(cache=str(tmp_path), batch_size=4, nproc=2, cp=2, lookahead=16).global_batch == 4
-    for kwargs, match in [({"draft": "eagle3"}, "--cp 2 is not supported for the eagle3 draft"),
+    for kwargs, match in [({"draft": "eagle3", "pack_tokens": 64}, "--cp 2 and --pack-tokens 64 exclude each other"),
                           ({"draft": "dspark", "pack_tokens": 64}, "--cp 2 and --pack-tokens 64 exclude each other"),
                           ({"nproc": 3}, "--cp 2 does not divide --nproc 3"),
                           ({"nproc": 1}, "--cp 2 does not divide --nproc 1"),

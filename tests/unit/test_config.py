@@ -293,14 +293,17 @@ def test_consumer_config_from_an_experiment(tmp_path):
 
 
 def test_context_parallelism_is_an_experiments_consumer_setting(tmp_path):
-    """experiments.X.consumer.cp and nproc reach the consumer (DFlash); an EAGLE-3 experiment is refused in one
-    line naming the draft and what is accepted."""
+    """experiments.X.consumer.cp and nproc reach the consumer (DFlash and EAGLE-3); a cp that does not divide nproc
+    is refused in one line naming the settings and what is accepted."""
     cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.a.consumer.cp=2", "experiments.a.consumer.nproc=4"])
     cc = C.consumer_config(cfg, "a")
     assert (cc.cp, cc.nproc, cc.global_batch) == (2, 4, 2 * cc.batch_size)
     cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.b.consumer.cp=2", "experiments.b.consumer.nproc=2"])
-    with pytest.raises(ConfigError, match="experiments.b.consumer.cp 2 is not supported for the eagle3 draft.*accepted "
-                       "experiments.b.consumer.cp 1 for eagle3"):
+    cc = C.consumer_config(cfg, "b")
+    assert (cc.draft, cc.cp, cc.nproc) == ("eagle3", 2, 2)
+    cfg = C.load_run_config(write(tmp_path, TWO), ["experiments.b.consumer.cp=2", "experiments.b.consumer.nproc=3"])
+    with pytest.raises(ConfigError, match="experiments.b.consumer.cp 2 does not divide experiments.b.consumer.nproc 3"
+                       ".*accepted experiments.b.consumer.nproc a multiple of 2"):
         C.consumer_config(cfg, "b")
 
 

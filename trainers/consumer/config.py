@@ -149,9 +149,11 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             consecutive plan positions back to back, up to this many tokens; a step consumes as many positions as
             its rows hold (at most ``lookahead``), decided from the plan alone. Must be at least the root's max
             length (a sample is never truncated or split). 0 = off: one position per row, padded.
-        cp: context parallelism (``--cp N``, DFlash and DSpark): each sequence is split across N ranks of the group
+        cp: context parallelism (``--cp N``, every draft): each sequence is split across N ranks of the group
             (:mod:`artcache.trainers.dflash.cp`: each rank holds ``ceil(T / N)`` positions of the context and the
-            blocks anchored there; the context's keys/values are all-gathered per layer). ``nproc`` is the world
+            blocks anchored there; the context's keys/values are all-gathered per layer; EAGLE-3,
+            :mod:`artcache.trainers.eagle3.cp`: each rank's positions are its TTT queries, the step-0 keys/values
+            all-gathered once per forward). ``nproc`` is the world
             size, data-parallel ranks × ``cp``: ``nproc / cp`` groups of ``cp`` ranks each read their own slice of
             the global batch, the ``cp`` ranks of a group the same positions. 1 = off.
 
@@ -441,16 +443,12 @@ def check_cp(cfg: ConsumerConfig) -> None:
     """``--cp N`` (context parallelism): what it composes with.
 
     Raises:
-        ConfigError: a draft other than DFlash and DSpark, ``--nproc`` not a multiple of N, ``--shard full``,
-            ``--pack-tokens``, a lockstep group, or ``--reader process`` with N > 1 (one line naming the value and
-            what is accepted).
+        ConfigError: ``--nproc`` not a multiple of N, ``--shard full``, ``--pack-tokens``, a lockstep group, or
+            ``--reader process`` with N > 1 (one line naming the value and what is accepted).
     """
     n = cfg.cp
     if n == 1:
         return
-    if cfg.draft not in ("dflash", "dspark"):
-        raise ConfigError(f"--cp {n} is not supported for the {cfg.draft} draft: context parallelism splits the "
-                          "sequence of block drafts only; accepted --cp 1 for eagle3, --cp N for dflash and dspark")
     if cfg.nproc % n:
         raise ConfigError(f"--cp {n} does not divide --nproc {cfg.nproc}: --nproc is the world size, data-parallel "
                           f"ranks x --cp; accepted --nproc a multiple of {n} (e.g. --nproc {n} --cp {n})")

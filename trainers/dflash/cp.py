@@ -1,5 +1,5 @@
 """Context parallelism for the DFlash and DSpark training steps: the sequence split across the ranks of a
-``torch.distributed`` group.
+``torch.distributed`` group (EAGLE-3's, on the same layout: :mod:`artcache.trainers.eagle3.cp`).
 
 DSpark's backbone is :class:`DFlashDraft` itself, so :func:`cp_forward` serves both; the DSpark loss on a rank's
 blocks is :func:`artcache.trainers.dspark.loss.cp_dspark_loss` (its Markov and confidence heads work on each

@@ -168,7 +168,20 @@ class Eagle3Adapter(Draft):
         """Step i's soft cross-entropy over its own kept positions, weighted ``loss_decay ** i``."""
         return tuple((f"loss_{i}", self.model.cfg.loss_decay ** i) for i in range(self.model.cfg.ttt_steps))
 
+    def loss_denominators(self, batch: DraftBatch) -> Tensor | None:
+        """Under context parallelism (:attr:`cp_group`): each TTT step's kept positions among this rank's positions
+        ([steps] float64, :func:`~.cp.cp_kept_counts`: the target's labels over its window, no forward); summed over
+        the consumer's ranks, each position counts once. Otherwise None (counted by a forward without gradients)."""
+        if self.cp_group is None:
+            return None
+        from .cp import cp_kept_counts
+
+        _, last = self._split(batch)
+        return cp_kept_counts(self.model, last, batch.input_ids, batch.loss_mask, batch.valid, group=self.cp_group)
+
     def loss(self, batch: DraftBatch, denominators: Tensor | None = None) -> tuple[Tensor, MetricSums | PendingSums]:
+        if self.cp_group is not None:
+            return self._cp_loss(batch, denominators)
         aux, last = self._split(batch)
         dev = batch.hidden.device
         fast = self.speed.sync_free
@@ -180,6 +193,34 @@ class Eagle3Adapter(Draft):
                                       sync_free=fast, forward=forward, denominators=denominators, doc_ids=docs,
                                       position_ids=pos)
         return loss, (self._pending(stats) if fast else self._sums(stats))
+
+    def _cp_loss(self, batch: DraftBatch, denominators: Tensor | None) -> tuple[Tensor, MetricSums]:
+        """Context parallelism (:attr:`cp_group`): this rank's part of the training loss (:func:`~.cp.cp_eagle3_loss`:
+        the TTT unroll over this rank's positions with the group's step-0 keys/values, the labels over its window of
+        the whole last layer) and its positions' metric sums. ``denominators`` (the consumer's: each step's kept
+        positions of the global batch over its ``world`` ranks, each rank's :meth:`loss_denominators` counting its
+        own) divide this rank's per-step sums, so the ranks' gradients summed are ``world`` × the one-rank gradient
+        and ``Session._accumulate``'s average over the ranks gives it; without them the CP group's own counts. The
+        batch arrives whole; this rank keeps positions ``[start, end)`` of its auxiliary layers
+        (:func:`~artcache.trainers.dflash.cp.context_shard`). The loss runs the kept-rows path (host reads), also
+        on CUDA.
+
+        Raises:
+            ConfigError: a packed batch (the split sequence has no per-document attention).
+        """
+        from artcache.trainers.dflash.cp import check_unpacked, context_shard
+
+        from .cp import cp_eagle3_loss
+
+        check_unpacked(batch.doc_ids)
+        aux, last = self._split(batch)
+        dev = batch.hidden.device
+        self.speed.step_begin()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            share, _, stats = cp_eagle3_loss(self.model, context_shard(aux, self.cp_group), last, batch.input_ids,
+                                             batch.loss_mask, batch.valid, denominators=denominators,
+                                             group=self.cp_group)
+        return share, self._sums(stats)
 
     @staticmethod
     def _pending(stats) -> PendingSums:

@@ -59,8 +59,9 @@ def cp_forward(model: Eagle3Draft, aux_shard: Tensor, input_ids: Tensor, valid: 
         input_ids: [b, T] long, the whole sequence. valid: optional [b, T] bool (False: padding).
         steps, validate: as :meth:`Eagle3Draft.forward`'s.
         attn_chunk: query positions per chunk of the attention (at most ``S``); None:
-            :func:`~artcache.trainers.eagle3.model.default_attn_chunk` of ``T``. Every chunk attends to the
-            gathered step-0 keys ``[0, e)`` at global positions (:func:`~artcache.trainers.eagle3.model.ttt_chunk_mask`).
+            :func:`~artcache.trainers.eagle3.model.default_attn_chunk` of ``T``. A chunk ``[a, e)`` of the shard
+            attends to the gathered step-0 keys ``[0, start + e)`` under
+            :func:`~artcache.trainers.eagle3.model.ttt_chunk_mask` at the global positions.
         group: the CP group (default: the world).
 
     Returns:
