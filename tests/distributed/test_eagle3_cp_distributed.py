@@ -101,7 +101,8 @@ def test_eagle3_cp_two_gloo_ranks_equal_one_rank(tmp_path):
     """Two gloo ranks, each holding half the positions' auxiliary layers (the whole last layer and ids), give the
     one-rank EAGLE-3 loss, its per-step sums (soft-CE, kept, correct, supervised) and every gradient (relative
     <= 1e-5, float64): a padded row, a shard ending past T, validity with holes (the key mask), the attention in
-    chunks inside a shard, T = 3 over 2 ranks, and the consumer's given per-step denominators."""
+    chunks inside a shard, T = 3 over 2 ranks (rank 1 keeps no position, so its lm_head gets no gradient:
+    all_reduce_grads still joins every all-reduce, with zeros), and the consumer's given per-step denominators."""
     refs = {name: _one_rank(T, padded, holes, chunk) for name, T, padded, holes, chunk, _ in CASES}
     path = str(tmp_path / "rank0.safetensors")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
