@@ -606,3 +606,23 @@ def test_regression_disk_budget_zero_with_fill_is_refused(tmp_path):
                                     "--disk-budget", "0B", "--fill"])
     assert_one_error_line(res, "--disk-budget 0B (no budget")
     assert not root.exists()
+
+
+@pytest.mark.parametrize("mode", ["on", "graphs"])
+def test_regression_run_refuses_compile_on_a_cpu_before_starting(tmp_path, monkeypatch, mode):
+    """Bug: ``experiments.X.consumer.compile = "on"`` (or ``graphs``) for an experiment on a CPU passed ``artcache
+    run --dry-run`` (exit 0), and ``artcache run`` wrote its run directory and started the producer and consumer;
+    the consumer then refused it ("--compile on compiles the CUDA step only", naming the flag, not the key) and the
+    run ended exit 1 with the experiment "not started". Now the run refuses it in one line naming
+    ``experiments.<name>.consumer.compile`` and what is accepted, exit 2, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    text = TWO.replace('out = "o"', f'out = "{tmp_path / "o"}"')
+    path = write(tmp_path, text + "[target]\nname = 'random:tiny-llama'\ndevice = 'cpu'\n")
+    cfg = C.load_run_config(path, [f"experiments.a.consumer.compile={mode}"])
+    with pytest.raises(ConfigError, match=rf"experiments.a.consumer.compile {mode} needs a CUDA device: on cpu .*; "
+                                          r"accepted experiments.a.consumer.compile off or auto$"):
+        C.consumer_config(cfg, "a")
+    result = CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run",
+                                       f"experiments.a.consumer.compile={mode}"])
+    assert_one_error_line(result, f"experiments.a.consumer.compile {mode} needs a CUDA device")
+    assert not (tmp_path / "o").exists()
