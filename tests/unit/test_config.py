@@ -626,3 +626,15 @@ def test_regression_run_refuses_compile_on_a_cpu_before_starting(tmp_path, monke
                                        f"experiments.a.consumer.compile={mode}"])
     assert_one_error_line(result, f"experiments.a.consumer.compile {mode} needs a CUDA device")
     assert not (tmp_path / "o").exists()
+
+
+def test_regression_an_experiment_name_that_is_a_number_is_refused(tmp_path):
+    """Bug: experiments named ``"1"`` and ``"0"`` were accepted, and the override ``experiments.0.lr=1e-3`` silently
+    set the lr of the experiment at index 0 (named ``"1"``), not of the one named ``"0"``. Now a name of digits
+    only is refused in one line naming the entry and what is accepted."""
+    text = "[[experiments]]\nname = \"1\"\n[[experiments]]\nname = \"0\"\n"
+    msg = rejected(tmp_path, text, "experiments.0.lr=1e-3")
+    assert msg.endswith("experiments.0.name '1' is a number, which an override experiments.1.FIELD=VALUE reads as "
+                        "an index; accepted: a name with a letter or another character of A-Z a-z _ . -"), msg
+    assert "\n" not in msg
+    assert C.load_run_config(write(tmp_path, text.replace('"1"', '"e1"').replace('"0"', '"e0"'))).experiments
