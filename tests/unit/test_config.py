@@ -638,3 +638,19 @@ def test_regression_an_experiment_name_that_is_a_number_is_refused(tmp_path):
                         "an index; accepted: a name with a letter or another character of A-Z a-z _ . -"), msg
     assert "\n" not in msg
     assert C.load_run_config(write(tmp_path, text.replace('"1"', '"e1"').replace('"0"', '"e0"'))).experiments
+
+
+def test_regression_run_refuses_pack_tokens_below_max_length_before_starting(tmp_path, monkeypatch):
+    """Bug: ``experiments.X.consumer.pack_tokens`` below ``data.max_length`` passed ``artcache run --dry-run``
+    (exit 0), and ``artcache run`` wrote its run directory and started the producer and consumer; the consumer then
+    refused it naming ``--pack-tokens`` and the run ended exit 1 with the experiment "not started". Now the run
+    refuses it in one line naming ``experiments.<name>.consumer.pack_tokens`` and what is accepted, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    text = TWO.replace('out = "o"', f'out = "{tmp_path / "o"}"').replace("max_length = 128", "max_length = 32")
+    path = write(tmp_path, text + "[target]\nname = 'random:tiny-llama'\ndevice = 'cpu'\n")
+    for extra in (["--dry-run"], []):
+        result = CliRunner().invoke(main, ["run", "--config", str(path), *extra, "data.dataset=synthetic",
+                                           "data.max_samples=8", "experiments.a.consumer.pack_tokens=16"])
+        assert_one_error_line(result, "experiments.a.consumer.pack_tokens 16 is below data.max_length 32: a sample is "
+                                      "never truncated or split; accepted: 0 (off) or >= 32")
+        assert not (tmp_path / "o").exists()
