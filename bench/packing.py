@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from artcache.bench.provenance import record
-from artcache.errors import ArtcacheError
+from artcache.errors import ArtcacheError, ConfigError
 from artcache.fsio import atomic_write
 
 __all__ = ["anchor_coverage", "main", "measure", "run", "walk"]
@@ -242,7 +242,10 @@ class _Arm:
 
         n = self.packer.step_positions(self.pos) if self.packer is not None else self.rows
         if self.pos + n > len(self.plan):
-            raise SystemExit(f"--samples {len(self.plan)} is too few for the steps asked; raise --samples")
+            raise ConfigError(f"the plan's {len(self.plan)} samples ran out after {self.fig['steps']} timed steps of "
+                              f"the {'packed' if self.packer is not None else 'unpacked'} arm (after its warm-up "
+                              "step); accepted: fewer --steps or --rows, or a plan of more samples (--samples, or a "
+                              "larger --plan)")
         batch = _batch(self.plan, self.pos, n, self.m, self.draft.model.cfg.hidden_size, self.rows, self.max_length,
                        self.packer is not None, device=self.device)
         cov = n_anchors = 0

@@ -593,3 +593,24 @@ def test_regression_packing_bench_refuses_bad_input_in_one_line_and_writes_nothi
         assert not out.exists() and not out.parent.exists(), extra
     main(base + ["--plan", str(saved), "--steps", "0"])
     assert json.loads(out.read_text())["plan"]["samples"] == len(plan)
+
+
+def test_regression_packing_bench_names_a_plan_too_short_for_its_steps(tmp_path, capsys, smollm2_tokenizer):
+    """Bug: ``python -m artcache.bench.packing --plan DIR --steps N`` on a plan too short for N steps ended with
+    "--samples 8 is too few for the steps asked; raise --samples" (exit 1), though --samples does not apply to a
+    saved plan. Now one line says the plan ran out and what is accepted (fewer --steps or --rows, or a plan of more
+    samples), exit 2, and --out is not written."""
+    from artcache.bench.packing import main
+    from artcache.plan import PlanSpec, build_plan
+    from tests.support import TINY_SHAREGPT
+
+    plan = build_plan(PlanSpec(dataset=str(TINY_SHAREGPT), max_length=64, max_samples=8), smollm2_tokenizer,
+                      target_vocab_size=49152)
+    out = tmp_path / "packing.json"
+    with pytest.raises(SystemExit) as got:
+        main(["--out", str(out), "--arch", "tiny-llama", "--threads", "1", "--walk", "4", "--anchors", "4",
+              "--block-size", "4", "--draft", "dspark", "--plan", str(plan.save(tmp_path / "plans")), "--steps", "20"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln.lower()]  # progress lines aside
+    assert got.value.code == 2 and len(err) == 1, (got.value.code, err)
+    assert f"the plan's {len(plan)} samples ran out after" in err[0] and "accepted: fewer --steps or --rows" in err[0]
+    assert not out.exists()
