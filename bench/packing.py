@@ -57,6 +57,8 @@ import numpy as np
 import torch
 
 from artcache.bench.provenance import record
+from artcache.errors import ArtcacheError, ConfigError
+from artcache.fsio import atomic_write
 
 __all__ = ["anchor_coverage", "main", "measure", "run", "walk"]
 
@@ -240,7 +242,10 @@ class _Arm:
 
         n = self.packer.step_positions(self.pos) if self.packer is not None else self.rows
         if self.pos + n > len(self.plan):
-            raise SystemExit(f"--samples {len(self.plan)} is too few for the steps asked; raise --samples")
+            raise ConfigError(f"the plan's {len(self.plan)} samples ran out after {self.fig['steps']} timed steps of "
+                              f"the {'packed' if self.packer is not None else 'unpacked'} arm (after its warm-up "
+                              "step); accepted: fewer --steps or --rows, or a plan of more samples (--samples, or a "
+                              "larger --plan)")
         batch = _batch(self.plan, self.pos, n, self.m, self.draft.model.cfg.hidden_size, self.rows, self.max_length,
                        self.packer is not None, device=self.device)
         cov = n_anchors = 0
@@ -383,16 +388,35 @@ def main(argv: list[str] | None = None) -> None:
                     help="a saved plan directory (a cache root's plans/<id>) instead of building one from --data; "
                          "--max-length and --samples then come from it")
     args = ap.parse_args(argv)
+
+    def refuse(message: str) -> None:  # bad input: one line (argparse's own errors print the usage too), exit 2
+        print(f"{ap.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
     if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device is available here; use --device cpu")
+        refuse("--device cuda: no CUDA device is available here; use --device cpu")
+    for flag, least in (("max_length", 1), ("samples", 1), ("rows", 1), ("steps", 0), ("anchors", 1),
+                        ("block_size", 2), ("threads", 0), ("walk", 0)):
+        if getattr(args, flag) < least:
+            refuse(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not accepted: an integer >= {least}")
+    if args.plan is not None and not Path(args.plan).is_dir():
+        refuse(f"--plan {args.plan!r} is not a directory: give a saved plan directory (a cache root's "
+               "plans/<id>, holding plan.json and plan.safetensors)")
+    out = Path(args.out)
+    if out.is_dir():
+        refuse(f"--out {args.out!r} is a directory: give the JSON file to write")
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = {**record("artcache.bench.packing", argv, device=torch.device(args.device)),
-              **run(args.draft, arch=args.arch, max_length=args.max_length, samples=args.samples, rows=args.rows,
-                    steps=args.steps, anchors=args.anchors, block=args.block_size, walk_positions=args.walk,
-                    device=args.device, data=args.data, plan_dir=args.plan)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        report = {**record("artcache.bench.packing", argv, device=torch.device(args.device)),
+                  **run(args.draft, arch=args.arch, max_length=args.max_length, samples=args.samples,
+                        rows=args.rows, steps=args.steps, anchors=args.anchors, block=args.block_size,
+                        walk_positions=args.walk, device=args.device, data=args.data, plan_dir=args.plan)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, [(json.dumps(report, indent=2) + "\n").encode()], out.parent, durable=False)
+    except (ArtcacheError, OSError) as exc:  # bad input, a damaged plan, an unwritable --out: one line, no file
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(getattr(exc, "exit_code", 1)) from None
     print(json.dumps(report.get("packed_over_unpacked", report["walk_packed_over_unpacked"]), indent=2))
 
 

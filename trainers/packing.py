@@ -399,6 +399,18 @@ def collate_packed(items, device: torch.device, rows: int, pack_tokens: int,
                       position_ids=pos)
 
 
+def check_pack_tokens(pack_tokens: int, max_length: int, key: str = "--pack-tokens",
+                      length: str = "the root's max length") -> None:
+    """Refuse a row of ``pack_tokens`` tokens (0: packing off) shorter than a sample's ``max_length`` tokens.
+
+    Raises:
+        ConfigError: one line naming ``key`` (the flag or run-config key), both values and what is accepted.
+    """
+    if pack_tokens and pack_tokens < max_length:
+        raise ConfigError(f"{key} {pack_tokens} is below {length} {max_length}: a sample is never truncated or "
+                          f"split; accepted: 0 (off) or >= {max_length}")
+
+
 def packer_of(cfg, plan, order, max_length: int) -> Packer | None:
     """The :class:`Packer` of a consumer config (``pack_tokens``, ``batch_size`` rows, at most ``lookahead``
     positions a step) on a root whose samples hold at most ``max_length`` tokens; None when packing is off.
@@ -408,7 +420,5 @@ def packer_of(cfg, plan, order, max_length: int) -> Packer | None:
     """
     if not cfg.pack_tokens:
         return None
-    if cfg.pack_tokens < max_length:
-        raise ConfigError(f"--pack-tokens {cfg.pack_tokens} is below the root's max length {max_length}: a sample "
-                          f"is never truncated or split; accepted: 0 (off) or >= {max_length}")
+    check_pack_tokens(cfg.pack_tokens, max_length)
     return Packer.for_plan(plan, order, cfg.batch_size, cfg.pack_tokens, cfg.lookahead)

@@ -206,7 +206,8 @@ class Experiment(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     LR, RNG, cursor, checkpoints and run directory.
 
     Attributes:
-        name: the consumer id (unique in the run; letters, digits, ``._-``).
+        name: the consumer id (unique in the run; letters, digits, ``._-``; not digits only: ``experiments.N`` in an
+            override is the entry at index N).
         draft: ``dflash`` or ``eagle3``.
         draft_layers: DFlash draft layers (default ``capture.draft_layers``); its view is
             ``dflash_layer_ids(L, draft_layers)``. EAGLE-3's view is ``eagle3_capture_ids(L)``.
@@ -601,14 +602,19 @@ def check_horizon(raw: dict, cfg: RunConfig, source: str = "config") -> None:
 
 
 def check_run_config(cfg: RunConfig, source: str = "config") -> None:
-    """Checks the field types cannot declare: experiment names valid and unique, windows well formed, layer id
-    lists not empty (ranges are declared on the fields and checked by :func:`convert`)."""
+    """Checks the field types cannot declare: experiment names valid, unique and not numbers (an override's
+    ``experiments.N`` is an index), windows well formed, layer id lists not empty (ranges are declared on the
+    fields and checked by :func:`convert`)."""
     seen = set()
     for i, e in enumerate(cfg.experiments):
         try:
             check_id(e.name, "experiment name")
         except ValueError as exc:
             raise ConfigError(f"{source}: experiments.{i}.name: {exc}") from None
+        if e.name.isdigit():  # experiments.N.FIELD names the entry at index N: a name N would be ambiguous
+            raise ConfigError(f"{source}: experiments.{i}.name {e.name!r} is a number, which an override "
+                              f"experiments.{e.name}.FIELD=VALUE reads as an index; accepted: a name with a letter "
+                              "or another character of A-Z a-z _ . -")
         if e.name in seen:
             raise ConfigError(f"{source}: experiments.{i}.name {e.name!r} is used twice; names must be unique")
         seen.add(e.name)

@@ -595,6 +595,7 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     from artcache.trainers.consumer.restore import check_same_draft, plan_init, resume_state
     from artcache.trainers.draft import draft_class
     from artcache.trainers.evaluation import eval_split, heldout_samples
+    from artcache.trainers.packing import check_pack_tokens
     from artcache.trainers.seed import read_seed
 
     start_step = start_cursor = 0
@@ -604,6 +605,8 @@ def _plan_experiment(e: Experiment, resolved: RunConfig, *, layout, plan_id: str
     check_anchors(given.num_anchors, resolved.data.max_length, f"experiments.{e.name}.anchors",
                   "data.max_length, the tokens per sample")  # as the consumer will (artcache.trainers.consumer)
     ccfg = given.resolved()
+    check_pack_tokens(ccfg.pack_tokens, resolved.data.max_length, f"experiments.{e.name}.consumer.pack_tokens",
+                      "data.max_length")  # as the consumer will (artcache.trainers.packing.packer_of)
     if resolved.data.eval is not None:  # the eval source's samples are every experiment's held-out split
         ccfg = msgspec.structs.replace(ccfg, eval_samples=heldout_samples(
             plan_obj(), ccfg.eval_samples, f"experiments.{e.name}.consumer.eval_samples"))

@@ -609,3 +609,51 @@ def test_regression_disk_budget_zero_with_fill_is_refused(tmp_path):
                                     "--disk-budget", "0B", "--fill"])
     assert_one_error_line(res, "--disk-budget 0B (no budget")
     assert not root.exists()
+
+
+@pytest.mark.parametrize("mode", ["on", "graphs"])
+def test_regression_run_refuses_compile_on_a_cpu_before_starting(tmp_path, monkeypatch, mode):
+    """Bug: ``experiments.X.consumer.compile = "on"`` (or ``graphs``) for an experiment on a CPU passed ``artcache
+    run --dry-run`` (exit 0), and ``artcache run`` wrote its run directory and started the producer and consumer;
+    the consumer then refused it ("--compile on compiles the CUDA step only", naming the flag, not the key) and the
+    run ended exit 1 with the experiment "not started". Now the run refuses it in one line naming
+    ``experiments.<name>.consumer.compile`` and what is accepted, exit 2, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    text = TWO.replace('out = "o"', f'out = "{tmp_path / "o"}"')
+    path = write(tmp_path, text + "[target]\nname = 'random:tiny-llama'\ndevice = 'cpu'\n")
+    cfg = C.load_run_config(path, [f"experiments.a.consumer.compile={mode}"])
+    with pytest.raises(ConfigError, match=rf"experiments.a.consumer.compile {mode} needs a CUDA device: on cpu .*; "
+                                          r"accepted experiments.a.consumer.compile off or auto$"):
+        C.consumer_config(cfg, "a")
+    result = CliRunner().invoke(main, ["run", "--config", str(path), "--dry-run",
+                                       f"experiments.a.consumer.compile={mode}"])
+    assert_one_error_line(result, f"experiments.a.consumer.compile {mode} needs a CUDA device")
+    assert not (tmp_path / "o").exists()
+
+
+def test_regression_an_experiment_name_that_is_a_number_is_refused(tmp_path):
+    """Bug: experiments named ``"1"`` and ``"0"`` were accepted, and the override ``experiments.0.lr=1e-3`` silently
+    set the lr of the experiment at index 0 (named ``"1"``), not of the one named ``"0"``. Now a name of digits
+    only is refused in one line naming the entry and what is accepted."""
+    text = "[[experiments]]\nname = \"1\"\n[[experiments]]\nname = \"0\"\n"
+    msg = rejected(tmp_path, text, "experiments.0.lr=1e-3")
+    assert msg.endswith("experiments.0.name '1' is a number, which an override experiments.1.FIELD=VALUE reads as "
+                        "an index; accepted: a name with a letter or another character of A-Z a-z _ . -"), msg
+    assert "\n" not in msg
+    assert C.load_run_config(write(tmp_path, text.replace('"1"', '"e1"').replace('"0"', '"e0"'))).experiments
+
+
+def test_regression_run_refuses_pack_tokens_below_max_length_before_starting(tmp_path, monkeypatch):
+    """Bug: ``experiments.X.consumer.pack_tokens`` below ``data.max_length`` passed ``artcache run --dry-run``
+    (exit 0), and ``artcache run`` wrote its run directory and started the producer and consumer; the consumer then
+    refused it naming ``--pack-tokens`` and the run ended exit 1 with the experiment "not started". Now the run
+    refuses it in one line naming ``experiments.<name>.consumer.pack_tokens`` and what is accepted, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    text = TWO.replace('out = "o"', f'out = "{tmp_path / "o"}"').replace("max_length = 128", "max_length = 32")
+    path = write(tmp_path, text + "[target]\nname = 'random:tiny-llama'\ndevice = 'cpu'\n")
+    for extra in (["--dry-run"], []):
+        result = CliRunner().invoke(main, ["run", "--config", str(path), *extra, "data.dataset=synthetic",
+                                           "data.max_samples=8", "experiments.a.consumer.pack_tokens=16"])
+        assert_one_error_line(result, "experiments.a.consumer.pack_tokens 16 is below data.max_length 32: a sample is "
+                                      "never truncated or split; accepted: 0 (off) or >= 32")
+        assert not (tmp_path / "o").exists()

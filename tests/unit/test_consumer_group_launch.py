@@ -25,7 +25,7 @@ def test_regression_compile_on_in_a_cuda_group_is_refused_in_one_line(tmp_path, 
     """Bug: ``--compile on --nproc 2`` on CUDA ran silently uncompiled (a group's forward runs through its DDP /
     FSDP2 wrapper, never the compiled draft). Now ``on`` and ``graphs`` are refused in one line naming the value
     and what is accepted (exit 2), for ``--nproc`` and under torchrun; ``auto`` and ``off`` run, and so does ``on``
-    in one process or on a CPU."""
+    in one process (a CPU refuses ``on`` for a group and one process alike: the host step is not compiled)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for mode in ("on", "graphs"):
         with pytest.raises(ConfigError, match=rf"^--compile {mode} and a group of ranks \(--nproc 2\) exclude each "
@@ -35,7 +35,9 @@ def test_regression_compile_on_in_a_cuda_group_is_refused_in_one_line(tmp_path, 
     for mode in ("auto", "off"):
         ConsumerConfig(cache=str(tmp_path), device="cuda", nproc=2, lookahead=16, compile=mode).validate()
     ConsumerConfig(cache=str(tmp_path), device="cuda", compile="on").validate()
-    ConsumerConfig(cache=str(tmp_path), device="cpu", nproc=2, lookahead=16, compile="on").validate()
+    ConsumerConfig(cache=str(tmp_path), device="cpu", nproc=2, lookahead=16, compile="auto").validate()
+    with pytest.raises(ConfigError, match=r"^--compile on needs a CUDA device: on cpu"):
+        ConsumerConfig(cache=str(tmp_path), device="cpu", nproc=2, lookahead=16, compile="on").validate()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match=r"^--compile on and a group of ranks \(torchrun's WORLD_SIZE 2\)"):

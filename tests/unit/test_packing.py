@@ -3,6 +3,8 @@ unpacked, with the same anchors (DFlash, EAGLE-3, DSpark), and the packer is a f
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -554,3 +556,61 @@ def test_regression_dspark_packed_denominators_are_those_of_its_loss():
     assert torch.equal(d.generator.get_state(), before)
     _, sums = d.loss(batch)
     assert den == pytest.approx(sums.den["loss"], rel=1e-6)
+
+
+def test_regression_packing_bench_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, capsys,
+                                                                                   smollm2_tokenizer):
+    """Bug: ``python -m artcache.bench.packing`` took ``--steps -1`` and ``--rows 0`` and ended in a
+    ZeroDivisionError / ConfigError traceback (exit 1), and a missing, non-directory or damaged ``--plan`` ended in a
+    DataError traceback. Now each is refused in one line naming the bad value and what is accepted, a nonzero exit,
+    and ``--out`` is not written (it is written atomically, only once the bench is done)."""
+    from artcache.bench.packing import main
+    from artcache.plan import PlanSpec, build_plan
+    from tests.support import TINY_SHAREGPT
+
+    plan = build_plan(PlanSpec(dataset=str(TINY_SHAREGPT), max_length=64, max_samples=8), smollm2_tokenizer,
+                      target_vocab_size=49152)
+    saved = plan.save(tmp_path / "plans")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "plan.json").write_bytes((saved / "plan.json").read_bytes())
+    body = bytearray((saved / "plan.safetensors").read_bytes())
+    body[-5] ^= 0xFF
+    (damaged / "plan.safetensors").write_bytes(bytes(body))
+    out = tmp_path / "o" / "packing.json"
+    base = ["--out", str(out), "--arch", "tiny-llama", "--threads", "1", "--walk", "4", "--anchors", "4",
+            "--block-size", "4"]
+    cases = [(["--plan", str(saved), "--steps", "-1"], "--steps -1 is not accepted: an integer >= 0"),
+             (["--plan", str(saved), "--rows", "0"], "--rows 0 is not accepted: an integer >= 1"),
+             (["--plan", str(tmp_path / "missing")], "is not a directory: give a saved plan directory"),
+             (["--plan", str(saved / "plan.json")], "is not a directory: give a saved plan directory"),
+             (["--plan", str(damaged), "--steps", "0"], "is damaged (plan.safetensors does not match")]
+    for extra, needle in cases:
+        with pytest.raises(SystemExit) as got:
+            main(base + extra)
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert got.value.code not in (0, None) and len(err) == 1 and needle in err[0], (extra, got.value.code, err)
+        assert not out.exists() and not out.parent.exists(), extra
+    main(base + ["--plan", str(saved), "--steps", "0"])
+    assert json.loads(out.read_text())["plan"]["samples"] == len(plan)
+
+
+def test_regression_packing_bench_names_a_plan_too_short_for_its_steps(tmp_path, capsys, smollm2_tokenizer):
+    """Bug: ``python -m artcache.bench.packing --plan DIR --steps N`` on a plan too short for N steps ended with
+    "--samples 8 is too few for the steps asked; raise --samples" (exit 1), though --samples does not apply to a
+    saved plan. Now one line says the plan ran out and what is accepted (fewer --steps or --rows, or a plan of more
+    samples), exit 2, and --out is not written."""
+    from artcache.bench.packing import main
+    from artcache.plan import PlanSpec, build_plan
+    from tests.support import TINY_SHAREGPT
+
+    plan = build_plan(PlanSpec(dataset=str(TINY_SHAREGPT), max_length=64, max_samples=8), smollm2_tokenizer,
+                      target_vocab_size=49152)
+    out = tmp_path / "packing.json"
+    with pytest.raises(SystemExit) as got:
+        main(["--out", str(out), "--arch", "tiny-llama", "--threads", "1", "--walk", "4", "--anchors", "4",
+              "--block-size", "4", "--draft", "dspark", "--plan", str(plan.save(tmp_path / "plans")), "--steps", "20"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln.lower()]  # progress lines aside
+    assert got.value.code == 2 and len(err) == 1, (got.value.code, err)
+    assert f"the plan's {len(plan)} samples ran out after" in err[0] and "accepted: fewer --steps or --rows" in err[0]
+    assert not out.exists()

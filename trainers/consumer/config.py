@@ -289,6 +289,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.shard == "full" and self.nproc == 1 and _world() in (None, 1):  # torchrun's WORLD_SIZE: a group
             raise ConfigError("--shard full shards the draft over the ranks of a group and this consumer has one: "
                               "pass --nproc N (N >= 2) or run it under torchrun, or leave --shard at none")
+        if self.compile in ("on", "graphs") and not self.device.startswith("cuda"):  # as SpeedOptions.for_device
+            # refuses it when the consumer starts; here so `artcache run` refuses it before anything is written
+            raise ConfigError(f"--compile {self.compile} needs a CUDA device: on {self.device} the consumer runs the "
+                              "host step, which is not compiled; accepted --compile off or auto")
         group = self.nproc > 1 or _world() not in (None, 1)
         if group and self.compile in ("on", "graphs") and self.device.startswith("cuda"):
             ranks = f"--nproc {self.nproc}" if self.nproc > 1 else f"torchrun's WORLD_SIZE {_world()}"
