@@ -178,3 +178,38 @@ def test_eagle3_cp_per_rank_attention_memory_about_half(tmp_path):
         got = load_file(f"{out}.{rank}")
         assert float(got["sdpa_bytes"][0]) <= 0.6 * one, (rank, float(got["sdpa_bytes"][0]), one)
         assert abs(float(got["loss"][0]) - float(ref.detach())) <= 1e-5 * abs(float(ref.detach()))
+
+
+def _rank_missing_grad(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from artcache.trainers.dflash.cp import all_reduce_grads
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(3, 2))
+        for p in model.parameters():
+            p.data.fill_(1.0)
+        x = torch.full((1, 3), float(rank + 1))
+        loss = model[0](x).sum() + (model[1](x).sum() if rank == 0 else 0.0)  # rank 1: no gradient for model[1]
+        loss.backward()
+        all_reduce_grads(model)
+        if rank == 0:
+            save_file({k: p.grad for k, p in model.named_parameters()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_regression_all_reduce_grads_joins_with_a_missing_gradient(tmp_path):
+    """Bug: ``all_reduce_grads`` skipped a parameter without a gradient, so a rank whose context-parallel share did
+    not reach it (an EAGLE-3 shard that kept no position: no lm_head gradient) joined one all-reduce fewer than its
+    peers and gloo aborted on a collective mismatch. A missing gradient now counts as zeros: the sum is the peers'."""
+    out = str(tmp_path / "grads.safetensors")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_rank_missing_grad, args=(2, f"file://{tmp_path / 'rendezvous'}", out), nprocs=2, join=True)
+    got = load_file(out)
+    assert torch.equal(got["0.weight"], torch.full((2, 3), 3.0))  # x = 1 on rank 0, 2 on rank 1
+    assert torch.equal(got["0.bias"], torch.full((2,), 2.0))
+    assert torch.equal(got["1.weight"], torch.full((2, 3), 1.0))  # rank 0's alone
+    assert torch.equal(got["1.bias"], torch.full((2,), 1.0))
