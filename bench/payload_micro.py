@@ -41,8 +41,13 @@ class LocalMooncake:
     """``mooncake_master`` + one payload holder on loopback, for the duration of the bench."""
 
     def __init__(self, workdir: Path, holder_bytes: int) -> None:
-        binary = shutil.which("mooncake_master") or str(Path(sysconfig.get_path("scripts")) / "mooncake_master")
-        if not Path(binary).is_file():
+        import importlib.util
+
+        # this interpreter's own binary first; the holder runs here, so its package must import here too (another
+        # environment's mooncake_master on PATH does not do: the holder failed to start, naming only its log)
+        own = Path(sysconfig.get_path("scripts")) / "mooncake_master"
+        binary = str(own) if own.is_file() else shutil.which("mooncake_master") or str(own)
+        if not Path(binary).is_file() or importlib.util.find_spec("mooncake") is None:
             raise ConfigError("mooncake_master not found: python3 -m pip install "
                               "mooncake-transfer-engine-non-cuda (and libibverbs1)")
         port, metrics = _free_port(), _free_port()
