@@ -110,6 +110,10 @@ def run_family(family: str, streams: int, seed: int = 0, workers: int = 1, posit
     else:
         with Pool(workers) as pool:
             rows = pool.map(one, jobs)
+            # a graceful end: leaving the block terminates the pool (SIGTERM to its workers), and a worker killed
+            # while it held the task queue's lock left another blocked on it and the bench hung in the pool's join
+            pool.close()
+            pool.join()
     return {"family": family, "seed": seed, "positions": positions, "summary": summarize(rows), "streams": rows}
 
 
