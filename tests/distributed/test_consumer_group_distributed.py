@@ -308,44 +308,31 @@ def test_cp_within_data_parallel_groups_trains_like_one_process(root, tmp_path):
 
 
 @pytest.mark.timeout(2400)
-def test_dspark_cp_trains_like_one_process(root, tmp_path):
-    """DSpark --nproc 2 --cp 2 (one CP group: each rank trains the blocks anchored in its half of every sequence,
-    its denominators counting those blocks) and --nproc 4 --cp 2 --batch-size 2 (two data-parallel groups of two CP
-    ranks, 5 steps: AdamW amplifies DSpark's float noise with every step, and once in four 10-step runs one tensor
-    differed by 8e-4 of its norm while the loss curve matched at 1e-5) give the one-process run's loss curve and
-    final weights (relative 1e-5, or AdamW's rounding floor)."""
-    consume(root, tmp_path, "dspark-cp-one", "dspark", 4)
-    consume(root, tmp_path, "dspark-cp-threads", "dspark", 4, "--threads", "2")
-    floor = weight_diffs(tmp_path, "dspark-cp-threads", "dspark-cp-one")
-    group = consume(root, tmp_path, "dspark-cp-group", "dspark", 4, "--nproc", "2", "--cp", "2")
-    summary = json.loads(group.stdout.strip().splitlines()[-1])
-    assert summary["ranks"] == 2 and summary["cp"] == 2 and summary["global_batch"] == 4
-    assert_same_run(root, tmp_path, "dspark-cp-group", "dspark-cp-one", floor)
-    consume(root, tmp_path, "dspark-dpcp-one", "dspark", 4, steps=5)
-    group = consume(root, tmp_path, "dspark-dpcp-group", "dspark", 2, "--nproc", "4", "--cp", "2", steps=5)
-    summary = json.loads(group.stdout.strip().splitlines()[-1])
-    assert summary["ranks"] == 4 and summary["cp"] == 2 and summary["global_batch"] == 4
-    assert_same_run(root, tmp_path, "dspark-dpcp-group", "dspark-dpcp-one", floor, steps=5)
-
-
-@pytest.mark.timeout(2400)
-def test_eagle3_cp_trains_like_one_process(root, tmp_path):
-    """EAGLE-3 --nproc 2 --cp 2 (one CP group: each rank runs the TTT unroll over its half of every sequence's
-    positions, attention over the all-gathered step-0 keys, its per-step denominators counting its own kept
-    positions) and --nproc 4 --cp 2 --batch-size 2 (two data-parallel groups of two CP ranks) give the one-process
-    run's loss curve and final weights (relative 1e-5, or AdamW's rounding floor)."""
-    consume(root, tmp_path, "eagle3-cp-one", "eagle3", 4)
-    consume(root, tmp_path, "eagle3-cp-threads", "eagle3", 4, "--threads", "2")
-    floor = weight_diffs(tmp_path, "eagle3-cp-threads", "eagle3-cp-one")
-    group = consume(root, tmp_path, "eagle3-cp-group", "eagle3", 4, "--nproc", "2", "--cp", "2")
+@pytest.mark.parametrize("draft, dpcp_steps", [("dspark", 5), ("eagle3", STEPS)])
+def test_cp_trains_like_one_process_for_every_draft(root, tmp_path, draft, dpcp_steps):
+    """DSpark and EAGLE-3 (DFlash: the two tests above) under --nproc 2 --cp 2 (one CP group: each rank trains its
+    half of every sequence, DSpark the blocks anchored there and EAGLE-3 the TTT unroll over its positions with
+    attention over the all-gathered step-0 keys; each rank's denominators count its own blocks / kept positions)
+    and --nproc 4 --cp 2 --batch-size 2 (two data-parallel groups of two CP ranks) give the one-process run's loss
+    curve and final weights (relative 1e-5, or AdamW's rounding floor). DSpark's data-parallel run is 5 steps:
+    AdamW amplifies its float noise with every step, and once in four 10-step runs one tensor differed by 8e-4 of
+    its norm while the loss curve matched at 1e-5."""
+    consume(root, tmp_path, f"{draft}-cp-one", draft, 4)
+    consume(root, tmp_path, f"{draft}-cp-threads", draft, 4, "--threads", "2")
+    floor = weight_diffs(tmp_path, f"{draft}-cp-threads", f"{draft}-cp-one")
+    group = consume(root, tmp_path, f"{draft}-cp-group", draft, 4, "--nproc", "2", "--cp", "2")
     summary = json.loads(group.stdout.strip().splitlines()[-1])
     assert summary["ranks"] == 2 and summary["cp"] == 2 and summary["global_batch"] == 4
     assert summary["cursor"] == 4 * STEPS
-    assert_same_run(root, tmp_path, "eagle3-cp-group", "eagle3-cp-one", floor)
-    group = consume(root, tmp_path, "eagle3-dpcp-group", "eagle3", 2, "--nproc", "4", "--cp", "2")
+    assert_same_run(root, tmp_path, f"{draft}-cp-group", f"{draft}-cp-one", floor)
+    one = f"{draft}-cp-one"
+    if dpcp_steps != STEPS:
+        one = f"{draft}-dpcp-one"
+        consume(root, tmp_path, one, draft, 4, steps=dpcp_steps)
+    group = consume(root, tmp_path, f"{draft}-dpcp-group", draft, 2, "--nproc", "4", "--cp", "2", steps=dpcp_steps)
     summary = json.loads(group.stdout.strip().splitlines()[-1])
     assert summary["ranks"] == 4 and summary["cp"] == 2 and summary["global_batch"] == 4
-    assert_same_run(root, tmp_path, "eagle3-dpcp-group", "eagle3-cp-one", floor)
+    assert_same_run(root, tmp_path, f"{draft}-dpcp-group", one, floor, steps=dpcp_steps)
 
 
 @pytest.mark.timeout(1500)
