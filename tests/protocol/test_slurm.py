@@ -43,7 +43,8 @@ tensorboard = false
 """
 
 
-def config(tmp_path: Path, *, names=("c1", "c2", "c3"), steps: int = 6, slurm: str = "", device: str = "cpu") -> Path:
+def config(tmp_path: Path, *, names=("c1", "c2", "c3"), steps: int = 6, slurm: str = "", device: str = "cpu",
+           cache: str = "") -> Path:
     body = f"""
 out = "{tmp_path / 'run'}"
 [target]
@@ -59,6 +60,7 @@ draft_layers = 3
 batch_samples = 2
 [cache]
 done_grace_s = 1.0
+{cache}
 [slurm]
 nodes = 3
 gpus_per_node = 2

@@ -43,7 +43,11 @@ def slurm_cluster(tmp_path_factory):
 
 
 def test_tiny_run_through_slurm(tmp_path, slurm_cluster):
-    cfg = config(tmp_path)
+    # retention by need (a disk budget): a consumer lagging more than its lookahead behind the others keeps
+    # what it will still read. Under the windows-only rule (no budget) such a position is evicted once the
+    # faster consumers end and is recaptured by design, which made "one capture per position" depend on the
+    # load of the machine (CI: 13 captures for 12 positions, one consumer lagging on 2 busy cores)
+    cfg = config(tmp_path, cache='disk_budget = "auto"')
     proc = subprocess.run([sys.executable, "-m", "artcache", "run", "--config", str(cfg), "--launcher", "slurm",
                            "--submit", "--wait"], capture_output=True, text=True, cwd=tmp_path,
                           env=child_env(SLURM_CONF=os.environ["SLURM_CONF"]), timeout=900)
@@ -62,7 +66,10 @@ def test_tiny_run_through_slurm(tmp_path, slurm_cluster):
     acc = res["inspect"]
     assert acc["violations"] == [], acc["violations"]
     c = acc["cache"]
-    assert c["distinct_positions_consumed"] == 12 and c["captures_per_consumed_position"] <= 1.05, c
+    counts = json.dumps({k: v for k, v in c.items() if not isinstance(v, (dict, list))})  # pytest cuts a dict's repr
+    assert c["retention"] == "need", counts
+    assert c["distinct_positions_consumed"] == 12 and c["recaptures"] == 0, counts
+    assert c["captures_per_consumed_position"] <= 1.05, counts
     for name in roles:
         assert (run / "logs" / f"{name}.log").stat().st_size > 0
     assert (run / "experiments" / "c3" / "checkpoints" / "latest").exists()
