@@ -57,6 +57,7 @@ import stat
 import subprocess
 import time
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -1198,9 +1199,14 @@ def write_run_report(out: Path, name: str, scenarios: list[Scenario], reports: l
     return doc
 
 
-def run_bench(cfg: BenchConfig) -> bool:
+def run_bench(cfg: BenchConfig, on_start: Callable[[Path], object] | None = None) -> bool:
     """Run the scenarios serially; print each report; write the run's ``report.json`` (:func:`write_run_report`)
-    under ``--out``; True when every check passed."""
+    under ``--out``; True when every check passed. ``on_start(out)``: called once every setting is checked and
+    ``--out`` exists, before any scenario runs (``artcache bench --config`` saves the resolved config there), so bad
+    input leaves nothing written.
+
+    Raises:
+        ConfigError: a bad setting, before anything is written (exit 2)."""
     from artcache.trainers.consumer import parse_window
 
     ok = True
@@ -1235,6 +1241,8 @@ def run_bench(cfg: BenchConfig) -> bool:
     scenarios = resolve(cfg.scenario)
     out.mkdir(parents=True, exist_ok=True)  # --out is created if missing (its report is the first thing in it)
     write_run_report(out, cfg.scenario, scenarios, reports)  # none run yet: no previous run's verdict stays
+    if on_start is not None:
+        on_start(out)
     for sc in scenarios:
         rc = resolved(cfg, sc)
         print(f"== scenario {sc.name}: {len(sc.consumers)} consumer(s), {cfg.device}, {rc.warmup}+{rc.steps} "

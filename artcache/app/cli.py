@@ -115,17 +115,24 @@ def _with_config(verb: str):
             if verb == "consume" and not experiment:
                 raise ConfigError("consume --config FILE needs --experiment NAME (one of the file's experiments)")
             cfg = C.load_run_config(config, overrides, C.flag_paths(verb, explicit, experiment))
-            if verb == "producer":
-                _check_fill_budget(kwargs["fill"], explicit.get("disk_budget"))
-                _start("producer", C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS}))
-            elif verb == "consume":
+            if verb == "consume":  # its messages name the run-config keys already (C.run_keys)
                 _start("consumer", C.consumer_config(cfg, experiment, kwargs.get("consumer_id")))
-            else:
-                from artcache.bench.run import run_bench
+                return
+            try:
+                if verb == "producer":
+                    _check_fill_budget(kwargs["fill"], explicit.get("disk_budget"))
+                    _start("producer", C.producer_config(cfg, **{k: kwargs[k] for k in C.PRODUCER_PROCESS_FLAGS}))
+                else:
+                    from artcache.bench.run import run_bench
 
-                bcfg = C.bench_config(cfg)
-                C.save_config(cfg, Path(bcfg.out_dir) / "config.toml")  # beside the scenarios' reports
-                sys.exit(0 if run_bench(bcfg) else 1)
+                    # the resolved config beside the scenarios' reports, once the settings are checked
+                    ok = run_bench(C.bench_config(cfg), on_start=lambda out: C.save_config(cfg, out / "config.toml"))
+                    sys.exit(0 if ok else 1)
+            except ConfigError as e:  # a value the file set is named by its key (bench.steps), not by its flag
+                keyed = C.name_keys(str(e), C.file_keys(verb, ctx.command.params, explicit))
+                if keyed == str(e):
+                    raise
+                raise type(e)(keyed) from e
 
         wrapper = click.argument("overrides", nargs=-1)(wrapper)
         if verb in ("producer", "consume"):

@@ -37,6 +37,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -1165,8 +1166,25 @@ def run_keys(message: str, cfg: RunConfig, e: Experiment) -> str:
 
     keys = {flag_of(field): consumer_key(e, field) for field in ConsumerConfig.__struct_fields__}
     keys["--window"] = f"experiments.{e.name}.window"
+    return name_keys(message, keys)
+
+
+def name_keys(message: str, keys: Mapping[str, str]) -> str:
+    """``message`` with every flag of ``keys`` (``--steps``, as a whole word) replaced by what it maps to (the
+    run-config key that set the value: ``bench.steps``). Other text is left as it is."""
+    if not keys:
+        return message
     pattern = "|".join(re.escape(f) for f in sorted(keys, key=len, reverse=True))
     return re.sub(rf"(?<![\w-])(?:{pattern})(?![\w-])", lambda m: keys[m.group(0)], message)
+
+
+def file_keys(verb: str, params: Iterable[Any], explicit: Mapping[str, Any]) -> dict[str, str]:
+    """For ``artcache producer|bench --config FILE``: {CLI flag: run-config key} of the verb's flags that were
+    *not* given on the command line (their values came from the file or an override), so an error about such a
+    value names the key the user set (:func:`name_keys`). ``params``: the command's click parameters."""
+    table = {"producer": PRODUCER_FLAGS, "bench": BENCH_FLAGS}[verb]
+    return {opt: table[p.name] for p in params if p.name in table and p.name not in explicit
+            for opt in p.opts if opt.startswith("--")}
 
 
 def bench_config(cfg: RunConfig):
@@ -1192,5 +1210,5 @@ def bench_config(cfg: RunConfig):
 
 __all__ = ["CAPTURE_PATHS", "BenchSection", "CacheSection", "CaptureSection", "DataSection", "Experiment", "RunConfig",
            "SlurmSection", "TargetSection", "apply_override", "bench_config", "capture_layers", "consumer_config",
-           "convert", "dump_toml", "evaluates", "load_run_config", "parse_override", "producer_config", "read_file",
-           "save_config", "saved_config_source"]
+           "convert", "dump_toml", "evaluates", "file_keys", "load_run_config", "name_keys", "parse_override",
+           "producer_config", "read_file", "save_config", "saved_config_source"]

@@ -360,6 +360,31 @@ def test_cli_bad_override_exits_2_and_starts_nothing(tmp_path, monkeypatch, verb
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["bench.steps=0"], "bench.steps 0 is not accepted"),
+    (["bench.window=banana"], "bench.window 'banana' is not LOOKBEHIND:LOOKAHEAD"),
+    (["bench.save=weights", "--steps", "0"], "--steps 0 is not accepted"),  # a flag given is named as the flag
+])
+def test_regression_bench_config_errors_name_the_key_the_file_set(tmp_path, monkeypatch, args, needle):
+    """``artcache bench --config FILE`` with ``[bench] steps = 0`` in the file said ``--steps 0 is not accepted``,
+    naming a flag the user never gave, and left ``bench-out/config.toml`` behind; a value from the file or an override
+    is named by its run-config key, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, TWO)
+    result = CliRunner().invoke(main, ["bench", "--config", str(path), *args])
+    assert_one_error_line(result, needle)
+    assert not (tmp_path / "bench-out").exists()
+
+
+def test_file_keys_skip_the_flags_given():
+    """The flags given on the command line keep their names; the others map to the keys that set them."""
+    params = main.commands["bench"].params
+    keys = C.file_keys("bench", params, {"steps": 0})
+    assert "--steps" not in keys and keys["--out"] == "bench.out" and keys["--max-length"] == "data.max_length"
+    text = "--warmup -1 and --warmup-x and --outline"
+    assert C.name_keys(text, keys) == "bench.warmup -1 and --warmup-x and --outline"
+
+
 def test_cli_overrides_need_config(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["producer", "--cache", str(tmp_path / "c"), "data.seed=1"])
