@@ -682,3 +682,25 @@ def test_regression_run_refuses_pack_tokens_below_max_length_before_starting(tmp
         assert_one_error_line(result, "experiments.a.consumer.pack_tokens 16 is below data.max_length 32: a sample is "
                                       "never truncated or split; accepted: 0 (off) or >= 32")
         assert not (tmp_path / "o").exists()
+
+
+def test_bench_config_saves_the_resolved_config_beside_the_reports(tmp_path, monkeypatch):
+    """``artcache bench --config FILE``: once the settings are checked, ``<out>/config.toml`` holds the resolved
+    config (a rerun's ``--config``), before any scenario runs."""
+    import artcache.bench.run as R
+
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def scenario(cfg, sc, plan):
+        seen.append((tmp_path / "bo" / "config.toml").exists())
+        return {"scenario": sc.name, "checks": {"ran": True}}
+
+    monkeypatch.setattr(R, "run_scenario", scenario)
+    monkeypatch.setattr(R, "format_report", lambda r: "report")
+    result = CliRunner().invoke(main, ["bench", "--config", str(write(tmp_path, TWO)), "bench.out=bo",
+                                       "target.name=random:tiny-llama", "data.dataset=synthetic", "bench.steps=1"])
+    assert result.exit_code == 0, result.output + str(result.exception)
+    assert seen == [True]
+    saved = C.load_run_config(tmp_path / "bo" / "config.toml")
+    assert saved.bench.out == "bo" and saved.bench.steps == 1
