@@ -135,10 +135,13 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             longer (on its own monotonic clock) is fenced as expired.
         lease_ttl_s: a lease or temp file whose holder's pid cannot be checked from here (another host or
             pid namespace) and that this producer has seen unchanged for longer is expired / removed.
-        exit_when_done: exit once no consumer can come: at least one consumer has registered on the root
-            (in any state, also before this producer started; at least ``expect_consumers`` until
-            ``expect_timeout_s`` passes) and none has been live for ``done_grace_s`` seconds. With no
-            registration at all it waits ``expect_timeout_s`` for a first one (saying so in the log), then
+        exit_when_done: exit once no consumer can come: at least one consumer has registered for this producer
+            (at least ``expect_consumers`` until ``expect_timeout_s`` passes) and none has been live for
+            ``done_grace_s`` seconds. A registration counts in any state it is in now, unless it was already
+            terminal (completed, cancelled, failed, expired) when this producer started: that one is an earlier
+            run's, and counts only once registered again (e.g. ``consume --resume``). A registration running at
+            start counts (``artcache run`` registers its consumers before it starts the producer). With no
+            registration that counts it waits ``expect_timeout_s`` for a first one (saying so in the log), then
             stops with :class:`ProducerFailed` (exit 1: it served nobody, e.g. every consumer died before
             registering); it never waits forever.
         expect_consumers: capture nothing until this many consumers have registered (a start
@@ -583,7 +586,11 @@ class Producer:
         self._held_elsewhere: set[str] = set()
         self._fence_space_noted: set[str] = set()  # dead consumers whose fence failed for space (logged once)
         self._any_live = False
-        self._registered: set[str] = set()  # ids with a registration on the root (any state)
+        self._registered: set[str] = set()  # ids registered for this producer (see _ended_before), any state now
+        #: id -> generation of each registration already terminal when this producer started: an earlier run's,
+        #: which counts for ``exit_when_done`` / ``expect_consumers`` only once registered again (generation bumped)
+        self._ended_before = {r.consumer_id: r.generation for r in registry.read_all(layout)
+                              if r.state in registry.TERMINAL}
         self._beats = HeartbeatWatch(cfg.heartbeat_timeout_s)  # consumers' heartbeat progress
         self._lease_watch = HeartbeatWatch(cfg.lease_ttl_s)  # leases of holders it cannot check
         self._tmp_watch = HeartbeatWatch(cfg.lease_ttl_s)  # temp files of writers it cannot check
@@ -663,7 +670,7 @@ class Producer:
         gone (same host id: ``failed``) or no heartbeat progress for the timeout (``expired``)."""
         live = []
         regs = registry.read_all(self.layout)
-        self._registered.update(r.consumer_id for r in regs)
+        self._registered.update(r.consumer_id for r in regs if self._ended_before.get(r.consumer_id) != r.generation)
         running = [r for r in regs if r.state == "running"]
         self._beats.prune(r.consumer_id for r in running)
         for reg in running:
@@ -1137,8 +1144,9 @@ class Producer:
 
     # -- main loop -------------------------------------------------------------------------
     def done(self) -> bool:
-        """``--exit-when-done``'s "no consumer can come": at least one consumer registered on the root (any
-        state; at least ``expect_consumers`` of them until ``expect_timeout_s`` passes) and none is live."""
+        """``--exit-when-done``'s "no consumer can come": at least one consumer registered for this producer (any
+        state now, but not one already terminal when it started and not registered since; at least
+        ``expect_consumers`` of them until ``expect_timeout_s`` passes) and none is live."""
         if self._any_live:
             return False
         need = self.cfg.expect_consumers if time.monotonic() - self._started < self.cfg.expect_timeout_s else 0

@@ -87,6 +87,33 @@ def test_regression_exit_when_done_counts_every_expected_consumer_before_the_gra
         journal.close()
 
 
+@pytest.mark.parametrize("expect", [0, 2])
+def test_regression_exit_when_done_ignores_registrations_that_ended_before_the_producer_started(layout, expect):
+    """On a reused root, `artcache producer --exit-when-done` exited (rc 0, "0 captures") a grace after it
+    started, before any new consumer came, because the completed registrations of earlier runs counted as
+    consumers that had registered (also towards --expect-consumers); a `consume --resume` started seconds later
+    then failed with CaptureTimeout. Only a registration made or renewed since the producer started counts."""
+    from artcache.producer import Producer, ProducerConfig
+    from tests.support import crash_child as K
+
+    hold_window(layout.root, "old").finish("completed")  # an earlier run's
+    hold_window(layout.root, "older").finish("failed")
+    journal = J.JournalWriter(layout.journal_path("producer", "p"))
+    cfg = ProducerConfig(cache=str(layout.root), exit_when_done=True, done_grace_s=0.0, expect_consumers=expect)
+    p = Producer(layout, K.settings(), K.FakePlan(), K.FakeBackend(), cfg, journal)
+    try:
+        assert p.live_registrations() == [] and not p.done()  # nobody came for this producer yet
+        again = hold_window(layout.root, "old")  # re-registered (--resume): generation bumped
+        assert [r.consumer_id for r in p.live_registrations()] == ["old"] and not p.done()
+        again.finish("completed")
+        assert p.live_registrations() == [] and p.done() == (expect < 2)
+        hold_window(layout.root, "new").finish("completed")
+        assert p.live_registrations() == [] and p.done()
+    finally:
+        p.drain()
+        journal.close()
+
+
 # ---- item 6: ESTALE / EBUSY / EIO on a read is a miss; on eviction, retried later ----------------------------
 
 def test_regression_estale_on_opening_an_artifact_is_a_miss(layout, monkeypatch):

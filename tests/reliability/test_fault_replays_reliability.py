@@ -107,17 +107,22 @@ def test_regression_sigterm_stops_a_producer_retrying_a_failing_disk(tmp_path, c
 def test_regression_exit_when_done_without_a_live_consumer(tmp_path, cache, how):
     """``--exit-when-done`` never exited when the producer never saw a live consumer (every
     registration already terminal, or the only consumer died before the producer's first pass):
-    `timeout 45 artcache producer ... --exit-when-done --done-grace 2` gave 124."""
+    `timeout 45 artcache producer ... --exit-when-done --done-grace 2` gave 124. A consumer that died before the
+    first pass ends it (exit 0); registrations already terminal at its start are an earlier run's and count for
+    nothing, so it waits --expect-timeout for a new one and exits 1 (it served nobody)."""
     layout = CacheLayout(cache)
     if how == "all-terminal":
         hold_window(cache).finish("completed")
     else:
         registry.register(layout, registry.Registration(consumer_id="c", draft="fake", lookahead=7, end=8,
                                                         pid=dead_pid()))
-    prod = producer(tmp_path, cache, "--exit-when-done", "--done-grace", "2")
-    prod.expect(0)
-    assert "all consumers finished" in prod.text() or "producer done" in prod.text()
-    if how == "died-before-first-pass":
+    prod = producer(tmp_path, cache, "--exit-when-done", "--done-grace", "2", "--expect-timeout", "4")
+    if how == "all-terminal":
+        prod.expect(1)
+        assert "no consumer registered on" in prod.text() and "nothing was served" in prod.text(), prod.tail()
+    else:
+        prod.expect(0)
+        assert "all consumers finished" in prod.text() or "producer done" in prod.text()
         assert registry.read(layout, "c").state == "failed"
     figure("no live consumer", f"--exit-when-done ({how})", 1)
 
