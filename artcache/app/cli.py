@@ -330,7 +330,8 @@ def main(verbose: bool) -> None:
               help="Seconds a consumer's heartbeat counter may stay still (on this producer's clock) "
                    "before it is fenced.")
 @click.option("--exit-when-done", is_flag=True,
-              help="Exit once no consumer can come: one has registered (any state) and none is live for --done-grace.")
+              help="Exit once no consumer can come: one has registered (any state; not one that had already ended "
+                   "when the producer started) and none is live for --done-grace.")
 @click.option("--done-grace", default=5.0, type=float,
               help="With --exit-when-done: seconds with no running consumer before exiting.")
 @click.option("--expect-consumers", default=0, type=int,
@@ -535,6 +536,10 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
 
     if draft not in DRAFT_NAMES:
         raise ConfigError(f"--draft {draft!r} is not supported; accepted: {', '.join(DRAFT_NAMES)}")
+    if not trackers and click.get_current_context().get_parameter_source("tracker_project") == \
+            ParameterSource.COMMANDLINE:
+        raise ConfigError(f"--tracker-project {tracker_project!r} needs --tracker wandb or --tracker mlflow (it names "
+                          "their run's project / experiment); add one, or leave it out")
     lookbehind, lookahead = parse_window(window)
     view = parse_layer_ids(layer_ids)
     check_device(device)
@@ -726,6 +731,14 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
         raise ConfigError("--submit and --wait need --launcher slurm")
     if wait_job and not submit:
         raise ConfigError("--wait needs --submit (it waits for the submitted job)")
+    if not dry_run:
+        given = [flag for flag, v in (("--json", as_json), ("--capture-rate", capture_rate is not None),
+                                      ("--step-rate", step_rates)) if v]
+        if given:
+            one = len(given) == 1
+            raise ConfigError(f"{' and '.join(given)} need{'s' if one else ''} --dry-run ({'it' if one else 'they'} "
+                              f"only shape{'s' if one else ''} the dry run's output); add --dry-run, or leave "
+                              f"{'it' if one else 'them'} out to start the run")
     flags = {"out": out, "target.name": target, "target.device": device, **data_flags(dataset, eval_data)}
     plan, resolved = plan_run(load_run_config(config_path, overrides, {k: v for k, v in flags.items() if v}),
                               local_devices=launcher == "local", source=f"--config {str(config_path)!r}")
@@ -737,9 +750,17 @@ def run(config_path, overrides, dry_run, as_json, out, target, dataset, device, 
                               "script")
         sys.exit(launch(plan, resolved, dry_run=dry_run, submit=submit, wait=wait_job))
     if dry_run:
-        from artcache.app.estimate import estimate, format_estimate, parse_step_rates, plan_length, skipped
+        from artcache.app.estimate import (
+            check_capture_rate,
+            estimate,
+            format_estimate,
+            parse_step_rates,
+            plan_length,
+            skipped,
+        )
 
-        rates, why = parse_step_rates(step_rates), skipped(plan)
+        check_capture_rate(capture_rate)  # checked even where no estimate is made
+        rates, why = parse_step_rates(step_rates, [x.name for x in plan.experiments]), skipped(plan)
         est = None if why else estimate(plan, resolved, plan_length(plan, resolved), capture_rate=capture_rate,
                                         step_rates=rates)
         if as_json:

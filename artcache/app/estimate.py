@@ -78,8 +78,9 @@ class CapacityEstimate(msgspec.Struct, kw_only=True):
     experiments: list[PartEstimate]
 
 
-def parse_step_rates(items) -> dict[str, float]:
-    """``["NAME=STEPS_PER_S", "STEPS_PER_S"]`` → ``{name or "*": rate}``. ConfigError naming a bad item."""
+def parse_step_rates(items, names=None) -> dict[str, float]:
+    """``["NAME=STEPS_PER_S", "STEPS_PER_S"]`` → ``{name or "*": rate}``. ConfigError naming a bad item, or (with
+    ``names``, the run's experiment names) a NAME no experiment has."""
     out: dict[str, float] = {}
     for item in items or ():
         name, sep, text = item.rpartition("=")
@@ -90,8 +91,18 @@ def parse_step_rates(items) -> dict[str, float]:
         if not math.isfinite(rate) or rate <= 0:
             raise ConfigError(f"--step-rate {item!r} is invalid: accepted NAME=STEPS_PER_S or STEPS_PER_S, a number "
                               "> 0 (optimizer steps per second)")
+        if sep and names is not None and name not in names:
+            raise ConfigError(f"--step-rate {item!r}: no experiment is named {name!r}; accepted names: "
+                              f"{', '.join(names) or '(none)'} (or STEPS_PER_S alone, for every experiment)")
         out[name if sep else "*"] = rate
     return out
+
+
+def check_capture_rate(capture_rate: float | None) -> None:
+    """ConfigError unless ``capture_rate`` (``--capture-rate``, samples per second) is None or a number > 0."""
+    if capture_rate is not None and not (math.isfinite(capture_rate) and capture_rate > 0):
+        raise ConfigError(f"--capture-rate {capture_rate!r} is invalid: accepted a number > 0 (samples per "
+                          "second the producer captures)")
 
 
 def measured_rates(cache_root: str | Path) -> tuple[float | None, dict[str, float]]:
@@ -125,10 +136,8 @@ def resolve_rates(plan, capture_rate: float | None, step_rates: dict[str, float]
             if value is not None:
                 steps[x.name], sources[x.name] = float(value), source
                 break
+    check_capture_rate(capture_rate)
     if capture_rate is not None:
-        if not (math.isfinite(capture_rate) and capture_rate > 0):
-            raise ConfigError(f"--capture-rate {capture_rate!r} is invalid: accepted a number > 0 (samples per "
-                              "second the producer captures)")
         capture, capture_source = float(capture_rate), "stated"
     elif measured_capture is not None:
         capture, capture_source = measured_capture, "measured"
@@ -284,5 +293,6 @@ def format_estimate(est: CapacityEstimate) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["MAX_SIM_POSITIONS", "CapacityEstimate", "PartEstimate", "Rates", "estimate", "format_estimate",
-           "measured_rates", "parse_step_rates", "plan_length", "resolve_rates", "sim_inputs", "skipped"]
+__all__ = ["MAX_SIM_POSITIONS", "CapacityEstimate", "PartEstimate", "Rates", "check_capture_rate", "estimate",
+           "format_estimate", "measured_rates", "parse_step_rates", "plan_length", "resolve_rates", "sim_inputs",
+           "skipped"]

@@ -128,6 +128,15 @@ def test_consume_unknown_draft(root, workdir):
     assert snapshot(root) == before and list(workdir.iterdir()) == []
 
 
+def test_regression_consume_tracker_project_without_a_tracker_is_refused(root, workdir):
+    """`artcache consume --tracker-project foo` without --tracker trained as if the option were not there (no
+    tracker run is made without --tracker): the option was silently ignored. It is refused in one line."""
+    before = snapshot(root)
+    assert_bad_input(invoke("consume", "--cache", str(root), "--tracker-project", "foo"),
+                     "--tracker-project 'foo' needs --tracker")
+    assert snapshot(root) == before and list(workdir.iterdir()) == []
+
+
 @pytest.mark.parametrize("window", ["64-256", "64:", "a:b", ":", "1:2:3", "-1:5", "", "64:256x"])
 def test_consume_bad_window(root, workdir, window):
     before = snapshot(root)

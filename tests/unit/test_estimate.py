@@ -92,6 +92,39 @@ def test_rates_measured_from_the_roots_journal_and_assumed_without(tmp_path):
             parse_step_rates([bad])
 
 
+@pytest.mark.parametrize("args, needle", [
+    (("--json",), "--json needs --dry-run"),
+    (("--capture-rate", "5"), "--capture-rate needs --dry-run"),
+    (("--step-rate", "2", "--json"), "--json and --step-rate need --dry-run"),
+])
+def test_regression_run_refuses_dry_run_options_without_dry_run(tmp_path, args, needle):
+    """`artcache run --config X --json` (also --capture-rate, --step-rate) without --dry-run started the run as
+    if the option were not there, although each only shapes the dry run's output. Refused in one line, exit 2,
+    nothing written."""
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["run", "--config", str(CONFIG), "--out", str(out), *args])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [res.stderr.strip()], res.output
+    assert needle in res.stderr and not out.exists()
+
+
+def test_regression_step_rate_of_an_unknown_experiment_is_refused(tmp_path):
+    """`artcache run --dry-run --step-rate zz=1` where no experiment is named zz printed an estimate that used the
+    assumed rate for every experiment: the stated rate was silently ignored. Refused naming the accepted names."""
+    res = _dry_run(tmp_path, "--step-rate", "zz=1")
+    assert res.exit_code == 2, res.output
+    assert "--step-rate 'zz=1': no experiment is named 'zz'; accepted names: dflash-b8, eagle3" in res.stderr
+    with pytest.raises(ConfigError, match="no experiment is named 'b'"):
+        parse_step_rates(["a=1", "b=2"], ["a"])
+
+
+def test_regression_capture_rate_is_checked_when_no_estimate_is_made(tmp_path):
+    """`--dry-run --capture-rate -1` was accepted when the dry run made no estimate (too many positions, or no
+    experiment with steps left): the bad value was only checked inside the estimate. It is checked always."""
+    res = _dry_run(tmp_path, "experiments.0.steps=60000", "--capture-rate", "-1")
+    assert res.exit_code == 2, res.output
+    assert "--capture-rate -1.0 is invalid: accepted a number > 0" in res.stderr
+
+
 def test_too_many_positions_skip_the_estimate_and_say_so(tmp_path):
     res = _dry_run(tmp_path, "experiments.0.steps=60000")
     assert res.exit_code == 0, res.output
