@@ -80,7 +80,7 @@ from artcache.liveness import HeartbeatWatch, dead_reason, from_token, this_proc
 from artcache.locking import Timeout, cache_lock
 from artcache.payload import close_all, describe, new_spec, parse_payload_url, remote_for
 from artcache.ranges import Count, DiskBudget, MaxLength, NonNegative, NonNegativeFloat, Positive, check_ranges
-from artcache.report import format_bytes
+from artcache.report import first_few, format_bytes
 from artcache.rolespec import spec_digest
 from artcache.scheduler import SchedulerLimits, next_batch, window_bound
 from artcache.settings import RootSettings, check_compatible, init_settings, load_settings
@@ -509,10 +509,9 @@ def _check_cache_dir(layout: CacheLayout, given: str) -> None:
                           "directories of those names; give an empty or new directory")
     foreign = sorted(n for n in entries if n not in SUBDIRS and n != "lost+found")
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         log.warning("--cache %s is not empty and not an artcache root (it holds %s); the cache's "
                     "directories are created beside them. Give an empty or new directory unless this is "
-                    "intended", layout.root, shown)
+                    "intended", layout.root, first_few(foreign))
 
 
 def resolve_compute_dtype(compute_dtype: str, device: str) -> str:

@@ -29,6 +29,13 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def first_few(names: Sequence[str], n: int = 5) -> str:
+    """``names`` joined by ", ", at most the first ``n`` of them, then `` and K more`` for the rest: what a one-line
+    message lists of a long collection. ``first_few(["a", "b", "c"], 2)`` → ``"a, b and 1 more"``."""
+    shown = ", ".join(str(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"

@@ -82,6 +82,7 @@ from artcache.fsio import (
     unwritable_dir,
 )
 from artcache.hashing import file_record, sealed
+from artcache.report import first_few
 from artcache.target import resolve_target
 from artcache.trainers import DRAFT_NAMES
 from artcache.trainers.checkpoint import CheckpointState, find_checkpoint, read_weights
@@ -240,8 +241,9 @@ def check_keys(got: dict[str, Tensor], want: dict[str, tuple], what: str) -> Non
     bad = sorted(f"{k} {tuple(got[k].shape)} != {want[k]}" for k in set(got) & set(want)
                  if tuple(got[k].shape) != want[k])
     if missing or unexpected or bad:
-        raise ConfigError(f"{what} does not match its draft config: missing {missing}, unexpected {unexpected}, "
-                          f"wrong shape {bad}")
+        parts = [f"{len(keys)} {kind} ({first_few(keys)})" for kind, keys in
+                 (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", bad)) if keys]
+        raise ConfigError(f"{what} does not match its draft config: tensor keys {'; '.join(parts)}")
 
 
 def speculators_config(algorithm: str, k: int, verifier: str, tc: Any) -> dict:

@@ -502,3 +502,19 @@ def test_regression_export_check_names_a_changed_file_once(exports, tmp_path):
     (bad / "model.safetensors").write_bytes(bytes(data))
     msg = _refused(bad, exports["target"], "model.safetensors: does not match its recorded digest")
     assert "model.safetensors: model.safetensors" not in msg, msg
+
+
+def test_regression_key_mismatch_error_names_counts_and_a_few_keys():
+    """An export whose config.json says num_hidden_layers 99 made the export check's error one line of ~38,000
+    characters listing every missing tensor key. It now gives each kind's count and at most its first 5 keys."""
+    from artcache.errors import ConfigError
+    from trainers.export import check_keys
+
+    want = {f"layers.{i}.w": (2, 2) for i in range(1000)} | {"fc.weight": (4, 4)}
+    got = {"fc.weight": torch.zeros(4, 3), "extra": torch.zeros(1)}
+    with pytest.raises(ConfigError) as info:
+        check_keys(got, want, "tensors")
+    msg = str(info.value)
+    assert len(msg) < 400 and "\n" not in msg, msg
+    assert "1000 missing (layers.0.w, layers.1.w, layers.10.w, layers.100.w, layers.101.w and 995 more)" in msg
+    assert "1 unexpected (extra)" in msg and "1 of the wrong shape (fc.weight (4, 3) != (4, 4))" in msg
