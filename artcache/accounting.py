@@ -319,7 +319,19 @@ def account(layout: CacheLayout, retention_now: bool = False) -> Accounting:
             now = current_retention(layout, events, c, objects)
         except (ArtcacheError, OSError, ValueError):  # e.g. a bad plan (fsck reports it): the counts still stand
             now = None
-    return Accounting(cache=c, consumers=consumers, violations=check_invariants(c, consumers), retention_now=now)
+    return Accounting(cache=c, consumers=consumers, violations=damaged_journals(files) + check_invariants(c, consumers),
+                      retention_now=now)
+
+
+def damaged_journals(files) -> list[str]:
+    """One sentence per journal file (:func:`artcache.journal.read_files`) holding damaged lines: undecodable
+    lines with complete lines after them, which no killed writer leaves (:func:`artcache.journal._scan`); their
+    events are missing, so other invariants may fail because of them."""
+    return [f"journal {f.path.name} line {f.corrupt[0]}" + (f" (and {len(f.corrupt) - 1} more line(s))"
+                                                            if len(f.corrupt) > 1 else "")
+            + " is damaged: not a journal event, with complete lines after it (a line torn by a killed writer can "
+            "only be the last); the counts miss its events, so other invariants may fail because of it"
+            for f in files if f.corrupt]
 
 
 #: seconds :func:`account` waits for a live holder's release line when its lease is gone from disk but not

@@ -44,6 +44,9 @@ kind                     what                                          ``--fix``
 ``bad-plan``             the root's plan does not load and verify      not fixable here (report only)
                          (``plan.json`` unparsable, or its digests of
                          itself and of ``plan.safetensors``)
+``damaged-journal``      a journal line that is not an event, with     not fixable here (report only)
+                         complete lines after it (a kill tears only
+                         a file's last line: damage)
 ``bad-settings``         ``artcache.json`` is not a valid settings     not fixable here (report only);
                          document (e.g. truncated) or does not match   artifacts and plan left unchecked
                          the digest of its content it records
@@ -514,6 +517,11 @@ class _Fsck:
         if res.torn_lines:
             self.notes.append(f"{res.torn_lines} torn journal line(s) (a process killed mid-write; skipped by "
                               "readers)")
+        for path, line in res.corrupt:
+            self.problem("damaged-journal", path, f"line {line} is not a journal event and complete lines follow it "
+                         "(a line torn by a killed writer can only be the last): the file was damaged, and the "
+                         "accounting misses the events it held", "not fixable by fsck: restore the file from a copy "
+                         "if there is one; inspect's counts stay off by its events", None)
         q = len(os.listdir(self.layout.quarantine)) if self.real_dir(self.layout.quarantine) else 0
         if q:
             self.notes.append(f"{q} file(s) in quarantine/ (kept for inspection; safe to delete)")

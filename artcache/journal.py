@@ -470,9 +470,13 @@ def holding_events(path: Path) -> bool:
 
 
 class JournalReadResult(msgspec.Struct):
+    """What :func:`read_events` read: every event (time order), the number of files, the torn lines skipped,
+    and ``corrupt``: (file, line number from 1) of each damaged line (:func:`_scan`), also skipped."""
+
     events: list
     files: int
     torn_lines: int
+    corrupt: list[tuple[Path, int]] = []
 
 
 def _decode(line: bytes) -> Event:
@@ -498,14 +502,40 @@ def iter_file(path: Path) -> Iterator[Event | None]:
                 yield None
 
 
+def _scan(lines: list[bytes]) -> tuple[list, int, list[int]]:
+    """Decode one journal file's ``lines``: (events, torn lines, line numbers from 1 of damaged lines).
+
+    A line that does not decode is *torn* when it is the last line (a writer killed mid-line can only leave
+    its last line short: each process appends to its own file) or a cut-off event (``Input data was
+    truncated``: a failed write's fragment that :class:`JournalWriter` terminated before its next line).
+    Any other undecodable line with complete lines after it is *damaged*: nothing artcache writes leaves one
+    (an edit or disk corruption), and the events it held are lost to the accounting."""
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    events, torn, damaged = [], 0, []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            events.append(_decode(line))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if i == last or "truncated" in str(exc):
+                torn += 1
+            else:
+                damaged.append(i + 1)
+    return events, torn, damaged
+
+
 class JournalFile(msgspec.Struct):
-    """One journal file as read by :func:`read_files`: its events (torn lines skipped and counted), and
-    ``end``: the byte offset after its last complete line (an incomplete last line is left for later)."""
+    """One journal file as read by :func:`read_files`: its events (torn and damaged lines skipped, torn ones
+    counted), ``end``: the byte offset after its last complete line (an incomplete last line is left for
+    later), and ``corrupt``: line numbers of damaged lines (:func:`_scan`), counted from where this read began
+    (from 1 when the file was read whole)."""
 
     path: Path
     events: list
     torn_lines: int
     end: int
+    corrupt: list[int] = []
 
 
 def read_files(journal_dir: Path, since: dict[str, int] | None = None) -> list[JournalFile]:
@@ -524,15 +554,8 @@ def read_files(journal_dir: Path, since: dict[str, int] | None = None) -> list[J
         except FileNotFoundError:
             continue
         cut = data.rfind(b"\n") + 1
-        events, torn = [], 0
-        for line in data[:cut].splitlines():
-            if not line.strip():
-                continue
-            try:
-                events.append(_decode(line))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                torn += 1
-        out.append(JournalFile(path=path, events=events, torn_lines=torn, end=start + cut))
+        events, torn, corrupt = _scan(data[:cut].splitlines())
+        out.append(JournalFile(path=path, events=events, torn_lines=torn, end=start + cut, corrupt=corrupt))
     return out
 
 
@@ -552,12 +575,13 @@ def read_events(journal_dir: Path) -> JournalReadResult:
     """All events of all journal files, sorted by time."""
     events: list = []
     torn = 0
+    corrupt: list[tuple[Path, int]] = []
     files = sorted(journal_dir.glob("*.jsonl")) if journal_dir.is_dir() else []
     for path in files:
-        for ev in iter_file(path):
-            if ev is None:
-                torn += 1
-            else:
-                events.append(ev)
+        with open(path, "rb") as f:
+            got, n, bad = _scan(f.read().splitlines())
+        events += got
+        torn += n
+        corrupt += [(path, line) for line in bad]
     events.sort(key=lambda e: e.t)
-    return JournalReadResult(events=events, files=len(files), torn_lines=torn)
+    return JournalReadResult(events=events, files=len(files), torn_lines=torn, corrupt=corrupt)

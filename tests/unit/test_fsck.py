@@ -437,3 +437,29 @@ def test_regression_a_read_only_root_refusal_names_inspect_and_fsck(layout, tmp_
     for line in lines:
         assert "`artcache inspect` or `artcache fsck` (without --fix)" in line, line
     assert proc.returncode == 0 and "clean" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_regression_a_damaged_middle_journal_line_is_a_problem_not_a_torn_line(layout):
+    """A journal whose middle line was garbage was called "clean" by fsck (a note: "a process killed mid-write"),
+    while inspect exited 3 with an invariant violation that did not say why. Each process appends only to its
+    own file, so a kill tears only a file's last line: a bad line with complete lines after it is damage. fsck
+    reports it (file and line; not clean) and inspect's first violation names it."""
+    from artcache.accounting import account
+    from artcache.fsck import format_report
+
+    path = layout.journal / "producer-p-1.jsonl"
+    with J.JournalWriter(path) as w:
+        for n in range(3):
+            w.emit(J.Evict(producer="p", fp=f"{n:064x}", nbytes=1))
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + b"garbage that is no event\n" + lines[2])
+    rep = fsck(layout.root)
+    assert not rep.ok and [(p.kind, p.path) for p in rep.problems] == [("damaged-journal", "journal/" + path.name)]
+    assert "line 2 is not a journal event" in rep.problems[0].detail and "clean" not in format_report(rep)
+    acc = account(layout)
+    assert acc.violations and acc.violations[0].startswith(f"journal {path.name} line 2 is damaged")
+    assert acc.cache.torn_journal_lines == 0
+    with open(path, "ab") as f:  # a torn last line (a kill) is still only a note
+        f.write(b'{"kind":"evict","producer":"p","fp":"')
+    rep = fsck(layout.root)
+    assert [p.kind for p in rep.problems] == ["damaged-journal"] and any("1 torn journal line" in n for n in rep.notes)
