@@ -1,0 +1,109 @@
+"""A user's data file is read by one strict reader however it is given (one ``--data FILE``, ``data.dataset``, a
+``[[data.sources]]`` entry, ``--eval-data``); a leading UTF-8 byte order mark is accepted; a root's plan mismatch
+names only what differs, by the user's flag. Every file is written here."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from artcache.app.cli import main
+from artcache.data.sources import DataSource, read_source
+from artcache.errors import DataError
+from artcache.plan import PlanSpec, build_plan, plan_id_for
+
+VOCAB = 49152
+
+
+def _chat(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                         {"role": "assistant", "content": f"Answer {i}: {i} plus {i} is {2 * i}, by adding."}]}
+
+
+def _sharegpt(i: int) -> dict:
+    return {"conversations": [{"from": "human", "value": f"Question {i}, squared?"},
+                              {"from": "gpt", "value": f"Answer {i}: {i * i} it is, as always."}]}
+
+
+def _jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _producer(tmp_path: Path, tiny_target, data: str):
+    return CliRunner().invoke(main, ["producer", "--cache", str(tmp_path / "cache"), "--target", tiny_target.path,
+                                     "--data", data, "--max-samples", "4", "--max-length", "64", "--threads", "1", "--draft-layers", "3",
+                                     "--fill"], catch_exceptions=True)
+
+
+def _one_error_line(result) -> str:
+    assert not (result.exception and not isinstance(result.exception, SystemExit)), repr(result.exception)
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcache: error: "), lines
+    return lines[0]
+
+
+def test_regression_one_data_file_reads_the_messages_schema(tmp_path, smollm2_tokenizer):
+    """One ``--data FILE`` (``data.dataset``) of OpenAI ``messages`` records was refused ("0 usable records (need
+    dicts with a list 'conversations')") while ``FILE:1`` accepted it: a dataset file is now planned exactly as
+    the one source of weight 1 (same samples, same plan id)."""
+    path = _jsonl(tmp_path / "chat.jsonl", [_chat(i) for i in range(8)])
+    plan = build_plan(PlanSpec(dataset=str(path), max_samples=6, max_length=96), smollm2_tokenizer,
+                      target_vocab_size=VOCAB)
+    as_source = PlanSpec(max_samples=6, max_length=96, sources=(DataSource(path=str(path)),))
+    same = build_plan(as_source, smollm2_tokenizer, target_vocab_size=VOCAB)
+    assert len(plan) == 6 and plan.plan_id == same.plan_id == plan_id_for(as_source, smollm2_tokenizer)
+    assert plan_id_for(PlanSpec(dataset=str(path), max_samples=6, max_length=96), smollm2_tokenizer) == plan.plan_id
+    assert bool((plan.input_ids == same.input_ids).all())
+
+
+def test_regression_one_data_file_refuses_a_malformed_line(tmp_path, tiny_target):
+    """One ``--data FILE`` with a malformed JSONL line used to drop the line with only a warning and capture the
+    rest; it is refused like ``FILE:1``: exit 2, one line naming the file and the line, no cache root written."""
+    good = [json.dumps(_sharegpt(i)) for i in range(4)]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([good[0], good[1], '{"conversations": [ broken', good[2], good[3]]) + "\n")
+    line = _one_error_line(_producer(tmp_path, tiny_target, str(path)))
+    assert f"data source file '{path}' line 3: not a JSON record" in line, line
+    assert not (tmp_path / "cache").exists()
+
+
+def test_regression_one_data_file_refuses_bytes_that_are_not_utf8(tmp_path, tiny_target, smollm2_tokenizer):
+    """One ``--data FILE`` holding bytes that are not UTF-8 was decoded with replacement characters silently; it
+    is refused naming the byte's offset, as a source is."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(_sharegpt(0)).encode() + b"\n" + json.dumps(_sharegpt(1)).replace(
+        "squared", "caf\u00e9").encode("latin-1") + b"\n")
+    offset = path.read_bytes().index(b"\xe9")
+    with pytest.raises(DataError, match=rf"file '{path}': byte {offset} is not UTF-8"):
+        build_plan(PlanSpec(dataset=str(path), max_samples=2, max_length=96), smollm2_tokenizer,
+                   target_vocab_size=VOCAB)
+    line = _one_error_line(_producer(tmp_path, tiny_target, str(path)))
+    assert f"byte {offset} is not UTF-8" in line, line
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_regression_a_leading_byte_order_mark_is_accepted(tmp_path, kind):
+    """A JSONL file starting with a UTF-8 byte order mark was refused as a source ("Unexpected UTF-8 BOM") and lost
+    its first record as one ``--data FILE``; the mark is skipped and every record is read. A byte that is not
+    UTF-8 after it is named by its offset in the file."""
+    records = [_chat(0), _sharegpt(1), _chat(2)]
+    plain = tmp_path / f"plain.{kind}"
+    text = "".join(json.dumps(r) + "\n" for r in records) if kind == "jsonl" else json.dumps(records)
+    plain.write_text(text)
+    bom = tmp_path / f"bom.{kind}"
+    bom.write_bytes(codecs.BOM_UTF8 + text.encode())
+    got = read_source(DataSource(path=str(bom)))
+    assert [got[i] for i in range(len(got))] == records
+    if kind == "jsonl":
+        assert got.where(0).endswith("line 1")
+    bad = tmp_path / f"bad.{kind}"
+    bad.write_bytes(codecs.BOM_UTF8 + b"\xff" + text.encode())
+    with pytest.raises(DataError, match=r"byte 3 is not UTF-8"):
+        read_source(DataSource(path=str(bad)))
