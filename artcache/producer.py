@@ -110,7 +110,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         cache: cache root directory. target: ``smollm2-135m-instruct`` or an HF directory.
-        dataset: ``sharegpt`` or a path to a ShareGPT-format JSON/JSONL file.
+        dataset: ``sharegpt``, ``synthetic`` or a data file, planned as its one source of weight 1
+            (:func:`artcache.plan.as_sources`).
         sources, eval: a weighted mix of data sources replacing ``dataset``, and a separate evaluation source
             (:class:`artcache.plan.PlanSpec`, docs/data.md).
         seed, max_length, max_samples: the plan (see :class:`artcache.plan.PlanSpec`).
