@@ -244,7 +244,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 #: ``artcache producer`` flags not named ``--<field>`` (``_s`` dropped, ``_`` as ``-``); a scheduler limit by its
 #: dotted path from :class:`ProducerConfig`
-FLAGS = {"dataset": "--data", "producer_id": "--id", "template_options": "--chat-template-option",
+FLAGS = {"dataset": "--data", "sources": "--data", "eval": "--eval-data", "producer_id": "--id",
+         "template_options": "--chat-template-option",
          "limits.max_batch_samples": "--batch-samples", "limits.max_batch_tokens": "--batch-tokens",
          "limits.max_queue": "--max-queue", "limits.prefill_chunk": "--prefill-chunk"}
 

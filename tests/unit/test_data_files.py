@@ -107,3 +107,28 @@ def test_regression_a_leading_byte_order_mark_is_accepted(tmp_path, kind):
     bad.write_bytes(codecs.BOM_UTF8 + b"\xff" + text.encode())
     with pytest.raises(DataError, match=r"byte 3 is not UTF-8"):
         read_source(DataSource(path=str(bad)))
+
+
+def test_regression_a_root_mismatch_names_only_the_plan_settings_that_differ(tmp_path, smollm2_tokenizer):
+    """A cache root planned from data sources, opened with the same sources and another max_samples, listed
+    ``sources`` among the differences although they were equal (plan.json's list against the spec's tuple), and
+    ``artcache producer`` named it ``--sources``, a flag that does not exist: only ``--max-samples`` is named now,
+    and a change of data is named ``--data``."""
+    from artcache.producer import root_flag
+    from artcache.settings import _plan_differences
+
+    a = _jsonl(tmp_path / "a.jsonl", [_chat(i) for i in range(8)])
+    b = _jsonl(tmp_path / "b.jsonl", [_sharegpt(i) for i in range(8)])
+    mix = (DataSource(path=str(a), weight=2.0), DataSource(path=str(b)))
+    saved = build_plan(PlanSpec(max_samples=6, max_length=96, sources=mix), smollm2_tokenizer,
+                       target_vocab_size=VOCAB).save(tmp_path / "plans")
+    assert _plan_differences(saved / "plan.json", PlanSpec(max_samples=5, max_length=96, sources=mix),
+                             root_flag) == ["--max-samples 6 there, 5 here"]
+    one = build_plan(PlanSpec(dataset=str(a), max_samples=6, max_length=96), smollm2_tokenizer,
+                     target_vocab_size=VOCAB).save(tmp_path / "plans")
+    assert _plan_differences(one / "plan.json", PlanSpec(dataset=str(a), max_samples=5, max_length=96),
+                             root_flag) == ["--max-samples 6 there, 5 here"]
+    diffs = _plan_differences(one / "plan.json", PlanSpec(dataset="synthetic", max_samples=6, max_length=96),
+                              root_flag)
+    assert len(diffs) == 1 and diffs[0].startswith(f"--data [{{'path': '{a}'") and diffs[0].endswith(
+        " there, synthetic here"), diffs
