@@ -132,3 +132,42 @@ def test_regression_a_root_mismatch_names_only_the_plan_settings_that_differ(tmp
                               root_flag)
     assert len(diffs) == 1 and diffs[0].startswith(f"--data [{{'path': '{a}'") and diffs[0].endswith(
         " there, synthetic here"), diffs
+
+
+def test_regression_the_dry_run_names_the_data_sources(tmp_path, tiny_target):
+    """``artcache run --dry-run`` said ``data sharegpt`` (and its ``--json`` ``data.dataset`` "sharegpt") for a
+    plan of ``[[data.sources]]``: the text names each source with its weight and the eval source, the JSON's
+    ``dataset`` is null beside its ``sources``."""
+    a = _jsonl(tmp_path / "a.jsonl", [_chat(i) for i in range(12)])
+    b = _jsonl(tmp_path / "b.jsonl", [_sharegpt(i) for i in range(12)])
+    ev = _jsonl(tmp_path / "ev.jsonl", [_chat(100 + i) for i in range(4)])
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f"""out = "{tmp_path / 'out'}"
+[target]
+name = "{tiny_target.path}"
+threads = 1
+[data]
+max_length = 96
+max_samples = 8
+[capture]
+draft_layers = 3
+[[experiments]]
+name = "d"
+block_size = 4
+anchors = 4
+batch_size = 2
+steps = 2
+window = "2:8"
+threads = 1
+""")
+    args = ["run", "--config", str(cfg), "--dry-run", "--data", f"{a}:3", "--data", f"{b}:1", "--eval-data", str(ev)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("data "))
+    assert line.startswith(f"data {a}:3, {b}:1 (eval {ev}) seed 0 max_length 96 max_samples 8"), line
+    res = CliRunner().invoke(main, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)["data"]
+    assert data["dataset"] is None and [(s["path"], s["weight"]) for s in data["sources"]] == [(str(a), 3.0),
+                                                                                             (str(b), 1.0)]
+    assert not (tmp_path / "out").exists()
