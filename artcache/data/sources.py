@@ -100,9 +100,17 @@ def resolve_source(source: DataSource) -> Path | str:
     when it does not exist or is a file of another kind."""
     if source.path == "sharegpt":
         return locate_sharegpt()
+    if source.path == "synthetic":
+        raise ConfigError("data source 'synthetic' is not accepted as a source (random tokens have no conversations "
+                          "to mix or hold out); accepted: 'synthetic' alone as data.dataset (one --data synthetic), or "
+                          f"as sources a dataset folder, a {'/'.join(SUFFIXES)} file or 'sharegpt'")
     p = Path(source.path).expanduser()
     if p.is_dir():
         return p.resolve()
+    head, colon, weight = source.path.rpartition(":")
+    if not p.exists() and colon and head and Path(head).expanduser().exists():
+        raise ConfigError(f"data source {source.path!r}: weight {weight!r} after the last ':' is invalid: accepted a "
+                          f"number > 0 ({head!r} exists; --data PATH[:WEIGHT])")
     if not p.is_file():
         raise ConfigError(f"data source {source.path!r} does not exist; accepted: a dataset folder (save_to_disk), "
                           f"a {'/'.join(SUFFIXES)} file or 'sharegpt'")

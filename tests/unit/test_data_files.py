@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from artcache.app.cli import main
 from artcache.data.sources import DataSource, read_source
-from artcache.errors import DataError
+from artcache.errors import ConfigError, DataError
 from artcache.plan import PlanSpec, build_plan, plan_id_for
 
 VOCAB = 49152
@@ -171,3 +171,17 @@ threads = 1
     assert data["dataset"] is None and [(s["path"], s["weight"]) for s in data["sources"]] == [(str(a), 3.0),
                                                                                              (str(b), 1.0)]
     assert not (tmp_path / "out").exists()
+
+
+def test_regression_a_bad_weight_and_synthetic_as_a_source_are_named(tmp_path, tiny_target):
+    """``--data chat.jsonl:abc`` said the path "does not exist" (or "not a known dataset ... nor an existing file")
+    without naming the weight ``abc``; ``--data synthetic:1`` and ``--eval-data synthetic`` said "data source
+    'synthetic' does not exist". Each is one line naming what is wrong and what is accepted, nothing written."""
+    path = _jsonl(tmp_path / "chat.jsonl", [_chat(i) for i in range(4)])
+    line = _one_error_line(_producer(tmp_path, tiny_target, f"{path}:abc"))
+    assert f"data source '{path}:abc': weight 'abc' after the last ':' is invalid: accepted a number > 0" in line
+    line = _one_error_line(_producer(tmp_path, tiny_target, "synthetic:1"))
+    assert "data source 'synthetic' is not accepted as a source" in line and "accepted: 'synthetic' alone" in line
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(ConfigError, match=r"data source 'synthetic' is not accepted as a source"):
+        read_source(DataSource(path="synthetic"))
