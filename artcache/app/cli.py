@@ -292,8 +292,8 @@ def main(verbose: bool) -> None:
 @TARGET_OPTION
 @click.option("--data", "dataset", multiple=True, default=("sharegpt",), metavar="PATH[:WEIGHT]",
               help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a data "
-              "file (read as one source of weight 1). Repeat it (or add :WEIGHT) to mix data sources by weight: dataset "
-              "folders (save_to_disk) and parquet/arrow/JSON/JSONL files, OpenAI messages or ShareGPT schema "
+              "file (read as one source of weight 1). Repeat it (or add :WEIGHT) to mix data sources by weight: "
+              "dataset folders (save_to_disk) and parquet/arrow/JSON/JSONL files, OpenAI messages or ShareGPT schema "
               "(docs/data.md).")
 @click.option("--eval-data", default=None, metavar="PATH",
               help="A separate evaluation source: its samples end the plan as the held-out split every consumer "

@@ -36,8 +36,8 @@ def _jsonl(path: Path, records: list) -> Path:
 
 def _producer(tmp_path: Path, tiny_target, data: str):
     return CliRunner().invoke(main, ["producer", "--cache", str(tmp_path / "cache"), "--target", tiny_target.path,
-                                     "--data", data, "--max-samples", "4", "--max-length", "64", "--threads", "1", "--draft-layers", "3",
-                                     "--fill"], catch_exceptions=True)
+                                     "--data", data, "--max-samples", "4", "--max-length", "64", "--threads", "1",
+                                     "--draft-layers", "3", "--fill"], catch_exceptions=True)
 
 
 def _one_error_line(result) -> str:
