@@ -863,7 +863,8 @@ def build_mixed_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Pl
                    skipped=sum((t.skipped for t in (*tallies, eval_tally)), Counter()))
     provenance = {
         "format_version": PLAN_FORMAT_VERSION, "plan_id": plan_id, "id_inputs": id_inputs,
-        "spec": msgspec.to_builtins(spec), "dataset_path": "sources" if spec.sources else source_entries[0]["path"],
+        "spec": msgspec.to_builtins(spec),
+        "dataset_path": source_entries[0]["path"] if len(sources) == 1 else "sources",
         "dataset_digest": id_inputs["dataset_digest"],
         "tokenizer_digest": id_inputs["tokenizer_digest"], "template_digest": id_inputs["template_digest"],
         "target_vocab_size": target_vocab_size,

@@ -460,7 +460,6 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     layout = CacheLayout(Path(resolved.cache.root))
     if layout.settings.is_file():
         try:
-            # the settings without a producer flag of their own are the plan's sources and eval: data.*
             check_compatible(load_settings(layout), contract, plan_id, layout, spec=spec,
                              name_of=lambda setting: PRODUCER_FLAGS.get(setting, f"data.{setting}"))
         except ConfigError as exc:
