@@ -163,13 +163,20 @@ def check_run_settings(cfg: ConsumerConfig, st: CheckpointState, path: Path, *, 
     if diffs:
         raise ConfigError(f"--resume continues the same run, but these settings differ from checkpoint {path}: "
                           f"{'; '.join(diffs)}; pass the run's own values or start a new run with --init-from")
+    final = cfg.min_lr_frac == 0 and st.step >= cfg.horizon  # its LR reached 0: no step past it would train
     if st.step > cfg.steps or (st.step == cfg.steps and not allow_complete):
+        more = (f"its LR schedule ended at step {cfg.horizon} (--lr-total-steps) with min_lr_frac 0, so it cannot be "
+                "extended: start a new run from its weights with --init-from" if final else
+                f"raise --steps to extend the run (up to {cfg.horizon}, its --lr-total-steps, while min_lr_frac is 0)"
+                if cfg.min_lr_frac == 0 else "raise --steps to extend the run")
         raise ConfigError(f"--resume: checkpoint {path} is at step {st.step}, --steps is {cfg.steps}: nothing left "
-                          f"to train; raise --steps to extend the run")
+                          f"to train; {more}")
     if cfg.steps > cfg.horizon and cfg.min_lr_frac == 0:
         raise ConfigError(f"--steps {cfg.steps} runs past the LR schedule's horizon --lr-total-steps {cfg.horizon} "
-                          "with min_lr_frac 0 (experiments.N.consumer.min_lr_frac): the extra steps would train at LR "
-                          "0; start runs you may extend with --lr-total-steps >= the final --steps")
+                          "with min_lr_frac 0 (a run config's experiments.<name>.consumer.min_lr_frac): the extra "
+                          f"steps would train at LR 0; use --steps <= {cfg.horizon}, or start a new run from its "
+                          "weights with --init-from (runs you may extend: start them with --lr-total-steps >= the "
+                          "final --steps)")
 
 
 def find_resume(cfg: ConsumerConfig, layout: CacheLayout, settings, run_dir: Path) -> Loaded | None:
