@@ -69,7 +69,8 @@ _BATCH = 64  # conversations rendered and tokenized per batch (the fast tokenize
 
 
 class PlanSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a plan is built from. ``dataset``: ``"sharegpt"`` or a path to a ShareGPT-schema JSON/JSONL file.
+    """What a plan is built from. ``dataset``: ``"sharegpt"``, ``"synthetic"`` or a data file (planned exactly as
+    the one source of weight 1, :func:`as_sources`: read strictly, in either chat schema).
     ``template_options``: keyword arguments for the chat template (``apply_chat_template``), e.g.
     ``{"enable_thinking": False}``; part of the plan id and of the contract's template digest.
     ``sources``: a weighted mix of data sources (:class:`artcache.data.sources.DataSource`) replacing
@@ -126,6 +127,16 @@ def resolve_dataset(dataset: str) -> Path:
     if not path.is_file():
         raise ConfigError(f"plan dataset {dataset!r}: not a known dataset {list(DATASETS)} nor an existing file")
     return path.resolve()
+
+
+def as_sources(spec: PlanSpec) -> PlanSpec:
+    """``spec`` with a ``dataset`` that is a file (not ``sharegpt`` / ``synthetic``) moved into ``sources`` as its
+    one source of weight 1, so ``--data FILE``, ``data.dataset = "FILE"`` and ``--data FILE:1`` are the same plan
+    (same id, same samples), read by the strict reader (:func:`artcache.data.sources.read_source`). Any other spec
+    is returned as it is."""
+    if spec.dataset in DATASETS or spec.sources:
+        return spec
+    return msgspec.structs.replace(spec, dataset="sharegpt", sources=(DataSource(path=spec.dataset),))
 
 
 def compute_plan_id(spec: PlanSpec, dataset_digest: str, tok_digest: str, tmpl_digest: str, *,
@@ -652,6 +663,7 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
     mask[p] and mask[p+1]).
     Raises DataError if no sample qualifies, ConfigError if a token id is >= ``target_vocab_size``.
     """
+    spec = as_sources(spec)
     if spec.sources or spec.eval is not None:
         return build_mixed_plan(spec, tokenizer, target_vocab_size=target_vocab_size)
     if spec.dataset == "synthetic":
@@ -660,7 +672,7 @@ def build_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Plan:
         raise ConfigError(f"dataset {spec.dataset!r} needs a tokenizer; this target has none (use --data synthetic)")
     dataset_path = resolve_dataset(spec.dataset)
     read = read_sharegpt(dataset_path)
-    if read.records_dropped or read.bytes_dropped:  # real-world files are cut or dirty: say so, keep going
+    if read.records_dropped or read.bytes_dropped:  # the embedded file is cut upstream: say so, keep going
         log.warning("dataset %s: kept %d complete records; dropped %d undecodable record(s) / %d byte(s) "
                     "(recorded in plan.json 'read')", dataset_path, len(read.records), read.records_dropped,
                     read.bytes_dropped)
@@ -851,7 +863,8 @@ def build_mixed_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Pl
                    skipped=sum((t.skipped for t in (*tallies, eval_tally)), Counter()))
     provenance = {
         "format_version": PLAN_FORMAT_VERSION, "plan_id": plan_id, "id_inputs": id_inputs,
-        "spec": msgspec.to_builtins(spec), "dataset_path": "sources" if spec.sources else source_entries[0]["path"],
+        "spec": msgspec.to_builtins(spec),
+        "dataset_path": source_entries[0]["path"] if len(sources) == 1 else "sources",
         "dataset_digest": id_inputs["dataset_digest"],
         "tokenizer_digest": id_inputs["tokenizer_digest"], "template_digest": id_inputs["template_digest"],
         "target_vocab_size": target_vocab_size,
@@ -869,6 +882,7 @@ def build_mixed_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Pl
 
 def plan_id_for(spec: PlanSpec, tokenizer) -> str:
     """The id :func:`build_plan` would give, computed without building (hashes the dataset file)."""
+    spec = as_sources(spec)
     if spec.sources or spec.eval is not None:
         digests = mix_digests(spec)
         return compute_plan_id(spec, "sources" if spec.sources else digests["sources"][0], tokenizer_digest(tokenizer),

@@ -110,7 +110,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         cache: cache root directory. target: ``smollm2-135m-instruct`` or an HF directory.
-        dataset: ``sharegpt`` or a path to a ShareGPT-format JSON/JSONL file.
+        dataset: ``sharegpt``, ``synthetic`` or a data file, planned as its one source of weight 1
+            (:func:`artcache.plan.as_sources`).
         sources, eval: a weighted mix of data sources replacing ``dataset``, and a separate evaluation source
             (:class:`artcache.plan.PlanSpec`, docs/data.md).
         seed, max_length, max_samples: the plan (see :class:`artcache.plan.PlanSpec`).
@@ -246,7 +247,8 @@ class ProducerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 #: ``artcache producer`` flags not named ``--<field>`` (``_s`` dropped, ``_`` as ``-``); a scheduler limit by its
 #: dotted path from :class:`ProducerConfig`
-FLAGS = {"dataset": "--data", "producer_id": "--id", "template_options": "--chat-template-option",
+FLAGS = {"dataset": "--data", "sources": "--data", "eval": "--eval-data", "producer_id": "--id",
+         "template_options": "--chat-template-option",
          "limits.max_batch_samples": "--batch-samples", "limits.max_batch_tokens": "--batch-tokens",
          "limits.max_queue": "--max-queue", "limits.prefill_chunk": "--prefill-chunk"}
 

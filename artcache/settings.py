@@ -8,7 +8,7 @@ import msgspec
 
 from artcache import FORMAT_VERSION
 from artcache.contract import CaptureContract
-from artcache.errors import CacheRootError, ConfigError
+from artcache.errors import ArtcacheError, CacheRootError, ConfigError
 from artcache.fsio import atomic_write
 from artcache.hashing import check_record, sealed
 from artcache.layout import CacheLayout
@@ -147,12 +147,33 @@ def _plan_differences(plan_json, spec, name_of) -> list[str]:
         there = None
     if spec is None or not isinstance(there, dict):
         return [f"the plan ({names}, the dataset's contents and the target's tokenizer decide it)"]
-    here = msgspec.to_builtins(spec)
-    out = [f"{name_of(s)} {_shown(there.get(s, _PLAN_DEFAULTS.get(s)))} there, "
-           f"{_shown(here.get(s, _PLAN_DEFAULTS.get(s)))} here" for s in PLAN_SETTINGS
-           if there.get(s, _PLAN_DEFAULTS.get(s)) != here.get(s, _PLAN_DEFAULTS.get(s))]
-    return out or [f"the plan (the same {names}, but the dataset file's contents or the target's tokenizer "
-                   "changed)"]
+    there, here = _plan_doc(there), _plan_doc(spec)
+    mixed = bool(there.get("sources") or here.get("sources"))
+
+    def value(doc: dict, setting: str):
+        if setting == "sources" and mixed and not doc.get("sources"):  # the other side's sources vs this dataset
+            return doc.get("dataset", "sharegpt")
+        return doc.get(setting, _PLAN_DEFAULTS.get(setting))
+
+    settings = [s for s in PLAN_SETTINGS if not (mixed and s == "dataset")]  # a dataset file is one source
+    out = [f"{name_of(s)} {_shown(value(there, s))} there, {_shown(value(here, s))} here" for s in settings
+           if value(there, s) != value(here, s)]
+    return out or [f"the plan (the same {names}, but the dataset file's contents, the target's tokenizer or the "
+                   "way this artcache version plans changed)"]
+
+
+def _plan_doc(spec) -> dict:
+    """A plan spec (a :class:`~artcache.plan.PlanSpec`, or the dict a ``plan.json`` holds) as the JSON document it
+    is saved as (lists, not tuples), a dataset file given as its one source (:func:`artcache.plan.as_sources`);
+    a dict that is no valid spec (another artcache version's) is returned as it is."""
+    from artcache.plan import PlanSpec, as_sources  # here: the plan module imports torch
+
+    if isinstance(spec, dict):
+        try:
+            spec = msgspec.convert(spec, PlanSpec)
+        except (msgspec.ValidationError, ArtcacheError):
+            return spec
+    return msgspec.json.decode(msgspec.json.encode(as_sources(spec)))
 
 
 def init_settings(layout: CacheLayout, settings: RootSettings) -> RootSettings:

@@ -291,9 +291,9 @@ def main(verbose: bool) -> None:
 @click.option("--cache", default=None, help="Cache root directory (created if absent); required without --config.")
 @TARGET_OPTION
 @click.option("--data", "dataset", multiple=True, default=("sharegpt",), metavar="PATH[:WEIGHT]",
-              help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a "
-              "ShareGPT-format JSON/JSONL file. Repeat it (or add :WEIGHT) to mix data sources by weight: dataset "
-              "folders (save_to_disk) and parquet/arrow/JSON/JSONL files, OpenAI messages or ShareGPT schema "
+              help="'sharegpt' (embedded), 'synthetic' (fixed-length random tokens, speed only) or a data "
+              "file (read as one source of weight 1). Repeat it (or add :WEIGHT) to mix data sources by weight: "
+              "dataset folders (save_to_disk) and parquet/arrow/JSON/JSONL files, OpenAI messages or ShareGPT schema "
               "(docs/data.md).")
 @click.option("--eval-data", default=None, metavar="PATH",
               help="A separate evaluation source: its samples end the plan as the held-out split every consumer "
@@ -621,7 +621,7 @@ _SUITE_FLAGS = ("suite", "suite_resume", "time_budget", "scale", "pieces", "devi
 @click.option("--steps", default=None, type=int, help="Measured steps per consumer (default: 15 cpu, 150 cuda).")
 @click.option("--target", default="smollm2-135m-instruct",
               help="Target name, HF directory or Hugging Face hub id (ORG/NAME).")
-@click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a ShareGPT-format file.")
+@click.option("--data", "dataset", default="sharegpt", help="'sharegpt', 'synthetic' or a data file (docs/data.md).")
 @click.option("--max-length", default=0, type=int, help="Tokens per sample (default: 512; hetero on cpu 128).")
 @click.option("--max-samples", default=2000, type=int, help="Samples in the plan.")
 @click.option("--anchors", default=None, type=int, help="Anchors per sequence (default: 64 cpu, 256 cuda).")

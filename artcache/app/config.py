@@ -117,7 +117,8 @@ class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The plan (``[data]``): see :class:`artcache.plan.PlanSpec`.
 
     Attributes:
-        dataset: ``sharegpt`` (embedded), ``synthetic`` or a ShareGPT-format JSON/JSONL file.
+        dataset: ``sharegpt`` (embedded), ``synthetic`` or a data file, planned as its one source of weight 1
+            (:func:`artcache.plan.as_sources`).
         seed: plan shuffle seed. max_length: tokens per sample (truncated). max_samples: plan length
             (with ``sources``: the training samples of the mix).
         template_options: chat template keyword arguments (e.g. ``enable_thinking = false``); part of

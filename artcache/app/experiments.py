@@ -124,6 +124,7 @@ class RunPlan(msgspec.Struct, kw_only=True):
     captured_layer_ids: list[int]
     plan_id: str
     contract_id: str
+    #: the resolved ``[data]`` section (:func:`data_doc`: ``dataset`` is None where ``sources`` replace it)
     data: dict[str, Any]
     bytes_per_artifact_max: int
     window_bound_artifacts: int
@@ -460,7 +461,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
     if layout.settings.is_file():
         try:
             check_compatible(load_settings(layout), contract, plan_id, layout, spec=spec,
-                             name_of=lambda setting: PRODUCER_FLAGS.get(setting, setting))
+                             name_of=lambda setting: PRODUCER_FLAGS.get(setting, f"data.{setting}"))
         except ConfigError as exc:
             hint = "" if not replay_for or "layer_ids" not in str(exc) else \
                 (f"; the last layer {last} is added for the held-out replay of {', '.join(replay_for)}: "
@@ -517,7 +518,7 @@ def plan_run(cfg: RunConfig, *, local_devices: bool = True, source: str = "confi
                 "device": resolved.target.device},
         dtype=stored_dtype(resolved.target.dtype), compute_dtype=compute, captured_layer_ids=captured, plan_id=plan_id,
         contract_id=contract.contract_id,
-        data=msgspec.to_builtins(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
+        data=data_doc(resolved.data), bytes_per_artifact_max=per_artifact, window_bound_artifacts=bound,
         disk_bound_bytes=bound * per_artifact, experiments=exps, notes=notes,
         replay_layer=last if replay_for else None, replay_layer_for=replay_for, replay_layer_bytes=replay_bytes,
         explicit_layer_ids=bool(cfg.capture.layer_ids), producer=producer, producers=producers)
@@ -678,6 +679,24 @@ def _load_or_build_plan(layout, plan_id: str, spec, tok, info):
     return build_plan(spec, tok, target_vocab_size=info.vocab_size)
 
 
+def data_doc(data) -> dict[str, Any]:
+    """The resolved ``[data]`` section (:class:`~artcache.app.config.DataSection`) as the dry run shows it: its
+    fields, with ``dataset`` None where ``sources`` replace it (the section's default ``sharegpt`` is then no data of
+    the plan)."""
+    doc = msgspec.to_builtins(data)
+    if doc.get("sources"):
+        doc["dataset"] = None
+    return doc
+
+
+def data_words(data: dict[str, Any]) -> str:
+    """The dry-run text's words for the plan's data (:func:`data_doc`): the dataset, or each source as
+    ``PATH:WEIGHT``, then ``eval PATH`` where a separate evaluation source is given."""
+    sources = data.get("sources") or []
+    words = ", ".join(f"{s['path']}:{s['weight']:g}" for s in sources) if sources else str(data["dataset"])
+    return words + (f" (eval {data['eval']['path']})" if data.get("eval") else "")
+
+
 def format_plan(plan: RunPlan) -> str:
     """The dry-run text: the shared capture, then every experiment's resolved plan and requirements."""
     from artcache.report import table
@@ -688,7 +707,7 @@ def format_plan(plan: RunPlan) -> str:
         f"target {t['name']} ({t['architecture']}, {t['num_layers']} layers, H {t['hidden_size']}, weights "
         f"{t['weights_digest'][:16]}, final norm {t['final_norm']}) on {t['device']}, computing in "
         f"{plan.compute_dtype}, storing {plan.dtype}",
-        f"data {plan.data['dataset']} seed {plan.data['seed']} max_length {plan.data['max_length']} "
+        f"data {data_words(plan.data)} seed {plan.data['seed']} max_length {plan.data['max_length']} "
         f"max_samples {plan.data['max_samples']} (plan {plan.plan_id[:16]})",
         f"capture layers {plan.captured_layer_ids} ("
         + ("capture.layer_ids, explicit in the config" if plan.explicit_layer_ids else "union of the experiments' views"

@@ -134,9 +134,10 @@ def data_flags(data, eval_data: str | None = None) -> dict:
     """The repeatable ``--data PATH[:WEIGHT]`` and ``--eval-data PATH`` → run config paths.
 
     One ``--data`` without a weight keeps its meaning: ``data.dataset`` (``sharegpt``, ``synthetic`` or a
-    ShareGPT-format file). Several, or one with ``:WEIGHT``, are ``data.sources`` (each a
-    :class:`artcache.data.sources.DataSource`: a dataset folder or a parquet / arrow / JSON / JSONL file, its
-    weight after the last colon, default 1). ``--eval-data`` is ``data.eval``. Nothing given: ``{}``.
+    data file, which the plan reads as its one source of weight 1: :func:`artcache.plan.as_sources`). Several,
+    or one with ``:WEIGHT``, are ``data.sources`` (each a :class:`artcache.data.sources.DataSource`: a dataset
+    folder or a parquet / arrow / JSON / JSONL file, its weight after the last colon, default 1). ``--eval-data``
+    is ``data.eval``. Nothing given: ``{}``.
 
     Raises ConfigError for a weight <= 0 or an empty path."""
     from artcache.data.sources import parse_data_arg

@@ -8,8 +8,8 @@ and an optional cap on the samples drawn from it. Accepted paths:
   ``datasets.load_from_disk``; ``split`` picks the split of a ``DatasetDict``);
 - ``*.parquet`` (read with pyarrow into an in-memory ``datasets.Dataset``: nothing is written to the Hugging
   Face cache), ``*.arrow`` (``datasets.Dataset.from_file``);
-- ``*.json`` (a JSON list of records, or JSONL) and ``*.jsonl`` (one record per line), read here so that a
-  bad line is named by its line number;
+- ``*.json`` (a JSON list of records, or JSONL) and ``*.jsonl`` (one record per line), UTF-8 (a leading byte
+  order mark is skipped), read here so that a bad line is named by its line number;
 - ``sharegpt``: the embedded ShareGPT V3 file (cut mid-record upstream; read tolerantly by
   :func:`artcache.data.sharegpt.read_sharegpt`, its dropped tail recorded).
 
@@ -31,6 +31,7 @@ Nothing here imports ``datasets`` until a folder, parquet or arrow source is rea
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from pathlib import Path
@@ -99,9 +100,17 @@ def resolve_source(source: DataSource) -> Path | str:
     when it does not exist or is a file of another kind."""
     if source.path == "sharegpt":
         return locate_sharegpt()
+    if source.path == "synthetic":
+        raise ConfigError("data source 'synthetic' is not accepted as a source (random tokens have no conversations "
+                          "to mix or hold out); accepted: 'synthetic' alone as data.dataset (one --data synthetic), or "
+                          f"as sources a dataset folder, a {'/'.join(SUFFIXES)} file or 'sharegpt'")
     p = Path(source.path).expanduser()
     if p.is_dir():
         return p.resolve()
+    head, colon, weight = source.path.rpartition(":")
+    if not p.exists() and colon and head and Path(head).expanduser().exists():
+        raise ConfigError(f"data source {source.path!r}: weight {weight!r} after the last ':' is invalid: accepted a "
+                          f"number > 0 ({head!r} exists; --data PATH[:WEIGHT])")
     if not p.is_file():
         raise ConfigError(f"data source {source.path!r} does not exist; accepted: a dataset folder (save_to_disk), "
                           f"a {'/'.join(SUFFIXES)} file or 'sharegpt'")
@@ -221,13 +230,16 @@ def _read_table(source: DataSource, path: Path, suffix: str) -> SourceRecords:
 def _read_json(source: DataSource, path: Path) -> SourceRecords:
     label = f"file {source.path!r}"
     try:
-        text = path.read_bytes().decode("utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise DataError(f"data source {label}: cannot read ({exc})") from None
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a leading UTF-8 BOM is not content
+    try:
+        text = data[bom:].decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DataError(f"data source {label}: byte {exc.start} is not UTF-8; accepted: UTF-8 JSON or JSONL") \
-            from None
-    body = text.lstrip(" \t\r\n\ufeff")
+        raise DataError(f"data source {label}: byte {exc.start + bom} is not UTF-8; accepted: UTF-8 JSON or JSONL "
+                        "(a leading byte order mark is allowed)") from None
+    body = text.lstrip(" \t\r\n")
     if body.startswith("["):
         try:
             records = json.loads(body)

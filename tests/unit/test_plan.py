@@ -35,7 +35,6 @@ CONVS = [
     [("human", "a"), ("gpt", "assistant")],  # content equal to a role header word
     [("human", "only a question")],
     [],
-    [("human", "q"), ("tool", "x"), ("gpt", "y z")],
 ]
 # a content's leading whitespace merges with the header's newline into one (supervised) token
 ASSISTANT = {0: ["It is 4."], 1: ["Blue.", "\n  Red, with spaces\n"], 2: ["I start the chunk with an answer.",
@@ -57,7 +56,7 @@ def test_loss_mask_is_exactly_assistant_text(small, smollm2_tokenizer):
     plan = build_plan(_spec(small), tok, target_vocab_size=V)
     assert len(plan) == 4
     counts = plan.provenance["counts"]
-    assert counts["skipped"] == {"empty": 1, "no_assistant": 1, "role:tool": 1}
+    assert counts["skipped"] == {"empty": 1, "no_assistant": 1}
     seen = set()
     for s in plan:
         assert s.input_ids.dtype == torch.int32 and s.loss_mask.dtype == torch.uint8
@@ -218,14 +217,12 @@ def test_real_sharegpt_plan(smollm2_target, smollm2_tokenizer, tmp_path):
     assert Plan.load(d).plan_id == plan.plan_id
 
 
-def test_regression_dropped_records_are_logged(tmp_path, smollm2_tokenizer, caplog):
-    """A JSONL with a garbage line built a smaller plan without a word (only plan.json recorded it)."""
-    import logging
-
+def test_regression_dropped_records_are_logged(tmp_path, smollm2_tokenizer):
+    """A JSONL with a garbage line built a smaller plan without a word (only plan.json recorded it). A user's file
+    is read strictly now: the line is refused by its number instead of dropped (only the embedded ShareGPT file,
+    cut upstream, drops its tail, with a warning)."""
     good = {"id": "0", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(good) + "\n{not json\n")
-    with caplog.at_level(logging.WARNING, logger="artcache.plan"):
-        plan = build_plan(_spec(path), smollm2_tokenizer, target_vocab_size=V)
-    assert len(plan) == 1 and plan.provenance["read"]["records_dropped"] == 1
-    assert any("dropped 1 undecodable record" in r.getMessage() for r in caplog.records)
+    with pytest.raises(DataError, match=rf"data source file '{path}' line 2: not a JSON record"):
+        build_plan(_spec(path), smollm2_tokenizer, target_vocab_size=V)
