@@ -6,13 +6,16 @@ The chain it reproduces (configs/gpu-smollm2-long.sh, piece 1):
 1. the shard: the first ``--shard-lines`` lines of the ShareGPT JSONL file;
 2. ``artcache regenerate --max-samples S --max-prompt-tokens P`` kept the records that
    :func:`artcache.data.regenerate.select_prompts` keeps, in file order, one regenerated record each;
-3. the plan (:func:`artcache.plan.build_plan`) visits the regenerated records in a
-   ``numpy.random.default_rng(seed).permutation(len(records))`` order; every record made a sample (checked
-   with ``--plan-len``: the plan's length, e.g. a report's ``epoch_len`` + ``eval_samples``);
+3. the plan of the regenerated file (one source of weight 1, :func:`artcache.plan.build_mixed_plan`) visits
+   its records in a ``numpy.random.default_rng([seed, 0])`` permutation and then shuffles the samples with
+   ``numpy.random.default_rng(seed)``; every record made a sample (checked with ``--plan-len``: the plan's
+   length, e.g. a report's ``epoch_len`` + ``eval_samples``). ``--plan-order file`` rebuilds the order of a plan
+   made by an artcache that read a ``data.dataset`` file on its own (one ``default_rng(seed)`` permutation of the
+   file's records);
 4. the held-out split is the plan's **last** ``E`` samples (``artcache.trainers.evaluation.eval_split``).
 
-So the held-out prompts are the selected prompts at ``permutation[-E:]``, in plan order. (Not the file's
-last E records: the plan shuffles.) The selection counts are checked against the regenerate summary line
+So the held-out prompts are the selected prompts at ``order[-E:]``, in plan order (:func:`plan_order`). (Not the
+file's last E records: the plan shuffles.) The selection counts are checked against the regenerate summary line
 (``--regenerate-summary``: its ``samples``, ``visited``, ``skipped`` and ``prompt_tokens``); a mismatch exits
 1 and writes nothing. A run regenerated in consecutive shards of the file (configs/gpu-smollm2-long.sh's
 ``split -l``, outputs concatenated in shard order) gives one summary line per shard: they are summed and
@@ -56,6 +59,23 @@ from artcache.ranges import Count, NonNegative, check_value, path_of
 #: the flags with a declared range (checked by :func:`check_args` before anything is read)
 RANGES = {"--shard-lines": Count, "--max-samples": Count, "--max-prompt-tokens": Count, "--plan-seed": NonNegative,
           "--plan-len": Count, "--eval-samples": Count}
+
+
+#: ``--plan-order`` values (:func:`plan_order`)
+PLAN_ORDERS = ("source", "file")
+
+
+def plan_order(n: int, seed: int, rule: str = "source") -> np.ndarray:
+    """The plan index → record index order of a plan of ``n`` records that each made a sample.
+
+    ``source``: :func:`artcache.plan.build_mixed_plan` with one source of weight 1 (how artcache plans a data file):
+    records visited in ``default_rng([seed, 0]).permutation(n)``, the samples then shuffled by
+    ``default_rng(seed).permutation(n)``. ``file``: one ``default_rng(seed).permutation(n)`` (artcache versions that
+    read a ``data.dataset`` file on its own). Returns int64 [n]."""
+    if rule == "file":
+        return np.random.default_rng(seed).permutation(n)
+    visit = np.random.default_rng([seed, 0]).permutation(n)
+    return visit[np.random.default_rng(seed).permutation(n)]
 
 
 class SummaryLine(msgspec.Struct):
@@ -208,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--regenerate-summary", type=Path, required=True,
                     help="regenerate's JSON summary: one line, or one line per consecutive shard (summed)")
     ap.add_argument("--plan-seed", type=int, default=0, help="the plan's shuffle seed (data.seed)")
+    ap.add_argument("--plan-order", choices=PLAN_ORDERS, default="source",
+                    help="source: the plan of a data file as artcache builds it (one source of weight 1); file: a "
+                         "plan made when a data.dataset file was read on its own (one permutation of its records)")
     ap.add_argument("--plan-len", type=int, required=True, help="the plan's length (epoch_len + eval_samples)")
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--out", required=True, type=Path)
@@ -232,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
               "records, so its order cannot be rebuilt from the prompts alone", file=sys.stderr)
         return 1
     lo, hi = eval_split(a.plan_len, a.eval_samples, need_split=True)
-    order = np.random.default_rng(a.plan_seed).permutation(len(prompts))  # artcache.plan.build_plan's order
+    order = plan_order(len(prompts), a.plan_seed, a.plan_order)
     held = [int(i) for i in order[lo:hi]]
     out = {
         "prompts": [prompts[i].messages for i in held],
@@ -242,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "file_positions": [prompts[i].position for i in held],
         "provenance": {"sharegpt": str(a.sharegpt), "shard_lines": a.shard_lines,
                        "shard_sha256": hashlib.sha256(data).hexdigest(), "selection": got,
-                       "max_prompt_tokens": a.max_prompt_tokens, "plan_seed": a.plan_seed, "plan_len": a.plan_len,
+                       "max_prompt_tokens": a.max_prompt_tokens, "plan_seed": a.plan_seed, "plan_order": a.plan_order,
+                       "plan_len": a.plan_len,
                        "eval_samples": a.eval_samples, "target": a.target,
                        "add_generation_prompt": True, "template_options": {}},
     }

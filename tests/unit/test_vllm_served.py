@@ -98,9 +98,10 @@ def _sharegpt_xz(tmp_path, n: int) -> tuple[Path, list[dict]]:
 
 
 def test_heldout_prompts_are_the_plans_last_samples(tmp_path, smollm2_target):
-    """The held-out split is the plan's last E samples; the plan visits the regenerated records in a
-    default_rng(seed) permutation, so the prompts are the selected ones at permutation[-E:] (not the file's
-    last E). Checked against build_plan on a regenerated-style file of the same prompts."""
+    """The held-out split is the plan's last E samples; the plan of the regenerated file (one source) visits its
+    records in a default_rng([seed, 0]) permutation and shuffles them with default_rng(seed), so the prompts are the
+    selected ones at that order's last E (not the file's last E). Checked against build_plan on a
+    regenerated-style file of the same prompts."""
 
     from artcache.bench.heldout_prompts import main as heldout_main
     from artcache.plan import PlanSpec, build_plan
@@ -131,8 +132,9 @@ def test_heldout_prompts_are_the_plans_last_samples(tmp_path, smollm2_target):
         sample = plan.sample(i)
         assert sample.input_ids[:len(p)].tolist() == p and not bool(sample.loss_mask[:len(p)].any())
         assert bool(sample.loss_mask[len(p)])  # the answer starts right after the rendered prompt
-    order = np.random.default_rng(0).permutation(len(kept))
+    order = np.random.default_rng([0, 0]).permutation(len(kept))[np.random.default_rng(0).permutation(len(kept))]
     assert held["record_ids"] == [kept[i]["id"] for i in order[-3:]]
+    assert held["provenance"]["plan_order"] == "source"
     assert held["record_ids"] != [r["id"] for r in kept[-3:]]  # plan order, not file order
     # a summary that does not match: exit 1, nothing written
     summary.write_text(json.dumps({"samples": len(kept) + 1, "visited": n_lines, "skipped": {},
