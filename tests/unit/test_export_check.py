@@ -508,7 +508,7 @@ def test_regression_key_mismatch_error_names_counts_and_a_few_keys():
     """An export whose config.json says num_hidden_layers 99 made the export check's error one line of ~38,000
     characters listing every missing tensor key. It now gives each kind's count and at most its first 5 keys."""
     from artcache.errors import ConfigError
-    from trainers.export import check_keys
+    from artcache.trainers.export import check_keys
 
     want = {f"layers.{i}.w": (2, 2) for i in range(1000)} | {"fc.weight": (4, 4)}
     got = {"fc.weight": torch.zeros(4, 3), "extra": torch.zeros(1)}
