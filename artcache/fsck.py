@@ -86,7 +86,7 @@ from artcache.errors import (
     UnsafePath,
 )
 from artcache.fsio import scan_temps
-from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, unique_suffix
+from artcache.layout import SETTINGS_FILE, SUBDIRS, CacheLayout, make_dir, unique_suffix
 from artcache.liveness import dead_reason, from_token, in_initial_pid_namespace, pid_exists
 from artcache.payload import remote_for
 
@@ -322,7 +322,7 @@ class _Fsck:
         dest = self.layout.object_path(fp)
 
         def repair() -> None:
-            dest.parent.mkdir(exist_ok=True)
+            make_dir(dest.parent, exist_ok=True)
             aside = self.layout.tmp / f"{unique_suffix()}.fsck"
             os.replace(path, aside)  # verify a private copy: nobody else can swap it under us
             buf = bytearray(aside.read_bytes())

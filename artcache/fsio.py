@@ -32,7 +32,7 @@ from pathlib import Path
 
 from artcache.crashpoints import crash_point
 from artcache.errors import PublishError
-from artcache.layout import open_nofollow, temp_writer, unique_suffix
+from artcache.layout import make_dir, open_nofollow, temp_writer, unique_suffix
 from artcache.liveness import HeartbeatWatch
 
 log = logging.getLogger("artcache.fsio")
@@ -372,9 +372,10 @@ def publish_dir(final: Path, *, existing: str = "keep", complete: Callable[[Path
 
     The temp directory is ``<final's parent>/<tmp_name or ".tmp-">`` + the writer's identity token
     (:func:`artcache.layout.unique_suffix`), so the one sweep of dead writers' temps (:func:`remove_orphan_parts`
-    with ``dirs=True``) can tell a dead writer's from a live one's. On a normal exit of the body: with
-    ``durable`` every file in it and then the directory are fsynced; an existing ``final`` is handled by
-    ``existing``:
+    with ``dirs=True``) can tell a dead writer's from a live one's. Its mode is :func:`artcache.layout.dir_mode_in`
+    of the parent (0700 under a private cache root, 2770 under a group-shared one, the umask's default elsewhere).
+    On a normal exit of the body: with ``durable`` every file in it and then the directory are fsynced; an existing
+    ``final`` is handled by ``existing``:
 
     - ``keep``: another writer published it first. When ``complete(final)`` holds (before the rename, or after
       a failed one) the temp directory is dropped and ``final`` kept; otherwise the rename is tried and its
@@ -395,7 +396,7 @@ def publish_dir(final: Path, *, existing: str = "keep", complete: Callable[[Path
         raise ValueError(f"existing {existing!r} is not accepted: one of {', '.join(EXISTING)}")
     final = Path(final)
     tmp = final.parent / f"{tmp_name if tmp_name is not None else '.tmp-'}{unique_suffix()}"
-    tmp.mkdir()
+    make_dir(tmp)  # under a cache root: 0700, or 2770 in a group-shared one
     try:
         yield tmp
         if durable:

@@ -69,6 +69,39 @@ def check_real_dir(path: Path) -> None:
         raise UnsafePath(f"{path} is not a directory")
 
 
+def dir_mode_in(parent: Path) -> int | None:
+    """The mode of a directory artcache creates in ``parent``: :data:`GROUP_DIR_MODE` (2770) when ``parent`` is
+    group-shared (setgid with group read/write/search, as ``--group-shared`` makes a cache root's directories),
+    :data:`PRIVATE_DIR_MODE` (0700) when ``parent`` gives its group and others nothing (a private cache root's
+    directories), else None: the umask's default (a directory of the user's own, e.g. a checkpoint directory).
+
+    Raises OSError as ``os.stat(parent)`` does."""
+    mode = stat.S_IMODE(os.stat(parent).st_mode)
+    if mode & 0o2070 == 0o2070:
+        return GROUP_DIR_MODE
+    if mode & 0o077 == 0:
+        return PRIVATE_DIR_MODE
+    return None
+
+
+def make_dir(path: Path, exist_ok: bool = False) -> bool:
+    """Create directory ``path`` (its parent must exist) with :func:`dir_mode_in` of its parent, set explicitly
+    whatever the umask, so every directory under a cache root is 0700, or 2770 in a group-shared one. Returns
+    whether this call created it (False: it existed and ``exist_ok``; its mode is left as it is).
+
+    Raises FileExistsError (unless ``exist_ok``) and other OSErrors as ``mkdir`` and ``chmod`` do."""
+    mode = dir_mode_in(path.parent)
+    try:
+        path.mkdir(mode=0o700 if mode is not None else 0o777)
+    except FileExistsError:
+        if not exist_ok:
+            raise
+        return False
+    if mode is not None:
+        os.chmod(path, mode)
+    return True
+
+
 def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
     """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC)``; a symbolic link raises UnsafePath instead of
     being followed. Other OSErrors (FileNotFoundError, FileExistsError, ...) propagate unchanged."""

@@ -67,7 +67,7 @@ from artcache.errors import (
 )
 from artcache.fsio import atomic_write
 from artcache.hashing import digest_bytes
-from artcache.layout import CacheLayout, check_fingerprint, check_real_dir, open_nofollow, unique_suffix
+from artcache.layout import CacheLayout, check_fingerprint, check_real_dir, make_dir, open_nofollow, unique_suffix
 from artcache.locking import Timeout, cache_lock
 
 log = logging.getLogger("artcache.payload")
@@ -394,7 +394,7 @@ class MooncakePayloads:
         header = _header(views[0], fp)
         try:
             shard = self.layout.objects / fp[:2]
-            shard.mkdir(exist_ok=True)
+            make_dir(shard, exist_ok=True)  # 0700, or 2770 in a group-shared root
             check_real_dir(shard)
         except FileNotFoundError as exc:
             raise PublishError(f"writing {fp} failed: {exc}", fingerprint=fp, errno_=exc.errno) from exc

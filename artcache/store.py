@@ -45,7 +45,7 @@ from artcache.errors import ArtifactMissing, IntegrityError, PublishError
 from artcache.fp8 import SCALES
 from artcache.fsio import atomic_write, check_free_space, start_writeback
 from artcache.hashing import StreamDigest, digest_bytes
-from artcache.layout import CacheLayout, check_real_dir, open_nofollow, unique_suffix
+from artcache.layout import CacheLayout, check_real_dir, make_dir, open_nofollow, unique_suffix
 from artcache.payload import remote_for
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -393,7 +393,7 @@ def _shard_dir(layout: CacheLayout, fp: str, create: bool) -> Path:
     """``objects/<ab>/`` for ``fp``, created if asked; UnsafePath if it is a symbolic link."""
     shard = layout.object_path(fp).parent
     if create:
-        shard.mkdir(exist_ok=True)
+        make_dir(shard, exist_ok=True)  # 0700, or 2770 in a group-shared root, whatever the umask
     check_real_dir(shard)
     return shard
 

@@ -82,6 +82,27 @@ def test_producer_group_shared_flag(tmp_path):
     assert mode(layout.root) == 0o2770 and mode(layout.objects) == 0o2770
 
 
+@pytest.mark.parametrize("group_shared,want", [(False, 0o700), (True, 0o2770)])
+def test_regression_directories_under_the_root_take_its_mode(tmp_path, umask_022, group_shared, want):
+    """Object shard directories (objects/<ab>/) and published directories under the root (plans/<id>/) were
+    made with the umask's mode (755 with umask 022, 2755 in a group-shared root), so another group member's
+    producer could not publish into or evict from a shard the first user created. Every directory under a
+    cache root is 0700, or 2770 when group-shared, whatever the umask."""
+    layout = CacheLayout(tmp_path / "root")
+    layout.create(group_shared=group_shared)
+    fp = publish(layout, 0)
+    assert mode(layout.object_path(fp).parent) == want
+    with fsio.publish_dir(layout.plans / ("ab" * 16)) as tmp:
+        assert mode(tmp) == want
+        (tmp / "plan.json").write_text("{}")
+    assert mode(layout.plans / ("ab" * 16)) == want
+    user_dir = tmp_path / "mine"
+    user_dir.mkdir(mode=0o755)
+    with fsio.publish_dir(user_dir / "ckpt") as tmp:  # a directory of the user's own: the umask's default
+        pass
+    assert mode(user_dir / "ckpt") == 0o755
+
+
 # ---- O_EXCL | O_NOFOLLOW where files are created ------------------------------------------------------------
 
 def _spy_open(monkeypatch):
