@@ -58,7 +58,8 @@ class ConfigError(ArtcacheError, ValueError):
 class InsufficientSpace(ConfigError):
     """What a run will write cannot fit in the free space of the filesystem it goes to (a consumer's
     checkpoints, the bench's checkpoints and artifacts). Found before anything is written; bad input
-    (exit 2): the message names the bytes needed and free there, and the settings that need fewer."""
+    (exit 2): the message names the bytes needed and free there, and the settings that need fewer. Also
+    ``artcache verify-fs`` on a full filesystem (its checks could not run): the message names the free bytes."""
 
 
 class DataError(ArtcacheError, ValueError):

@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from artcache.fsio import fsync_dir
+from artcache.errors import InsufficientSpace
+from artcache.fsio import describe_errno, fsync_dir, is_space_error
 
 _LOCK_HOLDER = r"""
 import fcntl, sys
@@ -43,14 +44,18 @@ d, dest, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 sys.stdout.write("ready\n"); sys.stdout.flush()
 end = time.monotonic() + seconds
 i = 0
-while time.monotonic() < end:
-    n = 1 + (i * 7919) % (1 << 18)
-    body = struct.pack("<Q", n) + bytes([i % 251]) * n + struct.pack("<Q", n)
-    tmp = os.path.join(d, f"w.{os.getpid()}.{i}.part")
-    with open(tmp, "wb") as f:
-        f.write(body)
-    os.replace(tmp, dest)
-    i += 1
+try:
+    while time.monotonic() < end:
+        n = 1 + (i * 7919) % (1 << 18)
+        body = struct.pack("<Q", n) + bytes([i % 251]) * n + struct.pack("<Q", n)
+        tmp = os.path.join(d, f"w.{os.getpid()}.{i}.part")
+        with open(tmp, "wb") as f:
+            f.write(body)
+        os.replace(tmp, dest)
+        i += 1
+except OSError as exc:  # the parent names the errno (a full disk: no verdict on the filesystem), no traceback
+    sys.stdout.write(f"errno {exc.errno}\n"); sys.stdout.flush()
+    sys.exit(1)
 sys.stdout.write(f"{i}\n"); sys.stdout.flush()
 """
 
@@ -143,6 +148,9 @@ def check_atomic_replace(d: Path, seconds: float = 1.0) -> tuple[bool, str]:
         if child.poll() is None:
             child.kill()
         child.wait()
+    if child.returncode != 0 and replaced.startswith("errno "):
+        code = int(replaced.split()[1])
+        raise OSError(code, f"the writer process: {os.strerror(code)}")
     if child.returncode != 0:
         return False, f"the writer process failed (exit {child.returncode})"
     if reads == 0:
@@ -170,23 +178,35 @@ def verify_filesystem(path: str | os.PathLike) -> dict:
 
     Raises:
         FileNotFoundError / PermissionError: ``path`` is missing or not writable.
+        InsufficientSpace: ``path``'s filesystem is full (ENOSPC) or the quota spent (EDQUOT), so the checks
+            could not run (no verdict on the filesystem); the message names the path and its free bytes.
     """
     root = Path(path).expanduser().absolute()
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
-    scratch = Path(tempfile.mkdtemp(prefix=".artcache-verify-", dir=root))
     checks: dict[str, dict] = {}
     try:
-        for name, fn in CHECKS.items():
-            d = scratch / name
-            d.mkdir()
-            try:
-                ok, detail = fn(d)
-            except Exception as exc:  # a check that cannot even run has failed
-                ok, detail = False, f"{type(exc).__name__}: {exc}"
-            checks[name] = {"ok": ok, "detail": detail}
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".artcache-verify-", dir=root))
+        try:
+            for name, fn in CHECKS.items():
+                d = scratch / name
+                d.mkdir()
+                try:
+                    ok, detail = fn(d)
+                except Exception as exc:  # a check that cannot even run has failed
+                    if is_space_error(exc):
+                        raise
+                    ok, detail = False, f"{type(exc).__name__}: {exc}"
+                checks[name] = {"ok": ok, "detail": detail}
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    except OSError as exc:
+        if not is_space_error(exc):
+            raise
+        raise InsufficientSpace(
+            f"{root}: no free space on its filesystem ({describe_errno(exc.errno, exc)}; "
+            f"{shutil.disk_usage(root).free} bytes free), so the checks could not run: free space there "
+            "and rerun `artcache verify-fs`") from exc
     return {"path": str(root), "ok": all(c["ok"] for c in checks.values()), "checks": checks}
 
 

@@ -267,6 +267,42 @@ def test_verify_filesystem_reports_a_failing_check(tmp_path, monkeypatch):
     assert res["checks"]["o_excl"]["ok"] and res["checks"]["dir_fsync"]["ok"]
 
 
+def test_regression_verify_fs_on_a_full_filesystem_says_so(tmp_path, monkeypatch, capfd):
+    """`artcache verify-fs` on a full filesystem printed the writer child's raw ENOSPC traceback, then reported
+    `atomic_replace FAILED the writer process failed` and `dir_fsync FAILED OSError: [Errno 28]`, blaming the
+    filesystem's semantics. It gives one verdict instead: no free space (ENOSPC), the checks could not run,
+    a nonzero exit, and no traceback."""
+    import errno
+
+    from click.testing import CliRunner
+
+    from artcache import verify_fs
+    from artcache.app.cli import main
+    from artcache.errors import InsufficientSpace
+
+    # the writer child's writes fail as on a full disk (its own code runs, with `open` failing)
+    monkeypatch.setattr(verify_fs, "_REPLACER", "import errno\n"
+                        "def open(*a, **k):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+                        + verify_fs._REPLACER)
+    with pytest.raises(InsufficientSpace, match="no free space.*ENOSPC.*could not run"):
+        verify_filesystem(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # scratch directory removed
+    res = CliRunner().invoke(main, ["verify-fs", str(tmp_path)])
+    out = res.output + capfd.readouterr().err
+    assert res.exit_code != 0 and "no free space" in res.output and "ENOSPC" in res.output, out
+    assert "Traceback" not in out and "FAILED" not in out, out
+
+    # a full disk met in this process (the directory fsync check writes a file) is the same verdict
+    monkeypatch.setitem(verify_fs.CHECKS, "atomic_replace", lambda d: (True, "skipped"))
+
+    def full(d):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setitem(verify_fs.CHECKS, "dir_fsync", full)
+    with pytest.raises(InsufficientSpace, match="no free space"):
+        verify_filesystem(tmp_path)
+
+
 def test_verify_filesystem_missing_dir(tmp_path):
     with pytest.raises(FileNotFoundError):
         verify_filesystem(tmp_path / "absent")
