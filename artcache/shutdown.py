@@ -35,6 +35,12 @@ def stop_exit_status() -> int:
     return 128 + (_received or int(signal.SIGINT))
 
 
+def cancelled_line(code: int) -> str:
+    """The one line (for stderr) of a command a stop signal cancelled with exit status ``code`` (``128 +
+    signal``, :func:`stop_exit_status`): ``artcache: cancelled by SIGINT (exit 130)``."""
+    return f"artcache: cancelled by {signal.Signals(code - 128).name} (exit {code})"
+
+
 class GracefulShutdown:
     """First signal: ask (``requested`` set, ``signum`` recorded, ``on_request`` called); second: force.
 

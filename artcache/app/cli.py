@@ -43,12 +43,10 @@ def _errors(fn):
         try:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
-            import signal
-
-            from artcache.shutdown import stop_exit_status
+            from artcache.shutdown import cancelled_line, stop_exit_status
 
             code = stop_exit_status()
-            click.echo(f"artcache: cancelled by {signal.Signals(code - 128).name} (exit {code})", err=True)
+            click.echo(cancelled_line(code), err=True)
             sys.exit(code)
         except msgspec.ValidationError as exc:
             click.echo(f"artcache: error: {exc}", err=True)

@@ -107,3 +107,32 @@ def test_restore_is_idempotent_and_on_request_is_called():
         assert seen == [signal.SIGINT] and sd.requested.is_set()
     sd.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("after_import", ["artcache.shutdown", "numpy", "torch._functorch", "torch.nn"])
+def test_regression_ctrl_c_while_the_cli_imports_is_one_line(tmp_path, after_import):
+    """A Ctrl-C in the first second or two of any command (while the command line's modules, torch among them,
+    were still being imported) printed a ~26-line KeyboardInterrupt traceback from the imports and exited 1;
+    later it printed one line. At any time it is that one line, ``artcache: cancelled by SIGINT (exit 130)``,
+    and exit 130. The SIGINT is sent once ``-X importtime`` reports ``after_import`` imported, so it lands while
+    the imports run."""
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "artcache", "inspect", "--cache",
+                             str(tmp_path / "root")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.rstrip().endswith(f"| {after_import}") or line.rstrip().endswith(f" {after_import}"):
+                proc.send_signal(signal.SIGINT)
+                break
+        else:
+            pytest.fail(f"{after_import} was never imported: {''.join(lines[-5:])}")
+        rest = proc.stderr.read()
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = [ln for ln in rest.splitlines() if not ln.startswith("import time:")]
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
+    assert said == ["artcache: cancelled by SIGINT (exit 130)"] and rc == 130, (rc, said)
