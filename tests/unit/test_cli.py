@@ -943,3 +943,14 @@ def test_regression_empty_values_and_eval_anchors_without_a_split_are_refused(tm
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_regression_report_names_a_missing_or_empty_run_directory(tmp_path, monkeypatch):
+    """``artcache report /no/such/dir`` said it "is not a run directory ... (no config.toml)" and ``report ''``
+    named the working directory; both now say what is wrong with the value given."""
+    monkeypatch.chdir(tmp_path)
+    for arg, needle in ((str(tmp_path / "gone"), "gone' does not exist"), ("", "run directory '' is empty"),
+                        (str(tmp_path), "is not a run directory of artcache run (no config.toml)")):
+        res = CliRunner().invoke(main, ["report", arg])
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (arg, res.output)
