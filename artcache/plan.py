@@ -725,13 +725,19 @@ def training_sources(spec: PlanSpec) -> list[DataSource]:
 
 def mix_digests(spec: PlanSpec) -> dict[str, Any]:
     """``{"sources": [content digest per training source], "eval": digest | None}``
-    (:func:`artcache.data.sources.source_digest`). Raises ConfigError for a missing source path, and when the
-    eval source holds the same data as a training source (a held-out split must be data never trained on)."""
+    (:func:`artcache.data.sources.source_digest`). Raises ConfigError for a missing source path, when two training
+    sources hold the same data (the same digest and split: its samples would be planned twice), and when the eval
+    source holds the same data as a training source (a held-out split must be data never trained on)."""
     sources = training_sources(spec)
     digests = [source_digest(Path(resolve_source(s))) for s in sources]
+    keys = list(zip(digests, (s.split for s in sources), strict=True))
+    for i, key in enumerate(keys):
+        if key in keys[:i]:
+            raise ConfigError(f"data sources {sources[keys.index(key)].path!r} and {sources[i].path!r} hold the same "
+                              "data; accepted: each source once (its weight sets its share)")
     eval_digest = source_digest(Path(resolve_source(spec.eval))) if spec.eval is not None else None
-    if eval_digest is not None and eval_digest in digests:
-        same = sources[digests.index(eval_digest)].path
+    if eval_digest is not None and (eval_digest, spec.eval.split) in keys:
+        same = sources[keys.index((eval_digest, spec.eval.split))].path
         raise ConfigError(f"data.eval {spec.eval.path!r} holds the same data as the training source {same!r}; "
                           "accepted: an evaluation source never trained on")
     return {"sources": digests, "eval": eval_digest}

@@ -272,6 +272,28 @@ def test_an_eval_source_equal_to_a_training_source_is_refused(tmp_path, smollm2_
         PlanSpec(dataset="x.json", sources=(DataSource(path=str(parquet)),))
 
 
+def test_regression_two_training_sources_of_the_same_data_are_refused(tmp_path, smollm2_tokenizer):
+    """``--data a.jsonl:1 --data a.jsonl:1`` (or a copy of it) planned every sample twice, silently; the same data
+    is refused in one line. Two splits of one DatasetDict folder are different data (same digest, other split)."""
+    _, jsonl, _ = mixed_files(tmp_path / "d")
+    copy = tmp_path / "again.jsonl"
+    copy.write_bytes(jsonl.read_bytes())
+    for twin in (jsonl, copy):
+        spec = PlanSpec(max_samples=10, sources=(DataSource(path=str(jsonl)), DataSource(path=str(twin))))
+        with pytest.raises(ConfigError, match=r"data sources '.*beta.jsonl' and '.*(beta|again).jsonl' hold the same "
+                                              r"data; accepted: each source once"):
+            plan_id_for(spec, smollm2_tokenizer)
+    import datasets
+
+    folder = tmp_path / "dd"
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:2]),
+                          "validation": datasets.Dataset.from_list(rows[2:])}).save_to_disk(str(folder))
+    spec = PlanSpec(max_samples=2, sources=(DataSource(path=str(folder)),),
+                    eval=DataSource(path=str(folder), split="validation"))
+    plan_id_for(spec, smollm2_tokenizer)  # the held-out split of the same folder is data never trained on
+
+
 # ---- run configs and the CLI ---------------------------------------------------------------------------
 
 def run_toml(tiny_target, out: Path, parquet: Path, jsonl: Path, ev: Path, steps: int = 4) -> str:
