@@ -850,6 +850,10 @@ def build_mixed_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Pl
             raise DataError(f"data.eval {spec.eval.path!r}: 0 of {eval_tally.visited} conversations produced a "
                             f"sample with >= {spec.min_loss_tokens} assistant tokens and an anchor within "
                             f"{spec.max_length} tokens (skipped: {dict(eval_tally.skipped)})")
+        if spec.eval.max_samples is None and len(held) > max(len(train), 1):  # max_samples caps training only
+            log.warning("data.eval %r: %d held-out samples (every usable record), more than the %d training "
+                        "samples: each is captured and every consumer's held-out evaluation reads them all; cap "
+                        "them with data.eval.max_samples", spec.eval.path, len(held), len(train))
     samples = [s for _, s in train] + held
     lengths = [len(ids) for ids, _ in samples]
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
