@@ -149,15 +149,16 @@ def code_name(rc: int) -> str:
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, what: str = "--size") -> int:
     """``"4GiB"`` / ``"512M"`` / ``"1048576"`` → bytes (K, M, G, T are powers of 1024 with or without ``i``).
+    ``what``: the flag or key named in the error.
 
     Raises:
-        ConfigError: naming the value and what is accepted.
+        ConfigError: naming ``what``, the value and what is accepted.
     """
     m = _SIZE.fullmatch(str(text))
     if m is None or float(m[1]) <= 0:
-        raise ConfigError(f"size {text!r} is not accepted: a positive number of bytes, optionally with K, M, G or T "
+        raise ConfigError(f"{what} {text!r} is not accepted: a positive number of bytes, optionally with K, M, G or T "
                           "(powers of 1024), e.g. 4GiB or 512M")
     return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
 

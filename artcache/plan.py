@@ -725,13 +725,19 @@ def training_sources(spec: PlanSpec) -> list[DataSource]:
 
 def mix_digests(spec: PlanSpec) -> dict[str, Any]:
     """``{"sources": [content digest per training source], "eval": digest | None}``
-    (:func:`artcache.data.sources.source_digest`). Raises ConfigError for a missing source path, and when the
-    eval source holds the same data as a training source (a held-out split must be data never trained on)."""
+    (:func:`artcache.data.sources.source_digest`). Raises ConfigError for a missing source path, when two training
+    sources hold the same data (the same digest and split: its samples would be planned twice), and when the eval
+    source holds the same data as a training source (a held-out split must be data never trained on)."""
     sources = training_sources(spec)
     digests = [source_digest(Path(resolve_source(s))) for s in sources]
+    keys = list(zip(digests, (s.split for s in sources), strict=True))
+    for i, key in enumerate(keys):
+        if key in keys[:i]:
+            raise ConfigError(f"data sources {sources[keys.index(key)].path!r} and {sources[i].path!r} hold the same "
+                              "data; accepted: each source once (its weight sets its share)")
     eval_digest = source_digest(Path(resolve_source(spec.eval))) if spec.eval is not None else None
-    if eval_digest is not None and eval_digest in digests:
-        same = sources[digests.index(eval_digest)].path
+    if eval_digest is not None and (eval_digest, spec.eval.split) in keys:
+        same = sources[keys.index((eval_digest, spec.eval.split))].path
         raise ConfigError(f"data.eval {spec.eval.path!r} holds the same data as the training source {same!r}; "
                           "accepted: an evaluation source never trained on")
     return {"sources": digests, "eval": eval_digest}
@@ -844,6 +850,10 @@ def build_mixed_plan(spec: PlanSpec, tokenizer, *, target_vocab_size: int) -> Pl
             raise DataError(f"data.eval {spec.eval.path!r}: 0 of {eval_tally.visited} conversations produced a "
                             f"sample with >= {spec.min_loss_tokens} assistant tokens and an anchor within "
                             f"{spec.max_length} tokens (skipped: {dict(eval_tally.skipped)})")
+        if spec.eval.max_samples is None and len(held) > max(len(train), 1):  # max_samples caps training only
+            log.warning("data.eval %r: %d held-out samples (every usable record), more than the %d training "
+                        "samples: each is captured and every consumer's held-out evaluation reads them all; cap "
+                        "them with data.eval.max_samples", spec.eval.path, len(held), len(train))
     samples = [s for _, s in train] + held
     lengths = [len(ids) for ids, _ in samples]
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)

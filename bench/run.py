@@ -1222,6 +1222,8 @@ def run_bench(cfg: BenchConfig, on_start: Callable[[Path], object] | None = None
         raise ConfigError(f"--steps {cfg.steps} is not accepted: measured steps per consumer, an integer >= 1")
     if cfg.warmup is not None and cfg.warmup < 0:
         raise ConfigError(f"--warmup {cfg.warmup} is not accepted: an integer >= 0")
+    if not str(cfg.out_dir).strip():  # Path("") is the working directory: its report.json would be replaced
+        raise ConfigError("--out '' is empty; accepted: a directory path (created if missing)")
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {cfg.out_dir!r} exists and is not a directory; give a directory path (created "

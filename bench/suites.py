@@ -130,6 +130,9 @@ def select(suite: Suite, names: str, scale: str = "full") -> list[Piece]:
     if not names:
         return list(pieces)
     wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not wanted:  # ", " named nothing: it ran no piece and reported the suite done
+        raise ConfigError(f"--pieces {names!r} names no piece; accepted: a comma list of "
+                          f"{', '.join(p.name for p in pieces)} (or leave it out: all)")
     known = {p.name for p in pieces}
     bad = [n for n in wanted if n not in known]
     if bad:
@@ -144,6 +147,8 @@ def _settings(suite: Suite, scale: str, device: str, pieces: list[Piece]) -> dic
 
 def _check_settings(suite_dir: Path, want: dict, resume: bool) -> None:
     path = suite_dir / "suite.json"
+    if suite_dir.exists() and not suite_dir.is_dir():
+        raise ConfigError(f"{suite_dir} is not a directory; give the suite's directory (created if missing)")
     if not path.is_file():
         if suite_dir.exists() and any(suite_dir.iterdir()):
             raise ConfigError(f"{suite_dir} is not empty and holds no suite.json: give a new directory (or the "

@@ -26,6 +26,7 @@ from artcache.data.regenerate import CACHES as REGEN_CACHES
 from artcache.data.regenerate import DTYPES as REGEN_DTYPES
 from artcache.data.sources import DataSource
 from artcache.errors import ArtcacheError, CacheRootError, ConfigError
+from artcache.layout import check_id
 from artcache.logs import setup_logging
 from artcache.ranges import NonNegativeFloat, check_value
 from artcache.trainers import COMPILE_MODES, DRAFT_NAMES, LOSS_IMPLS
@@ -538,6 +539,8 @@ def consume(cache, draft, window, consumer_id, block_size, anchors, draft_layers
             ParameterSource.COMMANDLINE:
         raise ConfigError(f"--tracker-project {tracker_project!r} needs --tracker wandb or --tracker mlflow (it names "
                           "their run's project / experiment); add one, or leave it out")
+    if consumer_id is not None:  # checked as given: an empty --id fell back to the default id silently
+        check_id(consumer_id, "--id")
     lookbehind, lookahead = parse_window(window)
     view = parse_layer_ids(layer_ids)
     check_device(device)
@@ -661,12 +664,16 @@ def bench(scenario, device, out_dir, warmup, steps, target, dataset, max_length,
           suite=None, suite_resume=None, time_budget=None, scale="full", pieces="", consumer_ranks=1):
     """Run 1-producer/N-consumer scenarios on fresh cache roots and report, or a measurement suite (--suite) in
     pieces that resume."""
-    if suite is not None or suite_resume or time_budget is not None or pieces:
+    ctx = click.get_current_context()
+    scale_given = ctx.get_parameter_source("scale") == ParameterSource.COMMANDLINE
+    if suite is not None or suite_resume is not None or time_budget is not None or pieces or scale_given:
         from artcache.bench.suites import main_suite
 
         if suite is None:
-            raise ConfigError("--resume, --time-budget and --pieces belong to --suite NAME; give the suite")
-        ctx = click.get_current_context()
+            raise ConfigError("--resume, --time-budget, --pieces and --scale belong to --suite NAME; give the suite")
+        for flag, value in (("--resume", suite_resume), ("--out", out_dir)):
+            if value is not None and not str(value).strip():
+                raise ConfigError(f"{flag} '' is empty; accepted: a directory path")
         given = sorted(f"--{k.replace('_', '-')}" for k in ctx.params if k not in _SUITE_FLAGS
                        and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
         if given:

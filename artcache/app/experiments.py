@@ -1311,7 +1311,11 @@ def run_dir_report(out: str | Path) -> dict:
     from artcache.layout import CacheLayout
     from artcache.trainers.checkpoint import best_checkpoint, find_checkpoint, list_checkpoints
 
-    out = Path(out).expanduser().absolute()
+    if not str(out).strip():
+        raise ConfigError("run directory '' is empty; accepted: the out directory of an artcache run")
+    given, out = out, Path(out).expanduser().absolute()
+    if not out.exists():
+        raise ConfigError(f"{str(given)!r} does not exist; accepted: the out directory of an artcache run")
     if not (out / "config.toml").is_file():
         raise ConfigError(f"{str(out)!r} is not a run directory of artcache run (no config.toml); accepted: the out "
                           "directory of an artcache run (for a cache root use artcache inspect --cache)")

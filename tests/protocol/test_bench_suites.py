@@ -94,6 +94,21 @@ def test_bad_settings_are_refused_before_any_piece(tmp_path):
     assert calls == ["a"]
 
 
+def test_regression_empty_pieces_and_a_file_as_the_suite_directory_are_refused(tmp_path):
+    """``--pieces ", "`` ran no piece, reported the suite done and wrote a suite.json of no pieces (which refused
+    every later resume naming real pieces); ``--resume FILE`` raised NotADirectoryError with a traceback. Both are
+    one line, before anything is written. (``--scale tiny`` without ``--suite`` ran the whole scenario: refused
+    in test_suite_refusals_are_one_line_exit_2.)"""
+    calls: list[str] = []
+    with pytest.raises(ConfigError, match="--pieces ', ' names no piece; accepted: a comma list of a, b, c"):
+        S.run_suite(_suite(calls), tmp_path / "f", device="cpu", pieces=", ", echo=lambda _: None)
+    assert not (tmp_path / "f").exists()
+    (tmp_path / "report.json").write_text("{}")
+    with pytest.raises(ConfigError, match="report.json is not a directory"):
+        S.run_suite(_suite(calls), tmp_path / "report.json", device="cpu", resume=True, echo=lambda _: None)
+    assert calls == []
+
+
 def test_cuda_pieces_are_refused_on_a_cpu_at_full_scale(tmp_path):
     calls: list[str] = []
     with pytest.raises(ConfigError) as exc:
@@ -111,7 +126,10 @@ def test_cuda_pieces_are_refused_on_a_cpu_at_full_scale(tmp_path):
                                 "--pieces matmul,io run on a CPU"]),
     (["--suite", "gpu-micro", "--device", "cuda"], ["--device cuda: no CUDA device is visible"]),
     (["--suite", "nope"], ["--suite 'nope' is not a suite; accepted: retention-gap, gpu-micro"]),
-    (["--resume", "x"], ["--resume, --time-budget and --pieces belong to --suite NAME"]),
+    (["--resume", "x"], ["--resume, --time-budget, --pieces and --scale belong to --suite NAME"]),
+    (["--scale", "tiny"], ["--resume, --time-budget, --pieces and --scale belong to --suite NAME"]),
+    (["--suite", "packing", "--scale", "tiny", "--pieces", ", "], ["--pieces ', ' names no piece; accepted"]),
+    (["--suite", "packing", "--scale", "tiny", "--resume", ""], ["--resume '' is empty"]),
     (["--suite", "retention-gap", "--steps", "3", "--scenario", "1p1c"],
      ["--scenario, --steps: scenario flag(s), not taken by --suite retention-gap"]),
 ])

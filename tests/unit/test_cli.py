@@ -925,3 +925,32 @@ def test_regression_bench_names_its_own_flags(tmp_path, workdir, args, needle):
     line = assert_bad_input(invoke("bench", *args, "--out", str(tmp_path / "bench-out")), needle)
     assert "plan " not in line and "num_" not in line
     assert not (tmp_path / "bench-out").exists() and list(workdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["consume", "--cache", "CACHE", "--id", ""], "invalid --id '': use 1-64 characters"),
+    (["consume", "--cache", "CACHE", "--eval-anchors", "3"],
+     "--eval-anchors 3 needs a held-out split: pass --eval-samples"),
+    (["bench", "--scenario", "1p1c", "--out", ""], "--out '' is empty; accepted: a directory path"),
+])
+def test_regression_empty_values_and_eval_anchors_without_a_split_are_refused(tmp_path, monkeypatch, args, needle):
+    """``consume --id ''`` trained under the default id; ``bench --out ''`` wrote its reports into the working
+    directory (replacing a report.json there); ``--eval-anchors`` without ``--eval-samples`` was accepted and
+    ignored. Each is one line, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    args = [str(tmp_path / "cache") if a == "CACHE" else a for a in args]
+    res = CliRunner().invoke(main, args)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_regression_report_names_a_missing_or_empty_run_directory(tmp_path, monkeypatch):
+    """``artcache report /no/such/dir`` said it "is not a run directory ... (no config.toml)" and ``report ''``
+    named the working directory; both now say what is wrong with the value given."""
+    monkeypatch.chdir(tmp_path)
+    for arg, needle in ((str(tmp_path / "gone"), "gone' does not exist"), ("", "run directory '' is empty"),
+                        (str(tmp_path), "is not a run directory of artcache run (no config.toml)")):
+        res = CliRunner().invoke(main, ["report", arg])
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], (arg, res.output)

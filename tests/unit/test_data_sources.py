@@ -272,6 +272,44 @@ def test_an_eval_source_equal_to_a_training_source_is_refused(tmp_path, smollm2_
         PlanSpec(dataset="x.json", sources=(DataSource(path=str(parquet)),))
 
 
+def test_regression_two_training_sources_of_the_same_data_are_refused(tmp_path, smollm2_tokenizer):
+    """``--data a.jsonl:1 --data a.jsonl:1`` (or a copy of it) planned every sample twice, silently; the same data
+    is refused in one line. Two splits of one DatasetDict folder are different data (same digest, other split)."""
+    _, jsonl, _ = mixed_files(tmp_path / "d")
+    copy = tmp_path / "again.jsonl"
+    copy.write_bytes(jsonl.read_bytes())
+    for twin in (jsonl, copy):
+        spec = PlanSpec(max_samples=10, sources=(DataSource(path=str(jsonl)), DataSource(path=str(twin))))
+        with pytest.raises(ConfigError, match=r"data sources '.*beta.jsonl' and '.*(beta|again).jsonl' hold the same "
+                                              r"data; accepted: each source once"):
+            plan_id_for(spec, smollm2_tokenizer)
+    import datasets
+
+    folder = tmp_path / "dd"
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:2]),
+                          "validation": datasets.Dataset.from_list(rows[2:])}).save_to_disk(str(folder))
+    spec = PlanSpec(max_samples=2, sources=(DataSource(path=str(folder)),),
+                    eval=DataSource(path=str(folder), split="validation"))
+    plan_id_for(spec, smollm2_tokenizer)  # the held-out split of the same folder is data never trained on
+
+
+def test_an_uncapped_eval_source_larger_than_the_training_plan_is_warned_about(tmp_path, smollm2_tokenizer, caplog):
+    """``--eval-data FILE`` takes every usable record whatever ``--max-samples`` says (a 485 MB root from a
+    4-sample plan and the embedded ShareGPT as eval): the producer says so, and ``data.eval.max_samples`` caps it."""
+    parquet, _, ev = mixed_files(tmp_path / "d", n=8, n_eval=6)
+    with caplog.at_level("WARNING", logger="artcache.plan"):
+        plan = build_plan(PlanSpec(max_samples=2, max_length=128, sources=(DataSource(path=str(parquet)),),
+                                   eval=DataSource(path=str(ev))), smollm2_tokenizer, target_vocab_size=VOCAB)
+    assert len(plan) == 8 and any("6 held-out samples (every usable record), more than the 2 training samples"
+                                  in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="artcache.plan"):
+        build_plan(PlanSpec(max_samples=2, max_length=128, sources=(DataSource(path=str(parquet)),),
+                            eval=DataSource(path=str(ev), max_samples=2)), smollm2_tokenizer, target_vocab_size=VOCAB)
+    assert not any("held-out samples" in r.message for r in caplog.records)
+
+
 # ---- run configs and the CLI ---------------------------------------------------------------------------
 
 def run_toml(tiny_target, out: Path, parquet: Path, jsonl: Path, ev: Path, steps: int = 4) -> str:

@@ -57,7 +57,8 @@ def test_parse_size(text, want):
 
 @pytest.mark.parametrize("text", ["0", "-1G", "4GB/s", "lots", "1PiB", ""])
 def test_parse_size_refuses(text):
-    with pytest.raises(ConfigError, match="is not accepted"):
+    """Named by the flag (it said "size '0'", naming no flag)."""
+    with pytest.raises(ConfigError, match=f"^--size {text!r} is not accepted"):
         parse_size(text)
 
 

@@ -314,9 +314,11 @@ def test_options_a_draft_does_not_use_are_refused_naming_the_draft():
     with pytest.raises(ConfigError,
                        match="--ttt-steps 3 is an option of the eagle3 draft; the dflash draft does not use"):
         ConsumerConfig(cache="-", draft="dflash", ttt_steps=3).validate()
-    with pytest.raises(ConfigError, match="--block-size 8 is an option of the dflash draft; the eagle3 draft"):
+    # named with every draft that takes it (it said "of the dflash draft" only, though DSpark takes it too)
+    with pytest.raises(ConfigError,
+                       match="--block-size 8 is an option of the dflash and dspark drafts; the eagle3 draft"):
         ConsumerConfig(cache="-", draft="eagle3", block_size=8).validate()
-    with pytest.raises(ConfigError, match="--anchors 8 is an option of the dflash draft"):
+    with pytest.raises(ConfigError, match="--anchors 8 is an option of the dflash and dspark drafts"):
         ConsumerConfig(cache="-", draft="eagle3", num_anchors=8).validate()
     r = ConsumerConfig(cache="-", draft="eagle3").resolved()
     assert (r.ttt_steps, r.draft_vocab, r.block_size, r.num_anchors) == (7, 32000, None, None)

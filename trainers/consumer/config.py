@@ -260,8 +260,10 @@ class ConsumerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.save_every and not self.checkpoints:
             raise ConfigError(f"--save-every {self.save_every} needs checkpoints, but this run writes none "
                               "(checkpoints = false); leave --save-every at 0 or turn checkpoints on")
-        if self.eval_interval and not self.eval_samples:
-            raise ConfigError(f"--eval-interval {self.eval_interval} needs a held-out split: pass --eval-samples N")
+        for field in ("eval_interval", "eval_anchors"):  # both only shape the held-out evaluation
+            if getattr(self, field) and not self.eval_samples:
+                raise ConfigError(f"{flag_of(field)} {getattr(self, field)} needs a held-out split: pass "
+                                  "--eval-samples N")
         if (not self.resume and self.lr_total_steps is not None and self.steps > self.lr_total_steps
                 and self.min_lr_frac == 0):
             raise ConfigError(f"--lr-total-steps {self.lr_total_steps} is below --steps {self.steps}: the LR schedule "
@@ -434,13 +436,11 @@ def check_draft_options(cfg: ConsumerConfig) -> None:
     from artcache.trainers import DRAFT_NAMES
 
     own = draft_options(cfg.draft)
-    for name in DRAFT_NAMES:
-        if name == cfg.draft:
-            continue
-        for field in draft_options(name):
-            if field not in own and getattr(cfg, field) is not None:
-                raise ConfigError(f"{flag_of(field)} {getattr(cfg, field)!r} is an option of the {name} draft; the "
-                                  f"{cfg.draft} draft does not use it: leave it out")
+    for field in sorted({f for name in DRAFT_NAMES for f in draft_options(name)} - set(own)):
+        if getattr(cfg, field) is not None:
+            users = [name for name in DRAFT_NAMES if field in draft_options(name)]
+            raise ConfigError(f"{flag_of(field)} {getattr(cfg, field)!r} is an option of the {' and '.join(users)} "
+                              f"draft{'s' * (len(users) > 1)}; the {cfg.draft} draft does not use it: leave it out")
 
 
 def check_cp(cfg: ConsumerConfig) -> None:
