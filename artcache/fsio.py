@@ -365,15 +365,16 @@ EXISTING = ("keep", "replace", "aside")
 @contextlib.contextmanager
 def publish_dir(final: Path, *, existing: str = "keep", complete: Callable[[Path], bool] | None = None,
                 check: Callable[[Path], None] | None = None, durable: bool = True,
-                tmp_name: str | None = None) -> Iterator[Path]:
+                tmp_name: str | None = None, in_root: bool = False) -> Iterator[Path]:
     """The one way artcache publishes a directory (a plan, a checkpoint, an export, a converted target): the body
     writes its files into a fresh temp directory beside ``final`` (yielded), which then becomes ``final`` in one
     rename, so a reader sees no directory or a complete one.
 
     The temp directory is ``<final's parent>/<tmp_name or ".tmp-">`` + the writer's identity token
     (:func:`artcache.layout.unique_suffix`), so the one sweep of dead writers' temps (:func:`remove_orphan_parts`
-    with ``dirs=True``) can tell a dead writer's from a live one's. Its mode is :func:`artcache.layout.dir_mode_in`
-    of the parent (0700 under a private cache root, 2770 under a group-shared one, the umask's default elsewhere).
+    with ``dirs=True``) can tell a dead writer's from a live one's. ``in_root``: ``final`` lies inside a cache root,
+    so its mode is the root's (:func:`artcache.layout.make_dir`: 0700, or 2770 group-shared, whatever the umask);
+    otherwise (a checkpoint, an export, a converted target) the umask's default, as the user's own files.
     On a normal exit of the body: with ``durable`` every file in it and then the directory are fsynced; an existing
     ``final`` is handled by ``existing``:
 
@@ -396,7 +397,10 @@ def publish_dir(final: Path, *, existing: str = "keep", complete: Callable[[Path
         raise ValueError(f"existing {existing!r} is not accepted: one of {', '.join(EXISTING)}")
     final = Path(final)
     tmp = final.parent / f"{tmp_name if tmp_name is not None else '.tmp-'}{unique_suffix()}"
-    make_dir(tmp)  # under a cache root: 0700, or 2770 in a group-shared one
+    if in_root:
+        make_dir(tmp)  # 0700, or 2770 in a group-shared root
+    else:
+        tmp.mkdir()
     try:
         yield tmp
         if durable:

@@ -375,7 +375,7 @@ class Plan:
                                errno_=exc.errno) from None
         # named .tmp-<plan id[:12]>-<writer token>.<nonce> (publish_dir): fsck removes it only when that writer is gone
         try:
-            with publish_dir(final, existing="keep", complete=lambda d: (d / "plan.json").is_file(),
+            with publish_dir(final, existing="keep", complete=lambda d: (d / "plan.json").is_file(), in_root=True,
                              tmp_name=f".tmp-{self.plan_id[:12]}-") as tmp:
                 if group_shared(plans_dir):
                     os.chmod(tmp, stat.S_IMODE(os.stat(plans_dir).st_mode))

@@ -92,15 +92,19 @@ def test_regression_directories_under_the_root_take_its_mode(tmp_path, umask_022
     layout.create(group_shared=group_shared)
     fp = publish(layout, 0)
     assert mode(layout.object_path(fp).parent) == want
-    with fsio.publish_dir(layout.plans / ("ab" * 16)) as tmp:
+    with fsio.publish_dir(layout.plans / ("ab" * 16), in_root=True) as tmp:
         assert mode(tmp) == want
         (tmp / "plan.json").write_text("{}")
     assert mode(layout.plans / ("ab" * 16)) == want
-    user_dir = tmp_path / "mine"
-    user_dir.mkdir(mode=0o755)
-    with fsio.publish_dir(user_dir / "ckpt") as tmp:  # a directory of the user's own: the umask's default
-        pass
-    assert mode(user_dir / "ckpt") == 0o755
+    # a directory of the user's own (a checkpoint, an export), even inside a private (0700) directory: the umask's
+    # default, so an export stays readable by others (test_regression_exported_files_are_readable_by_others)
+    for parent_mode in (0o755, 0o700):
+        user_dir = tmp_path / f"mine-{parent_mode:o}"
+        user_dir.mkdir()
+        os.chmod(user_dir, parent_mode)
+        with fsio.publish_dir(user_dir / "ckpt"):
+            pass
+        assert mode(user_dir / "ckpt") == 0o755
 
 
 # ---- O_EXCL | O_NOFOLLOW where files are created ------------------------------------------------------------
