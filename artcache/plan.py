@@ -17,8 +17,6 @@ import itertools
 import json
 import logging
 import math
-import os
-import stat
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,7 +45,6 @@ from artcache.fsio import (
     check_free_space,
     describe_errno,
     errno_of,
-    group_shared,
     publish_dir,
 )
 from artcache.hashing import canonical_json, check_file, check_record, digest_bytes, digest_file, sealed, strong_digest
@@ -377,8 +374,6 @@ class Plan:
         try:
             with publish_dir(final, existing="keep", complete=lambda d: (d / "plan.json").is_file(), in_root=True,
                              tmp_name=f".tmp-{self.plan_id[:12]}-") as tmp:
-                if group_shared(plans_dir):
-                    os.chmod(tmp, stat.S_IMODE(os.stat(plans_dir).st_mode))
                 save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
                            "offsets": self.offsets.contiguous()}, str(tmp / "plan.safetensors"),
                           metadata={"plan_id": self.plan_id})

@@ -165,10 +165,14 @@ def check_run_settings(cfg: ConsumerConfig, st: CheckpointState, path: Path, *, 
                           f"{'; '.join(diffs)}; pass the run's own values or start a new run with --init-from")
     final = cfg.min_lr_frac == 0 and st.step >= cfg.horizon  # its LR reached 0: no step past it would train
     if st.step > cfg.steps or (st.step == cfg.steps and not allow_complete):
-        more = (f"its LR schedule ended at step {cfg.horizon} (--lr-total-steps) with min_lr_frac 0, so it cannot be "
-                "extended: start a new run from its weights with --init-from" if final else
-                f"raise --steps to extend the run (up to {cfg.horizon}, its --lr-total-steps, while min_lr_frac is 0)"
-                if cfg.min_lr_frac == 0 else "raise --steps to extend the run")
+        if final:
+            more = (f"its LR schedule ended at step {cfg.horizon} (--lr-total-steps) with min_lr_frac 0, so it cannot "
+                    "be extended: start a new run from its weights with --init-from")
+        elif cfg.min_lr_frac == 0:
+            more = (f"raise --steps to extend the run (up to {cfg.horizon}, its --lr-total-steps, while min_lr_frac "
+                    "is 0)")
+        else:
+            more = "raise --steps to extend the run"
         raise ConfigError(f"--resume: checkpoint {path} is at step {st.step}, --steps is {cfg.steps}: nothing left "
                           f"to train; {more}")
     if cfg.steps > cfg.horizon and cfg.min_lr_frac == 0:
